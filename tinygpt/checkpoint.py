@@ -1,0 +1,250 @@
+"""Atomic save and verified load of checkpoints.
+
+A checkpoint is a folder ``step_000500/`` holding ``model.safetensors`` (Hugging Face Llama names),
+``state.pt`` (optimizer, scheduler, scaler, RNGs, sampler position, step) and ``manifest.json``
+(size and sha256 of every file). It is written under a temporary name, every file fsynced, the
+manifest last, then renamed into place: a folder with a valid manifest is complete by construction,
+and a load that finds a missing file or a wrong checksum refuses it, so the previous one is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.pt"
+FORMAT_VERSION = 1
+_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def clean_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keys without torch.compile's `_orig_mod.` or DDP's `module.` anywhere in them."""
+    out = {}
+    for k, v in sd.items():
+        for p in _PREFIXES:
+            k = k.replace(p, "")
+        out[k] = v
+    return out
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A state_dict ready for safetensors: clean keys, contiguous CPU tensors, a tied lm_head dropped
+    (safetensors refuses shared storage; Hugging Face omits it the same way)."""
+    sd = clean_state_dict(model.state_dict())
+    emb, head = sd.get("model.embed_tokens.weight"), sd.get("lm_head.weight")
+    if emb is not None and head is not None and emb.data_ptr() == head.data_ptr():
+        del sd["lm_head.weight"]
+    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+
+
+def load_model_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Load a state saved by `model_state` (strict, except the tied lm_head)."""
+    target = model
+    while hasattr(target, "_orig_mod") or hasattr(target, "module"):
+        target = getattr(target, "_orig_mod", None) or target.module
+    missing, unexpected = target.load_state_dict(clean_state_dict(sd), strict=False)
+    tied = getattr(getattr(target, "config", None), "tie_embeddings", False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Hash every file in `folder` and write manifest.json (last, fsynced)."""
+    files = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name != MANIFEST:
+            files[p.name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    manifest = {"format": FORMAT_VERSION, "created_at": time.time(), **meta, "files": files}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    _fsync(tmp)
+    os.replace(tmp, folder / MANIFEST)
+    return manifest
+
+
+def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_state: dict[str, Any],
+                    meta: dict[str, Any] | None = None) -> Path:
+    """Write a complete checkpoint folder at `path` atomically (replacing one already there)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file(model_sd, str(tmp / MODEL_FILE), metadata={"format": "pt"})
+    torch.save(train_state, tmp / STATE_FILE)
+    for p in tmp.iterdir():
+        _fsync(p)
+    write_manifest(tmp, {"step": int(train_state.get("step", 0)), **(meta or {})})
+    _fsync(tmp)
+    if path.exists():  # e.g. best/: move the old one aside first so a crash leaves one of the two
+        old = path.parent / f".old-{path.name}-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    _fsync(path.parent)
+    return path
+
+
+def verify_checkpoint(path: str | Path, deep: bool = True) -> tuple[bool, str]:
+    """(ok, reason). Checks the manifest, each file's size, and (deep) each file's sha256."""
+    path = Path(path)
+    mf = path / MANIFEST
+    if not mf.is_file():
+        return False, "no manifest.json (incomplete write)"
+    try:
+        manifest = json.loads(mf.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as e:
+        return False, f"unreadable manifest: {e}"
+    if MODEL_FILE not in files:
+        return False, f"manifest lists no {MODEL_FILE}"
+    for name, info in files.items():
+        p = path / name
+        if not p.is_file():
+            return False, f"{name} is missing"
+        if p.stat().st_size != info["size"]:
+            return False, f"{name} has {p.stat().st_size} bytes, manifest says {info['size']}"
+        if deep and sha256_file(p) != info["sha256"]:
+            return False, f"{name} fails its sha256 check"
+    return True, "ok"
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / MANIFEST).read_text())
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every `step_*` folder, oldest first (not verified)."""
+    root = Path(ckpt_root)
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
+                out.append((int(p.name[5:]), p))
+    return sorted(out)
+
+
+def latest_valid(ckpt_roots: list[str | Path] | str | Path) -> Path | None:
+    """The newest checkpoint that verifies, across one or more `checkpoints/` folders; each one
+    skipped is reported with a warning. Ties go to the first root (the local disk)."""
+    roots = [ckpt_roots] if isinstance(ckpt_roots, (str, Path)) else list(ckpt_roots)
+    candidates = []
+    for rank, root in enumerate(roots):
+        for step, p in list_checkpoints(root):
+            candidates.append((step, -rank, p))
+    for step, _, p in sorted(candidates, reverse=True):
+        ok, why = verify_checkpoint(p)
+        if ok:
+            return p
+        warnings.warn(f"skipping checkpoint {p}: {why}", stacklevel=2)
+    return None
+
+
+def load_checkpoint(path: str | Path, verify: bool = True, map_location="cpu") -> tuple[dict, dict, dict]:
+    """(model state_dict, training state, manifest) of a verified checkpoint folder."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if verify:
+        ok, why = verify_checkpoint(path)
+        if not ok:
+            raise CheckpointError(f"checkpoint {path} is not valid: {why}")
+    sd = load_file(str(path / MODEL_FILE))
+    state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=False) \
+        if (path / STATE_FILE).exists() else {}
+    return sd, state, read_manifest(path)
+
+
+def prune(ckpt_root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` step folders, never the newest valid one; also removes
+    leftovers of interrupted writes. Returns what was deleted."""
+    root = Path(ckpt_root)
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((".tmp-", ".old-")) and not p.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(p, ignore_errors=True)
+    ckpts = list_checkpoints(root)
+    newest_valid = latest_valid(root) if ckpts else None
+    for _, p in ckpts[:-keep_last] if keep_last > 0 else ckpts:
+        if p != newest_valid:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def find_run_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
+    """The checkpoint folder of a run: "latest" (newest valid step), "best", or a folder path."""
+    run_dir = Path(run_dir)
+    if which not in ("latest", "best"):
+        p = Path(which)
+        if not p.is_absolute():
+            p = run_dir / which
+        ok, why = verify_checkpoint(p)
+        if not ok:
+            raise CheckpointError(f"checkpoint {p} is not valid: {why}")
+        return p
+    if which == "best" and verify_checkpoint(run_dir / "best")[0]:
+        return run_dir / "best"
+    p = latest_valid(run_dir / "checkpoints")
+    if p is None:
+        raise CheckpointError(f"{run_dir} holds no valid checkpoint; train first with "
+                              f"`tinygpt pretrain --run-dir {run_dir}`")
+    return p
+
+
+def load_run(run_dir: str | Path, which: str = "latest", device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer, recipe, checkpoint folder) of a tinygpt run folder."""
+    from .config import Recipe
+    from .model import GPT
+    from .tokenizer import Tokenizer
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").is_file():
+        raise CheckpointError(f"{run_dir} is not a tinygpt run folder (no run.json)")
+    recipe = Recipe.from_dict(json.loads((run_dir / "run.json").read_text())["recipe"])
+    ckpt = find_run_checkpoint(run_dir, which)
+    sd, _, _ = load_checkpoint(ckpt, verify=True)
+    model = GPT(recipe.model)
+    load_model_state(model, sd)
+    tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
+    return model.to(device).eval(), tokenizer, recipe, ckpt

@@ -1,0 +1,312 @@
+"""Configuration dataclasses: the model, the training run, the data, and the named recipes.
+
+Every dataclass validates itself in ``__post_init__`` so that a bad configuration fails with a
+message that says what to change, before any tokenizer is trained or any memory is allocated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says what to change."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder. Field names follow nanoGPT; `to_hf_llama` maps them to `LlamaConfig`."""
+
+    vocab_size: int = 4096
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None  # None: as many as n_head (no grouped-query attention)
+    d_model: int = 256
+    d_ff: int | None = None  # None: about 8/3 d_model rounded up to a multiple of 64 (SwiGLU)
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.d_ff is None:
+            self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64)
+        _require(self.vocab_size >= 2, f"vocab_size must be at least 2, got {self.vocab_size}")
+        _require(self.n_layer >= 1, f"n_layer must be at least 1, got {self.n_layer}")
+        _require(self.n_head >= 1 and self.d_model % self.n_head == 0,
+                 f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
+        _require(self.head_dim % 2 == 0, f"head_dim = d_model / n_head must be even for RoPE, got {self.head_dim}")
+        _require(1 <= self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0,
+                 f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+        _require(self.max_seq_len >= 1, f"max_seq_len must be positive, got {self.max_seq_len}")
+        _require(self.d_ff >= 1, f"d_ff must be positive, got {self.d_ff}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_hf_llama(self) -> dict[str, Any]:
+        """The keyword arguments of the equivalent `transformers.LlamaConfig`."""
+        return dict(
+            vocab_size=self.vocab_size, hidden_size=self.d_model, intermediate_size=self.d_ff,
+            num_hidden_layers=self.n_layer, num_attention_heads=self.n_head,
+            num_key_value_heads=self.n_kv_head, max_position_embeddings=self.max_seq_len,
+            rope_theta=self.rope_theta, rms_norm_eps=self.norm_eps,
+            tie_word_embeddings=self.tie_embeddings, hidden_act="silu", attention_bias=False,
+            mlp_bias=False, initializer_range=self.init_std, head_dim=self.head_dim,
+        )
+
+    @classmethod
+    def from_hf_llama(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a Llama `config.json` dictionary."""
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        n_head = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
+        _require(head_dim * n_head == hf["hidden_size"],
+                 "tinygpt needs head_dim * num_attention_heads == hidden_size")
+        return cls(
+            vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
+            n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=hf["hidden_size"],
+            d_ff=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+            rope_theta=float(rope_theta), norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            init_std=hf.get("initializer_range", 0.02),
+        )
+
+
+# Named model sizes. Parameter counts are for the GPT-2 vocabulary padded to 50304;
+# `tinygpt recipes` prints the exact count for each recipe's vocabulary.
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(n_layer=2, n_head=2, d_model=64, d_ff=192, max_seq_len=128),
+    "cpu": dict(n_layer=4, n_head=4, d_model=192, d_ff=512, max_seq_len=256),
+    "16m": dict(n_layer=6, n_head=4, d_model=256, d_ff=704, tie_embeddings=True, max_seq_len=512),
+    "50m": dict(n_layer=8, n_head=8, d_model=512, d_ff=1408, tie_embeddings=True, max_seq_len=1024),
+    "124m": dict(n_layer=12, n_head=12, d_model=768, d_ff=2048, tie_embeddings=True, max_seq_len=1024),
+    "350m": dict(n_layer=24, n_head=16, n_kv_head=8, d_model=1024, d_ff=3072, tie_embeddings=True,
+                 max_seq_len=1024),
+    "760m": dict(n_layer=24, n_head=16, n_kv_head=8, d_model=1536, d_ff=4608, tie_embeddings=True,
+                 max_seq_len=2048),
+}
+
+
+def model_config(size: str, **overrides: Any) -> ModelConfig:
+    """A named model size, e.g. ``model_config("124m", vocab_size=50304)``."""
+    if size not in MODEL_SIZES:
+        raise ConfigError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
+    return ModelConfig(**{**MODEL_SIZES[size], **overrides})
+
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass
+class TrainConfig:
+    """How to train: batch geometry, schedule, optimizer, and how often to evaluate and save."""
+
+    micro_batch_size: int = 8
+    seq_len: int = 256
+    grad_accum_steps: int = 1
+    max_steps: int = 200
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    optimizer: str = "adamw"  # "adamw" or "muon" (Muon for matrices, AdamW for the rest)
+    precision: str = "auto"
+    compile: str = "auto"  # "auto" (on for CUDA), "on", "off"
+    device: str = "auto"
+    seed: int = 1337
+    eval_every: int = 50
+    eval_batches: int = 8
+    log_every: int = 10
+    save_every: int = 100
+    keep_last: int = 3
+    sample_every: int = 0  # 0: one sample at the end only
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "max_steps", "eval_batches",
+                     "log_every", "keep_last"):
+            _require(getattr(self, name) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("eval_every", "save_every", "warmup_steps", "sample_every"):
+            _require(getattr(self, name) >= 0, f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
+        _require(self.lr > 0 and 0 <= self.min_lr <= self.lr,
+                 f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        _require(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        _require(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
+        _require(self.optimizer in ("adamw", "muon"), f"optimizer must be adamw or muon, got {self.optimizer!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step on one process."""
+        return self.micro_batch_size * self.seq_len * self.grad_accum_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes tokens.
+
+    ``source``: ``builtin`` (the Python standard library's own source, always offline), a local
+    file or folder, or a Hugging Face dataset as ``hf:NAME[:CONFIG][@SPLIT]``.
+    ``tokenizer``: ``train`` (a byte-level BPE of ``vocab_size`` trained on the source), ``gpt2``
+    (the GPT-2 BPE from vocab/merges files), or a path to a ``tokenizer.json``.
+    """
+
+    source: str = "builtin"
+    tokenizer: str = "train"
+    vocab_size: int = 4096
+    max_chars: int | None = None  # read at most this many characters of the source
+    val_fraction: float = 0.05
+    text_field: str = "text"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.source, str) and self.source.strip() != "", "data source must not be empty")
+        _require(0 < self.val_fraction < 0.5, f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        _require(256 + 1 <= self.vocab_size <= 2**32 - 1,
+                 f"vocab_size {self.vocab_size} cannot work: a byte-level BPE needs at least 257 "
+                 "(256 bytes + end-of-text) and the token cache holds at most 2**32 - 1 ids")
+        _require(self.max_chars is None or self.max_chars > 0, "max_chars must be positive or None")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DataConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class Recipe:
+    """A named, ready configuration for one class of hardware."""
+
+    name: str
+    description: str
+    hardware: str  # "cpu", "t4", "l4", "a100", "h100"
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.train.seq_len <= self.model.max_seq_len,
+                 f"recipe {self.name!r}: seq_len {self.train.seq_len} is longer than the model's "
+                 f"max_seq_len {self.model.max_seq_len}; lower seq_len or raise max_seq_len")
+        _require(self.model.vocab_size >= self.data.vocab_size,
+                 f"recipe {self.name!r}: the model's vocab_size {self.model.vocab_size} is smaller than the "
+                 f"tokenizer's {self.data.vocab_size}")
+
+    @property
+    def token_budget(self) -> int:
+        return self.train.tokens_per_step * self.train.max_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "hardware": self.hardware,
+                "model": self.model.to_dict(), "train": self.train.to_dict(), "data": self.data.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Recipe":
+        return cls(name=d["name"], description=d.get("description", ""), hardware=d.get("hardware", "cpu"),
+                   model=ModelConfig.from_dict(d["model"]), train=TrainConfig.from_dict(d["train"]),
+                   data=DataConfig.from_dict(d.get("data", {})))
+
+    def replace(self, model: dict | None = None, train: dict | None = None, data: dict | None = None) -> "Recipe":
+        """A copy with some fields changed, validated again."""
+        return Recipe(name=self.name, description=self.description, hardware=self.hardware,
+                      model=dataclasses.replace(self.model, **(model or {})),
+                      train=dataclasses.replace(self.train, **(train or {})),
+                      data=dataclasses.replace(self.data, **(data or {})))
+
+
+GPT2_VOCAB_PADDED = 50304  # 50257 rounded up to a multiple of 128: faster matmuls, same tokenizer
+
+
+def _recipes() -> dict[str, Recipe]:
+    r: list[Recipe] = [
+        Recipe(
+            "cpu-smoke", "A few seconds on any CPU: a 2-layer model, for tests and the notebooks' smoke mode.",
+            "cpu", model_config("tiny", vocab_size=512),
+            TrainConfig(micro_batch_size=8, seq_len=64, max_steps=30, lr=3e-3, min_lr=3e-4, warmup_steps=5,
+                        eval_every=10, eval_batches=2, log_every=5, save_every=10, keep_last=2, precision="fp32"),
+            DataConfig(source="builtin", vocab_size=512, max_chars=400_000)),
+        Recipe(
+            "cpu", "The default on a CPU: a 3M-parameter model on the standard library's source, ~3 min on 2 cores.",
+            "cpu", model_config("cpu", vocab_size=4096),
+            TrainConfig(micro_batch_size=16, seq_len=128, max_steps=300, lr=2e-3, min_lr=2e-4, warmup_steps=30,
+                        eval_every=100, eval_batches=8, log_every=10, save_every=100, keep_last=2),
+            DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000)),
+        Recipe(
+            "t4-50m", "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer.",
+            "t4", model_config("50m", vocab_size=GPT2_VOCAB_PADDED, max_seq_len=512),
+            TrainConfig(micro_batch_size=16, seq_len=512, grad_accum_steps=8, max_steps=4000, lr=6e-4,
+                        min_lr=6e-5, warmup_steps=200, eval_every=250, save_every=250, precision="fp16"),
+            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+        Recipe(
+            "l4-124m", "Colab's L4 (bf16): GPT-2-small scale, context 1024.",
+            "l4", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
+            TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=6e-4,
+                        min_lr=6e-5, warmup_steps=300, eval_every=250, save_every=250, precision="bf16"),
+            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+        Recipe(
+            "a100-124m", "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; "
+            "0.5M tokens per step.",
+            "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
+            TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=10000, lr=6e-4,
+                        min_lr=6e-5, warmup_steps=700, eval_every=250, save_every=250, precision="bf16"),
+            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+        Recipe(
+            "a100-350m", "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16.",
+            "a100", model_config("350m", vocab_size=GPT2_VOCAB_PADDED),
+            TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=32, max_steps=20000, lr=3e-4,
+                        min_lr=3e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
+            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+        Recipe(
+            "h100-760m", "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16.",
+            "h100", model_config("760m", vocab_size=GPT2_VOCAB_PADDED),
+            TrainConfig(micro_batch_size=16, seq_len=2048, grad_accum_steps=16, max_steps=20000, lr=2.5e-4,
+                        min_lr=2.5e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
+            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+    ]
+    return {x.name: x for x in r}
+
+
+RECIPES: dict[str, Recipe] = _recipes()
+DEFAULT_RECIPE_FOR_HARDWARE = {"cpu": "cpu", "mps": "cpu", "t4": "t4-50m", "l4": "l4-124m",
+                               "a100": "a100-124m", "h100": "a100-124m", "h200": "a100-124m"}
+
+
+def get_recipe(name: str) -> Recipe:
+    """A fresh copy of a named recipe (safe to modify)."""
+    if name not in RECIPES:
+        raise ConfigError(f"unknown recipe {name!r}; `tinygpt recipes` lists them: {', '.join(RECIPES)}")
+    return Recipe.from_dict(RECIPES[name].to_dict())

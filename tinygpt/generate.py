@@ -1,0 +1,86 @@
+"""Sampling with the KV cache: temperature, top-k, top-p, stop at end-of-text."""
+from __future__ import annotations
+
+import torch
+
+from .model import GPT, KVCache
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of logits (B, V). temperature 0 means greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens before it already cover top_p (the first always stays)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check(temperature: float, top_k: int | None, top_p: float | None, max_new_tokens: int) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+
+
+@torch.no_grad()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, eot_id: int | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Continue idx (B, T) by up to max_new_tokens; rows that emit eot_id stop (padded with eot_id).
+    The prompt is processed once, then each new token costs one position thanks to the KV cache."""
+    _check(temperature, top_k, top_p, max_new_tokens)
+    if idx.numel() == 0 or idx.size(1) == 0:
+        raise ValueError("the prompt is empty: give at least one token of text to continue")
+    B, T = idx.shape
+    max_len = model.config.max_seq_len
+    if T >= max_len:  # keep the most recent context that leaves room to generate
+        idx = idx[:, -(max_len - 1):]
+        T = idx.size(1)
+    max_new_tokens = min(max_new_tokens, max_len - T)
+    dtype = next(model.parameters()).dtype
+    cache = KVCache.empty(model.config, B, T + max_new_tokens, idx.device, dtype)
+    logits = model(idx, cache=cache)[:, -1]
+    out = [idx]
+    done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+    for i in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        if eot_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eot_id), nxt)
+            done |= nxt == eot_id
+        out.append(nxt[:, None])
+        if eot_id is not None and bool(done.all()):
+            break
+        if i + 1 < max_new_tokens:
+            logits = model(nxt[:, None], cache=cache)[:, -1]
+    return torch.cat(out, dim=1)
+
+
+def generate_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+                  top_k: int | None = 50, top_p: float | None = None, seed: int | None = None,
+                  stop_at_eot: bool = True) -> str:
+    """The prompt followed by its continuation, as text."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give some text to continue, e.g. --prompt 'def '")
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    out = generate(model, ids, max_new_tokens, temperature, top_k, top_p,
+                   tokenizer.eot_id if stop_at_eot else None, gen)[0].tolist()
+    if stop_at_eot and tokenizer.eot_id in out[ids.size(1):]:
+        out = out[: ids.size(1) + out[ids.size(1):].index(tokenizer.eot_id)]
+    return tokenizer.decode(out)

@@ -1,0 +1,225 @@
+"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA and tied embeddings).
+
+Parameter names are those of Hugging Face `LlamaForCausalLM`, so a state_dict moves between the
+two with no renaming (`tinygpt.hf` does the config.json side). Attention is
+`F.scaled_dot_product_attention`, which picks flash / memory-efficient kernels on CUDA.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .config import ModelConfig
+
+IGNORE_INDEX = -100  # targets with this value carry no loss (prompt tokens, padding)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, exactly as Llama does, so that
+        # logits match transformers and bf16 activations do not lose the small variances.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, shape (max_len, head_dim), in the half-split layout Llama uses."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    t = torch.arange(max_len, dtype=torch.int64, device=device).float()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, D); cos/sin: (T, D)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys and values for every layer; `pos` is how many positions are filled."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    pos: int = 0
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch_size: int, max_len: int, device, dtype) -> "KVCache":
+        shape = (batch_size, config.n_kv_head, max_len, config.head_dim)
+        return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)],
+                   [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)])
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.q_proj = nn.Linear(config.d_model, config.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        start = 0
+        if cache is not None:
+            start = cache.pos
+            cache.k[layer][:, :, start:start + T] = k
+            cache.v[layer][:, :, start:start + T] = v
+            k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
+        gqa = self.n_kv_head != self.n_head
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif T == 1:  # one new token attends to everything cached: no mask needed
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        else:  # a chunk appended to a filled cache: causal within the chunk, full over the past
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Named `model` inside GPT, like LlamaModel inside LlamaForCausalLM."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        # Not saved in the state_dict (Llama does not save them either); rebuilt from the config.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std); the projections into the residual stream scaled by 1/sqrt(2 n_layer)
+        (GPT-2's scaled init) so that the residual variance does not grow with depth."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters counted once (a tied embedding is one matrix)."""
+        n = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if non_embedding:
+            n -= self.model.embed_tokens.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4) plus
+        attention's QK^T and AV: 6 * 2 * n_layer * seq_len * d_model (PaLM appendix B, causal
+        attention counted at full length as PaLM and nanoGPT do)."""
+        c = self.config
+        matmul_params = self.num_params() - self.model.embed_tokens.weight.numel()
+        if c.tie_embeddings:  # the tied matrix is used as lm_head in a matmul
+            matmul_params += self.lm_head.weight.numel()
+        return 6.0 * matmul_params + 12.0 * c.n_layer * seq_len * c.d_model
+
+    def _rope(self, start: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if start + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens is longer than the model's max_seq_len "
+                             f"{self.config.max_seq_len}; shorten the input or use a model with a longer context")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        return cos.to(device), sin.to(device)
+
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The final normed hidden states (B, T, d_model)."""
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        cos, sin = self._rope(start, T, idx.device)
+        x = self.model.embed_tokens(idx)
+        for i, block in enumerate(self.model.layers):
+            if self.config.activation_checkpointing and self.training and cache is None:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache, i)
+        if cache is not None:
+            cache.pos += T
+        return self.model.norm(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                cache: KVCache | None = None, reduction: str = "mean"):
+        """Logits (B, T, vocab_size) without targets; with targets, the cross-entropy loss
+        (mean over tokens whose target is not IGNORE_INDEX, or their sum with reduction="sum")."""
+        x = self.hidden_states(idx, cache)
+        if targets is None:
+            return self.lm_head(x)
+        return cross_entropy(self.lm_head, x, targets, reduction=reduction)
+
+
+def cross_entropy(head: nn.Linear, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of head(x) against targets, in fp32, ignoring IGNORE_INDEX.
+
+    Large vocabularies go through `tinygpt.losses` in chunks of rows, so the full logits are never
+    held for the backward pass; small problems use the plain F.cross_entropy."""
+    from .losses import linear_cross_entropy  # model.py otherwise imports only config.py
+
+    if type(head) is not nn.Linear or head.bias is not None:
+        # A wrapped head (LoRA, 4-bit) is not just its .weight: run it and take the plain loss.
+        logits = head(x).float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction=reduction)
+    return linear_cross_entropy(x, head.weight, targets, reduction=reduction, ignore_index=IGNORE_INDEX)

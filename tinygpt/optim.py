@@ -1,0 +1,120 @@
+"""Optimizers: AdamW with weight decay on matrices only (fused on CUDA), or Muon for the hidden
+matrices with AdamW for everything else, presented to the trainer as one optimizer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import TrainConfig
+
+# Muon's learning rate relative to cfg.lr (the trainer sets group["lr"] = lr * lr_scale). With
+# adjust_lr_fn="match_rms_adamw" Muon's update has AdamW's RMS (0.2), so the AdamW learning rate
+# carries over (Moonshot, "Muon is Scalable for LLM Training"); `benchmarks/muon_vs_adamw.py`
+# measures the choice on Tiny Shakespeare.
+MUON_LR_SCALE = 1.0
+MUON_MOMENTUM = 0.95
+
+# Parameters that look like matrices but are lookup tables or the output head: Muon is for the
+# hidden layers (its authors and nanochat / modded-nanogpt keep these on AdamW).
+_NOT_HIDDEN = ("embed", "lm_head", "wte", "wpe")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay 2-D weights (matmuls, embeddings); never norms or biases."""
+    seen, decay, no_decay = set(), [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def split_muon_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter],
+                                                        list[torch.nn.Parameter]]:
+    """(hidden 2-D matrices for Muon, other 2-D weights for AdamW with decay, the rest without).
+
+    A tied embedding / lm_head matrix is met twice under two names; it is counted once, on AdamW."""
+    by_id: dict[int, tuple[torch.nn.Parameter, bool]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue
+        hidden = p.dim() == 2 and not any(k in name for k in _NOT_HIDDEN)
+        prev = by_id.get(id(p))
+        by_id[id(p)] = (p, hidden and (prev is None or prev[1]))
+    muon = [p for p, hidden in by_id.values() if hidden]
+    decay = [p for p, hidden in by_id.values() if not hidden and p.dim() >= 2]
+    no_decay = [p for p, hidden in by_id.values() if not hidden and p.dim() < 2]
+    return muon, decay, no_decay
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the hidden matrices, AdamW for the rest, behaving as one optimizer.
+
+    The groups in `param_groups` are the very dicts the two inner optimizers step with, and they
+    share one `state`, so the trainer's per-step ``group["lr"] = lr * group["lr_scale"]``,
+    ``GradScaler.unscale_`` (which walks `param_groups`), ``clip_grad_norm_``, ``state_dict`` and
+    ``load_state_dict`` all see a single ordinary optimizer.
+    """
+
+    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], *, lr: float,
+                 betas: tuple[float, float], eps: float = 1e-8, momentum: float = MUON_MOMENTUM,
+                 fused: bool = False):
+        for g in muon_groups:
+            g.setdefault("kind", "muon")
+        for g in adamw_groups:
+            g.setdefault("kind", "adamw")
+        groups = [g for g in muon_groups + adamw_groups if len(g["params"]) > 0]
+        super().__init__(groups, {})
+        # The inner optimizers fill in their defaults (momentum, betas, ...) into the shared dicts.
+        self._muon = torch.optim.Muon([g for g in self.param_groups if g["kind"] == "muon"] or
+                                      [{"params": []}], lr=lr, momentum=momentum, nesterov=True,
+                                      adjust_lr_fn="match_rms_adamw")
+        self._adamw = torch.optim.AdamW([g for g in self.param_groups if g["kind"] == "adamw"] or
+                                        [{"params": []}], lr=lr, betas=betas, eps=eps, fused=fused)
+        self._link()
+
+    def _link(self) -> None:
+        """Point the inner optimizers at this optimizer's group dicts and state."""
+        for inner, kind in ((self._muon, "muon"), (self._adamw, "adamw")):
+            inner.param_groups = [g for g in self.param_groups if g["kind"] == kind]
+            inner.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._muon.param_groups:
+            self._muon.step()
+        if self._adamw.param_groups:
+            self._adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Optimizer.load_state_dict replaces `state` and the group dicts: re-point the inner ones.
+        super().load_state_dict(state_dict)
+        self._link()
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str, *,
+                    muon_lr_scale: float = MUON_LR_SCALE) -> torch.optim.Optimizer:
+    """The optimizer for `cfg.optimizer`; the learning rate is set by the trainer every step
+    (times each group's ``lr_scale``)."""
+    betas = (cfg.beta1, cfg.beta2)
+    fused = device_type == "cuda"
+    if cfg.optimizer == "adamw":
+        groups = param_groups(model, cfg.weight_decay)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=fused)
+    if cfg.optimizer == "muon":
+        muon, decay, no_decay = split_muon_params(model)
+        # Muon decays by lr * weight_decay per step, as AdamW: keep that product equal to AdamW's.
+        muon_groups = [{"params": muon, "lr": cfg.lr * muon_lr_scale, "lr_scale": muon_lr_scale,
+                        "weight_decay": cfg.weight_decay / muon_lr_scale}]
+        adamw_groups = [{"params": decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
+                        {"params": no_decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0}]
+        return MuonAdamW(muon_groups, adamw_groups, lr=cfg.lr, betas=betas, fused=fused)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose adamw or muon")

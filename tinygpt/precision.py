@@ -1,0 +1,86 @@
+"""The one place that decides numeric precision for a device: bf16, fp16 + GradScaler, or fp32."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str  # "bf16", "fp16" or "fp32"
+    device_type: str  # "cuda", "cpu", "mps"
+    reason: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.name]
+
+    @property
+    def use_scaler(self) -> bool:
+        """fp16 has too little range for small gradients: scale the loss, unscale before clipping."""
+        return self.name == "fp16"
+
+    def autocast(self):
+        """The autocast context for forward passes (a no-op in fp32)."""
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """A GradScaler, enabled only for fp16 (disabled it passes everything through)."""
+        return torch.amp.GradScaler(self.device_type if self.device_type != "mps" else "cpu",
+                                    enabled=self.use_scaler)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_device(requested: str = "auto") -> torch.device:
+    """cuda if present, then mps, else cpu; or exactly what was asked for."""
+    if requested != "auto":
+        dev = torch.device(requested)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu "
+                               "or, in Colab, Runtime > Change runtime type > GPU")
+        return dev
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """True only where bf16 matmuls run on hardware: CUDA compute capability 8.0 (Ampere) or newer.
+    `torch.cuda.is_bf16_supported()` also says True on a T4 (sm_75) through emulation, which is slow."""
+    if device.type != "cuda":
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8
+
+
+def choose_precision(device: torch.device, requested: str = "auto") -> Precision:
+    """bf16 on sm_80+, fp16 with a GradScaler on older CUDA GPUs, fp32 on CPU and MPS, unless overridden."""
+    dt = device.type
+    if requested != "auto":
+        if requested not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"precision must be auto, bf16, fp16 or fp32, got {requested!r}")
+        if dt == "cuda" and requested == "bf16" and not native_bf16(device):
+            reason = "bf16 asked for on a GPU without native bf16: it will be emulated and slow"
+        else:
+            reason = f"{requested} asked for"
+        return Precision(requested, dt, reason)
+    if dt == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if native_bf16(device):
+            return Precision("bf16", dt, f"compute capability {cap[0]}.{cap[1]} >= 8.0 has native bf16")
+        return Precision("fp16", dt, f"compute capability {cap[0]}.{cap[1]} < 8.0: fp16 with a GradScaler")
+    return Precision("fp32", dt, f"{dt}: fp32 by default (autocast gains little here)")
+
+
+def enable_tf32() -> None:
+    """TF32 for fp32 matmuls and convolutions on Ampere+ (no effect elsewhere)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True

@@ -1,0 +1,152 @@
+"""Pretraining end to end: validate, tokenizer, token cache, model, trainer, sample.
+
+This is what `tinygpt pretrain` and the 01_pretrain notebook call. Everything that can be checked
+is checked before the first token is encoded, and a run folder that holds a different
+configuration is refused rather than overwritten.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import ConfigError, Recipe, get_recipe
+from .data import build_token_cache, fixed_batches, iter_documents, resolve_source, WindowSampler
+from .model import GPT
+from .precision import choose_precision, resolve_device
+from .tokenizer import Tokenizer, load_gpt2, train_bpe
+from .trainer import TrainResult, Trainer, config_differences
+
+TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TINYGPT_CACHE", Path.home() / ".cache" / "tinygpt")) / "tokens"
+
+
+def versions() -> dict[str, str]:
+    from . import __version__
+    return {"tinygpt": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
+    """Refuse a run folder that holds another configuration, or checkpoints when resume is 'never'."""
+    run_json = run_dir / "run.json"
+    if run_json.is_file():
+        old = json.loads(run_json.read_text())["recipe"]
+        new = recipe.to_dict()
+        diffs = config_differences({k: old[k] for k in ("model", "train", "data")},
+                                   {k: new[k] for k in ("model", "train", "data")})
+        if diffs:
+            raise ConfigError(f"run folder {run_dir} holds a different configuration:\n  " + "\n  ".join(diffs)
+                              + "\nuse a new --run-dir, or the same settings to resume")
+    if resume == "never" and ckpt.list_checkpoints(run_dir / "checkpoints"):
+        raise ConfigError(f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
+                          "them: use --resume auto to continue, or a new --run-dir")
+
+
+def get_tokenizer(recipe: Recipe, run_dir: Path) -> Tokenizer:
+    """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe says."""
+    saved = run_dir / "tokenizer.json"
+    if saved.is_file():
+        return Tokenizer.load(saved)
+    d = recipe.data
+    if d.tokenizer == "train":
+        budget = TOKENIZER_TRAIN_CHARS if d.max_chars is None else min(d.max_chars, TOKENIZER_TRAIN_CHARS)
+        sample = iter_documents(type(d)(**{**d.to_dict(), "max_chars": budget}))
+        tok = train_bpe(sample, d.vocab_size)
+    elif d.tokenizer == "gpt2":
+        tok = load_gpt2()
+    else:
+        tok = Tokenizer.load(d.tokenizer)
+    if tok.vocab_size > recipe.model.vocab_size:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {recipe.model.vocab_size}: "
+                          "raise the model's vocab_size")
+    return tok
+
+
+def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default", *, data: str | None = None,
+             max_steps: int | None = None, save_every: int | None = None, eval_every: int | None = None,
+             resume: str = "auto", mirror: str | Path | None = None, cache_dir: str | Path | None = None,
+             device: str | None = None, callbacks: list | tuple = (), progress: bool = True,
+             sample_prompt: str | None = None, peak_tflops: float | None = None,
+             rank: int = 0, world_size: int = 1) -> TrainResult:
+    """Train a recipe into `run_dir`, resuming from its newest valid checkpoint (or the mirror's)."""
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    train_over: dict[str, Any] = {}
+    if max_steps is not None:
+        train_over["max_steps"] = max_steps
+    if save_every is not None:
+        train_over["save_every"] = save_every
+    if eval_every is not None:
+        train_over["eval_every"] = eval_every
+    if device is not None:
+        train_over["device"] = device
+    recipe = recipe.replace(train=train_over, data={"source": data} if data else None)
+    if resume not in ("auto", "never"):
+        raise ConfigError(f"resume must be 'auto' or 'never', got {resume!r}")
+    resolve_source(recipe.data.source)  # an unknown source fails here, before any work
+    run_dir = Path(run_dir)
+    sync = None
+    if mirror is not None:
+        from .drive import Mirror, restore_latest
+        restore_latest(run_dir, Path(mirror))  # a new VM: the mirror's newest valid checkpoint comes home
+    check_run_dir(run_dir, recipe, resume)
+    dev = resolve_device(recipe.train.device)
+    precision = choose_precision(dev, recipe.train.precision)
+    tokenizer = get_tokenizer(recipe, run_dir)
+    tokens = build_token_cache(recipe.data, tokenizer, cache_dir or default_cache_dir(), progress=progress)
+    sampler = WindowSampler(tokens.train, recipe.train.seq_len, recipe.train.seed)
+    val = fixed_batches(tokens.val, recipe.train.seq_len, recipe.train.micro_batch_size, recipe.train.eval_batches)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        if not (run_dir / "tokenizer.json").is_file():
+            tokenizer.save(run_dir / "tokenizer.json")
+        info = {"recipe": recipe.to_dict(), "precision": precision.to_dict(), "device": str(dev),
+                "data": tokens.meta, "versions": versions(), "command": " ".join(sys.argv)}
+        tmp = run_dir / "run.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1))
+        os.replace(tmp, run_dir / "run.json")
+    callbacks = list(callbacks)
+    if mirror is not None and rank == 0:
+        sync = Mirror(run_dir, Path(mirror), keep_last=recipe.train.keep_last)
+        callbacks.append(sync)
+    torch.manual_seed(recipe.train.seed)
+    model = GPT(recipe.model)
+    if peak_tflops is None and dev.type == "cuda":
+        try:
+            from .probe import peak_tflops as _peak
+            peak_tflops = _peak(torch.cuda.get_device_name(dev), precision.name)
+        except Exception:  # the table is a nicety; training does not depend on it
+            peak_tflops = None
+    trainer = Trainer(model, recipe.train, sampler, val, run_dir, device=dev, precision=precision,
+                      callbacks=callbacks, flops_per_token=model.flops_per_token(recipe.train.seq_len),
+                      peak_tflops=peak_tflops, progress=progress, rank=rank, world_size=world_size)
+    try:
+        result = trainer.fit(resume)
+        if rank == 0 and not result.interrupted:
+            write_sample(model, tokenizer, run_dir, result.step, sample_prompt)
+    finally:
+        for cb in callbacks:
+            if hasattr(cb, "close"):
+                cb.close()
+    return result
+
+
+def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, prompt: str | None = None) -> str:
+    """Append a generated sample to samples.txt and return it."""
+    from .generate import generate_text
+
+    model.eval()
+    text = generate_text(model, tokenizer, prompt or "def ", max_new_tokens=120, temperature=0.8, top_k=50, seed=0)
+    with open(run_dir / "samples.txt", "a", encoding="utf-8") as f:
+        f.write(f"=== step {step} ===\n{text}\n\n")
+    model.train()
+    return text

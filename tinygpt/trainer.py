@@ -1,0 +1,348 @@
+"""The AMP training loop with exact resume.
+
+One optimizer step = `grad_accum_steps` micro-batches whose summed token losses are divided by
+the number of target tokens in the whole step, so accumulation gives the same gradient as one
+big batch (also when prompt tokens are masked). The loss is read back from the device only on
+logging steps: everything else queues on the GPU without a host-device sync.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import signal
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .optim import build_optimizer
+from .precision import Precision, choose_precision, enable_tf32, resolve_device
+
+# Fields that may change between a run and its resumption; any other difference is refused.
+RESUMABLE_CHANGES = {"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
+                     "compile", "device", "eval_batches"}
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the last good checkpoint is kept and named in the message."""
+
+
+class BatchSource(Protocol):
+    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    loss: float | None
+    val_loss: float | None
+    best_val_loss: float | None
+    checkpoint: Path | None
+    tokens_per_s: float | None
+    resumed_from: int | None = None
+    interrupted: bool = False
+    metrics: list[dict] = field(default_factory=list)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def config_differences(old: dict, new: dict, allowed: set[str] = RESUMABLE_CHANGES, prefix: str = "") -> list[str]:
+    """Human-readable differences between two config dicts, ignoring the allowed ones."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        if k in allowed:
+            continue
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, allowed, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} in the run, {b!r} now")
+    return out
+
+
+def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, y, reduction="sum")
+
+
+def rng_state() -> dict[str, Any]:
+    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+class Trainer:
+    """Trains `model` on batches from `train_source`, evaluating on fixed `val_batches`.
+
+    Checkpoints go to ``run_dir/checkpoints/step_XXXXXX`` (and ``run_dir/best``). Hooks: each
+    callback may define ``on_log(metrics)``, ``on_checkpoint(path, step)``, ``close()``.
+    `state_fn` / `load_state_fn` choose what is saved as the model (the whole model by default,
+    only the adapters for LoRA); `loss_fn(model, x, y)` returns the summed token loss.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, train_source: BatchSource,
+                 val_batches: list[tuple[torch.Tensor, torch.Tensor]], run_dir: str | Path, *,
+                 device: torch.device | str | None = None, precision: Precision | None = None,
+                 loss_fn: Callable | None = None, state_fn: Callable | None = None,
+                 load_state_fn: Callable | None = None, callbacks: tuple | list = (),
+                 run_info: dict | None = None, flops_per_token: float | None = None,
+                 peak_tflops: float | None = None, progress: bool = True, rank: int = 0, world_size: int = 1):
+        self.cfg = cfg
+        self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
+        self.precision = precision or choose_precision(self.device, cfg.precision)
+        self.model = model.to(self.device)
+        self.train_source, self.val_batches = train_source, val_batches
+        self.run_dir = Path(run_dir)
+        self.loss_fn = loss_fn or default_loss
+        self.state_fn = state_fn or ckpt.model_state
+        self.load_state_fn = load_state_fn or ckpt.load_model_state
+        self.callbacks = list(callbacks)
+        self.run_info = run_info or {}
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.progress = progress
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self.step = 0
+        self.best_val_loss: float | None = None
+        self._stop_signal: str | None = None
+        if self.device.type == "cuda":
+            enable_tf32()
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        self.scaler = self.precision.grad_scaler()
+        use_compile = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda")
+        # The compiled wrapper runs the steps; self.model (uncompiled, same parameters) is what
+        # is saved, so checkpoint keys never carry `_orig_mod.`.
+        self.forward_model = torch.compile(self.model) if use_compile else self.model
+
+    # ----- checkpoints -------------------------------------------------------------------------
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def train_state(self) -> dict[str, Any]:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "sampler": self.train_source.state_dict(), "rng": rng_state(), "best_val_loss": self.best_val_loss,
+                "train_config": self.cfg.to_dict(), "world_size": self.world_size}
+
+    def save(self, best: bool = False) -> Path | None:
+        if not self.is_main:
+            return None
+        path = self.run_dir / "best" if best else self.ckpt_root / ckpt.step_name(self.step)
+        ckpt.save_checkpoint(path, self.state_fn(self.model), self.train_state(),
+                             {"kind": "best" if best else "step", "val_loss": self.best_val_loss})
+        if not best:
+            ckpt.prune(self.ckpt_root, self.cfg.keep_last)
+        for cb in self.callbacks:
+            if hasattr(cb, "on_checkpoint"):
+                cb.on_checkpoint(path, self.step)
+        return path
+
+    def resume(self, path: Path) -> None:
+        sd, state, _ = ckpt.load_checkpoint(path, verify=True)
+        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict())
+        if diffs:
+            raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
+                                + "\n  ".join(diffs) + "\nresume with the same settings, or use a new run folder")
+        self.load_state_fn(self.model, sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.train_source.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.best_val_loss = state.get("best_val_loss")
+
+    # ----- evaluation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if not self.val_batches:
+            return None
+        self.model.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        count = 0
+        for x, y in self.val_batches:
+            x, y = x.to(self.device), y.to(self.device)
+            with self.precision.autocast():
+                total += self.loss_fn(self.forward_model, x, y).double()
+            count += int((y != -100).sum())
+        self.model.train()
+        return float(total) / max(count, 1)
+
+    # ----- the loop ----------------------------------------------------------------------------
+    def _metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def _truncate_metrics(self) -> list[dict]:
+        """Keep the log entries up to the resumed step, so a resumed run's log equals an unbroken one."""
+        p = self._metrics_path()
+        if not p.exists():
+            return []
+        kept = []
+        for line in p.read_text().splitlines():
+            try:
+                m = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if m.get("step", 0) <= self.step:
+                kept.append(m)
+        if self.is_main:
+            p.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        return kept
+
+    def _install_signal_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum, frame):
+            self._stop_signal = signal.Signals(signum).name
+
+        old = {}
+        for s in (signal.SIGINT, signal.SIGTERM):
+            old[s] = signal.signal(s, handler)
+        return old
+
+    def _batch_to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def _no_sync(self, last: bool):
+        """DDP: skip the gradient all-reduce on all but the last micro-step."""
+        if not last and hasattr(self.forward_model, "no_sync"):
+            return self.forward_model.no_sync()
+        return contextlib.nullcontext()
+
+    def fit(self, resume: str = "auto") -> TrainResult:
+        cfg = self.cfg
+        resumed_from = None
+        if resume == "auto":
+            latest = ckpt.latest_valid(self.ckpt_root)
+            if latest is not None:
+                self.resume(latest)
+                resumed_from = self.step
+        elif resume != "never":
+            self.resume(Path(resume))
+            resumed_from = self.step
+        history = self._truncate_metrics()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        old_handlers = self._install_signal_handlers()
+        bar = None
+        if self.progress and self.is_main:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        loss_acc = torch.zeros((), device=self.device)
+        tokens_acc = 0
+        t0, tokens_since = time.perf_counter(), 0
+        last_loss = val_loss = tok_s = None
+        last_saved: Path | None = ckpt.latest_valid(self.ckpt_root) if resumed_from is not None else None
+        self.model.train()
+        try:
+            while self.step < cfg.max_steps and self._stop_signal is None:
+                lr = lr_at(self.step, cfg)
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr * g.get("lr_scale", 1.0)
+                micro = [self.train_source.next_batch(cfg.micro_batch_size, self.rank, self.world_size)
+                         for _ in range(cfg.grad_accum_steps)]
+                n_targets = sum(int((y != -100).sum()) for _, y in micro)  # on the host: no sync
+                n_global = n_targets * self.world_size  # DDP averages gradients over ranks
+                for i, (x, y) in enumerate(micro):
+                    x, y = self._batch_to_device(x, y)
+                    with self._no_sync(i == len(micro) - 1), self.precision.autocast():
+                        loss_sum = self.loss_fn(self.forward_model, x, y)
+                        self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
+                    loss_acc += loss_sum.detach().float()
+                tokens_acc += n_targets
+                self.scaler.unscale_(self.optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                tokens_since += cfg.tokens_per_step * self.world_size
+                last_step = self.step == cfg.max_steps
+                if self.step % cfg.log_every == 0 or last_step:
+                    last_loss = loss_acc.item() / max(tokens_acc, 1)  # the one sync per log interval
+                    if not math.isfinite(last_loss):
+                        raise TrainingError(
+                            f"the loss became {last_loss} at step {self.step}; nothing was saved after it. "
+                            f"The last good checkpoint is {last_saved}. Lower the learning rate, or use "
+                            "precision bf16/fp32 instead of fp16")
+                    dt = time.perf_counter() - t0
+                    tok_s = tokens_since / dt if dt > 0 else None
+                    m = {"step": self.step, "loss": round(last_loss, 6), "lr": lr, "grad_norm": float(grad_norm),
+                         "tokens": self.step * cfg.tokens_per_step * self.world_size,
+                         "tokens_per_s": round(tok_s, 1) if tok_s else None}
+                    if tok_s and self.flops_per_token and self.peak_tflops:
+                        m["mfu"] = round(tok_s * self.flops_per_token / (self.peak_tflops * 1e12), 4)
+                    if self.device.type == "cuda":
+                        m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
+                    if cfg.eval_every and (self.step % cfg.eval_every == 0 or last_step):
+                        val_loss = m["val_loss"] = self.evaluate()
+                    loss_acc.zero_()
+                    tokens_acc, t0, tokens_since = 0, time.perf_counter(), 0
+                    self._log(m, history, bar)
+                elif cfg.eval_every and self.step % cfg.eval_every == 0:
+                    val_loss = self.evaluate()
+                    self._log({"step": self.step, "val_loss": val_loss}, history, bar)
+                if cfg.eval_every and val_loss is not None and (self.step % cfg.eval_every == 0 or last_step) \
+                        and (self.best_val_loss is None or val_loss < self.best_val_loss):
+                    self.best_val_loss = val_loss
+                    self.save(best=True)
+                if (cfg.save_every and self.step % cfg.save_every == 0) or last_step or self._stop_signal:
+                    last_saved = self.save() or last_saved
+                if bar is not None:
+                    bar.update(1)
+            if self.step > 0 and (last_saved is None or not last_saved.name.endswith(f"{self.step:06d}")):
+                last_saved = self.save() or last_saved  # training always ends with a checkpoint
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            if bar is not None:
+                bar.close()
+        return TrainResult(self.run_dir, self.step, last_loss, val_loss, self.best_val_loss, last_saved, tok_s,
+                           resumed_from, self._stop_signal is not None, history)
+
+    def _log(self, m: dict, history: list[dict], bar) -> None:
+        history.append(m)
+        if self.is_main:
+            with open(self._metrics_path(), "a") as f:
+                f.write(json.dumps(m) + "\n")
+        if bar is not None:
+            post = {k: f"{m[k]:.4g}" for k in ("loss", "val_loss", "lr") if m.get(k) is not None}
+            if m.get("tokens_per_s"):
+                post["tok/s"] = f"{m['tokens_per_s']:.0f}"
+            bar.set_postfix(post, refresh=False)
+        for cb in self.callbacks:
+            if hasattr(cb, "on_log"):
+                try:
+                    cb.on_log(m)
+                except Exception as e:  # a broken plot must never stop training
+                    warnings.warn(f"callback {cb!r} failed in on_log: {e}")
