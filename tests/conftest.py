@@ -21,3 +21,11 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def shakespeare(shared_data) -> str:
     return (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
+
+
+def pytest_configure(config):
+    # Tiny models on a 2-core CI machine run fastest with one thread per test process
+    # (pytest-xdist runs two); more threads only contend.
+    import torch
+
+    torch.set_num_threads(1)

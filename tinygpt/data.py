@@ -28,7 +28,7 @@ TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".csv", ".html
                  ".java", ".go", ".rs", ".cpp", ".tex", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".sh"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib", "lib2to3",
               "turtledemo", ".git"}
-CHUNK_CHARS = 32_000  # long files become documents of about this size, so a split has many parts
+CHUNK_CHARS = 4_096  # long files become documents of about this size, so the split has many parts
 
 
 class DataError(ValueError):
@@ -173,13 +173,17 @@ class TokenData:
     path: Path
 
 
+def cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
+    """The token cache's folder name: source content, tokenizer and split all in one hash."""
+    return hashlib.sha256(f"{CACHE_FORMAT}|{source_fingerprint(cfg)}|{tokenizer.fingerprint()}|"
+                          f"{cfg.val_fraction}".encode()).hexdigest()[:20]
+
+
 def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path,
                       batch_docs: int = 256, progress: bool = False) -> TokenData:
     """Tokenize the source once into cache_root/<fingerprint>/; reuse it when the fingerprint matches.
     Every k-th document goes to validation (k = 1 / val_fraction): deterministic, and spread over the source."""
-    fp = hashlib.sha256(f"{CACHE_FORMAT}|{source_fingerprint(cfg)}|{tokenizer.fingerprint()}|"
-                        f"{cfg.val_fraction}".encode()).hexdigest()[:20]
-    folder = Path(cache_root) / fp
+    folder = Path(cache_root) / cache_key(cfg, tokenizer)
     meta_path = folder / "meta.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
@@ -200,7 +204,7 @@ def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | P
             nonlocal n_docs
             for ids in tokenizer.encode_batch(batch):
                 arr = np.asarray(ids + [tokenizer.eot_id], dtype=dtype)
-                split = "val" if n_docs % every == every - 1 else "train"
+                split = "val" if n_docs % every == 1 else "train"  # from the 2nd document on
                 (fval if split == "val" else ftrain).write(arr.tobytes())
                 counts[split] += len(arr)
                 n_docs += 1

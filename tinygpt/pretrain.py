@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import ConfigError, Recipe, get_recipe
-from .data import build_token_cache, fixed_batches, iter_documents, resolve_source, WindowSampler
+from .data import build_token_cache, cache_key, fixed_batches, iter_documents, resolve_source, WindowSampler
 from .model import GPT
 from .precision import choose_precision, resolve_device
 from .tokenizer import Tokenizer, load_gpt2, train_bpe
@@ -96,13 +97,22 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
     run_dir = Path(run_dir)
     sync = None
     if mirror is not None:
-        from .drive import Mirror, restore_latest
+        from .drive import Mirror, restore_latest, restore_token_cache, sync_token_cache
         restore_latest(run_dir, Path(mirror))  # a new VM: the mirror's newest valid checkpoint comes home
     check_run_dir(run_dir, recipe, resume)
     dev = resolve_device(recipe.train.device)
     precision = choose_precision(dev, recipe.train.precision)
     tokenizer = get_tokenizer(recipe, run_dir)
-    tokens = build_token_cache(recipe.data, tokenizer, cache_dir or default_cache_dir(), progress=progress)
+    cache_root = Path(cache_dir or default_cache_dir())
+    key = cache_key(recipe.data, tokenizer)
+    mirror_cache = Path(mirror).parent / "_token_cache" / key if mirror is not None else None
+    if mirror_cache is not None and not (cache_root / key / "meta.json").is_file():
+        restore_token_cache(mirror_cache, cache_root / key)  # a new VM skips tokenizing
+    tokens = build_token_cache(recipe.data, tokenizer, cache_root, progress=progress)
+    cache_upload = None
+    if mirror_cache is not None and rank == 0:  # copied once, beside training, never blocking it
+        cache_upload = threading.Thread(target=sync_token_cache, args=(tokens.path, mirror_cache), daemon=True)
+        cache_upload.start()
     sampler = WindowSampler(tokens.train, recipe.train.seq_len, recipe.train.seed)
     val = fixed_batches(tokens.val, recipe.train.seq_len, recipe.train.micro_batch_size, recipe.train.eval_batches)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -137,6 +147,8 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
         for cb in callbacks:
             if hasattr(cb, "close"):
                 cb.close()
+        if cache_upload is not None:
+            cache_upload.join()
     return result
 
 

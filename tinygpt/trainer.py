@@ -273,13 +273,16 @@ class Trainer:
                          for _ in range(cfg.grad_accum_steps)]
                 n_targets = sum(int((y != -100).sum()) for _, y in micro)  # on the host: no sync
                 n_global = n_targets * self.world_size  # DDP averages gradients over ranks
+                # The logged loss is this step's own (not an average since the last log), so a run
+                # resumed between two logs writes the same numbers as one never stopped.
+                loss_acc.zero_()
                 for i, (x, y) in enumerate(micro):
                     x, y = self._batch_to_device(x, y)
                     with self._no_sync(i == len(micro) - 1), self.precision.autocast():
                         loss_sum = self.loss_fn(self.forward_model, x, y)
                         self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
                     loss_acc += loss_sum.detach().float()
-                tokens_acc += n_targets
+                tokens_acc = n_targets
                 self.scaler.unscale_(self.optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 self.scaler.step(self.optimizer)
@@ -288,13 +291,10 @@ class Trainer:
                 self.step += 1
                 tokens_since += cfg.tokens_per_step * self.world_size
                 last_step = self.step == cfg.max_steps
+                will_save = bool((cfg.save_every and self.step % cfg.save_every == 0) or last_step or self._stop_signal)
                 if self.step % cfg.log_every == 0 or last_step:
                     last_loss = loss_acc.item() / max(tokens_acc, 1)  # the one sync per log interval
-                    if not math.isfinite(last_loss):
-                        raise TrainingError(
-                            f"the loss became {last_loss} at step {self.step}; nothing was saved after it. "
-                            f"The last good checkpoint is {last_saved}. Lower the learning rate, or use "
-                            "precision bf16/fp32 instead of fp16")
+                    self._check_finite(last_loss, last_saved)
                     dt = time.perf_counter() - t0
                     tok_s = tokens_since / dt if dt > 0 else None
                     m = {"step": self.step, "loss": round(last_loss, 6), "lr": lr, "grad_norm": float(grad_norm),
@@ -306,8 +306,7 @@ class Trainer:
                         m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
                     if cfg.eval_every and (self.step % cfg.eval_every == 0 or last_step):
                         val_loss = m["val_loss"] = self.evaluate()
-                    loss_acc.zero_()
-                    tokens_acc, t0, tokens_since = 0, time.perf_counter(), 0
+                    t0, tokens_since = time.perf_counter(), 0
                     self._log(m, history, bar)
                 elif cfg.eval_every and self.step % cfg.eval_every == 0:
                     val_loss = self.evaluate()
@@ -316,7 +315,10 @@ class Trainer:
                         and (self.best_val_loss is None or val_loss < self.best_val_loss):
                     self.best_val_loss = val_loss
                     self.save(best=True)
-                if (cfg.save_every and self.step % cfg.save_every == 0) or last_step or self._stop_signal:
+                if will_save or self._stop_signal:
+                    # never write a checkpoint from weights that a NaN may have reached
+                    self._check_finite(float(loss_acc), last_saved)
+                    self._check_finite(float(grad_norm), last_saved, what="gradient norm")
                     last_saved = self.save() or last_saved
                 if bar is not None:
                     bar.update(1)
@@ -329,6 +331,15 @@ class Trainer:
                 bar.close()
         return TrainResult(self.run_dir, self.step, last_loss, val_loss, self.best_val_loss, last_saved, tok_s,
                            resumed_from, self._stop_signal is not None, history)
+
+    def _check_finite(self, value: float, last_saved: Path | None, what: str = "loss") -> None:
+        if math.isfinite(value):
+            return
+        if what == "gradient norm" and self.precision.use_scaler:
+            return  # fp16: the scaler skipped this step and lowered its scale; the weights are intact
+        raise TrainingError(f"the {what} became {value} at step {self.step}; nothing was saved after it. The last "
+                            f"good checkpoint is {last_saved}. Lower the learning rate, or use precision bf16/fp32 "
+                            "instead of fp16, then run again to resume from it")
 
     def _log(self, m: dict, history: list[dict], bar) -> None:
         history.append(m)

@@ -1,0 +1,374 @@
+"""LoRA / QLoRA finetuning of a tinygpt run and of a tiny Hugging Face model, on real code data.
+
+Everything is real: the base is pretrained here with tinygpt's Trainer, adapters come from `peft`,
+4-bit weights from `bitsandbytes` (which runs NF4 on the CPU), and the saved adapter is reloaded
+through plain `peft.PeftModel.from_pretrained`, the way any user of the ecosystem would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from tinygpt.config import DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
+from tinygpt.data import WindowSampler, fixed_batches  # noqa: E402
+from tinygpt.finetune import (FINETUNE_RECIPES, FinetuneError, LoraSettings, attach_lora, base_signature,  # noqa: E402
+                              causal_lm_loss, check_qlora, export_tinygpt_base, finetune, generate_response,
+                              get_finetune_recipe, linear_layer_names, load_base, load_finetuned, memory_table,
+                              merge_adapter)
+from tinygpt.model import GPT  # noqa: E402
+from tinygpt.tokenizer import train_bpe  # noqa: E402
+from tinygpt.trainer import Trainer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# Small enough for seconds on a laptop CPU, large enough that the loss visibly falls.
+FAST = dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=24, warmup_steps=2, lr=5e-3, min_lr=5e-4,
+            eval_every=8, save_every=8, eval_batches=2, log_every=4)
+
+
+def texts(records: list[dict]) -> list[str]:
+    return [r["instruction"] + "\n" + r["input"] + "\n" + r["output"] for r in records]
+
+
+def make_run(folder: Path, docs: list[str], tok, seed: int, steps: int) -> Path:
+    """A real tinygpt run folder: a tiny GPT pretrained by the Trainer on `docs`."""
+    recipe = Recipe("test-tiny", "tiny base for finetuning tests", "cpu", model_config("tiny", vocab_size=512),
+                    TrainConfig(micro_batch_size=8, seq_len=64, max_steps=steps, lr=3e-3, min_lr=3e-4, warmup_steps=5,
+                                eval_every=0, save_every=0, log_every=steps, precision="fp32", compile="off", seed=seed),
+                    DataConfig(vocab_size=512))
+    ids = np.array([t for text in docs for t in tok.encode(text) + [tok.eot_id]], dtype=np.int64)
+    torch.manual_seed(seed)
+    model = GPT(recipe.model)
+    Trainer(model, recipe.train, WindowSampler(ids, 64, seed), fixed_batches(ids[-2000:], 64, 8, 1), folder,
+            device="cpu", progress=False).fit("never")
+    (folder / "run.json").write_text(json.dumps({"recipe": recipe.to_dict()}))
+    tok.save(folder / "tokenizer.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def alpaca(shared_data) -> list[dict]:
+    return json.loads((shared_data / "code_alpaca_2k.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls run fastest on one thread; two threads on a busy 2-core machine spin for 10x the time."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def prose(shakespeare) -> list[str]:
+    text = shakespeare[:300_000]
+    return [text[i:i + 2000] for i in range(0, len(text), 2000)]
+
+
+@pytest.fixture(scope="module")
+def tok(alpaca, prose):
+    return train_bpe(texts(alpaca) + prose, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, prose, tok) -> Path:
+    """A base that knows English prose (Shakespeare) and has never seen code: finetuning has work to do."""
+    return make_run(tmp_path_factory.mktemp("tiny") / "run", prose, tok, seed=0, steps=60)
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory, tiny_run, shared_data):
+    return finetune("lora-r8", str(tiny_run), str(shared_data / "code_alpaca_2k.json"),
+                    tmp_path_factory.mktemp("lora") / "ft", hardware="cpu", train=FAST, progress=False)
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory, tiny_run, shared_data):
+    return finetune("qlora-r16", str(tiny_run), str(shared_data / "code_alpaca_2k.json"),
+                    tmp_path_factory.mktemp("qlora") / "ft", hardware="cpu", train={**FAST, "max_steps": 16},
+                    progress=False)
+
+
+def val_loss(model, batches) -> float:
+    with torch.no_grad():
+        total = sum(float(causal_lm_loss(model, x, y)) for x, y in batches)
+    return total / sum(int((y != -100).sum()) for _, y in batches)
+
+
+def logits(model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+@pytest.fixture(scope="module")
+def val_batches(lora):
+    """The run's own validation batches (same data, tokenizer and seed as in training)."""
+    from tinygpt.instruct import build_instruct_data
+    cfg = get_finetune_recipe("lora-r8").train_config("cpu", **FAST)
+    data = json.loads((lora.run_dir / "finetune.json").read_text())["data"]
+    return build_instruct_data(data, lora.tokenizer, cfg.seq_len, seed=cfg.seed, val_batch_size=cfg.micro_batch_size,
+                               eval_batches=cfg.eval_batches).val_batches
+
+
+# ----- a tinygpt base ------------------------------------------------------------------------------
+def test_tinygpt_base_exports_to_llama_with_identical_logits(tiny_run, tmp_path):
+    from tinygpt.checkpoint import load_run
+    gpt, tok, _, _ = load_run(tiny_run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_tinygpt_base(tiny_run, tmp_path / "base"))
+    x = torch.tensor([tok.encode("def add(a, b):\n    return a + b")])
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    torch.testing.assert_close(logits(hf, x), gpt(x), rtol=0, atol=1e-5)
+    assert linear_layer_names(hf) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def test_lora_loss_falls_on_code_data(lora, val_batches):
+    assert lora.train.step == 24 and lora.data.format == "alpaca" and lora.data.truncated > 0
+    assert lora.trainable_params == 2 * 8 * (4 * (64 + 64) + 3 * (64 + 192))  # r (in + out) per layer, 2 blocks
+    base = load_base(json.loads((lora.adapter_dir / "tinygpt_finetune.json").read_text())["base_path"])
+    before, after = val_loss(base, val_batches), val_loss(lora.model, val_batches)
+    assert after < before - 0.2, (before, after)
+    assert lora.train.val_loss == pytest.approx(after, rel=1e-5)  # the trainer measured the same thing
+
+
+def test_only_adapters_train_and_checkpoints_hold_only_them(lora):
+    names = [n for n, p in lora.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert lora.trainable_params == sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
+    from safetensors.torch import load_file
+    sd = load_file(str(lora.run_dir / "checkpoints" / "step_000024" / "model.safetensors"))
+    assert sd and all("lora_" in k for k in sd) and len(sd) == 2 * 7 * 2  # A and B, 7 layers each, 2 blocks
+
+
+def test_saved_adapter_reloads_through_peft_with_the_same_outputs(lora):
+    from peft import PeftModel
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in lora.adapter_dir.iterdir()}
+    config = json.loads((lora.adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and config["task_type"] == "CAUSAL_LM"
+    base = transformers.AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    reloaded = PeftModel.from_pretrained(base, str(lora.adapter_dir)).eval()
+    x = torch.tensor([lora.tokenizer("def fib(n):")["input_ids"]])
+    assert torch.equal(logits(reloaded, x), logits(lora.model, x))
+
+
+def test_merged_model_matches_the_adapter_model(lora):
+    out = merge_adapter(lora.run_dir)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.tensor([lora.tokenizer("Write a function that sorts a list.")["input_ids"]])
+    # W + BA folded into one matrix changes only the fp32 summation order
+    torch.testing.assert_close(logits(merged, x), logits(lora.model, x), rtol=0, atol=1e-4)
+    text = generate_response(merged, lora.tokenizer, "Write a function that adds two numbers.", max_new_tokens=12)
+    assert text == generate_response(lora.model, lora.tokenizer, "Write a function that adds two numbers.",
+                                     max_new_tokens=12)
+
+
+def test_adapter_on_a_different_base_is_refused(lora, tmp_path, prose, tok):
+    other = make_run(tmp_path / "other", prose[:20], tok, seed=1, steps=2)
+    other_base = export_tinygpt_base(other, tmp_path / "other_base")
+    with pytest.raises(FinetuneError, match="different base: same shapes, different weights"):
+        load_finetuned(lora.run_dir, base=str(other_base))
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "narrow")
+    with pytest.raises(FinetuneError, match=r"different base .*hidden_size: 64 vs 32"):
+        load_finetuned(lora.run_dir, base=str(tmp_path / "narrow"))
+    (lora.adapter_dir / "tinygpt_finetune.json").rename(tmp_path / "info.json")  # a bare PEFT adapter
+    try:
+        with pytest.raises(FinetuneError, match="does not fit base"):
+            load_finetuned(lora.run_dir, base=str(tmp_path / "narrow"))
+    finally:
+        (tmp_path / "info.json").rename(lora.adapter_dir / "tinygpt_finetune.json")
+
+
+# ----- a Hugging Face base -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory, tok) -> Path:
+    d = tmp_path_factory.mktemp("qwen2") / "base"
+    cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(d)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|endoftext|>").save_pretrained(d)
+    return d
+
+
+def test_hf_base_with_dora_and_rslora_on_mbpp(qwen2_dir, shared_data, tmp_path):
+    from peft import PeftModel
+    recipe = get_finetune_recipe("lora-r16")
+    recipe.lora = LoraSettings(r=16, alpha=32, use_rslora=True, use_dora=True, target_modules=("q_proj", "v_proj", "down_proj"))
+    res = finetune(recipe, str(qwen2_dir), str(shared_data / "mbpp.jsonl"), tmp_path / "ft", hardware="cpu",
+                   train={**FAST, "max_steps": 8, "eval_every": 4}, progress=False)
+    assert res.data.format == "mbpp" and res.data.excluded == 500
+    losses = [m["val_loss"] for m in res.train.metrics if "val_loss" in m]
+    assert losses[-1] < losses[0]
+    config = json.loads((res.adapter_dir / "adapter_config.json").read_text())
+    assert config["use_dora"] and config["use_rslora"] and sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    reloaded = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(qwen2_dir),
+                                         str(res.adapter_dir)).eval()
+    x = torch.tensor([res.tokenizer("assert add(1, 2) == 3")["input_ids"]])
+    torch.testing.assert_close(logits(reloaded, x), logits(res.model, x), rtol=0, atol=1e-6)
+
+
+def test_gpt2_family_linear_layers_are_found():
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2))
+    assert linear_layer_names(model) == ["c_attn", "c_fc", "c_proj"]  # Conv1D layers count; lm_head does not
+    pm = attach_lora(model, LoraSettings(r=4, alpha=8))
+    assert {n.split(".")[-3] for n, p in pm.named_parameters() if p.requires_grad} == {"c_attn", "c_fc", "c_proj"}
+
+
+# ----- QLoRA ---------------------------------------------------------------------------------------
+def test_qlora_trains_a_4bit_base_on_the_cpu(qlora, val_batches):
+    import bitsandbytes as bnb
+    layer = qlora.model.get_base_model().model.layers[0].self_attn.q_proj
+    assert isinstance(layer.base_layer, bnb.nn.Linear4bit) and layer.base_layer.weight.quant_type == "nf4"
+    assert layer.base_layer.weight.quant_state.nested  # double quantization
+    assert all(p.dtype == torch.float32 for p in qlora.model.parameters() if p.requires_grad)
+    base = load_base(json.loads((qlora.adapter_dir / "tinygpt_finetune.json").read_text())["base_path"], quantize="nf4")
+    before, after = val_loss(base, val_batches), val_loss(qlora.model, val_batches)
+    assert after < before - 0.15, (before, after)
+
+
+def test_qlora_adapter_reloads_and_merges_into_the_dequantized_base(qlora):
+    x = torch.tensor([qlora.tokenizer("def is_even(n):")["input_ids"]])
+    reloaded, _ = load_finetuned(qlora.run_dir)
+    assert torch.equal(logits(reloaded, x), logits(qlora.model, x))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merge_adapter(qlora.run_dir)).eval()
+    assert not any("4bit" in type(m).__name__ for m in merged.modules())
+    torch.testing.assert_close(logits(merged, x), logits(qlora.model, x), rtol=0, atol=1e-4)
+
+
+def test_qlora_gradients_match_a_dequantized_fp32_reference(qlora, val_batches):
+    """bitsandbytes' CPU path is checked against plain fp32 matmuls with the dequantized weights."""
+    base = load_base(json.loads((qlora.adapter_dir / "tinygpt_finetune.json").read_text())["base_path"], quantize="nf4")
+    from peft import PeftModel
+    ref = PeftModel.from_pretrained(base.dequantize(), str(qlora.adapter_dir), is_trainable=True)
+    quant = PeftModel.from_pretrained(load_base(str(base.name_or_path), quantize="nf4"), str(qlora.adapter_dir),
+                                      is_trainable=True)
+    x, y = val_batches[0]
+    grads = []
+    for m in (quant, ref):
+        m.eval()  # no dropout: the two passes must see the same function
+        causal_lm_loss(m, x, y).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 28
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6)
+
+
+def test_qlora_without_bitsandbytes_fails_before_training(monkeypatch, tmp_path, tiny_run, shared_data):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
+    with pytest.raises(FinetuneError, match=r"QLoRA needs bitsandbytes.*pip install bitsandbytes"):
+        finetune("qlora-r16", str(tiny_run), str(shared_data / "mbpp.jsonl"), tmp_path / "ft", hardware="cpu")
+    assert not (tmp_path / "ft").exists()
+    monkeypatch.delitem(sys.modules, "bitsandbytes")
+    with pytest.raises(FinetuneError, match="no 4-bit kernels for mps"):
+        check_qlora(torch.device("mps"))
+
+
+# ----- bad input -----------------------------------------------------------------------------------
+def test_bad_bases_and_settings_fail_clearly(tmp_path, tiny_run, shared_data, monkeypatch):
+    data = str(shared_data / "code_alpaca_2k.json")
+    with pytest.raises(FinetuneError, match="does not exist"):
+        finetune("lora-r8", str(tmp_path / "nope"), data, tmp_path / "a", hardware="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FinetuneError, match="neither run.json .* nor config.json"):
+        finetune("lora-r8", str(tmp_path / "empty"), data, tmp_path / "a", hardware="cpu")
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no waiting on a network
+    with pytest.raises(FinetuneError, match="could not load base model 'no-such-org/no-such-model'.*huggingface-cli login"):
+        finetune("lora-r8", "no-such-org/no-such-model", data, tmp_path / "a", hardware="cpu")
+    with pytest.raises(FinetuneError, match="unknown finetune recipe 'lora-r7'; choose one of lora-r8"):
+        finetune("lora-r7", str(tiny_run), data, tmp_path / "a")
+    with pytest.raises(FinetuneError, match="no setting for hardware 'v100'"):
+        finetune("lora-r8", str(tiny_run), data, tmp_path / "a", hardware="v100")
+    assert not (tmp_path / "a").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(export_tinygpt_base(tiny_run, tmp_path / "b"))
+    with pytest.raises(FinetuneError, match=r"\['qkv_proj'\] match no linear layer.*down_proj, gate_proj, k_proj"):
+        attach_lora(model, LoraSettings(target_modules=("q_proj", "qkv_proj")))
+    with pytest.raises(FinetuneError, match="r >= 1"):
+        LoraSettings(r=0)
+
+
+def test_bad_data_fails_before_training(tmp_path, tiny_run):
+    (tmp_path / "d.json").write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}, {"instruction": "c"}]))
+    from tinygpt.data import DataError
+    with pytest.raises(DataError, match="record 1 has no field 'output'"):
+        finetune("lora-r8", str(tiny_run), str(tmp_path / "d.json"), tmp_path / "ft", hardware="cpu")
+    assert not (tmp_path / "ft" / "checkpoints").exists()
+
+
+def test_run_folder_of_another_finetune_is_refused(lora, shared_data):
+    with pytest.raises(FinetuneError, match="holds another finetuning run"):
+        finetune("lora-r16", json.loads((lora.run_dir / "finetune.json").read_text())["base"],
+                 str(shared_data / "code_alpaca_2k.json"), lora.run_dir, hardware="cpu", train=FAST)
+
+
+# ----- recipes --------------------------------------------------------------------------------------
+def test_recipes_and_memory_table():
+    assert set(FINETUNE_RECIPES) == {"lora-r8", "lora-r16", "lora-r32", "qlora-r16"}
+    for r in FINETUNE_RECIPES.values():
+        t4, a100 = r.train_config("t4"), r.train_config("a100")
+        assert (t4.micro_batch_size, t4.grad_accum_steps, t4.seq_len, t4.lr, t4.warmup_steps) == (4, 4, 512, 2e-4, 100)
+        assert (a100.micro_batch_size, a100.grad_accum_steps, a100.seq_len, a100.lr, a100.warmup_steps) == (8, 2, 768, 2.5e-4, 150)
+        assert t4.micro_batch_size * t4.grad_accum_steps == a100.micro_batch_size * a100.grad_accum_steps == 16
+    gemma2_2b = dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                     num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                     tie_word_embeddings=True)
+    q = {r["part"]: r["gb"] for r in memory_table(FINETUNE_RECIPES["qlora-r16"], "t4", gemma2_2b)}
+    lo = {r["part"]: r["gb"] for r in memory_table(FINETUNE_RECIPES["lora-r16"], "t4", gemma2_2b)}
+    assert 1.5 < q["base weights"] < 2.5 < 4.5 < lo["base weights"] < 5.5  # 2.6B weights: ~2 GB in NF4, 5.2 in fp16
+    assert 0.08 < q["adapters"] < 0.1  # rank 16 on all 7 projections of 26 layers: 20.8M fp32 weights
+    assert q["total"] < 15  # fits a T4
+
+
+# ----- kill -9 and resume -------------------------------------------------------------------------
+KILLER = textwrap.dedent("""
+    import os, signal, sys, json
+    from tinygpt.finetune import finetune
+    kill_at = int(sys.argv[4])
+    class Killer:
+        def on_log(self, m):
+            if m.get("step") == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # after step 5, before its checkpoint: step 5 is lost
+    train = dict(seq_len=64, micro_batch_size=2, grad_accum_steps=2, max_steps=8, warmup_steps=2, lr=3e-3,
+                 eval_every=4, save_every=2, eval_batches=1, log_every=1)
+    finetune("lora-r8", sys.argv[1], sys.argv[2], sys.argv[3], hardware="cpu", train=train, progress=False,
+             callbacks=[Killer()] if kill_at else [])
+""")
+
+
+def test_kill_9_and_resume_gives_the_same_adapter_bit_for_bit(tmp_path, tiny_run, shared_data):
+    from safetensors.torch import load_file
+    data = str(shared_data / "mbpp.jsonl")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    def run(run_dir: Path, kill_at: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", KILLER, str(tiny_run), data, str(run_dir), str(kill_at)],
+                              env=env, capture_output=True, text=True, timeout=300)
+
+    killed = run(tmp_path / "broken", 5)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "broken" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    resumed = run(tmp_path / "broken", 0)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    whole = run(tmp_path / "whole", 0)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    a = load_file(str(tmp_path / "broken" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "whole" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    strip = lambda ms: [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in ms]  # noqa: E731
+    assert strip(log(tmp_path / "broken")) == strip(log(tmp_path / "whole"))

@@ -1,0 +1,172 @@
+"""Hugging Face export and import, checked through `transformers` itself: same logits, same token ids."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinygpt import hf
+from tinygpt.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
+from tinygpt.config import ModelConfig, get_recipe
+from tinygpt.model import GPT
+from tinygpt.tokenizer import EOT, Tokenizer, train_bpe
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine two threads spin-wait."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok(shakespeare) -> Tokenizer:
+    return train_bpe([shakespeare[:200_000]], 512)
+
+
+def _texts(shakespeare: str) -> list[str]:
+    return [shakespeare[:400], shakespeare[50_000:50_300], "def f(x):\n    return x ** 2  # ünïcödé ✓",
+            f"one document{EOT}the next", "  leading and trailing spaces  "]
+
+
+def _perturbed(config: ModelConfig, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    m = GPT(config)
+    with torch.no_grad():  # far from init, so that a wrong mapping of any weight shows in the logits
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return m.eval()
+
+
+def _make_run(path: Path, tok: Tokenizer, model: GPT) -> Path:
+    recipe = get_recipe("cpu-smoke").replace(model=dataclasses.asdict(model.config), data={"vocab_size": tok.vocab_size})
+    path.mkdir(parents=True)
+    (path / "run.json").write_text(json.dumps({"recipe": recipe.to_dict()}))
+    tok.save(path / "tokenizer.json")
+    save_checkpoint(path / "checkpoints" / step_name(10), model_state(model), {"step": 10})
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_round_trip_through_transformers(tmp_path, tok, shakespeare, tied):
+    config = dataclasses.replace(get_recipe("cpu-smoke").model, tie_embeddings=tied, n_kv_head=1, rope_theta=5000.0)
+    model = _perturbed(config)
+    run = _make_run(tmp_path / "run", tok, model)
+    out = hf.export_run(run, tmp_path / "export")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["eos_token_id"] == tok.eot_id
+    assert cfg["rope_theta"] == 5000.0  # also at the top level, where transformers 4.x reads it
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok.eos_token == hf_tok.bos_token == EOT
+    for text in _texts(shakespeare):
+        ids = tok.encode(text)
+        assert hf_tok(text)["input_ids"] == ids and hf_tok.decode(ids) == text
+        x = torch.tensor([ids[:config.max_seq_len]])
+        with torch.no_grad():
+            torch.testing.assert_close(hf_model(x).logits, model(x), atol=1e-4, rtol=0)
+
+
+def test_evaluation_of_an_export_matches_the_run(tmp_path, tok, shared_data):
+    from tinygpt.evaluate import run_eval
+
+    model = _perturbed(dataclasses.replace(get_recipe("cpu-smoke").model, max_seq_len=512), seed=2)
+    run = _make_run(tmp_path / "run", tok, model)
+    out = hf.export_run(run, tmp_path / "export")
+    for task, data, opts in [("perplexity", "wikitext2_test.txt", {"max_chars": 1500, "window": 128, "stride": 64}),
+                             ("hellaswag", "hellaswag_val.txt.bz2", {"limit": 2}),
+                             ("humaneval", "HumanEval.jsonl.gz", {"limit": 1, "max_new_tokens": 8})]:
+        a = run_eval(run, task, data=shared_data / data, **opts)
+        b = run_eval(out, task, data=shared_data / data, **opts)
+        if task == "perplexity":
+            assert b["nll_nats"] == pytest.approx(a["nll_nats"], rel=1e-5)
+        elif task == "hellaswag":
+            assert (b["acc"], b["acc_norm"]) == (a["acc"], a["acc_norm"])
+        else:  # greedy decoding through transformers' generate gives the same completion
+            assert b["per_problem"][0]["completions"] == a["per_problem"][0]["completions"]
+
+
+def test_export_refuses_a_target_that_exists(tmp_path, tok):
+    run = _make_run(tmp_path / "run", tok, _perturbed(get_recipe("cpu-smoke").model))
+    target = tmp_path / "taken"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty; nothing was written"):
+        hf.export_run(run, target)
+    assert [p.name for p in target.iterdir()] == ["keep.txt"] and (target / "keep.txt").read_text() == "mine"
+    a_file = tmp_path / "file.bin"
+    a_file.write_text("x")
+    with pytest.raises(FileExistsError):
+        hf.export_run(run, a_file)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (hf.export_run(run, empty) / "model.safetensors").is_file()  # an empty folder is fine
+    assert not list(tmp_path.glob(".tmp-export-*"))
+
+
+def test_export_of_a_run_without_checkpoint_says_train_first(tmp_path, tok):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"recipe": get_recipe("cpu-smoke").to_dict()}))
+    with pytest.raises(CheckpointError, match="no valid checkpoint.*pretrain"):
+        hf.export_run(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tied,shard", [(False, False), (True, True)])
+def test_import_of_a_transformers_llama(tmp_path, tok, shakespeare, tied, shard):
+    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=160,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, rope_theta=5000.0, tie_word_embeddings=tied,
+                                   eos_token_id=tok.eot_id, bos_token_id=tok.eot_id)
+    torch.manual_seed(1)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ref.save_pretrained(tmp_path / "llama", **({"max_shard_size": "100KB"} if shard else {}))
+    hf.hf_tokenizer(tok).save_pretrained(tmp_path / "llama")
+    if shard:
+        assert (tmp_path / "llama" / hf.SAFETENSORS_INDEX).is_file()
+    model, imported_tok = hf.import_hf(tmp_path / "llama")
+    assert model.config.n_kv_head == 2 and model.config.rope_theta == 5000.0 and model.config.tie_embeddings == tied
+    assert imported_tok is not None and imported_tok.eot_id == tok.eot_id
+    for text in _texts(shakespeare)[:3]:
+        ids = imported_tok.encode(text)
+        assert ids == tok.encode(text)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x).logits, atol=1e-4, rtol=0)
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_export_then_import_gives_the_same_weights(tmp_path, tok):
+    model = _perturbed(get_recipe("cpu-smoke").model, seed=3)
+    out = hf.export_model(model, tok, tmp_path / "exported")
+    back, back_tok = hf.import_hf(out)
+    a, b = model_state(model), model_state(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert back_tok.to_json() == tok.to_json()
+
+
+def test_import_refuses_what_it_cannot_load(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        hf.import_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="Llama"):
+        hf.import_hf(tmp_path)
+    llama = {**get_recipe("cpu-smoke").model.to_hf_llama(), "model_type": "llama"}
+    (tmp_path / "config.json").write_text(json.dumps({**llama, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        hf.import_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    with pytest.raises(FileNotFoundError, match="save_pretrained"):
+        hf.import_hf(tmp_path)

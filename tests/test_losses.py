@@ -1,0 +1,163 @@
+"""The chunked cross-entropy equals the plain one, in value and gradients, and keeps less for backward."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinygpt import losses
+from tinygpt.config import model_config
+from tinygpt.losses import default_chunk_rows, linear_cross_entropy
+from tinygpt.model import GPT, IGNORE_INDEX
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from two threads, and on a busy machine the threads wait on each other."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def problem(n: int = 301, d: int = 16, vocab: int = 97, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g).requires_grad_()
+    w = (torch.randn(vocab, d, generator=g) * 0.5).requires_grad_()
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[::7] = IGNORE_INDEX
+    t[-3:] = IGNORE_INDEX
+    return x, w, t
+
+
+def plain(x, w, t, reduction):
+    return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk_rows", [7, 64, 300, 1000])  # none divides the 301 rows; 1000 > rows
+def test_equals_plain_loss_and_gradients_fp32(reduction, chunk_rows):
+    x, w, t = problem()
+    ref = plain(x, w, t, reduction)
+    ref_gx, ref_gw = torch.autograd.grad(ref, (x, w))
+    got = linear_cross_entropy(x, w, t, reduction=reduction, chunk_rows=chunk_rows)
+    gx, gw = torch.autograd.grad(got, (x, w))
+    assert got.dtype == torch.float32 and got.shape == ()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, ref_gx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-5, atol=1e-6)
+    assert gx[t == IGNORE_INDEX].abs().max() == 0  # ignored tokens get no gradient
+
+
+def test_batched_shapes_and_backward_scale():
+    """(B, T, d) inputs as the model gives them; an upstream gradient (the trainer's 1/n, the
+    GradScaler's scale) multiplies both gradients."""
+    x, w, t = problem(n=4 * 50)
+    x3 = x.detach().view(4, 50, 16).requires_grad_()
+    (plain(x3.view(-1, 16), w, t, "sum") * 3.5).backward()
+    ref_gx, ref_gw = x3.grad.clone(), w.grad.clone()
+    x3.grad = w.grad = None
+    (linear_cross_entropy(x3, w, t.view(4, 50), reduction="sum", chunk_rows=33) * 3.5).backward()
+    torch.testing.assert_close(x3.grad, ref_gx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, ref_gw, rtol=1e-5, atol=1e-6)
+
+
+def test_autocast_bf16_matches_plain_autocast():
+    """Under autocast the chunk matmuls run in bf16 and the log-softmax in fp32, as in the plain path."""
+    x, w, t = problem(n=200, d=32, vocab=500)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = linear_cross_entropy(x, w, t, chunk_rows=0)
+        ref_g = torch.autograd.grad(ref, (x, w))
+        got = linear_cross_entropy(x, w, t, chunk_rows=48)
+        g = torch.autograd.grad(got, (x, w))
+    assert got.dtype == torch.float32
+    assert abs(got.item() - ref.item()) < 1e-3 * ref.item()
+    for a, b in zip(g, ref_g):
+        assert a.dtype == torch.float32
+        assert (a - b).abs().max() < 2e-2 * b.abs().max()  # bf16 rounding of the logit gradients
+
+
+def test_tied_embeddings_gradients_accumulate(monkeypatch):
+    """The model's own loss, forced into chunks, gives every parameter the plain loss's gradient;
+    the tied embedding / lm_head matrix gets the sum of both uses."""
+    torch.manual_seed(0)
+    model = GPT(model_config("tiny", vocab_size=300, max_seq_len=32, tie_embeddings=True))
+    idx = torch.randint(0, 300, (3, 32))
+    targets = torch.randint(0, 300, (3, 32))
+    targets[:, :5] = IGNORE_INDEX
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(idx, targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_loss, ref = grads()  # 96 x 300 logits: the automatic choice is the plain loss
+    monkeypatch.setattr(losses, "PLAIN_MAX_LOGITS", 0)
+    monkeypatch.setattr(losses, "CHUNK_LOGITS", 300 * 37)  # chunks of 37 rows
+    assert default_chunk_rows(96, 300) == 37
+    loss, got = grads()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert got.keys() == ref.keys() and "model.embed_tokens.weight" in got
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_saves_far_less_for_backward():
+    """Bytes kept for the backward pass: the plain loss keeps (rows x vocab) fp32 logits, the
+    chunked one only the hidden states' and the weight's gradients."""
+    n, d, vocab = 1024, 32, 2048
+
+    def saved_bytes(chunk_rows: int) -> int:
+        x, w, t = problem(n=n, d=d, vocab=vocab)
+        total = 0
+
+        def pack(tensor):
+            nonlocal total
+            total += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = linear_cross_entropy(x, w, t, chunk_rows=chunk_rows)
+        loss.backward()
+        return total
+
+    plain_bytes, chunked_bytes = saved_bytes(0), saved_bytes(128)
+    assert plain_bytes >= n * vocab * 4  # the fp32 logits (8 MB)
+    assert chunked_bytes <= (n * d + vocab * d) * 4 + 1024  # grad_x + grad_w (0.4 MB)
+    assert chunked_bytes * 10 < plain_bytes
+
+
+def test_under_torch_compile_fullgraph():
+    x, w, t = problem()
+    compiled = torch.compile(lambda x, w, t: linear_cross_entropy(x, w, t, chunk_rows=64),
+                             fullgraph=True, backend="aot_eager")
+    got = compiled(x, w, t)
+    g = torch.autograd.grad(got, (x, w))
+    ref = plain(x, w, t, "mean")
+    ref_g = torch.autograd.grad(ref, (x, w))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_and_all_ignored():
+    x, w, t = problem()
+    with torch.no_grad():
+        assert linear_cross_entropy(x, w, t, chunk_rows=50).item() == pytest.approx(plain(x, w, t, "mean").item(),
+                                                                                    rel=1e-6)
+    t_none = torch.full_like(t, IGNORE_INDEX)
+    assert math.isnan(linear_cross_entropy(x, w, t_none, chunk_rows=50).item())  # as F.cross_entropy
+    assert math.isnan(plain(x, w, t_none, "mean").item())
+    assert linear_cross_entropy(x, w, t_none, reduction="sum", chunk_rows=50).item() == 0.0
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(x, w, t, reduction="none")
+
+
+def test_default_chunk_rows():
+    assert default_chunk_rows(64, 512) == 0  # small: the plain loss
+    rows = default_chunk_rows(32 * 1024, 50304)  # a 124M recipe's micro-batch
+    assert 0 < rows <= losses.CHUNK_LOGITS // 50304 and rows % 64 == 0
+    assert default_chunk_rows(1000, 10**6) == 33  # huge vocabulary: fewer than 64 rows, no rounding

@@ -1,0 +1,553 @@
+"""Google Drive, or any folder, as a mirror of a run folder.
+
+Training writes each checkpoint to the local disk first (fast, atomic) and hands it to a `Mirror`,
+whose background thread copies it to the mirror: data files into a temporary folder, each checked
+against the local manifest (size and sha256), manifest.json last, then renamed into place, so a
+`step_*` folder on the mirror is complete by construction. Drive errors (a dropped FUSE mount says
+ENOTCONN, a full quota ENOSPC) are retried with exponential backoff and only reported in
+`Mirror.status`: the training thread never waits for Drive and never sees its errors.
+On a new VM `restore_latest` brings back the newest valid checkpoint, local or mirrored.
+This module knows files and folders, never models.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from .checkpoint import MANIFEST, list_checkpoints, sha256_file, verify_checkpoint
+
+RUN_FILES = ("run.json", "tokenizer.json", "metrics.jsonl", "samples.txt")
+CACHE_MARKER = "meta.json"  # a token cache is complete once its meta.json exists (written last)
+DRIVE_RUNS = Path("tinygpt", "runs")
+CopyFile = Callable[[Path, Path], Any]
+
+
+class SyncError(OSError):
+    """A copy that does not match its source's manifest."""
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    # copyfile, not copy2: Drive's FUSE mount refuses some chmod/xattr calls that copystat makes
+    shutil.copyfile(src, dst)
+
+
+@dataclass
+class Backoff:
+    """Retry policy for Drive operations; `sleep` is injectable so tests never wait."""
+    max_attempts: int = 8
+    base_delay_s: float = 2.0
+    max_delay_s: float = 60.0
+    sleep: Callable[[float], Any] = time.sleep
+
+    def run(self, fn: Callable[[], Any], on_error: Callable[[OSError], Any] | None = None,
+            fatal: tuple[type[BaseException], ...] = ()) -> Any:
+        """fn(), retried on OSError with delays base, 2*base, ... (capped); `fatal` ones are not retried."""
+        delay = self.base_delay_s
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return fn()
+            except OSError as e:
+                if on_error is not None:
+                    on_error(e)
+                if attempt >= self.max_attempts or isinstance(e, fatal):
+                    raise
+                self.sleep(min(delay, self.max_delay_s))
+                delay *= 2
+
+
+# ---- Colab ---------------------------------------------------------------------------------------
+
+def in_colab() -> bool:
+    try:
+        import google.colab  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def mount_drive(mountpoint: str | Path = "/content/drive", force_remount: bool = False, **kwargs) -> Path:
+    """Mount Google Drive (Colab only) and return its MyDrive folder."""
+    try:
+        from google.colab import drive
+    except ImportError:
+        raise RuntimeError("mount_drive needs Google Colab; elsewhere any folder can be the mirror "
+                           "(`tinygpt pretrain --mirror DIR`)") from None
+    drive.mount(str(mountpoint), force_remount=force_remount, **kwargs)
+    mydrive = Path(mountpoint) / "MyDrive"
+    if not mydrive.is_dir():
+        raise OSError(f"Drive did not appear at {mydrive}; try mount_drive(force_remount=True)")
+    return mydrive
+
+
+def drive_run_dir(name: str, mydrive: str | Path | None = None) -> Path:
+    """MyDrive/tinygpt/runs/<name> (mounting Drive first when `mydrive` is not given)."""
+    return Path(mydrive if mydrive is not None else mount_drive()) / DRIVE_RUNS / name
+
+
+# ---- folder copies -------------------------------------------------------------------------------
+
+def _fsync(path: Path) -> None:
+    # best effort: some FUSE mounts refuse fsync on folders; copies are verified by reading them back
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _check(path: Path, info: dict[str, Any]) -> None:
+    size = path.stat().st_size
+    if size != info["size"]:
+        raise SyncError(f"{path} has {size} bytes, manifest says {info['size']}")
+    if sha256_file(path) != info["sha256"]:
+        raise SyncError(f"{path} fails its sha256 check")
+
+
+def _files_of(manifest_bytes: bytes, where: Path) -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads(manifest_bytes)["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SyncError(f"unreadable manifest in {where}: {e}") from None
+
+
+def _replace_dir(tmp: Path, dst: Path, tag: str) -> None:
+    """Rename a finished temp folder into place; an old one is moved aside first, so a crash leaves one."""
+    if dst.exists():
+        old = dst.parent / f".old-{dst.name}-{tag}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+    _fsync(dst.parent)
+
+
+def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: dict[str, bytes],
+                 copy_file: CopyFile, tag: str) -> None:
+    """Copy `files` (name -> size, sha256) into a temp folder, verifying each, then write `last`
+    (name -> bytes) in order and rename the folder into place."""
+    tmp = dst.parent / f".tmp-{dst.name}-{tag}"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for name, info in files.items():
+            copy_file(src / name, tmp / name)
+            _check(tmp / name, info)
+            _fsync(tmp / name)
+        for name, data in last.items():
+            (tmp / name).write_bytes(data)
+            _fsync(tmp / name)
+        _replace_dir(tmp, dst, tag)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path, copy_file: CopyFile = _copy_file, tag: str = "") -> None:
+    """Copy a checkpoint folder, data files verified against src's manifest, the manifest last."""
+    raw = (Path(src) / MANIFEST).read_bytes()  # read once: a best/ replaced meanwhile fails the checks
+    _copy_folder(Path(src), Path(dst), _files_of(raw, src), {MANIFEST: raw}, copy_file, tag or _new_tag())
+
+
+def _write_atomic(dst: Path, data: bytes, tag: str, mtime_ns: int) -> None:
+    tmp = dst.parent / f".tmp-{dst.name}-{tag}"
+    tmp.write_bytes(data)
+    _fsync(tmp)
+    with contextlib.suppress(OSError):  # keeps "is the mirror's copy newer" meaningful on restore
+        os.utime(tmp, ns=(mtime_ns, mtime_ns))
+    os.replace(tmp, dst)
+
+
+def _read_whole_lines(path: Path) -> bytes:
+    data = path.read_bytes()
+    # metrics.jsonl may be mid-append: keep whole lines only, the rest comes with the next sync
+    return data[: data.rfind(b"\n") + 1] if path.suffix == ".jsonl" else data
+
+
+def _new_tag() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def prune_mirror(ckpt_root: str | Path, keep_last: int, known_valid: set[str] | frozenset = frozenset()) -> list[Path]:
+    """Keep the newest `keep_last` valid step folders and whatever is newer; delete the older ones.
+    Folders named in `known_valid` were verified already; others get a size check (cheap on Drive).
+    With no valid folder nothing is deleted, so the only valid one is never lost."""
+    ckpts = list_checkpoints(ckpt_root)
+    valid = [(s, p) for s, p in ckpts if p.name in known_valid or verify_checkpoint(p, deep=False)[0]]
+    if not valid:
+        return []
+    oldest_kept = valid[-max(keep_last, 1):][0][0]
+    removed = [p for s, p in ckpts if s < oldest_kept]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def _clean_leftovers(folder: Path, tag: str) -> None:
+    """Remove temp folders and files of interrupted copies (a killed VM); put back a moved-aside one."""
+    if not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        if not p.name.startswith((".tmp-", ".old-")) or p.name.endswith(tag):
+            continue
+        target = folder / p.name[5:].split("-")[0]
+        if p.name.startswith(".old-") and not target.exists():
+            os.replace(p, target)  # killed between the two renames of _replace_dir
+        elif p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+# ---- the background mirror -----------------------------------------------------------------------
+
+@dataclass
+class MirrorStatus:
+    """What a notebook shows about the mirror (a snapshot; times come from the mirror's clock)."""
+    last_synced_step: int | None = None
+    last_synced_at: float | None = None
+    best_step: int | None = None
+    pending: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    last_error_at: float | None = None
+    superseded: int = 0
+
+    def __str__(self) -> str:
+        s = (f"mirror: step {self.last_synced_step} synced" if self.last_synced_step is not None
+             else "mirror: no checkpoint synced yet") + f", {self.pending} pending"
+        if self.last_error:
+            s += f", {self.errors} errors, last: {self.last_error}"
+        return s
+
+
+class Mirror:
+    """Mirrors a local run folder to `mirror_run_dir` in a background thread.
+
+    The trainer's callback: `on_checkpoint(path, step)` after each complete checkpoint (steps and
+    best/), `on_log(metrics)` after each logged step, `close()` at the end. None of them blocks on
+    Drive or raises."""
+
+    def __init__(self, local_run_dir: str | Path, mirror_run_dir: str | Path, keep_last: int = 2, *,
+                 files_every_s: float = 30.0, backoff: Backoff | None = None,
+                 copy_file: CopyFile = _copy_file, clock: Callable[[], float] = time.time):
+        self.local, self.mirror = Path(local_run_dir), Path(mirror_run_dir)
+        if os.path.abspath(self.mirror) == os.path.abspath(self.local):  # no stat: Drive may hang
+            raise ValueError(f"the mirror {self.mirror} is the run folder itself; pick another folder")
+        self.keep_last, self.files_every_s = keep_last, files_every_s
+        self.backoff, self.copy_file, self.clock = backoff or Backoff(), copy_file, clock
+        self._tag = _new_tag()
+        self._cond = threading.Condition()
+        self._pending: dict[str, tuple[Path, int]] = {}  # key (path in the run folder) -> (local path, step)
+        self._busy = False
+        self._closing = False
+        self._files_dirty = True  # run.json and tokenizer.json go over before the first checkpoint
+        self._files_synced_at = float("-inf")
+        self._file_sigs: dict[str, tuple[int, int]] = {}  # (size, mtime_ns) of each file when last copied
+        self._verified: set[str] = set()
+        self._status = MirrorStatus()
+        self._last_exc: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tinygpt-mirror", daemon=True)
+        self._thread.start()
+
+    # -- called from the training thread: quick, never raises
+    def on_checkpoint(self, path: str | Path, step: int) -> None:
+        try:
+            key = self._key(Path(path))
+            with self._cond:
+                if self._closing:
+                    return
+                group = key.split("/")[0]
+                for k in [k for k in self._pending if k.split("/")[0] == group]:
+                    del self._pending[k]  # a newer checkpoint supersedes a pending older one
+                    self._status.superseded += 1
+                self._pending[key] = (Path(path), int(step))
+                self._cond.notify_all()
+        except Exception as e:  # a bad argument must not stop training
+            self._note_error(e)
+
+    def on_log(self, metrics: dict[str, Any] | None = None) -> None:
+        with self._cond:
+            if not self._files_dirty:
+                self._files_dirty = True
+                self._cond.notify_all()
+
+    @property
+    def status(self) -> MirrorStatus:
+        with self._cond:
+            return replace(self._status, pending=len(self._pending) + self._busy)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every checkpoint handed over so far is synced (or given up); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish pending copies and the run files, then stop the thread; False if still running."""
+        with self._cond:
+            self._closing = True
+            self._files_dirty = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def __enter__(self) -> Mirror:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the background thread
+    def _key(self, path: Path) -> str:
+        try:
+            return path.resolve().relative_to(self.local.resolve()).as_posix()
+        except ValueError:  # not under the run folder: place it by name
+            return f"checkpoints/{path.name}" if path.name.startswith("step_") else path.name
+
+    def _note_error(self, e: BaseException) -> None:
+        with self._cond:
+            self._last_exc = e
+            self._status.errors += 1
+            self._status.last_error = f"{type(e).__name__}: {e}"
+            self._status.last_error_at = self.clock()
+
+    def _run(self) -> None:
+        self._guarded(lambda: [_clean_leftovers(d, self._tag) for d in (self.mirror, self.mirror / "checkpoints")])
+        while True:
+            item = None
+            with self._cond:
+                while True:
+                    if self._pending:  # newest step first, then best/
+                        key = max(self._pending, key=lambda k: (k.startswith("checkpoints/"), self._pending[k][1]))
+                        item = (key, *self._pending.pop(key))
+                        break
+                    wait_s = self._files_synced_at + self.files_every_s - self.clock()
+                    if self._files_dirty and (self._closing or wait_s <= 0):
+                        break
+                    if self._closing:
+                        self._cond.notify_all()
+                        return
+                    self._cond.wait(wait_s if self._files_dirty else None)
+                self._busy = item is not None
+            try:
+                # run files first: a restored checkpoint is useless without the run's tokenizer.json
+                self._guarded(lambda: self.backoff.run(self._sync_files, self._note_error))
+                if item is not None:
+                    self._guarded(lambda: self._sync_checkpoint(*item))
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _guarded(self, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as e:  # the thread must survive anything; the error goes to status
+            if e is not self._last_exc:  # a retried one is counted already
+                self._note_error(e)
+            warnings.warn(f"Drive mirror: {type(e).__name__}: {e}; training goes on, "
+                          f"the next checkpoint tries again", stacklevel=2)
+
+    def _sync_files(self) -> None:
+        with self._cond:
+            self._files_dirty = False
+            self._files_synced_at = self.clock()
+        self.mirror.mkdir(parents=True, exist_ok=True)
+        for name in RUN_FILES:
+            src = self.local / name
+            if not src.is_file():
+                continue
+            st = src.stat()
+            if self._file_sigs.get(name) == (st.st_size, st.st_mtime_ns):
+                continue
+            _write_atomic(self.mirror / name, _read_whole_lines(src), self._tag, st.st_mtime_ns)
+            self._file_sigs[name] = (st.st_size, st.st_mtime_ns)
+
+    def _sync_checkpoint(self, key: str, src: Path, step: int) -> None:
+        dst = self.mirror / key
+        group = key.split("/")[0]
+
+        def attempt() -> bool:
+            with self._cond:
+                if any(k.split("/")[0] == group for k in self._pending):
+                    self._status.superseded += 1
+                    return False
+            if not (src / MANIFEST).is_file():
+                return False  # pruned or being replaced locally: the next checkpoint will come
+            raw = (src / MANIFEST).read_bytes()
+            if (dst / MANIFEST).is_file() and (dst / MANIFEST).read_bytes() == raw \
+                    and verify_checkpoint(dst, deep=False)[0]:
+                return True  # already there (e.g. the checkpoint a restore came from)
+            try:
+                copy_checkpoint(src, dst, self.copy_file, self._tag)
+            except FileNotFoundError:
+                if not (src / MANIFEST).is_file():
+                    return False  # the trainer pruned it while we copied: not a Drive error
+                raise
+            return True
+
+        if not self.backoff.run(attempt, self._note_error):
+            return
+        with self._cond:
+            if group == "checkpoints":
+                self._status.last_synced_step = max(step, self._status.last_synced_step or step)
+                self._status.last_synced_at = self.clock()
+            else:
+                self._status.best_step = step
+        if dst.name.startswith("step_"):
+            self._verified.add(dst.name)
+            prune_mirror(dst.parent, self.keep_last, self._verified)
+
+
+# ---- restore -------------------------------------------------------------------------------------
+
+def _step_of(ckpt: Path) -> int:
+    try:
+        return int(json.loads((ckpt / MANIFEST).read_text()).get("step", -1))
+    except (OSError, ValueError, AttributeError):
+        return -1
+
+
+def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None, *,
+                   backoff: Backoff | None = None, copy_file: CopyFile = _copy_file) -> Path | None:
+    """The newest valid checkpoint among local and mirror, copied locally when it is on the mirror
+    (with best/ and the run files the local folder lacks or has older). None if there is none.
+    Corrupt or truncated ones are skipped with a warning; ties go to the local one."""
+    local = Path(local_run_dir)
+    backoff, tag = backoff or Backoff(), _new_tag()
+    candidates = [(s, 1, p) for s, p in list_checkpoints(local / "checkpoints")]
+    mirror = Path(mirror_run_dir) if mirror_run_dir is not None else None
+    if mirror is not None:
+        try:
+            candidates += [(s, 0, p) for s, p in backoff.run(lambda: list_checkpoints(mirror / "checkpoints"))]
+        except OSError as e:
+            warnings.warn(f"cannot read the mirror {mirror} ({e}); resuming from local checkpoints only", stacklevel=2)
+            mirror = None
+    chosen = None
+    for _, is_local, p in sorted(candidates, key=lambda c: c[:2], reverse=True):
+        if is_local:
+            ok, why = verify_checkpoint(p)
+            if ok:
+                chosen = p
+                break
+        elif mirror is not None:
+            dst = local / "checkpoints" / p.name
+
+            def fetch(p: Path = p, dst: Path = dst) -> None:
+                ok, why = verify_checkpoint(p, deep=False)  # cheap; the sha256 is checked on the copy
+                if not ok:
+                    raise SyncError(why)
+                copy_checkpoint(p, dst, copy_file, tag)
+            try:
+                backoff.run(fetch, fatal=(SyncError,))
+                chosen = dst
+                break
+            except SyncError as e:
+                why = str(e)
+            except OSError as e:
+                why, mirror = f"{e}; not using the mirror", None
+        else:
+            continue  # the mirror went away during this restore
+        warnings.warn(f"skipping checkpoint {p}: {why}", stacklevel=2)
+    if mirror is not None:
+        try:
+            _restore_run_files(local, mirror, backoff, copy_file, tag)
+        except OSError as e:
+            warnings.warn(f"could not restore best/ or run files from {mirror}: {e}", stacklevel=2)
+    return chosen
+
+
+def _restore_run_files(local: Path, mirror: Path, backoff: Backoff, copy_file: CopyFile, tag: str) -> None:
+    if verify_checkpoint(mirror / "best", deep=False)[0] and (
+            not verify_checkpoint(local / "best")[0] or _step_of(local / "best") < _step_of(mirror / "best")):
+        try:
+            backoff.run(lambda: copy_checkpoint(mirror / "best", local / "best", copy_file, tag), fatal=(SyncError,))
+        except SyncError as e:
+            warnings.warn(f"skipping {mirror / 'best'}: {e}", stacklevel=3)
+    local.mkdir(parents=True, exist_ok=True)
+    for name in RUN_FILES:
+        src, dst = mirror / name, local / name
+        if src.is_file() and (not dst.is_file() or src.stat().st_mtime > dst.stat().st_mtime):
+            mtime_ns = src.stat().st_mtime_ns
+            backoff.run(lambda: _write_atomic(dst, src.read_bytes(), tag, mtime_ns))
+
+
+# ---- token cache ---------------------------------------------------------------------------------
+
+def _cache_complete(folder: Path) -> bool:
+    """Marker and manifest present, every file the right size (no hashing: cheap on Drive)."""
+    if not (folder / MANIFEST).is_file() or not (folder / CACHE_MARKER).is_file():
+        return False
+    try:
+        files = _files_of((folder / MANIFEST).read_bytes(), folder)
+    except SyncError:
+        return False
+    return all((folder / n).is_file() and (folder / n).stat().st_size == i["size"] for n, i in files.items())
+
+
+def _copy_cache(src: Path, dst: Path, copy_file: CopyFile, tag: str) -> None:
+    """Copy a token cache: data files verified, then a manifest (sizes, sha256), meta.json last."""
+    if (src / MANIFEST).is_file():  # a mirrored cache: its manifest says what the files must be
+        files = _files_of((src / MANIFEST).read_bytes(), src)
+    else:
+        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                 for p in sorted(src.iterdir()) if p.is_file()}
+    marker = (src / CACHE_MARKER).read_bytes()
+    if CACHE_MARKER not in files or hashlib.sha256(marker).hexdigest() != files[CACHE_MARKER]["sha256"]:
+        raise SyncError(f"{src / CACHE_MARKER} is missing or fails its sha256 check")
+    data = {n: i for n, i in files.items() if n != CACHE_MARKER}
+    manifest = json.dumps({"files": files}, indent=1).encode()
+    _copy_folder(src, dst, data, {MANIFEST: manifest, CACHE_MARKER: marker}, copy_file, tag)
+
+
+def sync_token_cache(local_dir: str | Path, mirror_dir: str | Path, *, backoff: Backoff | None = None,
+                     copy_file: CopyFile = _copy_file) -> bool:
+    """Copy a complete token cache to the mirror once (verified, meta.json last). True if copied;
+    False if the mirror has it already or Drive failed (with a warning: the cache is only a cache)."""
+    local, mirror = Path(local_dir), Path(mirror_dir)
+    if not (local / CACHE_MARKER).is_file():
+        raise ValueError(f"{local} is not a complete token cache (no {CACHE_MARKER}); build it first")
+    tag = _new_tag()
+
+    def attempt() -> bool:
+        if _cache_complete(mirror):
+            return False
+        _clean_leftovers(mirror.parent, tag)
+        _copy_cache(local, mirror, copy_file, tag)
+        return True
+
+    try:
+        return (backoff or Backoff()).run(attempt)
+    except OSError as e:
+        warnings.warn(f"could not copy the token cache to {mirror}: {e}", stacklevel=2)
+        return False
+
+
+def restore_token_cache(mirror_dir: str | Path, local_dir: str | Path, *, backoff: Backoff | None = None,
+                        copy_file: CopyFile = _copy_file) -> Path | None:
+    """Copy a token cache from the mirror (verified) so a new VM skips tokenizing; the local folder,
+    or None when neither has a complete cache (a corrupt mirror copy is skipped with a warning)."""
+    mirror, local = Path(mirror_dir), Path(local_dir)
+    if (local / CACHE_MARKER).is_file():
+        return local
+    try:
+        if not (backoff or Backoff()).run(lambda: _cache_complete(mirror)):
+            return None
+        (backoff or Backoff()).run(lambda: _copy_cache(mirror, local, copy_file, _new_tag()), fatal=(SyncError,))
+    except OSError as e:
+        warnings.warn(f"cannot restore the token cache from {mirror}: {e}; it will be rebuilt", stacklevel=2)
+        return None
+    return local

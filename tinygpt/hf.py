@@ -1,0 +1,207 @@
+"""Hugging Face format: export a tinygpt run to a `LlamaForCausalLM` folder, import a Llama folder.
+
+tinygpt's parameter names are those of `LlamaForCausalLM`, so the weights move as they are; only
+config.json and the tokenizer files are written here. An exported folder loads with
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` and gives the same
+logits and token ids as the run it came from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .checkpoint import CheckpointError, load_model_state, load_run, model_state
+from .config import ModelConfig
+from .model import GPT
+from .tokenizer import EOT, Tokenizer
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("Hugging Face export needs transformers: pip install transformers") from e
+    return transformers
+
+
+def check_export_target(out_dir: str | Path) -> Path:
+    """The target as a Path; refuses one that exists and is not an empty folder (nothing is overwritten)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"export target {out} already exists and is not empty; nothing was written. "
+                              "Choose a new folder, or delete this one first")
+    return out
+
+
+def hf_llama_config(config: ModelConfig, eot_id: int | None = None) -> Any:
+    """The `transformers.LlamaConfig` of a tinygpt model config."""
+    tf = _transformers()
+    return tf.LlamaConfig(**config.to_hf_llama(), architectures=["LlamaForCausalLM"], bos_token_id=eot_id,
+                          eos_token_id=eot_id, torch_dtype="float32")
+
+
+def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
+    """A `PreTrainedTokenizerFast` around the same `tokenizers` object, with bos = eos = end-of-text."""
+    tf = _transformers()
+    kw = {"model_max_length": max_seq_len} if max_seq_len else {}
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=tokenizer.eot,
+                                      eos_token=tokenizer.eot, **kw)
+
+
+def _update_json(path: Path, **values: Any) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}, indent=2))
+
+
+def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path) -> Path:
+    """Write `model` (and `tokenizer`) as a Hugging Face Llama folder at `out_dir` (new or empty).
+    The folder is written beside the target and renamed into place, so a failure leaves nothing."""
+    out = check_export_target(out_dir)
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        eot_id = tokenizer.eot_id if tokenizer is not None else None
+        hf_llama_config(model.config, eot_id).save_pretrained(tmp)
+        # transformers 5 keeps rope_theta under rope_parameters; 4.x reads it at the top level and would
+        # silently fall back to 10000 without it. Both keys, so that either version loads the same model.
+        _update_json(tmp / "config.json", rope_theta=model.config.rope_theta)
+        save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            hf_tokenizer(tokenizer, model.config.max_seq_len).save_pretrained(tmp)
+            # transformers 5 writes its own class name; "PreTrainedTokenizerFast" loads in 4.x and 5.x.
+            _update_json(tmp / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
+            gen = {"bos_token_id": eot_id, "eos_token_id": eot_id, "transformers_version": _transformers().__version__}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        check_export_target(out)  # still free? (someone may have written there meanwhile)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
+    """Export a run's checkpoint ("latest", "best" or a folder) and tokenizer to a Hugging Face folder."""
+    check_export_target(out_dir)  # fail before loading anything
+    model, tokenizer, _, _ = load_run(run_dir, which)
+    return export_model(model, tokenizer, out_dir)
+
+
+# --- import -----------------------------------------------------------------------------------
+
+def _check_llama(cfg: dict[str, Any], path: Path) -> None:
+    arch = cfg.get("architectures") or []
+    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
+        raise ValueError(f"{path} holds a {cfg.get('model_type') or arch or 'model of unknown type'}, not a Llama; "
+                         "tinygpt imports Llama-architecture models only (model_type 'llama')")
+    rope = cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or \
+        (cfg.get("rope_parameters") or {}).get("rope_type", "default")
+    if rope_type not in (None, "default"):
+        raise ValueError(f"{path} uses RoPE scaling {rope_type!r}, which tinygpt's attention does not implement")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ValueError(f"{path} has {flag}=true; tinygpt's layers have no biases")
+
+
+def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face folder: model.safetensors or shards listed in its index."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return load_file(str(path / "model.safetensors"))
+    if (path / SAFETENSORS_INDEX).is_file():
+        shards = sorted(set(json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+        sd: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            sd.update(load_file(str(path / shard)))
+        return sd
+    raise FileNotFoundError(f"{path} has no model.safetensors or {SAFETENSORS_INDEX}; if it holds "
+                            "pytorch_model.bin, load it with transformers and save_pretrained() it again "
+                            "(safetensors is the default)")
+
+
+def import_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              max_seq_len: int | None = None) -> tuple[GPT, Tokenizer | None]:
+    """A tinygpt `GPT` (same logits) and its tokenizer (None without a tokenizer.json) from a Hugging
+    Face Llama folder, e.g. to continue training. `max_seq_len` caps the RoPE tables of a long-context
+    model to what you will train on."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model folder?")
+    hf_cfg = json.loads((path / "config.json").read_text())
+    _check_llama(hf_cfg, path)
+    config = ModelConfig.from_hf_llama(hf_cfg)
+    if max_seq_len:
+        config.max_seq_len = max_seq_len
+    with torch.device("meta"):  # no random init of weights that are about to be replaced
+        model = GPT(config)
+    model.to_empty(device=device)
+    sd = {k: v for k, v in read_hf_state_dict(path).items() if not k.endswith("rotary_emb.inv_freq")}
+    try:
+        load_model_state(model, sd)
+    except CheckpointError as e:
+        raise ValueError(f"the weights in {path} do not fit its config.json: {e}") from e
+    if config.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    from .model import rope_tables
+
+    cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, device=device)
+    model.rope_cos, model.rope_sin = cos, sin  # buffers were on meta; rebuild from the config
+    model = model.to(dtype=dtype).eval()
+    return model, _import_tokenizer(path, hf_cfg)
+
+
+def _import_tokenizer(path: Path, hf_cfg: dict[str, Any]) -> Tokenizer | None:
+    if not (path / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+    eos = hf_cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    names = [tok.id_to_token(eos)] if eos is not None else []
+    for f in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (path / f).is_file():
+            v = json.loads((path / f).read_text()).get("eos_token")
+            names.append(v.get("content") if isinstance(v, dict) else v)
+    for name in [n for n in names if n] + [EOT]:
+        if tok.token_to_id(name) is not None:
+            return Tokenizer(tok, name)
+    return None
+
+
+# --- a transformers model for evaluation ------------------------------------------------------
+
+def load_hf_causal_lm(path: str | Path, device: str | torch.device = "cpu", **from_pretrained: Any) -> tuple[Any, Any]:
+    """A transformers causal LM (eval mode) and its tokenizer from a folder or Hub name, for
+    `tinygpt.evaluate` (an export, a merged finetune, any causal LM)."""
+    tf = _transformers()
+    model = tf.AutoModelForCausalLM.from_pretrained(str(path), **from_pretrained).to(device).eval()
+    return model, tf.AutoTokenizer.from_pretrained(str(path))
+
+
+def hf_generate_fn(model: Any, tokenizer: Any, max_new_tokens: int = 384, temperature: float = 0.0) -> Callable[[str], str]:
+    """`generate(prompt) -> completion` (the new text only) through `model.generate`; greedy at temperature 0."""
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def generate(prompt: str) -> str:
+        enc = tokenizer(prompt, return_tensors="pt").to(model.device)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
+        return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    return generate

@@ -1,0 +1,603 @@
+"""The probe: what this machine is, how much memory a recipe needs (estimated, with a breakdown),
+and the largest micro-batch and context that really fit (found by trial), cached per device,
+recipe and torch version. "GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import re
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .config import DEFAULT_RECIPE_FOR_HARDWARE, ModelConfig, Recipe, get_recipe
+from .model import GPT
+from .optim import build_optimizer
+from .precision import Precision, choose_precision, native_bf16, resolve_device
+
+GB = 2**30
+CUDA_CONTEXT_GB = 0.5  # the driver's context: never in torch.cuda.max_memory_allocated
+FRAGMENTATION = 0.05  # the caching allocator's blocks are never a perfect fit
+ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
+CPU_GFLOPS_PER_CORE = 25.0  # a rough guess of what PyTorch gets from one core in fp32; for expectations only
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tinygpt" / "probe"
+
+# (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class).
+# Most specific first; a name matches as a whole word, so "L4" is not found in "L40S" nor "A10" in "A100".
+GPU_TABLE: list[tuple[str, float, str]] = [
+    ("H100 PCIe", 756.0, "h100"), ("H100 NVL", 835.0, "h100"), ("H100", 989.0, "h100"),  # "H100 80GB HBM3": SXM
+    ("GH200", 989.0, "h200"), ("H200 NVL", 835.0, "h200"), ("H200", 989.0, "h200"),
+    ("A100", 312.0, "a100"), ("L40S", 362.0, "a100"), ("L40", 181.0, "a100"), ("A6000", 155.0, "a100"),
+    ("L4", 121.0, "l4"), ("A10G", 125.0, "l4"), ("A10", 125.0, "l4"), ("RTX 4090", 165.0, "l4"),
+    ("RTX 3090", 71.0, "l4"), ("V100", 125.0, "t4"), ("T4", 65.0, "t4"), ("P100", 19.0, "t4"),
+]
+
+
+def gpu_spec(name: str) -> tuple[float | None, str | None]:
+    """(peak dense bf16/fp16 TFLOP/s, hardware class) for a CUDA device name, or (None, None) if unknown."""
+    for key, tflops, hw in GPU_TABLE:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.IGNORECASE):
+            return tflops, hw
+    return None, None
+
+
+@dataclass
+class HardwareReport:
+    device: str  # "cuda", "mps" or "cpu"
+    name: str
+    total_memory_gb: float | None
+    free_memory_gb: float | None
+    compute_capability: str | None
+    native_bf16: bool
+    peak_tflops: float | None
+    cpu_cores: int
+    hardware_class: str  # a key of config.DEFAULT_RECIPE_FOR_HARDWARE
+    default_recipe: str
+    precision: str
+    precision_reason: str
+    torch_version: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [(k, "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v))
+                for k, v in self.to_dict().items()]
+
+
+def _ram_gb() -> tuple[float | None, float | None]:
+    """(total, available) RAM: psutil where installed (Colab has it), else Linux's /proc/meminfo."""
+    with contextlib.suppress(ImportError):
+        import psutil
+        return psutil.virtual_memory().total / GB, psutil.virtual_memory().available / GB
+    with contextlib.suppress(OSError, KeyError, ValueError):
+        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines())}
+        return kb["MemTotal"] * 1024 / GB, kb["MemAvailable"] * 1024 / GB
+    return None, None
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _cpu_cores() -> int:
+    # The cores this process may use: a Colab or container CPU quota is smaller than os.cpu_count().
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def hardware_report(device: str | torch.device = "auto") -> HardwareReport:
+    """What this machine is, and what the probe picks for it by default."""
+    dev = resolve_device(str(device))
+    total, free = _ram_gb()
+    cap, peak, hw, name = None, None, dev.type, _cpu_name()
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        free_b, total_b = torch.cuda.mem_get_info(dev)
+        free, total = free_b / GB, total_b / GB
+        major, minor = torch.cuda.get_device_capability(dev)
+        cap = f"{major}.{minor}"
+        peak, hw = gpu_spec(name)
+        if hw is None:  # an unlisted GPU: pick by generation and memory
+            hw = ("t4" if major < 8 else "h200" if total >= 120 else "h100" if total >= 70 and major >= 9
+                  else "a100" if total >= 38 else "l4")
+    elif dev.type == "mps":
+        name = f"Apple MPS ({platform.machine()})"  # unified memory: the RAM figures stand
+    prec = choose_precision(dev)
+    return HardwareReport(dev.type, name, total, free, cap, native_bf16(dev), peak, _cpu_cores(), hw,
+                          DEFAULT_RECIPE_FOR_HARDWARE.get(hw, "cpu"), prec.name, prec.reason, torch.__version__)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation (0..1); None where the peak is unknown (CPU, MPS, unlisted GPUs)."""
+    return tokens_per_s * flops_per_token / (peak_tflops * 1e12) if peak_tflops else None
+
+
+def _meta_model(config: ModelConfig) -> GPT:
+    """The model without memory: counts and FLOPs come from model.py itself, so they cannot drift."""
+    with torch.device("meta"):
+        return GPT(dataclasses.replace(config))
+
+
+@dataclass
+class MemoryEstimate:
+    """Training memory by part, in GB; `rows()` is the table a person would draw."""
+
+    params_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    weight_copies_gb: float
+    activations_gb: float
+    logits_gb: float
+    overhead_gb: float
+    total_gb: float
+    n_params: int
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    activation_checkpointing: bool
+    device_type: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        n, tok = f"{self.n_params / 1e6:.1f}M", f"{self.micro_batch_size} x {self.seq_len} tokens"
+        ckpt = "layer inputs (checkpointing)" if self.activation_checkpointing else "every layer"
+        return [("part", "GB", "how"),
+                ("parameters", f"{self.params_gb:.2f}", f"{n} x 4 B (fp32 master weights)"),
+                ("gradients", f"{self.grads_gb:.2f}", f"{n} x 4 B"),
+                ("AdamW states", f"{self.optimizer_gb:.2f}", f"{n} x 2 x 4 B"),
+                ("weight copies", f"{self.weight_copies_gb:.2f}", f"matmul weights in {self.precision} (autocast)"),
+                ("activations", f"{self.activations_gb:.2f}", f"{tok}, {ckpt}, {self.precision}"),
+                ("logits", f"{self.logits_gb:.2f}", f"{tok} x vocab x 12 B (fp32 log-probs + 2 gradients)"),
+                ("overhead", f"{self.overhead_gb:.2f}",
+                 ("CUDA context + " if self.device_type == "cuda" else "") + "allocator fragmentation"),
+                ("total", f"{self.total_gb:.2f}", "")]
+
+
+def _activation_bytes_per_token(c: ModelConfig, e: int, checkpointing: bool) -> int:
+    """Bytes saved for backward per token, counted tensor by tensor (checked against saved-tensor hooks).
+    The residual stream and RMSNorm are fp32 under autocast; e is the matmul dtype's size."""
+    d, ff, kvd = c.d_model, c.d_ff, c.n_kv_head * c.head_dim
+
+    def norm_then(n_linears: int) -> int:
+        # RMSNorm keeps its input and the normalised x; each Linear keeps its input, which autocast
+        # casts once per Linear (activations are not cached, only weights); in fp32 it is one tensor.
+        return 8 * d + (4 * d if e == 4 else n_linears * e * d)
+
+    # SDPA (flash / memory-efficient) keeps q, k, v, the output and a logsumexp: no T x T matrix.
+    attn = norm_then(3) + e * (d + 2 * kvd) + e * d + 4 * c.n_head
+    mlp = norm_then(2) + 4 * e * ff  # SwiGLU: gate, silu(gate), up and their product
+    layer = attn + mlp + 8  # + the two norms' rsqrt
+    head = norm_then(1) + 16  # final norm + int64 inputs and targets
+    if checkpointing:
+        # Each block keeps only its fp32 input. A block is recomputed (with the gradients in flight
+        # through it) only after the loss's 12 B x vocab are freed: one of the two phases sets the peak.
+        recompute = layer + 4 * d + 2 * e * ff
+        return c.n_layer * 4 * d + head + max(0, recompute - head - 12 * c.vocab_size)
+    return c.n_layer * layer + head
+
+
+def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, precision: str = "fp32",
+                    activation_checkpointing: bool | None = None, device_type: str = "cuda") -> MemoryEstimate:
+    """Peak training memory of AdamW at this micro-batch and context; precision "bf16", "fp16" or "fp32"."""
+    ckpt = model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    meta = _meta_model(model)
+    n = meta.num_params()
+    matmul = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear))
+    e = 4 if precision == "fp32" else 2
+    tokens = micro_batch_size * seq_len
+    parts = [4 * n, 4 * n, 8 * n, 0 if e == 4 else e * matmul,
+             _activation_bytes_per_token(model, e, ckpt) * tokens,
+             # fp32 log-probs saved for backward, their gradient and the logits' gradient, all at once
+             12 * tokens * model.vocab_size]
+    sub = sum(parts) / GB
+    overhead = (CUDA_CONTEXT_GB if device_type == "cuda" else 0.0) + FRAGMENTATION * sub
+    return MemoryEstimate(*(p / GB for p in parts), overhead, sub + overhead, n, micro_batch_size, seq_len,
+                          precision, ckpt, device_type)
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensors created while active, on any device: the CPU's stand-in
+    for torch.cuda.max_memory_allocated (views and in-place results are not new memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = self.peak_bytes = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                s = t.untyped_storage()
+                key = id(s)
+                if key not in inputs and key not in self._refs:
+                    self.live_bytes += s.nbytes()
+                    self._refs[key] = weakref.ref(s, lambda _, k=key, n=s.nbytes(): self._freed(k, n))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return out
+
+
+@dataclass
+class Trial:
+    micro_batch: int
+    seq_len: int
+    checkpointing: bool
+    peak_gb: float | None  # None after a real out-of-memory
+    ok: bool  # ran, and peak <= (1 - margin) * limit
+    oom: bool
+    tokens_per_s: float | None
+
+
+class ProbeError(RuntimeError):
+    """Nothing fits, not even micro-batch 1 at the shortest context with activation checkpointing."""
+
+
+@dataclass
+class ProbeResult:
+    recipe: str
+    device_name: str
+    micro_batch_size: int
+    seq_len: int
+    grad_accum_steps: int
+    activation_checkpointing: bool
+    precision: str
+    precision_reason: str
+    peak_gb: float
+    memory_limit_gb: float
+    margin: float
+    largest_micro_batch: int  # before rounding to a divisor of the global batch
+    tokens_per_s: float | None
+    search_s: float
+    notes: list[str] = field(default_factory=list)
+    trials: list[Trial] = field(default_factory=list)
+    key: dict = field(default_factory=dict)
+    from_cache: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ProbeResult":
+        return cls(**{**d, "trials": [Trial(**t) for t in d.get("trials", [])]})
+
+
+class _TrialRunner:
+    """One model and optimizer shared by every trial: rebuilding a 760M model per trial would dominate."""
+
+    def __init__(self, recipe: Recipe, device: torch.device, precision: Precision, limit_gb: float, margin: float,
+                 measure: Callable[[int, int, bool], float] | None):
+        self.device, self.precision, self.limit_gb, self.margin, self.measure = (
+            device, precision, limit_gb, margin, measure)
+        torch.manual_seed(0)
+        with torch.device(device):
+            self.model = GPT(dataclasses.replace(recipe.model))  # own config: checkpointing is toggled per trial
+        self.opt = build_optimizer(self.model, recipe.train, device.type)
+        self.scaler = precision.grad_scaler()
+        # Training holds gradients (accumulation) and AdamW states through every forward: allocate
+        # both now so that every trial, the first included, has them in its peak.
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        self.opt.step()
+        held = list(self.model.parameters()) + [p.grad for p in self.model.parameters()]
+        held += [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        self.held_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
+
+    def _sync(self) -> None:  # timings need the GPU's queue drained
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
+
+    def _step(self, b: int, t: int) -> float:
+        """One optimizer step at full length, then one evaluation forward; returns the step's seconds."""
+        m, v = self.model, self.model.config.vocab_size
+        x, y = (torch.randint(v, (b, t), device=self.device) for _ in range(2))
+        m.train()
+        self._sync()
+        t0 = time.perf_counter()
+        with self.precision.autocast():
+            loss = m(x, y)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=False)
+        self._sync()
+        seconds = time.perf_counter() - t0
+        m.eval()
+        with torch.no_grad(), self.precision.autocast():
+            m(x, y)
+        return seconds
+
+    def trial(self, b: int, t: int, ckpt: bool) -> Trial:
+        self.model.config.activation_checkpointing = ckpt
+        peak = seconds = None
+        oom = False
+        try:
+            if self.measure is not None:
+                seconds = self._step(b, t)
+                peak = self.measure(b, t, ckpt)
+            elif self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+                seconds = self._step(b, t)
+                peak = torch.cuda.max_memory_allocated(self.device) / GB
+            else:
+                with TensorMemoryTracker() as tracker:
+                    seconds = self._step(b, t)
+                peak = (self.held_bytes + tracker.peak_bytes) / GB
+            if peak > self.limit_gb:
+                raise torch.OutOfMemoryError(f"trial peak {peak:.2f} GB is over the limit {self.limit_gb:.2f} GB")
+        except torch.OutOfMemoryError:
+            oom = True
+        if oom:  # outside the except block: the traceback, and the tensors its frames hold, are gone
+            self.opt.zero_grad(set_to_none=False)
+            self.scaler = self.precision.grad_scaler()  # an OOM inside scaler.step leaves it half-way
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        ok = not oom and peak <= (1 - self.margin) * self.limit_gb
+        return Trial(b, t, ckpt, peak, ok, oom, None if oom else b * t / max(seconds, 1e-9))
+
+
+def _largest_fit(fits: Callable[[int], bool], cap: int, out_of_time: Callable[[], bool]) -> int:
+    """Double from 1 until a failure (or cap), then bisect between the last fit and the first failure."""
+    ok, bad, b = 0, cap + 1, 1
+    while ok < cap and not (ok and out_of_time()):
+        if not fits(b):
+            bad = b
+            break
+        ok, b = b, min(2 * b, cap)
+    while bad - ok > 1 and not (ok and out_of_time()):
+        mid = (ok + bad) // 2
+        ok, bad = (mid, bad) if fits(mid) else (ok, mid)
+    return ok
+
+
+def _batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[int, int, str | None]:
+    """(micro_batch, grad_accum, note): a divisor of the recipe's sequences per step keeps its global
+    batch exact; if the best divisor wastes over half the memory, keep the micro-batch and say so."""
+    if tokens_per_step % seq_len == 0:
+        seqs = tokens_per_step // seq_len
+        d = max(x for x in range(1, min(largest, seqs) + 1) if seqs % x == 0)
+        if 2 * d >= largest:
+            return d, seqs // d, None
+    accum = math.ceil(tokens_per_step / (largest * seq_len))
+    micro = math.ceil(tokens_per_step / (accum * seq_len))  # the smallest overshoot with this many steps
+    return micro, accum, (f"the global batch is {micro * seq_len * accum} tokens per step instead of the "
+                          f"recipe's {tokens_per_step}: no micro-batch near {largest} divides it exactly")
+
+
+def _requested_precision(recipe: Recipe, device_type: str, has_native_bf16: bool) -> tuple[str, str | None]:
+    """A recipe's bf16 on a GPU that only emulates it (T4, V100) would be slow: let the probe decide."""
+    if recipe.train.precision == "bf16" and device_type == "cuda" and not has_native_bf16:
+        return "auto", f"recipe {recipe.name!r} asks for bf16, which this GPU only emulates: precision chosen by the probe"
+    return recipe.train.precision, None
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-")
+
+
+def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precision: str | None = None,
+          memory_limit_gb: float | None = None, margin: float = 0.1,
+          measure: Callable[[int, int, bool], float] | None = None, max_micro_batch: int | None = None,
+          min_seq_len: int = 128, time_limit_s: float | None = None,
+          cache_dir: str | Path | None = DEFAULT_CACHE_DIR) -> ProbeResult:
+    """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits in
+    (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per step.
+
+    `measure(micro_batch, seq_len, checkpointing) -> GB`, called after each trial's step, replaces the
+    real measurement (torch.cuda.max_memory_allocated on CUDA, TensorMemoryTracker elsewhere); a trial
+    over `memory_limit_gb` (default: the GPU's memory less its context, or the free RAM) raises
+    torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off."""
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    dev = resolve_device(str(device))
+    requested, prec_note = _requested_precision(recipe, dev.type, native_bf16(dev))
+    prec = choose_precision(dev, precision or requested)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} {_cpu_name()}"
+    if memory_limit_gb is None:
+        if dev.type == "cuda":
+            memory_limit_gb = torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB
+        else:
+            memory_limit_gb = _ram_gb()[1] or math.inf
+    train = recipe.train
+    key = dict(device=name, recipe=recipe.name, torch=torch.__version__, model=recipe.model.to_dict(),
+               seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, tokens_per_step=train.tokens_per_step,
+               precision=prec.name, memory_limit_gb=round(memory_limit_gb, 2), margin=margin,
+               max_micro_batch=max_micro_batch, min_seq_len=min_seq_len, injected_measure=measure is not None)
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"{_slug(name)}__{_slug(recipe.name)}__torch-{_slug(torch.__version__)}.json"
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            cached = ProbeResult.from_dict(json.loads(path.read_text()))
+            if cached.key == json.loads(json.dumps(key)):
+                cached.from_cache = True
+                return cached
+
+    t0 = time.perf_counter()
+    runner = _TrialRunner(recipe, dev, prec, memory_limit_gb, margin, measure)
+    trials: list[Trial] = []
+
+    def fits(b: int, t: int, ckpt: bool) -> bool:
+        trials.append(runner.trial(b, t, ckpt))
+        return trials[-1].ok
+
+    def out_of_time() -> bool:
+        return time_limit_s is not None and time.perf_counter() - t0 > time_limit_s
+
+    lengths = [train.seq_len]
+    while lengths[-1] // 2 >= min_seq_len:
+        lengths.append(lengths[-1] // 2)
+    ckpts = [True] if recipe.model.activation_checkpointing else [False, True]
+    cap0 = max_micro_batch or 4 * train.micro_batch_size
+    largest, t, ckpt = 0, train.seq_len, ckpts[0]
+    for t in lengths:
+        for ckpt in ckpts:
+            largest = _largest_fit(lambda b: fits(b, t, ckpt), max(1, min(cap0, train.tokens_per_step // t)),
+                                   out_of_time)
+            if largest:
+                break
+        if largest:
+            break
+    if not largest:
+        raise ProbeError(f"recipe {recipe.name!r} does not fit in {memory_limit_gb:.1f} GB (margin {margin:.0%}) even "
+                         f"at micro-batch 1, context {lengths[-1]}, with activation checkpointing: pick a smaller recipe")
+    notes = [n for n in [prec_note] if n]
+    if ckpt and not recipe.model.activation_checkpointing:
+        notes.append(f"activation checkpointing turned on: micro-batch 1 did not fit without it at context {t}")
+    if t < train.seq_len:
+        notes.append(f"context shortened from {train.seq_len} to {t}: micro-batch 1 did not fit at longer contexts "
+                     "even with activation checkpointing")
+    # Confirm the chosen geometry with one more (warm) trial: its peak and tokens/s are the ones reported.
+    limit = largest
+    while True:
+        micro, accum, geometry_note = _batch_geometry(limit, t, train.tokens_per_step)
+        trials.append(runner.trial(micro, t, ckpt))
+        if trials[-1].ok or micro == 1:
+            break
+        limit = micro - 1
+    if geometry_note:
+        notes.append(geometry_note)
+    if micro < largest and not geometry_note:
+        notes.append(f"micro-batch {micro} (up to {largest} fits) so that {micro} x {accum} steps x {t} tokens "
+                     f"is exactly the recipe's {train.tokens_per_step} tokens per step")
+    if time_limit_s is not None and out_of_time():
+        notes.append(f"the search stopped at its time limit of {time_limit_s:.0f} s: a larger micro-batch may fit")
+    notes.append("measured in eager mode; torch.compile usually needs less memory")
+    final = trials[-1]
+    result = ProbeResult(recipe.name, name, micro, t, accum, ckpt, prec.name, prec.reason,
+                         final.peak_gb if final.peak_gb is not None else math.nan, memory_limit_gb, margin, largest,
+                         final.tokens_per_s, time.perf_counter() - t0, notes, trials, key)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result.to_dict(), indent=1))
+        tmp.replace(path)  # atomic: a disconnect never leaves half a cache file
+    return result
+
+
+def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
+    """The recipe with the probe's micro-batch, context, accumulation, checkpointing and precision."""
+    return recipe.replace(model={"activation_checkpointing": result.activation_checkpointing},
+                          train={"micro_batch_size": result.micro_batch_size, "seq_len": result.seq_len,
+                                 "grad_accum_steps": result.grad_accum_steps, "precision": result.precision})
+
+
+@dataclass
+class Expectations:
+    recipe: str
+    peak_memory_gb: float
+    memory_source: str
+    fits: bool | None  # None where total memory is unknown
+    tokens_per_s: float | None
+    tokens_per_s_source: str
+    mfu: float | None
+    token_budget: int
+    time_to_finish_s: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, str]]:
+        hours = None if self.time_to_finish_s is None else self.time_to_finish_s / 3600
+        return [("peak memory", f"{self.peak_memory_gb:.1f} GB ({self.memory_source})"),
+                ("fits", "-" if self.fits is None else "yes" if self.fits else "no"),
+                ("tokens/s", "-" if self.tokens_per_s is None else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})"),
+                ("MFU", "-" if self.mfu is None else f"{self.mfu:.0%}"),
+                ("token budget", f"{self.token_budget:,}"),
+                ("time to finish", "-" if hours is None else f"{hours:.2f} h")]
+
+
+def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResult | None = None) -> Expectations:
+    """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware."""
+    if probe_result is not None:
+        recipe = apply_probe(recipe, probe_result)
+    t = recipe.train
+    fpt = _meta_model(recipe.model).flops_per_token(t.seq_len)
+    context = CUDA_CONTEXT_GB if report.device == "cuda" else 0.0
+    if probe_result is not None and not math.isnan(probe_result.peak_gb):
+        peak, mem_src = probe_result.peak_gb + context, "measured by trial" + (" + CUDA context" if context else "")
+    else:
+        requested, _ = _requested_precision(recipe, report.device, report.native_bf16)
+        prec = report.precision if requested == "auto" else requested
+        peak = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device).total_gb
+        mem_src = "estimated"
+    if probe_result is not None and probe_result.tokens_per_s:
+        tps, tps_src = probe_result.tokens_per_s, "measured by trial"
+    elif report.peak_tflops:
+        tps = report.peak_tflops * 1e12 * ASSUMED_MFU / fpt
+        tps_src = f"{report.peak_tflops:.0f} TFLOP/s peak x {ASSUMED_MFU:.0%} MFU assumed"
+    elif report.device == "cpu":
+        tps = report.cpu_cores * CPU_GFLOPS_PER_CORE * 1e9 / fpt
+        tps_src = f"rough guess: {report.cpu_cores} cores x {CPU_GFLOPS_PER_CORE:.0f} GFLOP/s"
+    else:
+        tps, tps_src = None, "unknown on this device"
+    fits = None if report.total_memory_gb is None else peak <= report.total_memory_gb
+    budget = recipe.token_budget
+    return Expectations(recipe.name, peak, mem_src, fits, tps, tps_src, tps and mfu(tps, fpt, report.peak_tflops),
+                        budget, budget / tps if tps else None)
+
+
+def format_table(rows: list[tuple]) -> str:
+    """Rows as aligned text columns (the first row is not special)."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def probe_command(recipe: str | None = None, as_json: bool = False, *,
+                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR) -> str:
+    """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU, and
+    for a cpu recipe on any device with a 15 s cap; elsewhere the estimate stands in for it."""
+    report = hardware_report()
+    rec = get_recipe(recipe or report.default_recipe)
+    requested, _ = _requested_precision(rec, report.device, report.native_bf16)
+    prec = report.precision if requested == "auto" else requested
+    est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec, device_type=report.device)
+    result, note = None, None
+    if report.device == "cuda" or rec.hardware == "cpu":
+        try:
+            result = probe(rec, cache_dir=cache_dir, time_limit_s=None if report.device == "cuda" else 15.0)
+        except ProbeError as e:
+            note = str(e)
+    else:
+        note = f"the trial search for {rec.name!r} runs on a CUDA GPU; the estimate above stands in for it"
+    exp = expectations(rec, report, result)
+    if as_json:
+        return json.dumps({"hardware": report.to_dict(), "recipe": rec.name, "memory_estimate": est.to_dict(),
+                           "search": result and result.to_dict(), "expectations": exp.to_dict(), "note": note},
+                          indent=2)
+    out = ["Hardware", format_table(report.rows()), f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
+           f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context {rec.train.seq_len}, {prec}",
+           format_table(est.rows())]
+    if result is not None:
+        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s)"
+        out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} accumulation steps"
+                f" x context {result.seq_len}, checkpointing {'on' if result.activation_checkpointing else 'off'}, "
+                f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"]
+        out += [f"  - {n}" for n in result.notes]
+    if note:
+        out.append(f"\n{note}")
+    out += ["\nExpectations", format_table(exp.rows())]
+    return "\n".join(out)
