@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ConfigError, RECIPES
+from .config import ConfigError, RECIPES, Recipe, get_recipe
 
 
 def _recipes(args) -> int:
@@ -33,10 +33,28 @@ def _param_count(m) -> int:
     return m.n_layer * per_layer + m.d_model + emb * (1 if m.tie_embeddings else 2)
 
 
+def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
+    """`train.lr=1e-3`-style overrides, values parsed as JSON where they can be (numbers, true, null)."""
+    changes: dict[str, dict] = {"model": {}, "train": {}, "data": {}}
+    for a in assignments:
+        key, sep, raw = a.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or section not in changes or not name:
+            raise ConfigError(f"cannot read override {a!r}: write SECTION.FIELD=VALUE with SECTION model, train or data")
+        fields = getattr(recipe, section).to_dict()
+        if name not in fields:
+            raise ConfigError(f"{section} has no field {name!r}; fields: {', '.join(fields)}")
+        try:
+            changes[section][name] = json.loads(raw)
+        except ValueError:
+            changes[section][name] = raw
+    return recipe.replace(**changes)
+
+
 def _pretrain(args) -> int:
     from .pretrain import pretrain
 
-    res = pretrain(args.recipe, args.run_dir, data=args.data, max_steps=args.max_steps, save_every=args.save_every,
+    res = pretrain(apply_overrides(get_recipe(args.recipe), args.set), args.run_dir, data=args.data, max_steps=args.max_steps, save_every=args.save_every,
                    eval_every=args.eval_every, resume=args.resume, mirror=args.mirror, device=args.device,
                    progress=not args.quiet, world_size=1)
     print(f"step {res.step}: loss {res.loss if res.loss is None else round(res.loss, 4)}, "
@@ -86,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", choices=("auto", "never"), default="auto")
     t.add_argument("--mirror", default=None, help="a folder (e.g. on Google Drive) that mirrors the run's checkpoints")
     t.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: the best available)")
+    t.add_argument("--set", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override recipe fields, e.g. --set train.lr=1e-3 model.n_layer=6 data.max_chars=100000")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_pretrain)
 

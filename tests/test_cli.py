@@ -1,0 +1,118 @@
+"""The command line end to end: recipes, pretrain, generate, and the bad inputs a user will type."""
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tinygpt.cli import main
+from tinygpt.config import ConfigError, get_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tree_hash(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(folder)).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, shared_data):
+    root = tmp_path_factory.mktemp("cli")
+    run = root / "run"
+    code = main(["pretrain", "--recipe", "cpu-smoke", "--data", str(shared_data / "tinyshakespeare.txt"),
+                 "--run-dir", str(run), "--max-steps", "20", "--quiet", "--device", "cpu",
+                 "--set", f"data.max_chars=300000"])
+    assert code == 0
+    return run
+
+
+def test_recipes_lists_every_recipe(capsys):
+    assert main(["recipes", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    names = {r["name"] for r in rows}
+    assert {"cpu-smoke", "cpu", "t4-50m", "l4-124m", "a100-124m", "a100-350m", "h100-760m"} <= names
+    flagship = next(r for r in rows if r["name"] == "a100-124m")
+    assert flagship["context"] == 1024 and flagship["precision"] == "bf16" and 115e6 < flagship["params"] < 130e6
+
+
+def test_pretrain_writes_a_complete_run_folder(trained):
+    for name in ("run.json", "tokenizer.json", "metrics.jsonl", "samples.txt"):
+        assert (trained / name).is_file(), name
+    info = json.loads((trained / "run.json").read_text())
+    assert info["recipe"]["name"] == "cpu-smoke" and info["recipe"]["data"]["max_chars"] == 300000
+    assert info["versions"]["torch"] and info["precision"]["name"] == "fp32"
+    assert (trained / "checkpoints" / "step_000020" / "manifest.json").is_file()
+    assert "=== step 20 ===" in (trained / "samples.txt").read_text()
+
+
+def test_generate_from_the_run(trained, capsys):
+    assert main(["generate", "--run-dir", str(trained), "--prompt", "ROMEO:", "--max-new-tokens", "20",
+                 "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and len(out) > len("ROMEO:") + 5
+
+
+def test_pretrain_again_resumes_and_extends(trained, tmp_path, capsys):
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--data", str(REPO.parent / "shared/data/tinyshakespeare.txt"),
+                 "--run-dir", str(trained), "--max-steps", "25", "--quiet", "--set", "data.max_chars=300000"]) == 0
+    steps = [json.loads(x)["step"] for x in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 25
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["pretrain", "--recipe", "gpt5"], "unknown recipe 'gpt5'"),
+    (["pretrain", "--data", "/no/such/corpus.txt"], "neither 'builtin', an existing file or folder"),
+    (["pretrain", "--set", "train.seq_len=100000"], "longer than the model's max_seq_len"),
+    (["pretrain", "--set", "data.vocab_size=100"], "vocab_size 100 cannot work"),
+    (["pretrain", "--set", "data.vocab_size=5000000000"], "vocab_size 5000000000 cannot work"),
+    (["pretrain", "--set", "train.lr"], "SECTION.FIELD=VALUE"),
+    (["pretrain", "--resume", "auto", "--set", "train.micro_batch_size=0"], "micro_batch_size must be at least 1"),
+])
+def test_bad_input_fails_before_any_work(argv, message, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(argv + ["--run-dir", str(run), "--quiet"]) == 2
+    assert message in capsys.readouterr().err
+    assert not run.exists()  # nothing was started
+
+
+def test_refusals_leave_an_existing_run_untouched(trained, tmp_path, capsys):
+    before = _tree_hash(trained)
+    # a different configuration in the same folder
+    assert main(["pretrain", "--recipe", "cpu", "--run-dir", str(trained), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a different configuration" in err and "model.n_layer" in err
+    # --resume never on a folder with checkpoints
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--data", str(REPO.parent / "shared/data/tinyshakespeare.txt"),
+                 "--run-dir", str(trained), "--resume", "never", "--quiet", "--set", "data.max_chars=300000"]) == 2
+    assert "--resume never would overwrite" in capsys.readouterr().err
+    # an empty prompt
+    assert main(["generate", "--run-dir", str(trained), "--prompt", ""]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+    assert _tree_hash(trained) == before
+
+
+def test_data_too_small_for_one_window(tmp_path, capsys):
+    small = tmp_path / "small.txt"
+    small.write_text("To be, or not to be: that is the question.\n" * 3)
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--data", str(small), "--run-dir", str(tmp_path / "run"),
+                 "--quiet", "--set", "data.vocab_size=300", "model.vocab_size=300"]) == 2
+    assert "fewer than one window" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_generate_on_a_folder_without_checkpoints(tmp_path, capsys):
+    assert main(["generate", "--run-dir", str(tmp_path), "--prompt", "x"]) == 2
+    assert "not a tinygpt run folder" in capsys.readouterr().err
+
+
+def test_console_script_and_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "tinygpt", "recipes"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "a100-124m" in out.stdout
+    with pytest.raises(ConfigError):
+        get_recipe("nope")

@@ -1,0 +1,46 @@
+"""Precision follows compute capability, not torch.cuda.is_bf16_supported()."""
+import pytest
+import torch
+
+from tinygpt.precision import choose_precision, native_bf16
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    def set_capability(cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what a T4 reports
+    return set_capability
+
+
+@pytest.mark.parametrize("cap,name", [((7, 5), "fp16"), ((7, 0), "fp16"), ((8, 0), "bf16"), ((8, 9), "bf16"),
+                                      ((9, 0), "bf16")])
+def test_cuda_precision_follows_compute_capability(fake_gpu, cap, name):
+    fake_gpu(cap)
+    p = choose_precision(torch.device("cuda"), "auto")
+    assert p.name == name and p.use_scaler == (name == "fp16")
+    assert f"{cap[0]}.{cap[1]}" in p.reason
+
+
+def test_t4_asked_for_bf16_is_warned_about(fake_gpu):
+    fake_gpu((7, 5))
+    assert not native_bf16(torch.device("cuda"))
+    p = choose_precision(torch.device("cuda"), "bf16")
+    assert p.name == "bf16" and "emulated" in p.reason
+
+
+def test_cpu_defaults_to_fp32_and_can_be_overridden():
+    assert choose_precision(torch.device("cpu")).name == "fp32"
+    assert choose_precision(torch.device("cpu"), "bf16").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="precision must be"):
+        choose_precision(torch.device("cpu"), "fp8")
+
+
+def test_autocast_and_scaler_behave_on_cpu():
+    p = choose_precision(torch.device("cpu"), "bf16")
+    lin = torch.nn.Linear(8, 8)
+    with p.autocast():
+        assert lin(torch.randn(2, 8)).dtype == torch.bfloat16
+    assert not p.grad_scaler().is_enabled()
+    fp16 = choose_precision(torch.device("cpu"), "fp16")
+    assert fp16.grad_scaler().is_enabled()
