@@ -9,6 +9,13 @@ from pathlib import Path
 from .config import ConfigError, RECIPES, Recipe, get_recipe
 
 
+def _probe(args) -> int:
+    from .probe import probe_command
+
+    print(probe_command(args.recipe, args.json))
+    return 0
+
+
 def _recipes(args) -> int:
     rows = []
     for r in RECIPES.values():
@@ -52,11 +59,15 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
 
 
 def _pretrain(args) -> int:
+    from .distributed import torchrun_env
     from .pretrain import pretrain
 
     res = pretrain(apply_overrides(get_recipe(args.recipe), args.set), args.run_dir, data=args.data, max_steps=args.max_steps, save_every=args.save_every,
                    eval_every=args.eval_every, resume=args.resume, mirror=args.mirror, device=args.device,
-                   progress=not args.quiet, world_size=1)
+                   progress=not args.quiet, parallel=getattr(args, "parallel", "ddp"))
+    env = torchrun_env()
+    if env is not None and env.rank != 0:
+        return 0  # under torchrun rank 0 reports for the job
     print(f"step {res.step}: loss {res.loss if res.loss is None else round(res.loss, 4)}, "
           f"val_loss {res.val_loss if res.val_loss is None else round(res.val_loss, 4)}, "
           f"checkpoint {res.checkpoint}")
@@ -86,9 +97,65 @@ def _generate(args) -> int:
     return 0
 
 
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _jsonable(v):
+    """NaN (a standard error of one item) as null: strict JSON readers refuse NaN."""
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    return [_jsonable(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+def _eval(args) -> int:
+    from .evaluate import run_eval
+    from .precision import resolve_device
+
+    res = run_eval(args.run_dir, args.task, data=args.data, which=args.which, device=str(resolve_device(args.device)),
+                   limit=args.limit, window=args.window, stride=args.stride, max_chars=args.max_chars,
+                   batch_size=args.batch_size, n=args.n, ks=args.k, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, progress=not args.json)
+    if args.json:
+        print(json.dumps(_jsonable(res), indent=1, default=str))
+        return 0
+    skip = {"reference", "per_problem", "diagnosis"}
+    width = max(len(k) for k in res)
+    for k, v in res.items():
+        if k not in skip:
+            print(f"{k:<{width}}  {_fmt(v)}")
+    if "reference" in res:  # HellaSwag: the published numbers beside this model's
+        print(f"\n{'model':<22} {'acc':>7} {'acc_norm':>9}")
+        print(f"{'this model (n=' + str(res['n']) + ')':<22} {res['acc']:>7.2%} {res['acc_norm']:>9.2%}")
+        for name, ref in res["reference"].items():
+            print(f"{name:<22} {ref['acc']:>7.2%} {ref['acc_norm']:>9.2%}")
+    if "per_problem" in res:
+        for p in res["per_problem"]:
+            print(f"  {p['task_id']:<14} {p['passed']}/{p['n']} passed  {', '.join(p['statuses'])}")
+    for note in res.get("diagnosis", []):
+        print(f"- {note}")
+    return 0
+
+
+def _export(args) -> int:
+    from .hf import export_run
+
+    out = export_run(args.run_dir, args.out_dir, args.which)
+    print(f"exported {args.run_dir} ({args.which}) to {out} as a Hugging Face Llama folder; load it with "
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained({str(out)!r})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tinygpt", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+
+    pr = sub.add_parser("probe", help="what this machine is, and what it can train (micro-batch, context, precision)")
+    pr.add_argument("--recipe", default=None, help="probe for this recipe (default: the one this hardware suits)")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=_probe)
 
     r = sub.add_parser("recipes", help="list the named recipes")
     r.add_argument("--json", action="store_true")
@@ -120,6 +187,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=None)
     g.set_defaults(func=_generate)
+
+    e = sub.add_parser("eval", help="evaluate a run (or a Hugging Face model folder) on one task")
+    e.add_argument("run_dir", metavar="RUN_DIR")
+    e.add_argument("--task", required=True, choices=("perplexity", "hellaswag", "humaneval", "mbpp", "summary"))
+    e.add_argument("--data", default=None, help="the task's data file, or hf:NAME[:CONFIG][@SPLIT], e.g. "
+                   "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from the Hub)")
+    e.add_argument("--which", default="latest", help="latest, best, or a checkpoint folder (default: latest)")
+    e.add_argument("--device", default="auto", help="cpu, cuda, mps (default: the best available)")
+    e.add_argument("--limit", type=int, default=None, help="only the first N items or problems")
+    e.add_argument("--window", type=int, default=None, help="perplexity: tokens per window (default: the context)")
+    e.add_argument("--stride", type=int, default=None, help="perplexity: sliding-window stride (default: none)")
+    e.add_argument("--max-chars", type=int, default=None, help="perplexity: score only the first N characters")
+    e.add_argument("--batch-size", type=int, default=None)
+    e.add_argument("--n", type=int, default=1, help="code tasks: samples per problem")
+    e.add_argument("--k", type=int, nargs="+", default=[1], help="code tasks: pass@k for these k (each <= n)")
+    e.add_argument("--max-new-tokens", type=int, default=384)
+    e.add_argument("--temperature", type=float, default=None, help="code tasks (default: greedy for n=1, else 0.8)")
+    e.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    e.set_defaults(func=_eval)
+
+    x = sub.add_parser("export", help="export a run to a Hugging Face folder (config.json + model.safetensors)")
+    x.add_argument("run_dir", metavar="RUN_DIR")
+    x.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty folder; nothing is overwritten")
+    x.add_argument("--which", default="latest", help="latest, best, or a checkpoint folder (default: latest)")
+    x.set_defaults(func=_export)
     return p
 
 
@@ -128,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError, ImportError, RuntimeError) as e:
         print(f"tinygpt {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

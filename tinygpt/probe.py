@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .config import DEFAULT_RECIPE_FOR_HARDWARE, ModelConfig, Recipe, get_recipe
+from .losses import default_chunk_rows
 from .model import GPT
 from .optim import build_optimizer
 from .precision import Precision, choose_precision, native_bf16, resolve_device
@@ -51,6 +52,12 @@ def gpu_spec(name: str) -> tuple[float | None, str | None]:
         if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.IGNORECASE):
             return tflops, hw
     return None, None
+
+
+def peak_tflops(name: str, precision: str = "bf16") -> float | None:
+    """The MFU denominator for a CUDA device name: the table's bf16/fp16 peak; None for fp32 (a TF32
+    or fp32 MFU against a bf16 peak would mislead) and for unlisted GPUs."""
+    return None if precision == "fp32" else gpu_spec(name)[0]
 
 
 @dataclass
@@ -143,7 +150,7 @@ class MemoryEstimate:
     optimizer_gb: float
     weight_copies_gb: float
     activations_gb: float
-    logits_gb: float
+    loss_gb: float
     overhead_gb: float
     total_gb: float
     n_params: int
@@ -152,6 +159,7 @@ class MemoryEstimate:
     precision: str
     activation_checkpointing: bool
     device_type: str
+    loss_chunk_rows: int  # 0: the plain F.cross_entropy over the full logits
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -159,22 +167,26 @@ class MemoryEstimate:
     def rows(self) -> list[tuple[str, str, str]]:
         n, tok = f"{self.n_params / 1e6:.1f}M", f"{self.micro_batch_size} x {self.seq_len} tokens"
         ckpt = "layer inputs (checkpointing)" if self.activation_checkpointing else "every layer"
+        loss = (f"chunks of {self.loss_chunk_rows} rows of logits + head gradients" if self.loss_chunk_rows
+                else f"{tok} x vocab x 12 B (fp32 log-probs + 2 gradients)")
         return [("part", "GB", "how"),
                 ("parameters", f"{self.params_gb:.2f}", f"{n} x 4 B (fp32 master weights)"),
                 ("gradients", f"{self.grads_gb:.2f}", f"{n} x 4 B"),
                 ("AdamW states", f"{self.optimizer_gb:.2f}", f"{n} x 2 x 4 B"),
                 ("weight copies", f"{self.weight_copies_gb:.2f}", f"matmul weights in {self.precision} (autocast)"),
                 ("activations", f"{self.activations_gb:.2f}", f"{tok}, {ckpt}, {self.precision}"),
-                ("logits", f"{self.logits_gb:.2f}", f"{tok} x vocab x 12 B (fp32 log-probs + 2 gradients)"),
+                ("loss (logits)", f"{self.loss_gb:.2f}", loss),
                 ("overhead", f"{self.overhead_gb:.2f}",
                  ("CUDA context + " if self.device_type == "cuda" else "") + "allocator fragmentation"),
                 ("total", f"{self.total_gb:.2f}", "")]
 
 
-def _activation_bytes_per_token(c: ModelConfig, e: int, checkpointing: bool) -> int:
-    """Bytes saved for backward per token, counted tensor by tensor (checked against saved-tensor hooks).
-    The residual stream and RMSNorm are fp32 under autocast; e is the matmul dtype's size."""
-    d, ff, kvd = c.d_model, c.d_ff, c.n_kv_head * c.head_dim
+def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointing: bool,
+                               chunk_rows: int) -> tuple[int, int]:
+    """(activations, loss) bytes at the peak, counted tensor by tensor (tests check them against
+    saved-tensor hooks and a tracked step). The residual stream and RMSNorm are fp32 under
+    autocast; e is the matmul dtype's size."""
+    d, ff, kvd, v = c.d_model, c.d_ff, c.n_kv_head * c.head_dim, c.vocab_size
 
     def norm_then(n_linears: int) -> int:
         # RMSNorm keeps its input and the normalised x; each Linear keeps its input, which autocast
@@ -185,13 +197,20 @@ def _activation_bytes_per_token(c: ModelConfig, e: int, checkpointing: bool) -> 
     attn = norm_then(3) + e * (d + 2 * kvd) + e * d + 4 * c.n_head
     mlp = norm_then(2) + 4 * e * ff  # SwiGLU: gate, silu(gate), up and their product
     layer = attn + mlp + 8  # + the two norms' rsqrt
-    head = norm_then(1) + 16  # final norm + int64 inputs and targets
+    if chunk_rows == 0:  # F.cross_entropy: fp32 log-probs saved, their gradient and the logits' gradient
+        head, loss = norm_then(1) + 16, 12 * tokens * v  # + final norm, lm_head input, int64 ids
+    else:  # tinygpt.losses: gradients made in forward, one chunk of logits at a time (fp32, plus
+        # temporaries: logsumexp's, and under autocast the matmul output and the gradient in e);
+        # the hidden states and their gradient (fp32), the head's fp32 gradient, and either its
+        # two e copies (forward) or its scaled gradient (backward)
+        head = 8 * d + 16
+        loss = 8 * d * tokens + 8 * v * d + (6 if e == 4 else 8) * chunk_rows * v
     if checkpointing:
         # Each block keeps only its fp32 input. A block is recomputed (with the gradients in flight
-        # through it) only after the loss's 12 B x vocab are freed: one of the two phases sets the peak.
-        recompute = layer + 4 * d + 2 * e * ff
-        return c.n_layer * 4 * d + head + max(0, recompute - head - 12 * c.vocab_size)
-    return c.n_layer * layer + head
+        # through it) only after the loss's memory is freed: one of the two phases sets the peak.
+        recompute = (layer + 4 * d + 2 * e * ff) * tokens
+        return (c.n_layer * 4 * d + head) * tokens + max(0, recompute - head * tokens - loss), loss
+    return (c.n_layer * layer + head) * tokens, loss
 
 
 def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, precision: str = "fp32",
@@ -200,17 +219,18 @@ def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, pre
     ckpt = model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     meta = _meta_model(model)
     n = meta.num_params()
-    matmul = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear))
-    e = 4 if precision == "fp32" else 2
     tokens = micro_batch_size * seq_len
+    chunk_rows = default_chunk_rows(tokens, model.vocab_size)  # what model.cross_entropy will do
+    # Autocast caches one copy of each Linear's weight per forward; the chunked loss copies lm_head itself.
+    matmul = sum(m.weight.numel() for m in meta.modules()
+                 if isinstance(m, torch.nn.Linear) and not (chunk_rows and m is meta.lm_head))
+    e = 4 if precision == "fp32" else 2
     parts = [4 * n, 4 * n, 8 * n, 0 if e == 4 else e * matmul,
-             _activation_bytes_per_token(model, e, ckpt) * tokens,
-             # fp32 log-probs saved for backward, their gradient and the logits' gradient, all at once
-             12 * tokens * model.vocab_size]
+             *_activation_and_loss_bytes(model, tokens, e, ckpt, chunk_rows)]
     sub = sum(parts) / GB
     overhead = (CUDA_CONTEXT_GB if device_type == "cuda" else 0.0) + FRAGMENTATION * sub
     return MemoryEstimate(*(p / GB for p in parts), overhead, sub + overhead, n, micro_batch_size, seq_len,
-                          precision, ckpt, device_type)
+                          precision, ckpt, device_type, chunk_rows)
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -568,21 +588,22 @@ def format_table(rows: list[tuple]) -> str:
 
 def probe_command(recipe: str | None = None, as_json: bool = False, *,
                   cache_dir: str | Path | None = DEFAULT_CACHE_DIR) -> str:
-    """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU, and
-    for a cpu recipe on any device with a 15 s cap; elsewhere the estimate stands in for it."""
+    """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU;
+    elsewhere the estimate stands in for it."""
     report = hardware_report()
     rec = get_recipe(recipe or report.default_recipe)
     requested, _ = _requested_precision(rec, report.device, report.native_bf16)
     prec = report.precision if requested == "auto" else requested
     est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec, device_type=report.device)
     result, note = None, None
-    if report.device == "cuda" or rec.hardware == "cpu":
+    if report.device == "cuda":
         try:
-            result = probe(rec, cache_dir=cache_dir, time_limit_s=None if report.device == "cuda" else 15.0)
+            result = probe(rec, cache_dir=cache_dir)
         except ProbeError as e:
             note = str(e)
-    else:
-        note = f"the trial search for {rec.name!r} runs on a CUDA GPU; the estimate above stands in for it"
+    else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
+        note = (f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch is used as is "
+                "and the estimate above stands in for a measurement")
     exp = expectations(rec, report, result)
     if as_json:
         return json.dumps({"hardware": report.to_dict(), "recipe": rec.name, "memory_estimate": est.to_dict(),
