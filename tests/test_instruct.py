@@ -60,6 +60,8 @@ def test_mbpp_records_train_on_code_and_skip_evaluation_ids(mbpp, tok):
     assert not p_trained and c_trained
     assert r["test_list"][0] in prompt and prompt == format_prompt(mbpp_instruction(r["text"], r["test_list"]))
     assert code == r["code"].replace("\r\n", "\n").strip()
+    sanitized = {"prompt": r["text"], "code": r["code"], "test_list": r["test_list"], "task_id": 1}  # its other config
+    assert record_segments([sanitized])[0] == segs[:1]
     d = build_instruct_data(mbpp, tok, 384, val_fraction=0.05)
     assert d.report.excluded == 500 and d.report.train_examples + d.report.val_examples + d.report.dropped == 474
 
@@ -135,7 +137,8 @@ def test_order_is_seeded_and_resume_is_exact(alpaca, tok):
     for _ in range(12):  # past the end of an epoch (48 rows)
         assert all(torch.equal(u, v) for u, v in zip(a.next_batch(7), c.next_batch(7)))
     other = build_instruct_data(alpaca[:50], tok, 128, seed=4).train
-    assert not torch.equal(other.next_batch(7)[0], build_instruct_data(alpaca[:50], tok, 128, seed=3).train.next_batch(7)[0])
+    fresh = build_instruct_data(alpaca[:50], tok, 128, seed=3).train
+    assert not torch.equal(other.next_batch(7)[0], fresh.next_batch(7)[0])
     with pytest.raises(DataError, match="resume with the same data"):
         build_instruct_data(alpaca[:60], tok, 128, seed=3).train.load_state_dict(state)
 

@@ -217,7 +217,7 @@ def find_run_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
     run_dir = Path(run_dir)
     if which not in ("latest", "best"):
         p = Path(which)
-        if not p.is_absolute():
+        if not p.is_absolute() and not p.exists():  # relative to the run folder, unless it exists as given
             p = run_dir / which
         ok, why = verify_checkpoint(p)
         if not ok:

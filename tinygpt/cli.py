@@ -79,6 +79,27 @@ def _pretrain(args) -> int:
     return 0
 
 
+def _finetune(args) -> int:
+    from .finetune import finetune, merge_adapter
+
+    res = finetune(args.recipe, args.base, args.data, args.run_dir, max_steps=args.max_steps, hardware=args.hardware,
+                   resume=args.resume, device=args.device, mirror=args.mirror, progress=not args.quiet)
+    d = res.data
+    print(f"data: {d.records} records ({d.format}), {d.train_examples} train / {d.val_examples} val examples, "
+          f"{d.truncated} truncated, {d.dropped} dropped")
+    t = res.train
+    print(f"step {t.step}: loss {t.loss if t.loss is None else round(t.loss, 4)}, "
+          f"val_loss {t.val_loss if t.val_loss is None else round(t.val_loss, 4)}; "
+          f"{res.trainable_params:,} trainable of {res.total_params:,} parameters")
+    if t.interrupted:
+        print("stopped by a signal; run the same command again to resume")
+    elif res.adapter_dir is not None:
+        print(f"adapter (PEFT format): {res.adapter_dir}")
+        if args.merge:
+            print(f"merged model: {merge_adapter(res.adapter_dir)}")
+    return 0
+
+
 def _generate(args) -> int:
     import torch
 
@@ -87,6 +108,15 @@ def _generate(args) -> int:
 
     if not args.prompt:
         raise ConfigError("the prompt is empty: give some text to continue, e.g. --prompt 'def '")
+    if args.adapter:
+        from .finetune import generate_response, load_finetuned
+
+        model, tok = load_finetuned(args.adapter)
+        print(generate_response(model, tok, args.prompt, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_p=args.top_p))
+        return 0
+    if not args.run_dir:
+        raise ConfigError("give --run-dir (a pretraining run) or --adapter (a finetuning run)")
     model, tok, _, _ = load_run(args.run_dir, args.checkpoint, device="cuda" if torch.cuda.is_available() else "cpu")
     for i in range(args.num_samples):
         text = generate_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
@@ -176,8 +206,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_pretrain)
 
+    f = sub.add_parser("finetune", help="LoRA / QLoRA finetuning of a tinygpt run or a Hugging Face model")
+    f.add_argument("--recipe", default="lora-r16", help="lora-r8, lora-r16, lora-r32 or qlora-r16")
+    f.add_argument("--base", required=True, help="a tinygpt run folder, a model folder, or a Hugging Face id")
+    f.add_argument("--data", required=True, help="a JSON/JSONL file, a saved dataset folder, or hf:NAME[:CONFIG][@SPLIT]")
+    f.add_argument("--run-dir", required=True)
+    f.add_argument("--max-steps", type=int, default=None)
+    f.add_argument("--hardware", choices=("cpu", "t4", "a100"), default=None,
+                   help="which of the recipe's settings to use (default: detected)")
+    f.add_argument("--resume", choices=("auto", "never"), default="auto")
+    f.add_argument("--mirror", default=None, help="a folder (e.g. on Google Drive) that mirrors the run's checkpoints")
+    f.add_argument("--device", default=None)
+    f.add_argument("--merge", action="store_true", help="also save the base with the adapter folded in")
+    f.add_argument("--quiet", action="store_true")
+    f.set_defaults(func=_finetune)
+
     g = sub.add_parser("generate", help="sample text from a trained run")
-    g.add_argument("--run-dir", required=True)
+    g.add_argument("--run-dir", default=None, help="a pretraining run folder (not needed with --adapter)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--checkpoint", default="latest", help="latest, best, or a checkpoint folder")
     g.add_argument("--max-new-tokens", type=int, default=200)
@@ -186,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--num-samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--adapter", default=None,
+                   help="a finetuning run or adapter folder: the prompt is an instruction answered by base + adapter")
     g.set_defaults(func=_generate)
 
     e = sub.add_parser("eval", help="evaluate a run (or a Hugging Face model folder) on one task")

@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 from .checkpoint import MANIFEST, list_checkpoints, sha256_file, verify_checkpoint
 
-RUN_FILES = ("run.json", "tokenizer.json", "metrics.jsonl", "samples.txt")
+RUN_FILES = ("run.json", "tokenizer.json", "metrics.jsonl", "samples.txt", "finetune.json", "adapter_config.json",
+             "tinygpt_finetune.json")
 CACHE_MARKER = "meta.json"  # a token cache is complete once its meta.json exists (written last)
 DRIVE_RUNS = Path("tinygpt", "runs")
 CopyFile = Callable[[Path, Path], Any]

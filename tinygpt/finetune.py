@@ -6,7 +6,8 @@ state_dict moves over unchanged and the logits are identical): one code path the
 and Hub models alike, QLoRA loads it through `BitsAndBytesConfig`, and the adapter that comes out
 is a plain PEFT adapter whose `base_model_name_or_path` is a folder any `transformers` user can load.
 
-A finetuning run folder holds ``finetune.json``, ``base/`` (tinygpt bases only), ``checkpoints/``
+A finetuning run folder holds ``finetune.json``, ``adapter_config.json`` and ``tinygpt_finetune.json``
+(what any checkpoint needs to become an adapter), ``base/`` (tinygpt bases only), ``checkpoints/``
 (adapter weights + optimizer + data position: small, so saved often), ``metrics.jsonl`` and, at
 the end, ``adapter/`` (adapter_config.json + adapter_model.safetensors + tokenizer).
 """
@@ -29,7 +30,6 @@ from .model import IGNORE_INDEX
 
 FINETUNE_INFO, ADAPTER_INFO = "finetune.json", "tinygpt_finetune.json"
 BASE_DIR, ADAPTER_DIR, MERGED_DIR = "base", "adapter", "merged"
-HARDWARE = ("cpu", "t4", "a100")
 # Families whose logits are exactly lm_head(hidden): their loss goes through the chunked
 # `losses.linear_cross_entropy` (no full (tokens, vocab) logits). Gemma-2 soft-caps its logits: not here.
 PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"}
@@ -95,7 +95,8 @@ def _settings() -> dict[str, TrainConfig]:
         "t4": TrainConfig(micro_batch_size=4, grad_accum_steps=4, seq_len=512, lr=2e-4, min_lr=2e-5, warmup_steps=100,
                           max_steps=1000, eval_every=100, save_every=50, precision="auto", **common),
         "a100": TrainConfig(micro_batch_size=8, grad_accum_steps=2, seq_len=768, lr=2.5e-4, min_lr=2.5e-5,
-                            warmup_steps=150, max_steps=1000, eval_every=100, save_every=50, precision="auto", **common),
+                            warmup_steps=150, max_steps=1000, eval_every=100, save_every=50, precision="auto",
+                            **common),
         "cpu": TrainConfig(micro_batch_size=4, grad_accum_steps=2, seq_len=256, lr=2e-3, min_lr=2e-4, warmup_steps=3,
                            max_steps=30, eval_every=10, save_every=10, precision="fp32",
                            **{**common, "eval_batches": 2, "log_every": 5, "keep_last": 2}),
@@ -256,7 +257,7 @@ def base_config(path: str):
     except Exception as e:
         raise FinetuneError(f"could not load base model {path!r}: {type(e).__name__}: {e}\nCheck the folder or "
                             "the Hub id and the network; gated models (Gemma, Llama) need their licence accepted on "
-                            "the Hub and `huggingface-cli login` or HF_TOKEN") from e
+                            "the Hub and `hf auth login` (or HF_TOKEN set)") from e
 
 
 def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.float32,
@@ -270,7 +271,10 @@ def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.f
         if getattr(config, "final_logit_softcapping", None):  # Gemma-2: sdpa ignores its soft-capping
             kw["attn_implementation"] = "eager"
         if quantize == "nf4":
-            kw.update(quantization_config=_bnb_config(dtype), device_map={"": str(device)})
+            dev = torch.device(device)
+            kw.update(quantization_config=_bnb_config(dtype),  # quantized as it loads, straight onto the device
+                      device_map={"": torch.cuda.current_device() if dev.type == "cuda" and dev.index is None
+                                      else (dev.index if dev.type == "cuda" else dev.type)})
         model = AutoModelForCausalLM.from_pretrained(path, **kw)
     except Exception as e:
         raise FinetuneError(f"could not load base model {path!r}: {type(e).__name__}: {e}") from e
@@ -325,8 +329,10 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *, activation_checkp
     for p in model.parameters():
         p.requires_grad_(False)
     if activation_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Without this, checkpointed blocks whose inputs do not require grad give the adapters none.
         model.enable_input_require_grads()
         model.config.use_cache = False
@@ -342,9 +348,11 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *, activation_checkp
 
 def causal_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y are already shifted)."""
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = hf.get_output_embeddings()
-    if hf.config.model_type in PLAIN_HEAD_TYPES and isinstance(head, torch.nn.Linear) and head.bias is None:
+    # A DDP wrapper (no get_base_model) must see the forward call: wrapped models take the plain path.
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else None
+    head = hf.get_output_embeddings() if hf is not None else None
+    if hf is not None and hf.config.model_type in PLAIN_HEAD_TYPES and isinstance(head, torch.nn.Linear) \
+            and head.bias is None:
         from .losses import linear_cross_entropy
         hidden = hf.base_model(input_ids=x, use_cache=False).last_hidden_state
         return linear_cross_entropy(hidden, head.weight, y, reduction="sum", ignore_index=IGNORE_INDEX)
@@ -370,9 +378,31 @@ def load_adapter_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> N
 def _adapter_dir(path: str | Path) -> Path:
     p = Path(path)
     p = p / ADAPTER_DIR if (p / ADAPTER_DIR).is_dir() else p
-    if not (p / "adapter_config.json").is_file():
-        raise FinetuneError(f"{path} holds no adapter (no adapter_config.json); finetune first")
+    if not (p / "adapter_model.safetensors").is_file():
+        raise FinetuneError(f"{path} holds no adapter (no adapter_model.safetensors); finetune first, or "
+                            "export_adapter(run_dir) to make one from a checkpoint")
     return p
+
+
+def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None) -> Path:
+    """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the checkpoint's
+    model.safetensors already holds exactly PEFT's adapter weights under PEFT's names."""
+    from .checkpoint import find_run_checkpoint
+    run_dir = Path(run_dir)
+    if not (run_dir / "adapter_config.json").is_file():
+        raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")
+    ckpt = find_run_checkpoint(run_dir, which)
+    out = Path(out_dir) if out_dir is not None else run_dir / ADAPTER_DIR
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copyfile(ckpt / "model.safetensors", tmp / "adapter_model.safetensors")
+    for name in ("adapter_config.json", ADAPTER_INFO):
+        shutil.copyfile(run_dir / name, tmp / name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
 
 
 def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = False,
@@ -456,26 +486,29 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     rec = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     if resume not in ("auto", "never"):
         raise FinetuneError(f"resume must be 'auto' or 'never', got {resume!r}")
+    run_dir = Path(run_dir)
+    if mirror is not None:
+        from .drive import Mirror, restore_latest
+        restore_latest(run_dir, Path(mirror))
+    old = json.loads((run_dir / FINETUNE_INFO).read_text()) if (run_dir / FINETUNE_INFO).is_file() else None
     dev = resolve_device(device or "auto")
-    hardware = hardware or detect_hardware(dev)
+    # Colab may hand a resumed run another GPU: it keeps the settings it started with (same data rows).
+    hardware = hardware or (old or {}).get("hardware") or detect_hardware(dev)
     overrides = {**(train or {}), **({"max_steps": max_steps} if max_steps is not None else {})}
     cfg = rec.train_config(hardware, **overrides)
     precision = choose_precision(dev, cfg.precision)
     if rec.quantize == "nf4":
         check_qlora(dev)
-    run_dir = Path(run_dir)
     tinygpt_base = is_tinygpt_run(base)
     if not tinygpt_base:
         base_config(base)  # a missing or unloadable base fails here, before anything is written
     info = {"recipe": rec.to_dict(), "base": str(Path(base).resolve()) if tinygpt_base else base, "data": data,
             "hardware": hardware}
-    if mirror is not None:
-        from .drive import Mirror, restore_latest
-        restore_latest(run_dir, Path(mirror))
-    if (run_dir / FINETUNE_INFO).is_file():
-        old = json.loads((run_dir / FINETUNE_INFO).read_text())
-        diffs = config_differences({k: old.get(k) for k in info if k != "recipe"} | {"lora": old["recipe"]["lora"]},
-                                   {k: info[k] for k in info if k != "recipe"} | {"lora": info["recipe"]["lora"]})
+    if old is not None:
+        def identity(i: dict) -> dict:  # what makes two runs the same run (the Trainer checks TrainConfig)
+            return {k: i.get(k) for k in ("base", "data", "hardware")} | {
+                k: i["recipe"].get(k) for k in ("lora", "quantize", "template", "pack")}
+        diffs = config_differences(identity(old), identity(info))
         if diffs:
             raise FinetuneError(f"run folder {run_dir} holds another finetuning run:\n  " + "\n  ".join(diffs)
                                 + "\nuse a new run folder, or the same settings to resume")
@@ -489,14 +522,24 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
         base_path = str((run_dir / BASE_DIR).resolve())
         if not (run_dir / BASE_DIR / "config.json").is_file():
             export_tinygpt_base(base, base_path)
+    config = base_config(base_path)
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if max_pos and cfg.seq_len > max_pos:
+        if "seq_len" in overrides:
+            raise FinetuneError(f"seq_len {cfg.seq_len} is longer than the base's context of {max_pos} tokens")
+        cfg = dataclasses.replace(cfg, seq_len=max_pos)  # the recipe's default, cut to what the base knows
     # Tokenizer and data first: a bad record fails in seconds, not after a 5 GB download.
     tok = load_tokenizer(base_path)
     dataset = build_instruct_data(data, tok, cfg.seq_len, template=rec.template, pack=rec.pack, seed=cfg.seed,
                                   val_batch_size=cfg.micro_batch_size, eval_batches=cfg.eval_batches)
     dtype = precision.dtype if dev.type == "cuda" else torch.float32
     model = load_base(base_path, quantize=rec.quantize, dtype=dtype, device=dev)
-    signature = base_signature(model)
     pm = attach_lora(model, rec.lora, activation_checkpointing=hardware in rec.activation_checkpointing, seed=cfg.seed)
+    peft_config = dataclasses.replace(pm.peft_config["default"], inference_mode=True)  # as PEFT saves it
+    peft_config.save_pretrained(str(run_dir))  # adapter_config.json + any checkpoint = an adapter (export_adapter)
+    (run_dir / ADAPTER_INFO).write_text(json.dumps(
+        {"base": info["base"], "base_path": base_path, "quantize": rec.quantize, "template": rec.template,
+         "signature": base_signature(model)}, indent=1))
     n_train = sum(p.numel() for p in pm.parameters() if p.requires_grad)
     n_total = sum(p.numel() for p in pm.parameters())
     callbacks = list(callbacks)
@@ -513,11 +556,7 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
                 cb.close()
     adapter_dir = None
     if not result.interrupted:
-        adapter_dir = run_dir / ADAPTER_DIR
-        pm.save_pretrained(adapter_dir)
+        adapter_dir = export_adapter(run_dir, str(result.checkpoint or "latest"))
         tok.save_pretrained(adapter_dir)
-        (adapter_dir / ADAPTER_INFO).write_text(json.dumps(
-            {"base": info["base"], "base_path": base_path, "quantize": rec.quantize, "template": rec.template,
-             "signature": signature, "step": result.step}, indent=1))
     mem = memory_table(rec, hardware, model.config.to_dict())
     return FinetuneResult(run_dir, adapter_dir, result, dataset.report, hardware, n_train, n_total, mem, pm.eval(), tok)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,7 +31,10 @@ TEMPLATES: dict[str, tuple[str, str]] = {
     "short": ("### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
               "### Instruction:\n{instruction}\n\n### Response:\n"),
 }
-FORMATS = {"alpaca": ("instruction", "output"), "mbpp": ("text", "code", "test_list"), "chat": ("messages",)}
+FORMATS = {"alpaca": ("instruction", "output"), "mbpp": ("code", "test_list"), "chat": ("messages",)}
+# Names a notebook dropdown can offer; MBPP's training ids are 1-10 (prompt) and 511-1000 (validation, train).
+DATASETS = {"code-alpaca-20k": "hf:sahil2801/CodeAlpaca-20k",
+            "mbpp": "hf:google-research-datasets/mbpp:full@train+validation+prompt"}
 MBPP_TEST_IDS = range(11, 511)  # MBPP's evaluation split: never trained on, so evaluation stays clean
 PAD_MULTIPLE = 8  # batches padded to the longest example rounded up to this (friendlier matmul shapes)
 
@@ -56,6 +59,8 @@ def load_records(source: str, split: str = "train") -> list[dict]:
     """Records from a local .json / .jsonl file, a folder written by `datasets.save_to_disk`, or the
     Hugging Face Hub as ``hf:NAME[:CONFIG][@SPLIT]`` (a bare ``org/name`` that is not a path works too)."""
     p = Path(source).expanduser()
+    if not p.exists() and source in DATASETS:
+        source = DATASETS[source]
     if p.is_file():
         text = p.read_text(encoding="utf-8")
         try:
@@ -104,7 +109,8 @@ def detect_format(records: Sequence[dict]) -> str:
     first = records[0]
     if not isinstance(first, dict):
         raise DataError(f"record 0 is a {type(first).__name__}, not an object with fields")
-    for fmt, needed in (("chat", ("messages",)), ("mbpp", ("text", "code")), ("alpaca", ("instruction",))):
+    for fmt, needed in (("chat", ("messages",)), ("mbpp", ("text", "code")), ("mbpp", ("prompt", "code")),
+                        ("alpaca", ("instruction",))):
         if all(k in first for k in needed):
             return fmt
     raise DataError(f"record 0 has fields {sorted(first)}; expected Alpaca (instruction, input, output), "
@@ -137,11 +143,15 @@ def record_segments(records: Sequence[dict], fmt: str | None = None, template: s
             if r.get("task_id") in MBPP_TEST_IDS:
                 excluded += 1
                 continue
-            _need_str(r, i, "text", "code")
+            text = r.get("text", r.get("prompt"))  # "prompt" in MBPP's sanitized config
+            if text is None:
+                raise DataError(f"record {i} has no field 'text' (its fields: {sorted(r)}); MBPP records need "
+                                "text (or prompt), code, test_list")
+            _need_str(r, i, "text", "prompt", "code")
             if not isinstance(r["test_list"], list):
                 raise DataError(f"record {i}: field 'test_list' must be a list of assert lines")
             code = r["code"].replace("\r\n", "\n").strip()
-            out.append([(format_prompt(mbpp_instruction(r["text"], r["test_list"]), "", template), False), (code, True),
+            out.append([(format_prompt(mbpp_instruction(text, r["test_list"]), "", template), False), (code, True),
                         (None, True)])
         else:
             out.append(_chat_segments(r["messages"], i, chat_template))
@@ -229,7 +239,7 @@ class DataReport:
     excluded: int  # MBPP evaluation ids left out
     train_examples: int
     val_examples: int
-    truncated: int  # longer than seq_len + 1 tokens: the end of the response was cut
+    truncated: int  # longer than seq_len + 1 tokens: the end of the response was cut (dropped ones included)
     dropped: int  # nothing of the response left after truncation
     sequences: int  # training rows after packing (= train_examples without packing)
     longest: int
@@ -240,7 +250,10 @@ class DataReport:
         return asdict(self)
 
 
-def _to_rows(examples: list[tuple[list[int], list[bool]]], seq_len: int, pack: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+Row = tuple[np.ndarray, np.ndarray]  # (x, y) of one training sequence
+
+
+def _to_rows(examples: list[tuple[list[int], list[bool]]], seq_len: int, pack: bool) -> list[Row]:
     """(x, y) rows of at most seq_len positions; packing concatenates whole examples greedily."""
     groups: list[list[tuple[list[int], list[bool]]]] = []
     size = 0
@@ -259,7 +272,7 @@ def _to_rows(examples: list[tuple[list[int], list[bool]]], seq_len: int, pack: b
     return rows
 
 
-def _collate(rows: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _collate(rows: Sequence[Row], pad_id: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks right, so padding
     changes nothing for the real tokens and needs no attention mask."""
     T = min(seq_len, -(-max(len(x) for x, _ in rows) // PAD_MULTIPLE) * PAD_MULTIPLE)
@@ -275,7 +288,7 @@ class InstructSource:
     Each call takes the next batch_size * world_size rows of the global order and returns one rank's
     share, so the order is the same at any world size with the same global batch."""
 
-    def __init__(self, rows: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, seed: int):
+    def __init__(self, rows: list[Row], seq_len: int, pad_id: int, seed: int):
         if not rows:
             raise DataError("no training examples are left")
         self.rows, self.seq_len, self.pad_id, self.seed = rows, seq_len, pad_id, seed
@@ -325,7 +338,6 @@ class InstructData:
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     report: DataReport
     template: str = "alpaca"
-    extra: dict = field(default_factory=dict)
 
 
 def build_instruct_data(records: Sequence[dict] | str, tokenizer: Any, seq_len: int, *, template: str = "alpaca",
