@@ -33,7 +33,7 @@ CUDA_CONTEXT_GB = 0.5  # the driver's context: never in torch.cuda.max_memory_al
 FRAGMENTATION = 0.05  # the caching allocator's blocks are never a perfect fit
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
 CPU_GFLOPS_PER_CORE = 25.0  # a rough guess of what PyTorch gets from one core in fp32; for expectations only
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tinygpt" / "probe"
+DEFAULT_CACHE_DIR = Path(os.environ.get("TINYGPT_CACHE", Path.home() / ".cache" / "tinygpt")) / "probe"
 
 # (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class).
 # Most specific first; a name matches as a whole word, so "L4" is not found in "L40S" nor "A10" in "A100".

@@ -1,0 +1,238 @@
+"""Notebook pieces without a notebook: the recipe picker's default, the live loss plot (Agg), the
+tables, run folders on (fake) Drive, and the zip that Colab downloads."""
+from __future__ import annotations
+
+import json
+import sys
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinygpt import ui
+from tinygpt.checkpoint import save_checkpoint, verify_checkpoint
+from tinygpt.config import RECIPES, get_recipe
+from tinygpt.probe import hardware_report
+
+FAKE_COLAB = Path(__file__).parent / "fake_colab"
+
+
+@pytest.fixture(autouse=True)
+def plain(monkeypatch, tmp_path):
+    """Not in smoke mode, runs and caches under tmp, and no google.colab (a test adds the fake where it wants it)."""
+    monkeypatch.delenv("TINYGPT_SMOKE", raising=False)
+    monkeypatch.setenv("TINYGPT_WORKDIR", str(tmp_path / "content"))
+    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "cache"))  # the trial search caches its result there
+    for name in [n for n in sys.modules if n == "google.colab" or n.startswith("google.colab.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.fixture(scope="module")
+def report():
+    return hardware_report("cpu")
+
+
+def write_run_json(run_dir: Path, recipe: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.json").write_text(json.dumps({"recipe": get_recipe(recipe).to_dict()}))
+
+
+# ---- the recipe picker ---------------------------------------------------------------------------
+
+def test_not_in_a_notebook_here():
+    assert ui.in_notebook() is False
+
+
+def test_picker_defaults_to_the_probes_choice(report):
+    picker = ui.recipe_picker(report)
+    assert report.default_recipe == "cpu" and picker.value == "cpu" and picker.dropdown.value == "cpu"
+    assert [v for _, v in picker.dropdown.options] == list(RECIPES)
+    gpu = replace(report, default_recipe="a100-124m", hardware_class="a100")  # as the probe says on an A100
+    assert ui.recipe_picker(gpu).value == "a100-124m"
+    assert "probe's choice" in repr(ui.recipe_picker(gpu))
+
+
+def test_picker_value_is_read_when_the_training_cell_runs(report):
+    picker = ui.recipe_picker(report)
+    picker.dropdown.value = "cpu-smoke"  # the user changes it after the cell ran
+    assert picker.value == "cpu-smoke" and picker.default == "cpu"
+
+
+def test_picker_defaults_to_the_recipe_of_the_run_on_drive(report, tmp_path, monkeypatch):
+    run = ui.run_folders("r", tmp_path / "MyDrive")
+    write_run_json(run.mirror, "t4-50m")
+    monkeypatch.setenv("TINYGPT_SMOKE", "1")  # the run being resumed wins even over smoke mode
+    picker = ui.recipe_picker(report, resume_from=run)
+    assert picker.value == "t4-50m" and "run on Drive" in picker.reason
+    assert ui.recipe_picker(report, resume_from=run.mirror).value == "t4-50m"
+    # Only the local copy (the same VM, Drive not synced yet) is enough too; an unknown recipe is ignored.
+    write_run_json(run.local, "cpu")
+    (run.mirror / "run.json").unlink()
+    assert ui.recipe_picker(report, resume_from=run).value == "cpu"
+    (run.local / "run.json").write_text(json.dumps({"recipe": {"name": "my-own"}}))
+    assert ui.recipe_picker(report, resume_from=run).value == "cpu-smoke"
+
+
+def test_smoke_mode(report, monkeypatch):
+    assert ui.smoke_settings() == {}
+    monkeypatch.setenv("TINYGPT_SMOKE", "1")
+    assert ui.smoke_mode() and ui.recipe_picker(report).value == "cpu-smoke"
+    assert ui.smoke_settings()["max_steps"] < get_recipe("cpu-smoke").train.max_steps
+    monkeypatch.setenv("TINYGPT_SMOKE", "0")
+    assert not ui.smoke_mode()
+
+
+def test_without_ipywidgets_a_script_still_gets_the_default_and_a_notebook_is_told_how_to_install(
+        report, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import ipywidgets -> ImportError
+    picker = ui.recipe_picker(report)
+    assert picker.dropdown is None and picker.value == "cpu" and "recipe: cpu" in repr(picker)
+    monkeypatch.setattr(ui, "in_notebook", lambda: True)
+    with pytest.raises(ImportError, match=r"pip install"):
+        ui.recipe_picker(report)
+
+
+# ---- the live loss plot --------------------------------------------------------------------------
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def log(plot: ui.LossPlot, step: int, **extra) -> None:
+    plot.on_log({"step": step, "loss": 6.0 - step / 10, "tokens": step * 512, "lr": 1e-3, **extra})
+
+
+def test_loss_plot_draws_throttled_without_a_kernel_and_saves_with_the_run(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+
+    clock = Clock()
+    plot = ui.LossPlot(tmp_path, min_interval_s=2.0, clock=clock)
+    assert plot.show is False and plot.enabled
+    log(plot, 5)
+    assert plot.draws == 1  # the first point at once
+    for step in (10, 15):
+        log(plot, step)
+    plot.on_log({"step": 15, "val_loss": 5.0})  # an evaluation between two logs
+    assert plot.draws == 1  # throttled
+    clock.t = 2.5
+    log(plot, 20, val_loss=4.5)
+    assert plot.draws == 2
+    ax = plot.figure.axes[0]
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()}
+    assert lines["loss"] == ([5, 10, 15, 20], [5.5, 5.0, 4.5, 4.0])
+    assert lines["val loss"] == ([15, 20], [5.0, 4.5])
+    assert ax.child_axes[0].get_xlabel() == "tokens"  # the top axis
+    plot.close()
+    assert plot.draws == 3 and (tmp_path / "plots" / "loss.png").stat().st_size > 1000
+
+
+def test_loss_plot_of_a_resumed_run_starts_with_the_curve_so_far(tmp_path):
+    # The trainer cut metrics.jsonl at the resumed step (10) and appended step 15 before calling on_log.
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [
+        {"step": 5, "loss": 5.5}, {"step": 10, "loss": 5.0, "val_loss": 5.1}, {"step": 15, "loss": 4.5}]))
+    plot = ui.LossPlot(tmp_path)
+    plot.on_log({"step": 15, "loss": 4.5})
+    assert [m["step"] for m in plot.history] == [5, 10, 15]
+
+
+def test_loss_plot_is_a_trainer_callback(shared_data, tmp_path):
+    from tinygpt.pretrain import pretrain
+
+    plot = ui.LossPlot(tmp_path / "run", min_interval_s=0.0)
+    pretrain("cpu-smoke", tmp_path / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=10,
+             eval_every=5, save_every=10, device="cpu", progress=False, callbacks=[plot], cache_dir=tmp_path / "c")
+    assert [m["step"] for m in plot.history if "loss" in m] == [5, 10]
+    assert plot.draws >= 3 and (tmp_path / "run" / "plots" / "loss.png").is_file()  # close() drew the end
+
+
+def test_loss_plot_without_matplotlib(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    plot = ui.LossPlot()
+    plot.on_log({"step": 1, "loss": 3.0})
+    plot.close()
+    assert not plot.enabled and plot.draws == 0  # a script: nothing to do
+    with pytest.raises(ImportError, match=r"pip install"):
+        ui.LossPlot(show=True)  # a notebook: say how to get it
+
+
+# ---- tables --------------------------------------------------------------------------------------
+
+def test_summary_renders_hardware_memory_and_expectations(report):
+    s = ui.summary("cpu", report)
+    page = s._repr_html_()
+    assert page.count("<table") == 3 and "AdamW" in page and "time to finish" in page and "cpu_cores" in page
+    assert "Memory of cpu" in str(s) and "tokens/s" in str(s)
+    found = ui.trial_search("cpu-smoke", report, time_limit_s=5)
+    with_search = ui.summary("cpu-smoke", report, found)
+    assert "Trial search" in str(with_search) and "measured by trial" in str(with_search)
+    assert ui.trial_search("a100-124m", report) is None  # a GPU recipe is not tried on a CPU
+
+
+def test_recipes_table_lists_every_recipe_and_marks_the_default(report):
+    t = ui.recipes_table(report)
+    names = [row[0] for row in t.rows[1:]]
+    assert len(names) == len(RECIPES) and f"{report.default_recipe} (default here)" in names
+    assert "<th" in t._repr_html_() and "&lt;" not in ui.Table([("a<b",)])._repr_html_().replace("a&lt;b", "")
+
+
+def test_result_table(tmp_path):
+    from tinygpt.trainer import TrainResult
+
+    r = TrainResult(tmp_path, 12, 5.6, 5.7, 5.65, tmp_path / "c", 9000.0, resumed_from=8, interrupted=True)
+    text = str(ui.result_table(r))
+    assert "from step 8" in text and "5.6000" in text and "run the training cell again" in text
+
+
+# ---- Drive, run folders, the download ------------------------------------------------------------
+
+def test_outside_colab_a_local_folder_stands_in_for_drive(tmp_path):
+    mydrive = ui.connect_drive()
+    assert mydrive == tmp_path / "content" / "drive" / "MyDrive" and mydrive.is_dir()
+    run = ui.run_folders("my-run", mydrive)
+    assert run.local == tmp_path / "content" / "runs" / "my-run"
+    assert run.mirror == mydrive / "tinygpt" / "runs" / "my-run"
+    assert "nothing on Drive yet" in str(run)
+    for bad in ("", "a/b", ".hidden", " x"):
+        with pytest.raises(ValueError, match="plain folder name"):
+            ui.run_folders(bad, mydrive)
+
+
+def test_in_colab_drive_is_mounted(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(FAKE_COLAB))
+    monkeypatch.setenv("TINYGPT_FAKE_DRIVE_ROOT", str(tmp_path / "backing"))
+    monkeypatch.delenv("TINYGPT_WORKDIR")
+    assert ui.in_colab() and ui.workdir() == Path("/content")
+    mydrive = ui.connect_drive(tmp_path / "content")
+    assert (tmp_path / "content" / "drive").is_symlink() and mydrive.resolve() == (tmp_path / "backing" / "MyDrive")
+
+
+def make_run(run_dir: Path, steps: tuple[int, ...]) -> None:
+    write_run_json(run_dir, "cpu-smoke")
+    (run_dir / "tokenizer.json").write_text("{}")
+    (run_dir / "metrics.jsonl").write_text('{"step": 4, "loss": 5.0}\n')
+    for s in steps:
+        save_checkpoint(run_dir / "checkpoints" / f"step_{s:06d}", {"w": torch.full((8, 8), float(s))}, {"step": s})
+
+
+def test_zip_run_holds_the_run_files_and_the_newest_checkpoint(tmp_path):
+    run = tmp_path / "runs" / "r"
+    make_run(run, (4, 8))
+    (run / "checkpoints" / "step_000008" / "state.pt").write_bytes(b"cut short")  # newest is corrupt
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        archive = ui.zip_run(run)
+    assert archive == tmp_path / "runs" / "r.zip"
+    with zipfile.ZipFile(archive) as z:
+        names = set(z.namelist())
+        z.extractall(tmp_path / "unzipped")
+    assert {"r/run.json", "r/tokenizer.json", "r/metrics.jsonl", "r/checkpoints/step_000004/model.safetensors"} <= names
+    assert not any("step_000008" in n for n in names)
+    assert verify_checkpoint(tmp_path / "unzipped" / "r" / "checkpoints" / "step_000004")[0]
+    with pytest.raises(FileNotFoundError, match="no valid checkpoint"):
+        ui.zip_run(tmp_path / "empty")

@@ -1,0 +1,419 @@
+"""Notebook pieces: Drive and run folders, the recipe picker, tables, the live loss plot, the download.
+
+Every piece also works outside a notebook: tables print as text, the picker's `value` is its
+default, the plot draws to `plots/loss.png` (or nothing without matplotlib). ipywidgets and
+matplotlib are imported only where they are used (``pip install "tinygpt[notebooks]"``).
+`TINYGPT_SMOKE=1` turns a notebook into a seconds-long smoke test (CI runs them that way).
+"""
+from __future__ import annotations
+
+import html
+import io
+import json
+import math
+import os
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .config import RECIPES, Recipe, get_recipe
+from .drive import DRIVE_RUNS, RUN_FILES, in_colab, mount_drive  # noqa: F401  (in_colab: for the notebooks)
+
+SMOKE_RECIPE = "cpu-smoke"
+SMOKE_SETTINGS: dict[str, int] = {"max_steps": 12, "save_every": 4, "eval_every": 4}
+INSTALL_HINT = 'pip install "tinygpt[notebooks]"  (or: pip install ipywidgets matplotlib)'
+
+
+def smoke_mode() -> bool:
+    """True when TINYGPT_SMOKE is set (to anything but 0): the tiny recipe and a few steps."""
+    return os.environ.get("TINYGPT_SMOKE", "") not in ("", "0")
+
+
+def smoke_settings() -> dict[str, int]:
+    """Keyword arguments for `pretrain` that shorten a run in smoke mode; empty otherwise."""
+    return dict(SMOKE_SETTINGS) if smoke_mode() else {}
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter / Colab kernel (not in a terminal IPython, not in plain Python)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _display(obj: Any, **kwargs: Any) -> Any:
+    from IPython.display import display
+    return display(obj, **kwargs)
+
+
+# ---- tables ----------------------------------------------------------------------------------------
+
+@dataclass
+class Table:
+    """Rows of cells, shown as an HTML table in a notebook and as aligned text elsewhere."""
+    rows: list[tuple]
+    title: str = ""
+    header: bool = True  # the first row names the columns
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        widths = [max(len(str(r[i])) for r in self.rows) for i in range(len(self.rows[0]))] if self.rows else []
+        lines = [self.title] if self.title else []
+        lines += ["  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in self.rows]
+        return "\n".join(lines + [f"  - {n}" for n in self.notes])
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        out = [f"<h4>{html.escape(self.title)}</h4>"] if self.title else []
+        out.append('<table style="border-collapse:collapse">')
+        for i, row in enumerate(self.rows):
+            tag = "th" if self.header and i == 0 else "td"
+            cells = "".join(f'<{tag} style="text-align:left;padding:2px 10px">{html.escape(str(c))}</{tag}>'
+                            for c in row)
+            out.append(f"<tr>{cells}</tr>")
+        out.append("</table>")
+        if self.notes:
+            out.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in self.notes) + "</ul>")
+        return "\n".join(out)
+
+
+class Tables(list):
+    """Several tables shown one after the other."""
+    def __str__(self) -> str:
+        return "\n\n".join(map(str, self))
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return "\n".join(t._repr_html_() for t in self)
+
+
+def hardware_table(report: Any) -> Table:
+    """The probe's hardware report (`probe.hardware_report()`) as a table."""
+    return Table(report.rows(), "Hardware", header=False)
+
+
+def _precision_for(recipe: Recipe, report: Any) -> str:
+    """The recipe's precision; the probe's where it says auto, or bf16 on a GPU that only emulates it."""
+    p = recipe.train.precision
+    emulated_bf16 = p == "bf16" and report.device == "cuda" and not report.native_bf16
+    return report.precision if p == "auto" or emulated_bf16 else p
+
+
+def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) -> Any:
+    """The probe's trial search (largest micro-batch that fits) where it is meaningful: on a CUDA GPU,
+    or a cpu recipe anywhere (capped at `time_limit_s`); None elsewhere or when nothing fits."""
+    from .probe import ProbeError, probe
+
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    if report.device != "cuda" and recipe.hardware != "cpu":
+        return None
+    cache = Path(os.environ["TINYGPT_CACHE"]) / "probe" if os.environ.get("TINYGPT_CACHE") else None
+    kwargs = {"cache_dir": cache} if cache is not None else {}
+    try:
+        return probe(recipe, time_limit_s=None if report.device == "cuda" else time_limit_s, **kwargs)
+    except ProbeError:
+        return None
+
+
+def summary(recipe: Recipe | str, report: Any, search: Any = None) -> Tables:
+    """Hardware, the recipe's memory breakdown, the trial search (if given) and the expected
+    memory, tokens/s and time to finish, for one recipe on this runtime."""
+    from .probe import estimate_memory, expectations
+
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    t, prec = recipe.train, _precision_for(recipe, report)
+    est = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device)
+    tables = [hardware_table(report),
+              Table(est.rows(), f"Memory of {recipe.name}: micro-batch {t.micro_batch_size}, context {t.seq_len}, "
+                                f"{prec} (estimated)", notes=(recipe.description,))]
+    if search is not None:
+        tables.append(Table([("micro-batch", search.micro_batch_size), ("accumulation steps", search.grad_accum_steps),
+                             ("context", search.seq_len),
+                             ("activation checkpointing", "on" if search.activation_checkpointing else "off"),
+                             ("precision", search.precision),
+                             ("measured peak", f"{search.peak_gb:.2f} of {search.memory_limit_gb:.1f} GB")],
+                            "Trial search" + (" (cached)" if search.from_cache else ""), header=False,
+                            notes=tuple(search.notes)))
+    tables.append(Table(expectations(recipe, report, search).rows(), "Expected on this runtime", header=False))
+    return Tables(tables)
+
+
+def recipes_table(report: Any) -> Table:
+    """Every recipe with its size and the expected memory, speed and time to finish on this runtime."""
+    from .probe import estimate_memory, expectations
+
+    rows: list[tuple] = [("recipe", "for", "params", "context", "tokens", "memory", "fits", "tokens/s", "time")]
+    for name in RECIPES:
+        r = get_recipe(name)
+        n = estimate_memory(r.model, 1, 1, "fp32", device_type=report.device).n_params
+        e = expectations(r, report)
+        mark = " (default here)" if name == report.default_recipe else ""
+        rows.append((name + mark, r.hardware, f"{n / 1e6:.1f}M", r.train.seq_len, f"{r.token_budget / 1e6:,.1f}M",
+                     f"{e.peak_memory_gb:.1f} GB", "-" if e.fits is None else "yes" if e.fits else "no",
+                     "-" if e.tokens_per_s is None else f"{e.tokens_per_s:,.0f}", _duration(e.time_to_finish_s)))
+    return Table(rows, f"Recipes on this runtime ({report.name})",
+                 notes=("memory is estimated; tokens/s and time are rough until measured (see the trial search)",))
+
+
+def _duration(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f} s" if seconds < 120 else \
+        f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:,.1f} h"
+
+
+def result_table(result: Any) -> Table:
+    """What `pretrain` returned, as a table."""
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.4f}"
+
+    rows = [("step", result.step), ("loss", num(result.loss)), ("val_loss", num(result.val_loss)),
+            ("best val_loss", num(result.best_val_loss)), ("checkpoint", result.checkpoint),
+            ("tokens/s", "-" if not result.tokens_per_s else f"{result.tokens_per_s:,.0f}"),
+            ("resumed", "no: a new run" if result.resumed_from is None else f"from step {result.resumed_from}")]
+    notes = ("stopped before the end: run the training cell again to continue",) if result.interrupted else ()
+    return Table(rows, "Training", header=False, notes=notes)
+
+
+# ---- Drive and run folders -------------------------------------------------------------------------
+
+def workdir() -> Path:
+    """Where runs and Drive live on this machine: $TINYGPT_WORKDIR, else /content in Colab, else here."""
+    if os.environ.get("TINYGPT_WORKDIR"):
+        return Path(os.environ["TINYGPT_WORKDIR"])
+    return Path("/content") if in_colab() else Path.cwd()
+
+
+def connect_drive(root: str | Path | None = None) -> Path:
+    """Your Drive's MyDrive folder: mounted at <workdir>/drive in Colab (it asks for permission);
+    elsewhere a local folder at the same place stands in for it."""
+    drive_dir = Path(root or workdir()) / "drive"
+    if in_colab():
+        return mount_drive(drive_dir)
+    mydrive = drive_dir / "MyDrive"
+    mydrive.mkdir(parents=True, exist_ok=True)
+    return mydrive
+
+
+@dataclass
+class RunFolders:
+    """A run's two homes: `local` (fast disk, lost with the VM) and `mirror` (on Drive, kept)."""
+    name: str
+    local: Path
+    mirror: Path
+
+    def mirrored_step(self) -> int | None:
+        """The newest checkpoint step on the mirror (None when there is none)."""
+        from .checkpoint import list_checkpoints
+        ckpts = list_checkpoints(self.mirror / "checkpoints")
+        return ckpts[-1][0] if ckpts else None
+
+    def __str__(self) -> str:
+        step, recipe = self.mirrored_step(), recipe_of_run(self.mirror, self.local)
+        state = (f"on Drive: step {step} of recipe {recipe}; training continues from there" if step is not None
+                 else "nothing on Drive yet: a new run")
+        return f"run {self.name!r}\n  local:  {self.local}\n  Drive:  {self.mirror}\n  {state}"
+
+    __repr__ = __str__
+
+
+def run_folders(name: str, mydrive: str | Path) -> RunFolders:
+    """<workdir>/runs/<name> locally, mirrored to MyDrive/tinygpt/runs/<name>."""
+    if not name or name.strip() != name or any(c in name for c in "/\\") or name.startswith("."):
+        raise ValueError(f"run name {name!r} must be a plain folder name, e.g. 'my-first-gpt'")
+    return RunFolders(name, workdir() / "runs" / name, Path(mydrive) / DRIVE_RUNS / name)
+
+
+def recipe_of_run(*run_dirs: str | Path | None) -> str | None:
+    """The recipe name in the first of these run folders that has a readable run.json."""
+    for d in run_dirs:
+        try:
+            return str(json.loads((Path(d) / "run.json").read_text())["recipe"]["name"])
+        except (TypeError, OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def default_recipe(report: Any = None, resume_from: RunFolders | str | Path | None = None) -> tuple[str, str]:
+    """(recipe name, why): the run being resumed decides first, then smoke mode, then the probe."""
+    folders = (resume_from.mirror, resume_from.local) if isinstance(resume_from, RunFolders) else (resume_from,)
+    resumed = recipe_of_run(*folders)
+    if resumed in RECIPES:
+        return resumed, "the recipe of the run on Drive (it continues where it stopped)"
+    if smoke_mode():
+        return SMOKE_RECIPE, "TINYGPT_SMOKE is set"
+    if report is None:
+        from .probe import hardware_report
+        report = hardware_report()
+    return report.default_recipe, f"the probe's choice for this {report.hardware_class} runtime"
+
+
+# ---- the recipe picker -----------------------------------------------------------------------------
+
+class RecipePicker:
+    """A dropdown of the recipes with the right default and, under it, the chosen recipe's summary.
+    The training cell reads `value` when it runs, so Run all trains the default."""
+
+    def __init__(self, report: Any, resume_from: RunFolders | str | Path | None = None):
+        self.report = report
+        self.default, self.reason = default_recipe(report, resume_from)
+        self.dropdown = self._output = None
+        try:
+            widgets = __import__("ipywidgets")
+        except ImportError:
+            if in_notebook():
+                raise ImportError(f"the recipe dropdown needs ipywidgets: {INSTALL_HINT}") from None
+            return  # a script: `value` is the default
+        options = [(f"{name}  ({RECIPES[name].hardware})", name) for name in RECIPES]
+        self.dropdown = widgets.Dropdown(options=options, value=self.default, description="recipe",
+                                         layout=widgets.Layout(width="max-content"))
+        self._output = widgets.Output()
+        self._shown = False  # the summary is drawn only once the picker is on screen
+        self.dropdown.observe(lambda change: self._shown and self._show_summary(), names="value")
+
+    @property
+    def value(self) -> str:
+        return self.dropdown.value if self.dropdown is not None else self.default
+
+    def _show_summary(self) -> None:
+        self._output.clear_output(wait=True)
+        with self._output:
+            _display(summary(self.value, self.report))
+
+    def _ipython_display_(self) -> None:
+        if self.dropdown is None:
+            return _display(str(self))
+        widgets = __import__("ipywidgets")
+        self._shown = True
+        self._show_summary()
+        _display(widgets.VBox([self.dropdown, widgets.HTML(f"<i>default: {html.escape(self.reason)}</i>"),
+                               self._output]))
+
+    def __repr__(self) -> str:
+        return f"recipe: {self.value} (default: {self.default}, {self.reason})"
+
+
+def recipe_picker(report: Any = None, resume_from: RunFolders | str | Path | None = None) -> RecipePicker:
+    """The recipe dropdown; `report` defaults to `probe.hardware_report()`."""
+    if report is None:
+        from .probe import hardware_report
+        report = hardware_report()
+    return RecipePicker(report, resume_from)
+
+
+# ---- the live loss plot ----------------------------------------------------------------------------
+
+class LossPlot:
+    """Trainer callback: loss and val_loss against steps (tokens on the top axis), redrawn at most
+    every `min_interval_s` in the notebook and saved to <run_dir>/plots/loss.png at the end.
+    In a kernel it needs matplotlib; elsewhere, without matplotlib, it does nothing."""
+
+    def __init__(self, run_dir: str | Path | None = None, *, min_interval_s: float = 2.0,
+                 show: bool | None = None, clock: Callable[[], float] = time.monotonic):
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.show = in_notebook() if show is None else show
+        self.min_interval_s, self.clock = min_interval_s, clock
+        self.history: list[dict] = []
+        self.draws, self.figure, self._handle, self._last_draw = 0, None, None, -math.inf
+        try:
+            __import__("matplotlib")
+            self.enabled = True
+        except ImportError:
+            if self.show:
+                raise ImportError(f"the live loss plot needs matplotlib: {INSTALL_HINT}") from None
+            self.enabled = False
+
+    def on_log(self, metrics: dict[str, Any]) -> None:
+        if not self.history and self.run_dir is not None:
+            self.history = self._earlier(int(metrics.get("step", 0)))  # a resumed run: the curve so far
+        self.history.append(dict(metrics))
+        if self.enabled and self.clock() - self._last_draw >= self.min_interval_s:
+            self.draw()
+
+    def _earlier(self, step: int) -> list[dict]:
+        """Entries before `step` in metrics.jsonl (the trainer cut it at the resumed step already)."""
+        try:
+            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+            return [m for m in map(json.loads, lines) if m.get("step", 0) < step]
+        except (OSError, ValueError):  # no log, or a line cut short: the plot starts here instead
+            return []
+
+    def draw(self) -> Any:
+        """Render the figure now (and show it in the notebook); the matplotlib Figure."""
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import EngFormatter
+
+        self._last_draw = self.clock()
+        fig = Figure(figsize=(7.5, 3.6), dpi=100, layout="constrained")
+        ax = fig.add_subplot()
+        for key, style in (("loss", dict(lw=1.2)), ("val_loss", dict(marker="o", ms=3, lw=1.2))):
+            pts = [(m["step"], m[key]) for m in self.history if m.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=key.replace("_", " "), **style)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats per token)")
+        ax.grid(alpha=0.3)
+        if any(m.get("loss") is not None or m.get("val_loss") is not None for m in self.history):
+            ax.legend(loc="upper right")
+        per_step = next((m["tokens"] / m["step"] for m in self.history if m.get("tokens") and m.get("step")), None)
+        if per_step:
+            top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda t: t / per_step))
+            top.xaxis.set_major_formatter(EngFormatter())
+            top.set_xlabel("tokens")
+        latest = {k: next((m[k] for m in reversed(self.history) if m.get(k) is not None), None)
+                  for k in ("step", "loss", "val_loss")}
+        ax.set_title(", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in latest.items() if v is not None),
+                     fontsize=10)
+        self.figure = fig
+        self.draws += 1
+        if self.show:
+            from IPython.display import Image
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png")
+            image = Image(data=buf.getvalue(), format="png")
+            if self._handle is None:
+                self._handle = _display(image, display_id=True)
+            else:
+                self._handle.update(image)
+        return fig
+
+    def close(self) -> None:
+        """The final picture, always drawn, and saved with the run."""
+        if not self.enabled or not self.history:
+            return
+        fig = self.draw()
+        if self.run_dir is not None:
+            (self.run_dir / "plots").mkdir(parents=True, exist_ok=True)
+            fig.savefig(self.run_dir / "plots" / "loss.png")
+
+
+# ---- the download ----------------------------------------------------------------------------------
+
+_STORED = {".safetensors", ".pt", ".png"}  # already dense: deflating them costs time and saves ~nothing
+
+
+def zip_run(run_dir: str | Path, dest: str | Path | None = None) -> Path:
+    """<run>.zip beside the run folder: run files, plots and the newest valid checkpoint, which is
+    enough to generate, export or resume (`unzip` it, then `tinygpt generate --run-dir <run>`)."""
+    from .checkpoint import latest_valid
+
+    run_dir = Path(run_dir)
+    ckpt = latest_valid(run_dir / "checkpoints")
+    if ckpt is None:
+        raise FileNotFoundError(f"{run_dir} holds no valid checkpoint to download; train first")
+    files = [run_dir / n for n in RUN_FILES if (run_dir / n).is_file()]
+    files += sorted(p for p in (run_dir / "plots").glob("*") if p.is_file())
+    files += sorted(p for p in ckpt.iterdir() if p.is_file())
+    dest = Path(dest) if dest is not None else run_dir.parent / f"{run_dir.name}.zip"
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    with zipfile.ZipFile(tmp, "w") as z:  # written aside and renamed: never half a zip under the real name
+        for f in files:
+            kind = zipfile.ZIP_STORED if f.suffix in _STORED else zipfile.ZIP_DEFLATED
+            z.write(f, Path(run_dir.name) / f.relative_to(run_dir), compress_type=kind)
+    os.replace(tmp, dest)
+    return dest
