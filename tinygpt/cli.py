@@ -62,12 +62,14 @@ def _pretrain(args) -> int:
     from .distributed import torchrun_env
     from .pretrain import pretrain
 
-    res = pretrain(apply_overrides(get_recipe(args.recipe), args.set), args.run_dir, data=args.data, max_steps=args.max_steps, save_every=args.save_every,
-                   eval_every=args.eval_every, resume=args.resume, mirror=args.mirror, device=args.device,
-                   progress=not args.quiet, parallel=getattr(args, "parallel", "ddp"))
+    res = pretrain(apply_overrides(get_recipe(args.recipe), args.set), args.run_dir, data=args.data,
+                   max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every, resume=args.resume, mirror=args.mirror, device=args.device,
+                   progress=not args.quiet, parallel=args.parallel, probe=args.probe)
     env = torchrun_env()
     if env is not None and env.rank != 0:
         return 0  # under torchrun rank 0 reports for the job
+    if res.resumed_from is not None:
+        print(f"resumed from step {res.resumed_from}")
     print(f"step {res.step}: loss {res.loss if res.loss is None else round(res.loss, 4)}, "
           f"val_loss {res.val_loss if res.val_loss is None else round(res.val_loss, 4)}, "
           f"checkpoint {res.checkpoint}")
@@ -203,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: the best available)")
     t.add_argument("--set", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override recipe fields, e.g. --set train.lr=1e-3 model.n_layer=6 data.max_chars=100000")
+    t.add_argument("--probe", choices=("auto", "off"), default="auto",
+                   help="on a GPU, let the probe choose micro-batch, context and precision (off: the recipe as written)")
+    t.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="under torchrun: DDP, or FSDP2 to shard a model too big for one GPU")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_pretrain)
 

@@ -161,7 +161,7 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens in one optimizer step on one process."""
+        """Tokens in one optimizer step: the global batch (under torchrun it is split over the processes)."""
         return self.micro_batch_size * self.seq_len * self.grad_accum_steps
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 This is what `tinygpt pretrain` and the 01_pretrain notebook call. Everything that can be checked
 is checked before the first token is encoded, and a run folder that holds a different
-configuration is refused rather than overwritten.
+configuration is refused rather than overwritten. Under torchrun every process calls it; rank 0
+prepares the tokenizer, the token cache and the run folder while the others wait.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch
 from . import checkpoint as ckpt
 from .config import ConfigError, Recipe, get_recipe
 from .data import build_token_cache, cache_key, fixed_batches, iter_documents, resolve_source, WindowSampler
+from .distributed import (check_parallel, main_process_first, process_group, rank_device, split_global_batch,
+                          torchrun_env)
 from .model import GPT
 from .precision import choose_precision, resolve_device
 from .tokenizer import Tokenizer, load_gpt2, train_bpe
@@ -46,10 +49,10 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
                                    {k: new[k] for k in ("model", "train", "data")})
         if diffs:
             raise ConfigError(f"run folder {run_dir} holds a different configuration:\n  " + "\n  ".join(diffs)
-                              + "\nuse a new --run-dir, or the same settings to resume")
+                              + "\nuse another run folder (a new --run-dir or RUN_NAME), or the same settings to resume")
     if resume == "never" and ckpt.list_checkpoints(run_dir / "checkpoints"):
         raise ConfigError(f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
-                          "them: use --resume auto to continue, or a new --run-dir")
+                          "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
 
 
 def get_tokenizer(recipe: Recipe, run_dir: Path) -> Tokenizer:
@@ -72,15 +75,55 @@ def get_tokenizer(recipe: Recipe, run_dir: Path) -> Tokenizer:
     return tok
 
 
+PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "precision")
+
+
+def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1) -> tuple[Recipe, dict | None]:
+    """The probe decides micro-batch, accumulation, context, precision and activation checkpointing on a
+    GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it started
+    with (they are part of its configuration); on a CPU the recipe stands as written."""
+    run_json = run_dir / "run.json"
+    if run_json.is_file():
+        old = json.loads(run_json.read_text())
+        if old.get("probe"):
+            r = old["recipe"]
+            return recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS},
+                                  model={"activation_checkpointing": r["model"]["activation_checkpointing"]}), old["probe"]
+        return recipe, None
+    if dev.type != "cuda" or world_size > 1:
+        return recipe, None
+    from .probe import apply_probe, probe as run_probe
+
+    result = run_probe(recipe, device=dev)
+    return apply_probe(recipe, result), result.to_dict()
+
+
 def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default", *, data: str | None = None,
              max_steps: int | None = None, save_every: int | None = None, eval_every: int | None = None,
              resume: str = "auto", mirror: str | Path | None = None, cache_dir: str | Path | None = None,
              device: str | None = None, callbacks: list | tuple = (), progress: bool = True,
              sample_prompt: str | None = None, peak_tflops: float | None = None,
-             rank: int = 0, world_size: int = 1) -> TrainResult:
-    """Train a recipe into `run_dir`, resuming from its newest valid checkpoint (or the mirror's)."""
+             rank: int | None = None, world_size: int | None = None, parallel: str = "ddp",
+             probe: str = "auto", tensorboard: bool | None = None) -> TrainResult:
+    """Train a recipe into `run_dir`, resuming from its newest valid checkpoint (or the mirror's).
+    Metrics also go to TensorBoard (run_dir/tensorboard) when it is installed, unless tensorboard=False.
+
+    Started by torchrun (RANK and WORLD_SIZE set, world size > 1), it joins the process group
+    itself and trains with `parallel` ("ddp" or "fsdp") on the recipe's global batch; passing
+    rank and world_size means the caller has set up the process group."""
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
+    if world_size is None:
+        env = torchrun_env()
+        if env is not None and env.world_size > 1:
+            dev = rank_device(device or recipe.train.device, env.local_rank)
+            with process_group(env, dev):
+                return pretrain(recipe, run_dir, data=data, max_steps=max_steps, save_every=save_every,
+                                eval_every=eval_every, resume=resume, mirror=mirror, cache_dir=cache_dir,
+                                device=str(dev), callbacks=callbacks, progress=progress, sample_prompt=sample_prompt,
+                                peak_tflops=peak_tflops, rank=env.rank, world_size=env.world_size, parallel=parallel,
+                                probe=probe, tensorboard=tensorboard)
+    rank, world_size = rank or 0, world_size or 1
     train_over: dict[str, Any] = {}
     if max_steps is not None:
         train_over["max_steps"] = max_steps
@@ -93,38 +136,46 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
     recipe = recipe.replace(train=train_over, data={"source": data} if data else None)
     if resume not in ("auto", "never"):
         raise ConfigError(f"resume must be 'auto' or 'never', got {resume!r}")
+    if probe not in ("auto", "off"):
+        raise ConfigError(f"probe must be 'auto' or 'off', got {probe!r}")
     resolve_source(recipe.data.source)  # an unknown source fails here, before any work
+    probe_info = None
+    if probe == "auto":
+        recipe, probe_info = fit_to_device(recipe, Path(run_dir), resolve_device(recipe.train.device), world_size)
+    check_parallel(parallel, recipe.train.optimizer, world_size)
+    split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, world_size)
     run_dir = Path(run_dir)
+    is_main = rank == 0
     sync = None
-    if mirror is not None:
-        from .drive import Mirror, restore_latest, restore_token_cache, sync_token_cache
-        restore_latest(run_dir, Path(mirror))  # a new VM: the mirror's newest valid checkpoint comes home
-    check_run_dir(run_dir, recipe, resume)
     dev = resolve_device(recipe.train.device)
     precision = choose_precision(dev, recipe.train.precision)
-    tokenizer = get_tokenizer(recipe, run_dir)
     cache_root = Path(cache_dir or default_cache_dir())
-    key = cache_key(recipe.data, tokenizer)
-    mirror_cache = Path(mirror).parent / "_token_cache" / key if mirror is not None else None
-    if mirror_cache is not None and not (cache_root / key / "meta.json").is_file():
-        restore_token_cache(mirror_cache, cache_root / key)  # a new VM skips tokenizing
-    tokens = build_token_cache(recipe.data, tokenizer, cache_root, progress=progress)
+    with main_process_first(rank, world_size):  # the others find what rank 0 made
+        if mirror is not None:
+            from .drive import Mirror, restore_latest, restore_token_cache, sync_token_cache
+            if is_main:
+                restore_latest(run_dir, Path(mirror))  # a new VM: the mirror's newest valid checkpoint comes home
+        if is_main:
+            check_run_dir(run_dir, recipe, resume)
+        tokenizer = get_tokenizer(recipe, run_dir)
+        key = cache_key(recipe.data, tokenizer)
+        mirror_cache = Path(mirror).parent / "_token_cache" / key if mirror is not None else None
+        if mirror_cache is not None and not (cache_root / key / "meta.json").is_file():
+            restore_token_cache(mirror_cache, cache_root / key)  # a new VM skips tokenizing
+        tokens = build_token_cache(recipe.data, tokenizer, cache_root, progress=progress and is_main)
+        if is_main:
+            _write_run_files(run_dir, recipe, tokenizer, precision, dev, tokens.meta, probe_info)
     cache_upload = None
     if mirror_cache is not None and rank == 0:  # copied once, beside training, never blocking it
         cache_upload = threading.Thread(target=sync_token_cache, args=(tokens.path, mirror_cache), daemon=True)
         cache_upload.start()
     sampler = WindowSampler(tokens.train, recipe.train.seq_len, recipe.train.seed)
     val = fixed_batches(tokens.val, recipe.train.seq_len, recipe.train.micro_batch_size, recipe.train.eval_batches)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        if not (run_dir / "tokenizer.json").is_file():
-            tokenizer.save(run_dir / "tokenizer.json")
-        info = {"recipe": recipe.to_dict(), "precision": precision.to_dict(), "device": str(dev),
-                "data": tokens.meta, "versions": versions(), "command": " ".join(sys.argv)}
-        tmp = run_dir / "run.json.tmp"
-        tmp.write_text(json.dumps(info, indent=1))
-        os.replace(tmp, run_dir / "run.json")
     callbacks = list(callbacks)
+    if rank == 0 and tensorboard is not False:
+        tb = TensorBoardLogger.create(run_dir / "tensorboard", required=bool(tensorboard))
+        if tb is not None:
+            callbacks.append(tb)
     if mirror is not None and rank == 0:
         sync = Mirror(run_dir, Path(mirror), keep_last=recipe.train.keep_last)
         callbacks.append(sync)
@@ -138,10 +189,15 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
             peak_tflops = None
     trainer = Trainer(model, recipe.train, sampler, val, run_dir, device=dev, precision=precision,
                       callbacks=callbacks, flops_per_token=model.flops_per_token(recipe.train.seq_len),
-                      peak_tflops=peak_tflops, progress=progress, rank=rank, world_size=world_size)
+                      peak_tflops=peak_tflops, progress=progress, rank=rank, world_size=world_size, parallel=parallel)
     try:
         result = trainer.fit(resume)
         if rank == 0 and not result.interrupted:
+            if world_size > 1 and parallel == "fsdp" and result.checkpoint is not None:
+                # rank 0 alone cannot run the sharded model: it samples from the full checkpoint
+                model = GPT(recipe.model)
+                ckpt.load_model_state(model, ckpt.load_checkpoint(result.checkpoint)[0])
+                model.to(dev)
             write_sample(model, tokenizer, run_dir, result.step, sample_prompt)
     finally:
         for cb in callbacks:
@@ -150,6 +206,45 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
         if cache_upload is not None:
             cache_upload.join()
     return result
+
+
+def _write_run_files(run_dir: Path, recipe: Recipe, tokenizer: Tokenizer, precision, dev: torch.device,
+                     data_meta: dict, probe_info: dict | None = None) -> None:
+    """tokenizer.json (kept once written: a resumed run must use the same one) and run.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "tokenizer.json").is_file():
+        tokenizer.save(run_dir / "tokenizer.json")
+    info = {"recipe": recipe.to_dict(), "precision": precision.to_dict(), "device": str(dev),
+            "data": data_meta, "probe": probe_info, "versions": versions(), "command": " ".join(sys.argv)}
+    tmp = run_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(info, indent=1))
+    os.replace(tmp, run_dir / "run.json")
+
+
+class TensorBoardLogger:
+    """Trainer callback: every logged metric as a TensorBoard scalar, x axis = step."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    @classmethod
+    def create(cls, log_dir: Path, required: bool = False) -> "TensorBoardLogger | None":
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # optional: Colab has it; elsewhere `pip install tensorboard`
+            if required:
+                raise ConfigError("TensorBoard logging needs `pip install tensorboard`") from None
+            return None
+        return cls(SummaryWriter(str(log_dir)))
+
+    def on_log(self, metrics: dict) -> None:
+        step = metrics["step"]
+        for k, v in metrics.items():
+            if k != "step" and isinstance(v, (int, float)) and v is not None:
+                self.writer.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, step)
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, prompt: str | None = None) -> str:

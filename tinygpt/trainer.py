@@ -7,7 +7,6 @@ logging steps: everything else queues on the GPU without a host-device sync.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
+from . import distributed as dist_
 from .config import TrainConfig
 from .optim import build_optimizer
 from .precision import Precision, choose_precision, enable_tf32, resolve_device
@@ -105,6 +105,8 @@ class Trainer:
     callback may define ``on_log(metrics)``, ``on_checkpoint(path, step)``, ``close()``.
     `state_fn` / `load_state_fn` choose what is saved as the model (the whole model by default,
     only the adapters for LoRA); `loss_fn(model, x, y)` returns the summed token loss.
+    With `world_size` > 1 (an initialised process group, see `tinygpt.distributed`) `cfg` is the
+    global batch; this rank trains its share with DDP or, `parallel="fsdp"`, FSDP2.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, train_source: BatchSource,
@@ -113,7 +115,8 @@ class Trainer:
                  loss_fn: Callable | None = None, state_fn: Callable | None = None,
                  load_state_fn: Callable | None = None, callbacks: tuple | list = (),
                  run_info: dict | None = None, flops_per_token: float | None = None,
-                 peak_tflops: float | None = None, progress: bool = True, rank: int = 0, world_size: int = 1):
+                 peak_tflops: float | None = None, progress: bool = True, rank: int = 0, world_size: int = 1,
+                 parallel: str = "ddp"):
         self.cfg = cfg
         self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
         self.precision = precision or choose_precision(self.device, cfg.precision)
@@ -130,33 +133,43 @@ class Trainer:
         self.progress = progress
         self.rank, self.world_size = rank, world_size
         self.is_main = rank == 0
+        # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
+        self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
+            cfg.micro_batch_size, cfg.grad_accum_steps, world_size)
         self.step = 0
         self.best_val_loss: float | None = None
         self._stop_signal: str | None = None
         if self.device.type == "cuda":
             enable_tf32()
-        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
-        self.scaler = self.precision.grad_scaler()
         use_compile = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda")
         # The compiled wrapper runs the steps; self.model (uncompiled, same parameters) is what
         # is saved, so checkpoint keys never carry `_orig_mod.`.
-        self.forward_model = torch.compile(self.model) if use_compile else self.model
+        if world_size > 1:  # before the optimizer: FSDP2 replaces the parameters by shards
+            dist_.check_parallel(parallel, cfg.optimizer, world_size, custom_state=state_fn is not None)
+            self.forward_model, self.eval_model = dist_.wrap_model(self.model, parallel, self.device, use_compile)
+        else:
+            self.forward_model = self.eval_model = torch.compile(self.model) if use_compile else self.model
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        self.scaler = dist_.grad_scaler(self.precision, self.model)
 
     # ----- checkpoints -------------------------------------------------------------------------
     @property
     def ckpt_root(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def train_state(self) -> dict[str, Any]:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+    def train_state(self, optimizer_state: dict | None = None) -> dict[str, Any]:
+        optimizer_state = self.optimizer.state_dict() if optimizer_state is None else optimizer_state
+        return {"step": self.step, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
                 "sampler": self.train_source.state_dict(), "rng": rng_state(), "best_val_loss": self.best_val_loss,
                 "train_config": self.cfg.to_dict(), "world_size": self.world_size}
 
     def save(self, best: bool = False) -> Path | None:
+        """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is collective)."""
+        model_sd, optimizer_sd = dist_.gather_state(self.model, self.optimizer, self.state_fn, self.rank)
         if not self.is_main:
             return None
         path = self.run_dir / "best" if best else self.ckpt_root / ckpt.step_name(self.step)
-        ckpt.save_checkpoint(path, self.state_fn(self.model), self.train_state(),
+        ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
                              {"kind": "best" if best else "step", "val_loss": self.best_val_loss})
         if not best:
             ckpt.prune(self.ckpt_root, self.cfg.keep_last)
@@ -171,8 +184,7 @@ class Trainer:
         if diffs:
             raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
                                 + "\n  ".join(diffs) + "\nresume with the same settings, or use a new run folder")
-        self.load_state_fn(self.model, sd)
-        self.optimizer.load_state_dict(state["optimizer"])
+        dist_.load_state(self.model, self.optimizer, sd, state["optimizer"], self.load_state_fn)
         self.scaler.load_state_dict(state["scaler"])
         self.train_source.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
@@ -182,17 +194,29 @@ class Trainer:
     # ----- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        """Mean token loss over the fixed validation batches. With several ranks each takes every
+        W-th batch and the sums are added up, so all ranks return the same number."""
         if not self.val_batches:
             return None
         self.model.eval()
+        n, W = len(self.val_batches), self.world_size
+        # FSDP2 gathers weights inside each forward: every rank must run as many as the others,
+        # so a rank short of batches runs a padding one that counts for nothing.
+        end = math.ceil(n / W) * W if W > 1 and dist_.is_fsdp(self.model) else n
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         count = 0
-        for x, y in self.val_batches:
-            x, y = x.to(self.device), y.to(self.device)
+        for i in range(self.rank, end, W):
+            x, y = self.val_batches[min(i, n - 1)]
             with self.precision.autocast():
-                total += self.loss_fn(self.forward_model, x, y).double()
-            count += int((y != -100).sum())
+                loss = self.loss_fn(self.eval_model, x.to(self.device), y.to(self.device)).double()
+            if i < n:
+                total += loss
+                count += int((y != -100).sum())
         self.model.train()
+        if W > 1:
+            both = dist_.all_reduce_sum_(torch.stack([total, torch.tensor(float(count), device=self.device,
+                                                                            dtype=torch.float64)]))
+            total, count = both[0], int(both[1])
         return float(total) / max(count, 1)
 
     # ----- the loop ----------------------------------------------------------------------------
@@ -202,7 +226,7 @@ class Trainer:
     def _truncate_metrics(self) -> list[dict]:
         """Keep the log entries up to the resumed step, so a resumed run's log equals an unbroken one."""
         p = self._metrics_path()
-        if not p.exists():
+        if not self.is_main or not p.exists():  # rank 0 rewrites it: the others must not read it meanwhile
             return []
         kept = []
         for line in p.read_text().splitlines():
@@ -212,8 +236,7 @@ class Trainer:
                 continue  # a line cut short by a kill
             if m.get("step", 0) <= self.step:
                 kept.append(m)
-        if self.is_main:
-            p.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        p.write_text("".join(json.dumps(m) + "\n" for m in kept))
         return kept
 
     def _install_signal_handlers(self) -> dict:
@@ -234,10 +257,8 @@ class Trainer:
         return x.to(self.device), y.to(self.device)
 
     def _no_sync(self, last: bool):
-        """DDP: skip the gradient all-reduce on all but the last micro-step."""
-        if not last and hasattr(self.forward_model, "no_sync"):
-            return self.forward_model.no_sync()
-        return contextlib.nullcontext()
+        """DDP / FSDP2: skip the gradient reduction on all but the last micro-step."""
+        return dist_.gradient_sync(self.forward_model, self.model, last)
 
     def fit(self, resume: str = "auto") -> TrainResult:
         cfg = self.cfg
@@ -259,20 +280,22 @@ class Trainer:
             bar = tqdm(total=cfg.max_steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
         loss_acc = torch.zeros((), device=self.device)
-        tokens_acc = 0
         t0, tokens_since = time.perf_counter(), 0
         last_loss = val_loss = tok_s = None
         last_saved: Path | None = ckpt.latest_valid(self.ckpt_root) if resumed_from is not None else None
+        saved_step = resumed_from  # the same on every rank (only rank 0 gets a path back from save)
+        stopping = False
         self.model.train()
         try:
-            while self.step < cfg.max_steps and self._stop_signal is None:
+            while self.step < cfg.max_steps and not stopping:
                 lr = lr_at(self.step, cfg)
                 for g in self.optimizer.param_groups:
                     g["lr"] = lr * g.get("lr_scale", 1.0)
-                micro = [self.train_source.next_batch(cfg.micro_batch_size, self.rank, self.world_size)
-                         for _ in range(cfg.grad_accum_steps)]
+                micro = [self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
+                         for _ in range(self.grad_accum_steps)]
                 n_targets = sum(int((y != -100).sum()) for _, y in micro)  # on the host: no sync
-                n_global = n_targets * self.world_size  # DDP averages gradients over ranks
+                # DDP / FSDP2 average gradients over ranks: scale by W over the global target count
+                n_global = dist_.agree_sum([n_targets])[0] if self.world_size > 1 else n_targets
                 # The logged loss is this step's own (not an average since the last log), so a run
                 # resumed between two logs writes the same numbers as one never stopped.
                 loss_acc.zero_()
@@ -282,26 +305,33 @@ class Trainer:
                         loss_sum = self.loss_fn(self.forward_model, x, y)
                         self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
                     loss_acc += loss_sum.detach().float()
-                tokens_acc = n_targets
                 self.scaler.unscale_(self.optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                grad_norm = dist_.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
-                tokens_since += cfg.tokens_per_step * self.world_size
+                tokens_since += cfg.tokens_per_step  # the global batch
+                # Every rank must stop at the same step, however the signals reached them.
+                stopping = self._stop_signal is not None
+                if self.world_size > 1:
+                    stopping = dist_.agree_sum([int(stopping)])[0] > 0
                 last_step = self.step == cfg.max_steps
-                will_save = bool((cfg.save_every and self.step % cfg.save_every == 0) or last_step or self._stop_signal)
-                if self.step % cfg.log_every == 0 or last_step:
-                    last_loss = loss_acc.item() / max(tokens_acc, 1)  # the one sync per log interval
+                log_step = self.step % cfg.log_every == 0 or last_step
+                will_save = bool((cfg.save_every and self.step % cfg.save_every == 0) or last_step or stopping)
+                if self.world_size > 1 and (log_step or will_save):
+                    dist_.all_reduce_sum_(loss_acc)  # the global sum: logged, and checked the same on all ranks
+                if log_step:
+                    last_loss = loss_acc.item() / max(n_global, 1)  # the one sync per log interval
                     self._check_finite(last_loss, last_saved)
                     dt = time.perf_counter() - t0
                     tok_s = tokens_since / dt if dt > 0 else None
                     m = {"step": self.step, "loss": round(last_loss, 6), "lr": lr, "grad_norm": float(grad_norm),
-                         "tokens": self.step * cfg.tokens_per_step * self.world_size,
+                         "tokens": self.step * cfg.tokens_per_step,
                          "tokens_per_s": round(tok_s, 1) if tok_s else None}
-                    if tok_s and self.flops_per_token and self.peak_tflops:
-                        m["mfu"] = round(tok_s * self.flops_per_token / (self.peak_tflops * 1e12), 4)
+                    if tok_s and self.flops_per_token and self.peak_tflops:  # peak is one GPU's
+                        m["mfu"] = round(tok_s * self.flops_per_token
+                                         / (self.peak_tflops * 1e12 * self.world_size), 4)
                     if self.device.type == "cuda":
                         m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
                     if cfg.eval_every and (self.step % cfg.eval_every == 0 or last_step):
@@ -315,22 +345,30 @@ class Trainer:
                         and (self.best_val_loss is None or val_loss < self.best_val_loss):
                     self.best_val_loss = val_loss
                     self.save(best=True)
-                if will_save or self._stop_signal:
+                if will_save:
                     # never write a checkpoint from weights that a NaN may have reached
                     self._check_finite(float(loss_acc), last_saved)
                     self._check_finite(float(grad_norm), last_saved, what="gradient norm")
-                    last_saved = self.save() or last_saved
+                    last_saved, saved_step = self.save() or last_saved, self.step
                 if bar is not None:
                     bar.update(1)
-            if self.step > 0 and (last_saved is None or not last_saved.name.endswith(f"{self.step:06d}")):
+            if self.step > 0 and saved_step != self.step:
                 last_saved = self.save() or last_saved  # training always ends with a checkpoint
+        except Exception as e:
+            if self.world_size > 1 and not isinstance(e, TrainingError) and dist_.is_peer_failure(e):
+                raise TrainingError(f"process {self.rank} of {self.world_size} lost its peers at step {self.step} "
+                                    f"({type(e).__name__}: {str(e)[:160]}...): another "
+                                    "process of this job died or hung (torchrun's report names it). The last "
+                                    f"good checkpoint is {last_saved or ckpt.latest_valid(self.ckpt_root)}; run "
+                                    "the same command again, with any number of processes, to resume from it") from e
+            raise
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             if bar is not None:
                 bar.close()
         return TrainResult(self.run_dir, self.step, last_loss, val_loss, self.best_val_loss, last_saved, tok_s,
-                           resumed_from, self._stop_signal is not None, history)
+                           resumed_from, stopping, history)
 
     def _check_finite(self, value: float, last_saved: Path | None, what: str = "loss") -> None:
         if math.isfinite(value):

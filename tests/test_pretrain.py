@@ -1,0 +1,46 @@
+"""pretrain(): the probe's decisions on a GPU, kept when resuming; TensorBoard logging."""
+import json
+
+import pytest
+import torch
+
+from tinygpt.config import get_recipe
+from tinygpt.pretrain import fit_to_device, pretrain
+
+
+def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkeypatch):
+    import tinygpt.probe as probe_mod
+
+    calls = []
+
+    class FakeResult:  # the probe itself is tested in test_probe.py; here only how pretrain uses it
+        micro_batch_size, grad_accum_steps, seq_len, precision, activation_checkpointing = 8, 64, 1024, "bf16", True
+
+        def to_dict(self):
+            return {"micro_batch_size": 8}
+
+    monkeypatch.setattr(probe_mod, "probe", lambda recipe, device=None: calls.append(recipe.name) or FakeResult())
+    recipe = get_recipe("a100-124m")
+    fitted, info = fit_to_device(recipe, tmp_path, torch.device("cuda"))
+    assert calls == ["a100-124m"] and info == {"micro_batch_size": 8}
+    assert (fitted.train.micro_batch_size, fitted.train.grad_accum_steps) == (8, 64)
+    assert fitted.train.tokens_per_step == recipe.train.tokens_per_step and fitted.model.activation_checkpointing
+    # the CPU keeps the recipe as written
+    assert fit_to_device(recipe, tmp_path, torch.device("cpu")) == (recipe, None)
+    # a resumed run keeps the decisions recorded in run.json, whatever GPU it lands on now
+    (tmp_path / "run.json").write_text(json.dumps({"recipe": fitted.to_dict(), "probe": info}))
+    again, info2 = fit_to_device(recipe, tmp_path, torch.device("cuda"))
+    assert calls == ["a100-124m"] and again.to_dict() == fitted.to_dict() and info2 == info
+
+
+def test_metrics_reach_tensorboard(tmp_path, shared_data):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    pretrain("cpu-smoke", tmp_path / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=10,
+             progress=False, cache_dir=tmp_path / "cache", device="cpu")
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    losses = [e.value for e in acc.Scalars("train/loss")]
+    logged = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert losses == pytest.approx(logged, rel=1e-6) and "val/loss" in acc.Tags()["scalars"]
