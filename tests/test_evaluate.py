@@ -354,6 +354,16 @@ def test_summarize_compare_and_plot_runs(tmp_path):
         ev.summarize_run(bad)
 
 
+def test_list_runs_finds_run_folders_by_name(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no run folders.*tinygpt pretrain"):
+        ev.list_runs(tmp_path / "nothing")
+    a, b = _write_run(tmp_path / "a", []), _write_run(tmp_path / "b", [])
+    (tmp_path / "not-a-run").mkdir()
+    assert ev.list_runs(tmp_path) == [a, b] and ev.list_runs(tmp_path, ["b"]) == [b]
+    with pytest.raises(FileNotFoundError, match="no run c under .*there are: a, b"):
+        ev.list_runs(tmp_path, ["a", "c"])
+
+
 def test_diagnosis_finds_a_nan_and_a_flat_loss(tmp_path):
     nan = _write_run(tmp_path / "nan", _records([5.0, 4.0, float("nan"), 4.0]))
     assert any("step 30" in d for d in ev.summarize_run(nan)["diagnosis"])
@@ -388,3 +398,62 @@ def test_run_eval_on_a_run_folder(tmp_path, tok, shared_data):
     (empty / "run.json").write_text((run / "run.json").read_text())
     with pytest.raises(CheckpointError, match="no valid checkpoint"):
         ev.run_eval(empty, "perplexity", data=shared_data / "wikitext2_test.txt")
+
+
+# --- evaluation data: offline copy or Hub ------------------------------------------------------
+
+def test_eval_data_prefers_the_offline_copy_else_names_the_hub(tmp_path, shared_data, monkeypatch):
+    monkeypatch.setenv("TINYGPT_SHARED_DATA", str(shared_data))
+    assert ev.eval_data("perplexity") == str(shared_data / "wikitext2_test.txt")
+    assert ev.hellaswag_path() == shared_data / "hellaswag_val.txt.bz2"
+    assert ev.wikitext2_test_text(max_chars=100) == ev.read_text(shared_data / "wikitext2_test.txt", 100)
+    monkeypatch.setenv("TINYGPT_SHARED_DATA", str(tmp_path / "none"))
+    assert ev.shared_data_dir() is None
+    assert ev.eval_data("perplexity") == ev.WIKITEXT2_TEST_HUB == "hf:wikitext:wikitext-2-raw-v1@test"
+    assert ev.eval_data("hellaswag", data_dir=tmp_path) == ev.HELLASWAG_HUB
+    with pytest.raises(FileNotFoundError, match="HumanEval"):
+        ev.eval_data("humaneval", data_dir=tmp_path)
+
+
+def test_a_datasets_text_is_joined_as_it_is(tmp_path, shared_data):
+    datasets = pytest.importorskip("datasets")
+    lines = ev.read_text(shared_data / "wikitext2_test.txt", 5000).splitlines(keepends=True)
+    # WikiText on the Hub: one record per line, blank lines as empty records
+    datasets.Dataset.from_dict({"text": [ln if ln.strip() else "" for ln in lines]}).save_to_disk(tmp_path / "wt")
+    text = "".join(ln if ln.strip() else "" for ln in lines)
+    assert ev.load_eval_text(tmp_path / "wt") == text
+    assert ev.load_eval_text(tmp_path / "wt", max_chars=700) == text[:700]
+
+
+def _six_lines(item: ev.ChoiceItem) -> list[str]:
+    return [item.context, str(item.label), *item.endings]
+
+
+def _hub_record(lines: list[str], **markup: str) -> dict:
+    activity, ctx = lines[0].split(": ", 1)
+    return {"ind": 0, "activity_label": activity, "ctx": markup.get("ctx", ctx), "label": lines[1],
+            "endings": [markup.get(f"e{i}", e) for i, e in enumerate(lines[2:])]}
+
+
+def test_hub_hellaswag_records_become_the_six_line_items(tmp_path, shared_data):
+    pytest.importorskip("datasets")
+    items = ev.load_hellaswag(shared_data / "hellaswag_val.txt.bz2", limit=3244)
+    first, wikihow = _six_lines(items[0]), _six_lines(items[3243])
+    assert ev.hellaswag_lines(_hub_record(first)) == first
+    # The WikiHow items on the Hub carry layout markers: "[title]" ends a sentence, the others go.
+    marked = _hub_record(wikihow, ctx="[header] How to become a fashion consultant [title] Obtain your high school "
+                         "diploma or ged. [step] " + wikihow[0].split("ged. ", 1)[1],
+                         e0=wikihow[2].replace(".. Search", ". [title] Search"), e3="[substeps] " + wikihow[5])
+    assert ev.hellaswag_lines(marked) == wikihow
+    assert ev.hellaswag_lines({**marked, "ctx": "Try [insert name of town]."})[0].endswith("[insert name of town].")
+    with pytest.raises(ev.DataFormatError, match="label 0-3"):
+        ev.hellaswag_lines({**marked, "label": ""})  # the Hub's test split has no labels
+    # hf:NAME@SPLIT goes through datasets.load_dataset: a local dataset folder stands in for the Hub
+    src = tmp_path / "hub"
+    src.mkdir()
+    (src / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [_hub_record(first), marked]))
+    path = ev.hellaswag_path(f"hf:{src}@validation", cache_dir=tmp_path / "cache")
+    assert path.parent == tmp_path / "cache" and not list(path.parent.glob("*.tmp-*"))
+    got = ev.load_hellaswag(path)
+    assert [(g.context, g.label, g.endings) for g in got] == [(i.context, i.label, i.endings)
+                                                             for i in (items[0], items[3243])]

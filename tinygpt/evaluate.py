@@ -1,5 +1,6 @@
 """Evaluation: perplexity and bits per byte, multiple choice (HellaSwag), code metrics (in
-`tinygpt.codeexec`, re-exported here), and the summary and comparison of training runs.
+`tinygpt.codeexec`), where the standard evaluation data sets are (offline copy or Hub), and the
+summary, comparison and evaluation of run folders (`run_eval`, in `tinygpt.runs`), re-exported here.
 
 Every model function takes a tinygpt `GPT` or a Hugging Face causal LM (through `as_causal_lm`),
 and a tinygpt `Tokenizer` or a Hugging Face tokenizer. Wrap a call in `Precision.autocast()` to
@@ -11,9 +12,9 @@ import bz2
 import contextlib
 import gzip
 import itertools
-import json
 import math
-import statistics
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -27,6 +28,9 @@ from .codeexec import (  # noqa: F401  (re-exported: the code metrics are part o
     truncate_at_stops, _progress,
 )
 from .model import IGNORE_INDEX
+from .runs import (  # noqa: F401  (re-exported: runs are summarised, compared and evaluated from here too)
+    TASKS, compare_runs, list_runs, plot_runs, read_metrics, read_samples, run_eval, summarize_run,
+)
 
 # Published zero-shot numbers (lm-evaluation-harness) to put beside a model's own.
 HELLASWAG_REFERENCE = {"random": {"acc": 0.25, "acc_norm": 0.25},
@@ -271,106 +275,11 @@ def hellaswag(model: Any, tokenizer: Any, path: str | Path, limit: int | None = 
                                                    progress), "reference": HELLASWAG_REFERENCE}
 
 
-# --- runs: metrics, summary, comparison -------------------------------------------------------
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl. A cut-off last line (a run killed mid-write) is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; is {run_dir} a run folder that has trained and logged?")
-    lines = [ln for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
-    records = []
-    for i, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines):
-                break
-            raise DataFormatError(f"{path} line {i} is not JSON ({e}); metrics.jsonl holds one JSON object per line") from e
-    return records
-
-
-def _run_info(run_dir: Path) -> dict[str, Any]:
-    p = run_dir / "run.json"
-    return json.loads(p.read_text()) if p.is_file() else {}
-
-
-def _tokens_per_step(info: dict[str, Any]) -> int | None:
-    from .config import Recipe
-
-    return Recipe.from_dict(info["recipe"]).train.tokens_per_step if "recipe" in info else None
-
-
-def _tokens(m: dict[str, Any], per_step: int | None) -> int | None:
-    # The trainer logs "tokens" (with the DDP world size); older records only have the step.
-    if m.get("tokens") is not None:
-        return int(m["tokens"])
-    return m["step"] * per_step if per_step else None
-
-
-def _diagnose(train: list[dict], val: list[dict]) -> list[str]:
-    notes = []
-    bad = [m for m in train if not math.isfinite(m["loss"])]
-    if bad:
-        notes.append(f"the loss became {bad[0]['loss']} at step {bad[0]['step']}: lower the learning rate or use "
-                     "bf16/fp32 instead of fp16, and resume from the last checkpoint before it")
-    good = [m["loss"] for m in train if math.isfinite(m["loss"])]
-    if len(good) >= 3 and min(good[-3:]) >= good[0]:
-        notes.append("the training loss has not decreased: check the learning rate (too high or too low) and the data")
-    if len(val) >= 3:
-        best = min(val, key=lambda m: m["val_loss"])
-        if best is not val[-1] and val[-1]["val_loss"] > 1.02 * best["val_loss"]:
-            notes.append(f"validation loss has risen since step {best['step']} ({best['val_loss']:.4g} -> "
-                         f"{val[-1]['val_loss']:.4g}): overfitting; use best/, more data or fewer steps")
-    norms = [(m["grad_norm"], m["step"]) for m in train if m.get("grad_norm") is not None]
-    if len(norms) >= 5:
-        med = statistics.median(n for n, _ in norms)
-        top = max(norms)
-        if med > 0 and top[0] > 10 * med:
-            notes.append(f"gradient norm spike of {top[0]:.3g} at step {top[1]} (median {med:.3g}): "
-                         "a lower learning rate or longer warmup may help")
-    if len(good) >= 10:
-        q = len(good) // 5
-        if good[-1] < good[-q - 1] * 0.97:
-            notes.append("the loss was still falling at the end: a longer run would likely help")
-    return notes
-
-
-def summarize_run(run_dir: str | Path) -> dict[str, Any]:
-    """The numbers of a run from metrics.jsonl and run.json, with a diagnosis (a list of findings)."""
-    run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
-    info = _run_info(run_dir)
-    per_step = _tokens_per_step(info)
-    train = [m for m in records if m.get("loss") is not None]
-    val = [m for m in records if m.get("val_loss") is not None]
-    if not train:
-        raise DataFormatError(f"{run_dir / 'metrics.jsonl'} has no record with a training loss yet")
-    # The first interval includes start-up and compilation: leave it out of the speed figures.
-    timed = [m for m in train[1:] or train if m.get("tokens_per_s")]
-
-    def med(key: str) -> float | None:
-        xs = [m[key] for m in timed if m.get(key) is not None]
-        return statistics.median(xs) if xs else None
-
-    best = min(val, key=lambda m: m["val_loss"]) if val else None
-    mem = [m["memory_gb"] for m in records if m.get("memory_gb") is not None]
-    return {
-        "run": run_dir.name, "recipe": info.get("recipe", {}).get("name"), "steps": train[-1]["step"],
-        "tokens_seen": _tokens(train[-1], per_step), "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"],
-        "loss_min": min(m["loss"] for m in train), "val_loss_last": val[-1]["val_loss"] if val else None,
-        "val_loss_best": best["val_loss"] if best else None, "val_loss_best_step": best["step"] if best else None,
-        "val_bits_per_token": best["val_loss"] / math.log(2) if best else None, "lr_last": train[-1].get("lr"),
-        "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "memory_gb_max": max(mem) if mem else None,
-        "grad_norm_max": max((m["grad_norm"] for m in train if m.get("grad_norm") is not None), default=None),
-        "diagnosis": _diagnose(train, val) or ["no problems found"],
-    }
-
-
-def read_samples(run_dir: str | Path) -> str:
-    """The generated samples a run wrote to samples.txt ("" when there are none)."""
-    p = Path(run_dir) / "samples.txt"
-    return p.read_text(encoding="utf-8") if p.is_file() else ""
+def hellaswag_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Table rows: each HellaSwag result (of `hellaswag` or `run_eval`) above the published reference numbers."""
+    rows = [{"model": r.get("run", "model"), "items": r["n"], "acc": r["acc"], "acc_norm": r["acc_norm"],
+             "acc_norm_stderr": r["acc_norm_stderr"]} for r in results]
+    return rows + [{"model": f"{name} (published)", "items": 10042, **ref} for name, ref in HELLASWAG_REFERENCE.items()]
 
 
 def tokenizer_report(tokenizer: Any, texts: Sequence[str]) -> dict[str, Any]:
@@ -382,105 +291,104 @@ def tokenizer_report(tokenizer: Any, texts: Sequence[str]) -> dict[str, Any]:
             "bytes_per_token": sum(len(t.encode("utf-8")) for t in texts) / max(n_tokens, 1)}
 
 
-def _num_params(info: dict[str, Any]) -> int | None:
-    if "recipe" not in info:
-        return None
-    from .config import Recipe
-    from .model import GPT
+# --- evaluation data: the offline copy when there is one, else the Hugging Face Hub ------------
 
-    with torch.device("meta"):  # counts shapes without allocating a large model
-        return GPT(Recipe.from_dict(info["recipe"]).model).num_params()
-
-
-def compare_runs(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """A table (one dict per run) of the runs' sizes and final metrics, ready for a DataFrame."""
-    rows = []
-    for d in run_dirs:
-        s = summarize_run(d)
-        rows.append({"run": s["run"], "recipe": s["recipe"], "params": _num_params(_run_info(Path(d))),
-                     **{k: s[k] for k in ("steps", "tokens_seen", "loss_last", "val_loss_best", "tokens_per_s",
-                                          "mfu", "memory_gb_max")}})
-    return rows
+WIKITEXT2_TEST_HUB = "hf:wikitext:wikitext-2-raw-v1@test"
+HELLASWAG_HUB = "hf:Rowan/hellaswag@validation"
+OFFLINE_FILES = {"perplexity": "wikitext2_test.txt", "hellaswag": "hellaswag_val.txt.bz2",
+                 "humaneval": "HumanEval.jsonl.gz", "mbpp": "mbpp.jsonl"}
+HUB_DATA = {"perplexity": WIKITEXT2_TEST_HUB, "hellaswag": HELLASWAG_HUB}
+DATA_HELP = {"perplexity": "a text file, e.g. the WikiText-2 test file wikitext2_test.txt, or "
+                            f"{WIKITEXT2_TEST_HUB} to read it from the Hugging Face Hub (needs datasets)",
+             "hellaswag": "the validation file hellaswag_val.txt[.bz2] (six lines per item, from the Hub dataset "
+                          f"klosax/hellaswag_text_data), or {HELLASWAG_HUB} to download it (needs datasets)",
+             "humaneval": "HumanEval.jsonl[.gz] (github.com/openai/human-eval, data/)",
+             "mbpp": "mbpp.jsonl (github.com/google-research/google-research, mbpp/)"}
 
 
-def plot_runs(run_dirs: Sequence[str | Path], ax: Any = None, log_x: bool = False) -> Any:
-    """Training (lines) and validation (dots) loss of several runs against tokens seen, on one
-    matplotlib figure, which is returned."""
+def shared_data_dir() -> Path | None:
+    """The folder of offline data sets: $TINYGPT_SHARED_DATA, else ../shared/data beside a source
+    checkout of the repository; None where there is none (a pip install in Colab)."""
+    env = os.environ.get("TINYGPT_SHARED_DATA")
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    return d if d.is_dir() else None
+
+
+def eval_data(task: str, data_dir: str | Path | None = None) -> str:
+    """Where a task's standard data set is: the offline file in `data_dir` (default
+    `shared_data_dir()`) when it is there, else its Hugging Face Hub name for `run_eval`."""
+    d = Path(data_dir) if data_dir is not None else shared_data_dir()
+    if task in OFFLINE_FILES and d is not None and (d / OFFLINE_FILES[task]).is_file():
+        return str(d / OFFLINE_FILES[task])
+    if task in HUB_DATA:
+        return HUB_DATA[task]
+    raise FileNotFoundError(f"no offline data for {task!r} in {d}; pass {DATA_HELP.get(task, 'a data file')}")
+
+
+def load_eval_text(data: str | Path, max_chars: int | None = None) -> str:
+    """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset (hf:NAME[:CONFIG][@SPLIT],
+    or a save_to_disk folder) whose records are joined as they are (WikiText's records are its lines)."""
+    if str(data).startswith("hf:") or Path(data).is_dir():
+        from .config import DataConfig
+        from .data import iter_documents
+
+        with _from_hub(str(data), "perplexity"):
+            return "".join(iter_documents(DataConfig(source=str(data), max_chars=max_chars)))
+    return read_text(data, max_chars)
+
+
+@contextlib.contextmanager
+def _from_hub(spec: str, task: str):
     try:
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError("plot_runs needs matplotlib: pip install matplotlib") from e
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8, 5))
-    for d in run_dirs:
-        d = Path(d)
-        per_step, records = _tokens_per_step(_run_info(d)), read_metrics(d)
-        if per_step is None and not any("tokens" in m for m in records):
-            raise DataFormatError(f"{d} has no run.json with a recipe and its metrics have no token counts; "
-                                  "cannot put it on a tokens axis")
-        train = [(_tokens(m, per_step), m["loss"]) for m in records if m.get("loss") is not None]
-        val = [(_tokens(m, per_step), m["val_loss"]) for m in records if m.get("val_loss") is not None]
-        (line,) = ax.plot(*zip(*train), label=f"{d.name} train") if train else ax.plot([], [])
-        if val:
-            ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{d.name} val")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("loss (nats / token)")
-    if log_x:
-        ax.set_xscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return fig
+        yield
+    except OSError as e:  # ConnectionError and the Hub client's HTTP errors: say what works offline
+        if not spec.startswith("hf:"):
+            raise
+        raise RuntimeError(f"could not read {spec} from the Hugging Face Hub ({e}); with no network, "
+                           f"pass a local file instead: {DATA_HELP[task].split(', or ')[0]}") from e
 
 
-# --- one entry point for the CLI and notebooks ------------------------------------------------
+def wikitext2_test_text(max_chars: int | None = None, data_dir: str | Path | None = None) -> str:
+    """The WikiText-2 test text: the offline file when present, else the raw variant from the Hub."""
+    return load_eval_text(eval_data("perplexity", data_dir), max_chars)
 
-TASKS = ("perplexity", "hellaswag", "humaneval", "mbpp", "summary")
+
+def _hellaswag_clean(text: str) -> str:
+    # WikiHow items carry layout markers; the six-line file has " [title]" as a sentence end and
+    # the others removed (other brackets, e.g. "[insert name]", are part of the text).
+    text = re.sub(r"\[(header|step|substeps|title)\]", "", text.replace(" [title]", ". "))
+    return re.sub(r"\s+", " ", text).strip()
 
 
-def run_eval(run_dir: str | Path, task: str, *, data: str | Path | None = None, which: str = "latest",
-             device: str = "cpu", limit: int | None = None, window: int | None = None, stride: int | None = None,
-             max_chars: int | None = None, batch_size: int | None = None, n: int = 1, ks: Sequence[int] = (1,),
-             max_new_tokens: int = 384, temperature: float | None = None, progress: bool = False) -> dict[str, Any]:
-    """Evaluate a tinygpt run folder, or a Hugging Face model folder (config.json), on one task:
-    perplexity (`data`: a text file), hellaswag (`data`: hellaswag_val.txt[.bz2]), humaneval / mbpp
-    (`data`: the problems file; pass@k for `ks` with `n` samples per problem, greedy by default for
-    n == 1, temperature 0.8 for n > 1), or summary (a run's metrics.jsonl, no model needed)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    if task == "summary":
-        return summarize_run(run_dir)
-    if data is None:
-        raise ValueError(f"task {task} needs data=: the path of its data file")
-    path = Path(run_dir)
-    is_hf = (path / "config.json").is_file() and not (path / "run.json").is_file()
-    if is_hf:
-        from .hf import load_hf_causal_lm
+def hellaswag_lines(record: dict[str, Any]) -> list[str]:
+    """The six lines of a Hub HellaSwag record (Rowan/hellaswag): "activity: ctx", the gold index,
+    four endings, in the form of klosax/hellaswag_text_data."""
+    if len(record["endings"]) != 4 or str(record["label"]).strip() not in ("0", "1", "2", "3"):
+        raise DataFormatError(f"HellaSwag record {record.get('ind')} needs four endings and a label 0-3")
+    return [_hellaswag_clean(f"{record['activity_label']}: {record['ctx']}"), str(int(record["label"])),
+            *(_hellaswag_clean(e) for e in record["endings"])]
 
-        model, tok = load_hf_causal_lm(path, device)
-        source = str(path)
-    else:
-        from .checkpoint import load_run
 
-        model, tok, _, ckpt = load_run(path, which, device)
-        source = str(ckpt)
-    head = {"run": path.name, "checkpoint": source, "task": task, "data": str(data)}
-    if task == "perplexity":
-        return {**head, **perplexity(model, tok, read_text(data, max_chars), window, stride, batch_size or 4,
-                                     progress)}
-    if task == "hellaswag":
-        return {**head, **hellaswag(model, tok, data, limit, batch_size or 16, progress)}
-    problems = (load_humaneval(data) if task == "humaneval" else load_mbpp(data))[:limit]
-    temperature = (0.0 if n == 1 else 0.8) if temperature is None else temperature
-    if is_hf:
-        from .hf import hf_generate_fn
-
-        generate = hf_generate_fn(model, tok, max_new_tokens, temperature)
-    else:
-        from .generate import generate_text
-
-        def generate(prompt: str) -> str:
-            greedy = temperature == 0
-            text = generate_text(model, tok, prompt, max_new_tokens, temperature=1.0 if greedy else temperature,
-                                 top_k=1 if greedy else None)
-            return text[len(prompt):]  # byte-level BPE decodes the prompt back exactly
-
-    return {**head, "temperature": temperature, **evaluate_code(problems, generate, n, ks, progress=progress)}
+def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None = None) -> Path:
+    """A HellaSwag file for `load_hellaswag`: `data` when it is a path; the offline copy (or the
+    Hub) when it is None; for hf:NAME[@SPLIT], that dataset written once into `cache_dir` as six-line items."""
+    spec = str(data) if data is not None else eval_data("hellaswag")
+    if not spec.startswith("hf:"):
+        return Path(spec)
+    name, _, split = spec[3:].partition("@")
+    split = split or "validation"
+    root = Path(cache_dir or Path(os.environ.get("TINYGPT_CACHE", Path.home() / ".cache" / "tinygpt")) / "eval")
+    out = root / f"hellaswag-{name.replace('/', '--')}-{split}.txt"
+    if not out.is_file():
+        try:
+            import datasets
+        except ImportError as e:
+            raise ImportError(f"{spec} needs `pip install datasets`; or pass {DATA_HELP['hellaswag']}") from e
+        with _from_hub(spec, "hellaswag"):
+            text = "".join(line + "\n" for rec in datasets.load_dataset(name, split=split)
+                           for line in hellaswag_lines(rec))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)  # whole or not at all: a cut-off download is not taken for the data set
+    return out

@@ -1,0 +1,104 @@
+"""`tinygpt eval` and `tinygpt export` in-process on a real tiny run trained once for the module."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tinygpt import evaluate as ev
+from tinygpt.checkpoint import load_run
+from tinygpt.cli import main
+from tinygpt.pretrain import pretrain
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, shared_data) -> Path:
+    """A cpu-smoke run of 30 steps on Tiny Shakespeare (a few seconds)."""
+    tmp = tmp_path_factory.mktemp("evalcli")
+    pretrain("cpu-smoke", tmp / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=30,
+             progress=False, cache_dir=tmp / "cache")
+    return tmp / "run"
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_perplexity_table_and_json_match_the_library(run, shared_data, capsys):
+    wikitext = shared_data / "wikitext2_test.txt"
+    code, out, _ = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--max-chars", 3000,
+                        "--device", "cpu")
+    assert code == 0 and "bits_per_byte" in out and "step_000030" in out
+    code, out, _ = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--max-chars", 3000,
+                        "--window", 32, "--stride", 16, "--device", "cpu", "--json")
+    res = json.loads(out)
+    model, tok, _, _ = load_run(run)
+    direct = ev.perplexity(model, tok, ev.read_text(wikitext, 3000), window=32, stride=16)
+    assert code == 0 and res["mode"] == "sliding" and res["tokens"] == direct["tokens"]
+    assert res["bits_per_byte"] == pytest.approx(direct["bits_per_byte"], rel=1e-6)
+    assert 1 < res["perplexity"] < 512  # trained a little: better than uniform over the 512 tokens
+
+
+def test_hellaswag_prints_the_reference_table(run, shared_data, capsys):
+    args = ("eval", run, "--task", "hellaswag", "--data", shared_data / "hellaswag_val.txt.bz2", "--limit", 20)
+    code, out, _ = _cli(capsys, *args)
+    assert code == 0
+    assert "this model (n=20)" in out and "gpt2-124m" in out and "28.92%" in out and "random" in out
+    code, out, _ = _cli(capsys, *args, "--json")
+    res = json.loads(out)
+    assert code == 0 and res["n"] == 20 and 0 <= res["acc"] <= 1 and res["reference"]["random"]["acc"] == 0.25
+
+
+def test_summary_needs_no_model_or_data(run, capsys):
+    code, out, _ = _cli(capsys, "eval", run, "--task", "summary")
+    assert code == 0 and "steps" in out and "val_loss_best" in out and out.count("\n- ") >= 1
+    res = json.loads(_cli(capsys, "eval", run, "--task", "summary", "--json")[1])
+    assert res["steps"] == 30 and res["recipe"] == "cpu-smoke"
+
+
+def test_export_and_refused_re_export(run, tmp_path, capsys):
+    out_dir = tmp_path / "hf"
+    code, out, _ = _cli(capsys, "export", run, out_dir, "--which", "best")
+    assert code == 0 and "from_pretrained" in out
+    files = {p.name: p.read_bytes() for p in out_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files.keys()
+    code, _, err = _cli(capsys, "export", run, out_dir)
+    assert code == 2 and "not empty; nothing was written" in err
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == files  # nothing overwritten
+
+
+def test_bad_input_exits_2_with_a_clear_message(run, tmp_path, shared_data, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "run.json").write_text((run / "run.json").read_text())
+    wikitext = shared_data / "wikitext2_test.txt"
+    code, _, err = _cli(capsys, "eval", empty, "--task", "perplexity", "--data", wikitext)
+    assert code == 2 and "no valid checkpoint" in err and "tinygpt pretrain" in err
+    code, _, err = _cli(capsys, "eval", run, "--task", "humaneval", "--data", shared_data / "HumanEval.jsonl.gz",
+                        "--n", 2, "--k", 1, 10)
+    assert code == 2 and "pass@10" in err and "n=2" in err
+    code, _, err = _cli(capsys, "eval", run, "--task", "perplexity")
+    assert code == 2 and "wikitext-2-raw-v1" in err
+    code, _, err = _cli(capsys, "eval", run, "--task", "hellaswag")
+    assert code == 2 and "hellaswag_val.txt" in err and "klosax/hellaswag_text_data" in err
+    code, _, err = _cli(capsys, "eval", run, "--task", "hellaswag", "--data", tmp_path / "nope.txt")
+    assert code == 2 and "no data file" in err
+    code, _, err = _cli(capsys, "eval", run, "--task", "hellaswag", "--data", wikitext, "--limit", 0)
+    assert code == 2 and "limit" in err
+    code, _, err = _cli(capsys, "eval", tmp_path / "missing", "--task", "summary")
+    assert code == 2 and "metrics.jsonl" in err
+
+
+def test_hub_data_without_a_network_says_what_works_offline(run):
+    pytest.importorskip("datasets")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # read when datasets is imported
+    proc = subprocess.run([sys.executable, "-m", "tinygpt", "eval", str(run), "--task", "perplexity",
+                           "--data", "hf:wikitext:wikitext-2-raw-v1@test"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "could not read hf:wikitext" in proc.stderr and "pass a local file instead" in proc.stderr

@@ -1,0 +1,254 @@
+"""Training runs: reading metrics.jsonl, a summary with a diagnosis, comparison tables, loss plots,
+and `run_eval`, which evaluates a run folder (or a Hugging Face model folder) on one task.
+
+A run is a folder (see DESIGN.md): run.json (the recipe), metrics.jsonl (one JSON object per logged
+step), samples.txt and its checkpoints. `tinygpt.evaluate` re-exports these functions.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .codeexec import DataFormatError, evaluate_code, load_humaneval, load_mbpp, pass_at_k
+
+
+def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path]:
+    """The run folders (those with a run.json) under `root`, by name; only `names` when given."""
+    root = Path(root)
+    found = {p.name: p for p in sorted(root.iterdir()) if (p / "run.json").is_file()} if root.is_dir() else {}
+    if not names:
+        if not found:
+            raise FileNotFoundError(f"no run folders (with a run.json) under {root}; train one with "
+                                    f"`tinygpt pretrain --run-dir {root / 'NAME'}` or the 01_pretrain notebook")
+        return list(found.values())
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise FileNotFoundError(f"no run {', '.join(missing)} under {root}; there are: {', '.join(found) or 'none'}")
+    return [found[n] for n in names]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl. A cut-off last line (a run killed mid-write) is skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; is {run_dir} a run folder that has trained and logged?")
+    lines = [ln for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                break
+            raise DataFormatError(f"{path} line {i} is not JSON ({e}); metrics.jsonl holds one JSON object per line") from e
+    return records
+
+
+def _run_info(run_dir: Path) -> dict[str, Any]:
+    p = run_dir / "run.json"
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def _tokens_per_step(info: dict[str, Any]) -> int | None:
+    from .config import Recipe
+
+    return Recipe.from_dict(info["recipe"]).train.tokens_per_step if "recipe" in info else None
+
+
+def _tokens(m: dict[str, Any], per_step: int | None) -> int | None:
+    # The trainer logs "tokens" (with the DDP world size); older records only have the step.
+    if m.get("tokens") is not None:
+        return int(m["tokens"])
+    return m["step"] * per_step if per_step else None
+
+
+def _diagnose(train: list[dict], val: list[dict]) -> list[str]:
+    notes = []
+    bad = [m for m in train if not math.isfinite(m["loss"])]
+    if bad:
+        notes.append(f"the loss became {bad[0]['loss']} at step {bad[0]['step']}: lower the learning rate or use "
+                     "bf16/fp32 instead of fp16, and resume from the last checkpoint before it")
+    good = [m["loss"] for m in train if math.isfinite(m["loss"])]
+    if len(good) >= 3 and min(good[-3:]) >= good[0]:
+        notes.append("the training loss has not decreased: check the learning rate (too high or too low) and the data")
+    if len(val) >= 3:
+        best = min(val, key=lambda m: m["val_loss"])
+        if best is not val[-1] and val[-1]["val_loss"] > 1.02 * best["val_loss"]:
+            notes.append(f"validation loss has risen since step {best['step']} ({best['val_loss']:.4g} -> "
+                         f"{val[-1]['val_loss']:.4g}): overfitting; use best/, more data or fewer steps")
+    norms = [(m["grad_norm"], m["step"]) for m in train if m.get("grad_norm") is not None]
+    if len(norms) >= 5:
+        med = statistics.median(n for n, _ in norms)
+        top = max(norms)
+        if med > 0 and top[0] > 10 * med:
+            notes.append(f"gradient norm spike of {top[0]:.3g} at step {top[1]} (median {med:.3g}): "
+                         "a lower learning rate or longer warmup may help")
+    if len(good) >= 10:
+        q = len(good) // 5
+        if good[-1] < good[-q - 1] * 0.97:
+            notes.append("the loss was still falling at the end: a longer run would likely help")
+    return notes
+
+
+def summarize_run(run_dir: str | Path) -> dict[str, Any]:
+    """The numbers of a run from metrics.jsonl and run.json, with a diagnosis (a list of findings)."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    info = _run_info(run_dir)
+    per_step = _tokens_per_step(info)
+    train = [m for m in records if m.get("loss") is not None]
+    val = [m for m in records if m.get("val_loss") is not None]
+    if not train:
+        raise DataFormatError(f"{run_dir / 'metrics.jsonl'} has no record with a training loss yet")
+    # The first interval includes start-up and compilation: leave it out of the speed figures.
+    timed = [m for m in train[1:] or train if m.get("tokens_per_s")]
+
+    def med(key: str) -> float | None:
+        xs = [m[key] for m in timed if m.get(key) is not None]
+        return statistics.median(xs) if xs else None
+
+    best = min(val, key=lambda m: m["val_loss"]) if val else None
+    mem = [m["memory_gb"] for m in records if m.get("memory_gb") is not None]
+    return {
+        "run": run_dir.name, "recipe": info.get("recipe", {}).get("name"), "steps": train[-1]["step"],
+        "tokens_seen": _tokens(train[-1], per_step), "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"],
+        "loss_min": min(m["loss"] for m in train), "val_loss_last": val[-1]["val_loss"] if val else None,
+        "val_loss_best": best["val_loss"] if best else None, "val_loss_best_step": best["step"] if best else None,
+        "val_bits_per_token": best["val_loss"] / math.log(2) if best else None, "lr_last": train[-1].get("lr"),
+        "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "memory_gb_max": max(mem) if mem else None,
+        "grad_norm_max": max((m["grad_norm"] for m in train if m.get("grad_norm") is not None), default=None),
+        "diagnosis": _diagnose(train, val) or ["no problems found"],
+    }
+
+
+def read_samples(run_dir: str | Path) -> str:
+    """The generated samples a run wrote to samples.txt ("" when there are none)."""
+    p = Path(run_dir) / "samples.txt"
+    return p.read_text(encoding="utf-8") if p.is_file() else ""
+
+
+def _num_params(info: dict[str, Any]) -> int | None:
+    if "recipe" not in info:
+        return None
+    from .config import Recipe
+    from .model import GPT
+
+    with torch.device("meta"):  # counts shapes without allocating a large model
+        return GPT(Recipe.from_dict(info["recipe"]).model).num_params()
+
+
+def compare_runs(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """A table (one dict per run) of the runs' sizes and final metrics, ready for a DataFrame."""
+    rows = []
+    for d in run_dirs:
+        s = summarize_run(d)
+        rows.append({"run": s["run"], "recipe": s["recipe"], "params": _num_params(_run_info(Path(d))),
+                     **{k: s[k] for k in ("steps", "tokens_seen", "loss_last", "val_loss_best", "tokens_per_s",
+                                          "mfu", "memory_gb_max")}})
+    return rows
+
+
+def plot_runs(run_dirs: Sequence[str | Path], ax: Any = None, log_x: bool = False) -> Any:
+    """Training (lines) and validation (dots) loss of several runs against tokens seen, on one
+    matplotlib figure, which is returned."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("plot_runs needs matplotlib: pip install matplotlib") from e
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8, 5))
+    for d in run_dirs:
+        d = Path(d)
+        per_step, records = _tokens_per_step(_run_info(d)), read_metrics(d)
+        if per_step is None and not any("tokens" in m for m in records):
+            raise DataFormatError(f"{d} has no run.json with a recipe and its metrics have no token counts; "
+                                  "cannot put it on a tokens axis")
+        train = [(_tokens(m, per_step), m["loss"]) for m in records if m.get("loss") is not None]
+        val = [(_tokens(m, per_step), m["val_loss"]) for m in records if m.get("val_loss") is not None]
+        (line,) = ax.plot(*zip(*train), label=f"{d.name} train") if train else ax.plot([], [])
+        if val:
+            ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{d.name} val")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats / token)")
+    if log_x:
+        ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+# --- evaluating a run: one entry point for the CLI and notebooks ---------------------------
+
+TASKS = ("perplexity", "hellaswag", "humaneval", "mbpp", "summary")
+
+
+def _check_request(task: str, data: str | Path | None, n: int, ks: Sequence[int], **positive: int | None) -> None:
+    """Refuse a request that cannot work before any model is loaded."""
+    from .evaluate import DATA_HELP
+
+    for name, v in positive.items():
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be a positive number (or left out), got {v}")
+    if data is None:
+        raise ValueError(f"task {task} needs data (--data): {DATA_HELP[task]}")
+    if not str(data).startswith("hf:") and not Path(data).exists():
+        raise FileNotFoundError(f"no data file at {data}; task {task} needs {DATA_HELP[task]}")
+    if task in ("humaneval", "mbpp"):
+        for k in ks:
+            pass_at_k(n, 0, k)  # raises for k > n, saying what to do
+
+
+def run_eval(run_dir: str | Path, task: str, *, data: str | Path | None = None, which: str = "latest",
+             device: str = "cpu", limit: int | None = None, window: int | None = None, stride: int | None = None,
+             max_chars: int | None = None, batch_size: int | None = None, n: int = 1, ks: Sequence[int] = (1,),
+             max_new_tokens: int = 384, temperature: float | None = None, progress: bool = False) -> dict[str, Any]:
+    """Evaluate a tinygpt run folder, or a Hugging Face model folder (config.json), on one task:
+    perplexity (`data`: a text file or hf:NAME[:CONFIG][@SPLIT], see `eval_data`), hellaswag
+    (`data`: hellaswag_val.txt[.bz2] or hf:Rowan/hellaswag@validation), humaneval / mbpp
+    (`data`: the problems file; pass@k for `ks` with `n` samples per problem, greedy by default for
+    n == 1, temperature 0.8 for n > 1), or summary (a run's metrics.jsonl, no model needed)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if task == "summary":
+        return summarize_run(run_dir)
+    from .evaluate import hellaswag, hellaswag_path, load_eval_text, perplexity  # here: evaluate imports this module
+
+    _check_request(task, data, n, ks, limit=limit, max_chars=max_chars, batch_size=batch_size)
+    path = Path(run_dir)
+    is_hf = (path / "config.json").is_file() and not (path / "run.json").is_file()
+    if is_hf:
+        from .hf import load_hf_causal_lm
+
+        model, tok = load_hf_causal_lm(path, device)
+        source = str(path)
+    else:
+        from .checkpoint import load_run
+
+        model, tok, _, ckpt = load_run(path, which, device)
+        source = str(ckpt)
+    head = {"run": path.name, "checkpoint": source, "task": task, "data": str(data)}
+    if task == "perplexity":
+        return {**head, **perplexity(model, tok, load_eval_text(data, max_chars), window, stride, batch_size or 4,
+                                     progress)}
+    if task == "hellaswag":
+        return {**head, **hellaswag(model, tok, hellaswag_path(data), limit, batch_size or 16, progress)}
+    problems = (load_humaneval(data) if task == "humaneval" else load_mbpp(data))[:limit]
+    temperature = (0.0 if n == 1 else 0.8) if temperature is None else temperature
+    if is_hf:
+        from .hf import hf_generate_fn
+
+        generate = hf_generate_fn(model, tok, max_new_tokens, temperature)
+    else:
+        from .generate import generate_text
+
+        def generate(prompt: str) -> str:
+            greedy = temperature == 0
+            text = generate_text(model, tok, prompt, max_new_tokens, temperature=1.0 if greedy else temperature,
+                                 top_k=1 if greedy else None)
+            return text[len(prompt):]  # byte-level BPE decodes the prompt back exactly
+
+    return {**head, "temperature": temperature, **evaluate_code(problems, generate, n, ks, progress=progress)}
