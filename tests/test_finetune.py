@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,10 +24,11 @@ transformers = pytest.importorskip("transformers")
 
 from tinygpt.config import DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
 from tinygpt.data import WindowSampler, fixed_batches  # noqa: E402
-from tinygpt.finetune import (FINETUNE_RECIPES, FinetuneError, LoraSettings, attach_lora, causal_lm_loss,  # noqa: E402
-                              check_qlora, export_adapter, export_tinygpt_base, finetune, generate_response,
+from tinygpt.finetune import (FINETUNE_RECIPES, FinetuneError, LoraSettings, attach_lora,  # noqa: E402
+                              base_config_dict, causal_lm_loss, check_qlora, compare_generations,
+                              default_finetune_recipe, export_adapter, export_tinygpt_base, finetune, generate_response,
                               get_finetune_recipe, linear_layer_names, load_base, load_finetuned, memory_table,
-                              merge_adapter)
+                              merge_adapter, recipe_rows, run_status)
 from tinygpt.model import GPT  # noqa: E402
 from tinygpt.tokenizer import train_bpe  # noqa: E402
 from tinygpt.trainer import Trainer  # noqa: E402
@@ -182,6 +184,18 @@ def test_merged_model_matches_the_adapter_model(lora):
                                      max_new_tokens=12)
 
 
+def test_before_and_after_generations_are_the_base_and_the_finetuned_model(lora):
+    prompts = ["Write a function that adds two numbers.", "Reverse a string in Python."]
+    gens = compare_generations(lora.model, lora.tokenizer, prompts, max_new_tokens=10)
+    base = load_base(json.loads((lora.adapter_dir / "tinygpt_finetune.json").read_text())["base_path"]).eval()
+    for (prompt, before, after), expected in zip(gens.rows, prompts):
+        assert prompt == expected
+        assert before == generate_response(base, lora.tokenizer, prompt, max_new_tokens=10)
+        assert after == generate_response(lora.model, lora.tokenizer, prompt, max_new_tokens=10)
+    assert "--- before (the base) ---" in str(gens) and prompts[1] in str(gens)
+    assert any(p.requires_grad for p in lora.model.parameters())  # the adapter is switched back on
+
+
 def test_adapter_on_a_different_base_is_refused(lora, tmp_path, prose, tok):
     other = make_run(tmp_path / "other", prose[:20], tok, seed=1, steps=2)
     other_base = export_tinygpt_base(other, tmp_path / "other_base")
@@ -287,6 +301,44 @@ def test_gemma2_base_uses_eager_attention_and_its_soft_capped_logits(tmp_path):
                                             x[:, 1:].flatten(), reduction="sum")
     torch.testing.assert_close(loss, ref)
     loss.backward()
+
+
+def test_gemma2_soft_capped_loss_goes_chunk_by_chunk_with_the_reference_gradients(tmp_path):
+    """Gemma-2's soft-capped logits, 5 rows at a time (each chunk recomputed in backward), against the
+    model's own full logits; logits large enough for the cap to bend them show it is really applied."""
+    cfg = transformers.Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                    final_logit_softcapping=1.0)
+    torch.manual_seed(0)
+    transformers.Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "gemma2")
+    base = load_base(str(tmp_path / "gemma2"))
+    with torch.no_grad():
+        base.lm_head.weight.mul_(30)  # logits up to ~10: well into tanh's bend at a cap of 1
+    pm = attach_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0))
+    for n, p in pm.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)  # B starts at 0: make A's gradient non-zero too
+    x = torch.randint(0, 300, (2, 13))
+    y = x[:, 1:].clone()
+    y[0, :4] = -100  # prompt tokens carry no loss
+    results = []
+    for loss_fn in (lambda: torch.nn.functional.cross_entropy(pm(input_ids=x[:, :-1]).logits.flatten(0, 1).float(),
+                                                              y.flatten(), reduction="sum"),
+                    lambda: causal_lm_loss(pm, x[:, :-1], y, chunk_rows=5)):  # 24 rows: 5 chunks, the last of 4
+        pm.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in pm.named_parameters() if p.requires_grad}))
+    (ref, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-7)
+    from tinygpt.losses import linear_cross_entropy
+    hf = pm.get_base_model()
+    with torch.no_grad():
+        uncapped = linear_cross_entropy(hf.model(input_ids=x[:, :-1]).last_hidden_state, hf.lm_head.weight, y,
+                                        reduction="sum")
+    assert abs(float(uncapped) - float(ref)) > 10  # the cap changes the loss: it is not silently skipped
 
 
 def test_gpt2_family_linear_layers_are_found():
@@ -420,6 +472,24 @@ def test_recipes_and_memory_table():
     assert 1.5 < q["base weights"] < 2.5 < 4.5 < lo["base weights"] < 5.5  # 2.6B weights: ~2 GB in NF4, 5.2 in fp16
     assert 0.08 < q["adapters"] < 0.1  # rank 16 on all 7 projections of 26 layers: 20.8M fp32 weights
     assert q["total"] < 15  # fits a T4
+    assert q["logits + loss"] < 0.5  # soft-capped logits go chunk by chunk too: not 2048 x 256k of them
+    smol = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # SmolLM2-135M
+    assert default_finetune_recipe(smol, "cpu")[0] == "lora-r8"
+    assert default_finetune_recipe(smol, "t4", 15.0)[0] == "lora-r16"
+    assert default_finetune_recipe(gemma2_2b, "a100", 40.0)[0] == "lora-r16"
+    name, why = default_finetune_recipe(gemma2_2b, "t4", 8.0)  # a GPU too small for the 16-bit base
+    assert name == "qlora-r16" and "8 GB" in why
+    rows = recipe_rows(gemma2_2b, "t4", 8.0)
+    assert rows[0][:3] == ("recipe", "memory", "fits") and [r[0] for r in rows[1:]] == list(FINETUNE_RECIPES)
+    assert {r[0]: r[2] for r in rows[1:]} == {"lora-r8": "no", "lora-r16": "no", "lora-r32": "no", "qlora-r16": "yes"}
+
+
+def test_default_recipe_follows_the_run_being_resumed_and_tinygpt_bases_have_a_config(tmp_path, tiny_run):
+    (tmp_path / "finetune.json").write_text(json.dumps({"recipe": {"name": "lora-r32"}}))
+    config = base_config_dict(str(tiny_run))
+    assert config["model_type"] == "llama" and config["hidden_size"] == 64 and config["vocab_size"] == 512
+    assert default_finetune_recipe(config, "t4", 15.0, resume_from=[tmp_path / "nope", tmp_path])[0] == "lora-r32"
 
 
 # ----- kill -9 and resume -------------------------------------------------------------------------
@@ -458,3 +528,65 @@ def test_kill_9_and_resume_gives_the_same_adapter_bit_for_bit(tmp_path, tiny_run
     log = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     strip = lambda ms: [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in ms]  # noqa: E731
     assert strip(log(tmp_path / "broken")) == strip(log(tmp_path / "whole"))
+
+
+# ----- a mirror (Drive) and a new VM ----------------------------------------------------------------
+MIRROR_TRAIN = dict(seq_len=128, micro_batch_size=2, grad_accum_steps=1, max_steps=6, warmup_steps=1, lr=3e-3,
+                    eval_every=3, save_every=2, eval_batches=1, log_every=1)
+
+
+class Disconnect(Exception):
+    """The VM goes away: training stops mid-run and its local disk is lost."""
+
+
+class DisconnectAt:
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_checkpoint(self, path, step):
+        if step == self.step:  # written locally, never handed to the mirror (it comes after us)
+            raise Disconnect
+
+
+def test_mirror_gets_verified_checkpoints_and_the_adapter_and_a_new_vm_resumes_from_it(tmp_path, tiny_run,
+                                                                                      shared_data, monkeypatch):
+    from safetensors.torch import load_file
+    from tinygpt.checkpoint import list_checkpoints, read_manifest, sha256_file, verify_checkpoint
+    data = str(shared_data / "code_alpaca_2k.json")
+    vm, drive = tmp_path / "vm" / "ft", tmp_path / "drive" / "ft"
+    with pytest.raises(Disconnect):
+        finetune("lora-r8", str(tiny_run), data, vm, hardware="cpu", train=MIRROR_TRAIN, progress=False,
+                 mirror=drive, callbacks=[DisconnectAt(4)])
+    assert [s for s, _ in list_checkpoints(vm / "checkpoints")] == [2, 4]
+    assert [s for s, _ in list_checkpoints(drive / "checkpoints")] == [2]
+    assert verify_checkpoint(drive / "checkpoints" / "step_000002")[0]
+    assert {"finetune.json", "adapter_config.json", "tinygpt_finetune.json", "metrics.jsonl"} <= {
+        p.name for p in drive.iterdir()}
+    assert "on Drive: step 2 of recipe lora-r8" in str(run_status(vm, drive))
+
+    shutil.rmtree(tmp_path / "vm")  # a new VM: nothing local, Drive is still there
+    # It may be another GPU: the run keeps the hardware class it started with (finetune.json, from Drive).
+    monkeypatch.setattr("tinygpt.finetune.detect_hardware", lambda device: "t4")
+    resumed = finetune("lora-r8", str(tiny_run), data, vm, train=MIRROR_TRAIN, progress=False, mirror=drive)
+    assert resumed.train.resumed_from == 2 and resumed.train.step == 6 and resumed.hardware == "cpu"
+    assert [s for s, _ in list_checkpoints(drive / "checkpoints")] == [4, 6]  # keep_last 2, as locally
+    assert all(verify_checkpoint(p)[0] for _, p in list_checkpoints(drive / "checkpoints"))
+    adapter = resumed.mirrored_adapter
+    assert adapter == drive / "adapter"
+    for name, info in read_manifest(adapter)["files"].items():  # every file checked against the local sha256
+        assert sha256_file(adapter / name) == sha256_file(vm / "adapter" / name) == info["sha256"]
+    assert "adapter on Drive" in str(run_status(vm, drive))
+
+    whole = finetune("lora-r8", str(tiny_run), data, tmp_path / "whole", hardware="cpu", train=MIRROR_TRAIN,
+                     progress=False)
+    a = load_file(str(adapter / "adapter_model.safetensors"))
+    b = load_file(str(whole.adapter_dir / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # as if never disconnected
+    log = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    strip = lambda ms: [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in ms]  # noqa: E731
+    assert strip(log(drive)) == strip(log(tmp_path / "whole"))
+
+    shutil.rmtree(tmp_path / "vm")  # later, on yet another VM: the adapter on Drive loads on its own
+    model, tok = load_finetuned(drive)
+    x = torch.tensor([tok("def fib(n):")["input_ids"]])
+    torch.testing.assert_close(logits(model, x), logits(whole.model, x), rtol=0, atol=1e-6)

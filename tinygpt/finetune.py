@@ -1,4 +1,5 @@
-"""LoRA and QLoRA finetuning through `peft` and `bitsandbytes`: recipes, base models, adapters, merge.
+"""LoRA and QLoRA finetuning through `peft` and `bitsandbytes`: base models, adapters, the run, merge.
+The recipes and memory estimates live in `finetune_config` (re-exported here).
 
 Every base is trained as a `transformers` causal LM. A tinygpt run folder is first exported to
 ``run_dir/base/`` as a `LlamaForCausalLM` (tinygpt already uses Llama's parameter names, so the
@@ -9,7 +10,8 @@ is a plain PEFT adapter whose `base_model_name_or_path` is a folder any `transfo
 A finetuning run folder holds ``finetune.json``, ``adapter_config.json`` and ``tinygpt_finetune.json``
 (what any checkpoint needs to become an adapter), ``base/`` (tinygpt bases only), ``checkpoints/``
 (adapter weights + optimizer + data position: small, so saved often), ``metrics.jsonl`` and, at
-the end, ``adapter/`` (adapter_config.json + adapter_model.safetensors + tokenizer).
+the end, ``adapter/`` (adapter_config.json + adapter_model.safetensors + tokenizer). With a mirror
+(Drive) all of it but ``base/`` is copied there, the adapter last, checked file by file.
 """
 from __future__ import annotations
 
@@ -19,161 +21,24 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .config import TrainConfig
+# Recipes, memory estimates, hardware checks, a base's config and the run folder's files: finetune_config.
+from .finetune_config import (ADAPTER_DIR, ADAPTER_INFO, BASE_DIR, FINETUNE_INFO, FINETUNE_RECIPES,  # noqa: F401
+                              MERGED_DIR, PLAIN_HEAD_TYPES, SMOKE_TRAIN, SOFTCAP_HEAD_TYPES, FinetuneError,
+                              FinetuneRecipe, FinetuneStatus, LoraSettings, _adapter_dir, _need, base_config,
+                              base_config_dict, base_rows, check_qlora, check_same_run, chunked_loss,
+                              default_finetune_recipe, detect_hardware, export_adapter, get_finetune_recipe,
+                              is_tinygpt_run, memory_table, mirror_adapter, recipe_of_finetune,
+                              recipe_rows, run_status, shared_data_dir, smoke_base, smoke_data, this_hardware)
 from .instruct import Codec, DataReport, build_instruct_data, format_prompt
 from .model import IGNORE_INDEX
 
-FINETUNE_INFO, ADAPTER_INFO = "finetune.json", "tinygpt_finetune.json"
-BASE_DIR, ADAPTER_DIR, MERGED_DIR = "base", "adapter", "merged"
-# Families whose logits are exactly lm_head(hidden): their loss goes through the chunked
-# `losses.linear_cross_entropy` (no full (tokens, vocab) logits). Gemma-2 soft-caps its logits: not here.
-PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"}
-
-
-class FinetuneError(RuntimeError):
-    """Finetuning cannot start or go on; the message says what to do."""
-
-
-def _need(module: str, what: str):
-    try:
-        return __import__(module)
-    except ImportError as e:
-        raise FinetuneError(f"{what} needs `pip install {module}`") from e
-
-
-# ----- recipes ------------------------------------------------------------------------------------
-@dataclass
-class LoraSettings:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: tuple[str, ...] | None = None  # None: every linear layer but lm_head
-    use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r
-    use_dora: bool = False
-
-    def __post_init__(self) -> None:
-        if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:
-            raise FinetuneError(f"LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got r={self.r}, "
-                                f"alpha={self.alpha}, dropout={self.dropout}")
-        if self.target_modules is not None:
-            self.target_modules = tuple(self.target_modules)
-
-
-@dataclass
-class FinetuneRecipe:
-    """LoRA settings plus a TrainConfig per hardware class ("cpu", "t4", "a100")."""
-
-    name: str
-    description: str
-    lora: LoraSettings
-    train: dict[str, TrainConfig]
-    quantize: str = "none"  # "none" or "nf4" (QLoRA)
-    activation_checkpointing: tuple[str, ...] = ("t4", "a100")  # hardware classes that recompute
-    template: str = "alpaca"
-    pack: bool = False
-
-    def train_config(self, hardware: str, **overrides: Any) -> TrainConfig:
-        if hardware not in self.train:
-            raise FinetuneError(f"recipe {self.name!r} has no setting for hardware {hardware!r}; "
-                                f"choose one of {', '.join(self.train)}")
-        return dataclasses.replace(self.train[hardware], **overrides)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in ("name", "description", "quantize", "template", "pack")},
-                "lora": dataclasses.asdict(self.lora), "activation_checkpointing": list(self.activation_checkpointing),
-                "train": {k: v.to_dict() for k, v in self.train.items()}}
-
-
-def _settings() -> dict[str, TrainConfig]:
-    common = dict(weight_decay=0.0, grad_clip=1.0, compile="off", eval_batches=8, log_every=10, keep_last=3)
-    return {  # effective batch 16 sequences on both GPUs
-        "t4": TrainConfig(micro_batch_size=4, grad_accum_steps=4, seq_len=512, lr=2e-4, min_lr=2e-5, warmup_steps=100,
-                          max_steps=1000, eval_every=100, save_every=50, precision="auto", **common),
-        "a100": TrainConfig(micro_batch_size=8, grad_accum_steps=2, seq_len=768, lr=2.5e-4, min_lr=2.5e-5,
-                            warmup_steps=150, max_steps=1000, eval_every=100, save_every=50, precision="auto",
-                            **common),
-        "cpu": TrainConfig(micro_batch_size=4, grad_accum_steps=2, seq_len=256, lr=2e-3, min_lr=2e-4, warmup_steps=3,
-                           max_steps=30, eval_every=10, save_every=10, precision="fp32",
-                           **{**common, "eval_batches": 2, "log_every": 5, "keep_last": 2}),
-    }
-
-
-FINETUNE_RECIPES: dict[str, FinetuneRecipe] = {
-    f"lora-r{r}": FinetuneRecipe(f"lora-r{r}", f"LoRA rank {r} (alpha {2 * r}) on every linear layer of attention "
-                                 "and MLP; base weights in fp16 (T4) or bf16 (A100)", LoraSettings(r=r, alpha=2 * r),
-                                 _settings()) for r in (8, 16, 32)}
-FINETUNE_RECIPES["qlora-r16"] = FinetuneRecipe(
-    "qlora-r16", "QLoRA: the base in 4-bit NF4 with double quantization, LoRA rank 16 in fp32; the one that fits "
-    "a 2B model on a T4", LoraSettings(r=16, alpha=32), _settings(), quantize="nf4")
-
-
-def get_finetune_recipe(name: str) -> FinetuneRecipe:
-    if name not in FINETUNE_RECIPES:
-        raise FinetuneError(f"unknown finetune recipe {name!r}; choose one of {', '.join(FINETUNE_RECIPES)}")
-    r = FINETUNE_RECIPES[name]
-    return dataclasses.replace(r, lora=dataclasses.replace(r.lora), train=dict(r.train))
-
-
-def detect_hardware(device: torch.device) -> str:
-    """"a100" for bf16 GPUs with 35 GB or more, "t4" for other CUDA GPUs, else "cpu"."""
-    if device.type != "cuda":
-        return "cpu"
-    props = torch.cuda.get_device_properties(device)
-    return "a100" if props.major >= 8 and props.total_memory >= 35e9 else "t4"
-
-
-# ----- memory -------------------------------------------------------------------------------------
-def memory_table(recipe: FinetuneRecipe, hardware: str, base_config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Estimated GPU memory (GB) of finetuning a base with a Llama-like `config.json` dict.
-    Activations: 2 bytes x tokens x (17 d_model + 5 d_ff) per layer (a layer with LoRA dropout and
-    flash attention); with activation checkpointing only the layer inputs plus one layer are held."""
-    c, cfg = base_config, recipe.train_config(hardware)
-    h = c.get("hidden_size") or c["n_embd"]
-    L = c.get("num_hidden_layers") or c["n_layer"]
-    nh = c.get("num_attention_heads") or c["n_head"]
-    hd = c.get("head_dim") or h // nh
-    nkv = c.get("num_key_value_heads") or nh
-    ff = c.get("intermediate_size") or c.get("n_inner") or 4 * h
-    V = c["vocab_size"]
-    shapes = {"q_proj": (h, nh * hd), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd), "o_proj": (nh * hd, h),
-              "gate_proj": (h, ff), "up_proj": (h, ff), "down_proj": (ff, h)}
-    linear = L * sum(a * b for a, b in shapes.values())
-    targets = recipe.lora.target_modules or tuple(shapes)
-    lora = L * sum(recipe.lora.r * sum(shapes[t]) for t in targets if t in shapes)
-    emb = V * h * (1 if c.get("tie_word_embeddings", True) else 2)
-    half = 4 if hardware == "cpu" else 2
-    nf4 = recipe.quantize == "nf4"
-    tokens = cfg.micro_batch_size * cfg.seq_len
-    layer_act = 2 * tokens * (17 * h + 5 * ff)
-    ckpt = hardware in recipe.activation_checkpointing
-    act = (L * 2 * tokens * h + layer_act) if ckpt else L * layer_act
-    chunked = c.get("model_type") in PLAIN_HEAD_TYPES
-    logits = (2**25 * 8) if chunked else tokens * V * 12  # fp16 logits + fp32 copy + fp32 log-softmax/grad
-    gb = 1e9
-    rows = [
-        ("base weights", (linear * (0.516 if nf4 else half) + emb * half) / gb,
-         "NF4: 4 bits + double-quantized scales (0.127 bits) per linear weight; embeddings stay 16-bit" if nf4
-         else f"{half} bytes per weight"),
-        ("adapters", lora * 4 / gb, f"{lora / 1e6:.1f}M LoRA weights in fp32"),
-        ("gradients + AdamW", lora * 12 / gb, "fp32 gradient and two moments per adapter weight"),
-        ("activations", act / gb, f"micro-batch {cfg.micro_batch_size} x {cfg.seq_len}, "
-         f"{'with' if ckpt else 'without'} activation checkpointing"),
-        ("logits + loss", logits / gb, "chunked cross-entropy" if chunked else "full (tokens, vocab) logits"),
-    ]
-    out = [{"part": p, "gb": round(v, 3), "how": how} for p, v, how in rows]
-    return out + [{"part": "total", "gb": round(sum(r["gb"] for r in out), 3), "how": "+ ~1 GB CUDA context"}]
-
 
 # ----- base models --------------------------------------------------------------------------------
-def is_tinygpt_run(base: str | Path) -> bool:
-    return (Path(base).expanduser() / "run.json").is_file()
-
-
 def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
     """Write a tinygpt run's model as a `LlamaForCausalLM` folder (config.json, model.safetensors,
     tokenizer files), atomically: a folder that exists is complete."""
@@ -203,25 +68,6 @@ def _bnb_config(compute_dtype: torch.dtype):
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
-def check_qlora(device: torch.device) -> None:
-    """Raise a FinetuneError unless bitsandbytes can run an NF4 layer forward and backward on `device`."""
-    try:
-        import bitsandbytes as bnb
-    except Exception as e:  # ImportError, or a broken CUDA setup raising at import
-        raise FinetuneError(f"QLoRA needs bitsandbytes, which cannot be imported ({e}): `pip install bitsandbytes`, "
-                            "or choose a LoRA recipe such as lora-r16") from e
-    if device.type not in ("cuda", "cpu", "xpu"):
-        raise FinetuneError(f"QLoRA: bitsandbytes has no 4-bit kernels for {device.type}; "
-                            "use a LoRA recipe (lora-r16) or a CUDA GPU")
-    try:
-        layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4").to(device)
-        x = torch.randn(2, 64, device=device, requires_grad=True)
-        layer(x).sum().backward()
-    except Exception as e:
-        raise FinetuneError(f"QLoRA: bitsandbytes {bnb.__version__} cannot run a 4-bit NF4 layer on {device}: "
-                            f"{type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) instead") from e
-
-
 def _cpu_safe_4bit(model: torch.nn.Module) -> None:
     """On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight in place the first time it
     runs in eval mode (e.g. a validation pass), with bf16 scales and a kernel that has no backward:
@@ -238,26 +84,6 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
         raise FinetuneError(f"could not load the tokenizer of base {path!r}: {e}") from e
-
-
-def base_config(path: str):
-    """The `transformers` config of a base (a local folder or a Hub id): the cheap check that it exists."""
-    _need("transformers", "finetuning")
-    from transformers import AutoConfig
-
-    p = Path(path).expanduser()
-    if p.exists() and not (p / "config.json").is_file():
-        raise FinetuneError(f"base {path!r} is a folder with neither run.json (a tinygpt run) nor config.json "
-                            "(a Hugging Face model)")
-    if not p.exists() and (path.startswith(("/", ".", "~")) or path.count("/") > 1):
-        raise FinetuneError(f"base {path!r} does not exist: give a tinygpt run folder, a model folder or a "
-                            "Hub id such as google/gemma-2-2b")
-    try:
-        return AutoConfig.from_pretrained(path)
-    except Exception as e:
-        raise FinetuneError(f"could not load base model {path!r}: {type(e).__name__}: {e}\nCheck the folder or "
-                            "the Hub id and the network; gated models (Gemma, Llama) need their licence accepted on "
-                            "the Hub and `hf auth login` (or HF_TOKEN set)") from e
 
 
 def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.float32,
@@ -346,18 +172,45 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *, activation_checkp
     return pm
 
 
-def causal_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y are already shifted)."""
+def causal_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *,
+                   chunk_rows: int | None = None) -> torch.Tensor:
+    """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y are already shifted).
+    chunk_rows: as in `losses.linear_cross_entropy` (None picks by size, 0 takes the full logits)."""
     # A DDP wrapper (no get_base_model) must see the forward call: wrapped models take the plain path.
     hf = model.get_base_model() if hasattr(model, "get_base_model") else None
     head = hf.get_output_embeddings() if hf is not None else None
-    if hf is not None and hf.config.model_type in PLAIN_HEAD_TYPES and isinstance(head, torch.nn.Linear) \
-            and head.bias is None:
+    if hf is not None and chunked_loss({"model_type": hf.config.model_type}) \
+            and isinstance(head, torch.nn.Linear) and head.bias is None:
         from .losses import linear_cross_entropy
         hidden = hf.base_model(input_ids=x, use_cache=False).last_hidden_state
-        return linear_cross_entropy(hidden, head.weight, y, reduction="sum", ignore_index=IGNORE_INDEX)
+        cap = getattr(hf.config, "final_logit_softcapping", None)
+        if cap and hf.config.model_type in SOFTCAP_HEAD_TYPES:
+            return softcapped_loss(hidden, head.weight, y, float(cap), chunk_rows=chunk_rows)
+        return linear_cross_entropy(hidden, head.weight, y, reduction="sum", ignore_index=IGNORE_INDEX,
+                                    chunk_rows=chunk_rows)
     logits = model(input_ids=x, use_cache=False).logits.float()
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def softcapped_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float, *,
+                    chunk_rows: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy of Gemma-2's logits cap * tanh(hidden @ weight.T / cap), a chunk of rows at a
+    time. Each chunk's logits are recomputed in the backward pass instead of kept: one more head matmul
+    buys the (tokens, 256k vocab) logits that would not fit a T4 next to the model."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .losses import default_chunk_rows
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    rows = default_chunk_rows(h.shape[0], weight.shape[0]) if chunk_rows is None else chunk_rows
+
+    def part(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        z = F.linear(hc, weight).float()
+        return F.cross_entropy(cap * torch.tanh(z / cap), tc, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    if rows <= 0 or rows >= h.shape[0]:
+        return part(h, t)
+    return sum(checkpoint(part, h[i:i + rows], t[i:i + rows], use_reentrant=False)
+               for i in range(0, h.shape[0], rows))
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -375,34 +228,16 @@ def load_adapter_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> N
                             f"unexpected {list(res.unexpected_keys)[:4]}")
 
 
-def _adapter_dir(path: str | Path) -> Path:
-    p = Path(path)
-    p = p / ADAPTER_DIR if (p / ADAPTER_DIR).is_dir() else p
-    if not (p / "adapter_model.safetensors").is_file():
-        raise FinetuneError(f"{path} holds no adapter (no adapter_model.safetensors); finetune first, or "
-                            "export_adapter(run_dir) to make one from a checkpoint")
-    return p
-
-
-def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None) -> Path:
-    """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the checkpoint's
-    model.safetensors already holds exactly PEFT's adapter weights under PEFT's names."""
-    from .checkpoint import find_run_checkpoint
-    run_dir = Path(run_dir)
-    if not (run_dir / "adapter_config.json").is_file():
-        raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")
-    ckpt = find_run_checkpoint(run_dir, which)
-    out = Path(out_dir) if out_dir is not None else run_dir / ADAPTER_DIR
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shutil.copyfile(ckpt / "model.safetensors", tmp / "adapter_model.safetensors")
-    for name in ("adapter_config.json", ADAPTER_INFO):
-        shutil.copyfile(run_dir / name, tmp / name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+def _base_of(adir: Path, info: dict[str, Any]) -> str:
+    """The base an adapter was trained on: its exported folder if it is still there; on a new VM (an adapter
+    on Drive) the same tinygpt run exported again beside the adapter; else the Hub id or folder PEFT saved."""
+    path = info.get("base_path")
+    if path and (Path(path) / "config.json").is_file():
+        return path
+    if info.get("base") and is_tinygpt_run(info["base"]):
+        out = adir.parent / BASE_DIR
+        return str(out if (out / "config.json").is_file() else export_tinygpt_base(info["base"], out))
+    return info.get("base") or json.loads((adir / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
 def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = False,
@@ -415,8 +250,7 @@ def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = F
 
     adir = _adapter_dir(path)
     info = json.loads((adir / ADAPTER_INFO).read_text()) if (adir / ADAPTER_INFO).is_file() else {}
-    base = base or info.get("base_path") or json.loads((adir / "adapter_config.json").read_text())[
-        "base_model_name_or_path"]
+    base = base or _base_of(adir, info)
     quantize = info.get("quantize", "none")
     model = load_base(base, quantize=quantize, dtype=dtype, device=device)
     if "signature" in info:
@@ -455,9 +289,38 @@ def generate_response(model, tokenizer, instruction: str, input: str = "", *, te
     kw: dict[str, Any] = {"do_sample": temperature > 0}
     if temperature > 0:
         kw.update(temperature=temperature, top_p=top_p)
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context:  # past the context the base was trained on, tokens are noise (and transformers warns)
+        max_new_tokens = max(1, min(max_new_tokens, context - len(ids)))
+    # use_cache: training with activation checkpointing switched the config's default off
     out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                         eos_token_id=codec.eos_id, pad_token_id=codec.pad_id, **kw)
+                         eos_token_id=codec.eos_id, pad_token_id=codec.pad_id, use_cache=True, **kw)
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+@dataclass
+class Generations:
+    """Answers to a few instructions before and after finetuning; prints as text."""
+    rows: list[tuple[str, str, str]]  # (instruction, before, after)
+
+    def __str__(self) -> str:
+        return "\n\n".join(f"### {i}\n--- before (the base) ---\n{b.strip()}\n--- after (with the adapter) ---\n"
+                           f"{a.strip()}" for i, b, a in self.rows)
+
+    __repr__ = __str__
+
+
+def compare_generations(model, tokenizer, instructions: Sequence[str], *, template: str = "alpaca",
+                        max_new_tokens: int = 96) -> Generations:
+    """Greedy answers of a PEFT model with its adapter switched off (exactly the base: LoRA leaves the base
+    weights alone, and no second copy of the base is loaded) and on."""
+    rows = []
+    for instruction in instructions:
+        with model.disable_adapter():
+            before = generate_response(model, tokenizer, instruction, template=template, max_new_tokens=max_new_tokens)
+        after = generate_response(model, tokenizer, instruction, template=template, max_new_tokens=max_new_tokens)
+        rows.append((instruction, before, after))
+    return Generations(rows)
 
 
 # ----- the whole run ------------------------------------------------------------------------------
@@ -473,23 +336,29 @@ class FinetuneResult:
     memory: list[dict[str, Any]] = field(default_factory=list)
     model: Any = field(default=None, repr=False)  # the PeftModel, ready for generate_response
     tokenizer: Any = field(default=None, repr=False)
+    mirrored_adapter: Path | None = None  # the adapter's verified copy on the mirror
 
 
 def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | Path, max_steps: int | None = None,
              hardware: str | None = None, resume: str = "auto", callbacks=(), *, train: dict | None = None,
              device: str | None = None, progress: bool = True, mirror: str | Path | None = None) -> FinetuneResult:
     """LoRA / QLoRA finetune `base` (tinygpt run folder, model folder or Hub id) on instruction `data`
-    into `run_dir`, resuming from its newest valid checkpoint; the adapter lands in run_dir/adapter."""
+    into `run_dir`, resuming from its newest valid checkpoint; the adapter lands in run_dir/adapter.
+    With `mirror` (a folder on Drive) checkpoints are copied there as they are written, the run resumes
+    from there on a new VM, and the final adapter is copied to mirror/adapter."""
+    from .checkpoint import list_checkpoints
     from .precision import choose_precision, resolve_device
-    from .trainer import Trainer, config_differences
+    from .trainer import Trainer
 
     rec = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     if resume not in ("auto", "never"):
         raise FinetuneError(f"resume must be 'auto' or 'never', got {resume!r}")
     run_dir = Path(run_dir)
+    mirror = Path(mirror) if mirror is not None else None
     if mirror is not None:
         from .drive import Mirror, restore_latest
-        restore_latest(run_dir, Path(mirror))
+        # the newest valid checkpoint, local or mirrored, and the run files (finetune.json among them)
+        restore_latest(run_dir, mirror)
     old = json.loads((run_dir / FINETUNE_INFO).read_text()) if (run_dir / FINETUNE_INFO).is_file() else None
     dev = resolve_device(device or "auto")
     # Colab may hand a resumed run another GPU: it keeps the settings it started with (same data rows).
@@ -504,17 +373,11 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
         base_config(base)  # a missing or unloadable base fails here, before anything is written
     info = {"recipe": rec.to_dict(), "base": str(Path(base).resolve()) if tinygpt_base else base, "data": data,
             "hardware": hardware}
-    if old is not None:
-        def identity(i: dict) -> dict:  # what makes two runs the same run (the Trainer checks TrainConfig)
-            return {k: i.get(k) for k in ("base", "data", "hardware")} | {
-                k: i["recipe"].get(k) for k in ("lora", "quantize", "template", "pack")}
-        diffs = config_differences(identity(old), identity(info))
-        if diffs:
-            raise FinetuneError(f"run folder {run_dir} holds another finetuning run:\n  " + "\n  ".join(diffs)
-                                + "\nuse a new run folder, or the same settings to resume")
-    from .checkpoint import list_checkpoints
-    if resume == "never" and list_checkpoints(run_dir / "checkpoints"):
+    check_same_run(run_dir, old, info)
+    resuming = bool(list_checkpoints(run_dir / "checkpoints"))
+    if resume == "never" and resuming:
         raise FinetuneError(f"run folder {run_dir} already has checkpoints; resume='never' would overwrite them")
+    old_adapter = json.loads((run_dir / ADAPTER_INFO).read_text()) if (run_dir / ADAPTER_INFO).is_file() else {}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / FINETUNE_INFO).write_text(json.dumps(info, indent=1))
     base_path = base
@@ -534,6 +397,8 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
                                   val_batch_size=cfg.micro_batch_size, eval_batches=cfg.eval_batches)
     dtype = precision.dtype if dev.type == "cuda" else torch.float32
     model = load_base(base_path, quantize=rec.quantize, dtype=dtype, device=dev)
+    if resuming and "signature" in old_adapter:  # e.g. a tinygpt base that trained on since, exported anew
+        check_signature(old_adapter["signature"], model, f"the checkpoints in {run_dir}")
     pm = attach_lora(model, rec.lora, activation_checkpointing=hardware in rec.activation_checkpointing, seed=cfg.seed)
     peft_config = dataclasses.replace(pm.peft_config["default"], inference_mode=True)  # as PEFT saves it
     peft_config.save_pretrained(str(run_dir))  # adapter_config.json + any checkpoint = an adapter (export_adapter)
@@ -544,7 +409,7 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     n_total = sum(p.numel() for p in pm.parameters())
     callbacks = list(callbacks)
     if mirror is not None:
-        callbacks.append(Mirror(run_dir, Path(mirror), keep_last=cfg.keep_last))
+        callbacks.append(Mirror(run_dir, mirror, keep_last=cfg.keep_last))
     trainer = Trainer(pm, cfg, dataset.train, dataset.val_batches, run_dir, device=dev, precision=precision,
                       loss_fn=causal_lm_loss, state_fn=adapter_state, load_state_fn=load_adapter_state,
                       callbacks=callbacks, run_info=info, progress=progress)
@@ -554,9 +419,12 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
         for cb in callbacks:
             if hasattr(cb, "close"):
                 cb.close()
-    adapter_dir = None
+    adapter_dir = mirrored = None
     if not result.interrupted:
         adapter_dir = export_adapter(run_dir, str(result.checkpoint or "latest"))
         tok.save_pretrained(adapter_dir)
+        if mirror is not None:
+            mirrored = mirror_adapter(adapter_dir, mirror, result.step)
     mem = memory_table(rec, hardware, model.config.to_dict())
-    return FinetuneResult(run_dir, adapter_dir, result, dataset.report, hardware, n_train, n_total, mem, pm.eval(), tok)
+    return FinetuneResult(run_dir, adapter_dir, result, dataset.report, hardware, n_train, n_total, mem, pm.eval(), tok,
+                          mirrored)

@@ -1,0 +1,399 @@
+"""Finetuning without the tensors: recipes, hardware, memory estimates, a base's config, the default
+recipe, and the files of a finetuning run folder (its settings, adapter folders, copies to Drive).
+
+`tinygpt.finetune` re-exports everything here. Nothing in this module loads a model: a recipe, its
+memory table and the default choice need only a base's `config.json`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .config import TrainConfig
+
+# The files of a finetuning run folder besides the trainer's (checkpoints/, metrics.jsonl).
+FINETUNE_INFO, ADAPTER_INFO = "finetune.json", "tinygpt_finetune.json"
+BASE_DIR, ADAPTER_DIR, MERGED_DIR = "base", "adapter", "merged"
+# Families whose logits are exactly lm_head(hidden): their loss goes through the chunked
+# `losses.linear_cross_entropy` (no full (tokens, vocab) logits).
+PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"}
+# Families whose logits are cap * tanh(lm_head(hidden) / cap) (Gemma-2): chunked too, by `finetune.softcapped_loss`.
+SOFTCAP_HEAD_TYPES = {"gemma2"}
+CUDA_CONTEXT_GB = 1.0  # what the CUDA context and allocator slack take before any tensor
+# Notebook smoke mode (TINYGPT_SMOKE=1): a few tiny steps, enough to run every cell in seconds on a CPU.
+SMOKE_TRAIN: dict[str, Any] = dict(max_steps=6, save_every=3, eval_every=3, seq_len=128, micro_batch_size=2,
+                                   grad_accum_steps=1, eval_batches=1, log_every=1, warmup_steps=1)
+
+
+class FinetuneError(RuntimeError):
+    """Finetuning cannot start or go on; the message says what to do."""
+
+
+@dataclass
+class LoraSettings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: tuple[str, ...] | None = None  # None: every linear layer but lm_head
+    use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r
+    use_dora: bool = False
+
+    def __post_init__(self) -> None:
+        if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise FinetuneError(f"LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got r={self.r}, "
+                                f"alpha={self.alpha}, dropout={self.dropout}")
+        if self.target_modules is not None:
+            self.target_modules = tuple(self.target_modules)
+
+
+@dataclass
+class FinetuneRecipe:
+    """LoRA settings plus a TrainConfig per hardware class ("cpu", "t4", "a100")."""
+
+    name: str
+    description: str
+    lora: LoraSettings
+    train: dict[str, TrainConfig]
+    quantize: str = "none"  # "none" or "nf4" (QLoRA)
+    activation_checkpointing: tuple[str, ...] = ("t4", "a100")  # hardware classes that recompute
+    template: str = "alpaca"
+    pack: bool = False
+
+    def train_config(self, hardware: str, **overrides: Any) -> TrainConfig:
+        if hardware not in self.train:
+            raise FinetuneError(f"recipe {self.name!r} has no setting for hardware {hardware!r}; "
+                                f"choose one of {', '.join(self.train)}")
+        return dataclasses.replace(self.train[hardware], **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in ("name", "description", "quantize", "template", "pack")},
+                "lora": dataclasses.asdict(self.lora), "activation_checkpointing": list(self.activation_checkpointing),
+                "train": {k: v.to_dict() for k, v in self.train.items()}}
+
+
+def _settings() -> dict[str, TrainConfig]:
+    common = dict(weight_decay=0.0, grad_clip=1.0, compile="off", eval_batches=8, log_every=10, keep_last=3)
+    return {  # effective batch 16 sequences on both GPUs
+        "t4": TrainConfig(micro_batch_size=4, grad_accum_steps=4, seq_len=512, lr=2e-4, min_lr=2e-5, warmup_steps=100,
+                          max_steps=1000, eval_every=100, save_every=50, precision="auto", **common),
+        "a100": TrainConfig(micro_batch_size=8, grad_accum_steps=2, seq_len=768, lr=2.5e-4, min_lr=2.5e-5,
+                            warmup_steps=150, max_steps=1000, eval_every=100, save_every=50, precision="auto",
+                            **common),
+        "cpu": TrainConfig(micro_batch_size=4, grad_accum_steps=2, seq_len=256, lr=2e-3, min_lr=2e-4, warmup_steps=3,
+                           max_steps=30, eval_every=10, save_every=10, precision="fp32",
+                           **{**common, "eval_batches": 2, "log_every": 5, "keep_last": 2}),
+    }
+
+
+FINETUNE_RECIPES: dict[str, FinetuneRecipe] = {
+    f"lora-r{r}": FinetuneRecipe(f"lora-r{r}", f"LoRA rank {r} (alpha {2 * r}) on every linear layer of attention "
+                                 "and MLP; base weights in fp16 (T4) or bf16 (A100)", LoraSettings(r=r, alpha=2 * r),
+                                 _settings()) for r in (8, 16, 32)}
+FINETUNE_RECIPES["qlora-r16"] = FinetuneRecipe(
+    "qlora-r16", "QLoRA: the base in 4-bit NF4 with double quantization, LoRA rank 16 in fp32; the one that fits "
+    "a 2B model on a T4", LoraSettings(r=16, alpha=32), _settings(), quantize="nf4")
+
+
+def get_finetune_recipe(name: str) -> FinetuneRecipe:
+    if name not in FINETUNE_RECIPES:
+        raise FinetuneError(f"unknown finetune recipe {name!r}; choose one of {', '.join(FINETUNE_RECIPES)}")
+    r = FINETUNE_RECIPES[name]
+    return dataclasses.replace(r, lora=dataclasses.replace(r.lora), train=dict(r.train))
+
+
+def detect_hardware(device: torch.device | str) -> str:
+    """"a100" for bf16 GPUs with 35 GB or more, "t4" for other CUDA GPUs, else "cpu"."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(device)
+    return "a100" if props.major >= 8 and props.total_memory >= 35e9 else "t4"
+
+
+def this_hardware(device: str = "auto") -> tuple[str, float | None]:
+    """(hardware class, GPU memory in GB or None) of this machine."""
+    from .precision import resolve_device
+    dev = resolve_device(device)
+    gpu_gb = torch.cuda.get_device_properties(dev).total_memory / 1e9 if dev.type == "cuda" else None
+    return detect_hardware(dev), gpu_gb
+
+
+def check_qlora(device: torch.device) -> None:
+    """Raise a FinetuneError unless bitsandbytes can run an NF4 layer forward and backward on `device`."""
+    try:
+        import bitsandbytes as bnb
+    except Exception as e:  # ImportError, or a broken CUDA setup raising at import
+        raise FinetuneError(f"QLoRA needs bitsandbytes, which cannot be imported ({e}): `pip install bitsandbytes`, "
+                            "or choose a LoRA recipe such as lora-r16") from e
+    if device.type not in ("cuda", "cpu", "xpu"):
+        raise FinetuneError(f"QLoRA: bitsandbytes has no 4-bit kernels for {device.type}; "
+                            "use a LoRA recipe (lora-r16) or a CUDA GPU")
+    try:
+        layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4").to(device)
+        x = torch.randn(2, 64, device=device, requires_grad=True)
+        layer(x).sum().backward()
+    except Exception as e:
+        raise FinetuneError(f"QLoRA: bitsandbytes {bnb.__version__} cannot run a 4-bit NF4 layer on {device}: "
+                            f"{type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) instead") from e
+
+
+def chunked_loss(config: dict[str, Any]) -> bool:
+    """Whether finetuning's loss avoids the full (tokens, vocab) logits for a base with this config."""
+    return config.get("model_type") in PLAIN_HEAD_TYPES or config.get("model_type") in SOFTCAP_HEAD_TYPES
+
+
+# ----- the base ----------------------------------------------------------------------------------
+def _need(module: str, what: str):
+    try:
+        return __import__(module)
+    except ImportError as e:
+        raise FinetuneError(f"{what} needs `pip install {module}`") from e
+
+
+def is_tinygpt_run(base: str | Path) -> bool:
+    return (Path(base).expanduser() / "run.json").is_file()
+
+
+def base_config(path: str):
+    """The `transformers` config of a base (a local folder or a Hub id): the cheap check that it exists."""
+    _need("transformers", "finetuning")
+    from transformers import AutoConfig
+
+    p = Path(path).expanduser()
+    if p.exists() and not (p / "config.json").is_file():
+        raise FinetuneError(f"base {path!r} is a folder with neither run.json (a tinygpt run) nor config.json "
+                            "(a Hugging Face model)")
+    if not p.exists() and (path.startswith(("/", ".", "~")) or path.count("/") > 1):
+        raise FinetuneError(f"base {path!r} does not exist: give a tinygpt run folder, a model folder or a "
+                            "Hub id such as google/gemma-2-2b")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise FinetuneError(f"could not load base model {path!r}: {type(e).__name__}: {e}\nCheck the folder or "
+                            "the Hub id and the network; gated models (Gemma, Llama) need their licence accepted on "
+                            "the Hub and `hf auth login` (or HF_TOKEN set)") from e
+
+
+def base_config_dict(base: str | Path) -> dict[str, Any]:
+    """A base's `config.json` as a dict (what `memory_table` reads), without loading any weights;
+    for a tinygpt run folder, that of the `LlamaForCausalLM` it is exported as."""
+    if is_tinygpt_run(base):
+        from .config import Recipe
+        recipe = Recipe.from_dict(json.loads((Path(base).expanduser() / "run.json").read_text())["recipe"])
+        return {"model_type": "llama", **recipe.model.to_hf_llama()}
+    return base_config(str(base)).to_dict()
+
+
+# ----- memory -------------------------------------------------------------------------------------
+def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Estimated GPU memory (GB) of finetuning a base with a Llama-like `config.json` dict.
+    Activations: 2 bytes x tokens x (17 d_model + 5 d_ff) per layer (a layer with LoRA dropout and
+    flash attention); with activation checkpointing only the layer inputs plus one layer are held."""
+    recipe = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
+    c, cfg = base_config, recipe.train_config(hardware)
+    h = c.get("hidden_size") or c["n_embd"]
+    L = c.get("num_hidden_layers") or c["n_layer"]
+    nh = c.get("num_attention_heads") or c["n_head"]
+    hd = c.get("head_dim") or h // nh
+    nkv = c.get("num_key_value_heads") or nh
+    ff = c.get("intermediate_size") or c.get("n_inner") or 4 * h
+    V = c["vocab_size"]
+    shapes = {"q_proj": (h, nh * hd), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd), "o_proj": (nh * hd, h),
+              "gate_proj": (h, ff), "up_proj": (h, ff), "down_proj": (ff, h)}
+    linear = L * sum(a * b for a, b in shapes.values())
+    targets = recipe.lora.target_modules or tuple(shapes)
+    lora = L * sum(recipe.lora.r * sum(shapes[t]) for t in targets if t in shapes)
+    emb = V * h * (1 if c.get("tie_word_embeddings", True) else 2)
+    half = 4 if hardware == "cpu" else 2
+    nf4 = recipe.quantize == "nf4"
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    layer_act = 2 * tokens * (17 * h + 5 * ff)
+    ckpt = hardware in recipe.activation_checkpointing
+    act = (L * 2 * tokens * h + layer_act) if ckpt else L * layer_act
+    chunked = chunked_loss(c)
+    logits = (2**25 * 8) if chunked else tokens * V * 12  # fp16 logits + fp32 copy + fp32 log-softmax/grad
+    gb = 1e9
+    rows = [
+        ("base weights", (linear * (0.516 if nf4 else half) + emb * half) / gb,
+         "NF4: 4 bits + double-quantized scales (0.127 bits) per linear weight; embeddings stay 16-bit" if nf4
+         else f"{half} bytes per weight"),
+        ("adapters", lora * 4 / gb, f"{lora / 1e6:.1f}M LoRA weights in fp32"),
+        ("gradients + AdamW", lora * 12 / gb, "fp32 gradient and two moments per adapter weight"),
+        ("activations", act / gb, f"micro-batch {cfg.micro_batch_size} x {cfg.seq_len}, "
+         f"{'with' if ckpt else 'without'} activation checkpointing"),
+        ("logits + loss", logits / gb, "chunked cross-entropy" if chunked else "full (tokens, vocab) logits"),
+    ]
+    out = [{"part": p, "gb": round(v, 3), "how": how} for p, v, how in rows]
+    return out + [{"part": "total", "gb": round(sum(r["gb"] for r in out), 3),
+                   "how": f"+ ~{CUDA_CONTEXT_GB:.0f} GB CUDA context"}]
+
+
+def recipe_rows(base_config: dict[str, Any], hardware: str, memory_gb: float | None = None) -> list[tuple]:
+    """Every recipe with its estimated peak memory for this base and whether it fits (for `ui.Table`)."""
+    rows: list[tuple] = [("recipe", "memory", "fits", "what it is")]
+    for name, r in FINETUNE_RECIPES.items():
+        gb = memory_table(r, hardware, base_config)[-1]["gb"] + (CUDA_CONTEXT_GB if hardware != "cpu" else 0)
+        fits = "-" if memory_gb is None else "yes" if gb <= 0.9 * memory_gb else "no"
+        rows.append((name, f"{gb:.1f} GB", fits, r.description))
+    return rows
+
+
+def base_rows(base_config: dict[str, Any]) -> list[tuple]:
+    """A base's shape at a glance (for `ui.Table`)."""
+    keys = {"model type": "model_type", "layers": "num_hidden_layers", "hidden size": "hidden_size",
+            "vocabulary": "vocab_size", "context": "max_position_embeddings"}
+    return [(name, base_config.get(k, "-")) for name, k in keys.items()]
+
+
+# ----- the default --------------------------------------------------------------------------------
+def recipe_of_finetune(*run_dirs: str | Path | None) -> str | None:
+    """The recipe name in the first of these finetuning run folders that has a readable finetune.json."""
+    for d in run_dirs:
+        try:
+            return str(json.loads((Path(d) / FINETUNE_INFO).read_text())["recipe"]["name"])
+        except (TypeError, OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def default_finetune_recipe(base_config: dict[str, Any], hardware: str, memory_gb: float | None = None,
+                            resume_from: Iterable[str | Path | None] = ()) -> tuple[str, str]:
+    """(recipe name, why): the run being resumed decides first; on a GPU lora-r16 when its estimate
+    fits `memory_gb` with 10% to spare, else qlora-r16; on a CPU lora-r8 (4-bit kernels are slow there)."""
+    resumed = recipe_of_finetune(*resume_from)
+    if resumed in FINETUNE_RECIPES:
+        return resumed, "the recipe of the run on Drive (it continues where it stopped)"
+    if hardware == "cpu":
+        return "lora-r8", "on a CPU: the smallest adapter, base weights in fp32 (4-bit kernels are slow here)"
+    need = memory_table("lora-r16", hardware, base_config)[-1]["gb"] + CUDA_CONTEXT_GB
+    if memory_gb is None or need <= 0.9 * memory_gb:
+        return "lora-r16", f"lora-r16 needs about {need:.1f} GB" + (f" of this GPU's {memory_gb:.0f} GB"
+                                                                    if memory_gb else "")
+    return "qlora-r16", (f"lora-r16 would need about {need:.1f} GB, more than this GPU's {memory_gb:.0f} GB: "
+                         "the base goes in 4-bit")
+
+
+# ----- the run folder's files --------------------------------------------------------------------
+def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any]) -> None:
+    """Refuse a run folder whose finetune.json describes another run (the Trainer checks the TrainConfig)."""
+    from .trainer import config_differences
+
+    def identity(i: dict) -> dict:
+        return {k: i.get(k) for k in ("base", "data", "hardware")} | {
+            k: i["recipe"].get(k) for k in ("lora", "quantize", "template", "pack")}
+    diffs = config_differences(identity(old), identity(new)) if old is not None else []
+    if diffs:
+        raise FinetuneError(f"run folder {run_dir} holds another finetuning run:\n  " + "\n  ".join(diffs)
+                            + "\nuse a new run folder, or the same settings to resume")
+
+
+def _adapter_dir(path: str | Path) -> Path:
+    p = Path(path)
+    p = p / ADAPTER_DIR if (p / ADAPTER_DIR).is_dir() else p
+    if not (p / "adapter_model.safetensors").is_file():
+        raise FinetuneError(f"{path} holds no adapter (no adapter_model.safetensors); finetune first, or "
+                            "export_adapter(run_dir) to make one from a checkpoint")
+    return p
+
+
+def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None) -> Path:
+    """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the checkpoint's
+    model.safetensors already holds exactly PEFT's adapter weights under PEFT's names."""
+    from .checkpoint import find_run_checkpoint
+    run_dir = Path(run_dir)
+    if not (run_dir / "adapter_config.json").is_file():
+        raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")
+    ckpt = find_run_checkpoint(run_dir, which)
+    out = Path(out_dir) if out_dir is not None else run_dir / ADAPTER_DIR
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copyfile(ckpt / "model.safetensors", tmp / "adapter_model.safetensors")
+    for name in ("adapter_config.json", ADAPTER_INFO):
+        shutil.copyfile(run_dir / name, tmp / name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _mirror_copy(what: str, fn) -> bool:
+    """Run a copy to or from the mirror with a few retries; a Drive failure warns, it never stops a run."""
+    from .drive import Backoff
+    try:
+        Backoff(max_attempts=4).run(fn)
+        return True
+    except OSError as e:
+        warnings.warn(f"Drive mirror: could not copy {what} ({type(e).__name__}: {e}); the local run folder "
+                      "has it", stacklevel=3)
+        return False
+
+
+def mirror_adapter(adapter_dir: Path, mirror: Path, step: int) -> Path | None:
+    """Copy an adapter folder to mirror/adapter, each file checked against a manifest written here first."""
+    from .checkpoint import write_manifest
+    from .drive import copy_checkpoint
+    write_manifest(adapter_dir, {"step": int(step), "kind": "adapter"})
+    dst = mirror / ADAPTER_DIR
+    return dst if _mirror_copy(f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst)) else None
+
+
+@dataclass
+class FinetuneStatus:
+    """Where a finetuning run stands: its local folder and, when given, its mirror on Drive."""
+    local: Path
+    mirror: Path | None = None
+
+    def __str__(self) -> str:
+        from .checkpoint import list_checkpoints
+        home, where = (self.mirror, "on Drive") if self.mirror is not None else (self.local, "here")
+        steps = list_checkpoints(home / "checkpoints")
+        lines = [f"local:  {self.local}"] + ([f"Drive:  {self.mirror}"] if self.mirror is not None else [])
+        if steps:
+            lines.append(f"{where}: step {steps[-1][0]} of recipe {recipe_of_finetune(home, self.local)}; "
+                         "finetuning continues from there")
+        else:
+            lines.append(f"nothing {where} yet: a new run")
+        if (home / ADAPTER_DIR / "adapter_model.safetensors").is_file():
+            lines.append(f"adapter {where}: {home / ADAPTER_DIR}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def run_status(local: str | Path, mirror: str | Path | None = None) -> FinetuneStatus:
+    return FinetuneStatus(Path(local), Path(mirror) if mirror is not None else None)
+
+
+# ----- notebook smoke mode ------------------------------------------------------------------------
+def shared_data_dir() -> Path:
+    """The offline data sets (code_alpaca_2k.json, mbpp.jsonl): $TINYGPT_SHARED_DATA, else ../shared/data
+    beside a source checkout. Used by tests and the notebooks' smoke mode, never by a real run."""
+    default = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return Path(os.environ.get("TINYGPT_SHARED_DATA") or default)
+
+
+def smoke_data() -> str:
+    path = shared_data_dir() / "code_alpaca_2k.json"
+    if not path.is_file():
+        raise FinetuneError(f"smoke mode needs the offline Code Alpaca sample at {path}; set TINYGPT_SHARED_DATA "
+                            "to the folder that holds code_alpaca_2k.json")
+    return str(path)
+
+
+def smoke_base(run_dir: str | Path) -> str:
+    """A tinygpt base for smoke mode: cpu-smoke pretrained for 20 steps on the built-in corpus (seconds
+    on a CPU, no network), made once and then reused."""
+    from .checkpoint import latest_valid
+    from .pretrain import pretrain
+    if latest_valid(Path(run_dir) / "checkpoints") is None:
+        pretrain("cpu-smoke", run_dir, max_steps=20, progress=False)
+    return str(run_dir)
