@@ -249,6 +249,10 @@ class Recipe:
 
 
 GPT2_VOCAB_PADDED = 50304  # 50257 rounded up to a multiple of 128: faster matmuls, same tokenizer
+# The GPU recipes stream a Hub data set large enough for their token budget (a model trained for
+# thousands of epochs on a few MB only memorises it); `--data builtin` trains offline instead.
+TINYSTORIES = "hf:roneneldan/TinyStories"  # ~470M GPT-2 tokens of simple stories: small models learn it well
+FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"  # ~10B tokens of educational web pages
 
 
 def _recipes() -> dict[str, Recipe]:
@@ -270,32 +274,32 @@ def _recipes() -> dict[str, Recipe]:
             "t4", model_config("50m", vocab_size=GPT2_VOCAB_PADDED, max_seq_len=512),
             TrainConfig(micro_batch_size=16, seq_len=512, grad_accum_steps=8, max_steps=4000, lr=6e-4,
                         min_lr=6e-5, warmup_steps=200, eval_every=250, save_every=250, precision="fp16"),
-            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+            DataConfig(source=TINYSTORIES, tokenizer="gpt2", vocab_size=50257)),
         Recipe(
             "l4-124m", "Colab's L4 (bf16): GPT-2-small scale, context 1024.",
             "l4", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
             TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=6e-4,
                         min_lr=6e-5, warmup_steps=300, eval_every=250, save_every=250, precision="bf16"),
-            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=6_500_000_000)),
         Recipe(
             "a100-124m", "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; "
             "0.5M tokens per step.",
             "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
             TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=10000, lr=6e-4,
                         min_lr=6e-5, warmup_steps=700, eval_every=250, save_every=250, precision="bf16"),
-            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=25_000_000_000)),
         Recipe(
             "a100-350m", "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16.",
             "a100", model_config("350m", vocab_size=GPT2_VOCAB_PADDED),
             TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=32, max_steps=20000, lr=3e-4,
                         min_lr=3e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257)),
         Recipe(
             "h100-760m", "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16.",
             "h100", model_config("760m", vocab_size=GPT2_VOCAB_PADDED),
             TrainConfig(micro_batch_size=16, seq_len=2048, grad_accum_steps=16, max_steps=20000, lr=2.5e-4,
                         min_lr=2.5e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-            DataConfig(source="builtin", tokenizer="gpt2", vocab_size=50257)),
+            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257)),
     ]
     return {x.name: x for x in r}
 

@@ -198,6 +198,8 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
                 model = GPT(recipe.model)
                 ckpt.load_model_state(model, ckpt.load_checkpoint(result.checkpoint)[0])
                 model.to(dev)
+            if sample_prompt is None and recipe.data.source not in ("builtin", "stdlib") and len(tokens.val) >= 8:
+                sample_prompt = tokenizer.decode(tokens.val[:8].tolist())  # how a held-out document begins
             write_sample(model, tokenizer, run_dir, result.step, sample_prompt)
     finally:
         for cb in callbacks:
