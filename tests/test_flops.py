@@ -87,3 +87,25 @@ def test_benchmark_cpu_mode_runs(tmp_path):
     assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0 and result["ratio"]["tokens_per_s"] > 0
     assert result["hf_same_batch_loss_diff"] < 1e-4  # the same configuration and weights
     assert result["flops_per_token"] == GPT(model_config("tiny", vocab_size=512)).flops_per_token(64)
+
+
+def test_benchmark_max_micro_batch_search():
+    """Doubling until out of memory, then bisecting, on a step that fails above 45 rows."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_pretrain", REPO / "benchmarks" / "gpu_pretrain.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tried = []
+
+    def step(x, y):
+        tried.append(x.shape[0])
+        if x.shape[0] > 45:
+            raise torch.OutOfMemoryError("fake")
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    found = bench.max_micro_batch(step, opt, start=3, limit=1024, bisect=8, seq_len=4, vocab=10,
+                                  device=torch.device("cpu"))
+    assert found == 45
+    assert sorted(set(tried))[:5] == [3, 6, 12, 24, 36] and max(tried) == 48
+    assert bench.max_micro_batch(step, opt, start=3, limit=20, bisect=2, seq_len=4, vocab=10,
+                                 device=torch.device("cpu")) == 12  # the limit stops the doubling

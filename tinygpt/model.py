@@ -173,8 +173,11 @@ class GPT(nn.Module):
         attention's QK^T and AV: 6 * 2 * n_layer * seq_len * d_model (PaLM appendix B, causal
         attention counted at full length as PaLM and nanoGPT do)."""
         c = self.config
-        matmul_params = self.num_params() - self.model.embed_tokens.weight.numel()
-        if c.tie_embeddings:  # the tied matrix is used as lm_head in a matmul
+        # matrices only (norm weights are elementwise); the embedding is a lookup, but lm_head (tied or
+        # not) is a matmul
+        matmul_params = sum(p.numel() for n, p in self.named_parameters()
+                            if p.dim() >= 2 and n != "model.embed_tokens.weight")
+        if c.tie_embeddings:  # named_parameters lists the shared matrix once, under the embedding
             matmul_params += self.lm_head.weight.numel()
         return 6.0 * matmul_params + 12.0 * c.n_layer * seq_len * c.d_model
 
