@@ -24,15 +24,6 @@ from tinygpt.model import GPT
 from tinygpt.tokenizer import train_bpe
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine two threads spin-wait."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok(shakespeare):
     return train_bpe([shakespeare[:200_000]], 512)

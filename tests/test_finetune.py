@@ -65,15 +65,6 @@ def alpaca(shared_data) -> list[dict]:
     return json.loads((shared_data / "code_alpaca_2k.json").read_text(encoding="utf-8"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls run fastest on one thread; two threads on a busy 2-core machine spin for 10x the time."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def prose(shakespeare) -> list[str]:
     text = shakespeare[:300_000]

@@ -23,14 +23,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def matmul_weights(c: ModelConfig) -> int:
     """Weights used in a matmul, counted from the config by hand (the embedding lookup is not a matmul;
     a tied lm_head is)."""

@@ -17,15 +17,6 @@ from tinygpt.tokenizer import EOT, Tokenizer, train_bpe
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine two threads spin-wait."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok(shakespeare) -> Tokenizer:
     return train_bpe([shakespeare[:200_000]], 512)

@@ -13,15 +13,6 @@ from tinygpt.losses import default_chunk_rows, linear_cross_entropy
 from tinygpt.model import GPT, IGNORE_INDEX
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from two threads, and on a busy machine the threads wait on each other."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def problem(n: int = 301, d: int = 16, vocab: int = 97, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g).requires_grad_()

@@ -16,15 +16,6 @@ VOCAB = 512
 SEQ, BATCH = 64, 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from two threads, and on a busy machine the threads wait on each other."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def shakespeare_ids(shakespeare) -> np.ndarray:
     text = shakespeare[:200_000]  # enough for 30 steps of 8 x 64 tokens without repeats

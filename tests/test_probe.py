@@ -17,15 +17,6 @@ from tinygpt.probe import (GB, HardwareReport, ProbeError, TensorMemoryTracker, 
                            expectations, gpu_spec, hardware_report, mfu, peak_tflops, probe, probe_command)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine their spinning costs 10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_recipe(micro: int = 8, seq_len: int = 32, accum: int = 8, ckpt: bool = False) -> Recipe:
     model = ModelConfig(vocab_size=260, n_layer=1, n_head=2, d_model=32, d_ff=64, max_seq_len=64,
                         activation_checkpointing=ckpt)

@@ -113,15 +113,22 @@ def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_s
         _fsync(p)
     write_manifest(tmp, {"step": int(train_state.get("step", 0)), **(meta or {})})
     _fsync(tmp)
-    if path.exists():  # e.g. best/: move the old one aside first so a crash leaves one of the two
-        old = path.parent / f".old-{path.name}-{os.getpid()}"
-        os.replace(path, old)
-        os.replace(tmp, path)
+    replace_dir(tmp, path)
+    return path
+
+
+def replace_dir(tmp: Path, dst: Path, tag: str | None = None) -> None:
+    """Rename a finished temporary folder to `dst`. An existing `dst` (e.g. best/) is moved aside
+    first, so a crash at any moment leaves one complete folder of the two."""
+    if dst.exists():
+        old = dst.parent / f".old-{dst.name}-{tag or os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(tmp, dst)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        os.replace(tmp, path)
-    _fsync(path.parent)
-    return path
+        os.replace(tmp, dst)
+    _fsync(dst.parent)
 
 
 def verify_checkpoint(path: str | Path, deep: bool = True) -> tuple[bool, str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .checkpoint import MANIFEST, list_checkpoints, sha256_file, verify_checkpoint
+from .checkpoint import MANIFEST, list_checkpoints, replace_dir, sha256_file, verify_checkpoint
 
 RUN_FILES = ("run.json", "tokenizer.json", "metrics.jsonl", "samples.txt", "finetune.json", "adapter_config.json",
              "tinygpt_finetune.json")
@@ -123,16 +123,7 @@ def _files_of(manifest_bytes: bytes, where: Path) -> dict[str, dict[str, Any]]:
 
 
 def _replace_dir(tmp: Path, dst: Path, tag: str) -> None:
-    """Rename a finished temp folder into place; an old one is moved aside first, so a crash leaves one."""
-    if dst.exists():
-        old = dst.parent / f".old-{dst.name}-{tag}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dst)
-    _fsync(dst.parent)
+    replace_dir(tmp, dst, tag)
 
 
 def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: dict[str, bytes],
