@@ -175,3 +175,37 @@ def test_interrupted_run_resumes_bit_identical(how, shared_data, tmp_path):
     a = ckpt.load_checkpoint(ref / "checkpoints" / "step_000060")[0]
     b = ckpt.load_checkpoint(run / "checkpoints" / "step_000060")[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical weights
+
+
+def test_a_full_disk_stops_training_with_the_last_checkpoint_intact(tokens, tmp_path, monkeypatch):
+    import errno
+
+    t = make_trainer(tokens, tmp_path, max_steps=20, save_every=5)
+    real_save = ckpt.save_checkpoint
+
+    def fill_disk(path, model_sd, state, meta=None):
+        if state["step"] >= 10:  # the disk fills up while the second checkpoint is written
+            tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+            tmp.mkdir(parents=True)
+            (tmp / "model.safetensors").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(path, model_sd, state, meta)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", fill_disk)
+    with pytest.raises(TrainingError, match="No space left on device.*step_000005.*free some disk space"):
+        t.fit()
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in root.iterdir()] == ["step_000005"]  # no half-written folder left behind
+    assert ckpt.verify_checkpoint(root / "step_000005")[0]
+
+
+def test_checkpoint_carries_the_recipe_and_tokenizer(shared_data, tmp_path):
+    from tinygpt.pretrain import pretrain
+    from tinygpt.tokenizer import Tokenizer
+
+    res = pretrain("cpu-smoke", tmp_path / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=5,
+                   progress=False, cache_dir=tmp_path / "cache", device="cpu", tensorboard=False)
+    _, state, _ = ckpt.load_checkpoint(res.checkpoint)
+    assert state["run_info"]["recipe"]["name"] == "cpu-smoke"
+    saved = Tokenizer.load(tmp_path / "run" / "tokenizer.json")
+    assert state["run_info"]["tokenizer"] == saved.to_json()  # a checkpoint folder alone is enough to decode

@@ -189,7 +189,8 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
             peak_tflops = None
     trainer = Trainer(model, recipe.train, sampler, val, run_dir, device=dev, precision=precision,
                       callbacks=callbacks, flops_per_token=model.flops_per_token(recipe.train.seq_len),
-                      peak_tflops=peak_tflops, progress=progress, rank=rank, world_size=world_size, parallel=parallel)
+                      peak_tflops=peak_tflops, progress=progress, rank=rank, world_size=world_size, parallel=parallel,
+                      run_info={"recipe": recipe.to_dict(), "tokenizer": tokenizer.to_json()})
     try:
         result = trainer.fit(resume)
         if rank == 0 and not result.interrupted:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -161,7 +163,7 @@ class Trainer:
         optimizer_state = self.optimizer.state_dict() if optimizer_state is None else optimizer_state
         return {"step": self.step, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
                 "sampler": self.train_source.state_dict(), "rng": rng_state(), "best_val_loss": self.best_val_loss,
-                "train_config": self.cfg.to_dict(), "world_size": self.world_size}
+                "train_config": self.cfg.to_dict(), "world_size": self.world_size, "run_info": self.run_info}
 
     def save(self, best: bool = False) -> Path | None:
         """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is collective)."""
@@ -169,8 +171,14 @@ class Trainer:
         if not self.is_main:
             return None
         path = self.run_dir / "best" if best else self.ckpt_root / ckpt.step_name(self.step)
-        ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
-                             {"kind": "best" if best else "step", "val_loss": self.best_val_loss})
+        try:
+            ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
+                                 {"kind": "best" if best else "step", "val_loss": self.best_val_loss})
+        except OSError as e:  # a full disk or a lost mount: the half-written folder goes, the last good one stays
+            shutil.rmtree(path.parent / f".tmp-{path.name}-{os.getpid()}", ignore_errors=True)
+            raise TrainingError(f"could not write checkpoint {path}: {e}. The last good checkpoint is "
+                                f"{ckpt.latest_valid(self.ckpt_root)}; free some disk space and run again to "
+                                "resume from it") from e
         if not best:
             ckpt.prune(self.ckpt_root, self.cfg.keep_last)
         for cb in self.callbacks:
