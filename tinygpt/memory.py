@@ -1,0 +1,147 @@
+"""Memory of a training step: an estimate with a breakdown a person would draw (parameters,
+gradients, optimizer states, activations, loss, overhead), and a tracker that measures the real
+peak of the tensors a step creates on any device (the CPU's stand-in for max_memory_allocated).
+"GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .config import ModelConfig
+from .losses import default_chunk_rows
+from .model import GPT
+
+GB = 2**30
+CUDA_CONTEXT_GB = 0.5  # the driver's context: never in torch.cuda.max_memory_allocated
+FRAGMENTATION = 0.05  # the caching allocator's blocks are never a perfect fit
+
+
+def _meta_model(config: ModelConfig) -> GPT:
+    """The model without memory: counts and FLOPs come from model.py itself, so they cannot drift."""
+    with torch.device("meta"):
+        return GPT(dataclasses.replace(config))
+
+
+@dataclass
+class MemoryEstimate:
+    """Training memory by part, in GB; `rows()` is the table a person would draw."""
+
+    params_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    weight_copies_gb: float
+    activations_gb: float
+    loss_gb: float
+    overhead_gb: float
+    total_gb: float
+    n_params: int
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    activation_checkpointing: bool
+    device_type: str
+    loss_chunk_rows: int  # 0: the plain F.cross_entropy over the full logits
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        n, tok = f"{self.n_params / 1e6:.1f}M", f"{self.micro_batch_size} x {self.seq_len} tokens"
+        ckpt = "layer inputs (checkpointing)" if self.activation_checkpointing else "every layer"
+        loss = (f"chunks of {self.loss_chunk_rows} rows of logits + head gradients" if self.loss_chunk_rows
+                else f"{tok} x vocab x 12 B (fp32 log-probs + 2 gradients)")
+        return [("part", "GB", "how"),
+                ("parameters", f"{self.params_gb:.2f}", f"{n} x 4 B (fp32 master weights)"),
+                ("gradients", f"{self.grads_gb:.2f}", f"{n} x 4 B"),
+                ("AdamW states", f"{self.optimizer_gb:.2f}", f"{n} x 2 x 4 B"),
+                ("weight copies", f"{self.weight_copies_gb:.2f}", f"matmul weights in {self.precision} (autocast)"),
+                ("activations", f"{self.activations_gb:.2f}", f"{tok}, {ckpt}, {self.precision}"),
+                ("loss (logits)", f"{self.loss_gb:.2f}", loss),
+                ("overhead", f"{self.overhead_gb:.2f}",
+                 ("CUDA context + " if self.device_type == "cuda" else "") + "allocator fragmentation"),
+                ("total", f"{self.total_gb:.2f}", "")]
+
+
+def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointing: bool,
+                               chunk_rows: int) -> tuple[int, int]:
+    """(activations, loss) bytes at the peak, counted tensor by tensor (tests check them against
+    saved-tensor hooks and a tracked step). The residual stream and RMSNorm are fp32 under
+    autocast; e is the matmul dtype's size."""
+    d, ff, kvd, v = c.d_model, c.d_ff, c.n_kv_head * c.head_dim, c.vocab_size
+
+    def norm_then(n_linears: int) -> int:
+        # RMSNorm keeps its input and the normalised x; each Linear keeps its input, which autocast
+        # casts once per Linear (activations are not cached, only weights); in fp32 it is one tensor.
+        return 8 * d + (4 * d if e == 4 else n_linears * e * d)
+
+    # SDPA (flash / memory-efficient) keeps q, k, v, the output and a logsumexp: no T x T matrix.
+    attn = norm_then(3) + e * (d + 2 * kvd) + e * d + 4 * c.n_head
+    mlp = norm_then(2) + 4 * e * ff  # SwiGLU: gate, silu(gate), up and their product
+    layer = attn + mlp + 8  # + the two norms' rsqrt
+    if chunk_rows == 0:  # F.cross_entropy: fp32 log-probs saved, their gradient and the logits' gradient
+        head, loss = norm_then(1) + 16, 12 * tokens * v  # + final norm, lm_head input, int64 ids
+    else:  # tinygpt.losses: gradients made in forward, one chunk of logits at a time (fp32, plus
+        # temporaries: logsumexp's, and under autocast the matmul output and the gradient in e);
+        # the hidden states and their gradient (fp32), the head's fp32 gradient, and either its
+        # two e copies (forward) or its scaled gradient (backward)
+        head = 8 * d + 16
+        loss = 8 * d * tokens + 8 * v * d + (6 if e == 4 else 8) * chunk_rows * v
+    if checkpointing:
+        # Each block keeps only its fp32 input. A block is recomputed (with the gradients in flight
+        # through it) only after the loss's memory is freed: one of the two phases sets the peak.
+        recompute = (layer + 4 * d + 2 * e * ff) * tokens
+        return (c.n_layer * 4 * d + head) * tokens + max(0, recompute - head * tokens - loss), loss
+    return (c.n_layer * layer + head) * tokens, loss
+
+
+def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, precision: str = "fp32",
+                    activation_checkpointing: bool | None = None, device_type: str = "cuda") -> MemoryEstimate:
+    """Peak training memory of AdamW at this micro-batch and context; precision "bf16", "fp16" or "fp32"."""
+    ckpt = model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    meta = _meta_model(model)
+    n = meta.num_params()
+    tokens = micro_batch_size * seq_len
+    chunk_rows = default_chunk_rows(tokens, model.vocab_size)  # what model.cross_entropy will do
+    # Autocast caches one copy of each Linear's weight per forward; the chunked loss copies lm_head itself.
+    matmul = sum(m.weight.numel() for m in meta.modules()
+                 if isinstance(m, torch.nn.Linear) and not (chunk_rows and m is meta.lm_head))
+    e = 4 if precision == "fp32" else 2
+    parts = [4 * n, 4 * n, 8 * n, 0 if e == 4 else e * matmul,
+             *_activation_and_loss_bytes(model, tokens, e, ckpt, chunk_rows)]
+    sub = sum(parts) / GB
+    overhead = (CUDA_CONTEXT_GB if device_type == "cuda" else 0.0) + FRAGMENTATION * sub
+    return MemoryEstimate(*(p / GB for p in parts), overhead, sub + overhead, n, micro_batch_size, seq_len,
+                          precision, ckpt, device_type, chunk_rows)
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensors created while active, on any device: the CPU's stand-in
+    for torch.cuda.max_memory_allocated (views and in-place results are not new memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = self.peak_bytes = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                s = t.untyped_storage()
+                key = id(s)
+                if key not in inputs and key not in self._refs:
+                    self.live_bytes += s.nbytes()
+                    self._refs[key] = weakref.ref(s, lambda _, k=key, n=s.nbytes(): self._freed(k, n))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return out
