@@ -101,9 +101,10 @@ def hardware_table(report: Any) -> Table:
 
 def _precision_for(recipe: Recipe, report: Any) -> str:
     """The recipe's precision; the probe's where it says auto, or bf16 on a GPU that only emulates it."""
-    p = recipe.train.precision
-    emulated_bf16 = p == "bf16" and report.device == "cuda" and not report.native_bf16
-    return report.precision if p == "auto" or emulated_bf16 else p
+    from .probe import _requested_precision  # one rule for the probe, the notebooks and pretrain
+
+    p, _ = _requested_precision(recipe, report.device, report.native_bf16)
+    return report.precision if p == "auto" else p
 
 
 def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) -> Any:
