@@ -102,3 +102,19 @@ def test_hub_data_without_a_network_says_what_works_offline(run):
                            "--data", "hf:wikitext:wikitext-2-raw-v1@test"], env=env, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert "could not read hf:wikitext" in proc.stderr and "pass a local file instead" in proc.stderr
+
+
+def test_a_finetuning_run_is_evaluated_with_its_adapter(run, shared_data, tmp_path, capsys):
+    pytest.importorskip("peft")
+    from tinygpt.finetune import finetune, load_finetuned
+
+    ft = tmp_path / "ft"
+    finetune("lora-r8", str(run), str(shared_data / "code_alpaca_2k.json"), ft, max_steps=2, hardware="cpu",
+             progress=False)
+    wikitext = shared_data / "wikitext2_test.txt"
+    code, out, _ = _cli(capsys, "eval", ft, "--task", "perplexity", "--data", wikitext, "--max-chars", 2000,
+                        "--window", 32, "--device", "cpu", "--json")
+    assert code == 0
+    model, tok = load_finetuned(ft, merge=True)
+    direct = ev.perplexity(model, tok, ev.read_text(wikitext, 2000), window=32)
+    assert json.loads(out)["bits_per_byte"] == pytest.approx(direct["bits_per_byte"], rel=1e-6)

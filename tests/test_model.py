@@ -81,13 +81,13 @@ def test_scaled_init_shrinks_residual_projections():
 
 
 def test_named_sizes_have_the_advertised_parameter_counts():
-    from tinygpt.cli import _param_count
+    from tinygpt.model import meta_model
     expected_m = {"16m": 16, "50m": 50, "124m": 124, "350m": 350, "760m": 760}
     for name, millions in expected_m.items():
-        n = _param_count(model_config(name, vocab_size=50304))
+        n = meta_model(model_config(name, vocab_size=50304)).num_params()
         assert abs(n / 1e6 - millions) / millions < 0.12, (name, n)
     small = GPT(model_config("16m", vocab_size=50304))
-    assert small.num_params() == _param_count(small.config)
+    assert small.num_params() == meta_model(small.config).num_params()
     assert set(MODEL_SIZES) >= set(expected_m)
 
 

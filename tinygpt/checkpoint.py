@@ -82,6 +82,15 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_dir(path: Path) -> None:
+    """Persist a rename. Best effort: some filesystems (Drive's FUSE mount among them) refuse fsync
+    on folders, and the files inside were fsynced and checksummed already."""
+    try:
+        _fsync(path)
+    except OSError:
+        pass
+
+
 def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Hash every file in `folder` and write manifest.json (last, fsynced)."""
     files = {}
@@ -89,11 +98,17 @@ def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
         if p.is_file() and p.name != MANIFEST:
             files[p.name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
     manifest = {"format": FORMAT_VERSION, "created_at": time.time(), **meta, "files": files}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    _fsync(tmp)
-    os.replace(tmp, folder / MANIFEST)
+    write_json_atomic(folder / MANIFEST, manifest)
     return manifest
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write JSON under a temporary name, fsync, rename: readers see the old file or the new one, whole."""
+    path = Path(path)
+    tmp = path.parent / (path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    _fsync(tmp)
+    os.replace(tmp, path)
 
 
 def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_state: dict[str, Any],
@@ -112,7 +127,7 @@ def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_s
     for p in tmp.iterdir():
         _fsync(p)
     write_manifest(tmp, {"step": int(train_state.get("step", 0)), **(meta or {})})
-    _fsync(tmp)
+    _fsync_dir(tmp)
     replace_dir(tmp, path)
     return path
 
@@ -128,7 +143,7 @@ def replace_dir(tmp: Path, dst: Path, tag: str | None = None) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, dst)
-    _fsync(dst.parent)
+    _fsync_dir(dst.parent)
 
 
 def verify_checkpoint(path: str | Path, deep: bool = True) -> tuple[bool, str]:
@@ -211,7 +226,9 @@ def prune(ckpt_root: str | Path, keep_last: int) -> list[Path]:
             if p.name.startswith((".tmp-", ".old-")) and not p.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(p, ignore_errors=True)
     ckpts = list_checkpoints(root)
-    newest_valid = latest_valid(root) if ckpts else None
+    # The shallow check (manifest, sizes) is enough here: each folder was hashed when it was written,
+    # and re-reading gigabytes of checkpoint after every save would cost more than the save itself.
+    newest_valid = next((p for _, p in reversed(ckpts) if verify_checkpoint(p, deep=False)[0]), None)
     for _, p in ckpts[:-keep_last] if keep_last > 0 else ckpts:
         if p != newest_valid:
             shutil.rmtree(p, ignore_errors=True)

@@ -17,9 +17,11 @@ def _probe(args) -> int:
 
 
 def _recipes(args) -> int:
+    from .model import meta_model
+
     rows = []
     for r in RECIPES.values():
-        rows.append((r.name, r.hardware, _param_count(r.model), r.train.seq_len, r.train.tokens_per_step,
+        rows.append((r.name, r.hardware, meta_model(r.model).num_params(), r.train.seq_len, r.train.tokens_per_step,
                      r.token_budget, r.train.precision, r.description))
     if args.json:
         print(json.dumps([dict(zip(("name", "hardware", "params", "context", "tokens_per_step", "token_budget",
@@ -29,15 +31,6 @@ def _recipes(args) -> int:
     for name, hw, p, ctx, tps, budget, prec, desc in rows:
         print(f"{name:<12} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {budget / 1e6:>7.0f}M {prec:<5} {desc}")
     return 0
-
-
-def _param_count(m) -> int:
-    """Exact parameter count from the config alone (matches GPT.num_params)."""
-    attn = m.d_model * m.head_dim * (2 * m.n_head + 2 * m.n_kv_head)
-    mlp = 3 * m.d_model * m.d_ff
-    per_layer = attn + mlp + 2 * m.d_model
-    emb = m.vocab_size * m.d_model
-    return m.n_layer * per_layer + m.d_model + emb * (1 if m.tie_embeddings else 2)
 
 
 def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:

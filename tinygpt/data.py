@@ -20,7 +20,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .config import ConfigError, DataConfig
+from .checkpoint import write_json_atomic
+from .config import DataConfig
 from .tokenizer import Tokenizer
 
 CACHE_FORMAT = 1
@@ -180,10 +181,11 @@ def cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
 
 
 def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path,
-                      batch_docs: int = 256, progress: bool = False) -> TokenData:
+                      batch_docs: int = 256, progress: bool = False, key: str | None = None) -> TokenData:
     """Tokenize the source once into cache_root/<fingerprint>/; reuse it when the fingerprint matches.
-    Every k-th document goes to validation (k = 1 / val_fraction): deterministic, and spread over the source."""
-    folder = Path(cache_root) / cache_key(cfg, tokenizer)
+    Every k-th document goes to validation (k = 1 / val_fraction): deterministic, and spread over the source.
+    `key`: cache_key(cfg, tokenizer) when the caller has it already (it stats every source file)."""
+    folder = Path(cache_root) / (key or cache_key(cfg, tokenizer))
     meta_path = folder / "meta.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
@@ -229,9 +231,7 @@ def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | P
             "train_tokens": counts["train"], "val_tokens": counts["val"], "documents": n_docs, "chars": n_chars,
             "chars_per_token": n_chars / max(1, counts["train"] + counts["val"]),
             "tokenizer": tokenizer.fingerprint()}
-    tmp = folder / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, meta_path)  # written last: its presence means the cache is complete
+    write_json_atomic(meta_path, meta)  # written last: its presence means the cache is complete
     return _open(folder, meta)
 
 

@@ -42,7 +42,7 @@ from .model import IGNORE_INDEX
 def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
     """Write a tinygpt run's model as a `LlamaForCausalLM` folder (config.json, model.safetensors,
     tokenizer files), atomically: a folder that exists is complete."""
-    from .checkpoint import load_model_state, load_run
+    from .checkpoint import load_model_state, load_run, replace_dir
     _need("transformers", "finetuning")
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -58,7 +58,7 @@ def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "
                             pad_token=tok.eot).save_pretrained(tmp)
     (tmp / "tinygpt_source.json").write_text(json.dumps({"run_dir": str(Path(run_dir).resolve()),
                                                         "checkpoint": str(ckpt)}))
-    os.replace(tmp, out)
+    replace_dir(tmp, out)
     return out
 
 

@@ -307,7 +307,7 @@ def _adapter_dir(path: str | Path) -> Path:
 def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None) -> Path:
     """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the checkpoint's
     model.safetensors already holds exactly PEFT's adapter weights under PEFT's names."""
-    from .checkpoint import find_run_checkpoint
+    from .checkpoint import find_run_checkpoint, replace_dir
     run_dir = Path(run_dir)
     if not (run_dir / "adapter_config.json").is_file():
         raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")
@@ -319,9 +319,7 @@ def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Pa
     shutil.copyfile(ckpt / "model.safetensors", tmp / "adapter_model.safetensors")
     for name in ("adapter_config.json", ADAPTER_INFO):
         shutil.copyfile(run_dir / name, tmp / name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    replace_dir(tmp, out)  # an old adapter is moved aside first: a crash leaves one of the two, whole
     return out
 
 

@@ -5,7 +5,6 @@ peak of the tensors a step creates on any device (the CPU's stand-in for max_mem
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from dataclasses import asdict, dataclass
 
@@ -15,17 +14,11 @@ from torch.utils._pytree import tree_flatten
 
 from .config import ModelConfig
 from .losses import default_chunk_rows
-from .model import GPT
+from .model import meta_model
 
 GB = 2**30
 CUDA_CONTEXT_GB = 0.5  # the driver's context: never in torch.cuda.max_memory_allocated
 FRAGMENTATION = 0.05  # the caching allocator's blocks are never a perfect fit
-
-
-def _meta_model(config: ModelConfig) -> GPT:
-    """The model without memory: counts and FLOPs come from model.py itself, so they cannot drift."""
-    with torch.device("meta"):
-        return GPT(dataclasses.replace(config))
 
 
 @dataclass
@@ -104,7 +97,7 @@ def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, pre
                     activation_checkpointing: bool | None = None, device_type: str = "cuda") -> MemoryEstimate:
     """Peak training memory of AdamW at this micro-batch and context; precision "bf16", "fp16" or "fp32"."""
     ckpt = model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
-    meta = _meta_model(model)
+    meta = meta_model(model)
     n = meta.num_params()
     tokens = micro_batch_size * seq_len
     chunk_rows = default_chunk_rows(tokens, model.vocab_size)  # what model.cross_entropy will do

@@ -162,7 +162,7 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
         mirror_cache = Path(mirror).parent / "_token_cache" / key if mirror is not None else None
         if mirror_cache is not None and not (cache_root / key / "meta.json").is_file():
             restore_token_cache(mirror_cache, cache_root / key)  # a new VM skips tokenizing
-        tokens = build_token_cache(recipe.data, tokenizer, cache_root, progress=progress and is_main)
+        tokens = build_token_cache(recipe.data, tokenizer, cache_root, progress=progress and is_main, key=key)
         if is_main:
             _write_run_files(run_dir, recipe, tokenizer, precision, dev, tokens.meta, probe_info)
     cache_upload = None
@@ -219,9 +219,7 @@ def _write_run_files(run_dir: Path, recipe: Recipe, tokenizer: Tokenizer, precis
         tokenizer.save(run_dir / "tokenizer.json")
     info = {"recipe": recipe.to_dict(), "precision": precision.to_dict(), "device": str(dev),
             "data": data_meta, "probe": probe_info, "versions": versions(), "command": " ".join(sys.argv)}
-    tmp = run_dir / "run.json.tmp"
-    tmp.write_text(json.dumps(info, indent=1))
-    os.replace(tmp, run_dir / "run.json")
+    ckpt.write_json_atomic(run_dir / "run.json", info)
 
 
 class TensorBoardLogger:

@@ -21,8 +21,8 @@ import torch
 
 from .config import DEFAULT_RECIPE_FOR_HARDWARE, Recipe, get_recipe
 from .memory import (CUDA_CONTEXT_GB, FRAGMENTATION, GB, MemoryEstimate, TensorMemoryTracker,  # noqa: F401
-                     _meta_model, estimate_memory)
-from .model import GPT
+                     estimate_memory)
+from .model import GPT, meta_model
 from .optim import build_optimizer
 from .precision import Precision, choose_precision, native_bf16, resolve_device
 
@@ -425,7 +425,7 @@ def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResu
     if probe_result is not None:
         recipe = apply_probe(recipe, probe_result)
     t = recipe.train
-    fpt = _meta_model(recipe.model).flops_per_token(t.seq_len)
+    fpt = meta_model(recipe.model).flops_per_token(t.seq_len)
     context = CUDA_CONTEXT_GB if report.device == "cuda" else 0.0
     if probe_result is not None and not math.isnan(probe_result.peak_gb):
         peak, mem_src = probe_result.peak_gb + context, "measured by trial" + (" + CUDA context" if context else "")

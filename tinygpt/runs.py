@@ -206,7 +206,8 @@ def run_eval(run_dir: str | Path, task: str, *, data: str | Path | None = None, 
              device: str = "cpu", limit: int | None = None, window: int | None = None, stride: int | None = None,
              max_chars: int | None = None, batch_size: int | None = None, n: int = 1, ks: Sequence[int] = (1,),
              max_new_tokens: int = 384, temperature: float | None = None, progress: bool = False) -> dict[str, Any]:
-    """Evaluate a tinygpt run folder, or a Hugging Face model folder (config.json), on one task:
+    """Evaluate a tinygpt run folder, a finetuning run (its adapter folded into the base) or a Hugging Face
+    model folder (config.json), on one task:
     perplexity (`data`: a text file or hf:NAME[:CONFIG][@SPLIT], see `eval_data`), hellaswag
     (`data`: hellaswag_val.txt[.bz2] or hf:Rowan/hellaswag@validation), humaneval / mbpp
     (`data`: the problems file; pass@k for `ks` with `n` samples per problem, greedy by default for
@@ -219,8 +220,14 @@ def run_eval(run_dir: str | Path, task: str, *, data: str | Path | None = None, 
 
     _check_request(task, data, n, ks, limit=limit, max_chars=max_chars, batch_size=batch_size)
     path = Path(run_dir)
-    is_hf = (path / "config.json").is_file() and not (path / "run.json").is_file()
-    if is_hf:
+    is_adapter = (path / "adapter_config.json").is_file()  # a finetuning run, or its adapter/ folder
+    is_hf = is_adapter or ((path / "config.json").is_file() and not (path / "run.json").is_file())
+    if is_adapter:
+        from .finetune import load_finetuned
+
+        model, tok = load_finetuned(path, merge=True, device=device)  # folded in: plain HF model speed
+        source = str(path)
+    elif is_hf:
         from .hf import load_hf_causal_lm
 
         model, tok = load_hf_causal_lm(path, device)

@@ -186,8 +186,8 @@ class Trainer:
                 cb.on_checkpoint(path, self.step)
         return path
 
-    def resume(self, path: Path) -> None:
-        sd, state, _ = ckpt.load_checkpoint(path, verify=True)
+    def resume(self, path: Path, verified: bool = False) -> None:
+        sd, state, _ = ckpt.load_checkpoint(path, verify=not verified)
         diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict())
         if diffs:
             raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
@@ -271,13 +271,15 @@ class Trainer:
     def fit(self, resume: str = "auto") -> TrainResult:
         cfg = self.cfg
         resumed_from = None
+        last_saved: Path | None = None
         if resume == "auto":
-            latest = ckpt.latest_valid(self.ckpt_root)
-            if latest is not None:
-                self.resume(latest)
+            last_saved = ckpt.latest_valid(self.ckpt_root)  # hashes it: no second check on load
+            if last_saved is not None:
+                self.resume(last_saved, verified=True)
                 resumed_from = self.step
         elif resume != "never":
-            self.resume(Path(resume))
+            last_saved = Path(resume)
+            self.resume(last_saved)
             resumed_from = self.step
         history = self._truncate_metrics()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -290,7 +292,6 @@ class Trainer:
         loss_acc = torch.zeros((), device=self.device)
         t0, tokens_since = time.perf_counter(), 0
         last_loss = val_loss = tok_s = None
-        last_saved: Path | None = ckpt.latest_valid(self.ckpt_root) if resumed_from is not None else None
         saved_step = resumed_from  # the same on every rank (only rank 0 gets a path back from save)
         stopping = False
         self.model.train()
