@@ -32,12 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinygpt import losses  # noqa: E402
-from tinygpt.config import GPT2_VOCAB_PADDED, MODEL_SIZES, TrainConfig, model_config  # noqa: E402
-from tinygpt.model import GPT  # noqa: E402
-from tinygpt.optim import build_optimizer, param_groups  # noqa: E402
-from tinygpt.precision import Precision, choose_precision, enable_tf32, resolve_device  # noqa: E402
-from tinygpt.probe import peak_tflops as probe_peak_tflops  # noqa: E402
+from tinygpt.model import losses  # noqa: E402
+from tinygpt.core.config import GPT2_VOCAB_PADDED, MODEL_SIZES, TrainConfig, model_config  # noqa: E402
+from tinygpt.model.gpt import GPT  # noqa: E402
+from tinygpt.train.optim import build_optimizer, param_groups  # noqa: E402
+from tinygpt.core.precision import Precision, choose_precision, enable_tf32, resolve_device  # noqa: E402
+from tinygpt.train.probe import peak_tflops as probe_peak_tflops  # noqa: E402
 
 def peak_tflops(device: torch.device, precision: str) -> tuple[float | None, str]:
     """(peak dense TFLOP/s of this GPU at this precision, where the number came from); the same
@@ -47,8 +47,8 @@ def peak_tflops(device: torch.device, precision: str) -> tuple[float | None, str
     name = torch.cuda.get_device_name(device)
     peak = probe_peak_tflops(name, precision)
     if peak is None:
-        return None, f"none (tinygpt.probe has no {precision} peak for {name!r})"
-    return peak, "tinygpt.probe.GPU_TABLE"
+        return None, f"none (tinygpt.train.probe has no {precision} peak for {name!r})"
+    return peak, "tinygpt.train.probe.GPU_TABLE"
 
 
 class TinyGPTLoss(torch.nn.Module):
@@ -201,7 +201,7 @@ def measure(name: str, model: torch.nn.Module, loss_mod: torch.nn.Module, opt: t
     times = time_steps(step, batches, args.warmup, args.steps, device)
     median_s = statistics.median(times)
     tok_s = args.micro_batch * args.seq_len / median_s
-    # GB here is GiB (2**30 bytes), as tinygpt.probe, Colab and nvidia-smi count GPU memory.
+    # GB here is GiB (2**30 bytes), as tinygpt.train.probe, Colab and nvidia-smi count GPU memory.
     row = {"impl": name, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
            "micro_batch": args.micro_batch, "seq_len": args.seq_len, "step_ms": median_s * 1e3,
            "step_ms_min": min(times) * 1e3, "tokens_per_s": tok_s,
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="auto: on for CUDA")
     p.add_argument("--fused-adamw", default="auto", choices=["auto", "on", "off"], help="auto: on for CUDA")
     p.add_argument("--chunked-ce", default="auto", choices=["auto", "on", "off"],
-                   help="auto: chunked when the logits are large (tinygpt.losses), as in training")
+                   help="auto: chunked when the logits are large (tinygpt.model.losses), as in training")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--find-max-batch", default="auto", choices=["auto", "on", "off"], help="auto: on for CUDA")

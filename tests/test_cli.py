@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tinygpt.cli import main
-from tinygpt.config import ConfigError, get_recipe
+from tinygpt.core.config import ConfigError, get_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from tinygpt.config import ConfigError, DataConfig
-from tinygpt.data import (DataError, WindowSampler, build_token_cache, builtin_files, fixed_batches,
+from tinygpt.core.config import ConfigError, DataConfig
+from tinygpt.train.data import (DataError, WindowSampler, build_token_cache, builtin_files, fixed_batches,
                           iter_documents, resolve_source, token_dtype)
-from tinygpt.tokenizer import train_bpe
+from tinygpt.model.tokenizer import train_bpe
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,16 @@ import pytest
 from filelock import FileLock  # a dependency of torch
 from safetensors.torch import load_file
 
-from tinygpt.checkpoint import MODEL_FILE, list_checkpoints, step_name, verify_checkpoint
-from tinygpt.drive import Backoff, Mirror
-from tinygpt.pretrain import pretrain
+from tinygpt.core.checkpoint import MODEL_FILE, list_checkpoints, step_name, verify_checkpoint
+from tinygpt.sync.drive import Backoff, Mirror
+from tinygpt.train.pretrain import pretrain
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY = 40, 4
 
 RESUME = """
 import json, sys
-from tinygpt.pretrain import pretrain
+from tinygpt.train.pretrain import pretrain
 run_dir, data, mirror = sys.argv[1:4]
 r = pretrain("cpu-smoke", run_dir, data=data, mirror=mirror, max_steps=%d, save_every=%d, device="cpu",
              progress=False)

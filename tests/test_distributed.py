@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from tinygpt import checkpoint as ckpt
-from tinygpt.config import ConfigError
-from tinygpt.data import WindowSampler
-from tinygpt.distributed import check_parallel, split_global_batch, torchrun_env
+from tinygpt.core import checkpoint as ckpt
+from tinygpt.core.config import ConfigError
+from tinygpt.train.data import WindowSampler
+from tinygpt.train.distributed import check_parallel, split_global_batch, torchrun_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24  # steps are cheap (process start-up is not): room to stop a run half way
@@ -27,8 +27,8 @@ COMMON = ["--recipe", "cpu-smoke", "--max-steps", str(STEPS), "--save-every", "4
           "train.log_every=1", "train.keep_last=10"]
 FSDP_SCRIPT = """
 import sys
-from tinygpt.config import get_recipe
-from tinygpt.pretrain import pretrain
+from tinygpt.core.config import get_recipe
+from tinygpt.train.pretrain import pretrain
 
 recipe = get_recipe("cpu-smoke").replace(train=dict(micro_batch_size=4, grad_accum_steps=2, log_every=1, keep_last=10))
 pretrain(recipe, sys.argv[1], data=sys.argv[2], max_steps=%d, save_every=4, eval_every=4, device="cpu",

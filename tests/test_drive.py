@@ -12,11 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
+
+from tinygpt.colab import mount
 import torch
 
-from tinygpt import drive
-from tinygpt.checkpoint import MANIFEST, list_checkpoints, read_manifest, save_checkpoint, step_name, verify_checkpoint
-from tinygpt.drive import Backoff, Mirror, prune_mirror, restore_latest, restore_token_cache, sync_token_cache
+from tinygpt.sync import drive
+from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, read_manifest, save_checkpoint, step_name, verify_checkpoint
+from tinygpt.sync.drive import Backoff, Mirror, prune_mirror, restore_latest, restore_token_cache, sync_token_cache
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
@@ -284,7 +286,7 @@ def test_kill_9_during_a_copy_leaves_the_mirror_usable(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, shutil
         from pathlib import Path
-        from tinygpt.drive import Mirror, Backoff
+        from tinygpt.sync.drive import Mirror, Backoff
         def dying_copy(src, dst):
             if "step_000200" in str(src):  # half the file reaches Drive, then the VM is gone
                 dst.write_bytes(Path(src).read_bytes()[:1000])
@@ -375,19 +377,19 @@ def fake_colab(tmp_path, monkeypatch):
 
 def test_outside_colab(tmp_path):
     _forget_colab()
-    assert drive.in_colab() is False
+    assert mount.in_colab() is False
     with pytest.raises(RuntimeError, match="--mirror"):
-        drive.mount_drive(tmp_path / "drive")
+        mount.mount_drive(tmp_path / "drive")
 
 
 def test_fake_colab_mount_makes_mydrive_appear_and_mirror_writes_there(fake_colab):
     tmp = fake_colab
-    assert drive.in_colab() is True
+    assert mount.in_colab() is True
     mountpoint = tmp / "content" / "drive"
-    mydrive = drive.mount_drive(mountpoint)
+    mydrive = mount.mount_drive(mountpoint)
     assert mydrive == mountpoint / "MyDrive" and mydrive.is_dir()
-    assert drive.mount_drive(mountpoint) == mydrive  # mounted already: fine
-    target = drive.drive_run_dir("r", mydrive)
+    assert mount.mount_drive(mountpoint) == mydrive  # mounted already: fine
+    target = mount.drive_run_dir("r", mydrive)
     assert target == mydrive / "tinygpt" / "runs" / "r"
 
     run = make_run(tmp / "vm")

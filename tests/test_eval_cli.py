@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tinygpt import evaluate as ev
-from tinygpt.checkpoint import load_run
+from tinygpt import evals
+from tinygpt.core import paths
+from tinygpt.evals import code
+from tinygpt.evals import lm as ev
+from tinygpt.model.loading import load_run
 from tinygpt.cli import main
-from tinygpt.pretrain import pretrain
+from tinygpt.train.pretrain import pretrain
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,7 @@ def test_hub_data_without_a_network_says_what_works_offline(run):
 
 def test_a_finetuning_run_is_evaluated_with_its_adapter(run, shared_data, tmp_path, capsys):
     pytest.importorskip("peft")
-    from tinygpt.finetune import finetune, load_finetuned
+    from tinygpt.finetune.lora import finetune, load_finetuned
 
     ft = tmp_path / "ft"
     finetune("lora-r8", str(run), str(shared_data / "code_alpaca_2k.json"), ft, max_steps=2, hardware="cpu",

@@ -16,12 +16,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinygpt import evaluate as ev
-from tinygpt.codeexec import HUMANEVAL_STOPS
-from tinygpt.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
-from tinygpt.config import get_recipe
-from tinygpt.model import GPT
-from tinygpt.tokenizer import train_bpe
+from tinygpt import evals
+from tinygpt.core import paths
+from tinygpt.core.rundir import RunDirError
+from tinygpt.evals import code
+from tinygpt.evals import lm as ev
+from tinygpt.evals.code import HUMANEVAL_STOPS
+from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
+from tinygpt.core.config import get_recipe
+from tinygpt.model.gpt import GPT
+from tinygpt.model.tokenizer import train_bpe
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +92,7 @@ def test_sliding_window_gives_each_token_its_last_window_of_context(model, tok, 
 
 def _hf_twin(model: GPT, tok):
     """The same weights as a transformers LlamaForCausalLM, with the same tokenizer."""
-    from tinygpt.hf import hf_llama_config, hf_tokenizer
+    from tinygpt.model.hf import hf_llama_config, hf_tokenizer
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM(hf_llama_config(model.config, tok.eot_id))
@@ -124,11 +128,11 @@ def test_load_real_hellaswag(shared_data):
 def test_bad_hellaswag_files_say_what_is_expected(tmp_path):
     seven = tmp_path / "seven.txt"
     seven.write_text("ctx\n1\na\nb\nc\nd\nextra\n")
-    with pytest.raises(ev.DataFormatError, match="incomplete item of 1 lines at line 7"):
+    with pytest.raises(code.DataFormatError, match="incomplete item of 1 lines at line 7"):
         ev.load_hellaswag(seven)
     gold = tmp_path / "gold.txt"
     gold.write_text("ctx\n7\na\nb\nc\nd\n")
-    with pytest.raises(ev.DataFormatError, match="line 2.*0-3"):
+    with pytest.raises(code.DataFormatError, match="line 2.*0-3"):
         ev.load_hellaswag(gold)
     with pytest.raises(ValueError, match="limit"):
         ev.load_hellaswag(gold, limit=0)
@@ -196,16 +200,16 @@ def test_bleu_equals_sacrebleu():
         (["for i in range(10): pass"] * 3, ["for j in range(10): pass", "while True: pass", "for i in range(10): pass"]),
     ]
     for hyps, refs in cases:
-        assert ev.bleu(hyps, refs) == sacrebleu.corpus_bleu(hyps, [refs]).score
+        assert code.bleu(hyps, refs) == sacrebleu.corpus_bleu(hyps, [refs]).score
     hyps, r1, r2 = ["a b c d e", "x y z"], ["a b c d f", "x y"], ["a b c d e", "w y z"]
-    assert ev.bleu(hyps, [[a, b] for a, b in zip(r1, r2)]) == sacrebleu.corpus_bleu(hyps, [r1, r2]).score
-    assert ev.bleu(hyps, r1, tokenize="char") == sacrebleu.corpus_bleu(hyps, [r1], tokenize="char").score
+    assert code.bleu(hyps, [[a, b] for a, b in zip(r1, r2)]) == sacrebleu.corpus_bleu(hyps, [r1, r2]).score
+    assert code.bleu(hyps, r1, tokenize="char") == sacrebleu.corpus_bleu(hyps, [r1], tokenize="char").score
     metric = sacrebleu.metrics.BLEU()
     reference = metric.corpus_score(hyps, [r1])
-    assert ev.bleu_with_signature(hyps, r1) == (reference.score, str(metric.get_signature()))
-    assert "tok:char" in ev.bleu_with_signature(hyps, r1, tokenize="char")[1]
+    assert code.bleu_with_signature(hyps, r1) == (reference.score, str(metric.get_signature()))
+    assert "tok:char" in code.bleu_with_signature(hyps, r1, tokenize="char")[1]
     with pytest.raises(ValueError, match="references"):
-        ev.bleu(["a", "b"], ["a"])
+        code.bleu(["a", "b"], ["a"])
 
 
 def _pass_at_k_exact(n: int, c: int, k: int) -> Fraction:
@@ -219,24 +223,24 @@ def test_pass_at_k_equals_exact_enumeration():
     for n in range(1, 9):
         for c in range(n + 1):
             for k in range(1, n + 1):
-                assert ev.pass_at_k(n, c, k) == pytest.approx(float(_pass_at_k_exact(n, c, k)), abs=1e-12)
+                assert code.pass_at_k(n, c, k) == pytest.approx(float(_pass_at_k_exact(n, c, k)), abs=1e-12)
     exact = 1 - Fraction(math.comb(197, 100), math.comb(200, 100))  # large n: the product form stays exact
-    assert ev.pass_at_k(200, 3, 100) == pytest.approx(float(exact), rel=1e-12)
+    assert code.pass_at_k(200, 3, 100) == pytest.approx(float(exact), rel=1e-12)
     with pytest.raises(ValueError, match="k=5"):
-        ev.pass_at_k(4, 1, 5)
+        code.pass_at_k(4, 1, 5)
     with pytest.raises(ValueError):
-        ev.pass_at_k(4, 5, 1)
+        code.pass_at_k(4, 5, 1)
 
 
 def test_extract_code_and_syntax_accuracy():
-    assert ev.extract_code("Here:\n```python\nx = 1\n```\nand more") == "x = 1\n"
-    assert ev.extract_code("```\ny = 2\n```") == "y = 2\n"
-    assert ev.extract_code("```js\nno\n```\n```py\nz = 3\n```") == "z = 3\n"
-    assert ev.extract_code("```python\nunclosed = 1\n") == "unclosed = 1\n"
-    assert ev.extract_code("    return 1\n") == "    return 1\n"
-    assert ev.truncate_at_stops("    return 1\ndef g(): pass", HUMANEVAL_STOPS) \
+    assert code.extract_code("Here:\n```python\nx = 1\n```\nand more") == "x = 1\n"
+    assert code.extract_code("```\ny = 2\n```") == "y = 2\n"
+    assert code.extract_code("```js\nno\n```\n```py\nz = 3\n```") == "z = 3\n"
+    assert code.extract_code("```python\nunclosed = 1\n") == "unclosed = 1\n"
+    assert code.extract_code("    return 1\n") == "    return 1\n"
+    assert code.truncate_at_stops("    return 1\ndef g(): pass", HUMANEVAL_STOPS) \
         == "    return 1"
-    assert ev.syntax_accuracy(["x = 1", "def f(:", "print('ok')", "a\0b"]) == 0.5
+    assert code.syntax_accuracy(["x = 1", "def f(:", "print('ok')", "a\0b"]) == 0.5
 
 
 # --- the sandbox -------------------------------------------------------------------------------
@@ -244,16 +248,16 @@ def test_extract_code_and_syntax_accuracy():
 def test_sandbox_contains_loops_memory_hogs_and_exits(monkeypatch):
     monkeypatch.setenv("TINYGPT_TEST_SECRET", "hunter2")
     cwd = os.getcwd()
-    assert ev.run_program("while True:\n    pass\n", timeout_s=1).status == "timeout"
-    assert ev.run_program("while True:\n    pass\n", timeout_s=30, cpu_s=1).status == "cpu_limit"
-    assert ev.run_program("x = bytearray(4 * 1024**3)\n").status == "out_of_memory"
-    r = ev.run_program("import sys\nsys.exit(3)\n")
+    assert code.run_program("while True:\n    pass\n", timeout_s=1).status == "timeout"
+    assert code.run_program("while True:\n    pass\n", timeout_s=30, cpu_s=1).status == "cpu_limit"
+    assert code.run_program("x = bytearray(4 * 1024**3)\n").status == "out_of_memory"
+    r = code.run_program("import sys\nsys.exit(3)\n")
     assert (r.status, r.returncode) == ("failed", 3)
-    assert ev.run_program("import os\nos._exit(0)\n").status == "exited_early"
-    assert ev.run_program("import sys\nsys.exit(0)\nassert False\n").status == "exited_early"
-    assert ev.run_program("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
+    assert code.run_program("import os\nos._exit(0)\n").status == "exited_early"
+    assert code.run_program("import sys\nsys.exit(0)\nassert False\n").status == "exited_early"
+    assert code.run_program("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
                           max_output_mb=1).status == "output_limit"
-    r = ev.run_program("import os\nassert 'TINYGPT_TEST_SECRET' not in os.environ, 'leaked'\n"
+    r = code.run_program("import os\nassert 'TINYGPT_TEST_SECRET' not in os.environ, 'leaked'\n"
                        "open('left_behind.txt', 'w').write('x')\nprint(os.getcwd())\n")
     assert r.status == "passed", r.stderr
     assert not Path(r.stdout.strip()).exists()  # the working directory is gone
@@ -261,42 +265,42 @@ def test_sandbox_contains_loops_memory_hogs_and_exits(monkeypatch):
 
 
 def test_real_problems_pass_with_canonical_and_fail_with_wrong_solutions(shared_data):
-    he = ev.load_humaneval(shared_data / "HumanEval.jsonl.gz")
-    mbpp = ev.load_mbpp(shared_data / "mbpp.jsonl")
+    he = code.load_humaneval(shared_data / "HumanEval.jsonl.gz")
+    mbpp = code.load_mbpp(shared_data / "mbpp.jsonl")
     assert len(he) == 164 and he[0].entry_point == "has_close_elements"
     assert len(mbpp) == 500 and mbpp[0].task_id == "MBPP/11" and mbpp[-1].task_id == "MBPP/510"
     node = next(p for p in mbpp if p.task_id == "MBPP/367")  # needs its test_setup_code after the solution
     probs = [he[0], he[1], mbpp[0], node]
-    good = ev.check_completions(probs, [p.canonical_solution for p in probs])
+    good = code.check_completions(probs, [p.canonical_solution for p in probs])
     assert [r.status for r in good] == ["passed"] * 4, [r.stderr for r in good]
     wrong = ["    return not " + he[0].canonical_solution.strip().splitlines()[-1].split("return ")[-1] + "\n",
              "    return []\n", "def remove_Occ(s, ch):\n    return s\n", "class Node: pass\n"]
-    assert [r.status for r in ev.check_completions(probs, wrong)] == ["failed"] * 4
+    assert [r.status for r in code.check_completions(probs, wrong)] == ["failed"] * 4
 
 
 def test_evaluate_code_reports_pass_at_k(shared_data):
-    probs = ev.load_humaneval(shared_data / "HumanEval.jsonl.gz")[:2]
+    probs = code.load_humaneval(shared_data / "HumanEval.jsonl.gz")[:2]
     answers = {probs[0].prompt: iter([f"Sure:\n```python\n{probs[0].prompt}{probs[0].canonical_solution}```", "    1/0\n"]),
                probs[1].prompt: iter(["    return []\n\ndef unrelated():\n    pass\n", "    return []\n"])}
-    r = ev.evaluate_code(probs, lambda prompt: next(answers[prompt]), n=2, ks=(1, 2))
+    r = code.evaluate_code(probs, lambda prompt: next(answers[prompt]), n=2, ks=(1, 2))
     assert [p["passed"] for p in r["per_problem"]] == [1, 0]
     assert r["pass@1"] == pytest.approx(0.25) and r["pass@2"] == pytest.approx(0.5)
     assert r["per_problem"][1]["completions"][0] == "    return []\n"  # cut at the stop "\ndef "
     assert r["syntax_accuracy"] == 1.0 and 0 <= r["bleu"] <= 100
     called = []
     with pytest.raises(ValueError, match="k=3"):
-        ev.evaluate_code(probs, lambda p: called.append(p) or "", n=2, ks=(3,))
+        code.evaluate_code(probs, lambda p: called.append(p) or "", n=2, ks=(3,))
     assert not called  # refused before generating anything
 
 
 def test_bad_code_data_files(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"task_id": 11, "text": "t"}) + "\n")
-    with pytest.raises(ev.DataFormatError, match="test_list"):
-        ev.load_mbpp(bad)
+    with pytest.raises(code.DataFormatError, match="test_list"):
+        code.load_mbpp(bad)
     bad.write_text("{not json\n")
-    with pytest.raises(ev.DataFormatError, match="line 1"):
-        ev.load_humaneval(bad)
+    with pytest.raises(code.DataFormatError, match="line 1"):
+        code.load_humaneval(bad)
 
 
 # --- runs --------------------------------------------------------------------------------------
@@ -325,41 +329,41 @@ def test_summarize_compare_and_plot_runs(tmp_path):
     a = _write_run(tmp_path / "a", _records([5.0, 4.0, 3.5, 3.2, 3.0, 2.9], val=[4.1, 3.4, 3.1]), truncated_tail=True)
     b = _write_run(tmp_path / "b", _records([5.0, 3.0, 2.0, 1.5, 1.2, 1.0], val=[3.2, 3.4, 3.9]), micro_batch_size=16)
     (a / "samples.txt").write_text("=== step 60 ===\nTo be\n\n")
-    assert "To be" in ev.read_samples(a) and ev.read_samples(b) == ""
-    s = ev.summarize_run(a)
+    assert "To be" in evals.read_samples(a) and evals.read_samples(b) == ""
+    s = evals.summarize_run(a)
     assert s["steps"] == 60 and s["loss_last"] == 2.9 and s["val_loss_best"] == 3.1
     assert s["tokens_seen"] == 60 * 8 * 64 and s["diagnosis"] == ["no problems found"]
     assert s["tokens_per_s"] == pytest.approx(1003.0)  # median, the first interval left out
-    sb = ev.summarize_run(b)
+    sb = evals.summarize_run(b)
     assert sb["val_loss_best_step"] == 20 and any("overfitting" in d for d in sb["diagnosis"])
-    table = ev.compare_runs([a, b])
+    table = evals.compare_runs([a, b])
     assert [r["run"] for r in table] == ["a", "b"] and table[1]["tokens_seen"] == 60 * 16 * 64
     assert table[0]["params"] == GPT(get_recipe("cpu-smoke").model).num_params()
     pytest.importorskip("matplotlib")
-    fig = ev.plot_runs([a, b])
+    fig = evals.plot_runs([a, b])
     lines = fig.axes[0].get_lines()
     assert len(lines) == 4 and list(lines[2].get_xdata()) == [s * 16 * 64 for s in range(10, 70, 10)]
     bad = _write_run(tmp_path / "bad", [])
     (bad / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\nnot json\n{"step": 2, "loss": 1}\n')
-    with pytest.raises(ev.DataFormatError, match="line 2"):
-        ev.summarize_run(bad)
+    with pytest.raises(RunDirError, match="line 2"):
+        evals.summarize_run(bad)
 
 
 def test_list_runs_finds_run_folders_by_name(tmp_path):
     with pytest.raises(FileNotFoundError, match="no run folders.*tinygpt pretrain"):
-        ev.list_runs(tmp_path / "nothing")
+        evals.list_runs(tmp_path / "nothing")
     a, b = _write_run(tmp_path / "a", []), _write_run(tmp_path / "b", [])
     (tmp_path / "not-a-run").mkdir()
-    assert ev.list_runs(tmp_path) == [a, b] and ev.list_runs(tmp_path, ["b"]) == [b]
+    assert evals.list_runs(tmp_path) == [a, b] and evals.list_runs(tmp_path, ["b"]) == [b]
     with pytest.raises(FileNotFoundError, match="no run c under .*there are: a, b"):
-        ev.list_runs(tmp_path, ["a", "c"])
+        evals.list_runs(tmp_path, ["a", "c"])
 
 
 def test_diagnosis_finds_a_nan_and_a_flat_loss(tmp_path):
     nan = _write_run(tmp_path / "nan", _records([5.0, 4.0, float("nan"), 4.0]))
-    assert any("step 30" in d for d in ev.summarize_run(nan)["diagnosis"])
+    assert any("step 30" in d for d in evals.summarize_run(nan)["diagnosis"])
     flat = _write_run(tmp_path / "flat", _records([5.0, 5.1, 5.2, 5.1]))
-    assert any("not decreased" in d for d in ev.summarize_run(flat)["diagnosis"])
+    assert any("not decreased" in d for d in evals.summarize_run(flat)["diagnosis"])
 
 
 def _hand_made_run(path: Path, tok, model: GPT) -> Path:
@@ -376,19 +380,19 @@ def _hand_made_run(path: Path, tok, model: GPT) -> Path:
 def test_run_eval_on_a_run_folder(tmp_path, tok, shared_data):
     model = _model(max_seq_len=512, seed=1)
     run = _hand_made_run(tmp_path / "run", tok, model)
-    r = ev.run_eval(run, "perplexity", data=shared_data / "wikitext2_test.txt", max_chars=1500, window=128)
+    r = evals.run_eval(run, "perplexity", data=shared_data / "wikitext2_test.txt", max_chars=1500, window=128)
     direct = ev.perplexity(model, tok, ev.read_text(shared_data / "wikitext2_test.txt", 1500), window=128)
     assert r["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-6) and r["run"] == "run"
-    assert ev.run_eval(run, "hellaswag", data=shared_data / "hellaswag_val.txt.bz2", limit=2)["n"] == 2
-    code = ev.run_eval(run, "humaneval", data=shared_data / "HumanEval.jsonl.gz", limit=1, max_new_tokens=8)
+    assert evals.run_eval(run, "hellaswag", data=shared_data / "hellaswag_val.txt.bz2", limit=2)["n"] == 2
+    code = evals.run_eval(run, "humaneval", data=shared_data / "HumanEval.jsonl.gz", limit=1, max_new_tokens=8)
     assert code["problems"] == 1 and code["pass@1"] == 0.0  # an untrained model
     with pytest.raises(ValueError, match="unknown task"):
-        ev.run_eval(run, "mmlu", data="x")
+        evals.run_eval(run, "mmlu", data="x")
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "run.json").write_text((run / "run.json").read_text())
     with pytest.raises(CheckpointError, match="no valid checkpoint"):
-        ev.run_eval(empty, "perplexity", data=shared_data / "wikitext2_test.txt")
+        evals.run_eval(empty, "perplexity", data=shared_data / "wikitext2_test.txt")
 
 
 # --- evaluation data: offline copy or Hub ------------------------------------------------------
@@ -399,7 +403,7 @@ def test_eval_data_prefers_the_offline_copy_else_names_the_hub(tmp_path, shared_
     assert ev.hellaswag_path() == shared_data / "hellaswag_val.txt.bz2"
     assert ev.wikitext2_test_text(max_chars=100) == ev.read_text(shared_data / "wikitext2_test.txt", 100)
     monkeypatch.setenv("TINYGPT_SHARED_DATA", str(tmp_path / "none"))
-    assert ev.shared_data_dir() is None
+    assert paths.shared_data_dir() is None
     assert ev.eval_data("perplexity") == ev.WIKITEXT2_TEST_HUB == "hf:wikitext:wikitext-2-raw-v1@test"
     assert ev.eval_data("hellaswag", data_dir=tmp_path) == ev.HELLASWAG_HUB
     with pytest.raises(FileNotFoundError, match="HumanEval"):
@@ -437,7 +441,7 @@ def test_hub_hellaswag_records_become_the_six_line_items(tmp_path, shared_data):
                          e0=wikihow[2].replace(".. Search", ". [title] Search"), e3="[substeps] " + wikihow[5])
     assert ev.hellaswag_lines(marked) == wikihow
     assert ev.hellaswag_lines({**marked, "ctx": "Try [insert name of town]."})[0].endswith("[insert name of town].")
-    with pytest.raises(ev.DataFormatError, match="label 0-3"):
+    with pytest.raises(code.DataFormatError, match="label 0-3"):
         ev.hellaswag_lines({**marked, "label": ""})  # the Hub's test split has no labels
     # hf:NAME@SPLIT goes through datasets.load_dataset: a local dataset folder stands in for the Hub
     src = tmp_path / "hub"

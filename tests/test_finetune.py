@@ -22,16 +22,16 @@ import torch
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tinygpt.config import DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
-from tinygpt.data import WindowSampler, fixed_batches  # noqa: E402
-from tinygpt.finetune import (FINETUNE_RECIPES, FinetuneError, LoraSettings, attach_lora,  # noqa: E402
+from tinygpt.core.config import DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
+from tinygpt.train.data import WindowSampler, fixed_batches  # noqa: E402
+from tinygpt.finetune.lora import (FINETUNE_RECIPES, FinetuneError, LoraSettings, attach_lora,  # noqa: E402
                               base_config_dict, causal_lm_loss, check_qlora, compare_generations,
                               default_finetune_recipe, export_adapter, export_tinygpt_base, finetune, generate_response,
                               get_finetune_recipe, linear_layer_names, load_base, load_finetuned, memory_table,
                               merge_adapter, recipe_rows, run_status)
-from tinygpt.model import GPT  # noqa: E402
-from tinygpt.tokenizer import train_bpe  # noqa: E402
-from tinygpt.trainer import Trainer  # noqa: E402
+from tinygpt.model.gpt import GPT  # noqa: E402
+from tinygpt.model.tokenizer import train_bpe  # noqa: E402
+from tinygpt.train.trainer import Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Small enough for seconds on a laptop CPU, large enough that the loss visibly falls.
@@ -109,7 +109,7 @@ def logits(model, x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def val_batches(lora):
     """The run's own validation batches (same data, tokenizer and seed as in training)."""
-    from tinygpt.instruct import build_instruct_data
+    from tinygpt.finetune.instruct import build_instruct_data
     cfg = get_finetune_recipe("lora-r8").train_config("cpu", **FAST)
     data = json.loads((lora.run_dir / "finetune.json").read_text())["data"]
     return build_instruct_data(data, lora.tokenizer, cfg.seq_len, seed=cfg.seed, val_batch_size=cfg.micro_batch_size,
@@ -118,7 +118,7 @@ def val_batches(lora):
 
 # ----- a tinygpt base ------------------------------------------------------------------------------
 def test_tinygpt_base_exports_to_llama_with_identical_logits(tiny_run, tmp_path):
-    from tinygpt.checkpoint import load_run
+    from tinygpt.model.loading import load_run
     gpt, tok, _, _ = load_run(tiny_run)
     hf = transformers.AutoModelForCausalLM.from_pretrained(export_tinygpt_base(tiny_run, tmp_path / "base"))
     x = torch.tensor([tok.encode("def add(a, b):\n    return a + b")])
@@ -208,7 +208,7 @@ def test_adapter_on_a_different_base_is_refused(lora, tmp_path, prose, tok):
 def test_fp16_base_keeps_fp32_adapters_so_the_grad_scaler_works(lora):
     """As on a T4: base weights in fp16, autocast fp16, a GradScaler; fp16 adapters would make unscale_
     fail with "Attempting to unscale FP16 gradients"."""
-    from tinygpt.precision import Precision
+    from tinygpt.core.precision import Precision
     base_path = json.loads((lora.adapter_dir / "tinygpt_finetune.json").read_text())["base_path"]
     pm = attach_lora(load_base(base_path, dtype=torch.float16), LoraSettings(r=4, alpha=8))
     trainable = [p for p in pm.parameters() if p.requires_grad]
@@ -324,7 +324,7 @@ def test_gemma2_soft_capped_loss_goes_chunk_by_chunk_with_the_reference_gradient
     torch.testing.assert_close(loss, ref)
     for n in ref_grads:
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-7)
-    from tinygpt.losses import linear_cross_entropy
+    from tinygpt.model.losses import linear_cross_entropy
     hf = pm.get_base_model()
     with torch.no_grad():
         uncapped = linear_cross_entropy(hf.model(input_ids=x[:, :-1]).last_hidden_state, hf.lm_head.weight, y,
@@ -435,7 +435,7 @@ def test_bad_bases_and_settings_fail_clearly(tmp_path, tiny_run, shared_data, mo
 def test_bad_data_fails_before_training(tmp_path, tiny_run):
     records = [{"instruction": "a", "input": "", "output": "b"}, {"instruction": "c"}]
     (tmp_path / "d.json").write_text(json.dumps(records))
-    from tinygpt.data import DataError
+    from tinygpt.train.data import DataError
     with pytest.raises(DataError, match="record 1 has no field 'output'"):
         finetune("lora-r8", str(tiny_run), str(tmp_path / "d.json"), tmp_path / "ft", hardware="cpu")
     assert not (tmp_path / "ft" / "checkpoints").exists()
@@ -488,7 +488,7 @@ KILL_TRAIN = dict(seq_len=128, micro_batch_size=2, grad_accum_steps=2, max_steps
                   eval_every=4, save_every=2, eval_batches=1, log_every=1)
 KILLER = textwrap.dedent(f"""
     import os, signal, sys
-    from tinygpt.finetune import finetune
+    from tinygpt.finetune.lora import finetune
     kill_at = int(sys.argv[4])
     class Killer:
         def on_log(self, m):
@@ -542,7 +542,7 @@ class DisconnectAt:
 def test_mirror_gets_verified_checkpoints_and_the_adapter_and_a_new_vm_resumes_from_it(tmp_path, tiny_run,
                                                                                       shared_data, monkeypatch):
     from safetensors.torch import load_file
-    from tinygpt.checkpoint import list_checkpoints, read_manifest, sha256_file, verify_checkpoint
+    from tinygpt.core.checkpoint import list_checkpoints, read_manifest, sha256_file, verify_checkpoint
     data = str(shared_data / "code_alpaca_2k.json")
     vm, drive = tmp_path / "vm" / "ft", tmp_path / "drive" / "ft"
     with pytest.raises(Disconnect):
@@ -557,7 +557,7 @@ def test_mirror_gets_verified_checkpoints_and_the_adapter_and_a_new_vm_resumes_f
 
     shutil.rmtree(tmp_path / "vm")  # a new VM: nothing local, Drive is still there
     # It may be another GPU: the run keeps the hardware class it started with (finetune.json, from Drive).
-    monkeypatch.setattr("tinygpt.finetune.detect_hardware", lambda device: "t4")
+    monkeypatch.setattr("tinygpt.finetune.lora.detect_hardware", lambda device: "t4")
     resumed = finetune("lora-r8", str(tiny_run), data, vm, train=MIRROR_TRAIN, progress=False, mirror=drive)
     assert resumed.train.resumed_from == 2 and resumed.train.step == 6 and resumed.hardware == "cpu"
     assert [s for s, _ in list_checkpoints(drive / "checkpoints")] == [4, 6]  # keep_last 2, as locally

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from tinygpt.config import ModelConfig
-from tinygpt.generate import generate, generate_text, sample_next
-from tinygpt.model import GPT
-from tinygpt.tokenizer import train_bpe
+from tinygpt.core.config import ModelConfig
+from tinygpt.model.generate import generate, generate_text, sample_next
+from tinygpt.model.gpt import GPT
+from tinygpt.model.tokenizer import train_bpe
 
 
 @pytest.fixture(scope="module")

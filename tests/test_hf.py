@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinygpt import hf
-from tinygpt.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
-from tinygpt.config import ModelConfig, get_recipe
-from tinygpt.model import GPT
-from tinygpt.tokenizer import EOT, Tokenizer, train_bpe
+from tinygpt.model import hf
+from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
+from tinygpt.core.config import ModelConfig, get_recipe
+from tinygpt.model.gpt import GPT
+from tinygpt.model.tokenizer import EOT, Tokenizer, train_bpe
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,7 +66,7 @@ def test_export_round_trip_through_transformers(tmp_path, tok, shakespeare, tied
 
 
 def test_evaluation_of_an_export_matches_the_run(tmp_path, tok, shared_data):
-    from tinygpt.evaluate import run_eval
+    from tinygpt.evals import run_eval
 
     model = _perturbed(dataclasses.replace(get_recipe("cpu-smoke").model, max_seq_len=512), seed=2)
     run = _make_run(tmp_path / "run", tok, model)

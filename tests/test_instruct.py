@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from tinygpt.data import DataError
-from tinygpt.instruct import (InstructSource, build_instruct_data, format_prompt, load_records, mbpp_instruction,
+from tinygpt.train.data import DataError
+from tinygpt.finetune.instruct import (InstructSource, build_instruct_data, format_prompt, load_records, mbpp_instruction,
                               record_segments)
-from tinygpt.model import IGNORE_INDEX
-from tinygpt.tokenizer import train_bpe
+from tinygpt.model.gpt import IGNORE_INDEX
+from tinygpt.model.tokenizer import train_bpe
 
 
 @pytest.fixture(scope="module")

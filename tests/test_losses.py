@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinygpt import losses
-from tinygpt.config import model_config
-from tinygpt.losses import default_chunk_rows, linear_cross_entropy
-from tinygpt.model import GPT, IGNORE_INDEX
+from tinygpt.model import losses
+from tinygpt.core.config import model_config
+from tinygpt.model.losses import default_chunk_rows, linear_cross_entropy
+from tinygpt.model.gpt import GPT, IGNORE_INDEX
 
 
 def problem(n: int = 301, d: int = 16, vocab: int = 97, seed: int = 0):

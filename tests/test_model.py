@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from tinygpt.config import ConfigError, ModelConfig, model_config, MODEL_SIZES
-from tinygpt.model import GPT, KVCache
+from tinygpt.core.config import ConfigError, ModelConfig, model_config, MODEL_SIZES
+from tinygpt.model.gpt import GPT, KVCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,7 +81,7 @@ def test_scaled_init_shrinks_residual_projections():
 
 
 def test_named_sizes_have_the_advertised_parameter_counts():
-    from tinygpt.model import meta_model
+    from tinygpt.model.gpt import meta_model
     expected_m = {"16m": 16, "50m": 50, "124m": 124, "350m": 350, "760m": 760}
     for name, millions in expected_m.items():
         n = meta_model(model_config(name, vocab_size=50304)).num_params()

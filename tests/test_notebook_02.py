@@ -15,7 +15,7 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbmake")
 pytest.importorskip("peft")
 
-from tinygpt.checkpoint import list_checkpoints, read_manifest, sha256_file, verify_checkpoint  # noqa: E402
+from tinygpt.core.checkpoint import list_checkpoints, read_manifest, sha256_file, verify_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "02_finetune.ipynb"

@@ -13,7 +13,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-from tinygpt.checkpoint import verify_checkpoint  # noqa: E402
+from tinygpt.core.checkpoint import verify_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"

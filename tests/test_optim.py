@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from tinygpt.config import ModelConfig, TrainConfig, model_config
-from tinygpt.model import GPT
-from tinygpt.optim import MuonAdamW, build_optimizer, split_muon_params
-from tinygpt.tokenizer import train_bpe
+from tinygpt.core.config import ModelConfig, TrainConfig, model_config
+from tinygpt.model.gpt import GPT
+from tinygpt.train.optim import MuonAdamW, build_optimizer, split_muon_params
+from tinygpt.model.tokenizer import train_bpe
 
 VOCAB = 512
 SEQ, BATCH = 64, 8

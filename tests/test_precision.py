@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tinygpt.precision import choose_precision, native_bf16
+from tinygpt.core.precision import choose_precision, native_bf16
 
 
 @pytest.fixture

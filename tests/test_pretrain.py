@@ -4,12 +4,12 @@ import json
 import pytest
 import torch
 
-from tinygpt.config import get_recipe
-from tinygpt.pretrain import fit_to_device, pretrain
+from tinygpt.core.config import get_recipe
+from tinygpt.train.pretrain import fit_to_device, pretrain
 
 
 def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkeypatch):
-    import tinygpt.probe as probe_mod
+    import tinygpt.train.pretrain as pretrain_mod
 
     calls = []
 
@@ -19,7 +19,7 @@ def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkey
         def to_dict(self):
             return {"micro_batch_size": 8}
 
-    monkeypatch.setattr(probe_mod, "probe", lambda recipe, device=None: calls.append(recipe.name) or FakeResult())
+    monkeypatch.setattr(pretrain_mod, "run_probe", lambda recipe, device=None: calls.append(recipe.name) or FakeResult())
     recipe = get_recipe("a100-124m")
     fitted, info = fit_to_device(recipe, tmp_path, torch.device("cuda"))
     assert calls == ["a100-124m"] and info == {"micro_batch_size": 8}

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from tinygpt import losses
-from tinygpt.config import DataConfig, ModelConfig, Recipe, TrainConfig, get_recipe
-from tinygpt.model import GPT
-from tinygpt.optim import build_optimizer
-from tinygpt.probe import (GB, HardwareReport, ProbeError, TensorMemoryTracker, apply_probe, estimate_memory,
+from tinygpt.model import losses
+from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig, get_recipe
+from tinygpt.model.gpt import GPT
+from tinygpt.train.optim import build_optimizer
+from tinygpt.train.probe import (GB, HardwareReport, ProbeError, TensorMemoryTracker, apply_probe, estimate_memory,
                            expectations, gpu_spec, hardware_report, mfu, peak_tflops, probe, probe_command)
 
 
@@ -110,7 +110,7 @@ def test_activation_estimate_matches_saved_tensors(precision, kw):
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_peak_estimate_matches_tracked_peak(ckpt, chunked, precision, monkeypatch):
     """A whole training step (forward, backward, AdamW) measured tensor by tensor, with the plain
-    loss and with tinygpt.losses' chunked one (its thresholds lowered so that a tiny model uses it)."""
+    loss and with tinygpt.model.losses' chunked one (its thresholds lowered so that a tiny model uses it)."""
     if chunked:
         monkeypatch.setattr(losses, "PLAIN_MAX_LOGITS", 2**10)
         monkeypatch.setattr(losses, "CHUNK_LOGITS", 2**14)

@@ -1,7 +1,7 @@
 """Byte-level BPE: training on real text, save/load, the GPT-2 BPE against transformers' tokenizer."""
 import pytest
 
-from tinygpt.tokenizer import EOT, Tokenizer, gpt2_tokenizer, train_bpe
+from tinygpt.model.tokenizer import EOT, Tokenizer, gpt2_tokenizer, train_bpe
 
 
 @pytest.fixture(scope="module")

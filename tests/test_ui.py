@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinygpt import ui
-from tinygpt.checkpoint import save_checkpoint, verify_checkpoint
-from tinygpt.config import RECIPES, get_recipe
-from tinygpt.probe import hardware_report
+from tinygpt.colab import ui
+from tinygpt.core.checkpoint import save_checkpoint, verify_checkpoint
+from tinygpt.core.config import RECIPES, get_recipe
+from tinygpt.train.probe import hardware_report
 
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
 
@@ -143,7 +143,7 @@ def test_loss_plot_of_a_resumed_run_starts_with_the_curve_so_far(tmp_path):
 
 
 def test_loss_plot_is_a_trainer_callback(shared_data, tmp_path):
-    from tinygpt.pretrain import pretrain
+    from tinygpt.train.pretrain import pretrain
 
     plot = ui.LossPlot(tmp_path / "run", min_interval_s=0.0)
     pretrain("cpu-smoke", tmp_path / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=10,
@@ -183,7 +183,7 @@ def test_recipes_table_lists_every_recipe_and_marks_the_default(report):
 
 
 def test_result_table(tmp_path):
-    from tinygpt.trainer import TrainResult
+    from tinygpt.train.trainer import TrainResult
 
     r = TrainResult(tmp_path, 12, 5.6, 5.7, 5.65, tmp_path / "c", 9000.0, resumed_from=8, interrupted=True)
     text = str(ui.result_table(r))

@@ -6,19 +6,30 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ConfigError, RECIPES, Recipe, get_recipe
+from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
+from tinygpt.core.precision import resolve_device
+from tinygpt.evals.tasks import TASKS, run_eval
+from tinygpt.finetune.lora import (
+    finetune,
+    generate_response,
+    load_finetuned,
+    merge_adapter,
+)
+from tinygpt.model.generate import generate_text
+from tinygpt.model.gpt import meta_model
+from tinygpt.model.hf import export_run
+from tinygpt.model.loading import load_run
+from tinygpt.train.distributed import torchrun_env
+from tinygpt.train.pretrain import pretrain
+from tinygpt.train.probe import probe_command
 
 
 def _probe(args) -> int:
-    from .probe import probe_command
-
     print(probe_command(args.recipe, args.json))
     return 0
 
 
 def _recipes(args) -> int:
-    from .model import meta_model
-
     rows = []
     for r in RECIPES.values():
         rows.append((r.name, r.hardware, meta_model(r.model).num_params(), r.train.seq_len, r.train.tokens_per_step,
@@ -52,9 +63,6 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
 
 
 def _pretrain(args) -> int:
-    from .distributed import torchrun_env
-    from .pretrain import pretrain
-
     res = pretrain(apply_overrides(get_recipe(args.recipe), args.set), args.run_dir, data=args.data,
                    max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every, resume=args.resume, mirror=args.mirror, device=args.device,
                    progress=not args.quiet, parallel=args.parallel, probe=args.probe)
@@ -75,8 +83,6 @@ def _pretrain(args) -> int:
 
 
 def _finetune(args) -> int:
-    from .finetune import finetune, merge_adapter
-
     res = finetune(args.recipe, args.base, args.data, args.run_dir, max_steps=args.max_steps, hardware=args.hardware,
                    resume=args.resume, device=args.device, mirror=args.mirror, progress=not args.quiet)
     d = res.data
@@ -98,13 +104,10 @@ def _finetune(args) -> int:
 def _generate(args) -> int:
     import torch
 
-    from .checkpoint import load_run
-    from .generate import generate_text
 
     if not args.prompt:
         raise ConfigError("the prompt is empty: give some text to continue, e.g. --prompt 'def '")
     if args.adapter:
-        from .finetune import generate_response, load_finetuned
 
         model, tok = load_finetuned(args.adapter)
         print(generate_response(model, tok, args.prompt, max_new_tokens=args.max_new_tokens,
@@ -136,9 +139,6 @@ def _jsonable(v):
 
 
 def _eval(args) -> int:
-    from .evaluate import run_eval
-    from .precision import resolve_device
-
     res = run_eval(args.run_dir, args.task, data=args.data, which=args.which, device=str(resolve_device(args.device)),
                    limit=args.limit, window=args.window, stride=args.stride, max_chars=args.max_chars,
                    batch_size=args.batch_size, n=args.n, ks=args.k, max_new_tokens=args.max_new_tokens,
@@ -165,8 +165,6 @@ def _eval(args) -> int:
 
 
 def _export(args) -> int:
-    from .hf import export_run
-
     out = export_run(args.run_dir, args.out_dir, args.which)
     print(f"exported {args.run_dir} ({args.which}) to {out} as a Hugging Face Llama folder; load it with "
           f"AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained({str(out)!r})")
@@ -236,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="evaluate a run (or a Hugging Face model folder) on one task")
     e.add_argument("run_dir", metavar="RUN_DIR")
-    e.add_argument("--task", required=True, choices=("perplexity", "hellaswag", "humaneval", "mbpp", "summary"))
+    e.add_argument("--task", required=True, choices=tuple(TASKS),
+                   help="; ".join(f"{t.name}: {t.help}" for t in TASKS.values()))
     e.add_argument("--data", default=None, help="the task's data file, or hf:NAME[:CONFIG][@SPLIT], e.g. "
                    "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from the Hub)")
     e.add_argument("--which", default="latest", help="latest, best, or a checkpoint folder (default: latest)")

@@ -1,7 +1,7 @@
 """The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA and tied embeddings).
 
 Parameter names are those of Hugging Face `LlamaForCausalLM`, so a state_dict moves between the
-two with no renaming (`tinygpt.hf` does the config.json side). Attention is
+two with no renaming (`tinygpt.model.hf` does the config.json side). Attention is
 `F.scaled_dot_product_attention`, which picks flash / memory-efficient kernels on CUDA.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
+from tinygpt.core.config import ModelConfig
+from tinygpt.model.losses import linear_cross_entropy
 
 IGNORE_INDEX = -100  # targets with this value carry no loss (prompt tokens, padding)
 
@@ -223,9 +224,8 @@ def meta_model(config: ModelConfig) -> GPT:
 def cross_entropy(head: nn.Linear, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of head(x) against targets, in fp32, ignoring IGNORE_INDEX.
 
-    Large vocabularies go through `tinygpt.losses` in chunks of rows, so the full logits are never
+    Large vocabularies go through `tinygpt.model.losses` in chunks of rows, so the full logits are never
     held for the backward pass; small problems use the plain F.cross_entropy."""
-    from .losses import linear_cross_entropy  # model.py otherwise imports only config.py
 
     if type(head) is not nn.Linear or head.bias is not None:
         # A wrapped head (LoRA, 4-bit) is not just its .weight: run it and take the plain loss.

@@ -20,9 +20,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .checkpoint import write_json_atomic
-from .config import DataConfig
-from .tokenizer import Tokenizer
+from tinygpt.core.config import DataConfig
+from tinygpt.core.files import write_json_atomic
+from tinygpt.model.tokenizer import Tokenizer
 
 CACHE_FORMAT = 1
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".csv", ".html", ".c", ".h", ".js", ".ts",

@@ -12,9 +12,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .config import ModelConfig
-from .losses import default_chunk_rows
-from .model import meta_model
+from tinygpt.core.config import ModelConfig
+from tinygpt.model.gpt import meta_model
+from tinygpt.model.losses import default_chunk_rows
 
 GB = 2**30
 CUDA_CONTEXT_GB = 0.5  # the driver's context: never in torch.cuda.max_memory_allocated
@@ -79,7 +79,7 @@ def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointin
     layer = attn + mlp + 8  # + the two norms' rsqrt
     if chunk_rows == 0:  # F.cross_entropy: fp32 log-probs saved, their gradient and the logits' gradient
         head, loss = norm_then(1) + 16, 12 * tokens * v  # + final norm, lm_head input, int64 ids
-    else:  # tinygpt.losses: gradients made in forward, one chunk of logits at a time (fp32, plus
+    else:  # tinygpt.model.losses: gradients made in forward, one chunk of logits at a time (fp32, plus
         # temporaries: logsumexp's, and under autocast the matmul output and the gradient in e);
         # the hidden states and their gradient (fp32), the head's fp32 gradient, and either its
         # two e copies (forward) or its scaled gradient (backward)

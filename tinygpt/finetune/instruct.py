@@ -17,8 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .data import DataError
-from .model import IGNORE_INDEX
+from tinygpt.model.gpt import IGNORE_INDEX
+from tinygpt.train.data import DataError
 
 TEMPLATES: dict[str, tuple[str, str]] = {
     # (with input, without input); the response follows the template directly.

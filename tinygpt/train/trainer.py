@@ -7,7 +7,6 @@ logging steps: everything else queues on the GPU without a host-device sync.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -23,11 +22,17 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from . import checkpoint as ckpt
-from . import distributed as dist_
-from .config import TrainConfig
-from .optim import build_optimizer
-from .precision import Precision, choose_precision, enable_tf32, resolve_device
+from tinygpt.core import checkpoint as ckpt
+from tinygpt.core.config import TrainConfig
+from tinygpt.core.precision import (
+    Precision,
+    choose_precision,
+    enable_tf32,
+    resolve_device,
+)
+from tinygpt.core.rundir import RunDir
+from tinygpt.train import distributed as dist_
+from tinygpt.train.optim import build_optimizer
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 RESUMABLE_CHANGES = {"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
@@ -107,7 +112,7 @@ class Trainer:
     callback may define ``on_log(metrics)``, ``on_checkpoint(path, step)``, ``close()``.
     `state_fn` / `load_state_fn` choose what is saved as the model (the whole model by default,
     only the adapters for LoRA); `loss_fn(model, x, y)` returns the summed token loss.
-    With `world_size` > 1 (an initialised process group, see `tinygpt.distributed`) `cfg` is the
+    With `world_size` > 1 (an initialised process group, see `tinygpt.train.distributed`) `cfg` is the
     global batch; this rank trains its share with DDP or, `parallel="fsdp"`, FSDP2.
     """
 
@@ -228,24 +233,11 @@ class Trainer:
         return float(total) / max(count, 1)
 
     # ----- the loop ----------------------------------------------------------------------------
-    def _metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
-
     def _truncate_metrics(self) -> list[dict]:
         """Keep the log entries up to the resumed step, so a resumed run's log equals an unbroken one."""
-        p = self._metrics_path()
-        if not self.is_main or not p.exists():  # rank 0 rewrites it: the others must not read it meanwhile
+        if not self.is_main:  # rank 0 rewrites it: the others must not read it meanwhile
             return []
-        kept = []
-        for line in p.read_text().splitlines():
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a kill
-            if m.get("step", 0) <= self.step:
-                kept.append(m)
-        p.write_text("".join(json.dumps(m) + "\n" for m in kept))
-        return kept
+        return RunDir(self.run_dir).keep_metrics_through(self.step)
 
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
@@ -391,8 +383,7 @@ class Trainer:
     def _log(self, m: dict, history: list[dict], bar) -> None:
         history.append(m)
         if self.is_main:
-            with open(self._metrics_path(), "a") as f:
-                f.write(json.dumps(m) + "\n")
+            RunDir(self.run_dir).append_metrics(m)
         if bar is not None:
             post = {k: f"{m[k]:.4g}" for k in ("loss", "val_loss", "lr") if m.get(k) is not None}
             if m.get("tokens_per_s"):

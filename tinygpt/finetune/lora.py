@@ -26,23 +26,65 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from tinygpt.core.checkpoint import list_checkpoints, load_model_state
+from tinygpt.core.files import replace_dir
+from tinygpt.core.precision import choose_precision, resolve_device
+from tinygpt.finetune.instruct import (
+    Codec,
+    DataReport,
+    build_instruct_data,
+    format_prompt,
+)
+
 # Recipes, memory estimates, hardware checks, a base's config and the run folder's files: finetune_config.
-from .finetune_config import (ADAPTER_DIR, ADAPTER_INFO, BASE_DIR, FINETUNE_INFO, FINETUNE_RECIPES,  # noqa: F401
-                              MERGED_DIR, PLAIN_HEAD_TYPES, SMOKE_TRAIN, SOFTCAP_HEAD_TYPES, FinetuneError,
-                              FinetuneRecipe, FinetuneStatus, LoraSettings, _adapter_dir, _need, base_config,
-                              base_config_dict, base_rows, check_qlora, check_same_run, chunked_loss,
-                              default_finetune_recipe, detect_hardware, export_adapter, get_finetune_recipe,
-                              is_tinygpt_run, memory_table, mirror_adapter, recipe_of_finetune,
-                              recipe_rows, run_status, shared_data_dir, smoke_base, smoke_data, this_hardware)
-from .instruct import Codec, DataReport, build_instruct_data, format_prompt
-from .model import IGNORE_INDEX
+from tinygpt.finetune.recipes import (  # noqa: F401
+    ADAPTER_DIR,
+    ADAPTER_INFO,
+    BASE_DIR,
+    FINETUNE_INFO,
+    FINETUNE_RECIPES,
+    MERGED_DIR,
+    PLAIN_HEAD_TYPES,
+    SMOKE_TRAIN,
+    SOFTCAP_HEAD_TYPES,
+    FinetuneError,
+    FinetuneRecipe,
+    FinetuneStatus,
+    LoraSettings,
+    _adapter_dir,
+    _need,
+    base_config,
+    base_config_dict,
+    base_rows,
+    check_qlora,
+    check_same_run,
+    chunked_loss,
+    default_finetune_recipe,
+    detect_hardware,
+    export_adapter,
+    get_finetune_recipe,
+    is_tinygpt_run,
+    memory_table,
+    mirror_adapter,
+    recipe_of_finetune,
+    recipe_rows,
+    run_status,
+    shared_data_dir,
+    smoke_base,
+    smoke_data,
+    this_hardware,
+)
+from tinygpt.model.gpt import IGNORE_INDEX
+from tinygpt.model.loading import load_run
+from tinygpt.model.losses import default_chunk_rows, linear_cross_entropy
+from tinygpt.sync.drive import Mirror, restore_latest
+from tinygpt.train.trainer import Trainer
 
 
 # ----- base models --------------------------------------------------------------------------------
 def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
     """Write a tinygpt run's model as a `LlamaForCausalLM` folder (config.json, model.safetensors,
     tokenizer files), atomically: a folder that exists is complete."""
-    from .checkpoint import load_model_state, load_run, replace_dir
     _need("transformers", "finetuning")
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -181,7 +223,6 @@ def causal_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     head = hf.get_output_embeddings() if hf is not None else None
     if hf is not None and chunked_loss({"model_type": hf.config.model_type}) \
             and isinstance(head, torch.nn.Linear) and head.bias is None:
-        from .losses import linear_cross_entropy
         hidden = hf.base_model(input_ids=x, use_cache=False).last_hidden_state
         cap = getattr(hf.config, "final_logit_softcapping", None)
         if cap and hf.config.model_type in SOFTCAP_HEAD_TYPES:
@@ -199,7 +240,6 @@ def softcapped_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     buys the (tokens, 256k vocab) logits that would not fit a T4 next to the model."""
     from torch.utils.checkpoint import checkpoint
 
-    from .losses import default_chunk_rows
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     rows = default_chunk_rows(h.shape[0], weight.shape[0]) if chunk_rows is None else chunk_rows
 
@@ -346,9 +386,6 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     into `run_dir`, resuming from its newest valid checkpoint; the adapter lands in run_dir/adapter.
     With `mirror` (a folder on Drive) checkpoints are copied there as they are written, the run resumes
     from there on a new VM, and the final adapter is copied to mirror/adapter."""
-    from .checkpoint import list_checkpoints
-    from .precision import choose_precision, resolve_device
-    from .trainer import Trainer
 
     rec = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     if resume not in ("auto", "never"):
@@ -356,7 +393,6 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     run_dir = Path(run_dir)
     mirror = Path(mirror) if mirror is not None else None
     if mirror is not None:
-        from .drive import Mirror, restore_latest
         # the newest valid checkpoint, local or mirrored, and the run files (finetune.json among them)
         restore_latest(run_dir, mirror)
     old = json.loads((run_dir / FINETUNE_INFO).read_text()) if (run_dir / FINETUNE_INFO).is_file() else None

@@ -10,6 +10,8 @@ from typing import Iterable, Iterator
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from tinygpt.core.paths import shared_data_dir
+
 EOT = "<|endoftext|>"
 
 
@@ -101,8 +103,7 @@ def find_gpt2_files() -> tuple[Path, Path] | None:
     """The GPT-2 vocab/merges files, if they can be found offline (TINYGPT_GPT2_DIR or ../shared/data)."""
     import os
 
-    candidates = [os.environ.get("TINYGPT_GPT2_DIR"), Path.cwd() / ".." / "shared" / "data",
-                  Path(__file__).resolve().parents[2] / "shared" / "data"]
+    candidates = [os.environ.get("TINYGPT_GPT2_DIR"), shared_data_dir()]
     for c in candidates:
         if c and (Path(c) / "gpt2_vocab.json").is_file() and (Path(c) / "gpt2_merges.txt").is_file():
             return Path(c) / "gpt2_vocab.json", Path(c) / "gpt2_merges.txt"

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from tinygpt.core.checkpoint import clean_state_dict
+from tinygpt.core.config import ConfigError
 
 PARALLEL_MODES = ("ddp", "fsdp")
 # A collective that waits longer than this raises instead of hanging forever (a peer that hangs
@@ -135,7 +136,7 @@ def wrap_model(model: torch.nn.Module, parallel: str, device: torch.device,
     (`model` itself becomes the sharded module); blocks are compiled one by one before sharding."""
     if not _active():
         raise RuntimeError("training with world_size > 1 needs a process group: start under torchrun "
-                           "(`pretrain` joins it itself) or use tinygpt.distributed.process_group")
+                           "(`pretrain` joins it itself) or use tinygpt.train.distributed.process_group")
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -248,9 +249,11 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd: dic
         load_state_fn(model, sd)
         optimizer.load_state_dict(osd)
         return
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    from .checkpoint import clean_state_dict
 
     sd = clean_state_dict(sd)
     if getattr(getattr(model, "config", None), "tie_embeddings", False):

@@ -15,10 +15,11 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpoint import CheckpointError, load_model_state, load_run, model_state
-from .config import ModelConfig
-from .model import GPT
-from .tokenizer import EOT, Tokenizer
+from tinygpt.core.checkpoint import CheckpointError, load_model_state, model_state
+from tinygpt.core.config import ModelConfig
+from tinygpt.model.gpt import GPT, rope_tables
+from tinygpt.model.loading import load_run
+from tinygpt.model.tokenizer import EOT, Tokenizer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -156,7 +157,6 @@ def import_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
         raise ValueError(f"the weights in {path} do not fit its config.json: {e}") from e
     if config.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    from .model import rope_tables
 
     cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, device=device)
     model.rope_cos, model.rope_sin = cos, sin  # buffers were on meta; rebuild from the config
@@ -187,7 +187,7 @@ def _import_tokenizer(path: Path, hf_cfg: dict[str, Any]) -> Tokenizer | None:
 
 def load_hf_causal_lm(path: str | Path, device: str | torch.device = "cpu", **from_pretrained: Any) -> tuple[Any, Any]:
     """A transformers causal LM (eval mode) and its tokenizer from a folder or Hub name, for
-    `tinygpt.evaluate` (an export, a merged finetune, any causal LM)."""
+    `tinygpt.evals` (an export, a merged finetune, any causal LM)."""
     tf = _transformers()
     model = tf.AutoModelForCausalLM.from_pretrained(str(path), **from_pretrained).to(device).eval()
     return model, tf.AutoTokenizer.from_pretrained(str(path))

@@ -7,8 +7,6 @@ prepares the tokenizer, the token cache and the run folder while the others wait
 """
 from __future__ import annotations
 
-import json
-import os
 import platform
 import sys
 import threading
@@ -17,33 +15,58 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
-from .config import ConfigError, Recipe, get_recipe
-from .data import build_token_cache, cache_key, fixed_batches, iter_documents, resolve_source, WindowSampler
-from .distributed import (check_parallel, main_process_first, process_group, rank_device, split_global_batch,
-                          torchrun_env)
-from .model import GPT
-from .precision import choose_precision, resolve_device
-from .tokenizer import Tokenizer, load_gpt2, train_bpe
-from .trainer import TrainResult, Trainer, config_differences
+from tinygpt import __version__
+from tinygpt.core import checkpoint as ckpt
+from tinygpt.core.config import ConfigError, Recipe, get_recipe
+from tinygpt.core.paths import cache_root
+from tinygpt.core.precision import choose_precision, resolve_device
+from tinygpt.core.rundir import RunDir
+from tinygpt.model.generate import generate_text
+from tinygpt.model.gpt import GPT
+from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
+from tinygpt.sync.drive import (
+    Mirror,
+    restore_latest,
+    restore_token_cache,
+    sync_token_cache,
+)
+from tinygpt.train.data import (
+    WindowSampler,
+    build_token_cache,
+    cache_key,
+    fixed_batches,
+    iter_documents,
+    resolve_source,
+)
+from tinygpt.train.distributed import (
+    check_parallel,
+    main_process_first,
+    process_group,
+    rank_device,
+    split_global_batch,
+    torchrun_env,
+)
+from tinygpt.train.probe import apply_probe
+from tinygpt.train.probe import peak_tflops as _peak
+from tinygpt.train.probe import probe as run_probe
+from tinygpt.train.trainer import Trainer, TrainResult, config_differences
 
 TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("TINYGPT_CACHE", Path.home() / ".cache" / "tinygpt")) / "tokens"
+    return cache_root("tokens")
 
 
 def versions() -> dict[str, str]:
-    from . import __version__
     return {"tinygpt": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
 def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
     """Refuse a run folder that holds another configuration, or checkpoints when resume is 'never'."""
-    run_json = run_dir / "run.json"
-    if run_json.is_file():
-        old = json.loads(run_json.read_text())["recipe"]
+    run = RunDir(run_dir)
+    if run.is_pretrain_run():
+        old = run.recipe_dict()
         new = recipe.to_dict()
         diffs = config_differences({k: old[k] for k in ("model", "train", "data")},
                                    {k: new[k] for k in ("model", "train", "data")})
@@ -82,9 +105,9 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
     """The probe decides micro-batch, accumulation, context, precision and activation checkpointing on a
     GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it started
     with (they are part of its configuration); on a CPU the recipe stands as written."""
-    run_json = run_dir / "run.json"
-    if run_json.is_file():
-        old = json.loads(run_json.read_text())
+    run = RunDir(run_dir)
+    if run.is_pretrain_run():
+        old = run.info()
         if old.get("probe"):
             r = old["recipe"]
             return recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS},
@@ -92,7 +115,6 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
         return recipe, None
     if dev.type != "cuda" or world_size > 1:
         return recipe, None
-    from .probe import apply_probe, probe as run_probe
 
     result = run_probe(recipe, device=dev)
     return apply_probe(recipe, result), result.to_dict()
@@ -152,7 +174,6 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
     cache_root = Path(cache_dir or default_cache_dir())
     with main_process_first(rank, world_size):  # the others find what rank 0 made
         if mirror is not None:
-            from .drive import Mirror, restore_latest, restore_token_cache, sync_token_cache
             if is_main:
                 restore_latest(run_dir, Path(mirror))  # a new VM: the mirror's newest valid checkpoint comes home
         if is_main:
@@ -183,7 +204,6 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
     model = GPT(recipe.model)
     if peak_tflops is None and dev.type == "cuda":
         try:
-            from .probe import peak_tflops as _peak
             peak_tflops = _peak(torch.cuda.get_device_name(dev), precision.name)
         except Exception:  # the table is a nicety; training does not depend on it
             peak_tflops = None
@@ -219,7 +239,7 @@ def _write_run_files(run_dir: Path, recipe: Recipe, tokenizer: Tokenizer, precis
         tokenizer.save(run_dir / "tokenizer.json")
     info = {"recipe": recipe.to_dict(), "precision": precision.to_dict(), "device": str(dev),
             "data": data_meta, "probe": probe_info, "versions": versions(), "command": " ".join(sys.argv)}
-    ckpt.write_json_atomic(run_dir / "run.json", info)
+    RunDir(run_dir).write_info(info)
 
 
 class TensorBoardLogger:
@@ -250,8 +270,6 @@ class TensorBoardLogger:
 
 def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, prompt: str | None = None) -> str:
     """Append a generated sample to samples.txt and return it."""
-    from .generate import generate_text
-
     model.eval()
     text = generate_text(model, tokenizer, prompt or "def ", max_new_tokens=120, temperature=0.8, top_k=50, seed=0)
     with open(run_dir / "samples.txt", "a", encoding="utf-8") as f:

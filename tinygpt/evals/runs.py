@@ -1,26 +1,24 @@
-"""Training runs: reading metrics.jsonl, a summary with a diagnosis, comparison tables, loss plots,
-and `run_eval`, which evaluates a run folder (or a Hugging Face model folder) on one task.
+"""Training runs as a user compares them: a summary with a diagnosis, comparison tables, loss plots.
 
-A run is a folder (see DESIGN.md): run.json (the recipe), metrics.jsonl (one JSON object per logged
-step), samples.txt and its checkpoints. `tinygpt.evaluate` re-exports these functions.
+A run folder's files are read through `tinygpt.core.rundir.RunDir` (see docs/ARCHITECTURE.md).
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
-from .codeexec import DataFormatError, evaluate_code, load_humaneval, load_mbpp, pass_at_k
+from tinygpt.core.config import Recipe
+from tinygpt.core.rundir import METRICS, RunDir
+from tinygpt.evals.code import DataFormatError
+from tinygpt.model.gpt import meta_model
 
 
 def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path]:
     """The run folders (those with a run.json) under `root`, by name; only `names` when given."""
     root = Path(root)
-    found = {p.name: p for p in sorted(root.iterdir()) if (p / "run.json").is_file()} if root.is_dir() else {}
+    found = {p.name: p for p in sorted(root.iterdir()) if RunDir(p).is_pretrain_run()} if root.is_dir() else {}
     if not names:
         if not found:
             raise FileNotFoundError(f"no run folders (with a run.json) under {root}; train one with "
@@ -33,30 +31,15 @@ def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl. A cut-off last line (a run killed mid-write) is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; is {run_dir} a run folder that has trained and logged?")
-    lines = [ln for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
-    records = []
-    for i, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines):
-                break
-            raise DataFormatError(f"{path} line {i} is not JSON ({e}); metrics.jsonl holds one JSON object per line") from e
-    return records
-
-
-def _run_info(run_dir: Path) -> dict[str, Any]:
-    p = run_dir / "run.json"
-    return json.loads(p.read_text()) if p.is_file() else {}
+    """The records of a run's metrics.jsonl (a cut-off last line, from a run killed mid-write, is skipped)."""
+    run = RunDir(run_dir)
+    if not run.metrics_path.is_file():
+        raise FileNotFoundError(f"{run.metrics_path} does not exist; is {run_dir} a run folder that has trained "
+                                "and logged?")
+    return run.metrics()
 
 
 def _tokens_per_step(info: dict[str, Any]) -> int | None:
-    from .config import Recipe
-
     return Recipe.from_dict(info["recipe"]).train.tokens_per_step if "recipe" in info else None
 
 
@@ -99,12 +82,12 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     """The numbers of a run from metrics.jsonl and run.json, with a diagnosis (a list of findings)."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    info = _run_info(run_dir)
+    info = RunDir(run_dir).info_or_empty()
     per_step = _tokens_per_step(info)
     train = [m for m in records if m.get("loss") is not None]
     val = [m for m in records if m.get("val_loss") is not None]
     if not train:
-        raise DataFormatError(f"{run_dir / 'metrics.jsonl'} has no record with a training loss yet")
+        raise DataFormatError(f"{run_dir / METRICS} has no record with a training loss yet")
     # The first interval includes start-up and compilation: leave it out of the speed figures.
     timed = [m for m in train[1:] or train if m.get("tokens_per_s")]
 
@@ -128,18 +111,13 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
 
 def read_samples(run_dir: str | Path) -> str:
     """The generated samples a run wrote to samples.txt ("" when there are none)."""
-    p = Path(run_dir) / "samples.txt"
-    return p.read_text(encoding="utf-8") if p.is_file() else ""
+    return RunDir(run_dir).samples()
 
 
 def _num_params(info: dict[str, Any]) -> int | None:
     if "recipe" not in info:
         return None
-    from .config import Recipe
-    from .model import GPT
-
-    with torch.device("meta"):  # counts shapes without allocating a large model
-        return GPT(Recipe.from_dict(info["recipe"]).model).num_params()
+    return meta_model(Recipe.from_dict(info["recipe"]).model).num_params()  # shapes only, nothing allocated
 
 
 def compare_runs(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
@@ -147,7 +125,7 @@ def compare_runs(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
     rows = []
     for d in run_dirs:
         s = summarize_run(d)
-        rows.append({"run": s["run"], "recipe": s["recipe"], "params": _num_params(_run_info(Path(d))),
+        rows.append({"run": s["run"], "recipe": s["recipe"], "params": _num_params(RunDir(d).info_or_empty()),
                      **{k: s[k] for k in ("steps", "tokens_seen", "loss_last", "val_loss_best", "tokens_per_s",
                                           "mfu", "memory_gb_max")}})
     return rows
@@ -163,7 +141,7 @@ def plot_runs(run_dirs: Sequence[str | Path], ax: Any = None, log_x: bool = Fals
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8, 5))
     for d in run_dirs:
         d = Path(d)
-        per_step, records = _tokens_per_step(_run_info(d)), read_metrics(d)
+        per_step, records = _tokens_per_step(RunDir(d).info_or_empty()), read_metrics(d)
         if per_step is None and not any("tokens" in m for m in records):
             raise DataFormatError(f"{d} has no run.json with a recipe and its metrics have no token counts; "
                                   "cannot put it on a tokens axis")
@@ -179,83 +157,3 @@ def plot_runs(run_dirs: Sequence[str | Path], ax: Any = None, log_x: bool = Fals
     ax.grid(alpha=0.3)
     ax.legend()
     return fig
-
-
-# --- evaluating a run: one entry point for the CLI and notebooks ---------------------------
-
-TASKS = ("perplexity", "hellaswag", "humaneval", "mbpp", "summary")
-
-
-def _check_request(task: str, data: str | Path | None, n: int, ks: Sequence[int], **positive: int | None) -> None:
-    """Refuse a request that cannot work before any model is loaded."""
-    from .evaluate import DATA_HELP
-
-    for name, v in positive.items():
-        if v is not None and v < 1:
-            raise ValueError(f"{name} must be a positive number (or left out), got {v}")
-    if data is None:
-        raise ValueError(f"task {task} needs data (--data): {DATA_HELP[task]}")
-    if not str(data).startswith("hf:") and not Path(data).exists():
-        raise FileNotFoundError(f"no data file at {data}; task {task} needs {DATA_HELP[task]}")
-    if task in ("humaneval", "mbpp"):
-        for k in ks:
-            pass_at_k(n, 0, k)  # raises for k > n, saying what to do
-
-
-def run_eval(run_dir: str | Path, task: str, *, data: str | Path | None = None, which: str = "latest",
-             device: str = "cpu", limit: int | None = None, window: int | None = None, stride: int | None = None,
-             max_chars: int | None = None, batch_size: int | None = None, n: int = 1, ks: Sequence[int] = (1,),
-             max_new_tokens: int = 384, temperature: float | None = None, progress: bool = False) -> dict[str, Any]:
-    """Evaluate a tinygpt run folder, a finetuning run (its adapter folded into the base) or a Hugging Face
-    model folder (config.json), on one task:
-    perplexity (`data`: a text file or hf:NAME[:CONFIG][@SPLIT], see `eval_data`), hellaswag
-    (`data`: hellaswag_val.txt[.bz2] or hf:Rowan/hellaswag@validation), humaneval / mbpp
-    (`data`: the problems file; pass@k for `ks` with `n` samples per problem, greedy by default for
-    n == 1, temperature 0.8 for n > 1), or summary (a run's metrics.jsonl, no model needed)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    if task == "summary":
-        return summarize_run(run_dir)
-    from .evaluate import hellaswag, hellaswag_path, load_eval_text, perplexity  # here: evaluate imports this module
-
-    _check_request(task, data, n, ks, limit=limit, max_chars=max_chars, batch_size=batch_size)
-    path = Path(run_dir)
-    is_adapter = (path / "adapter_config.json").is_file()  # a finetuning run, or its adapter/ folder
-    is_hf = is_adapter or ((path / "config.json").is_file() and not (path / "run.json").is_file())
-    if is_adapter:
-        from .finetune import load_finetuned
-
-        model, tok = load_finetuned(path, merge=True, device=device)  # folded in: plain HF model speed
-        source = str(path)
-    elif is_hf:
-        from .hf import load_hf_causal_lm
-
-        model, tok = load_hf_causal_lm(path, device)
-        source = str(path)
-    else:
-        from .checkpoint import load_run
-
-        model, tok, _, ckpt = load_run(path, which, device)
-        source = str(ckpt)
-    head = {"run": path.name, "checkpoint": source, "task": task, "data": str(data)}
-    if task == "perplexity":
-        return {**head, **perplexity(model, tok, load_eval_text(data, max_chars), window, stride, batch_size or 4,
-                                     progress)}
-    if task == "hellaswag":
-        return {**head, **hellaswag(model, tok, hellaswag_path(data), limit, batch_size or 16, progress)}
-    problems = (load_humaneval(data) if task == "humaneval" else load_mbpp(data))[:limit]
-    temperature = (0.0 if n == 1 else 0.8) if temperature is None else temperature
-    if is_hf:
-        from .hf import hf_generate_fn
-
-        generate = hf_generate_fn(model, tok, max_new_tokens, temperature)
-    else:
-        from .generate import generate_text
-
-        def generate(prompt: str) -> str:
-            greedy = temperature == 0
-            text = generate_text(model, tok, prompt, max_new_tokens, temperature=1.0 if greedy else temperature,
-                                 top_k=1 if greedy else None)
-            return text[len(prompt):]  # byte-level BPE decodes the prompt back exactly
-
-    return {**head, "temperature": temperature, **evaluate_code(problems, generate, n, ks, progress=progress)}

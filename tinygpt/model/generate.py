@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import GPT, KVCache
+from tinygpt.model.gpt import GPT, KVCache
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,

@@ -1,6 +1,6 @@
-"""Evaluation: perplexity and bits per byte, multiple choice (HellaSwag), code metrics (in
-`tinygpt.codeexec`), where the standard evaluation data sets are (offline copy or Hub), and the
-summary, comparison and evaluation of run folders (`run_eval`, in `tinygpt.runs`), re-exported here.
+"""Language-model metrics: perplexity and bits per byte, multiple choice (HellaSwag), and where the
+standard evaluation data sets are (offline copy or Hub). Code metrics are in `tinygpt.evals.code`,
+run summaries in `tinygpt.evals.runs`, the task registry behind `tinygpt eval` in `tinygpt.evals.tasks`.
 
 Every model function takes a tinygpt `GPT` or a Hugging Face causal LM (through `as_causal_lm`),
 and a tinygpt `Tokenizer` or a Hugging Face tokenizer. Wrap a call in `Precision.autocast()` to
@@ -13,7 +13,6 @@ import contextlib
 import gzip
 import itertools
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,15 +21,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .codeexec import (  # noqa: F401  (re-exported: the code metrics are part of evaluation)
-    CodeProblem, DataFormatError, ExecResult, bleu, bleu_with_signature, check_completions, evaluate_code,
-    extract_code, is_valid_python, load_humaneval, load_mbpp, pass_at_k, run_program, syntax_accuracy,
-    truncate_at_stops, _progress,
-)
-from .model import IGNORE_INDEX
-from .runs import (  # noqa: F401  (re-exported: runs are summarised, compared and evaluated from here too)
-    TASKS, compare_runs, list_runs, plot_runs, read_metrics, read_samples, run_eval, summarize_run,
-)
+from tinygpt.core.config import DataConfig
+from tinygpt.core.files import write_text_atomic
+from tinygpt.core.paths import cache_root, shared_data_dir
+from tinygpt.evals.code import DataFormatError, _progress
+from tinygpt.model.losses import IGNORE_INDEX
+from tinygpt.train.data import iter_documents
 
 # Published zero-shot numbers (lm-evaluation-harness) to put beside a model's own.
 HELLASWAG_REFERENCE = {"random": {"acc": 0.25, "acc_norm": 0.25},
@@ -306,14 +302,6 @@ DATA_HELP = {"perplexity": "a text file, e.g. the WikiText-2 test file wikitext2
              "mbpp": "mbpp.jsonl (github.com/google-research/google-research, mbpp/)"}
 
 
-def shared_data_dir() -> Path | None:
-    """The folder of offline data sets: $TINYGPT_SHARED_DATA, else ../shared/data beside a source
-    checkout of the repository; None where there is none (a pip install in Colab)."""
-    env = os.environ.get("TINYGPT_SHARED_DATA")
-    d = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
-    return d if d.is_dir() else None
-
-
 def eval_data(task: str, data_dir: str | Path | None = None) -> str:
     """Where a task's standard data set is: the offline file in `data_dir` (default
     `shared_data_dir()`) when it is there, else its Hugging Face Hub name for `run_eval`."""
@@ -329,9 +317,6 @@ def load_eval_text(data: str | Path, max_chars: int | None = None) -> str:
     """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset (hf:NAME[:CONFIG][@SPLIT],
     or a save_to_disk folder) whose records are joined as they are (WikiText's records are its lines)."""
     if str(data).startswith("hf:") or Path(data).is_dir():
-        from .config import DataConfig
-        from .data import iter_documents
-
         with _from_hub(str(data), "perplexity"):
             return "".join(iter_documents(DataConfig(source=str(data), max_chars=max_chars)))
     return read_text(data, max_chars)
@@ -377,7 +362,7 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
         return Path(spec)
     name, _, split = spec[3:].partition("@")
     split = split or "validation"
-    root = Path(cache_dir or Path(os.environ.get("TINYGPT_CACHE", Path.home() / ".cache" / "tinygpt")) / "eval")
+    root = Path(cache_dir or cache_root("eval"))
     out = root / f"hellaswag-{name.replace('/', '--')}-{split}.txt"
     if not out.is_file():
         try:
@@ -388,7 +373,5 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
             text = "".join(line + "\n" for rec in datasets.load_dataset(name, split=split)
                            for line in hellaswag_lines(rec))
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)  # whole or not at all: a cut-off download is not taken for the data set
+        write_text_atomic(out, text)  # whole or not at all: a cut-off download is not taken for the data set
     return out

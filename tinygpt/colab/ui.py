@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import math
 import os
 import time
@@ -18,8 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import RECIPES, Recipe, get_recipe
-from .drive import DRIVE_RUNS, RUN_FILES, in_colab, mount_drive  # noqa: F401  (in_colab: for the notebooks)
+from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive  # noqa: F401  (in_colab: for the notebooks)
+from tinygpt.core.checkpoint import latest_valid, list_checkpoints
+from tinygpt.core.config import RECIPES, Recipe, get_recipe
+from tinygpt.core.files import atomic_output
+from tinygpt.core.rundir import RunDir
+from tinygpt.sync.drive import RUN_FILES
+from tinygpt.train.probe import (
+    ProbeError,
+    _requested_precision,
+    estimate_memory,
+    expectations,
+    hardware_report,
+    probe,
+)
 
 SMOKE_RECIPE = "cpu-smoke"
 SMOKE_SETTINGS: dict[str, int] = {"max_steps": 12, "save_every": 4, "eval_every": 4}
@@ -101,7 +112,6 @@ def hardware_table(report: Any) -> Table:
 
 def _precision_for(recipe: Recipe, report: Any) -> str:
     """The recipe's precision; the probe's where it says auto, or bf16 on a GPU that only emulates it."""
-    from .probe import _requested_precision  # one rule for the probe, the notebooks and pretrain
 
     p, _ = _requested_precision(recipe, report.device, report.native_bf16)
     return report.precision if p == "auto" else p
@@ -110,15 +120,12 @@ def _precision_for(recipe: Recipe, report: Any) -> str:
 def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) -> Any:
     """The probe's trial search (largest micro-batch that fits) where it is meaningful: on a CUDA GPU,
     or a cpu recipe anywhere (capped at `time_limit_s`); None elsewhere or when nothing fits."""
-    from .probe import ProbeError, probe
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if report.device != "cuda" and recipe.hardware != "cpu":
         return None
-    cache = Path(os.environ["TINYGPT_CACHE"]) / "probe" if os.environ.get("TINYGPT_CACHE") else None
-    kwargs = {"cache_dir": cache} if cache is not None else {}
     try:
-        return probe(recipe, time_limit_s=None if report.device == "cuda" else time_limit_s, **kwargs)
+        return probe(recipe, time_limit_s=None if report.device == "cuda" else time_limit_s)
     except ProbeError:
         return None
 
@@ -126,7 +133,6 @@ def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) 
 def summary(recipe: Recipe | str, report: Any, search: Any = None) -> Tables:
     """Hardware, the recipe's memory breakdown, the trial search (if given) and the expected
     memory, tokens/s and time to finish, for one recipe on this runtime."""
-    from .probe import estimate_memory, expectations
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     t, prec = recipe.train, _precision_for(recipe, report)
@@ -148,7 +154,6 @@ def summary(recipe: Recipe | str, report: Any, search: Any = None) -> Tables:
 
 def recipes_table(report: Any) -> Table:
     """Every recipe with its size and the expected memory, speed and time to finish on this runtime."""
-    from .probe import estimate_memory, expectations
 
     rows: list[tuple] = [("recipe", "for", "params", "context", "tokens", "memory", "fits", "tokens/s", "time")]
     for name in RECIPES:
@@ -210,7 +215,6 @@ class RunFolders:
 
     def mirrored_step(self) -> int | None:
         """The newest checkpoint step on the mirror (None when there is none)."""
-        from .checkpoint import list_checkpoints
         ckpts = list_checkpoints(self.mirror / "checkpoints")
         return ckpts[-1][0] if ckpts else None
 
@@ -234,7 +238,7 @@ def recipe_of_run(*run_dirs: str | Path | None) -> str | None:
     """The recipe name in the first of these run folders that has a readable run.json."""
     for d in run_dirs:
         try:
-            return str(json.loads((Path(d) / "run.json").read_text())["recipe"]["name"])
+            return str(RunDir(d).recipe_dict()["name"])
         except (TypeError, OSError, ValueError, KeyError):
             continue
     return None
@@ -249,7 +253,6 @@ def default_recipe(report: Any = None, resume_from: RunFolders | str | Path | No
     if smoke_mode():
         return SMOKE_RECIPE, "TINYGPT_SMOKE is set"
     if report is None:
-        from .probe import hardware_report
         report = hardware_report()
     return report.default_recipe, f"the probe's choice for this {report.hardware_class} runtime"
 
@@ -302,7 +305,6 @@ class RecipePicker:
 def recipe_picker(report: Any = None, resume_from: RunFolders | str | Path | None = None) -> RecipePicker:
     """The recipe dropdown; `report` defaults to `probe.hardware_report()`."""
     if report is None:
-        from .probe import hardware_report
         report = hardware_report()
     return RecipePicker(report, resume_from)
 
@@ -339,9 +341,8 @@ class LossPlot:
     def _earlier(self, step: int) -> list[dict]:
         """Entries before `step` in metrics.jsonl (the trainer cut it at the resumed step already)."""
         try:
-            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
-            return [m for m in map(json.loads, lines) if m.get("step", 0) < step]
-        except (OSError, ValueError):  # no log, or a line cut short: the plot starts here instead
+            return [m for m in RunDir(self.run_dir).metrics() if m.get("step", 0) < step]
+        except (OSError, ValueError):  # an unreadable log: the plot starts here instead
             return []
 
     def draw(self) -> Any:
@@ -401,7 +402,6 @@ _STORED = {".safetensors", ".pt", ".png"}  # already dense: deflating them costs
 def zip_run(run_dir: str | Path, dest: str | Path | None = None) -> Path:
     """<run>.zip beside the run folder: run files, plots and the newest valid checkpoint, which is
     enough to generate, export or resume (`unzip` it, then `tinygpt generate --run-dir <run>`)."""
-    from .checkpoint import latest_valid
 
     run_dir = Path(run_dir)
     ckpt = latest_valid(run_dir / "checkpoints")
@@ -411,10 +411,8 @@ def zip_run(run_dir: str | Path, dest: str | Path | None = None) -> Path:
     files += sorted(p for p in (run_dir / "plots").glob("*") if p.is_file())
     files += sorted(p for p in ckpt.iterdir() if p.is_file())
     dest = Path(dest) if dest is not None else run_dir.parent / f"{run_dir.name}.zip"
-    tmp = dest.with_name(f".tmp-{dest.name}")
-    with zipfile.ZipFile(tmp, "w") as z:  # written aside and renamed: never half a zip under the real name
+    with atomic_output(dest) as tmp, zipfile.ZipFile(tmp, "w") as z:  # never half a zip under the real name
         for f in files:
             kind = zipfile.ZIP_STORED if f.suffix in _STORED else zipfile.ZIP_DEFLATED
             z.write(f, Path(run_dir.name) / f.relative_to(run_dir), compress_type=kind)
-    os.replace(tmp, dest)
     return dest

@@ -11,7 +11,6 @@ This module knows files and folders, never models.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -24,12 +23,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .checkpoint import MANIFEST, list_checkpoints, replace_dir, sha256_file, verify_checkpoint
+from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
+from tinygpt.core.files import (
+    fresh_tmp_dir,
+    replace_dir,
+    sha256_file,
+    try_fsync,
+    write_bytes_atomic,
+)
+from tinygpt.core.rundir import RUN_FILES, parse_jsonl  # noqa: F401  (RUN_FILES: what a mirror keeps)
 
-RUN_FILES = ("run.json", "tokenizer.json", "metrics.jsonl", "samples.txt", "finetune.json", "adapter_config.json",
-             "tinygpt_finetune.json")
 CACHE_MARKER = "meta.json"  # a token cache is complete once its meta.json exists (written last)
-DRIVE_RUNS = Path("tinygpt", "runs")
 CopyFile = Callable[[Path, Path], Any]
 
 
@@ -66,46 +70,7 @@ class Backoff:
                 delay *= 2
 
 
-# ---- Colab ---------------------------------------------------------------------------------------
-
-def in_colab() -> bool:
-    try:
-        import google.colab  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def mount_drive(mountpoint: str | Path = "/content/drive", force_remount: bool = False, **kwargs) -> Path:
-    """Mount Google Drive (Colab only) and return its MyDrive folder."""
-    try:
-        from google.colab import drive
-    except ImportError:
-        raise RuntimeError("mount_drive needs Google Colab; elsewhere any folder can be the mirror "
-                           "(`tinygpt pretrain --mirror DIR`)") from None
-    drive.mount(str(mountpoint), force_remount=force_remount, **kwargs)
-    mydrive = Path(mountpoint) / "MyDrive"
-    if not mydrive.is_dir():
-        raise OSError(f"Drive did not appear at {mydrive}; try mount_drive(force_remount=True)")
-    return mydrive
-
-
-def drive_run_dir(name: str, mydrive: str | Path | None = None) -> Path:
-    """MyDrive/tinygpt/runs/<name> (mounting Drive first when `mydrive` is not given)."""
-    return Path(mydrive if mydrive is not None else mount_drive()) / DRIVE_RUNS / name
-
-
 # ---- folder copies -------------------------------------------------------------------------------
-
-def _fsync(path: Path) -> None:
-    # best effort: some FUSE mounts refuse fsync on folders; copies are verified by reading them back
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
 
 def _check(path: Path, info: dict[str, Any]) -> None:
     size = path.stat().st_size
@@ -122,27 +87,20 @@ def _files_of(manifest_bytes: bytes, where: Path) -> dict[str, dict[str, Any]]:
         raise SyncError(f"unreadable manifest in {where}: {e}") from None
 
 
-def _replace_dir(tmp: Path, dst: Path, tag: str) -> None:
-    replace_dir(tmp, dst, tag)
-
-
 def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: dict[str, bytes],
                  copy_file: CopyFile, tag: str) -> None:
     """Copy `files` (name -> size, sha256) into a temp folder, verifying each, then write `last`
     (name -> bytes) in order and rename the folder into place."""
-    tmp = dst.parent / f".tmp-{dst.name}-{tag}"
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = fresh_tmp_dir(dst, tag)
     try:
         for name, info in files.items():
             copy_file(src / name, tmp / name)
             _check(tmp / name, info)
-            _fsync(tmp / name)
+            try_fsync(tmp / name)
         for name, data in last.items():
             (tmp / name).write_bytes(data)
-            _fsync(tmp / name)
-        _replace_dir(tmp, dst, tag)
+            try_fsync(tmp / name)
+        replace_dir(tmp, dst, tag)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -152,15 +110,6 @@ def copy_checkpoint(src: str | Path, dst: str | Path, copy_file: CopyFile = _cop
     """Copy a checkpoint folder, data files verified against src's manifest, the manifest last."""
     raw = (Path(src) / MANIFEST).read_bytes()  # read once: a best/ replaced meanwhile fails the checks
     _copy_folder(Path(src), Path(dst), _files_of(raw, src), {MANIFEST: raw}, copy_file, tag or _new_tag())
-
-
-def _write_atomic(dst: Path, data: bytes, tag: str, mtime_ns: int) -> None:
-    tmp = dst.parent / f".tmp-{dst.name}-{tag}"
-    tmp.write_bytes(data)
-    _fsync(tmp)
-    with contextlib.suppress(OSError):  # keeps "is the mirror's copy newer" meaningful on restore
-        os.utime(tmp, ns=(mtime_ns, mtime_ns))
-    os.replace(tmp, dst)
 
 
 def _read_whole_lines(path: Path) -> bytes:
@@ -365,7 +314,7 @@ class Mirror:
             st = src.stat()
             if self._file_sigs.get(name) == (st.st_size, st.st_mtime_ns):
                 continue
-            _write_atomic(self.mirror / name, _read_whole_lines(src), self._tag, st.st_mtime_ns)
+            write_bytes_atomic(self.mirror / name, _read_whole_lines(src), st.st_mtime_ns, self._tag)
             self._file_sigs[name] = (st.st_size, st.st_mtime_ns)
 
     def _sync_checkpoint(self, key: str, src: Path, step: int) -> None:
@@ -474,7 +423,7 @@ def _restore_run_files(local: Path, mirror: Path, backoff: Backoff, copy_file: C
         src, dst = mirror / name, local / name
         if src.is_file() and (not dst.is_file() or src.stat().st_mtime > dst.stat().st_mtime):
             mtime_ns = src.stat().st_mtime_ns
-            backoff.run(lambda: _write_atomic(dst, src.read_bytes(), tag, mtime_ns))
+            backoff.run(lambda: write_bytes_atomic(dst, src.read_bytes(), mtime_ns, tag))
 
 
 # ---- token cache ---------------------------------------------------------------------------------

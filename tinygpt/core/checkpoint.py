@@ -8,7 +8,6 @@ and a load that finds a missing file or a wrong checksum refuses it, so the prev
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tinygpt.core.files import atomic_output, fsync, sha256_file, write_json_atomic
+from tinygpt.core.rundir import RunDir
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -66,31 +68,6 @@ def load_model_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> Non
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Persist a rename. Best effort: some filesystems (Drive's FUSE mount among them) refuse fsync
-    on folders, and the files inside were fsynced and checksummed already."""
-    try:
-        _fsync(path)
-    except OSError:
-        pass
-
-
 def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Hash every file in `folder` and write manifest.json (last, fsynced)."""
     files = {}
@@ -102,48 +79,19 @@ def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write JSON under a temporary name, fsync, rename: readers see the old file or the new one, whole."""
-    path = Path(path)
-    tmp = path.parent / (path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    _fsync(tmp)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_state: dict[str, Any],
                     meta: dict[str, Any] | None = None) -> Path:
     """Write a complete checkpoint folder at `path` atomically (replacing one already there)."""
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(model_sd, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-    torch.save(train_state, tmp / STATE_FILE)
-    for p in tmp.iterdir():
-        _fsync(p)
-    write_manifest(tmp, {"step": int(train_state.get("step", 0)), **(meta or {})})
-    _fsync_dir(tmp)
-    replace_dir(tmp, path)
+    with atomic_output(path, folder=True) as tmp:
+        save_file(model_sd, str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        torch.save(train_state, tmp / STATE_FILE)
+        for p in tmp.iterdir():
+            fsync(p)
+        write_manifest(tmp, {"step": int(train_state.get("step", 0)), **(meta or {})})
     return path
-
-
-def replace_dir(tmp: Path, dst: Path, tag: str | None = None) -> None:
-    """Rename a finished temporary folder to `dst`. An existing `dst` (e.g. best/) is moved aside
-    first, so a crash at any moment leaves one complete folder of the two."""
-    if dst.exists():
-        old = dst.parent / f".old-{dst.name}-{tag or os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dst)
-    _fsync_dir(dst.parent)
 
 
 def verify_checkpoint(path: str | Path, deep: bool = True) -> tuple[bool, str]:
@@ -247,28 +195,10 @@ def find_run_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
         if not ok:
             raise CheckpointError(f"checkpoint {p} is not valid: {why}")
         return p
-    if which == "best" and verify_checkpoint(run_dir / "best")[0]:
-        return run_dir / "best"
-    p = latest_valid(run_dir / "checkpoints")
+    if which == "best" and verify_checkpoint(RunDir(run_dir).best)[0]:
+        return RunDir(run_dir).best
+    p = latest_valid(RunDir(run_dir).checkpoints)
     if p is None:
         raise CheckpointError(f"{run_dir} holds no valid checkpoint; train first with "
                               f"`tinygpt pretrain --run-dir {run_dir}`")
     return p
-
-
-def load_run(run_dir: str | Path, which: str = "latest", device: str | torch.device = "cpu"):
-    """(model in eval mode, tokenizer, recipe, checkpoint folder) of a tinygpt run folder."""
-    from .config import Recipe
-    from .model import GPT
-    from .tokenizer import Tokenizer
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "run.json").is_file():
-        raise CheckpointError(f"{run_dir} is not a tinygpt run folder (no run.json)")
-    recipe = Recipe.from_dict(json.loads((run_dir / "run.json").read_text())["recipe"])
-    ckpt = find_run_checkpoint(run_dir, which)
-    sd, _, _ = load_checkpoint(ckpt, verify=True)
-    model = GPT(recipe.model)
-    load_model_state(model, sd)
-    tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
-    return model.to(device).eval(), tokenizer, recipe, ckpt

@@ -19,16 +19,28 @@ from typing import Callable
 
 import torch
 
-from .config import DEFAULT_RECIPE_FOR_HARDWARE, Recipe, get_recipe
-from .memory import (CUDA_CONTEXT_GB, FRAGMENTATION, GB, MemoryEstimate, TensorMemoryTracker,  # noqa: F401
-                     estimate_memory)
-from .model import GPT, meta_model
-from .optim import build_optimizer
-from .precision import Precision, choose_precision, native_bf16, resolve_device
+from tinygpt.core.config import DEFAULT_RECIPE_FOR_HARDWARE, Recipe, get_recipe
+from tinygpt.core.files import write_json_atomic
+from tinygpt.core.paths import cache_root
+from tinygpt.core.precision import (
+    Precision,
+    choose_precision,
+    native_bf16,
+    resolve_device,
+)
+from tinygpt.model.gpt import GPT, meta_model
+from tinygpt.train.memory import (  # noqa: F401
+    CUDA_CONTEXT_GB,
+    FRAGMENTATION,
+    GB,
+    MemoryEstimate,
+    TensorMemoryTracker,
+    estimate_memory,
+)
+from tinygpt.train.optim import build_optimizer
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
 CPU_GFLOPS_PER_CORE = 25.0  # a rough guess of what PyTorch gets from one core in fp32; for expectations only
-DEFAULT_CACHE_DIR = Path(os.environ.get("TINYGPT_CACHE", Path.home() / ".cache" / "tinygpt")) / "probe"
 
 # (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class).
 # Most specific first; a name matches as a whole word, so "L4" is not found in "L40S" nor "A10" in "A100".
@@ -294,7 +306,7 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
           memory_limit_gb: float | None = None, margin: float = 0.1,
           measure: Callable[[int, int, bool], float] | None = None, max_micro_batch: int | None = None,
           min_seq_len: int = 128, time_limit_s: float | None = None,
-          cache_dir: str | Path | None = DEFAULT_CACHE_DIR) -> ProbeResult:
+          cache_dir: str | Path | None = "default") -> ProbeResult:
     """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits in
     (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per step.
 
@@ -318,6 +330,8 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
                precision=prec.name, memory_limit_gb=round(memory_limit_gb, 2), margin=margin,
                max_micro_batch=max_micro_batch, min_seq_len=min_seq_len, injected_measure=measure is not None)
     path = None
+    if cache_dir == "default":
+        cache_dir = cache_root("probe")
     if cache_dir is not None:
         path = Path(cache_dir) / f"{_slug(name)}__{_slug(recipe.name)}__torch-{_slug(torch.__version__)}.json"
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
@@ -382,9 +396,7 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
                          final.tokens_per_s, time.perf_counter() - t0, notes, trials, key)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result.to_dict(), indent=1))
-        tmp.replace(path)  # atomic: a disconnect never leaves half a cache file
+        write_json_atomic(path, result.to_dict())  # a disconnect never leaves half a cache file
     return result
 
 
@@ -457,7 +469,7 @@ def format_table(rows: list[tuple]) -> str:
 
 
 def probe_command(recipe: str | None = None, as_json: bool = False, *,
-                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR) -> str:
+                  cache_dir: str | Path | None = "default") -> str:
     """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU;
     elsewhere the estimate stands in for it."""
     report = hardware_report()

@@ -1,14 +1,13 @@
 """Finetuning without the tensors: recipes, hardware, memory estimates, a base's config, the default
 recipe, and the files of a finetuning run folder (its settings, adapter folders, copies to Drive).
 
-`tinygpt.finetune` re-exports everything here. Nothing in this module loads a model: a recipe, its
+`tinygpt.finetune.lora` re-exports everything here. Nothing in this module loads a model: a recipe, its
 memory table and the default choice need only a base's `config.json`.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -17,7 +16,20 @@ from typing import Any, Iterable
 
 import torch
 
-from .config import TrainConfig
+from tinygpt.core.checkpoint import (
+    find_run_checkpoint,
+    latest_valid,
+    list_checkpoints,
+    write_manifest,
+)
+from tinygpt.core.config import Recipe, TrainConfig
+from tinygpt.core.files import atomic_output
+from tinygpt.core.paths import shared_data_dir
+from tinygpt.core.precision import resolve_device
+from tinygpt.core.rundir import RunDir
+from tinygpt.sync.drive import Backoff, copy_checkpoint
+from tinygpt.train.pretrain import pretrain
+from tinygpt.train.trainer import config_differences
 
 # The files of a finetuning run folder besides the trainer's (checkpoints/, metrics.jsonl).
 FINETUNE_INFO, ADAPTER_INFO = "finetune.json", "tinygpt_finetune.json"
@@ -120,7 +132,6 @@ def detect_hardware(device: torch.device | str) -> str:
 
 def this_hardware(device: str = "auto") -> tuple[str, float | None]:
     """(hardware class, GPU memory in GB or None) of this machine."""
-    from .precision import resolve_device
     dev = resolve_device(device)
     gpu_gb = torch.cuda.get_device_properties(dev).total_memory / 1e9 if dev.type == "cuda" else None
     return detect_hardware(dev), gpu_gb
@@ -186,8 +197,7 @@ def base_config_dict(base: str | Path) -> dict[str, Any]:
     """A base's `config.json` as a dict (what `memory_table` reads), without loading any weights;
     for a tinygpt run folder, that of the `LlamaForCausalLM` it is exported as."""
     if is_tinygpt_run(base):
-        from .config import Recipe
-        recipe = Recipe.from_dict(json.loads((Path(base).expanduser() / "run.json").read_text())["recipe"])
+        recipe = Recipe.from_dict(RunDir(Path(base).expanduser()).recipe_dict())
         return {"model_type": "llama", **recipe.model.to_hf_llama()}
     return base_config(str(base)).to_dict()
 
@@ -284,7 +294,6 @@ def default_finetune_recipe(base_config: dict[str, Any], hardware: str, memory_g
 # ----- the run folder's files --------------------------------------------------------------------
 def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any]) -> None:
     """Refuse a run folder whose finetune.json describes another run (the Trainer checks the TrainConfig)."""
-    from .trainer import config_differences
 
     def identity(i: dict) -> dict:
         return {k: i.get(k) for k in ("base", "data", "hardware")} | {
@@ -307,25 +316,20 @@ def _adapter_dir(path: str | Path) -> Path:
 def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None) -> Path:
     """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the checkpoint's
     model.safetensors already holds exactly PEFT's adapter weights under PEFT's names."""
-    from .checkpoint import find_run_checkpoint, replace_dir
     run_dir = Path(run_dir)
     if not (run_dir / "adapter_config.json").is_file():
         raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")
     ckpt = find_run_checkpoint(run_dir, which)
     out = Path(out_dir) if out_dir is not None else run_dir / ADAPTER_DIR
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shutil.copyfile(ckpt / "model.safetensors", tmp / "adapter_model.safetensors")
-    for name in ("adapter_config.json", ADAPTER_INFO):
-        shutil.copyfile(run_dir / name, tmp / name)
-    replace_dir(tmp, out)  # an old adapter is moved aside first: a crash leaves one of the two, whole
+    with atomic_output(out, folder=True) as tmp:  # an old adapter is replaced whole: a crash leaves one of the two
+        shutil.copyfile(ckpt / "model.safetensors", tmp / "adapter_model.safetensors")
+        for name in ("adapter_config.json", ADAPTER_INFO):
+            shutil.copyfile(run_dir / name, tmp / name)
     return out
 
 
 def _mirror_copy(what: str, fn) -> bool:
     """Run a copy to or from the mirror with a few retries; a Drive failure warns, it never stops a run."""
-    from .drive import Backoff
     try:
         Backoff(max_attempts=4).run(fn)
         return True
@@ -337,8 +341,6 @@ def _mirror_copy(what: str, fn) -> bool:
 
 def mirror_adapter(adapter_dir: Path, mirror: Path, step: int) -> Path | None:
     """Copy an adapter folder to mirror/adapter, each file checked against a manifest written here first."""
-    from .checkpoint import write_manifest
-    from .drive import copy_checkpoint
     write_manifest(adapter_dir, {"step": int(step), "kind": "adapter"})
     dst = mirror / ADAPTER_DIR
     return dst if _mirror_copy(f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst)) else None
@@ -351,7 +353,6 @@ class FinetuneStatus:
     mirror: Path | None = None
 
     def __str__(self) -> str:
-        from .checkpoint import list_checkpoints
         home, where = (self.mirror, "on Drive") if self.mirror is not None else (self.local, "here")
         steps = list_checkpoints(home / "checkpoints")
         lines = [f"local:  {self.local}"] + ([f"Drive:  {self.mirror}"] if self.mirror is not None else [])
@@ -372,15 +373,8 @@ def run_status(local: str | Path, mirror: str | Path | None = None) -> FinetuneS
 
 
 # ----- notebook smoke mode ------------------------------------------------------------------------
-def shared_data_dir() -> Path:
-    """The offline data sets (code_alpaca_2k.json, mbpp.jsonl): $TINYGPT_SHARED_DATA, else ../shared/data
-    beside a source checkout. Used by tests and the notebooks' smoke mode, never by a real run."""
-    default = Path(__file__).resolve().parents[2] / "shared" / "data"
-    return Path(os.environ.get("TINYGPT_SHARED_DATA") or default)
-
-
 def smoke_data() -> str:
-    path = shared_data_dir() / "code_alpaca_2k.json"
+    path = (shared_data_dir() or Path("../shared/data")) / "code_alpaca_2k.json"
     if not path.is_file():
         raise FinetuneError(f"smoke mode needs the offline Code Alpaca sample at {path}; set TINYGPT_SHARED_DATA "
                             "to the folder that holds code_alpaca_2k.json")
@@ -390,8 +384,6 @@ def smoke_data() -> str:
 def smoke_base(run_dir: str | Path) -> str:
     """A tinygpt base for smoke mode: cpu-smoke pretrained for 20 steps on the built-in corpus (seconds
     on a CPU, no network), made once and then reused."""
-    from .checkpoint import latest_valid
-    from .pretrain import pretrain
     if latest_valid(Path(run_dir) / "checkpoints") is None:
         pretrain("cpu-smoke", run_dir, max_steps=20, progress=False)
     return str(run_dir)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .config import TrainConfig
+from tinygpt.core.config import TrainConfig
 
 # Muon's learning rate relative to cfg.lr (the trainer sets group["lr"] = lr * lr_scale). With
 # adjust_lr_fn="match_rms_adamw" Muon's update has AdamW's RMS (0.2 sqrt(max(A, B)) scaling,

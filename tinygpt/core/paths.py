@@ -1,0 +1,26 @@
+"""Where things live outside a run folder: the cache root and the optional offline data sets.
+
+One definition each: `TINYGPT_CACHE` (default ~/.cache/tinygpt) holds token caches, probe results
+and downloaded evaluation data; `TINYGPT_SHARED_DATA` (default ../shared/data beside a source
+checkout) holds the larger offline data sets when a machine has them.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # a source checkout's root (meaningless for a wheel install)
+
+
+def cache_root(kind: str | None = None) -> Path:
+    """$TINYGPT_CACHE (default ~/.cache/tinygpt), or its sub-folder `kind` (tokens, probe, eval)."""
+    root = Path(os.environ.get("TINYGPT_CACHE") or Path.home() / ".cache" / "tinygpt")
+    return root / kind if kind else root
+
+
+def shared_data_dir() -> Path | None:
+    """The folder of offline data sets: $TINYGPT_SHARED_DATA, else ../shared/data beside a source
+    checkout (or beside the working directory); None where there is none (a pip install in Colab)."""
+    env = os.environ.get("TINYGPT_SHARED_DATA")
+    candidates = [Path(env)] if env else [REPO_ROOT.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
+    return next((d for d in candidates if d.is_dir()), None)

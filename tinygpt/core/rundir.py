@@ -1,0 +1,150 @@
+"""A run folder: the one place that knows its file names and formats.
+
+    runs/<name>/
+      run.json          the recipe, precision, device, data, probe decisions, versions (written by pretrain)
+      tokenizer.json    kept once written: a resumed run must tokenize the same way
+      metrics.jsonl     one JSON object per logged step (a killed run may leave the last line cut short)
+      samples.txt       text sampled at intervals
+      finetune.json     a finetuning run's settings (instead of run.json)
+      adapter_config.json, tinygpt_finetune.json, adapter/   a finetuning run's PEFT adapter
+      checkpoints/step_NNNNNN/   model.safetensors, state.pt, manifest.json (see core.checkpoint)
+      best/             the checkpoint with the lowest validation loss
+      plots/, tb/       pictures and TensorBoard logs
+
+Every reader of these files goes through `RunDir`, so a cut-off line or a garbage file gets the same
+one-line error everywhere, naming the file and what to do.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tinygpt.core.files import write_json_atomic
+
+RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metrics.jsonl", "samples.txt"
+FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
+                                                            "tinygpt_finetune.json", "adapter")
+CHECKPOINTS, BEST = "checkpoints", "best"
+# the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
+RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO)
+
+
+class RunDirError(ValueError):
+    """A run folder's file is missing or unreadable; the message names the file and what to do."""
+
+
+def read_json(path: str | Path, what: str = "") -> Any:
+    """A JSON file, or a one-line RunDirError that names it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunDirError(f"{path} does not exist{what}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RunDirError(f"{path} is not valid JSON ({e}); restore it from the mirror or start a new run "
+                          "folder") from None
+
+
+def parse_jsonl(text: str, path: Path | str = METRICS) -> list[dict[str, Any]]:
+    """The records of a JSON-lines text. A cut-off last line (a process killed mid-write) is dropped;
+    a bad line anywhere else is an error."""
+    lines = [ln for ln in text.split("\n") if ln.strip()]
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            if i == len(lines):
+                break
+            raise RunDirError(f"{path} line {i} is not JSON ({e}); it holds one JSON object per line") from None
+        if not isinstance(rec, dict):
+            raise RunDirError(f"{path} line {i} is not a JSON object; it holds one JSON object per line")
+        records.append(rec)
+    return records
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The files of one run folder. `RunDir(path)` does no I/O."""
+    path: Path
+
+    def __init__(self, path: str | Path):
+        object.__setattr__(self, "path", Path(path))
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    # -- what it is
+    def is_pretrain_run(self) -> bool:
+        return (self.path / RUN_JSON).is_file()
+
+    def is_finetune_run(self) -> bool:
+        return (self.path / ADAPTER_CONFIG).is_file()
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def best(self) -> Path:
+        return self.path / BEST
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / METRICS
+
+    # -- run.json
+    def info(self) -> dict[str, Any]:
+        """run.json as a dict (a RunDirError when it is missing, garbage or not a run's)."""
+        if not (self.path / RUN_JSON).is_file():
+            raise RunDirError(f"{self.path} is not a tinygpt run folder (no {RUN_JSON}); train one with "
+                              f"`tinygpt pretrain --run-dir {self.path}`")
+        info = read_json(self.path / RUN_JSON)
+        if not isinstance(info, dict) or not isinstance(info.get("recipe"), dict):
+            raise RunDirError(f"{self.path / RUN_JSON} does not hold a run's recipe; restore it from the mirror or "
+                              "start a new run folder")
+        return info
+
+    def info_or_empty(self) -> dict[str, Any]:
+        return self.info() if self.is_pretrain_run() else {}
+
+    def recipe_dict(self) -> dict[str, Any]:
+        return self.info()["recipe"]
+
+    def write_info(self, info: dict[str, Any]) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path / RUN_JSON, info)
+
+    # -- metrics.jsonl
+    def metrics(self) -> list[dict[str, Any]]:
+        """The logged records; [] when nothing was logged yet."""
+        p = self.metrics_path
+        return parse_jsonl(p.read_text(encoding="utf-8"), p) if p.is_file() else []
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def keep_metrics_through(self, step: int) -> list[dict[str, Any]]:
+        """Cut metrics.jsonl to the records up to `step` (a resumed run's log then equals an unbroken
+        one); returns them. A cut-off line is dropped."""
+        kept = [m for m in self.metrics() if m.get("step", 0) <= step]
+        if self.metrics_path.exists():
+            self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept), encoding="utf-8")
+        return kept
+
+    # -- samples.txt
+    def samples(self) -> str:
+        p = self.path / SAMPLES
+        return p.read_text(encoding="utf-8") if p.is_file() else ""
+
+    def append_sample(self, text: str) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / SAMPLES, "a", encoding="utf-8") as f:
+            f.write(text)

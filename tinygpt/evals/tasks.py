@@ -1,0 +1,146 @@
+"""The evaluation tasks, one registry: `tinygpt eval --task`, `run_eval` and the notebooks read it.
+
+A new task is one function (in its own module when it is more than a few lines) and one entry in
+`TASKS`: its name, what data it needs, and how it scores a loaded model. `run_eval` loads the model
+once (a tinygpt run, a finetuning run with its adapter folded in, or a Hugging Face folder).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tinygpt.core.rundir import RunDir
+from tinygpt.evals import code, lm
+from tinygpt.evals.runs import summarize_run
+from tinygpt.finetune.lora import load_finetuned
+from tinygpt.model.generate import generate_text
+from tinygpt.model.hf import hf_generate_fn, load_hf_causal_lm
+from tinygpt.model.loading import load_run
+
+
+@dataclass
+class Request:
+    """What a caller asked for, the same for every task (each task reads the fields it uses)."""
+    data: str | Path | None = None
+    limit: int | None = None
+    window: int | None = None
+    stride: int | None = None
+    max_chars: int | None = None
+    batch_size: int | None = None
+    n: int = 1
+    ks: Sequence[int] = (1,)
+    max_new_tokens: int = 384
+    temperature: float | None = None
+    progress: bool = False
+
+
+@dataclass
+class Loaded:
+    """A model loaded for evaluation and where it came from."""
+    model: Any
+    tokenizer: Any
+    source: str
+    is_hf: bool
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    help: str                                             # one line for `tinygpt eval --help`
+    data_help: str | None                                 # what --data must be; None: the task needs no data
+    score: Callable[[Loaded, Request], dict[str, Any]] | None  # None: needs no model (reads the run folder)
+
+
+def _perplexity(m: Loaded, r: Request) -> dict[str, Any]:
+    return lm.perplexity(m.model, m.tokenizer, lm.load_eval_text(r.data, r.max_chars), r.window, r.stride,
+                         r.batch_size or 4, r.progress)
+
+
+def _hellaswag(m: Loaded, r: Request) -> dict[str, Any]:
+    return lm.hellaswag(m.model, m.tokenizer, lm.hellaswag_path(r.data), r.limit, r.batch_size or 16, r.progress)
+
+
+def _generator(m: Loaded, max_new_tokens: int, temperature: float) -> Callable[[str], str]:
+    if m.is_hf:
+        return hf_generate_fn(m.model, m.tokenizer, max_new_tokens, temperature)
+
+    def generate(prompt: str) -> str:
+        greedy = temperature == 0
+        text = generate_text(m.model, m.tokenizer, prompt, max_new_tokens, temperature=1.0 if greedy else temperature,
+                             top_k=1 if greedy else None)
+        return text[len(prompt):]  # byte-level BPE decodes the prompt back exactly
+
+    return generate
+
+
+def _code_task(load: Callable[[str | Path], list[code.CodeProblem]]):
+    def score(m: Loaded, r: Request) -> dict[str, Any]:
+        problems = load(r.data)[:r.limit]
+        temperature = (0.0 if r.n == 1 else 0.8) if r.temperature is None else r.temperature
+        generate = _generator(m, r.max_new_tokens, temperature)
+        return {"temperature": temperature, **code.evaluate_code(problems, generate, r.n, r.ks, progress=r.progress)}
+    return score
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (
+    Task("perplexity", "perplexity and bits per byte of a text", lm.DATA_HELP["perplexity"], _perplexity),
+    Task("hellaswag", "HellaSwag accuracy (acc and acc_norm)", lm.DATA_HELP["hellaswag"], _hellaswag),
+    Task("humaneval", "HumanEval pass@k (runs generated code)", lm.DATA_HELP["humaneval"], _code_task(code.load_humaneval)),
+    Task("mbpp", "MBPP pass@k on problems 11-510 (runs generated code)", lm.DATA_HELP["mbpp"], _code_task(code.load_mbpp)),
+    Task("summary", "a run's metrics.jsonl summarised, with a diagnosis (no model)", None, None),
+)}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def check_request(task: Task, r: Request) -> None:
+    """Refuse a request that cannot work before any model is loaded."""
+    for name in ("limit", "max_chars", "batch_size"):
+        v = getattr(r, name)
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be a positive number (or left out), got {v}")
+    if task.data_help is None:
+        return
+    if r.data is None:
+        raise ValueError(f"task {task.name} needs data (--data): {task.data_help}")
+    if not str(r.data).startswith("hf:") and not Path(r.data).exists():
+        raise FileNotFoundError(f"no data file at {r.data}; task {task.name} needs {task.data_help}")
+    if task.name in ("humaneval", "mbpp"):
+        for k in r.ks:
+            code.pass_at_k(r.n, 0, k)  # raises for k > n, saying what to do
+
+
+def load_for_eval(path: str | Path, which: str = "latest", device: str = "cpu") -> Loaded:
+    """A tinygpt run folder, a finetuning run (its adapter folded into the base: plain model speed),
+    or a Hugging Face model folder (config.json)."""
+    run = RunDir(path)
+    if run.is_finetune_run():
+        model, tok = load_finetuned(run.path, merge=True, device=device)
+        return Loaded(model, tok, str(run.path), True)
+    if (run / "config.json").is_file() and not run.is_pretrain_run():
+        model, tok = load_hf_causal_lm(run.path, device)
+        return Loaded(model, tok, str(run.path), True)
+    model, tok, _, ckpt = load_run(run.path, which, device)
+    return Loaded(model, tok, str(ckpt), False)
+
+
+def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: str = "cpu",
+             **request: Any) -> dict[str, Any]:
+    """Evaluate a run folder (see `load_for_eval`) on one task of `TASKS`; `request` holds the fields of
+    `Request` (data, limit, window, stride, max_chars, batch_size, n, ks, max_new_tokens, temperature,
+    progress). Perplexity: `data` a text file or hf:NAME[:CONFIG][@SPLIT] (see `lm.eval_data`);
+    hellaswag: hellaswag_val.txt[.bz2] or hf:Rowan/hellaswag@validation; humaneval / mbpp: the problems
+    file, pass@k for `ks` with `n` samples per problem, greedy for n == 1 and temperature 0.8 above."""
+    t = get_task(task)
+    if t.score is None:
+        return summarize_run(run_dir)
+    r = Request(**request)
+    check_request(t, r)
+    loaded = load_for_eval(run_dir, which, device)
+    head = {"run": Path(run_dir).name, "checkpoint": loaded.source, "task": task, "data": str(r.data)}
+    return {**head, **t.score(loaded, r)}
