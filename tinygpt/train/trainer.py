@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import TrainConfig
@@ -31,6 +32,7 @@ from tinygpt.core.precision import (
     resolve_device,
 )
 from tinygpt.core.rundir import RunDir
+from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
 from tinygpt.train.optim import build_optimizer
 
@@ -105,6 +107,40 @@ def set_rng_state(s: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+@dataclass
+class _Step:
+    """What one optimizer step leaves on the device for the actions after it."""
+    lr: float
+    loss_sum: torch.Tensor   # summed token loss of the step (this rank's, until reduced)
+    n_targets: int           # target tokens of the whole global step
+    grad_norm: torch.Tensor
+
+
+@dataclass
+class _Due:
+    """Which periodic actions fall on this step."""
+    log: bool
+    eval: bool
+    save: bool
+
+
+@dataclass
+class _Loop:
+    """What the loop carries from step to step."""
+    history: list[dict]
+    bar: Any
+    old_handlers: dict
+    last_saved: Path | None
+    resumed_from: int | None
+    saved_step: int | None
+    t0: float
+    tokens_since: int = 0
+    last_loss: float | None = None
+    val_loss: float | None = None
+    tok_s: float | None = None
+    stopping: bool = False
+
+
 class Trainer:
     """Trains `model` on batches from `train_source`, evaluating on fixed `val_batches`.
 
@@ -158,6 +194,8 @@ class Trainer:
             self.forward_model = self.eval_model = torch.compile(self.model) if use_compile else self.model
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         self.scaler = dist_.grad_scaler(self.precision, self.model)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._loss_sum = torch.zeros((), device=self.device)
 
     # ----- checkpoints -------------------------------------------------------------------------
     @property
@@ -224,7 +262,7 @@ class Trainer:
                 loss = self.loss_fn(self.eval_model, x.to(self.device), y.to(self.device)).double()
             if i < n:
                 total += loss
-                count += int((y != -100).sum())
+                count += int((y != IGNORE_INDEX).sum())
         self.model.train()
         if W > 1:
             both = dist_.all_reduce_sum_(torch.stack([total, torch.tensor(float(count), device=self.device,
@@ -260,116 +298,151 @@ class Trainer:
         """DDP / FSDP2: skip the gradient reduction on all but the last micro-step."""
         return dist_.gradient_sync(self.forward_model, self.model, last)
 
+    # ----- the loop: restore, then per step one optimizer step and the periodic actions after it ----
     def fit(self, resume: str = "auto") -> TrainResult:
-        cfg = self.cfg
-        resumed_from = None
+        """Train to `cfg.max_steps`: restore (`resume` "auto", "never" or a checkpoint folder), then
+        each step: one optimizer step; after it, as due: log, evaluate, keep the best, save. Ends with
+        a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the same way."""
+        loop = self._start(resume)
+        try:
+            while self.step < self.cfg.max_steps and not loop.stopping:
+                step = self._optimizer_step()
+                loop.tokens_since += self.cfg.tokens_per_step  # the global batch
+                loop.stopping = self._agree_to_stop()
+                due = self._due(loop.stopping)
+                if self.world_size > 1 and (due.log or due.save):
+                    dist_.all_reduce_sum_(step.loss_sum)  # the global sum: logged, and checked the same on all ranks
+                if due.log:
+                    self._log_step(loop, step, due)
+                elif due.eval:
+                    self._log_eval(loop)
+                if due.eval:
+                    self._keep_best(loop)
+                if due.save:
+                    self._save_step(loop, step)
+                if loop.bar is not None:
+                    loop.bar.update(1)
+            if self.step > 0 and loop.saved_step != self.step:
+                loop.last_saved = self.save() or loop.last_saved  # training always ends with a checkpoint
+        except Exception as e:
+            self._raise_peer_failure(e, loop)
+            raise
+        finally:
+            self._finish(loop)
+        return TrainResult(self.run_dir, self.step, loop.last_loss, loop.val_loss, self.best_val_loss,
+                           loop.last_saved, loop.tok_s, loop.resumed_from, loop.stopping, loop.history)
+
+    def _start(self, resume: str) -> _Loop:
+        """Restore the newest valid checkpoint (or the one named), cut the log to it, install the
+        signal handlers and the progress bar."""
         last_saved: Path | None = None
         if resume == "auto":
             last_saved = ckpt.latest_valid(self.ckpt_root)  # hashes it: no second check on load
             if last_saved is not None:
                 self.resume(last_saved, verified=True)
-                resumed_from = self.step
         elif resume != "never":
             last_saved = Path(resume)
             self.resume(last_saved)
-            resumed_from = self.step
+        resumed_from = self.step if last_saved is not None else None
         history = self._truncate_metrics()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        old_handlers = self._install_signal_handlers()
         bar = None
         if self.progress and self.is_main:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        loss_acc = torch.zeros((), device=self.device)
-        t0, tokens_since = time.perf_counter(), 0
-        last_loss = val_loss = tok_s = None
-        saved_step = resumed_from  # the same on every rank (only rank 0 gets a path back from save)
-        stopping = False
+            bar = tqdm(total=self.cfg.max_steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
         self.model.train()
-        try:
-            while self.step < cfg.max_steps and not stopping:
-                lr = lr_at(self.step, cfg)
-                for g in self.optimizer.param_groups:
-                    g["lr"] = lr * g.get("lr_scale", 1.0)
-                micro = [self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
-                         for _ in range(self.grad_accum_steps)]
-                n_targets = sum(int((y != -100).sum()) for _, y in micro)  # on the host: no sync
-                # DDP / FSDP2 average gradients over ranks: scale by W over the global target count
-                n_global = dist_.agree_sum([n_targets])[0] if self.world_size > 1 else n_targets
-                # The logged loss is this step's own (not an average since the last log), so a run
-                # resumed between two logs writes the same numbers as one never stopped.
-                loss_acc.zero_()
-                for i, (x, y) in enumerate(micro):
-                    x, y = self._batch_to_device(x, y)
-                    with self._no_sync(i == len(micro) - 1), self.precision.autocast():
-                        loss_sum = self.loss_fn(self.forward_model, x, y)
-                        self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
-                    loss_acc += loss_sum.detach().float()
-                self.scaler.unscale_(self.optimizer)
-                grad_norm = dist_.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.step += 1
-                tokens_since += cfg.tokens_per_step  # the global batch
-                # Every rank must stop at the same step, however the signals reached them.
-                stopping = self._stop_signal is not None
-                if self.world_size > 1:
-                    stopping = dist_.agree_sum([int(stopping)])[0] > 0
-                last_step = self.step == cfg.max_steps
-                log_step = self.step % cfg.log_every == 0 or last_step
-                will_save = bool((cfg.save_every and self.step % cfg.save_every == 0) or last_step or stopping)
-                if self.world_size > 1 and (log_step or will_save):
-                    dist_.all_reduce_sum_(loss_acc)  # the global sum: logged, and checked the same on all ranks
-                if log_step:
-                    last_loss = loss_acc.item() / max(n_global, 1)  # the one sync per log interval
-                    self._check_finite(last_loss, last_saved)
-                    dt = time.perf_counter() - t0
-                    tok_s = tokens_since / dt if dt > 0 else None
-                    m = {"step": self.step, "loss": round(last_loss, 6), "lr": lr, "grad_norm": float(grad_norm),
-                         "tokens": self.step * cfg.tokens_per_step,
-                         "tokens_per_s": round(tok_s, 1) if tok_s else None}
-                    if tok_s and self.flops_per_token and self.peak_tflops:  # peak is one GPU's
-                        m["mfu"] = round(tok_s * self.flops_per_token
-                                         / (self.peak_tflops * 1e12 * self.world_size), 4)
-                    if self.device.type == "cuda":
-                        m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
-                    if cfg.eval_every and (self.step % cfg.eval_every == 0 or last_step):
-                        val_loss = m["val_loss"] = self.evaluate()
-                    t0, tokens_since = time.perf_counter(), 0
-                    self._log(m, history, bar)
-                elif cfg.eval_every and self.step % cfg.eval_every == 0:
-                    val_loss = self.evaluate()
-                    self._log({"step": self.step, "val_loss": val_loss}, history, bar)
-                if cfg.eval_every and val_loss is not None and (self.step % cfg.eval_every == 0 or last_step) \
-                        and (self.best_val_loss is None or val_loss < self.best_val_loss):
-                    self.best_val_loss = val_loss
-                    self.save(best=True)
-                if will_save:
-                    # never write a checkpoint from weights that a NaN may have reached
-                    self._check_finite(float(loss_acc), last_saved)
-                    self._check_finite(float(grad_norm), last_saved, what="gradient norm")
-                    last_saved, saved_step = self.save() or last_saved, self.step
-                if bar is not None:
-                    bar.update(1)
-            if self.step > 0 and saved_step != self.step:
-                last_saved = self.save() or last_saved  # training always ends with a checkpoint
-        except Exception as e:
-            if self.world_size > 1 and not isinstance(e, TrainingError) and dist_.is_peer_failure(e):
-                raise TrainingError(f"process {self.rank} of {self.world_size} lost its peers at step {self.step} "
-                                    f"({type(e).__name__}: {str(e)[:160]}...): another "
-                                    "process of this job died or hung (torchrun's report names it). The last "
-                                    f"good checkpoint is {last_saved or ckpt.latest_valid(self.ckpt_root)}; run "
-                                    "the same command again, with any number of processes, to resume from it") from e
-            raise
-        finally:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            if bar is not None:
-                bar.close()
-        return TrainResult(self.run_dir, self.step, last_loss, val_loss, self.best_val_loss, last_saved, tok_s,
-                           resumed_from, stopping, history)
+        # saved_step is the same on every rank (only rank 0 gets a path back from save)
+        return _Loop(history, bar, self._install_signal_handlers(), last_saved, resumed_from, resumed_from,
+                     time.perf_counter())
+
+    def _optimizer_step(self) -> _Step:
+        """One optimizer step over `grad_accum_steps` micro-batches, the loss divided by the target
+        tokens of the whole (global) step. Nothing is read back from the device here."""
+        lr = lr_at(self.step, self.cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)
+        micro = [self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
+                 for _ in range(self.grad_accum_steps)]
+        n_targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)  # on the host: no sync
+        # DDP / FSDP2 average gradients over ranks: scale by W over the global target count
+        n_global = dist_.agree_sum([n_targets])[0] if self.world_size > 1 else n_targets
+        # The logged loss is this step's own (not an average since the last log), so a run
+        # resumed between two logs writes the same numbers as one never stopped.
+        self._loss_sum.zero_()
+        for i, (x, y) in enumerate(micro):
+            x, y = self._batch_to_device(x, y)
+            with self._no_sync(i == len(micro) - 1), self.precision.autocast():
+                loss_sum = self.loss_fn(self.forward_model, x, y)
+                self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
+            self._loss_sum += loss_sum.detach().float()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = dist_.local_value(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return _Step(lr, self._loss_sum, n_global, grad_norm)
+
+    def _agree_to_stop(self) -> bool:
+        """Every rank must stop at the same step, however the signals reached them."""
+        stopping = self._stop_signal is not None
+        if self.world_size > 1:
+            stopping = dist_.agree_sum([int(stopping)])[0] > 0
+        return stopping
+
+    def _due(self, stopping: bool) -> _Due:
+        cfg, step = self.cfg, self.step
+        last = step == cfg.max_steps
+        return _Due(log=step % cfg.log_every == 0 or last,
+                    eval=bool(cfg.eval_every) and (step % cfg.eval_every == 0 or last),
+                    save=bool((cfg.save_every and step % cfg.save_every == 0) or last or stopping))
+
+    def _log_step(self, loop: _Loop, step: _Step, due: _Due) -> None:
+        """A metrics.jsonl record of this step (the one host-device sync per log interval)."""
+        loop.last_loss = step.loss_sum.item() / max(step.n_targets, 1)
+        self._check_finite(loop.last_loss, loop.last_saved)
+        dt = time.perf_counter() - loop.t0
+        loop.tok_s = loop.tokens_since / dt if dt > 0 else None
+        m = {"step": self.step, "loss": round(loop.last_loss, 6), "lr": step.lr, "grad_norm": float(step.grad_norm),
+             "tokens": self.step * self.cfg.tokens_per_step,
+             "tokens_per_s": round(loop.tok_s, 1) if loop.tok_s else None}
+        if loop.tok_s and self.flops_per_token and self.peak_tflops:  # peak is one GPU's
+            m["mfu"] = round(loop.tok_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size), 4)
+        if self.device.type == "cuda":
+            m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
+        if due.eval:
+            loop.val_loss = m["val_loss"] = self.evaluate()
+        loop.t0, loop.tokens_since = time.perf_counter(), 0
+        self._log(m, loop.history, loop.bar)
+
+    def _log_eval(self, loop: _Loop) -> None:
+        loop.val_loss = self.evaluate()
+        self._log({"step": self.step, "val_loss": loop.val_loss}, loop.history, loop.bar)
+
+    def _keep_best(self, loop: _Loop) -> None:
+        if loop.val_loss is not None and (self.best_val_loss is None or loop.val_loss < self.best_val_loss):
+            self.best_val_loss = loop.val_loss
+            self.save(best=True)
+
+    def _save_step(self, loop: _Loop, step: _Step) -> None:
+        # never write a checkpoint from weights that a NaN may have reached
+        self._check_finite(float(step.loss_sum), loop.last_saved)
+        self._check_finite(float(step.grad_norm), loop.last_saved, what="gradient norm")
+        loop.last_saved, loop.saved_step = self.save() or loop.last_saved, self.step
+
+    def _raise_peer_failure(self, e: Exception, loop: _Loop) -> None:
+        """Under torchrun, a dead or hung peer becomes one message that says how to resume."""
+        if self.world_size > 1 and not isinstance(e, TrainingError) and dist_.is_peer_failure(e):
+            raise TrainingError(f"process {self.rank} of {self.world_size} lost its peers at step {self.step} "
+                                f"({type(e).__name__}: {str(e)[:160]}...): another "
+                                "process of this job died or hung (torchrun's report names it). The last "
+                                f"good checkpoint is {loop.last_saved or ckpt.latest_valid(self.ckpt_root)}; run "
+                                "the same command again, with any number of processes, to resume from it") from e
+
+    def _finish(self, loop: _Loop) -> None:
+        for s, h in loop.old_handlers.items():
+            signal.signal(s, h)
+        if loop.bar is not None:
+            loop.bar.close()
 
     def _check_finite(self, value: float, last_saved: Path | None, what: str = "loss") -> None:
         if math.isfinite(value):
