@@ -21,7 +21,7 @@ from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive  # noqa: F401 
 from tinygpt.core.checkpoint import latest_valid, list_checkpoints
 from tinygpt.core.config import RECIPES, Recipe, get_recipe
 from tinygpt.core.files import atomic_output
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.sync.drive import RUN_FILES
 from tinygpt.train.probe import (
     ProbeError,
@@ -219,7 +219,7 @@ class RunFolders:
         return ckpts[-1][0] if ckpts else None
 
     def __str__(self) -> str:
-        step, recipe = self.mirrored_step(), recipe_of_run(self.mirror, self.local)
+        step, recipe = self.mirrored_step(), recipe_name_of(self.mirror, self.local)
         state = (f"on Drive: step {step} of recipe {recipe}; training continues from there" if step is not None
                  else "nothing on Drive yet: a new run")
         return f"run {self.name!r}\n  local:  {self.local}\n  Drive:  {self.mirror}\n  {state}"
@@ -234,20 +234,10 @@ def run_folders(name: str, mydrive: str | Path) -> RunFolders:
     return RunFolders(name, workdir() / "runs" / name, Path(mydrive) / DRIVE_RUNS / name)
 
 
-def recipe_of_run(*run_dirs: str | Path | None) -> str | None:
-    """The recipe name in the first of these run folders that has a readable run.json."""
-    for d in run_dirs:
-        try:
-            return str(RunDir(d).recipe_dict()["name"])
-        except (TypeError, OSError, ValueError, KeyError):
-            continue
-    return None
-
-
 def default_recipe(report: Any = None, resume_from: RunFolders | str | Path | None = None) -> tuple[str, str]:
     """(recipe name, why): the run being resumed decides first, then smoke mode, then the probe."""
     folders = (resume_from.mirror, resume_from.local) if isinstance(resume_from, RunFolders) else (resume_from,)
-    resumed = recipe_of_run(*folders)
+    resumed = recipe_name_of(*folders)
     if resumed in RECIPES:
         return resumed, "the recipe of the run on Drive (it continues where it stopped)"
     if smoke_mode():

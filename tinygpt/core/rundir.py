@@ -31,6 +31,11 @@ CHECKPOINTS, BEST = "checkpoints", "best"
 RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO)
 
 
+def recipe_name_of(*run_dirs: str | Path | None) -> str | None:
+    """The recipe name in the first of these run folders (local, mirror ...) that has one."""
+    return next((n for d in run_dirs if d is not None and (n := RunDir(d).recipe_name()) is not None), None)
+
+
 class RunDirError(ValueError):
     """A run folder's file is missing or unreadable; the message names the file and what to do."""
 
@@ -138,6 +143,16 @@ class RunDir:
         if self.metrics_path.exists():
             self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept), encoding="utf-8")
         return kept
+
+    def recipe_name(self) -> str | None:
+        """The recipe a run was started with: run.json's for pretraining, finetune.json's for finetuning;
+        None when neither is readable."""
+        for name in (RUN_JSON, FINETUNE_JSON):
+            try:
+                return str(read_json(self.path / name)["recipe"]["name"])
+            except (RunDirError, TypeError, KeyError):
+                continue
+        return None
 
     # -- samples.txt
     def samples(self) -> str:

@@ -66,7 +66,6 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     is_tinygpt_run,
     memory_table,
     mirror_adapter,
-    recipe_of_finetune,
     recipe_rows,
     run_status,
     shared_data_dir,

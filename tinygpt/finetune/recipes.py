@@ -7,7 +7,6 @@ memory table and the default choice need only a base's `config.json`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -26,10 +25,10 @@ from tinygpt.core.config import Recipe, TrainConfig
 from tinygpt.core.files import atomic_output
 from tinygpt.core.paths import shared_data_dir
 from tinygpt.core.precision import resolve_device
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.sync.drive import Backoff, copy_checkpoint
 from tinygpt.train.pretrain import pretrain
-from tinygpt.train.trainer import config_differences
+from tinygpt.core.config import check_same_settings
 
 # The files of a finetuning run folder besides the trainer's (checkpoints/, metrics.jsonl).
 FINETUNE_INFO, ADAPTER_INFO = "finetune.json", "tinygpt_finetune.json"
@@ -264,21 +263,11 @@ def base_rows(base_config: dict[str, Any]) -> list[tuple]:
 
 
 # ----- the default --------------------------------------------------------------------------------
-def recipe_of_finetune(*run_dirs: str | Path | None) -> str | None:
-    """The recipe name in the first of these finetuning run folders that has a readable finetune.json."""
-    for d in run_dirs:
-        try:
-            return str(json.loads((Path(d) / FINETUNE_INFO).read_text())["recipe"]["name"])
-        except (TypeError, OSError, ValueError, KeyError):
-            continue
-    return None
-
-
 def default_finetune_recipe(base_config: dict[str, Any], hardware: str, memory_gb: float | None = None,
                             resume_from: Iterable[str | Path | None] = ()) -> tuple[str, str]:
     """(recipe name, why): the run being resumed decides first; on a GPU lora-r16 when its estimate
     fits `memory_gb` with 10% to spare, else qlora-r16; on a CPU lora-r8 (4-bit kernels are slow there)."""
-    resumed = recipe_of_finetune(*resume_from)
+    resumed = recipe_name_of(*resume_from)
     if resumed in FINETUNE_RECIPES:
         return resumed, "the recipe of the run on Drive (it continues where it stopped)"
     if hardware == "cpu":
@@ -298,10 +287,8 @@ def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any
     def identity(i: dict) -> dict:
         return {k: i.get(k) for k in ("base", "data", "hardware")} | {
             k: i["recipe"].get(k) for k in ("lora", "quantize", "template", "pack")}
-    diffs = config_differences(identity(old), identity(new)) if old is not None else []
-    if diffs:
-        raise FinetuneError(f"run folder {run_dir} holds another finetuning run:\n  " + "\n  ".join(diffs)
-                            + "\nuse a new run folder, or the same settings to resume")
+    check_same_settings(f"run folder {run_dir}", identity(old) if old is not None else None, identity(new),
+                        "another finetuning run")
 
 
 def _adapter_dir(path: str | Path) -> Path:
@@ -357,7 +344,7 @@ class FinetuneStatus:
         steps = list_checkpoints(home / "checkpoints")
         lines = [f"local:  {self.local}"] + ([f"Drive:  {self.mirror}"] if self.mirror is not None else [])
         if steps:
-            lines.append(f"{where}: step {steps[-1][0]} of recipe {recipe_of_finetune(home, self.local)}; "
+            lines.append(f"{where}: step {steps[-1][0]} of recipe {recipe_name_of(home, self.local)}; "
                          "finetuning continues from there")
         else:
             lines.append(f"nothing {where} yet: a new run")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,10 @@ import torch
 
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.config import ConfigError, Recipe, get_recipe
+from tinygpt.core.config import ConfigError, Recipe, check_same_settings, get_recipe
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import RunDir
-from tinygpt.model.generate import generate_text
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.drive import (
@@ -37,11 +37,13 @@ from tinygpt.train.data import (
     fixed_batches,
     iter_documents,
     resolve_source,
+    TokenData,
 )
 from tinygpt.train.distributed import (
     check_parallel,
     main_process_first,
     process_group,
+    TorchrunEnv,
     rank_device,
     split_global_batch,
     torchrun_env,
@@ -49,7 +51,8 @@ from tinygpt.train.distributed import (
 from tinygpt.train.probe import apply_probe
 from tinygpt.train.probe import peak_tflops as _peak
 from tinygpt.train.probe import probe as run_probe
-from tinygpt.train.trainer import Trainer, TrainResult, config_differences
+from tinygpt.train.callbacks import TensorBoardLogger, write_sample
+from tinygpt.train.trainer import RESUMABLE_CHANGES, Trainer, TrainResult
 
 TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
 
@@ -66,13 +69,9 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
     """Refuse a run folder that holds another configuration, or checkpoints when resume is 'never'."""
     run = RunDir(run_dir)
     if run.is_pretrain_run():
-        old = run.recipe_dict()
-        new = recipe.to_dict()
-        diffs = config_differences({k: old[k] for k in ("model", "train", "data")},
-                                   {k: new[k] for k in ("model", "train", "data")})
-        if diffs:
-            raise ConfigError(f"run folder {run_dir} holds a different configuration:\n  " + "\n  ".join(diffs)
-                              + "\nuse another run folder (a new --run-dir or RUN_NAME), or the same settings to resume")
+        old, new = run.recipe_dict(), recipe.to_dict()
+        check_same_settings(f"run folder {run_dir}", {k: old.get(k) for k in ("model", "train", "data")},
+                            {k: new[k] for k in ("model", "train", "data")}, allowed=RESUMABLE_CHANGES)
     if resume == "never" and ckpt.list_checkpoints(run_dir / "checkpoints"):
         raise ConfigError(f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
                           "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
@@ -120,108 +119,90 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
     return apply_probe(recipe, result), result.to_dict()
 
 
-def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default", *, data: str | None = None,
-             max_steps: int | None = None, save_every: int | None = None, eval_every: int | None = None,
-             resume: str = "auto", mirror: str | Path | None = None, cache_dir: str | Path | None = None,
-             device: str | None = None, callbacks: list | tuple = (), progress: bool = True,
-             sample_prompt: str | None = None, peak_tflops: float | None = None,
-             rank: int | None = None, world_size: int | None = None, parallel: str = "ddp",
-             probe: str = "auto", tensorboard: bool | None = None) -> TrainResult:
-    """Train a recipe into `run_dir`, resuming from its newest valid checkpoint (or the mirror's).
-    Metrics also go to TensorBoard (run_dir/tensorboard) when it is installed, unless tensorboard=False.
+@dataclass
+class PretrainOptions:
+    """How to run a recipe (the recipe says what to train). Every field has the CLI's default."""
+    run_dir: str | Path = "runs/default"
+    data: str | None = None                  # overrides recipe.data.source
+    max_steps: int | None = None             # these four override the recipe's train settings
+    save_every: int | None = None
+    eval_every: int | None = None
+    device: str | None = None
+    resume: str = "auto"                     # "auto": the newest valid checkpoint; "never": refuse one
+    mirror: str | Path | None = None         # a Drive folder (or any folder) to mirror the run to
+    cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
+    callbacks: list | tuple = ()             # extra trainer callbacks (on_log, on_checkpoint, close)
+    progress: bool = True
+    sample_prompt: str | None = None         # default: how a held-out document begins
+    peak_tflops: float | None = None         # for MFU; default from the GPU table
+    parallel: str = "ddp"                    # under torchrun: "ddp" or "fsdp"
+    probe: str = "auto"                      # "auto": fit micro-batch/context/precision to the GPU; "off"
+    tensorboard: bool | None = None          # None: when installed; True: required; False: off
 
-    Started by torchrun (RANK and WORLD_SIZE set, world size > 1), it joins the process group
-    itself and trains with `parallel` ("ddp" or "fsdp") on the recipe's global batch; passing
-    rank and world_size means the caller has set up the process group."""
-    if isinstance(recipe, str):
-        recipe = get_recipe(recipe)
-    if world_size is None:
-        env = torchrun_env()
-        if env is not None and env.world_size > 1:
-            dev = rank_device(device or recipe.train.device, env.local_rank)
-            with process_group(env, dev):
-                return pretrain(recipe, run_dir, data=data, max_steps=max_steps, save_every=save_every,
-                                eval_every=eval_every, resume=resume, mirror=mirror, cache_dir=cache_dir,
-                                device=str(dev), callbacks=callbacks, progress=progress, sample_prompt=sample_prompt,
-                                peak_tflops=peak_tflops, rank=env.rank, world_size=env.world_size, parallel=parallel,
-                                probe=probe, tensorboard=tensorboard)
-    rank, world_size = rank or 0, world_size or 1
-    train_over: dict[str, Any] = {}
-    if max_steps is not None:
-        train_over["max_steps"] = max_steps
-    if save_every is not None:
-        train_over["save_every"] = save_every
-    if eval_every is not None:
-        train_over["eval_every"] = eval_every
-    if device is not None:
-        train_over["device"] = device
-    recipe = recipe.replace(train=train_over, data={"source": data} if data else None)
-    if resume not in ("auto", "never"):
-        raise ConfigError(f"resume must be 'auto' or 'never', got {resume!r}")
-    if probe not in ("auto", "off"):
-        raise ConfigError(f"probe must be 'auto' or 'off', got {probe!r}")
+    def __post_init__(self):
+        if self.resume not in ("auto", "never"):
+            raise ConfigError(f"resume must be 'auto' or 'never', got {self.resume!r}")
+        if self.probe not in ("auto", "off"):
+            raise ConfigError(f"probe must be 'auto' or 'off', got {self.probe!r}")
+        self.run_dir = Path(self.run_dir)
+
+    def apply(self, recipe: Recipe) -> Recipe:
+        """The recipe with this run's overrides."""
+        train = {k: v for k in ("max_steps", "save_every", "eval_every", "device") if (v := getattr(self, k)) is not None}
+        return recipe.replace(train=train, data={"source": self.data} if self.data else None)
+
+
+def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
+             options: PretrainOptions | None = None, **option_fields: Any) -> TrainResult:
+    """Train a recipe into `run_dir`, resuming from its newest valid checkpoint (or the mirror's).
+    Pass a `PretrainOptions`, or its fields as keywords (`pretrain("cpu", "runs/x", max_steps=100)`).
+    Started by torchrun with several processes, each joins the process group (`launch_torchrun`)."""
+    opts = options or PretrainOptions(run_dir=run_dir, **option_fields)
+    recipe = opts.apply(get_recipe(recipe) if isinstance(recipe, str) else recipe)
+    env = torchrun_env()
+    if env is not None and env.world_size > 1:
+        return launch_torchrun(recipe, opts, env)
+    return run_pretraining(recipe, opts)
+
+
+def launch_torchrun(recipe: Recipe, opts: PretrainOptions, env: TorchrunEnv) -> TrainResult:
+    """This process's part of a torchrun job: its GPU, the process group, then the same run on
+    the recipe's global batch (each rank trains its share)."""
+    dev = rank_device(opts.device or recipe.train.device, env.local_rank)
+    with process_group(env, dev):
+        return run_pretraining(recipe.replace(train={"device": str(dev)}), opts, env.rank, env.world_size)
+
+
+def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_size: int = 1) -> TrainResult:
+    """Validate, fit to the device, prepare run folder, tokenizer and data (rank 0 first), build the
+    model and train it; rank 0 then writes a sample. The process group, if any, is set up already."""
     resolve_source(recipe.data.source)  # an unknown source fails here, before any work
     probe_info = None
-    if probe == "auto":
-        recipe, probe_info = fit_to_device(recipe, Path(run_dir), resolve_device(recipe.train.device), world_size)
-    check_parallel(parallel, recipe.train.optimizer, world_size)
+    if opts.probe == "auto":
+        recipe, probe_info = fit_to_device(recipe, opts.run_dir, resolve_device(recipe.train.device), world_size)
+    check_parallel(opts.parallel, recipe.train.optimizer, world_size)
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, world_size)
-    run_dir = Path(run_dir)
-    is_main = rank == 0
-    sync = None
     dev = resolve_device(recipe.train.device)
     precision = choose_precision(dev, recipe.train.precision)
-    cache_root = Path(cache_dir or default_cache_dir())
     with main_process_first(rank, world_size):  # the others find what rank 0 made
-        if mirror is not None:
-            if is_main:
-                restore_latest(run_dir, Path(mirror))  # a new VM: the mirror's newest valid checkpoint comes home
-        if is_main:
-            check_run_dir(run_dir, recipe, resume)
-        tokenizer = get_tokenizer(recipe, run_dir)
-        key = cache_key(recipe.data, tokenizer)
-        mirror_cache = Path(mirror).parent / "_token_cache" / key if mirror is not None else None
-        if mirror_cache is not None and not (cache_root / key / "meta.json").is_file():
-            restore_token_cache(mirror_cache, cache_root / key)  # a new VM skips tokenizing
-        tokens = build_token_cache(recipe.data, tokenizer, cache_root, progress=progress and is_main, key=key)
-        if is_main:
-            _write_run_files(run_dir, recipe, tokenizer, precision, dev, tokens.meta, probe_info)
-    cache_upload = None
-    if mirror_cache is not None and rank == 0:  # copied once, beside training, never blocking it
-        cache_upload = threading.Thread(target=sync_token_cache, args=(tokens.path, mirror_cache), daemon=True)
-        cache_upload.start()
+        tokenizer, tokens, mirror_cache = prepare_run(recipe, opts, rank == 0, precision, dev, probe_info)
+    cache_upload = upload_token_cache(tokens.path, mirror_cache) if rank == 0 else None
     sampler = WindowSampler(tokens.train, recipe.train.seq_len, recipe.train.seed)
     val = fixed_batches(tokens.val, recipe.train.seq_len, recipe.train.micro_batch_size, recipe.train.eval_batches)
-    callbacks = list(callbacks)
-    if rank == 0 and tensorboard is not False:
-        tb = TensorBoardLogger.create(run_dir / "tensorboard", required=bool(tensorboard))
-        if tb is not None:
-            callbacks.append(tb)
-    if mirror is not None and rank == 0:
-        sync = Mirror(run_dir, Path(mirror), keep_last=recipe.train.keep_last)
-        callbacks.append(sync)
+    callbacks = list(opts.callbacks) + (run_callbacks(recipe, opts) if rank == 0 else [])
     torch.manual_seed(recipe.train.seed)
     model = GPT(recipe.model)
-    if peak_tflops is None and dev.type == "cuda":
-        try:
-            peak_tflops = _peak(torch.cuda.get_device_name(dev), precision.name)
-        except Exception:  # the table is a nicety; training does not depend on it
-            peak_tflops = None
-    trainer = Trainer(model, recipe.train, sampler, val, run_dir, device=dev, precision=precision,
+    # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
+    # trainer's train_config) and the tokenizer
+    run_info = {"recipe": {k: v for k, v in recipe.to_dict().items() if k != "train"}, "tokenizer": tokenizer.to_json()}
+    trainer = Trainer(model, recipe.train, sampler, val, opts.run_dir, device=dev, precision=precision,
                       callbacks=callbacks, flops_per_token=model.flops_per_token(recipe.train.seq_len),
-                      peak_tflops=peak_tflops, progress=progress, rank=rank, world_size=world_size, parallel=parallel,
-                      run_info={"recipe": recipe.to_dict(), "tokenizer": tokenizer.to_json()})
+                      peak_tflops=opts.peak_tflops or gpu_peak_tflops(dev, precision.name), progress=opts.progress,
+                      rank=rank, world_size=world_size, parallel=opts.parallel, run_info=run_info)
     try:
-        result = trainer.fit(resume)
+        result = trainer.fit(opts.resume)
         if rank == 0 and not result.interrupted:
-            if world_size > 1 and parallel == "fsdp" and result.checkpoint is not None:
-                # rank 0 alone cannot run the sharded model: it samples from the full checkpoint
-                model = GPT(recipe.model)
-                ckpt.load_model_state(model, ckpt.load_checkpoint(result.checkpoint)[0])
-                model.to(dev)
-            if sample_prompt is None and recipe.data.source not in ("builtin", "stdlib") and len(tokens.val) >= 8:
-                sample_prompt = tokenizer.decode(tokens.val[:8].tolist())  # how a held-out document begins
-            write_sample(model, tokenizer, run_dir, result.step, sample_prompt)
+            sample_after_training(recipe, opts, result, model, tokenizer, tokens, dev, world_size)
     finally:
         for cb in callbacks:
             if hasattr(cb, "close"):
@@ -229,6 +210,70 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
         if cache_upload is not None:
             cache_upload.join()
     return result
+
+
+def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision, dev: torch.device,
+                probe_info: dict | None) -> tuple[Tokenizer, TokenData, Path | None]:
+    """Restore from the mirror (a new VM), check the run folder, get the tokenizer and the token cache
+    (from the mirror when it has one), write run.json. (tokenizer, tokens, the mirror's cache folder)."""
+    run_dir, cache = opts.run_dir, Path(opts.cache_dir or default_cache_dir())
+    if opts.mirror is not None and is_main:
+        restore_latest(run_dir, Path(opts.mirror))  # a new VM: the mirror's newest valid checkpoint comes home
+    if is_main:
+        check_run_dir(run_dir, recipe, opts.resume)
+    tokenizer = get_tokenizer(recipe, run_dir)
+    key = cache_key(recipe.data, tokenizer)
+    mirror_cache = Path(opts.mirror).parent / "_token_cache" / key if opts.mirror is not None else None
+    if mirror_cache is not None and not (cache / key / "meta.json").is_file():
+        restore_token_cache(mirror_cache, cache / key)  # a new VM skips tokenizing
+    tokens = build_token_cache(recipe.data, tokenizer, cache, progress=opts.progress and is_main, key=key)
+    if is_main:
+        _write_run_files(run_dir, recipe, tokenizer, precision, dev, tokens.meta, probe_info)
+    return tokenizer, tokens, mirror_cache
+
+
+def upload_token_cache(local: Path, mirror_cache: Path | None) -> threading.Thread | None:
+    """Copy the token cache to the mirror once, beside training, never blocking it."""
+    if mirror_cache is None:
+        return None
+    thread = threading.Thread(target=sync_token_cache, args=(local, mirror_cache), daemon=True)
+    thread.start()
+    return thread
+
+
+def run_callbacks(recipe: Recipe, opts: PretrainOptions) -> list:
+    """Rank 0's own callbacks: TensorBoard (when wanted and installed) and the mirror."""
+    out: list = []
+    if opts.tensorboard is not False:
+        tb = TensorBoardLogger.create(opts.run_dir / "tensorboard", required=bool(opts.tensorboard))
+        if tb is not None:
+            out.append(tb)
+    if opts.mirror is not None:
+        out.append(Mirror(opts.run_dir, Path(opts.mirror), keep_last=recipe.train.keep_last))
+    return out
+
+
+def gpu_peak_tflops(dev: torch.device, precision: str) -> float | None:
+    """The GPU's peak dense TFLOP/s from the table (for MFU); None on a CPU or an unknown GPU."""
+    if dev.type != "cuda":
+        return None
+    try:
+        return _peak(torch.cuda.get_device_name(dev), precision)
+    except Exception:  # the table is a nicety; training does not depend on it
+        return None
+
+
+def sample_after_training(recipe: Recipe, opts: PretrainOptions, result: TrainResult, model: GPT,
+                          tokenizer: Tokenizer, tokens: TokenData, dev: torch.device, world_size: int) -> None:
+    if world_size > 1 and opts.parallel == "fsdp" and result.checkpoint is not None:
+        # rank 0 alone cannot run the sharded model: it samples from the full checkpoint
+        model = GPT(recipe.model)
+        ckpt.load_model_state(model, ckpt.load_checkpoint(result.checkpoint)[0])
+        model.to(dev)
+    prompt = opts.sample_prompt
+    if prompt is None and recipe.data.source not in ("builtin", "stdlib") and len(tokens.val) >= 8:
+        prompt = tokenizer.decode(tokens.val[:8].tolist())  # how a held-out document begins
+    write_sample(model, tokenizer, opts.run_dir, result.step, prompt)
 
 
 def _write_run_files(run_dir: Path, recipe: Recipe, tokenizer: Tokenizer, precision, dev: torch.device,
@@ -240,39 +285,3 @@ def _write_run_files(run_dir: Path, recipe: Recipe, tokenizer: Tokenizer, precis
     info = {"recipe": recipe.to_dict(), "precision": precision.to_dict(), "device": str(dev),
             "data": data_meta, "probe": probe_info, "versions": versions(), "command": " ".join(sys.argv)}
     RunDir(run_dir).write_info(info)
-
-
-class TensorBoardLogger:
-    """Trainer callback: every logged metric as a TensorBoard scalar, x axis = step."""
-
-    def __init__(self, writer):
-        self.writer = writer
-
-    @classmethod
-    def create(cls, log_dir: Path, required: bool = False) -> "TensorBoardLogger | None":
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # optional: Colab has it; elsewhere `pip install tensorboard`
-            if required:
-                raise ConfigError("TensorBoard logging needs `pip install tensorboard`") from None
-            return None
-        return cls(SummaryWriter(str(log_dir)))
-
-    def on_log(self, metrics: dict) -> None:
-        step = metrics["step"]
-        for k, v in metrics.items():
-            if k != "step" and isinstance(v, (int, float)) and v is not None:
-                self.writer.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, prompt: str | None = None) -> str:
-    """Append a generated sample to samples.txt and return it."""
-    model.eval()
-    text = generate_text(model, tokenizer, prompt or "def ", max_new_tokens=120, temperature=0.8, top_k=50, seed=0)
-    with open(run_dir / "samples.txt", "a", encoding="utf-8") as f:
-        f.write(f"=== step {step} ===\n{text}\n\n")
-    model.train()
-    return text

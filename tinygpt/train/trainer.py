@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.config import TrainConfig
+from tinygpt.core.config import TrainConfig, config_differences
 from tinygpt.core.precision import (
     Precision,
     choose_precision,
@@ -37,8 +37,8 @@ from tinygpt.train import distributed as dist_
 from tinygpt.train.optim import build_optimizer
 
 # Fields that may change between a run and its resumption; any other difference is refused.
-RESUMABLE_CHANGES = {"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
-                     "compile", "device", "eval_batches"}
+RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
+                     "compile", "device", "eval_batches"})
 
 
 class TrainingError(RuntimeError):
@@ -72,20 +72,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(1, cfg.max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def config_differences(old: dict, new: dict, allowed: set[str] = RESUMABLE_CHANGES, prefix: str = "") -> list[str]:
-    """Human-readable differences between two config dicts, ignoring the allowed ones."""
-    out = []
-    for k in sorted(set(old) | set(new)):
-        if k in allowed:
-            continue
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_differences(a, b, allowed, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a!r} in the run, {b!r} now")
-    return out
 
 
 def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -231,7 +217,7 @@ class Trainer:
 
     def resume(self, path: Path, verified: bool = False) -> None:
         sd, state, _ = ckpt.load_checkpoint(path, verify=not verified)
-        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict())
+        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict(), RESUMABLE_CHANGES)
         if diffs:
             raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
                                 + "\n  ".join(diffs) + "\nresume with the same settings, or use a new run folder")
