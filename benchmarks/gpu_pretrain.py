@@ -37,7 +37,7 @@ from tinygpt.core.config import GPT2_VOCAB_PADDED, MODEL_SIZES, TrainConfig, mod
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.train.optim import build_optimizer, param_groups  # noqa: E402
 from tinygpt.core.precision import Precision, choose_precision, enable_tf32, resolve_device  # noqa: E402
-from tinygpt.train.probe import peak_tflops as probe_peak_tflops  # noqa: E402
+from tinygpt.train.hardware import peak_tflops as probe_peak_tflops  # noqa: E402
 
 def peak_tflops(device: torch.device, precision: str) -> tuple[float | None, str]:
     """(peak dense TFLOP/s of this GPU at this precision, where the number came from); the same
@@ -47,8 +47,8 @@ def peak_tflops(device: torch.device, precision: str) -> tuple[float | None, str
     name = torch.cuda.get_device_name(device)
     peak = probe_peak_tflops(name, precision)
     if peak is None:
-        return None, f"none (tinygpt.train.probe has no {precision} peak for {name!r})"
-    return peak, "tinygpt.train.probe.GPU_TABLE"
+        return None, f"none (tinygpt.train.hardware has no {precision} peak for {name!r})"
+    return peak, "tinygpt.train.hardware.GPU_TABLE"
 
 
 class TinyGPTLoss(torch.nn.Module):

@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tinygpt.core.config import DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
+from tinygpt.core.config import ConfigError, DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
 from tinygpt.train.data import WindowSampler, fixed_batches  # noqa: E402
 from tinygpt.finetune.lora import (FINETUNE_RECIPES, FinetuneError, LoraSettings, attach_lora,  # noqa: E402
                               base_config_dict, causal_lm_loss, check_qlora, compare_generations,
@@ -442,7 +442,7 @@ def test_bad_data_fails_before_training(tmp_path, tiny_run):
 
 
 def test_run_folder_of_another_finetune_is_refused(lora, shared_data):
-    with pytest.raises(FinetuneError, match="holds another finetuning run"):
+    with pytest.raises(ConfigError, match="holds another finetuning run"):
         finetune("lora-r16", json.loads((lora.run_dir / "finetune.json").read_text())["base"],
                  str(shared_data / "code_alpaca_2k.json"), lora.run_dir, hardware="cpu", train=FAST)
 

@@ -13,8 +13,10 @@ from tinygpt.model import losses
 from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig, get_recipe
 from tinygpt.model.gpt import GPT
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.probe import (GB, HardwareReport, ProbeError, TensorMemoryTracker, apply_probe, estimate_memory,
-                           expectations, gpu_spec, hardware_report, mfu, peak_tflops, probe, probe_command)
+from tinygpt.cli import probe_report
+from tinygpt.train.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops
+from tinygpt.train.memory import GB, TensorMemoryTracker, estimate_memory
+from tinygpt.train.probe import ProbeError, apply_probe, expectations, probe
 
 
 def tiny_recipe(micro: int = 8, seq_len: int = 32, accum: int = 8, ckpt: bool = False) -> Recipe:
@@ -281,11 +283,11 @@ def test_bf16_recipe_on_a_gpu_without_native_bf16_is_estimated_in_fp16():
     assert exp.fits is False and exp.mfu == pytest.approx(0.4)
 
 
-def test_probe_command_on_cpu(tmp_path):
-    out = json.loads(probe_command("cpu-smoke", as_json=True, cache_dir=tmp_path))
+def test_probe_report_on_cpu(tmp_path):
+    out = json.loads(probe_report("cpu-smoke", as_json=True, cache_dir=tmp_path))
     assert out["hardware"]["device"] == "cpu" and out["recipe"] == "cpu-smoke"
     assert out["search"] is None and "recipe's micro-batch is used as is" in out["note"]  # no trials on a CPU
     assert out["memory_estimate"]["total_gb"] > 0 and out["expectations"]["tokens_per_s"] > 0
-    text = probe_command("a100-124m", as_json=False, cache_dir=tmp_path)
+    text = probe_report("a100-124m", as_json=False, cache_dir=tmp_path)
     assert "runs on a CUDA GPU" in text and "AdamW states" in text and "Expectations" in text
-    assert not math.isnan(json.loads(probe_command("a100-124m", True, cache_dir=tmp_path))["memory_estimate"]["loss_gb"])
+    assert not math.isnan(json.loads(probe_report("a100-124m", True, cache_dir=tmp_path))["memory_estimate"]["loss_gb"])

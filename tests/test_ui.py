@@ -14,7 +14,7 @@ import torch
 from tinygpt.colab import ui
 from tinygpt.core.checkpoint import save_checkpoint, verify_checkpoint
 from tinygpt.core.config import RECIPES, get_recipe
-from tinygpt.train.probe import hardware_report
+from tinygpt.train.hardware import hardware_report
 
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
 

@@ -21,12 +21,58 @@ from tinygpt.model.hf import export_run
 from tinygpt.model.loading import load_run
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.pretrain import pretrain
-from tinygpt.train.probe import probe_command
+from tinygpt.train.hardware import hardware_report
+from tinygpt.train.memory import estimate_memory
+from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision
 
 
 def _probe(args) -> int:
-    print(probe_command(args.recipe, args.json))
+    print(probe_report(args.recipe, args.json))
     return 0
+
+
+def format_table(rows: list[tuple]) -> str:
+    """Rows as aligned text columns (the first row is not special)."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def probe_report(recipe: str | None = None, as_json: bool = False, *,
+                 cache_dir: str | Path | None = "default") -> str:
+    """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU;
+    elsewhere the estimate stands in for it."""
+    report = hardware_report()
+    rec = get_recipe(recipe or report.default_recipe)
+    requested, _ = requested_precision(rec, report.device, report.native_bf16)
+    prec = report.precision if requested == "auto" else requested
+    est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec, device_type=report.device)
+    result, note = None, None
+    if report.device == "cuda":
+        try:
+            result = probe(rec, cache_dir=cache_dir)
+        except ProbeError as e:
+            note = str(e)
+    else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
+        note = (f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch is used as is "
+                "and the estimate above stands in for a measurement")
+    exp = expectations(rec, report, result)
+    if as_json:
+        return json.dumps({"hardware": report.to_dict(), "recipe": rec.name, "memory_estimate": est.to_dict(),
+                           "search": result and result.to_dict(), "expectations": exp.to_dict(), "note": note},
+                          indent=2)
+    out = ["Hardware", format_table(report.rows()), f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
+           f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context {rec.train.seq_len}, {prec}",
+           format_table(est.rows())]
+    if result is not None:
+        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s)"
+        out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} accumulation steps"
+                f" x context {result.seq_len}, checkpointing {'on' if result.activation_checkpointing else 'off'}, "
+                f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"]
+        out += [f"  - {n}" for n in result.notes]
+    if note:
+        out.append(f"\n{note}")
+    out += ["\nExpectations", format_table(exp.rows())]
+    return "\n".join(out)
 
 
 def _recipes(args) -> int:

@@ -23,14 +23,9 @@ from tinygpt.core.config import RECIPES, Recipe, get_recipe
 from tinygpt.core.files import atomic_output
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.sync.drive import RUN_FILES
-from tinygpt.train.probe import (
-    ProbeError,
-    _requested_precision,
-    estimate_memory,
-    expectations,
-    hardware_report,
-    probe,
-)
+from tinygpt.train.hardware import hardware_report
+from tinygpt.train.memory import estimate_memory
+from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision
 
 SMOKE_RECIPE = "cpu-smoke"
 SMOKE_SETTINGS: dict[str, int] = {"max_steps": 12, "save_every": 4, "eval_every": 4}
@@ -113,7 +108,7 @@ def hardware_table(report: Any) -> Table:
 def _precision_for(recipe: Recipe, report: Any) -> str:
     """The recipe's precision; the probe's where it says auto, or bf16 on a GPU that only emulates it."""
 
-    p, _ = _requested_precision(recipe, report.device, report.native_bf16)
+    p, _ = requested_precision(recipe, report.device, report.native_bf16)
     return report.precision if p == "auto" else p
 
 

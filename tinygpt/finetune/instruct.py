@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from tinygpt.model.gpt import IGNORE_INDEX
+from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train.data import DataError
 
 TEMPLATES: dict[str, tuple[str, str]] = {

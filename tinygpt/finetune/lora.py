@@ -73,7 +73,7 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     smoke_data,
     this_hardware,
 )
-from tinygpt.model.gpt import IGNORE_INDEX
+from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import default_chunk_rows, linear_cross_entropy
 from tinygpt.sync.drive import Mirror, restore_latest

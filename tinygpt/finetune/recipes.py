@@ -26,6 +26,7 @@ from tinygpt.core.files import atomic_output
 from tinygpt.core.paths import shared_data_dir
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.train.hardware import device_class
 from tinygpt.sync.drive import Backoff, copy_checkpoint
 from tinygpt.train.pretrain import pretrain
 from tinygpt.core.config import check_same_settings
@@ -120,13 +121,14 @@ def get_finetune_recipe(name: str) -> FinetuneRecipe:
     return dataclasses.replace(r, lora=dataclasses.replace(r.lora), train=dict(r.train))
 
 
+# The finetuning recipes know three classes: where bf16 and 35+ GB make LoRA on a 2B base easy
+# ("a100"), other GPUs ("t4"), and the CPU. They are coarser groups of the one hardware class.
+FINETUNE_CLASS = {"cpu": "cpu", "mps": "cpu", "t4": "t4", "l4": "t4", "a100": "a100", "h100": "a100", "h200": "a100"}
+
+
 def detect_hardware(device: torch.device | str) -> str:
-    """"a100" for bf16 GPUs with 35 GB or more, "t4" for other CUDA GPUs, else "cpu"."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "cpu"
-    props = torch.cuda.get_device_properties(device)
-    return "a100" if props.major >= 8 and props.total_memory >= 35e9 else "t4"
+    """The finetuning class ("cpu", "t4" or "a100") of a device, from `train.hardware.device_class`."""
+    return FINETUNE_CLASS[device_class(device)]
 
 
 def this_hardware(device: str = "auto") -> tuple[str, float | None]:

@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.config import ModelConfig
-from tinygpt.model.losses import linear_cross_entropy
+from tinygpt.model.losses import IGNORE_INDEX, linear_cross_entropy  # noqa: F401  (IGNORE_INDEX: handed on)
 
-IGNORE_INDEX = -100  # targets with this value carry no loss (prompt tokens, padding)
 
 
 class RMSNorm(nn.Module):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100  # the same as tinygpt.model.gpt.IGNORE_INDEX (model.py imports this module)
+IGNORE_INDEX = -100  # targets with this value carry no loss (prompt tokens, padding); the one definition
 
 # Below this many logits (rows x vocab) the plain loss is used: its logits are small and one
 # fused kernel beats a Python loop. 2**24 fp32 logits are 64 MB.

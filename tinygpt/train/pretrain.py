@@ -49,7 +49,7 @@ from tinygpt.train.distributed import (
     torchrun_env,
 )
 from tinygpt.train.probe import apply_probe
-from tinygpt.train.probe import peak_tflops as _peak
+from tinygpt.train.hardware import peak_tflops as _peak
 from tinygpt.train.probe import probe as run_probe
 from tinygpt.train.callbacks import TensorBoardLogger, write_sample
 from tinygpt.train.trainer import RESUMABLE_CHANGES, Trainer, TrainResult

@@ -9,8 +9,6 @@ import dataclasses
 import gc
 import json
 import math
-import os
-import platform
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from tinygpt.core.config import DEFAULT_RECIPE_FOR_HARDWARE, Recipe, get_recipe
+from tinygpt.core.config import Recipe, get_recipe
 from tinygpt.core.files import write_json_atomic
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import (
@@ -29,118 +27,17 @@ from tinygpt.core.precision import (
     resolve_device,
 )
 from tinygpt.model.gpt import GPT, meta_model
-from tinygpt.train.memory import (  # noqa: F401
+from tinygpt.train.memory import (
     CUDA_CONTEXT_GB,
-    FRAGMENTATION,
     GB,
-    MemoryEstimate,
     TensorMemoryTracker,
     estimate_memory,
 )
+from tinygpt.train.hardware import HardwareReport, cpu_name, mfu, ram_gb
 from tinygpt.train.optim import build_optimizer
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
 CPU_GFLOPS_PER_CORE = 25.0  # a rough guess of what PyTorch gets from one core in fp32; for expectations only
-
-# (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class).
-# Most specific first; a name matches as a whole word, so "L4" is not found in "L40S" nor "A10" in "A100".
-GPU_TABLE: list[tuple[str, float, str]] = [
-    ("H100 PCIe", 756.0, "h100"), ("H100 NVL", 835.0, "h100"), ("H100", 989.0, "h100"),  # "H100 80GB HBM3": SXM
-    ("GH200", 989.0, "h200"), ("H200 NVL", 835.0, "h200"), ("H200", 989.0, "h200"),
-    ("A100", 312.0, "a100"), ("L40S", 362.0, "a100"), ("L40", 181.0, "a100"), ("A6000", 155.0, "a100"),
-    ("L4", 121.0, "l4"), ("A10G", 125.0, "l4"), ("A10", 125.0, "l4"), ("RTX 4090", 165.0, "l4"),
-    ("RTX 3090", 71.0, "l4"), ("V100", 125.0, "t4"), ("T4", 65.0, "t4"), ("P100", 19.0, "t4"),
-]
-
-
-def gpu_spec(name: str) -> tuple[float | None, str | None]:
-    """(peak dense bf16/fp16 TFLOP/s, hardware class) for a CUDA device name, or (None, None) if unknown."""
-    for key, tflops, hw in GPU_TABLE:
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.IGNORECASE):
-            return tflops, hw
-    return None, None
-
-
-def peak_tflops(name: str, precision: str = "bf16") -> float | None:
-    """The MFU denominator for a CUDA device name: the table's bf16/fp16 peak; None for fp32 (a TF32
-    or fp32 MFU against a bf16 peak would mislead) and for unlisted GPUs."""
-    return None if precision == "fp32" else gpu_spec(name)[0]
-
-
-@dataclass
-class HardwareReport:
-    device: str  # "cuda", "mps" or "cpu"
-    name: str
-    total_memory_gb: float | None
-    free_memory_gb: float | None
-    compute_capability: str | None
-    native_bf16: bool
-    peak_tflops: float | None
-    cpu_cores: int
-    hardware_class: str  # a key of config.DEFAULT_RECIPE_FOR_HARDWARE
-    default_recipe: str
-    precision: str
-    precision_reason: str
-    torch_version: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def rows(self) -> list[tuple[str, str]]:
-        return [(k, "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v))
-                for k, v in self.to_dict().items()]
-
-
-def _ram_gb() -> tuple[float | None, float | None]:
-    """(total, available) RAM: psutil where installed (Colab has it), else Linux's /proc/meminfo."""
-    with contextlib.suppress(ImportError):
-        import psutil
-        return psutil.virtual_memory().total / GB, psutil.virtual_memory().available / GB
-    with contextlib.suppress(OSError, KeyError, ValueError):
-        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines())}
-        return kb["MemTotal"] * 1024 / GB, kb["MemAvailable"] * 1024 / GB
-    return None, None
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "cpu"
-
-
-def _cpu_cores() -> int:
-    # The cores this process may use: a Colab or container CPU quota is smaller than os.cpu_count().
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def hardware_report(device: str | torch.device = "auto") -> HardwareReport:
-    """What this machine is, and what the probe picks for it by default."""
-    dev = resolve_device(str(device))
-    total, free = _ram_gb()
-    cap, peak, hw, name = None, None, dev.type, _cpu_name()
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-        free_b, total_b = torch.cuda.mem_get_info(dev)
-        free, total = free_b / GB, total_b / GB
-        major, minor = torch.cuda.get_device_capability(dev)
-        cap = f"{major}.{minor}"
-        peak, hw = gpu_spec(name)
-        if hw is None:  # an unlisted GPU: pick by generation and memory
-            hw = ("t4" if major < 8 else "h200" if total >= 120 else "h100" if total >= 70 and major >= 9
-                  else "a100" if total >= 38 else "l4")
-    elif dev.type == "mps":
-        name = f"Apple MPS ({platform.machine()})"  # unified memory: the RAM figures stand
-    prec = choose_precision(dev)
-    return HardwareReport(dev.type, name, total, free, cap, native_bf16(dev), peak, _cpu_cores(), hw,
-                          DEFAULT_RECIPE_FOR_HARDWARE.get(hw, "cpu"), prec.name, prec.reason, torch.__version__)
-
-
-def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
-    """Model FLOPs utilisation (0..1); None where the peak is unknown (CPU, MPS, unlisted GPUs)."""
-    return tokens_per_s * flops_per_token / (peak_tflops * 1e12) if peak_tflops else None
-
 
 @dataclass
 class Trial:
@@ -291,7 +188,7 @@ def _batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[i
                           f"recipe's {tokens_per_step}: no micro-batch near {largest} divides it exactly")
 
 
-def _requested_precision(recipe: Recipe, device_type: str, has_native_bf16: bool) -> tuple[str, str | None]:
+def requested_precision(recipe: Recipe, device_type: str, has_native_bf16: bool) -> tuple[str, str | None]:
     """A recipe's bf16 on a GPU that only emulates it (T4, V100) would be slow: let the probe decide."""
     if recipe.train.precision == "bf16" and device_type == "cuda" and not has_native_bf16:
         return "auto", f"recipe {recipe.name!r} asks for bf16, which this GPU only emulates: precision chosen by the probe"
@@ -316,14 +213,14 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
     torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     dev = resolve_device(str(device))
-    requested, prec_note = _requested_precision(recipe, dev.type, native_bf16(dev))
+    requested, prec_note = requested_precision(recipe, dev.type, native_bf16(dev))
     prec = choose_precision(dev, precision or requested)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} {_cpu_name()}"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} {cpu_name()}"
     if memory_limit_gb is None:
         if dev.type == "cuda":
             memory_limit_gb = torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB
         else:
-            memory_limit_gb = _ram_gb()[1] or math.inf
+            memory_limit_gb = ram_gb()[1] or math.inf
     train = recipe.train
     key = dict(device=name, recipe=recipe.name, torch=torch.__version__, model=recipe.model.to_dict(),
                seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, tokens_per_step=train.tokens_per_step,
@@ -442,7 +339,7 @@ def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResu
     if probe_result is not None and not math.isnan(probe_result.peak_gb):
         peak, mem_src = probe_result.peak_gb + context, "measured by trial" + (" + CUDA context" if context else "")
     else:
-        requested, _ = _requested_precision(recipe, report.device, report.native_bf16)
+        requested, _ = requested_precision(recipe, report.device, report.native_bf16)
         prec = report.precision if requested == "auto" else requested
         peak = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device).total_gb
         mem_src = "estimated"
@@ -460,47 +357,3 @@ def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResu
     budget = recipe.token_budget
     return Expectations(recipe.name, peak, mem_src, fits, tps, tps_src, tps and mfu(tps, fpt, report.peak_tflops),
                         budget, budget / tps if tps else None)
-
-
-def format_table(rows: list[tuple]) -> str:
-    """Rows as aligned text columns (the first row is not special)."""
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def probe_command(recipe: str | None = None, as_json: bool = False, *,
-                  cache_dir: str | Path | None = "default") -> str:
-    """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU;
-    elsewhere the estimate stands in for it."""
-    report = hardware_report()
-    rec = get_recipe(recipe or report.default_recipe)
-    requested, _ = _requested_precision(rec, report.device, report.native_bf16)
-    prec = report.precision if requested == "auto" else requested
-    est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec, device_type=report.device)
-    result, note = None, None
-    if report.device == "cuda":
-        try:
-            result = probe(rec, cache_dir=cache_dir)
-        except ProbeError as e:
-            note = str(e)
-    else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
-        note = (f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch is used as is "
-                "and the estimate above stands in for a measurement")
-    exp = expectations(rec, report, result)
-    if as_json:
-        return json.dumps({"hardware": report.to_dict(), "recipe": rec.name, "memory_estimate": est.to_dict(),
-                           "search": result and result.to_dict(), "expectations": exp.to_dict(), "note": note},
-                          indent=2)
-    out = ["Hardware", format_table(report.rows()), f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
-           f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context {rec.train.seq_len}, {prec}",
-           format_table(est.rows())]
-    if result is not None:
-        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s)"
-        out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} accumulation steps"
-                f" x context {result.seq_len}, checkpointing {'on' if result.activation_checkpointing else 'off'}, "
-                f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"]
-        out += [f"  - {n}" for n in result.notes]
-    if note:
-        out.append(f"\n{note}")
-    out += ["\nExpectations", format_table(exp.rows())]
-    return "\n".join(out)

@@ -1,0 +1,133 @@
+"""What this machine is: the GPU table (peak TFLOP/s, hardware class), RAM and cores, and the one
+rule that puts a device into a hardware class. The probe, the recipes' defaults, MFU and the
+finetuning recipes all ask here. "GB" is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tinygpt.core.config import DEFAULT_RECIPE_FOR_HARDWARE
+from tinygpt.core.precision import choose_precision, native_bf16, resolve_device
+from tinygpt.train.memory import GB
+
+# (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class).
+# Most specific first; a name matches as a whole word, so "L4" is not found in "L40S" nor "A10" in "A100".
+GPU_TABLE: list[tuple[str, float, str]] = [
+    ("H100 PCIe", 756.0, "h100"), ("H100 NVL", 835.0, "h100"), ("H100", 989.0, "h100"),  # "H100 80GB HBM3": SXM
+    ("GH200", 989.0, "h200"), ("H200 NVL", 835.0, "h200"), ("H200", 989.0, "h200"),
+    ("A100", 312.0, "a100"), ("L40S", 362.0, "a100"), ("L40", 181.0, "a100"), ("A6000", 155.0, "a100"),
+    ("L4", 121.0, "l4"), ("A10G", 125.0, "l4"), ("A10", 125.0, "l4"), ("RTX 4090", 165.0, "l4"),
+    ("RTX 3090", 71.0, "l4"), ("V100", 125.0, "t4"), ("T4", 65.0, "t4"), ("P100", 19.0, "t4"),
+]
+
+
+def gpu_spec(name: str) -> tuple[float | None, str | None]:
+    """(peak dense bf16/fp16 TFLOP/s, hardware class) for a CUDA device name, or (None, None) if unknown."""
+    for key, tflops, hw in GPU_TABLE:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.IGNORECASE):
+            return tflops, hw
+    return None, None
+
+
+def peak_tflops(name: str, precision: str = "bf16") -> float | None:
+    """The MFU denominator for a CUDA device name: the table's bf16/fp16 peak; None for fp32 (a TF32
+    or fp32 MFU against a bf16 peak would mislead) and for unlisted GPUs."""
+    return None if precision == "fp32" else gpu_spec(name)[0]
+
+
+@dataclass
+class HardwareReport:
+    device: str  # "cuda", "mps" or "cpu"
+    name: str
+    total_memory_gb: float | None
+    free_memory_gb: float | None
+    compute_capability: str | None
+    native_bf16: bool
+    peak_tflops: float | None
+    cpu_cores: int
+    hardware_class: str  # a key of config.DEFAULT_RECIPE_FOR_HARDWARE
+    default_recipe: str
+    precision: str
+    precision_reason: str
+    torch_version: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [(k, "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v))
+                for k, v in self.to_dict().items()]
+
+
+def ram_gb() -> tuple[float | None, float | None]:
+    """(total, available) RAM: psutil where installed (Colab has it), else Linux's /proc/meminfo."""
+    with contextlib.suppress(ImportError):
+        import psutil
+        return psutil.virtual_memory().total / GB, psutil.virtual_memory().available / GB
+    with contextlib.suppress(OSError, KeyError, ValueError):
+        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines())}
+        return kb["MemTotal"] * 1024 / GB, kb["MemAvailable"] * 1024 / GB
+    return None, None
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def cpu_cores() -> int:
+    # The cores this process may use: a Colab or container CPU quota is smaller than os.cpu_count().
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def hardware_report(device: str | torch.device = "auto") -> HardwareReport:
+    """What this machine is, and what the probe picks for it by default."""
+    dev = resolve_device(str(device))
+    total, free = ram_gb()
+    cap, peak, hw, name = None, None, dev.type, cpu_name()
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        free_b, total_b = torch.cuda.mem_get_info(dev)
+        free, total = free_b / GB, total_b / GB
+        major, minor = torch.cuda.get_device_capability(dev)
+        cap = f"{major}.{minor}"
+        peak, hw = gpu_spec(name)[0], gpu_class(name, major, total)
+    elif dev.type == "mps":
+        name = f"Apple MPS ({platform.machine()})"  # unified memory: the RAM figures stand
+    prec = choose_precision(dev)
+    return HardwareReport(dev.type, name, total, free, cap, native_bf16(dev), peak, cpu_cores(), hw,
+                          DEFAULT_RECIPE_FOR_HARDWARE.get(hw, "cpu"), prec.name, prec.reason, torch.__version__)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation (0..1); None where the peak is unknown (CPU, MPS, unlisted GPUs)."""
+    return tokens_per_s * flops_per_token / (peak_tflops * 1e12) if peak_tflops else None
+
+
+def gpu_class(name: str, major: int, total_gb: float) -> str:
+    """The hardware class of a CUDA GPU: the table's for a listed name; for an unlisted one, by
+    generation and memory."""
+    hw = gpu_spec(name)[1]
+    if hw is not None:
+        return hw
+    return ("t4" if major < 8 else "h200" if total_gb >= 120 else "h100" if total_gb >= 70 and major >= 9
+            else "a100" if total_gb >= 38 else "l4")
+
+
+def device_class(device: str | torch.device = "auto") -> str:
+    """The hardware class of a device: "cpu", "mps" or a GPU class (t4, l4, a100, h100, h200)."""
+    dev = resolve_device(str(device))
+    if dev.type != "cuda":
+        return dev.type
+    props = torch.cuda.get_device_properties(dev)
+    return gpu_class(torch.cuda.get_device_name(dev), props.major, props.total_memory / GB)
