@@ -17,6 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tinygpt.colab.finetune_ui import (  # noqa: F401  (handed on: notebooks reach everything through `ui`)
+    SMOKE_TRAIN,
+    base_rows,
+    recipe_rows,
+    run_status,
+    smoke_base,
+    smoke_data,
+)
 from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive  # noqa: F401  (in_colab: for the notebooks)
 from tinygpt.core.checkpoint import latest_valid, list_checkpoints
 from tinygpt.core.config import RECIPES, Recipe, get_recipe

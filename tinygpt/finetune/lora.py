@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,8 +24,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from tinygpt.core.checkpoint import list_checkpoints, load_model_state
-from tinygpt.core.files import replace_dir
+from tinygpt.core.checkpoint import list_checkpoints
+from tinygpt.core.files import write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.finetune.instruct import (
     Codec,
@@ -45,17 +43,14 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     FINETUNE_RECIPES,
     MERGED_DIR,
     PLAIN_HEAD_TYPES,
-    SMOKE_TRAIN,
     SOFTCAP_HEAD_TYPES,
     FinetuneError,
     FinetuneRecipe,
-    FinetuneStatus,
     LoraSettings,
     _adapter_dir,
     _need,
     base_config,
     base_config_dict,
-    base_rows,
     check_qlora,
     check_same_run,
     chunked_loss,
@@ -65,41 +60,23 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     get_finetune_recipe,
     is_tinygpt_run,
     memory_table,
-    mirror_adapter,
-    recipe_rows,
-    run_status,
-    shared_data_dir,
-    smoke_base,
-    smoke_data,
     this_hardware,
 )
 from tinygpt.model.losses import IGNORE_INDEX
+from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import default_chunk_rows, linear_cross_entropy
-from tinygpt.sync.drive import Mirror, restore_latest
+from tinygpt.sync.drive import Mirror, mirror_adapter, restore_latest
 from tinygpt.train.trainer import Trainer
 
 
 # ----- base models --------------------------------------------------------------------------------
 def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
-    """Write a tinygpt run's model as a `LlamaForCausalLM` folder (config.json, model.safetensors,
-    tokenizer files), atomically: a folder that exists is complete."""
-    _need("transformers", "finetuning")
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    model, tok, recipe, ckpt = load_run(run_dir, which)
-    hf = LlamaForCausalLM(LlamaConfig(**recipe.model.to_hf_llama()))
-    load_model_state(hf, model.state_dict())
-    out = Path(out_dir)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf.save_pretrained(tmp)
-    # bos = end-of-text: tinygpt documents are separated by it, so a prompt starts the way a document does
-    PreTrainedTokenizerFast(tokenizer_object=tok.tok, bos_token=tok.eot, eos_token=tok.eot,
-                            pad_token=tok.eot).save_pretrained(tmp)
-    (tmp / "tinygpt_source.json").write_text(json.dumps({"run_dir": str(Path(run_dir).resolve()),
-                                                        "checkpoint": str(ckpt)}))
-    replace_dir(tmp, out)
+    """A tinygpt run's model as a `LlamaForCausalLM` folder, through the one exporter (`model.hf`),
+    atomically (a folder that exists is complete), with tinygpt_source.json naming the checkpoint."""
+    model, tok, _, ckpt = load_run(run_dir, which)
+    out = export_model(model, tok, out_dir)
+    write_json_atomic(out / "tinygpt_source.json", {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(ckpt)})
     return out
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -17,18 +16,13 @@ import torch
 
 from tinygpt.core.checkpoint import (
     find_run_checkpoint,
-    latest_valid,
-    list_checkpoints,
-    write_manifest,
 )
 from tinygpt.core.config import Recipe, TrainConfig
 from tinygpt.core.files import atomic_output
-from tinygpt.core.paths import shared_data_dir
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.train.hardware import device_class
-from tinygpt.sync.drive import Backoff, copy_checkpoint
-from tinygpt.train.pretrain import pretrain
+from tinygpt.train.memory import overhead_gb
 from tinygpt.core.config import check_same_settings
 
 # The files of a finetuning run folder besides the trainer's (checkpoints/, metrics.jsonl).
@@ -39,10 +33,6 @@ BASE_DIR, ADAPTER_DIR, MERGED_DIR = "base", "adapter", "merged"
 PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"}
 # Families whose logits are cap * tanh(lm_head(hidden) / cap) (Gemma-2): chunked too, by `finetune.softcapped_loss`.
 SOFTCAP_HEAD_TYPES = {"gemma2"}
-CUDA_CONTEXT_GB = 1.0  # what the CUDA context and allocator slack take before any tensor
-# Notebook smoke mode (TINYGPT_SMOKE=1): a few tiny steps, enough to run every cell in seconds on a CPU.
-SMOKE_TRAIN: dict[str, Any] = dict(max_steps=6, save_every=3, eval_every=3, seq_len=128, micro_batch_size=2,
-                                   grad_accum_steps=1, eval_batches=1, log_every=1, warmup_steps=1)
 
 
 class FinetuneError(RuntimeError):
@@ -244,24 +234,13 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     ]
     out = [{"part": p, "gb": round(v, 3), "how": how} for p, v, how in rows]
     return out + [{"part": "total", "gb": round(sum(r["gb"] for r in out), 3),
-                   "how": f"+ ~{CUDA_CONTEXT_GB:.0f} GB CUDA context"}]
+                   "how": "tensors only; `device_need_gb` adds the CUDA context and allocator slack"}]
 
 
-def recipe_rows(base_config: dict[str, Any], hardware: str, memory_gb: float | None = None) -> list[tuple]:
-    """Every recipe with its estimated peak memory for this base and whether it fits (for `ui.Table`)."""
-    rows: list[tuple] = [("recipe", "memory", "fits", "what it is")]
-    for name, r in FINETUNE_RECIPES.items():
-        gb = memory_table(r, hardware, base_config)[-1]["gb"] + (CUDA_CONTEXT_GB if hardware != "cpu" else 0)
-        fits = "-" if memory_gb is None else "yes" if gb <= 0.9 * memory_gb else "no"
-        rows.append((name, f"{gb:.1f} GB", fits, r.description))
-    return rows
-
-
-def base_rows(base_config: dict[str, Any]) -> list[tuple]:
-    """A base's shape at a glance (for `ui.Table`)."""
-    keys = {"model type": "model_type", "layers": "num_hidden_layers", "hidden size": "hidden_size",
-            "vocabulary": "vocab_size", "context": "max_position_embeddings"}
-    return [(name, base_config.get(k, "-")) for name, k in keys.items()]
+def device_need_gb(table: list[dict[str, Any]], hardware: str) -> float:
+    """The memory a device must have for a `memory_table`: its tensors plus `train.memory`'s overhead."""
+    tensors = table[-1]["gb"]
+    return tensors + overhead_gb(tensors, "cpu" if hardware == "cpu" else "cuda")
 
 
 # ----- the default --------------------------------------------------------------------------------
@@ -274,7 +253,7 @@ def default_finetune_recipe(base_config: dict[str, Any], hardware: str, memory_g
         return resumed, "the recipe of the run on Drive (it continues where it stopped)"
     if hardware == "cpu":
         return "lora-r8", "on a CPU: the smallest adapter, base weights in fp32 (4-bit kernels are slow here)"
-    need = memory_table("lora-r16", hardware, base_config)[-1]["gb"] + CUDA_CONTEXT_GB
+    need = device_need_gb(memory_table("lora-r16", hardware, base_config), hardware)
     if memory_gb is None or need <= 0.9 * memory_gb:
         return "lora-r16", f"lora-r16 needs about {need:.1f} GB" + (f" of this GPU's {memory_gb:.0f} GB"
                                                                     if memory_gb else "")
@@ -315,64 +294,3 @@ def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Pa
         for name in ("adapter_config.json", ADAPTER_INFO):
             shutil.copyfile(run_dir / name, tmp / name)
     return out
-
-
-def _mirror_copy(what: str, fn) -> bool:
-    """Run a copy to or from the mirror with a few retries; a Drive failure warns, it never stops a run."""
-    try:
-        Backoff(max_attempts=4).run(fn)
-        return True
-    except OSError as e:
-        warnings.warn(f"Drive mirror: could not copy {what} ({type(e).__name__}: {e}); the local run folder "
-                      "has it", stacklevel=3)
-        return False
-
-
-def mirror_adapter(adapter_dir: Path, mirror: Path, step: int) -> Path | None:
-    """Copy an adapter folder to mirror/adapter, each file checked against a manifest written here first."""
-    write_manifest(adapter_dir, {"step": int(step), "kind": "adapter"})
-    dst = mirror / ADAPTER_DIR
-    return dst if _mirror_copy(f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst)) else None
-
-
-@dataclass
-class FinetuneStatus:
-    """Where a finetuning run stands: its local folder and, when given, its mirror on Drive."""
-    local: Path
-    mirror: Path | None = None
-
-    def __str__(self) -> str:
-        home, where = (self.mirror, "on Drive") if self.mirror is not None else (self.local, "here")
-        steps = list_checkpoints(home / "checkpoints")
-        lines = [f"local:  {self.local}"] + ([f"Drive:  {self.mirror}"] if self.mirror is not None else [])
-        if steps:
-            lines.append(f"{where}: step {steps[-1][0]} of recipe {recipe_name_of(home, self.local)}; "
-                         "finetuning continues from there")
-        else:
-            lines.append(f"nothing {where} yet: a new run")
-        if (home / ADAPTER_DIR / "adapter_model.safetensors").is_file():
-            lines.append(f"adapter {where}: {home / ADAPTER_DIR}")
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-
-def run_status(local: str | Path, mirror: str | Path | None = None) -> FinetuneStatus:
-    return FinetuneStatus(Path(local), Path(mirror) if mirror is not None else None)
-
-
-# ----- notebook smoke mode ------------------------------------------------------------------------
-def smoke_data() -> str:
-    path = (shared_data_dir() or Path("../shared/data")) / "code_alpaca_2k.json"
-    if not path.is_file():
-        raise FinetuneError(f"smoke mode needs the offline Code Alpaca sample at {path}; set TINYGPT_SHARED_DATA "
-                            "to the folder that holds code_alpaca_2k.json")
-    return str(path)
-
-
-def smoke_base(run_dir: str | Path) -> str:
-    """A tinygpt base for smoke mode: cpu-smoke pretrained for 20 steps on the built-in corpus (seconds
-    on a CPU, no network), made once and then reused."""
-    if latest_valid(Path(run_dir) / "checkpoints") is None:
-        pretrain("cpu-smoke", run_dir, max_steps=20, progress=False)
-    return str(run_dir)

@@ -49,11 +49,13 @@ def hf_llama_config(config: ModelConfig, eot_id: int | None = None) -> Any:
 
 
 def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
-    """A `PreTrainedTokenizerFast` around the same `tokenizers` object, with bos = eos = end-of-text."""
+    """A `PreTrainedTokenizerFast` around the same `tokenizers` object, with bos = eos = pad = end-of-text
+    (tinygpt documents are separated by it, so a prompt starts the way a document does; padding for
+    batched finetuning and generation needs a pad token, and end-of-text carries no loss there)."""
     tf = _transformers()
     kw = {"model_max_length": max_seq_len} if max_seq_len else {}
     return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=tokenizer.eot,
-                                      eos_token=tokenizer.eot, **kw)
+                                      eos_token=tokenizer.eot, pad_token=tokenizer.eot, **kw)
 
 
 def _update_json(path: Path, **values: Any) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
+from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint, write_manifest
 from tinygpt.core.files import (
     fresh_tmp_dir,
     replace_dir,
@@ -31,7 +31,7 @@ from tinygpt.core.files import (
     try_fsync,
     write_bytes_atomic,
 )
-from tinygpt.core.rundir import RUN_FILES, parse_jsonl  # noqa: F401  (RUN_FILES: what a mirror keeps)
+from tinygpt.core.rundir import ADAPTER_DIR, RUN_FILES, parse_jsonl  # noqa: F401  (RUN_FILES: what a mirror keeps)
 
 CACHE_MARKER = "meta.json"  # a token cache is complete once its meta.json exists (written last)
 CopyFile = Callable[[Path, Path], Any]
@@ -492,3 +492,23 @@ def restore_token_cache(mirror_dir: str | Path, local_dir: str | Path, *, backof
         warnings.warn(f"cannot restore the token cache from {mirror}: {e}; it will be rebuilt", stacklevel=2)
         return None
     return local
+
+
+# ---- one-off folders (a finetuning run's adapter) --------------------------------------------------
+
+def _mirror_copy(what: str, fn) -> bool:
+    """Run a copy to or from the mirror with a few retries; a Drive failure warns, it never stops a run."""
+    try:
+        Backoff(max_attempts=4).run(fn)
+        return True
+    except OSError as e:
+        warnings.warn(f"Drive mirror: could not copy {what} ({type(e).__name__}: {e}); the local run folder "
+                      "has it", stacklevel=3)
+        return False
+
+
+def mirror_adapter(adapter_dir: Path, mirror: Path, step: int) -> Path | None:
+    """Copy an adapter folder to mirror/adapter, each file checked against a manifest written here first."""
+    write_manifest(adapter_dir, {"step": int(step), "kind": "adapter"})
+    dst = mirror / ADAPTER_DIR
+    return dst if _mirror_copy(f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst)) else None

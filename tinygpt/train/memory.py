@@ -21,6 +21,12 @@ CUDA_CONTEXT_GB = 0.5  # the driver's context: never in torch.cuda.max_memory_al
 FRAGMENTATION = 0.05  # the caching allocator's blocks are never a perfect fit
 
 
+def overhead_gb(tensor_gb: float, device_type: str = "cuda") -> float:
+    """What a device needs beyond the tensors themselves: the CUDA context and the allocator's slack.
+    The one rule for pretraining's estimate, the probe and the finetuning memory table."""
+    return (CUDA_CONTEXT_GB if device_type == "cuda" else 0.0) + FRAGMENTATION * tensor_gb
+
+
 @dataclass
 class MemoryEstimate:
     """Training memory by part, in GB; `rows()` is the table a person would draw."""
@@ -108,7 +114,7 @@ def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, pre
     parts = [4 * n, 4 * n, 8 * n, 0 if e == 4 else e * matmul,
              *_activation_and_loss_bytes(model, tokens, e, ckpt, chunk_rows)]
     sub = sum(parts) / GB
-    overhead = (CUDA_CONTEXT_GB if device_type == "cuda" else 0.0) + FRAGMENTATION * sub
+    overhead = overhead_gb(sub, device_type)
     return MemoryEstimate(*(p / GB for p in parts), overhead, sub + overhead, n, micro_batch_size, seq_len,
                           precision, ckpt, device_type, chunk_rows)
 
