@@ -17,7 +17,9 @@ extras = {
     "notebooks": ["ipywidgets>=8", "matplotlib>=3.6", "pandas>=1.5", "datasets>=2.18", "transformers>=4.45"],
 }
 extras["dev"] = sorted({d for v in extras.values() for d in v} | {"pytest>=7", "pytest-xdist>=3", "nbmake>=1.5",
-                                                                   "ipykernel>=6", "tensorboard>=2.10"})
+                                                                   "ipykernel>=6", "tensorboard>=2.10",
+                                                                   # the layers contract and the linter (CI)
+                                                                   "import-linter>=2.0", "ruff>=0.6"})
 
 setup(
     name="tinygpt",

@@ -23,11 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tinygpt.core.config import get_recipe  # noqa: E402
-from tinygpt.train.data import WindowSampler, build_token_cache, iter_documents  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
+from tinygpt.model.tokenizer import train_bpe  # noqa: E402
+from tinygpt.train.data import WindowSampler, build_token_cache, iter_documents  # noqa: E402
 from tinygpt.train.optim import build_optimizer  # noqa: E402
 from tinygpt.train.pretrain import TOKENIZER_TRAIN_CHARS  # noqa: E402
-from tinygpt.model.tokenizer import train_bpe  # noqa: E402
 
 
 def main() -> None:

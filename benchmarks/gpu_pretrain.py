@@ -32,12 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinygpt.model import losses  # noqa: E402
 from tinygpt.core.config import GPT2_VOCAB_PADDED, MODEL_SIZES, TrainConfig, model_config  # noqa: E402
-from tinygpt.model.gpt import GPT  # noqa: E402
-from tinygpt.train.optim import build_optimizer, param_groups  # noqa: E402
 from tinygpt.core.precision import Precision, choose_precision, enable_tf32, resolve_device  # noqa: E402
+from tinygpt.model import losses  # noqa: E402
+from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.train.hardware import peak_tflops as probe_peak_tflops  # noqa: E402
+from tinygpt.train.optim import build_optimizer, param_groups  # noqa: E402
+
 
 def peak_tflops(device: torch.device, precision: str) -> tuple[float | None, str]:
     """(peak dense TFLOP/s of this GPU at this precision, where the number came from); the same

@@ -27,7 +27,7 @@ def trained(tmp_path_factory, shared_data):
     run = root / "run"
     code = main(["pretrain", "--recipe", "cpu-smoke", "--data", str(shared_data / "tinyshakespeare.txt"),
                  "--run-dir", str(run), "--max-steps", "20", "--quiet", "--device", "cpu",
-                 "--set", f"data.max_chars=300000"])
+                 "--set", "data.max_chars=300000"])
     assert code == 0
     return run
 

@@ -6,9 +6,17 @@ import pytest
 import torch
 
 from tinygpt.core.config import ConfigError, DataConfig
-from tinygpt.train.data import (DataError, WindowSampler, build_token_cache, builtin_files, fixed_batches,
-                          iter_documents, resolve_source, token_dtype)
 from tinygpt.model.tokenizer import train_bpe
+from tinygpt.train.data import (
+    DataError,
+    WindowSampler,
+    build_token_cache,
+    builtin_files,
+    fixed_batches,
+    iter_documents,
+    resolve_source,
+    token_dtype,
+)
 
 
 @pytest.fixture(scope="module")

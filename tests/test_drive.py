@@ -12,12 +12,17 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from tinygpt.colab import mount
 import torch
 
-from tinygpt.sync import drive
-from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, read_manifest, save_checkpoint, step_name, verify_checkpoint
+from tinygpt.colab import mount
+from tinygpt.core.checkpoint import (
+    MANIFEST,
+    list_checkpoints,
+    read_manifest,
+    save_checkpoint,
+    step_name,
+    verify_checkpoint,
+)
 from tinygpt.sync.drive import Backoff, Mirror, prune_mirror, restore_latest, restore_token_cache, sync_token_cache
 
 REPO = Path(__file__).resolve().parents[1]

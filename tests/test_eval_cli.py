@@ -9,12 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tinygpt import evals
-from tinygpt.core import paths
-from tinygpt.evals import code
+from tinygpt.cli import main
 from tinygpt.evals import lm as ev
 from tinygpt.model.loading import load_run
-from tinygpt.cli import main
 from tinygpt.train.pretrain import pretrain
 
 

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 from tinygpt import evals
 from tinygpt.core import paths
+from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
+from tinygpt.core.config import get_recipe
 from tinygpt.core.rundir import RunDirError
 from tinygpt.evals import code
 from tinygpt.evals import lm as ev
 from tinygpt.evals.code import HUMANEVAL_STOPS
-from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
-from tinygpt.core.config import get_recipe
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import train_bpe
 
@@ -92,8 +92,9 @@ def test_sliding_window_gives_each_token_its_last_window_of_context(model, tok, 
 
 def _hf_twin(model: GPT, tok):
     """The same weights as a transformers LlamaForCausalLM, with the same tokenizer."""
-    from tinygpt.model.hf import hf_llama_config, hf_tokenizer
     from transformers import LlamaForCausalLM
+
+    from tinygpt.model.hf import hf_llama_config, hf_tokenizer
 
     hf = LlamaForCausalLM(hf_llama_config(model.config, tok.eot_id))
     hf.load_state_dict(model_state(model), strict=False)

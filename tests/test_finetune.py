@@ -22,16 +22,32 @@ import torch
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tinygpt.core.config import ConfigError, DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
-from tinygpt.train.data import WindowSampler, fixed_batches  # noqa: E402
-from tinygpt.finetune.lora import (FINETUNE_RECIPES, FinetuneError, LoraSettings, attach_lora,  # noqa: E402
-                              base_config_dict, causal_lm_loss, check_qlora, compare_generations,
-                              default_finetune_recipe, export_adapter, export_tinygpt_base, finetune, generate_response,
-                              get_finetune_recipe, linear_layer_names, load_base, load_finetuned, memory_table,
-                              merge_adapter)
 from tinygpt.colab.finetune_ui import recipe_rows, run_status  # noqa: E402
+from tinygpt.core.config import ConfigError, DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
+from tinygpt.finetune.lora import (  # noqa: E402
+    FINETUNE_RECIPES,
+    FinetuneError,
+    LoraSettings,
+    attach_lora,
+    base_config_dict,
+    causal_lm_loss,
+    check_qlora,
+    compare_generations,
+    default_finetune_recipe,
+    export_adapter,
+    export_tinygpt_base,
+    finetune,
+    generate_response,
+    get_finetune_recipe,
+    linear_layer_names,
+    load_base,
+    load_finetuned,
+    memory_table,
+    merge_adapter,
+)
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
+from tinygpt.train.data import WindowSampler, fixed_batches  # noqa: E402
 from tinygpt.train.trainer import Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -543,6 +559,7 @@ class DisconnectAt:
 def test_mirror_gets_verified_checkpoints_and_the_adapter_and_a_new_vm_resumes_from_it(tmp_path, tiny_run,
                                                                                       shared_data, monkeypatch):
     from safetensors.torch import load_file
+
     from tinygpt.core.checkpoint import list_checkpoints, read_manifest, sha256_file, verify_checkpoint
     data = str(shared_data / "code_alpaca_2k.json")
     vm, drive = tmp_path / "vm" / "ft", tmp_path / "drive" / "ft"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinygpt.model import hf
 from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
 from tinygpt.core.config import ModelConfig, get_recipe
+from tinygpt.model import hf
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import EOT, Tokenizer, train_bpe
 

@@ -6,11 +6,17 @@ import json
 import pytest
 import torch
 
-from tinygpt.train.data import DataError
-from tinygpt.finetune.instruct import (InstructSource, build_instruct_data, format_prompt, load_records, mbpp_instruction,
-                              record_segments)
+from tinygpt.finetune.instruct import (
+    InstructSource,
+    build_instruct_data,
+    format_prompt,
+    load_records,
+    mbpp_instruction,
+    record_segments,
+)
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.model.tokenizer import train_bpe
+from tinygpt.train.data import DataError
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinygpt.model import losses
 from tinygpt.core.config import model_config
-from tinygpt.model.losses import default_chunk_rows, linear_cross_entropy
+from tinygpt.model import losses
 from tinygpt.model.gpt import GPT
-from tinygpt.model.losses import IGNORE_INDEX
+from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
 
 
 def problem(n: int = 301, d: int = 16, vocab: int = 97, seed: int = 0):

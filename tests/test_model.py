@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tinygpt.core.config import ConfigError, ModelConfig, model_config, MODEL_SIZES
+from tinygpt.core.config import MODEL_SIZES, ConfigError, ModelConfig, model_config
 from tinygpt.model.gpt import GPT, KVCache
 
 transformers = pytest.importorskip("transformers")

@@ -9,8 +9,8 @@ import torch
 
 from tinygpt.core.config import ModelConfig, TrainConfig, model_config
 from tinygpt.model.gpt import GPT
-from tinygpt.train.optim import MuonAdamW, build_optimizer, split_muon_params
 from tinygpt.model.tokenizer import train_bpe
+from tinygpt.train.optim import MuonAdamW, build_optimizer, split_muon_params
 
 VOCAB = 512
 SEQ, BATCH = 64, 8

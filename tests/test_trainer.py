@@ -12,10 +12,9 @@ import torch
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import DataConfig, TrainConfig, model_config
-from tinygpt.train.data import WindowSampler, build_token_cache, fixed_batches
 from tinygpt.model.gpt import GPT
-from tinygpt.core.precision import Precision
 from tinygpt.model.tokenizer import train_bpe
+from tinygpt.train.data import WindowSampler, build_token_cache, fixed_batches
 from tinygpt.train.trainer import Trainer, TrainingError, lr_at
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,8 +199,8 @@ def test_a_full_disk_stops_training_with_the_last_checkpoint_intact(tokens, tmp_
 
 
 def test_checkpoint_carries_the_recipe_and_tokenizer(shared_data, tmp_path):
-    from tinygpt.train.pretrain import pretrain
     from tinygpt.model.tokenizer import Tokenizer
+    from tinygpt.train.pretrain import pretrain
 
     res = pretrain("cpu-smoke", tmp_path / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=5,
                    progress=False, cache_dir=tmp_path / "cache", device="cpu", tensorboard=False)

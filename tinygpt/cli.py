@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import resolve_device
 from tinygpt.evals.tasks import TASKS, run_eval
@@ -20,9 +22,9 @@ from tinygpt.model.gpt import meta_model
 from tinygpt.model.hf import export_run
 from tinygpt.model.loading import load_run
 from tinygpt.train.distributed import torchrun_env
-from tinygpt.train.pretrain import pretrain
 from tinygpt.train.hardware import hardware_report
 from tinygpt.train.memory import estimate_memory
+from tinygpt.train.pretrain import pretrain
 from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision
 
 
@@ -65,7 +67,8 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
            format_table(est.rows())]
     if result is not None:
         cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s)"
-        out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} accumulation steps"
+        out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} "
+                f"accumulation steps"
                 f" x context {result.seq_len}, checkpointing {'on' if result.activation_checkpointing else 'off'}, "
                 f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"]
         out += [f"  - {n}" for n in result.notes]
@@ -97,7 +100,8 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
         key, sep, raw = a.partition("=")
         section, _, name = key.partition(".")
         if not sep or section not in changes or not name:
-            raise ConfigError(f"cannot read override {a!r}: write SECTION.FIELD=VALUE with SECTION model, train or data")
+            raise ConfigError(f"cannot read override {a!r}: write SECTION.FIELD=VALUE with SECTION model, train "
+                              "or data")
         fields = getattr(recipe, section).to_dict()
         if name not in fields:
             raise ConfigError(f"{section} has no field {name!r}; fields: {', '.join(fields)}")
@@ -110,7 +114,8 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
 
 def _pretrain(args) -> int:
     res = pretrain(apply_overrides(get_recipe(args.recipe), args.set), args.run_dir, data=args.data,
-                   max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every, resume=args.resume, mirror=args.mirror, device=args.device,
+                   max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every,
+                   resume=args.resume, mirror=args.mirror, device=args.device,
                    progress=not args.quiet, parallel=args.parallel, probe=args.probe)
     env = torchrun_env()
     if env is not None and env.rank != 0:
@@ -148,7 +153,6 @@ def _finetune(args) -> int:
 
 
 def _generate(args) -> int:
-    import torch
 
 
     if not args.prompt:
@@ -243,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override recipe fields, e.g. --set train.lr=1e-3 model.n_layer=6 data.max_chars=100000")
     t.add_argument("--probe", choices=("auto", "off"), default="auto",
-                   help="on a GPU, let the probe choose micro-batch, context and precision (off: the recipe as written)")
+                   help="on a GPU, let the probe choose micro-batch, context and precision "
+                        "(off: the recipe as written)")
     t.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                    help="under torchrun: DDP, or FSDP2 to shard a model too big for one GPU")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -252,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("finetune", help="LoRA / QLoRA finetuning of a tinygpt run or a Hugging Face model")
     f.add_argument("--recipe", default="lora-r16", help="lora-r8, lora-r16, lora-r32 or qlora-r16")
     f.add_argument("--base", required=True, help="a tinygpt run folder, a model folder, or a Hugging Face id")
-    f.add_argument("--data", required=True, help="a JSON/JSONL file, a saved dataset folder, or hf:NAME[:CONFIG][@SPLIT]")
+    f.add_argument("--data", required=True,
+                   help="a JSON/JSONL file, a saved dataset folder, or hf:NAME[:CONFIG][@SPLIT]")
     f.add_argument("--run-dir", required=True)
     f.add_argument("--max-steps", type=int, default=None)
     f.add_argument("--hardware", choices=("cpu", "t4", "a100"), default=None,

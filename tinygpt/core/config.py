@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 
-def config_differences(old: dict, new: dict, allowed: set[str] | frozenset = frozenset(), prefix: str = "") -> list[str]:
+def config_differences(old: dict, new: dict, allowed: set[str] | frozenset = frozenset(),
+                       prefix: str = "") -> list[str]:
     """Human-readable differences between two config dicts (nested), ignoring the `allowed` keys."""
     out = []
     for k in sorted(set(old) | set(new)):

@@ -184,7 +184,8 @@ def _read_jsonl(path: Path) -> list[dict]:
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise DataFormatError(f"{path} line {i} is not JSON ({e}); expected one JSON object per line") from e
+                    raise DataFormatError(f"{path} line {i} is not JSON ({e}); expected one JSON object per "
+                                          "line") from e
     return records
 
 

@@ -196,7 +196,8 @@ def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceIte
                 break
             first = 6 * len(items) + 1
             if len(group) < 6:
-                raise DataFormatError(f"{path} ends with an incomplete item of {len(group)} lines at line {first}; {hint}")
+                raise DataFormatError(f"{path} ends with an incomplete item of {len(group)} lines at line "
+                                      f"{first}; {hint}")
             if group[1].strip() not in ("0", "1", "2", "3"):
                 raise DataFormatError(f"{path} line {first + 1}: gold index {group[1][:40]!r} is not 0-3; {hint}")
             items.append(ChoiceItem(group[0], group[2:], int(group[1])))
@@ -260,7 +261,9 @@ def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], bat
         correct_norm += max(range(len(ll)), key=lambda j: ll[j] / max(len(it.endings[j]), 1)) == it.label
     n = len(items)
     acc, acc_norm = correct / n, correct_norm / n
-    se = (lambda p: math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan"))
+    def se(p: float) -> float:  # the standard error of a proportion over n items
+        return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
+
     return {"n": n, "acc": acc, "acc_stderr": se(acc), "acc_norm": acc_norm, "acc_norm_stderr": se(acc_norm)}
 
 

@@ -86,8 +86,10 @@ def _code_task(load: Callable[[str | Path], list[code.CodeProblem]]):
 TASKS: dict[str, Task] = {t.name: t for t in (
     Task("perplexity", "perplexity and bits per byte of a text", lm.DATA_HELP["perplexity"], _perplexity),
     Task("hellaswag", "HellaSwag accuracy (acc and acc_norm)", lm.DATA_HELP["hellaswag"], _hellaswag),
-    Task("humaneval", "HumanEval pass@k (runs generated code)", lm.DATA_HELP["humaneval"], _code_task(code.load_humaneval)),
-    Task("mbpp", "MBPP pass@k on problems 11-510 (runs generated code)", lm.DATA_HELP["mbpp"], _code_task(code.load_mbpp)),
+    Task("humaneval", "HumanEval pass@k (runs generated code)", lm.DATA_HELP["humaneval"],
+         _code_task(code.load_humaneval)),
+    Task("mbpp", "MBPP pass@k on problems 11-510 (runs generated code)", lm.DATA_HELP["mbpp"],
+         _code_task(code.load_mbpp)),
     Task("summary", "a run's metrics.jsonl summarised, with a diagnosis (no model)", None, None),
 )}
 

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.checkpoint import list_checkpoints
 from tinygpt.core.files import write_json_atomic
@@ -62,10 +63,9 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     memory_table,
     this_hardware,
 )
-from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
-from tinygpt.model.losses import default_chunk_rows, linear_cross_entropy
+from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
 from tinygpt.sync.drive import Mirror, mirror_adapter, restore_latest
 from tinygpt.train.trainer import Trainer
 
@@ -214,7 +214,6 @@ def softcapped_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """Summed cross-entropy of Gemma-2's logits cap * tanh(hidden @ weight.T / cap), a chunk of rows at a
     time. Each chunk's logits are recomputed in the backward pass instead of kept: one more head matmul
     buys the (tokens, 256k vocab) logits that would not fit a T4 next to the model."""
-    from torch.utils.checkpoint import checkpoint
 
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     rows = default_chunk_rows(h.shape[0], weight.shape[0]) if chunk_rows is None else chunk_rows

@@ -17,13 +17,12 @@ import torch
 from tinygpt.core.checkpoint import (
     find_run_checkpoint,
 )
-from tinygpt.core.config import Recipe, TrainConfig
+from tinygpt.core.config import Recipe, TrainConfig, check_same_settings
 from tinygpt.core.files import atomic_output
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.train.hardware import device_class
 from tinygpt.train.memory import overhead_gb
-from tinygpt.core.config import check_same_settings
 
 # The files of a finetuning run folder besides the trainer's (checkpoints/, metrics.jsonl).
 FINETUNE_INFO, ADAPTER_INFO = "finetune.json", "tinygpt_finetune.json"

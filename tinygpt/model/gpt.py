@@ -18,7 +18,6 @@ from tinygpt.core.config import ModelConfig
 from tinygpt.model.losses import IGNORE_INDEX, linear_cross_entropy  # noqa: F401  (IGNORE_INDEX: handed on)
 
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -8,8 +8,6 @@ logits and token ids as the run it came from.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +15,7 @@ import torch
 
 from tinygpt.core.checkpoint import CheckpointError, load_model_state, model_state
 from tinygpt.core.config import ModelConfig
+from tinygpt.core.files import atomic_output, write_json_atomic
 from tinygpt.model.gpt import GPT, rope_tables
 from tinygpt.model.loading import load_run
 from tinygpt.model.tokenizer import EOT, Tokenizer
@@ -68,11 +67,7 @@ def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path) -
     out = check_export_target(out_dir)
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_output(out, folder=True) as tmp:  # a failure leaves nothing under the real name
         eot_id = tokenizer.eot_id if tokenizer is not None else None
         hf_llama_config(model.config, eot_id).save_pretrained(tmp)
         # transformers 5 keeps rope_theta under rope_parameters; 4.x reads it at the top level and would
@@ -84,13 +79,8 @@ def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path) -
             # transformers 5 writes its own class name; "PreTrainedTokenizerFast" loads in 4.x and 5.x.
             _update_json(tmp / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
             gen = {"bos_token_id": eot_id, "eos_token_id": eot_id, "transformers_version": _transformers().__version__}
-            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+            write_json_atomic(tmp / "generation_config.json", gen)
         check_export_target(out)  # still free? (someone may have written there meanwhile)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -195,7 +185,8 @@ def load_hf_causal_lm(path: str | Path, device: str | torch.device = "cpu", **fr
     return model, tf.AutoTokenizer.from_pretrained(str(path))
 
 
-def hf_generate_fn(model: Any, tokenizer: Any, max_new_tokens: int = 384, temperature: float = 0.0) -> Callable[[str], str]:
+def hf_generate_fn(model: Any, tokenizer: Any, max_new_tokens: int = 384,
+                   temperature: float = 0.0) -> Callable[[str], str]:
     """`generate(prompt) -> completion` (the new text only) through `model.generate`; greedy at temperature 0."""
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

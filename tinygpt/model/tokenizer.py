@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -101,7 +102,6 @@ def gpt2_tokenizer(vocab_json: str | Path, merges_txt: str | Path) -> Tokenizer:
 
 def find_gpt2_files() -> tuple[Path, Path] | None:
     """The GPT-2 vocab/merges files, if they can be found offline (TINYGPT_GPT2_DIR or ../shared/data)."""
-    import os
 
     candidates = [os.environ.get("TINYGPT_GPT2_DIR"), shared_data_dir()]
     for c in candidates:

@@ -1,1 +1,2 @@
-"""Mirroring a run folder to Google Drive (or any folder): verified copies, restore on a new VM. Knows files, never models."""
+"""Mirroring a run folder to Google Drive (or any folder): verified copies, restore on a new VM.
+Knows files, never models."""

@@ -19,9 +19,10 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from tinygpt.core.config import DataConfig
-from tinygpt.core.files import write_json_atomic
+from tinygpt.core.files import atomic_output, write_json_atomic
 from tinygpt.model.tokenizer import Tokenizer
 
 CACHE_FORMAT = 1
@@ -195,11 +196,10 @@ def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | P
     every = max(2, round(1 / cfg.val_fraction))
     counts = {"train": 0, "val": 0}
     n_docs = n_chars = 0
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(desc="tokenizing", unit=" docs")
-    with open(folder / "train.bin.tmp", "wb") as ftrain, open(folder / "val.bin.tmp", "wb") as fval:
+    bar = tqdm(desc="tokenizing", unit=" docs") if progress else None
+    # each file whole or not at all; meta.json, written last, says the cache is complete
+    with atomic_output(folder / "train.bin") as train_tmp, atomic_output(folder / "val.bin") as val_tmp, \
+            open(train_tmp, "wb") as ftrain, open(val_tmp, "wb") as fval:
         batch: list[str] = []
 
         def flush() -> None:
@@ -221,12 +221,10 @@ def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | P
                 flush()
         if batch:
             flush()
-    if bar is not None:
-        bar.close()
-    if n_docs == 0:
-        raise DataError(f"data source {cfg.source!r} yielded no text")
-    os.replace(folder / "train.bin.tmp", folder / "train.bin")
-    os.replace(folder / "val.bin.tmp", folder / "val.bin")
+        if bar is not None:
+            bar.close()
+        if n_docs == 0:
+            raise DataError(f"data source {cfg.source!r} yielded no text")
     meta = {"format": CACHE_FORMAT, "source": cfg.source, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
             "train_tokens": counts["train"], "val_tokens": counts["val"], "documents": n_docs, "chars": n_chars,
             "chars_per_token": n_chars / max(1, counts["train"] + counts["val"]),
@@ -295,7 +293,8 @@ class WindowSampler:
         self.epoch, self.index = s["epoch"], s["index"]
 
 
-def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
+                  n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Evaluation batches: the same evenly spaced windows every time, so val losses compare."""
     n_windows = (len(tokens) - 1) // seq_len
     if n_windows < 1:

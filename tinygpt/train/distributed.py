@@ -6,6 +6,9 @@ accumulation micro-steps, or smaller micro-batches), and the sampler hands rank 
 the same global order, so a run on W GPUs follows the single-GPU run step for step, and a
 checkpoint moves freely between world sizes. Checkpoints always hold the full, unsharded state
 in the single-process format (gathered to rank 0 under FSDP2); rank 0 writes them.
+
+The torch.distributed submodules (DDP, FSDP2, DTensor, distributed checkpoint) are imported inside
+the functions that use them: a single-process run, the common case in Colab, never loads them.
 """
 from __future__ import annotations
 

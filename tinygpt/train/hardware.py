@@ -72,7 +72,8 @@ def ram_gb() -> tuple[float | None, float | None]:
         import psutil
         return psutil.virtual_memory().total / GB, psutil.virtual_memory().available / GB
     with contextlib.suppress(OSError, KeyError, ValueError):
-        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines())}
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in lines)}
         return kb["MemTotal"] * 1024 / GB, kb["MemAvailable"] * 1024 / GB
     return None, None
 

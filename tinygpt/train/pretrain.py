@@ -30,28 +30,28 @@ from tinygpt.sync.drive import (
     restore_token_cache,
     sync_token_cache,
 )
+from tinygpt.train.callbacks import TensorBoardLogger, write_sample
 from tinygpt.train.data import (
+    TokenData,
     WindowSampler,
     build_token_cache,
     cache_key,
     fixed_batches,
     iter_documents,
     resolve_source,
-    TokenData,
 )
 from tinygpt.train.distributed import (
+    TorchrunEnv,
     check_parallel,
     main_process_first,
     process_group,
-    TorchrunEnv,
     rank_device,
     split_global_batch,
     torchrun_env,
 )
-from tinygpt.train.probe import apply_probe
 from tinygpt.train.hardware import peak_tflops as _peak
+from tinygpt.train.probe import apply_probe
 from tinygpt.train.probe import probe as run_probe
-from tinygpt.train.callbacks import TensorBoardLogger, write_sample
 from tinygpt.train.trainer import RESUMABLE_CHANGES, Trainer, TrainResult
 
 TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
@@ -109,8 +109,9 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
         old = run.info()
         if old.get("probe"):
             r = old["recipe"]
-            return recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS},
-                                  model={"activation_checkpointing": r["model"]["activation_checkpointing"]}), old["probe"]
+            kept = recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS},
+                                  model={"activation_checkpointing": r["model"]["activation_checkpointing"]})
+            return kept, old["probe"]
         return recipe, None
     if dev.type != "cuda" or world_size > 1:
         return recipe, None
@@ -148,7 +149,8 @@ class PretrainOptions:
 
     def apply(self, recipe: Recipe) -> Recipe:
         """The recipe with this run's overrides."""
-        train = {k: v for k in ("max_steps", "save_every", "eval_every", "device") if (v := getattr(self, k)) is not None}
+        train = {k: v for k in ("max_steps", "save_every", "eval_every", "device")
+                 if (v := getattr(self, k)) is not None}
         return recipe.replace(train=train, data={"source": self.data} if self.data else None)
 
 

@@ -27,13 +27,13 @@ from tinygpt.core.precision import (
     resolve_device,
 )
 from tinygpt.model.gpt import GPT, meta_model
+from tinygpt.train.hardware import HardwareReport, cpu_name, mfu, ram_gb
 from tinygpt.train.memory import (
     CUDA_CONTEXT_GB,
     GB,
     TensorMemoryTracker,
     estimate_memory,
 )
-from tinygpt.train.hardware import HardwareReport, cpu_name, mfu, ram_gb
 from tinygpt.train.optim import build_optimizer
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
@@ -191,7 +191,8 @@ def _batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[i
 def requested_precision(recipe: Recipe, device_type: str, has_native_bf16: bool) -> tuple[str, str | None]:
     """A recipe's bf16 on a GPU that only emulates it (T4, V100) would be slow: let the probe decide."""
     if recipe.train.precision == "bf16" and device_type == "cuda" and not has_native_bf16:
-        return "auto", f"recipe {recipe.name!r} asks for bf16, which this GPU only emulates: precision chosen by the probe"
+        return "auto", (f"recipe {recipe.name!r} asks for bf16, which this GPU only emulates: precision chosen by "
+                        "the probe")
     return recipe.train.precision, None
 
 
@@ -264,7 +265,8 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
             break
     if not largest:
         raise ProbeError(f"recipe {recipe.name!r} does not fit in {memory_limit_gb:.1f} GB (margin {margin:.0%}) even "
-                         f"at micro-batch 1, context {lengths[-1]}, with activation checkpointing: pick a smaller recipe")
+                         f"at micro-batch 1, context {lengths[-1]}, with activation checkpointing: pick a smaller "
+                         "recipe")
     notes = [n for n in [prec_note] if n]
     if ckpt and not recipe.model.activation_checkpointing:
         notes.append(f"activation checkpointing turned on: micro-batch 1 did not fit without it at context {t}")
@@ -323,7 +325,8 @@ class Expectations:
         hours = None if self.time_to_finish_s is None else self.time_to_finish_s / 3600
         return [("peak memory", f"{self.peak_memory_gb:.1f} GB ({self.memory_source})"),
                 ("fits", "-" if self.fits is None else "yes" if self.fits else "no"),
-                ("tokens/s", "-" if self.tokens_per_s is None else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})"),
+                ("tokens/s", "-" if self.tokens_per_s is None
+                 else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})"),
                 ("MFU", "-" if self.mfu is None else f"{self.mfu:.0%}"),
                 ("token budget", f"{self.token_budget:,}"),
                 ("time to finish", "-" if hours is None else f"{hours:.2f} h")]
