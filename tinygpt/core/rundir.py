@@ -27,6 +27,7 @@ RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metr
 FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
                                                             "tinygpt_finetune.json", "adapter")
 CHECKPOINTS, BEST = "checkpoints", "best"
+BASE_DIR, MERGED_DIR = "base", "merged"  # a finetuning run's exported tinygpt base; its merged model
 # the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
 RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO)
 
@@ -125,6 +126,16 @@ class RunDir:
     def write_info(self, info: dict[str, Any]) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / RUN_JSON, info)
+
+    def finetune_info(self) -> dict[str, Any] | None:
+        """finetune.json (what a finetuning run was started with); None before the first start."""
+        p = self.path / FINETUNE_JSON
+        return read_json(p) if p.is_file() else None
+
+    def adapter_info(self) -> dict[str, Any]:
+        """tinygpt_finetune.json beside an adapter ({} when absent)."""
+        p = self.path / ADAPTER_INFO
+        return read_json(p) if p.is_file() else {}
 
     # -- metrics.jsonl
     def metrics(self) -> list[dict[str, Any]]:

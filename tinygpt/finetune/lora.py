@@ -16,7 +16,6 @@ the end, ``adapter/`` (adapter_config.json + adapter_model.safetensors + tokeniz
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from tinygpt.core.checkpoint import list_checkpoints
 from tinygpt.core.files import write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
+from tinygpt.core.rundir import ADAPTER_CONFIG, RunDir, read_json
 from tinygpt.finetune.instruct import (
     Codec,
     DataReport,
@@ -252,7 +252,7 @@ def _base_of(adir: Path, info: dict[str, Any]) -> str:
     if info.get("base") and is_tinygpt_run(info["base"]):
         out = adir.parent / BASE_DIR
         return str(out if (out / "config.json").is_file() else export_tinygpt_base(info["base"], out))
-    return info.get("base") or json.loads((adir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return info.get("base") or read_json(adir / ADAPTER_CONFIG)["base_model_name_or_path"]
 
 
 def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = False,
@@ -264,7 +264,7 @@ def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = F
     from peft import PeftModel
 
     adir = _adapter_dir(path)
-    info = json.loads((adir / ADAPTER_INFO).read_text()) if (adir / ADAPTER_INFO).is_file() else {}
+    info = RunDir(adir).adapter_info()
     base = base or _base_of(adir, info)
     quantize = info.get("quantize", "none")
     model = load_base(base, quantize=quantize, dtype=dtype, device=device)
@@ -370,7 +370,7 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     if mirror is not None:
         # the newest valid checkpoint, local or mirrored, and the run files (finetune.json among them)
         restore_latest(run_dir, mirror)
-    old = json.loads((run_dir / FINETUNE_INFO).read_text()) if (run_dir / FINETUNE_INFO).is_file() else None
+    old = RunDir(run_dir).finetune_info()
     dev = resolve_device(device or "auto")
     # Colab may hand a resumed run another GPU: it keeps the settings it started with (same data rows).
     hardware = hardware or (old or {}).get("hardware") or detect_hardware(dev)
@@ -388,9 +388,9 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     resuming = bool(list_checkpoints(run_dir / "checkpoints"))
     if resume == "never" and resuming:
         raise FinetuneError(f"run folder {run_dir} already has checkpoints; resume='never' would overwrite them")
-    old_adapter = json.loads((run_dir / ADAPTER_INFO).read_text()) if (run_dir / ADAPTER_INFO).is_file() else {}
+    old_adapter = RunDir(run_dir).adapter_info()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / FINETUNE_INFO).write_text(json.dumps(info, indent=1))
+    write_json_atomic(run_dir / FINETUNE_INFO, info)
     base_path = base
     if tinygpt_base:
         base_path = str((run_dir / BASE_DIR).resolve())
@@ -413,9 +413,8 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     pm = attach_lora(model, rec.lora, activation_checkpointing=hardware in rec.activation_checkpointing, seed=cfg.seed)
     peft_config = dataclasses.replace(pm.peft_config["default"], inference_mode=True)  # as PEFT saves it
     peft_config.save_pretrained(str(run_dir))  # adapter_config.json + any checkpoint = an adapter (export_adapter)
-    (run_dir / ADAPTER_INFO).write_text(json.dumps(
-        {"base": info["base"], "base_path": base_path, "quantize": rec.quantize, "template": rec.template,
-         "signature": base_signature(model)}, indent=1))
+    write_json_atomic(run_dir / ADAPTER_INFO, {"base": info["base"], "base_path": base_path, "quantize": rec.quantize,
+                                               "template": rec.template, "signature": base_signature(model)})
     n_train = sum(p.numel() for p in pm.parameters() if p.requires_grad)
     n_total = sum(p.numel() for p in pm.parameters())
     callbacks = list(callbacks)

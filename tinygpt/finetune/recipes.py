@@ -20,13 +20,19 @@ from tinygpt.core.checkpoint import (
 from tinygpt.core.config import Recipe, TrainConfig, check_same_settings
 from tinygpt.core.files import atomic_output
 from tinygpt.core.precision import resolve_device
-from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
+    ADAPTER_DIR,
+    ADAPTER_INFO,
+    BASE_DIR,
+    MERGED_DIR,
+    RunDir,
+    recipe_name_of,
+)
+from tinygpt.core.rundir import FINETUNE_JSON as FINETUNE_INFO  # noqa: F401
 from tinygpt.train.hardware import device_class
 from tinygpt.train.memory import overhead_gb
 
 # The files of a finetuning run folder besides the trainer's (checkpoints/, metrics.jsonl).
-FINETUNE_INFO, ADAPTER_INFO = "finetune.json", "tinygpt_finetune.json"
-BASE_DIR, ADAPTER_DIR, MERGED_DIR = "base", "adapter", "merged"
 # Families whose logits are exactly lm_head(hidden): their loss goes through the chunked
 # `losses.linear_cross_entropy` (no full (tokens, vocab) logits).
 PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"}

@@ -8,9 +8,7 @@ logging steps: everything else queues on the GPU without a host-device sync.
 from __future__ import annotations
 
 import math
-import os
 import random
-import shutil
 import signal
 import threading
 import time
@@ -203,8 +201,7 @@ class Trainer:
         try:
             ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
                                  {"kind": "best" if best else "step", "val_loss": self.best_val_loss})
-        except OSError as e:  # a full disk or a lost mount: the half-written folder goes, the last good one stays
-            shutil.rmtree(path.parent / f".tmp-{path.name}-{os.getpid()}", ignore_errors=True)
+        except OSError as e:  # a full disk or a lost mount: the half-written folder is gone (atomic_output)
             raise TrainingError(f"could not write checkpoint {path}: {e}. The last good checkpoint is "
                                 f"{ckpt.latest_valid(self.ckpt_root)}; free some disk space and run again to "
                                 "resume from it") from e
