@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
 import warnings
@@ -149,8 +150,10 @@ def latest_valid(ckpt_roots: list[str | Path] | str | Path) -> Path | None:
     return None
 
 
-def load_checkpoint(path: str | Path, verify: bool = True, map_location="cpu") -> tuple[dict, dict, dict]:
-    """(model state_dict, training state, manifest) of a verified checkpoint folder."""
+def load_checkpoint(path: str | Path, verify: bool = True, map_location="cpu",
+                    with_state: bool = True) -> tuple[dict, dict, dict]:
+    """(model state_dict, training state, manifest) of a verified checkpoint folder; the training
+    state is {} when `with_state` is False (inference needs only the weights)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -159,9 +162,19 @@ def load_checkpoint(path: str | Path, verify: bool = True, map_location="cpu") -
         if not ok:
             raise CheckpointError(f"checkpoint {path} is not valid: {why}")
     sd = load_file(str(path / MODEL_FILE))
-    state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=False) \
-        if (path / STATE_FILE).exists() else {}
+    state = _load_state(path / STATE_FILE, map_location) if with_state and (path / STATE_FILE).exists() else {}
     return sd, state, read_manifest(path)
+
+
+def _load_state(path: Path, map_location) -> dict:
+    """The training state, weights-only: tensors, numbers, strings, lists and dicts, never code. A run
+    folder may come from anyone (a shared Drive folder), so nothing in it is unpickled as objects."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"{path} holds more than tensors and numbers and was not loaded (it could run code); "
+                              "it was not written by this version of tinygpt: delete the checkpoint folder or "
+                              "start a new run folder") from None
 
 
 def prune(ckpt_root: str | Path, keep_last: int) -> list[Path]:

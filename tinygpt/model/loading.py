@@ -22,7 +22,7 @@ def load_run(run_dir: str | Path, which: str = "latest", device: str | torch.dev
     run = RunDir(run_dir)
     recipe = Recipe.from_dict(run.recipe_dict())
     ckpt = find_run_checkpoint(run.path, which)
-    sd, _, _ = load_checkpoint(ckpt, verify=True)
+    sd, _, _ = load_checkpoint(ckpt, verify=True, with_state=False)  # the weights only: safetensors
     model = GPT(recipe.model)
     load_model_state(model, sd)
     tokenizer = Tokenizer.load(run / TOKENIZER_JSON)

