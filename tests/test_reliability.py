@@ -67,3 +67,46 @@ def test_a_poisoned_state_never_runs(small_run, tmp_path, capsys):
 def test_training_state_is_weights_only(small_run):
     state = torch.load(ckpt.latest_valid(small_run / "checkpoints") / ckpt.STATE_FILE, weights_only=True)
     assert state["step"] == 4 and isinstance(state["rng"]["numpy"]["keys"], torch.Tensor)
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only a full (sha256) check notices
+    path.write_bytes(bytes(data))
+
+
+def _corrupt_copy(src: Path, dst: Path) -> None:
+    import shutil
+    shutil.copytree(src, dst)
+    _flip_a_byte(dst / ckpt.MODEL_FILE)
+    assert ckpt.verify_checkpoint(dst, deep=False)[0] and not ckpt.verify_checkpoint(dst)[0]
+
+
+def test_mirror_pruning_keeps_the_good_checkpoints_under_corrupt_newer_ones(small_run, tmp_path):
+    import shutil
+
+    from tinygpt.sync.drive import prune_mirror, restore_latest
+    mirror = tmp_path / "drive" / "r"
+    shutil.copytree(small_run, mirror)
+    good = ckpt.list_checkpoints(mirror / "checkpoints")
+    assert [s for s, _ in good] == [2, 4]
+    for step in (8, 10):
+        _corrupt_copy(good[-1][1], mirror / "checkpoints" / ckpt.step_name(step))
+    prune_mirror(mirror / "checkpoints", keep_last=1)
+    left = {p.name for _, p in ckpt.list_checkpoints(mirror / "checkpoints")}
+    assert ckpt.step_name(4) in left, "pruning deleted the newest good checkpoint"
+    # a new VM (empty local folder) resumes from it, not from step 0
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        restored = restore_latest(tmp_path / "vm" / "r", mirror)
+    assert restored is not None and restored.name == ckpt.step_name(4) and ckpt.verify_checkpoint(restored)[0]
+
+
+def test_nothing_verifies_is_said_before_step_0(small_run, tmp_path):
+    import shutil
+    run = tmp_path / "r"
+    shutil.copytree(small_run, run)
+    for _, p in ckpt.list_checkpoints(run / "checkpoints"):
+        _flip_a_byte(p / ckpt.MODEL_FILE)
+    with pytest.warns(UserWarning, match="no checkpoint .* passes verification: training starts from step 0"):
+        res = pretrain("cpu-smoke", run, cache_dir=small_run.parent / "cache", **{**FAST, "max_steps": 2})
+    assert res.resumed_from is None and res.step == 2

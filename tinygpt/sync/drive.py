@@ -122,18 +122,28 @@ def _new_tag() -> str:
     return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def prune_mirror(ckpt_root: str | Path, keep_last: int, known_valid: set[str] | frozenset = frozenset()) -> list[Path]:
-    """Keep the newest `keep_last` valid step folders and whatever is newer; delete the older ones.
-    Folders named in `known_valid` were verified already; others get a size check (cheap on Drive).
-    With no valid folder nothing is deleted, so the only valid one is never lost."""
+def prune_mirror(ckpt_root: str | Path, keep_last: int, known_valid: set[str] | None = None) -> list[Path]:
+    """Keep the newest `keep_last` checkpoints that pass the FULL check (sha256 of every file) and
+    delete older step folders; never delete the newest verified one, and with none verified delete
+    nothing. A size check is not enough: a corrupt folder of the right size at a higher step would
+    push every good one out. `known_valid` holds names verified already (by the copy that wrote them,
+    or an earlier prune); names verified here are added to it, so each folder is hashed once."""
+    known = known_valid if known_valid is not None else set()
     ckpts = list_checkpoints(ckpt_root)
-    valid = [(s, p) for s, p in ckpts if p.name in known_valid or verify_checkpoint(p, deep=False)[0]]
-    if not valid:
+    kept: list[int] = []
+    for s, p in reversed(ckpts):  # newest first: stop hashing once enough are verified
+        if len(kept) >= max(keep_last, 1):
+            break
+        if p.name in known or verify_checkpoint(p, deep=True)[0]:
+            known.add(p.name)
+            kept.append(s)
+    if not kept:
         return []
-    oldest_kept = valid[-max(keep_last, 1):][0][0]
+    oldest_kept = min(kept)
     removed = [p for s, p in ckpts if s < oldest_kept]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
+        known.discard(p.name)
     return removed
 
 
@@ -403,6 +413,10 @@ def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None,
         else:
             continue  # the mirror went away during this restore
         warnings.warn(f"skipping checkpoint {p}: {why}", stacklevel=2)
+    if chosen is None and candidates:
+        warnings.warn(f"none of the {len(candidates)} checkpoints here or on the mirror passed verification: "
+                      "training starts from step 0 (the failing folders are kept; see the warnings above)",
+                      stacklevel=2)
     if mirror is not None:
         try:
             _restore_run_files(local, mirror, backoff, copy_file, tag)

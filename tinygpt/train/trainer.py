@@ -332,6 +332,9 @@ class Trainer:
             last_saved = ckpt.latest_valid(self.ckpt_root)  # hashes it: no second check on load
             if last_saved is not None:
                 self.resume(last_saved, verified=True)
+            elif self.is_main and ckpt.list_checkpoints(self.ckpt_root):
+                warnings.warn(f"no checkpoint in {self.ckpt_root} passes verification: training starts from step 0 "
+                              "(the folders are kept)", stacklevel=2)
         elif resume != "never":
             last_saved = Path(resume)
             self.resume(last_saved)
