@@ -110,3 +110,22 @@ def test_nothing_verifies_is_said_before_step_0(small_run, tmp_path):
     with pytest.warns(UserWarning, match="no checkpoint .* passes verification: training starts from step 0"):
         res = pretrain("cpu-smoke", run, cache_dir=small_run.parent / "cache", **{**FAST, "max_steps": 2})
     assert res.resumed_from is None and res.step == 2
+
+
+def test_a_dead_mirror_warns_at_once_and_close_says_what_is_missing(small_run, tmp_path):
+    """The mirror's parent is a regular file (a Drive folder replaced by a file): every copy fails.
+    Training never waits for it; close() gives up after its wait and names what is not on Drive."""
+    from tinygpt.sync.drive import Backoff, Mirror
+    blocker = tmp_path / "drive"
+    blocker.write_text("not a folder")
+    newest = ckpt.latest_valid(small_run / "checkpoints")
+    with pytest.warns(UserWarning) as seen:
+        m = Mirror(small_run, blocker / "r", backoff=Backoff(max_attempts=1000, base_delay_s=0.05, max_delay_s=0.05),
+                   close_timeout_s=1.0)
+        m.on_checkpoint(newest, 4)
+        assert m.flush(timeout=0.5) is False  # still retrying: the training thread was not held up
+        assert m.close() is False
+    messages = [str(w.message) for w in seen]
+    assert any("training goes on and the copy is retried" in t for t in messages), messages
+    assert m.status.errors >= 1 and any(ckpt.step_name(4) in x for x in m.not_synced), m.not_synced
+    assert any("gave up" in t and "not on it" in t for t in messages)

@@ -41,6 +41,12 @@ class SyncError(OSError):
     """A copy that does not match its source's manifest."""
 
 
+class SyncAborted(Exception):
+    """The mirror was told to give up (its time after training ran out): no more retries."""
+
+CLOSE_TIMEOUT_S = 120.0  # after training, how long the mirror may finish its copies before we return
+
+
 def _copy_file(src: Path, dst: Path) -> None:
     # copyfile, not copy2: Drive's FUSE mount refuses some chmod/xattr calls that copystat makes
     shutil.copyfile(src, dst)
@@ -194,12 +200,19 @@ class Mirror:
 
     def __init__(self, local_run_dir: str | Path, mirror_run_dir: str | Path, keep_last: int = 2, *,
                  files_every_s: float = 30.0, backoff: Backoff | None = None,
-                 copy_file: CopyFile = _copy_file, clock: Callable[[], float] = time.time):
+                 copy_file: CopyFile = _copy_file, clock: Callable[[], float] = time.time,
+                 close_timeout_s: float = CLOSE_TIMEOUT_S):
         self.local, self.mirror = Path(local_run_dir), Path(mirror_run_dir)
         if os.path.abspath(self.mirror) == os.path.abspath(self.local):  # no stat: Drive may hang
             raise ValueError(f"the mirror {self.mirror} is the run folder itself; pick another folder")
         self.keep_last, self.files_every_s = keep_last, files_every_s
-        self.backoff, self.copy_file, self.clock = backoff or Backoff(), copy_file, clock
+        self._give_up = threading.Event()
+        # retries wait on the give-up event: close() can cut a backoff short instead of waiting it out
+        self.backoff = replace(backoff or Backoff(), sleep=self._sleep)
+        self.copy_file, self.clock, self.close_timeout_s = copy_file, clock, close_timeout_s
+        self._sleep_fn = (backoff or Backoff()).sleep
+        self.not_synced: list[str] = []  # after close(): what is not on the mirror, in words
+        self._current: tuple[str, Path] | None = None  # the checkpoint being copied (key, local path)
         self._tag = _new_tag()
         self._cond = threading.Condition()
         self._pending: dict[str, tuple[Path, int]] = {}  # key (path in the run folder) -> (local path, step)
@@ -247,13 +260,41 @@ class Mirror:
             return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
 
     def close(self, timeout: float | None = None) -> bool:
-        """Finish pending copies and the run files, then stop the thread; False if still running."""
+        """Finish pending copies and the run files within `timeout` (default `close_timeout_s`), then
+        stop. When the time runs out the mirror gives up, `not_synced` says what is missing on the
+        mirror (also as a warning), and False is returned: a dead Drive never blocks the cell."""
         with self._cond:
             self._closing = True
             self._files_dirty = True
             self._cond.notify_all()
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        self._thread.join(self.close_timeout_s if timeout is None else timeout)
+        if not self._thread.is_alive():
+            return True
+        self._give_up.set()
+        self._thread.join(2.0)  # a copy stuck inside a hung mount is left to its daemon thread
+        with self._cond:
+            pending = sorted(self._pending, key=lambda k: self._pending[k][1])
+            st = self._status
+            self.not_synced = [f"checkpoint {k} (step {self._pending[k][1]})" for k in pending]
+            if self._current is not None:
+                self.not_synced.append(f"checkpoint {self._current[0]} (being copied when time ran out)")
+            if self._files_dirty:
+                self.not_synced.append("the latest run files (metrics.jsonl, samples.txt, ...)")
+        last = f"step {st.last_synced_step}" if st.last_synced_step is not None else "no checkpoint"
+        warnings.warn(f"Drive mirror {self.mirror}: gave up after the wait; on the mirror: {last}; not on it: "
+                      f"{'; '.join(self.not_synced) or 'nothing'}; last error: {st.last_error}. The local run "
+                      f"folder {self.local} has everything", stacklevel=2)
+        return False
+
+    def _sleep(self, seconds: float) -> None:
+        """A retry's wait, cut short (SyncAborted) once close() gives up."""
+        if self._sleep_fn is time.sleep:
+            if self._give_up.wait(seconds):
+                raise SyncAborted()
+        else:  # an injected sleep (tests)
+            if self._give_up.is_set():
+                raise SyncAborted()
+            self._sleep_fn(seconds)
 
     def __enter__(self) -> Mirror:
         return self
@@ -270,10 +311,14 @@ class Mirror:
 
     def _note_error(self, e: BaseException) -> None:
         with self._cond:
+            first = self._status.errors == 0
             self._last_exc = e
             self._status.errors += 1
             self._status.last_error = f"{type(e).__name__}: {e}"
             self._status.last_error_at = self.clock()
+        if first:  # say so at once; the retries go on behind training
+            warnings.warn(f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; training goes on and the copy is "
+                          "retried", stacklevel=2)
 
     def _run(self) -> None:
         self._guarded(lambda: [_clean_leftovers(d, self._tag) for d in (self.mirror, self.mirror / "checkpoints")])
@@ -297,20 +342,26 @@ class Mirror:
                 # run files first: a restored checkpoint is useless without the run's tokenizer.json
                 self._guarded(lambda: self.backoff.run(self._sync_files, self._note_error))
                 if item is not None:
-                    self._guarded(lambda: self._sync_checkpoint(*item))
+                    self._current = item[:2]
+                    if self._guarded(lambda: self._sync_checkpoint(*item)):
+                        self._current = None
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _guarded(self, fn: Callable[[], Any]) -> None:
+    def _guarded(self, fn: Callable[[], Any]) -> bool:
         try:
             fn()
+            return True
+        except SyncAborted:
+            return False
         except Exception as e:  # the thread must survive anything; the error goes to status
             if e is not self._last_exc:  # a retried one is counted already
                 self._note_error(e)
             warnings.warn(f"Drive mirror: {type(e).__name__}: {e}; training goes on, "
                           f"the next checkpoint tries again", stacklevel=2)
+            return False
 
     def _sync_files(self) -> None:
         with self._cond:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from tinygpt.core.rundir import RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.drive import (
+    CLOSE_TIMEOUT_S,
     Mirror,
     restore_latest,
     restore_token_cache,
@@ -210,7 +212,10 @@ def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_
             if hasattr(cb, "close"):
                 cb.close()
         if cache_upload is not None:
-            cache_upload.join()
+            cache_upload.join(CLOSE_TIMEOUT_S)
+            if cache_upload.is_alive():
+                warnings.warn(f"the token cache is not yet on the mirror ({mirror_cache}); a new VM tokenizes again",
+                              stacklevel=2)
     return result
 
 
