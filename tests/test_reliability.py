@@ -7,6 +7,10 @@ fills up, latin-1 files, a flipped adapter byte.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,7 +53,6 @@ def _poison(ckpt_dir: Path, marker: Path) -> None:
 
 
 def test_a_poisoned_state_never_runs(small_run, tmp_path, capsys):
-    import shutil
     run = tmp_path / "shared"
     shutil.copytree(small_run, run)
     marker = tmp_path / "pwned"
@@ -76,14 +79,12 @@ def _flip_a_byte(path: Path) -> None:
 
 
 def _corrupt_copy(src: Path, dst: Path) -> None:
-    import shutil
     shutil.copytree(src, dst)
     _flip_a_byte(dst / ckpt.MODEL_FILE)
     assert ckpt.verify_checkpoint(dst, deep=False)[0] and not ckpt.verify_checkpoint(dst)[0]
 
 
 def test_mirror_pruning_keeps_the_good_checkpoints_under_corrupt_newer_ones(small_run, tmp_path):
-    import shutil
 
     from tinygpt.sync.drive import prune_mirror, restore_latest
     mirror = tmp_path / "drive" / "r"
@@ -102,7 +103,6 @@ def test_mirror_pruning_keeps_the_good_checkpoints_under_corrupt_newer_ones(smal
 
 
 def test_nothing_verifies_is_said_before_step_0(small_run, tmp_path):
-    import shutil
     run = tmp_path / "r"
     shutil.copytree(small_run, run)
     for _, p in ckpt.list_checkpoints(run / "checkpoints"):
@@ -129,3 +129,32 @@ def test_a_dead_mirror_warns_at_once_and_close_says_what_is_missing(small_run, t
     assert any("training goes on and the copy is retried" in t for t in messages), messages
     assert m.status.errors >= 1 and any(ckpt.step_name(4) in x for x in m.not_synced), m.not_synced
     assert any("gave up" in t and "not on it" in t for t in messages)
+
+
+def test_one_writer_per_run_folder_and_a_killed_one_leaves_no_lock(small_run, tmp_path):
+    run = tmp_path / "r"
+    shutil.copytree(small_run, run)
+    # a second process holds the run folder (as a training run does), then is killed with SIGKILL
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom tinygpt.core.rundir import RunDir\n"
+        "with RunDir(sys.argv[1]).lock():\n    print('held', flush=True)\n    time.sleep(600)\n"), str(run)],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(Exception, match=rf"in use by process {holder.pid} on "):
+            pretrain("cpu-smoke", run, cache_dir=small_run.parent / "cache", **{**FAST, "max_steps": 6})
+        assert ckpt.latest_valid(run / "checkpoints").name == ckpt.step_name(4)  # nothing was touched
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    res = pretrain("cpu-smoke", run, cache_dir=small_run.parent / "cache", **{**FAST, "max_steps": 6})
+    assert res.resumed_from == 4 and res.step == 6
+
+
+def test_the_cli_refuses_a_busy_run_folder_in_one_line(small_run, tmp_path, capsys):
+    from tinygpt.core.rundir import RunDir
+    with RunDir(tmp_path / "busy").lock():
+        code = main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(tmp_path / "busy"), "--max-steps", "1",
+                     "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and f"in use by process {os.getpid()}" in err

@@ -16,10 +16,19 @@ one-line error everywhere, naming the file and what to do.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one writer is then the user's care
+    fcntl = None
 
 from tinygpt.core.files import write_json_atomic
 
@@ -27,6 +36,7 @@ RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metr
 FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
                                                             "tinygpt_finetune.json", "adapter")
 CHECKPOINTS, BEST = "checkpoints", "best"
+LOCK = ".lock"  # held by the one process writing the run folder (never mirrored)
 BASE_DIR, MERGED_DIR = "base", "merged"  # a finetuning run's exported tinygpt base; its merged model
 # the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
 RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO)
@@ -104,6 +114,31 @@ class RunDir:
     @property
     def metrics_path(self) -> Path:
         return self.path / METRICS
+
+    # -- one writer
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the run folder for this process: a second writer (another tab, a double-run cell) is
+        refused with a RunDirError naming the holder. The lock is the kernel's (flock): a process that
+        dies, even by kill -9, releases it, so it never stays stuck."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if fcntl is None:
+            yield
+            return
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+                raise RunDirError(f"run folder {self.path} is in use by {holder}; wait for it to finish or stop it, "
+                                  "or use another run folder") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     # -- run.json
     def info(self) -> dict[str, Any]:

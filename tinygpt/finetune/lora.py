@@ -361,6 +361,15 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     into `run_dir`, resuming from its newest valid checkpoint; the adapter lands in run_dir/adapter.
     With `mirror` (a folder on Drive) checkpoints are copied there as they are written, the run resumes
     from there on a new VM, and the final adapter is copied to mirror/adapter."""
+    with RunDir(run_dir).lock():  # one writer per run folder
+        return _finetune(recipe, base, data, run_dir, max_steps, hardware, resume, callbacks, train=train,
+                         device=device, progress=progress, mirror=mirror)
+
+
+def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | Path, max_steps: int | None = None,
+             hardware: str | None = None, resume: str = "auto", callbacks=(), *, train: dict | None = None,
+             device: str | None = None, progress: bool = True, mirror: str | Path | None = None) -> FinetuneResult:
+    """The finetuning run itself; `finetune` holds the run folder's lock around it."""
 
     rec = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     if resume not in ("auto", "never"):

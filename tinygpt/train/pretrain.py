@@ -7,6 +7,7 @@ prepares the tokenizer, the token cache and the run folder while the others wait
 """
 from __future__ import annotations
 
+import contextlib
 import platform
 import sys
 import threading
@@ -188,6 +189,13 @@ def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, world_size)
     dev = resolve_device(recipe.train.device)
     precision = choose_precision(dev, recipe.train.precision)
+    # one writer per run folder (rank 0 writes it; the other ranks of the same job only read)
+    with RunDir(opts.run_dir).lock() if rank == 0 else contextlib.nullcontext():
+        return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info)
+
+
+def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world_size: int, dev: torch.device,
+                         precision, probe_info: dict | None) -> TrainResult:
     with main_process_first(rank, world_size):  # the others find what rank 0 made
         tokenizer, tokens, mirror_cache = prepare_run(recipe, opts, rank == 0, precision, dev, probe_info)
     cache_upload = upload_token_cache(tokens.path, mirror_cache) if rank == 0 else None
