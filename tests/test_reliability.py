@@ -158,3 +158,79 @@ def test_the_cli_refuses_a_busy_run_folder_in_one_line(small_run, tmp_path, caps
                      "--quiet"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and f"in use by process {os.getpid()}" in err
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 16 MB filesystem (tmpfs), where the machine lets us mount one (root); skipped elsewhere."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root); the ENOSPC path is also covered in test_trainer.py")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _fill(disk: Path, leave: int) -> None:
+    free = shutil.disk_usage(disk).free
+    with open(disk / "filler", "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+
+
+def test_a_full_disk_names_the_last_good_checkpoint_in_one_line(small_run, tiny_disk, capsys):
+    run = tiny_disk / "r"
+    shutil.copytree(small_run, run)  # steps 2 and 4 on the small disk
+    _fill(tiny_disk, leave=64 * 1024)  # room for the log, not for another checkpoint
+    code = main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run), "--max-steps", "8", "--quiet",
+                 "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "disk is full" in err and ckpt.step_name(4) in err and "free some disk space" in err
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # nothing half-written
+    assert ckpt.verify_checkpoint(run / "checkpoints" / ckpt.step_name(4))[0]
+    # the same command on the still-full disk: one line again, nothing lost
+    (tiny_disk / "filler").unlink()
+    _fill(tiny_disk, leave=0)
+    code = main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run), "--max-steps", "8", "--quiet",
+                 "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert ckpt.verify_checkpoint(run / "checkpoints" / ckpt.step_name(4))[0]
+
+
+def test_cli_errors_are_one_line_and_set_twice_keeps_both(tmp_path, capsys):
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(tmp_path / "a"), "--set", "train.lr=abc"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train.lr" in err
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(tmp_path / "b"), "--quiet",
+                 "--data", "hf:does/not-exist"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and ("Hub" in err or "does/not-exist" in err), err
+    bad = tmp_path / "c"
+    bad.mkdir()
+    (bad / "run.json").write_text("{not json")
+    assert main(["generate", "--run-dir", str(bad), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "run.json" in err
+    (bad / "run.json").write_text("[1, 2]")
+    assert main(["generate", "--run-dir", str(bad), "--prompt", "x"]) == 2
+    assert "run.json" in capsys.readouterr().err
+    # --set given twice keeps both
+    run = tmp_path / "d"
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run), "--quiet", "--max-steps", "2",
+                 "--set", "train.eval_every=2", "--set", "train.save_every=1", "--device", "cpu"]) == 0
+    import json
+    train = json.loads((run / "run.json").read_text())["recipe"]["train"]
+    assert (train["eval_every"], train["save_every"]) == (2, 1)
+
+
+def test_quiet_says_resumed_at_the_start_and_a_leftover_best_is_cleaned(small_run, tmp_path, capsys):
+    run = tmp_path / "r"
+    shutil.copytree(small_run, run)
+    (run / ".tmp-best-99999").mkdir()  # what a kill during a best/ write leaves
+    (run / ".tmp-best-99999" / "model.safetensors").write_bytes(b"half")
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run), "--quiet", "--max-steps", "6",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "resumed from step 4"
+    assert not (run / ".tmp-best-99999").exists()

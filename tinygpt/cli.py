@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -106,22 +107,33 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
         if name not in fields:
             raise ConfigError(f"{section} has no field {name!r}; fields: {', '.join(fields)}")
         try:
-            changes[section][name] = json.loads(raw)
+            value = json.loads(raw)
         except ValueError:
-            changes[section][name] = raw
+            value = raw
+        current = fields[name]
+        # a number field takes a number (int where it is an int); a string field a string
+        if isinstance(current, (int, float)) and not isinstance(current, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or (isinstance(current, int) and not isinstance(value, int) and current is not None):
+                kind = "a whole number" if isinstance(current, int) else "a number"
+                raise ConfigError(f"--set {a}: {section}.{name} must be {kind} (it is {current!r} in recipe "
+                                  f"{recipe.name}), not {raw!r}")
+        elif isinstance(current, str) and not isinstance(value, str):
+            value = raw
+        changes[section][name] = value
     return recipe.replace(**changes)
 
 
 def _pretrain(args) -> int:
+    env = torchrun_env()
+    main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
     res = pretrain(apply_overrides(get_recipe(args.recipe), args.set), args.run_dir, data=args.data,
                    max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every,
                    resume=args.resume, mirror=args.mirror, device=args.device,
-                   progress=not args.quiet, parallel=args.parallel, probe=args.probe)
-    env = torchrun_env()
-    if env is not None and env.rank != 0:
-        return 0  # under torchrun rank 0 reports for the job
-    if res.resumed_from is not None:
-        print(f"resumed from step {res.resumed_from}")
+                   progress=not args.quiet, parallel=args.parallel, probe=args.probe,
+                   callbacks=[SayResumed()] if main_rank else [])
+    if not main_rank:
+        return 130 if res.interrupted else 0
     print(f"step {res.step}: loss {res.loss if res.loss is None else round(res.loss, 4)}, "
           f"val_loss {res.val_loss if res.val_loss is None else round(res.val_loss, 4)}, "
           f"checkpoint {res.checkpoint}")
@@ -130,7 +142,16 @@ def _pretrain(args) -> int:
         print("sample:\n" + samples.read_text(encoding="utf-8").split("===\n")[-1].strip())
     if res.interrupted:
         print("stopped by a signal; run the same command again to resume")
+        return 130  # like an interrupted shell command: a script can tell the run did not finish
     return 0
+
+
+class SayResumed:
+    """Trainer callback: "resumed from step N" as training starts (also with --quiet)."""
+
+    def on_start(self, resumed_from: int | None) -> None:
+        if resumed_from is not None:
+            print(f"resumed from step {resumed_from}", flush=True)
 
 
 def _finetune(args) -> int:
@@ -149,7 +170,7 @@ def _finetune(args) -> int:
         print(f"adapter (PEFT format): {res.adapter_dir}")
         if args.merge:
             print(f"merged model: {merge_adapter(res.adapter_dir)}")
-    return 0
+    return 130 if t.interrupted else 0
 
 
 def _generate(args) -> int:
@@ -223,6 +244,7 @@ def _export(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tinygpt", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="on an error, show the full traceback, not one line")
     sub = p.add_subparsers(dest="command", required=True)
 
     pr = sub.add_parser("probe", help="what this machine is, and what it can train (micro-batch, context, precision)")
@@ -244,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", choices=("auto", "never"), default="auto")
     t.add_argument("--mirror", default=None, help="a folder (e.g. on Google Drive) that mirrors the run's checkpoints")
     t.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: the best available)")
-    t.add_argument("--set", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
+    t.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override recipe fields, e.g. --set train.lr=1e-3 model.n_layer=6 data.max_chars=100000")
     t.add_argument("--probe", choices=("auto", "off"), default="auto",
                    help="on a GPU, let the probe choose micro-batch, context and precision "
@@ -314,15 +336,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
+    args = parser.parse_args([a for a in argv if a != "--debug"])
+    args.debug = debug
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, FileExistsError, ImportError, RuntimeError) as e:
-        print(f"tinygpt {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"tinygpt {args.command}: error: {one_line(e)} (--debug shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line that says what happened and what to do."""
+    if isinstance(e, OSError) and e.strerror:
+        where = f" {e.filename}" if e.filename else ""
+        hint = "; free some disk space and run again" if e.errno == errno.ENOSPC else ""
+        return f"{e.strerror}:{where}{hint}"
+    text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ and a load that finds a missing file or a wrong checksum refuses it, so the prev
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import time
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tinygpt.core.files import atomic_output, fsync, sha256_file, write_json_atomic
+from tinygpt.core.files import atomic_output, clean_leftovers, fsync, sha256_file, write_json_atomic
 from tinygpt.core.rundir import RunDir
 
 MANIFEST = "manifest.json"
@@ -182,10 +181,7 @@ def prune(ckpt_root: str | Path, keep_last: int) -> list[Path]:
     leftovers of interrupted writes. Returns what was deleted."""
     root = Path(ckpt_root)
     removed = []
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith((".tmp-", ".old-")) and not p.name.endswith(f"-{os.getpid()}"):
-                shutil.rmtree(p, ignore_errors=True)
+    clean_leftovers(root)
     ckpts = list_checkpoints(root)
     # The shallow check (manifest, sizes) is enough here: each folder was hashed when it was written,
     # and re-reading gigabytes of checkpoint after every save would cost more than the save itself.

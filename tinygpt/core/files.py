@@ -90,6 +90,26 @@ def replace_dir(tmp: Path, dst: Path, tag: str | int | None = None) -> None:
     try_fsync(dst.parent)
 
 
+def clean_leftovers(folder: str | Path, keep_tag: str | int | None = None) -> None:
+    """Remove what interrupted writes left in `folder` (temporary files and folders of another process,
+    e.g. one killed with -9); put back a folder moved aside by `replace_dir` when its new copy never
+    arrived. Names ending with `keep_tag` (this process's own writes in progress) are left alone."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    keep = f"-{os.getpid() if keep_tag is None else keep_tag}"
+    for p in folder.iterdir():
+        if not p.name.startswith((TMP_PREFIX, OLD_PREFIX)) or p.name.endswith(keep):
+            continue
+        target = folder / p.name[len(TMP_PREFIX):].split("-")[0]
+        if p.name.startswith(OLD_PREFIX) and not target.exists():
+            os.replace(p, target)  # killed between the two renames of replace_dir
+        elif p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
 def fresh_tmp_dir(dst: str | Path, tag: str | int | None = None) -> Path:
     """An empty temporary folder beside `dst`, to be filled and then handed to `replace_dir`."""
     tmp = tmp_sibling(dst, tag)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint, write_manifest
 from tinygpt.core.files import (
+    clean_leftovers,
     fresh_tmp_dir,
     replace_dir,
     sha256_file,
@@ -151,22 +152,6 @@ def prune_mirror(ckpt_root: str | Path, keep_last: int, known_valid: set[str] | 
         shutil.rmtree(p, ignore_errors=True)
         known.discard(p.name)
     return removed
-
-
-def _clean_leftovers(folder: Path, tag: str) -> None:
-    """Remove temp folders and files of interrupted copies (a killed VM); put back a moved-aside one."""
-    if not folder.is_dir():
-        return
-    for p in folder.iterdir():
-        if not p.name.startswith((".tmp-", ".old-")) or p.name.endswith(tag):
-            continue
-        target = folder / p.name[5:].split("-")[0]
-        if p.name.startswith(".old-") and not target.exists():
-            os.replace(p, target)  # killed between the two renames of _replace_dir
-        elif p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
 
 
 # ---- the background mirror -----------------------------------------------------------------------
@@ -321,7 +306,7 @@ class Mirror:
                           "retried", stacklevel=2)
 
     def _run(self) -> None:
-        self._guarded(lambda: [_clean_leftovers(d, self._tag) for d in (self.mirror, self.mirror / "checkpoints")])
+        self._guarded(lambda: [clean_leftovers(d, self._tag) for d in (self.mirror, self.mirror / "checkpoints")])
         while True:
             item = None
             with self._cond:
@@ -531,7 +516,7 @@ def sync_token_cache(local_dir: str | Path, mirror_dir: str | Path, *, backoff: 
     def attempt() -> bool:
         if _cache_complete(mirror):
             return False
-        _clean_leftovers(mirror.parent, tag)
+        clean_leftovers(mirror.parent, tag)
         _copy_cache(local, mirror, copy_file, tag)
         return True
 

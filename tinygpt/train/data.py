@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -91,6 +92,22 @@ def resolve_source(source: str) -> tuple[str, object]:
         return "local", p
     raise DataError(f"data source {source!r} is neither 'builtin', an existing file or folder, nor a Hugging "
                     "Face dataset written as hf:NAME[:CONFIG][@SPLIT] (e.g. hf:roneneldan/TinyStories)")
+
+
+HUB_HOST = ("huggingface.co", 443)
+
+
+def check_hub_reachable(source: str, timeout_s: float = 5.0) -> None:
+    """For a Hub dataset, one quick connection to the Hub before any work: offline, a one-line error
+    at once instead of the datasets library's retries ending in a ConnectionError minutes later."""
+    kind, spec = resolve_source(source)
+    if kind != "hf" or Path(spec[0]).exists() or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return  # a local save_to_disk folder, or the Hub cache only
+    try:
+        socket.create_connection(HUB_HOST, timeout=timeout_s).close()
+    except OSError as e:
+        raise DataError(f"cannot reach the Hugging Face Hub to read {source} ({e.strerror or e}); with no network use "
+                        "a local file or folder (--data PATH) or --data builtin") from None
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:

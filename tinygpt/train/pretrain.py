@@ -39,9 +39,9 @@ from tinygpt.train.data import (
     WindowSampler,
     build_token_cache,
     cache_key,
+    check_hub_reachable,
     fixed_batches,
     iter_documents,
-    resolve_source,
 )
 from tinygpt.train.distributed import (
     TorchrunEnv,
@@ -181,7 +181,7 @@ def launch_torchrun(recipe: Recipe, opts: PretrainOptions, env: TorchrunEnv) -> 
 def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_size: int = 1) -> TrainResult:
     """Validate, fit to the device, prepare run folder, tokenizer and data (rank 0 first), build the
     model and train it; rank 0 then writes a sample. The process group, if any, is set up already."""
-    resolve_source(recipe.data.source)  # an unknown source fails here, before any work
+    check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
     probe_info = None
     if opts.probe == "auto":
         recipe, probe_info = fit_to_device(recipe, opts.run_dir, resolve_device(recipe.train.device), world_size)

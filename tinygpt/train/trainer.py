@@ -7,7 +7,9 @@ logging steps: everything else queues on the GPU without a host-device sync.
 """
 from __future__ import annotations
 
+import errno
 import math
+import os
 import random
 import signal
 import threading
@@ -23,6 +25,7 @@ from tqdm.auto import tqdm
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import TrainConfig, config_differences
+from tinygpt.core.files import clean_leftovers
 from tinygpt.core.precision import (
     Precision,
     choose_precision,
@@ -37,6 +40,10 @@ from tinygpt.train.optim import build_optimizer
 # Fields that may change between a run and its resumption; any other difference is refused.
 RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
                      "compile", "device", "eval_batches"})
+
+
+# how torch.save (zip writer) and safetensors say "the disk is full"
+_DISK_FULL = ("unexpected pos", "No space left on device", "os error 28")
 
 
 class TrainingError(RuntimeError):
@@ -210,10 +217,9 @@ class Trainer:
         try:
             ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
                                  {"kind": "best" if best else "step", "val_loss": self.best_val_loss})
-        except OSError as e:  # a full disk or a lost mount: the half-written folder is gone (atomic_output)
-            raise TrainingError(f"could not write checkpoint {path}: {e}. The last good checkpoint is "
-                                f"{ckpt.latest_valid(self.ckpt_root)}; free some disk space and run again to "
-                                "resume from it") from e
+        except Exception as e:  # torch.save and safetensors report a full disk as their own errors, not OSError
+            # a full disk or a lost mount: the half-written folder is gone already (atomic_output)
+            raise self._write_failed(f"checkpoint {path}", e) from e
         if not best:
             ckpt.prune(self.ckpt_root, self.cfg.keep_last)
         for cb in self.callbacks:
@@ -316,6 +322,8 @@ class Trainer:
                     loop.bar.update(1)
             if self.step > 0 and loop.saved_step != self.step:
                 loop.last_saved = self.save() or loop.last_saved  # training always ends with a checkpoint
+        except OSError as e:  # metrics.jsonl or samples on a full disk: the same one-line story
+            raise self._write_failed(str(self.run_dir), e) from e
         except Exception as e:
             self._raise_peer_failure(e, loop)
             raise
@@ -341,6 +349,11 @@ class Trainer:
         resumed_from = self.step if last_saved is not None else None
         history = self._truncate_metrics()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            clean_leftovers(self.run_dir)  # e.g. .tmp-best-<pid>/ of a process killed while writing best/
+        for cb in self.callbacks:
+            if hasattr(cb, "on_start"):
+                cb.on_start(resumed_from)
         bar = None
         if self.progress and self.is_main:
             bar = tqdm(total=self.cfg.max_steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
@@ -438,6 +451,14 @@ class Trainer:
             signal.signal(s, h)
         if loop.bar is not None:
             loop.bar.close()
+
+    def _write_failed(self, what: str, e: BaseException) -> TrainingError:
+        why = f"the disk is full ({os.strerror(errno.ENOSPC)})" \
+            if getattr(e, "errno", None) == errno.ENOSPC or any(m in str(e) for m in _DISK_FULL) \
+            else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return TrainingError(f"could not write {what} at step {self.step}: {why}. The last good checkpoint is "
+                             f"{ckpt.latest_valid(self.ckpt_root)}; free some disk space and run the same command "
+                             "again to resume from it")
 
     def _check_finite(self, value: float, last_saved: Path | None, what: str = "loss") -> None:
         if math.isfinite(value):
