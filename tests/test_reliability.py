@@ -234,3 +234,43 @@ def test_quiet_says_resumed_at_the_start_and_a_leftover_best_is_cleaned(small_ru
     out = capsys.readouterr().out
     assert out.splitlines()[0] == "resumed from step 4"
     assert not (run / ".tmp-best-99999").exists()
+
+
+def _stdlib_text(chars: int) -> str:
+    import sysconfig
+    out, n = [], 0
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        t = f.read_text(encoding="utf-8", errors="ignore")
+        out.append(t)
+        n += len(t)
+        if n >= chars:
+            break
+    return "".join(out)[:chars]
+
+
+def test_latin1_files_are_read_and_counted_not_dropped(tmp_path):
+    from tinygpt.core.config import DataConfig
+    from tinygpt.train.data import iter_documents
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    text = _stdlib_text(200_000).replace("e", "é")  # real prose and code, in an old Western encoding
+    (folder / "old.txt").write_bytes(text.encode("latin-1", errors="replace"))
+    (folder / "new.txt").write_text("Grüße aus UTF-8.\n" * 500, encoding="utf-8")
+    (folder / "blob.txt").write_bytes(b"\x00\x01BLOBMARK" * 100)
+    with pytest.warns(UserWarning, match=r"1 file binary .*1 file not UTF-8, read as latin-1"):
+        docs = list(iter_documents(DataConfig(source=str(folder))))
+    joined = "".join(docs)
+    assert len(joined) >= 200_000 and "é" in joined and "Grüße" in joined and "BLOBMARK" not in joined
+
+
+def test_a_single_huge_line_still_splits_into_train_and_validation(tmp_path):
+    from tinygpt.core.config import DataConfig
+    from tinygpt.model.tokenizer import train_bpe
+    from tinygpt.train.data import build_token_cache
+    one_line = tmp_path / "dump.txt"
+    one_line.write_text(_stdlib_text(400_000).replace("\n", " "), encoding="utf-8")
+    assert one_line.read_text().count("\n") == 0
+    cfg = DataConfig(source=str(one_line), vocab_size=400)
+    tok = train_bpe([one_line.read_text()[:100_000]], 400)
+    data = build_token_cache(cfg, tok, tmp_path / "cache")
+    assert data.meta["documents"] > 20 and data.meta["val_tokens"] > 0 and data.meta["train_tokens"] > 0

@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import sysconfig
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -26,7 +27,9 @@ from tinygpt.core.config import DataConfig
 from tinygpt.core.files import atomic_output, write_json_atomic
 from tinygpt.model.tokenizer import Tokenizer
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: latin-1 fallback and long lines cut (caches of format 1 hold other documents)
+_SKIP_WORDS = {"latin-1": "not UTF-8, read as latin-1", "binary": "binary (NUL bytes), skipped",
+               "unreadable": "unreadable, skipped"}
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".csv", ".html", ".c", ".h", ".js", ".ts",
                  ".java", ".go", ".rs", ".cpp", ".tex", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".sh"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib", "lib2to3",
@@ -60,13 +63,44 @@ def _local_files(path: Path) -> list[Path]:
 
 
 def _chunks(text: str, size: int = CHUNK_CHARS) -> Iterator[str]:
-    """Split at line ends into pieces of about `size` characters."""
+    """Split at line ends into pieces of about `size` characters. A line much longer than that (a
+    minified file, a 50 MB one-line dump) is cut at a space, or anywhere, so that it still makes many
+    documents and the train/validation split has some of it on both sides."""
     start = 0
     while start < len(text):
         end = text.find("\n", start + size)
-        end = len(text) if end == -1 else end + 1
+        if end == -1 or end - start > 4 * size:
+            end = start + size
+            if end < len(text):
+                space = text.rfind(" ", start + size // 2, end)
+                end = space + 1 if space != -1 else end
+            end = min(end, len(text))
+        else:
+            end += 1
         yield text[start:end]
         start = end
+
+
+def read_text_file(path: Path, skipped: dict[str, int] | None = None) -> str | None:
+    """A local text file as str: UTF-8, else latin-1 (which reads any byte: the stated fallback for
+    the old encodings of Western text); None for a binary file (NUL bytes) or an unreadable one.
+    `skipped` counts what happened, for one warning at the end."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        if skipped is not None:
+            skipped["unreadable"] = skipped.get("unreadable", 0) + 1
+        return None
+    if b"\0" in data[:8192]:
+        if skipped is not None:
+            skipped["binary"] = skipped.get("binary", 0) + 1
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        if skipped is not None:
+            skipped["latin-1"] = skipped.get("latin-1", 0) + 1
+        return data.decode("latin-1")
 
 
 def resolve_source(source: str) -> tuple[str, object]:
@@ -116,14 +150,23 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
     budget = cfg.max_chars if cfg.max_chars is not None else float("inf")
 
     def raw() -> Iterator[str]:
-        if kind in ("builtin", "local"):
-            files = builtin_files() if kind == "builtin" else _local_files(arg)  # type: ignore[arg-type]
-            for f in files:
+        if kind == "builtin":  # our own corpus: the stdlib's UTF-8 sources, as they are
+            for f in builtin_files():
                 try:
                     text = f.read_text(encoding="utf-8")
                 except (UnicodeDecodeError, OSError):
-                    continue  # binary or unreadable files are not text
+                    continue
                 yield from _chunks(text)
+        elif kind == "local":
+            skipped: dict[str, int] = {}
+            for f in _local_files(arg):  # type: ignore[arg-type]
+                text = read_text_file(f, skipped)
+                if text is not None:
+                    yield from _chunks(text)
+            if skipped:
+                warnings.warn(f"{cfg.source}: " + ", ".join(
+                    f"{n} {'file' if n == 1 else 'files'} {_SKIP_WORDS[k]}" for k, n in sorted(skipped.items())),
+                    stacklevel=2)
         else:
             yield from _hf_texts(*arg, text_field=cfg.text_field)  # type: ignore[misc]
 
