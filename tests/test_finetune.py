@@ -599,3 +599,27 @@ def test_mirror_gets_verified_checkpoints_and_the_adapter_and_a_new_vm_resumes_f
     model, tok = load_finetuned(drive)
     x = torch.tensor([tok("def fib(n):")["input_ids"]])
     torch.testing.assert_close(logits(model, x), logits(whole.model, x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_adapter_is_refused_in_one_line(lora, tmp_path, damage, capsys):
+    """An adapter is checked like a checkpoint before use: flipped bytes (same size) and a truncated
+    file both give one line and exit 2, never garbage output (docs/RELIABILITY.md)."""
+    from tinygpt.cli import main
+    adir = tmp_path / "adapter"
+    shutil.copytree(lora.adapter_dir, adir)
+    weights = adir / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "flip":
+        data[-9] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    weights.write_bytes(bytes(data))
+    code = main(["generate", "--adapter", str(adir), "--prompt", "Write a function", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "is damaged" in err, err
+    # without the manifest (a PEFT folder from elsewhere) a truncated file is still caught
+    if damage == "truncate":
+        (adir / "manifest.json").unlink()
+        assert main(["generate", "--adapter", str(adir), "--prompt", "x", "--max-new-tokens", "2"]) == 2
+        assert "does not read back" in capsys.readouterr().err

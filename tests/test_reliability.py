@@ -274,3 +274,14 @@ def test_a_single_huge_line_still_splits_into_train_and_validation(tmp_path):
     tok = train_bpe([one_line.read_text()[:100_000]], 400)
     data = build_token_cache(cfg, tok, tmp_path / "cache")
     assert data.meta["documents"] > 20 and data.meta["val_tokens"] > 0 and data.meta["train_tokens"] > 0
+
+
+def test_a_garbled_hf_config_is_named_in_one_line(tmp_path, capsys):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{garbage")
+    text = tmp_path / "t.txt"
+    text.write_text(_stdlib_text(5_000))
+    assert main(["eval", str(folder), "--task", "perplexity", "--data", str(text)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json is not valid JSON" in err, err

@@ -94,8 +94,9 @@ def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_s
     return path
 
 
-def verify_checkpoint(path: str | Path, deep: bool = True) -> tuple[bool, str]:
-    """(ok, reason). Checks the manifest, each file's size, and (deep) each file's sha256."""
+def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL_FILE) -> tuple[bool, str]:
+    """(ok, reason). Checks the manifest (which must list `required`), each file's size, and (deep)
+    each file's sha256. Adapter folders are verified the same way (required: the adapter weights)."""
     path = Path(path)
     mf = path / MANIFEST
     if not mf.is_file():
@@ -105,8 +106,8 @@ def verify_checkpoint(path: str | Path, deep: bool = True) -> tuple[bool, str]:
         files = manifest["files"]
     except (ValueError, KeyError) as e:
         return False, f"unreadable manifest: {e}"
-    if MODEL_FILE not in files:
-        return False, f"manifest lists no {MODEL_FILE}"
+    if required not in files:
+        return False, f"manifest lists no {required}"
     for name, info in files.items():
         p = path / name
         if not p.is_file():

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.rundir import RunDir, RunDirError, read_json
 from tinygpt.evals import code, lm
 from tinygpt.evals.runs import summarize_run
 from tinygpt.finetune.lora import load_finetuned
@@ -125,6 +125,10 @@ def load_for_eval(path: str | Path, which: str = "latest", device: str = "cpu") 
         model, tok = load_finetuned(run.path, merge=True, device=device)
         return Loaded(model, tok, str(run.path), True)
     if (run / "config.json").is_file() and not run.is_pretrain_run():
+        config = read_json(run / "config.json")  # a garbled config.json: one line that names it
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise RunDirError(f"{run / 'config.json'} is not a Hugging Face model config (no model_type); export "
+                              "the model again, or point at a tinygpt run folder")
         model, tok = load_hf_causal_lm(run.path, device)
         return Loaded(model, tok, str(run.path), True)
     model, tok, _, ckpt = load_run(run.path, which, device)

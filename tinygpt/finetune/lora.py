@@ -62,6 +62,7 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     is_tinygpt_run,
     memory_table,
     this_hardware,
+    verify_adapter,
 )
 from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
@@ -264,6 +265,7 @@ def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = F
     from peft import PeftModel
 
     adir = _adapter_dir(path)
+    verify_adapter(adir)
     info = RunDir(adir).adapter_info()
     base = base or _base_of(adir, info)
     quantize = info.get("quantize", "none")

@@ -13,9 +13,14 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+from safetensors.torch import load_file as load_safetensors
 
 from tinygpt.core.checkpoint import (
+    MANIFEST,
     find_run_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
 )
 from tinygpt.core.config import Recipe, TrainConfig, check_same_settings
 from tinygpt.core.files import atomic_output
@@ -286,6 +291,26 @@ def _adapter_dir(path: str | Path) -> Path:
     return p
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def verify_adapter(adapter_dir: Path) -> None:
+    """Refuse a damaged adapter before it is used: with a manifest (every adapter tinygpt writes has
+    one) sizes and sha256 of its files; without one (a PEFT folder from elsewhere) at least that the
+    weights file reads back whole."""
+    if (adapter_dir / MANIFEST).is_file():
+        ok, why = verify_checkpoint(adapter_dir, required=ADAPTER_WEIGHTS)
+    else:
+        try:
+            load_safetensors(str(adapter_dir / ADAPTER_WEIGHTS))
+            ok, why = True, "ok"
+        except Exception as e:  # a truncated or garbled file: safetensors says so in its own words
+            ok, why = False, f"{ADAPTER_WEIGHTS} does not read back ({str(e).splitlines()[0][:120]})"
+    if not ok:
+        raise FinetuneError(f"adapter {adapter_dir} is damaged: {why}; export it again from the run's checkpoints "
+                            "(export_adapter(run_dir)) or copy it again from Drive")
+
+
 def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None) -> Path:
     """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the checkpoint's
     model.safetensors already holds exactly PEFT's adapter weights under PEFT's names."""
@@ -295,7 +320,9 @@ def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Pa
     ckpt = find_run_checkpoint(run_dir, which)
     out = Path(out_dir) if out_dir is not None else run_dir / ADAPTER_DIR
     with atomic_output(out, folder=True) as tmp:  # an old adapter is replaced whole: a crash leaves one of the two
-        shutil.copyfile(ckpt / "model.safetensors", tmp / "adapter_model.safetensors")
+        shutil.copyfile(ckpt / "model.safetensors", tmp / ADAPTER_WEIGHTS)
         for name in ("adapter_config.json", ADAPTER_INFO):
             shutil.copyfile(run_dir / name, tmp / name)
+        # checked like a checkpoint before every use (sizes and sha256)
+        write_manifest(tmp, {"step": int(read_manifest(ckpt).get("step", 0)), "kind": "adapter"})
     return out
