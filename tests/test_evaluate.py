@@ -453,3 +453,25 @@ def test_hub_hellaswag_records_become_the_six_line_items(tmp_path, shared_data):
     got = ev.load_hellaswag(path)
     assert [(g.context, g.label, g.endings) for g in got] == [(i.context, i.label, i.endings)
                                                              for i in (items[0], items[3243])]
+
+
+def test_generated_code_cannot_touch_the_users_files_the_network_or_processes(tmp_path):
+    """The sandbox confines what a generated program can do (docs/RELIABILITY.md): each attempt fails
+    with the sandbox's refusal, and nothing outside its throwaway folder changes."""
+    victim = tmp_path / "users_file.txt"
+    victim.write_text("keep me")
+    attempts = {
+        "write": f"open({str(victim)!r}, 'w').write('gone')",
+        "delete": f"import os; os.remove({str(victim)!r})",
+        "read": "print(open('/etc/passwd').read())",
+        "network": "import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)",
+        "process": "import subprocess; subprocess.run(['true'])",
+        "shell": "import os; os.system('true')",
+    }
+    for name, program in attempts.items():
+        r = code.run_program(program, timeout_s=10)
+        assert r.status == "failed" and "sandbox" in r.stderr, (name, r.status, r.stderr[-300:])
+    assert victim.read_text() == "keep me"
+    ok = code.run_program("import json, math\nopen('scratch.txt', 'w').write(json.dumps([math.pi]))\n"
+                          "print(open('scratch.txt').read())")
+    assert ok.passed and "3.14" in ok.stdout  # its own folder is writable, the standard library importable

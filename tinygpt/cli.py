@@ -11,6 +11,7 @@ import torch
 
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import resolve_device
+from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
 from tinygpt.finetune.lora import (
     finetune,
@@ -210,6 +211,8 @@ def _jsonable(v):
 
 
 def _eval(args) -> int:
+    if TASKS[args.task].runs_code:  # said before anything runs
+        print(f"{args.task} {SANDBOX_NOTE}", file=sys.stderr, flush=True)
     res = run_eval(args.run_dir, args.task, data=args.data, which=args.which, device=str(resolve_device(args.device)),
                    limit=args.limit, window=args.window, stride=args.stride, max_chars=args.max_chars,
                    batch_size=args.batch_size, n=args.n, ks=args.k, max_new_tokens=args.max_new_tokens,

@@ -11,11 +11,13 @@ run untrusted code in a throwaway VM or container, as the HumanEval authors advi
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,7 +242,7 @@ def load_mbpp(path: str | Path, task_ids: Iterable[int] | None = range(11, 511))
 # Runs inside the child: limits first, then the program as __main__, then a marker that only a
 # program that ran to its end can leave (an early sys.exit(0) or os._exit(0) leaves none).
 _LAUNCHER = """\
-import resource, runpy, sys
+import os, resource, sys
 def limit(which, soft, extra=0):
     hard = resource.getrlimit(which)[1]
     if hard != resource.RLIM_INFINITY:
@@ -251,8 +253,33 @@ limit(resource.RLIMIT_AS, mem)
 limit(resource.RLIMIT_CPU, cpu, 1)  # SIGXCPU at the soft limit (SIGKILL at the hard one would hide why)
 limit(resource.RLIMIT_FSIZE, fsize)
 limit(resource.RLIMIT_CORE, 0)
+WORK = os.path.realpath(os.getcwd())
+READ_ROOTS = tuple({os.path.realpath(p) for p in (WORK, sys.prefix, sys.base_prefix, sys.exec_prefix)}) + (
+    "/dev/null", "/dev/urandom", "/proc/self/", "/usr/lib/", "/usr/share/zoneinfo/", "/etc/localtime")
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
+               "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+BLOCKED = {"socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo", "subprocess.Popen", "os.system",
+           "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "ctypes.dlopen", "ctypes.cdata",
+           "os.kill", "os.killpg", "pty.spawn"}
+def inside(path, roots):
+    p = os.path.realpath(os.fsdecode(path))
+    return any(p == r.rstrip("/") or p.startswith(r if r.endswith("/") else r + os.sep) for r in roots)
+def guard(event, args):  # an audit hook: it cannot be removed once added
+    if event == "open" and args[0] is not None and not isinstance(args[0], int):
+        mode, flags = args[1] or "", args[2] or 0
+        writing = any(c in mode for c in "wax+") or flags & WRITE_FLAGS
+        if not inside(args[0], (WORK,) if writing else READ_ROOTS):
+            raise PermissionError(f"sandbox: {'writing' if writing else 'reading'} {args[0]} is not allowed")
+    elif event in PATH_EVENTS and any(isinstance(a, (str, bytes, os.PathLike)) and not inside(a, (WORK,))
+                                      for a in args[:2]):
+        raise PermissionError(f"sandbox: {event} outside the working folder is not allowed")
+    elif event in BLOCKED or event.startswith("socket.") and event != "socket.__new__":
+        raise PermissionError(f"sandbox: {event} is not allowed")
 sys.argv = ["solution.py"]
-runpy.run_path("solution.py", run_name="__main__")
+code = compile(open("solution.py", encoding="utf-8").read(), "solution.py", "exec")
+sys.addaudithook(guard)
+exec(code, {"__name__": "__main__", "__file__": "solution.py"})
 with open(marker, "w") as f:
     f.write("done")
 """
@@ -286,6 +313,25 @@ def _tail(path: Path, n: int = 2000) -> str:
     return data[-n:].decode("utf-8", errors="replace")
 
 
+@functools.lru_cache(maxsize=1)
+def _no_network_prefix() -> tuple[str, ...]:
+    """`unshare -rn` (a user and a network namespace: no network at all, no root needed) where the
+    kernel allows it; nothing elsewhere (the launcher's audit hook still refuses sockets)."""
+    exe = shutil.which("unshare")
+    if exe is None:
+        return ()
+    try:
+        ok = subprocess.run([exe, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return (exe, "-rn") if ok else ()
+
+
+SANDBOX_NOTE = ("runs the code the model writes: each program in a throwaway folder with its own minimal "
+                "environment, no network, writes confined to that folder, reads to it and Python's own files, "
+                "no new processes, and limits on time, memory and output (docs/RELIABILITY.md)")
+
+
 def run_program(program: str, timeout_s: float = 10.0, memory_mb: int = 2048, cpu_s: int | None = None,
                 max_output_mb: int = 16) -> ExecResult:
     """Run a Python program in a fresh `python -I` process: its own temporary working directory, a
@@ -303,7 +349,7 @@ def run_program(program: str, timeout_s: float = 10.0, memory_mb: int = 2048, cp
         marker = f".done-{uuid.uuid4().hex}"
         env = {"PATH": os.defpath, "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        args = [sys.executable, "-I", "launcher.py", str(memory_mb * 2**20), str(cpu_s),
+        args = [*_no_network_prefix(), sys.executable, "-I", "launcher.py", str(memory_mb * 2**20), str(cpu_s),
                 str(max_output_mb * 2**20), marker]
         t0 = time.monotonic()
         with open(work / ".stdout", "wb") as out, open(work / ".stderr", "wb") as err:

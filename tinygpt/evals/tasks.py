@@ -50,6 +50,7 @@ class Task:
     help: str                                             # one line for `tinygpt eval --help`
     data_help: str | None                                 # what --data must be; None: the task needs no data
     score: Callable[[Loaded, Request], dict[str, Any]] | None  # None: needs no model (reads the run folder)
+    runs_code: bool = False                               # executes what the model writes (said first)
 
 
 def _perplexity(m: Loaded, r: Request) -> dict[str, Any]:
@@ -87,9 +88,9 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("perplexity", "perplexity and bits per byte of a text", lm.DATA_HELP["perplexity"], _perplexity),
     Task("hellaswag", "HellaSwag accuracy (acc and acc_norm)", lm.DATA_HELP["hellaswag"], _hellaswag),
     Task("humaneval", "HumanEval pass@k (runs generated code)", lm.DATA_HELP["humaneval"],
-         _code_task(code.load_humaneval)),
+         _code_task(code.load_humaneval), runs_code=True),
     Task("mbpp", "MBPP pass@k on problems 11-510 (runs generated code)", lm.DATA_HELP["mbpp"],
-         _code_task(code.load_mbpp)),
+         _code_task(code.load_mbpp), runs_code=True),
     Task("summary", "a run's metrics.jsonl summarised, with a diagnosis (no model)", None, None),
 )}
 
