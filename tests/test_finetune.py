@@ -214,12 +214,15 @@ def test_adapter_on_a_different_base_is_refused(lora, tmp_path, prose, tok):
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "narrow")
     with pytest.raises(FinetuneError, match=r"different base .*hidden_size: 64 vs 32"):
         load_finetuned(lora.run_dir, base=str(tmp_path / "narrow"))
-    (lora.adapter_dir / "tinygpt_finetune.json").rename(tmp_path / "info.json")  # a bare PEFT adapter
+    # a bare PEFT adapter: neither tinygpt's info file nor its manifest
+    (lora.adapter_dir / "tinygpt_finetune.json").rename(tmp_path / "info.json")
+    (lora.adapter_dir / "manifest.json").rename(tmp_path / "manifest.json")
     try:
         with pytest.raises(FinetuneError, match="does not fit base"):
             load_finetuned(lora.run_dir, base=str(tmp_path / "narrow"))
     finally:
         (tmp_path / "info.json").rename(lora.adapter_dir / "tinygpt_finetune.json")
+        (tmp_path / "manifest.json").rename(lora.adapter_dir / "manifest.json")
 
 
 def test_fp16_base_keeps_fp32_adapters_so_the_grad_scaler_works(lora):

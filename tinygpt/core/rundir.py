@@ -121,6 +121,7 @@ class RunDir:
         """Hold the run folder for this process: a second writer (another tab, a double-run cell) is
         refused with a RunDirError naming the holder. The lock is the kernel's (flock): a process that
         dies, even by kill -9, releases it, so it never stays stuck."""
+        created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         if fcntl is None:
             yield
@@ -139,6 +140,11 @@ class RunDir:
             yield
         finally:
             os.close(fd)  # releases the lock
+            if created and [p.name for p in self.path.iterdir()] == [LOCK]:
+                # refused before writing anything (bad input): leave no trace of the folder
+                (self.path / LOCK).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    self.path.rmdir()
 
     # -- run.json
     def info(self) -> dict[str, Any]:
