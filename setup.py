@@ -28,6 +28,7 @@ setup(
     long_description=(here / "README.md").read_text(encoding="utf-8") if (here / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tinygpt", "tinygpt.*"]),
+    package_data={"tinygpt.model": ["assets/*.json", "assets/*.txt"]},  # the GPT-2 BPE files (MIT)
     python_requires=">=3.10",
     install_requires=install_requires,
     extras_require=extras,

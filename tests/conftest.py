@@ -1,21 +1,67 @@
-"""Shared fixtures: the offline data sets in ../shared/data, skipped with a reason when absent."""
+"""Shared fixtures: the offline data sets in ../shared/data where a machine has them, else a stand-in
+folder with the same file names, built from the Python standard library and the small fixtures in
+tests/fixtures (see its README), so that the whole suite runs on a fresh clone with no network."""
 from __future__ import annotations
 
+import gzip
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("TINYGPT_SHARED_DATA", REPO.parent / "shared" / "data"))
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+def _stdlib_prose(chars: int) -> str:
+    """English prose every machine has: the standard library's docstrings, in a fixed order."""
+    import ast
+
+    from tinygpt.train.data import builtin_files
+    out, n = [], 0
+    for path in builtin_files():
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)) and (doc := ast.get_docstring(node)):
+                out.append(doc.strip() + "\n\n")
+                n += len(out[-1])
+                if n >= chars:
+                    return "".join(out)
+    return "".join(out)
+
+
+def build_stand_in(folder: Path) -> Path:
+    """The stand-in data folder: same names as ../shared/data, content every machine can make."""
+    from tinygpt.core.config import DataConfig
+    from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
+    from tinygpt.model.tokenizer import find_gpt2_files
+    from tinygpt.train.data import validation_text
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tinyshakespeare.txt").write_text(_stdlib_prose(1_100_000), encoding="utf-8")
+    (folder / "wikitext2_test.txt").write_text(validation_text(DataConfig(source="builtin"), 400_000), encoding="utf-8")
+    write_stdlib_instructions(folder / "code_alpaca_2k.json")
+    shutil.copyfile(FIXTURES / "HumanEval_sample.jsonl.gz", folder / "HumanEval.jsonl.gz")
+    shutil.copyfile(FIXTURES / "mbpp_sample.jsonl", folder / "mbpp.jsonl")
+    shutil.copyfile(FIXTURES / "hellaswag_val_sample.txt.bz2", folder / "hellaswag_val.txt.bz2")
+    vocab, merges = find_gpt2_files()
+    shutil.copyfile(vocab, folder / "gpt2_vocab.json")
+    shutil.copyfile(merges, folder / "gpt2_merges.txt")
+    assert gzip.open(folder / "HumanEval.jsonl.gz").read()
+    return folder
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """The folder of real public data sets (Tiny Shakespeare, WikiText-2, HellaSwag, HumanEval, MBPP...)."""
-    if not (SHARED_DATA / "tinyshakespeare.txt").is_file():
-        pytest.skip(f"offline data sets not found at {SHARED_DATA} (set TINYGPT_SHARED_DATA)")
-    return SHARED_DATA
+def shared_data(tmp_path_factory) -> Path:
+    """The folder of public data sets (Tiny Shakespeare, WikiText-2, HellaSwag, HumanEval, MBPP...):
+    ../shared/data when present, else the stand-in (`build_stand_in`)."""
+    if (SHARED_DATA / "tinyshakespeare.txt").is_file():
+        return SHARED_DATA
+    return build_stand_in(tmp_path_factory.mktemp("stand-in-data"))
 
 
 @pytest.fixture(scope="session")

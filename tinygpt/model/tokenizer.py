@@ -11,8 +11,6 @@ from typing import Iterable, Iterator
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from tinygpt.core.paths import shared_data_dir
-
 EOT = "<|endoftext|>"
 
 
@@ -100,25 +98,19 @@ def gpt2_tokenizer(vocab_json: str | Path, merges_txt: str | Path) -> Tokenizer:
     return Tokenizer(tok, EOT)
 
 
-def find_gpt2_files() -> tuple[Path, Path] | None:
-    """The GPT-2 vocab/merges files, if they can be found offline (TINYGPT_GPT2_DIR or ../shared/data)."""
+ASSETS = Path(__file__).resolve().parent / "assets"  # the GPT-2 BPE files ship with the package (MIT)
 
-    candidates = [os.environ.get("TINYGPT_GPT2_DIR"), shared_data_dir()]
-    for c in candidates:
+
+def find_gpt2_files() -> tuple[Path, Path]:
+    """The GPT-2 vocab/merges files: $TINYGPT_GPT2_DIR when set, else the copy shipped in the package,
+    so the GPT-2 tokenizer never needs the network."""
+    for c in (os.environ.get("TINYGPT_GPT2_DIR"), ASSETS):
         if c and (Path(c) / "gpt2_vocab.json").is_file() and (Path(c) / "gpt2_merges.txt").is_file():
             return Path(c) / "gpt2_vocab.json", Path(c) / "gpt2_merges.txt"
-    return None
+    raise FileNotFoundError(f"the GPT-2 BPE files are missing from {ASSETS} (a broken install?); reinstall "
+                            "tinygpt, or set TINYGPT_GPT2_DIR to a folder with gpt2_vocab.json and gpt2_merges.txt")
 
 
 def load_gpt2() -> Tokenizer:
-    """The GPT-2 tokenizer: from local files if found, else from the Hub through `transformers`."""
-    files = find_gpt2_files()
-    if files:
-        return gpt2_tokenizer(*files)
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("the GPT-2 tokenizer needs gpt2_vocab.json/gpt2_merges.txt in TINYGPT_GPT2_DIR, "
-                           "or `pip install transformers` and a network") from e
-    hf = AutoTokenizer.from_pretrained("gpt2")
-    return Tokenizer(hf.backend_tokenizer, EOT)
+    """The GPT-2 tokenizer, built from the vocab and merges files (offline)."""
+    return gpt2_tokenizer(*find_gpt2_files())

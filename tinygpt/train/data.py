@@ -52,6 +52,26 @@ def builtin_files() -> list[Path]:
     return files
 
 
+def is_validation_document(index: int, val_fraction: float) -> bool:
+    """The train/validation split, by document: every `1/val_fraction`-th document, from the second on.
+    The one rule for the token cache and for the held-out text evaluation reads."""
+    return index % max(2, round(1 / val_fraction)) == 1
+
+
+def validation_text(cfg: DataConfig, max_chars: int | None = None) -> str:
+    """The documents of a source that training never sees (its validation split), joined: the
+    evaluation text of a run's own data, e.g. `tinygpt eval --task perplexity --data builtin`."""
+    out, n = [], 0
+    for i, doc in enumerate(iter_documents(cfg)):
+        if is_validation_document(i, cfg.val_fraction):
+            out.append(doc)
+            n += len(doc)
+            if max_chars is not None and n >= max_chars:
+                break
+    text = "".join(out)
+    return text[:max_chars] if max_chars is not None else text
+
+
 def _local_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
@@ -253,7 +273,6 @@ def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | P
         return _open(folder, meta)
     dtype = token_dtype(tokenizer.vocab_size)
     folder.mkdir(parents=True, exist_ok=True)
-    every = max(2, round(1 / cfg.val_fraction))
     counts = {"train": 0, "val": 0}
     n_docs = n_chars = 0
     bar = tqdm(desc="tokenizing", unit=" docs") if progress else None
@@ -266,7 +285,7 @@ def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | P
             nonlocal n_docs
             for ids in tokenizer.encode_batch(batch):
                 arr = np.asarray(ids + [tokenizer.eot_id], dtype=dtype)
-                split = "val" if n_docs % every == 1 else "train"  # from the 2nd document on
+                split = "val" if is_validation_document(n_docs, cfg.val_fraction) else "train"
                 (fval if split == "val" else ftrain).write(arr.tobytes())
                 counts[split] += len(arr)
                 n_docs += 1

@@ -1,0 +1,59 @@
+"""A real instruction data set every machine has: the Python standard library's functions, each
+with its docstring as the instruction and its source as the response (Alpaca format).
+
+It is what the notebooks' smoke mode and the tests finetune on when the larger offline sets (Code
+Alpaca, MBPP) are not at hand. Deterministic: the same Python gives the same records, in order.
+"""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from tinygpt.core.files import write_text_atomic
+from tinygpt.train.data import builtin_files
+
+MAX_SOURCE_CHARS = 1_200  # short functions: a small model can learn to write them
+
+
+def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
+    """Up to `limit` records {"instruction", "input", "output"}: a public stdlib function's docstring
+    (first paragraph) asks for it, its source (docstring removed) answers."""
+    records: list[dict[str, str]] = []
+    for path in builtin_files():
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 20:
+                continue
+            body = node.body[1:]  # without the docstring
+            if not body:
+                continue
+            code = ast.get_source_segment(source, node)
+            if code is None or len(code) > MAX_SOURCE_CHARS:
+                continue
+            docstring_node = node.body[0]
+            lines = code.splitlines(keepends=True)
+            start = docstring_node.lineno - node.lineno
+            end = docstring_node.end_lineno - node.lineno + 1
+            output = "".join(lines[:start] + lines[end:])
+            instruction = doc.split("\n\n")[0].replace("\n", " ").strip()
+            records.append({"instruction": f"Write a Python function `{node.name}`: {instruction}",
+                            "input": "", "output": output})
+            if len(records) >= limit:
+                return records
+    return records
+
+
+def write_stdlib_instructions(path: str | Path, limit: int = 2_000) -> Path:
+    """The data set as an Alpaca-format JSON file (what `tinygpt finetune --data` reads)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(stdlib_instructions(limit), indent=1))
+    return path
