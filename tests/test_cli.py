@@ -58,8 +58,8 @@ def test_generate_from_the_run(trained, capsys):
     assert out.startswith("ROMEO:") and len(out) > len("ROMEO:") + 5
 
 
-def test_pretrain_again_resumes_and_extends(trained, tmp_path, capsys):
-    assert main(["pretrain", "--recipe", "cpu-smoke", "--data", str(REPO.parent / "shared/data/tinyshakespeare.txt"),
+def test_pretrain_again_resumes_and_extends(trained, shared_data, tmp_path, capsys):
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--data", str(shared_data / "tinyshakespeare.txt"),
                  "--run-dir", str(trained), "--max-steps", "25", "--quiet", "--set", "data.max_chars=300000"]) == 0
     steps = [json.loads(x)["step"] for x in (trained / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 25
@@ -81,14 +81,14 @@ def test_bad_input_fails_before_any_work(argv, message, tmp_path, capsys):
     assert not run.exists()  # nothing was started
 
 
-def test_refusals_leave_an_existing_run_untouched(trained, tmp_path, capsys):
+def test_refusals_leave_an_existing_run_untouched(trained, shared_data, tmp_path, capsys):
     before = _tree_hash(trained)
     # a different configuration in the same folder
     assert main(["pretrain", "--recipe", "cpu", "--run-dir", str(trained), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "holds a different configuration" in err and "model.n_layer" in err
     # --resume never on a folder with checkpoints
-    assert main(["pretrain", "--recipe", "cpu-smoke", "--data", str(REPO.parent / "shared/data/tinyshakespeare.txt"),
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--data", str(shared_data / "tinyshakespeare.txt"),
                  "--run-dir", str(trained), "--resume", "never", "--quiet", "--set", "data.max_chars=300000"]) == 2
     assert "--resume never would overwrite" in capsys.readouterr().err
     # an empty prompt
@@ -116,3 +116,21 @@ def test_console_script_and_module_entry_point():
     assert out.returncode == 0 and "a100-124m" in out.stdout
     with pytest.raises(ConfigError):
         get_recipe("nope")
+
+
+def test_pretrain_without_recipe_says_which_and_a_finished_run_says_it_is_complete(tmp_path, capsys):
+    """No --recipe: the hardware's default (the probe's choice), said in one line before training; a run
+    folder brings its own. Run again once finished: 'complete', its figures, and how to go on."""
+    from tinygpt.train.hardware import hardware_report
+    from tinygpt.train.pretrain import pretrain
+    run = tmp_path / "run"
+    pretrain("cpu-smoke", run, max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu",
+             cache_dir=tmp_path / "cache")
+    assert main(["pretrain", "--run-dir", str(run), "--quiet", "--max-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("recipe cpu-smoke: the recipe of the run in")
+    assert "is complete: step 2 of 2" in out and "val_loss" in out and "--max-steps 4" in out
+    assert "None" not in out
+    from tinygpt.cli import default_pretrain_recipe
+    assert default_pretrain_recipe(tmp_path / "new", say=True) == hardware_report().default_recipe
+    assert f"the default for this {hardware_report().hardware_class} machine" in capsys.readouterr().out

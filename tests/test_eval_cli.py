@@ -118,3 +118,16 @@ def test_a_finetuning_run_is_evaluated_with_its_adapter(run, shared_data, tmp_pa
     model, tok = load_finetuned(ft, merge=True)
     direct = ev.perplexity(model, tok, ev.read_text(wikitext, 2000), window=32)
     assert json.loads(out)["bits_per_byte"] == pytest.approx(direct["bits_per_byte"], rel=1e-6)
+
+
+def test_perplexity_defaults_to_the_runs_validation_split_and_its_context(tmp_path, capsys):
+    """A newcomer's `tinygpt eval RUN --task perplexity` needs no file: the run's own held-out text,
+    scored with the window it trained with; `--data builtin` is the built-in corpus's split."""
+    from tinygpt.train.pretrain import pretrain
+    run = tmp_path / "run"
+    pretrain("cpu-smoke", run, max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu",
+             cache_dir=tmp_path / "cache")
+    for data in ([], ["--data", "builtin"]):
+        assert main(["eval", str(run), "--task", "perplexity", "--max-chars", "20000", "--json", *data]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert res["window"] == 64 and res["tokens"] > 1000 and res["perplexity"] > 1, res

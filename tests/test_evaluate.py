@@ -2,7 +2,9 @@
 scoring, code metrics against sacrebleu and exact pass@k, the sandbox, run summaries and plots."""
 from __future__ import annotations
 
+import bz2
 import dataclasses
+import gzip
 import itertools
 import json
 import math
@@ -119,7 +121,8 @@ def test_hugging_face_model_and_tokenizer_give_the_same_numbers(model, tok, wiki
 
 def test_load_real_hellaswag(shared_data):
     items = ev.load_hellaswag(shared_data / "hellaswag_val.txt.bz2")
-    assert len(items) == 10042
+    lines = bz2.open(shared_data / "hellaswag_val.txt.bz2", "rt", encoding="utf-8").read().splitlines()
+    assert len(items) == len(lines) // 6 and len(items) in (10042, 41)  # the full set, or the shipped sample
     assert items[0].context == "Roof shingle removal: A man is sitting on a roof. he"
     assert items[0].label == 3 and items[0].endings[3] == "starts pulling up roofing on a roof."
     assert all(len(it.endings) == 4 and 0 <= it.label <= 3 for it in items)
@@ -268,8 +271,11 @@ def test_sandbox_contains_loops_memory_hogs_and_exits(monkeypatch):
 def test_real_problems_pass_with_canonical_and_fail_with_wrong_solutions(shared_data):
     he = code.load_humaneval(shared_data / "HumanEval.jsonl.gz")
     mbpp = code.load_mbpp(shared_data / "mbpp.jsonl")
-    assert len(he) == 164 and he[0].entry_point == "has_close_elements"
-    assert len(mbpp) == 500 and mbpp[0].task_id == "MBPP/11" and mbpp[-1].task_id == "MBPP/510"
+    n_he = len(gzip.open(shared_data / "HumanEval.jsonl.gz", "rt").read().splitlines())
+    assert len(he) == n_he and n_he in (164, 8) and he[0].entry_point == "has_close_elements"
+    ids = [json.loads(x)["task_id"] for x in (shared_data / "mbpp.jsonl").read_text().splitlines() if x.strip()]
+    assert len(mbpp) == sum(11 <= i <= 510 for i in ids) and mbpp[0].task_id == "MBPP/11"
+    assert mbpp[-1].task_id == "MBPP/510"
     node = next(p for p in mbpp if p.task_id == "MBPP/367")  # needs its test_setup_code after the solution
     probs = [he[0], he[1], mbpp[0], node]
     good = code.check_completions(probs, [p.canonical_solution for p in probs])
@@ -434,7 +440,8 @@ def _hub_record(lines: list[str], **markup: str) -> dict:
 def test_hub_hellaswag_records_become_the_six_line_items(tmp_path, shared_data):
     pytest.importorskip("datasets")
     items = ev.load_hellaswag(shared_data / "hellaswag_val.txt.bz2", limit=3244)
-    first, wikihow = _six_lines(items[0]), _six_lines(items[3243])
+    wikihow_item = next(it for it in items if "fashion consultant" in it.context)
+    first, wikihow = _six_lines(items[0]), _six_lines(wikihow_item)
     assert ev.hellaswag_lines(_hub_record(first)) == first
     # The WikiHow items on the Hub carry layout markers: "[title]" ends a sentence, the others go.
     marked = _hub_record(wikihow, ctx="[header] How to become a fashion consultant [title] Obtain your high school "
@@ -452,7 +459,7 @@ def test_hub_hellaswag_records_become_the_six_line_items(tmp_path, shared_data):
     assert path.parent == tmp_path / "cache" and not list(path.parent.glob("*.tmp-*"))
     got = ev.load_hellaswag(path)
     assert [(g.context, g.label, g.endings) for g in got] == [(i.context, i.label, i.endings)
-                                                             for i in (items[0], items[3243])]
+                                                             for i in (items[0], wikihow_item)]
 
 
 def test_generated_code_cannot_touch_the_users_files_the_network_or_processes(tmp_path):

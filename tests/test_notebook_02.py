@@ -3,6 +3,7 @@
 pretrained onto Drive, the adapter's checkpoints and the adapter are mirrored there, and a new VM resumes."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -72,7 +73,8 @@ def test_notebook_finetunes_mirrors_to_drive_and_resumes_on_a_new_vm(tmp_path, s
     assert "Mounted at" in out["run"] and "nothing on Drive yet" in out["run"]
     assert verify_checkpoint(drive / "smoke-base" / "checkpoints" / "step_000020")[0]  # the base, on Drive
     assert "llama" in out["base"] and "lora-r8" in out["recipe"] and "<table" in out["recipe"]
-    assert "2,017 records" in out["data"]
+    n = len(json.loads((shared_data / "code_alpaca_2k.json").read_text()))
+    assert f"{n:,} records" in out["data"]
     assert "no: a new run" in out["train"] and "iVBOR" in out["train"]  # the result table and the live plot (PNG)
     assert (tmp_path / "content" / "runs" / "my-first-finetune" / "plots" / "loss.png").is_file()
     assert out["generations"].count("--- before (the base) ---") == 3

@@ -221,7 +221,7 @@ def make_run(run_dir: Path, steps: tuple[int, ...]) -> None:
         save_checkpoint(run_dir / "checkpoints" / f"step_{s:06d}", {"w": torch.full((8, 8), float(s))}, {"step": s})
 
 
-def test_zip_run_holds_the_run_files_and_the_newest_checkpoint(tmp_path):
+def test_zip_run_holds_what_a_user_keeps_and_on_request_the_resumable_checkpoint(tmp_path):
     run = tmp_path / "runs" / "r"
     make_run(run, (4, 8))
     (run / "checkpoints" / "step_000008" / "state.pt").write_bytes(b"cut short")  # newest is corrupt
@@ -234,5 +234,8 @@ def test_zip_run_holds_the_run_files_and_the_newest_checkpoint(tmp_path):
     assert {"r/run.json", "r/tokenizer.json", "r/metrics.jsonl", "r/checkpoints/step_000004/model.safetensors"} <= names
     assert not any("step_000008" in n for n in names)
     assert verify_checkpoint(tmp_path / "unzipped" / "r" / "checkpoints" / "step_000004")[0]
+    assert "r/checkpoints/step_000004/state.pt" not in names  # the optimizer state stays on Drive
+    with zipfile.ZipFile(ui.zip_run(run, tmp_path / "full.zip", resumable=True)) as z:
+        assert "r/checkpoints/step_000004/state.pt" in z.namelist()
     with pytest.raises(FileNotFoundError, match="no valid checkpoint"):
         ui.zip_run(tmp_path / "empty")

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import resolve_device
+from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
 from tinygpt.finetune.lora import (
@@ -125,10 +127,30 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
     return recipe.replace(**changes)
 
 
+def default_pretrain_recipe(run_dir: str | Path, say: bool = True) -> str:
+    """The recipe `tinygpt pretrain` uses without --recipe: the run folder's own (a resume), else the
+    hardware's default (the probe's choice), said in one line."""
+    name = recipe_name_of(run_dir)
+    if name in RECIPES:
+        why = f"the recipe of the run in {run_dir}"
+    else:
+        report = hardware_report()
+        name, why = report.default_recipe, f"the default for this {report.hardware_class} machine"
+    if say:
+        print(f"recipe {name}: {why} (--recipe NAME to choose; `tinygpt recipes` lists them)", flush=True)
+    return name
+
+
 def _pretrain(args) -> int:
     env = torchrun_env()
     main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
-    res = pretrain(apply_overrides(get_recipe(args.recipe), args.set), args.run_dir, data=args.data,
+    name = args.recipe or default_pretrain_recipe(args.run_dir, say=main_rank)
+    plain_rerun = args.resume == "auto" and not args.set and not args.data  # the same command again
+    if plain_rerun and (done := finished_run(args.run_dir, name, args.max_steps)) is not None:
+        if main_rank:
+            print(done)
+        return 0
+    res = pretrain(apply_overrides(get_recipe(name), args.set), args.run_dir, data=args.data,
                    max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every,
                    resume=args.resume, mirror=args.mirror, device=args.device,
                    progress=not args.quiet, parallel=args.parallel, probe=args.probe,
@@ -145,6 +167,26 @@ def _pretrain(args) -> int:
         print("stopped by a signal; run the same command again to resume")
         return 130  # like an interrupted shell command: a script can tell the run did not finish
     return 0
+
+
+def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = None) -> str | None:
+    """For a run that already reached its recipe's last step, what to say instead of training nothing:
+    that it is complete, its final figures, and how to train longer; None otherwise."""
+    run = RunDir(run_dir)
+    if not run.is_pretrain_run() or recipe_name_of(run_dir) != recipe_name:
+        return None
+    last = latest_valid(run.checkpoints)
+    max_steps = max_steps or run.recipe_dict().get("train", {}).get("max_steps")
+    step = int(last.name.split("_")[-1]) if last is not None else None
+    if step is None or max_steps is None or step < max_steps:
+        return None
+    records = run.metrics()
+    loss = next((m["loss"] for m in reversed(records) if m.get("loss") is not None), None)
+    val = next((m["val_loss"] for m in reversed(records) if m.get("val_loss") is not None), None)
+    figures = ", ".join(f"{k} {v:.4g}" for k, v in (("loss", loss), ("val_loss", val)) if v is not None)
+    return (f"run {run_dir} is complete: step {step} of {max_steps}" + (f", {figures}" if figures else "")
+            + f"; checkpoint {last}. To train longer: the same command with --max-steps {2 * max_steps} "
+            "(the learning-rate schedule is recomputed for the new end)")
 
 
 class SayResumed:
@@ -260,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_recipes)
 
     t = sub.add_parser("pretrain", help="pretrain a GPT from scratch (resumes automatically)")
-    t.add_argument("--recipe", default="cpu", help="a name from `tinygpt recipes` (default: cpu)")
+    t.add_argument("--recipe", default=None,
+                   help="a name from `tinygpt recipes` (default: the run folder's own recipe when it has one, "
+                        "else the one this hardware suits, as `tinygpt probe` shows)")
     t.add_argument("--data", default=None, help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT]")
     t.add_argument("--run-dir", default="runs/default")
     t.add_argument("--max-steps", type=int, default=None)
@@ -314,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--task", required=True, choices=tuple(TASKS),
                    help="; ".join(f"{t.name}: {t.help}" for t in TASKS.values()))
     e.add_argument("--data", default=None, help="the task's data file, or hf:NAME[:CONFIG][@SPLIT], e.g. "
-                   "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from the Hub)")
+                   "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from the Hub); "
+                   "perplexity: default the run's own validation split, `builtin` the built-in corpus's")
     e.add_argument("--which", default="latest", help="latest, best, or a checkpoint folder (default: latest)")
     e.add_argument("--device", default="auto", help="cpu, cuda, mps (default: the best available)")
     e.add_argument("--limit", type=int, default=None, help="only the first N items or problems")

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from tinygpt.core.checkpoint import latest_valid, list_checkpoints
-from tinygpt.core.paths import shared_data_dir
+from tinygpt.core.paths import cache_root, shared_data_dir
 from tinygpt.core.rundir import ADAPTER_DIR, recipe_name_of
-from tinygpt.finetune.recipes import FINETUNE_RECIPES, FinetuneError, device_need_gb, memory_table
+from tinygpt.finetune.recipes import FINETUNE_RECIPES, device_need_gb, memory_table
+from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
 from tinygpt.train.pretrain import pretrain
 
 # Notebook smoke mode (TINYGPT_SMOKE=1): a few tiny steps, enough to run every cell in seconds on a CPU.
@@ -65,11 +66,13 @@ def run_status(local: str | Path, mirror: str | Path | None = None) -> FinetuneS
 
 # ----- notebook smoke mode ------------------------------------------------------------------------
 def smoke_data() -> str:
-    path = (shared_data_dir() or Path("../shared/data")) / "code_alpaca_2k.json"
-    if not path.is_file():
-        raise FinetuneError(f"smoke mode needs the offline Code Alpaca sample at {path}; set TINYGPT_SHARED_DATA "
-                            "to the folder that holds code_alpaca_2k.json")
-    return str(path)
+    """Smoke mode's instruction data: the offline Code Alpaca sample where a machine has it, else the
+    standard library's functions as instructions (every machine has those)."""
+    shared = shared_data_dir()
+    if shared is not None and (shared / "code_alpaca_2k.json").is_file():
+        return str(shared / "code_alpaca_2k.json")
+    path = cache_root("data") / "stdlib_instructions.json"
+    return str(path if path.is_file() else write_stdlib_instructions(path))
 
 
 def smoke_base(run_dir: str | Path) -> str:

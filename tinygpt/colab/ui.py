@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import io
+import json
 import math
 import os
 import time
@@ -26,7 +27,7 @@ from tinygpt.colab.finetune_ui import (  # noqa: F401  (handed on: notebooks rea
     smoke_data,
 )
 from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive  # noqa: F401  (in_colab: for the notebooks)
-from tinygpt.core.checkpoint import latest_valid, list_checkpoints
+from tinygpt.core.checkpoint import MANIFEST, STATE_FILE, latest_valid, list_checkpoints, read_manifest
 from tinygpt.core.config import RECIPES, Recipe, get_recipe
 from tinygpt.core.files import atomic_output
 from tinygpt.core.rundir import RunDir, recipe_name_of
@@ -392,20 +393,26 @@ class LossPlot:
 _STORED = {".safetensors", ".pt", ".png"}  # already dense: deflating them costs time and saves ~nothing
 
 
-def zip_run(run_dir: str | Path, dest: str | Path | None = None) -> Path:
-    """<run>.zip beside the run folder: run files, plots and the newest valid checkpoint, which is
-    enough to generate, export or resume (`unzip` it, then `tinygpt generate --run-dir <run>`)."""
-
+def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool = False) -> Path:
+    """<run>.zip beside the run folder with what a user keeps: run files (config, tokenizer, metrics,
+    samples), plots and the newest valid checkpoint's weights and manifest, enough to generate and
+    export (`unzip` it, then `tinygpt generate --run-dir <run>`). The optimizer state (state.pt, twice
+    the model: 1.5 GB for 124M) stays on Drive unless `resumable`, which packs the whole checkpoint."""
     run_dir = Path(run_dir)
     ckpt = latest_valid(run_dir / "checkpoints")
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} holds no valid checkpoint to download; train first")
     files = [run_dir / n for n in RUN_FILES if (run_dir / n).is_file()]
     files += sorted(p for p in (run_dir / "plots").glob("*") if p.is_file())
-    files += sorted(p for p in ckpt.iterdir() if p.is_file())
+    skip = set() if resumable else {STATE_FILE, MANIFEST}
+    files += sorted(p for p in ckpt.iterdir() if p.is_file() and p.name not in skip)
     dest = Path(dest) if dest is not None else run_dir.parent / f"{run_dir.name}.zip"
     with atomic_output(dest) as tmp, zipfile.ZipFile(tmp, "w") as z:  # never half a zip under the real name
         for f in files:
             kind = zipfile.ZIP_STORED if f.suffix in _STORED else zipfile.ZIP_DEFLATED
             z.write(f, Path(run_dir.name) / f.relative_to(run_dir), compress_type=kind)
+        if not resumable:  # the manifest of what is in the zip, so the weights verify (and load) there too
+            manifest = read_manifest(ckpt)
+            manifest["files"] = {k: v for k, v in manifest["files"].items() if k != STATE_FILE}
+            z.writestr(str(Path(run_dir.name) / ckpt.relative_to(run_dir) / MANIFEST), json.dumps(manifest, indent=1))
     return dest

@@ -6,10 +6,12 @@ once (a tinygpt run, a finetuning run with its adapter folded in, or a Hugging F
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tinygpt.core.config import Recipe
 from tinygpt.core.rundir import RunDir, RunDirError, read_json
 from tinygpt.evals import code, lm
 from tinygpt.evals.runs import summarize_run
@@ -17,6 +19,7 @@ from tinygpt.finetune.lora import load_finetuned
 from tinygpt.model.generate import generate_text
 from tinygpt.model.hf import hf_generate_fn, load_hf_causal_lm
 from tinygpt.model.loading import load_run
+from tinygpt.train.data import validation_text
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Loaded:
     tokenizer: Any
     source: str
     is_hf: bool
+    recipe: Recipe | None = None  # a tinygpt run's recipe: its data and context are the defaults
 
 
 @dataclass(frozen=True)
@@ -51,11 +55,22 @@ class Task:
     data_help: str | None                                 # what --data must be; None: the task needs no data
     score: Callable[[Loaded, Request], dict[str, Any]] | None  # None: needs no model (reads the run folder)
     runs_code: bool = False                               # executes what the model writes (said first)
+    data_optional: bool = False                           # a tinygpt run brings its own (validation split)
 
 
 def _perplexity(m: Loaded, r: Request) -> dict[str, Any]:
-    return lm.perplexity(m.model, m.tokenizer, lm.load_eval_text(r.data, r.max_chars), r.window, r.stride,
-                         r.batch_size or 4, r.progress)
+    """On `data`; with no data, on the run's own validation split (text it never trained on);
+    `builtin`: the built-in corpus's validation split. The window defaults to the run's context."""
+    if r.data is None or str(r.data) in ("builtin", "stdlib"):
+        if m.recipe is None:
+            raise ValueError(f"perplexity of {m.source} needs --data: {lm.DATA_HELP['perplexity']}")
+        cfg = m.recipe.data if r.data is None else dataclasses.replace(m.recipe.data, source="builtin",
+                                                                       max_chars=None)
+        text = validation_text(cfg, r.max_chars)
+    else:
+        text = lm.load_eval_text(r.data, r.max_chars)
+    window = r.window or (m.recipe.train.seq_len if m.recipe is not None else None)
+    return lm.perplexity(m.model, m.tokenizer, text, window, r.stride, r.batch_size or 4, r.progress)
 
 
 def _hellaswag(m: Loaded, r: Request) -> dict[str, Any]:
@@ -85,7 +100,8 @@ def _code_task(load: Callable[[str | Path], list[code.CodeProblem]]):
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (
-    Task("perplexity", "perplexity and bits per byte of a text", lm.DATA_HELP["perplexity"], _perplexity),
+    Task("perplexity", "perplexity and bits per byte of a text (default: the run's own validation split)",
+         lm.DATA_HELP["perplexity"], _perplexity, data_optional=True),
     Task("hellaswag", "HellaSwag accuracy (acc and acc_norm)", lm.DATA_HELP["hellaswag"], _hellaswag),
     Task("humaneval", "HumanEval pass@k (runs generated code)", lm.DATA_HELP["humaneval"],
          _code_task(code.load_humaneval), runs_code=True),
@@ -107,7 +123,7 @@ def check_request(task: Task, r: Request) -> None:
         v = getattr(r, name)
         if v is not None and v < 1:
             raise ValueError(f"{name} must be a positive number (or left out), got {v}")
-    if task.data_help is None:
+    if task.data_help is None or (task.data_optional and (r.data is None or str(r.data) in ("builtin", "stdlib"))):
         return
     if r.data is None:
         raise ValueError(f"task {task.name} needs data (--data): {task.data_help}")
@@ -132,8 +148,8 @@ def load_for_eval(path: str | Path, which: str = "latest", device: str = "cpu") 
                               "the model again, or point at a tinygpt run folder")
         model, tok = load_hf_causal_lm(run.path, device)
         return Loaded(model, tok, str(run.path), True)
-    model, tok, _, ckpt = load_run(run.path, which, device)
-    return Loaded(model, tok, str(ckpt), False)
+    model, tok, recipe, ckpt = load_run(run.path, which, device)
+    return Loaded(model, tok, str(ckpt), False, recipe)
 
 
 def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: str = "cpu",
@@ -149,5 +165,6 @@ def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: s
     r = Request(**request)
     check_request(t, r)
     loaded = load_for_eval(run_dir, which, device)
-    head = {"run": Path(run_dir).name, "checkpoint": loaded.source, "task": task, "data": str(r.data)}
+    data = str(r.data) if r.data is not None else "the run's validation split"
+    head = {"run": Path(run_dir).name, "checkpoint": loaded.source, "task": task, "data": data}
     return {**head, **t.score(loaded, r)}

@@ -8,25 +8,30 @@ from __future__ import annotations
 
 import ast
 import json
+import textwrap
 from pathlib import Path
 
 from tinygpt.core.files import write_text_atomic
 from tinygpt.train.data import builtin_files
 
-MAX_SOURCE_CHARS = 1_200  # short functions: a small model can learn to write them
+MAX_SOURCE_CHARS = 220  # short functions (like Code Alpaca's answers): a small model can learn to write them
+MAX_INSTRUCTION_CHARS = 110
 
 
 def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
-    """Up to `limit` records {"instruction", "input", "output"}: a public stdlib function's docstring
+    """Up to `limit` records {"instruction", "input", "output"}: a public stdlib function's (or method's) docstring
     (first paragraph) asks for it, its source (docstring removed) answers."""
     records: list[dict[str, str]] = []
+    seen: set[tuple[str, str]] = set()
     for path in builtin_files():
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
-        for node in tree.body:
+        # module-level functions and the methods of module-level classes
+        nodes = [n for top in tree.body for n in ([top] if not isinstance(top, ast.ClassDef) else top.body)]
+        for node in nodes:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
@@ -36,6 +41,8 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
             if not body:
                 continue
             code = ast.get_source_segment(source, node)
+            if code is not None:  # a method: its body keeps the class's indentation, its first line not
+                code = textwrap.dedent(" " * node.col_offset + code)
             if code is None or len(code) > MAX_SOURCE_CHARS:
                 continue
             docstring_node = node.body[0]
@@ -43,9 +50,15 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
             start = docstring_node.lineno - node.lineno
             end = docstring_node.end_lineno - node.lineno + 1
             output = "".join(lines[:start] + lines[end:])
-            instruction = doc.split("\n\n")[0].replace("\n", " ").strip()
-            records.append({"instruction": f"Write a Python function `{node.name}`: {instruction}",
-                            "input": "", "output": output})
+            instruction = doc.split("\n\n")[0].replace("\n", " ").strip().split(". ")[0].rstrip(".")
+            if len(instruction) > MAX_INSTRUCTION_CHARS or len(output.strip()) < 20:
+                continue
+            record = {"instruction": f"Write a Python function `{node.name}`: {instruction}", "input": "",
+                      "output": output}
+            if (record["instruction"], output) in seen:  # the same helper defined in several modules
+                continue
+            seen.add((record["instruction"], output))
+            records.append(record)
             if len(records) >= limit:
                 return records
     return records

@@ -229,6 +229,9 @@ class Trainer:
 
     def resume(self, path: Path, verified: bool = False) -> None:
         sd, state, _ = ckpt.load_checkpoint(path, verify=not verified)
+        if "optimizer" not in state:
+            raise TrainingError(f"checkpoint {path} holds the weights only (a download, without state.pt): training "
+                                "cannot resume from it; copy the whole checkpoint from Drive, or use a new run folder")
         diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict(), RESUMABLE_CHANGES)
         if diffs:
             raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
