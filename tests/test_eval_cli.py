@@ -83,8 +83,8 @@ def test_bad_input_exits_2_with_a_clear_message(run, tmp_path, shared_data, caps
     code, _, err = _cli(capsys, "eval", run, "--task", "humaneval", "--data", shared_data / "HumanEval.jsonl.gz",
                         "--n", 2, "--k", 1, 10)
     assert code == 2 and "pass@10" in err and "n=2" in err
-    code, _, err = _cli(capsys, "eval", run, "--task", "perplexity")
-    assert code == 2 and "wikitext-2-raw-v1" in err
+    code, _, err = _cli(capsys, "eval", run, "--task", "perplexity", "--data", tmp_path / "nope.txt")
+    assert code == 2 and "no data file" in err and "wikitext-2-raw-v1" in err  # says what would do
     code, _, err = _cli(capsys, "eval", run, "--task", "hellaswag")
     assert code == 2 and "hellaswag_val.txt" in err and "klosax/hellaswag_text_data" in err
     code, _, err = _cli(capsys, "eval", run, "--task", "hellaswag", "--data", tmp_path / "nope.txt")

@@ -1,0 +1,57 @@
+"""The notebooks' install cell, as Colab runs it: one TINYGPT_SOURCE variable at the top, the same in
+every notebook, and the pip requirement it builds installs this checkout (built as a wheel here,
+where a Colab user gets it from GitHub) into a fresh environment that then works offline."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def install_cell(nb: Path) -> tuple[str, str]:
+    """(the TINYGPT_SOURCE value, the %pip requirement template) of a notebook's first code cell."""
+    cell = next(c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+    src = "".join(cell["source"])
+    source = re.search(r'^TINYGPT_SOURCE = "([^"]+)"', src, re.M)
+    pip = re.search(r'^\s+%pip install -q "([^"]+)"$', src, re.M)
+    assert source and pip, f"{nb.name}: the install cell lost its TINYGPT_SOURCE line or its %pip line"
+    return source.group(1), pip.group(1)
+
+
+def test_every_notebook_installs_from_one_source_variable():
+    cells = {nb.name: install_cell(nb) for nb in NOTEBOOKS}
+    assert len(cells) == 4 and len({s for s, _ in cells.values()}) == 1, cells
+    for name, (_, template) in cells.items():
+        assert template.startswith("tinygpt[notebooks") and template.endswith(" @ {TINYGPT_SOURCE}"), name
+
+
+def test_the_install_cell_installs_this_checkout_into_a_fresh_environment(tmp_path):
+    wheel_dir = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheel_dir), str(ROOT)], check=True, timeout=300)
+    wheel = next(wheel_dir.glob("tinygpt-*.whl"))
+    _, template = install_cell(ROOT / "notebooks" / "01_pretrain.ipynb")
+    requirement = template.format(TINYGPT_SOURCE=wheel.as_uri())  # what IPython expands in the %pip line
+    venv = tmp_path / "venv"
+    # the dependencies come from this environment (Colab has them preinstalled), tinygpt from the wheel:
+    # a .pth line adds this environment's packages after the new one's (its own .pth files, such as an
+    # editable install of this checkout, are not run, so the wheel's copy is the one imported)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    here = [p for p in sys.path if p.endswith("site-packages")]
+    Path(site, "outer-env.pth").write_text("\n".join(here) + "\n")
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", requirement], check=True, timeout=300)
+    probe = ("import tinygpt, pathlib; from tinygpt.model.tokenizer import load_gpt2\n"
+             "t = load_gpt2(); assert t.decode(t.encode('Hello world')) == 'Hello world'\n"
+             "print(pathlib.Path(tinygpt.__file__).resolve())")
+    out = subprocess.run([str(py), "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert str(venv) in out.stdout  # the wheel's copy, GPT-2 BPE files included (package data)
