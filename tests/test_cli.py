@@ -36,6 +36,12 @@ def test_recipes_lists_every_recipe(capsys):
     assert main(["recipes", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     names = {r["name"] for r in rows}
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["cpu"]["precision"] == "fp32" and by_name["t4-50m"]["precision"] == "fp16"
+    assert by_name["cpu"]["data"] == "builtin" and by_name["a100-124m"]["data"].startswith("hf:")
+    assert main(["recipes"]) == 0
+    table = capsys.readouterr().out
+    assert " 0M " not in table and "614k" in table and " auto " not in table
     assert {"cpu-smoke", "cpu", "t4-50m", "l4-124m", "a100-124m", "a100-350m", "h100-760m"} <= names
     flagship = next(r for r in rows if r["name"] == "a100-124m")
     assert flagship["context"] == 1024 and flagship["precision"] == "bf16" and 115e6 < flagship["params"] < 130e6

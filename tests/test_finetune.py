@@ -627,3 +627,19 @@ def test_a_damaged_adapter_is_refused_in_one_line(lora, tmp_path, damage, capsys
         (adir / "manifest.json").unlink()
         assert main(["generate", "--adapter", str(adir), "--prompt", "x", "--max-new-tokens", "2"]) == 2
         assert "does not read back" in capsys.readouterr().err
+
+
+def test_finetune_files_have_the_usual_mode_and_no_transformers_deprecation_warning(tiny_run, shared_data, tmp_path):
+    import os
+    import stat
+    import warnings as w
+    with w.catch_warnings(record=True) as seen:
+        w.simplefilter("always")
+        res = finetune("lora-r8", str(tiny_run), str(shared_data / "code_alpaca_2k.json"), tmp_path / "ft",
+                       hardware="cpu", train={**FAST, "max_steps": 2, "save_every": 2, "eval_every": 2},
+                       progress=False)
+    assert not [x for x in seen if "is_gradient_checkpointing" in str(x.message)]
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [res.train.checkpoint / "model.safetensors", res.adapter_dir / "adapter_model.safetensors"]:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask, p  # like every other file, not 0600

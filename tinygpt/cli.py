@@ -11,7 +11,7 @@ import torch
 
 from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
-from tinygpt.core.precision import resolve_device
+from tinygpt.core.precision import PRECISION_FOR_HARDWARE, resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
@@ -82,18 +82,28 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
     return "\n".join(out)
 
 
+def _count(n: int) -> str:
+    """A token count a person reads at a glance: 350k, 1.2M, 5.2B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def _recipes(args) -> int:
     rows = []
     for r in RECIPES.values():
+        prec = PRECISION_FOR_HARDWARE.get(r.hardware, "auto") if r.train.precision == "auto" else r.train.precision
         rows.append((r.name, r.hardware, meta_model(r.model).num_params(), r.train.seq_len, r.train.tokens_per_step,
-                     r.token_budget, r.train.precision, r.description))
+                     r.token_budget, prec, r.data.source, r.description))
     if args.json:
         print(json.dumps([dict(zip(("name", "hardware", "params", "context", "tokens_per_step", "token_budget",
-                                    "precision", "description"), row)) for row in rows], indent=1))
+                                    "precision", "data", "description"), row)) for row in rows], indent=1))
         return 0
-    print(f"{'recipe':<12} {'hw':<5} {'params':>8} {'ctx':>5} {'tok/step':>9} {'budget':>8} {'prec':<5} description")
-    for name, hw, p, ctx, tps, budget, prec, desc in rows:
-        print(f"{name:<12} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {budget / 1e6:>7.0f}M {prec:<5} {desc}")
+    print(f"{'recipe':<14} {'hw':<5} {'params':>8} {'ctx':>5} {'tok/step':>9} {'budget':>7} {'prec':<5} "
+          f"{'data':<40} description")
+    for name, hw, p, ctx, tps, budget, prec, data, desc in rows:
+        print(f"{name:<14} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {_count(budget):>7} {prec:<5} {data:<40} {desc}")
     return 0
 
 

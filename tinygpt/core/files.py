@@ -14,6 +14,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"  # leftovers of an interrupted write carry these
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once, at import: os.umask is process-wide, so never again from a thread
+FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; some writers (safetensors) make 0600 files
+
+
+def _usual_mode(path: Path) -> None:
+    """Give a finished file the mode any other new file gets (rw-r--r-- under the usual umask)."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, FILE_MODE)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -131,9 +140,11 @@ def atomic_output(dst: str | Path, folder: bool = False, tag: str | int | None =
         if folder:
             for p in tmp.iterdir():
                 if p.is_file():
+                    _usual_mode(p)
                     try_fsync(p)
             replace_dir(tmp, dst, tag)
         else:
+            _usual_mode(tmp)
             try_fsync(tmp)
             os.replace(tmp, dst)
             try_fsync(dst.parent)

@@ -6,6 +6,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+# What `choose_precision` gives on each hardware class's GPUs (compute capability 8.0+: bf16; a T4,
+# 7.5: fp16 with a GradScaler; a CPU: fp32): for tables that name a class, not a device.
+PRECISION_FOR_HARDWARE = {"cpu": "fp32", "mps": "fp32", "t4": "fp16", "l4": "bf16", "a100": "bf16",
+                          "h100": "bf16", "h200": "bf16"}
 
 @dataclass(frozen=True)
 class Precision:

@@ -15,7 +15,9 @@ the end, ``adapter/`` (adapter_config.json + adapter_model.safetensors + tokeniz
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -72,6 +74,15 @@ from tinygpt.train.trainer import Trainer
 
 
 # ----- base models --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _peft_on_transformers_5():
+    """PEFT reads `model.is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning
+    on every finetune; the user can do nothing about it, so that one warning is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
     """A tinygpt run's model as a `LlamaForCausalLM` folder, through the one exporter (`model.hf`),
     atomically (a folder that exists is complete), with tinygpt_source.json naming the checkpoint."""
@@ -184,7 +195,8 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *, activation_checkp
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                         use_rslora=lora.use_rslora, use_dora=lora.use_dora, bias="none", task_type="CAUSAL_LM")
     torch.manual_seed(seed)  # lora_A's initialisation draws from torch's RNG: same seed, same start
-    pm = get_peft_model(model, config)
+    with _peft_on_transformers_5():
+        pm = get_peft_model(model, config)
     for p in pm.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()  # fp16 adapters break the GradScaler ("Attempting to unscale FP16 gradients")
@@ -276,7 +288,8 @@ def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = F
         model = model.dequantize()
         model.is_loaded_in_4bit = False
     try:
-        model = PeftModel.from_pretrained(model, str(adir))
+        with _peft_on_transformers_5():
+            model = PeftModel.from_pretrained(model, str(adir))
     except RuntimeError as e:
         raise FinetuneError(f"adapter {adir} does not fit base {base!r}; it was trained on another model: "
                             f"{str(e).splitlines()[1] if len(str(e).splitlines()) > 1 else e}") from e
