@@ -239,3 +239,17 @@ def test_zip_run_holds_what_a_user_keeps_and_on_request_the_resumable_checkpoint
         assert "r/checkpoints/step_000004/state.pt" in z.namelist()
     with pytest.raises(FileNotFoundError, match="no valid checkpoint"):
         ui.zip_run(tmp_path / "empty")
+
+
+def test_samples_take_a_prompt_that_suits_the_runs_data(tmp_path, shared_data):
+    """Not `def ` for a model trained on prose: the opening words of one of its held-out documents."""
+    from tinygpt.train.pretrain import pretrain
+    prose = tmp_path / "prose.txt"
+    prose.write_text((shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:200_000], encoding="utf-8")
+    run = tmp_path / "run"
+    pretrain("cpu-smoke", run, data=str(prose), max_steps=2, save_every=2, eval_every=2, progress=False,
+             device="cpu", cache_dir=tmp_path / "cache")
+    prompt = ui.sample_prompt(run)
+    assert prompt != "def " and prompt.split()[0] in prose.read_text()
+    texts = ui.samples(run, n=2, max_new_tokens=5, device="cpu")
+    assert len(texts) == 2 and all(t.startswith(prompt) for t in texts)

@@ -30,8 +30,12 @@ from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive  # noqa: F401 
 from tinygpt.core.checkpoint import MANIFEST, STATE_FILE, latest_valid, list_checkpoints, read_manifest
 from tinygpt.core.config import RECIPES, Recipe, get_recipe
 from tinygpt.core.files import atomic_output
+from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.model.generate import generate_text
+from tinygpt.model.loading import load_run
 from tinygpt.sync.drive import RUN_FILES
+from tinygpt.train.data import validation_text
 from tinygpt.train.hardware import hardware_report
 from tinygpt.train.memory import estimate_memory
 from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision
@@ -416,3 +420,24 @@ def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool
             manifest["files"] = {k: v for k, v in manifest["files"].items() if k != STATE_FILE}
             z.writestr(str(Path(run_dir.name) / ckpt.relative_to(run_dir) / MANIFEST), json.dumps(manifest, indent=1))
     return dest
+
+
+# ---- samples ---------------------------------------------------------------------------------------
+
+def sample_prompt(run_dir: str | Path) -> str:
+    """A prompt that suits what the run trained on: `def ` for the built-in Python corpus, else how one
+    of its held-out documents begins (a story for TinyStories, a sentence for FineWeb-Edu)."""
+    recipe = Recipe.from_dict(RunDir(run_dir).recipe_dict())
+    if recipe.data.source in ("builtin", "stdlib"):
+        return "def "
+    text = validation_text(recipe.data, max_chars=400)
+    words = text.split()
+    return " ".join(words[:6]) + " " if words else "The "
+
+
+def samples(run_dir: str | Path, n: int = 3, which: str = "latest", prompt: str | None = None,
+            max_new_tokens: int = 150, device: str = "auto") -> list[str]:
+    """`n` samples (seeds 0..n-1) from a run's checkpoint, from `prompt` or one that suits its data."""
+    model, tokenizer, _, _ = load_run(run_dir, which, resolve_device(device))
+    prompt = prompt or sample_prompt(run_dir)
+    return [generate_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens, seed=seed) for seed in range(n)]
