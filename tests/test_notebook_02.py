@@ -76,6 +76,8 @@ def test_notebook_finetunes_mirrors_to_drive_and_resumes_on_a_new_vm(tmp_path, s
     n = len(json.loads((shared_data / "code_alpaca_2k.json").read_text()))
     assert f"{n:,} records" in out["data"]
     assert "no: a new run" in out["train"] and "iVBOR" in out["train"]  # the result table and the live plot (PNG)
+    # the progress bar's saved output (what GitHub and nbviewer show) is its last state, not 0%
+    assert "training: 100%" in out["train"] and "training:   0%" not in out["train"], out["train"][:600]
     assert (tmp_path / "content" / "runs" / "my-first-finetune" / "plots" / "loss.png").is_file()
     assert out["generations"].count("--- before (the base) ---") == 3
     assert [s for s, _ in list_checkpoints(mirror / "checkpoints")] == [3, 6]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from tinygpt.core.config import ConfigError
 from tinygpt.core.rundir import RunDir
 from tinygpt.model.generate import generate_text
@@ -47,3 +49,35 @@ def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, pro
     RunDir(run_dir).append_sample(f"=== step {step} ===\n{text}\n\n")
     model.train()
     return text
+
+
+def progress_bar(**kwargs):
+    """A tqdm bar: text in a terminal, a widget in a notebook. In a notebook the widget is displayed
+    under a display id and replaced by its final line when the bar closes, so the output a notebook
+    saves (what GitHub and nbviewer show, which cannot run widgets) is the last state, not 0%."""
+    try:
+        from tqdm.notebook import tqdm as notebook_tqdm  # needs ipywidgets
+    except ImportError:
+        notebook_tqdm = None
+    if notebook_tqdm is None or not issubclass(tqdm, notebook_tqdm):  # a terminal bar
+        return tqdm(**kwargs)
+    bar = tqdm(display=False, **kwargs)
+    handle = _display(bar.container, display_id=True)
+    close = bar.close
+
+    def close_and_keep_last_state() -> None:
+        text = str(bar)  # the final line, e.g. "training: 100%|##########| 300/300 [01:49<00:00, ...]"
+        close()
+        if handle is not None:  # the widget becomes that line: in the live view and in the saved output
+            handle.update({"text/plain": text}, raw=True)
+
+    bar.close = close_and_keep_last_state
+    return bar
+
+
+def _display(obj, display_id: bool):
+    try:
+        from IPython.display import display
+    except ImportError:  # pragma: no cover - a notebook bar implies IPython
+        return None
+    return display(obj, display_id=display_id)

@@ -21,7 +21,6 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import TrainConfig, config_differences
@@ -35,6 +34,7 @@ from tinygpt.core.precision import (
 from tinygpt.core.rundir import RunDir
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
+from tinygpt.train.callbacks import progress_bar
 from tinygpt.train.optim import build_optimizer
 
 # Fields that may change between a run and its resumption; any other difference is refused.
@@ -359,7 +359,8 @@ class Trainer:
                 cb.on_start(resumed_from)
         bar = None
         if self.progress and self.is_main:
-            bar = tqdm(total=self.cfg.max_steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
+            bar = progress_bar(total=self.cfg.max_steps, initial=self.step, desc="training", unit="step",
+                               dynamic_ncols=True)
         self.model.train()
         # saved_step is the same on every rank (only rank 0 gets a path back from save)
         return _Loop(history, bar, self._install_signal_handlers(), last_saved, resumed_from, resumed_from,
