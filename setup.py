@@ -13,8 +13,9 @@ extras = {
     "finetune": ["transformers>=4.45", "peft>=0.12", "bitsandbytes>=0.43; platform_system != 'Darwin'",
                  "datasets>=2.18"],
     "eval": ["sacrebleu>=2.3", "transformers>=4.45", "matplotlib>=3.6"],
-    # the GPU recipes stream Hub data (datasets) and use the GPT-2 tokenizer (transformers); Colab has both
-    "notebooks": ["ipywidgets>=8", "matplotlib>=3.6", "pandas>=1.5", "datasets>=2.18", "transformers>=4.45"],
+    # Colab preinstalls ipywidgets 7.7.1 and its front end renders no ipywidgets 8: never upgrade it.
+    # The GPU recipes stream Hub data (datasets) and use the GPT-2 tokenizer (transformers); Colab has both
+    "notebooks": ["ipywidgets>=7.7.1", "matplotlib>=3.6", "pandas>=1.5", "datasets>=2.18", "transformers>=4.45"],
 }
 extras["dev"] = sorted({d for v in extras.values() for d in v} | {"pytest>=7", "pytest-xdist>=3", "nbmake>=1.5",
                                                                    "ipykernel>=6", "tensorboard>=2.10",

@@ -55,3 +55,13 @@ def test_the_install_cell_installs_this_checkout_into_a_fresh_environment(tmp_pa
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert str(venv) in out.stdout  # the wheel's copy, GPT-2 BPE files included (package data)
+
+
+def test_the_notebooks_extra_keeps_colabs_preinstalled_widgets():
+    """Colab ships ipywidgets 7.7.1 and does not render 8: installing tinygpt[notebooks] must not upgrade it."""
+    from importlib.metadata import metadata
+
+    from packaging.requirements import Requirement
+    reqs = [Requirement(r) for r in metadata("tinygpt").get_all("Requires-Dist") or []]
+    widgets = [r for r in reqs if r.name == "ipywidgets" and r.marker and r.marker.evaluate({"extra": "notebooks"})]
+    assert widgets and all(r.specifier.contains("7.7.1") for r in widgets), widgets
