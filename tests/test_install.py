@@ -45,9 +45,12 @@ def test_the_install_cell_installs_this_checkout_into_a_fresh_environment(tmp_pa
     py = venv / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
+    # --ignore-installed: pip would otherwise take this environment's own tinygpt (seen through the .pth) as
+    # already there, and install nothing
     here = [p for p in sys.path if p.endswith("site-packages")]
     Path(site, "outer-env.pth").write_text("\n".join(here) + "\n")
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", requirement], check=True, timeout=300)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", requirement],
+                   check=True, timeout=300)
     probe = ("import tinygpt, pathlib; from tinygpt.model.tokenizer import load_gpt2\n"
              "t = load_gpt2(); assert t.decode(t.encode('Hello world')) == 'Hello world'\n"
              "print(pathlib.Path(tinygpt.__file__).resolve())")
