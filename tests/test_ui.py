@@ -58,6 +58,9 @@ def test_picker_value_is_read_when_the_training_cell_runs(report):
     picker = ui.recipe_picker(report)
     picker.dropdown.value = "cpu-smoke"  # the user changes it after the cell ran
     assert picker.value == "cpu-smoke" and picker.default == "cpu"
+    shown = picker.summary.value  # the HTML under the dropdown, redrawn on the change
+    assert "Memory of cpu-smoke" in shown and "Expected on this runtime" in shown and "cpu_cores" not in shown
+    assert "Recipes on this runtime" in shown and "h100-760m" in shown  # every recipe's memory and time
 
 
 def test_picker_defaults_to_the_recipe_of_the_run_on_drive(report, tmp_path, monkeypatch):

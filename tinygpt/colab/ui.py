@@ -138,16 +138,16 @@ def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) 
         return None
 
 
-def summary(recipe: Recipe | str, report: Any, search: Any = None) -> Tables:
-    """Hardware, the recipe's memory breakdown, the trial search (if given) and the expected
-    memory, tokens/s and time to finish, for one recipe on this runtime."""
+def summary(recipe: Recipe | str, report: Any, search: Any = None, hardware: bool = True) -> Tables:
+    """Hardware (unless not `hardware`), the recipe's memory breakdown, the trial search (if given) and
+    the expected memory, tokens/s and time to finish, for one recipe on this runtime."""
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     t, prec = recipe.train, _precision_for(recipe, report)
     est = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device)
-    tables = [hardware_table(report),
-              Table(est.rows(), f"Memory of {recipe.name}: micro-batch {t.micro_batch_size}, context {t.seq_len}, "
-                                f"{prec} (estimated)", notes=(recipe.description,))]
+    tables = [hardware_table(report)] if hardware else []
+    tables.append(Table(est.rows(), f"Memory of {recipe.name}: micro-batch {t.micro_batch_size}, "
+                                    f"context {t.seq_len}, {prec} (estimated)", notes=(recipe.description,)))
     if search is not None:
         tables.append(Table([("micro-batch", search.micro_batch_size), ("accumulation steps", search.grad_accum_steps),
                              ("context", search.seq_len),
@@ -258,7 +258,8 @@ def default_recipe(report: Any = None, resume_from: RunFolders | str | Path | No
 # ---- the recipe picker -----------------------------------------------------------------------------
 
 class RecipePicker:
-    """A dropdown of the recipes with the right default and, under it, the chosen recipe's summary.
+    """A dropdown of the recipes with the right default and, under it, every recipe's memory and time
+    on this runtime, then the chosen recipe's memory breakdown and expectations (updated on change).
     The training cell reads `value` when it runs, so Run all trains the default."""
 
     def __init__(self, report: Any, resume_from: RunFolders | str | Path | None = None):
@@ -274,27 +275,26 @@ class RecipePicker:
         options = [(f"{name}  ({RECIPES[name].hardware})", name) for name in RECIPES]
         self.dropdown = widgets.Dropdown(options=options, value=self.default, description="recipe",
                                          layout=widgets.Layout(width="max-content"))
-        self._output = widgets.Output()
-        self._shown = False  # the summary is drawn only once the picker is on screen
-        self.dropdown.observe(lambda change: self._shown and self._show_summary(), names="value")
+        # the summary is an HTML widget, not an Output one: it renders the same in Colab (ipywidgets 7),
+        # classic Jupyter and JupyterLab (8), where capturing into an Output widget differs between them
+        self.summary = widgets.HTML()
+        self.dropdown.observe(lambda change: self._show_summary(), names="value")
 
     @property
     def value(self) -> str:
         return self.dropdown.value if self.dropdown is not None else self.default
 
     def _show_summary(self) -> None:
-        self._output.clear_output(wait=True)
-        with self._output:
-            _display(summary(self.value, self.report))
+        tables = Tables([recipes_table(self.report), *summary(self.value, self.report, hardware=False)])
+        self.summary.value = tables._repr_html_()
 
     def _ipython_display_(self) -> None:
         if self.dropdown is None:
             return _display(str(self))
         widgets = __import__("ipywidgets")
-        self._shown = True
         self._show_summary()
         _display(widgets.VBox([self.dropdown, widgets.HTML(f"<i>default: {html.escape(self.reason)}</i>"),
-                               self._output]))
+                               self.summary]))
 
     def __repr__(self) -> str:
         return f"recipe: {self.value} (default: {self.default}, {self.reason})"

@@ -1,0 +1,289 @@
+"""The notebooks in a real browser, as close to Colab as runs offline: headless Chromium (Debian's package,
+nothing downloaded) on a local classic Jupyter server with Colab's ipywidgets 7.7.1, the stand-in google.colab
+and TINYGPT_SMOKE=1. Each notebook is run all; what the page shows is returned as observations (for
+tests/test_browser.py) and photographed (docs/images/, shown in the README).
+
+    python tests/browser_colab.py --images docs/images      # refresh the README's screenshots
+
+The front end lives in a private environment (.cache/browser-venv: the classic notebook, ipywidgets 7.7.1,
+selenium) that sees this environment's packages (torch, transformers...) behind its own, so the kernel runs
+this checkout with Colab's widget versions. This file runs twice: in this environment it builds that
+environment and starts itself again inside it, where it drives the browser.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".cache" / "browser-venv"
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+# Colab's front-end versions come from constraints/colab.txt; selenium drives Debian's chromedriver
+FRONT_END = ["notebook", "ipywidgets", "widgetsnbextension", "ipykernel", "jupyter_client", "traitlets",
+             "selenium>=4.20"]
+CHROME_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                "--window-size=1100,2400", "--hide-scrollbars"]
+CELL_TIMEOUT_S = 300
+
+
+def missing_browser() -> str | None:
+    """Why the browser run cannot happen here, or None."""
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        return "Debian's headless Chromium is not installed (apt-get install -y chromium chromium-driver)"
+    return None
+
+
+# ---- in this environment: the private front-end environment, then the run inside it -----------------------
+
+def browser_python() -> Path:
+    """The private environment's python, built (once per front-end list and constraints) under .cache/."""
+    stamp = hashlib.sha256(json.dumps([FRONT_END, (ROOT / "constraints" / "colab.txt").read_text(),
+                                       sys.version]).encode()).hexdigest()
+    python = VENV / "bin" / "python"
+    if (VENV / "stamp").is_file() and (VENV / "stamp").read_text() == stamp:
+        return python
+    shutil.rmtree(VENV, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=300)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints" / "colab.txt"),
+                    *FRONT_END], check=True, timeout=900)
+    # this environment's packages behind the private ones (a .pth appends them; its own .pth files are not run)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "outer-env.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    (VENV / "stamp").write_text(stamp)
+    return python
+
+
+def run_in_browser(env: dict[str, str], out: Path, notebooks: list[str] | None = None) -> dict:
+    """Run the notebooks in Chromium under `env` (a Colab stand-in's variables); screenshots and
+    observations.json go to `out`. The observations, by notebook."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(browser_python()), str(Path(__file__).resolve()), "--inside", "--out", str(out)]
+    subprocess.run(cmd + (["--notebooks", *notebooks] if notebooks else []), env=env, check=True, timeout=1800)
+    return json.loads((out / "observations.json").read_text())
+
+
+# ---- inside the private environment: the server, the browser and the notebooks -----------------------------
+
+class Notebook:
+    """One open notebook page, driven through the classic notebook's own JavaScript API."""
+
+    def __init__(self, driver, url: str, path: Path):
+        self.driver, self.path = driver, path
+        self.ids = [c.get("id") for c in json.loads(path.read_text())["cells"]]
+        driver.get(url)
+        self.wait("return !!(window.Jupyter && Jupyter.notebook && Jupyter.notebook._fully_loaded"
+                  " && Jupyter.notebook.kernel && Jupyter.notebook.kernel.is_connected())", 60, "the kernel to start")
+        self.js("Jupyter.notebook.set_autosave_interval(0)")  # never write outputs into the copy
+
+    def js(self, script: str, *args):
+        return self.driver.execute_script(script, *args)
+
+    def wait(self, script: str, timeout: float, what: str, *args) -> None:
+        end = time.monotonic() + timeout
+        while not self.js(script, *args):
+            if time.monotonic() > end:
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+            time.sleep(0.25)
+
+    def index(self, cell_id: str) -> int:
+        return self.ids.index(cell_id)
+
+    def run(self, cell_ids: list[str] | None = None) -> None:
+        """Run all cells (or these ones) and wait until the kernel is idle with nothing queued."""
+        if cell_ids is None:
+            self.js("Jupyter.notebook.execute_all_cells()")
+        else:
+            self.js("Jupyter.notebook.execute_cells(arguments[0])", [self.index(c) for c in cell_ids])
+        idle = ("return !Jupyter.notebook.get_cells().some(c => c.input_prompt_number === '*')"
+                " && document.querySelector('#kernel_indicator_icon').classList.contains('kernel_idle_icon')")
+        for _ in range(2):  # idle twice in a row: between two queued cells the kernel is idle for an instant
+            self.wait(idle, CELL_TIMEOUT_S * max(1, len(cell_ids or self.ids)), "the cells to finish")
+            time.sleep(1.0)
+        errors = self.js("return [...document.querySelectorAll('.output_error')].map(e => e.innerText)")
+        if errors:
+            raise RuntimeError(f"{self.path.name}: a cell failed:\n" + "\n".join(errors)[-3000:])
+
+    def output(self, cell_id: str):
+        return self.js("return Jupyter.notebook.get_cell(arguments[0]).output_area.element[0]", self.index(cell_id))
+
+    def text(self, cell_id: str) -> str:
+        return self.output(cell_id).get_attribute("innerText")
+
+    def set_source(self, cell_id: str, source: str) -> None:
+        self.js("Jupyter.notebook.get_cell(arguments[0]).set_text(arguments[1])", self.index(cell_id), source)
+
+    def watch_images(self, cell_id: str) -> None:
+        """Record, while the cell runs, how many images its output holds at once and how many different
+        pictures it showed: a plot that updates in place is one image with several pictures."""
+        self.js("""const el = arguments[0]; window.__plot = {most: 0, pictures: new Set()};
+                   new MutationObserver(() => { const imgs = el.querySelectorAll('img');
+                       window.__plot.most = Math.max(window.__plot.most, imgs.length);
+                       imgs.forEach(i => window.__plot.pictures.add(i.src.length + ':' + i.src.slice(-64))); })
+                   .observe(el, {childList: true, subtree: true, attributes: true});""", self.output(cell_id))
+
+    def watched_images(self) -> dict:
+        return self.js("return {most: window.__plot.most, pictures: window.__plot.pictures.size}")
+
+    def screenshot(self, first: str, last: str, path: Path) -> None:
+        """A picture of the outputs of cells `first` to `last` (what the user sees under them). The classic
+        notebook scrolls inside its own panel, so the first output is scrolled to the top of the window."""
+        box = self.js("""arguments[0].scrollIntoView(); const a = arguments[0].getBoundingClientRect(),
+                         b = arguments[1].getBoundingClientRect();
+                         return {x: a.left, y: a.top, width: a.width,
+                                 height: Math.min(b.bottom, innerHeight) - a.top, scale: 1};""",
+                      self.output(first), self.output(last))
+        shot = self.driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "clip": box})
+        path.write_bytes(base64.b64decode(shot["data"]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder: Path, work: Path) -> tuple[subprocess.Popen, str]:
+    """The classic notebook server on a free local port, serving `folder`; (process, base url)."""
+    port, token = free_port(), hashlib.sha256(os.urandom(16)).hexdigest()[:32]
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(work / "config"), "JUPYTER_DATA_DIR": str(work / "data"),
+           "JUPYTER_RUNTIME_DIR": str(work / "runtime"), "IPYTHONDIR": str(work / "ipython")}
+    log = open(work / "server.log", "wb")
+    server = subprocess.Popen([sys.executable, "-m", "notebook", "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
+                               f"--NotebookApp.token={token}", f"--notebook-dir={folder}"],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, f"{url}/notebooks/{{name}}?token={token}"
+        except OSError:
+            if server.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"the notebook server did not start:\n{(work / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+
+
+def chromium(work: Path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in CHROME_FLAGS + [f"--user-data-dir={work / 'chromium-profile'}"]:
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+
+
+def pretrain(nb: Notebook, out: Path) -> dict:
+    """01_pretrain: run all untouched, then a new run with another recipe picked in the dropdown."""
+    from selenium.webdriver.support.ui import Select
+    seen: dict = {}
+    nb.watch_images("train")
+    nb.run()
+    select = nb.output("recipe").find_element("css selector", ".widget-dropdown select")
+    seen["default"] = Select(select).first_selected_option.text
+    seen["options"] = [o.text for o in Select(select).options]
+    seen["plot"] = nb.watched_images()
+    seen["progress_bars"] = len(nb.output("train").find_elements("css selector", ".widget-hprogress, progress"))
+    seen["train"], seen["samples"] = nb.text("train"), nb.text("samples")
+    nb.screenshot("recipe", "recipe", out / "pretrain-recipe-picker.png")
+    nb.screenshot("train", "train", out / "pretrain-training.png")
+    # a second run, as the notebook tells a user: a new RUN_NAME, then another recipe in the dropdown
+    source = nb.js("return Jupyter.notebook.get_cell(arguments[0]).get_text()", nb.index("run"))
+    nb.set_source("run", source.replace('RUN_NAME = "my-first-gpt"', 'RUN_NAME = "second-gpt"'))
+    nb.run(["run", "recipe"])
+    select = nb.output("recipe").find_element("css selector", ".widget-dropdown select")
+    seen["default_second"] = Select(select).first_selected_option.text
+    other = next(o for o in Select(select).options if o.text.split()[0] == "cpu")
+    other.click()
+    time.sleep(0.5)  # the change travels to the kernel over the widget channel
+    seen["picked"] = Select(select).first_selected_option.text
+    nb.run(["train"])
+    seen["train_second"] = nb.text("train")
+    return seen
+
+
+def run_notebooks(out: Path, names: list[str]) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="tinygpt-browser-"))
+    folder = work / "notebooks"
+    shutil.copytree(ROOT / "notebooks", folder)  # a copy: the committed notebooks stay without outputs
+    server, url = start_server(folder, work)
+    driver, seen = None, {}
+    try:
+        driver = chromium(work)
+        for name in names:
+            t0 = time.monotonic()
+            nb = Notebook(driver, url.format(name=name), folder / name)
+            if name.startswith("00"):
+                nb.run()
+                seen[name] = {"hardware": nb.text("hardware"), "recipes": nb.text("recipes")}
+                nb.screenshot("hardware", "recipes", out / "setup.png")
+            elif name.startswith("01"):
+                seen[name] = pretrain(nb, out)
+            elif name.startswith("02"):
+                nb.run()
+                seen[name] = {"recipe": nb.text("recipe"), "train": nb.text("train"),
+                              "generations": nb.text("generations")}
+                nb.screenshot("train", "generations", out / "finetune.png")
+            elif name.startswith("03"):
+                nb.run()
+                seen[name] = {"curves": len(nb.output("curves").find_elements("css selector", "img")),
+                              "table": nb.text("table"), "perplexity": nb.text("perplexity")}
+                nb.screenshot("perplexity", "hellaswag", out / "evaluate-scores.png")
+                nb.screenshot("curves", "table", out / "evaluate-runs.png")
+            seen[name]["seconds"] = round(time.monotonic() - t0, 1)
+            driver.get("about:blank")
+        (out / "observations.json").write_text(json.dumps(seen, indent=1))
+        return seen
+    except Exception:  # what the page showed, for whoever reads the failure
+        if driver is not None:
+            (out / "failure.html").write_text(driver.page_source)
+            driver.save_screenshot(str(out / "failure.png"))
+        raise
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.terminate()
+        server.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+ALL = ["00_setup.ipynb", "01_pretrain.ipynb", "02_finetune.ipynb", "03_evaluate.ipynb"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=Path, help="write the screenshots here (docs/images)")
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--notebooks", nargs="*", default=ALL)
+    args = ap.parse_args()
+    if args.inside:
+        run_notebooks(args.out, args.notebooks)
+        return
+    if (why := missing_browser()) is not None:
+        sys.exit(why)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import SHARED_DATA, build_stand_in
+    from test_notebooks import Colab
+    with tempfile.TemporaryDirectory() as tmp:
+        data = SHARED_DATA if SHARED_DATA.is_dir() else build_stand_in(Path(tmp) / "data")
+        env = Colab(Path(tmp)).env() | {"TINYGPT_SHARED_DATA": str(data)}
+        seen = run_in_browser(env, args.images, args.notebooks)
+    (args.images / "observations.json").unlink()
+    print(json.dumps({k: v["seconds"] for k, v in seen.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The notebooks as a user sees them: headless Chromium on a local Jupyter server with Colab's ipywidgets 7.7.1
+(tests/browser_colab.py), each notebook run all in smoke mode with the stand-in google.colab. The recipe
+dropdown renders with its default, picking another recipe changes what the training cell trains, the live
+loss plot is one picture that updates in place, and every notebook runs to the end without an error."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from browser_colab import ALL, missing_browser, run_in_browser
+from test_notebooks import Colab
+
+pytestmark = pytest.mark.skipif(missing_browser() is not None, reason=str(missing_browser()))
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory, shared_data) -> tuple[dict, Path, Path]:
+    """(observations by notebook, the screenshots' folder, the Colab stand-in's folder), all four notebooks run."""
+    tmp = tmp_path_factory.mktemp("browser")
+    env = Colab(tmp / "vm").env() | {"TINYGPT_SHARED_DATA": str(shared_data)}
+    return run_in_browser(env, tmp / "images", ALL), tmp / "images", tmp / "vm"
+
+
+def test_the_recipe_dropdown_renders_with_its_default_and_picks_what_trains(browser):
+    seen, _, vm = browser
+    nb = seen["01_pretrain.ipynb"]
+    assert nb["default"].split()[0] == "cpu-smoke", nb["default"]  # TINYGPT_SMOKE's recipe, as Run all trains
+    assert {o.split()[0] for o in nb["options"]} >= {"cpu-smoke", "cpu", "a100-124m", "h100-760m"}
+    runs = vm / "content" / "runs"
+    assert json.loads((runs / "my-first-gpt" / "run.json").read_text())["recipe"]["name"] == "cpu-smoke"
+    # the second run: a new RUN_NAME, the dropdown again at its default, then `cpu` picked before training
+    assert nb["default_second"].split()[0] == "cpu-smoke" and nb["picked"].split()[0] == "cpu"
+    assert json.loads((runs / "second-gpt" / "run.json").read_text())["recipe"]["name"] == "cpu"
+    assert "no: a new run" in nb["train_second"]
+
+
+def test_the_live_loss_plot_is_one_picture_that_updates_in_place(browser):
+    nb = browser[0]["01_pretrain.ipynb"]
+    assert nb["plot"]["most"] == 1, nb["plot"]  # never two stacked copies
+    assert nb["plot"]["pictures"] >= 2, nb["plot"]  # redrawn while training, in the same place
+    assert nb["progress_bars"] >= 1  # tqdm's widget bar renders with ipywidgets 7.7.1
+    assert "def " in nb["samples"]
+
+
+def test_every_notebook_runs_to_the_end_in_the_browser_with_tables_and_plots(browser):
+    seen, images, _ = browser
+    assert "cpu_cores" in seen["00_setup.ipynb"]["hardware"]
+    assert all(name in seen["00_setup.ipynb"]["recipes"] for name in ("cpu-smoke", "a100-124m", "time"))
+    assert "lora-r8" in seen["02_finetune.ipynb"]["recipe"]
+    assert "step" in seen["02_finetune.ipynb"]["train"]
+    assert seen["03_evaluate.ipynb"]["curves"] == 1 and "bits_per_byte" in seen["03_evaluate.ipynb"]["table"]
+    shots = sorted(p.name for p in images.glob("*.png"))
+    assert shots == ["evaluate-runs.png", "evaluate-scores.png", "finetune.png", "pretrain-recipe-picker.png",
+                     "pretrain-training.png", "setup.png"], shots
+    for p in images.glob("*.png"):  # real pictures, not empty clips
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5_000, p.name
