@@ -25,9 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinygpt.core.config import get_recipe  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
-from tinygpt.train.data import WindowSampler, build_token_cache, iter_documents  # noqa: E402
+from tinygpt.train.data import iter_documents  # noqa: E402
 from tinygpt.train.optim import build_optimizer  # noqa: E402
 from tinygpt.train.pretrain import TOKENIZER_TRAIN_CHARS  # noqa: E402
+from tinygpt.train.sampler import WindowSampler  # noqa: E402
+from tinygpt.train.shards import build_token_cache  # noqa: E402
 
 
 def main() -> None:
@@ -57,7 +59,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = GPT(recipe.model)
         opt = build_optimizer(model, tc, "cpu")
-        sampler = WindowSampler(data.train, tc.seq_len, tc.seed)
+        sampler = WindowSampler(data, tc.seq_len, tc.seed)
         times = []
         for i in range(args.warmup + args.steps):
             t = time.perf_counter()

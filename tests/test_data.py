@@ -9,14 +9,13 @@ from tinygpt.core.config import ConfigError, DataConfig
 from tinygpt.model.tokenizer import train_bpe
 from tinygpt.train.data import (
     DataError,
-    WindowSampler,
-    build_token_cache,
     builtin_files,
-    fixed_batches,
     iter_documents,
     resolve_source,
     token_dtype,
 )
+from tinygpt.train.sampler import WindowSampler, fixed_batches
+from tinygpt.train.shards import build_token_cache
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +40,9 @@ def test_token_cache_is_built_once_and_reused(tmp_path, tok, shared_data):
     docs = list(iter_documents(cfg))
     first = tok.encode(docs[0]) + [tok.eot_id]
     assert a.train[:len(first)].tolist() == first
-    mtime = (a.path / "train.bin").stat().st_mtime_ns
+    mtime = (a.path / "train_000000.bin").stat().st_mtime_ns
     b = build_token_cache(cfg, tok, tmp_path)
-    assert b.path == a.path and (b.path / "train.bin").stat().st_mtime_ns == mtime
+    assert b.path == a.path and (b.path / "train_000000.bin").stat().st_mtime_ns == mtime
     assert np.array_equal(a.val, b.val)
     # a different tokenizer or split is a different cache
     c = build_token_cache(DataConfig(source=cfg.source, vocab_size=600, val_fraction=0.1), tok, tmp_path)
@@ -103,6 +102,10 @@ def test_fixed_batches_are_the_same_every_time():
     tokens = np.arange(3_001, dtype=np.uint16)
     a, b = fixed_batches(tokens, 64, 4, 3), fixed_batches(tokens, 64, 4, 3)
     assert len(a) == 3 and all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(a, b))
+    # 46 windows in batches of 8: the last batch keeps the shape, its 2 padding rows count for nothing
+    part = fixed_batches(tokens, 64, 8, 10)
+    assert len(part) == 6 and {tuple(x.shape) for x, _ in part} == {(8, 64)}
+    assert int((part[-1][1] == -100).all(dim=1).sum()) == 2 and sum(int((y != -100).sum()) for _, y in part) == 46 * 64
 
 
 def test_bad_data_gets_clear_errors(tmp_path):
@@ -122,4 +125,6 @@ def test_bad_data_gets_clear_errors(tmp_path):
     assert token_dtype(65536) == np.uint16 and token_dtype(70000) == np.uint32
     s = WindowSampler(np.arange(1000, dtype=np.uint16), 10, 0)
     with pytest.raises(DataError, match="seq_len=20"):
-        s.load_state_dict({"seq_len": 20, "n_windows": 49, "seed": 0, "epoch": 0, "index": 0})
+        s.load_state_dict({**s.state_dict(), "seq_len": 20})
+    with pytest.raises(DataError, match="older tinygpt"):
+        s.load_state_dict({"seq_len": 10, "n_windows": 99, "seed": 0, "epoch": 0, "index": 0})

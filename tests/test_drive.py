@@ -3,6 +3,8 @@ and the fake google.colab. Real checkpoints on real folders; the only fake is go
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -23,7 +25,7 @@ from tinygpt.core.checkpoint import (
     step_name,
     verify_checkpoint,
 )
-from tinygpt.sync.drive import Backoff, Mirror, prune_mirror, restore_latest, restore_token_cache, sync_token_cache
+from tinygpt.sync.drive import Backoff, Mirror, prune_mirror, restore_latest, restore_shards, sync_shards
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
@@ -317,16 +319,23 @@ def test_kill_9_during_a_copy_leaves_the_mirror_usable(tmp_path):
 
 # ---- token cache ---------------------------------------------------------------------------------
 
-def make_cache(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "train.bin").write_bytes(os.urandom(200_000))
-    (folder / "val.bin").write_bytes(b"\x01\x02" * 5000)
-    (folder / "meta.json").write_text('{"vocab_size": 512, "dtype": "uint16"}')
+def make_shards(folder: Path, n: int, done: bool) -> Path:
+    """A shard folder as tinygpt.train.shards writes it: files, then the manifest listing them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for i in range(n):
+        entry = {"documents_end": 10 * (i + 1)}
+        for split, size in (("train", 20_000), ("val", 1_000)):
+            data = os.urandom(size)
+            (folder / f"{split}_{i:06d}.bin").write_bytes(data)
+            entry[split] = {"name": f"{split}_{i:06d}.bin", "bytes": size, "sha256": hashlib.sha256(data).hexdigest()}
+        shards.append(entry)
+    (folder / MANIFEST).write_text(json.dumps({"dtype": "uint16", "shards": shards, "done": done}))
     return folder
 
 
-def test_token_cache_goes_to_the_mirror_once_and_comes_back(tmp_path):
-    local, mirror = make_cache(tmp_path / "vm" / "cache"), tmp_path / "drive" / "cache"
+def test_token_shards_go_to_the_mirror_as_they_are_written_and_come_back(tmp_path):
+    local, mirror = make_shards(tmp_path / "vm" / "cache", 2, done=False), tmp_path / "drive" / "cache"
     calls = []
 
     def flaky_copy(src: Path, dst: Path) -> None:
@@ -335,32 +344,33 @@ def test_token_cache_goes_to_the_mirror_once_and_comes_back(tmp_path):
             enotconn()
         shutil.copyfile(src, dst)
 
-    assert sync_token_cache(local, mirror, backoff=no_wait(), copy_file=flaky_copy) is True
-    assert sync_token_cache(local, mirror, backoff=no_wait()) is False  # already there
-    assert {p.name for p in mirror.iterdir()} == {"train.bin", "val.bin", "meta.json", MANIFEST}
+    assert sync_shards(local, mirror, backoff=no_wait(), copy_file=flaky_copy) == 2
+    assert sync_shards(local, mirror, backoff=no_wait()) == 0  # nothing new
+    make_shards(local, 3, done=True)  # the writer went on (same names: rewritten, like a new VM would)
+    shutil.rmtree(mirror)
+    assert sync_shards(local, mirror, backoff=no_wait()) == 3
+    assert json.loads((mirror / MANIFEST).read_text())["done"] is True
 
     new = tmp_path / "new" / "cache"
-    assert restore_token_cache(mirror, new, backoff=no_wait()) == new
-    for name in ("train.bin", "val.bin", "meta.json"):
-        assert (new / name).read_bytes() == (local / name).read_bytes()
-    assert restore_token_cache(mirror, new) == new  # complete locally: nothing to do
-    assert restore_token_cache(tmp_path / "nothing", tmp_path / "x") is None
-    with pytest.raises(ValueError, match="meta.json"):
-        sync_token_cache(tmp_path / "nothing", mirror)
+    assert restore_shards(mirror, new, backoff=no_wait()) == 3
+    for p in local.glob("*.bin"):
+        assert (new / p.name).read_bytes() == p.read_bytes()
+    assert json.loads((new / MANIFEST).read_text()) == json.loads((local / MANIFEST).read_text())
+    assert restore_shards(mirror, new) == 0  # all here: nothing to do
+    assert restore_shards(tmp_path / "nothing", tmp_path / "x") == 0
 
 
-def test_token_cache_restore_refuses_incomplete_or_corrupt_mirror(tmp_path):
-    local, mirror = make_cache(tmp_path / "vm" / "cache"), tmp_path / "drive" / "cache"
-    assert sync_token_cache(local, mirror, backoff=no_wait())
-    with open(mirror / "train.bin", "r+b") as f:
+def test_a_corrupt_shard_on_the_mirror_ends_the_restore_before_it(tmp_path):
+    local, mirror = make_shards(tmp_path / "vm" / "cache", 3, done=True), tmp_path / "drive" / "cache"
+    assert sync_shards(local, mirror, backoff=no_wait()) == 3
+    with open(mirror / "train_000001.bin", "r+b") as f:
         f.write(b"\xff\xfe\xfd")
     with pytest.warns(UserWarning, match="sha256"):
-        assert restore_token_cache(mirror, tmp_path / "a", backoff=no_wait()) is None
-    assert not (tmp_path / "a").exists()
-    (mirror / "meta.json").unlink()  # an interrupted copy: no marker
-    assert restore_token_cache(mirror, tmp_path / "b", backoff=no_wait()) is None
-    assert sync_token_cache(local, mirror, backoff=no_wait())  # copied again, whole
-    assert restore_token_cache(mirror, tmp_path / "b", backoff=no_wait()) == tmp_path / "b"
+        restore_shards(mirror, tmp_path / "a", backoff=no_wait())
+    kept = json.loads((tmp_path / "a" / MANIFEST).read_text())
+    assert [s["train"]["name"] for s in kept["shards"]] == ["train_000000.bin"] and kept["done"] is False
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".tmp")]
+    assert not (tmp_path / "a" / "train_000001.bin").exists()
 
 
 # ---- Colab ---------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from tinygpt.finetune.lora import (  # noqa: E402
 )
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
-from tinygpt.train.data import WindowSampler, fixed_batches  # noqa: E402
+from tinygpt.train.sampler import WindowSampler, fixed_batches  # noqa: E402
 from tinygpt.train.trainer import Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

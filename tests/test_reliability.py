@@ -266,7 +266,7 @@ def test_latin1_files_are_read_and_counted_not_dropped(tmp_path):
 def test_a_single_huge_line_still_splits_into_train_and_validation(tmp_path):
     from tinygpt.core.config import DataConfig
     from tinygpt.model.tokenizer import train_bpe
-    from tinygpt.train.data import build_token_cache
+    from tinygpt.train.shards import build_token_cache
     one_line = tmp_path / "dump.txt"
     one_line.write_text(_stdlib_text(400_000).replace("\n", " "), encoding="utf-8")
     assert one_line.read_text().count("\n") == 0

@@ -14,7 +14,8 @@ from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import DataConfig, TrainConfig, model_config
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import train_bpe
-from tinygpt.train.data import WindowSampler, build_token_cache, fixed_batches
+from tinygpt.train.sampler import WindowSampler, fixed_batches
+from tinygpt.train.shards import build_token_cache
 from tinygpt.train.trainer import Trainer, TrainingError, lr_at
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,7 +135,8 @@ def _cli(run_dir, shared_data, cache, steps=60, **popen_kw):
 
 def _losses(run_dir):
     return [(m["step"], m.get("loss"), m.get("val_loss"))
-            for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+            for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "startup" not in m]  # each start records its own start-up times
 
 
 def _wait_for_step(run_dir, step, proc, timeout=120):

@@ -163,7 +163,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     optimizer: str = "adamw"  # "adamw" or "muon" (Muon for matrices, AdamW for the rest)
     precision: str = "auto"
-    compile: str = "auto"  # "auto" (on for CUDA), "on", "off"
+    compile: str = "auto"  # "auto" (on for CUDA), "on" (the whole model), "regional" (each block), "off"
     device: str = "auto"
     seed: int = 1337
     eval_every: int = 50
@@ -182,7 +182,8 @@ class TrainConfig:
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr,
                  f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         _require(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        _require(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
+        _require(self.compile in ("auto", "on", "regional", "off"),
+                 f"compile must be auto, on, regional or off, got {self.compile!r}")
         _require(self.optimizer in ("adamw", "muon"), f"optimizer must be adamw or muon, got {self.optimizer!r}")
 
     @property

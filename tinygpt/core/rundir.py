@@ -39,7 +39,8 @@ CHECKPOINTS, BEST = "checkpoints", "best"
 LOCK = ".lock"  # held by the one process writing the run folder (never mirrored)
 BASE_DIR, MERGED_DIR = "base", "merged"  # a finetuning run's exported tinygpt base; its merged model
 # the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
-RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO)
+COMPILE_CACHE = "compile_cache.bin"  # the compiler's artifacts (signed): a new VM on the same GPU compiles less
+RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, COMPILE_CACHE)
 
 
 def recipe_name_of(*run_dirs: str | Path | None) -> str | None:

@@ -46,6 +46,10 @@ class Tokenizer:
         Path(path).write_text(self.to_json(), encoding="utf-8")
 
     @classmethod
+    def from_json(cls, text: str) -> "Tokenizer":
+        return cls(_HFTokenizer.from_str(text))
+
+    @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
         p = Path(path)
         if p.is_dir():

@@ -11,7 +11,6 @@ This module knows files and folders, never models.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -34,7 +33,6 @@ from tinygpt.core.files import (
 )
 from tinygpt.core.rundir import ADAPTER_DIR, RUN_FILES, parse_jsonl  # noqa: F401  (RUN_FILES: what a mirror keeps)
 
-CACHE_MARKER = "meta.json"  # a token cache is complete once its meta.json exists (written last)
 CopyFile = Callable[[Path, Path], Any]
 
 
@@ -476,72 +474,115 @@ def _restore_run_files(local: Path, mirror: Path, backoff: Backoff, copy_file: C
             backoff.run(lambda: write_bytes_atomic(dst, src.read_bytes(), mtime_ns, tag))
 
 
-# ---- token cache ---------------------------------------------------------------------------------
+# ---- token shards ---------------------------------------------------------------------------------
+# A shard folder's manifest.json lists its complete shards in order, each as {"train": {"name", "bytes",
+# "sha256"}, "val": {...}}; "done" says the source is all there. A copy holds a prefix of those shards
+# and a manifest that lists exactly that prefix (written after the files), so it is always usable.
 
-def _cache_complete(folder: Path) -> bool:
-    """Marker and manifest present, every file the right size (no hashing: cheap on Drive)."""
-    if not (folder / MANIFEST).is_file() or not (folder / CACHE_MARKER).is_file():
-        return False
+def _shard_manifest(folder: Path) -> dict | None:
     try:
-        files = _files_of((folder / MANIFEST).read_bytes(), folder)
-    except SyncError:
-        return False
-    return all((folder / n).is_file() and (folder / n).stat().st_size == i["size"] for n, i in files.items())
+        m = json.loads((folder / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and isinstance(m.get("shards"), list) else None
 
 
-def _copy_cache(src: Path, dst: Path, copy_file: CopyFile, tag: str) -> None:
-    """Copy a token cache: data files verified, then a manifest (sizes, sha256), meta.json last."""
-    if (src / MANIFEST).is_file():  # a mirrored cache: its manifest says what the files must be
-        files = _files_of((src / MANIFEST).read_bytes(), src)
-    else:
-        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                 for p in sorted(src.iterdir()) if p.is_file()}
-    marker = (src / CACHE_MARKER).read_bytes()
-    if CACHE_MARKER not in files or hashlib.sha256(marker).hexdigest() != files[CACHE_MARKER]["sha256"]:
-        raise SyncError(f"{src / CACHE_MARKER} is missing or fails its sha256 check")
-    data = {n: i for n, i in files.items() if n != CACHE_MARKER}
-    manifest = json.dumps({"files": files}, indent=1).encode()
-    _copy_folder(src, dst, data, {MANIFEST: manifest, CACHE_MARKER: marker}, copy_file, tag)
+def _copy_shards(src: Path, dst: Path, manifest: dict, start: int, copy_file: CopyFile, tag: str) -> int:
+    """Copy shards [start:] of `manifest` from src to dst, each file checked (size, sha256) before it
+    is renamed into place; then dst's manifest, listing every shard copied. The count copied."""
+    shards = manifest["shards"]
+    dst.mkdir(parents=True, exist_ok=True)
+    n = start
+    try:
+        for entry in shards[start:]:
+            for split in ("train", "val"):
+                info = entry[split]
+                tmp = dst / f".tmp-{tag}-{info['name']}"
+                copy_file(src / info["name"], tmp)
+                _check(tmp, {"size": info["bytes"], "sha256": info["sha256"]})
+                os.replace(tmp, dst / info["name"])
+            n += 1
+    finally:  # a failure keeps what was copied whole: the manifest lists that prefix
+        if n > start:
+            out = {**manifest, "shards": shards[:n], "done": bool(manifest.get("done")) and n == len(shards)}
+            write_bytes_atomic(dst / MANIFEST, json.dumps(out, indent=1).encode(), tag=tag)
+    if n == start and manifest.get("done") and n == len(shards):  # only the end of the source is news
+        write_bytes_atomic(dst / MANIFEST, json.dumps(manifest, indent=1).encode(), tag=tag)
+    return n - start
 
 
-def sync_token_cache(local_dir: str | Path, mirror_dir: str | Path, *, backoff: Backoff | None = None,
-                     copy_file: CopyFile = _copy_file) -> bool:
-    """Copy a complete token cache to the mirror once (verified, meta.json last). True if copied;
-    False if the mirror has it already or Drive failed (with a warning: the cache is only a cache)."""
+def sync_shards(local_dir: str | Path, mirror_dir: str | Path, *, backoff: Backoff | None = None,
+                copy_file: CopyFile = _copy_file) -> int:
+    """Copy the complete shards the mirror lacks; the number copied (0 when Drive failed, with a
+    warning: the shards are only a cache, and the next call tries again)."""
     local, mirror = Path(local_dir), Path(mirror_dir)
-    if not (local / CACHE_MARKER).is_file():
-        raise ValueError(f"{local} is not a complete token cache (no {CACHE_MARKER}); build it first")
+    manifest = _shard_manifest(local)
+    if manifest is None:
+        return 0
     tag = _new_tag()
 
-    def attempt() -> bool:
-        if _cache_complete(mirror):
-            return False
-        clean_leftovers(mirror.parent, tag)
-        _copy_cache(local, mirror, copy_file, tag)
-        return True
+    def attempt() -> int:
+        there = _shard_manifest(mirror)
+        start = len(there["shards"]) if there else 0
+        if start >= len(manifest["shards"]) and (there or {}).get("done") == manifest.get("done"):
+            return 0
+        return _copy_shards(local, mirror, manifest, start, copy_file, tag)
 
     try:
         return (backoff or Backoff()).run(attempt)
     except OSError as e:
-        warnings.warn(f"could not copy the token cache to {mirror}: {e}", stacklevel=2)
-        return False
+        warnings.warn(f"could not copy token shards to {mirror}: {e}", stacklevel=2)
+        return 0
 
 
-def restore_token_cache(mirror_dir: str | Path, local_dir: str | Path, *, backoff: Backoff | None = None,
-                        copy_file: CopyFile = _copy_file) -> Path | None:
-    """Copy a token cache from the mirror (verified) so a new VM skips tokenizing; the local folder,
-    or None when neither has a complete cache (a corrupt mirror copy is skipped with a warning)."""
+def restore_shards(mirror_dir: str | Path, local_dir: str | Path, *, backoff: Backoff | None = None,
+                   copy_file: CopyFile = _copy_file) -> int:
+    """Bring the mirror's complete shards that this VM lacks (a new VM then tokenizes on from the
+    first missing one); the number copied. A shard that fails its check ends the copy there."""
     mirror, local = Path(mirror_dir), Path(local_dir)
-    if (local / CACHE_MARKER).is_file():
-        return local
+    there, here = _shard_manifest(mirror), _shard_manifest(local)
+    start = len(here["shards"]) if here else 0
+    if there is None or len(there["shards"]) <= start:
+        return 0
+    if here is not None and here["shards"] != there["shards"][:start]:
+        return 0  # not the same source: the local folder is the truth
+    tag = _new_tag()
     try:
-        if not (backoff or Backoff()).run(lambda: _cache_complete(mirror)):
-            return None
-        (backoff or Backoff()).run(lambda: _copy_cache(mirror, local, copy_file, _new_tag()), fatal=(SyncError,))
+        return (backoff or Backoff()).run(lambda: _copy_shards(mirror, local, there, start, copy_file, tag),
+                                          fatal=(SyncError,))
     except OSError as e:
-        warnings.warn(f"cannot restore the token cache from {mirror}: {e}; it will be rebuilt", stacklevel=2)
-        return None
-    return local
+        warnings.warn(f"cannot restore token shards from {mirror}: {e}; they will be tokenized again", stacklevel=2)
+        return 0
+    finally:
+        clean_leftovers(local, tag)
+
+
+class ShardMirror:
+    """Copies token shards to the mirror as they are written, in a background thread, until the
+    source is all there and copied, or `close`."""
+
+    def __init__(self, local_dir: Path, mirror_dir: Path, every_s: float = 20.0, copy_file: CopyFile = _copy_file):
+        self.local, self.mirror, self.every_s, self.copy_file = local_dir, mirror_dir, every_s, copy_file
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tinygpt-shard-mirror", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            sync_shards(self.local, self.mirror, backoff=Backoff(max_attempts=3), copy_file=self.copy_file)
+            there = _shard_manifest(self.mirror)
+            if there is not None and there.get("done"):
+                return
+            if self._stop.wait(self.every_s):
+                sync_shards(self.local, self.mirror, backoff=Backoff(max_attempts=3), copy_file=self.copy_file)
+                return
+
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> bool:
+        """One last copy; True if everything local is on the mirror."""
+        self._stop.set()
+        self._thread.join(timeout)
+        here, there = _shard_manifest(self.local), _shard_manifest(self.mirror)
+        return here is None or (there is not None and len(there["shards"]) == len(here["shards"]))
 
 
 # ---- one-off folders (a finetuning run's adapter) --------------------------------------------------

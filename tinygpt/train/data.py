@@ -1,33 +1,27 @@
-"""Text sources, the token cache, and the sampler of training windows.
+"""Text sources: the built-in corpus, local files and folders, Hugging Face data sets.
 
-Text is tokenized once, in parallel batches, into flat numpy files (``train.bin``, ``val.bin``)
-that are memory-mapped for training. The cache folder is named by a fingerprint of the source,
-the tokenizer and the split, so a second run (or a new Colab VM with the cache on Drive) skips
-tokenizing. The sampler's position is a few integers stored in every checkpoint: resuming
-continues the exact data order.
+Documents come out in a fixed order, each long file cut into pieces of about CHUNK_CHARS, and every
+k-th document is held out for validation. The token cache's folder name (`cache_key`) is a
+fingerprint of the source, the tokenizer and the split; `tinygpt.train.shards` fills it. This
+module imports no torch: the tokenizing process starts without it.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import sys
 import sysconfig
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import torch
-from tqdm.auto import tqdm
 
 from tinygpt.core.config import DataConfig
-from tinygpt.core.files import atomic_output, write_json_atomic
 from tinygpt.model.tokenizer import Tokenizer
 
-CACHE_FORMAT = 2  # 2: latin-1 fallback and long lines cut (caches of format 1 hold other documents)
+CACHE_FORMAT = 3  # 3: shards (2: one file, latin-1 fallback and long lines cut; 1: other documents)
 _SKIP_WORDS = {"latin-1": "not UTF-8, read as latin-1", "binary": "binary (NUL bytes), skipped",
                "unreadable": "unreadable, skipped"}
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".csv", ".html", ".c", ".h", ".js", ".ts",
@@ -245,141 +239,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     raise DataError(f"vocabulary of {vocab_size} does not fit the token cache (at most 2**32 ids)")
 
 
-@dataclass
-class TokenData:
-    """The memory-mapped train and validation tokens and the cache's metadata."""
-
-    train: np.ndarray
-    val: np.ndarray
-    meta: dict
-    path: Path
-
-
 def cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
     """The token cache's folder name: source content, tokenizer and split all in one hash."""
     return hashlib.sha256(f"{CACHE_FORMAT}|{source_fingerprint(cfg)}|{tokenizer.fingerprint()}|"
                           f"{cfg.val_fraction}".encode()).hexdigest()[:20]
-
-
-def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path,
-                      batch_docs: int = 256, progress: bool = False, key: str | None = None) -> TokenData:
-    """Tokenize the source once into cache_root/<fingerprint>/; reuse it when the fingerprint matches.
-    Every k-th document goes to validation (k = 1 / val_fraction): deterministic, and spread over the source.
-    `key`: cache_key(cfg, tokenizer) when the caller has it already (it stats every source file)."""
-    folder = Path(cache_root) / (key or cache_key(cfg, tokenizer))
-    meta_path = folder / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        return _open(folder, meta)
-    dtype = token_dtype(tokenizer.vocab_size)
-    folder.mkdir(parents=True, exist_ok=True)
-    counts = {"train": 0, "val": 0}
-    n_docs = n_chars = 0
-    bar = tqdm(desc="tokenizing", unit=" docs") if progress else None
-    # each file whole or not at all; meta.json, written last, says the cache is complete
-    with atomic_output(folder / "train.bin") as train_tmp, atomic_output(folder / "val.bin") as val_tmp, \
-            open(train_tmp, "wb") as ftrain, open(val_tmp, "wb") as fval:
-        batch: list[str] = []
-
-        def flush() -> None:
-            nonlocal n_docs
-            for ids in tokenizer.encode_batch(batch):
-                arr = np.asarray(ids + [tokenizer.eot_id], dtype=dtype)
-                split = "val" if is_validation_document(n_docs, cfg.val_fraction) else "train"
-                (fval if split == "val" else ftrain).write(arr.tobytes())
-                counts[split] += len(arr)
-                n_docs += 1
-            if bar is not None:
-                bar.update(len(batch))
-            batch.clear()
-
-        for doc in iter_documents(cfg):
-            batch.append(doc)
-            n_chars += len(doc)
-            if len(batch) >= batch_docs:
-                flush()
-        if batch:
-            flush()
-        if bar is not None:
-            bar.close()
-        if n_docs == 0:
-            raise DataError(f"data source {cfg.source!r} yielded no text")
-    meta = {"format": CACHE_FORMAT, "source": cfg.source, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
-            "train_tokens": counts["train"], "val_tokens": counts["val"], "documents": n_docs, "chars": n_chars,
-            "chars_per_token": n_chars / max(1, counts["train"] + counts["val"]),
-            "tokenizer": tokenizer.fingerprint()}
-    write_json_atomic(meta_path, meta)  # written last: its presence means the cache is complete
-    return _open(folder, meta)
-
-
-def _open(folder: Path, meta: dict) -> TokenData:
-    dtype = np.dtype(meta["dtype"])
-
-    def mm(name: str, n: int) -> np.ndarray:
-        return np.memmap(folder / name, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
-
-    return TokenData(mm("train.bin", meta["train_tokens"]), mm("val.bin", meta["val_tokens"]), meta, folder)
-
-
-class WindowSampler:
-    """Training windows of seq_len + 1 tokens at multiples of seq_len, visited in a fresh permutation
-    each epoch. The position (epoch, index) is the whole state. Each call takes the next
-    batch_size * world_size windows of the global order and returns one rank's share, so a
-    checkpoint resumes with the same data order at any world size with the same global batch."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
-        self.n_windows = (len(tokens) - 1) // seq_len
-        if self.n_windows < 1:
-            raise DataError(f"the training split has {len(tokens)} tokens, fewer than one window of "
-                            f"{seq_len + 1}: use more text or a shorter seq_len")
-        self.epoch, self.index = 0, 0
-        self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
-
-    def _order(self) -> np.ndarray:
-        if self._perm_epoch != self.epoch:
-            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n_windows)
-            self._perm_epoch = self.epoch
-        return self._perm
-
-    def _take(self, n: int) -> list[int]:
-        out = []
-        while len(out) < n:
-            order = self._order()
-            k = min(n - len(out), self.n_windows - self.index)
-            out += order[self.index:self.index + k].tolist()
-            self.index += k
-            if self.index == self.n_windows:
-                self.epoch, self.index = self.epoch + 1, 0
-        return out
-
-    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
-        T = self.seq_len
-        w = np.stack([np.asarray(self.tokens[s * T:s * T + T + 1], dtype=np.int64) for s in starts])
-        w = torch.from_numpy(w)
-        return w[:, :-1], w[:, 1:]
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "seq_len": self.seq_len,
-                "n_windows": self.n_windows}
-
-    def load_state_dict(self, s: dict) -> None:
-        if (s["seq_len"], s["n_windows"], s["seed"]) != (self.seq_len, self.n_windows, self.seed):
-            raise DataError(f"sampler state is for seq_len={s['seq_len']}, {s['n_windows']} windows, seed "
-                            f"{s['seed']}; this data gives seq_len={self.seq_len}, {self.n_windows} windows, "
-                            f"seed {self.seed}: resume with the same data and recipe, or start a new run")
-        self.epoch, self.index = s["epoch"], s["index"]
-
-
-def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
-                  n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Evaluation batches: the same evenly spaced windows every time, so val losses compare."""
-    n_windows = (len(tokens) - 1) // seq_len
-    if n_windows < 1:
-        raise DataError(f"the validation split has {len(tokens)} tokens, fewer than one window of {seq_len + 1}: "
-                        "use more text, a larger val_fraction or a shorter seq_len")
-    total = min(n_windows, batch_size * n_batches)
-    starts = np.linspace(0, n_windows - 1, total).astype(np.int64) * seq_len
-    w = torch.from_numpy(np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts]))
-    return [(w[i:i + batch_size, :-1], w[i:i + batch_size, 1:]) for i in range(0, total, batch_size)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import platform
 import sys
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,23 +25,10 @@ from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
-from tinygpt.sync.drive import (
-    CLOSE_TIMEOUT_S,
-    Mirror,
-    restore_latest,
-    restore_token_cache,
-    sync_token_cache,
-)
+from tinygpt.sync.drive import CLOSE_TIMEOUT_S, Mirror, ShardMirror, restore_latest, restore_shards
 from tinygpt.train.callbacks import TensorBoardLogger, write_sample
-from tinygpt.train.data import (
-    TokenData,
-    WindowSampler,
-    build_token_cache,
-    cache_key,
-    check_hub_reachable,
-    fixed_batches,
-    iter_documents,
-)
+from tinygpt.train.compile_cache import CompileCache, describe, signing_key
+from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents
 from tinygpt.train.distributed import (
     TorchrunEnv,
     check_parallel,
@@ -55,6 +41,9 @@ from tinygpt.train.distributed import (
 from tinygpt.train.hardware import peak_tflops as _peak
 from tinygpt.train.probe import apply_probe
 from tinygpt.train.probe import probe as run_probe
+from tinygpt.train.sampler import WindowSampler, fixed_batches
+from tinygpt.train.shards import ShardWriter, StreamedShards, TokenShards, stream_token_cache
+from tinygpt.train.startup import StartupClock
 from tinygpt.train.trainer import RESUMABLE_CHANGES, Trainer, TrainResult
 
 TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
@@ -181,79 +170,106 @@ def launch_torchrun(recipe: Recipe, opts: PretrainOptions, env: TorchrunEnv) -> 
 def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_size: int = 1) -> TrainResult:
     """Validate, fit to the device, prepare run folder, tokenizer and data (rank 0 first), build the
     model and train it; rank 0 then writes a sample. The process group, if any, is set up already."""
+    clock = StartupClock()
     check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
     probe_info = None
     if opts.probe == "auto":
         recipe, probe_info = fit_to_device(recipe, opts.run_dir, resolve_device(recipe.train.device), world_size)
+    clock.mark("probe")
     check_parallel(opts.parallel, recipe.train.optimizer, world_size)
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, world_size)
     dev = resolve_device(recipe.train.device)
     precision = choose_precision(dev, recipe.train.precision)
     # one writer per run folder (rank 0 writes it; the other ranks of the same job only read)
     with RunDir(opts.run_dir).lock() if rank == 0 else contextlib.nullcontext():
-        return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info)
+        return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info, clock)
+
+
+@dataclass
+class RunData:
+    """A run's tokens and what keeps them coming: the tokenizing process and the copy to Drive."""
+    tokenizer: Tokenizer
+    tokens: TokenShards
+    writer: ShardWriter | None = None
+    mirror: ShardMirror | None = None
+
+    def close(self) -> None:
+        """Stop tokenizing (the next run goes on from the first missing shard); finish the copy."""
+        if self.writer is not None:
+            self.writer.stop()
+        if self.mirror is not None and not self.mirror.close(CLOSE_TIMEOUT_S):
+            warnings.warn(f"some token shards are not yet on the mirror ({self.mirror.mirror}); a new VM tokenizes "
+                          "them again", stacklevel=2)
 
 
 def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world_size: int, dev: torch.device,
-                         precision, probe_info: dict | None) -> TrainResult:
+                         precision, probe_info: dict | None, clock: StartupClock) -> TrainResult:
     with main_process_first(rank, world_size):  # the others find what rank 0 made
-        tokenizer, tokens, mirror_cache = prepare_run(recipe, opts, rank == 0, precision, dev, probe_info)
-    cache_upload = upload_token_cache(tokens.path, mirror_cache) if rank == 0 else None
-    sampler = WindowSampler(tokens.train, recipe.train.seq_len, recipe.train.seed)
-    val = fixed_batches(tokens.val, recipe.train.seq_len, recipe.train.micro_batch_size, recipe.train.eval_batches)
-    callbacks = list(opts.callbacks) + (run_callbacks(recipe, opts) if rank == 0 else [])
-    torch.manual_seed(recipe.train.seed)
-    model = GPT(recipe.model)
-    # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
-    # trainer's train_config) and the tokenizer
-    run_info = {"recipe": {k: v for k, v in recipe.to_dict().items() if k != "train"}, "tokenizer": tokenizer.to_json()}
-    trainer = Trainer(model, recipe.train, sampler, val, opts.run_dir, device=dev, precision=precision,
-                      callbacks=callbacks, flops_per_token=model.flops_per_token(recipe.train.seq_len),
-                      peak_tflops=opts.peak_tflops or gpu_peak_tflops(dev, precision.name), progress=opts.progress,
-                      rank=rank, world_size=world_size, parallel=opts.parallel, run_info=run_info)
+        data = prepare_run(recipe, opts, rank == 0, precision, dev, probe_info, clock)
+    callbacks: list = []
     try:
+        t = recipe.train
+        sampler = WindowSampler(data.tokens, t.seq_len, t.seed)  # waits for the first shard
+        val = fixed_batches(data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1), t.seq_len,
+                            t.micro_batch_size, t.eval_batches)
+        clock.mark("data")
+        callbacks = list(opts.callbacks) + (run_callbacks(recipe, opts) if rank == 0 else [])
+        torch.manual_seed(t.seed)
+        model = GPT(recipe.model)
+        # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
+        # trainer's train_config) and the tokenizer
+        run_info = {"recipe": {k: v for k, v in recipe.to_dict().items() if k != "train"},
+                    "tokenizer": data.tokenizer.to_json()}
+        trainer = Trainer(model, t, sampler, val, opts.run_dir, device=dev, precision=precision,
+                          callbacks=callbacks, flops_per_token=model.flops_per_token(t.seq_len),
+                          peak_tflops=opts.peak_tflops or gpu_peak_tflops(dev, precision.name),
+                          progress=opts.progress, rank=rank, world_size=world_size, parallel=opts.parallel,
+                          run_info=run_info, startup=clock,
+                          compile_cache=compile_cache_for(recipe, opts, model, dev, precision.name))
+        clock.mark("model")
         result = trainer.fit(opts.resume)
         if rank == 0 and not result.interrupted:
-            sample_after_training(recipe, opts, result, model, tokenizer, tokens, dev, world_size)
+            sample_after_training(recipe, opts, result, model, data.tokenizer, data.tokens, dev, world_size)
     finally:
         for cb in callbacks:
             if hasattr(cb, "close"):
                 cb.close()
-        if cache_upload is not None:
-            cache_upload.join(CLOSE_TIMEOUT_S)
-            if cache_upload.is_alive():
-                warnings.warn(f"the token cache is not yet on the mirror ({mirror_cache}); a new VM tokenizes again",
-                              stacklevel=2)
+        data.close()
     return result
 
 
+def compile_cache_for(recipe: Recipe, opts: PretrainOptions, model: GPT, dev: torch.device,
+                      precision: str) -> CompileCache:
+    """The run's compile cache, signed with this user's key (kept beside the Drive mirror too)."""
+    t = recipe.train
+    key = signing_key(Path(opts.mirror).parent if opts.mirror is not None else None)
+    return CompileCache(opts.run_dir, key, describe(model, dev, precision, t.micro_batch_size, t.seq_len, t.compile))
+
+
 def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision, dev: torch.device,
-                probe_info: dict | None) -> tuple[Tokenizer, TokenData, Path | None]:
-    """Restore from the mirror (a new VM), check the run folder, get the tokenizer and the token cache
-    (from the mirror when it has one), write run.json. (tokenizer, tokens, the mirror's cache folder)."""
+                probe_info: dict | None, clock: StartupClock | None = None) -> RunData:
+    """Restore from the mirror (a new VM), check the run folder, get the tokenizer, start the token
+    shards (the mirror's complete ones first; a background process tokenizes on), write run.json."""
     run_dir, cache = opts.run_dir, Path(opts.cache_dir or default_cache_dir())
     if opts.mirror is not None and is_main:
         restore_latest(run_dir, Path(opts.mirror))  # a new VM: the mirror's newest valid checkpoint comes home
     if is_main:
         check_run_dir(run_dir, recipe, opts.resume)
     tokenizer = get_tokenizer(recipe, run_dir)
+    if clock is not None:
+        clock.mark("tokenizer")
     key = cache_key(recipe.data, tokenizer)
     mirror_cache = Path(opts.mirror).parent / "_token_cache" / key if opts.mirror is not None else None
-    if mirror_cache is not None and not (cache / key / "meta.json").is_file():
-        restore_token_cache(mirror_cache, cache / key)  # a new VM skips tokenizing
-    tokens = build_token_cache(recipe.data, tokenizer, cache, progress=opts.progress and is_main, key=key)
+    data = RunData(tokenizer, StreamedShards(cache / key))
     if is_main:
-        _write_run_files(run_dir, recipe, tokenizer, precision, dev, tokens.meta, probe_info)
-    return tokenizer, tokens, mirror_cache
-
-
-def upload_token_cache(local: Path, mirror_cache: Path | None) -> threading.Thread | None:
-    """Copy the token cache to the mirror once, beside training, never blocking it."""
-    if mirror_cache is None:
-        return None
-    thread = threading.Thread(target=sync_token_cache, args=(local, mirror_cache), daemon=True)
-    thread.start()
-    return thread
+        if mirror_cache is not None:
+            restore_shards(mirror_cache, cache / key)  # a new VM tokenizes on from the first shard Drive lacks
+        data.tokens, data.writer = stream_token_cache(recipe.data, tokenizer, cache, key)
+        if mirror_cache is not None:
+            data.mirror = ShardMirror(cache / key, mirror_cache)
+        _write_run_files(run_dir, recipe, tokenizer, precision, dev, {"cache": key, "source": recipe.data.source},
+                         probe_info)
+    return data
 
 
 def run_callbacks(recipe: Recipe, opts: PretrainOptions) -> list:
@@ -279,15 +295,16 @@ def gpu_peak_tflops(dev: torch.device, precision: str) -> float | None:
 
 
 def sample_after_training(recipe: Recipe, opts: PretrainOptions, result: TrainResult, model: GPT,
-                          tokenizer: Tokenizer, tokens: TokenData, dev: torch.device, world_size: int) -> None:
+                          tokenizer: Tokenizer, tokens: TokenShards, dev: torch.device, world_size: int) -> None:
     if world_size > 1 and opts.parallel == "fsdp" and result.checkpoint is not None:
         # rank 0 alone cannot run the sharded model: it samples from the full checkpoint
         model = GPT(recipe.model)
         ckpt.load_model_state(model, ckpt.load_checkpoint(result.checkpoint)[0])
         model.to(dev)
     prompt = opts.sample_prompt
-    if prompt is None and recipe.data.source not in ("builtin", "stdlib") and len(tokens.val) >= 8:
-        prompt = tokenizer.decode(tokens.val[:8].tolist())  # how a held-out document begins
+    val = tokens.validation(8)
+    if prompt is None and recipe.data.source not in ("builtin", "stdlib") and len(val) >= 8:
+        prompt = tokenizer.decode(val[:8].tolist())  # how a held-out document begins
     write_sample(model, tokenizer, opts.run_dir, result.step, prompt)
 
 

@@ -7,6 +7,7 @@ logging steps: everything else queues on the GPU without a host-device sync.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -35,6 +36,7 @@ from tinygpt.core.rundir import RunDir
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
 from tinygpt.train.callbacks import progress_bar
+from tinygpt.train.compile_cache import CompileCache
 from tinygpt.train.optim import build_optimizer
 
 # Fields that may change between a run and its resumption; any other difference is refused.
@@ -44,6 +46,23 @@ RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_eve
 
 # how torch.save (zip writer) and safetensors say "the disk is full"
 _DISK_FULL = ("unexpected pos", "No space left on device", "os error 28")
+
+
+def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """The model to run steps with. "regional": each transformer block compiled in place (identical
+    blocks share one compiled graph, so compile time does not grow with depth); otherwise the whole model."""
+    blocks = getattr(model, "layers", None)
+    if mode == "regional" and blocks is not None:
+        for block in blocks:
+            block.compile()
+        return model
+    return torch.compile(model)
+
+
+def eager():
+    """Run compiled code eagerly inside this block (no compile, no recompile), where torch can."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
 class TrainingError(RuntimeError):
@@ -139,6 +158,7 @@ class _Loop:
     val_loss: float | None = None
     tok_s: float | None = None
     stopping: bool = False
+    first: bool = True  # no step of this process has run yet
 
 
 class Trainer:
@@ -159,7 +179,7 @@ class Trainer:
                  load_state_fn: Callable | None = None, callbacks: tuple | list = (),
                  run_info: dict | None = None, flops_per_token: float | None = None,
                  peak_tflops: float | None = None, progress: bool = True, rank: int = 0, world_size: int = 1,
-                 parallel: str = "ddp"):
+                 parallel: str = "ddp", startup: Any = None, compile_cache: CompileCache | None = None):
         self.cfg = cfg
         self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
         self.precision = precision or choose_precision(self.device, cfg.precision)
@@ -174,6 +194,7 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.peak_tflops = peak_tflops
         self.progress = progress
+        self.startup = startup  # a StartupClock: its breakdown is printed and logged after the first step
         self.rank, self.world_size = rank, world_size
         self.is_main = rank == 0
         # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
@@ -184,14 +205,19 @@ class Trainer:
         self._stop_signal: str | None = None
         if self.device.type == "cuda":
             enable_tf32()
-        use_compile = cfg.compile == "on" or (cfg.compile == "auto" and self.device.type == "cuda")
+        self.use_compile = cfg.compile in ("on", "regional") or (cfg.compile == "auto" and self.device.type == "cuda")
+        self.compile_cache = compile_cache if self.use_compile and world_size == 1 else None
         # The compiled wrapper runs the steps; self.model (uncompiled, same parameters) is what
         # is saved, so checkpoint keys never carry `_orig_mod.`.
         if world_size > 1:  # before the optimizer: FSDP2 replaces the parameters by shards
             dist_.check_parallel(parallel, cfg.optimizer, world_size, custom_state=state_fn is not None)
-            self.forward_model, self.eval_model = dist_.wrap_model(self.model, parallel, self.device, use_compile)
+            self.forward_model, self.eval_model = dist_.wrap_model(self.model, parallel, self.device,
+                                                                   self.use_compile)
         else:
-            self.forward_model = self.eval_model = torch.compile(self.model) if use_compile else self.model
+            self.forward_model = compiled(self.model, cfg.compile) if self.use_compile else self.model
+            # Evaluation runs eagerly: a no-grad graph would be a second compile (75 s for 124M on an
+            # H100) for a few forward passes per eval_every steps, and under "regional" a recompile.
+            self.eval_model = self.model
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         self.scaler = dist_.grad_scaler(self.precision, self.model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -256,20 +282,24 @@ class Trainer:
         # so a rank short of batches runs a padding one that counts for nothing.
         end = math.ceil(n / W) * W if W > 1 and dist_.is_fsdp(self.model) else n
         total = torch.zeros((), device=self.device, dtype=torch.float64)
-        count = 0
-        for i in range(self.rank, end, W):
-            x, y = self.val_batches[min(i, n - 1)]
-            with self.precision.autocast():
-                loss = self.loss_fn(self.eval_model, x.to(self.device), y.to(self.device)).double()
-            if i < n:
-                total += loss
-                count += int((y != IGNORE_INDEX).sum())
+        with eager():
+            self._evaluate_batches(range(self.rank, end, W), total)
+        count = sum(int((self.val_batches[i][1] != IGNORE_INDEX).sum()) for i in range(self.rank, min(end, n), W))
         self.model.train()
         if W > 1:
             both = dist_.all_reduce_sum_(torch.stack([total, torch.tensor(float(count), device=self.device,
                                                                             dtype=torch.float64)]))
             total, count = both[0], int(both[1])
         return float(total) / max(count, 1)
+
+    def _evaluate_batches(self, indices: range, total: torch.Tensor) -> None:
+        n = len(self.val_batches)
+        for i in indices:
+            x, y = self.val_batches[min(i, n - 1)]
+            with self.precision.autocast():
+                loss = self.loss_fn(self.eval_model, x.to(self.device), y.to(self.device)).double()
+            if i < n:
+                total += loss
 
     # ----- the loop ----------------------------------------------------------------------------
     def _truncate_metrics(self) -> list[dict]:
@@ -308,6 +338,8 @@ class Trainer:
         try:
             while self.step < self.cfg.max_steps and not loop.stopping:
                 step = self._optimizer_step()
+                if loop.first:
+                    self._after_first_step(loop)
                 loop.tokens_since += self.cfg.tokens_per_step  # the global batch
                 loop.stopping = self._agree_to_stop()
                 due = self._due(loop.stopping)
@@ -362,6 +394,10 @@ class Trainer:
             bar = progress_bar(total=self.cfg.max_steps, initial=self.step, desc="training", unit="step",
                                dynamic_ncols=True)
         self.model.train()
+        if self.compile_cache is not None and self.is_main:
+            note = self.compile_cache.load()
+            if note and self.startup is not None:
+                self.startup.notes.append(note)
         # saved_step is the same on every rank (only rank 0 gets a path back from save)
         return _Loop(history, bar, self._install_signal_handlers(), last_saved, resumed_from, resumed_from,
                      time.perf_counter())
@@ -393,6 +429,24 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return _Step(lr, self._loss_sum, n_global, grad_norm)
+
+    def _after_first_step(self, loop: _Loop) -> None:
+        """Once per process: keep the compiler's work for the next VM, report where start-up went."""
+        loop.first = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the first step's time includes its kernels
+        if self.startup is not None:
+            self.startup.mark("first_step")
+        if self.compile_cache is not None and self.is_main:
+            self.compile_cache.save()
+        if self.startup is not None and self.is_main:
+            RunDir(self.run_dir).append_metrics({"step": self.step, "startup": self.startup.record()})
+            if loop.bar is not None:  # quiet runs only record it
+                loop.bar.write(self.startup.summary())
+            for cb in self.callbacks:
+                if hasattr(cb, "on_startup"):
+                    cb.on_startup(self.startup.record())
+        loop.t0, loop.tokens_since = time.perf_counter(), 0  # tokens/s counts steady steps, not the compile
 
     def _agree_to_stop(self) -> bool:
         """Every rank must stop at the same step, however the signals reached them."""

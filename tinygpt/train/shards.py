@@ -1,0 +1,324 @@
+"""Streamed token shards: tokenization in a background process, training from the first shard.
+
+The source's documents are cut into groups of about SHARD_TOKENS training tokens. Group i becomes
+``train_{i:06d}.bin`` and ``val_{i:06d}.bin`` (its validation documents), and ``manifest.json``
+lists the complete groups in order, each file with its size and sha256: a group is in the
+manifest only once both its files are whole, so a process killed at any moment leaves a prefix of
+complete shards, and the next writer tokenizes on from the first group missing (it skips the
+documents of the complete ones without tokenizing them).
+
+Invariants the sampler relies on: shard i's content depends only on the source, the tokenizer and
+the split, never on timing; shards are visited in index order; a reader that needs shard i waits
+until it is in the manifest (or the manifest says the source ended before it).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from tinygpt.core.config import DataConfig
+from tinygpt.core.files import sha256_file, write_bytes_atomic, write_json_atomic
+from tinygpt.core.rundir import read_json
+from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.train.data import DataError, cache_key, is_validation_document, iter_documents, token_dtype
+
+SHARD_FORMAT = 3
+SHARD_TOKENS = 1 << 21  # ~2M training tokens (4 MB as uint16) per shard: the first one is ready in seconds
+MANIFEST = "manifest.json"
+BATCH_DOCS = 256  # documents per encode_batch call (the tokenizer runs them in parallel)
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:06d}.bin"
+
+
+# ---- reading --------------------------------------------------------------------------------------
+
+class TokenShards:
+    """Token shards held in memory or mapped from files: `shard(i)` is the i-th training shard (None
+    past the last), `validation(n)` at least n validation tokens (all there are, if fewer)."""
+
+    def __init__(self, train: list[np.ndarray], val: np.ndarray, fingerprint: str, meta: dict | None = None):
+        self._train, self._val = train, val
+        self.fingerprint, self.meta = fingerprint, meta or {}
+
+    @classmethod
+    def from_array(cls, tokens: np.ndarray, val: np.ndarray | None = None) -> "TokenShards":
+        """One flat array as a single shard (tests, benchmarks, a finetuning set)."""
+        digest = hashlib.sha256(np.ascontiguousarray(tokens[:4096]).tobytes()).hexdigest()[:12]
+        return cls([tokens], val if val is not None else tokens[:0], f"array-{len(tokens)}-{digest}")
+
+    def shard(self, i: int) -> np.ndarray | None:
+        return self._train[i] if i < len(self._train) else None
+
+    def validation(self, min_tokens: int) -> np.ndarray:
+        return self._val
+
+    @property
+    def complete(self) -> bool:
+        return True
+
+
+class StreamedShards(TokenShards):
+    """The shards of a folder that a writer may still be filling. `shard(i)` waits for shard i while
+    the writer is alive; `alive` says whether one is (a dead writer with an unfinished manifest is an
+    error, not an endless wait)."""
+
+    def __init__(self, folder: Path, alive: Callable[[], bool] | None = None, poll_s: float = 0.05):
+        self.folder, self.alive, self.poll_s = Path(folder), alive, poll_s
+        self._maps: dict[tuple[str, int], np.ndarray] = {}
+        self._manifest: dict = {}
+        self._reload()
+        super().__init__([], np.zeros(0, np.uint16), self.folder.name, self._manifest)
+
+    def _reload(self) -> None:
+        path = self.folder / MANIFEST
+        if path.is_file():
+            self._manifest = read_json(path)
+            self.meta = self._manifest
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._manifest.get("done"))
+
+    @property
+    def n_shards(self) -> int:
+        return len(self._manifest.get("shards", []))
+
+    def _wait_for(self, i: int) -> bool:
+        """True once shard i is listed; False if the source ended before it."""
+        while True:
+            if i < self.n_shards:
+                return True
+            if self.complete:
+                return False
+            if self._manifest.get("error"):
+                raise DataError(self._manifest["error"])
+            if self.alive is not None and not self.alive():
+                self._reload()
+                if i < self.n_shards or self.complete or self._manifest.get("error"):
+                    continue
+                raise DataError(f"tokenization into {self.folder} stopped before shard {i}; run the same command "
+                                "again: the complete shards are kept and it tokenizes on from the first missing one")
+            time.sleep(self.poll_s)
+            self._reload()
+
+    def _map(self, split: str, i: int) -> np.ndarray:
+        if (split, i) not in self._maps:
+            info = self._manifest["shards"][i][split]
+            dtype = np.dtype(self._manifest["dtype"])
+            n = info["bytes"] // dtype.itemsize
+            self._maps[(split, i)] = (np.memmap(self.folder / info["name"], dtype=dtype, mode="r", shape=(n,))
+                                      if n else np.zeros(0, dtype))
+        return self._maps[(split, i)]
+
+    def shard(self, i: int) -> np.ndarray | None:
+        return self._map("train", i) if self._wait_for(i) else None
+
+    def validation(self, min_tokens: int) -> np.ndarray:
+        """The validation parts of shards 0, 1, ... until there are min_tokens (all, when the source
+        has fewer): the same tokens whenever it is asked, however fast tokenization ran."""
+        parts, n, i = [], 0, 0
+        while n < min_tokens and self._wait_for(i):
+            parts.append(self._map("val", i))
+            n += len(parts[-1])
+            i += 1
+        return np.concatenate(parts) if parts else np.zeros(0, np.dtype(self._manifest.get("dtype", "uint16")))
+
+    @property
+    def path(self) -> Path:
+        return self.folder
+
+    @property
+    def train(self) -> np.ndarray:
+        """Every training token in one array (a copy: for small sets, tests and benchmarks)."""
+        parts, i = [], 0
+        while (a := self.shard(i)) is not None:
+            parts.append(a)
+            i += 1
+        return np.concatenate(parts)
+
+    @property
+    def val(self) -> np.ndarray:
+        """Every validation token (waits for the source's end)."""
+        return self.validation(2**63)
+
+
+# ---- writing --------------------------------------------------------------------------------------
+
+@dataclass
+class _Group:
+    """The group being tokenized: its tokens so far and where in the document stream it ends."""
+    train: list[np.ndarray] = field(default_factory=list)
+    val: list[np.ndarray] = field(default_factory=list)
+    n_train: int = 0
+    chars: int = 0
+
+
+def _write_group(folder: Path, manifest: dict, group: _Group, documents_end: int) -> None:
+    """Both files of the group, then the manifest that lists them (the manifest is the commit)."""
+    i = len(manifest["shards"])
+    entry: dict = {"documents_end": documents_end, "chars": group.chars}
+    for split, parts in (("train", group.train), ("val", group.val)):
+        data = np.concatenate(parts).tobytes() if parts else b""
+        name = shard_name(split, i)
+        write_bytes_atomic(folder / name, data)
+        entry[split] = {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["shards"].append(entry)
+    write_json_atomic(folder / MANIFEST, manifest)
+
+
+def new_manifest(cfg: DataConfig, tokenizer: Tokenizer, shard_tokens: int) -> dict:
+    return {"format": SHARD_FORMAT, "source": cfg.source, "dtype": token_dtype(tokenizer.vocab_size).name,
+            "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.fingerprint(), "shard_tokens": shard_tokens,
+            "val_fraction": cfg.val_fraction, "shards": [], "done": False, "error": None}
+
+
+def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path, shard_tokens: int = SHARD_TOKENS,
+                 should_stop: Callable[[], bool] = lambda: False) -> dict:
+    """Tokenize the source into `folder`, going on from the shards already there; returns the final
+    manifest. One writer per folder at a time (a file lock: a second one waits for the first)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".writer.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        manifest = read_json(folder / MANIFEST) if (folder / MANIFEST).is_file() else \
+            new_manifest(cfg, tokenizer, shard_tokens)
+        if manifest.get("done"):
+            return manifest
+        try:
+            _tokenize_on(cfg, tokenizer, folder, manifest, should_stop)
+        except Exception as e:
+            manifest["error"] = f"tokenizing {cfg.source} failed: {type(e).__name__}: {e}"
+            write_json_atomic(folder / MANIFEST, manifest)
+            raise
+    return manifest
+
+
+def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: dict,
+                 should_stop: Callable[[], bool]) -> None:
+    dtype = np.dtype(manifest["dtype"])
+    shard_tokens = manifest["shard_tokens"]
+    skip = manifest["shards"][-1]["documents_end"] if manifest["shards"] else 0
+    group, batch, n_docs = _Group(), [], 0
+
+    def flush() -> None:
+        nonlocal group
+        first = n_docs - len(batch)
+        for k, ids in enumerate(tokenizer.encode_batch(batch)):
+            arr = np.asarray(ids + [tokenizer.eot_id], dtype=dtype)
+            if is_validation_document(first + k, cfg.val_fraction):
+                group.val.append(arr)
+            else:
+                group.train.append(arr)
+                group.n_train += len(arr)
+            group.chars += len(batch[k])
+            if group.n_train >= shard_tokens:  # the group ends with this document
+                _write_group(folder, manifest, group, first + k + 1)
+                group = _Group()
+        batch.clear()
+
+    for doc in iter_documents(cfg):
+        n_docs += 1
+        if n_docs <= skip:
+            continue  # in a complete shard already: read, not tokenized
+        batch.append(doc)
+        if len(batch) >= BATCH_DOCS:
+            flush()
+            if should_stop():
+                return
+    if batch:
+        flush()
+    if group.train or group.val:
+        _write_group(folder, manifest, group, n_docs)
+    if n_docs == 0:
+        raise DataError(f"data source {cfg.source!r} yielded no text")
+    manifest["done"] = True
+    manifest["documents"] = n_docs
+    manifest["chars"] = sum(s["chars"] for s in manifest["shards"])
+    for split in ("train", "val"):
+        manifest[f"{split}_tokens"] = sum(s[split]["bytes"] for s in manifest["shards"]) // dtype.itemsize
+    manifest["chars_per_token"] = manifest["chars"] / max(1, manifest["train_tokens"] + manifest["val_tokens"])
+    write_json_atomic(folder / MANIFEST, manifest)
+
+
+def _writer_main() -> None:
+    """The background process (`python -m tinygpt.train.shards`, its request as JSON on stdin):
+    tokenizes until done, or until its parent is gone (a killed run)."""
+    req = json.loads(sys.stdin.read())
+    parent = req["parent"]
+    try:
+        write_shards(DataConfig.from_dict(req["data"]), Tokenizer.from_json(req["tokenizer"]), req["folder"],
+                     req["shard_tokens"], should_stop=lambda: os.getppid() != parent)
+    except Exception:
+        pass  # the manifest carries the error for the reader
+
+
+class ShardWriter:
+    """`write_shards` in a child process, so tokenizing never holds the training loop's interpreter
+    lock. A fresh interpreter (not multiprocessing: its spawn re-runs the user's script, its fork
+    copies torch's threads), which stops by itself when its parent dies."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, folder: Path, shard_tokens: int = SHARD_TOKENS):
+        req = {"data": cfg.to_dict(), "tokenizer": tokenizer.to_json(), "folder": str(folder),
+               "shard_tokens": shard_tokens, "parent": os.getpid()}
+        self.process = subprocess.Popen([sys.executable, "-m", "tinygpt.train.shards"], stdin=subprocess.PIPE)
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(req).encode())
+        self.process.stdin.close()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def shard_files_ok(folder: Path, manifest: dict) -> int:
+    """How many leading shards of `manifest` are whole in `folder` (size and sha256)."""
+    for i, s in enumerate(manifest.get("shards", [])):
+        for split in ("train", "val"):
+            p = folder / s[split]["name"]
+            if not p.is_file() or p.stat().st_size != s[split]["bytes"] or sha256_file(p) != s[split]["sha256"]:
+                return i
+    return len(manifest.get("shards", []))
+
+
+def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path, key: str | None = None,
+                      shard_tokens: int = SHARD_TOKENS) -> StreamedShards:
+    """Tokenize the whole source here and now (tests, benchmarks, evaluation); a training run streams
+    instead (`stream_token_cache`). Reuses the shards already in cache_root/<key>/."""
+    folder = Path(cache_root) / (key or cache_key(cfg, tokenizer))
+    write_shards(cfg, tokenizer, folder, shard_tokens)
+    return StreamedShards(folder)
+
+
+def stream_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path, key: str | None = None,
+                       shard_tokens: int = SHARD_TOKENS) -> tuple[StreamedShards, ShardWriter | None]:
+    """The shards of cache_root/<key>/ as they are written by a background process (none is started
+    when the folder is complete). Reading a shard not yet written waits for it."""
+    folder = Path(cache_root) / (key or cache_key(cfg, tokenizer))
+    done = StreamedShards(folder)
+    if done.complete:
+        return done, None
+    writer = ShardWriter(cfg, tokenizer, folder, shard_tokens)
+    return StreamedShards(folder, alive=writer.alive), writer
+
+
+if __name__ == "__main__":
+    _writer_main()
