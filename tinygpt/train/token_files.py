@@ -12,6 +12,9 @@ front. `open_token_folder` checks everything that is cheap to check (headers, si
 validation tokens and of the first train shard) before it returns, so a bad folder fails before any
 training; the ids of the other train shards are checked by the caller with `check_shard_ids` as each is
 first used, because scanning every token up front would take minutes.
+
+This module takes DataError from data.py, so it is wired in from pretrain.py; for data.py to import it,
+DataError must first move below both (here or tinygpt.core) and be re-exported by data.py.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import numpy as np
 
 from tinygpt.core.config import GPT2_VOCAB_PADDED
 from tinygpt.core.files import atomic_output
-from tinygpt.train.data import DataError
+from tinygpt.train.data import DataError  # so data.py cannot import this module at its top (a cycle)
 
 LLMC_MAGIC = 20240520
 LLMC_VERSION = 1  # version 1 holds uint16 tokens (GPT-2); llm.c's version 2 holds uint32 (Llama 3)
