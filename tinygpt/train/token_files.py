@@ -1,0 +1,219 @@
+"""Token shards that people already have: nanoGPT's ``train.bin``/``val.bin`` and llm.c's ``*.bin``.
+
+Two formats, both of uint16 GPT-2 token ids (so every id is < 65536):
+
+- nanoGPT (``data/*/prepare.py``): ``train.bin`` and ``val.bin``, raw little-endian uint16 tokens, no header.
+- llm.c / modded-nanogpt (``dev/data/data_common.py``): any number of ``*.bin`` shards, each a header of
+  256 little-endian int32 (``[0]`` magic 20240520, ``[1]`` version 1 = uint16 tokens, ``[2]`` token count)
+  followed by exactly that many uint16 tokens. Shards whose name contains "val" are the validation split.
+
+Every shard is opened as a read-only memory map, so a 10B-token folder costs no memory and no read up
+front. `open_token_folder` checks everything that is cheap to check (headers, sizes, the ids of the
+validation tokens and of the first train shard) before it returns, so a bad folder fails before any
+training; the ids of the other train shards are checked by the caller with `check_shard_ids` as each is
+first used, because scanning every token up front would take minutes.
+
+This module takes DataError from data.py, so it is wired in from pretrain.py; for data.py to import it,
+DataError must first move below both (here or tinygpt.core) and be re-exported by data.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tinygpt.core.config import GPT2_VOCAB_PADDED
+from tinygpt.core.files import atomic_output
+from tinygpt.train.data import DataError  # so data.py cannot import this module at its top (a cycle)
+
+LLMC_MAGIC = 20240520
+LLMC_VERSION = 1  # version 1 holds uint16 tokens (GPT-2); llm.c's version 2 holds uint32 (Llama 3)
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+GPT2_VOCAB = 50257  # what both formats hold in practice: tokens of the GPT-2 BPE
+NANOGPT_NAMES = ("train.bin", "val.bin")
+TOKEN = np.dtype("<u2")  # little-endian uint16 on every machine, as both formats are written
+
+
+@dataclass
+class TokenFiles:
+    """An opened token folder. Invariant: every array is uint16, read-only, and its ids were checked
+    against the vocabulary for `val` and `train[0]`; `train` is in sorted file-name order."""
+
+    train: list[np.ndarray]  # one read-only memmap per train shard
+    val: np.ndarray  # the validation tokens
+    kind: str  # "nanogpt" or "llmc"
+    files: list[Path]  # every file read: the train shards in order, then the validation file(s)
+    vocab_hint: int = GPT2_VOCAB  # the vocabulary these formats hold: GPT-2's
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(len(a) for a in self.train)
+
+
+def _bins(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.bin") if p.is_file())
+
+
+def _first_int32(path: Path) -> int | None:
+    """The first little-endian int32 of a file, or None for a file shorter than 4 bytes."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return int(np.frombuffer(head, dtype="<i4")[0]) if len(head) == 4 else None
+
+
+def detect_token_folder(path: str | Path) -> str | None:
+    """"llmc" when any ``*.bin`` in the folder starts with the llm.c magic (a ``train.bin`` that does
+    counts as llm.c too), else "nanogpt" when it holds ``train.bin`` or ``val.bin`` (raw tokens), else
+    None: not a folder, or a folder of anything else (text files, model weights). Reads 4 bytes a file."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    bins = _bins(folder)
+    if any(_first_int32(p) == LLMC_MAGIC for p in bins):
+        return "llmc"
+    if any(p.name in NANOGPT_NAMES for p in bins):
+        return "nanogpt"
+    return None
+
+
+def check_shard_ids(arr: np.ndarray, vocab_size: int, name: str) -> None:
+    """Raise DataError when `arr` holds an id >= `vocab_size` (the embedding would index out of range,
+    on a GPU as an opaque device-side assert). One pass over the array: seconds for 100M tokens, so
+    `open_token_folder` checks the validation tokens and the first train shard, and a caller checks each
+    later shard when it first opens it."""
+    if len(arr) == 0:
+        return
+    top = int(np.max(arr))
+    if top >= vocab_size:
+        # both formats are GPT-2 tokens in practice, so that is the likely fix
+        gpt2 = top < GPT2_VOCAB
+        likely = " these are likely GPT-2 tokens (ids < 50257), so" if gpt2 else ""
+        example = f" (e.g. --set data.tokenizer=gpt2 model.vocab_size={GPT2_VOCAB_PADDED})" if gpt2 else ""
+        raise DataError(f"{name} holds token id {top}, beyond the vocabulary of {vocab_size};{likely} use a "
+                        f"tokenizer and model vocabulary of at least {top + 1}{example}")
+
+
+def _memmap(path: Path, offset: int, n: int) -> np.ndarray:
+    # np.memmap cannot map zero bytes; an empty shard is an empty array
+    if n == 0:
+        return np.zeros(0, dtype=TOKEN)
+    return np.memmap(path, dtype=TOKEN, mode="r", offset=offset, shape=(n,))
+
+
+def _open_llmc_shard(path: Path) -> np.ndarray:
+    """One llm.c shard, its header checked: right magic, version 1, and exactly header[2] tokens after it."""
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise DataError(f"{path} is truncated: {size} bytes, shorter than the {HEADER_BYTES}-byte llm.c header; "
+                        "download or write the shard again")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if header[0] != LLMC_MAGIC:
+        raise DataError(f"{path} is not an llm.c token shard: its magic number is {int(header[0])}, expected "
+                        f"{LLMC_MAGIC}; remove it from the folder or write it again with write_llmc_shard")
+    if header[1] != LLMC_VERSION:
+        raise DataError(f"{path} has llm.c version {int(header[1])}; only version {LLMC_VERSION} (uint16 GPT-2 "
+                        "tokens) is supported, so tokenize the data with GPT-2 (e.g. llm.c's fineweb.py -m gpt-2)")
+    n = int(header[2])
+    expected = HEADER_BYTES + n * TOKEN.itemsize
+    if n < 0 or size < expected:
+        raise DataError(f"{path} is truncated: its header says {n} tokens ({expected} bytes) but the file holds "
+                        f"{size} bytes; download or write the shard again")
+    if size > expected:
+        raise DataError(f"{path} holds {size} bytes but its header says {n} tokens ({expected} bytes); the file "
+                        "is not a well-formed llm.c shard, write it again")
+    return _memmap(path, HEADER_BYTES, n)
+
+
+def _open_nanogpt_bin(path: Path) -> np.ndarray:
+    size = path.stat().st_size
+    if size % TOKEN.itemsize:
+        raise DataError(f"{path} holds {size} bytes, an odd number, so it is not a file of uint16 tokens "
+                        "(nanoGPT's format); the file is truncated or of another kind, write it again")
+    return _memmap(path, 0, size // TOKEN.itemsize)
+
+
+def _is_val(path: Path) -> bool:
+    return "val" in path.name.lower()
+
+
+def _split_files(folder: Path, kind: str) -> tuple[list[Path], list[Path]]:
+    """(train files, validation files) of a detected folder, each in sorted name order; raises when either is empty."""
+    if kind == "nanogpt":
+        train = [p for p in [folder / "train.bin"] if p.is_file()]
+        val = [p for p in [folder / "val.bin"] if p.is_file()]
+    else:
+        train = [p for p in _bins(folder) if not _is_val(p)]
+        val = [p for p in _bins(folder) if _is_val(p)]
+    what = "train.bin" if kind == "nanogpt" else "a *.bin shard without 'val' in its name"
+    if not train:
+        raise DataError(f"{folder} has no train tokens: add {what} ({kind} format)")
+    what = "val.bin" if kind == "nanogpt" else "a *.bin shard with 'val' in its name, e.g. fineweb_val_000000.bin"
+    if not val:
+        raise DataError(f"{folder} has no validation tokens: add {what} ({kind} format), e.g. split a few "
+                        "million tokens off the train data")
+    return train, val
+
+
+def open_token_folder(path: str | Path, vocab_size: int) -> TokenFiles:
+    """Open a nanoGPT or llm.c token folder for training with a vocabulary of `vocab_size`.
+
+    Before it returns, every file's size (and for llm.c its header) has been checked and the ids of the
+    validation tokens and of the first train shard are < `vocab_size`; each other train shard must be
+    checked with `check_shard_ids` when first used (a full scan of 10B tokens up front takes minutes).
+    Raises DataError, with a one-line message naming the file and what to do, for anything wrong.
+    """
+    folder = Path(path)
+    kind = detect_token_folder(folder)
+    if kind is None:
+        where = "does not exist" if not folder.exists() else "is not a folder" if not folder.is_dir() else \
+            "holds neither nanoGPT's train.bin/val.bin nor llm.c shards (*.bin starting with magic 20240520)"
+        raise DataError(f"{folder} {where}; point data.source at a folder of token files")
+    train_files, val_files = _split_files(folder, kind)
+    opener = _open_nanogpt_bin if kind == "nanogpt" else _open_llmc_shard
+    train = [opener(p) for p in train_files]
+    vals = [opener(p) for p in val_files]
+    # several validation shards are joined in memory: they are small (llm.c writes one of 100M tokens)
+    val = vals[0] if len(vals) == 1 else np.concatenate(vals)
+    if len(val) == 0:
+        raise DataError(f"the validation tokens of {folder} ({', '.join(p.name for p in val_files)}) are empty; "
+                        "write them again")
+    if not any(len(a) for a in train):
+        raise DataError(f"the train tokens of {folder} ({len(train)} files) are empty; write them again")
+    check_shard_ids(val, vocab_size, str(val_files[0]) if len(val_files) == 1 else f"the validation shards of {folder}")
+    check_shard_ids(train[0], vocab_size, str(train_files[0]))
+    return TokenFiles(train=train, val=val, kind=kind, files=train_files + val_files)
+
+
+def _uint16(tokens) -> np.ndarray:
+    """`tokens` as little-endian uint16, refusing what does not fit rather than wrapping it silently."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise DataError(f"tokens must be a flat sequence, got an array of shape {arr.shape}")
+    if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= 2**16):
+        raise DataError(f"uint16 token files hold integer ids in [0, 65535]; got {arr.dtype} ids in "
+                        f"[{arr.min()}, {arr.max()}] (a vocabulary over 65536 needs another format)")
+    return arr.astype(TOKEN)
+
+
+def write_llmc_shard(path: str | Path, tokens) -> Path:
+    """Write `tokens` as one llm.c shard (header of 256 int32: magic, version 1, count; then uint16 ids).
+    The file appears whole or not at all."""
+    arr = _uint16(tokens)
+    if len(arr) >= 2**31:
+        raise DataError(f"an llm.c shard holds fewer than 2**31 tokens (its count is an int32); got {len(arr)}")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = LLMC_MAGIC, LLMC_VERSION, len(arr)
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(arr.tobytes())
+    return Path(path)
+
+
+def write_nanogpt_bin(path: str | Path, tokens) -> Path:
+    """Write `tokens` as nanoGPT does: raw uint16 ids, no header. The file appears whole or not at all."""
+    arr = _uint16(tokens)
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        f.write(arr.tobytes())
+    return Path(path)
