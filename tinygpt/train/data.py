@@ -20,6 +20,7 @@ import numpy as np
 
 from tinygpt.core.config import DataConfig
 from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.train.token_files import DataError, detect_token_folder  # noqa: F401  (DataError: handed on)
 
 CACHE_FORMAT = 3  # 3: shards (2: one file, latin-1 fallback and long lines cut; 1: other documents)
 _SKIP_WORDS = {"latin-1": "not UTF-8, read as latin-1", "binary": "binary (NUL bytes), skipped",
@@ -29,10 +30,6 @@ TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".csv", ".html
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib", "lib2to3",
               "turtledemo", ".git"}
 CHUNK_CHARS = 4_096  # long files become documents of about this size, so the split has many parts
-
-
-class DataError(ValueError):
-    """Data that cannot be used; the message says what to do."""
 
 
 def builtin_files() -> list[Path]:
@@ -118,7 +115,8 @@ def read_text_file(path: Path, skipped: dict[str, int] | None = None) -> str | N
 
 
 def resolve_source(source: str) -> tuple[str, object]:
-    """("builtin", None) | ("local", Path) | ("hf", (name, config, split)); a clear error otherwise."""
+    """("builtin", None) | ("local", Path) | ("tokens", Path) | ("hf", (name, config, split)); a clear
+    error otherwise."""
     if source in ("builtin", "stdlib"):
         return "builtin", None
     if source.startswith("hf:"):
@@ -131,6 +129,8 @@ def resolve_source(source: str) -> tuple[str, object]:
             raise DataError(f"empty dataset name in {source!r}; write hf:NAME[:CONFIG][@SPLIT]")
         return "hf", (name, config or None, split)
     p = Path(source).expanduser()
+    if p.is_dir() and detect_token_folder(p):
+        return "tokens", p  # token ids already (nanoGPT / llm.c): trained on as they are
     if p.exists():
         if p.is_dir() and not _local_files(p) and not (p / "dataset_info.json").exists() \
                 and not (p / "dataset_dict.json").exists():
@@ -181,6 +181,9 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
                 warnings.warn(f"{cfg.source}: " + ", ".join(
                     f"{n} {'file' if n == 1 else 'files'} {_SKIP_WORDS[k]}" for k, n in sorted(skipped.items())),
                     stacklevel=2)
+        elif kind == "tokens":
+            raise DataError(f"{cfg.source} holds token ids, not text: there is nothing to train a tokenizer on or "
+                            "to read as text; use data.tokenizer=gpt2 (its tokens) and evaluate on a text source")
         else:
             yield from _hf_texts(*arg, text_field=cfg.text_field)  # type: ignore[misc]
 
@@ -221,6 +224,8 @@ def source_fingerprint(cfg: DataConfig) -> str:
         files = builtin_files()
     elif kind == "local":
         files = _local_files(arg)  # type: ignore[arg-type]
+    elif kind == "tokens":
+        files = sorted(Path(arg).glob("*.bin"))  # type: ignore[arg-type]
     else:
         files = []
         h.update(repr(arg).encode())

@@ -19,7 +19,7 @@ import torch
 
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.config import ConfigError, Recipe, check_same_settings, get_recipe
+from tinygpt.core.config import ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import RunDir
@@ -28,7 +28,7 @@ from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.drive import CLOSE_TIMEOUT_S, Mirror, ShardMirror, restore_latest, restore_shards
 from tinygpt.train.callbacks import TensorBoardLogger, write_sample
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
-from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents
+from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents, resolve_source, source_fingerprint
 from tinygpt.train.distributed import (
     TorchrunEnv,
     check_parallel,
@@ -42,8 +42,9 @@ from tinygpt.train.hardware import peak_tflops as _peak
 from tinygpt.train.probe import apply_probe
 from tinygpt.train.probe import probe as run_probe
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.shards import ShardWriter, StreamedShards, TokenShards, stream_token_cache
+from tinygpt.train.shards import ShardStream, StreamedShards, TokenShards, stream_token_cache
 from tinygpt.train.startup import StartupClock
+from tinygpt.train.token_files import check_shard_ids, open_token_folder
 from tinygpt.train.trainer import RESUMABLE_CHANGES, Trainer, TrainResult
 
 TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
@@ -75,6 +76,10 @@ def get_tokenizer(recipe: Recipe, run_dir: Path) -> Tokenizer:
     if saved.is_file():
         return Tokenizer.load(saved)
     d = recipe.data
+    if d.tokenizer == "train" and resolve_source(d.source)[0] == "tokens":
+        raise ConfigError(f"{d.source} holds GPT-2 token ids, so the tokenizer is GPT-2's: add --set "
+                          "data.tokenizer=gpt2 model.vocab_size=50304, or use a recipe made for GPT-2 tokens "
+                          "(e.g. a100-124m)")
     if d.tokenizer == "train":
         budget = TOKENIZER_TRAIN_CHARS if d.max_chars is None else min(d.max_chars, TOKENIZER_TRAIN_CHARS)
         sample = iter_documents(type(d)(**{**d.to_dict(), "max_chars": budget}))
@@ -190,13 +195,12 @@ class RunData:
     """A run's tokens and what keeps them coming: the tokenizing process and the copy to Drive."""
     tokenizer: Tokenizer
     tokens: TokenShards
-    writer: ShardWriter | None = None
     mirror: ShardMirror | None = None
 
     def close(self) -> None:
         """Stop tokenizing (the next run goes on from the first missing shard); finish the copy."""
-        if self.writer is not None:
-            self.writer.stop()
+        if isinstance(self.tokens, ShardStream):
+            self.tokens.stop()
         if self.mirror is not None and not self.mirror.close(CLOSE_TIMEOUT_S):
             warnings.warn(f"some token shards are not yet on the mirror ({self.mirror.mirror}); a new VM tokenizes "
                           "them again", stacklevel=2)
@@ -258,18 +262,34 @@ def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision,
     tokenizer = get_tokenizer(recipe, run_dir)
     if clock is not None:
         clock.mark("tokenizer")
+    if resolve_source(recipe.data.source)[0] == "tokens":  # a folder of token ids: nothing to tokenize
+        data = RunData(tokenizer, open_token_shards(recipe.data.source, recipe.model.vocab_size))
+        if is_main:
+            meta = {"source": recipe.data.source, **data.tokens.meta}
+            _write_run_files(run_dir, recipe, tokenizer, precision, dev, meta, probe_info)
+        return data
     key = cache_key(recipe.data, tokenizer)
     mirror_cache = Path(opts.mirror).parent / "_token_cache" / key if opts.mirror is not None else None
     data = RunData(tokenizer, StreamedShards(cache / key))
     if is_main:
         if mirror_cache is not None:
             restore_shards(mirror_cache, cache / key)  # a new VM tokenizes on from the first shard Drive lacks
-        data.tokens, data.writer = stream_token_cache(recipe.data, tokenizer, cache, key)
+        # tokenized about as far as the run reads (a resume with more steps asks for more)
+        data.tokens = stream_token_cache(recipe.data, tokenizer, cache, key, max_train_tokens=recipe.token_budget)
         if mirror_cache is not None:
             data.mirror = ShardMirror(cache / key, mirror_cache)
         _write_run_files(run_dir, recipe, tokenizer, precision, dev, {"cache": key, "source": recipe.data.source},
                          probe_info)
     return data
+
+
+def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
+    """nanoGPT's or llm.c's token files as shards; each train shard's ids are checked on first use."""
+    files = open_token_folder(folder, vocab_size)
+    names = [str(p) for p in files.files]
+    return TokenShards(files.train, files.val, source_fingerprint(DataConfig(source=folder)),
+                       {"format": files.kind, "train_tokens": files.train_tokens, "val_tokens": len(files.val)},
+                       check=lambda i, arr: check_shard_ids(arr, vocab_size, names[i]))
 
 
 def run_callbacks(recipe: Recipe, opts: PretrainOptions) -> list:

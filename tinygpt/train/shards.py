@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from tinygpt.core.config import DataConfig
-from tinygpt.core.files import sha256_file, write_bytes_atomic, write_json_atomic
+from tinygpt.core.files import clean_leftovers, sha256_file, write_bytes_atomic, write_json_atomic
 from tinygpt.core.rundir import read_json
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.data import DataError, cache_key, is_validation_document, iter_documents, token_dtype
@@ -48,9 +48,11 @@ class TokenShards:
     """Token shards held in memory or mapped from files: `shard(i)` is the i-th training shard (None
     past the last), `validation(n)` at least n validation tokens (all there are, if fewer)."""
 
-    def __init__(self, train: list[np.ndarray], val: np.ndarray, fingerprint: str, meta: dict | None = None):
+    def __init__(self, train: list[np.ndarray], val: np.ndarray, fingerprint: str, meta: dict | None = None,
+                 check: Callable[[int, np.ndarray], None] | None = None):
         self._train, self._val = train, val
         self.fingerprint, self.meta = fingerprint, meta or {}
+        self._check, self._checked = check, set()
 
     @classmethod
     def from_array(cls, tokens: np.ndarray, val: np.ndarray | None = None) -> "TokenShards":
@@ -59,7 +61,12 @@ class TokenShards:
         return cls([tokens], val if val is not None else tokens[:0], f"array-{len(tokens)}-{digest}")
 
     def shard(self, i: int) -> np.ndarray | None:
-        return self._train[i] if i < len(self._train) else None
+        if i >= len(self._train):
+            return None
+        if self._check is not None and i not in self._checked:  # e.g. ids < vocabulary, on first use
+            self._check(i, self._train[i])
+            self._checked.add(i)
+        return self._train[i]
 
     def validation(self, min_tokens: int) -> np.ndarray:
         return self._val
@@ -185,19 +192,22 @@ def new_manifest(cfg: DataConfig, tokenizer: Tokenizer, shard_tokens: int) -> di
 
 
 def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path, shard_tokens: int = SHARD_TOKENS,
-                 should_stop: Callable[[], bool] = lambda: False) -> dict:
-    """Tokenize the source into `folder`, going on from the shards already there; returns the final
-    manifest. One writer per folder at a time (a file lock: a second one waits for the first)."""
+                 should_stop: Callable[[], bool] = lambda: False, max_shards: int | None = None) -> dict:
+    """Tokenize the source into `folder`, going on from the shards already there; returns the manifest.
+    Stops early (the manifest not done) when `should_stop()` or once there are `max_shards`. One writer
+    per folder at a time (a file lock: a second one waits for the first)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".writer.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        clean_leftovers(folder)  # half-written files of a writer that was killed
         manifest = read_json(folder / MANIFEST) if (folder / MANIFEST).is_file() else \
             new_manifest(cfg, tokenizer, shard_tokens)
         if manifest.get("done"):
             return manifest
         try:
-            _tokenize_on(cfg, tokenizer, folder, manifest, should_stop)
+            _tokenize_on(cfg, tokenizer, folder, manifest,
+                         lambda: should_stop() or (max_shards is not None and len(manifest["shards"]) >= max_shards))
         except Exception as e:
             manifest["error"] = f"tokenizing {cfg.source} failed: {type(e).__name__}: {e}"
             write_json_atomic(folder / MANIFEST, manifest)
@@ -258,8 +268,12 @@ def _writer_main() -> None:
     req = json.loads(sys.stdin.read())
     parent = req["parent"]
     try:
+        os.nice(10)  # training comes first: on a CPU its threads would otherwise fight this process's
+    except OSError:
+        pass
+    try:
         write_shards(DataConfig.from_dict(req["data"]), Tokenizer.from_json(req["tokenizer"]), req["folder"],
-                     req["shard_tokens"], should_stop=lambda: os.getppid() != parent)
+                     req["shard_tokens"], should_stop=lambda: os.getppid() != parent, max_shards=req["max_shards"])
     except Exception:
         pass  # the manifest carries the error for the reader
 
@@ -269,9 +283,10 @@ class ShardWriter:
     lock. A fresh interpreter (not multiprocessing: its spawn re-runs the user's script, its fork
     copies torch's threads), which stops by itself when its parent dies."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, folder: Path, shard_tokens: int = SHARD_TOKENS):
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, folder: Path, shard_tokens: int = SHARD_TOKENS,
+                 max_shards: int | None = None):
         req = {"data": cfg.to_dict(), "tokenizer": tokenizer.to_json(), "folder": str(folder),
-               "shard_tokens": shard_tokens, "parent": os.getpid()}
+               "shard_tokens": shard_tokens, "parent": os.getpid(), "max_shards": max_shards}
         self.process = subprocess.Popen([sys.executable, "-m", "tinygpt.train.shards"], stdin=subprocess.PIPE)
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(req).encode())
@@ -308,17 +323,42 @@ def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | P
     return StreamedShards(folder)
 
 
+class ShardStream(StreamedShards):
+    """Shards written by a background process that tokenizes only as far as the run will read (its
+    token budget and a margin), not a 25 GB source for a 1 GB budget. Asked for a shard beyond that
+    (more steps on resume), it starts the process again with twice the limit."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, folder: Path, shard_tokens: int, limit: int | None):
+        self.cfg, self.tokenizer, self.shard_tokens, self.limit = cfg, tokenizer, shard_tokens, limit
+        self.writer = ShardWriter(cfg, tokenizer, folder, shard_tokens, limit)
+        super().__init__(folder, alive=self._writing)
+
+    def _writing(self) -> bool:
+        if self.writer.alive():
+            return True
+        self._reload()
+        if self.limit is not None and not self.complete and not self._manifest.get("error") \
+                and self.n_shards >= self.limit:  # it paused at its limit: more is wanted
+            self.limit *= 2
+            self.writer = ShardWriter(self.cfg, self.tokenizer, self.folder, self.shard_tokens, self.limit)
+            return True
+        return False
+
+    def stop(self) -> None:
+        self.writer.stop()
+
+
 def stream_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path, key: str | None = None,
-                       shard_tokens: int = SHARD_TOKENS) -> tuple[StreamedShards, ShardWriter | None]:
-    """The shards of cache_root/<key>/ as they are written by a background process (none is started
-    when the folder is complete). Reading a shard not yet written waits for it."""
+                       shard_tokens: int = SHARD_TOKENS, max_train_tokens: int | None = None) -> StreamedShards:
+    """The shards of cache_root/<key>/ as a background process writes them (none is started when the
+    folder is complete); reading a shard not yet written waits for it. `max_train_tokens`: what the
+    run will read, so tokenizing stops about there (one shard of margin) until more is asked for."""
     folder = Path(cache_root) / (key or cache_key(cfg, tokenizer))
     done = StreamedShards(folder)
     if done.complete:
-        return done, None
-    writer = ShardWriter(cfg, tokenizer, folder, shard_tokens)
-    return StreamedShards(folder, alive=writer.alive), writer
-
+        return done
+    limit = None if max_train_tokens is None else -(-max_train_tokens // shard_tokens) + 1
+    return ShardStream(cfg, tokenizer, folder, shard_tokens, limit)
 
 if __name__ == "__main__":
     _writer_main()

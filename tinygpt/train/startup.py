@@ -42,11 +42,14 @@ class StartupClock:
         out = {f"{k}_s": round(v, 3) for k, v in self.phases.items()}
         out["compile_s"] = round(compile_seconds() - self.compile_s0, 3)
         out["total_s"] = round(self.last - self.t0, 3)
+        if self.notes:
+            out["notes"] = list(self.notes)
         return out
 
     def summary(self) -> str:
         r = self.record()
-        parts = [f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in r.items() if k not in ("total_s", "compile_s")]
+        parts = [f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in r.items()
+                 if k not in ("total_s", "compile_s", "notes")]
         if r["compile_s"]:
             parts.append(f"of which compile {r['compile_s']:.1f} s")
         return f"start-up {r['total_s']:.1f} s to the first step: " + ", ".join(parts) + \

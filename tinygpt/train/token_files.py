@@ -13,8 +13,8 @@ validation tokens and of the first train shard) before it returns, so a bad fold
 training; the ids of the other train shards are checked by the caller with `check_shard_ids` as each is
 first used, because scanning every token up front would take minutes.
 
-This module takes DataError from data.py, so it is wired in from pretrain.py; for data.py to import it,
-DataError must first move below both (here or tinygpt.core) and be re-exported by data.py.
+`DataError` is defined here, the lowest data module (data.py re-exports it), so data.py can tell a token
+folder from a text folder.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import numpy as np
 
 from tinygpt.core.config import GPT2_VOCAB_PADDED
 from tinygpt.core.files import atomic_output
-from tinygpt.train.data import DataError  # so data.py cannot import this module at its top (a cycle)
 
 LLMC_MAGIC = 20240520
 LLMC_VERSION = 1  # version 1 holds uint16 tokens (GPT-2); llm.c's version 2 holds uint32 (Llama 3)
@@ -34,6 +33,10 @@ HEADER_BYTES = HEADER_INTS * 4
 GPT2_VOCAB = 50257  # what both formats hold in practice: tokens of the GPT-2 BPE
 NANOGPT_NAMES = ("train.bin", "val.bin")
 TOKEN = np.dtype("<u2")  # little-endian uint16 on every machine, as both formats are written
+
+
+class DataError(ValueError):
+    """Data that cannot be used; the message says what to do."""
 
 
 @dataclass

@@ -1,0 +1,152 @@
+"""Time to the first training step, and compiles counted.
+
+CPU (what CI machines and this repository's figures use):
+    python benchmarks/startup.py cpu            # 3 MB vs 250 MB of local text, the `cpu` recipe, cold caches
+    python benchmarks/startup.py compile        # compile=on vs regional: cold compile, graphs, recompiles
+GPU (an H100 or A100; `--data builtin` needs no network):
+    python benchmarks/startup.py gpu --recipe a100-124m --steps 30
+        cold: empty compiler and tinygpt caches; warm: the run's compile_cache.bin copied into a fresh run folder
+        with an empty compiler cache (a new VM); both with the step times after the first
+
+Each run is a real `tinygpt pretrain` process. "first step" is the wall time from launching the process to
+its start-up record in metrics.jsonl (imports included); the record's own breakdown is printed beside it.
+Results go to docs/BENCHMARKS.md by hand, with the date and the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import site
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_until_first_step(args: list[str], run_dir: Path, env: dict, finish: bool = False) -> dict:
+    """Launch `tinygpt pretrain ARGS`; the seconds until its start-up record appears, and that record.
+    The process is stopped there unless `finish`."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "tinygpt", "pretrain", "--run-dir", str(run_dir), "--quiet", *args],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = run_dir / "metrics.jsonl"
+    record = None
+    while record is None:
+        if p.poll() is not None and not metrics.exists():
+            raise SystemExit(f"tinygpt pretrain failed:\n{p.stdout.read().decode()[-3000:]}")
+        if metrics.exists():
+            record = next((m for m in map(json.loads, metrics.read_text().splitlines()[:3]) if "startup" in m), None)
+        time.sleep(0.02)
+    wall = time.perf_counter() - t0
+    if finish:
+        out = p.communicate()[0].decode()
+        if p.returncode != 0:
+            raise SystemExit(f"tinygpt pretrain failed:\n{out[-3000:]}")
+    else:
+        p.terminate()
+        p.wait()
+    return {"wall_s": round(wall, 2), **record["startup"]}
+
+
+def fresh_env(root: Path, **extra: str) -> dict:
+    return {**os.environ, "TINYGPT_CACHE": str(root / "tinygpt-cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), **extra}
+
+
+def cpu(args) -> None:
+    corpus = args.corpus or site.getsitepackages()[0]
+    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"corpus {corpus}")
+    print("| text | wall to first step (s) | tokenizer | data (first shard) | model | first step |")
+    print("|---|---|---|---|---|---|")
+    rows = {}
+    for chars in (3_000_000, 250_000_000):
+        walls = []
+        for _ in range(args.repeat):
+            with tempfile.TemporaryDirectory() as tmp:
+                r = run_until_first_step(["--recipe", "cpu", "--data", corpus, "--set", f"data.max_chars={chars}",
+                                          "--max-steps", "1"], Path(tmp) / "run", fresh_env(Path(tmp)))
+            walls.append(r["wall_s"])
+        rows[chars] = r
+        print(f"| {chars / 1e6:.0f} MB | {statistics.median(walls):.2f} ({', '.join(map(str, walls))}) | "
+              f"{r['tokenizer_s']} | {r['data_s']} | {r['model_s']} | {r['first_step_s']} |")
+    ratio = rows[250_000_000]["wall_s"] / rows[3_000_000]["wall_s"]
+    print(f"\n250 MB / 3 MB: {ratio:.2f}x (goal: at most 1.5x)")
+
+
+_COUNT = """
+import json, sys
+from torch._dynamo.utils import counters
+from tinygpt.core.config import get_recipe
+from tinygpt.train.pretrain import pretrain
+mode, run, cache = sys.argv[1:4]
+recipe = get_recipe("cpu").replace(train={"compile": mode, "eval_every": 10, "max_steps": 30, "eval_batches": 3,
+                                          "save_every": 30}, data={"max_chars": 300_000})
+res = pretrain(recipe, run, progress=False, device="cpu", cache_dir=cache)
+print(json.dumps({"evals": sum("val_loss" in m for m in res.metrics), "graphs": counters["stats"]["unique_graphs"],
+                  "frames": counters["frames"]["total"], "recompiles": sum(counters["recompiles"].values())}))
+"""
+
+
+def compile_modes(args) -> None:
+    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          "`cpu` recipe, 30 steps, 3 evaluations, cold compiler cache")
+    print("| compile | first step (s) | of which compile (s) | graphs | recompiles after step 1 |")
+    print("|---|---|---|---|---|")
+    for mode in ("on", "regional"):
+        with tempfile.TemporaryDirectory() as tmp:
+            env = fresh_env(Path(tmp))
+            out = subprocess.run([sys.executable, "-c", _COUNT, mode, f"{tmp}/run", f"{tmp}/cache"], cwd=REPO, env=env,
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(out.stderr[-3000:])
+            c = json.loads(out.stdout.strip().splitlines()[-1])
+            start = next(json.loads(x)["startup"] for x in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()
+                         if "startup" in x)
+        print(f"| {mode} | {start['first_step_s']} | {start['compile_s']} | {c['graphs']} | {c['recompiles']} |")
+
+
+def gpu(args) -> None:
+    base = ["--recipe", args.recipe, "--data", args.data, "--max-steps", str(args.steps), "--save-every", "0",
+            "--eval-every", "0", "--set", "train.log_every=1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cold = run_until_first_step(base, tmp / "cold", fresh_env(tmp / "a"), finish=True)
+        (tmp / "warm").mkdir()
+        shutil.copy(tmp / "cold" / "compile_cache.bin", tmp / "warm")
+        for f in ("run.json", "tokenizer.json"):
+            shutil.copy(tmp / "cold" / f, tmp / "warm")
+        env = fresh_env(tmp / "b", TINYGPT_CACHE=str(tmp / "a" / "tinygpt-cache"))  # the same signing key
+        warm = run_until_first_step(base, tmp / "warm", env, finish=True)
+        steps = [m for m in map(json.loads, (tmp / "cold" / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    print(json.dumps({"cold": cold, "warm": warm}, indent=1))
+    print("goals: cold first step <= 45 s, warm <= 15 s (wall, imports included)")
+    if len(steps) > 3:
+        tps = [m["tokens_per_s"] for m in steps[1:] if m.get("tokens_per_s")]
+        med = statistics.median(tps)
+        slow = [m["step"] for m in steps[1:] if m.get("tokens_per_s") and m["tokens_per_s"] < med / 2]
+        print(f"tokens/s per step after the first: median {med:.0f}, min {min(tps):.0f}; steps slower than twice "
+              f"the median: {slow or 'none'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["cpu", "compile", "gpu"])
+    ap.add_argument("--corpus", help="a folder of text (default: this Python's site-packages)")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--recipe", default="a100-124m")
+    ap.add_argument("--data", default="builtin")
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    {"cpu": cpu, "compile": compile_modes, "gpu": gpu}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
