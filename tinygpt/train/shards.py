@@ -222,7 +222,9 @@ def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: 
     skip = manifest["shards"][-1]["documents_end"] if manifest["shards"] else 0
     group, batch, n_docs = _Group(), [], 0
 
-    def flush() -> None:
+    def flush() -> bool:
+        """Tokenize the batch into the group(s); True to stop now (checked after each shard written:
+        documents after the last shard's end are read again by the next writer)."""
         nonlocal group
         first = n_docs - len(batch)
         for k, ids in enumerate(tokenizer.encode_batch(batch)):
@@ -236,19 +238,20 @@ def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: 
             if group.n_train >= shard_tokens:  # the group ends with this document
                 _write_group(folder, manifest, group, first + k + 1)
                 group = _Group()
+                if should_stop():
+                    return True
         batch.clear()
+        return should_stop()
 
     for doc in iter_documents(cfg):
         n_docs += 1
         if n_docs <= skip:
             continue  # in a complete shard already: read, not tokenized
         batch.append(doc)
-        if len(batch) >= BATCH_DOCS:
-            flush()
-            if should_stop():
-                return
-    if batch:
-        flush()
+        if len(batch) >= BATCH_DOCS and flush():
+            return
+    if batch and flush():
+        return
     if group.train or group.val:
         _write_group(folder, manifest, group, n_docs)
     if n_docs == 0:
