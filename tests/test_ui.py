@@ -153,6 +153,12 @@ def test_loss_plot_is_a_trainer_callback(shared_data, tmp_path):
              eval_every=5, save_every=10, device="cpu", progress=False, callbacks=[plot], cache_dir=tmp_path / "c")
     assert [m["step"] for m in plot.history if "loss" in m] == [5, 10]
     assert plot.draws >= 3 and (tmp_path / "run" / "plots" / "loss.png").is_file()  # close() drew the end
+    record = next(m["startup"] for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+                  if "startup" in m)
+    table = ui.startup_table(record)
+    assert [r[0] for r in table.rows] == ["phase", "probe", "tokenizer", "data", "model", "first step",
+                                          "to the first step"]
+    assert table.rows[-1][1] == f"{record['total_s']:.1f}" and "<table" in table._repr_html_()
 
 
 def test_loss_plot_without_matplotlib(monkeypatch):

@@ -176,6 +176,17 @@ def recipes_table(report: Any) -> Table:
                  notes=("memory is estimated; tokens/s and time are rough until measured (see the trial search)",))
 
 
+def startup_table(record: dict[str, Any]) -> Table:
+    """A run's start-up breakdown (its metrics.jsonl "startup" record) as a table of phases."""
+    rows: list[tuple] = [("phase", "seconds")]
+    rows += [(k[:-2].replace("_", " "), f"{v:.1f}") for k, v in record.items()
+             if k.endswith("_s") and k not in ("total_s", "compile_s")]
+    if record.get("compile_s"):
+        rows.append(("  of which compile", f"{record['compile_s']:.1f}"))
+    rows.append(("to the first step", f"{record.get('total_s', 0):.1f}"))
+    return Table(rows, title="Start-up", notes=tuple(record.get("notes", ())))
+
+
 def _duration(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.0f} s" if seconds < 120 else \
         f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:,.1f} h"
@@ -335,6 +346,11 @@ class LossPlot:
         self.history.append(dict(metrics))
         if self.enabled and self.clock() - self._last_draw >= self.min_interval_s:
             self.draw()
+
+    def on_startup(self, record: dict[str, Any]) -> None:
+        """After the first step: where the start-up time went, as a table above the plot."""
+        if self.show:
+            _display(startup_table(record))
 
     def _earlier(self, step: int) -> list[dict]:
         """Entries before `step` in metrics.jsonl (the trainer cut it at the resumed step already)."""

@@ -104,8 +104,14 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
     run = RunDir(run_dir)
     if run.is_pretrain_run():
         old = run.info()
-        if old.get("probe"):
+        if old.get("probe"):  # the probe is not run again: its choices are part of the run
             r = old["recipe"]
+            was, now = old["probe"].get("device_name"), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+            if now is not None and was != now:
+                warnings.warn(f"this run was probed on a {was} and resumes on a {now}: it keeps micro-batch "
+                              f"{r['train']['micro_batch_size']}, context {r['train']['seq_len']} and precision "
+                              f"{r['train']['precision']}; if it runs out of memory, start a new run folder",
+                              stacklevel=2)
             kept = recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS},
                                   model={"activation_checkpointing": r["model"]["activation_checkpointing"]})
             return kept, old["probe"]
