@@ -25,6 +25,7 @@ from tinygpt.model.generate import generate_text
 from tinygpt.model.gpt import meta_model
 from tinygpt.model.hf import export_run
 from tinygpt.model.loading import load_run
+from tinygpt.train.budget import Budget
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.hardware import hardware_report
 from tinygpt.train.memory import estimate_memory
@@ -155,14 +156,14 @@ def _pretrain(args) -> int:
     env = torchrun_env()
     main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
     name = args.recipe or default_pretrain_recipe(args.run_dir, say=main_rank)
-    plain_rerun = args.resume == "auto" and not args.set and not args.data  # the same command again
+    plain_rerun = args.resume == "auto" and not args.set and not args.data and args.hours is None
     if plain_rerun and (done := finished_run(args.run_dir, name, args.max_steps)) is not None:
         if main_rank:
             print(done)
         return 0
     res = pretrain(apply_overrides(get_recipe(name), args.set), args.run_dir, data=args.data,
                    max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every,
-                   resume=args.resume, mirror=args.mirror, device=args.device,
+                   resume=args.resume, mirror=args.mirror, device=args.device, hours=args.hours,
                    progress=not args.quiet, parallel=args.parallel, probe=args.probe,
                    callbacks=[SayResumed()] if main_rank else [])
     if not main_rank:
@@ -186,7 +187,9 @@ def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = 
     if not run.is_pretrain_run() or recipe_name_of(run_dir) != recipe_name:
         return None
     last = latest_valid(run.checkpoints)
-    max_steps = max_steps or run.recipe_dict().get("train", {}).get("max_steps")
+    budget = Budget.load(Path(run_dir))
+    max_steps = max_steps or (budget.max_steps if budget else None) or \
+        run.recipe_dict().get("train", {}).get("max_steps")
     step = int(last.name.split("_")[-1]) if last is not None else None
     if step is None or max_steps is None or step < max_steps:
         return None
@@ -318,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default=None, help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT]")
     t.add_argument("--run-dir", default="runs/default")
     t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--hours", type=float, default=None,
+                   help="a time budget: the steps that fit are measured after warm-up and fixed, with the "
+                        "warmup-stable-decay schedule ending on time (start-up not counted)")
     t.add_argument("--save-every", type=int, default=None)
     t.add_argument("--eval-every", type=int, default=None)
     t.add_argument("--resume", choices=("auto", "never"), default="auto")

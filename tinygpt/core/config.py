@@ -162,6 +162,8 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     optimizer: str = "adamw"  # "adamw" or "muon" (Muon for matrices, AdamW for the rest)
+    schedule: str = "cosine"  # "cosine" to min_lr at max_steps, or "wsd": warmup, stable, then a linear decay
+    decay_fraction: float = 0.2  # wsd: the last fraction of the steps decays from lr to min_lr
     precision: str = "auto"
     compile: str = "auto"  # "auto" (on for CUDA), "on" (the whole model), "regional" (each block), "off"
     device: str = "auto"
@@ -185,6 +187,8 @@ class TrainConfig:
         _require(self.compile in ("auto", "on", "regional", "off"),
                  f"compile must be auto, on, regional or off, got {self.compile!r}")
         _require(self.optimizer in ("adamw", "muon"), f"optimizer must be adamw or muon, got {self.optimizer!r}")
+        _require(self.schedule in ("cosine", "wsd"), f"schedule must be cosine or wsd, got {self.schedule!r}")
+        _require(0 < self.decay_fraction <= 1, f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
 
     @property
     def tokens_per_step(self) -> int:

@@ -26,6 +26,7 @@ from tinygpt.core.rundir import RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.drive import CLOSE_TIMEOUT_S, Mirror, ShardMirror, restore_latest, restore_shards
+from tinygpt.train.budget import Budget
 from tinygpt.train.callbacks import TensorBoardLogger, write_sample
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
 from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents, resolve_source, source_fingerprint
@@ -142,18 +143,27 @@ class PretrainOptions:
     parallel: str = "ddp"                    # under torchrun: "ddp" or "fsdp"
     probe: str = "auto"                      # "auto": fit micro-batch/context/precision to the GPU; "off"
     tensorboard: bool | None = None          # None: when installed; True: required; False: off
+    hours: float | None = None               # a time budget: steps measured and fixed once (budget.json)
 
     def __post_init__(self):
         if self.resume not in ("auto", "never"):
             raise ConfigError(f"resume must be 'auto' or 'never', got {self.resume!r}")
         if self.probe not in ("auto", "off"):
             raise ConfigError(f"probe must be 'auto' or 'off', got {self.probe!r}")
+        if self.hours is not None and not self.hours > 0:
+            raise ConfigError(f"hours must be a positive number of hours (e.g. 1.5), got {self.hours!r}")
+        if self.hours is not None and self.max_steps is not None:
+            raise ConfigError("give --hours or --max-steps, not both: a time budget sets the step count itself")
         self.run_dir = Path(self.run_dir)
+        if self.hours is None and (budget := Budget.load(self.run_dir)) is not None:
+            self.hours = budget.hours  # a budgeted run resumes with its budget
 
     def apply(self, recipe: Recipe) -> Recipe:
         """The recipe with this run's overrides."""
         train = {k: v for k in ("max_steps", "save_every", "eval_every", "device")
                  if (v := getattr(self, k)) is not None}
+        if self.hours is not None:
+            train["schedule"] = "wsd"  # its rate does not depend on the step count the budget sets later
         return recipe.replace(train=train, data={"source": self.data} if self.data else None)
 
 
@@ -234,7 +244,7 @@ def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world
                           callbacks=callbacks, flops_per_token=model.flops_per_token(t.seq_len),
                           peak_tflops=opts.peak_tflops or gpu_peak_tflops(dev, precision.name),
                           progress=opts.progress, rank=rank, world_size=world_size, parallel=opts.parallel,
-                          run_info=run_info, startup=clock,
+                          run_info=run_info, startup=clock, hours=opts.hours,
                           compile_cache=compile_cache_for(recipe, opts, model, dev, precision.name))
         clock.mark("model")
         result = trainer.fit(opts.resume)

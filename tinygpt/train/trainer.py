@@ -8,6 +8,7 @@ logging steps: everything else queues on the GPU without a host-device sync.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import math
 import os
@@ -35,6 +36,7 @@ from tinygpt.core.precision import (
 from tinygpt.core.rundir import RunDir
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
+from tinygpt.train.budget import MEASURE_STEPS, Budget, decay_start, end_time, expected_final_loss, extend, steps_for
 from tinygpt.train.callbacks import progress_bar
 from tinygpt.train.compile_cache import CompileCache
 from tinygpt.train.optim import build_optimizer
@@ -90,9 +92,17 @@ class TrainResult:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps."""
+    """Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps; or, "wsd", lr held
+    until the last decay_fraction of the steps, then a straight line to min_lr at the last step (until
+    the decay, the rate does not depend on max_steps: a time budget may set it late)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "wsd":
+        start = decay_start(cfg.max_steps, cfg.decay_fraction)
+        if step < start:
+            return cfg.lr
+        progress = min(1.0, (step - start) / max(1, cfg.max_steps - 1 - start))
+        return cfg.lr + (cfg.min_lr - cfg.lr) * progress
     span = max(1, cfg.max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
@@ -159,6 +169,8 @@ class _Loop:
     tok_s: float | None = None
     stopping: bool = False
     first: bool = True  # no step of this process has run yet
+    trained_from: float | None = None  # perf_counter after the first step: the budget counts from here
+    steps_timed: int = 0
 
 
 class Trainer:
@@ -179,7 +191,8 @@ class Trainer:
                  load_state_fn: Callable | None = None, callbacks: tuple | list = (),
                  run_info: dict | None = None, flops_per_token: float | None = None,
                  peak_tflops: float | None = None, progress: bool = True, rank: int = 0, world_size: int = 1,
-                 parallel: str = "ddp", startup: Any = None, compile_cache: CompileCache | None = None):
+                 parallel: str = "ddp", startup: Any = None, compile_cache: CompileCache | None = None,
+                 hours: float | None = None):
         self.cfg = cfg
         self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
         self.precision = precision or choose_precision(self.device, cfg.precision)
@@ -195,6 +208,8 @@ class Trainer:
         self.peak_tflops = peak_tflops
         self.progress = progress
         self.startup = startup  # a StartupClock: its breakdown is printed and logged after the first step
+        self.hours = hours  # a time budget: max_steps is measured and fixed once (budget.json)
+        self.budget: Budget | None = None
         self.rank, self.world_size = rank, world_size
         self.is_main = rank == 0
         # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
@@ -282,7 +297,7 @@ class Trainer:
         # so a rank short of batches runs a padding one that counts for nothing.
         end = math.ceil(n / W) * W if W > 1 and dist_.is_fsdp(self.model) else n
         total = torch.zeros((), device=self.device, dtype=torch.float64)
-        with eager():
+        with eager() if self.use_compile else contextlib.nullcontext():
             self._evaluate_batches(range(self.rank, end, W), total)
         count = sum(int((self.val_batches[i][1] != IGNORE_INDEX).sum()) for i in range(self.rank, min(end, n), W))
         self.model.train()
@@ -340,6 +355,8 @@ class Trainer:
                 step = self._optimizer_step()
                 if loop.first:
                     self._after_first_step(loop)
+                elif self.budget is not None and self.budget.max_steps is None:
+                    self._measure_budget(loop)
                 loop.tokens_since += self.cfg.tokens_per_step  # the global batch
                 loop.stopping = self._agree_to_stop()
                 due = self._due(loop.stopping)
@@ -382,6 +399,8 @@ class Trainer:
             last_saved = Path(resume)
             self.resume(last_saved)
         resumed_from = self.step if last_saved is not None else None
+        if self.hours is not None:
+            self._load_budget()
         history = self._truncate_metrics()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
@@ -447,6 +466,57 @@ class Trainer:
                 if hasattr(cb, "on_startup"):
                     cb.on_startup(self.startup.record())
         loop.t0, loop.tokens_since = time.perf_counter(), 0  # tokens/s counts steady steps, not the compile
+        loop.trained_from = loop.t0
+
+    # ----- a time budget ---------------------------------------------------------------------------
+    def _load_budget(self) -> None:
+        """The run's budget.json (a resume keeps its step count), or a budget still to be measured:
+        until then the stable phase runs on (the schedule is wsd: its rate does not depend on max_steps)."""
+        if self.cfg.schedule != "wsd":
+            raise TrainingError("a time budget needs the warmup-stable-decay schedule (train.schedule=wsd)")
+        budget = Budget.load(self.run_dir) if self.is_main else None
+        if self.world_size > 1:  # rank 0 read it: the others take its step count
+            steps = dist_.agree_sum([budget.max_steps or 0 if budget else 0])[0]
+            budget = Budget(self.hours, steps or None)  # type: ignore[arg-type]
+        if budget is not None and budget.max_steps is not None:
+            budget, note = extend(budget, self.hours, self.step, self.cfg.decay_fraction)  # type: ignore[arg-type]
+            if note:
+                warnings.warn(note, stacklevel=3)
+            if self.is_main:
+                budget.save(self.run_dir)
+            self.budget = budget
+            self.cfg = dataclasses.replace(self.cfg, max_steps=budget.max_steps)
+        else:
+            self.budget = Budget(self.hours)  # type: ignore[arg-type]
+            self.cfg = dataclasses.replace(self.cfg, max_steps=10**9)
+
+    def _measure_budget(self, loop: _Loop) -> None:
+        """After MEASURE_STEPS steady steps: time an evaluation and a checkpoint too, then fix max_steps
+        so that training ends within the budget, and keep it in budget.json."""
+        loop.steps_timed += 1
+        if loop.steps_timed < MEASURE_STEPS or loop.trained_from is None:
+            return
+        step_s = (time.perf_counter() - loop.trained_from) / loop.steps_timed
+        t = time.perf_counter()
+        self.evaluate()
+        eval_s = time.perf_counter() - t
+        t = time.perf_counter()
+        loop.last_saved, loop.saved_step = self.save() or loop.last_saved, self.step
+        save_s = time.perf_counter() - t
+        per_step = step_s + (eval_s / self.cfg.eval_every if self.cfg.eval_every else 0) + \
+            (save_s / self.cfg.save_every if self.cfg.save_every else 0)
+        spent = time.perf_counter() - loop.trained_from
+        steps = steps_for(self.budget.hours, spent, self.step, per_step, eval_s + save_s)  # type: ignore[union-attr]
+        if self.world_size > 1:
+            steps = dist_.agree_sum([steps if self.is_main else 0])[0]
+        self.budget = Budget(self.budget.hours, steps, self.step, per_step, time.time())  # type: ignore[union-attr]
+        self.cfg = dataclasses.replace(self.cfg, max_steps=steps)
+        if self.is_main:
+            self.budget.save(self.run_dir)
+        if loop.bar is not None:
+            loop.bar.total = steps
+            loop.bar.write(f"time budget {self.budget.hours:g} h: {steps} steps of {per_step:.3g} s (evaluations and "
+                           f"checkpoints included); training ends about {end_time(self.step, steps, per_step)}")
 
     def _agree_to_stop(self) -> bool:
         """Every rank must stop at the same step, however the signals reached them."""
@@ -477,6 +547,10 @@ class Trainer:
             m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
         if due.eval:
             loop.val_loss = m["val_loss"] = self.evaluate()
+        expected = expected_final_loss(loop.history + [m], self.cfg.max_steps, self.cfg.warmup_steps) \
+            if self.cfg.max_steps < 10**9 else None
+        if expected is not None:
+            m["expected_final_loss"] = round(expected, 4)
         loop.t0, loop.tokens_since = time.perf_counter(), 0
         self._log(m, loop.history, loop.bar)
 
@@ -535,6 +609,10 @@ class Trainer:
             post = {k: f"{m[k]:.4g}" for k in ("loss", "val_loss", "lr") if m.get(k) is not None}
             if m.get("tokens_per_s"):
                 post["tok/s"] = f"{m['tokens_per_s']:.0f}"
+            if m.get("expected_final_loss") is not None:
+                post["final~"] = f"{m['expected_final_loss']:.4g}"
+            if self.budget is not None and self.budget.step_s:
+                post["ends"] = end_time(self.step, self.cfg.max_steps, self.budget.step_s)
             bar.set_postfix(post, refresh=False)
         for cb in self.callbacks:
             if hasattr(cb, "on_log"):

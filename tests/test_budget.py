@@ -1,0 +1,92 @@
+"""A time budget (`--hours`): the warmup-stable-decay schedule, the step count measured once and kept
+in budget.json, a resume that keeps it, and more hours for a run still in its stable phase.
+
+No assertion on how long anything took (timings are for benchmarks/): step counts, learning rates
+and files are checked."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tinygpt.core.config import ConfigError, TrainConfig
+from tinygpt.train.budget import Budget, decay_start, expected_final_loss, extend, steps_for
+from tinygpt.train.pretrain import PretrainOptions, pretrain
+from tinygpt.train.trainer import lr_at
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_wsd_holds_the_rate_then_decays_to_min_lr_at_the_last_step():
+    cfg = TrainConfig(schedule="wsd", max_steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4, decay_fraction=0.2)
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[9] == lrs[10] == lrs[79] == 1e-3 and lr_at(0, cfg) == pytest.approx(1e-4)
+    assert decay_start(100, 0.2) == 80 and lrs[80] == 1e-3 > lrs[81] > lrs[98] > lrs[99]
+    assert lrs[99] == pytest.approx(1e-4)  # the last step's rate is the schedule's final value
+    longer = TrainConfig(**{**cfg.to_dict(), "max_steps": 10_000})
+    assert [lr_at(s, longer) for s in range(80)] == lrs[:80]  # until the decay, the count does not matter
+    with pytest.raises(ConfigError, match="schedule"):
+        TrainConfig(schedule="linear")
+
+
+def test_steps_fit_the_hours_and_more_hours_extend_only_the_stable_phase():
+    # 1 h, 600 s gone at step 100, 2 s a step, 10 s for the end: (3600 - 610) / 2 = 1495 more
+    assert steps_for(1.0, 600, 100, 2.0, 10) == 1595
+    assert steps_for(0.1, 600, 100, 2.0, 10) == 101  # over budget already: stop at the next step
+    b = Budget(hours=1.0, max_steps=1595, decided_at_step=100, step_s=2.0, decided_at=0.0)
+    more, note = extend(b, 2.0, 500, decay_fraction=0.2)
+    assert more.max_steps == 1595 + 1800 and more.hours == 2.0 and "1595 -> 3395" in note
+    same, note = extend(b, 2.0, 1400, decay_fraction=0.2)  # the decay began at step 1276
+    assert same is b and "began its decay at step 1276" in note
+
+
+def test_expected_final_loss_reads_the_curve_so_far():
+    history = [{"step": s, "loss": 2.0 + 3.0 / math.sqrt(s)} for s in range(20, 400, 20)]
+    assert expected_final_loss(history, 10_000, warmup_steps=10) == pytest.approx(2.03, abs=1e-6)
+    assert expected_final_loss(history[:3], 10_000, 10) is None  # too few points
+    rising = [{"step": s, "loss": 1.0 + s / 100} for s in range(20, 400, 20)]
+    assert expected_final_loss(rising, 10_000, 10) is None
+
+
+def test_a_budgeted_run_fixes_its_steps_and_ends_with_the_schedule_complete(tmp_path):
+    res = pretrain("cpu-smoke", tmp_path / "run", hours=0.002, device="cpu", progress=False, cache_dir=tmp_path / "c")
+    budget = json.loads((tmp_path / "run" / "budget.json").read_text())
+    assert budget["hours"] == 0.002 and budget["decided_at_step"] >= 8 and budget["step_s"] > 0
+    assert res.step == budget["max_steps"] > budget["decided_at_step"]
+    logged = [m for m in res.metrics if "lr" in m]
+    assert logged[-1]["step"] == res.step and logged[-1]["lr"] == pytest.approx(3e-4)  # cpu-smoke's min_lr
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["recipe"]["train"]["schedule"] == "wsd"
+    with pytest.raises(ConfigError, match="not both"):
+        PretrainOptions(run_dir=tmp_path / "x", hours=1, max_steps=10)
+    with pytest.raises(ConfigError, match="positive"):
+        PretrainOptions(run_dir=tmp_path / "x", hours=0)
+
+
+def test_a_budgeted_run_killed_after_its_decision_resumes_to_the_same_step_count(tmp_path):
+    env = {**os.environ, "TINYGPT_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tinygpt", "pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run),
+           "--save-every", "4", "--quiet", "--device", "cpu"]
+    p = subprocess.Popen(cmd + ["--hours", "0.01"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if (run / "budget.json").is_file() and len(list((run / "checkpoints").glob("step_*"))) >= 2:
+            break
+        time.sleep(0.02)
+    assert p.poll() is None, p.stdout.read().decode()
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    decided = json.loads((run / "budget.json").read_text())
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)  # the same command without --hours: the run keeps its budget
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads((run / "budget.json").read_text()) == decided
+    steps = [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    assert steps[-1] == decided["max_steps"] and f"step {decided['max_steps']}:" in out.stdout

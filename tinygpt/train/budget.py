@@ -1,0 +1,90 @@
+"""A time budget: the number of steps that fit in H hours, measured once, kept with the run.
+
+`tinygpt pretrain --hours H` trains with the warmup-stable-decay schedule, whose learning rate does
+not depend on the step count until the decay begins. After a few steady steps the trainer measures
+the time of a step, of an evaluation and of a checkpoint, fixes `max_steps` so that training (start-up
+not counted) ends within the budget, and writes ``budget.json`` in the run folder: a resumed run keeps
+that step count, so it ends with its schedule complete however often it was interrupted. Resumed with
+more hours while still in the stable phase, it goes on longer; once the decay has begun, it cannot.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tinygpt.core.files import write_json_atomic
+from tinygpt.core.rundir import BUDGET_JSON, read_json
+
+MEASURE_STEPS = 8  # steady steps (after the compile) timed before the step count is fixed
+
+
+@dataclass
+class Budget:
+    """What budget.json holds: the hours asked for and the steps they buy, with the measurements."""
+    hours: float
+    max_steps: int | None = None  # None until decided
+    decided_at_step: int | None = None
+    step_s: float | None = None  # seconds per optimizer step, evaluations and saves included
+    decided_at: float | None = None  # wall clock (time.time()) when decided
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "Budget | None":
+        path = Path(run_dir) / BUDGET_JSON
+        if not path.is_file():
+            return None
+        d = read_json(path)
+        return cls(**{k: d.get(k) for k in ("hours", "max_steps", "decided_at_step", "step_s", "decided_at")})
+
+    def save(self, run_dir: Path) -> None:
+        write_json_atomic(Path(run_dir) / BUDGET_JSON, asdict(self))
+
+
+def steps_for(hours: float, spent_s: float, step: int, step_s: float, final_s: float) -> int:
+    """The step count that ends training `hours` after it began: `spent_s` are gone at `step`, each
+    further step costs `step_s`, and the end (a last evaluation and checkpoint) `final_s`."""
+    left = hours * 3600 - spent_s - final_s
+    return max(step + 1, step + math.floor(left / step_s))
+
+
+def decay_start(max_steps: int, decay_fraction: float) -> int:
+    """The first step of the warmup-stable-decay schedule's decay."""
+    return max_steps - max(1, round(decay_fraction * max_steps))
+
+
+def extend(budget: Budget, hours: float, step: int, decay_fraction: float) -> tuple[Budget, str | None]:
+    """A resumed run asked for other hours: more (or fewer) steps while the decay has not begun; a note."""
+    if budget.max_steps is None or budget.step_s is None or math.isclose(hours, budget.hours):
+        return budget, None
+    start = decay_start(budget.max_steps, decay_fraction)
+    if step >= start:
+        return budget, (f"the learning rate began its decay at step {start}: this run ends at step "
+                        f"{budget.max_steps} as budgeted for {budget.hours:g} h; for more, start a new run")
+    steps = max(step + 1, budget.max_steps + math.floor((hours - budget.hours) * 3600 / budget.step_s))
+    new = Budget(hours, steps, budget.decided_at_step, budget.step_s, budget.decided_at)
+    return new, f"budget {budget.hours:g} h -> {hours:g} h: {budget.max_steps} -> {steps} steps"
+
+
+def expected_final_loss(history: list[dict], max_steps: int, warmup_steps: int) -> float | None:
+    """The loss the run is heading for: L(s) = a + b / sqrt(s), least squares on the logged losses
+    after warm-up, read at max_steps (the stable phase; a decay usually ends lower). None with fewer
+    than 5 points or a curve that does not fall."""
+    pts = [(m["step"], m["loss"]) for m in history if m.get("loss") is not None and m["step"] > warmup_steps]
+    if len(pts) < 5:
+        return None
+    s, loss = np.array(pts, dtype=np.float64).T
+    A = np.stack([np.ones_like(s), 1 / np.sqrt(s)], axis=1)
+    (a, b), *_ = np.linalg.lstsq(A, loss, rcond=None)
+    if not (b > 0 and math.isfinite(a)):
+        return None
+    return float(a + b / math.sqrt(max_steps))
+
+
+def end_time(step: int, max_steps: int, step_s: float | None, now: float | None = None) -> str | None:
+    """When the run should end, as local HH:MM (for the progress bar)."""
+    if not step_s:
+        return None
+    return time.strftime("%H:%M", time.localtime((now or time.time()) + (max_steps - step) * step_s))
