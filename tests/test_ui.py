@@ -54,6 +54,22 @@ def test_picker_defaults_to_the_probes_choice(report):
     assert "probe's choice" in repr(ui.recipe_picker(gpu))
 
 
+def test_picker_offers_a_time_budget_with_a_session_default(report, tmp_path, monkeypatch):
+    assert ui.recipe_picker(report).hours is None  # a CPU trains the recipe's steps
+    gpu = replace(report, hardware_class="a100", default_recipe="a100-124m")
+    picker = ui.recipe_picker(gpu)
+    assert picker.hours == ui.SESSION_HOURS["a100"] == 2.0 and "time: 2 h" in repr(picker)
+    picker.hours_dropdown.value = 0.5  # the user picks half an hour
+    assert picker.hours == 0.5
+    from tinygpt.train.pretrain import pretrain
+    run = ui.run_folders("budgeted", tmp_path / "drive")
+    pretrain("cpu-smoke", run.local, hours=0.001, progress=False, device="cpu", cache_dir=tmp_path / "c")
+    assert ui.recipe_picker(gpu, resume_from=run).hours == 0.001  # a resumed run keeps its own budget
+    assert "0.001 h" in [label for label, _ in ui.recipe_picker(gpu, resume_from=run).hours_dropdown.options]
+    monkeypatch.setenv("TINYGPT_SMOKE", "1")
+    assert ui.recipe_picker(gpu).hours is None
+
+
 def test_picker_value_is_read_when_the_training_cell_runs(report):
     picker = ui.recipe_picker(report)
     picker.dropdown.value = "cpu-smoke"  # the user changes it after the cell ran

@@ -35,6 +35,7 @@ from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.model.generate import generate_text
 from tinygpt.model.loading import load_run
 from tinygpt.sync.drive import RUN_FILES
+from tinygpt.train.budget import Budget
 from tinygpt.train.data import validation_text
 from tinygpt.train.hardware import hardware_report
 from tinygpt.train.memory import estimate_memory
@@ -268,6 +269,28 @@ def default_recipe(report: Any = None, resume_from: RunFolders | str | Path | No
 
 # ---- the recipe picker -----------------------------------------------------------------------------
 
+# The time a runtime of each class usually gives one session (Colab's free T4 and L4 about 3 h before
+# a disconnect is likely; an A100 or H100 costs compute units by the hour): the default budget.
+SESSION_HOURS: dict[str, float | None] = {"cpu": None, "mps": None, "t4": 3.0, "l4": 3.0, "a100": 2.0,
+                                          "h100": 2.0, "h200": 2.0}
+HOURS_CHOICES: list[tuple[str, float | None]] = [("the recipe's steps", None), ("15 min", 0.25), ("30 min", 0.5),
+                                                 ("1 h", 1.0), ("2 h", 2.0), ("3 h", 3.0), ("6 h", 6.0),
+                                                 ("12 h", 12.0), ("24 h", 24.0)]
+
+
+def default_hours(report: Any, resume_from: RunFolders | str | Path | None = None) -> tuple[float | None, str]:
+    """(hours or None, why): a resumed run keeps its own budget (or none); smoke mode and CPUs train the
+    recipe's steps; a GPU gets what a session of its class usually lasts."""
+    folders = (resume_from.mirror, resume_from.local) if isinstance(resume_from, RunFolders) else (resume_from,)
+    for folder in folders:
+        if folder is not None and RunDir(folder).is_pretrain_run():
+            budget = Budget.load(Path(folder))
+            return (budget.hours, "the run's own budget") if budget else (None, "the run has no time budget")
+    if smoke_mode():
+        return None, "TINYGPT_SMOKE is set"
+    hours = SESSION_HOURS.get(report.hardware_class)
+    return hours, (f"about one {report.hardware_class} session" if hours else "a CPU trains the recipe's steps")
+
 class RecipePicker:
     """A dropdown of the recipes with the right default and, under it, every recipe's memory and time
     on this runtime, then the chosen recipe's memory breakdown and expectations (updated on change).
@@ -276,7 +299,8 @@ class RecipePicker:
     def __init__(self, report: Any, resume_from: RunFolders | str | Path | None = None):
         self.report = report
         self.default, self.reason = default_recipe(report, resume_from)
-        self.dropdown = self._output = None
+        self.default_hours, self.hours_reason = default_hours(report, resume_from)
+        self.dropdown = self._output = self.hours_dropdown = None
         try:
             widgets = __import__("ipywidgets")
         except ImportError:
@@ -290,10 +314,19 @@ class RecipePicker:
         # classic Jupyter and JupyterLab (8), where capturing into an Output widget differs between them
         self.summary = widgets.HTML()
         self.dropdown.observe(lambda change: self._show_summary(), names="value")
+        choices = HOURS_CHOICES if self.default_hours in [h for _, h in HOURS_CHOICES] else \
+            HOURS_CHOICES + [(f"{self.default_hours:g} h", self.default_hours)]
+        self.hours_dropdown = widgets.Dropdown(options=choices, value=self.default_hours, description="time",
+                                               layout=widgets.Layout(width="max-content"))
 
     @property
     def value(self) -> str:
         return self.dropdown.value if self.dropdown is not None else self.default
+
+    @property
+    def hours(self) -> float | None:
+        """The time budget chosen (None: train the recipe's steps); `pretrain(..., hours=picker.hours)`."""
+        return self.hours_dropdown.value if self.hours_dropdown is not None else self.default_hours
 
     def _show_summary(self) -> None:
         tables = Tables([recipes_table(self.report), *summary(self.value, self.report, hardware=False)])
@@ -305,10 +338,14 @@ class RecipePicker:
         widgets = __import__("ipywidgets")
         self._show_summary()
         _display(widgets.VBox([self.dropdown, widgets.HTML(f"<i>default: {html.escape(self.reason)}</i>"),
+                               self.hours_dropdown, widgets.HTML(
+                                   f"<i>time available for training: {html.escape(self.hours_reason)}; the run "
+                                   "measures its speed and sets its steps to end on time</i>"),
                                self.summary]))
 
     def __repr__(self) -> str:
-        return f"recipe: {self.value} (default: {self.default}, {self.reason})"
+        budget = "the recipe's steps" if self.hours is None else f"{self.hours:g} h"
+        return f"recipe: {self.value} (default: {self.default}, {self.reason}); time: {budget}"
 
 
 def recipe_picker(report: Any = None, resume_from: RunFolders | str | Path | None = None) -> RecipePicker:
@@ -382,9 +419,9 @@ class LossPlot:
             top.xaxis.set_major_formatter(EngFormatter())
             top.set_xlabel("tokens")
         latest = {k: next((m[k] for m in reversed(self.history) if m.get(k) is not None), None)
-                  for k in ("step", "loss", "val_loss")}
-        ax.set_title(", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in latest.items() if v is not None),
-                     fontsize=10)
+                  for k in ("step", "loss", "val_loss", "expected_final_loss")}
+        ax.set_title(", ".join(f"{k.replace('_', ' ').replace('expected final loss', 'heading for')} {v:.4g}"
+                               for k, v in latest.items() if v is not None), fontsize=10)
         self.figure = fig
         self.draws += 1
         if self.show:
