@@ -16,7 +16,7 @@ from tinygpt.model.gpt import GPT
 from tinygpt.train.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops
 from tinygpt.train.memory import GB, TensorMemoryTracker, estimate_memory
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.probe import ProbeError, apply_probe, expectations, probe
+from tinygpt.train.probe import ProbeError, apply_probe, expectations, probe, trainer_speed
 
 
 def tiny_recipe(micro: int = 8, seq_len: int = 32, accum: int = 8, ckpt: bool = False) -> Recipe:
@@ -38,6 +38,8 @@ class Counting:
 
 
 def run(recipe: Recipe, fn, limit: float, margin: float = 0.1, **kw):
+    """The memory search alone (speed=None keeps the largest micro-batch that fits): its answers are exact."""
+    kw.setdefault("speed", None)
     return probe(recipe, "cpu", measure=Counting(fn), memory_limit_gb=limit, margin=margin, cache_dir=None, **kw)
 
 
@@ -228,6 +230,41 @@ def test_real_measurement_on_cpu():
     assert result.peak_gb <= limit
 
 
+def test_the_fastest_micro_batch_that_fits_is_chosen_not_the_largest():
+    """speed() answers as the trainer would on a GPU where the largest micro-batch is not the fastest."""
+    timed = []
+
+    def speed(recipe, device):
+        t = recipe.train
+        timed.append((t.micro_batch_size, t.grad_accum_steps))
+        assert t.tokens_per_step == 8 * 32 * 8 and device.type == "cpu"
+        return {16: 900.0, 8: 1000.0, 4: 700.0}[t.micro_batch_size]
+
+    result = run(tiny_recipe(), lambda b, t, c: 0.05 * b, limit=1.0, margin=0.0, speed=speed)
+    assert result.largest_micro_batch == 20 and timed == [(16, 4), (8, 8), (4, 16)]
+    assert (result.micro_batch_size, result.grad_accum_steps) == (8, 8)
+    assert result.tokens_per_s == 1000.0 and "trainer's step" in result.tokens_per_s_source
+    assert result.speeds == {"16": 900.0, "8": 1000.0, "4": 700.0}
+    assert any("micro-batch 8 is the fastest" in n for n in result.notes)
+    assert result.trials[-1].micro_batch == 8 and result.trials[-1].ok  # the choice confirmed by a trial
+
+
+def test_trainer_speed_times_the_trainers_own_step_on_cpu(tmp_path, monkeypatch):
+    """The default speed runs the real Trainer step (random tokens), writes nothing, and leaves the
+    caller's random state as it was."""
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    assert trainer_speed(tiny_recipe(micro=4, seq_len=32, accum=4), "cpu", steps=2, warmup=1) > 0
+    assert torch.equal(torch.get_rng_state(), before)
+    result = probe(tiny_recipe(micro=4, seq_len=32, accum=4), "cpu", memory_limit_gb=1.0, margin=0.0,
+                   cache_dir=None, max_micro_batch=8)
+    assert not list(tmp_path.iterdir())
+    assert set(result.speeds) == {"8", "4", "2"} and all(v > 0 for v in result.speeds.values())
+    assert result.tokens_per_s == result.speeds[str(result.micro_batch_size)]
+    assert result.tokens_per_s_source.startswith("measured: the trainer's step")
+
+
 def test_cache_is_written_and_reused(tmp_path):
     measure = Counting(lambda b, t, c: 0.1 * b)
     kw = dict(measure=measure, memory_limit_gb=1.0, cache_dir=tmp_path)
@@ -288,6 +325,8 @@ def test_probe_report_on_cpu(tmp_path):
     assert out["hardware"]["device"] == "cpu" and out["recipe"] == "cpu-smoke"
     assert out["search"] is None and "recipe's micro-batch is used as is" in out["note"]  # no trials on a CPU
     assert out["memory_estimate"]["total_gb"] > 0 and out["expectations"]["tokens_per_s"] > 0
+    assert out["expectations"]["tokens_per_s_source"].startswith("measured: the trainer's step")  # a CPU recipe
     text = probe_report("a100-124m", as_json=False, cache_dir=tmp_path)
     assert "runs on a CUDA GPU" in text and "AdamW states" in text and "Expectations" in text
+    assert "MFU assumed" in text or "rough guess" in text  # a GPU recipe on a CPU is estimated, and says so
     assert not math.isnan(json.loads(probe_report("a100-124m", True, cache_dir=tmp_path))["memory_estimate"]["loss_gb"])

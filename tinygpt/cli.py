@@ -30,7 +30,7 @@ from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.hardware import hardware_report
 from tinygpt.train.memory import estimate_memory
 from tinygpt.train.pretrain import pretrain
-from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision
+from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision, trainer_speed
 
 
 def _probe(args) -> int:
@@ -53,7 +53,7 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
     requested, _ = requested_precision(rec, report.device, report.native_bf16)
     prec = report.precision if requested == "auto" else requested
     est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec, device_type=report.device)
-    result, note = None, None
+    result, note, speed = None, None, None
     if report.device == "cuda":
         try:
             result = probe(rec, cache_dir=cache_dir)
@@ -62,7 +62,9 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
     else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
         note = (f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch is used as is "
                 "and the estimate above stands in for a measurement")
-    exp = expectations(rec, report, result)
+        if rec.hardware == "cpu":  # a CPU recipe's step takes a second: time it (a GPU recipe's would take minutes)
+            speed = trainer_speed(rec, report.device)
+    exp = expectations(rec, report, result, speed)
     if as_json:
         return json.dumps({"hardware": report.to_dict(), "recipe": rec.name, "memory_estimate": est.to_dict(),
                            "search": result and result.to_dict(), "expectations": exp.to_dict(), "note": note},

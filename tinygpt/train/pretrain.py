@@ -107,7 +107,9 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
         old = run.info()
         if old.get("probe"):  # the probe is not run again: its choices are part of the run
             r = old["recipe"]
-            was, now = old["probe"].get("device_name"), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+            # (a CUDA device with no CUDA runtime is only a test's: there is no name to compare)
+            on_gpu = dev.type == "cuda" and torch.cuda.is_available()
+            was, now = old["probe"].get("device_name"), torch.cuda.get_device_name(dev) if on_gpu else None
             if now is not None and was != now:
                 warnings.warn(f"this run was probed on a {was} and resumes on a {now}: it keeps micro-batch "
                               f"{r['train']['micro_batch_size']}, context {r['train']['seq_len']} and precision "

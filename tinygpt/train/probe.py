@@ -35,6 +35,9 @@ from tinygpt.train.memory import (
     estimate_memory,
 )
 from tinygpt.train.optim import build_optimizer
+from tinygpt.train.trainer import Trainer
+
+SPEED_STEPS, SPEED_WARMUP = 6, 2  # optimizer steps timed (median) after warm-up ones (the compile among them)
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
 CPU_GFLOPS_PER_CORE = 25.0  # a rough guess of what PyTorch gets from one core in fp32; for expectations only
@@ -74,6 +77,8 @@ class ProbeResult:
     trials: list[Trial] = field(default_factory=list)
     key: dict = field(default_factory=dict)
     from_cache: bool = False
+    speeds: dict = field(default_factory=dict)  # micro-batch -> tokens/s of the trainer's own step
+    tokens_per_s_source: str = "measured by trial (eager, one micro-batch)"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,6 +193,69 @@ def _batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[i
                           f"recipe's {tokens_per_step}: no micro-batch near {largest} divides it exactly")
 
 
+class _RandomBatches:
+    """Batches of random tokens for timing: the speed of a step does not depend on which tokens."""
+
+    def __init__(self, vocab_size: int, seq_len: int):
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+
+    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(self.vocab_size, (batch_size, self.seq_len + 1))
+        return x[:, :-1], x[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: int = SPEED_STEPS,
+                  warmup: int = SPEED_WARMUP) -> float:
+    """Tokens/s of the trainer's own optimizer step for this recipe (its micro-batch, accumulation,
+    precision, loss, optimizer, and compile where the trainer compiles): the median of `steps` after
+    `warmup`. Nothing is written: the trainer is built and stepped, never fitted."""
+    dev = resolve_device(str(device))
+    t = recipe.train
+    times = []
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the caller's RNG is left as it was
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(recipe.model))
+        trainer = Trainer(model, dataclasses.replace(t, device=str(dev)),
+                          _RandomBatches(recipe.model.vocab_size, t.seq_len), [],
+                          run_dir=Path("/nonexistent-probe-run"), device=dev, progress=False)
+        for _ in range(warmup + steps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            trainer._optimizer_step()
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        del trainer, model
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return t.tokens_per_step / sorted(times[warmup:])[len(times[warmup:]) // 2]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
+
+def _speed_candidates(largest: int, seq_len: int, tokens_per_step: int) -> list[tuple[int, int]]:
+    """The (micro-batch, accumulation) pairs worth timing: the geometry the largest micro-batch that fits
+    gives, and those of about a half and a quarter of it (the largest is not always the fastest)."""
+    out: list[tuple[int, int]] = []
+    for limit in (largest, largest // 2, largest // 4):
+        if limit >= 1:
+            micro, accum, _ = _batch_geometry(limit, seq_len, tokens_per_step)
+            if (micro, accum) not in out:
+                out.append((micro, accum))
+    return out
+
+
 def requested_precision(recipe: Recipe, device_type: str, has_native_bf16: bool) -> tuple[str, str | None]:
     """A recipe's bf16 on a GPU that only emulates it (T4, V100) would be slow: let the probe decide."""
     if recipe.train.precision == "bf16" and device_type == "cuda" and not has_native_bf16:
@@ -204,14 +272,17 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
           memory_limit_gb: float | None = None, margin: float = 0.1,
           measure: Callable[[int, int, bool], float] | None = None, max_micro_batch: int | None = None,
           min_seq_len: int = 128, time_limit_s: float | None = None,
-          cache_dir: str | Path | None = "default") -> ProbeResult:
+          cache_dir: str | Path | None = "default",
+          speed: Callable[[Recipe, torch.device], float] | None = trainer_speed) -> ProbeResult:
     """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits in
     (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per step.
 
     `measure(micro_batch, seq_len, checkpointing) -> GB`, called after each trial's step, replaces the
     real measurement (torch.cuda.max_memory_allocated on CUDA, TensorMemoryTracker elsewhere); a trial
     over `memory_limit_gb` (default: the GPU's memory less its context, or the free RAM) raises
-    torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off."""
+    torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off.
+    Among the micro-batches that fit, `speed(recipe, device) -> tokens/s` (default: the trainer's own
+    step, compiled where it compiles) picks the fastest; None keeps the largest."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     dev = resolve_device(str(device))
     requested, prec_note = requested_precision(recipe, dev.type, native_bf16(dev))
@@ -226,7 +297,8 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
     key = dict(device=name, recipe=recipe.name, torch=torch.__version__, model=recipe.model.to_dict(),
                seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, tokens_per_step=train.tokens_per_step,
                precision=prec.name, memory_limit_gb=round(memory_limit_gb, 2), margin=margin,
-               max_micro_batch=max_micro_batch, min_seq_len=min_seq_len, injected_measure=measure is not None)
+               max_micro_batch=max_micro_batch, min_seq_len=min_seq_len, injected_measure=measure is not None,
+               timed=getattr(speed, "__name__", None))
     path = None
     if cache_dir == "default":
         cache_dir = cache_root("probe")
@@ -273,8 +345,28 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
     if t < train.seq_len:
         notes.append(f"context shortened from {train.seq_len} to {t}: micro-batch 1 did not fit at longer contexts "
                      "even with activation checkpointing")
-    # Confirm the chosen geometry with one more (warm) trial: its peak and tokens/s are the ones reported.
+    # The fastest of the micro-batches that fit, as the trainer runs them (compiled, its loss and
+    # optimizer): on an H100 the largest micro-batch was not the fastest, and eager trials said 0.42x.
+    speeds: dict[int, float] = {}
     limit = largest
+    if speed is not None:
+        for micro, accum in _speed_candidates(largest, t, train.tokens_per_step):
+            if speeds and out_of_time():
+                break
+            del runner  # the trial model's memory goes back before the trainer's is taken
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            speeds[micro] = speed(recipe.replace(
+                model={"activation_checkpointing": ckpt},
+                train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum, "precision": prec.name}),
+                dev)
+            runner = _TrialRunner(recipe, dev, prec, memory_limit_gb, margin, measure)
+        limit = max(speeds, key=speeds.__getitem__)
+        if len(speeds) > 1:
+            notes.append(f"micro-batch {limit} is the fastest of those timed as the trainer runs them (" +
+                         ", ".join(f"{b}: {v:,.0f} tokens/s" for b, v in sorted(speeds.items())) + ")")
+    # Confirm the chosen geometry with one more (warm) trial: its peak is the one reported.
     while True:
         micro, accum, geometry_note = _batch_geometry(limit, t, train.tokens_per_step)
         trials.append(runner.trial(micro, t, ckpt))
@@ -288,11 +380,15 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
                      f"is exactly the recipe's {train.tokens_per_step} tokens per step")
     if time_limit_s is not None and out_of_time():
         notes.append(f"the search stopped at its time limit of {time_limit_s:.0f} s: a larger micro-batch may fit")
-    notes.append("measured in eager mode; torch.compile usually needs less memory")
+    notes.append("memory measured in eager mode; torch.compile usually needs less")
     final = trials[-1]
+    tps, source = final.tokens_per_s, "measured by trial (eager, one micro-batch)"
+    if micro in speeds:
+        tps, source = speeds[micro], f"measured: the trainer's step, median of {SPEED_STEPS}"
     result = ProbeResult(recipe.name, name, micro, t, accum, ckpt, prec.name, prec.reason,
                          final.peak_gb if final.peak_gb is not None else math.nan, memory_limit_gb, margin, largest,
-                         final.tokens_per_s, time.perf_counter() - t0, notes, trials, key)
+                         tps, time.perf_counter() - t0, notes, trials, key,
+                         speeds={str(k): v for k, v in speeds.items()}, tokens_per_s_source=source)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, result.to_dict())  # a disconnect never leaves half a cache file
@@ -332,8 +428,11 @@ class Expectations:
                 ("time to finish", "-" if hours is None else f"{hours:.2f} h")]
 
 
-def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResult | None = None) -> Expectations:
-    """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware."""
+def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResult | None = None,
+                 measured_tokens_per_s: float | None = None) -> Expectations:
+    """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware.
+    `measured_tokens_per_s`: the trainer's own step timed as the recipe stands (`trainer_speed`), where
+    no probe searched (the CPU)."""
     if probe_result is not None:
         recipe = apply_probe(recipe, probe_result)
     t = recipe.train
@@ -347,7 +446,9 @@ def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResu
         peak = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device).total_gb
         mem_src = "estimated"
     if probe_result is not None and probe_result.tokens_per_s:
-        tps, tps_src = probe_result.tokens_per_s, "measured by trial"
+        tps, tps_src = probe_result.tokens_per_s, probe_result.tokens_per_s_source
+    elif measured_tokens_per_s:
+        tps, tps_src = measured_tokens_per_s, f"measured: the trainer's step, median of {SPEED_STEPS}"
     elif report.peak_tflops:
         tps = report.peak_tflops * 1e12 * ASSUMED_MFU / fpt
         tps_src = f"{report.peak_tflops:.0f} TFLOP/s peak x {ASSUMED_MFU:.0%} MFU assumed"
