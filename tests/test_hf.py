@@ -45,14 +45,16 @@ def _make_run(path: Path, tok: Tokenizer, model: GPT) -> Path:
     return path
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_export_round_trip_through_transformers(tmp_path, tok, shakespeare, tied):
-    config = dataclasses.replace(get_recipe("cpu-smoke").model, tie_embeddings=tied, n_kv_head=1, rope_theta=5000.0)
+@pytest.mark.parametrize("tied,qk_norm,arch", [(False, False, "LlamaForCausalLM"), (True, False, "LlamaForCausalLM"),
+                                                (False, True, "Qwen3ForCausalLM")])
+def test_export_round_trip_through_transformers(tmp_path, tok, shakespeare, tied, qk_norm, arch):
+    config = dataclasses.replace(get_recipe("cpu-smoke").model, tie_embeddings=tied, n_kv_head=1, rope_theta=5000.0,
+                                 qk_norm=qk_norm, zero_init_proj=qk_norm)
     model = _perturbed(config)
     run = _make_run(tmp_path / "run", tok, model)
     out = hf.export_run(run, tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["eos_token_id"] == tok.eot_id
+    assert cfg["architectures"] == [arch] and cfg["eos_token_id"] == tok.eot_id
     assert cfg["rope_theta"] == 5000.0  # also at the top level, where transformers 4.x reads it
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -139,11 +141,13 @@ def test_import_of_a_transformers_llama(tmp_path, tok, shakespeare, tied, shard)
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_export_then_import_gives_the_same_weights(tmp_path, tok):
-    model = _perturbed(get_recipe("cpu-smoke").model, seed=3)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_export_then_import_gives_the_same_weights(tmp_path, tok, qk_norm):
+    model = _perturbed(dataclasses.replace(get_recipe("cpu-smoke").model, qk_norm=qk_norm), seed=3)
     out = hf.export_model(model, tok, tmp_path / "exported")
     back, back_tok = hf.import_hf(out)
     a, b = model_state(model), model_state(back)
+    assert back.config.qk_norm == qk_norm and any("q_norm" in k for k in a) == qk_norm
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert back_tok.to_json() == tok.to_json()
 

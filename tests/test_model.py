@@ -1,8 +1,10 @@
 """The model against Hugging Face Llama (the reference), the KV cache, activation checkpointing."""
+import dataclasses
+
 import pytest
 import torch
 
-from tinygpt.core.config import MODEL_SIZES, ConfigError, ModelConfig, model_config
+from tinygpt.core.config import MODEL_SIZES, ConfigError, ModelConfig, get_recipe, model_config
 from tinygpt.model.gpt import GPT, KVCache
 
 transformers = pytest.importorskip("transformers")
@@ -99,3 +101,20 @@ def test_too_long_input_and_bad_configs_are_refused():
         ModelConfig(d_model=100, n_head=3)
     with pytest.raises(ConfigError, match="n_kv_head"):
         ModelConfig(n_head=4, n_kv_head=3)
+
+
+def test_zero_init_projections_make_every_block_the_identity_at_start():
+    """zero_init_proj: o_proj and down_proj start at zero, so the logits are those of the embedding
+    through the final norm and the head alone; training moves them off zero."""
+    cfg = dataclasses.replace(get_recipe("cpu-smoke").model, zero_init_proj=True, qk_norm=True)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    zeros = [n for n, p in model.named_parameters() if p.dim() == 2 and not p.any()]
+    assert len(zeros) == 2 * cfg.n_layer and all(n.endswith(("o_proj.weight", "down_proj.weight")) for n in zeros)
+    x = torch.randint(cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        direct = model.lm_head(model.model.norm(model.model.embed_tokens(x)))
+        torch.testing.assert_close(model(x), direct)
+    loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    assert model.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0  # they do learn

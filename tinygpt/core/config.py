@@ -62,6 +62,12 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     activation_checkpointing: bool = False
+    # Speed-run choices (modded-nanogpt), each kept only where it measured better at our scale
+    # (docs/BENCHMARKS.md): an RMSNorm on each head's queries and keys before RoPE (Qwen3's q_norm and
+    # k_norm, so an export is a `Qwen3ForCausalLM`), and the projections into the residual stream
+    # (o_proj, down_proj) initialised at zero, so that every block starts as the identity.
+    qk_norm: bool = False
+    zero_init_proj: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -90,8 +96,14 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+    @property
+    def hf_model_type(self) -> str:
+        """The `transformers` architecture with the same layers and names: Llama, or Qwen3 with QK-norm."""
+        return "qwen3" if self.qk_norm else "llama"
+
     def to_hf_llama(self) -> dict[str, Any]:
-        """The keyword arguments of the equivalent `transformers.LlamaConfig`."""
+        """The keyword arguments of the equivalent `transformers.LlamaConfig` (or `Qwen3Config`: the same
+        names; see `hf_model_type`)."""
         return dict(
             vocab_size=self.vocab_size, hidden_size=self.d_model, intermediate_size=self.d_ff,
             num_hidden_layers=self.n_layer, num_attention_heads=self.n_head,
@@ -117,7 +129,7 @@ class ModelConfig:
             d_ff=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
             rope_theta=float(rope_theta), norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=hf.get("initializer_range", 0.02),
+            init_std=hf.get("initializer_range", 0.02), qk_norm=hf.get("model_type") == "qwen3",
         )
 
 
@@ -299,6 +311,14 @@ def _recipes() -> dict[str, Recipe]:
             "cpu", model_config("cpu", vocab_size=4096),
             TrainConfig(micro_batch_size=16, seq_len=128, max_steps=300, lr=2e-3, min_lr=2e-4, warmup_steps=30,
                         eval_every=100, eval_batches=8, log_every=10, save_every=100, keep_last=2),
+            DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000)),
+        Recipe(
+            "cpu-fast", "The cpu recipe's model made faster to a good loss: QK-norm, zero-initialised projections, "
+            "Muon for the hidden matrices, warmup-stable-decay; half the steps.",
+            "cpu", model_config("cpu", vocab_size=4096, qk_norm=True, zero_init_proj=True),
+            TrainConfig(micro_batch_size=16, seq_len=128, max_steps=150, lr=4e-3, min_lr=0.0, warmup_steps=10,
+                        optimizer="muon", schedule="wsd", decay_fraction=0.4, eval_every=50, eval_batches=8,
+                        log_every=10, save_every=50, keep_last=2),
             DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000)),
         Recipe(
             "t4-50m", "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer.",

@@ -196,10 +196,10 @@ def base_config(path: str):
 
 def base_config_dict(base: str | Path) -> dict[str, Any]:
     """A base's `config.json` as a dict (what `memory_table` reads), without loading any weights;
-    for a tinygpt run folder, that of the `LlamaForCausalLM` it is exported as."""
+    for a tinygpt run folder, that of the `LlamaForCausalLM` (or `Qwen3ForCausalLM`) it is exported as."""
     if is_tinygpt_run(base):
         recipe = Recipe.from_dict(RunDir(Path(base).expanduser()).recipe_dict())
-        return {"model_type": "llama", **recipe.model.to_hf_llama()}
+        return {"model_type": recipe.model.hf_model_type, **recipe.model.to_hf_llama()}
     return base_config(str(base)).to_dict()
 
 

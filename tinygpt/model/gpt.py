@@ -1,7 +1,7 @@
-"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA and tied embeddings).
+"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA, tied embeddings and QK-norm).
 
-Parameter names are those of Hugging Face `LlamaForCausalLM`, so a state_dict moves between the
-two with no renaming (`tinygpt.model.hf` does the config.json side). Attention is
+Parameter names are those of Hugging Face `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm), so a
+state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side). Attention is
 `F.scaled_dot_product_attention`, which picks flash / memory-efficient kernels on CUDA.
 """
 from __future__ import annotations
@@ -76,11 +76,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=False)
+        if config.qk_norm:  # Qwen3's names and place: per head, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         start = 0
@@ -150,11 +157,14 @@ class GPT(nn.Module):
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std); the projections into the residual stream scaled by 1/sqrt(2 n_layer)
-        (GPT-2's scaled init) so that the residual variance does not grow with depth."""
+        (GPT-2's scaled init) so that the residual variance does not grow with depth, or zero with
+        `zero_init_proj`."""
         std = self.config.init_std
         for name, p in self.named_parameters():
-            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            if p.dim() == 1:  # every norm's weight
                 nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")) and self.config.zero_init_proj:
+                nn.init.zeros_(p)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
             else:

@@ -1,4 +1,5 @@
-"""Hugging Face format: export a tinygpt run to a `LlamaForCausalLM` folder, import a Llama folder.
+"""Hugging Face format: export a tinygpt run to a `LlamaForCausalLM` folder (`Qwen3ForCausalLM` for a model
+with QK-norm), import a Llama or Qwen3 folder.
 
 tinygpt's parameter names are those of `LlamaForCausalLM`, so the weights move as they are; only
 config.json and the tokenizer files are written here. An exported folder loads with
@@ -40,11 +41,19 @@ def check_export_target(out_dir: str | Path) -> Path:
     return out
 
 
+HF_ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
 def hf_llama_config(config: ModelConfig, eot_id: int | None = None) -> Any:
-    """The `transformers.LlamaConfig` of a tinygpt model config."""
+    """The `transformers` config of a tinygpt model config: a `LlamaConfig`, or with QK-norm a `Qwen3Config`
+    (Llama's layers plus an RMSNorm on each head's queries and keys; full attention, no sliding window)."""
     tf = _transformers()
-    return tf.LlamaConfig(**config.to_hf_llama(), architectures=["LlamaForCausalLM"], bos_token_id=eot_id,
-                          eos_token_id=eot_id, torch_dtype="float32")
+    config_class, arch = HF_ARCHITECTURES[config.hf_model_type]
+    kw = config.to_hf_llama()
+    if config.qk_norm:
+        kw = {k: v for k, v in kw.items() if k != "mlp_bias"} | {"use_sliding_window": False}
+    return getattr(tf, config_class)(**kw, architectures=[arch], bos_token_id=eot_id, eos_token_id=eot_id,
+                                     torch_dtype="float32")
 
 
 def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
@@ -95,9 +104,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") 
 
 def _check_llama(cfg: dict[str, Any], path: Path) -> None:
     arch = cfg.get("architectures") or []
-    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
+    if cfg.get("model_type") not in HF_ARCHITECTURES and "LlamaForCausalLM" not in arch:
         raise ValueError(f"{path} holds a {cfg.get('model_type') or arch or 'model of unknown type'}, not a Llama; "
-                         "tinygpt imports Llama-architecture models only (model_type 'llama')")
+                         "tinygpt imports Llama-architecture models only (model_type 'llama', or 'qwen3')")
+    if cfg.get("model_type") == "qwen3" and cfg.get("use_sliding_window"):
+        raise ValueError(f"{path} uses sliding-window attention, which tinygpt's attention does not implement")
     rope = cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type") or rope.get("type") or \
         (cfg.get("rope_parameters") or {}).get("rope_type", "default")
