@@ -317,6 +317,7 @@ class InstructSource:
             raise DataError("no training examples are left")
         self.rows, self.seq_len, self.pad_id, self.seed = rows, seq_len, pad_id, seed
         self.lengths = lengths
+        self.served_tokens = 0  # real (not padding) input tokens of the batches served: a statistic, not state
         h = hashlib.sha256()
         for x, y in rows:
             h.update(x.tobytes() + y.tobytes())
@@ -347,6 +348,7 @@ class InstructSource:
     def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, ...]:
         picked = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
         lengths = [self.lengths[i] for i in picked] if self.lengths is not None else None
+        self.served_tokens += sum(len(self.rows[i][0]) for i in picked)
         return _collate([self.rows[i] for i in picked], self.pad_id, self.seq_len, lengths)
 
     def state_dict(self) -> dict:
