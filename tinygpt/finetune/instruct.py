@@ -5,6 +5,11 @@ Three record formats are read: Alpaca (``instruction``, ``input``, ``output``), 
 becomes token ids plus a flag per token saying whether it carries loss: prompt tokens and padding
 get the target IGNORE_INDEX (-100), response tokens and the closing end-of-text get their id.
 `InstructSource` serves batches in a seeded order whose position is part of every checkpoint.
+
+Packing puts several whole examples in one training row. Each row then comes with position ids that
+start again at 0 at every example: a transformers model (4.53 and later) reads those restarts as
+record boundaries and keeps each example's attention inside itself, so a packed row gives the same
+loss as its examples run one by one, without the padding.
 """
 from __future__ import annotations
 
@@ -253,8 +258,10 @@ class DataReport:
 Row = tuple[np.ndarray, np.ndarray]  # (x, y) of one training sequence
 
 
-def _to_rows(examples: list[tuple[list[int], list[bool]]], seq_len: int, pack: bool) -> list[Row]:
-    """(x, y) rows of at most seq_len positions; packing concatenates whole examples greedily."""
+def _to_rows(examples: list[tuple[list[int], list[bool]]], seq_len: int,
+             pack: bool) -> tuple[list[Row], list[np.ndarray]]:
+    """(x, y) rows of at most seq_len positions, and each row's example lengths (in tokens); packing
+    concatenates whole examples greedily."""
     groups: list[list[tuple[list[int], list[bool]]]] = []
     size = 0
     for ex in examples:
@@ -264,34 +271,53 @@ def _to_rows(examples: list[tuple[list[int], list[bool]]], seq_len: int, pack: b
         else:
             groups.append([ex])
             size = len(ex[0])
-    rows = []
+    rows, lengths = [], []
     for g in groups:
         ids = np.array([t for e in g for t in e[0]], dtype=np.int64)
         flags = np.array([f for e in g for f in e[1]], dtype=bool)
         rows.append((ids[:-1], np.where(flags[1:], ids[1:], IGNORE_INDEX)))
-    return rows
+        lengths.append(np.array([len(e[0]) for e in g], dtype=np.int64))
+    return rows, lengths
 
 
-def _collate(rows: Sequence[Row], pad_id: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def record_positions(lengths: np.ndarray, width: int) -> np.ndarray:
+    """Position ids of a packed row `width` wide: 0, 1, ... within each example, and the padding after
+    the last one counted as one more (it starts at 0 too, so it is a record of its own)."""
+    pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])[:width]  # x drops the last token
+    used = min(len(pos), int(lengths.sum()) - 1)
+    return np.concatenate([pos[:used], np.arange(width - used, dtype=np.int64)])
+
+
+def _collate(rows: Sequence[Row], pad_id: int, seq_len: int,
+             lengths: Sequence[np.ndarray] | None = None) -> tuple[torch.Tensor, ...]:
     """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks right, so padding
-    changes nothing for the real tokens and needs no attention mask."""
-    T = min(seq_len, -(-max(len(x) for x, _ in rows) // PAD_MULTIPLE) * PAD_MULTIPLE)
+    changes nothing for the real tokens and needs no attention mask. Packed rows (`lengths` given) are
+    padded to seq_len, one shape for every batch (one compiled graph), and come with their position ids."""
+    longest = -(-max(len(x) for x, _ in rows) // PAD_MULTIPLE) * PAD_MULTIPLE
+    T = seq_len if lengths is not None else min(seq_len, longest)
     x = np.full((len(rows), T), pad_id, dtype=np.int64)
     y = np.full((len(rows), T), IGNORE_INDEX, dtype=np.int64)
     for i, (a, b) in enumerate(rows):
         x[i, :len(a)], y[i, :len(b)] = a, b
-    return torch.from_numpy(x), torch.from_numpy(y)
+    if lengths is None:
+        return torch.from_numpy(x), torch.from_numpy(y)
+    pos = np.stack([record_positions(n, T) for n in lengths])
+    return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(pos)
 
 
 class InstructSource:
     """Training rows in a fresh seeded permutation each epoch; (epoch, index) is the whole state.
     Each call takes the next batch_size * world_size rows of the global order and returns one rank's
-    share, so the order is the same at any world size with the same global batch."""
+    share, so the order is the same at any world size with the same global batch. With `lengths`
+    (packed rows: each row's example lengths) a batch is (x, y, position ids), else (x, y)."""
 
-    def __init__(self, rows: list[Row], seq_len: int, pad_id: int, seed: int):
+    def __init__(self, rows: list[Row], seq_len: int, pad_id: int, seed: int,
+                 lengths: list[np.ndarray] | None = None):
         if not rows:
             raise DataError("no training examples are left")
         self.rows, self.seq_len, self.pad_id, self.seed = rows, seq_len, pad_id, seed
+        self.lengths = lengths
+        self.served_tokens = 0  # real (not padding) input tokens of the batches served: a statistic, not state
         h = hashlib.sha256()
         for x, y in rows:
             h.update(x.tobytes() + y.tobytes())
@@ -315,9 +341,15 @@ class InstructSource:
                 self.epoch, self.index = self.epoch + 1, 0
         return out
 
-    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def packed(self) -> bool:
+        return self.lengths is not None
+
+    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, ...]:
         picked = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
-        return _collate([self.rows[i] for i in picked], self.pad_id, self.seq_len)
+        lengths = [self.lengths[i] for i in picked] if self.lengths is not None else None
+        self.served_tokens += sum(len(self.rows[i][0]) for i in picked)
+        return _collate([self.rows[i] for i in picked], self.pad_id, self.seq_len, lengths)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "rows": len(self.rows),
@@ -344,7 +376,8 @@ def build_instruct_data(records: Sequence[dict] | str, tokenizer: Any, seq_len: 
                         fmt: str | None = None, pack: bool = False, val_fraction: float = 0.05, seed: int = 1337,
                         val_batch_size: int = 8, eval_batches: int = 8, split: str = "train") -> InstructData:
     """Records (or a source for `load_records`) to a training source and fixed validation batches.
-    A record is split off for validation by a seeded shuffle; packing never mixes the two sides."""
+    A record is split off for validation by a seeded shuffle. `pack` packs the training rows only: the
+    validation batches are the same padded ones either way, so validation losses compare across runs."""
     if isinstance(records, str):
         records = load_records(records, split)
     if not 0 <= val_fraction < 0.5:
@@ -372,12 +405,13 @@ def build_instruct_data(records: Sequence[dict] | str, tokenizer: Any, seq_len: 
     n_val = min(max(n_val, 1 if val_fraction > 0 else 0), len(kept) - 1)
     val_ex = [kept[i] for i in sorted(order[:n_val])]
     train_ex = [kept[i] for i in sorted(order[n_val:])]
-    train_rows = _to_rows(train_ex, seq_len, pack)
-    val_rows = _to_rows(val_ex, seq_len, pack)[: val_batch_size * eval_batches]
+    train_rows, train_lengths = _to_rows(train_ex, seq_len, pack)
+    val_rows = _to_rows(val_ex, seq_len, False)[0][: val_batch_size * eval_batches]
     val_batches = [_collate(val_rows[i:i + val_batch_size], codec.pad_id, seq_len)
                    for i in range(0, len(val_rows), val_batch_size)]
     n_target = sum(len(x) for x, _ in train_rows)
     n_loss = sum(int((y != IGNORE_INDEX).sum()) for _, y in train_rows)
     report = DataReport(fmt, len(records), excluded, len(train_ex), len(val_ex), sum(too_long), dropped,
                         len(train_rows), max(lengths), float(np.mean(lengths)), n_loss / max(n_target, 1))
-    return InstructData(InstructSource(train_rows, seq_len, codec.pad_id, seed), val_batches, report, template)
+    return InstructData(InstructSource(train_rows, seq_len, codec.pad_id, seed, train_lengths if pack else None),
+                        val_batches, report, template)

@@ -48,6 +48,7 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     PLAIN_HEAD_TYPES,
     SOFTCAP_HEAD_TYPES,
     FinetuneError,
+    FinetunePlan,
     FinetuneRecipe,
     LoraSettings,
     _adapter_dir,
@@ -62,7 +63,11 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     export_adapter,
     get_finetune_recipe,
     is_tinygpt_run,
+    memory_gb_of,
     memory_table,
+    packing_supported,
+    plan_finetune,
+    resumed_plan,
     this_hardware,
     verify_adapter,
 )
@@ -203,23 +208,50 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *, activation_checkp
     return pm
 
 
-def causal_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *,
-                   chunk_rows: int | None = None) -> torch.Tensor:
+def causal_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   *, chunk_rows: int | None = None) -> torch.Tensor:
     """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y are already shifted).
+    position_ids: of packed rows (0 again at each record's start: attention stays inside each record).
     chunk_rows: as in `losses.linear_cross_entropy` (None picks by size, 0 takes the full logits)."""
     # A DDP wrapper (no get_base_model) must see the forward call: wrapped models take the plain path.
     hf = model.get_base_model() if hasattr(model, "get_base_model") else None
     head = hf.get_output_embeddings() if hf is not None else None
+    pos = {"position_ids": position_ids} if position_ids is not None else {}
     if hf is not None and chunked_loss({"model_type": hf.config.model_type}) \
             and isinstance(head, torch.nn.Linear) and head.bias is None:
-        hidden = hf.base_model(input_ids=x, use_cache=False).last_hidden_state
+        hidden = hf.base_model(input_ids=x, use_cache=False, **pos).last_hidden_state
         cap = getattr(hf.config, "final_logit_softcapping", None)
         if cap and hf.config.model_type in SOFTCAP_HEAD_TYPES:
             return softcapped_loss(hidden, head.weight, y, float(cap), chunk_rows=chunk_rows)
         return linear_cross_entropy(hidden, head.weight, y, reduction="sum", ignore_index=IGNORE_INDEX,
                                     chunk_rows=chunk_rows)
-    logits = model(input_ids=x, use_cache=False).logits.float()
+    logits = model(input_ids=x, use_cache=False, **pos).logits.float()
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class FinetuneLoss(torch.nn.Module):
+    """A PEFT model and its loss as one module: what the Trainer trains and compiles, so that the forward
+    pass and the loss (`causal_lm_loss`, hidden states through the head) are one compiled graph; nothing
+    reaches around the compiled wrapper to the base model. Its parameters are the PEFT model's.
+    full_logits: the head's logits for every token at once (fastest; `FinetunePlan` decides whether they
+    fit), else chunked by size (`losses.default_chunk_rows`)."""
+
+    def __init__(self, model: torch.nn.Module, *, full_logits: bool = True):
+        super().__init__()
+        self.model = model
+        self.chunk_rows = 0 if full_logits else None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return causal_lm_loss(self.model, x, y, position_ids, chunk_rows=self.chunk_rows)
+
+
+def module_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+    """The Trainer's loss_fn for a `FinetuneLoss` (or its compiled wrapper): the module computes it."""
+    return model(x, y, *extra)
+
+
+def _peft_model(model: torch.nn.Module) -> torch.nn.Module:
+    return model.model if isinstance(model, FinetuneLoss) else model
 
 
 def softcapped_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float, *,
@@ -244,12 +276,12 @@ def softcapped_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Only the adapter weights, with PEFT's key names: what goes into a checkpoint."""
     from peft import get_peft_model_state_dict
-    return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(_peft_model(model)).items()}
 
 
 def load_adapter_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
     from peft import set_peft_model_state_dict
-    res = set_peft_model_state_dict(model, sd)
+    res = set_peft_model_state_dict(_peft_model(model), sd)
     missing = [k for k in res.missing_keys if "lora_" in k]
     if res.unexpected_keys or missing:
         raise FinetuneError(f"checkpoint does not fit the adapters: missing {missing[:4]}, "
@@ -367,6 +399,7 @@ class FinetuneResult:
     model: Any = field(default=None, repr=False)  # the PeftModel, ready for generate_response
     tokenizer: Any = field(default=None, repr=False)
     mirrored_adapter: Path | None = None  # the adapter's verified copy on the mirror
+    plan: FinetunePlan | None = None  # checkpointing, logits and packing as this run trained
 
 
 def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | Path, max_steps: int | None = None,
@@ -406,8 +439,14 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     tinygpt_base = is_tinygpt_run(base)
     if not tinygpt_base:
         base_config(base)  # a missing or unloadable base fails here, before anything is written
+    # Checkpointing, logits and packing: from the memory estimate against this device, once; a resumed run
+    # keeps its own (finetune.json).
+    planned = dataclasses.replace(rec, train={**rec.train, hardware: cfg})  # the estimate sees the overrides
+    config_dict, memory_gb = base_config_dict(base), memory_gb_of(dev)
+    plan = resumed_plan(old, planned, hardware, config_dict, memory_gb) if old else \
+        plan_finetune(planned, hardware, config_dict, memory_gb)
     info = {"recipe": rec.to_dict(), "base": str(Path(base).resolve()) if tinygpt_base else base, "data": data,
-            "hardware": hardware}
+            "hardware": hardware, "plan": plan.to_dict()}
     check_same_run(run_dir, old, info)
     resuming = bool(list_checkpoints(run_dir / "checkpoints"))
     if resume == "never" and resuming:
@@ -428,13 +467,13 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
         cfg = dataclasses.replace(cfg, seq_len=max_pos)  # the recipe's default, cut to what the base knows
     # Tokenizer and data first: a bad record fails in seconds, not after a 5 GB download.
     tok = load_tokenizer(base_path)
-    dataset = build_instruct_data(data, tok, cfg.seq_len, template=rec.template, pack=rec.pack, seed=cfg.seed,
+    dataset = build_instruct_data(data, tok, cfg.seq_len, template=rec.template, pack=plan.pack, seed=cfg.seed,
                                   val_batch_size=cfg.micro_batch_size, eval_batches=cfg.eval_batches)
     dtype = precision.dtype if dev.type == "cuda" else torch.float32
     model = load_base(base_path, quantize=rec.quantize, dtype=dtype, device=dev)
     if resuming and "signature" in old_adapter:  # e.g. a tinygpt base that trained on since, exported anew
         check_signature(old_adapter["signature"], model, f"the checkpoints in {run_dir}")
-    pm = attach_lora(model, rec.lora, activation_checkpointing=hardware in rec.activation_checkpointing, seed=cfg.seed)
+    pm = attach_lora(model, rec.lora, activation_checkpointing=plan.activation_checkpointing, seed=cfg.seed)
     peft_config = dataclasses.replace(pm.peft_config["default"], inference_mode=True)  # as PEFT saves it
     peft_config.save_pretrained(str(run_dir))  # adapter_config.json + any checkpoint = an adapter (export_adapter)
     write_json_atomic(run_dir / ADAPTER_INFO, {"base": info["base"], "base_path": base_path, "quantize": rec.quantize,
@@ -444,9 +483,10 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     callbacks = list(callbacks)
     if mirror is not None:
         callbacks.append(Mirror(run_dir, mirror, keep_last=cfg.keep_last))
-    trainer = Trainer(pm, cfg, dataset.train, dataset.val_batches, run_dir, device=dev, precision=precision,
-                      loss_fn=causal_lm_loss, state_fn=adapter_state, load_state_fn=load_adapter_state,
-                      callbacks=callbacks, run_info=info, progress=progress)
+    # The Trainer compiles the loss module as a whole (compile "auto": on CUDA): forward and loss in one graph.
+    trainer = Trainer(FinetuneLoss(pm, full_logits=plan.full_logits), cfg, dataset.train, dataset.val_batches,
+                      run_dir, device=dev, precision=precision, loss_fn=module_loss, state_fn=adapter_state,
+                      load_state_fn=load_adapter_state, callbacks=callbacks, run_info=info, progress=progress)
     try:
         result = trainer.fit(resume)
     finally:
@@ -459,6 +499,7 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
         tok.save_pretrained(adapter_dir)
         if mirror is not None:
             mirrored = mirror_adapter(adapter_dir, mirror, result.step)
-    mem = memory_table(rec, hardware, model.config.to_dict())
+    mem = memory_table(planned, hardware, model.config.to_dict(),
+                       activation_checkpointing=plan.activation_checkpointing, full_logits=plan.full_logits)
     return FinetuneResult(run_dir, adapter_dir, result, dataset.report, hardware, n_train, n_total, mem, pm.eval(), tok,
-                          mirrored)
+                          mirrored, plan)

@@ -7,6 +7,7 @@ memory table and the default choice need only a base's `config.json`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,11 @@ from tinygpt.train.memory import overhead_gb
 PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"}
 # Families whose logits are cap * tanh(lm_head(hidden) / cap) (Gemma-2): chunked too, by `finetune.softcapped_loss`.
 SOFTCAP_HEAD_TYPES = {"gemma2"}
+# Families whose transformers implementation builds its attention mask with `masking_utils`, which reads
+# position ids that restart at 0 as record boundaries (attention stays inside each packed record).
+PACKABLE_TYPES = PLAIN_HEAD_TYPES | SOFTCAP_HEAD_TYPES
+# A plan must fit this share of the device's memory (the rest is headroom, as for the default recipe).
+FIT_FRACTION = 0.9
 
 
 class FinetuneError(RuntimeError):
@@ -75,9 +81,11 @@ class FinetuneRecipe:
     lora: LoraSettings
     train: dict[str, TrainConfig]
     quantize: str = "none"  # "none" or "nf4" (QLoRA)
-    activation_checkpointing: tuple[str, ...] = ("t4", "a100")  # hardware classes that recompute
+    # "auto": only where the memory estimate without it does not fit the device (`plan_finetune`);
+    # "on", "off"; or a tuple of hardware classes that always recompute (the old form)
+    activation_checkpointing: str | tuple[str, ...] = "auto"
     template: str = "alpaca"
-    pack: bool = False
+    pack: bool = True  # several records per row, each attending only to itself, where the base supports it
 
     def train_config(self, hardware: str, **overrides: Any) -> TrainConfig:
         if hardware not in self.train:
@@ -86,13 +94,16 @@ class FinetuneRecipe:
         return dataclasses.replace(self.train[hardware], **overrides)
 
     def to_dict(self) -> dict[str, Any]:
+        ckpt = self.activation_checkpointing
         return {**{k: getattr(self, k) for k in ("name", "description", "quantize", "template", "pack")},
-                "lora": dataclasses.asdict(self.lora), "activation_checkpointing": list(self.activation_checkpointing),
+                "lora": dataclasses.asdict(self.lora),
+                "activation_checkpointing": ckpt if isinstance(ckpt, str) else list(ckpt),
                 "train": {k: v.to_dict() for k, v in self.train.items()}}
 
 
 def _settings() -> dict[str, TrainConfig]:
-    common = dict(weight_decay=0.0, grad_clip=1.0, compile="off", eval_batches=8, log_every=10, keep_last=3)
+    # compile "auto": the whole step (forward and loss, `lora.FinetuneLoss`) compiled on CUDA, eager elsewhere
+    common = dict(weight_decay=0.0, grad_clip=1.0, compile="auto", eval_batches=8, log_every=10, keep_last=3)
     return {  # effective batch 16 sequences on both GPUs
         "t4": TrainConfig(micro_batch_size=4, grad_accum_steps=4, seq_len=512, lr=2e-4, min_lr=2e-5, warmup_steps=100,
                           max_steps=1000, eval_every=100, save_every=50, precision="auto", **common),
@@ -204,10 +215,23 @@ def base_config_dict(base: str | Path) -> dict[str, Any]:
 
 
 # ----- memory -------------------------------------------------------------------------------------
-def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[str, Any]) -> list[dict[str, Any]]:
+def checkpointing_rule(recipe: FinetuneRecipe, hardware: str) -> bool | None:
+    """The recipe's activation checkpointing on this hardware: True, False, or None (decided by memory)."""
+    rule = recipe.activation_checkpointing
+    if isinstance(rule, str):
+        if rule not in ("auto", "on", "off"):
+            raise FinetuneError(f"activation_checkpointing must be auto, on or off, got {rule!r}")
+        return None if rule == "auto" else rule == "on"
+    return hardware in rule
+
+
+def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[str, Any], *,
+                 activation_checkpointing: bool | None = None, full_logits: bool | None = None) -> list[dict[str, Any]]:
     """Estimated GPU memory (GB) of finetuning a base with a Llama-like `config.json` dict.
     Activations: 2 bytes x tokens x (17 d_model + 5 d_ff) per layer (a layer with LoRA dropout and
-    flash attention); with activation checkpointing only the layer inputs plus one layer are held."""
+    flash attention); with activation checkpointing only the layer inputs plus one layer are held.
+    activation_checkpointing / full_logits: None gives the leanest the recipe allows (checkpointing on a GPU
+    unless the recipe says "off"; chunked logits where the family allows), the least a run can need."""
     recipe = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     c, cfg = base_config, recipe.train_config(hardware)
     h = c.get("hidden_size") or c["n_embd"]
@@ -227,9 +251,11 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     nf4 = recipe.quantize == "nf4"
     tokens = cfg.micro_batch_size * cfg.seq_len
     layer_act = 2 * tokens * (17 * h + 5 * ff)
-    ckpt = hardware in recipe.activation_checkpointing
+    rule = checkpointing_rule(recipe, hardware)
+    ckpt = activation_checkpointing if activation_checkpointing is not None else \
+        (rule if rule is not None else hardware != "cpu")
     act = (L * 2 * tokens * h + layer_act) if ckpt else L * layer_act
-    chunked = chunked_loss(c)
+    chunked = chunked_loss(c) and not full_logits
     logits = (2**25 * 8) if chunked else tokens * V * 12  # fp16 logits + fp32 copy + fp32 log-softmax/grad
     gb = 1e9
     rows = [
@@ -251,6 +277,94 @@ def device_need_gb(table: list[dict[str, Any]], hardware: str) -> float:
     """The memory a device must have for a `memory_table`: its tensors plus `train.memory`'s overhead."""
     tensors = table[-1]["gb"]
     return tensors + overhead_gb(tensors, "cpu" if hardware == "cpu" else "cuda")
+
+
+def memory_gb_of(device: torch.device | str) -> float:
+    """The memory a device has for tensors, in GB: a GPU's total memory, else the machine's RAM."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory / 1e9
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows): assume a laptop's 8 GB
+        return 8.0
+
+
+def packing_supported(base_config: dict[str, Any]) -> bool:
+    """Whether packed records keep their attention to themselves in this base: a family whose transformers
+    code builds its mask with `masking_utils`, in a transformers that reads restarting position ids as
+    record boundaries (4.53 and later)."""
+    if base_config.get("model_type") not in PACKABLE_TYPES:
+        return False
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class FinetunePlan:
+    """How a run trains, decided once from the memory estimate against the device and kept in finetune.json
+    (a resumed run keeps it): recompute activations or not, full logits or chunked, packed rows or padded."""
+
+    activation_checkpointing: bool
+    full_logits: bool
+    pack: bool
+    need_gb: float  # the estimate of this plan, CUDA context and slack included
+    memory_gb: float | None  # the device's memory it was decided against
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FinetunePlan":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+def plan_finetune(recipe: FinetuneRecipe, hardware: str, base_config: dict[str, Any],
+                  memory_gb: float | None) -> FinetunePlan:
+    """The fastest plan whose estimate fits FIT_FRACTION of `memory_gb` (None: any fits). Tried fastest
+    first: no recomputation and the full logits; then chunked logits (a loop over row chunks, no extra
+    matmul); then activation checkpointing (one more forward per step); the leanest when none fits."""
+    rule = checkpointing_rule(recipe, hardware)
+    ckpts = [rule] if rule is not None else [False, True]
+    logits = [True, False] if chunked_loss(base_config) else [True]
+    options = [(c, f) for c in ckpts for f in logits]
+    pack = recipe.pack and packing_supported(base_config)
+    for c, f in options:
+        need = device_need_gb(memory_table(recipe, hardware, base_config, activation_checkpointing=c, full_logits=f),
+                              hardware)
+        if memory_gb is None or need <= FIT_FRACTION * memory_gb:
+            break
+    where = f"of {memory_gb:.1f} GB" if memory_gb is not None else "(device memory unknown)"
+    fits = memory_gb is None or need <= FIT_FRACTION * memory_gb
+    why = (f"about {need:.1f} GB {where}: activation checkpointing {'on' if c else 'off'}, "
+           f"{'full' if f else 'chunked'} logits" + ("" if fits else "; the leanest plan, and it may not fit"))
+    return FinetunePlan(c, f, pack, round(need, 3), None if memory_gb is None else round(memory_gb, 3), why)
+
+
+def resumed_plan(old: dict[str, Any], recipe: FinetuneRecipe, hardware: str, base_config: dict[str, Any],
+                 memory_gb: float | None) -> FinetunePlan:
+    """The plan of the run being resumed (from its finetune.json). Its packing is always kept (the rows
+    must be the same); its memory choices too, unless this device is too small for them. A run from
+    before plans were recorded had the old rules: padded rows, checkpointing per hardware class."""
+    if "plan" in old:
+        plan = FinetunePlan.from_dict(old["plan"])
+    else:
+        r = old.get("recipe", {})
+        rule = r.get("activation_checkpointing", ["t4", "a100"])
+        ckpt = hardware in rule if isinstance(rule, list) else rule == "on" or (rule == "auto" and hardware != "cpu")
+        plan = FinetunePlan(ckpt, False, bool(r.get("pack", False)), 0.0, None, "a run from before plans were kept")
+    table = memory_table(recipe, hardware, base_config, activation_checkpointing=plan.activation_checkpointing,
+                         full_logits=plan.full_logits)
+    need = device_need_gb(table, hardware)
+    if memory_gb is not None and need > FIT_FRACTION * memory_gb:
+        lean = plan_finetune(recipe, hardware, base_config, memory_gb)
+        return dataclasses.replace(lean, pack=plan.pack, why=lean.why + " (re-planned: the run's plan does not "
+                                   "fit this device)")
+    return dataclasses.replace(plan, need_gb=round(need, 3))
 
 
 # ----- the default --------------------------------------------------------------------------------
@@ -275,9 +389,9 @@ def default_finetune_recipe(base_config: dict[str, Any], hardware: str, memory_g
 def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any]) -> None:
     """Refuse a run folder whose finetune.json describes another run (the Trainer checks the TrainConfig)."""
 
-    def identity(i: dict) -> dict:
+    def identity(i: dict) -> dict:  # packing is part of the run's plan, which a resumed run keeps
         return {k: i.get(k) for k in ("base", "data", "hardware")} | {
-            k: i["recipe"].get(k) for k in ("lora", "quantize", "template", "pack")}
+            k: i["recipe"].get(k) for k in ("lora", "quantize", "template")}
     check_same_settings(f"run folder {run_dir}", identity(old) if old is not None else None, identity(new),
                         "another finetuning run")
 

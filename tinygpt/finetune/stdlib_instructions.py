@@ -7,6 +7,7 @@ Alpaca, MBPP) are not at hand. Deterministic: the same Python gives the same rec
 from __future__ import annotations
 
 import ast
+import io
 import json
 import textwrap
 from pathlib import Path
@@ -27,6 +28,7 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
+            file_lines = io.StringIO(source, newline="").readlines()  # split once per file, as ast does
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
         # module-level functions and the methods of module-level classes
@@ -40,7 +42,7 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
             body = node.body[1:]  # without the docstring
             if not body:
                 continue
-            code = ast.get_source_segment(source, node)
+            code = _segment(file_lines, node)
             if code is not None:  # a method: its body keeps the class's indentation, its first line not
                 code = textwrap.dedent(" " * node.col_offset + code)
             if code is None or len(code) > MAX_SOURCE_CHARS:
@@ -62,6 +64,19 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
             if len(records) >= limit:
                 return records
     return records
+
+
+def _segment(lines: list[str], node: ast.AST) -> str | None:
+    """`ast.get_source_segment(source, node)` from the file's lines split once: that function splits the
+    whole file again for every node (most of the time this data set took)."""
+    if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
+        return None
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset:].decode()
+    tail = lines[last].encode()[:node.end_col_offset].decode()
+    return "".join([head, *lines[first + 1:last], tail])
 
 
 def write_stdlib_instructions(path: str | Path, limit: int = 2_000) -> Path:

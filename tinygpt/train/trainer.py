@@ -72,7 +72,9 @@ class TrainingError(RuntimeError):
 
 
 class BatchSource(Protocol):
-    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]: ...
+    """Batches are (x, y) or (x, y, *extra): extra tensors (e.g. position ids of packed records) go to
+    `loss_fn` after y."""
+    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, ...]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
 
@@ -179,13 +181,14 @@ class Trainer:
     Checkpoints go to ``run_dir/checkpoints/step_XXXXXX`` (and ``run_dir/best``). Hooks: each
     callback may define ``on_log(metrics)``, ``on_checkpoint(path, step)``, ``close()``.
     `state_fn` / `load_state_fn` choose what is saved as the model (the whole model by default,
-    only the adapters for LoRA); `loss_fn(model, x, y)` returns the summed token loss.
+    only the adapters for LoRA); `loss_fn(model, x, y, *extra)` returns the summed token loss (extra: any
+    tensors a batch carries after x and y).
     With `world_size` > 1 (an initialised process group, see `tinygpt.train.distributed`) `cfg` is the
     global batch; this rank trains its share with DDP or, `parallel="fsdp"`, FSDP2.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, train_source: BatchSource,
-                 val_batches: list[tuple[torch.Tensor, torch.Tensor]], run_dir: str | Path, *,
+                 val_batches: list[tuple[torch.Tensor, ...]], run_dir: str | Path, *,
                  device: torch.device | str | None = None, precision: Precision | None = None,
                  loss_fn: Callable | None = None, state_fn: Callable | None = None,
                  load_state_fn: Callable | None = None, callbacks: tuple | list = (),
@@ -310,9 +313,9 @@ class Trainer:
     def _evaluate_batches(self, indices: range, total: torch.Tensor) -> None:
         n = len(self.val_batches)
         for i in indices:
-            x, y = self.val_batches[min(i, n - 1)]
+            x, y, *extra = (t.to(self.device) for t in self.val_batches[min(i, n - 1)])
             with self.precision.autocast():
-                loss = self.loss_fn(self.eval_model, x.to(self.device), y.to(self.device)).double()
+                loss = self.loss_fn(self.eval_model, x, y, *extra).double()
             if i < n:
                 total += loss
 
@@ -335,10 +338,10 @@ class Trainer:
             old[s] = signal.signal(s, handler)
         return old
 
-    def _batch_to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch_to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
+        return tuple(t.to(self.device) for t in tensors)
 
     def _no_sync(self, last: bool):
         """DDP / FSDP2: skip the gradient reduction on all but the last micro-step."""
@@ -429,16 +432,16 @@ class Trainer:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         micro = [self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
                  for _ in range(self.grad_accum_steps)]
-        n_targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)  # on the host: no sync
+        n_targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro)  # on the host: no sync
         # DDP / FSDP2 average gradients over ranks: scale by W over the global target count
         n_global = dist_.agree_sum([n_targets])[0] if self.world_size > 1 else n_targets
         # The logged loss is this step's own (not an average since the last log), so a run
         # resumed between two logs writes the same numbers as one never stopped.
         self._loss_sum.zero_()
-        for i, (x, y) in enumerate(micro):
-            x, y = self._batch_to_device(x, y)
+        for i, batch in enumerate(micro):
+            x, y, *extra = self._batch_to_device(*batch)
             with self._no_sync(i == len(micro) - 1), self.precision.autocast():
-                loss_sum = self.loss_fn(self.forward_model, x, y)
+                loss_sum = self.loss_fn(self.forward_model, x, y, *extra)
                 self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
             self._loss_sum += loss_sum.detach().float()
         self.scaler.unscale_(self.optimizer)
