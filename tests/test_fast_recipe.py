@@ -25,7 +25,7 @@ def test_fast_recipes_keep_the_baselines_data_and_size_with_the_speedrun_choices
     assert (f.model.n_layer, f.model.d_model, f.model.vocab_size) == (b.model.n_layer, b.model.d_model,
                                                                       b.model.vocab_size)
     assert f.data.tokenizer == b.data.tokenizer and f.data.vocab_size == b.data.vocab_size  # losses compare
-    assert f.token_budget <= b.token_budget / 2 and f.train.tokens_per_step == b.train.tokens_per_step
+    assert f.token_budget <= b.token_budget / 2 and f.train.seq_len == b.train.seq_len
 
 
 @pytest.fixture(scope="module")

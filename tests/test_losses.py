@@ -154,3 +154,23 @@ def test_default_chunk_rows():
     rows = default_chunk_rows(32 * 1024, 50304)  # a 124M recipe's micro-batch
     assert 0 < rows <= losses.CHUNK_LOGITS // 50304 and rows % 64 == 0
     assert default_chunk_rows(1000, 10**6) == 33  # huge vocabulary: fewer than 64 rows, no rounding
+
+
+def test_loss_modes_give_the_same_loss_and_gradients_through_the_model():
+    """TrainConfig.loss: "full" logits and "chunked" (here forced on a problem "auto" would take whole) are the
+    same loss and the same gradients; only speed and memory differ."""
+    assert default_chunk_rows(8 * 32, 1000, "full") == 0 and default_chunk_rows(8 * 32, 1000, "chunked") > 0
+    assert default_chunk_rows(8 * 32, 1000, "auto") == 0
+    torch.manual_seed(0)
+    model = GPT(model_config("tiny", vocab_size=1000))
+    x, y = torch.randint(1000, (8, 32)), torch.randint(1000, (8, 32))
+    y[0, :5] = IGNORE_INDEX
+    out = {}
+    for mode in ("full", "chunked"):
+        model.zero_grad()
+        loss = model(x, y, reduction="sum", loss=mode)
+        loss.backward()
+        out[mode] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(out["full"][0], out["chunked"][0], rtol=1e-5, atol=1e-4)
+    for a, b in zip(out["full"][1], out["chunked"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

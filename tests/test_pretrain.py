@@ -15,6 +15,7 @@ def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkey
 
     class FakeResult:  # the probe itself is tested in test_probe.py; here only how pretrain uses it
         micro_batch_size, grad_accum_steps, seq_len, precision, activation_checkpointing = 8, 64, 1024, "bf16", True
+        loss = "full"
 
         def to_dict(self):
             return {"micro_batch_size": 8}
@@ -25,6 +26,7 @@ def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkey
     assert calls == ["a100-124m"] and info == {"micro_batch_size": 8}
     assert (fitted.train.micro_batch_size, fitted.train.grad_accum_steps) == (8, 64)
     assert fitted.train.tokens_per_step == recipe.train.tokens_per_step and fitted.model.activation_checkpointing
+    assert fitted.train.loss == "full"
     # the CPU keeps the recipe as written
     assert fit_to_device(recipe, tmp_path, torch.device("cpu")) == (recipe, None)
     # a resumed run keeps the decisions recorded in run.json, whatever GPU it lands on now

@@ -249,6 +249,30 @@ def test_the_fastest_micro_batch_that_fits_is_chosen_not_the_largest():
     assert result.trials[-1].micro_batch == 8 and result.trials[-1].ok  # the choice confirmed by a trial
 
 
+def test_full_logits_are_timed_where_they_fit_and_kept_when_faster():
+    """A vocabulary large enough that the recipe's "auto" loss would chunk: the probe also tries the full
+    logits (a memory trial, then the trainer's step) and keeps them when they measure faster."""
+    recipe = tiny_recipe(micro=16, seq_len=64, accum=2)
+    recipe = recipe.replace(model={"vocab_size": 16384}, data={"vocab_size": 16384})
+    timed = []
+
+    def speed(r, device):
+        timed.append((r.train.micro_batch_size, r.train.loss))
+        return 1000.0 * r.train.micro_batch_size + (500.0 if r.train.loss == "full" else 0.0)
+
+    result = run(recipe, lambda b, t, c: 0.01 * b, limit=1.0, margin=0.0, max_micro_batch=32, speed=speed)
+    assert result.largest_micro_batch == 32 and (result.micro_batch_size, result.grad_accum_steps) == (32, 1)
+    assert timed[:2] == [(32, "auto"), (32, "full")] and result.loss == "full"
+    assert result.speeds["32 full"] == 32_500.0 and result.tokens_per_s == 32_500.0
+    assert [t.micro_batch for t in result.trials].count(32) >= 2  # the full logits had their own memory trial
+    assert apply_probe(recipe, result).train.loss == "full"
+    # a recipe that says how to take its loss is timed that way only
+    timed.clear()
+    chunked = run(recipe.replace(train={"loss": "chunked"}), lambda b, t, c: 0.01 * b, limit=1.0, margin=0.0,
+                  max_micro_batch=32, speed=speed)
+    assert {mode for _, mode in timed} == {"chunked"} and chunked.loss == "chunked"
+
+
 def test_trainer_speed_times_the_trainers_own_step_on_cpu(tmp_path, monkeypatch):
     """The default speed runs the real Trainer step (random tokens), writes nothing, and leaves the
     caller's random state as it was."""

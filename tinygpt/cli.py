@@ -52,7 +52,8 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
     rec = get_recipe(recipe or report.default_recipe)
     requested, _ = requested_precision(rec, report.device, report.native_bf16)
     prec = report.precision if requested == "auto" else requested
-    est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec, device_type=report.device)
+    est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec, device_type=report.device,
+                          loss=rec.train.loss)
     result, note, speed = None, None, None
     if report.device == "cuda":
         try:

@@ -145,7 +145,7 @@ def summary(recipe: Recipe | str, report: Any, search: Any = None, hardware: boo
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     t, prec = recipe.train, _precision_for(recipe, report)
-    est = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device)
+    est = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device, loss=t.loss)
     tables = [hardware_table(report)] if hardware else []
     tables.append(Table(est.rows(), f"Memory of {recipe.name}: micro-batch {t.micro_batch_size}, "
                                     f"context {t.seq_len}, {prec} (estimated)", notes=(recipe.description,)))

@@ -213,13 +213,14 @@ class GPT(nn.Module):
         return self.model.norm(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                cache: KVCache | None = None, reduction: str = "mean"):
+                cache: KVCache | None = None, reduction: str = "mean", loss: str = "auto"):
         """Logits (B, T, vocab_size) without targets; with targets, the cross-entropy loss
-        (mean over tokens whose target is not IGNORE_INDEX, or their sum with reduction="sum")."""
+        (mean over tokens whose target is not IGNORE_INDEX, or their sum with reduction="sum"),
+        over the full logits or in chunks as `loss` says (`tinygpt.model.losses.LOSS_MODES`)."""
         x = self.hidden_states(idx, cache)
         if targets is None:
             return self.lm_head(x)
-        return cross_entropy(self.lm_head, x, targets, reduction=reduction)
+        return cross_entropy(self.lm_head, x, targets, reduction=reduction, mode=loss)
 
 
 def meta_model(config: ModelConfig) -> GPT:
@@ -229,7 +230,8 @@ def meta_model(config: ModelConfig) -> GPT:
         return GPT(config)
 
 
-def cross_entropy(head: nn.Linear, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def cross_entropy(head: nn.Linear, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+                  mode: str = "auto") -> torch.Tensor:
     """Cross-entropy of head(x) against targets, in fp32, ignoring IGNORE_INDEX.
 
     Large vocabularies go through `tinygpt.model.losses` in chunks of rows, so the full logits are never
@@ -240,4 +242,4 @@ def cross_entropy(head: nn.Linear, x: torch.Tensor, targets: torch.Tensor, reduc
         logits = head(x).float()
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction=reduction)
-    return linear_cross_entropy(x, head.weight, targets, reduction=reduction, ignore_index=IGNORE_INDEX)
+    return linear_cross_entropy(x, head.weight, targets, reduction=reduction, ignore_index=IGNORE_INDEX, mode=mode)

@@ -31,9 +31,16 @@ PLAIN_MAX_LOGITS = 2**24
 CHUNK_LOGITS = 2**25
 
 
-def default_chunk_rows(n_rows: int, vocab_size: int) -> int:
-    """Rows per chunk for `n_rows` tokens: 0 (use the plain loss) when all logits are small."""
-    if n_rows * vocab_size <= PLAIN_MAX_LOGITS:
+# How the trainer takes the loss (`TrainConfig.loss`): "auto" chunks by size (below), "full" always
+# keeps the full logits (the fastest where they fit: one fused kernel, no loop), "chunked" always
+# chunks. On a GPU the probe times "full" against "chunked" and keeps the faster one that fits.
+LOSS_MODES = ("auto", "full", "chunked")
+
+
+def default_chunk_rows(n_rows: int, vocab_size: int, mode: str = "auto") -> int:
+    """Rows per chunk for `n_rows` tokens; 0 means the plain loss over the full logits ("full", or
+    "auto" when all logits are small)."""
+    if mode == "full" or (mode == "auto" and n_rows * vocab_size <= PLAIN_MAX_LOGITS):
         return 0
     rows = max(1, CHUNK_LOGITS // vocab_size)
     if rows >= 64:
@@ -97,12 +104,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          reduction: str = "mean", ignore_index: int = IGNORE_INDEX,
-                         chunk_rows: int | None = None) -> torch.Tensor:
+                         chunk_rows: int | None = None, mode: str = "auto") -> torch.Tensor:
     """Cross-entropy of the logits `x @ weight.T` (fp32 log-softmax) against `targets`.
 
     x: (..., d) hidden states; weight: (vocab, d) head; targets: (...) class ids, `ignore_index`
     for tokens without a loss. reduction: "mean" over the non-ignored tokens (NaN when there are
-    none, as F.cross_entropy) or "sum". chunk_rows: None picks by size (`default_chunk_rows`),
+    none, as F.cross_entropy) or "sum". chunk_rows: None picks by `mode` (`default_chunk_rows`),
     0 forces the plain loss, n > 0 forces chunks of n rows.
     """
     if reduction not in ("mean", "sum"):
@@ -112,7 +119,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if x2.shape[0] != t.shape[0]:
         raise ValueError(f"{x2.shape[0]} hidden states but {t.shape[0]} targets")
     if chunk_rows is None:
-        chunk_rows = default_chunk_rows(x2.shape[0], weight.shape[0])
+        chunk_rows = default_chunk_rows(x2.shape[0], weight.shape[0], mode)
     if chunk_rows == 0:
         logits = F.linear(x2, weight).float()
         return F.cross_entropy(logits, t, ignore_index=ignore_index, reduction=reduction)

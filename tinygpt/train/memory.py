@@ -100,13 +100,15 @@ def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointin
 
 
 def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, precision: str = "fp32",
-                    activation_checkpointing: bool | None = None, device_type: str = "cuda") -> MemoryEstimate:
-    """Peak training memory of AdamW at this micro-batch and context; precision "bf16", "fp16" or "fp32"."""
+                    activation_checkpointing: bool | None = None, device_type: str = "cuda",
+                    loss: str = "auto") -> MemoryEstimate:
+    """Peak training memory of AdamW at this micro-batch and context; precision "bf16", "fp16" or "fp32";
+    `loss` as `TrainConfig.loss` (the full logits, or chunks of them)."""
     ckpt = model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     meta = meta_model(model)
     n = meta.num_params()
     tokens = micro_batch_size * seq_len
-    chunk_rows = default_chunk_rows(tokens, model.vocab_size)  # what model.cross_entropy will do
+    chunk_rows = default_chunk_rows(tokens, model.vocab_size, loss)  # what model.cross_entropy will do
     # Autocast caches one copy of each Linear's weight per forward; the chunked loss copies lm_head itself.
     matmul = sum(m.weight.numel() for m in meta.modules()
                  if isinstance(m, torch.nn.Linear) and not (chunk_rows and m is meta.lm_head))

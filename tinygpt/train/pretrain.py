@@ -63,7 +63,8 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
     """Refuse a run folder that holds another configuration, or checkpoints when resume is 'never'."""
     run = RunDir(run_dir)
     if run.is_pretrain_run():
-        old, new = run.recipe_dict(), recipe.to_dict()
+        # read back through Recipe: a field added since the run began compares as its default
+        old, new = Recipe.from_dict(run.recipe_dict()).to_dict(), recipe.to_dict()
         check_same_settings(f"run folder {run_dir}", {k: old.get(k) for k in ("model", "train", "data")},
                             {k: new[k] for k in ("model", "train", "data")}, allowed=RESUMABLE_CHANGES)
     if resume == "never" and ckpt.list_checkpoints(run_dir / "checkpoints"):
@@ -95,7 +96,7 @@ def get_tokenizer(recipe: Recipe, run_dir: Path) -> Tokenizer:
     return tok
 
 
-PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "precision")
+PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "precision", "loss")
 
 
 def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1) -> tuple[Recipe, dict | None]:
@@ -115,7 +116,7 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
                               f"{r['train']['micro_batch_size']}, context {r['train']['seq_len']} and precision "
                               f"{r['train']['precision']}; if it runs out of memory, start a new run folder",
                               stacklevel=2)
-            kept = recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS},
+            kept = recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS if k in r["train"]},
                                   model={"activation_checkpointing": r["model"]["activation_checkpointing"]})
             return kept, old["probe"]
         return recipe, None

@@ -27,6 +27,7 @@ from tinygpt.core.precision import (
     resolve_device,
 )
 from tinygpt.model.gpt import GPT, meta_model
+from tinygpt.model.losses import default_chunk_rows
 from tinygpt.train.hardware import HardwareReport, cpu_name, mfu, ram_gb
 from tinygpt.train.memory import (
     CUDA_CONTEXT_GB,
@@ -77,8 +78,9 @@ class ProbeResult:
     trials: list[Trial] = field(default_factory=list)
     key: dict = field(default_factory=dict)
     from_cache: bool = False
-    speeds: dict = field(default_factory=dict)  # micro-batch -> tokens/s of the trainer's own step
+    speeds: dict = field(default_factory=dict)  # "micro-batch" or "micro-batch full" -> tokens/s of the trainer's step
     tokens_per_s_source: str = "measured by trial (eager, one micro-batch)"
+    loss: str = "auto"  # the loss the trainer takes: "full" logits where they fit and measured faster
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,6 +97,7 @@ class _TrialRunner:
                  measure: Callable[[int, int, bool], float] | None):
         self.device, self.precision, self.limit_gb, self.margin, self.measure = (
             device, precision, limit_gb, margin, measure)
+        self.loss = recipe.train.loss  # what each trial's loss does: the trainer's own choice
         torch.manual_seed(0)
         with torch.device(device):
             self.model = GPT(dataclasses.replace(recipe.model))  # own config: checkpointing is toggled per trial
@@ -123,7 +126,7 @@ class _TrialRunner:
         self._sync()
         t0 = time.perf_counter()
         with self.precision.autocast():
-            loss = m(x, y)
+            loss = m(x, y, loss=self.loss)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
@@ -132,7 +135,7 @@ class _TrialRunner:
         seconds = time.perf_counter() - t0
         m.eval()
         with torch.no_grad(), self.precision.autocast():
-            m(x, y)
+            m(x, y, loss=self.loss)
         return seconds
 
     def trial(self, b: int, t: int, ckpt: bool) -> Trial:
@@ -347,25 +350,40 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
                      "even with activation checkpointing")
     # The fastest of the micro-batches that fit, as the trainer runs them (compiled, its loss and
     # optimizer): on an H100 the largest micro-batch was not the fastest, and eager trials said 0.42x.
-    speeds: dict[int, float] = {}
+    # Where the recipe's loss would chunk the logits, the full logits are timed too if they fit: the
+    # chunked loss cost 12-13% on an H100 where the full logits fitted.
+    speeds: dict[tuple[int, str], float] = {}
+    loss = train.loss
     limit = largest
     if speed is not None:
+        vocab = recipe.model.vocab_size
         for micro, accum in _speed_candidates(largest, t, train.tokens_per_step):
-            if speeds and out_of_time():
-                break
-            del runner  # the trial model's memory goes back before the trainer's is taken
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            speeds[micro] = speed(recipe.replace(
-                model={"activation_checkpointing": ckpt},
-                train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum, "precision": prec.name}),
-                dev)
-            runner = _TrialRunner(recipe, dev, prec, memory_limit_gb, margin, measure)
-        limit = max(speeds, key=speeds.__getitem__)
+            modes = [train.loss]
+            if train.loss == "auto" and default_chunk_rows(micro * t, vocab) and not (speeds and out_of_time()):
+                runner.loss = "full"
+                trials.append(runner.trial(micro, t, ckpt))
+                runner.loss = train.loss
+                if trials[-1].ok:
+                    modes.append("full")
+            for mode in modes:
+                if speeds and out_of_time():
+                    break
+                del runner  # the trial model's memory goes back before the trainer's is taken
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                speeds[(micro, mode)] = speed(recipe.replace(
+                    model={"activation_checkpointing": ckpt},
+                    train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum, "precision": prec.name,
+                           "loss": mode}),
+                    dev)
+                runner = _TrialRunner(recipe, dev, prec, memory_limit_gb, margin, measure)
+        limit, loss = max(speeds, key=speeds.__getitem__)
+        runner.loss = loss
         if len(speeds) > 1:
-            notes.append(f"micro-batch {limit} is the fastest of those timed as the trainer runs them (" +
-                         ", ".join(f"{b}: {v:,.0f} tokens/s" for b, v in sorted(speeds.items())) + ")")
+            notes.append(f"micro-batch {limit}{' with the full logits' if loss == 'full' else ''} is the fastest "
+                         "of those timed as the trainer runs them (" +
+                         ", ".join(f"{_speed_key(*k)}: {v:,.0f} tokens/s" for k, v in sorted(speeds.items())) + ")")
     # Confirm the chosen geometry with one more (warm) trial: its peak is the one reported.
     while True:
         micro, accum, geometry_note = _batch_geometry(limit, t, train.tokens_per_step)
@@ -383,23 +401,29 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
     notes.append("memory measured in eager mode; torch.compile usually needs less")
     final = trials[-1]
     tps, source = final.tokens_per_s, "measured by trial (eager, one micro-batch)"
-    if micro in speeds:
-        tps, source = speeds[micro], f"measured: the trainer's step, median of {SPEED_STEPS}"
+    if (micro, loss) in speeds:
+        tps, source = speeds[(micro, loss)], f"measured: the trainer's step, median of {SPEED_STEPS}"
     result = ProbeResult(recipe.name, name, micro, t, accum, ckpt, prec.name, prec.reason,
                          final.peak_gb if final.peak_gb is not None else math.nan, memory_limit_gb, margin, largest,
                          tps, time.perf_counter() - t0, notes, trials, key,
-                         speeds={str(k): v for k, v in speeds.items()}, tokens_per_s_source=source)
+                         speeds={_speed_key(*k): v for k, v in speeds.items()}, tokens_per_s_source=source,
+                         loss=loss)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, result.to_dict())  # a disconnect never leaves half a cache file
     return result
 
 
+def _speed_key(micro: int, loss: str) -> str:
+    return f"{micro} full" if loss == "full" else str(micro)
+
+
 def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
-    """The recipe with the probe's micro-batch, context, accumulation, checkpointing and precision."""
+    """The recipe with the probe's micro-batch, context, accumulation, checkpointing, precision and loss."""
     return recipe.replace(model={"activation_checkpointing": result.activation_checkpointing},
                           train={"micro_batch_size": result.micro_batch_size, "seq_len": result.seq_len,
-                                 "grad_accum_steps": result.grad_accum_steps, "precision": result.precision})
+                                 "grad_accum_steps": result.grad_accum_steps, "precision": result.precision,
+                                 "loss": result.loss})
 
 
 @dataclass
@@ -443,7 +467,8 @@ def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResu
     else:
         requested, _ = requested_precision(recipe, report.device, report.native_bf16)
         prec = report.precision if requested == "auto" else requested
-        peak = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device).total_gb
+        peak = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device,
+                               loss=t.loss).total_gb
         mem_src = "estimated"
     if probe_result is not None and probe_result.tokens_per_s:
         tps, tps_src = probe_result.tokens_per_s, probe_result.tokens_per_s_source

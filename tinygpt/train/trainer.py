@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import math
 import os
 import random
@@ -43,7 +44,7 @@ from tinygpt.train.optim import build_optimizer
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
-                     "compile", "device", "eval_batches"})
+                     "compile", "device", "eval_batches", "loss"})
 
 
 # how torch.save (zip writer) and safetensors say "the disk is full"
@@ -110,8 +111,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return model(x, y, reduction="sum")
+def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str = "auto") -> torch.Tensor:
+    return model(x, y, reduction="sum", loss=loss)
 
 
 def rng_state() -> dict[str, Any]:
@@ -202,7 +203,7 @@ class Trainer:
         self.model = model.to(self.device)
         self.train_source, self.val_batches = train_source, val_batches
         self.run_dir = Path(run_dir)
-        self.loss_fn = loss_fn or default_loss
+        self.loss_fn = loss_fn or functools.partial(default_loss, loss=cfg.loss)
         self.state_fn = state_fn or ckpt.model_state
         self.load_state_fn = load_state_fn or ckpt.load_model_state
         self.callbacks = list(callbacks)
@@ -276,7 +277,9 @@ class Trainer:
         if "optimizer" not in state:
             raise TrainingError(f"checkpoint {path} holds the weights only (a download, without state.pt): training "
                                 "cannot resume from it; copy the whole checkpoint from Drive, or use a new run folder")
-        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict(), RESUMABLE_CHANGES)
+        old = state.get("train_config")  # through TrainConfig: a field added since compares as its default
+        old = TrainConfig.from_dict(old).to_dict() if old else {}
+        diffs = config_differences(old, self.cfg.to_dict(), RESUMABLE_CHANGES)
         if diffs:
             raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
                                 + "\n  ".join(diffs) + "\nresume with the same settings, or use a new run folder")
