@@ -38,7 +38,7 @@ from tinygpt.train.memory import (
 from tinygpt.train.optim import build_optimizer
 from tinygpt.train.trainer import Trainer
 
-SPEED_STEPS, SPEED_WARMUP = 6, 2  # optimizer steps timed (median) after warm-up ones (the compile among them)
+SPEED_STEPS, SPEED_WARMUP = 8, 4  # optimizer steps timed (median) after warm-up ones (the compile among them)
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
 CPU_GFLOPS_PER_CORE = 25.0  # a rough guess of what PyTorch gets from one core in fp32; for expectations only
