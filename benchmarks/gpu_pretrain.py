@@ -3,6 +3,7 @@ optionally next to Hugging Face `LlamaForCausalLM` of the identical configuratio
 
     python benchmarks/gpu_pretrain.py --size 124m --seq-len 1024 --micro-batch 16 --reference hf
     python benchmarks/gpu_pretrain.py --size 124m --compile off --chunked-ce off   # one speed step off
+    python benchmarks/gpu_pretrain.py --size 124m --micro-batch 16 --fused-proj on --reference hf
     python benchmarks/gpu_pretrain.py --size tiny --seq-len 64 --micro-batch 4 --steps 5 --device cpu --reference hf
 
 A step is what the trainer does: forward under autocast, backward through the GradScaler,
@@ -253,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="auto: chunked when the logits are large (tinygpt.model.losses), as in training")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--fused-proj", default="off", choices=["on", "off"],
+                   help="one matmul for q/k/v and one for gate/up (ModelConfig.fused_proj); same weights at init")
     p.add_argument("--find-max-batch", default="auto", choices=["auto", "on", "off"], help="auto: on for CUDA")
     p.add_argument("--max-batch-limit", type=int, default=1024)
     p.add_argument("--bisect", type=int, default=2, help="halvings between the last fit and the first OOM")
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     fused = args.fused_adamw == "on" or (args.fused_adamw == "auto" and on_cuda)
     args.warmup = args.warmup if args.warmup is not None else (5 if use_compile else 2)
     mcfg = model_config(args.size, vocab_size=args.vocab_size,
-                        activation_checkpointing=args.activation_checkpointing)
+                        activation_checkpointing=args.activation_checkpointing, fused_proj=args.fused_proj == "on")
     args.seq_len = args.seq_len or mcfg.max_seq_len
     if args.seq_len > mcfg.max_seq_len:
         mcfg.max_seq_len = args.seq_len
@@ -296,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [measure("tinygpt", model, ours_loss, opt, args, prec, device, use_compile, flops, peak)]
     result = {"device": name, "precision": prec.name, "precision_reason": prec.reason, "size": args.size,
               "vocab_size": args.vocab_size, "seq_len": args.seq_len, "compile": use_compile, "fused_adamw": fused,
-              "chunked_ce": args.chunked_ce, "optimizer": args.optimizer, "steps": args.steps,
+              "chunked_ce": args.chunked_ce, "optimizer": args.optimizer, "fused_proj": mcfg.fused_proj,
+              "steps": args.steps,
               "warmup": args.warmup, "flops_per_token": flops, "peak_tflops": peak, "peak_source": peak_source,
               "torch": torch.__version__, "rows": rows}
     del opt, ours_loss, model
@@ -325,7 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"device {name}, precision {prec.name} ({prec.reason}); size {args.size}, vocab {args.vocab_size}, "
           f"context {args.seq_len}; compile {use_compile}, fused AdamW {fused}, chunked CE {args.chunked_ce}, "
-          f"optimizer {args.optimizer}; median of {args.steps} steps after {args.warmup} warm-up")
+          f"optimizer {args.optimizer}, fused projections {mcfg.fused_proj}; "
+          f"median of {args.steps} steps after {args.warmup} warm-up")
     print(f"FLOPs/token {flops:.3e} (6N + attention); peak {fmt(peak, '.0f')} TFLOPs from {peak_source}")
     print_table(rows)
     if "ratio" in result:

@@ -41,6 +41,11 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message says what to change."""
 
 
+# Muon orthogonalises each hidden matrix; on a fused q/k/v or gate/up matrix that would be other math.
+FUSED_PROJ_MUON = ("fused_proj=True does not work with optimizer='muon' (Muon orthogonalises q/k/v and gate/up "
+                   "as separate matrices): set fused_proj=False, or use optimizer='adamw'")
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -68,6 +73,10 @@ class ModelConfig:
     # (o_proj, down_proj) initialised at zero, so that every block starts as the identity.
     qk_norm: bool = False
     zero_init_proj: bool = False
+    # One matmul for q/k/v and one for gate/up instead of five: fewer, larger kernels, which a GPU runs
+    # faster. The same math and, with the same seed, the same initial weights, so it changes speed, not the
+    # run; saved files keep the separate Hugging Face names. Off until measured faster (docs/BENCHMARKS.md).
+    fused_proj: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -83,6 +92,7 @@ class ModelConfig:
                  f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         _require(self.max_seq_len >= 1, f"max_seq_len must be positive, got {self.max_seq_len}")
         _require(self.d_ff >= 1, f"d_ff must be positive, got {self.d_ff}")
+        _require(isinstance(self.fused_proj, bool), f"fused_proj must be True or False, got {self.fused_proj!r}")
 
     @property
     def head_dim(self) -> int:
@@ -270,6 +280,8 @@ class Recipe:
         _require(self.model.vocab_size >= self.data.vocab_size,
                  f"recipe {self.name!r}: the model's vocab_size {self.model.vocab_size} is smaller than the "
                  f"tokenizer's {self.data.vocab_size}")
+        _require(not (self.model.fused_proj and self.train.optimizer == "muon"),
+                 f"recipe {self.name!r}: {FUSED_PROJ_MUON}")
 
     @property
     def token_budget(self) -> int:

@@ -1,7 +1,9 @@
 """The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA, tied embeddings and QK-norm).
 
 Parameter names are those of Hugging Face `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm), so a
-state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side). Attention is
+state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side). With
+`ModelConfig.fused_proj` the q/k/v and gate/up projections are one matrix each (`qkv_proj`, `gate_up_proj`),
+but `state_dict` and `load_state_dict` still speak the Hugging Face names (`_fuse_in_state_dict`). Attention is
 `F.scaled_dot_product_attention`, which picks flash / memory-efficient kernels on CUDA.
 """
 from __future__ import annotations
@@ -68,13 +70,49 @@ class KVCache:
         return self.k[0].shape[2]
 
 
+def _fuse_in_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, int], ...]) -> None:
+    """Make `module.<fused>` (a Linear whose output rows are `parts`, (name, rows) in order) save as the
+    separate `module.<name>.weight` matrices and load from them, so that files keep the Hugging Face names.
+
+    On `module` itself, not on the fused Linear: `load_state_dict` checks each module's keys for unexpected
+    names before its children load, and hands each child only the keys under its own prefix."""
+    names, sizes = [n for n, _ in parts], [r for _, r in parts]
+
+    def split(mod, state_dict, prefix, local_metadata):
+        # This module's keys are the last ones in the dict (it is filled depth first): re-insert them in
+        # order with the fused matrix replaced by its parts, as copies (safetensors refuses shared storage).
+        mine = [(k, state_dict.pop(k)) for k in [k for k in state_dict if k.startswith(prefix)]]
+        for k, v in mine:
+            if k == f"{prefix}{fused}.weight":
+                for name, part in zip(names, v.split(sizes, dim=0)):
+                    state_dict[f"{prefix}{name}.weight"] = part.clone()
+            else:
+                state_dict[k] = v
+
+    def join(mod, state_dict, prefix, *args):
+        keys = [f"{prefix}{name}.weight" for name in names]
+        if all(k in state_dict for k in keys):  # else leave it: a missing key is reported as usual
+            state_dict[f"{prefix}{fused}.weight"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+
+    module.fused_parts = {**getattr(module, "fused_parts", {}), fused: parts}
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(join)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.q_proj = nn.Linear(config.d_model, config.n_head * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=False)
+        q_dim, kv_dim = config.n_head * self.head_dim, config.n_kv_head * self.head_dim
+        self.split_sizes = (q_dim, kv_dim, kv_dim)
+        self.fused = config.fused_proj
+        if self.fused:  # one matmul for queries, keys and values, split after
+            self.qkv_proj = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=False)
+            _fuse_in_state_dict(self, "qkv_proj", (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)))
+        else:
+            self.q_proj = nn.Linear(config.d_model, q_dim, bias=False)
+            self.k_proj = nn.Linear(config.d_model, kv_dim, bias=False)
+            self.v_proj = nn.Linear(config.d_model, kv_dim, bias=False)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=False)
         if config.qk_norm:  # Qwen3's names and place: per head, before RoPE
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
@@ -83,12 +121,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         start = 0
         if cache is not None:
@@ -110,12 +152,21 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.fused = config.fused_proj
+        if self.fused:  # one matmul for the gate and the up projection, split after
+            self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
+            _fuse_in_state_dict(self, "gate_up_proj", (("gate_proj", config.d_ff), ("up_proj", config.d_ff)))
+        else:
+            self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+            self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -158,17 +209,30 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, init_std); the projections into the residual stream scaled by 1/sqrt(2 n_layer)
         (GPT-2's scaled init) so that the residual variance does not grow with depth, or zero with
-        `zero_init_proj`."""
-        std = self.config.init_std
+        `zero_init_proj`. A fused matrix is drawn part by part, under each part's own name and in the
+        unfused order, so that `fused_proj` starts from bit-identical weights (one draw over the whole
+        matrix would give other numbers)."""
+        fused = {f"{mod_name}.{name}.weight".lstrip("."): parts for mod_name, m in self.named_modules()
+                 for name, parts in getattr(m, "fused_parts", {}).items()}
         for name, p in self.named_parameters():
-            if p.dim() == 1:  # every norm's weight
-                nn.init.ones_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")) and self.config.zero_init_proj:
-                nn.init.zeros_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+            if name in fused:
+                prefix = name.rsplit(".", 2)[0]
+                views = p.split([rows for _, rows in fused[name]], dim=0)
+                for (part, _), view in zip(fused[name], views):
+                    self._init_weight(f"{prefix}.{part}.weight", view)
             else:
-                nn.init.normal_(p, mean=0.0, std=std)
+                self._init_weight(name, p)
+
+    def _init_weight(self, name: str, p: torch.Tensor) -> None:
+        std = self.config.init_std
+        if p.dim() == 1:  # every norm's weight
+            nn.init.ones_(p)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")) and self.config.zero_init_proj:
+            nn.init.zeros_(p)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+        else:
+            nn.init.normal_(p, mean=0.0, std=std)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters counted once (a tied embedding is one matrix)."""

@@ -152,6 +152,11 @@ def wrap_model(model: torch.nn.Module, parallel: str, device: torch.device,
                   gradient_as_bucket_view=True, **no_buffer_sync)
         return ddp, compiled
     if parallel == "fsdp":
+        if getattr(getattr(model, "config", None), "fused_proj", False):
+            # Distributed checkpointing gathers the state under the parameters' own names, not the Hugging
+            # Face names a fused model saves.
+            raise ConfigError("fused_proj=True does not work with parallel='fsdp' yet: set fused_proj=False, "
+                              "or use parallel='ddp'")
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tinygpt.core.config import TrainConfig
+from tinygpt.core.config import FUSED_PROJ_MUON, ConfigError, TrainConfig
 
 # Muon's learning rate relative to cfg.lr (the trainer sets group["lr"] = lr * lr_scale). With
 # adjust_lr_fn="match_rms_adamw" Muon's update has AdamW's RMS (0.2 sqrt(max(A, B)) scaling,
@@ -37,11 +37,14 @@ def split_muon_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter],
                                                         list[torch.nn.Parameter]]:
     """(hidden 2-D matrices for Muon, other 2-D weights for AdamW with decay, the rest without).
 
-    A tied embedding / lm_head matrix is met twice under two names; it is counted once, on AdamW."""
+    A tied embedding / lm_head matrix is met twice under two names; it is counted once, on AdamW.
+    A model with fused projections (`ModelConfig.fused_proj`) is refused: see FUSED_PROJ_MUON."""
     by_id: dict[int, tuple[torch.nn.Parameter, bool]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if not p.requires_grad:
             continue
+        if name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+            raise ConfigError(FUSED_PROJ_MUON)
         hidden = p.dim() == 2 and not any(k in name for k in _NOT_HIDDEN)
         prev = by_id.get(id(p))
         by_id[id(p)] = (p, hidden and (prev is None or prev[1]))
