@@ -32,6 +32,7 @@ from tinygpt.core.config import RECIPES, Recipe, get_recipe
 from tinygpt.core.files import atomic_output
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.finetune.recipes import FINETUNE_RECIPES, default_finetune_recipe, this_hardware
 from tinygpt.model.generate import generate_text
 from tinygpt.model.loading import load_run
 from tinygpt.sync.drive import RUN_FILES
@@ -353,6 +354,44 @@ def recipe_picker(report: Any = None, resume_from: RunFolders | str | Path | Non
     if report is None:
         report = hardware_report()
     return RecipePicker(report, resume_from)
+
+
+class FinetunePicker:
+    """02_finetune's recipe dropdown (the run's own recipe, or the default for this base on this runtime)
+    over the table of every recipe's memory here. The training cell reads `value` when it runs."""
+
+    def __init__(self, base_config: dict[str, Any], run: RunFolders | None = None):
+        self.hardware, self.gpu_gb = this_hardware()
+        resume = [run.mirror, run.local] if run is not None else []
+        self.default, self.reason = default_finetune_recipe(base_config, self.hardware, self.gpu_gb,
+                                                            resume_from=resume)
+        self.table = Table(recipe_rows(base_config, self.hardware, self.gpu_gb),
+                           f"Recipes on this {self.hardware} runtime", notes=(self.reason,))
+        self.dropdown = None
+        try:
+            widgets = __import__("ipywidgets")
+        except ImportError:
+            if in_notebook():
+                raise ImportError(f"the recipe dropdown needs ipywidgets: {INSTALL_HINT}") from None
+            return  # a script: `value` is the default
+        self.dropdown = widgets.Dropdown(options=list(FINETUNE_RECIPES), value=self.default, description="recipe")
+
+    @property
+    def value(self) -> str:
+        return self.dropdown.value if self.dropdown is not None else self.default
+
+    def _ipython_display_(self) -> None:
+        if self.dropdown is not None:
+            _display(self.dropdown)
+        _display(self.table)
+
+    def __repr__(self) -> str:
+        return f"recipe: {self.value} (default: {self.default}, {self.reason})\n{self.table}"
+
+
+def finetune_picker(base_config: dict[str, Any], run: RunFolders | None = None) -> FinetunePicker:
+    """The finetuning recipe dropdown and the memory table, in one call."""
+    return FinetunePicker(base_config, run)
 
 
 # ---- the live loss plot ----------------------------------------------------------------------------
