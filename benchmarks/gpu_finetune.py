@@ -38,13 +38,14 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_pretrain import fmt, sync, time_steps  # noqa: E402  (this folder: the same timing as pretraining's)
 
 from tinygpt.core.config import GPT2_VOCAB_PADDED, MODEL_SIZES, model_config  # noqa: E402
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device  # noqa: E402
@@ -69,28 +70,8 @@ from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.hf import export_model  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402
 from tinygpt.model.tokenizer import load_gpt2, train_bpe  # noqa: E402
+from tinygpt.train.probe import RandomBatches  # noqa: E402
 from tinygpt.train.trainer import Trainer  # noqa: E402
-
-
-class RandomRows:
-    """Full rows of random tokens, every position a target: the Trainer's BatchSource."""
-
-    def __init__(self, vocab: int, seq_len: int, seed: int = 0):
-        self.vocab, self.seq_len = vocab, seq_len
-        self.g = torch.Generator().manual_seed(seed)
-        self.served_tokens = 0
-        self.packed = False
-
-    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1):
-        w = torch.randint(0, self.vocab, (batch_size, self.seq_len + 1), generator=self.g)
-        self.served_tokens += batch_size * self.seq_len
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 def make_base(args, folder: Path, records: list[dict]) -> Path:
@@ -111,36 +92,10 @@ def sources(args, base: Path, records: list[dict], pack: bool):
     tok = load_tokenizer(str(base))
     if args.data == "random":
         vocab = base_config(str(base)).vocab_size
-        return RandomRows(vocab, args.seq_len), RandomRows(vocab, args.seq_len)
+        return RandomBatches(vocab, args.seq_len), RandomBatches(vocab, args.seq_len)
     build = lambda p: build_instruct_data(records, tok, args.seq_len, pack=p, val_fraction=0.0,  # noqa: E731
                                           seed=0).train
     return build(pack), build(args.reference_data == "packed")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> list[float]:
-    """Seconds per optimizer step for `steps` steps after `warmup` untimed ones."""
-    for _ in range(warmup):
-        step()
-    sync(device)
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        for start, end in events:
-            start.record()
-            step()
-            end.record()
-        sync(device)
-        return [s.elapsed_time(e) / 1e3 for s, e in events]
-    out = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def measure(name: str, step: Callable[[], None], source, args, device: torch.device, params: int) -> dict:
@@ -151,7 +106,7 @@ def measure(name: str, step: Callable[[], None], source, args, device: torch.dev
         step()
     sync(device)
     before = source.served_tokens
-    times = time_steps(step, 0, args.steps, device)
+    times = time_steps(step, [()], 0, args.steps, device)
     real_per_step = (source.served_tokens - before) / args.steps
     median = statistics.median(times)
     return {"impl": name, "trainable_params": params, "step_ms": median * 1e3, "step_ms_min": min(times) * 1e3,
@@ -173,7 +128,7 @@ def tinygpt_side(base: Path, source, device, prec, plan, recipe, cfg, run_dir: P
                       state_fn=adapter_state, load_state_fn=load_adapter_state, progress=False)
     trainer.model.train()
     params = sum(p.numel() for p in pm.parameters() if p.requires_grad)
-    return trainer._optimizer_step, module, params  # the very step `fit` runs, without its logging
+    return trainer.optimizer_step, module, params  # the very step `fit` runs, without its logging
 
 
 def reference_side(args, base: Path, source, device, prec, recipe):
@@ -231,10 +186,6 @@ def base_loss_reference(model, batch, prec) -> float:
     x, y, *pos = batch
     with prec.autocast():
         return float(model(input_ids=x, labels=y, shift_labels=y, **({"position_ids": pos[0]} if pos else {})).loss)
-
-
-def fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -69,6 +69,19 @@ def shakespeare(shared_data) -> str:
     return (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
 
 
+@pytest.fixture(scope="session")
+def tokens(shared_data, tmp_path_factory):
+    """Tiny Shakespeare's first 300k characters as token shards (a 512-token BPE), for trainer tests."""
+    from tinygpt.core.config import DataConfig
+    from tinygpt.model.tokenizer import train_bpe
+    from tinygpt.train.shards import build_token_cache
+
+    text = (shared_data / "tinyshakespeare.txt").read_text()
+    tok = train_bpe([text[:200_000]], 512)
+    cfg = DataConfig(source=str(shared_data / "tinyshakespeare.txt"), vocab_size=512, max_chars=300_000)
+    return build_token_cache(cfg, tok, tmp_path_factory.mktemp("cache"))
+
+
 def pytest_configure(config):
     # Tiny models on a 2-core CI machine run fastest with one thread per test process
     # (pytest-xdist runs two); more threads only contend.

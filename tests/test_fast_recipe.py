@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import get_recipe
 from tinygpt.model import hf
 from tinygpt.model.loading import load_run
@@ -62,6 +63,26 @@ def test_cpu_fast_resumes_bit_for_bit(fast_run, tmp_path):
     a, _, _, _ = load_run(root / "run")
     b, _, _, _ = load_run(tmp_path / "run")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_a_run_begun_before_a_setting_existed_resumes(fast_run, tmp_path):
+    """run.json and the checkpoint's training state written without `train.loss` and `model.fused_proj`
+    (as by a version before them): the run resumes, those fields taking their defaults."""
+    recipe, _, root = fast_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    shutil.rmtree(run / "checkpoints" / "step_000024")
+    info = json.loads((run / "run.json").read_text())
+    del info["recipe"]["train"]["loss"], info["recipe"]["model"]["fused_proj"]
+    (run / "run.json").write_text(json.dumps(info))
+    step = run / "checkpoints" / "step_000012"
+    state = torch.load(step / ckpt.STATE_FILE, weights_only=True)
+    del state["train_config"]["loss"]
+    torch.save(state, step / ckpt.STATE_FILE)
+    manifest = ckpt.read_manifest(step)
+    ckpt.write_manifest(step, {k: v for k, v in manifest.items() if k not in ("files", "format", "created_at")})
+    rest = pretrain(recipe, run, progress=False, device="cpu", cache_dir=root / "cache")
+    assert (rest.resumed_from, rest.step) == (12, 24)
 
 
 def test_cpu_fast_exports_as_qwen3_with_the_same_logits(fast_run, tmp_path):

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.config import ConfigError, DataConfig, ModelConfig, TrainConfig, get_recipe, model_config
+from tinygpt.core.config import ConfigError, ModelConfig, TrainConfig, get_recipe, model_config
 from tinygpt.model import hf
 from tinygpt.model.gpt import GPT, KVCache
 from tinygpt.model.tokenizer import train_bpe
 from tinygpt.train.optim import build_optimizer
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.shards import build_token_cache
 from tinygpt.train.trainer import Trainer
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -172,14 +171,6 @@ def test_muon_with_fused_projections_is_refused_with_what_to_do():
     build_optimizer(GPT(_config(True)), TrainConfig(optimizer="adamw"), "cpu")  # AdamW is elementwise: fine
     with pytest.raises(ConfigError, match="fused_proj must be True or False"):
         _config("on")
-
-
-@pytest.fixture(scope="module")
-def tokens(shared_data, tmp_path_factory):
-    text = (shared_data / "tinyshakespeare.txt").read_text()
-    tok = train_bpe([text[:200_000]], 512)
-    cfg = DataConfig(source=str(shared_data / "tinyshakespeare.txt"), vocab_size=512, max_chars=300_000)
-    return build_token_cache(cfg, tok, tmp_path_factory.mktemp("cache"))
 
 
 def _train(tokens, run_dir: Path, fused: bool):

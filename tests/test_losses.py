@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinygpt.core.config import model_config
+from tinygpt.core.config import ConfigError, TrainConfig, model_config
 from tinygpt.model import losses
 from tinygpt.model.gpt import GPT
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
@@ -161,6 +161,8 @@ def test_loss_modes_give_the_same_loss_and_gradients_through_the_model():
     same loss and the same gradients; only speed and memory differ."""
     assert default_chunk_rows(8 * 32, 1000, "full") == 0 and default_chunk_rows(8 * 32, 1000, "chunked") > 0
     assert default_chunk_rows(8 * 32, 1000, "auto") == 0
+    with pytest.raises(ConfigError, match="loss must be one of"):
+        TrainConfig(loss="fast")
     torch.manual_seed(0)
     model = GPT(model_config("tiny", vocab_size=1000))
     x, y = torch.randint(1000, (8, 32)), torch.randint(1000, (8, 32))

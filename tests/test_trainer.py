@@ -11,22 +11,12 @@ import pytest
 import torch
 
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.config import DataConfig, TrainConfig, model_config
+from tinygpt.core.config import TrainConfig, model_config
 from tinygpt.model.gpt import GPT
-from tinygpt.model.tokenizer import train_bpe
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.shards import build_token_cache
 from tinygpt.train.trainer import Trainer, TrainingError, lr_at
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tokens(shared_data, tmp_path_factory):
-    text = (shared_data / "tinyshakespeare.txt").read_text()
-    tok = train_bpe([text[:200_000]], 512)
-    cfg = DataConfig(source=str(shared_data / "tinyshakespeare.txt"), vocab_size=512, max_chars=300_000)
-    return build_token_cache(cfg, tok, tmp_path_factory.mktemp("cache"))
 
 
 def make_trainer(tokens, run_dir, **train_kw):

@@ -292,6 +292,17 @@ def default_hours(report: Any, resume_from: RunFolders | str | Path | None = Non
     hours = SESSION_HOURS.get(report.hardware_class)
     return hours, (f"about one {report.hardware_class} session" if hours else "a CPU trains the recipe's steps")
 
+def _widgets() -> Any:
+    """ipywidgets for a dropdown, or None in a script without it (a picker's `value` is then its default);
+    in a notebook without it, an ImportError that says what to install."""
+    try:
+        return __import__("ipywidgets")
+    except ImportError:
+        if in_notebook():
+            raise ImportError(f"the recipe dropdown needs ipywidgets: {INSTALL_HINT}") from None
+        return None
+
+
 class RecipePicker:
     """A dropdown of the recipes with the right default and, under it, every recipe's memory and time
     on this runtime, then the chosen recipe's memory breakdown and expectations (updated on change).
@@ -302,11 +313,8 @@ class RecipePicker:
         self.default, self.reason = default_recipe(report, resume_from)
         self.default_hours, self.hours_reason = default_hours(report, resume_from)
         self.dropdown = self._output = self.hours_dropdown = None
-        try:
-            widgets = __import__("ipywidgets")
-        except ImportError:
-            if in_notebook():
-                raise ImportError(f"the recipe dropdown needs ipywidgets: {INSTALL_HINT}") from None
+        widgets = _widgets()
+        if widgets is None:
             return  # a script: `value` is the default
         options = [(f"{name}  ({RECIPES[name].hardware})", name) for name in RECIPES]
         self.dropdown = widgets.Dropdown(options=options, value=self.default, description="recipe",
@@ -368,11 +376,8 @@ class FinetunePicker:
         self.table = Table(recipe_rows(base_config, self.hardware, self.gpu_gb),
                            f"Recipes on this {self.hardware} runtime", notes=(self.reason,))
         self.dropdown = None
-        try:
-            widgets = __import__("ipywidgets")
-        except ImportError:
-            if in_notebook():
-                raise ImportError(f"the recipe dropdown needs ipywidgets: {INSTALL_HINT}") from None
+        widgets = _widgets()
+        if widgets is None:
             return  # a script: `value` is the default
         self.dropdown = widgets.Dropdown(options=list(FINETUNE_RECIPES), value=self.default, description="recipe")
 

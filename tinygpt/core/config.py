@@ -166,6 +166,8 @@ def model_config(size: str, **overrides: Any) -> ModelConfig:
 
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+# How the loss is taken (`tinygpt.model.losses`): chunked by size, over the full logits, or always chunked.
+LOSS_MODES = ("auto", "full", "chunked")
 
 
 @dataclass
@@ -210,7 +212,7 @@ class TrainConfig:
         _require(self.compile in ("auto", "on", "regional", "off"),
                  f"compile must be auto, on, regional or off, got {self.compile!r}")
         _require(self.optimizer in ("adamw", "muon"), f"optimizer must be adamw or muon, got {self.optimizer!r}")
-        _require(self.loss in ("auto", "full", "chunked"), f"loss must be auto, full or chunked, got {self.loss!r}")
+        _require(self.loss in LOSS_MODES, f"loss must be one of {LOSS_MODES}, got {self.loss!r}")
         _require(self.schedule in ("cosine", "wsd"), f"schedule must be cosine or wsd, got {self.schedule!r}")
         _require(0 < self.decay_fraction <= 1, f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
 

@@ -227,10 +227,11 @@ class GPT(nn.Module):
         std = self.config.init_std
         if p.dim() == 1:  # every norm's weight
             nn.init.ones_(p)
-        elif name.endswith(("o_proj.weight", "down_proj.weight")) and self.config.zero_init_proj:
-            nn.init.zeros_(p)
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):  # into the residual stream
+            if self.config.zero_init_proj:
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
         else:
             nn.init.normal_(p, mean=0.0, std=std)
 
@@ -280,7 +281,7 @@ class GPT(nn.Module):
                 cache: KVCache | None = None, reduction: str = "mean", loss: str = "auto"):
         """Logits (B, T, vocab_size) without targets; with targets, the cross-entropy loss
         (mean over tokens whose target is not IGNORE_INDEX, or their sum with reduction="sum"),
-        over the full logits or in chunks as `loss` says (`tinygpt.model.losses.LOSS_MODES`)."""
+        over the full logits or in chunks as `loss` says (`TrainConfig.loss`)."""
         x = self.hidden_states(idx, cache)
         if targets is None:
             return self.lm_head(x)

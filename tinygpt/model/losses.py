@@ -31,10 +31,9 @@ PLAIN_MAX_LOGITS = 2**24
 CHUNK_LOGITS = 2**25
 
 
-# How the trainer takes the loss (`TrainConfig.loss`): "auto" chunks by size (below), "full" always
+# `mode` is `TrainConfig.loss` (`core.config.LOSS_MODES`): "auto" chunks by size (below), "full" always
 # keeps the full logits (the fastest where they fit: one fused kernel, no loop), "chunked" always
 # chunks. On a GPU the probe times "full" against "chunked" and keeps the faster one that fits.
-LOSS_MODES = ("auto", "full", "chunked")
 
 
 def default_chunk_rows(n_rows: int, vocab_size: int, mode: str = "auto") -> int:

@@ -112,18 +112,12 @@ class _TrialRunner:
         held += [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         self.held_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
 
-    def _sync(self) -> None:  # timings need the GPU's queue drained
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elif self.device.type == "mps":
-            torch.mps.synchronize()
-
     def _step(self, b: int, t: int) -> float:
         """One optimizer step at full length, then one evaluation forward; returns the step's seconds."""
         m, v = self.model, self.model.config.vocab_size
         x, y = (torch.randint(v, (b, t), device=self.device) for _ in range(2))
         m.train()
-        self._sync()
+        _sync(self.device)
         t0 = time.perf_counter()
         with self.precision.autocast():
             loss = m(x, y, loss=self.loss)
@@ -131,7 +125,7 @@ class _TrialRunner:
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=False)
-        self._sync()
+        _sync(self.device)
         seconds = time.perf_counter() - t0
         m.eval()
         with torch.no_grad(), self.precision.autocast():
@@ -196,15 +190,19 @@ def _batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[i
                           f"recipe's {tokens_per_step}: no micro-batch near {largest} divides it exactly")
 
 
-class _RandomBatches:
-    """Batches of random tokens for timing: the speed of a step does not depend on which tokens."""
+class RandomBatches:
+    """A `BatchSource` of full rows of random tokens, for timing (the speed of a step does not depend on which
+    tokens); its own generator leaves the caller's random state alone. `served_tokens` counts what it served."""
 
-    def __init__(self, vocab_size: int, seq_len: int):
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0):
         self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+        self.served_tokens = 0
 
     def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randint(self.vocab_size, (batch_size, self.seq_len + 1))
-        return x[:, :-1], x[:, 1:]
+        x = torch.randint(self.vocab_size, (batch_size, self.seq_len + 1), generator=self.generator)
+        self.served_tokens += batch_size * self.seq_len
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
         return {}
@@ -225,12 +223,12 @@ def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: in
         torch.manual_seed(0)
         model = GPT(dataclasses.replace(recipe.model))
         trainer = Trainer(model, dataclasses.replace(t, device=str(dev)),
-                          _RandomBatches(recipe.model.vocab_size, t.seq_len), [],
+                          RandomBatches(recipe.model.vocab_size, t.seq_len), [],
                           run_dir=Path("/nonexistent-probe-run"), device=dev, progress=False)
         for _ in range(warmup + steps):
             _sync(dev)
             t0 = time.perf_counter()
-            trainer._optimizer_step()
+            trainer.optimizer_step()
             _sync(dev)
             times.append(time.perf_counter() - t0)
         del trainer, model
@@ -241,6 +239,7 @@ def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: in
 
 
 def _sync(dev: torch.device) -> None:
+    """Drain the device's queue: a timing must include the kernels it launched."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elif dev.type == "mps":
@@ -357,27 +356,28 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
     limit = largest
     if speed is not None:
         vocab = recipe.model.vocab_size
+        timings: list[tuple[int, int, str]] = []  # (micro-batch, accumulation, loss) to time, in this order
         for micro, accum in _speed_candidates(largest, t, train.tokens_per_step):
-            modes = [train.loss]
-            if train.loss == "auto" and default_chunk_rows(micro * t, vocab) and not (speeds and out_of_time()):
+            timings.append((micro, accum, train.loss))
+            if train.loss == "auto" and default_chunk_rows(micro * t, vocab) and not out_of_time():
                 runner.loss = "full"
                 trials.append(runner.trial(micro, t, ckpt))
                 runner.loss = train.loss
                 if trials[-1].ok:
-                    modes.append("full")
-            for mode in modes:
-                if speeds and out_of_time():
-                    break
-                del runner  # the trial model's memory goes back before the trainer's is taken
-                gc.collect()
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-                speeds[(micro, mode)] = speed(recipe.replace(
-                    model={"activation_checkpointing": ckpt},
-                    train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum, "precision": prec.name,
-                           "loss": mode}),
-                    dev)
-                runner = _TrialRunner(recipe, dev, prec, memory_limit_gb, margin, measure)
+                    timings.append((micro, accum, "full"))
+        del runner  # the trial model's memory goes back before the trainers' is taken
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        for micro, accum, mode in timings:
+            if speeds and out_of_time():
+                break
+            speeds[(micro, mode)] = speed(recipe.replace(
+                model={"activation_checkpointing": ckpt},
+                train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum, "precision": prec.name,
+                       "loss": mode}),
+                dev)
+        runner = _TrialRunner(recipe, dev, prec, memory_limit_gb, margin, measure)
         limit, loss = max(speeds, key=speeds.__getitem__)
         runner.loss = loss
         if len(speeds) > 1:

@@ -277,9 +277,7 @@ class Trainer:
         if "optimizer" not in state:
             raise TrainingError(f"checkpoint {path} holds the weights only (a download, without state.pt): training "
                                 "cannot resume from it; copy the whole checkpoint from Drive, or use a new run folder")
-        old = state.get("train_config")  # through TrainConfig: a field added since compares as its default
-        old = TrainConfig.from_dict(old).to_dict() if old else {}
-        diffs = config_differences(old, self.cfg.to_dict(), RESUMABLE_CHANGES)
+        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict(), RESUMABLE_CHANGES)
         if diffs:
             raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
                                 + "\n  ".join(diffs) + "\nresume with the same settings, or use a new run folder")
@@ -358,7 +356,7 @@ class Trainer:
         loop = self._start(resume)
         try:
             while self.step < self.cfg.max_steps and not loop.stopping:
-                step = self._optimizer_step()
+                step = self.optimizer_step()
                 if loop.first:
                     self._after_first_step(loop)
                 elif self.budget is not None and self.budget.max_steps is None:
@@ -427,7 +425,7 @@ class Trainer:
         return _Loop(history, bar, self._install_signal_handlers(), last_saved, resumed_from, resumed_from,
                      time.perf_counter())
 
-    def _optimizer_step(self) -> _Step:
+    def optimizer_step(self) -> _Step:
         """One optimizer step over `grad_accum_steps` micro-batches, the loss divided by the target
         tokens of the whole (global) step. Nothing is read back from the device here."""
         lr = lr_at(self.step, self.cfg)
