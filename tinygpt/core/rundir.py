@@ -30,7 +30,7 @@ try:
 except ImportError:  # Windows: no advisory locks; one writer is then the user's care
     fcntl = None
 
-from tinygpt.core.files import write_json_atomic
+from tinygpt.core.files import append_text, write_json_atomic, write_text_atomic
 
 RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metrics.jsonl", "samples.txt"
 FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
@@ -129,7 +129,7 @@ class RunDir:
         if fcntl is None:
             yield
             return
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -188,15 +188,14 @@ class RunDir:
         return parse_jsonl(p.read_text(encoding="utf-8"), p) if p.is_file() else []
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(self.metrics_path, json.dumps(record) + "\n")  # never through a link
 
     def keep_metrics_through(self, step: int) -> list[dict[str, Any]]:
         """Cut metrics.jsonl to the records up to `step` (a resumed run's log then equals an unbroken
         one); returns them. A cut-off line is dropped."""
         kept = [m for m in self.metrics() if m.get("step", 0) <= step]
         if self.metrics_path.exists():
-            self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept), encoding="utf-8")
+            write_text_atomic(self.metrics_path, "".join(json.dumps(m) + "\n" for m in kept))
         return kept
 
     def recipe_name(self) -> str | None:
@@ -216,5 +215,4 @@ class RunDir:
 
     def append_sample(self, text: str) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        with open(self.path / SAMPLES, "a", encoding="utf-8") as f:
-            f.write(text)
+        append_text(self.path / SAMPLES, text)  # never through a link

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.checkpoint import list_checkpoints
-from tinygpt.core.files import write_json_atomic
+from tinygpt.core.files import refuse_links_in, write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import ADAPTER_CONFIG, RunDir, read_json
 from tinygpt.finetune.instruct import (
@@ -409,6 +409,7 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     into `run_dir`, resuming from its newest valid checkpoint; the adapter lands in run_dir/adapter.
     With `mirror` (a folder on Drive) checkpoints are copied there as they are written, the run resumes
     from there on a new VM, and the final adapter is copied to mirror/adapter."""
+    refuse_links_in(run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
     with RunDir(run_dir).lock():  # one writer per run folder
         return _finetune(recipe, base, data, run_dir, max_steps, hardware, resume, callbacks, train=train,
                          device=device, progress=progress, mirror=mirror)

@@ -24,9 +24,12 @@ from typing import Any, Callable
 
 from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint, write_manifest
 from tinygpt.core.files import (
+    UnsafePathError,
     clean_leftovers,
     fresh_tmp_dir,
+    link_problem,
     replace_dir,
+    safe_name,
     sha256_file,
     try_fsync,
     write_bytes_atomic,
@@ -86,19 +89,35 @@ def _check(path: Path, info: dict[str, Any]) -> None:
 
 
 def _files_of(manifest_bytes: bytes, where: Path) -> dict[str, dict[str, Any]]:
+    """The files a checkpoint manifest lists, each a plain file name (a manifest on a shared mirror is
+    anyone's: a name like ../../x would write outside the folder)."""
     try:
-        return json.loads(manifest_bytes)["files"]
+        files = json.loads(manifest_bytes)["files"]
+        for name in files:
+            safe_name(name, Path(where) / MANIFEST, plain=True)
+        return files
+    except UnsafePathError as e:
+        raise SyncError(str(e)) from None
     except (ValueError, KeyError, TypeError) as e:
         raise SyncError(f"unreadable manifest in {where}: {e}") from None
+
+
+def _no_link(path: Path) -> None:
+    """A SyncError (not retried) when `path` is a symbolic link: a copy never follows one."""
+    if (why := link_problem(path)) is not None:
+        raise SyncError(f"{why}: not followed")
 
 
 def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: dict[str, bytes],
                  copy_file: CopyFile, tag: str) -> None:
     """Copy `files` (name -> size, sha256) into a temp folder, verifying each, then write `last`
     (name -> bytes) in order and rename the folder into place."""
+    for p in (src, src.parent, dst.parent):
+        _no_link(p)  # a linked checkpoints/ or step folder would copy from or to somewhere else
     tmp = fresh_tmp_dir(dst, tag)
     try:
         for name, info in files.items():
+            _no_link(src / name)
             copy_file(src / name, tmp / name)
             _check(tmp / name, info)
             try_fsync(tmp / name)
@@ -112,7 +131,9 @@ def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: d
 
 
 def copy_checkpoint(src: str | Path, dst: str | Path, copy_file: CopyFile = _copy_file, tag: str = "") -> None:
-    """Copy a checkpoint folder, data files verified against src's manifest, the manifest last."""
+    """Copy a checkpoint folder, data files verified against src's manifest, the manifest last. The
+    manifest's names must be plain file names and no file, nor either folder, may be a link."""
+    _no_link(Path(src) / MANIFEST)
     raw = (Path(src) / MANIFEST).read_bytes()  # read once: a best/ replaced meanwhile fails the checks
     _copy_folder(Path(src), Path(dst), _files_of(raw, src), {MANIFEST: raw}, copy_file, tag or _new_tag())
 
@@ -402,7 +423,7 @@ class Mirror:
 def _step_of(ckpt: Path) -> int:
     try:
         return int(json.loads((ckpt / MANIFEST).read_text()).get("step", -1))
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError):
         return -1
 
 
@@ -460,6 +481,8 @@ def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None,
 
 
 def _restore_run_files(local: Path, mirror: Path, backoff: Backoff, copy_file: CopyFile, tag: str) -> None:
+    """best/ and the run files, when the mirror's are newer. A link on the mirror is never followed
+    (it could point at any file of this VM, which the next sync would carry to the shared folder)."""
     if verify_checkpoint(mirror / "best", deep=False)[0] and (
             not verify_checkpoint(local / "best")[0] or _step_of(local / "best") < _step_of(mirror / "best")):
         try:
@@ -469,6 +492,9 @@ def _restore_run_files(local: Path, mirror: Path, backoff: Backoff, copy_file: C
     local.mkdir(parents=True, exist_ok=True)
     for name in RUN_FILES:
         src, dst = mirror / name, local / name
+        if (why := link_problem(src)) is not None:
+            warnings.warn(f"{why}: not followed, {name} is not restored from the mirror", stacklevel=3)
+            continue
         if src.is_file() and (not dst.is_file() or src.stat().st_mtime > dst.stat().st_mtime):
             mtime_ns = src.stat().st_mtime_ns
             backoff.run(lambda: write_bytes_atomic(dst, src.read_bytes(), mtime_ns, tag))
@@ -496,7 +522,14 @@ def _copy_shards(src: Path, dst: Path, manifest: dict, start: int, copy_file: Co
     try:
         for entry in shards[start:]:
             for split in ("train", "val"):
-                info = entry[split]
+                try:
+                    info = entry[split]
+                    safe_name(info["name"], src / MANIFEST, plain=True)
+                except UnsafePathError as e:
+                    raise SyncError(str(e)) from None
+                except (KeyError, TypeError) as e:
+                    raise SyncError(f"unreadable shard list in {src / MANIFEST}: {e}") from None
+                _no_link(src / info["name"])
                 tmp = dst / f".tmp-{tag}-{info['name']}"
                 copy_file(src / info["name"], tmp)
                 _check(tmp, {"size": info["bytes"], "sha256": info["sha256"]})

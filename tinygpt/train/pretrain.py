@@ -20,6 +20,7 @@ import torch
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
+from tinygpt.core.files import refuse_links_in
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import RunDir
@@ -43,7 +44,7 @@ from tinygpt.train.hardware import peak_tflops as _peak
 from tinygpt.train.probe import apply_probe
 from tinygpt.train.probe import probe as run_probe
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.shards import ShardStream, StreamedShards, TokenShards, stream_token_cache
+from tinygpt.train.shards import ShardStream, StreamedShards, TokenShards, check_token_cache, stream_token_cache
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.token_files import check_shard_ids, open_token_folder
 from tinygpt.train.trainer import RESUMABLE_CHANGES, Trainer, TrainResult
@@ -204,6 +205,7 @@ def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, world_size)
     dev = resolve_device(recipe.train.device)
     precision = choose_precision(dev, recipe.train.precision)
+    refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
     # one writer per run folder (rank 0 writes it; the other ranks of the same job only read)
     with RunDir(opts.run_dir).lock() if rank == 0 else contextlib.nullcontext():
         return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info, clock)
@@ -263,10 +265,11 @@ def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world
 
 def compile_cache_for(recipe: Recipe, opts: PretrainOptions, model: GPT, dev: torch.device,
                       precision: str) -> CompileCache:
-    """The run's compile cache, signed with this user's key (kept beside the Drive mirror too)."""
+    """The run's compile cache, signed with this user's key (never kept on the mirror)."""
     t = recipe.train
-    key = signing_key(Path(opts.mirror).parent if opts.mirror is not None else None)
-    return CompileCache(opts.run_dir, key, describe(model, dev, precision, t.micro_batch_size, t.seq_len, t.compile))
+    key, note = signing_key()
+    return CompileCache(opts.run_dir, key, describe(model, dev, precision, t.micro_batch_size, t.seq_len, t.compile),
+                        note)
 
 
 def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision, dev: torch.device,
@@ -291,8 +294,10 @@ def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision,
     mirror_cache = Path(opts.mirror).parent / "_token_cache" / key if opts.mirror is not None else None
     data = RunData(tokenizer, StreamedShards(cache / key))
     if is_main:
-        if mirror_cache is not None:
-            restore_shards(mirror_cache, cache / key)  # a new VM tokenizes on from the first shard Drive lacks
+        before = data.tokens.n_shards
+        restored = restore_shards(mirror_cache, cache / key) if mirror_cache is not None else 0  # a new VM
+        # tokenizes on from the first shard Drive lacks; a shard with ids past the vocabulary is tokenized again
+        check_token_cache(cache / key, tokenizer.vocab_size, mirror_cache, range(before, before + restored))
         # tokenized about as far as the run reads (a resume with more steps asks for more)
         data.tokens = stream_token_cache(recipe.data, tokenizer, cache, key, max_train_tokens=recipe.token_budget)
         if mirror_cache is not None:
