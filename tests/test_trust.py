@@ -327,3 +327,25 @@ def test_a_poisoned_token_shard_from_the_mirror_is_named_removed_and_tokenized_a
     assert int(np.fromfile(local_shard, dtype=np.uint16).max()) < vocab  # tokenized again, here
     again = pretrain_cli(local, data, tmp_path / "tg", mirror, steps=STEPS + 4)  # the next start: nothing to say
     assert again.returncode == 0 and "token shard" not in again.stdout, again.stdout
+
+
+def test_a_linked_token_folder_on_the_mirror_is_never_written_through(tmp_path):
+    """The shard copy to the mirror (and back) does not follow a link planted where the shard
+    folder belongs: it would write manifest.json and shards into any folder of this VM."""
+    from tinygpt.sync.drive import sync_shards
+
+    local, users = tmp_path / "local", tmp_path / "users-folder"
+    local.mkdir()
+    users.mkdir()
+    data = np.arange(100, dtype=np.uint16).tobytes()
+    (local / "train_000000.bin").write_bytes(data)
+    (local / "val_000000.bin").write_bytes(data)
+    info = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (local / MANIFEST).write_text(json.dumps({"shards": [{"train": {"name": "train_000000.bin", **info},
+                                                          "val": {"name": "val_000000.bin", **info}}]}))
+    mirror = tmp_path / "drive" / "_token_cache" / "key"
+    mirror.parent.mkdir(parents=True)
+    mirror.symlink_to(users, target_is_directory=True)
+    with pytest.warns(UserWarning, match=f"{mirror} is a symbolic link"):
+        assert sync_shards(local, mirror) == 0
+    assert list(users.iterdir()) == []

@@ -43,6 +43,10 @@ class SyncError(OSError):
     """A copy that does not match its source's manifest."""
 
 
+class SyncRefused(SyncError):
+    """A name that leaves its folder or a link: refused for good, never retried."""
+
+
 class SyncAborted(Exception):
     """The mirror was told to give up (its time after training ran out): no more retries."""
 
@@ -97,7 +101,7 @@ def _files_of(manifest_bytes: bytes, where: Path) -> dict[str, dict[str, Any]]:
             safe_name(name, Path(where) / MANIFEST, plain=True)
         return files
     except UnsafePathError as e:
-        raise SyncError(str(e)) from None
+        raise SyncRefused(str(e)) from None
     except (ValueError, KeyError, TypeError) as e:
         raise SyncError(f"unreadable manifest in {where}: {e}") from None
 
@@ -105,7 +109,7 @@ def _files_of(manifest_bytes: bytes, where: Path) -> dict[str, dict[str, Any]]:
 def _no_link(path: Path) -> None:
     """A SyncError (not retried) when `path` is a symbolic link: a copy never follows one."""
     if (why := link_problem(path)) is not None:
-        raise SyncError(f"{why}: not followed")
+        raise SyncRefused(f"{why}: not followed")
 
 
 def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: dict[str, bytes],
@@ -405,7 +409,7 @@ class Mirror:
                 raise
             return True
 
-        if not self.backoff.run(attempt, self._note_error):
+        if not self.backoff.run(attempt, self._note_error, fatal=(SyncRefused,)):  # a link on the mirror stays one
             return
         with self._cond:
             if group == "checkpoints":
@@ -517,6 +521,8 @@ def _copy_shards(src: Path, dst: Path, manifest: dict, start: int, copy_file: Co
     """Copy shards [start:] of `manifest` from src to dst, each file checked (size, sha256) before it
     is renamed into place; then dst's manifest, listing every shard copied. The count copied."""
     shards = manifest["shards"]
+    for p in (src, dst, dst.parent):
+        _no_link(p)  # a linked shard folder would be read from, or written to, somewhere else
     dst.mkdir(parents=True, exist_ok=True)
     n = start
     try:
@@ -526,7 +532,7 @@ def _copy_shards(src: Path, dst: Path, manifest: dict, start: int, copy_file: Co
                     info = entry[split]
                     safe_name(info["name"], src / MANIFEST, plain=True)
                 except UnsafePathError as e:
-                    raise SyncError(str(e)) from None
+                    raise SyncRefused(str(e)) from None
                 except (KeyError, TypeError) as e:
                     raise SyncError(f"unreadable shard list in {src / MANIFEST}: {e}") from None
                 _no_link(src / info["name"])
@@ -562,7 +568,7 @@ def sync_shards(local_dir: str | Path, mirror_dir: str | Path, *, backoff: Backo
         return _copy_shards(local, mirror, manifest, start, copy_file, tag)
 
     try:
-        return (backoff or Backoff()).run(attempt)
+        return (backoff or Backoff()).run(attempt, fatal=(SyncRefused,))  # a link or a bad name stays so
     except OSError as e:
         warnings.warn(f"could not copy token shards to {mirror}: {e}", stacklevel=2)
         return 0
