@@ -6,6 +6,7 @@ fills up, latin-1 files, a flipped adapter byte.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -80,6 +81,8 @@ def _flip_a_byte(path: Path) -> None:
 
 def _corrupt_copy(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst)
+    manifest = json.loads((dst / ckpt.MANIFEST).read_text())
+    (dst / ckpt.MANIFEST).write_text(json.dumps({**manifest, "step": int(dst.name[5:])}))  # its folder's step
     _flip_a_byte(dst / ckpt.MODEL_FILE)
     assert ckpt.verify_checkpoint(dst, deep=False)[0] and not ckpt.verify_checkpoint(dst)[0]
 

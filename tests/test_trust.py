@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import types
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -143,21 +144,18 @@ def test_a_compile_cache_signed_with_a_key_planted_on_the_mirror_writes_nothing(
 def test_even_a_cache_signed_with_the_users_own_key_writes_only_inside_torchs_cache(tmp_path, monkeypatch, kind, key):
     """A key given as TINYGPT_COMPILE_KEY (the same on every VM): a cache signed with it whose artifact
     would be written outside torch's cache folder is refused whole, before anything is written."""
-    from tinygpt.train.compile_cache import CompileCache, signing_key
+    from tinygpt.train.compile_cache import CompileCache
 
     outside = tmp_path / "outside"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a" / "b" / "inductor"))
-    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "tg"))
-    monkeypatch.setenv("TINYGPT_COMPILE_KEY", "a long secret of this user's")
-    user_key, note = signing_key()
-    assert note is None and not (tmp_path / "tg").exists()  # given by the user: no key file is made
+    user_key = hashlib.sha256(b"as if from TINYGPT_COMPILE_KEY").digest()
     what = {"torch": torch.__version__, "mode": "on"}
     good = ("autotune", "ab/good.best_config", b'{"x": 1}')
     _forged_cache(tmp_path / "run", user_key, what,
                   [good, (kind, key.format(outside=outside, name="outside"), b"\x80\x04N.")])
     note = CompileCache(tmp_path / "run", user_key, what).load()
-    assert "refused, nothing of it was written" in note and "outside torch's cache folder" in note, note
     assert not outside.exists() and not (tmp_path / "a" / "b" / "inductor" / "ab" / "good.best_config").exists()
+    assert "refused, nothing of it was written" in note and "outside torch's cache folder" in note, note
 
 
 def test_a_local_key_file_others_could_write_or_from_a_colab_secret(tmp_path, monkeypatch):
@@ -185,6 +183,11 @@ def test_a_local_key_file_others_could_write_or_from_a_colab_secret(tmp_path, mo
     (tmp_path / "elsewhere.key").write_bytes(b"E" * 32)
     assert "is not a plain file" in signing_key()[1]
 
+    monkeypatch.setenv("TINYGPT_COMPILE_KEY", "a long secret of this user's")  # given by the user: no file made
+    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "env-vm"))
+    k_env, note = signing_key()
+    assert len(k_env) == 32 and note is None and not (tmp_path / "env-vm").exists()
+    monkeypatch.delenv("TINYGPT_COMPILE_KEY")
     colab = types.ModuleType("google.colab")
     colab.userdata = types.SimpleNamespace(get=lambda name: "my colab secret" if name == "TINYGPT_COMPILE_KEY" else None)
     monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
@@ -211,8 +214,10 @@ def test_a_mirror_manifest_that_climbs_out_or_lies_about_its_step_is_skipped(mir
     climb = mirror / "checkpoints" / "step_000050"
     shutil.copytree(newest, climb)
     payload = b"written outside the run folder\n"
-    depth_of_src = len(climb.relative_to(tmp_path).parts)  # m1/m2/m3/m4/drive/runs/r/checkpoints/step_000050
-    name = "../" * (depth_of_src - 4) + "outside/traversal.txt"  # from the mirror: m1/.../m4/outside; locally: out
+    depth_of_src = len(climb.relative_to(tmp_path / "L").parts)  # m1/m2/m3/m4/drive/runs/r/checkpoints/step_000050
+    # from the mirror's step folder it reaches L/m1/../m4/outside; from the local copy's temporary folder
+    # (L/vm/r/checkpoints/.tmp-step_000050-*) it reaches tmp_path/outside, outside the run folder
+    name = "../" * (depth_of_src - 4) + "outside/traversal.txt"
     (climb / name).parent.mkdir(parents=True, exist_ok=True)
     (climb / name).write_bytes(payload)
     m = json.loads((climb / MANIFEST).read_text())
@@ -244,12 +249,12 @@ def test_a_shard_list_on_the_mirror_naming_a_path_outside_is_refused(tmp_path):
     mirror, local = tmp_path / "a" / "b" / "mirror", tmp_path / "local"
     mirror.mkdir(parents=True)
     data = np.arange(100, dtype=np.uint16).tobytes()
-    (tmp_path / "a" / "evil.bin").write_bytes(data)
+    (tmp_path / "a" / "b" / "evil.bin").write_bytes(data)  # what the name reaches on the mirror
     info = {"name": "../evil.bin", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (mirror / MANIFEST).write_text(json.dumps({"shards": [{"train": info, "val": info}], "dtype": "uint16"}))
     with pytest.warns(UserWarning, match=r"names '../evil.bin', which climbs out of its folder"):
         assert restore_shards(mirror, local) == 0
-    assert files_under(tmp_path) == {"a", "a/evil.bin", "a/b", "a/b/mirror", "a/b/mirror/manifest.json", "local"}
+    assert files_under(tmp_path) == {"a", "a/b", "a/b/evil.bin", "a/b/mirror", "a/b/mirror/manifest.json", "local"}
 
 
 # ---- 4. links in a run folder --------------------------------------------------------------------
@@ -273,11 +278,11 @@ def test_a_link_in_the_run_folder_is_refused_before_anything_is_written(mirrored
     else:
         os.link(target, local / name)
     out = pretrain_cli(local, data, tmp_path / "tg", steps=STEPS + 2)
+    assert (files_under(target) if target.is_dir() else target.read_bytes()) == before, out.stdout
     assert out.returncode == 2, out.stdout
     kind = "is a symbolic link" if how == "symlink" else "other hard link"
     assert f"{local / name} " in out.stdout and kind in out.stdout and "never follows" in out.stdout
     assert len([ln for ln in out.stdout.splitlines() if "error:" in ln]) == 1
-    assert (files_under(target) if target.is_dir() else target.read_bytes()) == before
 
 
 def test_the_download_zip_leaves_links_out_and_says_so(mirrored, tmp_path, capsys):
@@ -346,6 +351,8 @@ def test_a_linked_token_folder_on_the_mirror_is_never_written_through(tmp_path):
     mirror = tmp_path / "drive" / "_token_cache" / "key"
     mirror.parent.mkdir(parents=True)
     mirror.symlink_to(users, target_is_directory=True)
-    with pytest.warns(UserWarning, match=f"{mirror} is a symbolic link"):
-        assert sync_shards(local, mirror) == 0
-    assert list(users.iterdir()) == []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        copied = sync_shards(local, mirror)
+    assert list(users.iterdir()) == [] and copied == 0
+    assert any(f"{mirror} is a symbolic link" in str(w.message) for w in said), [str(w.message) for w in said]

@@ -510,7 +510,8 @@ def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool
     files += sorted(p for p in ckpt.iterdir() if (p.is_file() or p.is_symlink()) and p.name not in skip)
     # a link is never followed into the download (it could point at any file of this VM): left out, said once
     links = [why for p in [plots, *files] if (why := link_problem(p, writes=True)) is not None]
-    files = [f for f in files if link_problem(f, writes=True) is None and link_problem(f.parent) is None]
+    files = [f for f in files if link_problem(f, writes=True) is None
+             and (f.parent == run_dir or link_problem(f.parent) is None)]
     if links:
         print(f"left out of the zip, never followed: {'; '.join(links)}")
     dest = Path(dest) if dest is not None else run_dir.parent / f"{run_dir.name}.zip"

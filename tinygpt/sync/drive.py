@@ -116,8 +116,9 @@ def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: d
                  copy_file: CopyFile, tag: str) -> None:
     """Copy `files` (name -> size, sha256) into a temp folder, verifying each, then write `last`
     (name -> bytes) in order and rename the folder into place."""
-    for p in (src, src.parent, dst.parent):
-        _no_link(p)  # a linked checkpoints/ or step folder would copy from or to somewhere else
+    for p in (src, *(d for d in (src.parent, dst.parent) if d.name == "checkpoints")):
+        _no_link(p)  # a linked checkpoints/ or step folder would copy from or to somewhere else (the
+        # mirror's own path is the user's choice: a link there is theirs)
     tmp = fresh_tmp_dir(dst, tag)
     try:
         for name, info in files.items():
@@ -378,7 +379,7 @@ class Mirror:
         self.mirror.mkdir(parents=True, exist_ok=True)
         for name in RUN_FILES:
             src = self.local / name
-            if not src.is_file():
+            if not src.is_file() or src.is_symlink():  # a link is never followed (to the shared folder least of all)
                 continue
             st = src.stat()
             if self._file_sigs.get(name) == (st.st_size, st.st_mtime_ns):
@@ -521,7 +522,7 @@ def _copy_shards(src: Path, dst: Path, manifest: dict, start: int, copy_file: Co
     """Copy shards [start:] of `manifest` from src to dst, each file checked (size, sha256) before it
     is renamed into place; then dst's manifest, listing every shard copied. The count copied."""
     shards = manifest["shards"]
-    for p in (src, dst, dst.parent):
+    for p in (src, dst, *(d.parent for d in (src, dst) if d.parent.name == "_token_cache")):
         _no_link(p)  # a linked shard folder would be read from, or written to, somewhere else
     dst.mkdir(parents=True, exist_ok=True)
     n = start
