@@ -136,9 +136,9 @@ def test_a_compile_cache_signed_with_a_key_planted_on_the_mirror_writes_nothing(
 
 @pytest.mark.parametrize("kind,key", [
     ("autotune", "{outside}/x.pth"),  # the attack: an absolute path
-    ("autotune", "../../{name}/x.pth"),  # the same climbing out with ..
+    ("autotune", "../../../outside/x.pth"),  # the same climbing out with .. (the cache folder is a/b/inductor)
     ("inductor", "{outside}/fx"),  # the other artifact kinds pick their paths the same way
-    ("aot_autograd", "../../{name}/aot"),
+    ("aot_autograd", "../../../../outside/aot"),
     ("precompile", "{outside}/pkg"),
 ])
 def test_even_a_cache_signed_with_the_users_own_key_writes_only_inside_torchs_cache(tmp_path, monkeypatch, kind, key):
@@ -152,9 +152,11 @@ def test_even_a_cache_signed_with_the_users_own_key_writes_only_inside_torchs_ca
     what = {"torch": torch.__version__, "mode": "on"}
     good = ("autotune", "ab/good.best_config", b'{"x": 1}')
     _forged_cache(tmp_path / "run", user_key, what,
-                  [good, (kind, key.format(outside=outside, name="outside"), b"\x80\x04N.")])
+                  [good, (kind, key.format(outside=outside), b"\x80\x04N.")])
     note = CompileCache(tmp_path / "run", user_key, what).load()
-    assert not outside.exists() and not (tmp_path / "a" / "b" / "inductor" / "ab" / "good.best_config").exists()
+    assert {f for f in files_under(tmp_path) if not f.startswith("a/b/inductor/")} == \
+        {"run", "run/compile_cache.bin", "a", "a/b", "a/b/inductor"}  # nothing written outside torch's cache
+    assert not (tmp_path / "a" / "b" / "inductor" / "ab" / "good.best_config").exists()  # nor inside: refused whole
     assert "refused, nothing of it was written" in note and "outside torch's cache folder" in note, note
 
 
