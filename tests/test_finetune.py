@@ -258,7 +258,8 @@ def test_activation_checkpointing_gives_the_adapters_the_same_gradients(lora, va
         pm.train()
         causal_lm_loss(pm, x, y).backward()
         grads.append({n: p.grad for n, p in pm.named_parameters() if p.requires_grad})
-    assert pm.get_base_model().is_activation_checkpointing
+    # each decoder layer's own flag: transformers 5.0 (Colab's) has no `is_activation_checkpointing` yet
+    assert all(layer.gradient_checkpointing for layer in pm.get_base_model().model.layers)
     assert all(g is not None and g.abs().sum() > 0 for g in grads[1].values())
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
