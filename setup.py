@@ -14,8 +14,9 @@ install_requires = ["torch>=2.9", "numpy>=2.0.2", "tokenizers>=0.22.1", "safeten
 extras = {
     "hf": ["transformers>=5.0", "datasets>=4.0"],
     # bitsandbytes is not on Colab until installed; 0.46 is the first whose 4-bit layers compile without graph
-    # breaks (with torch >= 2.8), and constraints/floors.txt holds CI's Colab run at exactly that version
-    "finetune": ["transformers>=5.0", "peft>=0.18", "bitsandbytes>=0.46; platform_system != 'Darwin'",
+    # breaks (with torch >= 2.8) and transformers 5.0 asks for 0.46.1; constraints/floors.txt holds CI's Colab
+    # run at exactly that version
+    "finetune": ["transformers>=5.0", "peft>=0.18", "bitsandbytes>=0.46.1; platform_system != 'Darwin'",
                  "datasets>=4.0"],
     "eval": ["sacrebleu>=2.3", "transformers>=5.0", "matplotlib>=3.10"],
     # Colab preinstalls ipywidgets 7.7.1 and its front end renders no ipywidgets 8: never upgrade it.
