@@ -28,6 +28,7 @@ from tinygpt.model.loading import load_run
 from tinygpt.train.budget import Budget
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.hardware import hardware_report
+from tinygpt.train.init import pretrain_recipe
 from tinygpt.train.memory import estimate_memory
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision, trainer_speed
@@ -159,12 +160,16 @@ def _pretrain(args) -> int:
     env = torchrun_env()
     main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
     name = args.recipe or default_pretrain_recipe(args.run_dir, say=main_rank)
-    plain_rerun = args.resume == "auto" and not args.set and not args.data and args.hours is None
+    plain_rerun = args.resume == "auto" and not args.set and not args.data and args.hours is None and not args.init
     if plain_rerun and (done := finished_run(args.run_dir, name, args.max_steps)) is not None:
         if main_rank:
             print(done)
         return 0
-    res = pretrain(apply_overrides(get_recipe(name), args.set), args.run_dir, data=args.data,
+    recipe = pretrain_recipe(name, args.init, args.run_dir)  # with a base (--init, or the run's own): sized for it
+    if recipe.model.init and main_rank:
+        print(f"base {recipe.model.init}: its weights and tokenizer, lr {recipe.train.lr:g}, context "
+              f"{recipe.train.seq_len}", flush=True)
+    res = pretrain(apply_overrides(recipe, args.set), args.run_dir, data=args.data,
                    max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every,
                    resume=args.resume, mirror=args.mirror, device=args.device, hours=args.hours,
                    progress=not args.quiet, parallel=args.parallel, probe=args.probe,
@@ -317,11 +322,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=_recipes)
 
-    t = sub.add_parser("pretrain", help="pretrain a GPT from scratch (resumes automatically)")
+    t = sub.add_parser("pretrain", help="pretrain a GPT from scratch or from a base (resumes automatically)")
     t.add_argument("--recipe", default=None,
                    help="a name from `tinygpt recipes` (default: the run folder's own recipe when it has one, "
                         "else the one this hardware suits, as `tinygpt probe` shows)")
     t.add_argument("--data", default=None, help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT]")
+    t.add_argument("--init", default=None, metavar="BASE",
+                   help="continue pretraining a model: hf:NAME[@REVISION] (e.g. hf:HuggingFaceTB/SmolLM2-135M), a "
+                        "Llama/Qwen3 model folder, or a tinygpt run folder; its weights, tokenizer and architecture, "
+                        "with the recipe's batch and steps at a lower learning rate")
     t.add_argument("--run-dir", default="runs/default")
     t.add_argument("--max-steps", type=int, default=None)
     t.add_argument("--hours", type=float, default=None,
