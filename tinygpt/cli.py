@@ -16,6 +16,7 @@ from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
 from tinygpt.finetune.lora import (
+    export_full,
     finetune,
     generate_response,
     load_finetuned,
@@ -23,7 +24,7 @@ from tinygpt.finetune.lora import (
 )
 from tinygpt.model.generate import generate_text
 from tinygpt.model.gpt import meta_model
-from tinygpt.model.hf import export_run
+from tinygpt.model.hf import check_export_target, export_run
 from tinygpt.model.loading import load_run
 from tinygpt.train.budget import Budget
 from tinygpt.train.distributed import torchrun_env
@@ -230,6 +231,8 @@ def _finetune(args) -> int:
           f"{res.trainable_params:,} trainable of {res.total_params:,} parameters")
     if t.interrupted:
         print("stopped by a signal; run the same command again to resume")
+    elif res.model_dir is not None:  # full finetuning
+        print(f"model (transformers format): {res.model_dir}")
     elif res.adapter_dir is not None:
         print(f"adapter (PEFT format): {res.adapter_dir}")
         if args.merge:
@@ -302,6 +305,11 @@ def _eval(args) -> int:
 
 
 def _export(args) -> int:
+    if (RunDir(args.run_dir).finetune_info() or {}).get("recipe", {}).get("name") == "full":
+        out = export_full(args.run_dir, args.which, check_export_target(args.out_dir))  # already transformers' own
+        print(f"exported {args.run_dir} ({args.which}) to {out}; load it with "
+              f"AutoModelForCausalLM.from_pretrained({str(out)!r})")
+        return 0
     out = export_run(args.run_dir, args.out_dir, args.which)
     print(f"exported {args.run_dir} ({args.which}) to {out} as a Hugging Face Llama folder; load it with "
           f"AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained({str(out)!r})")
@@ -351,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_pretrain)
 
-    f = sub.add_parser("finetune", help="LoRA / QLoRA finetuning of a tinygpt run or a Hugging Face model")
-    f.add_argument("--recipe", default="lora-r16", help="lora-r8, lora-r16, lora-r32 or qlora-r16")
+    f = sub.add_parser("finetune", help="LoRA / QLoRA / full finetuning of a tinygpt run or a Hugging Face model")
+    f.add_argument("--recipe", default="lora-r16", help="lora-r8, lora-r16, lora-r32, qlora-r16, or full (every "
+                   "weight trains: 16 bytes per parameter, for small bases)")
     f.add_argument("--base", required=True, help="a tinygpt run folder, a model folder, or a Hugging Face id")
     f.add_argument("--data", required=True,
                    help="a JSON/JSONL file, a saved dataset folder, or hf:NAME[:CONFIG][@SPLIT]")
