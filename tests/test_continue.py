@@ -211,3 +211,16 @@ def test_cli_refuses_a_base_it_cannot_represent_before_any_work(base, shared_dat
     p = _cli(tmp_path / "run", shared_data / "tinyshakespeare.txt", tmp_path, "--init", "hf:test-org/not-there")
     out = p.communicate(timeout=120)[0].decode()
     assert p.returncode == 2 and out.count("\n") == 1 and "could not get model 'test-org/not-there'" in out, out
+
+
+def test_notebook_base_picker_defaults_to_the_runs_own_base(continued, tmp_path):
+    from tinygpt.colab import ui
+    _, _, tmp = continued
+    fresh = ui.base_picker(resume_from=tmp_path / "new")
+    assert fresh.value is None and "hf:HuggingFaceTB/SmolLM2-135M" in [v for _, v in fresh.dropdown.options]
+    resumed = ui.base_picker(resume_from=tmp / "run")
+    init = json.loads((tmp / "run" / "run.json").read_text())["recipe"]["model"]["init"]
+    assert resumed.value == init and (init, init) in resumed.dropdown.options
+    # what the training cell trains: the run's own recipe, read from run.json (the base is not read again)
+    assert ui.pretrain_recipe("cpu-smoke", resumed.value, tmp / "run").to_dict() == \
+        json.loads((tmp / "run" / "run.json").read_text())["recipe"]

@@ -166,7 +166,7 @@ def _pretrain(args) -> int:
         if main_rank:
             print(done)
         return 0
-    recipe = pretrain_recipe(name, args.init, args.run_dir)  # with a base (--init, or the run's own): sized for it
+    recipe = pretrain_recipe(name, args.init, args.run_dir, args.mirror)  # with a base: sized for it
     if recipe.model.init and main_rank:
         print(f"base {recipe.model.init}: its weights and tokenizer, lr {recipe.train.lr:g}, context "
               f"{recipe.train.seq_len}", flush=True)

@@ -31,6 +31,7 @@ from tinygpt.model.hf import (
     representation_gaps,
 )
 from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.train.data import resolve_source
 
 INIT_TOKENIZER = "init"  # DataConfig.tokenizer of a continued run: the base's own tokenizer
 # The base is trained already: a from-scratch learning rate would undo much of what it knows. At most this peak
@@ -130,12 +131,22 @@ def continued_recipe(template: Recipe | str, init: str) -> Recipe:
                   base.model, train, data)
 
 
-def pretrain_recipe(name: str, init: str | None, run_dir: str | Path) -> Recipe:
+def run_init(*run_dirs: str | Path | None) -> str | None:
+    """The base the first of these run folders (local, mirror ...) that is a pretraining run continues; None
+    when it started from scratch or there is none."""
+    for d in run_dirs:
+        if d is not None and RunDir(d).is_pretrain_run():
+            return RunDir(d).recipe_dict().get("model", {}).get("init")
+    return None
+
+
+def pretrain_recipe(name: str, init: str | None, *run_dirs: str | Path | None) -> Recipe:
     """The recipe `tinygpt pretrain` and 01_pretrain train: the named one, or with a base (`init`, else the one
-    the run folder continues) that recipe sized for it. A run folder that already continues the same base with
-    the same recipe keeps the recipe it recorded: a resume reads nothing of the base."""
-    run = RunDir(run_dir)
-    old = Recipe.from_dict(run.recipe_dict()) if run.is_pretrain_run() else None
+    the run folder continues) that recipe sized for it. A run folder (the first of `run_dirs` that is a
+    pretraining run: local, then the mirror) that already continues the same base with the same recipe keeps
+    the recipe it recorded: a resume reads nothing of the base."""
+    runs = [RunDir(d) for d in run_dirs if d is not None and RunDir(d).is_pretrain_run()]
+    old = Recipe.from_dict(runs[0].recipe_dict()) if runs else None
     same_name = old is not None and old.name == name
     init = normalise_init(init) if init else (old.model.init if same_name else None)
     if init is None:
@@ -150,6 +161,9 @@ def base_tokenizer(recipe: Recipe) -> Tokenizer:
     if recipe.model.init is None:
         raise ConfigError(f"data.tokenizer={INIT_TOKENIZER} takes the tokenizer of the base, but model.init names "
                           "none: use --init BASE, or data.tokenizer=train")
+    if resolve_source(recipe.data.source)[0] == "tokens":
+        raise ConfigError(f"{recipe.data.source} holds token ids of GPT-2's tokenizer, not the base's: continue a "
+                          "base on text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes")
     return read_base(recipe.model.init).tokenizer
 
 
