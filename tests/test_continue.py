@@ -224,3 +224,26 @@ def test_notebook_base_picker_defaults_to_the_runs_own_base(continued, tmp_path)
     # what the training cell trains: the run's own recipe, read from run.json (the base is not read again)
     assert ui.pretrain_recipe("cpu-smoke", resumed.value, tmp / "run").to_dict() == \
         json.loads((tmp / "run" / "run.json").read_text())["recipe"]
+
+
+def test_a_qwen3_base_continues_with_its_qk_norm(base, shared_data, tmp_path):
+    """The Qwen family's member the GPT represents: Llama's layers plus an RMSNorm on each head's queries and keys."""
+    cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=0,
+                                   eos_token_id=0)
+    torch.manual_seed(1)
+    qwen3 = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in qwen3.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    qwen3.save_pretrained(tmp_path / "qwen3")
+    shutil.copy(base / "tokenizer.json", tmp_path / "qwen3")
+    recipe = continued_recipe("cpu-smoke", str(tmp_path / "qwen3")).replace(
+        train={**TRAIN, "max_steps": 2, "eval_every": 0, "save_every": 0},
+        data={"source": str(shared_data / "tinyshakespeare.txt")})
+    assert recipe.model.qk_norm and recipe.model.hf_model_type == "qwen3"
+    res = pretrain(recipe, tmp_path / "run", cache_dir=tmp_path / "cache", progress=False, probe="off", device="cpu")
+    x, y = _first_batch(tmp_path / "run", tmp_path / "cache", recipe)
+    assert res.metrics[0]["step"] == 1
+    assert res.metrics[0]["loss"] == pytest.approx(_hf_loss(qwen3.eval(), x, y), abs=1e-4)

@@ -19,6 +19,7 @@ from tinygpt.finetune.lora import (
     export_full,
     finetune,
     generate_response,
+    is_full_finetune,
     load_finetuned,
     merge_adapter,
 )
@@ -305,7 +306,7 @@ def _eval(args) -> int:
 
 
 def _export(args) -> int:
-    if (RunDir(args.run_dir).finetune_info() or {}).get("recipe", {}).get("name") == "full":
+    if is_full_finetune(args.run_dir):
         out = export_full(args.run_dir, args.which, check_export_target(args.out_dir))  # already transformers' own
         print(f"exported {args.run_dir} ({args.which}) to {out}; load it with "
               f"AutoModelForCausalLM.from_pretrained({str(out)!r})")

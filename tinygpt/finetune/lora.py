@@ -247,6 +247,12 @@ def load_full_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None
                             f"unexpected {list(res.unexpected_keys)[:4]}")
 
 
+def is_full_finetune(run_dir: str | Path) -> bool:
+    """Whether a folder is a full finetuning run's (its finetune.json's recipe has no LoRA settings)."""
+    recipe = (RunDir(run_dir).finetune_info() or {}).get("recipe") or {}
+    return "lora" in recipe and recipe["lora"] is None
+
+
 def export_full(run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None) -> Path:
     """A full finetuning run's checkpoint ("latest", "best" or a folder) as a standalone transformers model folder
     (config.json, model.safetensors, tokenizer; run_dir/model by default): the checkpoint's weights already carry
@@ -255,7 +261,7 @@ def export_full(run_dir: str | Path, which: str = "latest", out_dir: str | Path 
 
     run_dir = Path(run_dir)
     info = RunDir(run_dir).adapter_info()
-    if (RunDir(run_dir).finetune_info() or {}).get("recipe", {}).get("lora", True) is not None or not info:
+    if not is_full_finetune(run_dir) or not info:
         raise FinetuneError(f"{run_dir} is not a full finetuning run folder (finetune.json with recipe full)")
     ckpt = find_run_checkpoint(run_dir, which)
     base = info["base_path"]
