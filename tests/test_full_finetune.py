@@ -19,7 +19,7 @@ import torch.nn.functional as F
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tinygpt.colab.finetune_ui import recipe_rows  # noqa: E402
+from tinygpt.colab.finetune_ui import recipe_rows, run_status  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
 from tinygpt.finetune.lora import (  # noqa: E402
     compare_generations,
@@ -109,6 +109,7 @@ def test_result_loads_exports_and_answers_before_and_after(full, tmp_path):
     x = torch.tensor([tok("def add(a, b):")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=x).logits, model(input_ids=x).logits, atol=1e-5, rtol=0)
+    assert f"model here: {full.model_dir}" in str(run_status(full.run_dir))
     rows = compare_generations(full.model, full.tokenizer, ["Reverse a list."], max_new_tokens=8,
                                base=full.base_path).rows
     assert len(rows) == 1 and rows[0][1] != rows[0][2]  # the base and the finetuned model answer differently

@@ -12,6 +12,10 @@ A finetuning run folder holds ``finetune.json``, ``adapter_config.json`` and ``t
 (adapter weights + optimizer + data position: small, so saved often), ``metrics.jsonl`` and, at
 the end, ``adapter/`` (adapter_config.json + adapter_model.safetensors + tokenizer). With a mirror
 (Drive) all of it but ``base/`` is copied there, the adapter last, checked file by file.
+
+Full finetuning (recipe ``full``, `FinetuneRecipe.lora` None) trains the base itself in fp32 through the same
+`FinetuneLoss` and Trainer: its checkpoints hold the whole model under transformers' names (`full_state`), and
+the result is ``model/``, a folder `from_pretrained` loads (`export_full`), instead of an adapter.
 """
 from __future__ import annotations
 
@@ -498,8 +502,9 @@ class FinetuneResult:
 def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | Path, max_steps: int | None = None,
              hardware: str | None = None, resume: str = "auto", callbacks=(), *, train: dict | None = None,
              device: str | None = None, progress: bool = True, mirror: str | Path | None = None) -> FinetuneResult:
-    """LoRA / QLoRA finetune `base` (tinygpt run folder, model folder or Hub id) on instruction `data`
-    into `run_dir`, resuming from its newest valid checkpoint; the adapter lands in run_dir/adapter.
+    """LoRA / QLoRA / full finetune `base` (tinygpt run folder, model folder or Hub id) on instruction `data`
+    into `run_dir`, resuming from its newest valid checkpoint; the adapter lands in run_dir/adapter (recipe
+    full: the whole model in run_dir/model).
     With `mirror` (a folder on Drive) checkpoints are copied there as they are written, the run resumes
     from there on a new VM, and the final adapter is copied to mirror/adapter."""
     with RunDir(run_dir).lock():  # one writer per run folder
