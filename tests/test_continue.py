@@ -198,19 +198,25 @@ def test_hub_base_resumes_bit_exact_after_kill_9_without_reading_the_base_again(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_cli_refuses_a_base_it_cannot_represent_before_any_work(base, shared_data, tmp_path):
+def test_cli_refuses_a_base_it_cannot_represent_before_any_work(base, shared_data, tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    from tinygpt.cli import main
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the Hub path, with no network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "cache"))
     qwen2 = tmp_path / "qwen2"
     shutil.copytree(base, qwen2)
     cfg = json.loads((qwen2 / "config.json").read_text())
     (qwen2 / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
-    p = _cli(tmp_path / "run", shared_data / "tinyshakespeare.txt", tmp_path, "--init", str(qwen2))
-    out = p.communicate(timeout=120)[0].decode()
-    assert p.returncode == 2 and out.count("\n") == 1, out
-    assert "cannot represent this model: model_type 'qwen2' (biases on q/k/v)" in out
+    args = ["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(tmp_path / "run"), "--data",
+            str(shared_data / "tinyshakespeare.txt"), "--device", "cpu", "--quiet", "--init"]
+    for init, says in [(str(qwen2), "cannot represent this model: model_type 'qwen2' (biases on q/k/v)"),
+                       ("hf:test-org/not-there", "could not get model 'test-org/not-there' from the Hugging Face Hub")]:
+        assert main(args + [init]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
-    p = _cli(tmp_path / "run", shared_data / "tinyshakespeare.txt", tmp_path, "--init", "hf:test-org/not-there")
-    out = p.communicate(timeout=120)[0].decode()
-    assert p.returncode == 2 and out.count("\n") == 1 and "could not get model 'test-org/not-there'" in out, out
 
 
 def test_notebook_base_picker_defaults_to_the_runs_own_base(continued, tmp_path):
