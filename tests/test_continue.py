@@ -93,7 +93,8 @@ def test_first_loss_equals_transformers_and_training_lowers_it(continued, base):
     x, y = _first_batch(run, tmp / "cache", recipe)
     reference = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
     assert log[0]["loss"] == pytest.approx(_hf_loss(reference, x, y), abs=1e-4)  # step 1: the base's own loss
-    assert res.step == 8 and log[-1]["loss"] < log[0]["loss"] - 0.05
+    losses = [m["loss"] for m in log]
+    assert res.step == 8 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3  # each step's batch differs: means
     # the run's tokenizer is the base's, and the export loads back into transformers with the run's logits
     assert Tokenizer.load(run).to_json() == Tokenizer.load(base).to_json()
     out = hf.export_run(run, tmp / "export")
@@ -102,7 +103,7 @@ def test_first_loss_equals_transformers_and_training_lowers_it(continued, base):
     model = hf.load_run(run)[0]
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=x).logits, model(x), atol=1e-4, rtol=0)
-    assert _hf_loss(exported, x, y) < _hf_loss(reference, x, y)  # trained on: lower than the base
+    assert _hf_loss(exported, x, y) < _hf_loss(reference, x, y) - 0.02  # trained on: lower than the base
 
 
 def test_another_run_as_the_base_starts_from_its_last_checkpoint(continued, tmp_path):
