@@ -125,14 +125,15 @@ def test_a_forged_pass_is_a_failure(kind):
         "marker_everywhere": ("import os, sys\nsys.modules['__main__'].__dict__['passed'] = True\n"
                               "for fd in range(64):\n    try:\n        os.write(fd, b'P' * 64)\n    except OSError:\n"
                               "        pass\nos._exit(0)\n"),
-        "kill_everyone": ("import os, signal\nfor pid in range(1, 400):\n    try:\n        os.kill(pid, signal.SIGSTOP)\n"
-                          "    except OSError:\n        pass\ndef f():\n    return 1\n"),
+        "stop_everyone": ("import os, signal\nfor pid in set(range(1, 400)) - {os.getpid()}:\n    try:\n"
+                          "        os.kill(pid, signal.SIGSTOP)\n    except OSError:\n        pass\n"
+                          "def f():\n    return 1\n"),
         "always_equal": "class A:\n    def __eq__(self, other):\n        return True\ndef f():\n    return A()\n",
     }
     for name, solution in forgeries.items():
         for handles in (False, True):  # HumanEval: plain values only; MBPP: handles to the solution's objects
             r = sandbox.run(solution, "assert f() == 2\nassert False\n" if name != "always_equal" else "assert f() == 2\n",
-                            names=None if handles else ("f",), handles=handles, timeout_s=20)
+                            names=None if handles else ("f",), handles=handles, timeout_s=5)
             assert not r.passed, (name, handles, r.status, r.stderr[-300:])
     ok = sandbox.run("def f():\n    return 2\n", "assert f() == 2\n", names=("f",), handles=False)
     assert ok.passed, ok.stderr  # the same test passes an honest solution
@@ -330,3 +331,25 @@ def test_syntax_accuracy_judges_what_the_model_wrote(shared_data):
     mbpp = code.load_mbpp(shared_data / "mbpp.jsonl")[0]
     assert [mbpp.valid_syntax(a) for a in ("", "  \n", "# nothing\n", mbpp.canonical_solution, "def (:")] == \
         [False, False, False, True, False]
+
+
+def test_code_generation_stops_at_the_context_with_one_line_of_ours(run, tmp_path):
+    """Issue 26 item 1: a prompt near or past the model's context (64 tokens for cpu-smoke) gets a
+    completion cut at the context (128 positions for cpu-smoke), said once by tinygpt, never
+    transformers' reminder."""
+    words = " ".join(f"w{i}" for i in range(40))
+    data = _humaneval_file(tmp_path / "long.jsonl.gz", [
+        {"prompt": f"def f():\n    \"\"\"{words}\"\"\"\n", "test": "def check(candidate):\n    pass\n"},
+        {"prompt": f"def f():\n    \"\"\"{words * 3}\"\"\"\n", "test": "def check(candidate):\n    pass\n"}])
+    hf = tmp_path / "hf"
+    assert _cli("export", run, hf).returncode == 0
+    unsafe = ["--unsafe-exec"] if sandbox.boundary().kind == "none" else []
+    for model in (run, hf):
+        p = _cli("eval", model, "--task", "humaneval", "--data", data, "--max-new-tokens", 200, "--device", "cpu",
+                 "--json", *unsafe)
+        assert p.returncode == 0, p.stderr
+        notes = [ln for ln in p.stderr.splitlines() if "context" in ln and "note:" in ln]
+        assert len(notes) == 1 and "128-token context" in notes[0], p.stderr
+        assert "predefined maximum length" not in p.stderr
+        res = json.loads(p.stdout)
+        assert res["per_problem"][1]["completions"] == [""]  # the prompt alone fills the context

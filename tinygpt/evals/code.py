@@ -268,9 +268,8 @@ def load_mbpp(path: str | Path, task_ids: Iterable[int] | None = range(11, 511))
 
 # --- execution ---------------------------------------------------------------------------------
 
-SANDBOX_NOTE = ("runs the code the model writes: each problem in two processes behind a kernel boundary "
-                "(own PID, mount and network namespaces, a size-capped throwaway folder, unprivileged uids), "
-                "the verdict read from the test's process (README: How generated code is run)")
+SANDBOX_NOTE = ("runs the code the model writes: each problem's solution and test in two sandboxed processes "
+                "(README: How generated code is run)")
 
 
 def run_program(program: str, **limits: Any) -> ExecResult:

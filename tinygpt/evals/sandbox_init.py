@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import json
 import os
 import sys
 
@@ -348,7 +347,8 @@ def test(job: dict, result: int, requests: int | None, answers: int | None) -> N
 
 def child_main(role: str) -> None:
     """The entry point of a child (run with -c): the job on stdin, descriptors in the environment."""
-    job = json.loads(sys.stdin.buffer.read().decode("utf-8", "surrogatepass"))
+    import marshal
+    job = marshal.loads(sys.stdin.buffer.read())  # from the supervisor
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -499,13 +499,73 @@ def _status(rc: int | None, err: str, flooded: bool) -> str:
     return "failed"
 
 
+def _spawn(job: dict, role: str, source: str, cwd: str, fds: list[int], out: str, err: str,
+           uid: int | None, jail: Jail | None, drop: bool) -> tuple[int, int]:
+    """fork + exec of a child: its job on a pipe as stdin, output to files, `fds` as 3, 4, 5; in the
+    child, before exec: its own session, setgroups([]) / setgid / setuid (root mode), the limits,
+    no-new-privs. Returns (pid, the write end of its stdin). Plain os calls: no subprocess import."""
+    r, w = os.pipe()
+    o = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    e = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+           "TINYGPT_SANDBOX_FDS": ",".join(str(3 + i) for i in range(len(fds)))}
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            import fcntl
+            high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (r, o, e, *fds)]
+            for target, fd in enumerate(high):
+                os.dup2(fd, target)  # inheritable
+            os.closerange(len(high), 1 << 20)
+            os.chdir(cwd)
+            if uid is not None:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+            _limits(job, jail.libc if jail else None, jail.drop_capabilities if drop else None)
+            os.execve(job["python"], [job["python"], "-I", "-S", "-c", source, role], env)
+        except BaseException as ex:  # noqa: BLE001 (a child must never return into the supervisor)
+            os.write(2, f"sandbox: could not start the {role} process: {ex!r}\n".encode())
+        os._exit(127)
+    for fd in (r, o, e):
+        os.close(fd)
+    return pid, w
+
+
+def _wait(pid: int, timeout: float) -> int | None:
+    """The exit status (negative: the signal) or None after `timeout` seconds."""
+    import select
+    import time
+    deadline = time.monotonic() + timeout
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if pidfd is not None:
+                select.select([pidfd], [], [], left)
+            else:
+                time.sleep(min(left, 0.005))
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
 def supervise() -> None:
+    import marshal
     import select
     import signal
-    import subprocess
     import time
 
-    job = json.loads(sys.stdin.buffer.read().decode("utf-8", "surrogatepass"))
+    job = marshal.loads(sys.stdin.buffer.read())  # from tinygpt itself, not from the sandbox
     source = open(__file__, encoding="utf-8").read()
     mode = job["mode"]  # root | userns | none
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller stops us with SIGKILL
@@ -523,45 +583,34 @@ def supervise() -> None:
         os.mkdir(out_dir, 0o700)
     two = job["solution"] is not None
     roles = ["test"] + (["serve"] if two else [])
-    uids = job["uids"] if mode == "root" else None
-    for i, role in enumerate(roles):
+    uids = dict(zip(roles, job["uids"])) if mode == "root" else {}
+    for role in roles:
         os.mkdir(f"{work}/{role}", 0o700)
         if uids:
-            os.chown(f"{work}/{role}", uids[i], uids[i])
+            os.chown(f"{work}/{role}", uids[role], uids[role])
     result_r, result_w = os.pipe()
     links = (*os.pipe(), *os.pipe()) if two else ()  # requests r/w, answers r/w
     fds = {"test": [result_w, *((links[1], links[2]) if two else ())], "serve": [links[0], links[3]] if two else []}
-    procs: dict[str, subprocess.Popen] = {}
-    outputs: dict[str, tuple] = {}
+    pids: dict[str, int] = {}
+    codes: dict[str, int | None] = {}
     deadline = time.monotonic() + job["timeout_s"]
     timed_out = False
 
     def start(role: str, payload: dict) -> None:
-        i = roles.index(role)
-        out = open(f"{out_dir}/{role}.out", "wb")
-        err = open(f"{out_dir}/{role}.err", "wb")
-        outputs[role] = (out.name, err.name)
-        env = {"PATH": "/usr/bin:/bin", "HOME": f"{work}/{role}", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-               "LC_ALL": "C.UTF-8", "TINYGPT_SANDBOX_FDS": ",".join(map(str, fds[role]))}
-        user = dict(user=uids[i], group=uids[i], extra_groups=[]) if uids else {}
-        drop = jail.drop_capabilities if mode == "userns" else None
-        proc = subprocess.Popen([job["python"], "-I", "-S", "-c", source, role], executable=job["python"],
-                                stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=f"{work}/{role}", env=env,
-                                pass_fds=fds[role], start_new_session=True,
-                                preexec_fn=lambda: _limits(job, jail.libc if jail else None, drop), **user)
-        out.close()
-        err.close()
-        procs[role] = proc
+        pids[role], stdin = _spawn(job, role, source, f"{work}/{role}", fds[role], f"{out_dir}/{role}.out",
+                                   f"{out_dir}/{role}.err", uids.get(role), jail, mode == "userns")
         try:
-            proc.stdin.write(json.dumps(payload).encode("utf-8", "surrogatepass"))
-            proc.stdin.close()
-        except BrokenPipeError:
+            data = marshal.dumps(payload)
+            while data:
+                data = data[os.write(stdin, data):]
+        except OSError:
             pass
+        os.close(stdin)
 
+    ready = b""
     try:
         start("test", {"context": job["context"], "test": job["test"], "names": job["names"]})
         os.close(result_w)
-        ready = b""
         if two:
             # The test process makes itself non-dumpable first; only then does the solution's exist.
             if select.select([result_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
@@ -570,14 +619,12 @@ def supervise() -> None:
                 start("serve", {"program": job["solution"], "handles": job["handles"]})
             for fd in links:
                 os.close(fd)
-        try:
-            procs["test"].wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        codes["test"] = _wait(pids["test"], max(0.0, deadline - time.monotonic()))
+        timed_out = codes["test"] is None
     finally:
-        for proc in procs.values():
+        for pid in pids.values():
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the process and its group
+                os.killpg(pid, signal.SIGKILL)  # the process and its group
             except OSError:
                 pass
         if mode != "none":
@@ -585,25 +632,26 @@ def supervise() -> None:
                 os.kill(-1, signal.SIGKILL)  # as PID 1 of this namespace: everything else in it
             except OSError:
                 pass
-        for proc in procs.values():
-            proc.wait()
+        for role, pid in pids.items():
+            if codes.get(role) is None:
+                codes[role] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     os.set_blocking(result_r, False)
     try:
         said = ready + os.read(result_r, 16)
     except BlockingIOError:
         said = ready
     tails = {}
-    for role, (out, err) in outputs.items():
-        (o, o_size), (e, e_size) = _tail(out), _tail(err)
+    for role in pids:
+        (o, o_size), (e, e_size) = _tail(f"{out_dir}/{role}.out"), _tail(f"{out_dir}/{role}.err")
         tails[role] = (o, e, max(o_size, e_size) >= job["max_output_bytes"])
-    test_rc = procs["test"].returncode
+    test_rc = codes["test"]
     t_out, t_err, t_flood = tails["test"]
     if timed_out:
         status = "timeout"
     elif test_rc == 0:
         status = "passed" if RESULT_PASSED in said else "exited_early"
-    elif test_rc == LINK_BROKEN and "serve" in procs:
-        s_rc = procs["serve"].returncode
+    elif test_rc == LINK_BROKEN and "serve" in pids:
+        s_rc = codes["serve"]
         status = "exited_early" if s_rc == 0 else _status(s_rc, tails["serve"][1], tails["serve"][2])
     else:
         status = _status(test_rc, t_err, t_flood)
@@ -611,8 +659,8 @@ def supervise() -> None:
         s_out, s_err, _ = tails["serve"]
         t_out = s_out + t_out
         t_err = t_err + (f"\n--- the solution's process ---\n{s_err}" if s_err.strip() else "")
-    sys.stdout.write(json.dumps({"status": status, "returncode": None if timed_out else test_rc,
-                                 "stdout": t_out, "stderr": t_err}))
+    sys.stdout.write(repr({"status": status, "returncode": None if timed_out else test_rc, "stdout": t_out,
+                           "stderr": t_err}))
     sys.stdout.flush()
 
 
