@@ -14,20 +14,27 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from tinygpt.cli import main
 from tinygpt.evals import code, sandbox
 from tinygpt.train.pretrain import pretrain
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(params=["root", "userns"])
+@pytest.fixture(params=["root", "userns", "uid"])
 def kind(request, monkeypatch) -> str:
-    """Each kernel boundary this machine offers (root: Colab's case; userns: a user's machine)."""
+    """Each kernel boundary this machine offers (root: Colab's case; userns: a user's machine; uid:
+    root where no namespace can be made)."""
+    python = Path(os.path.realpath(sys.executable))
+    if request.param == "uid" and any(not p.stat().st_mode & 0o001 for p in python.parents) \
+            and Path("/usr/bin/python3").is_file():  # a Python in a private home (pyenv under /root)
+        monkeypatch.setenv("TINYGPT_SANDBOX_PYTHON", "/usr/bin/python3")
     b = sandbox.boundary(request.param)
     if b.kind != request.param:
         pytest.skip(f"no {request.param} boundary here: {b.why_not}")
@@ -93,6 +100,8 @@ def test_no_attack_escapes_from_the_solution_or_the_test(kind, tmp_path, victim)
 
 
 def test_the_sandbox_sees_no_user_files_and_writes_only_its_folder(kind, tmp_path, victim):
+    if kind == "uid":
+        pytest.skip("the jail's guarantee: the uid boundary (no namespaces) does not give it")
     seen = sandbox.run(f"""import json, os
 def ls(p):
     try:
@@ -143,6 +152,8 @@ def test_writes_are_capped_in_total_and_nothing_outlives_the_sandbox(kind):
     """120 files of 15 MB wrote 1.8 GB at 0f7fccf (only each file was capped); a `setsid sleep`
     child outlived it. Now the total is capped by the jail's tmpfs, and the PID namespace ends
     every process (here with processes allowed, to show the namespace does it)."""
+    if kind == "uid":
+        pytest.skip("the jail's guarantee: the uid boundary (no namespaces) does not give it")
     r = sandbox.run("""import os
 total = 0
 try:
@@ -176,6 +187,8 @@ print(pid)
 
 
 def test_no_network(kind):
+    if kind == "uid":
+        pytest.skip("the jail's guarantee: the uid boundary (no namespaces) does not give it")
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -251,17 +264,22 @@ def test_a_crafted_humaneval_file_escapes_nothing_through_the_cli(run, tmp_path,
     assert "kernel boundary" in p.stderr.splitlines()[0]  # said first, with the boundary used
 
 
-def test_no_boundary_refuses_unless_unsafe_exec(run, tmp_path):
+def test_no_boundary_refuses_unless_unsafe_exec(run, tmp_path, monkeypatch, capfd):
     data = _humaneval_file(tmp_path / "ok.jsonl.gz", [{"prompt": "def f():\n    \"\"\"one\"\"\"\n",
                                                        "test": "def check(candidate):\n    assert candidate() == 1\n"}])
-    p = _cli("eval", run, "--task", "humaneval", "--data", data, "--max-new-tokens", 4, "--device", "cpu",
-             env={"TINYGPT_SANDBOX": "none"})
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "no kernel boundary" in p.stderr and "--unsafe-exec" in p.stderr and "checkpoint" not in p.stderr
-    p = _cli("eval", run, "--task", "humaneval", "--data", data, "--max-new-tokens", 4, "--device", "cpu", "--json",
-             "--unsafe-exec", env={"TINYGPT_SANDBOX": "none", "TMPDIR": str(tmp_path)})
-    assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["sandbox"] == "none" and not list(tmp_path.glob("tinygpt-exec-*"))
+    monkeypatch.setenv("TINYGPT_SANDBOX", "none")  # as on a machine with neither root nor user namespaces
+    args = ["eval", str(run), "--task", "humaneval", "--data", str(data), "--max-new-tokens", "4", "--device", "cpu"]
+    assert main(args) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "no kernel boundary" in err and "--unsafe-exec" in err and "checkpoint" not in err
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        assert main([*args, "--json", "--unsafe-exec"]) == 0
+    finally:
+        tempfile.tempdir = None
+    assert json.loads(capfd.readouterr().out)["sandbox"] == "none" and not list(tmp_path.glob("tinygpt-exec-*"))
 
 
 def _descendants(pid: int) -> set[int]:
@@ -333,23 +351,22 @@ def test_syntax_accuracy_judges_what_the_model_wrote(shared_data):
         [False, False, False, True, False]
 
 
-def test_code_generation_stops_at_the_context_with_one_line_of_ours(run, tmp_path):
-    """Issue 26 item 1: a prompt near or past the model's context (64 tokens for cpu-smoke) gets a
-    completion cut at the context (128 positions for cpu-smoke), said once by tinygpt, never
-    transformers' reminder."""
+def test_code_generation_stops_at_the_context_with_one_line_of_ours(run, tmp_path, capfd):
+    """Issue 26 item 1: a prompt near or past the model's context gets a completion cut at the
+    context (128 positions for cpu-smoke), said once by tinygpt, never transformers' reminder."""
     words = " ".join(f"w{i}" for i in range(40))
     data = _humaneval_file(tmp_path / "long.jsonl.gz", [
         {"prompt": f"def f():\n    \"\"\"{words}\"\"\"\n", "test": "def check(candidate):\n    pass\n"},
         {"prompt": f"def f():\n    \"\"\"{words * 3}\"\"\"\n", "test": "def check(candidate):\n    pass\n"}])
     hf = tmp_path / "hf"
-    assert _cli("export", run, hf).returncode == 0
+    assert main(["export", str(run), str(hf)]) == 0
     unsafe = ["--unsafe-exec"] if sandbox.boundary().kind == "none" else []
     for model in (run, hf):
-        p = _cli("eval", model, "--task", "humaneval", "--data", data, "--max-new-tokens", 200, "--device", "cpu",
-                 "--json", *unsafe)
-        assert p.returncode == 0, p.stderr
-        notes = [ln for ln in p.stderr.splitlines() if "context" in ln and "note:" in ln]
-        assert len(notes) == 1 and "128-token context" in notes[0], p.stderr
-        assert "predefined maximum length" not in p.stderr
-        res = json.loads(p.stdout)
-        assert res["per_problem"][1]["completions"] == [""]  # the prompt alone fills the context
+        capfd.readouterr()
+        assert main(["eval", str(model), "--task", "humaneval", "--data", str(data), "--max-new-tokens", "200",
+                     "--device", "cpu", "--json", *unsafe]) == 0
+        out, err = capfd.readouterr()
+        notes = [ln for ln in err.splitlines() if "context" in ln and "note:" in ln]
+        assert len(notes) == 1 and "128-token context" in notes[0], err
+        assert "predefined maximum length" not in err
+        assert json.loads(out)["per_problem"][1]["completions"] == [""]  # the prompt alone fills the context

@@ -292,6 +292,7 @@ def check_completions(problems: Sequence[CodeProblem], completions: Sequence[str
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
     workers = workers or min(4, os.cpu_count() or 1)
+    sandbox.resume()
     pool = ThreadPoolExecutor(max_workers=workers)  # threads only wait on the sandboxes
     try:
         futures = [pool.submit(run_problem, p, c, **limits) for p, c in zip(problems, completions)]

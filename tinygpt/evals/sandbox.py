@@ -23,6 +23,10 @@ by running a program through it; `TINYGPT_SANDBOX=root|userns|none` restricts th
 - ``userns`` (no root, unprivileged user namespaces): the same, but the two processes share the
   caller's uid, with every capability dropped and the test process non-dumpable (started before
   the solution's), so the solution's process cannot ptrace it, read its memory or open its pipes.
+- ``uid`` (root where namespaces cannot be made): each process under its own unprivileged uid
+  with no supplementary groups, no-new-privs and the rlimits (no new process), in a 0700 folder
+  of its own; at the end every process of those uids is killed. Weaker: world-readable files are
+  visible, world-writable folders writable, and only each file's size is capped.
 - ``none``: no kernel boundary. `run` refuses unless `unsafe=True` (`tinygpt eval --unsafe-exec`),
   then runs both processes with the rlimits only, in a /tmp/tinygpt-exec-* folder removed after.
 
@@ -50,11 +54,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 INIT = Path(__file__).with_name("sandbox_init.py")
-KINDS = ("root", "userns", "none")
+KINDS = ("root", "userns", "uid", "none")
 _UID_BASE = 1_200_000_000   # far above any uid a system or its users own
 _uids = itertools.count()
 _live: set[subprocess.Popen] = set()
 _live_lock = threading.Lock()
+_stopping = threading.Event()  # set by stop_all: a sandbox starting meanwhile is killed at once
 
 
 class SandboxUnavailable(RuntimeError):
@@ -85,7 +90,7 @@ class ExecResult:
 
 @dataclass(frozen=True)
 class Boundary:
-    kind: str            # root | userns | none
+    kind: str            # root | userns | uid | none
     prefix: tuple[str, ...]
     why_not: str = ""    # for none: what was tried and why it failed
 
@@ -94,12 +99,17 @@ class Boundary:
                         "tmpfs as the only writable folder, an unprivileged uid per process",
                 "userns": "a kernel boundary in a user namespace: own PID, mount and network namespaces, a "
                           "size-capped tmpfs as the only writable folder, no capabilities",
+                "uid": "a kernel boundary as root without namespaces: an unprivileged uid per process, a private "
+                       "folder, no new processes; world-readable files are visible and only each file's size "
+                       "is capped",
                 "none": "no kernel boundary (rlimits only)"}[self.kind]
 
 
 def _python() -> str:
-    """The interpreter the sandbox runs (a venv's python is a link to it; with -S no venv is needed)."""
-    return os.path.realpath(sys.executable)
+    """The interpreter the sandbox runs: $TINYGPT_SANDBOX_PYTHON (for a Python installed where other
+    users cannot read it, as the uid boundary needs), else this one's real path (a venv's python is
+    a link to it; with -S no venv is needed)."""
+    return os.path.realpath(os.environ.get("TINYGPT_SANDBOX_PYTHON") or sys.executable)
 
 
 def _read_only_paths() -> list[str]:
@@ -109,11 +119,14 @@ def _read_only_paths() -> list[str]:
     return ["/usr", "/bin", "/lib", "/lib64", "/lib32", "/libx32", *sorted(prefixes)]
 
 
-def _prefix(kind: str) -> tuple[str, ...]:
+def _prefix(kind: str) -> tuple[str, ...] | None:
+    """The command line before the supervisor's (None: this kind needs a tool that is missing)."""
     unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
-    if unshare is None:
-        return ()
     head = (setpriv, "--pdeathsig", "KILL") if setpriv else ()
+    if kind in ("uid", "none"):
+        return head
+    if unshare is None:
+        return None
     user = ("--user", "--map-root-user") if kind == "userns" else ()
     return (*head, unshare, *user, "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts")
 
@@ -124,22 +137,22 @@ def boundary(kind: str | None = None) -> Boundary:
     wanted = kind or os.environ.get("TINYGPT_SANDBOX") or None
     if wanted is not None and wanted not in KINDS:
         raise ValueError(f"TINYGPT_SANDBOX={wanted!r}: choose one of {', '.join(KINDS)}")
-    return _probe(wanted)
+    return _probe(wanted, _python())
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(wanted: str | None) -> Boundary:
+def _probe(wanted: str | None, python: str) -> Boundary:
     tried = []
-    for k in ("root", "userns"):
+    for k in ("root", "userns", "uid"):
         if wanted not in (None, k):
             continue
-        if k == "root" and os.geteuid() != 0:
-            tried.append("not root")
+        if k in ("root", "uid") and os.geteuid() != 0:
+            tried.append(f"{k}: not root")
             continue
         prefix = _prefix(k)
-        if not prefix:
-            tried.append("no util-linux `unshare`")
-            break
+        if prefix is None:
+            tried.append(f"{k}: no util-linux `unshare`")
+            continue
         b = Boundary(k, prefix)
         try:
             r = _run(b, None, "import os\nprint(os.getuid(), os.listdir('/'))\n", "", None, False, timeout_s=20,
@@ -147,22 +160,30 @@ def _probe(wanted: str | None) -> Boundary:
         except (OSError, ValueError, subprocess.SubprocessError) as e:
             tried.append(f"{k}: {e}")
             continue
-        if r.passed and "'usr'" in r.stdout:
+        jailed = "'usr'" in r.stdout or k == "uid"  # the jail's / lists usr (and little else)
+        if r.passed and jailed and (k == "userns" or not r.stdout.startswith("0 ")):  # root modes: not uid 0
             return b
         tried.append(f"{k}: {(r.stderr.strip().splitlines() or [r.status])[-1]}")
     why = "; ".join(tried) or f"TINYGPT_SANDBOX={wanted}"
-    return Boundary("none", (), why)
+    return Boundary("none", _prefix("none") or (), why)
 
 
 def stop_all() -> None:
-    """Kill every sandbox this process has running (and, through the namespace, all it started)."""
+    """Kill every sandbox this process has running (and, through the namespace, all it started), and
+    any that starts before `resume()`."""
     with _live_lock:
+        _stopping.set()
         procs = list(_live)
     for p in procs:
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def resume() -> None:
+    """Allow sandboxes again after `stop_all` (a new evaluation in the same process)."""
+    _stopping.clear()
 
 
 def _run(b: Boundary, solution: str | None, test: str, context: str, names: Sequence[str] | None, handles: bool,
@@ -174,7 +195,7 @@ def _run(b: Boundary, solution: str | None, test: str, context: str, names: Sequ
            "read_only": _read_only_paths(), "timeout_s": timeout_s, "memory_bytes": memory_mb * 2**20,
            "cpu_s": cpu_s, "max_output_bytes": max_output_mb * 2**20, "max_write_bytes": max_write_mb * 2**20,
            "max_processes": max_processes, "uids": [_UID_BASE + 2 * slot, _UID_BASE + 2 * slot + 1]}
-    folder = tempfile.mkdtemp(prefix="tinygpt-exec-") if b.kind == "none" else None
+    folder = tempfile.mkdtemp(prefix="tinygpt-exec-") if b.kind in ("uid", "none") else None
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen([*b.prefix, _python(), "-I", "-S", str(INIT), "supervise"], stdin=subprocess.PIPE,
@@ -182,6 +203,8 @@ def _run(b: Boundary, solution: str | None, test: str, context: str, names: Sequ
                                 env={"PATH": os.defpath, "LANG": "C.UTF-8"}, start_new_session=True)
         with _live_lock:
             _live.add(proc)
+            if _stopping.is_set():
+                os.killpg(proc.pid, signal.SIGKILL)
         try:
             out, err = proc.communicate(marshal.dumps(job), timeout=timeout_s + 30)
         finally:

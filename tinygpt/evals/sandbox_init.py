@@ -458,7 +458,7 @@ class Jail:
 
 def _limits(job: dict, libc, drop_capabilities) -> None:
     """In the child after fork (after setgroups/setgid/setuid in root mode), before exec."""
-    import resource
+    import resource  # already imported by the supervisor: the child's uid may not read the stdlib
 
     def limit(which: int, soft: int, hard: int | None = None) -> None:
         cur = resource.getrlimit(which)[1]
@@ -504,6 +504,7 @@ def _spawn(job: dict, role: str, source: str, cwd: str, fds: list[int], out: str
     """fork + exec of a child: its job on a pipe as stdin, output to files, `fds` as 3, 4, 5; in the
     child, before exec: its own session, setgroups([]) / setgid / setuid (root mode), the limits,
     no-new-privs. Returns (pid, the write end of its stdin). Plain os calls: no subprocess import."""
+    import fcntl
     r, w = os.pipe()
     o = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     e = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -513,7 +514,6 @@ def _spawn(job: dict, role: str, source: str, cwd: str, fds: list[int], out: str
     if pid == 0:
         try:
             os.setsid()
-            import fcntl
             high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (r, o, e, *fds)]
             for target, fd in enumerate(high):
                 os.dup2(fd, target)  # inheritable
@@ -561,29 +561,34 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 def supervise() -> None:
     import marshal
+    import resource  # noqa: F401  (for _limits in the children, which may not read the stdlib)
     import select
     import signal
     import time
 
     job = marshal.loads(sys.stdin.buffer.read())  # from tinygpt itself, not from the sandbox
     source = open(__file__, encoding="utf-8").read()
-    mode = job["mode"]  # root | userns | none
+    mode = job["mode"]  # root | userns | uid | none
+    jailed = mode in ("root", "userns")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller stops us with SIGKILL
     jail = None
     if mode != "none":
         jail = Jail()
         jail.libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE: no child can ptrace this supervisor
+    if jailed:
         jail.build(job)
         work = "/work"
         os.mkdir(work, 0o755)
         out_dir = "/.out"
-    else:
+    else:  # a folder the caller made (0700), removed by it after
         work = os.getcwd()
         out_dir = os.path.join(work, ".out")
         os.mkdir(out_dir, 0o700)
+        if mode == "uid":
+            os.chmod(work, 0o711)  # each uid reaches its own folder, lists nothing
     two = job["solution"] is not None
     roles = ["test"] + (["serve"] if two else [])
-    uids = dict(zip(roles, job["uids"])) if mode == "root" else {}
+    uids = dict(zip(roles, job["uids"])) if mode in ("root", "uid") else {}
     for role in roles:
         os.mkdir(f"{work}/{role}", 0o700)
         if uids:
@@ -627,11 +632,21 @@ def supervise() -> None:
                 os.killpg(pid, signal.SIGKILL)  # the process and its group
             except OSError:
                 pass
-        if mode != "none":
+        if jailed:
             try:
                 os.kill(-1, signal.SIGKILL)  # as PID 1 of this namespace: everything else in it
             except OSError:
                 pass
+        for uid in uids.values():  # no namespace: every process of the sandbox's uids, wherever it went
+            killer = os.fork()
+            if killer == 0:
+                try:
+                    os.setresuid(uid, uid, uid)
+                    os.kill(-1, signal.SIGKILL)  # as that uid: all its processes but this one
+                except BaseException:  # noqa: BLE001
+                    pass
+                os._exit(0)
+            os.waitpid(killer, 0)
         for role, pid in pids.items():
             if codes.get(role) is None:
                 codes[role] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
