@@ -10,11 +10,11 @@ a failing test into a pass. `run(program)` runs one program alone (its verdict i
 own: it exited 0 after its last line).
 
 The boundary is chosen at run time, the strongest the machine allows (`boundary()` probes it once
-by running a program through it; `TINYGPT_SANDBOX=root|userns|none` restricts the choice):
+by running a program through it; `TINYGPT_SANDBOX=root|userns|uid|none` restricts the choice):
 
 - ``root`` (root, as in Colab, with util-linux `unshare`): new PID, mount, network, IPC and UTS
-  namespaces; inside, a tmpfs of `max_write_mb` becomes `/` with `/usr`, the Python install and
-  five device files bound read-only (so /root, /home, /content, /etc, /tmp and the run folders do
+  namespaces; inside, a tmpfs of `max_write_mb` becomes `/` with `/usr` and the Python install bound
+  read-only and five device files (so /root, /home, /content, /etc, /tmp and the run folders do
   not exist in there) and is the only writable place, so the total written is capped; each process
   runs under its own unprivileged uid/gid with no supplementary groups, no-new-privs, no network,
   rlimits on address space, CPU time, file size, open files and processes (default: no new
@@ -39,9 +39,9 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
-import itertools
 import marshal
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -56,7 +56,6 @@ from typing import Any, Sequence
 INIT = Path(__file__).with_name("sandbox_init.py")
 KINDS = ("root", "userns", "uid", "none")
 _UID_BASE = 1_200_000_000   # far above any uid a system or its users own
-_uids = itertools.count()
 _live: set[subprocess.Popen] = set()
 _live_lock = threading.Lock()
 _stopping = threading.Event()  # set by stop_all: a sandbox starting meanwhile is killed at once
@@ -189,7 +188,7 @@ def resume() -> None:
 def _run(b: Boundary, solution: str | None, test: str, context: str, names: Sequence[str] | None, handles: bool,
          *, timeout_s: float, memory_mb: int, cpu_s: int, max_output_mb: int, max_write_mb: int,
          max_processes: int) -> ExecResult:
-    slot = next(_uids) % 50_000_000
+    slot = secrets.randbelow(500_000_000)  # distinct from any other sandbox's, in this process or another
     job = {"mode": b.kind, "solution": solution, "test": test, "context": context,
            "names": None if names is None else list(names), "handles": handles, "python": _python(),
            "read_only": _read_only_paths(), "timeout_s": timeout_s, "memory_bytes": memory_mb * 2**20,
@@ -229,7 +228,7 @@ def _run(b: Boundary, solution: str | None, test: str, context: str, names: Sequ
 
 
 def run(program: str, test: str | None = None, *, context: str = "", names: Sequence[str] | None = None,
-        handles: bool = True, timeout_s: float = 10.0, memory_mb: int = 2048, cpu_s: int | None = None,
+        handles: bool = True, timeout_s: float = 10.0, memory_mb: int = 1024, cpu_s: int | None = None,
         max_output_mb: int = 16, max_write_mb: int = 64, max_processes: int = 1,
         unsafe: bool = False) -> ExecResult:
     """Run `program` (the solution) and, when given, `test` against it in a second process.
