@@ -216,6 +216,9 @@ def test_limits_and_statuses(kind):
                        max_output_mb=1).status == "output_limit"
     assert sandbox.run("def f():\n    while True:\n        pass\n", "f()\n", names=None, timeout_s=30,
                        cpu_s=1).status == "cpu_limit"  # the solution's process hit the limit
+    assert sandbox.run("import os\nos._exit(0)\n", "f()\n", names=None).status == "exited_early"
+    r = sandbox.run("import nothing_of_that_name\n", "f()\n", names=("f",))
+    assert r.status == "failed" and "ModuleNotFoundError" in r.stderr  # the solution's traceback is shown
     r = sandbox.run("def f(x):\n    raise KeyError(x)\n", "try:\n    f(3)\nexcept KeyError as e:\n"
                     "    assert e.args == ('3',)\n", names=("f",))
     assert r.passed, r.stderr  # built-in exceptions cross as themselves

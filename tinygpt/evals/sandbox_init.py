@@ -310,25 +310,27 @@ def test(job: dict, result: int, requests: int | None, answers: int | None) -> N
     os.write(result, RESULT_READY)  # only now is the solution process started
     env = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(job["context"], "problem.py", "exec"), env)
-    if requests is not None:
-        link = Link(requests, answers)
-        hello = link.receive()
-        if hello[0] != "names":
-            raise ValueError("the solution's process sent no list of names")
-        wanted = job["names"]
-        for name, module in hello[1][:10_000]:
-            if not (isinstance(name, str) and name.isidentifier()) or wanted is not None and name not in wanted:
-                continue
-            if module is not None:  # `import math` in the solution: the test gets the real module
-                try:
-                    env[name] = __import__(module, fromlist=["_"])
-                except Exception:
-                    pass
-                continue
-            env[name] = Remote(link, ("n", name))
-        for name in wanted or ():
-            env.setdefault(name, Remote(link, ("n", name)))  # a name it does not define: a NameError there
     try:
+        if requests is not None:
+            link = Link(requests, answers)
+            hello = link.receive()
+            if hello[0] != "names":
+                raise ValueError("the solution's process sent no list of names")
+            wanted = job["names"]
+            if wanted is not None:  # exactly these names, over the prompt's stubs; nothing else of the solution
+                for name in wanted:
+                    env[name] = Remote(link, ("n", name))
+            else:
+                for name, module in hello[1][:10_000]:
+                    if not (isinstance(name, str) and name.isidentifier()):
+                        continue
+                    if isinstance(module, str) and module in getattr(sys, "stdlib_module_names", ()):
+                        try:  # `import math` in the solution: the test gets the real module
+                            env[name] = __import__(module)
+                        except Exception:
+                            pass
+                        continue
+                    env[name] = Remote(link, ("n", name))
         exec(compile(job["test"], "test.py", "exec"), env)
     except SystemExit as e:  # the test code exited before its end: no verdict
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
