@@ -178,10 +178,6 @@ class CodeProblem:
     names: tuple[str, ...] | None = None
     handles: bool = True
 
-    def program(self, completion: str) -> str:
-        """The whole program as one file (what a single-process harness would run)."""
-        return f"{self.prefix}{completion}\n\n{self.test}\n"
-
     def valid_syntax(self, completion: str) -> bool:
         """The model wrote valid code: not empty or blank, it parses after the prefix, and it adds at least
         one statement (to the entry point's function when the prefix defines it): a prompt's header
