@@ -13,6 +13,7 @@ from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import PRECISION_FOR_HARDWARE, resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.evals import sandbox
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
 from tinygpt.finetune.lora import (
@@ -278,12 +279,17 @@ def _jsonable(v):
 
 
 def _eval(args) -> int:
-    if TASKS[args.task].runs_code:  # said before anything runs
-        print(f"{args.task} {SANDBOX_NOTE}", file=sys.stderr, flush=True)
-    res = run_eval(args.run_dir, args.task, data=args.data, which=args.which, device=str(resolve_device(args.device)),
-                   limit=args.limit, window=args.window, stride=args.stride, max_chars=args.max_chars,
-                   batch_size=args.batch_size, n=args.n, ks=args.k, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, progress=not args.json)
+    if TASKS[args.task].runs_code:  # said before anything runs; no boundary: refused unless --unsafe-exec
+        b = sandbox.boundary()
+        if b.kind == "none" and not args.unsafe_exec:
+            raise sandbox.SandboxUnavailable(sandbox.unavailable_message(b))
+        print(f"{args.task} {SANDBOX_NOTE}; here: {b.describe()}", file=sys.stderr, flush=True)
+    with sandbox.sigterm_as_interrupt():  # SIGTERM ends the sandboxes as Ctrl-C does
+        res = run_eval(args.run_dir, args.task, data=args.data, which=args.which,
+                       device=str(resolve_device(args.device)), limit=args.limit, window=args.window,
+                       stride=args.stride, max_chars=args.max_chars, batch_size=args.batch_size, n=args.n, ks=args.k,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, progress=not args.json,
+                       unsafe_exec=args.unsafe_exec)
     if args.json:
         print(json.dumps(_jsonable(res), indent=1, default=str))
         return 0
@@ -410,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=384)
     e.add_argument("--temperature", type=float, default=None, help="code tasks (default: greedy for n=1, else 0.8)")
     e.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    e.add_argument("--unsafe-exec", action="store_true", help="humaneval/mbpp: run generated code even where no "
+                   "kernel boundary is available (rlimits only; use a throwaway VM)")
     e.set_defaults(func=_eval)
 
     x = sub.add_parser("export", help="export a run to a Hugging Face folder (config.json + model.safetensors)")
