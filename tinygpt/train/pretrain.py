@@ -7,7 +7,7 @@ prepares the tokenizer, the token cache and the run folder while the others wait
 """
 from __future__ import annotations
 
-import contextlib
+import math
 import platform
 import sys
 import warnings
@@ -22,7 +22,7 @@ from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import choose_precision, resolve_device
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.rundir import RUN_JSON, RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.drive import CLOSE_TIMEOUT_S, Mirror, ShardMirror, restore_latest, restore_shards
@@ -39,6 +39,7 @@ from tinygpt.train.distributed import (
     split_global_batch,
     torchrun_env,
 )
+from tinygpt.train.hardware import check_device, check_fits
 from tinygpt.train.hardware import peak_tflops as _peak
 from tinygpt.train.probe import apply_probe
 from tinygpt.train.probe import probe as run_probe
@@ -153,8 +154,9 @@ class PretrainOptions:
             raise ConfigError(f"resume must be 'auto' or 'never', got {self.resume!r}")
         if self.probe not in ("auto", "off"):
             raise ConfigError(f"probe must be 'auto' or 'off', got {self.probe!r}")
-        if self.hours is not None and not self.hours > 0:
-            raise ConfigError(f"hours must be a positive number of hours (e.g. 1.5), got {self.hours!r}")
+        if self.hours is not None and not (isinstance(self.hours, (int, float)) and math.isfinite(self.hours)
+                                           and self.hours > 0):
+            raise ConfigError(f"hours must be a positive, finite number of hours (e.g. 1.5), got {self.hours!r}")
         if self.hours is not None and self.max_steps is not None:
             raise ConfigError("give --hours or --max-steps, not both: a time budget sets the step count itself")
         self.run_dir = Path(self.run_dir)
@@ -196,6 +198,11 @@ def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_
     model and train it; rank 0 then writes a sample. The process group, if any, is set up already."""
     clock = StartupClock()
     check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
+    check_device(dev := resolve_device(recipe.train.device))
+    t = recipe.train
+    # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
+    check_fits(recipe.model, 1 if dev.type == "cuda" else t.micro_batch_size, t.seq_len,
+               choose_precision(dev, t.precision).name, dev, t.loss, what=f"recipe {recipe.name}")
     probe_info = None
     if opts.probe == "auto":
         recipe, probe_info = fit_to_device(recipe, opts.run_dir, resolve_device(recipe.train.device), world_size)
@@ -205,7 +212,10 @@ def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_
     dev = resolve_device(recipe.train.device)
     precision = choose_precision(dev, recipe.train.precision)
     # one writer per run folder (rank 0 writes it; the other ranks of the same job only read)
-    with RunDir(opts.run_dir).lock() if rank == 0 else contextlib.nullcontext():
+    if rank != 0:
+        return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info, clock)
+    run = RunDir(opts.run_dir)
+    with run.lock(), run.undo_if_first_try_fails(RUN_JSON):  # a failed first try leaves nothing behind
         return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info, clock)
 
 
