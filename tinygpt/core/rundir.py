@@ -40,6 +40,7 @@ FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "ad
                                                             "tinygpt_finetune.json", "adapter")
 CHECKPOINTS, BEST = "checkpoints", "best"
 LOCK = ".lock"  # held by the one process writing the run folder (never mirrored)
+IDENTITY = "identity.json"  # the run's id and configuration hash, in the run folder and its mirror (one run per mirror)
 BASE_DIR, MERGED_DIR = "base", "merged"  # a finetuning run's exported tinygpt base; its merged model
 # the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
 BUDGET_JSON = "budget.json"  # a time budget's step count, fixed once (tinygpt pretrain --hours)
