@@ -3,6 +3,7 @@
     runs/<name>/
       run.json          the recipe, precision, device, data, probe decisions, versions (written by pretrain)
       tokenizer.json    kept once written: a resumed run must tokenize the same way
+      identity.json     the run's id and configuration hash; its mirror holds the same (one run per mirror)
       metrics.jsonl     one JSON object per logged step (a killed run may leave the last line cut short)
       samples.txt       text sampled at intervals
       finetune.json     a finetuning run's settings (instead of run.json)
@@ -174,9 +175,11 @@ class RunDir:
             yield
         finally:
             with _HELD_LOCK:
-                _HELD.pop(key, None)
+                held = _HELD.pop(key, None)
             os.close(fd)  # releases the lock
-            if created and [p.name for p in self.path.iterdir()] == [LOCK]:
+            # (a folder replaced meanwhile is another run's: its .lock is not ours to remove)
+            if created and held is not None and held == _identity(self.path) \
+                    and [p.name for p in self.path.iterdir()] == [LOCK]:
                 # refused before writing anything (bad input): leave no trace of the folder
                 (self.path / LOCK).unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
