@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -35,14 +36,19 @@ def env(cache: Path, **extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "TINYGPT_CACHE": str(cache), **extra}
 
 
+def _limit_memory() -> None:
+    # a model too big for the machine fails in this child at 6 GB, never by swapping a shared machine
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+
 def tinygpt(*args: str, cache: Path, timeout: float = 300, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tinygpt", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env(cache, **extra), timeout=timeout)
+                          env=env(cache, **extra), timeout=timeout, preexec_fn=_limit_memory)
 
 
 def spawn(*args: str, cache: Path, **extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tinygpt", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=env(cache, **extra))
+                            text=True, cwd=ROOT, env=env(cache, **extra), preexec_fn=_limit_memory)
 
 
 def last_line(text: str) -> str:
@@ -241,7 +247,7 @@ def test_a_failed_first_finetuning_try_leaves_no_base_and_the_fixed_one_runs(sma
 
 # ---- 5. values checked before work ---------------------------------------------------------------
 
-def test_sizes_memory_and_hours_are_checked_before_any_work(tmp_path, capsys):
+def test_sizes_memory_and_hours_are_checked_before_any_work(tmp_path, capsys, cache):
     def refused(*args: str) -> str:
         code = main(["pretrain", *SMOKE, "--run-dir", str(tmp_path / "r"), *args])
         err = capsys.readouterr().err.strip()
@@ -249,10 +255,13 @@ def test_sizes_memory_and_hours_are_checked_before_any_work(tmp_path, capsys):
         assert not (tmp_path / "r").exists()
         return err
     assert "model.d_model must be a positive whole number, got -64" in refused("--set", "model.d_model=-64")
-    err = refused("--set", "model.n_layer=100000")
-    assert "GB to train" in err and "at most about" in err and "layers fit" in err
     assert "finite" in refused("--hours", "inf")
     assert "finite" in refused("--set", "train.lr=1e999")
+    # 5B parameters: refused with what fits, before a byte is allocated (in a child: see _limit_memory)
+    line = one_error_line(tinygpt("pretrain", *SMOKE, "--run-dir", str(tmp_path / "r"), "--set",
+                                  "model.n_layer=100000", cache=cache, timeout=120))
+    assert "GB to train" in line and "at most about" in line and "layers fit" in line, line
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_garbled_budget_or_run_json_is_one_line_before_work(small_run, tmp_path, cache):

@@ -302,7 +302,9 @@ class Mirror:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every checkpoint handed over so far is synced (or given up); False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
+            done = self._cond.wait_for(lambda: (not self._pending and not self._busy) or self._dead is not None,
+                                       timeout)
+            return done and self._dead is None  # a mirror turned off by a permanent error synced nothing more
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish pending copies and the run files within `timeout` (default `close_timeout_s`), then
