@@ -303,6 +303,7 @@ class RunDir:
         return p.read_text(encoding="utf-8") if p.is_file() else ""
 
     def append_sample(self, text: str) -> None:
+        self.check_held()
         self.path.mkdir(parents=True, exist_ok=True)
         with open(self.path / SAMPLES, "a", encoding="utf-8") as f:
             f.write(text)
