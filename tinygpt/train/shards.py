@@ -14,10 +14,12 @@ until it is in the manifest (or the manifest says the source ended before it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -298,11 +300,24 @@ def _writer_main() -> None:
         os.nice(10)  # training comes first: on a CPU its threads would otherwise fight this process's
     except OSError:
         pass
+    # SIGTERM (ShardWriter.stop, a killed run) unwinds like Ctrl-C: no half-written .tmp-* file stays behind
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         write_shards(DataConfig.from_dict(req["data"]), Tokenizer.from_json(req["tokenizer"]), req["folder"],
                      req["shard_tokens"], should_stop=lambda: os.getppid() != parent, max_shards=req["max_shards"])
+    except KeyboardInterrupt:
+        sys.exit(0)
+    except OSError as e:  # a full disk may not even let the manifest say so: the exit status does
+        sys.exit(WRITER_DISK_FULL if e.errno == errno.ENOSPC else 1)
     except Exception:
-        pass  # the manifest carries the error for the reader
+        sys.exit(1)  # the manifest carries the error for the reader
+
+
+WRITER_DISK_FULL = 28  # the writer's exit status when the disk filled up (errno ENOSPC)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 class ShardWriter:
@@ -422,6 +437,14 @@ class ShardStream(StreamedShards):
         self.cfg, self.tokenizer, self.shard_tokens, self.limit = cfg, tokenizer, shard_tokens, limit
         self.writer = ShardWriter(cfg, tokenizer, folder, shard_tokens, limit)
         super().__init__(folder, alive=self._writing)
+
+    def shard(self, i: int) -> np.ndarray | None:
+        # asked for every batch: a writer that died of a full disk stops training now, not when the
+        # shard it was writing would have been needed (thousands of steps later)
+        if self.writer.process.poll() == WRITER_DISK_FULL:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (tokenizing into {self.folder})",
+                          str(self.folder))
+        return super().shard(i)
 
     def _writing(self) -> bool:
         if self.writer.alive():
