@@ -71,6 +71,7 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     this_hardware,
     verify_adapter,
 )
+from tinygpt.model.attention import use_expanding_sdpa
 from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
@@ -131,6 +132,8 @@ def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.f
         kw: dict[str, Any] = {"dtype": dtype}
         if getattr(config, "final_logit_softcapping", None):  # Gemma-2: sdpa ignores its soft-capping
             kw["attn_implementation"] = "eager"
+        else:  # sdpa, with GQA keys/values expanded where no fused kernel takes them grouped (a T4)
+            kw["attn_implementation"] = use_expanding_sdpa()
         if quantize == "nf4":
             dev = torch.device(device)
             kw.update(quantization_config=_bnb_config(dtype),  # quantized as it loads, straight onto the device

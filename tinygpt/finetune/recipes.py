@@ -35,6 +35,7 @@ from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
     recipe_name_of,
 )
 from tinygpt.core.rundir import FINETUNE_JSON as FINETUNE_INFO  # noqa: F401
+from tinygpt.model.attention import attention_kernel, torch_version
 from tinygpt.train.hardware import device_class
 from tinygpt.train.memory import overhead_gb
 
@@ -134,6 +135,9 @@ def get_finetune_recipe(name: str) -> FinetuneRecipe:
 
 # The finetuning recipes know three classes: where bf16 and 35+ GB make LoRA on a 2B base easy
 # ("a100"), other GPUs ("t4"), and the CPU. They are coarser groups of the one hardware class.
+# What each finetuning class runs on, as `model.attention.attention_kernel` needs it: device, capability, dtype.
+FINETUNE_DEVICES = {"t4": ("cuda", (7, 5), torch.float16), "a100": ("cuda", (8, 0), torch.bfloat16),
+                    "cpu": ("cpu", None, torch.float32)}
 FINETUNE_CLASS = {"cpu": "cpu", "mps": "cpu", "t4": "t4", "l4": "t4", "a100": "a100", "h100": "a100", "h200": "a100"}
 
 
@@ -251,6 +255,14 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     nf4 = recipe.quantize == "nf4"
     tokens = cfg.micro_batch_size * cfg.seq_len
     layer_act = 2 * tokens * (17 * h + 5 * ff)
+    # Beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where no fused kernel
+    # takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T scores: fp32 softmax + a copy.
+    kernel = "math" if c.get("final_logit_softcapping") else \
+        attention_kernel(*FINETUNE_DEVICES[hardware], torch_version(), hd)
+    if nkv < nh and kernel != "fused":
+        layer_act += 2 * tokens * 2 * (nh - nkv) * hd
+    if kernel == "math":
+        layer_act += tokens * nh * cfg.seq_len * (4 + half)
     rule = checkpointing_rule(recipe, hardware)
     ckpt = activation_checkpointing if activation_checkpointing is not None else \
         (rule if rule is not None else hardware != "cpu")
