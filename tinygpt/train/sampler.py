@@ -111,7 +111,13 @@ def pinned_batch(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tupl
 
 def batch_to_device(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
                     device: torch.device) -> tuple[torch.Tensor, ...]:
-    """A batch on `device`; to a GPU through pinned memory, without waiting for the copy."""
+    """A batch on `device`; to a GPU through pinned memory, without waiting for the copy. Every dimension is
+    marked static for the compiler: a batch of another shape (a finetuning length bucket, a probe's micro-batch)
+    gets a graph of its own instead of turning the first graph into a dynamic-shape one."""
     if device.type == "cuda":
-        return tuple(t.to(device, non_blocking=True) for t in pinned_batch(tensors))
-    return tuple(t.to(device) for t in tensors)
+        out = tuple(t.to(device, non_blocking=True) for t in pinned_batch(tensors))
+    else:
+        out = tuple(t.to(device) for t in tensors)
+    for t in out:
+        torch._dynamo.mark_static(t)
+    return out
