@@ -79,3 +79,38 @@ def test_twenty_steps_of_mixed_lengths_compile_once_per_bucket(tmp_path, monkeyp
     assert len(source.seen) == 20 and len(buckets) >= 2 and buckets <= set(length_buckets(512))
     assert len(graphs.dynamic) == len(buckets), (graphs.dynamic, source.seen)  # one graph per bucket, no more
     assert not any(graphs.dynamic)  # and none with a symbolic size
+
+
+def test_qlora_compiles_only_from_bitsandbytes_046_with_torch_28():
+    from tinygpt.finetune.recipes import qlora_compile
+    assert qlora_compile("auto", "cuda", "0.46.0", "2.9.0+cu128") == ("auto", None)  # Colab's pins: compiled
+    mode, note = qlora_compile("auto", "cuda", "0.45.5", "2.9.0+cu128")
+    assert mode == "off" and note == ("QLoRA runs eagerly: compiling its 4-bit layers needs bitsandbytes >= 0.46 "
+                                      "(this runtime has bitsandbytes 0.45.5, torch 2.9.0)")
+    assert "torch >= 2.8" in qlora_compile("on", "cpu", "0.48.1", "2.7.1")[1]
+    assert qlora_compile("auto", "cpu", "0.43.0", "2.4.1") == ("auto", None)  # eager anyway: nothing to say
+
+
+def test_an_old_bitsandbytes_trains_qlora_eagerly_and_says_so(tmp_path, monkeypatch):
+    import json
+
+    import bitsandbytes
+
+    from tinygpt.finetune import lora
+    records = stdlib_instructions(60)
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    tok = train_bpe([r["instruction"] + "\n" + r["output"] for r in records], vocab_size=512)
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512)).save_pretrained(base)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|endoftext|>").save_pretrained(base)
+    monkeypatch.setattr(bitsandbytes, "__version__", "0.45.5")
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: compiled.append(a) or pytest.fail("QLoRA was compiled"))
+    with pytest.warns(UserWarning, match=r"^QLoRA runs eagerly: .*bitsandbytes >= 0\.46"):
+        res = lora.finetune("qlora-r16", str(base), str(tmp_path / "data.json"), tmp_path / "run", hardware="cpu",
+                            train=dict(max_steps=1, eval_every=0, save_every=1, seq_len=256, compile="on"),
+                            progress=False)
+    assert res.train.step == 1 and not compiled

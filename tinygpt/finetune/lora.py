@@ -67,6 +67,7 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     memory_table,
     packing_supported,
     plan_finetune,
+    qlora_compile,
     resumed_plan,
     this_hardware,
     verify_adapter,
@@ -439,6 +440,11 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     precision = choose_precision(dev, cfg.precision)
     if rec.quantize == "nf4":
         check_qlora(dev)
+        import bitsandbytes
+        compile_, note = qlora_compile(cfg.compile, dev.type, bitsandbytes.__version__, torch.__version__)
+        if note:
+            warnings.warn(note, stacklevel=3)
+            cfg = dataclasses.replace(cfg, compile=compile_)
     tinygpt_base = is_tinygpt_run(base)
     if not tinygpt_base:
         base_config(base)  # a missing or unloadable base fails here, before anything is written

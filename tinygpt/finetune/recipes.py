@@ -172,6 +172,22 @@ def check_qlora(device: torch.device) -> None:
                             f"{type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) instead") from e
 
 
+# bitsandbytes' 4-bit layers compile without graph breaks only from these versions on (together).
+QLORA_COMPILE_FLOOR = {"bitsandbytes": (0, 46), "torch": (2, 8)}
+
+
+def qlora_compile(compile: str, device_type: str, bnb_version: str, torch_version_: str) -> tuple[str, str | None]:
+    """(the compile setting QLoRA trains with, a one-line note or None). Below QLORA_COMPILE_FLOOR a compiled
+    4-bit step breaks into many graphs (slower than eager, and slow to compile): QLoRA then runs eagerly."""
+    compiling = compile in ("on", "regional") or (compile == "auto" and device_type == "cuda")
+    have = {"bitsandbytes": torch_version(bnb_version), "torch": torch_version(torch_version_)}
+    short = [f"{k} >= {'.'.join(map(str, v))}" for k, v in QLORA_COMPILE_FLOOR.items() if have[k] < v]
+    if not compiling or not short:
+        return compile, None
+    return "off", (f"QLoRA runs eagerly: compiling its 4-bit layers needs {' and '.join(short)} (this runtime has "
+                   f"bitsandbytes {bnb_version}, torch {torch_version_.split('+')[0]})")
+
+
 def chunked_loss(config: dict[str, Any]) -> bool:
     """Whether finetuning's loss avoids the full (tokens, vocab) logits for a base with this config."""
     return config.get("model_type") in PLAIN_HEAD_TYPES or config.get("model_type") in SOFTCAP_HEAD_TYPES
