@@ -209,3 +209,19 @@ def test_the_finetuning_plan_counts_expanded_keys_on_a_t4():
                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256)
     eager = act("t4", {**gemma2, "final_logit_softcapping": 30.0}) - act("t4", gemma2)
     assert eager == pytest.approx(26 * tokens * 8 * 512 * 6 / 1e9, abs=2e-3)  # eager attention's scores
+
+
+def test_a_finetuned_base_on_a_t4_compiles_as_one_graph(monkeypatch, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from tinygpt.finetune.lora import FinetuneLoss, LoraSettings, attach_lora, load_base  # needs transformers
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).save_pretrained(tmp_path)
+    module = FinetuneLoss(attach_lora(load_base(str(tmp_path)), LoraSettings(r=2, alpha=4, dropout=0.0)))
+    as_device(monkeypatch, "cuda", (7, 5))
+    x = torch.randint(0, 64, (2, 16))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(module)(x, x)
+    torch._dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
