@@ -41,6 +41,7 @@ from tinygpt.train.budget import MEASURE_STEPS, Budget, decay_start, end_time, e
 from tinygpt.train.callbacks import progress_bar
 from tinygpt.train.compile_cache import CompileCache
 from tinygpt.train.optim import build_optimizer
+from tinygpt.train.sampler import batch_to_device
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
@@ -341,9 +342,7 @@ class Trainer:
         return old
 
     def _batch_to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
-            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
-        return tuple(t.to(self.device) for t in tensors)
+        return batch_to_device(tensors, self.device)  # contiguous, pinned: the copy overlaps compute
 
     def _no_sync(self, last: bool):
         """DDP / FSDP2: skip the gradient reduction on all but the last micro-step."""
