@@ -125,7 +125,8 @@ def test_a_mirror_under_a_file_gives_up_at_once_after_training(tmp_path, cache):
                 cache=cache, timeout=100)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "waiting would not help" in p.stderr and "gave up at once" in p.stderr, p.stderr[-2000:]
-    assert "is behind: it lacks checkpoint step 2" in last_line(p.stdout)
+    # a mirror that cannot even be listed lacks all of the run, and the line says why
+    assert "is behind: it lacks everything (the mirror cannot be read" in last_line(p.stdout)
 
 
 # ---- 2. the lock follows the folder, not the path -----------------------------------------------

@@ -661,7 +661,9 @@ def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None,
         _check_defining_files(local, mirror)  # another run's tokenizer: refused before anything is copied
     if mirror is not None:
         try:
-            candidates += [(s, 0, p) for s, p in backoff.run(lambda: list_checkpoints(mirror / "checkpoints"))]
+            listed = backoff.run(lambda: list_checkpoints(mirror / "checkpoints"),  # no wait where it cannot help
+                                 permanent=lambda e: is_permanent(e, mirror))
+            candidates += [(s, 0, p) for s, p in listed]
         except OSError as e:
             warnings.warn(f"cannot read the mirror {mirror} ({e}); resuming from local checkpoints only", stacklevel=2)
             mirror = None
