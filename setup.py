@@ -13,6 +13,8 @@ extras = {
     "finetune": ["transformers>=4.45", "peft>=0.12", "bitsandbytes>=0.43; platform_system != 'Darwin'",
                  "datasets>=2.18"],
     "eval": ["sacrebleu>=2.3", "transformers>=4.45", "matplotlib>=3.6"],
+    # GGUF for llama.cpp / Ollama (llama.cpp's own writer) and `tinygpt push` to the Hugging Face Hub
+    "export": ["gguf>=0.16", "huggingface_hub>=0.24", "transformers>=4.45"],
     # Colab preinstalls ipywidgets 7.7.1 and its front end renders no ipywidgets 8: never upgrade it.
     # The GPU recipes stream Hub data (datasets) and use the GPT-2 tokenizer (transformers); Colab has both
     "notebooks": ["ipywidgets>=7.7.1", "matplotlib>=3.6", "pandas>=1.5", "datasets>=2.18", "transformers>=4.45"],
