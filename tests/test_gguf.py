@@ -19,7 +19,7 @@ from tinygpt.core.config import get_recipe
 from tinygpt.evals.runs import summarize_run
 from tinygpt.model import gguf as gg
 from tinygpt.model.gpt import GPT
-from tinygpt.model.tokenizer import Tokenizer, find_gpt2_files, load_gpt2, train_bpe
+from tinygpt.model.tokenizer import EOT, Tokenizer, find_gpt2_files, load_gpt2, train_bpe
 from tinygpt.publish import card_facts, hub_token, read_evals, upload_folder
 from tinygpt.train.pretrain import pretrain
 
@@ -279,3 +279,51 @@ def test_a_finetune_exports_merged_with_its_prompt_format(lora_run, tmp_path):
     hf_out = tmp_path / "ft-hf"
     assert main(["export", str(lora_run), str(hf_out)]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {p.name for p in hf_out.iterdir()}
+
+
+# --- llama.cpp itself (llama-cpp-python builds it from source: `pip install llama-cpp-python`) ---------
+
+TRICKY = ["I'll say it's 12345 or 3.14159, don't you?", "def f(x):\n    return x ** 2  # ünïcödé ✓ 中文",
+          "a  \n\n  b\t\tc   \n", f"one document{EOT}the next", "  leading and trailing spaces  ", "ÀÉÎÕÜ 🤖🤖 — «»"]
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pytest.skip("llama.cpp is not installed here (pip install llama-cpp-python builds it in a few minutes)")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gguf_agreement
+    return gguf_agreement
+
+
+@pytest.mark.parametrize("kind,qk_norm", [("bpe", False), ("gpt2", True)])
+def test_llama_cpp_tokenizes_generates_and_scores_as_tinygpt(tmp_path, bpe, gpt2, shakespeare, kind, qk_norm):
+    ga = _llama_cpp()
+    tok = bpe if kind == "bpe" else gpt2
+    model = _perturbed(_config(tok, qk_norm))
+    path = gg.write_gguf(model, tok, tmp_path / "m.gguf", "f32")
+    cpp = ga.LlamaCpp(path, model.config.max_seq_len)
+    for text in TRICKY + [shakespeare[:500]]:
+        assert cpp.tokenize(text) == tok.encode(text), text
+    r = ga.compare(path, ga.logits_fn(model, False), tok, model.config.max_seq_len, shakespeare[1000:3000])
+    assert r["tokenization_equal"] and r["greedy_equal"], r
+    assert abs(r["ppl_rel_diff"]) < 1e-3, r
+
+
+def test_llama_cpp_runs_a_trained_run_and_a_merged_finetune_as_tinygpt(run, lora_run, tmp_path):
+    from tinygpt.finetune.lora import load_finetuned
+    from tinygpt.model.loading import load_run
+    from tinygpt.publish import export
+
+    ga = _llama_cpp()
+    text = ga.held_out_text()
+    model, tok, recipe, _ = load_run(run)
+    merged, hf_tok = load_finetuned(lora_run, merge=True)
+    for source, logits_of, t in [(run, ga.logits_fn(model, False), tok), (lora_run, ga.logits_fn(merged, True), hf_tok)]:
+        for quant, tolerance in [("f32", 1e-3), ("f16", 1e-2)]:
+            out = export(source, tmp_path / f"{source.name}-{quant}", "gguf", quant)
+            r = ga.compare(next(out.glob("*.gguf")), logits_of, t, recipe.model.max_seq_len, text)
+            assert r["tokenization_equal"] and abs(r["ppl_rel_diff"]) < tolerance, (source, quant, r)
+            if quant == "f32":
+                assert r["greedy_equal"], (source, r)
