@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -123,12 +124,15 @@ def train_runs(root: Path, steps: int, finetune_steps: int) -> dict[str, Path]:
     runs = {}
     for i, (name, over) in enumerate(KINDS.items()):
         recipe = get_recipe("cpu-smoke").replace(**over)
-        pretrain(recipe, root / f"run{i}", max_steps=steps, progress=False, cache_dir=root / "cache")
+        if not (root / f"run{i}" / "best").is_dir():  # a --root trained before is reused
+            pretrain(recipe, root / f"run{i}", max_steps=steps, progress=False, cache_dir=root / "cache")
         runs[name] = root / f"run{i}"
     data = write_stdlib_instructions(root / "instructions.json", 500)
-    finetune("lora-r8", str(runs["own BPE, llama"]), str(data), root / "ft", hardware="cpu", progress=False,
-             train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=finetune_steps, warmup_steps=2,
-                        lr=5e-3, eval_every=finetune_steps, save_every=finetune_steps, eval_batches=1))
+    if not (root / "ft" / "adapter").is_dir():
+        finetune("lora-r8", str(runs["own BPE, llama"]), str(data), root / "ft", hardware="cpu", progress=False,
+                 train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=finetune_steps,
+                            warmup_steps=2, lr=5e-3, eval_every=finetune_steps, save_every=finetune_steps,
+                            eval_batches=1))
     runs["merged LoRA (lora-r8 on own BPE, llama)"] = root / "ft"
     return runs
 
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.root or tmp)
+        shutil.rmtree(root / "gguf", ignore_errors=True)
         t0 = time.time()
         runs = train_runs(root, args.steps, args.finetune_steps)
         print(f"trained {len(runs)} runs in {time.time() - t0:.0f} s")
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 model, tok = load_finetuned(run, merge=True)
                 logits_of, context = logits_fn(model, True), model.config.max_position_embeddings
             for quant in args.quant:
-                out = root / f"gguf-{len(rows)}"
+                out = root / "gguf" / str(len(rows))
                 publish.export(run, out, "gguf", quant)
                 r = {"run": name, "quant": quant, **compare(next(out.glob("*.gguf")), logits_of, tok, context, text)}
                 rows.append(r)

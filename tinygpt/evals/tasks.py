@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -186,5 +187,8 @@ def record_eval(run_dir: str | Path, result: dict[str, Any]) -> None:
     scores = {k: v for k, v in result.items() if k not in keep and isinstance(v, (int, float, str, bool))}
     record = {**{k: result[k] for k in keep}, "scores": scores,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with open(run.path / EVALS_JSONL, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        with open(run.path / EVALS_JSONL, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a read-only folder (someone else's run): the result is still returned
+        warnings.warn(f"the result was not recorded in {run.path / EVALS_JSONL}: {e.strerror or e}", stacklevel=2)
