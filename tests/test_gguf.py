@@ -291,7 +291,7 @@ def _llama_cpp():
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        pytest.skip("llama.cpp is not installed here (pip install llama-cpp-python builds it in a few minutes)")
+        pytest.skip("llama.cpp is not installed here (pip install llama-cpp-python builds it from source with CMake)")
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gguf_agreement
     return gguf_agreement
