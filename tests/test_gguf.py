@@ -70,13 +70,30 @@ def gpt2() -> Tokenizer:
     return load_gpt2()
 
 
+@pytest.fixture(scope="module")
+def smollm(shakespeare) -> Tokenizer:
+    """A BPE with SmolLM's pre-tokenizer (single digits, then ByteLevel): what a run continued from SmolLM has."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    t = HFTokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator([shakespeare[:100_000] + " 2026-11-25 3.14159 x1000"], trainers.BpeTrainer(
+        vocab_size=512, special_tokens=[EOT], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return Tokenizer(t)
+
+
 CASES = [("bpe", qk, tied, q) for qk, tied in [(False, False), (True, False), (False, True)] for q in gg.QUANTS] + \
-    [("gpt2", False, False, "f16"), ("gpt2", True, False, "q8_0")]  # the 50k vocabulary: two cases keep it quick
+    [("gpt2", False, False, "f16"), ("gpt2", True, False, "q8_0"),  # the 50k vocabulary: two cases keep it quick
+     ("smollm", False, False, "f16")]
 
 
 @pytest.mark.parametrize("kind,qk_norm,tied,quant", CASES)
-def test_gguf_reads_back_with_the_checkpoints_weights_and_tokenizer(tmp_path, bpe, gpt2, kind, qk_norm, tied, quant):
-    tok = bpe if kind == "bpe" else gpt2
+def test_gguf_reads_back_with_the_checkpoints_weights_and_tokenizer(tmp_path, bpe, gpt2, smollm, kind, qk_norm, tied,
+                                                                     quant):
+    tok = {"bpe": bpe, "gpt2": gpt2, "smollm": smollm}[kind]
     config = _config(tok, qk_norm, tied)
     model = _perturbed(config)
     meta, tensors = gg.read_gguf(gg.write_gguf(model, tok, tmp_path / "m.gguf", quant))
@@ -108,7 +125,8 @@ def test_gguf_reads_back_with_the_checkpoints_weights_and_tokenizer(tmp_path, bp
     # the tokenizer: every token in id order, the merges as tokenizers ranks them, GPT-2's pre-tokenizer
     spec = json.loads(tok.to_json())
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt-2"
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+    assert meta["tokenizer.ggml.pre"] == ("smollm" if kind == "smollm" else "gpt-2")
     assert meta["tokenizer.ggml.tokens"][:tok.vocab_size] == [tok.tok.id_to_token(i) for i in range(tok.vocab_size)]
     assert len(meta["tokenizer.ggml.tokens"]) == config.vocab_size and meta["tokenizer.ggml.merges"] == merges
     types = meta["tokenizer.ggml.token_type"]
@@ -283,7 +301,7 @@ def test_a_finetune_exports_merged_with_its_prompt_format(lora_run, tmp_path):
 
 # --- llama.cpp itself (llama-cpp-python builds it from source: `pip install llama-cpp-python`) ---------
 
-TRICKY = ["I'll say it's 12345 or 3.14159, don't you?", "def f(x):\n    return x ** 2  # ünïcödé ✓ 中文",
+TRICKY = ["I'll say it's 12345 or 3.14159, don't you? 2026-11-25", "def f(x):\n    return x ** 2  # ünïcödé ✓ 中文",
           "a  \n\n  b\t\tc   \n", f"one document{EOT}the next", "  leading and trailing spaces  ", "ÀÉÎÕÜ 🤖🤖 — «»"]
 
 
@@ -297,10 +315,10 @@ def _llama_cpp():
     return gguf_agreement
 
 
-@pytest.mark.parametrize("kind,qk_norm", [("bpe", False), ("gpt2", True)])
-def test_llama_cpp_tokenizes_generates_and_scores_as_tinygpt(tmp_path, bpe, gpt2, shakespeare, kind, qk_norm):
+@pytest.mark.parametrize("kind,qk_norm", [("bpe", False), ("gpt2", True), ("smollm", False)])
+def test_llama_cpp_tokenizes_generates_and_scores_as_tinygpt(tmp_path, bpe, gpt2, smollm, shakespeare, kind, qk_norm):
     ga = _llama_cpp()
-    tok = bpe if kind == "bpe" else gpt2
+    tok = {"bpe": bpe, "gpt2": gpt2, "smollm": smollm}[kind]
     model = _perturbed(_config(tok, qk_norm))
     path = gg.write_gguf(model, tok, tmp_path / "m.gguf", "f32")
     cpp = ga.LlamaCpp(path, model.config.max_seq_len)

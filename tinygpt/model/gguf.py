@@ -9,7 +9,8 @@ Invariants:
   does, so the attention scores are the same. `qwen3` uses the halves itself: nothing is permuted.
 - The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with unused `[PAD<i>]`
   entries up to the model's vocabulary, which llama.cpp requires), the merges in rank order, and the
-  pre-tokenizer `gpt-2`, whose split pattern is the one `tokenizers`' ByteLevel pre-tokenizer uses.
+  pre-tokenizer `gpt-2`, whose split pattern is the one `tokenizers`' ByteLevel pre-tokenizer uses (`smollm`
+  for SmolLM's single digits before it, so that runs continued from SmolLM export too).
   `check_tokenizer` refuses a tokenizer llama.cpp would split differently (another pre-tokenizer, a
   normalizer, byte fallback...) rather than writing a file that tokenizes otherwise.
 - No beginning-of-sequence token is added (tinygpt adds none); end-of-text is eos, and llama.cpp stops on it.
@@ -60,9 +61,26 @@ def gguf_arch(config: ModelConfig) -> str:
 
 # --- tokenizer --------------------------------------------------------------------------------
 
+def _byte_level(pre: dict[str, Any]) -> bool:
+    return pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space") and pre.get("use_regex", True)
+
+
+def pre_tokenizer_name(pre: dict[str, Any] | None) -> str | None:
+    """llama.cpp's name for a `tokenizers` pre-tokenizer it splits identically: `gpt-2` for the ByteLevel
+    pre-tokenizer (tinygpt's, GPT-2's), `smollm` for single digits first, then ByteLevel (SmolLM's); else None."""
+    pre = pre or {}
+    if _byte_level(pre):
+        return PRE_TOKENIZER
+    parts = pre.get("pretokenizers") or []
+    if pre.get("type") == "Sequence" and len(parts) == 2 and parts[0] == {"type": "Digits", "individual_digits": True} \
+            and _byte_level(parts[1]):
+        return "smollm"
+    return None
+
+
 def check_tokenizer(tokenizer: Tokenizer) -> dict[str, Any]:
-    """The tokenizer's JSON, after checking that llama.cpp's `gpt2` BPE with the `gpt-2` pre-tokenizer
-    splits and merges exactly as it does; otherwise a ValueError naming what differs."""
+    """The tokenizer's JSON, after checking that llama.cpp's `gpt2` BPE with the pre-tokenizer
+    `pre_tokenizer_name` gives splits and merges exactly as it does; otherwise a ValueError naming what differs."""
     spec = json.loads(tokenizer.to_json())
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
     problems = []
@@ -70,7 +88,7 @@ def check_tokenizer(tokenizer: Tokenizer) -> dict[str, Any]:
         problems.append(f"model {model.get('type')}, not BPE")
     if spec.get("normalizer"):
         problems.append(f"a {spec['normalizer'].get('type')} normalizer")
-    if pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or not pre.get("use_regex", True):
+    if pre_tokenizer_name(pre) is None:
         problems.append(f"pre-tokenizer {json.dumps(pre, sort_keys=True)}")
     for key in ("byte_fallback", "ignore_merges", "dropout", "continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key):
@@ -175,7 +193,7 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = 
         w.add_layer_norm_rms_eps(config.norm_eps)
         w.add_vocab_size(config.vocab_size)
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(PRE_TOKENIZER)
+        w.add_tokenizer_pre(pre_tokenizer_name(json.loads(tokenizer.to_json()).get("pre_tokenizer")))
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)
