@@ -225,6 +225,7 @@ def test_push_folder_holds_hf_files_gguf_and_a_card_with_the_runs_figures(run, t
     assert f"perplexity {ev['scores']['perplexity']:.4g}, bits_per_byte {ev['scores']['bits_per_byte']:.4g}" in card
     assert f"| final training loss | {facts['train_loss']:.4g} |" in card and "library_name: transformers" in card
     assert 'AutoModelForCausalLM.from_pretrained("alice/tiny")' in card and "ollama run hf.co/alice/tiny:F16" in card
+    assert "| `wikitext2_test.txt` |" in card and str(run.parent) not in card  # no folder of this machine
     transformers = pytest.importorskip("transformers")
     m = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert m.config.num_hidden_layers == get_recipe("cpu-smoke").model.n_layer
@@ -292,7 +293,8 @@ def test_a_finetune_exports_merged_with_its_prompt_format(lora_run, tmp_path):
     card = (out / "README.md").read_text()
     facts = card_facts(lora_run)
     assert facts["kind"] == "finetune" and facts["recipe"] == "lora-r8" and facts["steps"] == 6
-    assert "`lora-r8` finetune of" in card and f"| final validation loss | {facts['val_loss']:.4g} |" in card
+    assert "`lora-r8` finetune of `run`," in card and str(lora_run.parent) not in card  # no folder of this machine
+    assert f"| final validation loss | {facts['val_loss']:.4g} |" in card and "| data | `code_alpaca_2k.json` |" in card
 
     hf_out = tmp_path / "ft-hf"
     assert main(["export", str(lora_run), str(hf_out)]) == 0

@@ -111,6 +111,17 @@ def _num(v: Any) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
+def _is_local(source: Any) -> bool:
+    text = str(source or "")
+    return not text.startswith("hf:") and (text.startswith(("/", ".", "~")) or Path(text).exists())
+
+
+def _shown(source: Any) -> Any:
+    """A data set or base as a card shows it: a Hub id or `hf:` source as it is, a local path by its name only
+    (the card is public; the machine's folders are not)."""
+    return Path(str(source)).name if source and _is_local(source) else source
+
+
 def card_facts(run_dir: str | Path) -> dict[str, Any]:
     """The figures a card states, all read from the run folder: recipe, data, model shape, steps, tokens
     seen, last training and validation loss, and the recorded evaluations."""
@@ -128,11 +139,12 @@ def card_facts(run_dir: str | Path) -> dict[str, Any]:
         recipe = Recipe.from_dict(RunDir(run_dir).recipe_dict())
         if train:
             facts["tokens"] = summarize_run(run_dir)["tokens_seen"]
-        facts.update(recipe=recipe.name, data=recipe.data.source, tokenizer=recipe.data.tokenizer,
+        facts.update(recipe=recipe.name, data=_shown(recipe.data.source), tokenizer=recipe.data.tokenizer,
                      model=recipe.model, max_steps=recipe.train.max_steps)
     else:
         info = RunDir(run_dir).finetune_info() or {}
-        facts.update(recipe=info.get("recipe", {}).get("name"), data=info.get("data"), base=info.get("base"),
+        facts.update(recipe=info.get("recipe", {}).get("name"), data=_shown(info.get("data")),
+                     base=_shown(info.get("base")), hub_base=not _is_local(info.get("base")),
                      template=_template(run_dir))
     return facts
 
@@ -145,8 +157,8 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id:
     tags = ["tinygpt", "text-generation"] + (["gguf"] if gguf_file else [])
     front = ["---", "library_name: transformers" if hf else "library_name: gguf", "pipeline_tag: text-generation",
              "tags:", *[f"- {t}" for t in tags]]
-    if f["kind"] == "finetune" and f.get("base") and not Path(str(f["base"])).exists():
-        front.append(f"base_model: {f['base']}")  # a Hub id (a local tinygpt base has no page to link)
+    if f["kind"] == "finetune" and f.get("base") and f["hub_base"]:
+        front.append(f"base_model: {f['base']}")  # a Hub id (a local base has no page to link)
     lines = [*front, "---", "", f"# {f['run']}", ""]
     if f["kind"] == "pretrain":
         m = f["model"]
@@ -167,7 +179,7 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id:
               "## Evaluations", ""]
     if f["evals"]:
         lines += ["| task | data | scores |", "|---|---|---|"]
-        lines += [f"| {e['task']} | `{e.get('data')}` | {_scores(e)} |" for e in f["evals"]]
+        lines += [f"| {e['task']} | `{_shown(e.get('data'))}` | {_scores(e)} |" for e in f["evals"]]
     else:
         lines.append("None recorded in the run folder (`tinygpt eval RUN --task ...` records each one).")
     lines += ["", "## Use it", ""]
