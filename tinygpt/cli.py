@@ -13,6 +13,7 @@ from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import PRECISION_FOR_HARDWARE, resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.evals import sandbox
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
 from tinygpt.finetune.lora import (
@@ -29,6 +30,7 @@ from tinygpt.publish import FORMATS, export, push
 from tinygpt.train.budget import Budget
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.hardware import hardware_report
+from tinygpt.train.init import pretrain_recipe
 from tinygpt.train.memory import estimate_memory
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision, trainer_speed
@@ -160,12 +162,16 @@ def _pretrain(args) -> int:
     env = torchrun_env()
     main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
     name = args.recipe or default_pretrain_recipe(args.run_dir, say=main_rank)
-    plain_rerun = args.resume == "auto" and not args.set and not args.data and args.hours is None
+    plain_rerun = args.resume == "auto" and not args.set and not args.data and args.hours is None and not args.init
     if plain_rerun and (done := finished_run(args.run_dir, name, args.max_steps)) is not None:
         if main_rank:
             print(done)
         return 0
-    res = pretrain(apply_overrides(get_recipe(name), args.set), args.run_dir, data=args.data,
+    recipe = pretrain_recipe(name, args.init, args.run_dir, args.mirror)  # with a base: sized for it
+    if recipe.model.init and main_rank:
+        print(f"base {recipe.model.init}: its weights and tokenizer, lr {recipe.train.lr:g}, context "
+              f"{recipe.train.seq_len}", flush=True)
+    res = pretrain(apply_overrides(recipe, args.set), args.run_dir, data=args.data,
                    max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every,
                    resume=args.resume, mirror=args.mirror, device=args.device, hours=args.hours,
                    progress=not args.quiet, parallel=args.parallel, probe=args.probe,
@@ -226,6 +232,8 @@ def _finetune(args) -> int:
           f"{res.trainable_params:,} trainable of {res.total_params:,} parameters")
     if t.interrupted:
         print("stopped by a signal; run the same command again to resume")
+    elif res.model_dir is not None:  # full finetuning
+        print(f"model (transformers format): {res.model_dir}")
     elif res.adapter_dir is not None:
         print(f"adapter (PEFT format): {res.adapter_dir}")
         if args.merge:
@@ -270,12 +278,17 @@ def _jsonable(v):
 
 
 def _eval(args) -> int:
-    if TASKS[args.task].runs_code:  # said before anything runs
-        print(f"{args.task} {SANDBOX_NOTE}", file=sys.stderr, flush=True)
-    res = run_eval(args.run_dir, args.task, data=args.data, which=args.which, device=str(resolve_device(args.device)),
-                   limit=args.limit, window=args.window, stride=args.stride, max_chars=args.max_chars,
-                   batch_size=args.batch_size, n=args.n, ks=args.k, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, progress=not args.json)
+    if TASKS[args.task].runs_code:  # said before anything runs; no boundary: refused unless --unsafe-exec
+        b = sandbox.boundary()
+        if b.kind == "none" and not args.unsafe_exec:
+            raise sandbox.SandboxUnavailable(sandbox.unavailable_message(b))
+        print(f"{args.task} {SANDBOX_NOTE}; here: {b.describe()}", file=sys.stderr, flush=True)
+    with sandbox.sigterm_as_interrupt():  # SIGTERM ends the sandboxes as Ctrl-C does
+        res = run_eval(args.run_dir, args.task, data=args.data, which=args.which,
+                       device=str(resolve_device(args.device)), limit=args.limit, window=args.window,
+                       stride=args.stride, max_chars=args.max_chars, batch_size=args.batch_size, n=args.n, ks=args.k,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, progress=not args.json,
+                       unsafe_exec=args.unsafe_exec)
     if args.json:
         print(json.dumps(_jsonable(res), indent=1, default=str))
         return 0
@@ -333,11 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=_recipes)
 
-    t = sub.add_parser("pretrain", help="pretrain a GPT from scratch (resumes automatically)")
+    t = sub.add_parser("pretrain", help="pretrain a GPT from scratch or from a base (resumes automatically)")
     t.add_argument("--recipe", default=None,
                    help="a name from `tinygpt recipes` (default: the run folder's own recipe when it has one, "
                         "else the one this hardware suits, as `tinygpt probe` shows)")
     t.add_argument("--data", default=None, help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT]")
+    t.add_argument("--init", default=None, metavar="BASE",
+                   help="continue pretraining a model: hf:NAME[@REVISION] (e.g. hf:HuggingFaceTB/SmolLM2-135M), a "
+                        "Llama/Qwen3 model folder, or a tinygpt run folder; its weights, tokenizer and architecture, "
+                        "with the recipe's batch and steps at a lower learning rate")
     t.add_argument("--run-dir", default="runs/default")
     t.add_argument("--max-steps", type=int, default=None)
     t.add_argument("--hours", type=float, default=None,
@@ -358,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_pretrain)
 
-    f = sub.add_parser("finetune", help="LoRA / QLoRA finetuning of a tinygpt run or a Hugging Face model")
-    f.add_argument("--recipe", default="lora-r16", help="lora-r8, lora-r16, lora-r32 or qlora-r16")
+    f = sub.add_parser("finetune", help="LoRA / QLoRA / full finetuning of a tinygpt run or a Hugging Face model")
+    f.add_argument("--recipe", default="lora-r16", help="lora-r8, lora-r16, lora-r32, qlora-r16, or full (every "
+                   "weight trains: 16 bytes per parameter, for small bases)")
     f.add_argument("--base", required=True, help="a tinygpt run folder, a model folder, or a Hugging Face id")
     f.add_argument("--data", required=True,
                    help="a JSON/JSONL file, a saved dataset folder, or hf:NAME[:CONFIG][@SPLIT]")
@@ -407,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=384)
     e.add_argument("--temperature", type=float, default=None, help="code tasks (default: greedy for n=1, else 0.8)")
     e.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    e.add_argument("--unsafe-exec", action="store_true", help="humaneval/mbpp: run generated code even where no "
+                   "kernel boundary is available (rlimits only; use a throwaway VM)")
     e.set_defaults(func=_eval)
 
     # --- export and push ---

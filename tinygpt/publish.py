@@ -24,7 +24,8 @@ from tinygpt.core.rundir import METRICS, RunDir, parse_jsonl
 from tinygpt.evals.runs import summarize_run
 from tinygpt.evals.tasks import EVALS_JSONL
 from tinygpt.finetune.instruct import TEMPLATES
-from tinygpt.finetune.lora import FinetuneError, _adapter_dir, merge_adapter
+from tinygpt.finetune.lora import FinetuneError, _adapter_dir, export_full, is_full_finetune, merge_adapter
+from tinygpt.finetune.recipes import ADAPTER_INFO
 from tinygpt.model import gguf as gg
 from tinygpt.model.hf import check_export_target, export_model, import_hf
 from tinygpt.model.loading import load_run
@@ -41,7 +42,10 @@ def gguf_name(quant: str) -> str:
 # --- what a run is ----------------------------------------------------------------------------
 
 def _kind(run_dir: Path) -> str:
+    """"pretrain", "finetune" (LoRA / QLoRA: an adapter to fold in) or "full" (full finetuning: a whole model)."""
     run = RunDir(run_dir)
+    if is_full_finetune(run_dir):
+        return "full"
     if run.is_finetune_run():
         return "finetune"
     if run.is_pretrain_run():
@@ -56,11 +60,13 @@ def _template(run_dir: Path) -> str:
 
 def _load(run_dir: Path, which: str):
     """(tinygpt GPT, tinygpt Tokenizer) of a run; a finetune is merged and brought back through `import_hf`."""
-    if _kind(run_dir) == "pretrain":
+    kind = _kind(run_dir)
+    if kind == "pretrain":
         model, tok, _, _ = load_run(run_dir, which)
         return model, tok
     with tempfile.TemporaryDirectory(prefix="tinygpt-merge-") as tmp:
-        merged = merge_adapter(run_dir, Path(tmp) / "merged")
+        merged = merge_adapter(run_dir, Path(tmp) / "merged") if kind == "finetune" else \
+            export_full(run_dir, which, Path(tmp) / "model")
         try:
             model, tok = import_hf(merged)
         except ValueError as e:  # a base llama.cpp's llama/qwen3 would not be (Gemma, GPT-2...)
@@ -149,6 +155,12 @@ def card_facts(run_dir: str | Path) -> dict[str, Any]:
     return facts
 
 
+def _tokenizer_words(tokenizer: str, m: Any) -> str:
+    if getattr(m, "init", None):
+        return "the base's tokenizer"
+    return "GPT-2 BPE" if tokenizer == "gpt2" else "a byte-level BPE trained on its data"
+
+
 def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id: str | None = None) -> str:
     """The README.md of an export: what the model is, how it was trained (figures from the run folder),
     its evaluations, and how to load it (transformers when `hf`, Ollama and llama.cpp when `gguf_file`)."""
@@ -157,19 +169,21 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id:
     tags = ["tinygpt", "text-generation"] + (["gguf"] if gguf_file else [])
     front = ["---", "library_name: transformers" if hf else "library_name: gguf", "pipeline_tag: text-generation",
              "tags:", *[f"- {t}" for t in tags]]
-    if f["kind"] == "finetune" and f.get("base") and f["hub_base"]:
+    if f["kind"] != "pretrain" and f.get("base") and f["hub_base"]:
         front.append(f"base_model: {f['base']}")  # a Hub id (a local base has no page to link)
     lines = [*front, "---", "", f"# {f['run']}", ""]
     if f["kind"] == "pretrain":
         m = f["model"]
-        lines += [f"A {'Qwen3' if m.qk_norm else 'Llama'}-architecture language model pretrained from scratch with "
+        start = f"continued from `{_shown(m.init)}`" if getattr(m, "init", None) else "from scratch"
+        lines += [f"A {'Qwen3' if m.qk_norm else 'Llama'}-architecture language model pretrained {start} with "
                   f"[tinygpt](https://github.com/tinygpt/tinygpt): {m.n_layer} layers, width {m.d_model}, "
                   f"{m.n_head} heads ({m.n_kv_head or m.n_head} key/value), context {m.max_seq_len} tokens, "
                   f"vocabulary {m.vocab_size:,} "
-                  f"({'GPT-2 BPE' if f['tokenizer'] == 'gpt2' else 'a byte-level BPE trained on its data'}).", ""]
+                  f"({_tokenizer_words(f['tokenizer'], m)}).", ""]
     else:
-        lines += [f"[tinygpt](https://github.com/tinygpt/tinygpt)'s `{f['recipe']}` finetune of `{f['base']}`, the "
-                  "adapter folded into the base. Prompts use the instruction format it was trained on:", "",
+        how = "every weight trained" if f["kind"] == "full" else "the adapter folded into the base"
+        lines += [f"[tinygpt](https://github.com/tinygpt/tinygpt)'s `{f['recipe']}` finetune of `{f['base']}`, {how}. "
+                  "Prompts use the instruction format it was trained on:", "",
                   "```", TEMPLATES[f["template"]][1].format(instruction="<your instruction>") + "<answer>", "```", ""]
     lines += ["## Training", "", "| | |", "|---|---|", f"| recipe | `{f['recipe']}` |", f"| data | `{f['data']}` |",
               f"| steps | {_num(f['steps'])} |", f"| tokens seen | {_num(f['tokens'])} |",
@@ -210,7 +224,7 @@ def check_format(fmt: str, quant: str) -> None:
 def _write_gguf(run_dir: Path, model: Any, tok: Any, folder: Path, quant: str) -> str:
     """The GGUF and its Modelfile into `folder`; returns the GGUF's name."""
     name = gguf_name(quant)
-    finetuned = _kind(run_dir) == "finetune"
+    finetuned = _kind(run_dir) != "pretrain"
     template = _template(run_dir) if finetuned else None
     gg.write_gguf(model, tok, folder / name, quant, name=run_dir.resolve().name,
                   chat_template=jinja_template(template, tok.eot) if template else None)
@@ -230,18 +244,19 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str
     kind = _kind(run_dir)
     if kind == "finetune":
         _adapter_dir(run_dir)  # no adapter yet: say so before merging anything
-    if fmt == "hf" and kind == "finetune":
+    if fmt == "hf" and kind != "pretrain":
         with atomic_output(out, folder=True) as tmp:
-            merge_adapter(run_dir, tmp)
+            if kind == "finetune":
+                merge_adapter(run_dir, tmp)
+            else:
+                _move_up(export_full(run_dir, which, tmp / "model"))
+                (tmp / ADAPTER_INFO).unlink(missing_ok=True)  # this machine's paths: not for a shared folder
             (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None), encoding="utf-8")
         return out
     model, tok = _load(run_dir, which)
     if fmt == "hf":
         with atomic_output(out, folder=True) as tmp:
-            export_model(model, tok, tmp / "hf")
-            for p in (tmp / "hf").iterdir():
-                p.rename(tmp / p.name)
-            (tmp / "hf").rmdir()
+            _move_up(export_model(model, tok, tmp / "hf"))
             (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None), encoding="utf-8")
         return out
     gg.tokenizer_tables(tok, model.config.vocab_size)  # a tokenizer llama.cpp would split otherwise: refused now
@@ -249,6 +264,13 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str
         name = _write_gguf(run_dir, model, tok, tmp, quant)
         (tmp / CARD).write_text(model_card(run_dir, hf=False, gguf_file=name), encoding="utf-8")
     return out
+
+
+def _move_up(folder: Path) -> None:
+    """The files of `folder` into its parent, and the folder gone."""
+    for p in folder.iterdir():
+        p.rename(folder.parent / p.name)
+    folder.rmdir()
 
 
 def upload_folder(run_dir: str | Path, out_dir: str | Path, repo_id: str, *, gguf: str | None = "q8_0",

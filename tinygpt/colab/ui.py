@@ -39,6 +39,7 @@ from tinygpt.sync.drive import RUN_FILES
 from tinygpt.train.budget import Budget
 from tinygpt.train.data import validation_text
 from tinygpt.train.hardware import hardware_report
+from tinygpt.train.init import pretrain_recipe, run_init  # noqa: F401  (pretrain_recipe: for the notebooks)
 from tinygpt.train.memory import estimate_memory
 from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision
 
@@ -397,6 +398,52 @@ class FinetunePicker:
 def finetune_picker(base_config: dict[str, Any], run: RunFolders | None = None) -> FinetunePicker:
     """The finetuning recipe dropdown and the memory table, in one call."""
     return FinetunePicker(base_config, run)
+
+
+# ---- the base of a pretraining run (continued pretraining) ------------------------------------------
+
+# 01_pretrain's base dropdown: small Hub models whose architecture tinygpt's GPT is (Llama's layers, no biases).
+HUB_BASES = (("from scratch", None),
+             ("SmolLM2-135M (Hub, 135M, any GPU)", "hf:HuggingFaceTB/SmolLM2-135M"),
+             ("SmolLM2-360M (Hub, 362M, L4 / A100)", "hf:HuggingFaceTB/SmolLM2-360M"),
+             ("TinyLlama 1.1B v1.1 (Hub, A100)", "hf:TinyLlama/TinyLlama_v1.1"))
+
+
+class BasePicker:
+    """01_pretrain's base dropdown: from scratch, or a Hub model whose weights and tokenizer the run starts from
+    (`tinygpt pretrain --init`). It defaults to the run's own base when resuming. `value` is the base (None: from
+    scratch), read by the training cell when it runs."""
+
+    def __init__(self, resume_from: RunFolders | str | Path | None = None):
+        folders = (resume_from.local, resume_from.mirror) if isinstance(resume_from, RunFolders) else (resume_from,)
+        self.default = run_init(*folders)
+        self.reason = "the run's own base" if self.default else "a new run trains from scratch unless you pick a base"
+        options = list(HUB_BASES) + ([(self.default, self.default)] if self.default not in dict(HUB_BASES).values()
+                                     else [])
+        self.dropdown = None
+        widgets = _widgets()
+        if widgets is not None:
+            self.dropdown = widgets.Dropdown(options=options, value=self.default, description="base",
+                                             layout=widgets.Layout(width="max-content"))
+
+    @property
+    def value(self) -> str | None:
+        return self.dropdown.value if self.dropdown is not None else self.default
+
+    def _ipython_display_(self) -> None:
+        if self.dropdown is None:
+            return _display(str(self))
+        _display(__import__("ipywidgets").VBox([self.dropdown, __import__("ipywidgets").HTML(
+            f"<i>default: {html.escape(self.reason)}; a base brings its own architecture, tokenizer and context, "
+            "trained at a lower learning rate</i>")]))
+
+    def __repr__(self) -> str:
+        return f"base: {self.value or 'from scratch'} (default: {self.default or 'from scratch'}, {self.reason})"
+
+
+def base_picker(resume_from: RunFolders | str | Path | None = None) -> BasePicker:
+    """The base dropdown of 01_pretrain (from scratch or a Hub model)."""
+    return BasePicker(resume_from)
 
 
 # ---- the live loss plot ----------------------------------------------------------------------------

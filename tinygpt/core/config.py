@@ -77,6 +77,10 @@ class ModelConfig:
     # faster. The same math and, with the same seed, the same initial weights, so it changes speed, not the
     # run; saved files keep the separate Hugging Face names. Off until measured faster (docs/BENCHMARKS.md).
     fused_proj: bool = False
+    # Where the weights start (continued pretraining, `tinygpt.train.init`): None, a seeded random
+    # initialisation; else hf:NAME[@REVISION], a Hugging Face model folder or a tinygpt run folder, whose
+    # architecture the fields above then repeat. Read once, at a run's first step; a resume does not read it.
+    init: str | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:

@@ -40,6 +40,7 @@ from tinygpt.train.distributed import (
     torchrun_env,
 )
 from tinygpt.train.hardware import peak_tflops as _peak
+from tinygpt.train.init import INIT_TOKENIZER, base_tokenizer, initial_model
 from tinygpt.train.probe import apply_probe
 from tinygpt.train.probe import probe as run_probe
 from tinygpt.train.sampler import WindowSampler, fixed_batches
@@ -88,6 +89,8 @@ def get_tokenizer(recipe: Recipe, run_dir: Path) -> Tokenizer:
         tok = train_bpe(sample, d.vocab_size)
     elif d.tokenizer == "gpt2":
         tok = load_gpt2()
+    elif d.tokenizer == INIT_TOKENIZER:  # continued pretraining: the base's own tokenizer
+        tok = base_tokenizer(recipe)
     else:
         tok = Tokenizer.load(d.tokenizer)
     if tok.vocab_size > recipe.model.vocab_size:
@@ -238,7 +241,7 @@ def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world
         clock.mark("data")
         callbacks = list(opts.callbacks) + (run_callbacks(recipe, opts) if rank == 0 else [])
         torch.manual_seed(t.seed)
-        model = GPT(recipe.model)
+        model = initial_model(recipe, opts.run_dir, opts.resume)  # random, or a base's weights (model.init)
         # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
         # trainer's train_config) and the tokenizer
         run_info = {"recipe": {k: v for k, v in recipe.to_dict().items() if k != "train"},
