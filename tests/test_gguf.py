@@ -347,3 +347,21 @@ def test_llama_cpp_runs_a_trained_run_and_a_merged_finetune_as_tinygpt(run, lora
             assert r["tokenization_equal"] and abs(r["ppl_rel_diff"]) < tolerance, (source, quant, r)
             if quant == "f32":
                 assert r["greedy_equal"], (source, r)
+
+
+def test_a_full_finetune_exports_its_whole_model(run, shared_data, tmp_path):
+    from safetensors.numpy import load_file
+
+    from tinygpt.finetune.lora import finetune
+
+    finetune("full", str(run), str(shared_data / "code_alpaca_2k.json"), tmp_path / "full", hardware="cpu",
+             progress=False, train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=3,
+                                        warmup_steps=1, eval_every=3, save_every=3, eval_batches=1, log_every=1))
+    assert main(["export", str(tmp_path / "full"), str(tmp_path / "hf")]) == 0
+    hf_files = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "README.md"} <= hf_files and "tinygpt_finetune.json" not in hf_files
+    assert main(["export", str(tmp_path / "full"), str(tmp_path / "gguf"), "--format", "gguf", "--quant", "f32"]) == 0
+    _, tensors = gg.read_gguf(tmp_path / "gguf" / "model-F32.gguf")
+    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    np.testing.assert_array_equal(tensors["blk.1.ffn_down.weight"], sd["model.layers.1.mlp.down_proj.weight"])
+    assert "`full` finetune of `run`, every weight trained" in (tmp_path / "gguf" / "README.md").read_text()
