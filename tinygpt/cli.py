@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -27,12 +28,13 @@ from tinygpt.model.gguf import QUANTS
 from tinygpt.model.gpt import meta_model
 from tinygpt.model.loading import load_run
 from tinygpt.publish import FORMATS, export, push
+from tinygpt.sync.drive import catch_up, mirror_lag, run_identity
 from tinygpt.train.budget import Budget
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.hardware import hardware_report
 from tinygpt.train.init import pretrain_recipe
 from tinygpt.train.memory import estimate_memory
-from tinygpt.train.pretrain import pretrain
+from tinygpt.train.pretrain import identity_config, pretrain
 from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision, trainer_speed
 
 
@@ -166,6 +168,11 @@ def _pretrain(args) -> int:
     if plain_rerun and (done := finished_run(args.run_dir, name, args.max_steps)) is not None:
         if main_rank:
             print(done)
+            if args.mirror:  # "complete" means complete on the mirror too: what it lacks goes there now
+                recipe = RunDir(args.run_dir).recipe()
+                lag = catch_up(args.run_dir, args.mirror,
+                               identity=run_identity(args.run_dir, args.mirror, identity_config(recipe)))
+                print(mirror_line(args.mirror, lag) or f"the mirror {args.mirror} has all of it")
         return 0
     recipe = pretrain_recipe(name, args.init, args.run_dir, args.mirror)  # with a base: sized for it
     if recipe.model.init and main_rank:
@@ -184,10 +191,23 @@ def _pretrain(args) -> int:
     samples = Path(args.run_dir) / "samples.txt"
     if samples.is_file() and not res.interrupted:
         print("sample:\n" + samples.read_text(encoding="utf-8").split("===\n")[-1].strip())
+    behind = mirror_line(args.mirror, mirror_lag(args.run_dir, args.mirror)) if args.mirror else None
     if res.interrupted:
         print("stopped by a signal; run the same command again to resume")
+        if behind:
+            print(behind)
         return 130  # like an interrupted shell command: a script can tell the run did not finish
+    if behind:
+        print(behind)  # the last line: the run is done here, not yet on the mirror
     return 0
+
+
+def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:
+    """The line a command ends with when the mirror is behind the local run (None when it is not)."""
+    if not lag:
+        return None
+    return (f"the mirror {mirror} is behind: it lacks {'; '.join(lag)}; the local run folder has everything, "
+            "and the same command again (with --mirror) copies the rest once the mirror has room and is reachable")
 
 
 def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = None) -> str | None:
@@ -238,6 +258,8 @@ def _finetune(args) -> int:
         print(f"adapter (PEFT format): {res.adapter_dir}")
         if args.merge:
             print(f"merged model: {merge_adapter(res.adapter_dir)}")
+    if args.mirror and (behind := mirror_line(args.mirror, mirror_lag(args.run_dir, args.mirror))):
+        print(behind)
     return 130 if t.interrupted else 0
 
 
@@ -459,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
     args = parser.parse_args([a for a in argv if a != "--debug"])
     args.debug = debug
+    # SIGTERM (a notebook's stop button, `kill`, a closing terminal) unwinds like Ctrl-C, so every temporary
+    # (an export's .tmp-<out>-<pid>/, a first try's run folder) is removed on the way out; training
+    # installs its own handler, which saves a checkpoint first
+    old_term = _sigterm_raises()
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -469,6 +495,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tinygpt {args.command}: error: {one_line(e)} (--debug shows the traceback)", file=sys.stderr)
         return 2
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_raises():
+    """Make SIGTERM raise KeyboardInterrupt; the handler it replaces (None where signals cannot be set)."""
+    try:
+        return signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread
+        return None
 
 
 def one_line(e: BaseException) -> str:

@@ -29,7 +29,7 @@ from tinygpt.colab.finetune_ui import (  # noqa: F401  (handed on: notebooks rea
 from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive  # noqa: F401  (in_colab: for the notebooks)
 from tinygpt.core.checkpoint import MANIFEST, STATE_FILE, latest_valid, list_checkpoints, read_manifest
 from tinygpt.core.config import RECIPES, Recipe, get_recipe
-from tinygpt.core.files import atomic_output
+from tinygpt.core.files import atomic_output, link_problem
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.finetune.recipes import FINETUNE_RECIPES, default_finetune_recipe, this_hardware
@@ -550,10 +550,17 @@ def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool
     ckpt = latest_valid(run_dir / "checkpoints")
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} holds no valid checkpoint to download; train first")
-    files = [run_dir / n for n in RUN_FILES if (run_dir / n).is_file()]
-    files += sorted(p for p in (run_dir / "plots").glob("*") if p.is_file())
+    files = [run_dir / n for n in RUN_FILES if (run_dir / n).is_file() or (run_dir / n).is_symlink()]
+    plots = run_dir / "plots"
+    files += sorted(p for p in plots.iterdir() if p.is_file() or p.is_symlink()) if plots.is_dir() else []
     skip = set() if resumable else {STATE_FILE, MANIFEST}
-    files += sorted(p for p in ckpt.iterdir() if p.is_file() and p.name not in skip)
+    files += sorted(p for p in ckpt.iterdir() if (p.is_file() or p.is_symlink()) and p.name not in skip)
+    # a link is never followed into the download (it could point at any file of this VM): left out, said once
+    links = [why for p in [plots, *files] if (why := link_problem(p, writes=True)) is not None]
+    files = [f for f in files if link_problem(f, writes=True) is None
+             and (f.parent == run_dir or link_problem(f.parent) is None)]
+    if links:
+        print(f"left out of the zip, never followed: {'; '.join(links)}")
     dest = Path(dest) if dest is not None else run_dir.parent / f"{run_dir.name}.zip"
     with atomic_output(dest) as tmp, zipfile.ZipFile(tmp, "w") as z:  # never half a zip under the real name
         for f in files:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.checkpoint import find_run_checkpoint, list_checkpoints
-from tinygpt.core.files import atomic_output, write_json_atomic
+from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import ADAPTER_CONFIG, RunDir, read_json
 from tinygpt.finetune.instruct import (
@@ -80,7 +80,8 @@ from tinygpt.finetune.recipes import (  # noqa: F401
 from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
-from tinygpt.sync.drive import Mirror, mirror_adapter, restore_latest
+from tinygpt.sync.drive import Mirror, mirror_adapter, restore_latest, run_identity, write_identity
+from tinygpt.train.hardware import check_device
 from tinygpt.train.trainer import Trainer
 
 
@@ -507,7 +508,10 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     full: the whole model in run_dir/model).
     With `mirror` (a folder on Drive) checkpoints are copied there as they are written, the run resumes
     from there on a new VM, and the final adapter is copied to mirror/adapter."""
-    with RunDir(run_dir).lock():  # one writer per run folder
+    refuse_links_in(run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
+    run = RunDir(run_dir)
+    # one writer per run folder; a failed first try (bad data, no device) leaves no base/ nor finetune.json
+    with run.lock(), run.undo_if_first_try_fails(FINETUNE_INFO):
         return _finetune(recipe, base, data, run_dir, max_steps, hardware, resume, callbacks, train=train,
                          device=device, progress=progress, mirror=mirror)
 
@@ -522,11 +526,14 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
         raise FinetuneError(f"resume must be 'auto' or 'never', got {resume!r}")
     run_dir = Path(run_dir)
     mirror = Path(mirror) if mirror is not None else None
+    check_device(dev := resolve_device(device or "auto"))
+    # one run per mirror: a mirror another run owns is refused before anything is copied or written
+    identity = run_identity(run_dir, mirror, {"recipe": rec.name, "data": data,
+                                              "base": str(Path(base).resolve()) if is_tinygpt_run(base) else base})
     if mirror is not None:
         # the newest valid checkpoint, local or mirrored, and the run files (finetune.json among them)
         restore_latest(run_dir, mirror)
     old = RunDir(run_dir).finetune_info()
-    dev = resolve_device(device or "auto")
     # Colab may hand a resumed run another GPU: it keeps the settings it started with (same data rows).
     hardware = hardware or (old or {}).get("hardware") or detect_hardware(dev)
     overrides = {**(train or {}), **({"max_steps": max_steps} if max_steps is not None else {})}
@@ -551,6 +558,7 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
         raise FinetuneError(f"run folder {run_dir} already has checkpoints; resume='never' would overwrite them")
     old_adapter = RunDir(run_dir).adapter_info()
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_identity(run_dir, identity)
     write_json_atomic(run_dir / FINETUNE_INFO, info)
     base_path = base
     if tinygpt_base:
@@ -586,7 +594,7 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     n_total = sum(p.numel() for p in pm.parameters())
     callbacks = list(callbacks)
     if mirror is not None:
-        callbacks.append(Mirror(run_dir, mirror, keep_last=cfg.keep_last))
+        callbacks.append(Mirror(run_dir, mirror, keep_last=cfg.keep_last, identity=identity))
     # The Trainer compiles the loss module as a whole (compile "auto": on CUDA): forward and loss in one graph.
     trainer = Trainer(FinetuneLoss(pm, full_logits=plan.full_logits), cfg, dataset.train, dataset.val_batches,
                       run_dir, device=dev, precision=precision, loss_fn=module_loss, state_fn=state_fns[0],

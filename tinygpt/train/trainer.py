@@ -258,6 +258,7 @@ class Trainer:
         model_sd, optimizer_sd = dist_.gather_state(self.model, self.optimizer, self.state_fn, self.rank)
         if not self.is_main:
             return None
+        RunDir(self.run_dir).check_held()  # never into a folder that replaced the one this run locked
         path = self.run_dir / "best" if best else self.ckpt_root / ckpt.step_name(self.step)
         try:
             ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
