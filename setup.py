@@ -19,6 +19,9 @@ extras = {
     "finetune": ["transformers>=5.0", "peft>=0.18", "bitsandbytes>=0.46.1; platform_system != 'Darwin'",
                  "datasets>=4.0"],
     "eval": ["sacrebleu>=2.3", "transformers>=5.0", "matplotlib>=3.10"],
+    # GGUF for llama.cpp / Ollama (llama.cpp's own writer, 0.19: the version tested) and `tinygpt push` to the
+    # Hugging Face Hub (Colab's huggingface_hub)
+    "export": ["gguf>=0.19", "huggingface_hub>=1.3.4", "transformers>=5.0"],
     # Colab preinstalls ipywidgets 7.7.1 and its front end renders no ipywidgets 8: never upgrade it.
     # The GPU recipes stream Hub data (datasets) and use the GPT-2 tokenizer (transformers); Colab has both
     "notebooks": ["ipywidgets>=7.7.1", "matplotlib>=3.10", "pandas>=2.2.2", "datasets>=4.0", "transformers>=5.0"],

@@ -1,4 +1,4 @@
-"""The `tinygpt` command: probe | recipes | pretrain | finetune | generate | eval | export."""
+"""The `tinygpt` command: probe | recipes | pretrain | finetune | generate | eval | export | push."""
 from __future__ import annotations
 
 import argparse
@@ -18,17 +18,16 @@ from tinygpt.evals import sandbox
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
 from tinygpt.finetune.lora import (
-    export_full,
     finetune,
     generate_response,
-    is_full_finetune,
     load_finetuned,
     merge_adapter,
 )
 from tinygpt.model.generate import generate_text
+from tinygpt.model.gguf import QUANTS
 from tinygpt.model.gpt import meta_model
-from tinygpt.model.hf import check_export_target, export_run
 from tinygpt.model.loading import load_run
+from tinygpt.publish import FORMATS, export, push
 from tinygpt.sync.drive import catch_up, mirror_lag, run_identity
 from tinygpt.train.budget import Budget
 from tinygpt.train.distributed import torchrun_env
@@ -333,16 +332,26 @@ def _eval(args) -> int:
     return 0
 
 
+# --- export and push (GGUF, model card, the Hub): tinygpt.publish ---
 def _export(args) -> int:
-    if is_full_finetune(args.run_dir):
-        out = export_full(args.run_dir, args.which, check_export_target(args.out_dir))  # already transformers' own
-        print(f"exported {args.run_dir} ({args.which}) to {out}; load it with "
-              f"AutoModelForCausalLM.from_pretrained({str(out)!r})")
-        return 0
-    out = export_run(args.run_dir, args.out_dir, args.which)
-    print(f"exported {args.run_dir} ({args.which}) to {out} as a Hugging Face Llama folder; load it with "
-          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained({str(out)!r})")
+    out = export(args.run_dir, args.out_dir, args.format, args.quant, args.which)
+    if args.format == "gguf":
+        print(f"exported {args.run_dir} to {out} as GGUF ({args.quant}) with a Modelfile and a model card; run it "
+              f"with `cd {out} && ollama create mymodel -f Modelfile && ollama run mymodel`, or llama.cpp's "
+              f"`llama-cli -m {next(out.glob('*.gguf'))}`")
+    else:
+        print(f"exported {args.run_dir} ({args.which}) to {out} as a Hugging Face folder with a model card; load "
+              f"it with AutoModelForCausalLM.from_pretrained({str(out)!r}) and "
+              f"AutoTokenizer.from_pretrained({str(out)!r})")
     return 0
+
+
+def _push(args) -> int:
+    url = push(args.run_dir, args.repo_id, private=args.private, gguf=None if args.gguf == "none" else args.gguf,
+               which=args.which)
+    print(f"pushed {args.run_dir} to {url}")
+    return 0
+# --- end export and push ---
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -442,11 +451,27 @@ def build_parser() -> argparse.ArgumentParser:
                    "kernel boundary is available (rlimits only; use a throwaway VM)")
     e.set_defaults(func=_eval)
 
-    x = sub.add_parser("export", help="export a run to a Hugging Face folder (config.json + model.safetensors)")
+    # --- export and push ---
+    x = sub.add_parser("export", help="export a run (a finetune merged) to a Hugging Face folder or a GGUF for "
+                                      "llama.cpp / Ollama, with a model card")
     x.add_argument("run_dir", metavar="RUN_DIR")
     x.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty folder; nothing is overwritten")
     x.add_argument("--which", default="latest", help="latest, best, or a checkpoint folder (default: latest)")
+    x.add_argument("--format", choices=FORMATS, default="hf",
+                   help="hf: config.json + model.safetensors + tokenizer; gguf: one .gguf file + an Ollama Modelfile")
+    x.add_argument("--quant", choices=QUANTS, default="f16", help="GGUF only: the weights' type (default f16)")
     x.set_defaults(func=_export)
+
+    u = sub.add_parser("push", help="upload a run (Hugging Face files + GGUF + model card) to the Hugging Face Hub; "
+                                    "the token comes from HF_TOKEN or Colab's secret HF_TOKEN")
+    u.add_argument("run_dir", metavar="RUN_DIR")
+    u.add_argument("repo_id", metavar="REPO_ID", help="USER/NAME or ORG/NAME (created if it does not exist)")
+    u.add_argument("--private", action="store_true", help="create the repository private")
+    u.add_argument("--gguf", choices=(*QUANTS, "none"), default="q8_0",
+                   help="also upload a GGUF of this type, for `ollama run hf.co/REPO_ID` (default q8_0)")
+    u.add_argument("--which", default="latest", help="latest, best, or a checkpoint folder (default: latest)")
+    u.set_defaults(func=_push)
+    # --- end export and push ---
     return p
 
 

@@ -7,7 +7,10 @@ once (a tinygpt run, a finetuning run with its adapter folded in, or a Hugging F
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -21,6 +24,8 @@ from tinygpt.model.generate import generate_text
 from tinygpt.model.hf import hf_generate_fn, load_hf_causal_lm
 from tinygpt.model.loading import load_run
 from tinygpt.train.data import validation_text
+
+EVALS_JSONL = "evals.jsonl"  # each evaluation of a run, recorded in its folder (the model card lists them)
 
 
 @dataclass
@@ -197,4 +202,23 @@ def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: s
     loaded = load_for_eval(run_dir, which, device)
     data = str(r.data) if r.data is not None else "the run's validation split"
     head = {"run": Path(run_dir).name, "checkpoint": loaded.source, "task": task, "data": data}
-    return {**head, **t.score(loaded, r)}
+    result = {**head, **t.score(loaded, r)}
+    record_eval(run_dir, result)
+    return result
+
+
+def record_eval(run_dir: str | Path, result: dict[str, Any]) -> None:
+    """Append a result's scalar figures to the run folder's evals.jsonl (tinygpt runs only, not a
+    Hugging Face folder): what was evaluated, on what, and the scores."""
+    run = RunDir(run_dir)
+    if not (run.is_pretrain_run() or run.is_finetune_run()):
+        return
+    keep = ("run", "checkpoint", "task", "data")
+    scores = {k: v for k, v in result.items() if k not in keep and isinstance(v, (int, float, str, bool))}
+    record = {**{k: result[k] for k in keep}, "scores": scores,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        with open(run.path / EVALS_JSONL, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a read-only folder (someone else's run): the result is still returned
+        warnings.warn(f"the result was not recorded in {run.path / EVALS_JSONL}: {e.strerror or e}", stacklevel=2)
