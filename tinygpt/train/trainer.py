@@ -51,11 +51,26 @@ RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_eve
 _DISK_FULL = ("unexpected pos", "No space left on device", "os error 28")
 
 
+def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of transformer blocks: the `nn.ModuleList` of identical modules holding the most
+    parameters, wherever it sits (tinygpt's GPT at `model.layers`, a Hugging Face causal LM at
+    `model.model.layers`, under `FinetuneLoss` and PEFT's wrappers a few levels deeper). None if there is none."""
+    best, best_n = None, 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0 \
+                and len({type(m) for m in module}) == 1:
+            n = sum(p.numel() for p in module.parameters())
+            if n > best_n:
+                best, best_n = module, n
+    return best
+
+
 def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     """The model to run steps with. "regional": each transformer block compiled in place (identical
-    blocks share one compiled graph, so compile time does not grow with depth); otherwise the whole model."""
-    blocks = getattr(model, "layers", None)
-    if mode == "regional" and blocks is not None:
+    blocks share one compiled graph, so compile time does not grow with depth; the embedding, the head
+    and the loss run eagerly); otherwise the whole model, as one graph."""
+    blocks = transformer_blocks(model) if mode == "regional" else None
+    if blocks is not None:
         for block in blocks:
             block.compile()
         return model
