@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tinygpt.train.shards as shards_mod
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError, DataConfig
 from tinygpt.model.tokenizer import load_gpt2, train_bpe
 from tinygpt.train.data import DataError, iter_documents
@@ -125,7 +126,7 @@ def test_training_starts_before_tokenization_ends_and_records_its_start_up(tmp_p
     start-up breakdown is in metrics.jsonl; a second run goes on from the shards already there."""
     seen = {}
 
-    class AtFirstStep:
+    class AtFirstStep(Callback):
         def on_startup(self, record):
             folder = next((tmp_path / "cache").iterdir())
             seen.update(manifest=_manifest(folder), record=record)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import PRECISION_FOR_HARDWARE, resolve_device
@@ -205,10 +206,10 @@ def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = 
             "(the learning-rate schedule is recomputed for the new end)")
 
 
-class SayResumed:
+class SayResumed(Callback):
     """Trainer callback: "resumed from step N" as training starts (also with --quiet)."""
 
-    def on_start(self, resumed_from: int | None) -> None:
+    def on_start(self, trainer, resumed_from: int | None) -> None:
         if resumed_from is not None:
             print(f"resumed from step {resumed_from}", flush=True)
 

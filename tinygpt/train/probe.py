@@ -1,6 +1,12 @@
 """The probe: what this machine is, how much memory a recipe needs (estimated, with a breakdown),
 and the largest micro-batch and context that really fit (found by trial), cached per device,
-recipe and torch version. "GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
+recipe and torch version, and kept in the run folder (probe.json, mirrored with the run) so that a new
+VM on the same GPU and torch reads it instead of probing again. "GB" here is GiB (2**30 bytes), as
+Colab and nvidia-smi count GPU memory.
+
+The probe leaves the process as it found it: its compiled timings are forgotten (`torch._dynamo.reset()`),
+so the training step that follows compiles its own graph, for its own micro-batch, with static shapes
+(after timing a second micro-batch size, dynamo would otherwise have made the batch dimension symbolic).
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import gc
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +33,7 @@ from tinygpt.core.precision import (
     native_bf16,
     resolve_device,
 )
+from tinygpt.core.rundir import PROBE_JSON
 from tinygpt.model.gpt import GPT, meta_model
 from tinygpt.model.losses import default_chunk_rows
 from tinygpt.train.hardware import HardwareReport, cpu_name, mfu, ram_gb
@@ -36,8 +44,9 @@ from tinygpt.train.memory import (
     estimate_memory,
 )
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.trainer import Trainer
+from tinygpt.train.trainer import TrainStep
 
+PROBE_TIME_LIMIT_S = 60.0  # the search and the timings stop here (the choice so far is kept, and said)
 SPEED_STEPS, SPEED_WARMUP = 8, 4  # optimizer steps timed (median) after warm-up ones (the compile among them)
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
@@ -52,6 +61,18 @@ class Trial:
     ok: bool  # ran, and peak <= (1 - margin) * limit
     oom: bool
     tokens_per_s: float | None
+
+
+# How an allocation failure reads when it does not arrive as torch.OutOfMemoryError: cuBLAS, cuDNN and a
+# CUDA launch report theirs as a plain RuntimeError (inside a compiled graph too).
+_ALLOCATION_FAILURES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                        "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
+
+
+def is_allocation_failure(e: BaseException) -> bool:
+    """An out-of-memory error in any of the forms torch, cuBLAS and cuDNN raise it."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in _ALLOCATION_FAILURES))
 
 
 class ProbeError(RuntimeError):
@@ -81,6 +102,7 @@ class ProbeResult:
     speeds: dict = field(default_factory=dict)  # "micro-batch" or "micro-batch full" -> tokens/s of the trainer's step
     tokens_per_s_source: str = "measured by trial (eager, one micro-batch)"
     loss: str = "auto"  # the loss the trainer takes: "full" logits where they fit and measured faster
+    time_limit_s: float | None = None  # the search's time limit
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,7 +172,9 @@ class _TrialRunner:
                 peak = (self.held_bytes + tracker.peak_bytes) / GB
             if peak > self.limit_gb:
                 raise torch.OutOfMemoryError(f"trial peak {peak:.2f} GB is over the limit {self.limit_gb:.2f} GB")
-        except torch.OutOfMemoryError:
+        except Exception as e:
+            if not is_allocation_failure(e):
+                raise
             oom = True
         if oom:  # outside the except block: the traceback, and the tensors its frames hold, are gone
             self.opt.zero_grad(set_to_none=False)
@@ -217,25 +241,33 @@ def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: in
     precision, loss, optimizer, and compile where the trainer compiles): the median of `steps` after
     `warmup`. Nothing is written: the trainer is built and stepped, never fitted."""
     dev = resolve_device(str(device))
-    t = recipe.train
+    t = dataclasses.replace(recipe.train, device=str(dev))
     times = []
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the caller's RNG is left as it was
-        torch.manual_seed(0)
-        model = GPT(dataclasses.replace(recipe.model))
-        trainer = Trainer(model, dataclasses.replace(t, device=str(dev)),
-                          RandomBatches(recipe.model.vocab_size, t.seq_len), [],
-                          run_dir=Path("/nonexistent-probe-run"), device=dev, progress=False)
-        for _ in range(warmup + steps):
-            _sync(dev)
-            t0 = time.perf_counter()
-            trainer.optimizer_step()
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-        del trainer, model
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    try:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the caller's RNG stays as it was
+            torch.manual_seed(0)
+            step = TrainStep(GPT(dataclasses.replace(recipe.model)), t,
+                             RandomBatches(recipe.model.vocab_size, t.seq_len))
+            for _ in range(warmup + steps):
+                _sync(dev)
+                t0 = time.perf_counter()
+                step.optimizer_step()
+                _sync(dev)
+                times.append(time.perf_counter() - t0)
+            del step
+    finally:  # an out-of-memory error included: the memory and the compiled graphs go
+        forget_compiled()
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return t.tokens_per_step / sorted(times[warmup:])[len(times[warmup:]) // 2]
+
+
+def forget_compiled() -> None:
+    """Drop what torch's compiler learnt in this process (graphs, and which dimensions it made dynamic),
+    as if it had just started: the training step compiles afresh, for its own shapes."""
+    if "torch._dynamo" in sys.modules:  # never imported: nothing to forget (and importing it costs ~1 s)
+        torch._dynamo.reset()
 
 
 def _sync(dev: torch.device) -> None:
@@ -273,8 +305,8 @@ def _slug(s: str) -> str:
 def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precision: str | None = None,
           memory_limit_gb: float | None = None, margin: float = 0.1,
           measure: Callable[[int, int, bool], float] | None = None, max_micro_batch: int | None = None,
-          min_seq_len: int = 128, time_limit_s: float | None = None,
-          cache_dir: str | Path | None = "default",
+          min_seq_len: int = 128, time_limit_s: float | None = PROBE_TIME_LIMIT_S,
+          cache_dir: str | Path | None = "default", run_dir: str | Path | None = None,
           speed: Callable[[Recipe, torch.device], float] | None = trainer_speed) -> ProbeResult:
     """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits in
     (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per step.
@@ -282,9 +314,12 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
     `measure(micro_batch, seq_len, checkpointing) -> GB`, called after each trial's step, replaces the
     real measurement (torch.cuda.max_memory_allocated on CUDA, TensorMemoryTracker elsewhere); a trial
     over `memory_limit_gb` (default: the GPU's memory less its context, or the free RAM) raises
-    torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off.
+    torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off; `run_dir`: the
+    result is also kept there (probe.json) and read from there first (a new VM with the run restored).
     Among the micro-batches that fit, `speed(recipe, device) -> tokens/s` (default: the trainer's own
-    step, compiled where it compiles) picks the fastest; None keeps the largest."""
+    step, compiled where it compiles) picks the fastest; None keeps the largest. A candidate whose timing
+    runs out of memory (in any of its forms: `is_allocation_failure`) is dropped with a note. After
+    `time_limit_s` (None: no limit) the search and the timings stop and the best found so far is taken."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     dev = resolve_device(str(device))
     requested, prec_note = requested_precision(recipe, dev.type, native_bf16(dev))
@@ -301,15 +336,19 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
                precision=prec.name, memory_limit_gb=round(memory_limit_gb, 2), margin=margin,
                max_micro_batch=max_micro_batch, min_seq_len=min_seq_len, injected_measure=measure is not None,
                timed=getattr(speed, "__name__", None))
-    path = None
     if cache_dir == "default":
         cache_dir = cache_root("probe")
+    paths = [Path(run_dir) / PROBE_JSON] if run_dir is not None else []
     if cache_dir is not None:
-        path = Path(cache_dir) / f"{_slug(name)}__{_slug(recipe.name)}__torch-{_slug(torch.__version__)}.json"
+        paths.append(Path(cache_dir) / f"{_slug(name)}__{_slug(recipe.name)}__torch-{_slug(torch.__version__)}.json")
+    for path in paths:
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             cached = ProbeResult.from_dict(json.loads(path.read_text()))
             if cached.key == json.loads(json.dumps(key)):
                 cached.from_cache = True
+                for other in paths:  # e.g. the user's cache had it: the run keeps it too
+                    if not other.is_file():
+                        _keep(other, cached)
                 return cached
 
     t0 = time.perf_counter()
@@ -372,13 +411,20 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
         for micro, accum, mode in timings:
             if speeds and out_of_time():
                 break
-            speeds[(micro, mode)] = speed(recipe.replace(
-                model={"activation_checkpointing": ckpt},
-                train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum, "precision": prec.name,
-                       "loss": mode}),
-                dev)
+            try:
+                speeds[(micro, mode)] = speed(recipe.replace(
+                    model={"activation_checkpointing": ckpt},
+                    train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum,
+                           "precision": prec.name, "loss": mode}),
+                    dev)
+            except Exception as e:
+                if not is_allocation_failure(e):
+                    raise
+                notes.append(f"micro-batch {_speed_key(micro, mode)} dropped: the trainer's step ran out of memory "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
         runner = _TrialRunner(recipe, dev, prec, memory_limit_gb, margin, measure)
-        limit, loss = max(speeds, key=speeds.__getitem__)
+        # every timing ran out of memory: the smallest candidate, whose memory trial passed
+        limit, loss = max(speeds, key=speeds.__getitem__) if speeds else (timings[-1][0], train.loss)
         runner.loss = loss
         if len(speeds) > 1:
             notes.append(f"micro-batch {limit}{' with the full logits' if loss == 'full' else ''} is the fastest "
@@ -407,11 +453,15 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
                          final.peak_gb if final.peak_gb is not None else math.nan, memory_limit_gb, margin, largest,
                          tps, time.perf_counter() - t0, notes, trials, key,
                          speeds={_speed_key(*k): v for k, v in speeds.items()}, tokens_per_s_source=source,
-                         loss=loss)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, result.to_dict())  # a disconnect never leaves half a cache file
+                         loss=loss, time_limit_s=time_limit_s)
+    for path in paths:
+        _keep(path, result)
     return result
+
+
+def _keep(path: Path, result: ProbeResult) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {**result.to_dict(), "from_cache": False})  # a disconnect never leaves half a file
 
 
 def _speed_key(micro: int, loss: str) -> str:
