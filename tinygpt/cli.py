@@ -75,7 +75,8 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
            f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context {rec.train.seq_len}, {prec}",
            format_table(est.rows())]
     if result is not None:
-        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s)"
+        limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
+        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
         out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} "
                 f"accumulation steps"
                 f" x context {result.seq_len}, checkpointing {'on' if result.activation_checkpointing else 'off'}, "
