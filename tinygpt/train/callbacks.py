@@ -23,7 +23,7 @@ from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import MEASURE_STEPS, Budget, end_time, extend, steps_for
 from tinygpt.train.compile_cache import CompileCache
 from tinygpt.train.startup import StartupClock
-from tinygpt.train.trainer import TrainingError
+from tinygpt.train.trainer import TrainingError, eager
 
 
 class TensorBoardLogger(Callback):
@@ -53,9 +53,13 @@ class TensorBoardLogger(Callback):
 
 
 def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, prompt: str | None = None) -> str:
-    """Append a generated sample to samples.txt and return it."""
+    """Append a generated sample to samples.txt and return it. Generated eagerly: under
+    train.compile=regional the model's own blocks are compiled, and sampling with a KV cache would
+    compile a graph per layer and length for a few hundred tokens."""
     model.eval()
-    text = generate_text(model, tokenizer, prompt or "def ", max_new_tokens=120, temperature=0.8, top_k=50, seed=0)
+    with eager():
+        text = generate_text(model, tokenizer, prompt or "def ", max_new_tokens=120, temperature=0.8, top_k=50,
+                             seed=0)
     RunDir(run_dir).append_sample(f"=== step {step} ===\n{text}\n\n")
     model.train()
     return text
