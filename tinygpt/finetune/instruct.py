@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from tinygpt.core.paths import hub_spec
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train.data import DataError
 
@@ -81,13 +82,11 @@ def load_records(source: str, split: str = "train") -> list[dict]:
         if not p.is_dir():
             raise DataError(f"data file {source!r} does not exist")
         return _hf_records(str(p), None, split, local=True)
-    spec = source[3:] if source.startswith("hf:") else source
-    if "@" in spec:
-        spec, split = spec.split("@", 1)
-    name, _, config = spec.partition(":")
-    if not name:
-        raise DataError(f"empty dataset name in {source!r}; write hf:NAME[:CONFIG][@SPLIT]")
-    return _hf_records(name, config or None, split, local=False)
+    try:
+        name, config, split = hub_spec(source, split)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    return _hf_records(name, config, split or "train", local=False)
 
 
 def _hf_records(name: str, config: str | None, split: str, local: bool) -> list[dict]:

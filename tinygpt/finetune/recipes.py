@@ -74,11 +74,12 @@ class LoraSettings:
 
 @dataclass
 class FinetuneRecipe:
-    """LoRA settings plus a TrainConfig per hardware class ("cpu", "t4", "a100")."""
+    """LoRA settings (None: full finetuning, every weight trains) plus a TrainConfig per hardware class ("cpu",
+    "t4", "a100")."""
 
     name: str
     description: str
-    lora: LoraSettings
+    lora: LoraSettings | None
     train: dict[str, TrainConfig]
     quantize: str = "none"  # "none" or "nf4" (QLoRA)
     # "auto": only where the memory estimate without it does not fit the device (`plan_finetune`);
@@ -96,7 +97,7 @@ class FinetuneRecipe:
     def to_dict(self) -> dict[str, Any]:
         ckpt = self.activation_checkpointing
         return {**{k: getattr(self, k) for k in ("name", "description", "quantize", "template", "pack")},
-                "lora": dataclasses.asdict(self.lora),
+                "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
                 "activation_checkpointing": ckpt if isinstance(ckpt, str) else list(ckpt),
                 "train": {k: v.to_dict() for k, v in self.train.items()}}
 
@@ -123,13 +124,23 @@ FINETUNE_RECIPES: dict[str, FinetuneRecipe] = {
 FINETUNE_RECIPES["qlora-r16"] = FinetuneRecipe(
     "qlora-r16", "QLoRA: the base in 4-bit NF4 with double quantization, LoRA rank 16 in fp32; the one that fits "
     "a 2B model on a T4", LoraSettings(r=16, alpha=32), _settings(), quantize="nf4")
+# Full finetuning moves every weight, so it takes a tenth of LoRA's learning rate (adapters start at zero and
+# need the larger steps); weights, gradients and both AdamW moments in fp32 are 16 bytes per parameter.
+FULL_LR_FACTOR = 0.1
+FINETUNE_RECIPES["full"] = FinetuneRecipe(
+    "full", "Full finetuning: every weight trains (fp32 weights, gradients and AdamW states, 16 bytes per parameter; "
+    "half-precision compute); for small bases, the result a whole model folder", None,
+    {hw: dataclasses.replace(c, lr=c.lr * FULL_LR_FACTOR, min_lr=c.min_lr * FULL_LR_FACTOR)
+     for hw, c in _settings().items()})
+FULL_MODEL_DIR = "model"  # a full finetuning run's result: config.json, model.safetensors, tokenizer
 
 
 def get_finetune_recipe(name: str) -> FinetuneRecipe:
     if name not in FINETUNE_RECIPES:
         raise FinetuneError(f"unknown finetune recipe {name!r}; choose one of {', '.join(FINETUNE_RECIPES)}")
     r = FINETUNE_RECIPES[name]
-    return dataclasses.replace(r, lora=dataclasses.replace(r.lora), train=dict(r.train))
+    return dataclasses.replace(r, lora=dataclasses.replace(r.lora) if r.lora is not None else None,
+                               train=dict(r.train))
 
 
 # The finetuning recipes know three classes: where bf16 and 35+ GB make LoRA on a 2B base easy
@@ -244,10 +255,13 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     shapes = {"q_proj": (h, nh * hd), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd), "o_proj": (nh * hd, h),
               "gate_proj": (h, ff), "up_proj": (h, ff), "down_proj": (ff, h)}
     linear = L * sum(a * b for a, b in shapes.values())
-    targets = recipe.lora.target_modules or tuple(shapes)
-    lora = L * sum(recipe.lora.r * sum(shapes[t]) for t in targets if t in shapes)
     emb = V * h * (1 if c.get("tie_word_embeddings", True) else 2)
-    half = 4 if hardware == "cpu" else 2
+    if recipe.lora is None:  # full finetuning: every weight is trained
+        lora = linear + emb
+    else:
+        targets = recipe.lora.target_modules or tuple(shapes)
+        lora = L * sum(recipe.lora.r * sum(shapes[t]) for t in targets if t in shapes)
+    half = 4 if hardware == "cpu" or recipe.lora is None else 2  # full: fp32 weights (the optimizer updates them)
     nf4 = recipe.quantize == "nf4"
     tokens = cfg.micro_batch_size * cfg.seq_len
     layer_act = 2 * tokens * (17 * h + 5 * ff)
@@ -262,8 +276,10 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
         ("base weights", (linear * (0.516 if nf4 else half) + emb * half) / gb,
          "NF4: 4 bits + double-quantized scales (0.127 bits) per linear weight; embeddings stay 16-bit" if nf4
          else f"{half} bytes per weight"),
-        ("adapters", lora * 4 / gb, f"{lora / 1e6:.1f}M LoRA weights in fp32"),
-        ("gradients + AdamW", lora * 12 / gb, "fp32 gradient and two moments per adapter weight"),
+        ("adapters", lora * 4 / gb, f"{lora / 1e6:.1f}M LoRA weights in fp32") if recipe.lora is not None else
+        ("adapters", 0.0, "none: full finetuning trains the base weights themselves"),
+        ("gradients + AdamW", lora * 12 / gb, "fp32 gradient and two moments per "
+         + ("adapter weight" if recipe.lora is not None else f"weight ({lora / 1e6:.1f}M)")),
         ("activations", act / gb, f"micro-batch {cfg.micro_batch_size} x {cfg.seq_len}, "
          f"{'with' if ckpt else 'without'} activation checkpointing"),
         ("logits + loss", logits / gb, "chunked cross-entropy" if chunked else "full (tokens, vocab) logits"),

@@ -415,6 +415,7 @@ class Trainer(TrainStep):
             self.saved_step = self.step
         if not self.is_main:
             return None
+        RunDir(self.run_dir).check_held()  # never into a folder that replaced the one this run locked
         path = self.run_dir / "best" if best else self.ckpt_root / ckpt.step_name(self.step)
         try:
             ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
