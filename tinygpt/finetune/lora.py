@@ -73,10 +73,12 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     memory_table,
     packing_supported,
     plan_finetune,
+    qlora_compile,
     resumed_plan,
     this_hardware,
     verify_adapter,
 )
+from tinygpt.model.attention import use_expanding_sdpa
 from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
@@ -139,6 +141,8 @@ def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.f
         kw: dict[str, Any] = {"dtype": dtype}
         if getattr(config, "final_logit_softcapping", None):  # Gemma-2: sdpa ignores its soft-capping
             kw["attn_implementation"] = "eager"
+        else:  # sdpa, with GQA keys/values expanded where no fused kernel takes them grouped (a T4)
+            kw["attn_implementation"] = use_expanding_sdpa()
         if quantize == "nf4":
             dev = torch.device(device)
             kw.update(quantization_config=_bnb_config(dtype),  # quantized as it loads, straight onto the device
@@ -542,6 +546,11 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     precision = choose_precision(dev, cfg.precision)
     if rec.quantize == "nf4":
         check_qlora(dev)
+        import bitsandbytes
+        compile_, note = qlora_compile(cfg.compile, dev.type, bitsandbytes.__version__, torch.__version__)
+        if note:
+            warnings.warn(note, stacklevel=3)
+            cfg = dataclasses.replace(cfg, compile=compile_)
     tinygpt_base = is_tinygpt_run(base)
     if not tinygpt_base:
         base_config(base)  # a missing or unloadable base fails here, before anything is written

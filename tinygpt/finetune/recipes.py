@@ -35,6 +35,7 @@ from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
     recipe_name_of,
 )
 from tinygpt.core.rundir import FINETUNE_JSON as FINETUNE_INFO  # noqa: F401
+from tinygpt.model.attention import attention_kernel, torch_version
 from tinygpt.train.hardware import device_class
 from tinygpt.train.memory import overhead_gb
 
@@ -145,6 +146,9 @@ def get_finetune_recipe(name: str) -> FinetuneRecipe:
 
 # The finetuning recipes know three classes: where bf16 and 35+ GB make LoRA on a 2B base easy
 # ("a100"), other GPUs ("t4"), and the CPU. They are coarser groups of the one hardware class.
+# What each finetuning class runs on, as `model.attention.attention_kernel` needs it: device, capability, dtype.
+FINETUNE_DEVICES = {"t4": ("cuda", (7, 5), torch.float16), "a100": ("cuda", (8, 0), torch.bfloat16),
+                    "cpu": ("cpu", None, torch.float32)}
 FINETUNE_CLASS = {"cpu": "cpu", "mps": "cpu", "t4": "t4", "l4": "t4", "a100": "a100", "h100": "a100", "h200": "a100"}
 
 
@@ -177,6 +181,22 @@ def check_qlora(device: torch.device) -> None:
     except Exception as e:
         raise FinetuneError(f"QLoRA: bitsandbytes {bnb.__version__} cannot run a 4-bit NF4 layer on {device}: "
                             f"{type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) instead") from e
+
+
+# bitsandbytes' 4-bit layers compile without graph breaks only from these versions on (together).
+QLORA_COMPILE_FLOOR = {"bitsandbytes": (0, 46), "torch": (2, 8)}
+
+
+def qlora_compile(compile: str, device_type: str, bnb_version: str, torch_version_: str) -> tuple[str, str | None]:
+    """(the compile setting QLoRA trains with, a one-line note or None). Below QLORA_COMPILE_FLOOR a compiled
+    4-bit step breaks into many graphs (slower than eager, and slow to compile): QLoRA then runs eagerly."""
+    compiling = compile in ("on", "regional") or (compile == "auto" and device_type == "cuda")
+    have = {"bitsandbytes": torch_version(bnb_version), "torch": torch_version(torch_version_)}
+    short = [f"{k} >= {'.'.join(map(str, v))}" for k, v in QLORA_COMPILE_FLOOR.items() if have[k] < v]
+    if not compiling or not short:
+        return compile, None
+    return "off", (f"QLoRA runs eagerly: compiling its 4-bit layers needs {' and '.join(short)} (this runtime has "
+                   f"bitsandbytes {bnb_version}, torch {torch_version_.split('+')[0]})")
 
 
 def chunked_loss(config: dict[str, Any]) -> bool:
@@ -265,6 +285,14 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     nf4 = recipe.quantize == "nf4"
     tokens = cfg.micro_batch_size * cfg.seq_len
     layer_act = 2 * tokens * (17 * h + 5 * ff)
+    # Beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where no fused kernel
+    # takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T scores: fp32 softmax + a copy.
+    kernel = "math" if c.get("final_logit_softcapping") else \
+        attention_kernel(*FINETUNE_DEVICES[hardware], torch_version(), hd)
+    if nkv < nh and kernel != "fused":
+        layer_act += 2 * tokens * 2 * (nh - nkv) * hd
+    if kernel == "math":
+        layer_act += tokens * nh * cfg.seq_len * (4 + half)
     rule = checkpointing_rule(recipe, hardware)
     ckpt = activation_checkpointing if activation_checkpointing is not None else \
         (rule if rule is not None else hardware != "cpu")

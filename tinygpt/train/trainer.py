@@ -37,6 +37,7 @@ from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import decay_start, expected_final_loss
 from tinygpt.train.optim import build_optimizer
+from tinygpt.train.sampler import batch_to_device
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
@@ -211,9 +212,7 @@ class TrainStep:
         return StepResult(lr, self._loss_sum, n_global, grad_norm)
 
     def _batch_to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
-            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
-        return tuple(t.to(self.device) for t in tensors)
+        return batch_to_device(tensors, self.device)  # contiguous, pinned: the copy overlaps compute
 
 
 class StopOnSignal(Callback):
