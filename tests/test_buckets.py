@@ -4,6 +4,7 @@ step with every dimension static. Counted on the CPU with the Trainer's own comp
 aot_eager, which records each graph it is handed)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -17,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from tinygpt.finetune.lora import FinetuneLoss, LoraSettings, attach_lora, get_finetune_recipe, module_loss  # noqa: E402
-from tinygpt.train.trainer import Trainer  # noqa: E402
+from tinygpt.train.trainer import ModelIO, TrainData, Trainer  # noqa: E402
 
 
 def test_bucket_lengths():
@@ -73,7 +74,8 @@ def test_twenty_steps_of_mixed_lengths_compile_once_per_bucket(tmp_path, monkeyp
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=graphs))
     torch._dynamo.reset()
     source = Widths(data.train)
-    Trainer(FinetuneLoss(pm), cfg, source, [], tmp_path, device="cpu", loss_fn=module_loss, progress=False).fit("never")
+    Trainer(FinetuneLoss(pm), dataclasses.replace(cfg, device="cpu"), TrainData(source), tmp_path,
+            io=ModelIO(loss_fn=module_loss)).fit("never")
     torch._dynamo.reset()
     buckets = set(source.seen)
     assert len(source.seen) == 20 and len(buckets) >= 2 and buckets <= set(length_buckets(512))

@@ -6,6 +6,7 @@ through plain `peft.PeftModel.from_pretrained`, the way any user of the ecosyste
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from tinygpt.colab.finetune_ui import recipe_rows, run_status  # noqa: E402
+from tinygpt.core.callback import Callback  # noqa: E402
 from tinygpt.core.config import ConfigError, DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
 from tinygpt.finetune.lora import (  # noqa: E402
     FINETUNE_RECIPES,
@@ -48,7 +50,7 @@ from tinygpt.finetune.lora import (  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
 from tinygpt.train.sampler import WindowSampler, fixed_batches  # noqa: E402
-from tinygpt.train.trainer import Trainer  # noqa: E402
+from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Small enough for seconds on a laptop CPU, large enough that the loss visibly falls.
@@ -70,8 +72,8 @@ def make_run(folder: Path, docs: list[str], tok, seed: int, steps: int) -> Path:
     ids = np.array([t for text in docs for t in tok.encode(text) + [tok.eot_id]], dtype=np.int64)
     torch.manual_seed(seed)
     model = GPT(recipe.model)
-    Trainer(model, recipe.train, WindowSampler(ids, 64, seed), fixed_batches(ids[-2000:], 64, 8, 1), folder,
-            device="cpu", progress=False).fit("never")
+    Trainer(model, dataclasses.replace(recipe.train, device="cpu"),
+            TrainData(WindowSampler(ids, 64, seed), fixed_batches(ids[-2000:], 64, 8, 1)), folder).fit("never")
     (folder / "run.json").write_text(json.dumps({"recipe": recipe.to_dict()}))
     tok.save(folder / "tokenizer.json")
     return folder
@@ -515,7 +517,8 @@ KILLER = textwrap.dedent(f"""
     import os, signal, sys
     from tinygpt.finetune.lora import finetune
     kill_at = int(sys.argv[4])
-    class Killer:
+    from tinygpt.core.callback import Callback
+    class Killer(Callback):
         def on_log(self, m):
             if m.get("step") == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # after step 5, before its checkpoint: step 5 is lost
@@ -555,7 +558,7 @@ class Disconnect(Exception):
     """The VM goes away: training stops mid-run and its local disk is lost."""
 
 
-class DisconnectAt:
+class DisconnectAt(Callback):
     def __init__(self, step: int):
         self.step = step
 

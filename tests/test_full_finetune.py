@@ -131,8 +131,9 @@ def test_memory_table_counts_weights_gradients_and_adamw_for_every_weight(base):
 
 KILLER = textwrap.dedent(f"""
     import os, signal, sys
+    from tinygpt.core.callback import Callback
     from tinygpt.finetune.lora import finetune
-    class Killer:
+    class Killer(Callback):
         def on_log(self, m):
             if m.get("step") == 5:
                 os.kill(os.getpid(), signal.SIGKILL)  # after step 5, before its checkpoint

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import PRECISION_FOR_HARDWARE, resolve_device
@@ -79,7 +80,8 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
            f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context {rec.train.seq_len}, {prec}",
            format_table(est.rows())]
     if result is not None:
-        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s)"
+        limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
+        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
         out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} "
                 f"accumulation steps"
                 f" x context {result.seq_len}, checkpointing {'on' if result.activation_checkpointing else 'off'}, "
@@ -232,10 +234,10 @@ def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = 
             "(the learning-rate schedule is recomputed for the new end)")
 
 
-class SayResumed:
+class SayResumed(Callback):
     """Trainer callback: "resumed from step N" as training starts (also with --quiet)."""
 
-    def on_start(self, resumed_from: int | None) -> None:
+    def on_start(self, trainer, resumed_from: int | None) -> None:
         if resumed_from is not None:
             print(f"resumed from step {resumed_from}", flush=True)
 

@@ -27,6 +27,7 @@ from tinygpt.colab.finetune_ui import (  # noqa: F401  (handed on: notebooks rea
     smoke_data,
 )
 from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive  # noqa: F401  (in_colab: for the notebooks)
+from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import MANIFEST, STATE_FILE, latest_valid, list_checkpoints, read_manifest
 from tinygpt.core.config import RECIPES, Recipe, get_recipe
 from tinygpt.core.files import atomic_output, link_problem
@@ -448,7 +449,7 @@ def base_picker(resume_from: RunFolders | str | Path | None = None) -> BasePicke
 
 # ---- the live loss plot ----------------------------------------------------------------------------
 
-class LossPlot:
+class LossPlot(Callback):
     """Trainer callback: loss and val_loss against steps (tokens on the top axis), redrawn at most
     every `min_interval_s` in the notebook and saved to <run_dir>/plots/loss.png at the end.
     In a kernel it needs matplotlib; elsewhere, without matplotlib, it does nothing."""

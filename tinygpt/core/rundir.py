@@ -46,8 +46,9 @@ BASE_DIR, MERGED_DIR = "base", "merged"  # a finetuning run's exported tinygpt b
 # the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
 BUDGET_JSON = "budget.json"  # a time budget's step count, fixed once (tinygpt pretrain --hours)
 COMPILE_CACHE = "compile_cache.bin"  # the compiler's artifacts (signed): a new VM on the same GPU compiles less
+PROBE_JSON = "probe.json"  # the probe's result: a new VM on the same GPU and torch does not probe again
 RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, COMPILE_CACHE,
-             BUDGET_JSON)
+             BUDGET_JSON, PROBE_JSON)
 
 
 def recipe_name_of(*run_dirs: str | Path | None) -> str | None:

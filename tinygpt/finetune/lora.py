@@ -83,8 +83,9 @@ from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
 from tinygpt.sync.drive import Mirror, mirror_adapter, restore_latest, run_identity, write_identity
+from tinygpt.train.callbacks import Progress
 from tinygpt.train.hardware import check_device
-from tinygpt.train.trainer import Trainer
+from tinygpt.train.trainer import ModelIO, TrainData, Trainer
 
 
 # ----- base models --------------------------------------------------------------------------------
@@ -605,15 +606,16 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     if mirror is not None:
         callbacks.append(Mirror(run_dir, mirror, keep_last=cfg.keep_last, identity=identity))
     # The Trainer compiles the loss module as a whole (compile "auto": on CUDA): forward and loss in one graph.
-    trainer = Trainer(FinetuneLoss(pm, full_logits=plan.full_logits), cfg, dataset.train, dataset.val_batches,
-                      run_dir, device=dev, precision=precision, loss_fn=module_loss, state_fn=state_fns[0],
-                      load_state_fn=state_fns[1], callbacks=callbacks, run_info=info, progress=progress)
+    if progress:
+        callbacks.insert(0, Progress())
+    trainer = Trainer(FinetuneLoss(pm, full_logits=plan.full_logits), dataclasses.replace(cfg, device=str(dev)),
+                      TrainData(dataset.train, dataset.val_batches), run_dir, callbacks=callbacks, run_info=info,
+                      io=ModelIO(loss_fn=module_loss, state_fn=state_fns[0], load_state_fn=state_fns[1]))
     try:
         result = trainer.fit(resume)
     finally:
         for cb in callbacks:
-            if hasattr(cb, "close"):
-                cb.close()
+            cb.close()
     adapter_dir = mirrored = model_dir = None
     if not result.interrupted and rec.lora is None:  # a whole model folder (the checkpoints on the mirror hold it)
         model_dir = export_full(run_dir, str(result.checkpoint or "latest"))

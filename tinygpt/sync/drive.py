@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint, write_manifest
 from tinygpt.core.files import (
     UnsafePathError,
@@ -258,7 +259,7 @@ class MirrorStatus:
         return s
 
 
-class Mirror:
+class Mirror(Callback):
     """Mirrors a local run folder to `mirror_run_dir` in a background thread.
 
     The trainer's callback: `on_checkpoint(path, step)` after each complete checkpoint (steps and

@@ -11,7 +11,7 @@ import math
 import platform
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
 from tinygpt.core.files import refuse_links_in
 from tinygpt.core.paths import cache_root
@@ -35,7 +36,7 @@ from tinygpt.sync.drive import (
     write_identity,
 )
 from tinygpt.train.budget import Budget
-from tinygpt.train.callbacks import TensorBoardLogger, write_sample
+from tinygpt.train.callbacks import MFU, Progress, StartupReport, TensorBoardLogger, TimeBudget, write_sample
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
 from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents, resolve_source, source_fingerprint
 from tinygpt.train.distributed import (
@@ -56,7 +57,7 @@ from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.shards import ShardStream, StreamedShards, TokenShards, check_token_cache, stream_token_cache
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.token_files import check_shard_ids, open_token_folder
-from tinygpt.train.trainer import RESUMABLE_CHANGES, Trainer, TrainResult
+from tinygpt.train.trainer import RESUMABLE_CHANGES, Ranks, TrainData, Trainer, TrainResult
 
 TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
 
@@ -135,7 +136,7 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
     if dev.type != "cuda" or world_size > 1:
         return recipe, None
 
-    result = run_probe(recipe, device=dev)
+    result = run_probe(recipe, device=dev, run_dir=run_dir)
     return apply_probe(recipe, result), result.to_dict()
 
 
@@ -151,7 +152,7 @@ class PretrainOptions:
     resume: str = "auto"                     # "auto": the newest valid checkpoint; "never": refuse one
     mirror: str | Path | None = None         # a Drive folder (or any folder) to mirror the run to
     cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
-    callbacks: list | tuple = ()             # extra trainer callbacks (on_log, on_checkpoint, close)
+    callbacks: list | tuple = ()             # extra trainer callbacks (tinygpt.core.callback.Callback)
     progress: bool = True
     sample_prompt: str | None = None         # default: how a held-out document begins
     peak_tflops: float | None = None         # for MFU; default from the GPU table
@@ -209,6 +210,7 @@ def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_
     model and train it; rank 0 then writes a sample. The process group, if any, is set up already."""
     clock = StartupClock()
     check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
+    check_parallel(opts.parallel, recipe.train.optimizer, world_size)
     check_device(dev := resolve_device(recipe.train.device))
     t = recipe.train
     # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
@@ -216,11 +218,9 @@ def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_
                choose_precision(dev, t.precision).name, dev, t.loss, what=f"recipe {recipe.name}")
     probe_info = None
     if opts.probe == "auto":
-        recipe, probe_info = fit_to_device(recipe, opts.run_dir, resolve_device(recipe.train.device), world_size)
+        recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, world_size)
     clock.mark("probe")
-    check_parallel(opts.parallel, recipe.train.optimizer, world_size)
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, world_size)
-    dev = resolve_device(recipe.train.device)
     precision = choose_precision(dev, recipe.train.precision)
     refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
     # one writer per run folder (rank 0 writes it; the other ranks of the same job only read)
@@ -252,34 +252,29 @@ def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world
                          precision, probe_info: dict | None, clock: StartupClock) -> TrainResult:
     with main_process_first(rank, world_size):  # the others find what rank 0 made
         data = prepare_run(recipe, opts, rank == 0, precision, dev, probe_info, clock)
-    callbacks: list = []
+    callbacks: list[Callback] = []
     try:
         t = recipe.train
         sampler = WindowSampler(data.tokens, t.seq_len, t.seed)  # waits for the first shard
         val = fixed_batches(data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1), t.seq_len,
                             t.micro_batch_size, t.eval_batches)
         clock.mark("data")
-        callbacks = list(opts.callbacks) + (run_callbacks(recipe, opts, data.identity) if rank == 0 else [])
         torch.manual_seed(t.seed)
         model = initial_model(recipe, opts.run_dir, opts.resume)  # random, or a base's weights (model.init)
+        callbacks = run_callbacks(recipe, opts, model, dev, precision.name, clock, rank, world_size, data.identity)
         # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
         # trainer's train_config) and the tokenizer
         run_info = {"recipe": {k: v for k, v in recipe.to_dict().items() if k != "train"},
                     "tokenizer": data.tokenizer.to_json()}
-        trainer = Trainer(model, t, sampler, val, opts.run_dir, device=dev, precision=precision,
-                          callbacks=callbacks, flops_per_token=model.flops_per_token(t.seq_len),
-                          peak_tflops=opts.peak_tflops or gpu_peak_tflops(dev, precision.name),
-                          progress=opts.progress, rank=rank, world_size=world_size, parallel=opts.parallel,
-                          run_info=run_info, startup=clock, hours=opts.hours,
-                          compile_cache=compile_cache_for(recipe, opts, model, dev, precision.name))
+        trainer = Trainer(model, replace(t, device=str(dev)), TrainData(sampler, val), opts.run_dir,
+                          callbacks=callbacks, ranks=Ranks(rank, world_size, opts.parallel), run_info=run_info)
         clock.mark("model")
         result = trainer.fit(opts.resume)
         if rank == 0 and not result.interrupted:
             sample_after_training(recipe, opts, result, model, data.tokenizer, data.tokens, dev, world_size)
     finally:
         for cb in callbacks:
-            if hasattr(cb, "close"):
-                cb.close()
+            cb.close()
         data.close()
     return result
 
@@ -347,9 +342,21 @@ def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
                        check=lambda i, arr: check_shard_ids(arr, vocab_size, names[i]))
 
 
-def run_callbacks(recipe: Recipe, opts: PretrainOptions, identity: dict | None = None) -> list:
-    """Rank 0's own callbacks: TensorBoard (when wanted and installed) and the mirror."""
-    out: list = []
+def run_callbacks(recipe: Recipe, opts: PretrainOptions, model: GPT, dev: torch.device, precision: str,
+                  clock: StartupClock, rank: int, world_size: int, identity: dict | None = None) -> list[Callback]:
+    """A pretraining run's side concerns, in the order they act: the start-up record and compile cache,
+    the time budget (which fixes the step count the bar shows), MFU, the bar; the caller's callbacks;
+    then, on rank 0, TensorBoard (when wanted and installed) and the mirror."""
+    cache = compile_cache_for(recipe, opts, model, dev, precision) if world_size == 1 else None
+    out: list[Callback] = [StartupReport(clock, cache)]
+    if opts.hours is not None:
+        out.append(TimeBudget(opts.hours))
+    out.append(MFU(model.flops_per_token(recipe.train.seq_len), opts.peak_tflops or gpu_peak_tflops(dev, precision)))
+    if opts.progress:
+        out.append(Progress())
+    out += list(opts.callbacks)
+    if rank != 0:
+        return out
     if opts.tensorboard is not False:
         tb = TensorBoardLogger.create(opts.run_dir / "tensorboard", required=bool(opts.tensorboard))
         if tb is not None:
