@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -180,7 +181,17 @@ def _pretrain(args) -> int:
     if res.interrupted:
         print("stopped by a signal; run the same command again to resume")
         return 130  # like an interrupted shell command: a script can tell the run did not finish
+    print(next_steps(args.run_dir))
     return 0
+
+
+def next_steps(run_dir: str | Path) -> str:
+    """What to run after a finished pretraining run: sample, evaluate, export (the README's order)."""
+    d = shlex.quote(str(run_dir))
+    return ("next:\n"
+            f"  tinygpt generate --run-dir {d} --prompt \"def main(\" --max-new-tokens 100   # text from the model\n"
+            f"  tinygpt eval {d} --task perplexity        # loss, perplexity, bits per byte on its validation text\n"
+            f"  tinygpt export {d} hf-model/              # a Hugging Face folder (transformers, llama.cpp)")
 
 
 def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = None) -> str | None:
