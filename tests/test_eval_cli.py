@@ -92,6 +92,9 @@ def test_bad_input_exits_2_with_a_clear_message(run, tmp_path, shared_data, caps
     code, _, err = _cli(capsys, "eval", run, "--task", "hellaswag", "--data", wikitext, "--limit", 0)
     assert code == 2 and "limit" in err
     code, _, err = _cli(capsys, "eval", tmp_path / "missing", "--task", "summary")
+    assert code == 2 and f"no run folder at {tmp_path / 'missing'}" in err
+    (tmp_path / "missing").mkdir()
+    code, _, err = _cli(capsys, "eval", tmp_path / "missing", "--task", "summary")
     assert code == 2 and "metrics.jsonl" in err
 
 

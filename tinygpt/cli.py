@@ -299,6 +299,7 @@ def _eval(args) -> int:
         print(f"{'this model (n=' + str(res['n']) + ')':<22} {res['acc']:>7.2%} {res['acc_norm']:>9.2%}")
         for name, ref in res["reference"].items():
             print(f"{name:<22} {ref['acc']:>7.2%} {ref['acc_norm']:>9.2%}")
+        print(f"(published figures: {res['reference_source']}; the same query text)")
     if "per_problem" in res:
         for p in res["per_problem"]:
             print(f"  {p['task_id']:<14} {p['passed']}/{p['n']} passed  {', '.join(p['statuses'])}")
