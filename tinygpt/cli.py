@@ -285,7 +285,8 @@ def _eval(args) -> int:
     res = run_eval(args.run_dir, args.task, data=args.data, which=args.which, device=str(resolve_device(args.device)),
                    limit=args.limit, window=args.window, stride=args.stride, max_chars=args.max_chars,
                    batch_size=args.batch_size, n=args.n, ks=args.k, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, progress=not args.json)
+                   temperature=args.temperature, progress=not args.json,
+                   say=lambda note: print(note, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(_jsonable(res), indent=1, default=str))
         return 0

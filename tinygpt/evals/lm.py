@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from tinygpt.core.config import DataConfig
 from tinygpt.core.files import write_text_atomic
 from tinygpt.core.paths import cache_root, shared_data_dir
-from tinygpt.evals.code import DataFormatError, _progress
+from tinygpt.evals.code import DataFormatError
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train.data import iter_documents
 
@@ -114,10 +115,74 @@ def _nll_sum(lm: CausalLM, inputs: list[list[int]], targets: list[list[int]]) ->
                for i in range(len(inputs)))  # one row at a time in fp32: a big vocabulary stays small
 
 
+# --- time: said first when the work is long ----------------------------------------------------
+
+LONG_SECONDS = 120.0  # an evaluation expected to take longer says so, with how to shorten it, before it goes on
+SHORT_SECONDS = 180.0  # what the suggested shorter run aims at (a quarter of the whole, when that is less)
+
+
+def _shorter(size: int, expected: float) -> int:
+    """How much of `size` (characters, items) takes about `SHORT_SECONDS`, or a quarter of `expected`."""
+    return _round_down(size * min(SHORT_SECONDS, expected / 4) / expected)
+
+
+def duration(seconds: float) -> str:
+    """A duration as a person says it: "40 s", "8 min", "1.5 h"."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _round_down(x: float) -> int:
+    """`x` rounded down to one significant digit (a number a person would type): 237000 -> 200000."""
+    if x < 1:
+        return 1
+    scale = 10 ** int(math.floor(math.log10(x)))
+    return int(x // scale * scale)
+
+
+def _run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: bool,
+                 say: Callable[[str], None] | None, describe: Callable[[float, float], str],
+                 cost: Sequence[float] | None = None) -> None:
+    """``run(batch)`` for every batch. The first two are timed before any bar is shown; when the whole is
+    expected to take more than `LONG_SECONDS`, ``say(describe(expected_total_s, s_per_batch))`` comes first.
+    The first batch warms up, so the rate is the second's, per unit of `cost` (e.g. tokens; default: one
+    per batch) when batches differ in size."""
+    n, done = len(batches), 0
+    cost = list(cost) if cost is not None else [1.0] * n
+    first = per = 0.0
+    while done < min(n, 2):
+        start = time.perf_counter()
+        run(batches[done])
+        per = (time.perf_counter() - start) / max(cost[done], 1e-9)
+        first = first or per * cost[done]
+        done += 1
+    expected = first + per * sum(cost[1:])
+    if say is not None and n > done and expected > LONG_SECONDS:
+        say(describe(expected, per))
+    rest = batches[done:]
+    bar = None
+    if progress and rest:
+        try:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=n, initial=done, desc=desc)
+        except ImportError:
+            pass
+    for b in rest:
+        run(b)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+
 # --- perplexity and bits per byte -------------------------------------------------------------
 
 def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None, stride: int | None = None,
-               batch_size: int = 4, progress: bool = False) -> dict[str, Any]:
+               batch_size: int = 4, progress: bool = False,
+               say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Token-level perplexity and bits per byte of `text`.
 
     With ``stride=None`` the text is cut into non-overlapping windows of `window` tokens (default:
@@ -128,6 +193,8 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
     Bits per byte = total nats / (ln 2 * UTF-8 bytes of the text): comparable across tokenizers.
     The text starts after the start token (`start_token`) so that its first token is scored too.
     Logits are (batch_size, window, vocab): lower both for a large vocabulary on a small GPU.
+    A text expected to take over `LONG_SECONDS` is first said with its time and a shorter ``--max-chars``
+    (`_shorter`), through `say` (measured on the first batches; see `_run_batches`).
     """
     lm = as_causal_lm(model)
     window = window or lm.max_seq_len
@@ -149,13 +216,24 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
         if end == n_pred:
             break
     total = 0.0
+    n_bytes = len(text.encode("utf-8"))
+
+    def run(batch) -> None:
+        nonlocal total
+        inputs = [ids[b:e] for b, e, _ in batch]
+        targets = [[IGNORE_INDEX] * (s - b) + ids[s + 1:e + 1] for b, e, s in batch]
+        total += _nll_sum(lm, inputs, targets)
+
+    def describe(expected: float, per_batch: float) -> str:
+        chars = _shorter(len(text), expected)
+        how = f"stride {step}" if step != window else "non-overlapping"
+        return (f"perplexity over {n_bytes / 1e6:.1f} MB ({len(spans):,} windows of {window} tokens, {how}): about "
+                f"{duration(expected)} on this {lm.device.type.upper()}; --max-chars {chars} takes about "
+                f"{duration(expected * chars / len(text))}")
+
     with _evaluating(lm.module):
         batches = [spans[i:i + batch_size] for i in range(0, len(spans), batch_size)]
-        for batch in _progress(batches, len(batches), "perplexity", progress):
-            inputs = [ids[b:e] for b, e, _ in batch]
-            targets = [[IGNORE_INDEX] * (s - b) + ids[s + 1:e + 1] for b, e, s in batch]
-            total += _nll_sum(lm, inputs, targets)
-    n_bytes = len(text.encode("utf-8"))
+        _run_batches(batches, run, "perplexity", progress, say, describe)
     return {"mode": "non-overlapping" if stride in (None, window) else "sliding", "window": window,
             "stride": step, "windows": len(spans), "tokens": n_pred, "bytes": n_bytes,
             "first_token_scored": start is not None, "nll_nats": total, "loss": total / n_pred,
@@ -291,11 +369,13 @@ def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceIte
 
 
 def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str]], batch_size: int = 16,
-                   progress: bool = False) -> list[float]:
+                   progress: bool = False, say: Callable[[str], None] | None = None,
+                   describe: Callable[[float, float], str] | None = None) -> list[float]:
     """log P(continuation | context) in nats for each (context, continuation), summed over the
     continuation's tokens only. Tokenized as lm-evaluation-harness does: the continuation's tokens
     are those of context + continuation after the context's, and context trailing spaces move to
-    the continuation; an empty context becomes the start token; too long inputs lose their left."""
+    the continuation; an empty context becomes the start token; too long inputs lose their left.
+    `say` and `describe`: as in `_run_batches` (a long run says its expected time first)."""
     lm, encode, start = as_causal_lm(model), encoder(tokenizer), start_token(tokenizer)
     seqs = []
     for ctx, cont in requests:
@@ -314,31 +394,47 @@ def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str
         seqs.append(((ctx_ids + cont_ids)[-(lm.max_seq_len + 1):], len(cont_ids)))
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))  # similar lengths pad less
     out = [0.0] * len(seqs)
+
+    def run(batch) -> None:
+        T = max(len(seqs[j][0]) for j in batch) - 1
+        x = torch.zeros(len(batch), T, dtype=torch.long)
+        for r, j in enumerate(batch):
+            x[r, :len(seqs[j][0]) - 1] = torch.tensor(seqs[j][0][:-1])
+        logits = lm.logits(x.to(lm.device))
+        for r, j in enumerate(batch):
+            seq, n = seqs[j]
+            pos = torch.arange(len(seq) - 1 - n, len(seq) - 1, device=logits.device)
+            logp = F.log_softmax(logits[r, pos].float(), dim=-1)
+            tgt = torch.tensor(seq[-n:], device=logits.device)
+            out[j] = float(logp.gather(1, tgt[:, None]).sum())
+
+    if describe is None:
+        def describe(expected: float, per_batch: float) -> str:
+            return (f"{len(seqs):,} log-likelihoods: about {duration(expected)} on this "
+                    f"{lm.device.type.upper()}")
     with _evaluating(lm.module):
         batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-        for batch in _progress(batches, len(batches), "loglikelihood", progress):
-            T = max(len(seqs[j][0]) for j in batch) - 1
-            x = torch.zeros(len(batch), T, dtype=torch.long)
-            for r, j in enumerate(batch):
-                x[r, :len(seqs[j][0]) - 1] = torch.tensor(seqs[j][0][:-1])
-            logits = lm.logits(x.to(lm.device))
-            for r, j in enumerate(batch):
-                seq, n = seqs[j]
-                pos = torch.arange(len(seq) - 1 - n, len(seq) - 1, device=logits.device)
-                logp = F.log_softmax(logits[r, pos].float(), dim=-1)
-                tgt = torch.tensor(seq[-n:], device=logits.device)
-                out[j] = float(logp.gather(1, tgt[:, None]).sum())
+        cost = [len(b) * max(len(seqs[j][0]) for j in b) for b in batches]  # padded tokens: longest first
+        _run_batches(batches, run, "loglikelihood", progress, say, describe, cost)
     return out
 
 
 def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], batch_size: int = 16,
-                    progress: bool = False) -> dict[str, Any]:
+                    progress: bool = False, say: Callable[[str], None] | None = None,
+                    name: str = "multiple choice") -> dict[str, Any]:
     """acc (highest log-likelihood) and acc_norm (log-likelihood / characters of the ending, as
     lm-evaluation-harness defines it); each ending is scored as " " + ending after the context."""
     if not items:
         raise ValueError("no items to score")
     requests = [(it.context, " " + e) for it in items for e in it.endings]
-    lls = loglikelihoods(model, tokenizer, requests, batch_size, progress)
+
+    def describe(expected: float, per_batch: float) -> str:
+        limit = _shorter(len(items), expected)
+        return (f"{name} over {len(items):,} items: about {duration(expected)} on this "
+                f"{as_causal_lm(model).device.type.upper()}; --limit {limit} takes about "
+                f"{duration(expected * limit / len(items))}")
+
+    lls = loglikelihoods(model, tokenizer, requests, batch_size, progress, say, describe)
     correct = correct_norm = i = 0
     for it in items:
         ll = lls[i:i + len(it.endings)]
@@ -354,11 +450,11 @@ def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], bat
 
 
 def hellaswag(model: Any, tokenizer: Any, path: str | Path, limit: int | None = None, batch_size: int = 16,
-              progress: bool = False) -> dict[str, Any]:
+              progress: bool = False, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """HellaSwag accuracy on the first `limit` items of the validation file (all 10,042 by default), on
     lm-evaluation-harness's query text (`load_hellaswag`), with the published reference figures."""
     return {"task": "hellaswag", **multiple_choice(model, tokenizer, load_hellaswag(path, limit), batch_size,
-                                                   progress), "reference": HELLASWAG_REFERENCE,
+                                                   progress, say, "hellaswag"), "reference": HELLASWAG_REFERENCE,
             "reference_source": HELLASWAG_REFERENCE_SOURCE}
 
 

@@ -36,6 +36,7 @@ class Request:
     max_new_tokens: int = 384
     temperature: float | None = None
     progress: bool = False
+    say: Callable[[str], None] | None = None  # one-line notes before long work (expected time, a window too long)
 
 
 @dataclass
@@ -69,12 +70,18 @@ def _perplexity(m: Loaded, r: Request) -> dict[str, Any]:
         text = validation_text(cfg, r.max_chars)
     else:
         text = lm.load_eval_text(r.data, r.max_chars)
-    window = r.window or (m.recipe.train.seq_len if m.recipe is not None else None)
-    return lm.perplexity(m.model, m.tokenizer, text, window, r.stride, r.batch_size or 4, r.progress)
+    trained = m.recipe.train.seq_len if m.recipe is not None else None
+    if r.window and trained and r.window > trained and r.say is not None:
+        r.say(f"--window {r.window} is beyond the context this model was trained at ({trained} tokens): positions "
+              f"past {trained} were never trained, so the perplexity will be worse than the model's; --window "
+              f"{trained} measures the model as trained")
+    window = r.window or trained
+    return lm.perplexity(m.model, m.tokenizer, text, window, r.stride, r.batch_size or 4, r.progress, r.say)
 
 
 def _hellaswag(m: Loaded, r: Request) -> dict[str, Any]:
-    return lm.hellaswag(m.model, m.tokenizer, lm.hellaswag_path(r.data), r.limit, r.batch_size or 16, r.progress)
+    return lm.hellaswag(m.model, m.tokenizer, lm.hellaswag_path(r.data), r.limit, r.batch_size or 16, r.progress,
+                        r.say)
 
 
 def _generator(m: Loaded, max_new_tokens: int, temperature: float) -> Callable[[str], str]:
@@ -156,7 +163,7 @@ def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: s
              **request: Any) -> dict[str, Any]:
     """Evaluate a run folder (see `load_for_eval`) on one task of `TASKS`; `request` holds the fields of
     `Request` (data, limit, window, stride, max_chars, batch_size, n, ks, max_new_tokens, temperature,
-    progress). Perplexity: `data` a text file or hf:NAME[:CONFIG][@SPLIT] (see `lm.eval_data`);
+    progress, say: a function given one-line notes before long work, e.g. `print`). Perplexity: `data` a text file or hf:NAME[:CONFIG][@SPLIT] (see `lm.eval_data`);
     hellaswag: hellaswag_val.txt[.bz2] or hf:Rowan/hellaswag@validation; humaneval / mbpp: the problems
     file, pass@k for `ks` with `n` samples per problem, greedy for n == 1 and temperature 0.8 above."""
     t = get_task(task)
