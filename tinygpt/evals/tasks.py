@@ -163,7 +163,8 @@ def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: s
              **request: Any) -> dict[str, Any]:
     """Evaluate a run folder (see `load_for_eval`) on one task of `TASKS`; `request` holds the fields of
     `Request` (data, limit, window, stride, max_chars, batch_size, n, ks, max_new_tokens, temperature,
-    progress, say: a function given one-line notes before long work, e.g. `print`). Perplexity: `data` a text file or hf:NAME[:CONFIG][@SPLIT] (see `lm.eval_data`);
+    progress, say: a function given one-line notes before long work, e.g. `print`). Perplexity: `data` a
+    text file or hf:NAME[:CONFIG][@SPLIT] (see `lm.eval_data`);
     hellaswag: hellaswag_val.txt[.bz2] or hf:Rowan/hellaswag@validation; humaneval / mbpp: the problems
     file, pass@k for `ks` with `n` samples per problem, greedy for n == 1 and temperature 0.8 above."""
     t = get_task(task)
