@@ -14,6 +14,7 @@ from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import PRECISION_FOR_HARDWARE, resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.core.units import count
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
 from tinygpt.finetune.lora import (
@@ -87,14 +88,6 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
     return "\n".join(out)
 
 
-def _count(n: int) -> str:
-    """A token count a person reads at a glance: 350k, 1.2M, 5.2B."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)
-
-
 def _recipes(args) -> int:
     rows = []
     for r in RECIPES.values():
@@ -108,7 +101,7 @@ def _recipes(args) -> int:
     print(f"{'recipe':<14} {'hw':<5} {'params':>8} {'ctx':>5} {'tok/step':>9} {'budget':>7} {'prec':<5} "
           f"{'data':<40} description")
     for name, hw, p, ctx, tps, budget, prec, data, desc in rows:
-        print(f"{name:<14} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {_count(budget):>7} {prec:<5} {data:<40} {desc}")
+        print(f"{name:<14} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {count(budget):>7} {prec:<5} {data:<40} {desc}")
     return 0
 
 

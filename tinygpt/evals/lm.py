@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tinygpt.core.config import DataConfig
 from tinygpt.core.files import write_text_atomic
 from tinygpt.core.paths import cache_root, shared_data_dir
+from tinygpt.core.units import duration
 from tinygpt.evals.code import DataFormatError
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train.data import iter_documents
@@ -126,15 +127,6 @@ def _shorter(size: int, expected: float) -> int:
     return _round_down(size * min(SHORT_SECONDS, expected / 4) / expected)
 
 
-def duration(seconds: float) -> str:
-    """A duration as a person says it: "40 s", "8 min", "1.5 h"."""
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 def _round_down(x: float) -> int:
     """`x` rounded down to one significant digit (a number a person would type): 237000 -> 200000."""
     if x < 1:
@@ -167,7 +159,7 @@ def _run_batches(batches: list, run: Callable[[Any], None], desc: str, progress:
     if progress and rest:
         try:
             from tqdm.auto import tqdm
-            bar = tqdm(total=n, initial=done, desc=desc)
+            bar = tqdm(total=n, initial=done, desc=desc, leave=False)  # gone when done: the result says it
         except ImportError:
             pass
     for b in rest:

@@ -464,7 +464,8 @@ class Trainer:
             self.compile_cache.save()
         if self.startup is not None and self.is_main:
             RunDir(self.run_dir).append_metrics({"step": self.step, "startup": self.startup.record()})
-            if loop.bar is not None:  # quiet runs only record it
+            # quiet runs only record it; a callback that shows it (a notebook's table) replaces the line
+            if loop.bar is not None and not any(getattr(cb, "shows_startup", False) for cb in self.callbacks):
                 loop.bar.write(self.startup.summary())
             for cb in self.callbacks:
                 if hasattr(cb, "on_startup"):
