@@ -82,7 +82,8 @@ def showcase_base(env: dict[str, str]) -> Path:
     if (run / "checkpoints" / f"step_{steps:06d}").is_dir():
         return run
     cmd = [sys.executable, "-m", "tinygpt", "pretrain", "--recipe", recipe, "--max-steps", str(steps),
-           "--run-dir", str(run), "--quiet", "--device", "cpu"]
+           "--save-every", str(steps), "--eval-every", str(steps // 4), "--run-dir", str(run), "--quiet",
+           "--device", "cpu"]
     subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}, check=True, timeout=1800,
                    stdout=subprocess.DEVNULL)
     return run

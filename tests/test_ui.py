@@ -289,3 +289,17 @@ def test_samples_take_a_prompt_that_suits_the_runs_data(tmp_path, shared_data):
     assert prompt != "def " and prompt.split()[0] in prose.read_text()
     texts = ui.samples(run, n=2, max_new_tokens=5, device="cpu")
     assert len(texts) == 2 and all(t.startswith(prompt) for t in texts)
+
+
+def test_a_notebook_shows_the_start_up_once(shared_data, tmp_path, capsys):
+    """With the loss plot shown, its start-up table replaces the trainer's line; without it, the line stays."""
+    from tinygpt.train.pretrain import pretrain
+
+    kw = dict(data=str(shared_data / "tinyshakespeare.txt"), max_steps=2, eval_every=2, save_every=2, device="cpu",
+              progress=True, cache_dir=tmp_path / "c")
+    pretrain("cpu-smoke", tmp_path / "shown", callbacks=[ui.LossPlot(tmp_path / "shown", show=True)], **kw)
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("to the first step") == 1 and "s to the first step:" not in out.out  # the table
+    pretrain("cpu-smoke", tmp_path / "plain", callbacks=[ui.LossPlot(tmp_path / "plain", show=False)], **kw)
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("to the first step") == 1 and "s to the first step:" in out.out + out.err  # the line
