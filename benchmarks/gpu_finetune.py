@@ -52,12 +52,10 @@ from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
 from tinygpt.finetune.lora import (  # noqa: E402
     FinetuneLoss,
-    adapter_state,
     attach_lora,
     check_qlora,
     detect_hardware,
     get_finetune_recipe,
-    load_adapter_state,
     load_base,
     load_tokenizer,
     memory_gb_of,
@@ -71,7 +69,7 @@ from tinygpt.model.hf import export_model  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402
 from tinygpt.model.tokenizer import load_gpt2, train_bpe  # noqa: E402
 from tinygpt.train.probe import RandomBatches  # noqa: E402
-from tinygpt.train.trainer import Trainer  # noqa: E402
+from tinygpt.train.trainer import ModelIO, TrainStep  # noqa: E402
 
 
 def make_base(args, folder: Path, records: list[dict]) -> Path:
@@ -118,17 +116,16 @@ def first_batch(source, batch: int, device: torch.device) -> tuple[torch.Tensor,
     return tuple(t.to(device) for t in source.next_batch(batch))
 
 
-def tinygpt_side(base: Path, source, device, prec, plan, recipe, cfg, run_dir: Path):
+def tinygpt_side(base: Path, source, device, prec, plan, recipe, cfg):
     """(step, loss module, trainable params): the Trainer's step as `finetune` builds it."""
     dtype = prec.dtype if device.type == "cuda" else torch.float32
     model = load_base(str(base), quantize=recipe.quantize, dtype=dtype, device=device)
     pm = attach_lora(model, recipe.lora, activation_checkpointing=plan.activation_checkpointing, seed=cfg.seed)
     module = FinetuneLoss(pm, full_logits=plan.full_logits)
-    trainer = Trainer(module, cfg, source, [], run_dir, device=device, precision=prec, loss_fn=module_loss,
-                      state_fn=adapter_state, load_state_fn=load_adapter_state, progress=False)
-    trainer.model.train()
+    step = TrainStep(module, dataclasses.replace(cfg, device=str(device)), source, ModelIO(loss_fn=module_loss))
+    step.model.train()
     params = sum(p.numel() for p in pm.parameters() if p.requires_grad)
-    return trainer.optimizer_step, module, params  # the very step `fit` runs, without its logging
+    return step.optimizer_step, module, params  # the very step `fit` runs, without a run folder
 
 
 def reference_side(args, base: Path, source, device, prec, recipe):
@@ -259,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
         ours_source, ref_source = sources(args, base, records, plan.pack)
         probe = first_batch(copy.deepcopy(ours_source), args.micro_batch, device)  # the first batch, for both
 
-        step, module, params = tinygpt_side(base, ours_source, device, prec, plan, recipe, cfg, Path(tmp) / "run")
+        step, module, params = tinygpt_side(base, ours_source, device, prec, plan, recipe, cfg)
         ours_loss = base_loss_tinygpt(module, probe, prec)
         rows = [measure("tinygpt", step, ours_source, args, device, params)]
         del step, module

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tinygpt.cli import apply_overrides
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import get_recipe
 from tinygpt.core.paths import shared_data_dir
 from tinygpt.train.pretrain import pretrain
@@ -31,7 +32,7 @@ from tinygpt.train.pretrain import pretrain
 REPO = Path(__file__).resolve().parents[1]
 
 
-class Clock:
+class Clock(Callback):
     """A trainer callback: (seconds since the run began, step, val_loss) at every evaluation."""
 
     def __init__(self) -> None:

@@ -23,7 +23,7 @@ from tinygpt.core import paths
 from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
 from tinygpt.core.config import get_recipe
 from tinygpt.core.rundir import RunDirError
-from tinygpt.evals import code
+from tinygpt.evals import code, sandbox
 from tinygpt.evals import lm as ev
 from tinygpt.evals.code import HUMANEVAL_STOPS
 from tinygpt.model.gpt import GPT
@@ -247,22 +247,27 @@ def test_extract_code_and_syntax_accuracy():
     assert code.syntax_accuracy(["x = 1", "def f(:", "print('ok')", "a\0b"]) == 0.5
 
 
-# --- the sandbox -------------------------------------------------------------------------------
+# --- the sandbox (its attacks: tests/test_sandbox.py) --------------------------------------------
+
+# Without a kernel boundary (not root, no user namespaces) these run with rlimits only: what they
+# check is the harness (statuses, verdicts), not the boundary.
+UNSAFE = {"unsafe": sandbox.boundary().kind == "none"}
+
 
 def test_sandbox_contains_loops_memory_hogs_and_exits(monkeypatch):
     monkeypatch.setenv("TINYGPT_TEST_SECRET", "hunter2")
     cwd = os.getcwd()
-    assert code.run_program("while True:\n    pass\n", timeout_s=1).status == "timeout"
-    assert code.run_program("while True:\n    pass\n", timeout_s=30, cpu_s=1).status == "cpu_limit"
-    assert code.run_program("x = bytearray(4 * 1024**3)\n").status == "out_of_memory"
-    r = code.run_program("import sys\nsys.exit(3)\n")
+    assert code.run_program("while True:\n    pass\n", timeout_s=1, **UNSAFE).status == "timeout"
+    assert code.run_program("while True:\n    pass\n", timeout_s=30, cpu_s=1, **UNSAFE).status == "cpu_limit"
+    assert code.run_program("x = bytearray(4 * 1024**3)\n", **UNSAFE).status == "out_of_memory"
+    r = code.run_program("import sys\nsys.exit(3)\n", **UNSAFE)
     assert (r.status, r.returncode) == ("failed", 3)
-    assert code.run_program("import os\nos._exit(0)\n").status == "exited_early"
-    assert code.run_program("import sys\nsys.exit(0)\nassert False\n").status == "exited_early"
+    assert code.run_program("import os\nos._exit(0)\n", **UNSAFE).status == "exited_early"
+    assert code.run_program("import sys\nsys.exit(0)\nassert False\n", **UNSAFE).status == "exited_early"
     assert code.run_program("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
-                          max_output_mb=1).status == "output_limit"
+                            max_output_mb=1, **UNSAFE).status == "output_limit"
     r = code.run_program("import os\nassert 'TINYGPT_TEST_SECRET' not in os.environ, 'leaked'\n"
-                       "open('left_behind.txt', 'w').write('x')\nprint(os.getcwd())\n")
+                       "open('left_behind.txt', 'w').write('x')\nprint(os.getcwd())\n", **UNSAFE)
     assert r.status == "passed", r.stderr
     assert not Path(r.stdout.strip()).exists()  # the working directory is gone
     assert os.getcwd() == cwd and os.environ["TINYGPT_TEST_SECRET"] == "hunter2"  # this process unharmed
@@ -278,18 +283,18 @@ def test_real_problems_pass_with_canonical_and_fail_with_wrong_solutions(shared_
     assert mbpp[-1].task_id == "MBPP/510"
     node = next(p for p in mbpp if p.task_id == "MBPP/367")  # needs its test_setup_code after the solution
     probs = [he[0], he[1], mbpp[0], node]
-    good = code.check_completions(probs, [p.canonical_solution for p in probs])
+    good = code.check_completions(probs, [p.canonical_solution for p in probs], **UNSAFE)
     assert [r.status for r in good] == ["passed"] * 4, [r.stderr for r in good]
     wrong = ["    return not " + he[0].canonical_solution.strip().splitlines()[-1].split("return ")[-1] + "\n",
              "    return []\n", "def remove_Occ(s, ch):\n    return s\n", "class Node: pass\n"]
-    assert [r.status for r in code.check_completions(probs, wrong)] == ["failed"] * 4
+    assert [r.status for r in code.check_completions(probs, wrong, **UNSAFE)] == ["failed"] * 4
 
 
 def test_evaluate_code_reports_pass_at_k(shared_data):
     probs = code.load_humaneval(shared_data / "HumanEval.jsonl.gz")[:2]
     answers = {probs[0].prompt: iter([f"Sure:\n```python\n{probs[0].prompt}{probs[0].canonical_solution}```", "    1/0\n"]),
                probs[1].prompt: iter(["    return []\n\ndef unrelated():\n    pass\n", "    return []\n"])}
-    r = code.evaluate_code(probs, lambda prompt: next(answers[prompt]), n=2, ks=(1, 2))
+    r = code.evaluate_code(probs, lambda prompt: next(answers[prompt]), n=2, ks=(1, 2), **UNSAFE)
     assert [p["passed"] for p in r["per_problem"]] == [1, 0]
     assert r["pass@1"] == pytest.approx(0.25) and r["pass@2"] == pytest.approx(0.5)
     assert r["per_problem"][1]["completions"][0] == "    return []\n"  # cut at the stop "\ndef "
@@ -391,7 +396,8 @@ def test_run_eval_on_a_run_folder(tmp_path, tok, shared_data):
     direct = ev.perplexity(model, tok, ev.read_text(shared_data / "wikitext2_test.txt", 1500), window=128)
     assert r["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-6) and r["run"] == "run"
     assert evals.run_eval(run, "hellaswag", data=shared_data / "hellaswag_val.txt.bz2", limit=2)["n"] == 2
-    code = evals.run_eval(run, "humaneval", data=shared_data / "HumanEval.jsonl.gz", limit=1, max_new_tokens=8)
+    code = evals.run_eval(run, "humaneval", data=shared_data / "HumanEval.jsonl.gz", limit=1, max_new_tokens=8,
+                          unsafe_exec=UNSAFE["unsafe"])
     assert code["problems"] == 1 and code["pass@1"] == 0.0  # an untrained model
     with pytest.raises(ValueError, match="unknown task"):
         evals.run_eval(run, "mmlu", data="x")
@@ -535,24 +541,3 @@ def test_hub_hellaswag_records_give_lm_evals_text(tmp_path):
         ev.hellaswag_path(f"hf:{src}@test", cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache" / path.name.replace("validation", "test")).exists()
 
-
-def test_generated_code_cannot_touch_the_users_files_the_network_or_processes(tmp_path):
-    """The sandbox confines what a generated program can do (docs/RELIABILITY.md): each attempt fails
-    with the sandbox's refusal, and nothing outside its throwaway folder changes."""
-    victim = tmp_path / "users_file.txt"
-    victim.write_text("keep me")
-    attempts = {
-        "write": f"open({str(victim)!r}, 'w').write('gone')",
-        "delete": f"import os; os.remove({str(victim)!r})",
-        "read": "print(open('/etc/passwd').read())",
-        "network": "import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)",
-        "process": "import subprocess; subprocess.run(['true'])",
-        "shell": "import os; os.system('true')",
-    }
-    for name, program in attempts.items():
-        r = code.run_program(program, timeout_s=10)
-        assert r.status == "failed" and "sandbox" in r.stderr, (name, r.status, r.stderr[-300:])
-    assert victim.read_text() == "keep me"
-    ok = code.run_program("import json, math\nopen('scratch.txt', 'w').write(json.dumps([math.pi]))\n"
-                          "print(open('scratch.txt').read())")
-    assert ok.passed and "3.14" in ok.stdout  # its own folder is writable, the standard library importable

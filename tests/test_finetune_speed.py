@@ -33,7 +33,7 @@ from tinygpt.finetune.recipes import device_need_gb, memory_table, plan_finetune
 from tinygpt.finetune.stdlib_instructions import stdlib_instructions  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
-from tinygpt.train.trainer import Trainer  # noqa: E402
+from tinygpt.train.trainer import ModelIO, TrainData, Trainer  # noqa: E402
 
 SEQ = 256
 TRAIN = dict(seq_len=SEQ, micro_batch_size=2, grad_accum_steps=2, max_steps=2, warmup_steps=1, lr=3e-3,
@@ -225,8 +225,8 @@ def test_trainer_compiles_forward_and_loss_together_and_trains_as_eager(base_dir
     adapters = []
     for mode in ("on", "off"):
         pm = lora_model(base)
-        trainer = Trainer(FinetuneLoss(pm), dataclasses.replace(cfg, compile=mode), Source(batches), [],
-                          tmp_path / mode, device="cpu", loss_fn=module_loss, progress=False)
+        trainer = Trainer(FinetuneLoss(pm), dataclasses.replace(cfg, compile=mode, device="cpu"),
+                          TrainData(Source(batches)), tmp_path / mode, io=ModelIO(loss_fn=module_loss))
         if mode == "on":
             assert trainer.forward_model._orig_mod is trainer.model and isinstance(trainer.model, FinetuneLoss)
         res = trainer.fit("never")
@@ -283,7 +283,8 @@ def test_plan_is_recorded_and_a_resumed_run_keeps_it(base_dirs, records, tmp_pat
     resumed = finetune("lora-r8", str(base_dirs["qwen2"]), data, run, hardware="cpu",
                        train={**TRAIN, "max_steps": 4}, progress=False)
     assert resumed.train.resumed_from == 2 and resumed.train.step == 4
-    assert resumed.plan.activation_checkpointing and resumed.model.get_base_model().is_activation_checkpointing
+    assert resumed.plan.activation_checkpointing  # and each decoder layer checkpoints (any transformers 5.x):
+    assert all(layer.gradient_checkpointing for layer in resumed.model.get_base_model().model.layers)
     assert json.loads((run / "finetune.json").read_text())["plan"]["activation_checkpointing"]
 
 

@@ -17,7 +17,7 @@ from tinygpt.model.gpt import GPT, KVCache
 from tinygpt.model.tokenizer import train_bpe
 from tinygpt.train.optim import build_optimizer
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.trainer import Trainer
+from tinygpt.train.trainer import TrainData, Trainer
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 VARIANTS = [dict(), dict(n_kv_head=1), dict(qk_norm=True), dict(n_kv_head=1, qk_norm=True, tie_embeddings=True)]
@@ -181,7 +181,7 @@ def _train(tokens, run_dir: Path, fused: bool):
     model = GPT(_config(fused, n_kv_head=2, qk_norm=True))
     sampler = WindowSampler(tokens.train, cfg.seq_len, cfg.seed)
     val = fixed_batches(tokens.val, cfg.seq_len, cfg.micro_batch_size, cfg.eval_batches)
-    return Trainer(model, cfg, sampler, val, run_dir, progress=False).fit()
+    return Trainer(model, cfg, TrainData(sampler, val), run_dir).fit()
 
 
 def test_adamw_training_gives_the_same_losses_fused_or_not(tokens, tmp_path):

@@ -136,3 +136,70 @@ def test_adamw_is_unchanged():
     opt = build_optimizer(model, TrainConfig(optimizer="adamw"), "cpu")
     assert type(opt) is torch.optim.AdamW
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def _muon_with_scaler(fused: bool, scaler_on: bool):
+    torch.manual_seed(0)
+    model = GPT(model_config("tiny", vocab_size=64, max_seq_len=16))
+    muon, decay, no_decay = split_muon_params(model)
+    # fused: what build_optimizer gives on CUDA, where the AdamW half unscales and skips inside its kernel
+    opt = MuonAdamW([{"params": muon, "lr_scale": 4.0, "weight_decay": 0.025}],
+                    [{"params": decay, "lr_scale": 1.0, "weight_decay": 0.1}, {"params": no_decay, "lr_scale": 1.0}],
+                    lr=1e-3, betas=(0.9, 0.95), fused=fused)
+    return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=scaler_on)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("explicit_unscale", [True, False])
+def test_scaled_fp16_steps_equal_unscaled_ones_without_reading_back(fused, explicit_unscale, shakespeare_ids,
+                                                                     monkeypatch):
+    """The GradScaler hands MuonAdamW grad_scale and found_inf (it supports amp scaling) instead of reading
+    found_inf back to decide; the steps equal those without a scaler. With fused AdamW (CUDA's) nothing at all is
+    read back to the host in the step (Tensor.item is what would sync)."""
+    data = [(x[:, :16], y[:, :16]) for x, y in batches(np.asarray(shakespeare_ids) % 64, 3)]
+    weights = []
+    for scaler_on in (False, True):
+        model, opt, scaler = _muon_with_scaler(fused, scaler_on)
+        assert opt._step_supports_amp_scaling
+        for g in opt.param_groups:
+            g["lr"] = 3e-3 * g.get("lr_scale", 1.0)
+        for x, y in data:
+            scaler.scale(model(x, y)).backward()
+            if explicit_unscale:  # the trainer's order: unscale, clip, step
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if scaler_on and fused:
+                with monkeypatch.context() as m:
+                    m.setattr(torch.Tensor, "item", lambda t: pytest.fail("the step read a value back to the host"))
+                    scaler.step(opt)
+            else:
+                scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        assert not hasattr(opt, "found_inf") and not hasattr(opt._adamw, "found_inf")  # handed back to the scaler
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*weights):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_scaled_step_with_an_inf_gradient_changes_nothing(fused):
+    model, opt, scaler = _muon_with_scaler(fused, True)
+    x = torch.randint(0, 64, (2, 16))
+    scaler.scale(model(x, x)).backward()  # a first step: momentum buffers and AdamW moments exist
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in model.parameters()}
+    scaler.scale(model(x, x)).backward()
+    model.model.layers[0].mlp.up_proj.weight.grad[0, 0] = float("inf")  # a Muon parameter
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**11  # inf found: the scale halves
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for p in model.parameters():  # nor did the momentum buffers or the AdamW moments move
+        for k, v in state[id(p)].items():
+            if k != "step":
+                assert torch.equal(opt.state[p][k], v), k

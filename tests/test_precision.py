@@ -44,3 +44,39 @@ def test_autocast_and_scaler_behave_on_cpu():
     assert not p.grad_scaler().is_enabled()
     fp16 = choose_precision(torch.device("cpu"), "fp16")
     assert fp16.grad_scaler().is_enabled()
+
+
+TF32_AFTER_TRANSFORMERS = """
+import warnings
+import torch
+from tinygpt.core.precision import enable_tf32
+new_api = hasattr(torch.backends.cudnn, "conv")  # torch 2.9 and later
+if new_api:
+    torch.backends.fp32_precision = "tf32"  # what transformers' enable_tf32 does on torch 2.9 and later
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    enable_tf32()
+assert not caught, [str(w.message)[:120] for w in caught]  # e.g. "Please use the new API settings ... TF32"
+readers = [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()]
+assert readers == [True, True, "high"], readers  # the legacy readers answer (they raise on a mixed state)
+if new_api:
+    assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "tf32"
+lin = torch.nn.Linear(8, 8)
+f = torch.compile(lambda x: lin(x).relu())
+f(torch.randn(4, 8)).sum().backward()
+print("ok")
+"""
+
+
+def test_tf32_after_the_new_api_leaves_every_reader_agreeing_and_compiles():
+    """transformers sets the new fp32_precision API first; tinygpt's TF32 setup then leaves the legacy and the new
+    readers in agreement (torch raises on a mix, and 2.9's Inductor reads the legacy flag on CUDA), warns about
+    nothing, and a compile runs. In a child process: the settings are global."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", TF32_AFTER_TRANSFORMERS], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

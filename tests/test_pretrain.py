@@ -20,7 +20,9 @@ def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkey
         def to_dict(self):
             return {"micro_batch_size": 8}
 
-    monkeypatch.setattr(pretrain_mod, "run_probe", lambda recipe, device=None: calls.append(recipe.name) or FakeResult())
+    monkeypatch.setattr(pretrain_mod, "run_probe",  # the result is kept in the run folder (probe.json)
+                        lambda recipe, device=None, run_dir=None: calls.append(recipe.name) or FakeResult()
+                        if run_dir == tmp_path else None)
     recipe = get_recipe("a100-124m")
     fitted, info = fit_to_device(recipe, tmp_path, torch.device("cuda"))
     assert calls == ["a100-124m"] and info == {"micro_batch_size": 8}

@@ -282,7 +282,7 @@ def test_trainer_speed_times_the_trainers_own_step_on_cpu(tmp_path, monkeypatch)
     assert trainer_speed(tiny_recipe(micro=4, seq_len=32, accum=4), "cpu", steps=2, warmup=1) > 0
     assert torch.equal(torch.get_rng_state(), before)
     result = probe(tiny_recipe(micro=4, seq_len=32, accum=4), "cpu", memory_limit_gb=1.0, margin=0.0,
-                   cache_dir=None, max_micro_batch=8)
+                   cache_dir=None, max_micro_batch=8, time_limit_s=None)
     assert not list(tmp_path.iterdir())
     assert set(result.speeds) == {"8", "4", "2"} and all(v > 0 for v in result.speeds.values())
     assert result.tokens_per_s == result.speeds[str(result.micro_batch_size)]
@@ -303,6 +303,79 @@ def test_cache_is_written_and_reused(tmp_path):
         first.micro_batch_size, first.grad_accum_steps, first.trials)
     probe(tiny_recipe(), "cpu", **{**kw, "memory_limit_gb": 2.0})  # another limit: searched again
     assert measure.calls > calls
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+])
+def test_a_candidate_whose_step_runs_out_of_memory_is_dropped_with_a_line(error):
+    """The trainer's step of micro-batch 16 fails to allocate, in each form the error takes (inside a
+    compiled graph too, where it is what the timing call raises): that candidate is dropped and said, the
+    others are timed, and the fastest of them is taken. Any other error is not an allocation failure."""
+    def speed(recipe, device):
+        if recipe.train.micro_batch_size == 16:
+            raise error
+        return 1000.0 * recipe.train.micro_batch_size
+
+    result = run(tiny_recipe(), lambda b, t, c: 0.05 * b, limit=1.0, margin=0.0, speed=speed)
+    assert result.speeds == {"8": 8000.0, "4": 4000.0} and result.micro_batch_size == 8
+    assert any(n.startswith("micro-batch 16 dropped: the trainer's step ran out of memory") for n in result.notes)
+
+    def broken(recipe, device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run(tiny_recipe(), lambda b, t, c: 0.05 * b, limit=1.0, margin=0.0, speed=broken)
+
+
+def test_the_result_is_kept_in_the_run_folder_and_a_new_vm_reads_it_without_timing(tmp_path):
+    """A run folder restored on a new VM (an empty user cache) holds probe.json: the probe reads it, with
+    no trial and no timing; its time limit is reported."""
+    timings = []
+
+    def speed(recipe, device):
+        timings.append(recipe.train.micro_batch_size)
+        return 100.0 * recipe.train.micro_batch_size
+
+    measure = Counting(lambda b, t, c: 0.05 * b)
+    kw = dict(measure=measure, memory_limit_gb=1.0, margin=0.0, speed=speed, run_dir=tmp_path / "run")
+    first = probe(tiny_recipe(), "cpu", cache_dir=tmp_path / "vm1", **kw)
+    assert timings and measure.calls and not first.from_cache and first.time_limit_s == 60.0
+    assert json.loads((tmp_path / "run" / "probe.json").read_text())["micro_batch_size"] == first.micro_batch_size
+    n_timings, n_trials = len(timings), measure.calls
+    second = probe(tiny_recipe(), "cpu", cache_dir=tmp_path / "vm2", **kw)  # a new VM: its own cache is empty
+    assert len(timings) == n_timings and measure.calls == n_trials and second.from_cache
+    assert (second.micro_batch_size, second.speeds) == (first.micro_batch_size, first.speeds)
+    assert list((tmp_path / "vm2").glob("*.json"))  # and the VM's cache keeps it from now on
+    from tinygpt.core.rundir import RUN_FILES
+    assert "probe.json" in RUN_FILES  # what the mirror copies to Drive and restores
+
+
+def test_a_probe_leaves_no_compiled_shapes_behind(tmp_path):
+    """The probe times 3 micro-batches with the trainer's compiled step; the training step that follows
+    compiles once, for its own micro-batch, with static shapes: 0 recompiles after step 1, and a batch of
+    another size would need a new graph (a symbolic batch dimension would have served it)."""
+    from torch._dynamo.utils import counters
+
+    from tinygpt.train.probe import RandomBatches
+    from tinygpt.train.trainer import TrainStep
+    recipe = tiny_recipe(micro=4, seq_len=32, accum=4).replace(train={"compile": "on", "device": "cpu"})
+    torch._dynamo.reset()
+    result = probe(recipe, "cpu", memory_limit_gb=1.0, margin=0.0, cache_dir=None, max_micro_batch=8,
+                   time_limit_s=None)
+    assert set(result.speeds) == {"8", "4", "2"}
+    counters.clear()
+    torch.manual_seed(0)
+    step = TrainStep(GPT(recipe.model), recipe.train, RandomBatches(recipe.model.vocab_size, 32))
+    for _ in range(3):
+        step.optimizer_step()
+    assert counters["frames"]["total"] == 1 and not counters["recompiles"]
+    x = torch.randint(260, (5, 32))
+    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(Exception, match="(?i)recompil"):
+        step.forward_model(x, x)
+    torch._dynamo.reset()
 
 
 def test_apply_probe_returns_a_new_recipe():

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tinygpt.train.shards as shards_mod
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError, DataConfig
 from tinygpt.model.tokenizer import load_gpt2, train_bpe
 from tinygpt.train.data import DataError, iter_documents
@@ -125,7 +126,7 @@ def test_training_starts_before_tokenization_ends_and_records_its_start_up(tmp_p
     start-up breakdown is in metrics.jsonl; a second run goes on from the shards already there."""
     seen = {}
 
-    class AtFirstStep:
+    class AtFirstStep(Callback):
         def on_startup(self, record):
             folder = next((tmp_path / "cache").iterdir())
             seen.update(manifest=_manifest(folder), record=record)
@@ -268,3 +269,48 @@ def test_tokenizing_stops_near_the_run_s_budget_and_goes_on_when_more_is_read(on
         assert stream.limit >= 4
     finally:
         stream.stop()
+
+
+def _compiled_code_objects(*functions) -> list[int]:
+    """How many compiled entries dynamo holds for each function's code object."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    return [len(_debug_get_cache_entry_list(f.__code__)) for f in functions]
+
+
+def test_regional_compile_compiles_the_blocks_and_on_compiles_the_whole_model():
+    """Told apart by what dynamo compiled, not by time: under "regional" the block's forward holds the one
+    graph (shared by both blocks) and the model's forward none; under "on", the other way round. A
+    FinetuneLoss over a PEFT-wrapped Hugging Face Llama compiles its decoder layers the same way."""
+    from tinygpt.core.config import model_config
+    from tinygpt.model.gpt import GPT, Block
+    from tinygpt.train.trainer import compiled, transformer_blocks
+
+    seen = {}
+    for mode in ("regional", "on"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(model_config("tiny", vocab_size=256))
+        assert transformer_blocks(model) is model.model.layers and len(model.model.layers) == 2
+        x = torch.randint(256, (2, 16))
+        compiled(model, mode)(x, x, reduction="sum").backward()
+        seen[mode] = _compiled_code_objects(Block.forward, GPT.forward)
+    assert seen == {"regional": [1, 0], "on": [0, 1]}
+
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from tinygpt.finetune.lora import FinetuneLoss
+    torch._dynamo.reset()
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    pm = get_peft_model(transformers.LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    module = FinetuneLoss(pm)
+    assert transformer_blocks(module) is pm.base_model.model.model.layers
+    x = torch.randint(128, (2, 16))
+    assert compiled(module, "regional")(x, x) is not None and module.training
+    module(x, x).backward()
+    layer, whole = _compiled_code_objects(LlamaDecoderLayer.forward, FinetuneLoss.forward)
+    # one graph, plus at most one more once dynamo sees the layers' differing `layer_idx` and makes it dynamic
+    assert 1 <= layer <= 2 and whole == 0
+    torch._dynamo.reset()

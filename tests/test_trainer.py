@@ -14,7 +14,7 @@ from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import TrainConfig, model_config
 from tinygpt.model.gpt import GPT
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.trainer import Trainer, TrainingError, lr_at
+from tinygpt.train.trainer import TrainData, Trainer, TrainingError, lr_at
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def make_trainer(tokens, run_dir, **train_kw):
     model = GPT(model_config("tiny", vocab_size=512))
     sampler = WindowSampler(tokens.train, cfg.seq_len, cfg.seed)
     val = fixed_batches(tokens.val, cfg.seq_len, cfg.micro_batch_size, cfg.eval_batches)
-    return Trainer(model, cfg, sampler, val, run_dir, progress=False)
+    return Trainer(model, cfg, TrainData(sampler, val), run_dir)
 
 
 def test_loss_falls_and_run_folder_is_complete(tokens, tmp_path):

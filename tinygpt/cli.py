@@ -1,20 +1,23 @@
-"""The `tinygpt` command: probe | recipes | pretrain | finetune | generate | eval | export."""
+"""The `tinygpt` command: probe | recipes | pretrain | finetune | generate | eval | export | push."""
 from __future__ import annotations
 
 import argparse
 import errno
 import json
 import shlex
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
+from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import PRECISION_FOR_HARDWARE, resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.core.units import count
+from tinygpt.evals import sandbox
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
 from tinygpt.finetune.lora import (
@@ -24,14 +27,17 @@ from tinygpt.finetune.lora import (
     merge_adapter,
 )
 from tinygpt.model.generate import generate_text
+from tinygpt.model.gguf import QUANTS
 from tinygpt.model.gpt import meta_model
-from tinygpt.model.hf import export_run
 from tinygpt.model.loading import load_run
+from tinygpt.publish import FORMATS, export, push
+from tinygpt.sync.drive import catch_up, mirror_lag, run_identity
 from tinygpt.train.budget import Budget
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.hardware import hardware_report
+from tinygpt.train.init import pretrain_recipe
 from tinygpt.train.memory import estimate_memory
-from tinygpt.train.pretrain import pretrain
+from tinygpt.train.pretrain import identity_config, pretrain
 from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision, trainer_speed
 
 
@@ -76,7 +82,8 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
            f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context {rec.train.seq_len}, {prec}",
            format_table(est.rows())]
     if result is not None:
-        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s)"
+        limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
+        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
         out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} "
                 f"accumulation steps"
                 f" x context {result.seq_len}, checkpointing {'on' if result.activation_checkpointing else 'off'}, "
@@ -153,12 +160,21 @@ def _pretrain(args) -> int:
     env = torchrun_env()
     main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
     name = args.recipe or default_pretrain_recipe(args.run_dir, say=main_rank)
-    plain_rerun = args.resume == "auto" and not args.set and not args.data and args.hours is None
+    plain_rerun = args.resume == "auto" and not args.set and not args.data and args.hours is None and not args.init
     if plain_rerun and (done := finished_run(args.run_dir, name, args.max_steps)) is not None:
         if main_rank:
             print(done)
+            if args.mirror:  # "complete" means complete on the mirror too: what it lacks goes there now
+                recipe = RunDir(args.run_dir).recipe()
+                lag = catch_up(args.run_dir, args.mirror,
+                               identity=run_identity(args.run_dir, args.mirror, identity_config(recipe)))
+                print(mirror_line(args.mirror, lag) or f"the mirror {args.mirror} has all of it")
         return 0
-    res = pretrain(apply_overrides(get_recipe(name), args.set), args.run_dir, data=args.data,
+    recipe = pretrain_recipe(name, args.init, args.run_dir, args.mirror)  # with a base: sized for it
+    if recipe.model.init and main_rank:
+        print(f"base {recipe.model.init}: its weights and tokenizer, lr {recipe.train.lr:g}, context "
+              f"{recipe.train.seq_len}", flush=True)
+    res = pretrain(apply_overrides(recipe, args.set), args.run_dir, data=args.data,
                    max_steps=args.max_steps, save_every=args.save_every, eval_every=args.eval_every,
                    resume=args.resume, mirror=args.mirror, device=args.device, hours=args.hours,
                    progress=not args.quiet, parallel=args.parallel, probe=args.probe,
@@ -171,10 +187,15 @@ def _pretrain(args) -> int:
     samples = Path(args.run_dir) / "samples.txt"
     if samples.is_file() and not res.interrupted:
         print("sample:\n" + samples.read_text(encoding="utf-8").split("===\n")[-1].strip())
+    behind = mirror_line(args.mirror, mirror_lag(args.run_dir, args.mirror)) if args.mirror else None
     if res.interrupted:
         print("stopped by a signal; run the same command again to resume")
+        if behind:
+            print(behind)
         return 130  # like an interrupted shell command: a script can tell the run did not finish
     print(next_steps(args.run_dir))
+    if behind:
+        print(behind)  # the last line: the run is done here, not yet on the mirror
     return 0
 
 
@@ -185,6 +206,14 @@ def next_steps(run_dir: str | Path) -> str:
             f"  tinygpt generate --run-dir {d} --prompt \"def main(\" --max-new-tokens 100   # text from the model\n"
             f"  tinygpt eval {d} --task perplexity        # loss, perplexity, bits per byte on its validation text\n"
             f"  tinygpt export {d} hf-model/              # a Hugging Face folder (transformers, llama.cpp)")
+
+
+def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:
+    """The line a command ends with when the mirror is behind the local run (None when it is not)."""
+    if not lag:
+        return None
+    return (f"the mirror {mirror} is behind: it lacks {'; '.join(lag)}; the local run folder has everything, "
+            "and the same command again (with --mirror) copies the rest once the mirror has room and is reachable")
 
 
 def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = None) -> str | None:
@@ -209,10 +238,10 @@ def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = 
             "(the learning-rate schedule is recomputed for the new end)")
 
 
-class SayResumed:
+class SayResumed(Callback):
     """Trainer callback: "resumed from step N" as training starts (also with --quiet)."""
 
-    def on_start(self, resumed_from: int | None) -> None:
+    def on_start(self, trainer, resumed_from: int | None) -> None:
         if resumed_from is not None:
             print(f"resumed from step {resumed_from}", flush=True)
 
@@ -229,10 +258,14 @@ def _finetune(args) -> int:
           f"{res.trainable_params:,} trainable of {res.total_params:,} parameters")
     if t.interrupted:
         print("stopped by a signal; run the same command again to resume")
+    elif res.model_dir is not None:  # full finetuning
+        print(f"model (transformers format): {res.model_dir}")
     elif res.adapter_dir is not None:
         print(f"adapter (PEFT format): {res.adapter_dir}")
         if args.merge:
             print(f"merged model: {merge_adapter(res.adapter_dir)}")
+    if args.mirror and (behind := mirror_line(args.mirror, mirror_lag(args.run_dir, args.mirror))):
+        print(behind)
     return 130 if t.interrupted else 0
 
 
@@ -273,13 +306,17 @@ def _jsonable(v):
 
 
 def _eval(args) -> int:
-    if TASKS[args.task].runs_code:  # said before anything runs
-        print(f"{args.task} {SANDBOX_NOTE}", file=sys.stderr, flush=True)
-    res = run_eval(args.run_dir, args.task, data=args.data, which=args.which, device=str(resolve_device(args.device)),
-                   limit=args.limit, window=args.window, stride=args.stride, max_chars=args.max_chars,
-                   batch_size=args.batch_size, n=args.n, ks=args.k, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, progress=not args.json,
-                   say=lambda note: print(note, file=sys.stderr, flush=True))
+    if TASKS[args.task].runs_code:  # said before anything runs; no boundary: refused unless --unsafe-exec
+        b = sandbox.boundary()
+        if b.kind == "none" and not args.unsafe_exec:
+            raise sandbox.SandboxUnavailable(sandbox.unavailable_message(b))
+        print(f"{args.task} {SANDBOX_NOTE}; here: {b.describe()}", file=sys.stderr, flush=True)
+    with sandbox.sigterm_as_interrupt():  # SIGTERM ends the sandboxes as Ctrl-C does
+        res = run_eval(args.run_dir, args.task, data=args.data, which=args.which,
+                       device=str(resolve_device(args.device)), limit=args.limit, window=args.window,
+                       stride=args.stride, max_chars=args.max_chars, batch_size=args.batch_size, n=args.n, ks=args.k,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, progress=not args.json,
+                       unsafe_exec=args.unsafe_exec, say=lambda note: print(note, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(_jsonable(res), indent=1, default=str))
         return 0
@@ -302,11 +339,26 @@ def _eval(args) -> int:
     return 0
 
 
+# --- export and push (GGUF, model card, the Hub): tinygpt.publish ---
 def _export(args) -> int:
-    out = export_run(args.run_dir, args.out_dir, args.which)
-    print(f"exported {args.run_dir} ({args.which}) to {out} as a Hugging Face Llama folder; load it with "
-          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained({str(out)!r})")
+    out = export(args.run_dir, args.out_dir, args.format, args.quant, args.which)
+    if args.format == "gguf":
+        print(f"exported {args.run_dir} to {out} as GGUF ({args.quant}) with a Modelfile and a model card; run it "
+              f"with `cd {out} && ollama create mymodel -f Modelfile && ollama run mymodel`, or llama.cpp's "
+              f"`llama-cli -m {next(out.glob('*.gguf'))}`")
+    else:
+        print(f"exported {args.run_dir} ({args.which}) to {out} as a Hugging Face folder with a model card; load "
+              f"it with AutoModelForCausalLM.from_pretrained({str(out)!r}) and "
+              f"AutoTokenizer.from_pretrained({str(out)!r})")
     return 0
+
+
+def _push(args) -> int:
+    url = push(args.run_dir, args.repo_id, private=args.private, gguf=None if args.gguf == "none" else args.gguf,
+               which=args.which)
+    print(f"pushed {args.run_dir} to {url}")
+    return 0
+# --- end export and push ---
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,11 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=_recipes)
 
-    t = sub.add_parser("pretrain", help="pretrain a GPT from scratch (resumes automatically)")
+    t = sub.add_parser("pretrain", help="pretrain a GPT from scratch or from a base (resumes automatically)")
     t.add_argument("--recipe", default=None,
                    help="a name from `tinygpt recipes` (default: the run folder's own recipe when it has one, "
                         "else the one this hardware suits, as `tinygpt probe` shows)")
     t.add_argument("--data", default=None, help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT]")
+    t.add_argument("--init", default=None, metavar="BASE",
+                   help="continue pretraining a model: hf:NAME[@REVISION] (e.g. hf:HuggingFaceTB/SmolLM2-135M), a "
+                        "Llama/Qwen3 model folder, or a tinygpt run folder; its weights, tokenizer and architecture, "
+                        "with the recipe's batch and steps at a lower learning rate")
     t.add_argument("--run-dir", default="runs/default")
     t.add_argument("--max-steps", type=int, default=None)
     t.add_argument("--hours", type=float, default=None,
@@ -348,8 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_pretrain)
 
-    f = sub.add_parser("finetune", help="LoRA / QLoRA finetuning of a tinygpt run or a Hugging Face model")
-    f.add_argument("--recipe", default="lora-r16", help="lora-r8, lora-r16, lora-r32 or qlora-r16")
+    f = sub.add_parser("finetune", help="LoRA / QLoRA / full finetuning of a tinygpt run or a Hugging Face model")
+    f.add_argument("--recipe", default="lora-r16", help="lora-r8, lora-r16, lora-r32, qlora-r16, or full (every "
+                   "weight trains: 16 bytes per parameter, for small bases)")
     f.add_argument("--base", required=True, help="a tinygpt run folder, a model folder, or a Hugging Face id")
     f.add_argument("--data", required=True,
                    help="a JSON/JSONL file, a saved dataset folder, or hf:NAME[:CONFIG][@SPLIT]")
@@ -397,13 +454,31 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=384)
     e.add_argument("--temperature", type=float, default=None, help="code tasks (default: greedy for n=1, else 0.8)")
     e.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    e.add_argument("--unsafe-exec", action="store_true", help="humaneval/mbpp: run generated code even where no "
+                   "kernel boundary is available (rlimits only; use a throwaway VM)")
     e.set_defaults(func=_eval)
 
-    x = sub.add_parser("export", help="export a run to a Hugging Face folder (config.json + model.safetensors)")
+    # --- export and push ---
+    x = sub.add_parser("export", help="export a run (a finetune merged) to a Hugging Face folder or a GGUF for "
+                                      "llama.cpp / Ollama, with a model card")
     x.add_argument("run_dir", metavar="RUN_DIR")
     x.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty folder; nothing is overwritten")
     x.add_argument("--which", default="latest", help="latest, best, or a checkpoint folder (default: latest)")
+    x.add_argument("--format", choices=FORMATS, default="hf",
+                   help="hf: config.json + model.safetensors + tokenizer; gguf: one .gguf file + an Ollama Modelfile")
+    x.add_argument("--quant", choices=QUANTS, default="f16", help="GGUF only: the weights' type (default f16)")
     x.set_defaults(func=_export)
+
+    u = sub.add_parser("push", help="upload a run (Hugging Face files + GGUF + model card) to the Hugging Face Hub; "
+                                    "the token comes from HF_TOKEN or Colab's secret HF_TOKEN")
+    u.add_argument("run_dir", metavar="RUN_DIR")
+    u.add_argument("repo_id", metavar="REPO_ID", help="USER/NAME or ORG/NAME (created if it does not exist)")
+    u.add_argument("--private", action="store_true", help="create the repository private")
+    u.add_argument("--gguf", choices=(*QUANTS, "none"), default="q8_0",
+                   help="also upload a GGUF of this type, for `ollama run hf.co/REPO_ID` (default q8_0)")
+    u.add_argument("--which", default="latest", help="latest, best, or a checkpoint folder (default: latest)")
+    u.set_defaults(func=_push)
+    # --- end export and push ---
     return p
 
 
@@ -413,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
     args = parser.parse_args([a for a in argv if a != "--debug"])
     args.debug = debug
+    # SIGTERM (a notebook's stop button, `kill`, a closing terminal) unwinds like Ctrl-C, so every temporary
+    # (an export's .tmp-<out>-<pid>/, a first try's run folder) is removed on the way out; training
+    # installs its own handler, which saves a checkpoint first
+    old_term = _sigterm_raises()
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -423,6 +502,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tinygpt {args.command}: error: {one_line(e)} (--debug shows the traceback)", file=sys.stderr)
         return 2
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_raises():
+    """Make SIGTERM raise KeyboardInterrupt; the handler it replaces (None where signals cannot be set)."""
+    try:
+        return signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread
+        return None
 
 
 def one_line(e: BaseException) -> str:

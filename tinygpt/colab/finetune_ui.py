@@ -12,7 +12,7 @@ from typing import Any
 from tinygpt.core.checkpoint import latest_valid, list_checkpoints
 from tinygpt.core.paths import cache_root, shared_data_dir
 from tinygpt.core.rundir import ADAPTER_DIR, recipe_name_of
-from tinygpt.finetune.recipes import FINETUNE_RECIPES, device_need_gb, memory_table
+from tinygpt.finetune.recipes import FINETUNE_RECIPES, FULL_MODEL_DIR, device_need_gb, memory_table
 from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
 from tinygpt.train.pretrain import pretrain
 
@@ -55,6 +55,8 @@ class FinetuneStatus:
             lines.append(f"nothing {where} yet: a new run")
         if (home / ADAPTER_DIR / "adapter_model.safetensors").is_file():
             lines.append(f"adapter {where}: {home / ADAPTER_DIR}")
+        if (self.local / FULL_MODEL_DIR / "config.json").is_file():  # full finetuning (its checkpoints go to Drive)
+            lines.append(f"model here: {self.local / FULL_MODEL_DIR}")
         return "\n".join(lines)
 
     __repr__ = __str__

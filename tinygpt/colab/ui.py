@@ -27,9 +27,10 @@ from tinygpt.colab.finetune_ui import (  # noqa: F401  (handed on: notebooks rea
     smoke_data,
 )
 from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive  # noqa: F401  (in_colab: for the notebooks)
+from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import MANIFEST, STATE_FILE, latest_valid, list_checkpoints, read_manifest
 from tinygpt.core.config import RECIPES, Recipe, get_recipe
-from tinygpt.core.files import atomic_output
+from tinygpt.core.files import atomic_output, link_problem
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.core.units import count, duration, size_gb
@@ -40,6 +41,7 @@ from tinygpt.sync.drive import RUN_FILES
 from tinygpt.train.budget import Budget
 from tinygpt.train.data import validation_text
 from tinygpt.train.hardware import hardware_report
+from tinygpt.train.init import pretrain_recipe, run_init  # noqa: F401  (pretrain_recipe: for the notebooks)
 from tinygpt.train.memory import estimate_memory
 from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision
 
@@ -395,9 +397,55 @@ def finetune_picker(base_config: dict[str, Any], run: RunFolders | None = None) 
     return FinetunePicker(base_config, run)
 
 
+# ---- the base of a pretraining run (continued pretraining) ------------------------------------------
+
+# 01_pretrain's base dropdown: small Hub models whose architecture tinygpt's GPT is (Llama's layers, no biases).
+HUB_BASES = (("from scratch", None),
+             ("SmolLM2-135M (Hub, 135M, any GPU)", "hf:HuggingFaceTB/SmolLM2-135M"),
+             ("SmolLM2-360M (Hub, 362M, L4 / A100)", "hf:HuggingFaceTB/SmolLM2-360M"),
+             ("TinyLlama 1.1B v1.1 (Hub, A100)", "hf:TinyLlama/TinyLlama_v1.1"))
+
+
+class BasePicker:
+    """01_pretrain's base dropdown: from scratch, or a Hub model whose weights and tokenizer the run starts from
+    (`tinygpt pretrain --init`). It defaults to the run's own base when resuming. `value` is the base (None: from
+    scratch), read by the training cell when it runs."""
+
+    def __init__(self, resume_from: RunFolders | str | Path | None = None):
+        folders = (resume_from.local, resume_from.mirror) if isinstance(resume_from, RunFolders) else (resume_from,)
+        self.default = run_init(*folders)
+        self.reason = "the run's own base" if self.default else "a new run trains from scratch unless you pick a base"
+        options = list(HUB_BASES) + ([(self.default, self.default)] if self.default not in dict(HUB_BASES).values()
+                                     else [])
+        self.dropdown = None
+        widgets = _widgets()
+        if widgets is not None:
+            self.dropdown = widgets.Dropdown(options=options, value=self.default, description="base",
+                                             layout=widgets.Layout(width="max-content"))
+
+    @property
+    def value(self) -> str | None:
+        return self.dropdown.value if self.dropdown is not None else self.default
+
+    def _ipython_display_(self) -> None:
+        if self.dropdown is None:
+            return _display(str(self))
+        _display(__import__("ipywidgets").VBox([self.dropdown, __import__("ipywidgets").HTML(
+            f"<i>default: {html.escape(self.reason)}; a base brings its own architecture, tokenizer and context, "
+            "trained at a lower learning rate</i>")]))
+
+    def __repr__(self) -> str:
+        return f"base: {self.value or 'from scratch'} (default: {self.default or 'from scratch'}, {self.reason})"
+
+
+def base_picker(resume_from: RunFolders | str | Path | None = None) -> BasePicker:
+    """The base dropdown of 01_pretrain (from scratch or a Hub model)."""
+    return BasePicker(resume_from)
+
+
 # ---- the live loss plot ----------------------------------------------------------------------------
 
-class LossPlot:
+class LossPlot(Callback):
     """Trainer callback: loss and val_loss against steps (tokens on the top axis), redrawn at most
     every `min_interval_s` in the notebook and saved to <run_dir>/plots/loss.png at the end.
     In a kernel it needs matplotlib; elsewhere, without matplotlib, it does nothing."""
@@ -504,10 +552,17 @@ def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool
     ckpt = latest_valid(run_dir / "checkpoints")
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} holds no valid checkpoint to download; train first")
-    files = [run_dir / n for n in RUN_FILES if (run_dir / n).is_file()]
-    files += sorted(p for p in (run_dir / "plots").glob("*") if p.is_file())
+    files = [run_dir / n for n in RUN_FILES if (run_dir / n).is_file() or (run_dir / n).is_symlink()]
+    plots = run_dir / "plots"
+    files += sorted(p for p in plots.iterdir() if p.is_file() or p.is_symlink()) if plots.is_dir() else []
     skip = set() if resumable else {STATE_FILE, MANIFEST}
-    files += sorted(p for p in ckpt.iterdir() if p.is_file() and p.name not in skip)
+    files += sorted(p for p in ckpt.iterdir() if (p.is_file() or p.is_symlink()) and p.name not in skip)
+    # a link is never followed into the download (it could point at any file of this VM): left out, said once
+    links = [why for p in [plots, *files] if (why := link_problem(p, writes=True)) is not None]
+    files = [f for f in files if link_problem(f, writes=True) is None
+             and (f.parent == run_dir or link_problem(f.parent) is None)]
+    if links:
+        print(f"left out of the zip, never followed: {'; '.join(links)}")
     dest = Path(dest) if dest is not None else run_dir.parent / f"{run_dir.name}.zip"
     with atomic_output(dest) as tmp, zipfile.ZipFile(tmp, "w") as z:  # never half a zip under the real name
         for f in files:

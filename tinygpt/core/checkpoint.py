@@ -18,7 +18,16 @@ from typing import Any
 
 import torch
 
-from tinygpt.core.files import atomic_output, clean_leftovers, fsync, sha256_file, write_json_atomic
+from tinygpt.core.files import (
+    UnsafePathError,
+    atomic_output,
+    clean_leftovers,
+    fsync,
+    link_problem,
+    safe_name,
+    sha256_file,
+    write_json_atomic,
+)
 from tinygpt.core.rundir import RunDir
 
 MANIFEST = "manifest.json"
@@ -72,7 +81,7 @@ def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Hash every file in `folder` and write manifest.json (last, fsynced)."""
     files = {}
     for p in sorted(folder.iterdir()):
-        if p.is_file() and p.name != MANIFEST:
+        if p.is_file() and not p.is_symlink() and p.name != MANIFEST:
             files[p.name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
     manifest = {"format": FORMAT_VERSION, "created_at": time.time(), **meta, "files": files}
     write_json_atomic(folder / MANIFEST, manifest)
@@ -96,25 +105,38 @@ def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_s
 
 def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL_FILE) -> tuple[bool, str]:
     """(ok, reason). Checks the manifest (which must list `required`), each file's size, and (deep)
-    each file's sha256. Adapter folders are verified the same way (required: the adapter weights)."""
+    each file's sha256. Adapter folders are verified the same way (required: the adapter weights).
+    Every name the manifest lists must be a plain file name (never a path that leaves the folder) of a
+    plain file (never a link), and a `step_N` folder's manifest must say step N."""
     path = Path(path)
     mf = path / MANIFEST
+    for p in (path, mf):
+        if (why := link_problem(p)) is not None:
+            return False, f"{why}, never followed"
     if not mf.is_file():
         return False, "no manifest.json (incomplete write)"
     try:
         manifest = json.loads(mf.read_text())
         files = manifest["files"]
-    except (ValueError, KeyError) as e:
-        return False, f"unreadable manifest: {e}"
+        if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
+            raise TypeError("'files' is not a table of files")
+        for name in files:
+            safe_name(name, mf, plain=True)
+    except (ValueError, KeyError, TypeError) as e:  # UnsafePathError is a ValueError
+        return False, (str(e) if isinstance(e, UnsafePathError) else f"unreadable manifest: {e}")
     if required not in files:
         return False, f"manifest lists no {required}"
+    if path.name.startswith("step_") and path.name[5:].isdigit() and manifest.get("step") != int(path.name[5:]):
+        return False, f"its manifest says step {manifest.get('step')!r}, the folder is {path.name}"
     for name, info in files.items():
         p = path / name
+        if (why := link_problem(p)) is not None:
+            return False, f"{why}, never followed"
         if not p.is_file():
             return False, f"{name} is missing"
-        if p.stat().st_size != info["size"]:
-            return False, f"{name} has {p.stat().st_size} bytes, manifest says {info['size']}"
-        if deep and sha256_file(p) != info["sha256"]:
+        if p.stat().st_size != info.get("size"):
+            return False, f"{name} has {p.stat().st_size} bytes, manifest says {info.get('size')}"
+        if deep and sha256_file(p) != info.get("sha256"):
             return False, f"{name} fails its sha256 check"
     return True, "ok"
 
@@ -124,13 +146,20 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every `step_*` folder, oldest first (not verified)."""
+    """(step, folder) of every `step_*` folder, oldest first (not verified). A symbolic link (the
+    folder itself or a step folder) is never followed: it is left out with a warning."""
     root = Path(ckpt_root)
     out = []
+    if (why := link_problem(root)) is not None:
+        warnings.warn(f"{why}: not followed, its checkpoints are not used", stacklevel=2)
+        return out
     if root.is_dir():
         for p in root.iterdir():
-            if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
-                out.append((int(p.name[5:]), p))
+            if p.name.startswith("step_") and p.name[5:].isdigit():
+                if p.is_symlink():
+                    warnings.warn(f"{link_problem(p)}: not followed, this checkpoint is not used", stacklevel=2)
+                elif p.is_dir():
+                    out.append((int(p.name[5:]), p))
     return sorted(out)
 
 

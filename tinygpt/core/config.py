@@ -77,12 +77,24 @@ class ModelConfig:
     # faster. The same math and, with the same seed, the same initial weights, so it changes speed, not the
     # run; saved files keep the separate Hugging Face names. Off until measured faster (docs/BENCHMARKS.md).
     fused_proj: bool = False
+    # Where the weights start (continued pretraining, `tinygpt.train.init`): None, a seeded random
+    # initialisation; else hf:NAME[@REVISION], a Hugging Face model folder or a tinygpt run folder, whose
+    # architecture the fields above then repeat. Read once, at a run's first step; a resume does not read it.
+    init: str | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.d_ff is None:
             self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64)
+        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                     f"model.{name} must be a positive whole number, got {v!r}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            v = getattr(self, name)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+                     f"model.{name} must be a positive finite number, got {v!r}")
         _require(self.vocab_size >= 2, f"vocab_size must be at least 2, got {self.vocab_size}")
         _require(self.n_layer >= 1, f"n_layer must be at least 1, got {self.n_layer}")
         _require(self.n_head >= 1 and self.d_model % self.n_head == 0,
@@ -202,10 +214,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "max_steps", "eval_batches",
+                     "log_every", "keep_last", "eval_every", "save_every", "warmup_steps", "sample_every", "seed"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and not isinstance(v, bool), f"train.{name} must be a whole number, got {v!r}")
+        for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "max_steps", "eval_batches",
                      "log_every", "keep_last"):
             _require(getattr(self, name) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("eval_every", "save_every", "warmup_steps", "sample_every"):
             _require(getattr(self, name) >= 0, f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
+        for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip", "decay_fraction"):
+            v = getattr(self, name)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                     f"train.{name} must be a finite number, got {v!r}")
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr,
                  f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         _require(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")

@@ -1,15 +1,23 @@
-"""Crash-safe file writes: the one place that writes to a temporary name, fsyncs and renames.
+"""Crash-safe file writes, and the checks that keep every read and write inside its folder.
 
 Invariant: a reader (or a process restarted after `kill -9`) sees either the old file or folder or
 the new one, whole, never a mix. Every module that persists something goes through these.
+
+Invariant: a run folder, a mirror (a shared Drive folder anyone with access may write) and a token
+cache are never trusted to name places. Every name read from a manifest, run.json, a shard list or
+a folder listing goes through `safe_name`/`inside` before it is read, written or deleted, and no
+write, append, copy or delete here follows a symbolic link or writes through a hard link
+(`O_NOFOLLOW`, `lstat` first, a new file made with `O_EXCL` after the old name is removed).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,6 +31,104 @@ def _usual_mode(path: Path) -> None:
     """Give a finished file the mode any other new file gets (rw-r--r-- under the usual umask)."""
     with contextlib.suppress(OSError):
         os.chmod(path, FILE_MODE)
+
+
+class UnsafePathError(ValueError):
+    """A name that would leave its folder, or a link tinygpt will not follow; the message names it."""
+
+
+def safe_name(name: Any, where: str | Path, plain: bool = False) -> str:
+    """`name` when it is a relative path that stays inside its folder: a non-empty string, not
+    absolute, no `..` part, no NUL or backslash (and with `plain`, no `/` either: one file name).
+    Else an UnsafePathError naming `where` (the file or folder the name was read from)."""
+    bad = None
+    if not isinstance(name, str) or not name or name in (".",):
+        bad = "is not a file name"
+    elif "\0" in name or "\\" in name:
+        bad = "holds a NUL or a backslash"
+    elif os.path.isabs(name) or name.startswith("/"):
+        bad = "is an absolute path"
+    elif ".." in name.split("/"):
+        bad = "climbs out of its folder with '..'"
+    elif plain and "/" in name:
+        bad = "is a path where a plain file name belongs"
+    if bad:
+        raise UnsafePathError(f"{where} names {name!r}, which {bad}: refused (nothing was read or written there); "
+                              "the file was not written by tinygpt: delete it or restore it from a copy you trust")
+    return name
+
+
+def inside(folder: str | Path, name: Any, where: str | Path | None = None, plain: bool = False) -> Path:
+    """folder/name after `safe_name`, checked to resolve inside `folder` (no link on the way leads out)."""
+    folder = Path(folder)
+    p = folder / safe_name(name, where if where is not None else folder, plain)
+    root = os.path.realpath(folder)
+    if os.path.commonpath([root, os.path.realpath(p)]) != root:
+        raise UnsafePathError(f"{p} leads outside {folder} through a symbolic link: refused; tinygpt never follows "
+                              "links in a run folder or a mirror: remove the link")
+    return p
+
+
+def link_problem(path: str | Path, writes: bool = False) -> str | None:
+    """Why `path` must not be followed or written through, in words (None when it is a plain file or
+    folder, or absent): a symbolic link, or (`writes`: a file written in place) a file with other hard
+    links, whose other names lie outside the folder."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link (to {os.readlink(path)})"
+    if writes and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        return f"{path} has {st.st_nlink - 1} other hard link(s), names outside this folder"
+    return None
+
+
+def refuse_link(path: str | Path, writes: bool = False) -> None:
+    """UnsafePathError (one line, naming it) when `link_problem` finds one."""
+    if (why := link_problem(path, writes)) is not None:
+        raise UnsafePathError(f"{why}: tinygpt never follows or writes through links in a run folder or a mirror; "
+                              "replace it by a plain file (or delete it), or use another folder")
+
+
+def links_in(folder: str | Path) -> list[str]:
+    """Every symbolic link (file or folder) and hard-linked file below `folder`, in words, walked
+    without following links; [] for a folder that holds none (or does not exist)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        for n in dirnames + filenames:
+            if (why := link_problem(Path(dirpath) / n, writes=True)) is not None:
+                out.append(why)
+    return out
+
+
+def refuse_links_in(folder: str | Path, what: str = "run folder") -> None:
+    """UnsafePathError naming the first link in `folder` (a run folder is checked before it is written)."""
+    if found := links_in(folder):
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise UnsafePathError(f"{found[0]}{more}: tinygpt never follows or writes through links in a {what}; "
+                              "replace it by a plain file or folder (or delete it), or use another folder")
+
+
+def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
+    """os.open that refuses a symbolic link at `path` and (when writing) a hard-linked file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_link(path)
+        raise
+    if flags & (os.O_WRONLY | os.O_RDWR) and os.fstat(fd).st_nlink > 1:
+        os.close(fd)
+        refuse_link(path, writes=True)
+    return fd
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append to a file (made when absent), never through a link."""
+    fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
+        f.write(text)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -62,7 +168,8 @@ def write_bytes_atomic(path: str | Path, data: bytes, mtime_ns: int | None = Non
     path = Path(path)
     tmp = tmp_sibling(path, tag)
     try:
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)  # O_EXCL below: a link planted at the temporary name is never written through
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), "wb") as f:
             f.write(data)
             f.flush()
             with contextlib.suppress(OSError):  # best effort: some FUSE mounts refuse fsync
@@ -88,6 +195,8 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 def replace_dir(tmp: Path, dst: Path, tag: str | int | None = None) -> None:
     """Rename a finished temporary folder to `dst`. An existing `dst` (e.g. best/) is moved aside
     first, so a crash at any moment leaves one complete folder of the two."""
+    if dst.is_symlink():
+        dst.unlink()  # a link is replaced, never followed
     if dst.exists():
         old = dst.parent / f"{OLD_PREFIX}{dst.name}-{os.getpid() if tag is None else tag}"
         shutil.rmtree(old, ignore_errors=True)
@@ -111,9 +220,9 @@ def clean_leftovers(folder: str | Path, keep_tag: str | int | None = None) -> No
         if not p.name.startswith((TMP_PREFIX, OLD_PREFIX)) or p.name.endswith(keep):
             continue
         target = folder / p.name[len(TMP_PREFIX):].split("-")[0]
-        if p.name.startswith(OLD_PREFIX) and not target.exists():
+        if p.name.startswith(OLD_PREFIX) and not target.exists() and not p.is_symlink():
             os.replace(p, target)  # killed between the two renames of replace_dir
-        elif p.is_dir():
+        elif p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
@@ -122,6 +231,8 @@ def clean_leftovers(folder: str | Path, keep_tag: str | int | None = None) -> No
 def fresh_tmp_dir(dst: str | Path, tag: str | int | None = None) -> Path:
     """An empty temporary folder beside `dst`, to be filled and then handed to `replace_dir`."""
     tmp = tmp_sibling(dst, tag)
+    if tmp.is_symlink():
+        tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
@@ -135,11 +246,13 @@ def atomic_output(dst: str | Path, folder: bool = False, tag: str | int | None =
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = fresh_tmp_dir(dst, tag) if folder else tmp_sibling(dst, tag)
+    if not folder:
+        tmp.unlink(missing_ok=True)  # a link planted at the temporary name is not written through
     try:
         yield tmp
         if folder:
             for p in tmp.iterdir():
-                if p.is_file():
+                if p.is_file() and not p.is_symlink():
                     _usual_mode(p)
                     try_fsync(p)
             replace_dir(tmp, dst, tag)
@@ -149,7 +262,7 @@ def atomic_output(dst: str | Path, folder: bool = False, tag: str | int | None =
             os.replace(tmp, dst)
             try_fsync(dst.parent)
     finally:
-        if tmp.is_dir():
+        if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)

@@ -24,3 +24,20 @@ def shared_data_dir() -> Path | None:
     env = os.environ.get("TINYGPT_SHARED_DATA")
     candidates = [Path(env)] if env else [REPO_ROOT.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
     return next((d for d in candidates if d.is_dir()), None)
+
+
+HUB_PREFIX = "hf:"
+
+
+def hub_spec(source: str, at: str | None = None) -> tuple[str, str | None, str | None]:
+    """(name, config, at) of a Hugging Face Hub reference written ``hf:NAME[:CONFIG][@AT]``: the one parser of
+    that form, for data sets (AT a split, `at` its default) and models (AT a revision, no CONFIG). The prefix
+    is optional here; callers decide what a bare name means. A ValueError for an empty name."""
+    spec = source[len(HUB_PREFIX):] if source.startswith(HUB_PREFIX) else source
+    if "@" in spec:
+        spec, at = spec.split("@", 1)
+    name, _, config = spec.partition(":")
+    if not name:
+        raise ValueError(f"empty name in {source!r}; write hf:NAME[:CONFIG][@SPLIT] (a data set) or hf:NAME[@REVISION] "
+                         "(a model)")
+    return name, config or None, at

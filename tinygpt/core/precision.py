@@ -84,7 +84,24 @@ def choose_precision(device: torch.device, requested: str = "auto") -> Precision
     return Precision("fp32", dt, f"{dt}: fp32 by default (autocast gains little here)")
 
 
+def has_fp32_precision_api() -> bool:
+    """Whether this torch has the per-backend `fp32_precision` settings (2.9 and later)."""
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(torch.backends.cudnn, "conv")
+
+
 def enable_tf32() -> None:
-    """TF32 for fp32 matmuls and convolutions on Ampere+ (no effect elsewhere)."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    """TF32 for fp32 matmuls and cuDNN convolutions on Ampere+ (no effect elsewhere), leaving every reader of
+    the setting in agreement. Where torch has the `fp32_precision` settings they are the ones set (the legacy
+    cuDNN flag's setter warns there that it is going away). torch keeps the legacy cuBLAS value apart and its
+    legacy readers raise ("mix of the legacy and new APIs") when the two disagree, which is the state the new
+    setting alone leaves (or transformers' `enable_tf32`, which sets the global one); torch 2.9's Inductor reads
+    that legacy flag on CUDA (`_warn_tf32_disabled`, pad_mm, its Triton matmul heuristics). So the legacy cuBLAS
+    value is moved to agree, through the one setter that writes both and warns about nothing. Without the new
+    settings: the legacy flags."""
+    if has_fp32_precision_api():
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        torch._C._set_cublas_allow_tf32(True)
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True

@@ -3,6 +3,7 @@
     runs/<name>/
       run.json          the recipe, precision, device, data, probe decisions, versions (written by pretrain)
       tokenizer.json    kept once written: a resumed run must tokenize the same way
+      identity.json     the run's id and configuration hash; its mirror holds the same (one run per mirror)
       metrics.jsonl     one JSON object per logged step (a killed run may leave the last line cut short)
       samples.txt       text sampled at intervals
       finetune.json     a finetuning run's settings (instead of run.json)
@@ -20,7 +21,9 @@ import contextlib
 import difflib
 import json
 import os
+import shutil
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,19 +34,22 @@ try:
 except ImportError:  # Windows: no advisory locks; one writer is then the user's care
     fcntl = None
 
-from tinygpt.core.files import write_json_atomic
+from tinygpt.core.config import ConfigError, Recipe
+from tinygpt.core.files import append_text, write_json_atomic, write_text_atomic
 
 RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metrics.jsonl", "samples.txt"
 FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
                                                             "tinygpt_finetune.json", "adapter")
 CHECKPOINTS, BEST = "checkpoints", "best"
 LOCK = ".lock"  # held by the one process writing the run folder (never mirrored)
+IDENTITY = "identity.json"  # the run's id and configuration hash, in the run folder and its mirror (one run per mirror)
 BASE_DIR, MERGED_DIR = "base", "merged"  # a finetuning run's exported tinygpt base; its merged model
 # the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
 BUDGET_JSON = "budget.json"  # a time budget's step count, fixed once (tinygpt pretrain --hours)
 COMPILE_CACHE = "compile_cache.bin"  # the compiler's artifacts (signed): a new VM on the same GPU compiles less
+PROBE_JSON = "probe.json"  # the probe's result: a new VM on the same GPU and torch does not probe again
 RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, COMPILE_CACHE,
-             BUDGET_JSON)
+             BUDGET_JSON, PROBE_JSON)
 
 
 def recipe_name_of(*run_dirs: str | Path | None) -> str | None:
@@ -76,6 +82,25 @@ def missing_run_message(path: str | Path) -> str:
         return f"no run folder at {path}; did you mean {near}?"
     return (f"no run folder at {path} (none beside it has a similar name); check the path, or train one with "
             "`tinygpt pretrain`")
+
+
+class RunDirReplaced(RunDirError):
+    """The run folder this process holds was deleted or replaced (e.g. `rm -rf run; mkdir run` in
+    another tab) while it ran: it writes nothing into the new folder, which may be another run's."""
+
+
+# The folders this process holds the lock of: absolute path -> (st_dev, st_ino) of the folder when it was
+# locked. The lock is bound to that identity, not to the path: see RunDir.check_held.
+_HELD: dict[str, tuple[int, int]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def read_json(path: str | Path, what: str = "") -> Any:
@@ -153,7 +178,13 @@ class RunDir:
         if fcntl is None:
             yield
             return
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a .lock planted as a symlink (a shared folder) is refused, never followed
+        try:
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            raise RunDirError(f"cannot open the lock {self.path / LOCK} ({e.strerror}); if it is a symlink, "
+                              "remove it") from None
+        key = os.path.abspath(self.path)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -164,16 +195,72 @@ class RunDir:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(), 0)
+            with _HELD_LOCK:
+                _HELD[key] = _identity(self.path)  # type: ignore[assignment]
             yield
         finally:
+            with _HELD_LOCK:
+                held = _HELD.pop(key, None)
             os.close(fd)  # releases the lock
-            if created and [p.name for p in self.path.iterdir()] == [LOCK]:
+            # (a folder replaced meanwhile is another run's: its .lock is not ours to remove)
+            if created and held is not None and held == _identity(self.path) \
+                    and [p.name for p in self.path.iterdir()] == [LOCK]:
                 # refused before writing anything (bad input): leave no trace of the folder
                 (self.path / LOCK).unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     self.path.rmdir()
 
+    def check_held(self) -> None:
+        """Before a write: when this process holds the folder's lock, the folder at the path must still be
+        the one it locked (same device and inode). A folder deleted or recreated under a running writer
+        (whose lock went with it, so another process may hold the new one) raises RunDirReplaced: the
+        writer stops rather than mix its files into another run's. No-op where this process holds no
+        lock on the path (readers; ranks other than 0)."""
+        key = os.path.abspath(self.path)
+        with _HELD_LOCK:
+            held = _HELD.get(key)
+        if held is None:
+            return
+        now = _identity(self.path)
+        if now != held:
+            what = "deleted" if now is None else "deleted and made again (another folder now has its name)"
+            raise RunDirReplaced(f"run folder {self.path} was {what} while this process was writing it, by another "
+                                 "tab or process: this run stopped without writing into it. What it saved is gone "
+                                 "from there (a --mirror keeps the checkpoints it copied); run the command again "
+                                 "to start or resume there")
+
+    @contextlib.contextmanager
+    def undo_if_first_try_fails(self, marker: str) -> Iterator[None]:
+        """Around a run's start: when `marker` (run.json, finetune.json) did not exist before and the block
+        raises before any checkpoint exists, everything the block added to the folder is removed, so a
+        failed first try (bad data, no such device, a bad value) leaves no run.json, tokenizer or base/
+        that a corrected try would pick up. A run that has a marker or a checkpoint keeps all it has."""
+        first = not (self.path / marker).exists()
+        before = set(os.listdir(self.path)) if first and self.path.is_dir() else set()
+        try:
+            yield
+        except BaseException:
+            if first and self.path.is_dir() and not any(self.checkpoints.glob("step_*")) \
+                    and _identity(self.path) == _HELD.get(os.path.abspath(self.path), _identity(self.path)):
+                for name in set(os.listdir(self.path)) - before - {LOCK}:
+                    p = self.path / name
+                    if p.is_dir() and not p.is_symlink():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(OSError):
+                            p.unlink()
+            raise
+
     # -- run.json
+    def recipe(self) -> Recipe:
+        """run.json's recipe, every value checked (sizes, rates, ...) before anything is built from it."""
+        d = self.recipe_dict()
+        try:
+            return Recipe.from_dict(d)
+        except (ConfigError, KeyError, TypeError, ValueError) as e:
+            raise RunDirError(f"{self.path / RUN_JSON} holds a recipe that cannot work ({e}); restore it from the "
+                              "mirror or start a new run folder") from None
+
     def info(self) -> dict[str, Any]:
         """run.json as a dict (a RunDirError when it is missing, garbage or not a run's)."""
         if not self.path.exists():
@@ -214,15 +301,16 @@ class RunDir:
         return parse_jsonl(p.read_text(encoding="utf-8"), p) if p.is_file() else []
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        self.check_held()  # only the lock holder appends: never into a folder that replaced its own
+        append_text(self.metrics_path, json.dumps(record) + "\n")  # never through a link
 
     def keep_metrics_through(self, step: int) -> list[dict[str, Any]]:
         """Cut metrics.jsonl to the records up to `step` (a resumed run's log then equals an unbroken
         one); returns them. A cut-off line is dropped."""
         kept = [m for m in self.metrics() if m.get("step", 0) <= step]
+        self.check_held()
         if self.metrics_path.exists():
-            self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept), encoding="utf-8")
+            write_text_atomic(self.metrics_path, "".join(json.dumps(m) + "\n" for m in kept))
         return kept
 
     def recipe_name(self) -> str | None:
@@ -241,6 +329,6 @@ class RunDir:
         return p.read_text(encoding="utf-8") if p.is_file() else ""
 
     def append_sample(self, text: str) -> None:
+        self.check_held()
         self.path.mkdir(parents=True, exist_ok=True)
-        with open(self.path / SAMPLES, "a", encoding="utf-8") as f:
-            f.write(text)
+        append_text(self.path / SAMPLES, text)  # never through a link

@@ -1,33 +1,25 @@
 """Code metrics: extracting code from a completion, syntax accuracy, BLEU (sacrebleu), pass@k, and
-running candidates against a problem's tests in a separate, limited process.
+running candidates against a problem's tests (tinygpt/evals/sandbox.py: behind a kernel boundary,
+the solution and the test in two processes, so the model's code cannot forge the verdict).
 
-HumanEval and MBPP load into one form, `CodeProblem`: the program that is run is
-``prefix + completion + "\\n\\n" + test``, and passes when it exits normally after its last line.
-
-The sandbox guards against accidents of generated code (endless loops, memory hogs, early exits,
-files left behind, a child process that outlives it), not against code written to escape it:
-run untrusted code in a throwaway VM or container, as the HumanEval authors advise.
+HumanEval and MBPP load into one form, `CodeProblem`: the solution is ``prefix + completion``; the
+test process runs ``context`` (HumanEval's prompt, for its helpers), then ``test`` against the
+solution's names (HumanEval: the entry point; MBPP: every name the solution defines).
 """
 from __future__ import annotations
 
 import ast
-import functools
 import gzip
 import json
-import math
 import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
+
+from tinygpt.evals import sandbox
+from tinygpt.evals.sandbox import ExecResult, SandboxUnavailable  # noqa: F401  (part of this module's API)
 
 
 class DataFormatError(ValueError):
@@ -85,6 +77,22 @@ def syntax_accuracy(codes: Sequence[str]) -> float:
     if not codes:
         raise ValueError("syntax_accuracy needs at least one code string")
     return sum(is_valid_python(c) for c in codes) / len(codes)
+
+
+def _statements(tree: ast.AST, function: str = "") -> int:
+    """How many statements `function`'s body holds (its last top-level definition); without one, in all."""
+    if function:
+        for node in reversed(getattr(tree, "body", [])):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+                return sum(isinstance(n, ast.stmt) for n in ast.walk(node)) - 1
+    return sum(isinstance(n, ast.stmt) for n in ast.walk(tree))
+
+
+def _parse(code: str) -> ast.AST | None:
+    try:
+        return ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: null bytes
+        return None
 
 
 # --- BLEU and pass@k --------------------------------------------------------------------------
@@ -153,9 +161,11 @@ MBPP_STOPS = ("\nassert ", "\nprint(", "\nif __name__", "\n```")
 
 @dataclass
 class CodeProblem:
-    """One problem in a common form. `prompt` is what the model sees; the program that is run is
-    `prefix` + the completion + `test` (HumanEval: the prefix is the prompt, which the completion
-    continues; MBPP: the completion is a whole solution)."""
+    """One problem in a common form. `prompt` is what the model sees; the solution is `prefix` + the
+    completion (HumanEval: the prefix is the prompt, which the completion continues; MBPP: the
+    completion is a whole solution). The test process runs `context`, binds `names` of the solution
+    (None: all it defines) and runs `test`; `handles`: the solution may answer with objects that are
+    not plain values (MBPP's classes), else plain values only."""
 
     task_id: str
     prompt: str
@@ -164,9 +174,22 @@ class CodeProblem:
     canonical_solution: str
     entry_point: str = ""
     stops: tuple[str, ...] = ()
+    context: str = ""
+    names: tuple[str, ...] | None = None
+    handles: bool = True
 
-    def program(self, completion: str) -> str:
-        return f"{self.prefix}{completion}\n\n{self.test}\n"
+    def valid_syntax(self, completion: str) -> bool:
+        """The model wrote valid code: not empty or blank, it parses after the prefix, and it adds at least
+        one statement (to the entry point's function when the prefix defines it): a prompt's header
+        and docstring alone parse, so an empty answer or a lone comment is not valid syntax."""
+        if not completion.strip():
+            return False
+        tree = _parse(self.prefix + completion)
+        if tree is None:
+            return False
+        before = _parse(self.prefix) if self.prefix else None
+        function = self.entry_point if before is not None and self.entry_point else ""
+        return _statements(tree, function) > (_statements(before, function) if before is not None else 0)
 
     def clean(self, completion: str) -> str:
         """Code from a raw model completion: a fenced block if there is one, else the text up to a stop."""
@@ -205,8 +228,10 @@ def load_humaneval(path: str | Path) -> list[CodeProblem]:
     out = []
     for r in _read_jsonl(path):
         _need(r, keys, path, "HumanEval")
-        out.append(CodeProblem(str(r["task_id"]), r["prompt"], r["prompt"], f"{r['test']}\n\ncheck({r['entry_point']})",
-                               r["canonical_solution"], r["entry_point"], HUMANEVAL_STOPS))
+        out.append(CodeProblem(str(r["task_id"]), r["prompt"], r["prompt"],
+                               f"{r['test']}\n\ncheck({r['entry_point']})\n", r["canonical_solution"],
+                               r["entry_point"], HUMANEVAL_STOPS, context=r["prompt"], names=(r["entry_point"],),
+                               handles=False))
     return out
 
 
@@ -237,165 +262,43 @@ def load_mbpp(path: str | Path, task_ids: Iterable[int] | None = range(11, 511))
     return out
 
 
-# --- execution --------------------------------------------------------------------------------
+# --- execution ---------------------------------------------------------------------------------
 
-# Runs inside the child: limits first, then the program as __main__, then a marker that only a
-# program that ran to its end can leave (an early sys.exit(0) or os._exit(0) leaves none).
-_LAUNCHER = """\
-import os, resource, sys
-def limit(which, soft, extra=0):
-    hard = resource.getrlimit(which)[1]
-    if hard != resource.RLIM_INFINITY:
-        soft, extra = min(soft, hard), 0
-    resource.setrlimit(which, (soft, soft + extra))
-mem, cpu, fsize, marker = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-limit(resource.RLIMIT_AS, mem)
-limit(resource.RLIMIT_CPU, cpu, 1)  # SIGXCPU at the soft limit (SIGKILL at the hard one would hide why)
-limit(resource.RLIMIT_FSIZE, fsize)
-limit(resource.RLIMIT_CORE, 0)
-WORK = os.path.realpath(os.getcwd())
-READ_ROOTS = tuple({os.path.realpath(p) for p in (WORK, sys.prefix, sys.base_prefix, sys.exec_prefix)}) + (
-    "/dev/null", "/dev/urandom", "/proc/self/", "/usr/lib/", "/usr/share/zoneinfo/", "/etc/localtime")
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
-               "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
-BLOCKED = {"socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo", "subprocess.Popen", "os.system",
-           "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "ctypes.dlopen", "ctypes.cdata",
-           "os.kill", "os.killpg", "pty.spawn"}
-def inside(path, roots):
-    p = os.path.realpath(os.fsdecode(path))
-    return any(p == r.rstrip("/") or p.startswith(r if r.endswith("/") else r + os.sep) for r in roots)
-def guard(event, args):  # an audit hook: it cannot be removed once added
-    if event == "open" and args[0] is not None and not isinstance(args[0], int):
-        mode, flags = args[1] or "", args[2] or 0
-        writing = any(c in mode for c in "wax+") or flags & WRITE_FLAGS
-        if not inside(args[0], (WORK,) if writing else READ_ROOTS):
-            raise PermissionError(f"sandbox: {'writing' if writing else 'reading'} {args[0]} is not allowed")
-    elif event in PATH_EVENTS and any(isinstance(a, (str, bytes, os.PathLike)) and not inside(a, (WORK,))
-                                      for a in args[:2]):
-        raise PermissionError(f"sandbox: {event} outside the working folder is not allowed")
-    elif event in BLOCKED or event.startswith("socket.") and event != "socket.__new__":
-        raise PermissionError(f"sandbox: {event} is not allowed")
-sys.argv = ["solution.py"]
-code = compile(open("solution.py", encoding="utf-8").read(), "solution.py", "exec")
-sys.addaudithook(guard)
-exec(code, {"__name__": "__main__", "__file__": "solution.py"})
-with open(marker, "w") as f:
-    f.write("done")
-"""
+SANDBOX_NOTE = ("runs the code the model writes: each problem's solution and test in two sandboxed processes "
+                "(README: How generated code is run)")
 
 
-@dataclass
-class ExecResult:
-    """status: passed, failed (an exception or a non-zero exit), timeout (wall clock), cpu_limit,
-    out_of_memory, output_limit (wrote more than max_output_mb to a file or its output), exited_early
-    (exit status 0 before the end of the tests), killed (another signal)."""
-
-    status: str
-    returncode: int | None
-    duration_s: float
-    stdout: str = ""
-    stderr: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return self.status == "passed"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+def run_program(program: str, **limits: Any) -> ExecResult:
+    """Run one Python program alone in the sandbox (`sandbox.run`); it passes when it exits 0 after its last line."""
+    return sandbox.run(program, **limits)
 
 
-def _tail(path: Path, n: int = 2000) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return ""
-    return data[-n:].decode("utf-8", errors="replace")
-
-
-@functools.lru_cache(maxsize=1)
-def _no_network_prefix() -> tuple[str, ...]:
-    """`unshare -rn` (a user and a network namespace: no network at all, no root needed) where the
-    kernel allows it; nothing elsewhere (the launcher's audit hook still refuses sockets)."""
-    exe = shutil.which("unshare")
-    if exe is None:
-        return ()
-    try:
-        ok = subprocess.run([exe, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return (exe, "-rn") if ok else ()
-
-
-SANDBOX_NOTE = ("runs the code the model writes: each program in a throwaway folder with its own minimal "
-                "environment, no network, writes confined to that folder, reads to it and Python's own files, "
-                "no new processes, and limits on time, memory and output (docs/RELIABILITY.md)")
-
-
-def run_program(program: str, timeout_s: float = 10.0, memory_mb: int = 2048, cpu_s: int | None = None,
-                max_output_mb: int = 16) -> ExecResult:
-    """Run a Python program in a fresh `python -I` process: its own temporary working directory, a
-    minimal environment (no inherited variables, so no secrets), limits on address space
-    (RLIMIT_AS), CPU time (RLIMIT_CPU, default the timeout + 1 s) and file size, its own process
-    group killed at the end (children included), output to files rather than pipes (so a program
-    that prints forever cannot fill this process's memory)."""
-    if timeout_s <= 0 or memory_mb <= 0:
-        raise ValueError("timeout_s and memory_mb must be positive")
-    cpu_s = cpu_s if cpu_s is not None else int(math.ceil(timeout_s)) + 1
-    with tempfile.TemporaryDirectory(prefix="tinygpt-exec-") as tmp:
-        work = Path(tmp)
-        (work / "solution.py").write_text(program, encoding="utf-8")
-        (work / "launcher.py").write_text(_LAUNCHER, encoding="utf-8")
-        marker = f".done-{uuid.uuid4().hex}"
-        env = {"PATH": os.defpath, "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        args = [*_no_network_prefix(), sys.executable, "-I", "launcher.py", str(memory_mb * 2**20), str(cpu_s),
-                str(max_output_mb * 2**20), marker]
-        t0 = time.monotonic()
-        with open(work / ".stdout", "wb") as out, open(work / ".stderr", "wb") as err:
-            proc = subprocess.Popen(args, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True, close_fds=True)
-            timed_out = False
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                try:  # the whole group: a child the program started dies with it
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                rc = proc.wait()
-        duration = time.monotonic() - t0
-        stdout, stderr = _tail(work / ".stdout"), _tail(work / ".stderr")
-        finished = (work / marker).is_file()
-        # Python ignores SIGXFSZ, so a write past the limit fails with EFBIG: tell it by the size.
-        flooded = max((work / f).stat().st_size for f in (".stdout", ".stderr")) >= max_output_mb * 2**20
-    if timed_out:
-        status = "timeout"
-    elif rc == 0:
-        status = "passed" if finished else "exited_early"
-    elif rc == -signal.SIGXCPU:
-        status = "cpu_limit"
-    elif flooded or rc == -signal.SIGXFSZ:
-        status = "output_limit"
-    elif rc < 0:
-        status = "killed"
-    elif "MemoryError" in stderr:
-        status = "out_of_memory"
-    else:
-        status = "failed"
-    return ExecResult(status, None if timed_out else rc, duration, stdout, stderr)
+def run_problem(problem: CodeProblem, completion: str, **limits: Any) -> ExecResult:
+    """Run a completion against a problem's tests: the solution and the test in two sandboxed
+    processes (`sandbox.run`), so that the solution cannot forge the verdict."""
+    return sandbox.run(problem.prefix + completion, problem.test, context=problem.context, names=problem.names,
+                       handles=problem.handles, **limits)
 
 
 def check_completions(problems: Sequence[CodeProblem], completions: Sequence[str], workers: int | None = None,
                       **limits: Any) -> list[ExecResult]:
-    """Run problems[i].program(completions[i]) for every i, `workers` processes at a time."""
+    """Run problems[i] against completions[i] for every i, `workers` sandboxes at a time. Interrupted
+    (Ctrl-C, or SIGTERM turned into KeyboardInterrupt), it kills every running sandbox and starts no
+    other before the exception goes on: no process and no folder is left behind."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
     workers = workers or min(4, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:  # threads only wait on the processes
-        return list(pool.map(lambda pc: run_program(pc[0].program(pc[1]), **limits), zip(problems, completions)))
+    sandbox.resume()
+    pool = ThreadPoolExecutor(max_workers=workers)  # threads only wait on the sandboxes
+    try:
+        futures = [pool.submit(run_problem, p, c, **limits) for p, c in zip(problems, completions)]
+        return [f.result() for f in futures]
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        sandbox.stop_all()
+        raise
+    finally:
+        pool.shutdown(wait=True)  # the running ones end at once once killed; each removes its folder
 
 
 def evaluate_code(problems: Sequence[CodeProblem], generate: Callable[[str], str], n: int = 1,
@@ -408,6 +311,8 @@ def evaluate_code(problems: Sequence[CodeProblem], generate: Callable[[str], str
         pass_at_k(n, 0, k)  # raises now, before any generation, if k > n
     if not problems:
         raise ValueError("no problems to evaluate")
+    if not limits.get("unsafe") and sandbox.boundary().kind == "none":
+        raise SandboxUnavailable(sandbox.unavailable_message())  # before any generation
     flat_problems, flat_codes = [], []
     for p in _progress(problems, len(problems), "generating", progress):
         for _ in range(n):
@@ -420,10 +325,10 @@ def evaluate_code(problems: Sequence[CodeProblem], generate: Callable[[str], str
         per_problem.append({"task_id": p.task_id, "n": n, "passed": sum(r.passed for r in rs),
                             "statuses": [r.status for r in rs], "completions": flat_codes[i:i + n]})
         i += n
-    out: dict[str, Any] = {"problems": len(problems), "n": n}
+    out: dict[str, Any] = {"problems": len(problems), "n": n, "sandbox": results[0].boundary}
     for k in ks:
         out[f"pass@{k}"] = sum(pass_at_k(n, r["passed"], k) for r in per_problem) / len(per_problem)
-    out["syntax_accuracy"] = syntax_accuracy([p.prefix + c for p, c in zip(flat_problems, flat_codes)])
+    out["syntax_accuracy"] = sum(p.valid_syntax(c) for p, c in zip(flat_problems, flat_codes)) / len(flat_codes)
     out["bleu"], out["bleu_signature"] = bleu_with_signature(flat_codes, [p.canonical_solution for p in flat_problems])
     out["per_problem"] = per_problem
     return out

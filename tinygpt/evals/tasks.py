@@ -7,19 +7,25 @@ once (a tinygpt run, a finetuning run with its adapter folded in, or a Hugging F
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tinygpt.core.config import Recipe
 from tinygpt.core.rundir import RunDir, RunDirError, read_json
-from tinygpt.evals import code, lm
+from tinygpt.evals import code, lm, sandbox
 from tinygpt.evals.runs import summarize_run
 from tinygpt.finetune.lora import load_finetuned
 from tinygpt.model.generate import generate_text
 from tinygpt.model.hf import hf_generate_fn, load_hf_causal_lm
 from tinygpt.model.loading import load_run
 from tinygpt.train.data import validation_text
+
+EVALS_JSONL = "evals.jsonl"  # each evaluation of a run, recorded in its folder (the model card lists them)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class Request:
     max_new_tokens: int = 384
     temperature: float | None = None
     progress: bool = False
+    unsafe_exec: bool = False  # code tasks: run generated code even with no kernel boundary (sandbox.py)
     say: Callable[[str], None] | None = None  # one-line notes before long work (expected time, a window too long)
 
 
@@ -84,13 +91,38 @@ def _hellaswag(m: Loaded, r: Request) -> dict[str, Any]:
                         r.say)
 
 
+def _context_length(m: Loaded) -> int | None:
+    if not m.is_hf:
+        return m.model.config.max_seq_len
+    cfg = m.model.config
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+
 def _generator(m: Loaded, max_new_tokens: int, temperature: float) -> Callable[[str], str]:
-    if m.is_hf:
-        return hf_generate_fn(m.model, m.tokenizer, max_new_tokens, temperature)
+    """`generate(prompt) -> completion`, stopping at the model's context: a prompt that fills it gets an
+    empty completion, and the first one cut short is said in one line (no library's reminder)."""
+    context = _context_length(m)
+    said = []
+
+    def room(prompt: str) -> int:
+        if context is None:
+            return max_new_tokens
+        left = context - len(m.tokenizer.encode(prompt))
+        if left < max_new_tokens and not said:
+            said.append(True)
+            print(f"note: a prompt of {context - left} tokens leaves {max(left, 0)} of the model's {context}-token "
+                  f"context: its completion stops there (--max-new-tokens {max_new_tokens})", file=sys.stderr,
+                  flush=True)
+        return min(max_new_tokens, left)
 
     def generate(prompt: str) -> str:
+        n = room(prompt)
+        if n < 1:
+            return ""
+        if m.is_hf:
+            return hf_generate_fn(m.model, m.tokenizer, n, temperature)(prompt)
         greedy = temperature == 0
-        text = generate_text(m.model, m.tokenizer, prompt, max_new_tokens, temperature=1.0 if greedy else temperature,
+        text = generate_text(m.model, m.tokenizer, prompt, n, temperature=1.0 if greedy else temperature,
                              top_k=1 if greedy else None)
         return text[len(prompt):]  # byte-level BPE decodes the prompt back exactly
 
@@ -102,7 +134,8 @@ def _code_task(load: Callable[[str | Path], list[code.CodeProblem]]):
         problems = load(r.data)[:r.limit]
         temperature = (0.0 if r.n == 1 else 0.8) if r.temperature is None else r.temperature
         generate = _generator(m, r.max_new_tokens, temperature)
-        return {"temperature": temperature, **code.evaluate_code(problems, generate, r.n, r.ks, progress=r.progress)}
+        return {"temperature": temperature, **code.evaluate_code(problems, generate, r.n, r.ks, progress=r.progress,
+                                                                 unsafe=r.unsafe_exec)}
     return score
 
 
@@ -139,6 +172,8 @@ def check_request(task: Task, r: Request) -> None:
     if task.name in ("humaneval", "mbpp"):
         for k in r.ks:
             code.pass_at_k(r.n, 0, k)  # raises for k > n, saying what to do
+    if task.runs_code and not r.unsafe_exec and sandbox.boundary().kind == "none":
+        raise code.SandboxUnavailable(sandbox.unavailable_message())
 
 
 def load_for_eval(path: str | Path, which: str = "latest", device: str = "cpu") -> Loaded:
@@ -163,8 +198,8 @@ def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: s
              **request: Any) -> dict[str, Any]:
     """Evaluate a run folder (see `load_for_eval`) on one task of `TASKS`; `request` holds the fields of
     `Request` (data, limit, window, stride, max_chars, batch_size, n, ks, max_new_tokens, temperature,
-    progress, say: a function given one-line notes before long work, e.g. `print`). Perplexity: `data` a
-    text file or hf:NAME[:CONFIG][@SPLIT] (see `lm.eval_data`);
+    progress, unsafe_exec, say: a function given one-line notes before long work, e.g. `print`). Perplexity:
+    `data` a text file or hf:NAME[:CONFIG][@SPLIT] (see `lm.eval_data`);
     hellaswag: hellaswag_val.txt[.bz2] or hf:Rowan/hellaswag@validation; humaneval / mbpp: the problems
     file, pass@k for `ks` with `n` samples per problem, greedy for n == 1 and temperature 0.8 above."""
     t = get_task(task)
@@ -175,4 +210,23 @@ def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: s
     loaded = load_for_eval(run_dir, which, device)
     data = str(r.data) if r.data is not None else "the run's validation split"
     head = {"run": Path(run_dir).name, "checkpoint": loaded.source, "task": task, "data": data}
-    return {**head, **t.score(loaded, r)}
+    result = {**head, **t.score(loaded, r)}
+    record_eval(run_dir, result)
+    return result
+
+
+def record_eval(run_dir: str | Path, result: dict[str, Any]) -> None:
+    """Append a result's scalar figures to the run folder's evals.jsonl (tinygpt runs only, not a
+    Hugging Face folder): what was evaluated, on what, and the scores."""
+    run = RunDir(run_dir)
+    if not (run.is_pretrain_run() or run.is_finetune_run()):
+        return
+    keep = ("run", "checkpoint", "task", "data")
+    scores = {k: v for k, v in result.items() if k not in keep and isinstance(v, (int, float, str, bool))}
+    record = {**{k: result[k] for k in keep}, "scores": scores,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        with open(run.path / EVALS_JSONL, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a read-only folder (someone else's run): the result is still returned
+        warnings.warn(f"the result was not recorded in {run.path / EVALS_JSONL}: {e.strerror or e}", stacklevel=2)

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from tinygpt.core.paths import hub_spec
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train.data import DataError
 
@@ -41,7 +42,19 @@ FORMATS = {"alpaca": ("instruction", "output"), "mbpp": ("code", "test_list"), "
 DATASETS = {"code-alpaca-20k": "hf:sahil2801/CodeAlpaca-20k",
             "mbpp": "hf:google-research-datasets/mbpp:full@train+validation+prompt"}
 MBPP_TEST_IDS = range(11, 511)  # MBPP's evaluation split: never trained on, so evaluation stays clean
-PAD_MULTIPLE = 8  # batches padded to the longest example rounded up to this (friendlier matmul shapes)
+SHORTEST_BUCKET = 64  # unpacked batches are padded to a length bucket: a power of two from this up to seq_len
+
+
+def bucket_length(n: int, seq_len: int) -> int:
+    """The padded width of a batch whose longest row has n tokens: the smallest power of two >= n (at least
+    SHORTEST_BUCKET), or seq_len. A few widths only, so a compiled step compiles once per bucket, not per length."""
+    width = max(SHORTEST_BUCKET, 1 << max(0, n - 1).bit_length())
+    return min(width, seq_len)
+
+
+def length_buckets(seq_len: int) -> list[int]:
+    """Every width `bucket_length` can give for this seq_len."""
+    return sorted({bucket_length(n, seq_len) for n in [1, seq_len] + [2**k for k in range(seq_len.bit_length())]})
 
 
 def format_prompt(instruction: str, input: str = "", template: str = "alpaca") -> str:
@@ -81,13 +94,11 @@ def load_records(source: str, split: str = "train") -> list[dict]:
         if not p.is_dir():
             raise DataError(f"data file {source!r} does not exist")
         return _hf_records(str(p), None, split, local=True)
-    spec = source[3:] if source.startswith("hf:") else source
-    if "@" in spec:
-        spec, split = spec.split("@", 1)
-    name, _, config = spec.partition(":")
-    if not name:
-        raise DataError(f"empty dataset name in {source!r}; write hf:NAME[:CONFIG][@SPLIT]")
-    return _hf_records(name, config or None, split, local=False)
+    try:
+        name, config, split = hub_spec(source, split)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    return _hf_records(name, config, split or "train", local=False)
 
 
 def _hf_records(name: str, config: str | None, split: str, local: bool) -> list[dict]:
@@ -295,9 +306,9 @@ def _collate(rows: Sequence[Row], pad_id: int, seq_len: int,
              lengths: Sequence[np.ndarray] | None = None) -> tuple[torch.Tensor, ...]:
     """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks right, so padding
     changes nothing for the real tokens and needs no attention mask. Packed rows (`lengths` given) are
-    padded to seq_len, one shape for every batch (one compiled graph), and come with their position ids."""
-    longest = -(-max(len(x) for x, _ in rows) // PAD_MULTIPLE) * PAD_MULTIPLE
-    T = seq_len if lengths is not None else min(seq_len, longest)
+    padded to seq_len, one shape for every batch (one compiled graph), and come with their position ids;
+    other rows to their length bucket (`bucket_length`: one compiled graph per bucket)."""
+    T = seq_len if lengths is not None else bucket_length(max(len(x) for x, _ in rows), seq_len)
     x = np.full((len(rows), T), pad_id, dtype=np.int64)
     y = np.full((len(rows), T), IGNORE_INDEX, dtype=np.int64)
     for i, (a, b) in enumerate(rows):

@@ -12,11 +12,16 @@ A finetuning run folder holds ``finetune.json``, ``adapter_config.json`` and ``t
 (adapter weights + optimizer + data position: small, so saved often), ``metrics.jsonl`` and, at
 the end, ``adapter/`` (adapter_config.json + adapter_model.safetensors + tokenizer). With a mirror
 (Drive) all of it but ``base/`` is copied there, the adapter last, checked file by file.
+
+Full finetuning (recipe ``full``, `FinetuneRecipe.lora` None) trains the base itself in fp32 through the same
+`FinetuneLoss` and Trainer: its checkpoints hold the whole model under transformers' names (`full_state`), and
+the result is ``model/``, a folder `from_pretrained` loads (`export_full`), instead of an adapter.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tinygpt.core.checkpoint import list_checkpoints
-from tinygpt.core.files import write_json_atomic
+from tinygpt.core.checkpoint import find_run_checkpoint, list_checkpoints
+from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import ADAPTER_CONFIG, RunDir, read_json
 from tinygpt.finetune.instruct import (
@@ -44,6 +49,7 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     BASE_DIR,
     FINETUNE_INFO,
     FINETUNE_RECIPES,
+    FULL_MODEL_DIR,
     MERGED_DIR,
     PLAIN_HEAD_TYPES,
     SOFTCAP_HEAD_TYPES,
@@ -67,15 +73,19 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     memory_table,
     packing_supported,
     plan_finetune,
+    qlora_compile,
     resumed_plan,
     this_hardware,
     verify_adapter,
 )
+from tinygpt.model.attention import use_expanding_sdpa
 from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
-from tinygpt.sync.drive import Mirror, mirror_adapter, restore_latest
-from tinygpt.train.trainer import Trainer
+from tinygpt.sync.drive import Mirror, mirror_adapter, restore_latest, run_identity, write_identity
+from tinygpt.train.callbacks import Progress
+from tinygpt.train.hardware import check_device
+from tinygpt.train.trainer import ModelIO, TrainData, Trainer
 
 
 # ----- base models --------------------------------------------------------------------------------
@@ -131,6 +141,8 @@ def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.f
         kw: dict[str, Any] = {"dtype": dtype}
         if getattr(config, "final_logit_softcapping", None):  # Gemma-2: sdpa ignores its soft-capping
             kw["attn_implementation"] = "eager"
+        else:  # sdpa, with GQA keys/values expanded where no fused kernel takes them grouped (a T4)
+            kw["attn_implementation"] = use_expanding_sdpa()
         if quantize == "nf4":
             dev = torch.device(device)
             kw.update(quantization_config=_bnb_config(dtype),  # quantized as it loads, straight onto the device
@@ -208,13 +220,83 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *, activation_checkp
     return pm
 
 
+# ----- full finetuning ----------------------------------------------------------------------------
+def prepare_full(model: torch.nn.Module, *, activation_checkpointing: bool = False) -> torch.nn.Module:
+    """Every weight of `model` trainable, in fp32: the optimizer's master copy (autocast computes in half
+    precision on a GPU, and the fp16 GradScaler needs fp32 parameters)."""
+    model = model.float()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if activation_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights under transformers' names (what `from_pretrained` reads); of tied weights
+    (one tensor under two names, e.g. embeddings and head) only the first name, as `save_pretrained` does."""
+    out, seen = {}, set()
+    for k, v in _peft_model(model).state_dict().items():
+        if v.data_ptr() in seen:
+            continue
+        seen.add(v.data_ptr())
+        out[k] = v.detach().to("cpu").contiguous()
+    return out
+
+
+def load_full_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    hf = _peft_model(model)
+    res = hf.load_state_dict(sd, strict=False)
+    missing = set(res.missing_keys) - (set(hf.state_dict()) - set(full_state(hf)))  # tied names come back tied
+    if res.unexpected_keys or missing:
+        raise FinetuneError(f"checkpoint does not fit the model: missing {sorted(missing)[:4]}, "
+                            f"unexpected {list(res.unexpected_keys)[:4]}")
+
+
+def is_full_finetune(run_dir: str | Path) -> bool:
+    """Whether a folder is a full finetuning run's (its finetune.json's recipe has no LoRA settings)."""
+    recipe = (RunDir(run_dir).finetune_info() or {}).get("recipe") or {}
+    return "lora" in recipe and recipe["lora"] is None
+
+
+def export_full(run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None) -> Path:
+    """A full finetuning run's checkpoint ("latest", "best" or a folder) as a standalone transformers model folder
+    (config.json, model.safetensors, tokenizer; run_dir/model by default): the checkpoint's weights already carry
+    transformers' names, so they are copied as they are. An existing folder is replaced whole."""
+    from transformers import AutoConfig
+
+    run_dir = Path(run_dir)
+    info = RunDir(run_dir).adapter_info()
+    if not is_full_finetune(run_dir) or not info:
+        raise FinetuneError(f"{run_dir} is not a full finetuning run folder (finetune.json with recipe full)")
+    ckpt = find_run_checkpoint(run_dir, which)
+    base = info["base_path"]
+    if not (Path(base) / "config.json").is_file():  # a Hub id; or a new VM, where a tinygpt base is exported again
+        base = str(export_tinygpt_base(info["base"], run_dir / BASE_DIR)) if is_tinygpt_run(info["base"]) \
+            else info["base"]
+    config = AutoConfig.from_pretrained(base)
+    config.torch_dtype = torch.float32
+    out = Path(out_dir) if out_dir is not None else run_dir / FULL_MODEL_DIR
+    with atomic_output(out, folder=True) as tmp:
+        config.save_pretrained(tmp)
+        shutil.copyfile(ckpt / "model.safetensors", tmp / "model.safetensors")
+        load_tokenizer(base).save_pretrained(tmp)
+        write_json_atomic(tmp / ADAPTER_INFO, {**info, "checkpoint": str(ckpt)})
+    return out
+
+
 def causal_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, position_ids: torch.Tensor | None = None,
                    *, chunk_rows: int | None = None) -> torch.Tensor:
     """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y are already shifted).
     position_ids: of packed rows (0 again at each record's start: attention stays inside each record).
     chunk_rows: as in `losses.linear_cross_entropy` (None picks by size, 0 takes the full logits)."""
     # A DDP wrapper (no get_base_model) must see the forward call: wrapped models take the plain path.
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else None
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else \
+        model if hasattr(model, "get_output_embeddings") and hasattr(model, "base_model") else None  # full finetuning
     head = hf.get_output_embeddings() if hf is not None else None
     pos = {"position_ids": position_ids} if position_ids is not None else {}
     if hf is not None and chunked_loss({"model_type": hf.config.model_type}) \
@@ -300,11 +382,23 @@ def _base_of(adir: Path, info: dict[str, Any]) -> str:
     return info.get("base") or read_json(adir / ADAPTER_CONFIG)["base_model_name_or_path"]
 
 
+def full_model_dir(path: str | Path) -> Path | None:
+    """The model folder of a full finetuning run (or that folder itself); None for anything else."""
+    p = Path(path)
+    for d in (p / FULL_MODEL_DIR, p):
+        if (d / "config.json").is_file() and (d / ADAPTER_INFO).is_file():
+            return d
+    return None
+
+
 def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = False,
                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """(model in eval mode, tokenizer) of a finetuning run folder or adapter folder. merge=True folds the
     adapter into the base; for QLoRA it folds into the dequantized 4-bit base, the weights it was trained on
     (folding into 4-bit weights would round the sum back to 4 bits)."""
+    full = full_model_dir(path)
+    if full is not None:  # full finetuning: a whole model, nothing to merge
+        return load_base(str(full), dtype=dtype, device=device).eval(), load_tokenizer(str(full))
     _need("peft", "loading an adapter")
     from peft import PeftModel
 
@@ -373,13 +467,20 @@ class Generations:
 
 
 def compare_generations(model, tokenizer, instructions: Sequence[str], *, template: str = "alpaca",
-                        max_new_tokens: int = 96) -> Generations:
+                        max_new_tokens: int = 96, base: str | None = None) -> Generations:
     """Greedy answers of a PEFT model with its adapter switched off (exactly the base: LoRA leaves the base
-    weights alone, and no second copy of the base is loaded) and on."""
+    weights alone, and no second copy of the base is loaded) and on. A fully finetuned model has no adapter to
+    switch off: `base` (`FinetuneResult.base_path`) is then loaded beside it to answer first."""
     rows = []
+    if not hasattr(model, "disable_adapter"):
+        if base is None:
+            raise FinetuneError("a fully finetuned model has no adapter to switch off: pass base=result.base_path")
+        dev = next(model.parameters()).device
+        original = load_base(base, device=dev).eval()
     for instruction in instructions:
-        with model.disable_adapter():
-            before = generate_response(model, tokenizer, instruction, template=template, max_new_tokens=max_new_tokens)
+        with model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext():
+            before = generate_response(model if hasattr(model, "disable_adapter") else original, tokenizer,
+                                       instruction, template=template, max_new_tokens=max_new_tokens)
         after = generate_response(model, tokenizer, instruction, template=template, max_new_tokens=max_new_tokens)
         rows.append((instruction, before, after))
     return Generations(rows)
@@ -400,16 +501,22 @@ class FinetuneResult:
     tokenizer: Any = field(default=None, repr=False)
     mirrored_adapter: Path | None = None  # the adapter's verified copy on the mirror
     plan: FinetunePlan | None = None  # checkpointing, logits and packing as this run trained
+    model_dir: Path | None = None  # full finetuning: the finished model folder (None for LoRA, or when interrupted)
+    base_path: str | None = None  # the base as it was loaded (a Hub id or a folder)
 
 
 def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | Path, max_steps: int | None = None,
              hardware: str | None = None, resume: str = "auto", callbacks=(), *, train: dict | None = None,
              device: str | None = None, progress: bool = True, mirror: str | Path | None = None) -> FinetuneResult:
-    """LoRA / QLoRA finetune `base` (tinygpt run folder, model folder or Hub id) on instruction `data`
-    into `run_dir`, resuming from its newest valid checkpoint; the adapter lands in run_dir/adapter.
+    """LoRA / QLoRA / full finetune `base` (tinygpt run folder, model folder or Hub id) on instruction `data`
+    into `run_dir`, resuming from its newest valid checkpoint; the adapter lands in run_dir/adapter (recipe
+    full: the whole model in run_dir/model).
     With `mirror` (a folder on Drive) checkpoints are copied there as they are written, the run resumes
     from there on a new VM, and the final adapter is copied to mirror/adapter."""
-    with RunDir(run_dir).lock():  # one writer per run folder
+    refuse_links_in(run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
+    run = RunDir(run_dir)
+    # one writer per run folder; a failed first try (bad data, no device) leaves no base/ nor finetune.json
+    with run.lock(), run.undo_if_first_try_fails(FINETUNE_INFO):
         return _finetune(recipe, base, data, run_dir, max_steps, hardware, resume, callbacks, train=train,
                          device=device, progress=progress, mirror=mirror)
 
@@ -424,11 +531,14 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
         raise FinetuneError(f"resume must be 'auto' or 'never', got {resume!r}")
     run_dir = Path(run_dir)
     mirror = Path(mirror) if mirror is not None else None
+    check_device(dev := resolve_device(device or "auto"))
+    # one run per mirror: a mirror another run owns is refused before anything is copied or written
+    identity = run_identity(run_dir, mirror, {"recipe": rec.name, "data": data,
+                                              "base": str(Path(base).resolve()) if is_tinygpt_run(base) else base})
     if mirror is not None:
         # the newest valid checkpoint, local or mirrored, and the run files (finetune.json among them)
         restore_latest(run_dir, mirror)
     old = RunDir(run_dir).finetune_info()
-    dev = resolve_device(device or "auto")
     # Colab may hand a resumed run another GPU: it keeps the settings it started with (same data rows).
     hardware = hardware or (old or {}).get("hardware") or detect_hardware(dev)
     overrides = {**(train or {}), **({"max_steps": max_steps} if max_steps is not None else {})}
@@ -436,6 +546,11 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     precision = choose_precision(dev, cfg.precision)
     if rec.quantize == "nf4":
         check_qlora(dev)
+        import bitsandbytes
+        compile_, note = qlora_compile(cfg.compile, dev.type, bitsandbytes.__version__, torch.__version__)
+        if note:
+            warnings.warn(note, stacklevel=3)
+            cfg = dataclasses.replace(cfg, compile=compile_)
     tinygpt_base = is_tinygpt_run(base)
     if not tinygpt_base:
         base_config(base)  # a missing or unloadable base fails here, before anything is written
@@ -453,6 +568,7 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
         raise FinetuneError(f"run folder {run_dir} already has checkpoints; resume='never' would overwrite them")
     old_adapter = RunDir(run_dir).adapter_info()
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_identity(run_dir, identity)
     write_json_atomic(run_dir / FINETUNE_INFO, info)
     base_path = base
     if tinygpt_base:
@@ -469,32 +585,41 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     tok = load_tokenizer(base_path)
     dataset = build_instruct_data(data, tok, cfg.seq_len, template=rec.template, pack=plan.pack, seed=cfg.seed,
                                   val_batch_size=cfg.micro_batch_size, eval_batches=cfg.eval_batches)
-    dtype = precision.dtype if dev.type == "cuda" else torch.float32
+    # full finetuning keeps fp32 weights (the optimizer's updates would vanish in half precision); autocast computes
+    dtype = precision.dtype if dev.type == "cuda" and rec.lora is not None else torch.float32
     model = load_base(base_path, quantize=rec.quantize, dtype=dtype, device=dev)
     if resuming and "signature" in old_adapter:  # e.g. a tinygpt base that trained on since, exported anew
         check_signature(old_adapter["signature"], model, f"the checkpoints in {run_dir}")
-    pm = attach_lora(model, rec.lora, activation_checkpointing=plan.activation_checkpointing, seed=cfg.seed)
-    peft_config = dataclasses.replace(pm.peft_config["default"], inference_mode=True)  # as PEFT saves it
-    peft_config.save_pretrained(str(run_dir))  # adapter_config.json + any checkpoint = an adapter (export_adapter)
+    if rec.lora is None:  # full finetuning: the base itself trains, and every checkpoint holds all of it
+        pm, state_fns = prepare_full(model, activation_checkpointing=plan.activation_checkpointing), \
+            (full_state, load_full_state)
+    else:
+        pm = attach_lora(model, rec.lora, activation_checkpointing=plan.activation_checkpointing, seed=cfg.seed)
+        peft_config = dataclasses.replace(pm.peft_config["default"], inference_mode=True)  # as PEFT saves it
+        peft_config.save_pretrained(str(run_dir))  # adapter_config.json + any checkpoint = an adapter (export_adapter)
+        state_fns = (adapter_state, load_adapter_state)
     write_json_atomic(run_dir / ADAPTER_INFO, {"base": info["base"], "base_path": base_path, "quantize": rec.quantize,
                                                "template": rec.template, "signature": base_signature(model)})
     n_train = sum(p.numel() for p in pm.parameters() if p.requires_grad)
     n_total = sum(p.numel() for p in pm.parameters())
     callbacks = list(callbacks)
     if mirror is not None:
-        callbacks.append(Mirror(run_dir, mirror, keep_last=cfg.keep_last))
+        callbacks.append(Mirror(run_dir, mirror, keep_last=cfg.keep_last, identity=identity))
     # The Trainer compiles the loss module as a whole (compile "auto": on CUDA): forward and loss in one graph.
-    trainer = Trainer(FinetuneLoss(pm, full_logits=plan.full_logits), cfg, dataset.train, dataset.val_batches,
-                      run_dir, device=dev, precision=precision, loss_fn=module_loss, state_fn=adapter_state,
-                      load_state_fn=load_adapter_state, callbacks=callbacks, run_info=info, progress=progress)
+    if progress:
+        callbacks.insert(0, Progress())
+    trainer = Trainer(FinetuneLoss(pm, full_logits=plan.full_logits), dataclasses.replace(cfg, device=str(dev)),
+                      TrainData(dataset.train, dataset.val_batches), run_dir, callbacks=callbacks, run_info=info,
+                      io=ModelIO(loss_fn=module_loss, state_fn=state_fns[0], load_state_fn=state_fns[1]))
     try:
         result = trainer.fit(resume)
     finally:
         for cb in callbacks:
-            if hasattr(cb, "close"):
-                cb.close()
-    adapter_dir = mirrored = None
-    if not result.interrupted:
+            cb.close()
+    adapter_dir = mirrored = model_dir = None
+    if not result.interrupted and rec.lora is None:  # a whole model folder (the checkpoints on the mirror hold it)
+        model_dir = export_full(run_dir, str(result.checkpoint or "latest"))
+    elif not result.interrupted:
         adapter_dir = export_adapter(run_dir, str(result.checkpoint or "latest"))
         tok.save_pretrained(adapter_dir)
         if mirror is not None:
@@ -502,4 +627,4 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     mem = memory_table(planned, hardware, model.config.to_dict(),
                        activation_checkpointing=plan.activation_checkpointing, full_logits=plan.full_logits)
     return FinetuneResult(run_dir, adapter_dir, result, dataset.report, hardware, n_train, n_total, mem, pm.eval(), tok,
-                          mirrored, plan)
+                          mirrored, plan, model_dir, base_path)

@@ -35,6 +35,7 @@ from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
     recipe_name_of,
 )
 from tinygpt.core.rundir import FINETUNE_JSON as FINETUNE_INFO  # noqa: F401
+from tinygpt.model.attention import attention_kernel, torch_version
 from tinygpt.train.hardware import device_class
 from tinygpt.train.memory import overhead_gb
 
@@ -74,11 +75,12 @@ class LoraSettings:
 
 @dataclass
 class FinetuneRecipe:
-    """LoRA settings plus a TrainConfig per hardware class ("cpu", "t4", "a100")."""
+    """LoRA settings (None: full finetuning, every weight trains) plus a TrainConfig per hardware class ("cpu",
+    "t4", "a100")."""
 
     name: str
     description: str
-    lora: LoraSettings
+    lora: LoraSettings | None
     train: dict[str, TrainConfig]
     quantize: str = "none"  # "none" or "nf4" (QLoRA)
     # "auto": only where the memory estimate without it does not fit the device (`plan_finetune`);
@@ -96,7 +98,7 @@ class FinetuneRecipe:
     def to_dict(self) -> dict[str, Any]:
         ckpt = self.activation_checkpointing
         return {**{k: getattr(self, k) for k in ("name", "description", "quantize", "template", "pack")},
-                "lora": dataclasses.asdict(self.lora),
+                "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
                 "activation_checkpointing": ckpt if isinstance(ckpt, str) else list(ckpt),
                 "train": {k: v.to_dict() for k, v in self.train.items()}}
 
@@ -123,17 +125,30 @@ FINETUNE_RECIPES: dict[str, FinetuneRecipe] = {
 FINETUNE_RECIPES["qlora-r16"] = FinetuneRecipe(
     "qlora-r16", "QLoRA: the base in 4-bit NF4 with double quantization, LoRA rank 16 in fp32; the one that fits "
     "a 2B model on a T4", LoraSettings(r=16, alpha=32), _settings(), quantize="nf4")
+# Full finetuning moves every weight, so it takes a tenth of LoRA's learning rate (adapters start at zero and
+# need the larger steps); weights, gradients and both AdamW moments in fp32 are 16 bytes per parameter.
+FULL_LR_FACTOR = 0.1
+FINETUNE_RECIPES["full"] = FinetuneRecipe(
+    "full", "Full finetuning: every weight trains (fp32 weights, gradients and AdamW states, 16 bytes per parameter; "
+    "half-precision compute); for small bases, the result a whole model folder", None,
+    {hw: dataclasses.replace(c, lr=c.lr * FULL_LR_FACTOR, min_lr=c.min_lr * FULL_LR_FACTOR)
+     for hw, c in _settings().items()})
+FULL_MODEL_DIR = "model"  # a full finetuning run's result: config.json, model.safetensors, tokenizer
 
 
 def get_finetune_recipe(name: str) -> FinetuneRecipe:
     if name not in FINETUNE_RECIPES:
         raise FinetuneError(f"unknown finetune recipe {name!r}; choose one of {', '.join(FINETUNE_RECIPES)}")
     r = FINETUNE_RECIPES[name]
-    return dataclasses.replace(r, lora=dataclasses.replace(r.lora), train=dict(r.train))
+    return dataclasses.replace(r, lora=dataclasses.replace(r.lora) if r.lora is not None else None,
+                               train=dict(r.train))
 
 
 # The finetuning recipes know three classes: where bf16 and 35+ GB make LoRA on a 2B base easy
 # ("a100"), other GPUs ("t4"), and the CPU. They are coarser groups of the one hardware class.
+# What each finetuning class runs on, as `model.attention.attention_kernel` needs it: device, capability, dtype.
+FINETUNE_DEVICES = {"t4": ("cuda", (7, 5), torch.float16), "a100": ("cuda", (8, 0), torch.bfloat16),
+                    "cpu": ("cpu", None, torch.float32)}
 FINETUNE_CLASS = {"cpu": "cpu", "mps": "cpu", "t4": "t4", "l4": "t4", "a100": "a100", "h100": "a100", "h200": "a100"}
 
 
@@ -166,6 +181,22 @@ def check_qlora(device: torch.device) -> None:
     except Exception as e:
         raise FinetuneError(f"QLoRA: bitsandbytes {bnb.__version__} cannot run a 4-bit NF4 layer on {device}: "
                             f"{type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) instead") from e
+
+
+# bitsandbytes' 4-bit layers compile without graph breaks only from these versions on (together).
+QLORA_COMPILE_FLOOR = {"bitsandbytes": (0, 46), "torch": (2, 8)}
+
+
+def qlora_compile(compile: str, device_type: str, bnb_version: str, torch_version_: str) -> tuple[str, str | None]:
+    """(the compile setting QLoRA trains with, a one-line note or None). Below QLORA_COMPILE_FLOOR a compiled
+    4-bit step breaks into many graphs (slower than eager, and slow to compile): QLoRA then runs eagerly."""
+    compiling = compile in ("on", "regional") or (compile == "auto" and device_type == "cuda")
+    have = {"bitsandbytes": torch_version(bnb_version), "torch": torch_version(torch_version_)}
+    short = [f"{k} >= {'.'.join(map(str, v))}" for k, v in QLORA_COMPILE_FLOOR.items() if have[k] < v]
+    if not compiling or not short:
+        return compile, None
+    return "off", (f"QLoRA runs eagerly: compiling its 4-bit layers needs {' and '.join(short)} (this runtime has "
+                   f"bitsandbytes {bnb_version}, torch {torch_version_.split('+')[0]})")
 
 
 def chunked_loss(config: dict[str, Any]) -> bool:
@@ -244,13 +275,24 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     shapes = {"q_proj": (h, nh * hd), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd), "o_proj": (nh * hd, h),
               "gate_proj": (h, ff), "up_proj": (h, ff), "down_proj": (ff, h)}
     linear = L * sum(a * b for a, b in shapes.values())
-    targets = recipe.lora.target_modules or tuple(shapes)
-    lora = L * sum(recipe.lora.r * sum(shapes[t]) for t in targets if t in shapes)
     emb = V * h * (1 if c.get("tie_word_embeddings", True) else 2)
-    half = 4 if hardware == "cpu" else 2
+    if recipe.lora is None:  # full finetuning: every weight is trained
+        lora = linear + emb
+    else:
+        targets = recipe.lora.target_modules or tuple(shapes)
+        lora = L * sum(recipe.lora.r * sum(shapes[t]) for t in targets if t in shapes)
+    half = 4 if hardware == "cpu" or recipe.lora is None else 2  # full: fp32 weights (the optimizer updates them)
     nf4 = recipe.quantize == "nf4"
     tokens = cfg.micro_batch_size * cfg.seq_len
     layer_act = 2 * tokens * (17 * h + 5 * ff)
+    # Beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where no fused kernel
+    # takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T scores: fp32 softmax + a copy.
+    kernel = "math" if c.get("final_logit_softcapping") else \
+        attention_kernel(*FINETUNE_DEVICES[hardware], torch_version(), hd)
+    if nkv < nh and kernel != "fused":
+        layer_act += 2 * tokens * 2 * (nh - nkv) * hd
+    if kernel == "math":
+        layer_act += tokens * nh * cfg.seq_len * (4 + half)
     rule = checkpointing_rule(recipe, hardware)
     ckpt = activation_checkpointing if activation_checkpointing is not None else \
         (rule if rule is not None else hardware != "cpu")
@@ -262,8 +304,10 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
         ("base weights", (linear * (0.516 if nf4 else half) + emb * half) / gb,
          "NF4: 4 bits + double-quantized scales (0.127 bits) per linear weight; embeddings stay 16-bit" if nf4
          else f"{half} bytes per weight"),
-        ("adapters", lora * 4 / gb, f"{lora / 1e6:.1f}M LoRA weights in fp32"),
-        ("gradients + AdamW", lora * 12 / gb, "fp32 gradient and two moments per adapter weight"),
+        ("adapters", lora * 4 / gb, f"{lora / 1e6:.1f}M LoRA weights in fp32") if recipe.lora is not None else
+        ("adapters", 0.0, "none: full finetuning trains the base weights themselves"),
+        ("gradients + AdamW", lora * 12 / gb, "fp32 gradient and two moments per "
+         + ("adapter weight" if recipe.lora is not None else f"weight ({lora / 1e6:.1f}M)")),
         ("activations", act / gb, f"micro-batch {cfg.micro_batch_size} x {cfg.seq_len}, "
          f"{'with' if ckpt else 'without'} activation checkpointing"),
         ("logits + loss", logits / gb, "chunked cross-entropy" if chunked else "full (tokens, vocab) logits"),

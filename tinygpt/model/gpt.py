@@ -4,7 +4,8 @@ Parameter names are those of Hugging Face `LlamaForCausalLM` (`Qwen3ForCausalLM`
 state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side). With
 `ModelConfig.fused_proj` the q/k/v and gate/up projections are one matrix each (`qkv_proj`, `gate_up_proj`),
 but `state_dict` and `load_state_dict` still speak the Hugging Face names (`_fuse_in_state_dict`). Attention is
-`F.scaled_dot_product_attention`, which picks flash / memory-efficient kernels on CUDA.
+`F.scaled_dot_product_attention`, which picks flash / memory-efficient kernels on CUDA; with GQA, keys and
+values are repeated to the query heads where no fused kernel takes them grouped (`model.attention`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.config import ModelConfig
+from tinygpt.model.attention import expand_kv
 from tinygpt.model.losses import IGNORE_INDEX, linear_cross_entropy  # noqa: F401  (IGNORE_INDEX: handed on)
 
 
@@ -138,7 +140,7 @@ class Attention(nn.Module):
             cache.k[layer][:, :, start:start + T] = k
             cache.v[layer][:, :, start:start + T] = v
             k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
-        gqa = self.n_kv_head != self.n_head
+        k, v, gqa = expand_kv(q, k, v)  # grouped only where a fused kernel takes them so (model.attention)
         if start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif T == 1:  # one new token attends to everything cached: no mask needed

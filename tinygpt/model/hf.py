@@ -17,6 +17,7 @@ import torch
 from tinygpt.core.checkpoint import CheckpointError, load_model_state, model_state
 from tinygpt.core.config import ModelConfig
 from tinygpt.core.files import atomic_output, write_json_atomic
+from tinygpt.core.paths import hub_spec
 from tinygpt.model.gpt import GPT, rope_tables
 from tinygpt.model.loading import load_run
 from tinygpt.model.tokenizer import EOT, Tokenizer
@@ -102,21 +103,75 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") 
 
 # --- import -----------------------------------------------------------------------------------
 
-def _check_llama(cfg: dict[str, Any], path: Path) -> None:
+# what a model family has that tinygpt's GPT lacks, said where its config.json names the family
+FAMILY_DIFFERENCES = {"qwen2": "biases on q/k/v", "mistral": "sliding-window attention", "gemma": "GeGLU and scaled "
+                      "embeddings", "gemma2": "soft-capped logits and sliding windows", "phi3": "fused projections",
+                      "gpt2": "learned positions, LayerNorm and GELU"}
+
+
+def representation_gaps(cfg: dict[str, Any]) -> list[str]:
+    """What in a Hugging Face `config.json` tinygpt's GPT cannot represent ([] when it can): another
+    architecture, or a Llama / Qwen3 feature the GPT lacks. Each item names the field and its value."""
     arch = cfg.get("architectures") or []
-    if cfg.get("model_type") not in HF_ARCHITECTURES and "LlamaForCausalLM" not in arch:
-        raise ValueError(f"{path} holds a {cfg.get('model_type') or arch or 'model of unknown type'}, not a Llama; "
-                         "tinygpt imports Llama-architecture models only (model_type 'llama', or 'qwen3')")
-    if cfg.get("model_type") == "qwen3" and cfg.get("use_sliding_window"):
-        raise ValueError(f"{path} uses sliding-window attention, which tinygpt's attention does not implement")
+    kind = cfg.get("model_type")
+    known = kind in HF_ARCHITECTURES if kind else bool({"LlamaForCausalLM", "Qwen3ForCausalLM"} & set(arch))
+    if not known:
+        what = kind or (arch[0] if arch else "an unknown model type")
+        why = FAMILY_DIFFERENCES.get(kind or "")
+        return [f"model_type {what!r}{f' ({why})' if why else ''}, not 'llama' or 'qwen3'"]
+    gaps = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        gaps.append(f"hidden_act {cfg['hidden_act']!r} (tinygpt's MLP is SwiGLU with SiLU)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            gaps.append(f"{flag}=true (tinygpt's layers have no biases)")
     rope = cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type") or rope.get("type") or \
         (cfg.get("rope_parameters") or {}).get("rope_type", "default")
     if rope_type not in (None, "default"):
-        raise ValueError(f"{path} uses RoPE scaling {rope_type!r}, which tinygpt's attention does not implement")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ValueError(f"{path} has {flag}=true; tinygpt's layers have no biases")
+        gaps.append(f"RoPE scaling {rope_type!r} (tinygpt's attention does not implement it)")
+    if cfg.get("use_sliding_window") or (kind == "llama" and cfg.get("sliding_window")):
+        gaps.append("sliding-window attention (tinygpt's attention is full)")
+    if cfg.get("attention_dropout"):
+        gaps.append(f"attention_dropout {cfg['attention_dropout']} (tinygpt trains without dropout)")
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    head_dim = cfg.get("head_dim") or (hidden // heads if heads and hidden else None)
+    if heads and hidden and head_dim * heads != hidden:
+        gaps.append(f"head_dim {head_dim} x {heads} heads = {head_dim * heads}, not hidden_size {hidden} "
+                    "(tinygpt's heads split the hidden size)")
+    return gaps
+
+
+def _check_llama(cfg: dict[str, Any], path: Path | str) -> None:
+    gaps = representation_gaps(cfg)
+    if gaps:
+        raise ValueError(f"{path} holds a model tinygpt's GPT cannot represent: {'; '.join(gaps)}. tinygpt imports "
+                         "Llama-architecture models (model_type 'llama', or 'qwen3') without these")
+
+
+# What continued pretraining needs of a Hub model: config and tokenizer first (checked before any
+# download of weights), then the weights.
+HUB_META_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "generation_config.json")
+HUB_WEIGHT_FILES = ("*.safetensors", SAFETENSORS_INDEX)
+
+
+def hub_model_folder(spec: str, weights: bool = True) -> Path:
+    """The local folder of a Hub model written ``hf:NAME[@REVISION]``: its files in the Hugging Face cache,
+    downloaded there once through `huggingface_hub` (offline, HF_HUB_OFFLINE=1, the cached copy serves).
+    weights=False fetches config and tokenizer only."""
+    name, config, revision = hub_spec(spec)
+    if config is not None:
+        raise ValueError(f"{spec!r}: a model is written hf:NAME[@REVISION], with no :CONFIG")
+    try:
+        from huggingface_hub import snapshot_download
+        files = HUB_META_FILES + (HUB_WEIGHT_FILES if weights else ())
+        return Path(snapshot_download(name, revision=revision, allow_patterns=list(files)))
+    except Exception as e:  # not found, gated, offline: the user's to fix, in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"could not get model {name!r} from the Hugging Face Hub ({type(e).__name__}: {first}); "
+                         "check the name and the network (gated models need `hf auth login`), or give a local "
+                         "model folder") from None
 
 
 def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -150,21 +205,35 @@ def import_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     config = ModelConfig.from_hf_llama(hf_cfg)
     if max_seq_len:
         config.max_seq_len = max_seq_len
-    with torch.device("meta"):  # no random init of weights that are about to be replaced
+    model = gpt_from_state(config, {k: v for k, v in read_hf_state_dict(path).items()
+                                    if not k.endswith("rotary_emb.inv_freq")}, device, f"{path}'s config.json")
+    model = model.to(dtype=dtype).eval()
+    return model, _import_tokenizer(path, hf_cfg)
+
+
+def gpt_from_state(config: ModelConfig, sd: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                   what: str = "the config") -> GPT:
+    """A GPT of `config` holding the weights `sd` (Hugging Face names), built without a random
+    initialisation of weights that are about to be replaced; a ValueError when they do not fit."""
+    with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
-    sd = {k: v for k, v in read_hf_state_dict(path).items() if not k.endswith("rotary_emb.inv_freq")}
     try:
         load_model_state(model, sd)
     except CheckpointError as e:
-        raise ValueError(f"the weights in {path} do not fit its config.json: {e}") from e
+        raise ValueError(f"the weights do not fit {what}: {e}") from e
     if config.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-
     cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, device=device)
     model.rope_cos, model.rope_sin = cos, sin  # buffers were on meta; rebuild from the config
-    model = model.to(dtype=dtype).eval()
-    return model, _import_tokenizer(path, hf_cfg)
+    return model
+
+
+def import_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer of a Hugging Face model folder (its tokenizer.json through `tokenizers`, end-of-text
+    = the model's eos token); None without a tokenizer.json."""
+    path = Path(path)
+    return _import_tokenizer(path, json.loads((path / "config.json").read_text()))
 
 
 def _import_tokenizer(path: Path, hf_cfg: dict[str, Any]) -> Tokenizer | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from tinygpt.core.files import write_json_atomic
-from tinygpt.core.rundir import BUDGET_JSON, read_json
+from tinygpt.core.rundir import BUDGET_JSON, RunDirError, read_json
 
 MEASURE_STEPS = 8  # steady steps (after the compile) timed before the step count is fixed
 
@@ -37,6 +37,19 @@ class Budget:
         if not path.is_file():
             return None
         d = read_json(path)
+        fix = f"; delete {path} to measure the budget again, or restore it from the mirror"
+
+        def number(v, whole: bool = False) -> bool:
+            kinds = (int,) if whole else (int, float)
+            return isinstance(v, kinds) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        if not isinstance(d, dict):
+            raise RunDirError(f"{path} does not hold a time budget (a JSON object with hours and max_steps){fix}")
+        if not number(d.get("hours")):
+            raise RunDirError(f"{path}: hours must be a positive, finite number, got {d.get('hours')!r}{fix}")
+        for name, whole in (("max_steps", True), ("decided_at_step", True), ("step_s", False), ("decided_at", False)):
+            if d.get(name) is not None and not number(d[name], whole):
+                kind = "a positive whole number" if whole else "a positive number"
+                raise RunDirError(f"{path}: {name} must be {kind} or null, got {d[name]!r}{fix}")
         return cls(**{k: d.get(k) for k in ("hours", "max_steps", "decided_at_step", "step_s", "decided_at")})
 
     def save(self, run_dir: Path) -> None:

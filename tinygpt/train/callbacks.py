@@ -1,22 +1,32 @@
-"""Trainer callbacks of a pretraining run: TensorBoard scalars and the samples a run writes.
-
-A callback may define `on_log(metrics)`, `on_checkpoint(path, step)` and `close()`; the Trainer calls
-them after its periodic actions (the Drive `Mirror` in tinygpt.sync is one too).
+"""The side concerns of a run, each a `Callback` that decides its own timing: the progress display,
+the start-up record with the compile cache, a time budget, MFU, TensorBoard; and the samples a run writes.
+(The Drive `Mirror` in tinygpt.sync and the notebooks' plots are callbacks too.)
 """
 from __future__ import annotations
 
+import sys
+import time
+import warnings
 from pathlib import Path
+from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError
 from tinygpt.core.rundir import RunDir
 from tinygpt.model.generate import generate_text
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.train import distributed as dist_
+from tinygpt.train.budget import MEASURE_STEPS, Budget, end_time, extend, steps_for
+from tinygpt.train.compile_cache import CompileCache
+from tinygpt.train.startup import StartupClock
+from tinygpt.train.trainer import TrainingError, eager
 
 
-class TensorBoardLogger:
+class TensorBoardLogger(Callback):
     """Trainer callback: every logged metric as a TensorBoard scalar, x axis = step."""
 
     def __init__(self, writer):
@@ -43,26 +53,211 @@ class TensorBoardLogger:
 
 
 def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, prompt: str | None = None) -> str:
-    """Append a generated sample to samples.txt and return it."""
+    """Append a generated sample to samples.txt and return it. Generated eagerly: under
+    train.compile=regional the model's own blocks are compiled, and sampling with a KV cache would
+    compile a graph per layer and length for a few hundred tokens."""
     model.eval()
-    text = generate_text(model, tokenizer, prompt or "def ", max_new_tokens=120, temperature=0.8, top_k=50, seed=0)
+    with eager():
+        text = generate_text(model, tokenizer, prompt or "def ", max_new_tokens=120, temperature=0.8, top_k=50,
+                             seed=0)
     RunDir(run_dir).append_sample(f"=== step {step} ===\n{text}\n\n")
     model.train()
     return text
+
+
+class Progress(Callback):
+    """The training bar: tqdm's in a terminal, a widget in a notebook that ends as its final line, and
+    where output goes to a file (CI, nohup, a Colab %%capture), no carriage-return bar but one plain line
+    per logged step, at most one every `min_interval_s` (the last step's always)."""
+
+    def __init__(self, min_interval_s: float = 10.0, stream: Any = None):
+        self.min_interval_s, self.stream = min_interval_s, stream
+        self.bar: Any = None
+        self.trainer: Any = None
+        self._last_line = -float("inf")
+
+    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
+        self.trainer = trainer
+        if not trainer.is_main:
+            return
+        stream = self.stream or sys.stderr
+        if _in_notebook() or _is_terminal(stream):
+            self.bar = progress_bar(total=trainer.max_steps, initial=trainer.step, desc="training", unit="step",
+                                    dynamic_ncols=True, file=self.stream)
+
+    def on_step(self, trainer: Any) -> None:
+        if self.bar is not None:
+            if self.bar.total != trainer.max_steps:  # a time budget decided the step count
+                self.bar.total = trainer.max_steps
+            self.bar.update(1)
+
+    def on_log(self, m: dict) -> None:
+        if self.trainer is None or not self.trainer.is_main:
+            return
+        t = self.trainer
+        post = {k: f"{m[k]:.4g}" for k in ("loss", "val_loss", "lr") if m.get(k) is not None}
+        if m.get("tokens_per_s"):
+            post["tok/s"] = f"{m['tokens_per_s']:.0f}"
+        if m.get("expected_final_loss") is not None:
+            post["final~"] = f"{m['expected_final_loss']:.4g}"
+        if t.step_s and t.max_steps:
+            post["ends"] = end_time(t.step, t.max_steps, t.step_s)
+        if self.bar is not None:
+            self.bar.set_postfix(post, refresh=False)
+            return
+        now = time.monotonic()  # a file: one line per logged step, not more often than min_interval_s
+        if now - self._last_line >= self.min_interval_s or m["step"] == t.max_steps:
+            self._last_line = now
+            of = f"/{t.max_steps}" if t.max_steps else ""
+            self.on_message(f"training step {m['step']}{of}: " + ", ".join(f"{k} {v}" for k, v in post.items()))
+
+    def on_message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.trainer is not None and self.trainer.is_main:
+            print(text, file=self.stream or sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _in_notebook() -> bool:
+    """A Jupyter kernel (Colab's included), where tqdm.auto gives the widget bar."""
+    try:
+        from tqdm.notebook import tqdm as notebook_tqdm  # needs ipywidgets
+    except ImportError:
+        return False
+    return issubclass(tqdm, notebook_tqdm)
+
+
+class StartupReport(Callback):
+    """After the first step of this process: keep the compiler's work for the next VM (the compile cache,
+    loaded before the first step), record where start-up went in metrics.jsonl, and say it."""
+
+    def __init__(self, clock: StartupClock | None, compile_cache: CompileCache | None = None):
+        self.clock, self.compile_cache, self.done = clock, compile_cache, False
+
+    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
+        if self.compile_cache is not None and trainer.use_compile and trainer.is_main:
+            note = self.compile_cache.load()
+            if note and self.clock is not None:
+                self.clock.notes.append(note)
+
+    def on_step(self, trainer: Any) -> None:
+        if self.done:
+            return
+        self.done = True
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)  # the first step's time includes its kernels
+        if self.clock is not None:
+            self.clock.mark("first_step")
+        if self.compile_cache is not None and trainer.use_compile and trainer.is_main:
+            self.compile_cache.save()
+        if self.clock is not None and trainer.is_main:
+            record = self.clock.record()
+            RunDir(trainer.run_dir).append_metrics({"step": trainer.step, "startup": record})
+            if not any(cb.shows_startup for cb in trainer.callbacks):  # a notebook's table replaces the line
+                trainer.say(self.clock.summary())
+            for cb in trainer.callbacks:
+                cb.on_startup(record)
+        trainer.throughput.restart()  # tokens/s counts steady steps, not the compile
+
+
+class TimeBudget(Callback):
+    """`--hours H`: the run's budget.json (a resume keeps its step count), or a budget still to be
+    measured: until then the schedule's stable phase runs on (wsd: its rate does not depend on the step
+    count). After MEASURE_STEPS steady steps it times an evaluation and a checkpoint too, fixes the step
+    count so that training ends within the budget, and keeps it in budget.json."""
+
+    def __init__(self, hours: float):
+        self.hours = hours
+        self.budget: Budget | None = None
+        self.t_from: float | None = None  # after the first step of this process: the budget counts from here
+        self.steps_timed = 0
+
+    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
+        if trainer.cfg.schedule != "wsd":
+            raise TrainingError("a time budget needs the warmup-stable-decay schedule (train.schedule=wsd)")
+        budget = Budget.load(trainer.run_dir) if trainer.is_main else None
+        if trainer.world_size > 1:  # rank 0 read it: the others take its step count
+            steps = dist_.agree_sum([budget.max_steps or 0 if budget else 0])[0]
+            budget = Budget(self.hours, steps or None)
+        if budget is not None and budget.max_steps is not None:
+            budget, note = extend(budget, self.hours, trainer.step, trainer.cfg.decay_fraction)
+            if note:
+                warnings.warn(note, stacklevel=3)
+            if trainer.is_main:
+                budget.save(trainer.run_dir)
+            trainer.step_s = budget.step_s
+        else:
+            budget = Budget(self.hours)
+        self.budget, trainer.max_steps = budget, budget.max_steps
+
+    def on_step(self, trainer: Any) -> None:
+        if self.budget is None or self.budget.max_steps is not None:
+            return
+        if self.t_from is None:  # the first step (its compile) is start-up, not training
+            self.t_from = time.perf_counter()
+            return
+        self.steps_timed += 1
+        if self.steps_timed >= MEASURE_STEPS:
+            self._decide(trainer)
+
+    def _decide(self, trainer: Any) -> None:
+        cfg = trainer.cfg
+        step_s = (time.perf_counter() - self.t_from) / self.steps_timed
+        t = time.perf_counter()
+        trainer.evaluate()
+        eval_s = time.perf_counter() - t
+        t = time.perf_counter()
+        trainer.save()
+        save_s = time.perf_counter() - t
+        per_step = step_s + (eval_s / cfg.eval_every if cfg.eval_every else 0) + \
+            (save_s / cfg.save_every if cfg.save_every else 0)
+        spent = time.perf_counter() - self.t_from
+        steps = steps_for(self.hours, spent, trainer.step, per_step, eval_s + save_s)
+        if trainer.world_size > 1:
+            steps = dist_.agree_sum([steps if trainer.is_main else 0])[0]
+        self.budget = Budget(self.hours, steps, trainer.step, per_step, time.time())
+        trainer.max_steps, trainer.step_s = steps, per_step
+        if trainer.is_main:
+            self.budget.save(trainer.run_dir)
+        trainer.say(f"time budget {self.hours:g} h: {steps} steps of {per_step:.3g} s (evaluations and "
+                    f"checkpoints included); training ends about {end_time(trainer.step, steps, per_step)}")
+
+
+class MFU(Callback):
+    """Model FLOPs utilisation in each logged record: tokens/s x FLOPs per token over the peak of the GPUs."""
+
+    def __init__(self, flops_per_token: float, peak_tflops: float | None):
+        self.flops_per_token, self.peak_tflops, self.world_size = flops_per_token, peak_tflops, 1
+
+    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
+        self.world_size = trainer.world_size
+
+    def on_metrics(self, m: dict) -> None:
+        if m.get("tokens_per_s") and self.peak_tflops:  # peak is one GPU's
+            m["mfu"] = round(m["tokens_per_s"] * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size), 4)
 
 
 def progress_bar(**kwargs):
     """A tqdm bar: text in a terminal, a widget in a notebook. In a notebook the widget is displayed
     under a display id and replaced by its final line when the bar closes, so the output a notebook
     saves (what GitHub and nbviewer show, which cannot run widgets) is the last state, not 0%."""
-    try:
-        from tqdm.notebook import tqdm as notebook_tqdm  # needs ipywidgets
-    except ImportError:
-        notebook_tqdm = None
-    if notebook_tqdm is None or not issubclass(tqdm, notebook_tqdm):  # a terminal bar
+    if not _in_notebook():  # a terminal bar
         return tqdm(**kwargs)
+    kwargs.pop("file", None)
     bar = tqdm(display=False, **kwargs)
-    handle = _display(bar.container, display_id=True)
+    handle = _display(_widget_bundle(bar.container), display_id=True)
     close = bar.close
 
     def close_and_keep_last_state() -> None:
@@ -75,9 +270,18 @@ def progress_bar(**kwargs):
     return bar
 
 
+def _widget_bundle(widget) -> dict:
+    """The widget's display data, published by us. ipywidgets 7 (Colab's) displays a widget through its
+    own `_ipython_display_`, which drops the display id: the closing update then matched no output, and
+    the saved notebook kept the bar at 0%. The same bundle under our display id updates in any front end."""
+    text = repr(widget)
+    return {"text/plain": text[:110] + "…" if len(text) > 110 else text,
+            "application/vnd.jupyter.widget-view+json": widget.get_view_spec()}
+
+
 def _display(obj, display_id: bool):
     try:
         from IPython.display import display
     except ImportError:  # pragma: no cover - a notebook bar implies IPython
         return None
-    return display(obj, display_id=display_id)
+    return display(obj, raw=True, display_id=display_id)

@@ -2,10 +2,17 @@
 
 After the first compiled step the trainer saves `torch.compiler.save_cache_artifacts()` to
 ``run_dir/compile_cache.bin`` (mirrored to Drive with the run's files); a resumed run loads it before
-its first step. The artifacts hold generated code that runs, so the file is signed (HMAC-SHA256)
-with a key of this user's (kept in the tinygpt cache folder and beside the Drive mirror): a file
-from anyone else's run folder is ignored, never loaded. A cache for another GPU, torch version or
-model shape is ignored with a one-line note.
+its first step. A cache for another GPU, torch version or model shape is ignored with a
+one-line note.
+
+Trust: the artifacts hold generated code that runs, and a mirror is a shared folder anyone with
+access may write. So the file is signed (HMAC-SHA256) with a key only this user holds, and the key
+never lives on the mirror: it is $TINYGPT_COMPILE_KEY, else Colab's secret of that name, else a key
+file in the local tinygpt cache folder (made on first use, 0600; refused when another user owns it
+or others may write it). A new VM without the first two has a new key, so a cache from Drive does
+not verify and is compiled afresh (one line says how to carry the key). Even a signed cache is
+unpacked here first: every artifact's destination must lie inside torch's own cache folder, else
+the whole cache is refused before anything is written.
 
 File layout: one JSON line (what the cache is for, and the signature), then the artifact bytes.
 """
@@ -17,6 +24,7 @@ import json
 import os
 import platform
 import secrets
+import stat
 from pathlib import Path
 
 import torch
@@ -26,30 +34,104 @@ from tinygpt.core.paths import cache_root
 from tinygpt.core.rundir import COMPILE_CACHE
 
 KEY_FILE = "compile-signing.key"
+KEY_ENV = "TINYGPT_COMPILE_KEY"  # also the name of the Colab secret
+NEW_VM_HINT = (f"to reuse a compile cache from Drive on a new VM, give the same key on each: set ${KEY_ENV} or add a "
+               f"Colab secret {KEY_ENV} (any long random text)")
 
 
-def signing_key(mirror_root: Path | None = None) -> bytes:
-    """This user's key: the local one, else the mirror's (a new VM), else a new one; kept in both."""
-    local = cache_root() / KEY_FILE
-    remote = mirror_root / f".tinygpt-{KEY_FILE}" if mirror_root is not None else None
-    key = None
-    for p in (local, remote):
+def _colab_secret() -> str | None:
+    """Colab's secret TINYGPT_COMPILE_KEY (None outside Colab, or when absent or not granted)."""
+    try:
+        from google.colab import userdata  # type: ignore[import-not-found]
+        return userdata.get(KEY_ENV) or None
+    except Exception:  # not in Colab, no such secret, or access not granted to this notebook
+        return None
+
+
+def signing_key() -> tuple[bytes | None, str | None]:
+    """(this user's key, a note). The key is derived from $TINYGPT_COMPILE_KEY or Colab's secret of
+    that name, else read from (or first made in) the local key file; never from a mirror. (None, why)
+    when the local key file is not this user's alone: the cache is then neither loaded nor saved."""
+    given = os.environ.get(KEY_ENV) or _colab_secret()
+    if given:
+        return hashlib.sha256(b"tinygpt-compile-cache\0" + given.encode()).digest(), None
+    path = cache_root() / KEY_FILE
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         try:
-            if p is not None and p.is_file() and len(p.read_bytes()) == 32:
-                key = p.read_bytes()
-                break
-        except OSError:
-            pass  # an unreachable Drive: the local key or a new one
-    key = key or secrets.token_bytes(32)
-    for p in (local, remote):
-        try:
-            if p is not None and not p.is_file():
-                p.parent.mkdir(parents=True, exist_ok=True)
-                write_bytes_atomic(p, key)
-                os.chmod(p, 0o600)
-        except OSError:
-            pass
-    return key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            key = secrets.token_bytes(32)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(key)
+            return key, None
+        except OSError as e:
+            return None, f"the compile cache is off: no key file could be made at {path} ({e})"
+    except OSError as e:
+        return None, f"the compile cache is off: its key file {path} is unreadable ({e})"
+    why = None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        why = "is not a plain file"
+    elif hasattr(os, "getuid") and st.st_uid != os.getuid():
+        why = f"belongs to another user (uid {st.st_uid})"
+    elif st.st_mode & 0o022:
+        why = f"may be written by others (mode {stat.filemode(st.st_mode)})"
+    elif st.st_size != 32:
+        why = f"holds {st.st_size} bytes, not 32"
+    if why:
+        return None, (f"the compile cache key file {path} {why}: refused, the compile cache is not used; delete it "
+                      f"(a new one is made) or set ${KEY_ENV}")
+    return path.read_bytes(), None
+
+
+def _inside(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([path, root]) == root
+
+
+def _destination(kind: str, key: str) -> str | None:
+    """Where torch would write an artifact of `kind` with `key` (how each artifact class picks its
+    path in torch 2.x); None for a kind not known here."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    if kind == "autotune":  # AutotuneCacheArtifact: the key is a path joined to the cache folder
+        return os.path.join(cache_dir(), key)
+    if kind == "inductor":
+        from torch._inductor.codecache import FxGraphCache
+        return FxGraphCache._get_tmp_dir_for_key(key)
+    if kind == "aot_autograd":
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+        return AOTAutogradCache._get_tmp_dir_for_key(key)
+    if kind == "pgo":
+        from torch._dynamo.pgo import PGOCacheArtifact, code_state_path
+        return code_state_path(PGOCacheArtifact._rewrite_cache_key_for_mega_cache(key)) or cache_dir()
+    if kind == "precompile":
+        from torch._dynamo.package import DynamoCache
+        return os.path.join(DynamoCache.path_prefix(), key)
+    return None
+
+
+def checked_artifacts(payload: bytes):
+    """The artifacts of a cache, unpacked without writing anything; a ValueError naming the first
+    whose destination leaves torch's cache folder (an absolute or `..` key), or an unknown kind."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch.compiler._cache import CacheArtifactManager
+
+    artifacts = CacheArtifactManager.deserialize(payload)
+    if not artifacts:
+        raise ValueError("it holds no artifacts this torch can read")
+    root = cache_dir()
+    for kind, items in artifacts.items():
+        for a in items:
+            dest = _destination(kind, a.key)
+            if dest is None:
+                raise ValueError(f"it holds a {kind!r} artifact, a kind not checked here")
+            if "\0" in a.key or os.path.isabs(a.key) or ".." in a.key.replace("\\", "/").split("/") \
+                    or not _inside(dest, root):
+                raise ValueError(f"its {kind} artifact {a.key[:80]!r} would be written outside torch's cache folder "
+                                 f"{root}")
+    return artifacts
 
 
 def device_name(device: torch.device) -> str:
@@ -68,17 +150,20 @@ def describe(model: torch.nn.Module, device: torch.device, precision: str, micro
 
 
 class CompileCache:
-    """Load before the first step, save after it. Never raises: a cache is only a cache."""
+    """Load before the first step, save after it. Never raises: a cache is only a cache. Without a
+    key (`signing_key` refused the key file) nothing is loaded or saved and `load` says why."""
 
-    def __init__(self, run_dir: Path, key: bytes, what: dict):
-        self.path, self.key, self.what = Path(run_dir) / COMPILE_CACHE, key, what
+    def __init__(self, run_dir: Path, key: bytes | None, what: dict, key_note: str | None = None):
+        self.path, self.key, self.what, self.key_note = Path(run_dir) / COMPILE_CACHE, key, what, key_note
 
     def _sign(self, payload: bytes) -> str:
         return hmac.new(self.key, json.dumps(self.what, sort_keys=True).encode() + payload, "sha256").hexdigest()
 
     def load(self) -> str | None:
         """Load the artifacts if they are ours and for this setup; a one-line note of what happened."""
-        if not self.path.is_file():
+        if self.key is None:
+            return self.key_note
+        if not self.path.is_file() or self.path.is_symlink():
             return None
         try:
             head, _, payload = self.path.read_bytes().partition(b"\n")
@@ -90,15 +175,25 @@ class CompileCache:
                              if header.get("what", {}).get(k) != v)
             return f"the compile cache is for another setup ({diff}): ignored, compiling from scratch"
         if not hmac.compare_digest(str(header.get("hmac", "")), self._sign(payload)):
-            return "the compile cache is not signed with this user's key (another person's run folder?): ignored"
+            return ("the compile cache is not signed with this user's key (another VM's or another person's): "
+                    f"ignored, compiling from scratch; {NEW_VM_HINT}")
         try:
-            torch.compiler.load_cache_artifacts(payload)
+            artifacts = checked_artifacts(payload)
+        except ValueError as e:
+            return f"the compile cache is refused, nothing of it was written: {e}; compiling from scratch"
+        except Exception as e:  # a torch whose cache classes differ: no checked load, so none at all
+            return f"the compile cache could not be checked ({type(e).__name__}: {e}): compiling from scratch"
+        try:
+            from torch.compiler._cache import CacheArtifactManager
+            CacheArtifactManager.populate_caches(artifacts)
         except Exception as e:
             return f"the compile cache could not be loaded ({type(e).__name__}): compiling from scratch"
         return f"compile cache loaded ({len(payload) / 1e6:.1f} MB)"
 
     def save(self) -> int:
         """Write this process's artifacts; their size in bytes (0 if there were none or it failed)."""
+        if self.key is None:
+            return 0
         try:
             out = torch.compiler.save_cache_artifacts()
             if not out or not out[0]:

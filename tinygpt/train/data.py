@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from tinygpt.core.config import DataConfig
+from tinygpt.core.paths import HUB_PREFIX, hub_spec
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.token_files import DataError, detect_token_folder  # noqa: F401  (DataError: handed on)
 
@@ -119,15 +120,11 @@ def resolve_source(source: str) -> tuple[str, object]:
     error otherwise."""
     if source in ("builtin", "stdlib"):
         return "builtin", None
-    if source.startswith("hf:"):
-        spec = source[3:]
-        split = "train"
-        if "@" in spec:
-            spec, split = spec.split("@", 1)
-        name, _, config = spec.partition(":")
-        if not name:
-            raise DataError(f"empty dataset name in {source!r}; write hf:NAME[:CONFIG][@SPLIT]")
-        return "hf", (name, config or None, split)
+    if source.startswith(HUB_PREFIX):
+        try:
+            return "hf", hub_spec(source, "train")
+        except ValueError as e:
+            raise DataError(str(e)) from None
     p = Path(source).expanduser()
     if p.is_dir() and detect_token_folder(p):
         return "tokens", p  # token ids already (nanoGPT / llm.c): trained on as they are

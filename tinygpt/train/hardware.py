@@ -5,6 +5,7 @@ finetuning recipes all ask here. "GB" is GiB (2**30 bytes), as Colab and nvidia-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import re
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from tinygpt.core.config import DEFAULT_RECIPE_FOR_HARDWARE
+from tinygpt.core.config import DEFAULT_RECIPE_FOR_HARDWARE, ConfigError, ModelConfig
 from tinygpt.core.precision import choose_precision, native_bf16, resolve_device
-from tinygpt.train.memory import GB
+from tinygpt.train.memory import GB, estimate_memory
 
 # (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class).
 # Most specific first; a name matches as a whole word, so "L4" is not found in "L40S" nor "A10" in "A100".
@@ -132,3 +133,46 @@ def device_class(device: str | torch.device = "auto") -> str:
         return dev.type
     props = torch.cuda.get_device_properties(dev)
     return gpu_class(torch.cuda.get_device_name(dev), props.major, props.total_memory / GB)
+
+
+def check_device(dev: torch.device) -> None:
+    """Refuse a device this machine does not have, in one line, before anything is written."""
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) is not None
+                                  and torch.backends.mps.is_available()):
+        raise ConfigError("device 'mps' was asked for but torch sees no Apple GPU (MPS) here; use --device cpu, "
+                          "or leave --device out to take the best device present")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {dev} was asked for but torch sees {torch.cuda.device_count()} CUDA GPU(s); "
+                          "use --device cuda:0, or leave --device out")
+
+
+def device_memory_gb(dev: torch.device) -> tuple[float | None, str]:
+    """What a device has to train with, in GB, and what that is: the GPU's memory, or the RAM."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory / GB, f"the GPU ({torch.cuda.get_device_name(dev)})"
+    return ram_gb()[0], "RAM"
+
+
+def check_fits(model: ModelConfig, micro_batch_size: int, seq_len: int, precision: str, dev: torch.device,
+               loss: str = "auto", what: str = "this model") -> None:
+    """Refuse, in one line that says what fits, a training run whose estimated memory (train.memory) is
+    more than the device has: a model the kernel's OOM killer would end after minutes, without a word.
+    The estimate grows linearly with n_layer, so it is read at 1 and 2 layers (no model is built)."""
+    have, where = device_memory_gb(dev)
+    if have is None:
+        return
+
+    def est(n_layer: int) -> float:
+        return estimate_memory(dataclasses.replace(model, n_layer=n_layer), micro_batch_size, seq_len, precision,
+                               device_type=dev.type, loss=loss).total_gb
+    one, per_layer = est(1), est(2) - est(1)
+    need = one + (model.n_layer - 1) * per_layer
+    if need <= have:
+        return
+    most = int((have - one) // per_layer) + 1 if per_layer > 0 and have >= one else 0
+    fits = (f"at this width (d_model {model.d_model}, vocab {model.vocab_size}) at most about {most} layers fit"
+            if most >= 1 else f"not even one layer of this width (d_model {model.d_model}, vocab "
+            f"{model.vocab_size}) fits; lower d_model or vocab_size")
+    raise ConfigError(f"{what} needs about {need:,.1f} GB to train (n_layer {model.n_layer}, micro-batch "
+                      f"{micro_batch_size}, context {seq_len}, {precision}) but {where} has {have:.1f} GB: {fits}; "
+                      "lower model.n_layer or model.d_model (or train.micro_batch_size)")

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tinygpt.core.config import ModelConfig
+from tinygpt.model.attention import attention_kernel, torch_version
 from tinygpt.model.gpt import meta_model
 from tinygpt.model.losses import default_chunk_rows
 
@@ -46,6 +47,7 @@ class MemoryEstimate:
     activation_checkpointing: bool
     device_type: str
     loss_chunk_rows: int  # 0: the plain F.cross_entropy over the full logits
+    attention: str = "fused"  # `model.attention.attention_kernel`: "fused", "expand" (GQA K/V repeated) or "math"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,6 +55,8 @@ class MemoryEstimate:
     def rows(self) -> list[tuple[str, str, str]]:
         n, tok = f"{self.n_params / 1e6:.1f}M", f"{self.micro_batch_size} x {self.seq_len} tokens"
         ckpt = "layer inputs (checkpointing)" if self.activation_checkpointing else "every layer"
+        ckpt += {"expand": ", keys/values repeated to the query heads",
+                 "math": ", a T x T attention matrix per head (math kernel)"}.get(self.attention, "")
         loss = (f"chunks of {self.loss_chunk_rows} rows of logits + head gradients" if self.loss_chunk_rows
                 else f"{tok} x vocab x 12 B (fp32 log-probs + 2 gradients)")
         return [("part", "GB", "how"),
@@ -69,19 +73,23 @@ class MemoryEstimate:
 
 
 def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointing: bool,
-                               chunk_rows: int) -> tuple[int, int]:
+                               chunk_rows: int, seq_len: int = 0, kernel: str = "fused") -> tuple[int, int]:
     """(activations, loss) bytes at the peak, counted tensor by tensor (tests check them against
     saved-tensor hooks and a tracked step). The residual stream and RMSNorm are fp32 under
-    autocast; e is the matmul dtype's size."""
-    d, ff, kvd, v = c.d_model, c.d_ff, c.n_kv_head * c.head_dim, c.vocab_size
+    autocast; e is the matmul dtype's size. kernel: `attention_kernel`'s answer for this device."""
+    d, ff, v = c.d_model, c.d_ff, c.vocab_size
+    # Keys and values as SDPA keeps them: repeated to the query heads unless a fused kernel takes them grouped.
+    kvd = (c.n_kv_head if kernel == "fused" else c.n_head) * c.head_dim
 
     def norm_then(n_linears: int) -> int:
         # RMSNorm keeps its input and the normalised x; each Linear keeps its input, which autocast
         # casts once per Linear (activations are not cached, only weights); in fp32 it is one tensor.
         return 8 * d + (4 * d if e == 4 else n_linears * e * d)
 
-    # SDPA (flash / memory-efficient) keeps q, k, v, the output and a logsumexp: no T x T matrix.
-    attn = norm_then(3) + e * (d + 2 * kvd) + e * d + 4 * c.n_head
+    # SDPA (flash / memory-efficient) keeps q, k, v, the output and a logsumexp: no T x T matrix. The math
+    # kernel keeps the softmax's output instead of the logsumexp: seq_len scores per token and head.
+    attn = norm_then(3) + e * (d + 2 * kvd) + e * d
+    attn += e * c.n_head * seq_len if kernel == "math" else 4 * c.n_head
     mlp = norm_then(2) + 4 * e * ff  # SwiGLU: gate, silu(gate), up and their product
     layer = attn + mlp + 8  # + the two norms' rsqrt
     if chunk_rows == 0:  # F.cross_entropy: fp32 log-probs saved, their gradient and the logits' gradient
@@ -102,10 +110,19 @@ def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointin
 
 def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, precision: str = "fp32",
                     activation_checkpointing: bool | None = None, device_type: str = "cuda",
-                    loss: str = "auto") -> MemoryEstimate:
+                    loss: str = "auto", capability: tuple[int, int] | None = None,
+                    attention: str | None = None) -> MemoryEstimate:
     """Peak training memory of AdamW at this micro-batch and context; precision "bf16", "fp16" or "fp32";
-    `loss` as `TrainConfig.loss` (the full logits, or chunks of them)."""
+    `loss` as `TrainConfig.loss` (the full logits, or chunks of them). Attention as `model.attention` runs it
+    on this device (`attention` overrides): a CUDA GPU of unknown `capability` is taken to be one that picks
+    this precision by default (fp16: a T4, sm75; else sm80)."""
     ckpt = model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    if attention is None:
+        if device_type == "cuda" and capability is None:
+            capability = (7, 5) if precision == "fp16" else (8, 0)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        attention = attention_kernel(device_type, capability, dtype, torch_version(), model.head_dim) \
+            if model.n_kv_head != model.n_head or device_type == "mps" else "fused"
     meta = meta_model(model)
     n = meta.num_params()
     tokens = micro_batch_size * seq_len
@@ -115,11 +132,11 @@ def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, pre
                  if isinstance(m, torch.nn.Linear) and not (chunk_rows and m is meta.lm_head))
     e = 4 if precision == "fp32" else 2
     parts = [4 * n, 4 * n, 8 * n, 0 if e == 4 else e * matmul,
-             *_activation_and_loss_bytes(model, tokens, e, ckpt, chunk_rows)]
+             *_activation_and_loss_bytes(model, tokens, e, ckpt, chunk_rows, seq_len, attention)]
     sub = sum(parts) / GB
     overhead = overhead_gb(sub, device_type)
     return MemoryEstimate(*(p / GB for p in parts), overhead, sub + overhead, n, micro_batch_size, seq_len,
-                          precision, ckpt, device_type, chunk_rows)
+                          precision, ckpt, device_type, chunk_rows, attention)
 
 
 class TensorMemoryTracker(TorchDispatchMode):

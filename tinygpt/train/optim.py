@@ -86,17 +86,69 @@ class MuonAdamW(torch.optim.Optimizer):
             inner.param_groups = [g for g in self.param_groups if g["kind"] == kind]
             inner.state = self.state
 
+    # torch.amp.GradScaler hands fp16 steps to this optimizer with `grad_scale` (None once unscale_ ran) and
+    # `found_inf` (a device tensor) set on it, instead of reading found_inf back to the host to decide
+    # whether to step: no host-device sync per step. The step then unscales and skips by itself.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if grad_scale is None and found_inf is None:  # no GradScaler (bf16, fp32): the inner optimizers as they are
+            if self._muon.param_groups:
+                self._muon.step()
+            if self._adamw.param_groups:
+                self._adamw.step()
+            return loss
         if self._muon.param_groups:
-            self._muon.step()
+            self._muon_step_scaled(grad_scale, found_inf)
         if self._adamw.param_groups:
-            self._adamw.step()
+            # the fused kernel unscales and skips on found_inf itself
+            if all(g.get("fused") for g in self._adamw.param_groups):
+                self._adamw.grad_scale, self._adamw.found_inf = grad_scale, found_inf
+                try:
+                    self._adamw.step()
+                finally:
+                    del self._adamw.grad_scale, self._adamw.found_inf
+            elif found_inf is None or not found_inf.item():  # unfused (the CPU): the sync costs nothing there
+                if grad_scale is not None:
+                    for g in self._adamw.param_groups:
+                        for p in g["params"]:
+                            if p.grad is not None:
+                                p.grad.div_(grad_scale.to(p.grad.device))
+                self._adamw.step()
         return loss
+
+    def _muon_step_scaled(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """torch.optim.Muon's update (`torch.optim._muon`), unscaled by `grad_scale` and made a no-op on the
+        device when `found_inf` is set (gradients zeroed, the momentum's, the decay's and the update's weights
+        chosen by a device-side `where`), so no value is read back to the host."""
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        for group in self._muon.param_groups:
+            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                skip = torch.zeros((), dtype=torch.bool, device=p.device) if found_inf is None \
+                    else found_inf.to(p.device) > 0
+                grad = p.grad if grad_scale is None else p.grad / grad_scale.to(p.device)
+                grad = torch.where(skip, 0.0, grad)  # inf * 0 would be nan
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                # the factors in fp32, rounded as torch rounds the Python numbers Muon passes: the same steps
+                buf.lerp_(grad, torch.where(skip, 0.0, 1 - momentum))
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p.mul_(torch.where(skip, 1.0, 1 - lr * wd))
+                keep = torch.where(skip, 0.0, 1.0)
+                p.add_(update * keep, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Optimizer.load_state_dict replaces `state` and the group dicts: re-point the inner ones.

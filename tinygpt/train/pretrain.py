@@ -7,11 +7,11 @@ prepares the tokenizer, the token cache and the run folder while the others wait
 """
 from __future__ import annotations
 
-import contextlib
+import math
 import platform
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +19,24 @@ import torch
 
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
+from tinygpt.core.files import refuse_links_in
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import choose_precision, resolve_device
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.rundir import RUN_JSON, RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
-from tinygpt.sync.drive import CLOSE_TIMEOUT_S, Mirror, ShardMirror, restore_latest, restore_shards
+from tinygpt.sync.drive import (
+    Mirror,
+    ShardMirror,
+    restore_latest,
+    restore_shards,
+    run_identity,
+    write_identity,
+)
 from tinygpt.train.budget import Budget
-from tinygpt.train.callbacks import TensorBoardLogger, write_sample
+from tinygpt.train.callbacks import MFU, Progress, StartupReport, TensorBoardLogger, TimeBudget, write_sample
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
 from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents, resolve_source, source_fingerprint
 from tinygpt.train.distributed import (
@@ -39,14 +48,16 @@ from tinygpt.train.distributed import (
     split_global_batch,
     torchrun_env,
 )
+from tinygpt.train.hardware import check_device, check_fits
 from tinygpt.train.hardware import peak_tflops as _peak
+from tinygpt.train.init import INIT_TOKENIZER, base_tokenizer, initial_model
 from tinygpt.train.probe import apply_probe
 from tinygpt.train.probe import probe as run_probe
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.shards import ShardStream, StreamedShards, TokenShards, stream_token_cache
+from tinygpt.train.shards import ShardStream, StreamedShards, TokenShards, check_token_cache, stream_token_cache
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.token_files import check_shard_ids, open_token_folder
-from tinygpt.train.trainer import RESUMABLE_CHANGES, Trainer, TrainResult
+from tinygpt.train.trainer import RESUMABLE_CHANGES, Ranks, TrainData, Trainer, TrainResult
 
 TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
 
@@ -88,6 +99,8 @@ def get_tokenizer(recipe: Recipe, run_dir: Path) -> Tokenizer:
         tok = train_bpe(sample, d.vocab_size)
     elif d.tokenizer == "gpt2":
         tok = load_gpt2()
+    elif d.tokenizer == INIT_TOKENIZER:  # continued pretraining: the base's own tokenizer
+        tok = base_tokenizer(recipe)
     else:
         tok = Tokenizer.load(d.tokenizer)
     if tok.vocab_size > recipe.model.vocab_size:
@@ -123,7 +136,7 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
     if dev.type != "cuda" or world_size > 1:
         return recipe, None
 
-    result = run_probe(recipe, device=dev)
+    result = run_probe(recipe, device=dev, run_dir=run_dir)
     return apply_probe(recipe, result), result.to_dict()
 
 
@@ -139,7 +152,7 @@ class PretrainOptions:
     resume: str = "auto"                     # "auto": the newest valid checkpoint; "never": refuse one
     mirror: str | Path | None = None         # a Drive folder (or any folder) to mirror the run to
     cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
-    callbacks: list | tuple = ()             # extra trainer callbacks (on_log, on_checkpoint, close)
+    callbacks: list | tuple = ()             # extra trainer callbacks (tinygpt.core.callback.Callback)
     progress: bool = True
     sample_prompt: str | None = None         # default: how a held-out document begins
     peak_tflops: float | None = None         # for MFU; default from the GPU table
@@ -153,8 +166,9 @@ class PretrainOptions:
             raise ConfigError(f"resume must be 'auto' or 'never', got {self.resume!r}")
         if self.probe not in ("auto", "off"):
             raise ConfigError(f"probe must be 'auto' or 'off', got {self.probe!r}")
-        if self.hours is not None and not self.hours > 0:
-            raise ConfigError(f"hours must be a positive number of hours (e.g. 1.5), got {self.hours!r}")
+        if self.hours is not None and not (isinstance(self.hours, (int, float)) and math.isfinite(self.hours)
+                                           and self.hours > 0):
+            raise ConfigError(f"hours must be a positive, finite number of hours (e.g. 1.5), got {self.hours!r}")
         if self.hours is not None and self.max_steps is not None:
             raise ConfigError("give --hours or --max-steps, not both: a time budget sets the step count itself")
         self.run_dir = Path(self.run_dir)
@@ -196,16 +210,24 @@ def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_
     model and train it; rank 0 then writes a sample. The process group, if any, is set up already."""
     clock = StartupClock()
     check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
+    check_parallel(opts.parallel, recipe.train.optimizer, world_size)
+    check_device(dev := resolve_device(recipe.train.device))
+    t = recipe.train
+    # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
+    check_fits(recipe.model, 1 if dev.type == "cuda" else t.micro_batch_size, t.seq_len,
+               choose_precision(dev, t.precision).name, dev, t.loss, what=f"recipe {recipe.name}")
     probe_info = None
     if opts.probe == "auto":
-        recipe, probe_info = fit_to_device(recipe, opts.run_dir, resolve_device(recipe.train.device), world_size)
+        recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, world_size)
     clock.mark("probe")
-    check_parallel(opts.parallel, recipe.train.optimizer, world_size)
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, world_size)
-    dev = resolve_device(recipe.train.device)
     precision = choose_precision(dev, recipe.train.precision)
+    refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
     # one writer per run folder (rank 0 writes it; the other ranks of the same job only read)
-    with RunDir(opts.run_dir).lock() if rank == 0 else contextlib.nullcontext():
+    if rank != 0:
+        return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info, clock)
+    run = RunDir(opts.run_dir)
+    with run.lock(), run.undo_if_first_try_fails(RUN_JSON):  # a failed first try leaves nothing behind
         return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info, clock)
 
 
@@ -215,12 +237,13 @@ class RunData:
     tokenizer: Tokenizer
     tokens: TokenShards
     mirror: ShardMirror | None = None
+    identity: dict | None = None  # the run's id and configuration hash (one run per mirror)
 
     def close(self) -> None:
         """Stop tokenizing (the next run goes on from the first missing shard); finish the copy."""
         if isinstance(self.tokens, ShardStream):
             self.tokens.stop()
-        if self.mirror is not None and not self.mirror.close(CLOSE_TIMEOUT_S):
+        if self.mirror is not None and not self.mirror.close():
             warnings.warn(f"some token shards are not yet on the mirror ({self.mirror.mirror}); a new VM tokenizes "
                           "them again", stacklevel=2)
 
@@ -229,44 +252,40 @@ def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world
                          precision, probe_info: dict | None, clock: StartupClock) -> TrainResult:
     with main_process_first(rank, world_size):  # the others find what rank 0 made
         data = prepare_run(recipe, opts, rank == 0, precision, dev, probe_info, clock)
-    callbacks: list = []
+    callbacks: list[Callback] = []
     try:
         t = recipe.train
         sampler = WindowSampler(data.tokens, t.seq_len, t.seed)  # waits for the first shard
         val = fixed_batches(data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1), t.seq_len,
                             t.micro_batch_size, t.eval_batches)
         clock.mark("data")
-        callbacks = list(opts.callbacks) + (run_callbacks(recipe, opts) if rank == 0 else [])
         torch.manual_seed(t.seed)
-        model = GPT(recipe.model)
+        model = initial_model(recipe, opts.run_dir, opts.resume)  # random, or a base's weights (model.init)
+        callbacks = run_callbacks(recipe, opts, model, dev, precision.name, clock, rank, world_size, data.identity)
         # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
         # trainer's train_config) and the tokenizer
         run_info = {"recipe": {k: v for k, v in recipe.to_dict().items() if k != "train"},
                     "tokenizer": data.tokenizer.to_json()}
-        trainer = Trainer(model, t, sampler, val, opts.run_dir, device=dev, precision=precision,
-                          callbacks=callbacks, flops_per_token=model.flops_per_token(t.seq_len),
-                          peak_tflops=opts.peak_tflops or gpu_peak_tflops(dev, precision.name),
-                          progress=opts.progress, rank=rank, world_size=world_size, parallel=opts.parallel,
-                          run_info=run_info, startup=clock, hours=opts.hours,
-                          compile_cache=compile_cache_for(recipe, opts, model, dev, precision.name))
+        trainer = Trainer(model, replace(t, device=str(dev)), TrainData(sampler, val), opts.run_dir,
+                          callbacks=callbacks, ranks=Ranks(rank, world_size, opts.parallel), run_info=run_info)
         clock.mark("model")
         result = trainer.fit(opts.resume)
         if rank == 0 and not result.interrupted:
             sample_after_training(recipe, opts, result, model, data.tokenizer, data.tokens, dev, world_size)
     finally:
         for cb in callbacks:
-            if hasattr(cb, "close"):
-                cb.close()
+            cb.close()
         data.close()
     return result
 
 
 def compile_cache_for(recipe: Recipe, opts: PretrainOptions, model: GPT, dev: torch.device,
                       precision: str) -> CompileCache:
-    """The run's compile cache, signed with this user's key (kept beside the Drive mirror too)."""
+    """The run's compile cache, signed with this user's key (never kept on the mirror)."""
     t = recipe.train
-    key = signing_key(Path(opts.mirror).parent if opts.mirror is not None else None)
-    return CompileCache(opts.run_dir, key, describe(model, dev, precision, t.micro_batch_size, t.seq_len, t.compile))
+    key, note = signing_key()
+    return CompileCache(opts.run_dir, key, describe(model, dev, precision, t.micro_batch_size, t.seq_len, t.compile),
+                        note)
 
 
 def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision, dev: torch.device,
@@ -274,6 +293,9 @@ def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision,
     """Restore from the mirror (a new VM), check the run folder, get the tokenizer, start the token
     shards (the mirror's complete ones first; a background process tokenizes on), write run.json."""
     run_dir, cache = opts.run_dir, Path(opts.cache_dir or default_cache_dir())
+    identity = None
+    if is_main:  # a mirror that another run owns is refused here, before anything is copied or written
+        identity = run_identity(run_dir, opts.mirror, identity_config(recipe))
     if opts.mirror is not None and is_main:
         restore_latest(run_dir, Path(opts.mirror))  # a new VM: the mirror's newest valid checkpoint comes home
     if is_main:
@@ -282,24 +304,33 @@ def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision,
     if clock is not None:
         clock.mark("tokenizer")
     if resolve_source(recipe.data.source)[0] == "tokens":  # a folder of token ids: nothing to tokenize
-        data = RunData(tokenizer, open_token_shards(recipe.data.source, recipe.model.vocab_size))
+        data = RunData(tokenizer, open_token_shards(recipe.data.source, recipe.model.vocab_size), identity=identity)
         if is_main:
             meta = {"source": recipe.data.source, **data.tokens.meta}
-            _write_run_files(run_dir, recipe, tokenizer, precision, dev, meta, probe_info)
+            _write_run_files(run_dir, recipe, tokenizer, precision, dev, meta, probe_info, identity)
         return data
     key = cache_key(recipe.data, tokenizer)
     mirror_cache = Path(opts.mirror).parent / "_token_cache" / key if opts.mirror is not None else None
-    data = RunData(tokenizer, StreamedShards(cache / key))
+    data = RunData(tokenizer, StreamedShards(cache / key), identity=identity)
     if is_main:
-        if mirror_cache is not None:
-            restore_shards(mirror_cache, cache / key)  # a new VM tokenizes on from the first shard Drive lacks
+        before = data.tokens.n_shards
+        restored = restore_shards(mirror_cache, cache / key) if mirror_cache is not None else 0  # a new VM
+        # tokenizes on from the first shard Drive lacks; a shard with ids past the vocabulary is tokenized again
+        check_token_cache(cache / key, tokenizer.vocab_size, mirror_cache, range(before, before + restored))
         # tokenized about as far as the run reads (a resume with more steps asks for more)
         data.tokens = stream_token_cache(recipe.data, tokenizer, cache, key, max_train_tokens=recipe.token_budget)
         if mirror_cache is not None:
             data.mirror = ShardMirror(cache / key, mirror_cache)
         _write_run_files(run_dir, recipe, tokenizer, precision, dev, {"cache": key, "source": recipe.data.source},
-                         probe_info)
+                         probe_info, identity)
     return data
+
+
+def identity_config(recipe: Recipe) -> dict:
+    """What makes two runs the same run, for the mirror's identity: the model (less what the probe may
+    choose differently on another GPU) and the data. Training settings are compared by check_run_dir."""
+    model = {k: v for k, v in recipe.model.to_dict().items() if k not in ("activation_checkpointing", "fused_proj")}
+    return {"recipe": recipe.name, "model": model, "data": recipe.data.to_dict()}
 
 
 def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
@@ -311,15 +342,27 @@ def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
                        check=lambda i, arr: check_shard_ids(arr, vocab_size, names[i], files.vocab_hint))
 
 
-def run_callbacks(recipe: Recipe, opts: PretrainOptions) -> list:
-    """Rank 0's own callbacks: TensorBoard (when wanted and installed) and the mirror."""
-    out: list = []
+def run_callbacks(recipe: Recipe, opts: PretrainOptions, model: GPT, dev: torch.device, precision: str,
+                  clock: StartupClock, rank: int, world_size: int, identity: dict | None = None) -> list[Callback]:
+    """A pretraining run's side concerns, in the order they act: the start-up record and compile cache,
+    the time budget (which fixes the step count the bar shows), MFU, the bar; the caller's callbacks;
+    then, on rank 0, TensorBoard (when wanted and installed) and the mirror."""
+    cache = compile_cache_for(recipe, opts, model, dev, precision) if world_size == 1 else None
+    out: list[Callback] = [StartupReport(clock, cache)]
+    if opts.hours is not None:
+        out.append(TimeBudget(opts.hours))
+    out.append(MFU(model.flops_per_token(recipe.train.seq_len), opts.peak_tflops or gpu_peak_tflops(dev, precision)))
+    if opts.progress:
+        out.append(Progress())
+    out += list(opts.callbacks)
+    if rank != 0:
+        return out
     if opts.tensorboard is not False:
         tb = TensorBoardLogger.create(opts.run_dir / "tensorboard", required=bool(opts.tensorboard))
         if tb is not None:
             out.append(tb)
     if opts.mirror is not None:
-        out.append(Mirror(opts.run_dir, Path(opts.mirror), keep_last=recipe.train.keep_last))
+        out.append(Mirror(opts.run_dir, Path(opts.mirror), keep_last=recipe.train.keep_last, identity=identity))
     return out
 
 
@@ -348,9 +391,11 @@ def sample_after_training(recipe: Recipe, opts: PretrainOptions, result: TrainRe
 
 
 def _write_run_files(run_dir: Path, recipe: Recipe, tokenizer: Tokenizer, precision, dev: torch.device,
-                     data_meta: dict, probe_info: dict | None = None) -> None:
-    """tokenizer.json (kept once written: a resumed run must use the same one) and run.json."""
+                     data_meta: dict, probe_info: dict | None = None, identity: dict | None = None) -> None:
+    """tokenizer.json (kept once written: a resumed run must use the same one), identity.json and run.json."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    if identity is not None:
+        write_identity(run_dir, identity)
     if not (run_dir / "tokenizer.json").is_file():
         tokenizer.save(run_dir / "tokenizer.json")
     info = {"recipe": recipe.to_dict(), "precision": precision.to_dict(), "device": str(dev),

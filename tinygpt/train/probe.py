@@ -1,6 +1,12 @@
 """The probe: what this machine is, how much memory a recipe needs (estimated, with a breakdown),
 and the largest micro-batch and context that really fit (found by trial), cached per device,
-recipe and torch version. "GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
+recipe and torch version, and kept in the run folder (probe.json, mirrored with the run) so that a new
+VM on the same GPU and torch reads it instead of probing again. "GB" here is GiB (2**30 bytes), as
+Colab and nvidia-smi count GPU memory.
+
+The probe leaves the process as it found it: its compiled timings are forgotten (`torch._dynamo.reset()`),
+so the training step that follows compiles its own graph, for its own micro-batch, with static shapes
+(after timing a second micro-batch size, dynamo would otherwise have made the batch dimension symbolic).
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import gc
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +33,7 @@ from tinygpt.core.precision import (
     native_bf16,
     resolve_device,
 )
+from tinygpt.core.rundir import PROBE_JSON
 from tinygpt.core.units import duration, size_gb
 from tinygpt.model.gpt import GPT, meta_model
 from tinygpt.model.losses import default_chunk_rows
@@ -37,8 +45,9 @@ from tinygpt.train.memory import (
     estimate_memory,
 )
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.trainer import Trainer
+from tinygpt.train.trainer import TrainStep
 
+PROBE_TIME_LIMIT_S = 60.0  # the search and the timings stop here (the choice so far is kept, and said)
 SPEED_STEPS, SPEED_WARMUP = 8, 4  # optimizer steps timed (median) after warm-up ones (the compile among them)
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
@@ -53,6 +62,18 @@ class Trial:
     ok: bool  # ran, and peak <= (1 - margin) * limit
     oom: bool
     tokens_per_s: float | None
+
+
+# How an allocation failure reads when it does not arrive as torch.OutOfMemoryError: cuBLAS, cuDNN and a
+# CUDA launch report theirs as a plain RuntimeError (inside a compiled graph too).
+_ALLOCATION_FAILURES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                        "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
+
+
+def is_allocation_failure(e: BaseException) -> bool:
+    """An out-of-memory error in any of the forms torch, cuBLAS and cuDNN raise it."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in _ALLOCATION_FAILURES))
 
 
 class ProbeError(RuntimeError):
@@ -82,6 +103,7 @@ class ProbeResult:
     speeds: dict = field(default_factory=dict)  # "micro-batch" or "micro-batch full" -> tokens/s of the trainer's step
     tokens_per_s_source: str = "measured by trial (eager, one micro-batch)"
     loss: str = "auto"  # the loss the trainer takes: "full" logits where they fit and measured faster
+    time_limit_s: float | None = None  # the search's time limit
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,7 +173,9 @@ class _TrialRunner:
                 peak = (self.held_bytes + tracker.peak_bytes) / GB
             if peak > self.limit_gb:
                 raise torch.OutOfMemoryError(f"trial peak {peak:.2f} GB is over the limit {self.limit_gb:.2f} GB")
-        except torch.OutOfMemoryError:
+        except Exception as e:
+            if not is_allocation_failure(e):
+                raise
             oom = True
         if oom:  # outside the except block: the traceback, and the tensors its frames hold, are gone
             self.opt.zero_grad(set_to_none=False)
@@ -218,25 +242,33 @@ def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: in
     precision, loss, optimizer, and compile where the trainer compiles): the median of `steps` after
     `warmup`. Nothing is written: the trainer is built and stepped, never fitted."""
     dev = resolve_device(str(device))
-    t = recipe.train
+    t = dataclasses.replace(recipe.train, device=str(dev))
     times = []
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the caller's RNG is left as it was
-        torch.manual_seed(0)
-        model = GPT(dataclasses.replace(recipe.model))
-        trainer = Trainer(model, dataclasses.replace(t, device=str(dev)),
-                          RandomBatches(recipe.model.vocab_size, t.seq_len), [],
-                          run_dir=Path("/nonexistent-probe-run"), device=dev, progress=False)
-        for _ in range(warmup + steps):
-            _sync(dev)
-            t0 = time.perf_counter()
-            trainer.optimizer_step()
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-        del trainer, model
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    try:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the caller's RNG stays as it was
+            torch.manual_seed(0)
+            step = TrainStep(GPT(dataclasses.replace(recipe.model)), t,
+                             RandomBatches(recipe.model.vocab_size, t.seq_len))
+            for _ in range(warmup + steps):
+                _sync(dev)
+                t0 = time.perf_counter()
+                step.optimizer_step()
+                _sync(dev)
+                times.append(time.perf_counter() - t0)
+            del step
+    finally:  # an out-of-memory error included: the memory and the compiled graphs go
+        forget_compiled()
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return t.tokens_per_step / sorted(times[warmup:])[len(times[warmup:]) // 2]
+
+
+def forget_compiled() -> None:
+    """Drop what torch's compiler learnt in this process (graphs, and which dimensions it made dynamic),
+    as if it had just started: the training step compiles afresh, for its own shapes."""
+    if "torch._dynamo" in sys.modules:  # never imported: nothing to forget (and importing it costs ~1 s)
+        torch._dynamo.reset()
 
 
 def _sync(dev: torch.device) -> None:
@@ -274,8 +306,8 @@ def _slug(s: str) -> str:
 def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precision: str | None = None,
           memory_limit_gb: float | None = None, margin: float = 0.1,
           measure: Callable[[int, int, bool], float] | None = None, max_micro_batch: int | None = None,
-          min_seq_len: int = 128, time_limit_s: float | None = None,
-          cache_dir: str | Path | None = "default",
+          min_seq_len: int = 128, time_limit_s: float | None = PROBE_TIME_LIMIT_S,
+          cache_dir: str | Path | None = "default", run_dir: str | Path | None = None,
           speed: Callable[[Recipe, torch.device], float] | None = trainer_speed) -> ProbeResult:
     """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits in
     (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per step.
@@ -283,136 +315,181 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
     `measure(micro_batch, seq_len, checkpointing) -> GB`, called after each trial's step, replaces the
     real measurement (torch.cuda.max_memory_allocated on CUDA, TensorMemoryTracker elsewhere); a trial
     over `memory_limit_gb` (default: the GPU's memory less its context, or the free RAM) raises
-    torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off.
+    torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off; `run_dir`: the
+    result is also kept there (probe.json) and read from there first (a new VM with the run restored).
     Among the micro-batches that fit, `speed(recipe, device) -> tokens/s` (default: the trainer's own
-    step, compiled where it compiles) picks the fastest; None keeps the largest."""
+    step, compiled where it compiles) picks the fastest; None keeps the largest. A candidate whose timing
+    runs out of memory (in any of its forms: `is_allocation_failure`) is dropped with a note. After
+    `time_limit_s` (None: no limit) the search and the timings stop and the best found so far is taken."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     dev = resolve_device(str(device))
     requested, prec_note = requested_precision(recipe, dev.type, native_bf16(dev))
     prec = choose_precision(dev, precision or requested)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} {cpu_name()}"
     if memory_limit_gb is None:
-        if dev.type == "cuda":
-            memory_limit_gb = torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB
-        else:
-            memory_limit_gb = ram_gb()[1] or math.inf
+        memory_limit_gb = torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB if dev.type == "cuda" \
+            else ram_gb()[1] or math.inf
     train = recipe.train
     key = dict(device=name, recipe=recipe.name, torch=torch.__version__, model=recipe.model.to_dict(),
                seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, tokens_per_step=train.tokens_per_step,
                precision=prec.name, memory_limit_gb=round(memory_limit_gb, 2), margin=margin,
                max_micro_batch=max_micro_batch, min_seq_len=min_seq_len, injected_measure=measure is not None,
                timed=getattr(speed, "__name__", None))
-    path = None
-    if cache_dir == "default":
-        cache_dir = cache_root("probe")
+    paths = [Path(run_dir) / PROBE_JSON] if run_dir is not None else []
     if cache_dir is not None:
-        path = Path(cache_dir) / f"{_slug(name)}__{_slug(recipe.name)}__torch-{_slug(torch.__version__)}.json"
+        folder = cache_root("probe") if cache_dir == "default" else Path(cache_dir)
+        paths.append(folder / f"{_slug(name)}__{_slug(recipe.name)}__torch-{_slug(torch.__version__)}.json")
+    kept = _read_kept(paths, key)
+    if kept is not None:
+        return kept
+
+    search = _Search(recipe, dev, prec, memory_limit_gb, margin, measure, time_limit_s)
+    t, ckpt, largest = search.largest_fit(max_micro_batch or 4 * train.micro_batch_size, min_seq_len)
+    search.notes += [n for n in [prec_note] if n]
+    if ckpt and not recipe.model.activation_checkpointing:
+        search.notes.append(f"activation checkpointing turned on: micro-batch 1 did not fit without it at context {t}")
+    if t < train.seq_len:
+        search.notes.append(f"context shortened from {train.seq_len} to {t}: micro-batch 1 did not fit at longer "
+                            "contexts even with activation checkpointing")
+    limit, loss = search.fastest(speed, largest, t, ckpt) if speed is not None else (largest, train.loss)
+    result = search.confirm(limit, loss, largest, t, ckpt, name, key)
+    for path in paths:
+        _keep(path, result)
+    return result
+
+
+def _read_kept(paths: list[Path], key: dict) -> ProbeResult | None:
+    """The first kept result for exactly this key (the run folder's, then the user's cache); it is
+    copied to where it was missing (the run keeps what the user's cache had, and the other way round)."""
+    for path in paths:
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             cached = ProbeResult.from_dict(json.loads(path.read_text()))
             if cached.key == json.loads(json.dumps(key)):
                 cached.from_cache = True
+                for other in paths:
+                    if not other.is_file():
+                        _keep(other, cached)
                 return cached
+    return None
 
-    t0 = time.perf_counter()
-    runner = _TrialRunner(recipe, dev, prec, memory_limit_gb, margin, measure)
-    trials: list[Trial] = []
 
-    def fits(b: int, t: int, ckpt: bool) -> bool:
-        trials.append(runner.trial(b, t, ckpt))
-        return trials[-1].ok
+def _keep(path: Path, result: ProbeResult) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {**result.to_dict(), "from_cache": False})  # a disconnect never leaves half a file
 
-    def out_of_time() -> bool:
-        return time_limit_s is not None and time.perf_counter() - t0 > time_limit_s
 
-    lengths = [train.seq_len]
-    while lengths[-1] // 2 >= min_seq_len:
-        lengths.append(lengths[-1] // 2)
-    ckpts = [True] if recipe.model.activation_checkpointing else [False, True]
-    cap0 = max_micro_batch or 4 * train.micro_batch_size
-    largest, t, ckpt = 0, train.seq_len, ckpts[0]
-    for t in lengths:
-        for ckpt in ckpts:
-            largest = _largest_fit(lambda b: fits(b, t, ckpt), max(1, min(cap0, train.tokens_per_step // t)),
-                                   out_of_time)
-            if largest:
-                break
-        if largest:
-            break
-    if not largest:
-        raise ProbeError(f"recipe {recipe.name!r} does not fit in {memory_limit_gb:.1f} GB (margin {margin:.0%}) even "
-                         f"at micro-batch 1, context {lengths[-1]}, with activation checkpointing: pick a smaller "
-                         "recipe")
-    notes = [n for n in [prec_note] if n]
-    if ckpt and not recipe.model.activation_checkpointing:
-        notes.append(f"activation checkpointing turned on: micro-batch 1 did not fit without it at context {t}")
-    if t < train.seq_len:
-        notes.append(f"context shortened from {train.seq_len} to {t}: micro-batch 1 did not fit at longer contexts "
-                     "even with activation checkpointing")
-    # The fastest of the micro-batches that fit, as the trainer runs them (compiled, its loss and
-    # optimizer): on an H100 the largest micro-batch was not the fastest, and eager trials said 0.42x.
-    # Where the recipe's loss would chunk the logits, the full logits are timed too if they fit: the
-    # chunked loss cost 12-13% on an H100 where the full logits fitted.
-    speeds: dict[tuple[int, str], float] = {}
-    loss = train.loss
-    limit = largest
-    if speed is not None:
-        vocab = recipe.model.vocab_size
+class _Search:
+    """One probe's search: memory trials, then timings of the trainer's step, within one time limit."""
+
+    def __init__(self, recipe: Recipe, dev: torch.device, prec: Precision, limit_gb: float, margin: float,
+                 measure: Callable | None, time_limit_s: float | None):
+        self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure = (
+            recipe, dev, prec, limit_gb, margin, measure)
+        self.time_limit_s, self.t0 = time_limit_s, time.perf_counter()
+        self.runner = _TrialRunner(recipe, dev, prec, limit_gb, margin, measure)
+        self.trials: list[Trial] = []
+        self.notes: list[str] = []
+        self.speeds: dict[tuple[int, str], float] = {}
+
+    def out_of_time(self) -> bool:
+        return self.time_limit_s is not None and time.perf_counter() - self.t0 > self.time_limit_s
+
+    def fits(self, b: int, t: int, ckpt: bool) -> bool:
+        self.trials.append(self.runner.trial(b, t, ckpt))
+        return self.trials[-1].ok
+
+    def largest_fit(self, cap0: int, min_seq_len: int) -> tuple[int, bool, int]:
+        """(context, checkpointing, largest micro-batch): the recipe's context first, without checkpointing
+        first (unless the recipe has it on), halving the context only when micro-batch 1 does not fit."""
+        train = self.recipe.train
+        lengths = [train.seq_len]
+        while lengths[-1] // 2 >= min_seq_len:
+            lengths.append(lengths[-1] // 2)
+        ckpts = [True] if self.recipe.model.activation_checkpointing else [False, True]
+        for t in lengths:
+            for ckpt in ckpts:
+                largest = _largest_fit(lambda b: self.fits(b, t, ckpt),
+                                       max(1, min(cap0, train.tokens_per_step // t)), self.out_of_time)
+                if largest:
+                    return t, ckpt, largest
+        raise ProbeError(f"recipe {self.recipe.name!r} does not fit in {self.limit_gb:.1f} GB (margin "
+                         f"{self.margin:.0%}) even at micro-batch 1, context {lengths[-1]}, with activation "
+                         "checkpointing: pick a smaller recipe")
+
+    def fastest(self, speed: Callable, largest: int, t: int, ckpt: bool) -> tuple[int, str]:
+        """The fastest of the micro-batches that fit, as the trainer runs them (compiled, its loss and
+        optimizer): on an H100 the largest micro-batch was not the fastest, and eager trials said 0.42x.
+        Where the recipe's loss would chunk the logits, the full logits are timed too if they fit: the
+        chunked loss cost 12-13% on an H100 where the full logits fitted. (micro-batch, loss)."""
+        train = self.recipe.train
         timings: list[tuple[int, int, str]] = []  # (micro-batch, accumulation, loss) to time, in this order
         for micro, accum in _speed_candidates(largest, t, train.tokens_per_step):
             timings.append((micro, accum, train.loss))
-            if train.loss == "auto" and default_chunk_rows(micro * t, vocab) and not out_of_time():
-                runner.loss = "full"
-                trials.append(runner.trial(micro, t, ckpt))
-                runner.loss = train.loss
-                if trials[-1].ok:
+            if train.loss == "auto" and default_chunk_rows(micro * t, self.recipe.model.vocab_size) \
+                    and not self.out_of_time():
+                self.runner.loss = "full"
+                full_fits = self.fits(micro, t, ckpt)
+                self.runner.loss = train.loss
+                if full_fits:
                     timings.append((micro, accum, "full"))
-        del runner  # the trial model's memory goes back before the trainers' is taken
+        self.runner = None  # the trial model's memory goes back before the trainers' is taken
         gc.collect()
-        if dev.type == "cuda":
+        if self.dev.type == "cuda":
             torch.cuda.empty_cache()
         for micro, accum, mode in timings:
-            if speeds and out_of_time():
+            if self.speeds and self.out_of_time():
                 break
-            speeds[(micro, mode)] = speed(recipe.replace(
+            self._time(speed, micro, accum, mode, t, ckpt)
+        self.runner = _TrialRunner(self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure)
+        # every timing ran out of memory: the smallest candidate, whose memory trial passed
+        limit, loss = max(self.speeds, key=self.speeds.__getitem__) if self.speeds else (timings[-1][0], train.loss)
+        self.runner.loss = loss
+        if len(self.speeds) > 1:
+            self.notes.append(f"micro-batch {limit}{' with the full logits' if loss == 'full' else ''} is the "
+                              "fastest of those timed as the trainer runs them (" +
+                              ", ".join(f"{_speed_key(*k)}: {v:,.0f} tokens/s" for k, v in sorted(self.speeds.items()))
+                              + ")")
+        return limit, loss
+
+    def _time(self, speed: Callable, micro: int, accum: int, mode: str, t: int, ckpt: bool) -> None:
+        try:
+            self.speeds[(micro, mode)] = speed(self.recipe.replace(
                 model={"activation_checkpointing": ckpt},
-                train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum, "precision": prec.name,
-                       "loss": mode}),
-                dev)
-        runner = _TrialRunner(recipe, dev, prec, memory_limit_gb, margin, measure)
-        limit, loss = max(speeds, key=speeds.__getitem__)
-        runner.loss = loss
-        if len(speeds) > 1:
-            notes.append(f"micro-batch {limit}{' with the full logits' if loss == 'full' else ''} is the fastest "
-                         "of those timed as the trainer runs them (" +
-                         ", ".join(f"{_speed_key(*k)}: {v:,.0f} tokens/s" for k, v in sorted(speeds.items())) + ")")
-    # Confirm the chosen geometry with one more (warm) trial: its peak is the one reported.
-    while True:
-        micro, accum, geometry_note = _batch_geometry(limit, t, train.tokens_per_step)
-        trials.append(runner.trial(micro, t, ckpt))
-        if trials[-1].ok or micro == 1:
-            break
-        limit = micro - 1
-    if geometry_note:
-        notes.append(geometry_note)
-    if micro < largest and not geometry_note:
-        notes.append(f"micro-batch {micro} (up to {largest} fits) so that {micro} x {accum} steps x {t} tokens "
-                     f"is exactly the recipe's {train.tokens_per_step} tokens per step")
-    if time_limit_s is not None and out_of_time():
-        notes.append(f"the search stopped at its time limit of {time_limit_s:.0f} s: a larger micro-batch may fit")
-    notes.append("memory measured in eager mode; torch.compile usually needs less")
-    final = trials[-1]
-    tps, source = final.tokens_per_s, "measured by trial (eager, one micro-batch)"
-    if (micro, loss) in speeds:
-        tps, source = speeds[(micro, loss)], f"measured: the trainer's step, median of {SPEED_STEPS}"
-    result = ProbeResult(recipe.name, name, micro, t, accum, ckpt, prec.name, prec.reason,
-                         final.peak_gb if final.peak_gb is not None else math.nan, memory_limit_gb, margin, largest,
-                         tps, time.perf_counter() - t0, notes, trials, key,
-                         speeds={_speed_key(*k): v for k, v in speeds.items()}, tokens_per_s_source=source,
-                         loss=loss)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, result.to_dict())  # a disconnect never leaves half a cache file
-    return result
+                train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum,
+                       "precision": self.prec.name, "loss": mode}),
+                self.dev)
+        except Exception as e:
+            if not is_allocation_failure(e):
+                raise
+            self.notes.append(f"micro-batch {_speed_key(micro, mode)} dropped: the trainer's step ran out of memory "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+
+    def confirm(self, limit: int, loss: str, largest: int, t: int, ckpt: bool, name: str, key: dict) -> ProbeResult:
+        """The chosen geometry confirmed by one more (warm) trial, whose peak is the one reported."""
+        tokens_per_step = self.recipe.train.tokens_per_step
+        while True:
+            micro, accum, geometry_note = _batch_geometry(limit, t, tokens_per_step)
+            if self.fits(micro, t, ckpt) or micro == 1:
+                break
+            limit = micro - 1
+        if geometry_note:
+            self.notes.append(geometry_note)
+        if micro < largest and not geometry_note:
+            self.notes.append(f"micro-batch {micro} (up to {largest} fits) so that {micro} x {accum} steps x {t} "
+                              f"tokens is exactly the recipe's {tokens_per_step} tokens per step")
+        if self.out_of_time():
+            self.notes.append(f"the search stopped at its time limit of {self.time_limit_s:.0f} s: a larger "
+                              "micro-batch may fit")
+        self.notes.append("memory measured in eager mode; torch.compile usually needs less")
+        final = self.trials[-1]
+        tps, source = final.tokens_per_s, "measured by trial (eager, one micro-batch)"
+        if (micro, loss) in self.speeds:
+            tps, source = self.speeds[(micro, loss)], f"measured: the trainer's step, median of {SPEED_STEPS}"
+        return ProbeResult(self.recipe.name, name, micro, t, accum, ckpt, self.prec.name, self.prec.reason,
+                           final.peak_gb if final.peak_gb is not None else math.nan, self.limit_gb, self.margin,
+                           largest, tps, time.perf_counter() - self.t0, self.notes, self.trials, key,
+                           speeds={_speed_key(*k): v for k, v in self.speeds.items()}, tokens_per_s_source=source,
+                           loss=loss, time_limit_s=self.time_limit_s)
 
 
 def _speed_key(micro: int, loss: str) -> str:

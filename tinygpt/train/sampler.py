@@ -63,7 +63,7 @@ class WindowSampler:
         windows = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
         T = self.seq_len
         w = torch.from_numpy(np.stack([np.asarray(a[s:s + T + 1], dtype=np.int64) for a, s in windows]))
-        return w[:, :-1], w[:, 1:]
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # views would be pinned and copied strided
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "shard": self.shard, "index": self.index, "seed": self.seed,
@@ -93,9 +93,31 @@ def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     total = min(n_windows, batch_size * n_batches)
     starts = np.linspace(0, n_windows - 1, total).astype(np.int64) * seq_len
     w = torch.from_numpy(np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts]))
-    x, y = w[:, :-1], w[:, 1:]
+    x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
     pad = -total % batch_size
     if pad:
         x = torch.cat([x, torch.zeros(pad, seq_len, dtype=x.dtype)])
         y = torch.cat([y, torch.full((pad, seq_len), IGNORE_INDEX, dtype=y.dtype)])
     return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+
+
+def pinned_batch(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A batch ready for an asynchronous copy to a GPU: each tensor contiguous, then in pinned memory (where CUDA
+    exists). A pinned strided view (`w[:, :-1]`) would still go through a pageable temporary, and a copy from
+    pageable memory does not overlap compute."""
+    out = tuple(t.contiguous() for t in tensors)
+    return tuple(t.pin_memory() for t in out) if torch.cuda.is_available() else out
+
+
+def batch_to_device(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
+                    device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A batch on `device`; to a GPU through pinned memory, without waiting for the copy. Every dimension is
+    marked static for the compiler: a batch of another shape (a finetuning length bucket, a probe's micro-batch)
+    gets a graph of its own instead of turning the first graph into a dynamic-shape one."""
+    if device.type == "cuda":
+        out = tuple(t.to(device, non_blocking=True) for t in pinned_batch(tensors))
+    else:
+        out = tuple(t.to(device) for t in tensors)
+    for t in out:
+        torch._dynamo.mark_static(t)
+    return out

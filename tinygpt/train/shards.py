@@ -13,21 +13,34 @@ until it is in the manifest (or the manifest says the source ended before it).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from tinygpt.core.config import DataConfig
-from tinygpt.core.files import clean_leftovers, sha256_file, write_bytes_atomic, write_json_atomic
+from tinygpt.core.files import (
+    UnsafePathError,
+    clean_leftovers,
+    inside,
+    open_nofollow,
+    refuse_link,
+    sha256_file,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from tinygpt.core.rundir import read_json
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.data import DataError, cache_key, is_validation_document, iter_documents, token_dtype
@@ -35,6 +48,8 @@ from tinygpt.train.data import DataError, cache_key, is_validation_document, ite
 SHARD_FORMAT = 3
 SHARD_TOKENS = 1 << 21  # ~2M training tokens (4 MB as uint16) per shard: the first one is ready in seconds
 MANIFEST = "manifest.json"
+WRITER_LOCK = ".writer.lock"
+CHECKED = ".vocab-checked.json"  # local only, never mirrored: {file name: [sha256, highest id]} checked here
 BATCH_DOCS = 256  # documents per encode_batch call (the tokenizer runs them in parallel)
 
 
@@ -125,8 +140,9 @@ class StreamedShards(TokenShards):
             info = self._manifest["shards"][i][split]
             dtype = np.dtype(self._manifest["dtype"])
             n = info["bytes"] // dtype.itemsize
-            self._maps[(split, i)] = (np.memmap(self.folder / info["name"], dtype=dtype, mode="r", shape=(n,))
-                                      if n else np.zeros(0, dtype))
+            path = inside(self.folder, info["name"], self.folder / MANIFEST, plain=True)
+            refuse_link(path)
+            self._maps[(split, i)] = (np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype))
         return self._maps[(split, i)]
 
     def shard(self, i: int) -> np.ndarray | None:
@@ -172,6 +188,17 @@ class _Group:
     chars: int = 0
 
 
+@contextlib.contextmanager
+def _writer_lock(folder: Path) -> Iterator[None]:
+    """The folder's one-writer lock (the kernel's flock: released if this process dies)."""
+    fd = open_nofollow(folder / WRITER_LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _write_group(folder: Path, manifest: dict, group: _Group, documents_end: int) -> None:
     """Both files of the group, then the manifest that lists them (the manifest is the commit)."""
     i = len(manifest["shards"])
@@ -198,8 +225,7 @@ def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path, shar
     per folder at a time (a file lock: a second one waits for the first)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".writer.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+    with _writer_lock(folder):
         clean_leftovers(folder)  # half-written files of a writer that was killed
         manifest = read_json(folder / MANIFEST) if (folder / MANIFEST).is_file() else \
             new_manifest(cfg, tokenizer, shard_tokens)
@@ -274,11 +300,24 @@ def _writer_main() -> None:
         os.nice(10)  # training comes first: on a CPU its threads would otherwise fight this process's
     except OSError:
         pass
+    # SIGTERM (ShardWriter.stop, a killed run) unwinds like Ctrl-C: no half-written .tmp-* file stays behind
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         write_shards(DataConfig.from_dict(req["data"]), Tokenizer.from_json(req["tokenizer"]), req["folder"],
                      req["shard_tokens"], should_stop=lambda: os.getppid() != parent, max_shards=req["max_shards"])
+    except KeyboardInterrupt:
+        sys.exit(0)
+    except OSError as e:  # a full disk may not even let the manifest say so: the exit status does
+        sys.exit(WRITER_DISK_FULL if e.errno == errno.ENOSPC else 1)
     except Exception:
-        pass  # the manifest carries the error for the reader
+        sys.exit(1)  # the manifest carries the error for the reader
+
+
+WRITER_DISK_FULL = 28  # the writer's exit status when the disk filled up (errno ENOSPC)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 class ShardWriter:
@@ -307,11 +346,74 @@ class ShardWriter:
             self.process.kill()
 
 
+def check_token_cache(folder: str | Path, vocab_size: int, mirror: Path | None = None,
+                      restored: range = range(0)) -> list[str]:
+    """Check every shard listed in `folder` before it is used: a plain file named inside the folder,
+    of the dtype this vocabulary needs, every id below `vocab_size` (a numpy max over the mapped file,
+    done once per file: the result is kept in a local record, never taken from a manifest). The first
+    bad shard and all after it are removed from the local cache (files and manifest entries), so the
+    writer tokenizes them again; each is named in one warning line, saying whether it came from the
+    mirror (shards `restored` from `mirror` by this start) or the local cache. Returns those lines."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return []
+    with _writer_lock(folder):  # no writer appends while shards are removed
+        manifest = read_json(folder / MANIFEST)
+        try:
+            checked = read_json(folder / CHECKED) if (folder / CHECKED).is_file() else {}
+        except ValueError:
+            checked = {}
+        shards = manifest.get("shards", []) if isinstance(manifest, dict) else []
+        want = token_dtype(vocab_size).name
+        bad: tuple[int, str] | None = None
+        if isinstance(manifest, dict) and manifest.get("dtype") != want and shards:
+            bad = (0, f"the token cache {folder / MANIFEST} says dtype {manifest.get('dtype')!r}, this vocabulary "
+                      f"needs {want}")
+        for i, entry in enumerate(shards if bad is None else []):
+            where = f"from the mirror {mirror}" if i in restored and mirror is not None else "in the local cache"
+            try:
+                for split in ("train", "val"):
+                    info = entry[split]
+                    path = inside(folder, info["name"], folder / MANIFEST, plain=True)
+                    refuse_link(path)
+                    rec = checked.get(info["name"])
+                    if not (isinstance(rec, list) and rec[0] == info["sha256"] and i not in restored):
+                        n = info["bytes"] // np.dtype(want).itemsize
+                        top = int(np.max(np.memmap(path, dtype=want, mode="r", shape=(n,)))) if n else -1
+                        checked[info["name"]] = rec = [info["sha256"], top]
+                    if rec[1] >= vocab_size:
+                        bad = (i, f"token shard {path} ({where}) holds token id {rec[1]}, beyond the vocabulary "
+                                  f"of {vocab_size}")
+                        break
+            except (UnsafePathError, KeyError, TypeError, ValueError, OSError) as e:
+                bad = (i, f"token shard {i} ({where}) is unusable: {e}")
+            if bad is not None:
+                break
+        lines, kept = [], shards
+        if bad is not None:
+            i, why = bad
+            for entry in shards[i:]:
+                for split in ("train", "val"):
+                    try:
+                        inside(folder, entry[split]["name"], plain=True).unlink(missing_ok=True)
+                    except (UnsafePathError, KeyError, TypeError, OSError):
+                        pass  # an unsafe name is never deleted either: only the manifest forgets it
+            kept = shards[:i]
+            manifest = {**manifest, "shards": kept, "done": False, "error": None}
+            write_json_atomic(folder / MANIFEST, manifest)
+            lines.append(f"{why}: removed from the local cache ({len(shards) - i} shard(s) from there on); they are "
+                         "tokenized again")
+            warnings.warn(lines[-1], stacklevel=2)
+        names = {e[s]["name"] for e in kept for s in ("train", "val")}
+        write_json_atomic(folder / CHECKED, {k: v for k, v in checked.items() if k in names})
+    return lines
+
+
 def shard_files_ok(folder: Path, manifest: dict) -> int:
     """How many leading shards of `manifest` are whole in `folder` (size and sha256)."""
     for i, s in enumerate(manifest.get("shards", [])):
         for split in ("train", "val"):
-            p = folder / s[split]["name"]
+            p = inside(folder, s[split]["name"], folder / MANIFEST, plain=True)
             if not p.is_file() or p.stat().st_size != s[split]["bytes"] or sha256_file(p) != s[split]["sha256"]:
                 return i
     return len(manifest.get("shards", []))
@@ -335,6 +437,14 @@ class ShardStream(StreamedShards):
         self.cfg, self.tokenizer, self.shard_tokens, self.limit = cfg, tokenizer, shard_tokens, limit
         self.writer = ShardWriter(cfg, tokenizer, folder, shard_tokens, limit)
         super().__init__(folder, alive=self._writing)
+
+    def shard(self, i: int) -> np.ndarray | None:
+        # asked for every batch: a writer that died of a full disk stops training now, not when the
+        # shard it was writing would have been needed (thousands of steps later)
+        if self.writer.process.poll() == WRITER_DISK_FULL:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (tokenizing into {self.folder})",
+                          str(self.folder))
+        return super().shard(i)
 
     def _writing(self) -> bool:
         if self.writer.alive():

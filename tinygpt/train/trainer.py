@@ -1,14 +1,16 @@
 """The AMP training loop with exact resume.
 
-One optimizer step = `grad_accum_steps` micro-batches whose summed token losses are divided by
-the number of target tokens in the whole step, so accumulation gives the same gradient as one
-big batch (also when prompt tokens are masked). The loss is read back from the device only on
-logging steps: everything else queues on the GPU without a host-device sync.
+`TrainStep` is one optimizer step and nothing else: `grad_accum_steps` micro-batches whose summed
+token losses are divided by the number of target tokens in the whole step, so accumulation gives the
+same gradient as one big batch (also when prompt tokens are masked). `Trainer.fit` is the loop, read
+top to bottom: the step, then the callbacks' turn, then "once in a while" (log, evaluate, keep the
+best, save). The loss is read back from the device only on logging steps: everything else queues on
+the GPU without a host-device sync. Progress, the start-up record, a time budget and the mirror are
+`Callback`s (tinygpt.core.callback); the loop knows none of them.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import functools
 import math
@@ -26,21 +28,16 @@ import numpy as np
 import torch
 
 from tinygpt.core import checkpoint as ckpt
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import TrainConfig, config_differences
 from tinygpt.core.files import clean_leftovers
-from tinygpt.core.precision import (
-    Precision,
-    choose_precision,
-    enable_tf32,
-    resolve_device,
-)
+from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
 from tinygpt.core.rundir import RunDir
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
-from tinygpt.train.budget import MEASURE_STEPS, Budget, decay_start, end_time, expected_final_loss, extend, steps_for
-from tinygpt.train.callbacks import progress_bar
-from tinygpt.train.compile_cache import CompileCache
+from tinygpt.train.budget import decay_start, expected_final_loss
 from tinygpt.train.optim import build_optimizer
+from tinygpt.train.sampler import batch_to_device
 
 # Fields that may change between a run and its resumption; any other difference is refused.
 RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
@@ -51,11 +48,26 @@ RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_eve
 _DISK_FULL = ("unexpected pos", "No space left on device", "os error 28")
 
 
+def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of transformer blocks: the `nn.ModuleList` of identical modules holding the most
+    parameters, wherever it sits (tinygpt's GPT at `model.layers`, a Hugging Face causal LM at
+    `model.model.layers`, under `FinetuneLoss` and PEFT's wrappers a few levels deeper). None if there is none."""
+    best, best_n = None, 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0 \
+                and len({type(m) for m in module}) == 1:
+            n = sum(p.numel() for p in module.parameters())
+            if n > best_n:
+                best, best_n = module, n
+    return best
+
+
 def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     """The model to run steps with. "regional": each transformer block compiled in place (identical
-    blocks share one compiled graph, so compile time does not grow with depth); otherwise the whole model."""
-    blocks = getattr(model, "layers", None)
-    if mode == "regional" and blocks is not None:
+    blocks share one compiled graph, so compile time does not grow with depth; the embedding, the head
+    and the loss run eagerly); otherwise the whole model, as one graph."""
+    blocks = transformer_blocks(model) if mode == "regional" else None
+    if blocks is not None:
         for block in blocks:
             block.compile()
         return model
@@ -81,6 +93,31 @@ class BatchSource(Protocol):
 
 
 @dataclass
+class TrainData:
+    """What a run trains on: an endless, resumable source of batches, and fixed validation batches."""
+    train: BatchSource
+    val: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+
+
+@dataclass
+class ModelIO:
+    """How the trainer takes a model's loss and saves it, where that is not a tinygpt GPT's way.
+    `loss_fn(model, x, y, *extra)` returns the summed token loss (extra: tensors a batch carries after y);
+    `state_fn` / `load_state_fn` choose what a checkpoint holds (only the adapters, for LoRA)."""
+    loss_fn: Callable | None = None
+    state_fn: Callable | None = None
+    load_state_fn: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a torchrun job (one process: the defaults)."""
+    rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"  # "ddp" or "fsdp" (FSDP2)
+
+
+@dataclass
 class TrainResult:
     run_dir: Path
     step: int
@@ -94,143 +131,43 @@ class TrainResult:
     metrics: list[dict] = field(default_factory=list)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps; or, "wsd", lr held
-    until the last decay_fraction of the steps, then a straight line to min_lr at the last step (until
-    the decay, the rate does not depend on max_steps: a time budget may set it late)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "wsd":
-        start = decay_start(cfg.max_steps, cfg.decay_fraction)
-        if step < start:
-            return cfg.lr
-        progress = min(1.0, (step - start) / max(1, cfg.max_steps - 1 - start))
-        return cfg.lr + (cfg.min_lr - cfg.lr) * progress
-    span = max(1, cfg.max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str = "auto") -> torch.Tensor:
-    return model(x, y, reduction="sum", loss=loss)
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG's state in a weights-only form (tensors, numbers, strings, lists), so a checkpoint
-    loads with `torch.load(weights_only=True)` and can never run code."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    s = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "cached": float(cached)},
-         "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
-
-
-def set_rng_state(s: dict[str, Any]) -> None:
-    py, npy = s["python"], s["numpy"]
-    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached"]))
-    torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
 @dataclass
-class _Step:
-    """What one optimizer step leaves on the device for the actions after it."""
+class StepResult:
+    """What one optimizer step leaves on the device for the actions after it (nothing is read back yet)."""
     lr: float
     loss_sum: torch.Tensor   # summed token loss of the step (this rank's, until reduced)
     n_targets: int           # target tokens of the whole global step
     grad_norm: torch.Tensor
 
 
-@dataclass
-class _Due:
-    """Which periodic actions fall on this step."""
-    log: bool
-    eval: bool
-    save: bool
+class TrainStep:
+    """The optimizer step of `model` on batches from `source`, and nothing else: no run folder, no
+    logging. The probe and the benchmarks time it; the Trainer runs it. Device and precision come from
+    `cfg` (`device`, `precision`); with `ranks.world_size` > 1 (an initialised process group, see
+    `tinygpt.train.distributed`) `cfg` is the global batch and this rank trains its share with DDP or FSDP2."""
 
-
-@dataclass
-class _Loop:
-    """What the loop carries from step to step."""
-    history: list[dict]
-    bar: Any
-    old_handlers: dict
-    last_saved: Path | None
-    resumed_from: int | None
-    saved_step: int | None
-    t0: float
-    tokens_since: int = 0
-    last_loss: float | None = None
-    val_loss: float | None = None
-    tok_s: float | None = None
-    stopping: bool = False
-    first: bool = True  # no step of this process has run yet
-    trained_from: float | None = None  # perf_counter after the first step: the budget counts from here
-    steps_timed: int = 0
-
-
-class Trainer:
-    """Trains `model` on batches from `train_source`, evaluating on fixed `val_batches`.
-
-    Checkpoints go to ``run_dir/checkpoints/step_XXXXXX`` (and ``run_dir/best``). Hooks: each
-    callback may define ``on_log(metrics)``, ``on_checkpoint(path, step)``, ``close()``.
-    `state_fn` / `load_state_fn` choose what is saved as the model (the whole model by default,
-    only the adapters for LoRA); `loss_fn(model, x, y, *extra)` returns the summed token loss (extra: any
-    tensors a batch carries after x and y).
-    With `world_size` > 1 (an initialised process group, see `tinygpt.train.distributed`) `cfg` is the
-    global batch; this rank trains its share with DDP or, `parallel="fsdp"`, FSDP2.
-    """
-
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, train_source: BatchSource,
-                 val_batches: list[tuple[torch.Tensor, ...]], run_dir: str | Path, *,
-                 device: torch.device | str | None = None, precision: Precision | None = None,
-                 loss_fn: Callable | None = None, state_fn: Callable | None = None,
-                 load_state_fn: Callable | None = None, callbacks: tuple | list = (),
-                 run_info: dict | None = None, flops_per_token: float | None = None,
-                 peak_tflops: float | None = None, progress: bool = True, rank: int = 0, world_size: int = 1,
-                 parallel: str = "ddp", startup: Any = None, compile_cache: CompileCache | None = None,
-                 hours: float | None = None):
-        self.cfg = cfg
-        self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
-        self.precision = precision or choose_precision(self.device, cfg.precision)
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, source: BatchSource,
+                 io: ModelIO | None = None, ranks: Ranks | None = None):
+        io, ranks = io or ModelIO(), ranks or Ranks()
+        self.cfg, self.train_source, self.ranks = cfg, source, ranks
+        self.rank, self.world_size = ranks.rank, ranks.world_size
+        self.device = resolve_device(cfg.device)
+        self.precision = choose_precision(self.device, cfg.precision)
         self.model = model.to(self.device)
-        self.train_source, self.val_batches = train_source, val_batches
-        self.run_dir = Path(run_dir)
-        self.loss_fn = loss_fn or functools.partial(default_loss, loss=cfg.loss)
-        self.state_fn = state_fn or ckpt.model_state
-        self.load_state_fn = load_state_fn or ckpt.load_model_state
-        self.callbacks = list(callbacks)
-        self.run_info = run_info or {}
-        self.flops_per_token = flops_per_token
-        self.peak_tflops = peak_tflops
-        self.progress = progress
-        self.startup = startup  # a StartupClock: its breakdown is printed and logged after the first step
-        self.hours = hours  # a time budget: max_steps is measured and fixed once (budget.json)
-        self.budget: Budget | None = None
-        self.rank, self.world_size = rank, world_size
-        self.is_main = rank == 0
+        self.loss_fn = io.loss_fn or functools.partial(default_loss, loss=cfg.loss)
         # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
         self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
-            cfg.micro_batch_size, cfg.grad_accum_steps, world_size)
+            cfg.micro_batch_size, cfg.grad_accum_steps, ranks.world_size)
         self.step = 0
-        self.best_val_loss: float | None = None
-        self._stop_signal: str | None = None
+        self.max_steps: int | None = cfg.max_steps  # None while a time budget has not decided it
         if self.device.type == "cuda":
             enable_tf32()
         self.use_compile = cfg.compile in ("on", "regional") or (cfg.compile == "auto" and self.device.type == "cuda")
-        self.compile_cache = compile_cache if self.use_compile and world_size == 1 else None
         # The compiled wrapper runs the steps; self.model (uncompiled, same parameters) is what
         # is saved, so checkpoint keys never carry `_orig_mod.`.
-        if world_size > 1:  # before the optimizer: FSDP2 replaces the parameters by shards
-            dist_.check_parallel(parallel, cfg.optimizer, world_size, custom_state=state_fn is not None)
-            self.forward_model, self.eval_model = dist_.wrap_model(self.model, parallel, self.device,
+        if ranks.world_size > 1:  # before the optimizer: FSDP2 replaces the parameters by shards
+            dist_.check_parallel(ranks.parallel, cfg.optimizer, ranks.world_size, custom_state=io.state_fn is not None)
+            self.forward_model, self.eval_model = dist_.wrap_model(self.model, ranks.parallel, self.device,
                                                                    self.use_compile)
         else:
             self.forward_model = compiled(self.model, cfg.compile) if self.use_compile else self.model
@@ -242,53 +179,196 @@ class Trainer:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._loss_sum = torch.zeros((), device=self.device)
 
-    # ----- checkpoints -------------------------------------------------------------------------
+    def optimizer_step(self) -> StepResult:
+        """One optimizer step over `grad_accum_steps` micro-batches. Nothing is read back from the device."""
+        lr = lr_at(self.step, self.cfg, self.max_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)
+        micro = [self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
+                 for _ in range(self.grad_accum_steps)]
+        # The loss normalisation: each micro-batch's loss is a sum over its tokens, and the step divides by
+        # the target tokens of the whole (global) step, counted on the host before any forward (no sync).
+        # A mean per micro-batch would weigh a short or heavily masked micro-batch (prompt tokens are
+        # IGNORE_INDEX in finetuning) as much as a full one; this way accumulation, or W ranks, give the
+        # gradient of one big batch. DDP / FSDP2 average gradients over ranks, hence the factor W.
+        n_targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro)
+        n_global = dist_.agree_sum([n_targets])[0] if self.world_size > 1 else n_targets
+        # The logged loss is this step's own (not an average since the last log), so a run
+        # resumed between two logs writes the same numbers as one never stopped.
+        self._loss_sum.zero_()
+        for i, batch in enumerate(micro):
+            x, y, *extra = self._batch_to_device(*batch)
+            with dist_.gradient_sync(self.forward_model, self.model, i == len(micro) - 1), \
+                    self.precision.autocast():
+                loss_sum = self.loss_fn(self.forward_model, x, y, *extra)
+                self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
+            self._loss_sum += loss_sum.detach().float()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = dist_.local_value(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return StepResult(lr, self._loss_sum, n_global, grad_norm)
+
+    def _batch_to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return batch_to_device(tensors, self.device)  # contiguous, pinned: the copy overlaps compute
+
+
+class StopOnSignal(Callback):
+    """Ctrl-C or SIGTERM (Colab's stop button, a preempted VM) ends training after the current step,
+    with a checkpoint, instead of killing it mid-write."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._old: dict = {}
+
+    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may install handlers
+
+        def handler(signum, frame):
+            self.received = signal.Signals(signum).name
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.signal(s, handler)
+
+    def close(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+
+class Throughput:
+    """Tokens per second over the steps since the last log (the first step, with its compile, not counted)."""
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self.t0, self.tokens = time.perf_counter(), 0
+
+    def rate(self) -> float | None:
+        dt = time.perf_counter() - self.t0
+        return self.tokens / dt if dt > 0 and self.tokens else None
+
+
+class Trainer(TrainStep):
+    """Trains `model` on `data` into `run_dir`, resuming exactly where a checkpoint left off.
+
+    Checkpoints go to ``run_dir/checkpoints/step_XXXXXX`` (and ``run_dir/best``), metrics to
+    metrics.jsonl. Everything beside the loop (progress, start-up record, time budget, mirror, plots)
+    is a `Callback` in `callbacks`; the Trainer's own `StopOnSignal` comes first.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, data: TrainData, run_dir: str | Path, *,
+                 callbacks: tuple | list = (), io: ModelIO | None = None, ranks: Ranks | None = None,
+                 run_info: dict | None = None):
+        super().__init__(model, cfg, data.train, io, ranks)
+        io = io or ModelIO()
+        self.val_batches, self.run_dir = data.val, Path(run_dir)
+        self.state_fn = io.state_fn or ckpt.model_state
+        self.load_state_fn = io.load_state_fn or ckpt.load_model_state
+        self.signals = StopOnSignal()
+        for cb in callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"{cb!r} is not a trainer callback: subclass tinygpt.core.callback.Callback")
+        self.callbacks: list[Callback] = [self.signals, *callbacks]
+        self.run_info = run_info or {}
+        self.is_main = self.rank == 0
+        self.best_val_loss: float | None = None
+        self.throughput = Throughput()
+        # what the loop knows between steps (the Result is made of it)
+        self.history: list[dict] = []
+        self.last_saved: Path | None = None
+        self.saved_step: int | None = None  # the same on every rank (only rank 0 gets a path back from save)
+        self.last_loss: float | None = None
+        self.val_loss: float | None = None
+        self.tokens_per_s: float | None = None
+        self.step_s: float | None = None  # seconds per step, evaluations and saves included (a time budget's)
+
     @property
     def ckpt_root(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def train_state(self, optimizer_state: dict | None = None) -> dict[str, Any]:
-        optimizer_state = self.optimizer.state_dict() if optimizer_state is None else optimizer_state
-        return {"step": self.step, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
-                "sampler": self.train_source.state_dict(), "rng": rng_state(), "best_val_loss": self.best_val_loss,
-                "train_config": self.cfg.to_dict(), "world_size": self.world_size, "run_info": self.run_info}
-
-    def save(self, best: bool = False) -> Path | None:
-        """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is collective)."""
-        model_sd, optimizer_sd = dist_.gather_state(self.model, self.optimizer, self.state_fn, self.rank)
-        if not self.is_main:
-            return None
-        path = self.run_dir / "best" if best else self.ckpt_root / ckpt.step_name(self.step)
+    # ----- the loop ------------------------------------------------------------------------------
+    def fit(self, resume: str = "auto") -> TrainResult:
+        """Train to max_steps: restore (`resume` "auto", "never" or a checkpoint folder), then each step:
+        one optimizer step, the callbacks' turn, then as due: log, evaluate, keep the best, save. Ends
+        with a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the same way."""
+        resumed_from = self.restore(resume)
+        stopping = False
         try:
-            ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
-                                 {"kind": "best" if best else "step", "val_loss": self.best_val_loss})
-        except Exception as e:  # torch.save and safetensors report a full disk as their own errors, not OSError
-            # a full disk or a lost mount: the half-written folder is gone already (atomic_output)
-            raise self._write_failed(f"checkpoint {path}", e) from e
-        if not best:
-            ckpt.prune(self.ckpt_root, self.cfg.keep_last)
+            for cb in self.callbacks:
+                cb.on_start(self, resumed_from)
+            self.model.train()
+            self.throughput.restart()
+            while (self.max_steps is None or self.step < self.max_steps) and not stopping:
+                step = self.optimizer_step()
+                self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
+                for cb in self.callbacks:  # e.g. the start-up record, a time budget's measurement
+                    cb.on_step(self)
+                stopping = self._agree_to_stop()
+                last = self.step == self.max_steps
+                log = self.step % self.cfg.log_every == 0 or last
+                evaluate = bool(self.cfg.eval_every) and (self.step % self.cfg.eval_every == 0 or last)
+                save = bool(self.cfg.save_every and self.step % self.cfg.save_every == 0) or last or stopping
+                if self.world_size > 1 and (log or save):
+                    dist_.all_reduce_sum_(step.loss_sum)  # the global sum: logged, and checked the same on all ranks
+                if log:
+                    self._log_step(step, evaluate)  # evaluates too, when due
+                elif evaluate:
+                    self.val_loss = self.evaluate()
+                    self._log({"step": self.step, "val_loss": self.val_loss})
+                if evaluate and self.val_loss is not None and (
+                        self.best_val_loss is None or self.val_loss < self.best_val_loss):
+                    self.best_val_loss = self.val_loss
+                    self.save(best=True)
+                if save:
+                    # never write a checkpoint from weights that a NaN may have reached
+                    self._check_finite(float(step.loss_sum))
+                    self._check_finite(float(step.grad_norm), what="gradient norm")
+                    self.save()
+            if self.step > 0 and self.saved_step != self.step:
+                self.save()  # training always ends with a checkpoint
+        except OSError as e:  # metrics.jsonl or samples on a full disk: the same one-line story
+            raise self._write_failed(str(self.run_dir), e) from e
+        except Exception as e:
+            self._raise_peer_failure(e)
+            raise
+        finally:
+            self.signals.close()
+        return TrainResult(self.run_dir, self.step, self.last_loss, self.val_loss, self.best_val_loss,
+                           self.last_saved, self.tokens_per_s, resumed_from, stopping, self.history)
+
+    def restore(self, resume: str) -> int | None:
+        """Exact resume: the newest valid checkpoint (or the one named) brings back the weights, the
+        optimizer, the scaler, the sampler's position and every RNG, and metrics.jsonl is cut back to
+        its step, so the run goes on as if it had never stopped. The step restored from, or None."""
+        if resume == "auto":
+            self.last_saved = ckpt.latest_valid(self.ckpt_root)  # hashes it: no second check on load
+            if self.last_saved is not None:
+                self.resume(self.last_saved, verified=True)
+            elif self.is_main and ckpt.list_checkpoints(self.ckpt_root):
+                warnings.warn(f"no checkpoint in {self.ckpt_root} passes verification: training starts from step 0 "
+                              "(the folders are kept)", stacklevel=3)
+        elif resume != "never":
+            self.last_saved = Path(resume)
+            self.resume(self.last_saved)
+        resumed_from = self.saved_step = self.step if self.last_saved is not None else None
+        # rank 0 rewrites the log to the resumed step: the others must not read it meanwhile
+        self.history = RunDir(self.run_dir).keep_metrics_through(self.step) if self.is_main else []
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            clean_leftovers(self.run_dir)  # e.g. .tmp-best-<pid>/ of a process killed while writing best/
+        return resumed_from
+
+    def say(self, text: str) -> None:
+        """A line for the person watching (the progress callback prints it; a quiet run does not)."""
         for cb in self.callbacks:
-            if hasattr(cb, "on_checkpoint"):
-                cb.on_checkpoint(path, self.step)
-        return path
+            cb.on_message(text)
 
-    def resume(self, path: Path, verified: bool = False) -> None:
-        sd, state, _ = ckpt.load_checkpoint(path, verify=not verified)
-        if "optimizer" not in state:
-            raise TrainingError(f"checkpoint {path} holds the weights only (a download, without state.pt): training "
-                                "cannot resume from it; copy the whole checkpoint from Drive, or use a new run folder")
-        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict(), RESUMABLE_CHANGES)
-        if diffs:
-            raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
-                                + "\n  ".join(diffs) + "\nresume with the same settings, or use a new run folder")
-        dist_.load_state(self.model, self.optimizer, sd, state["optimizer"], self.load_state_fn)
-        self.scaler.load_state_dict(state["scaler"])
-        self.train_source.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
-        self.step = state["step"]
-        self.best_val_loss = state.get("best_val_loss")
-
-    # ----- evaluation --------------------------------------------------------------------------
+    # ----- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean token loss over the fixed validation batches. With several ranks each takes every
@@ -320,274 +400,99 @@ class Trainer:
             if i < n:
                 total += loss
 
-    # ----- the loop ----------------------------------------------------------------------------
-    def _truncate_metrics(self) -> list[dict]:
-        """Keep the log entries up to the resumed step, so a resumed run's log equals an unbroken one."""
-        if not self.is_main:  # rank 0 rewrites it: the others must not read it meanwhile
-            return []
-        return RunDir(self.run_dir).keep_metrics_through(self.step)
+    # ----- checkpoints -------------------------------------------------------------------------
+    def train_state(self, optimizer_state: dict | None = None) -> dict[str, Any]:
+        optimizer_state = self.optimizer.state_dict() if optimizer_state is None else optimizer_state
+        return {"step": self.step, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
+                "sampler": self.train_source.state_dict(), "rng": rng_state(), "best_val_loss": self.best_val_loss,
+                "train_config": self.cfg.to_dict(), "world_size": self.world_size, "run_info": self.run_info}
 
-    def _install_signal_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def handler(signum, frame):
-            self._stop_signal = signal.Signals(signum).name
-
-        old = {}
-        for s in (signal.SIGINT, signal.SIGTERM):
-            old[s] = signal.signal(s, handler)
-        return old
-
-    def _batch_to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
-            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
-        return tuple(t.to(self.device) for t in tensors)
-
-    def _no_sync(self, last: bool):
-        """DDP / FSDP2: skip the gradient reduction on all but the last micro-step."""
-        return dist_.gradient_sync(self.forward_model, self.model, last)
-
-    # ----- the loop: restore, then per step one optimizer step and the periodic actions after it ----
-    def fit(self, resume: str = "auto") -> TrainResult:
-        """Train to `cfg.max_steps`: restore (`resume` "auto", "never" or a checkpoint folder), then
-        each step: one optimizer step; after it, as due: log, evaluate, keep the best, save. Ends with
-        a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the same way."""
-        loop = self._start(resume)
+    def save(self, best: bool = False) -> Path | None:
+        """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is collective)."""
+        model_sd, optimizer_sd = dist_.gather_state(self.model, self.optimizer, self.state_fn, self.rank)
+        if not best:
+            self.saved_step = self.step
+        if not self.is_main:
+            return None
+        RunDir(self.run_dir).check_held()  # never into a folder that replaced the one this run locked
+        path = self.run_dir / "best" if best else self.ckpt_root / ckpt.step_name(self.step)
         try:
-            while self.step < self.cfg.max_steps and not loop.stopping:
-                step = self.optimizer_step()
-                if loop.first:
-                    self._after_first_step(loop)
-                elif self.budget is not None and self.budget.max_steps is None:
-                    self._measure_budget(loop)
-                loop.tokens_since += self.cfg.tokens_per_step  # the global batch
-                loop.stopping = self._agree_to_stop()
-                due = self._due(loop.stopping)
-                if self.world_size > 1 and (due.log or due.save):
-                    dist_.all_reduce_sum_(step.loss_sum)  # the global sum: logged, and checked the same on all ranks
-                if due.log:
-                    self._log_step(loop, step, due)
-                elif due.eval:
-                    self._log_eval(loop)
-                if due.eval:
-                    self._keep_best(loop)
-                if due.save:
-                    self._save_step(loop, step)
-                if loop.bar is not None:
-                    loop.bar.update(1)
-            if self.step > 0 and loop.saved_step != self.step:
-                loop.last_saved = self.save() or loop.last_saved  # training always ends with a checkpoint
-        except OSError as e:  # metrics.jsonl or samples on a full disk: the same one-line story
-            raise self._write_failed(str(self.run_dir), e) from e
-        except Exception as e:
-            self._raise_peer_failure(e, loop)
-            raise
-        finally:
-            self._finish(loop)
-        return TrainResult(self.run_dir, self.step, loop.last_loss, loop.val_loss, self.best_val_loss,
-                           loop.last_saved, loop.tok_s, loop.resumed_from, loop.stopping, loop.history)
-
-    def _start(self, resume: str) -> _Loop:
-        """Restore the newest valid checkpoint (or the one named), cut the log to it, install the
-        signal handlers and the progress bar."""
-        last_saved: Path | None = None
-        if resume == "auto":
-            last_saved = ckpt.latest_valid(self.ckpt_root)  # hashes it: no second check on load
-            if last_saved is not None:
-                self.resume(last_saved, verified=True)
-            elif self.is_main and ckpt.list_checkpoints(self.ckpt_root):
-                warnings.warn(f"no checkpoint in {self.ckpt_root} passes verification: training starts from step 0 "
-                              "(the folders are kept)", stacklevel=2)
-        elif resume != "never":
-            last_saved = Path(resume)
-            self.resume(last_saved)
-        resumed_from = self.step if last_saved is not None else None
-        if self.hours is not None:
-            self._load_budget()
-        history = self._truncate_metrics()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.is_main:
-            clean_leftovers(self.run_dir)  # e.g. .tmp-best-<pid>/ of a process killed while writing best/
+            ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
+                                 {"kind": "best" if best else "step", "val_loss": self.best_val_loss})
+        except Exception as e:  # torch.save and safetensors report a full disk as their own errors, not OSError
+            # a full disk or a lost mount: the half-written folder is gone already (atomic_output)
+            raise self._write_failed(f"checkpoint {path}", e) from e
+        if not best:
+            ckpt.prune(self.ckpt_root, self.cfg.keep_last)
+            self.last_saved = path
         for cb in self.callbacks:
-            if hasattr(cb, "on_start"):
-                cb.on_start(resumed_from)
-        bar = None
-        if self.progress and self.is_main:
-            bar = progress_bar(total=self.cfg.max_steps, initial=self.step, desc="training", unit="step",
-                               dynamic_ncols=True)
-        self.model.train()
-        if self.compile_cache is not None and self.is_main:
-            note = self.compile_cache.load()
-            if note and self.startup is not None:
-                self.startup.notes.append(note)
-        # saved_step is the same on every rank (only rank 0 gets a path back from save)
-        return _Loop(history, bar, self._install_signal_handlers(), last_saved, resumed_from, resumed_from,
-                     time.perf_counter())
+            cb.on_checkpoint(path, self.step)
+        return path
 
-    def optimizer_step(self) -> _Step:
-        """One optimizer step over `grad_accum_steps` micro-batches, the loss divided by the target
-        tokens of the whole (global) step. Nothing is read back from the device here."""
-        lr = lr_at(self.step, self.cfg)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_scale", 1.0)
-        micro = [self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
-                 for _ in range(self.grad_accum_steps)]
-        n_targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro)  # on the host: no sync
-        # DDP / FSDP2 average gradients over ranks: scale by W over the global target count
-        n_global = dist_.agree_sum([n_targets])[0] if self.world_size > 1 else n_targets
-        # The logged loss is this step's own (not an average since the last log), so a run
-        # resumed between two logs writes the same numbers as one never stopped.
-        self._loss_sum.zero_()
-        for i, batch in enumerate(micro):
-            x, y, *extra = self._batch_to_device(*batch)
-            with self._no_sync(i == len(micro) - 1), self.precision.autocast():
-                loss_sum = self.loss_fn(self.forward_model, x, y, *extra)
-                self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
-            self._loss_sum += loss_sum.detach().float()
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = dist_.local_value(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return _Step(lr, self._loss_sum, n_global, grad_norm)
+    def resume(self, path: Path, verified: bool = False) -> None:
+        sd, state, _ = ckpt.load_checkpoint(path, verify=not verified)
+        if "optimizer" not in state:
+            raise TrainingError(f"checkpoint {path} holds the weights only (a download, without state.pt): training "
+                                "cannot resume from it; copy the whole checkpoint from Drive, or use a new run folder")
+        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict(), RESUMABLE_CHANGES)
+        if diffs:
+            raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
+                                + "\n  ".join(diffs) + "\nresume with the same settings, or use a new run folder")
+        dist_.load_state(self.model, self.optimizer, sd, state["optimizer"], self.load_state_fn)
+        self.scaler.load_state_dict(state["scaler"])
+        self.train_source.load_state_dict(state["sampler"])  # the sampler's order goes on from here
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.best_val_loss = state.get("best_val_loss")
 
-    def _after_first_step(self, loop: _Loop) -> None:
-        """Once per process: keep the compiler's work for the next VM, report where start-up went."""
-        loop.first = False
+    # ----- logging -----------------------------------------------------------------------------
+    def _log_step(self, step: StepResult, evaluated: bool) -> None:
+        """A metrics.jsonl record of this step (the one host-device sync per log interval)."""
+        self.last_loss = step.loss_sum.item() / max(step.n_targets, 1)
+        self._check_finite(self.last_loss)
+        self.tokens_per_s = self.throughput.rate()
+        m = {"step": self.step, "loss": round(self.last_loss, 6), "lr": step.lr, "grad_norm": float(step.grad_norm),
+             "tokens": self.step * self.cfg.tokens_per_step,
+             "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None}
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the first step's time includes its kernels
-        if self.startup is not None:
-            self.startup.mark("first_step")
-        if self.compile_cache is not None and self.is_main:
-            self.compile_cache.save()
-        if self.startup is not None and self.is_main:
-            RunDir(self.run_dir).append_metrics({"step": self.step, "startup": self.startup.record()})
-            # quiet runs only record it; a callback that shows it (a notebook's table) replaces the line
-            if loop.bar is not None and not any(getattr(cb, "shows_startup", False) for cb in self.callbacks):
-                loop.bar.write(self.startup.summary())
-            for cb in self.callbacks:
-                if hasattr(cb, "on_startup"):
-                    cb.on_startup(self.startup.record())
-        loop.t0, loop.tokens_since = time.perf_counter(), 0  # tokens/s counts steady steps, not the compile
-        loop.trained_from = loop.t0
+            m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
+        if evaluated:
+            self.val_loss = m["val_loss"] = self.evaluate()
+        expected = expected_final_loss(self.history + [m], self.max_steps, self.cfg.warmup_steps) \
+            if self.max_steps is not None else None
+        if expected is not None:
+            m["expected_final_loss"] = round(expected, 4)
+        for cb in self.callbacks:
+            cb.on_metrics(m)
+        self.throughput.restart()
+        self._log(m)
 
-    # ----- a time budget ---------------------------------------------------------------------------
-    def _load_budget(self) -> None:
-        """The run's budget.json (a resume keeps its step count), or a budget still to be measured:
-        until then the stable phase runs on (the schedule is wsd: its rate does not depend on max_steps)."""
-        if self.cfg.schedule != "wsd":
-            raise TrainingError("a time budget needs the warmup-stable-decay schedule (train.schedule=wsd)")
-        budget = Budget.load(self.run_dir) if self.is_main else None
-        if self.world_size > 1:  # rank 0 read it: the others take its step count
-            steps = dist_.agree_sum([budget.max_steps or 0 if budget else 0])[0]
-            budget = Budget(self.hours, steps or None)  # type: ignore[arg-type]
-        if budget is not None and budget.max_steps is not None:
-            budget, note = extend(budget, self.hours, self.step, self.cfg.decay_fraction)  # type: ignore[arg-type]
-            if note:
-                warnings.warn(note, stacklevel=3)
-            if self.is_main:
-                budget.save(self.run_dir)
-            self.budget = budget
-            self.cfg = dataclasses.replace(self.cfg, max_steps=budget.max_steps)
-        else:
-            self.budget = Budget(self.hours)  # type: ignore[arg-type]
-            self.cfg = dataclasses.replace(self.cfg, max_steps=10**9)
-
-    def _measure_budget(self, loop: _Loop) -> None:
-        """After MEASURE_STEPS steady steps: time an evaluation and a checkpoint too, then fix max_steps
-        so that training ends within the budget, and keep it in budget.json."""
-        loop.steps_timed += 1
-        if loop.steps_timed < MEASURE_STEPS or loop.trained_from is None:
-            return
-        step_s = (time.perf_counter() - loop.trained_from) / loop.steps_timed
-        t = time.perf_counter()
-        self.evaluate()
-        eval_s = time.perf_counter() - t
-        t = time.perf_counter()
-        loop.last_saved, loop.saved_step = self.save() or loop.last_saved, self.step
-        save_s = time.perf_counter() - t
-        per_step = step_s + (eval_s / self.cfg.eval_every if self.cfg.eval_every else 0) + \
-            (save_s / self.cfg.save_every if self.cfg.save_every else 0)
-        spent = time.perf_counter() - loop.trained_from
-        steps = steps_for(self.budget.hours, spent, self.step, per_step, eval_s + save_s)  # type: ignore[union-attr]
-        if self.world_size > 1:
-            steps = dist_.agree_sum([steps if self.is_main else 0])[0]
-        self.budget = Budget(self.budget.hours, steps, self.step, per_step, time.time())  # type: ignore[union-attr]
-        self.cfg = dataclasses.replace(self.cfg, max_steps=steps)
+    def _log(self, m: dict) -> None:
+        self.history.append(m)
         if self.is_main:
-            self.budget.save(self.run_dir)
-        if loop.bar is not None:
-            loop.bar.total = steps
-            loop.bar.write(f"time budget {self.budget.hours:g} h: {steps} steps of {per_step:.3g} s (evaluations and "
-                           f"checkpoints included); training ends about {end_time(self.step, steps, per_step)}")
+            RunDir(self.run_dir).append_metrics(m)
+        for cb in self.callbacks:
+            try:
+                cb.on_log(m)
+            except Exception as e:  # a broken plot must never stop training
+                warnings.warn(f"callback {cb!r} failed in on_log: {e}", stacklevel=2)
 
+    # ----- failures ----------------------------------------------------------------------------
     def _agree_to_stop(self) -> bool:
         """Every rank must stop at the same step, however the signals reached them."""
-        stopping = self._stop_signal is not None
+        stopping = self.signals.received is not None
         if self.world_size > 1:
             stopping = dist_.agree_sum([int(stopping)])[0] > 0
         return stopping
 
-    def _due(self, stopping: bool) -> _Due:
-        cfg, step = self.cfg, self.step
-        last = step == cfg.max_steps
-        return _Due(log=step % cfg.log_every == 0 or last,
-                    eval=bool(cfg.eval_every) and (step % cfg.eval_every == 0 or last),
-                    save=bool((cfg.save_every and step % cfg.save_every == 0) or last or stopping))
-
-    def _log_step(self, loop: _Loop, step: _Step, due: _Due) -> None:
-        """A metrics.jsonl record of this step (the one host-device sync per log interval)."""
-        loop.last_loss = step.loss_sum.item() / max(step.n_targets, 1)
-        self._check_finite(loop.last_loss, loop.last_saved)
-        dt = time.perf_counter() - loop.t0
-        loop.tok_s = loop.tokens_since / dt if dt > 0 else None
-        m = {"step": self.step, "loss": round(loop.last_loss, 6), "lr": step.lr, "grad_norm": float(step.grad_norm),
-             "tokens": self.step * self.cfg.tokens_per_step,
-             "tokens_per_s": round(loop.tok_s, 1) if loop.tok_s else None}
-        if loop.tok_s and self.flops_per_token and self.peak_tflops:  # peak is one GPU's
-            m["mfu"] = round(loop.tok_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size), 4)
-        if self.device.type == "cuda":
-            m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
-        if due.eval:
-            loop.val_loss = m["val_loss"] = self.evaluate()
-        expected = expected_final_loss(loop.history + [m], self.cfg.max_steps, self.cfg.warmup_steps) \
-            if self.cfg.max_steps < 10**9 else None
-        if expected is not None:
-            m["expected_final_loss"] = round(expected, 4)
-        loop.t0, loop.tokens_since = time.perf_counter(), 0
-        self._log(m, loop.history, loop.bar)
-
-    def _log_eval(self, loop: _Loop) -> None:
-        loop.val_loss = self.evaluate()
-        self._log({"step": self.step, "val_loss": loop.val_loss}, loop.history, loop.bar)
-
-    def _keep_best(self, loop: _Loop) -> None:
-        if loop.val_loss is not None and (self.best_val_loss is None or loop.val_loss < self.best_val_loss):
-            self.best_val_loss = loop.val_loss
-            self.save(best=True)
-
-    def _save_step(self, loop: _Loop, step: _Step) -> None:
-        # never write a checkpoint from weights that a NaN may have reached
-        self._check_finite(float(step.loss_sum), loop.last_saved)
-        self._check_finite(float(step.grad_norm), loop.last_saved, what="gradient norm")
-        loop.last_saved, loop.saved_step = self.save() or loop.last_saved, self.step
-
-    def _raise_peer_failure(self, e: Exception, loop: _Loop) -> None:
+    def _raise_peer_failure(self, e: Exception) -> None:
         """Under torchrun, a dead or hung peer becomes one message that says how to resume."""
         if self.world_size > 1 and not isinstance(e, TrainingError) and dist_.is_peer_failure(e):
             raise TrainingError(f"process {self.rank} of {self.world_size} lost its peers at step {self.step} "
                                 f"({type(e).__name__}: {str(e)[:160]}...): another "
                                 "process of this job died or hung (torchrun's report names it). The last "
-                                f"good checkpoint is {loop.last_saved or ckpt.latest_valid(self.ckpt_root)}; run "
+                                f"good checkpoint is {self.last_saved or ckpt.latest_valid(self.ckpt_root)}; run "
                                 "the same command again, with any number of processes, to resume from it") from e
-
-    def _finish(self, loop: _Loop) -> None:
-        for s, h in loop.old_handlers.items():
-            signal.signal(s, h)
-        if loop.bar is not None:
-            loop.bar.close()
 
     def _write_failed(self, what: str, e: BaseException) -> TrainingError:
         why = f"the disk is full ({os.strerror(errno.ENOSPC)})" \
@@ -597,31 +502,63 @@ class Trainer:
                              f"{ckpt.latest_valid(self.ckpt_root)}; free some disk space and run the same command "
                              "again to resume from it")
 
-    def _check_finite(self, value: float, last_saved: Path | None, what: str = "loss") -> None:
+    def _check_finite(self, value: float, what: str = "loss") -> None:
         if math.isfinite(value):
             return
         if what == "gradient norm" and self.precision.use_scaler:
             return  # fp16: the scaler skipped this step and lowered its scale; the weights are intact
         raise TrainingError(f"the {what} became {value} at step {self.step}; nothing was saved after it. The last "
-                            f"good checkpoint is {last_saved}. Lower the learning rate, or use precision bf16/fp32 "
-                            "instead of fp16, then run again to resume from it")
+                            f"good checkpoint is {self.last_saved}. Lower the learning rate, or use precision "
+                            "bf16/fp32 instead of fp16, then run again to resume from it")
 
-    def _log(self, m: dict, history: list[dict], bar) -> None:
-        history.append(m)
-        if self.is_main:
-            RunDir(self.run_dir).append_metrics(m)
-        if bar is not None:
-            post = {k: f"{m[k]:.4g}" for k in ("loss", "val_loss", "lr") if m.get(k) is not None}
-            if m.get("tokens_per_s"):
-                post["tok/s"] = f"{m['tokens_per_s']:.0f}"
-            if m.get("expected_final_loss") is not None:
-                post["final~"] = f"{m['expected_final_loss']:.4g}"
-            if self.budget is not None and self.budget.step_s:
-                post["ends"] = end_time(self.step, self.cfg.max_steps, self.budget.step_s)
-            bar.set_postfix(post, refresh=False)
-        for cb in self.callbacks:
-            if hasattr(cb, "on_log"):
-                try:
-                    cb.on_log(m)
-                except Exception as e:  # a broken plot must never stop training
-                    warnings.warn(f"callback {cb!r} failed in on_log: {e}")
+
+
+def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> float:
+    """Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps; or, "wsd", lr held
+    until the last decay_fraction of the steps, then a straight line to min_lr at the last step.
+    `max_steps`: the run's length where it is not the recipe's (a time budget decides it), None while
+    undecided: until the decay, wsd's rate does not depend on it, so a budget may decide it late."""
+    n = cfg.max_steps if max_steps == "recipe" else max_steps
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "wsd":
+        start = decay_start(n, cfg.decay_fraction) if n is not None else None
+        if start is None or step < start:
+            return cfg.lr
+        progress = min(1.0, (step - start) / max(1, n - 1 - start))
+        return cfg.lr + (cfg.min_lr - cfg.lr) * progress
+    span = max(1, n - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str = "auto") -> torch.Tensor:
+    """A tinygpt GPT's summed token loss: summed, not averaged, so that the step can divide by the target
+    tokens of all its micro-batches together (see `TrainStep.optimizer_step`)."""
+    return model(x, y, reduction="sum", loss=loss)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG's state in a weights-only form (tensors, numbers, strings, lists), so a checkpoint
+    loads with `torch.load(weights_only=True)` and can never run code."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    s = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached": float(cached)},
+         "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    py, npy = s["python"], s["numpy"]
+    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached"]))
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+

@@ -1,0 +1,375 @@
+"""The sandbox for generated code (tinygpt/evals/sandbox.py; issue 21 item 1, issue 22 item 6): each
+attack that escaped the audit-hook sandbox of 0f7fccf, and its obvious variants, is run for real,
+as the model's code (the solution process) and as the data file's code (the test process), in
+every kernel boundary this machine offers; each asserts that no proof file appears outside the
+sandbox, nothing of the user's was read, and the verdict is not "passed". Then the CLI path: a
+crafted HumanEval file through `tinygpt eval` on a tiny trained run, the refusal without a
+boundary, and SIGTERM / SIGINT mid-eval leaving no process and no folder."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tinygpt.cli import main
+from tinygpt.evals import code, sandbox
+from tinygpt.train.pretrain import pretrain
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=["root", "userns", "uid"])
+def kind(request, monkeypatch) -> str:
+    """Each kernel boundary this machine offers (root: Colab's case; userns: a user's machine; uid:
+    root where no namespace can be made)."""
+    python = Path(os.path.realpath(sys.executable))
+    if request.param == "uid" and any(not p.stat().st_mode & 0o001 for p in python.parents) \
+            and Path("/usr/bin/python3").is_file():  # a Python in a private home (pyenv under /root)
+        monkeypatch.setenv("TINYGPT_SANDBOX_PYTHON", "/usr/bin/python3")
+    b = sandbox.boundary(request.param)
+    if b.kind != request.param:
+        pytest.skip(f"no {request.param} boundary here: {b.why_not}")
+    monkeypatch.setenv("TINYGPT_SANDBOX", request.param)
+    return request.param
+
+
+@pytest.fixture
+def victim(tmp_path) -> Path:
+    """A file of the user's, outside the sandbox."""
+    v = tmp_path / "users_file.txt"
+    v.write_text("keep me")
+    return v
+
+
+def _attacks(proof: Path, victim: Path) -> dict[str, str]:
+    """Programs that, in the sandbox of 0f7fccf, wrote `proof` (outside the sandbox) or read secrets."""
+    rel = str(proof).lstrip("/")
+    write_proof = f"open({str(proof)!r}, 'w').write('escaped')"
+    attacks = {
+        # the audit hook resolved paths against the cwd, the kernel against dir_fd
+        "dir_fd": f"""import os
+os.makedirs('a/b/c/d/e/f/g/h', exist_ok=True); os.chdir('a/b/c/d/e/f/g/h')
+fd = os.open('.', os.O_RDONLY)
+data = os.read(os.open('../' * 9 + 'etc/shadow', os.O_RDONLY, dir_fd=fd), 4096)
+os.write(os.open('../' * 9 + {rel!r}, os.O_WRONLY | os.O_CREAT, dir_fd=fd), data)""",
+        "fork_exec": f"import subprocess\nsubprocess.run(['/bin/sh', '-c', 'id > {proof}; cat /etc/shadow >> {proof}'])",
+        "posix_spawn": f"import os\nos.posix_spawn('/bin/sh', ['sh', '-c', 'id > {proof}'], {{}})",
+        "ctypes_dlsym": f"""import _ctypes
+_ctypes.call_function(_ctypes.dlsym(_ctypes.dlopen(None), 'system'), (b'id > {proof}',))
+assert open({str(proof)!r}).read()""",
+        "ctypes_cdll": f"import ctypes\nassert ctypes.CDLL(None).system(b'touch {proof}') == 0",
+        "os_fork": f"""import os
+pid = os.fork()
+if pid == 0:
+    {write_proof}
+    os._exit(0)
+os.waitpid(pid, 0)""",
+        "read_victim": f"print(open({str(victim)!r}).read())\n{write_proof}",
+        "write_victim": f"open({str(victim)!r}, 'w').write('gone')",
+        "hard_link": f"import os\nos.link({str(victim)!r}, 'mine')\nopen('mine', 'w').write('gone')",
+        "symlinked_folder": f"import os\nos.symlink({str(proof.parent)!r}, 'out')\nopen('out/{proof.name}', 'w').write('x')",
+        "proc_self_mem": "f = open('/proc/self/mem', 'r+b')\nprint(f)",
+        "list_homes": f"import os\nprint(os.listdir('/root'), os.listdir('/home'), os.listdir('/content'))\n{write_proof}",
+        "etc_shadow": f"print(open('/etc/shadow').read())\n{write_proof}",
+    }
+    # each ends by checking its own success, so that a blocked attack is a failing program too
+    return {k: f"{a}\nimport os\nassert os.path.exists({str(proof)!r})" for k, a in attacks.items()}
+
+
+def test_no_attack_escapes_from_the_solution_or_the_test(kind, tmp_path, victim):
+    proof = tmp_path / "proof.txt"
+    for name, attack in _attacks(proof, victim).items():
+        # as the model's code: the function is defined after the attack, the test calls it
+        r = sandbox.run(f"{attack}\ndef f():\n    return 1\n", "assert f() == 1\n", names=("f",), timeout_s=20)
+        assert not r.passed and r.boundary == kind, (name, r.status, r.stderr[-500:])
+        # as the data file's code (a HumanEval prompt or test carries it into the test process)
+        r = sandbox.run("def f():\n    return 1\n", f"{attack}\nassert f() == 1\n", names=("f",), timeout_s=20)
+        assert not r.passed, (name, r.status, r.stderr[-500:])
+        assert not proof.exists(), name
+        assert victim.read_text() == "keep me", name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["users_file.txt"]
+
+
+def test_the_sandbox_sees_no_user_files_and_writes_only_its_folder(kind, tmp_path, victim):
+    if kind == "uid":
+        pytest.skip("the jail's guarantee: the uid boundary (no namespaces) does not give it")
+    seen = sandbox.run(f"""import json, os
+def ls(p):
+    try:
+        return sorted(os.listdir(p))
+    except OSError as e:
+        return e.strerror
+print(json.dumps({{'root': ls('/'), 'home': ls('/home'), 'content': ls('/content'), 'etc': ls('/etc'),
+                   'tmp': ls('/tmp'), 'victim': os.path.exists({str(victim)!r}), 'repo': os.path.exists({str(REPO)!r}),
+                   'uid': os.getuid(), 'groups': os.getgroups()}}))
+open('scratch.txt', 'w').write('mine')
+print(open('scratch.txt').read())
+""", timeout_s=20)
+    assert seen.passed, seen.stderr
+    info = json.loads(seen.stdout.splitlines()[0])
+    py_top = Path(os.path.realpath(sys.executable)).parts[1]  # the Python install is shown, read-only
+    assert set(info["root"]) <= {"usr", "bin", "lib", "lib64", "lib32", "libx32", "dev", "tmp", "work", ".out", py_top}
+    assert info["tmp"] == [] and not info["victim"] and not info["repo"]
+    assert info["home"] == info["content"] == info["etc"] == "No such file or directory" or py_top in ("home",)
+    if kind == "root":  # an unprivileged uid with no supplementary group
+        assert info["uid"] >= 1_000_000 and info["groups"] == []
+    assert seen.stdout.splitlines()[1] == "mine"
+
+
+def test_a_forged_pass_is_a_failure(kind):
+    """The model's code cannot make a failing test pass: not by exiting 0, nor by writing the
+    harness's marker on every descriptor it has, nor by answering with an object that equals all."""
+    forgeries = {
+        "exit_0": "import os\nos._exit(0)\n",
+        "exit_in_call": "import os\ndef f():\n    os._exit(0)\n",
+        "marker_everywhere": ("import os, sys\nsys.modules['__main__'].__dict__['passed'] = True\n"
+                              "for fd in range(64):\n    try:\n        os.write(fd, b'P' * 64)\n    except OSError:\n"
+                              "        pass\nos._exit(0)\n"),
+        "stop_everyone": ("import os, signal\nfor pid in set(range(1, 400)) - {os.getpid()}:\n    try:\n"
+                          "        os.kill(pid, signal.SIGSTOP)\n    except OSError:\n        pass\n"
+                          "def f():\n    return 1\n"),
+        "always_equal": "class A:\n    def __eq__(self, other):\n        return True\ndef f():\n    return A()\n",
+    }
+    for name, solution in forgeries.items():
+        for handles in (False, True):  # HumanEval: plain values only; MBPP: handles to the solution's objects
+            r = sandbox.run(solution, "assert f() == 2\nassert False\n" if name != "always_equal" else "assert f() == 2\n",
+                            names=None if handles else ("f",), handles=handles, timeout_s=5)
+            assert not r.passed, (name, handles, r.status, r.stderr[-300:])
+    ok = sandbox.run("def f():\n    return 2\n", "assert f() == 2\n", names=("f",), handles=False)
+    assert ok.passed, ok.stderr  # the same test passes an honest solution
+
+
+def test_writes_are_capped_in_total_and_nothing_outlives_the_sandbox(kind):
+    """120 files of 15 MB wrote 1.8 GB at 0f7fccf (only each file was capped); a `setsid sleep`
+    child outlived it. Now the total is capped by the jail's tmpfs, and the PID namespace ends
+    every process (here with processes allowed, to show the namespace does it)."""
+    if kind == "uid":
+        pytest.skip("the jail's guarantee: the uid boundary (no namespaces) does not give it")
+    r = sandbox.run("""import os
+total = 0
+try:
+    for i in range(120):
+        with open(f'big{i}', 'wb') as f:
+            for _ in range(15):
+                f.write(b'x' * 2**20)
+                f.flush()
+                total += 2**20
+except OSError as e:
+    print(total, e.errno)
+    raise
+""", max_write_mb=8, max_output_mb=16, timeout_s=20)
+    written, errno_ = map(int, r.stdout.split())
+    assert r.status == "failed" and written <= 8 * 2**20 and errno_ == 28, (r.status, r.stdout)  # ENOSPC
+    marker = f"{time.time_ns() % 10**6}.5"
+    r = sandbox.run(f"""import os
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    os.execv('/bin/sleep', ['sleep', '{marker}'])
+print(pid)
+""", max_processes=8, timeout_s=20)
+    assert r.passed, r.stderr
+    time.sleep(0.2)
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and marker in _cmdline(p)]
+    assert not left, f"{len(left)} process(es) outlived the sandbox"
+    r = sandbox.run("import os\nos.fork()\n", timeout_s=20)  # the default: no new process at all
+    if kind == "root" or os.geteuid() != 0:  # (the kernel exempts the real root's uid from RLIMIT_NPROC)
+        assert r.status == "failed" and "BlockingIOError" in r.stderr
+
+
+def test_no_network(kind):
+    if kind == "uid":
+        pytest.skip("the jail's guarantee: the uid boundary (no namespaces) does not give it")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        r = sandbox.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).send(b'hi')\n",
+                        timeout_s=20)
+        assert r.status == "failed" and "Error" in r.stderr
+        with pytest.raises(socket.timeout):
+            server.accept()
+
+
+def _cmdline(p: Path) -> str:
+    try:
+        return (p / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def test_limits_and_statuses(kind):
+    assert sandbox.run("while True:\n    pass\n", timeout_s=1).status == "timeout"
+    assert sandbox.run("while True:\n    pass\n", timeout_s=30, cpu_s=1).status == "cpu_limit"
+    assert sandbox.run("x = bytearray(4 * 1024**3)\n").status == "out_of_memory"
+    assert sandbox.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
+                       max_output_mb=1).status == "output_limit"
+    assert sandbox.run("def f():\n    while True:\n        pass\n", "f()\n", names=None, timeout_s=30,
+                       cpu_s=1).status == "cpu_limit"  # the solution's process hit the limit
+    assert sandbox.run("import os\nos._exit(0)\n", "f()\n", names=None).status == "exited_early"
+    r = sandbox.run("import nothing_of_that_name\n", "f()\n", names=("f",))
+    assert r.status == "failed" and "ModuleNotFoundError" in r.stderr  # the solution's traceback is shown
+    r = sandbox.run("def f(x):\n    raise KeyError(x)\n", "try:\n    f(3)\nexcept KeyError as e:\n"
+                    "    assert e.args == ('3',)\n", names=("f",))
+    assert r.passed, r.stderr  # built-in exceptions cross as themselves
+
+
+# --- through the CLI ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("sandbox-cli")
+    pretrain("cpu-smoke", tmp / "run", max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu",
+             cache_dir=tmp / "cache")
+    return tmp / "run"
+
+
+def _humaneval_file(path: Path, records: list[dict]) -> Path:
+    with gzip.open(path, "wt") as f:
+        for i, r in enumerate(records):
+            f.write(json.dumps({"task_id": f"Evil/{i}", "canonical_solution": "    return 1\n",
+                                "entry_point": "f", **r}) + "\n")
+    return path
+
+
+def _cli(*argv, env=None, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "tinygpt", *map(str, argv)], capture_output=True, text=True,
+                          env=env, **kw)
+
+
+def test_a_crafted_humaneval_file_escapes_nothing_through_the_cli(run, tmp_path, victim):
+    if sandbox.boundary().kind == "none":
+        pytest.skip(f"no kernel boundary here: {sandbox.boundary().why_not}")
+    proof = tmp_path / "proof.txt"
+    records = [{"prompt": f"{attack}\ndef f():\n    \"\"\"one\"\"\"\n", "test": "def check(candidate):\n    assert False\n"}
+               for attack in _attacks(proof, victim).values()]
+    # the issue's carrier: the prompt opens a string that the test closes, around the model's output
+    records.append({"prompt": "def f():\n    \"\"\"one\"\"\"\n_junk = r'''",
+                    "test": f"'''\n{_attacks(proof, victim)['dir_fd']}\ndef check(candidate):\n    pass\n"})
+    data = _humaneval_file(tmp_path / "evil.jsonl.gz", records)
+    p = _cli("eval", run, "--task", "humaneval", "--data", data, "--max-new-tokens", 4, "--device", "cpu", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert res["pass@1"] == 0 and res["sandbox"] in ("root", "userns")
+    assert all(s != "passed" for prob in res["per_problem"] for s in prob["statuses"])
+    assert not proof.exists() and victim.read_text() == "keep me"
+    assert "kernel boundary" in p.stderr.splitlines()[0]  # said first, with the boundary used
+
+
+def test_no_boundary_refuses_unless_unsafe_exec(run, tmp_path, monkeypatch, capfd):
+    data = _humaneval_file(tmp_path / "ok.jsonl.gz", [{"prompt": "def f():\n    \"\"\"one\"\"\"\n",
+                                                       "test": "def check(candidate):\n    assert candidate() == 1\n"}])
+    monkeypatch.setenv("TINYGPT_SANDBOX", "none")  # as on a machine with neither root nor user namespaces
+    args = ["eval", str(run), "--task", "humaneval", "--data", str(data), "--max-new-tokens", "4", "--device", "cpu"]
+    assert main(args) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "no kernel boundary" in err and "--unsafe-exec" in err and "checkpoint" not in err
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        assert main([*args, "--json", "--unsafe-exec"]) == 0
+    finally:
+        tempfile.tempdir = None
+    assert json.loads(capfd.readouterr().out)["sandbox"] == "none" and not list(tmp_path.glob("tinygpt-exec-*"))
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.parametrize("mode,sig", [("root", signal.SIGTERM), ("none", signal.SIGINT)])
+def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, sig):
+    """SIGTERM (or Ctrl-C) while programs run: `tinygpt eval` exits 130, and every launcher, sandbox
+    process and /tmp/tinygpt-exec-* folder is gone (at 0f7fccf `sleep` children reparented to 1)."""
+    if mode != "none" and sandbox.boundary(mode).kind != mode:
+        pytest.skip(f"no {mode} boundary here")
+    slow = {"prompt": "def f():\n    \"\"\"one\"\"\"\n", "test": "import time\ntime.sleep(60)\ndef check(c):\n    pass\n"}
+    data = _humaneval_file(tmp_path / "slow.jsonl.gz", [slow] * 6)
+    folders = tmp_path / "tmp"
+    folders.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TINYGPT_SANDBOX": mode, "TMPDIR": str(folders)}
+    proc = subprocess.Popen([sys.executable, "-m", "tinygpt", "eval", str(run), "--task", "humaneval", "--data",
+                             str(data), "--max-new-tokens", "2", "--device", "cpu", "--unsafe-exec"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline, seen = time.monotonic() + 120, set()
+    while time.monotonic() < deadline and proc.poll() is None:
+        seen = _descendants(proc.pid)
+        running = sum("-c" in _cmdline(Path(f"/proc/{p}")) for p in seen)  # the sandboxed processes
+        if running >= 2 and (mode != "none" or list(folders.glob("tinygpt-exec-*"))):
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None and seen, "no sandbox started"
+    time.sleep(0.3)
+    seen |= _descendants(proc.pid)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and b"interrupted" in err, err[-500:]
+    time.sleep(0.2)
+    alive = [p for p in seen if Path(f"/proc/{p}").exists() and _cmdline(Path(f"/proc/{p}"))]
+    assert not alive, [_cmdline(Path(f"/proc/{p}")) for p in alive]
+    assert not list(folders.iterdir())
+
+
+# --- the syntax metric (issue 26 item 1) ----------------------------------------------------------
+
+def test_syntax_accuracy_judges_what_the_model_wrote(shared_data):
+    prob = code.load_humaneval(shared_data / "HumanEval.jsonl.gz")[0]
+    answers = {"empty": "", "whitespace": "\n\n   \n", "comment": "    # TODO\n", "top_level_only": "\nx = 1\n",
+               "valid": prob.canonical_solution, "invalid": "    return (\n", "valid_but_wrong": "    return None\n"}
+    expected = {"empty": False, "whitespace": False, "comment": False, "top_level_only": False, "valid": True,
+                "invalid": False, "valid_but_wrong": True}
+    assert {k: prob.valid_syntax(a) for k, a in answers.items()} == expected
+    it = iter(answers.values())
+    r = code.evaluate_code([prob] * len(answers), lambda _: next(it), unsafe=sandbox.boundary().kind == "none")
+    assert r["syntax_accuracy"] == pytest.approx(2 / 7)
+    assert r["pass@1"] == pytest.approx(1 / 7)  # on the same completions: only the canonical one passes
+    assert [p["statuses"][0] == "passed" for p in r["per_problem"]] == [k == "valid" for k in answers]
+    mbpp = code.load_mbpp(shared_data / "mbpp.jsonl")[0]
+    assert [mbpp.valid_syntax(a) for a in ("", "  \n", "# nothing\n", mbpp.canonical_solution, "def (:")] == \
+        [False, False, False, True, False]
+
+
+def test_code_generation_stops_at_the_context_with_one_line_of_ours(run, tmp_path, capfd):
+    """Issue 26 item 1: a prompt near or past the model's context gets a completion cut at the
+    context (128 positions for cpu-smoke), said once by tinygpt, never transformers' reminder."""
+    words = " ".join(f"w{i}" for i in range(40))
+    data = _humaneval_file(tmp_path / "long.jsonl.gz", [
+        {"prompt": f"def f():\n    \"\"\"{words}\"\"\"\n", "test": "def check(candidate):\n    pass\n"},
+        {"prompt": f"def f():\n    \"\"\"{words * 3}\"\"\"\n", "test": "def check(candidate):\n    pass\n"}])
+    hf = tmp_path / "hf"
+    assert main(["export", str(run), str(hf)]) == 0
+    unsafe = ["--unsafe-exec"] if sandbox.boundary().kind == "none" else []
+    for model in (run, hf):
+        capfd.readouterr()
+        assert main(["eval", str(model), "--task", "humaneval", "--data", str(data), "--max-new-tokens", "200",
+                     "--device", "cpu", "--json", *unsafe]) == 0
+        out, err = capfd.readouterr()
+        notes = [ln for ln in err.splitlines() if "context" in ln and "note:" in ln]
+        assert len(notes) == 1 and "128-token context" in notes[0], err
+        assert "predefined maximum length" not in err
+        assert json.loads(out)["per_problem"][1]["completions"] == [""]  # the prompt alone fills the context

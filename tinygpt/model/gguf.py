@@ -1,0 +1,248 @@
+"""GGUF export (llama.cpp, Ollama): a tinygpt model and its byte-level BPE as one `.gguf` file, written
+with `gguf`, llama.cpp's own Python writer.
+
+Invariants:
+- The architecture is llama.cpp's `llama`, or `qwen3` for a model with QK-norm (the same two that
+  `model.hf` exports to transformers); tensor names come from gguf's own `TensorNameMap`.
+- llama.cpp's `llama` applies RoPE to adjacent pairs, tinygpt (like transformers) to the two halves of
+  each head; q_proj and k_proj rows are permuted here exactly as llama.cpp's `convert_hf_to_gguf.py`
+  does, so the attention scores are the same. `qwen3` uses the halves itself: nothing is permuted.
+- The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with unused `[PAD<i>]`
+  entries up to the model's vocabulary, which llama.cpp requires), the merges in rank order, and the
+  pre-tokenizer `gpt-2`, whose split pattern is the one `tokenizers`' ByteLevel pre-tokenizer uses (`smollm`
+  for SmolLM's single digits before it, so that runs continued from SmolLM export too).
+  `check_tokenizer` refuses a tokenizer llama.cpp would split differently (another pre-tokenizer, a
+  normalizer, byte fallback...) rather than writing a file that tokenizes otherwise.
+- No beginning-of-sequence token is added (tinygpt adds none); end-of-text is eos, and llama.cpp stops on it.
+- Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0. Like llama.cpp's converter,
+  1-D tensors (norms) stay f32 and a matrix whose rows are not a whole number of blocks stays f16.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinygpt.core.checkpoint import model_state
+from tinygpt.core.config import ModelConfig
+from tinygpt.core.files import atomic_output
+from tinygpt.model.gpt import GPT
+from tinygpt.model.tokenizer import Tokenizer
+
+QUANTS = ("f32", "f16", "bf16", "q8_0")
+PRE_TOKENIZER = "gpt-2"  # llama.cpp's name for GPT-2's split pattern (ByteLevel with use_regex)
+GGUF_FILE = "model.gguf"
+MODELFILE = "Modelfile"
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("GGUF export needs the gguf package: pip install 'tinygpt[export]' (or pip install gguf)") \
+            from e
+    return gguf
+
+
+def check_quant(quant: str) -> str:
+    if quant not in QUANTS:
+        raise ValueError(f"unknown GGUF quantization {quant!r}; choose one of {', '.join(QUANTS)} (for q4/q5/k-quants, "
+                         "run llama.cpp's llama-quantize on the f16 file)")
+    return quant
+
+
+def gguf_arch(config: ModelConfig) -> str:
+    """llama.cpp's architecture for this model: `qwen3` with QK-norm, else `llama`."""
+    return "qwen3" if config.qk_norm else "llama"
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+def _byte_level(pre: dict[str, Any]) -> bool:
+    return pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space") and pre.get("use_regex", True)
+
+
+def pre_tokenizer_name(pre: dict[str, Any] | None) -> str | None:
+    """llama.cpp's name for a `tokenizers` pre-tokenizer it splits identically: `gpt-2` for the ByteLevel
+    pre-tokenizer (tinygpt's, GPT-2's), `smollm` for single digits first, then ByteLevel (SmolLM's); else None."""
+    pre = pre or {}
+    if _byte_level(pre):
+        return PRE_TOKENIZER
+    parts = pre.get("pretokenizers") or []
+    if pre.get("type") == "Sequence" and len(parts) == 2 and parts[0] == {"type": "Digits", "individual_digits": True} \
+            and _byte_level(parts[1]):
+        return "smollm"
+    return None
+
+
+def check_tokenizer(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The tokenizer's JSON, after checking that llama.cpp's `gpt2` BPE with the pre-tokenizer
+    `pre_tokenizer_name` gives splits and merges exactly as it does; otherwise a ValueError naming what differs."""
+    spec = json.loads(tokenizer.to_json())
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    problems = []
+    if model.get("type") != "BPE":
+        problems.append(f"model {model.get('type')}, not BPE")
+    if spec.get("normalizer"):
+        problems.append(f"a {spec['normalizer'].get('type')} normalizer")
+    if pre_tokenizer_name(pre) is None:
+        problems.append(f"pre-tokenizer {json.dumps(pre, sort_keys=True)}")
+    for key in ("byte_fallback", "ignore_merges", "dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            problems.append(f"BPE {key}={model[key]!r}")
+    if problems:
+        raise ValueError(f"this tokenizer does not tokenize as llama.cpp's GPT-2 BPE ({'; '.join(problems)}); "
+                         "export to Hugging Face format instead (tinygpt export RUN OUT) and convert it with "
+                         "llama.cpp's convert_hf_to_gguf.py")
+    return spec
+
+
+def tokenizer_tables(tokenizer: Tokenizer, n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens in id order padded to `n_vocab`, their llama.cpp token types, merges as "a b" in rank order)."""
+    gguf = _gguf()
+    spec = check_tokenizer(tokenizer)
+    vocab = tokenizer.tok.get_vocab(with_added_tokens=True)
+    if len(vocab) > n_vocab or sorted(vocab.values()) != list(range(len(vocab))):
+        raise ValueError(f"the tokenizer's {len(vocab)} ids are not 0..{len(vocab) - 1} within the model's "
+                         f"vocabulary of {n_vocab}")
+    tokens = [""] * len(vocab)
+    for text, i in vocab.items():
+        tokens[i] = text
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    types = [(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED) if i in added
+             else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    pad = n_vocab - len(tokens)  # the model's rows past the tokenizer (vocabulary padded for speed)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
+    types += [gguf.TokenType.UNUSED] * pad
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    return tokens, [int(t) for t in types], merges
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+def _rope_pairs(w: np.ndarray, n_head: int) -> np.ndarray:
+    """q/k rows from rotate-half order (transformers, tinygpt) to llama.cpp's adjacent pairs; the same
+    permutation as convert_hf_to_gguf.py's LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
+    """The model's weights under llama.cpp's names, as float32 arrays (q/k permuted for `llama`)."""
+    gguf = _gguf()
+    config = model.config
+    arch = gguf_arch(config)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.n_layer)
+    out = {}
+    for key, t in model_state(model).items():
+        name = names.get_name(key, try_suffixes=(".weight",))
+        if name is None:
+            raise ValueError(f"no llama.cpp tensor for {key!r} in architecture {arch}")
+        w = t.to(torch.float32).numpy()
+        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _rope_pairs(w, config.n_head if "q_proj" in key else config.n_kv_head or config.n_head)
+        out[name] = w
+    return out
+
+
+def _encode(gguf: Any, name: str, w: np.ndarray, quant: str) -> tuple[np.ndarray, Any]:
+    """(data, ggml type) of one tensor in `quant`, with the converter's exceptions (norms f32, odd rows f16)."""
+    Q = gguf.GGMLQuantizationType
+    if quant == "f32" or w.ndim == 1:
+        return w.astype(np.float32), Q.F32
+    if quant == "f16":
+        return w.astype(np.float16), Q.F16
+    qtype = {"bf16": Q.BF16, "q8_0": Q.Q8_0}[quant]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if w.shape[-1] % block:
+        return w.astype(np.float16), Q.F16
+    return gguf.quants.quantize(w, qtype), qtype
+
+
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+
+
+def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = "f16", *, name: str = "tinygpt",
+               chat_template: str | None = None) -> Path:
+    """Write `model` and `tokenizer` as one GGUF file at `path` (written beside it and renamed into place).
+    chat_template: a Jinja template for llama.cpp's chat mode (a finetuned run's prompt format)."""
+    gguf = _gguf()
+    check_quant(quant)
+    config = model.config
+    tokens, types, merges = tokenizer_tables(tokenizer, config.vocab_size)  # refused before anything is written
+    tensors = gguf_tensors(model)
+    arch = gguf_arch(config)
+    path = Path(path)
+    with atomic_output(path) as tmp:
+        w = gguf.GGUFWriter(str(tmp), arch)
+        w.add_name(name)
+        w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[quant]))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_context_length(config.max_seq_len)
+        w.add_embedding_length(config.d_model)
+        w.add_block_count(config.n_layer)
+        w.add_feed_forward_length(config.d_ff)
+        w.add_head_count(config.n_head)
+        w.add_head_count_kv(config.n_kv_head or config.n_head)
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+        w.add_rope_dimension_count(config.head_dim)
+        w.add_rope_freq_base(config.rope_theta)
+        w.add_layer_norm_rms_eps(config.norm_eps)
+        w.add_vocab_size(config.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre_tokenizer_name(json.loads(tokenizer.to_json()).get("pre_tokenizer")))
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(tokenizer.eot_id)
+        w.add_eos_token_id(tokenizer.eot_id)
+        w.add_pad_token_id(tokenizer.eot_id)
+        w.add_add_bos_token(False)
+        w.add_add_eos_token(False)
+        if chat_template:
+            w.add_chat_template(chat_template)
+        for tname, t in tensors.items():
+            data, qtype = _encode(gguf, tname, t, quant)
+            w.add_tensor(tname, data, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return path
+
+
+# --- reading back -----------------------------------------------------------------------------
+
+def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(metadata {key: value}, tensors {name: float32 array in numpy (torch) order, dequantized}) of a GGUF
+    file, through gguf's own reader: what llama.cpp will find there."""
+    gguf = _gguf()
+    reader = gguf.GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensors[t.name] = np.asarray(data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+    return meta, tensors
+
+
+# --- Ollama -----------------------------------------------------------------------------------
+
+def modelfile(gguf_name: str, tokenizer: Tokenizer, context: int, *, template: str | None = None,
+              stops: tuple[str, ...] = (), temperature: float = 0.8, top_k: int = 50) -> str:
+    """An Ollama Modelfile for the GGUF beside it. template: Ollama's Go template of the prompt (a finetuned
+    run's instruction format); without one the prompt is continued as it is, as `tinygpt generate` does.
+    The context is the model's own (Ollama's default is longer than a small model was trained on), and
+    the repeat penalty is off, as in tinygpt's sampling."""
+    def q(s: str) -> str:
+        return json.dumps(s)  # a Go-style quoted string: newlines and quotes escaped
+
+    lines = [f"FROM ./{gguf_name}", "", f'TEMPLATE """{template or "{{ .Prompt }}"}"""', ""]
+    for s in (tokenizer.eot, *stops):
+        lines.append(f"PARAMETER stop {q(s)}")
+    lines += [f"PARAMETER num_ctx {context}", f"PARAMETER temperature {temperature:g}", f"PARAMETER top_k {top_k}",
+              "PARAMETER repeat_penalty 1", ""]
+    return "\n".join(lines)

@@ -1,0 +1,353 @@
+"""A run, ready to share: exported to Hugging Face format or GGUF (llama.cpp, Ollama) with a model card,
+and pushed to the Hugging Face Hub.
+
+Invariants:
+- `export` takes a pretraining run or a finetuning run (its adapter folded into the base first) and
+  writes a new folder atomically: nothing under the target name until everything is written.
+  Bad input (target taken, unknown format or quantization, no checkpoint) is refused before any model loads.
+- Every export folder has a `README.md` model card whose figures come from the run folder itself
+  (run.json / finetune.json, metrics.jsonl, evals.jsonl), and a GGUF export has an Ollama `Modelfile`.
+- `push` needs a token (`HF_TOKEN`, or Colab's secret of that name) and the Hub; without either it stops
+  with one line before exporting anything. What it uploads is exactly `upload_folder`'s folder.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tinygpt.core.config import Recipe
+from tinygpt.core.files import atomic_output
+from tinygpt.core.rundir import METRICS, RunDir, parse_jsonl
+from tinygpt.evals.runs import summarize_run
+from tinygpt.evals.tasks import EVALS_JSONL
+from tinygpt.finetune.instruct import TEMPLATES
+from tinygpt.finetune.lora import FinetuneError, _adapter_dir, export_full, is_full_finetune, merge_adapter
+from tinygpt.finetune.recipes import ADAPTER_INFO
+from tinygpt.model import gguf as gg
+from tinygpt.model.hf import check_export_target, export_model, import_hf
+from tinygpt.model.loading import load_run
+
+FORMATS = ("hf", "gguf")
+CARD = "README.md"
+
+
+def gguf_name(quant: str) -> str:
+    """The GGUF file's name: the quantization in it, as Ollama's `hf.co/USER/REPO:Q8_0` tags expect."""
+    return f"model-{quant.upper()}.gguf"
+
+
+# --- what a run is ----------------------------------------------------------------------------
+
+def _kind(run_dir: Path) -> str:
+    """"pretrain", "finetune" (LoRA / QLoRA: an adapter to fold in) or "full" (full finetuning: a whole model)."""
+    run = RunDir(run_dir)
+    if is_full_finetune(run_dir):
+        return "full"
+    if run.is_finetune_run():
+        return "finetune"
+    if run.is_pretrain_run():
+        return "pretrain"
+    raise FileNotFoundError(f"{run_dir} is neither a tinygpt run (run.json) nor a finetuning run (finetune.json); "
+                            "give the folder `tinygpt pretrain` or `tinygpt finetune` wrote")
+
+
+def _template(run_dir: Path) -> str:
+    return RunDir(run_dir).adapter_info().get("template") or "alpaca"
+
+
+def _load(run_dir: Path, which: str):
+    """(tinygpt GPT, tinygpt Tokenizer) of a run; a finetune is merged and brought back through `import_hf`."""
+    kind = _kind(run_dir)
+    if kind == "pretrain":
+        model, tok, _, _ = load_run(run_dir, which)
+        return model, tok
+    with tempfile.TemporaryDirectory(prefix="tinygpt-merge-") as tmp:
+        merged = merge_adapter(run_dir, Path(tmp) / "merged") if kind == "finetune" else \
+            export_full(run_dir, which, Path(tmp) / "model")
+        try:
+            model, tok = import_hf(merged)
+        except ValueError as e:  # a base llama.cpp's llama/qwen3 would not be (Gemma, GPT-2...)
+            raise FinetuneError(f"GGUF export of this finetune: {e}; export it with --format hf and convert that with "
+                                "llama.cpp's convert_hf_to_gguf.py") from e
+    if tok is None:
+        raise FinetuneError(f"the merged model of {run_dir} has no tokenizer.json; GGUF needs a fast tokenizer")
+    return model, tok
+
+
+# --- prompt formats ---------------------------------------------------------------------------
+
+def ollama_template(template: str) -> str:
+    """A finetuned run's instruction prompt (no input) as an Ollama Go template."""
+    return TEMPLATES[template][1].replace("{instruction}", "{{ .Prompt }}")
+
+
+def jinja_template(template: str, eot: str) -> str:
+    """The same prompt as a Jinja chat template (llama.cpp's chat mode): each user turn in the instruction
+    format, each answer followed by end-of-text, as the run was trained."""
+    pre, post = TEMPLATES[template][1].split("{instruction}")
+    return ("{% for message in messages %}{% if message['role'] == 'user' %}" + pre + "{{ message['content'] }}"
+            + post + "{% elif message['role'] == 'assistant' %}{{ message['content'] }}" + eot
+            + "{% endif %}{% endfor %}")
+
+
+# --- the model card ---------------------------------------------------------------------------
+
+def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The evaluations `run_eval` recorded in the run folder (evals.jsonl), oldest first; [] when none."""
+    p = Path(run_dir) / EVALS_JSONL
+    return parse_jsonl(p.read_text(encoding="utf-8"), p) if p.is_file() else []
+
+
+_HEADLINE = {"perplexity": ("perplexity", "bits_per_byte", "tokens"), "hellaswag": ("acc", "acc_norm", "n")}
+
+
+def _scores(e: dict[str, Any]) -> str:
+    keys = _HEADLINE.get(e.get("task"), ()) or [k for k in e.get("scores", {}) if k.startswith("pass@")]
+    s = e.get("scores", {})
+    return ", ".join(f"{k} {_num(s[k])}" for k in keys if k in s) or \
+        ", ".join(f"{k} {_num(v)}" for k, v in s.items() if isinstance(v, (int, float)))
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def _is_local(source: Any) -> bool:
+    text = str(source or "")
+    return not text.startswith("hf:") and (text.startswith(("/", ".", "~")) or Path(text).exists())
+
+
+def _shown(source: Any) -> Any:
+    """A data set or base as a card shows it: a Hub id or `hf:` source as it is, a local path by its name only
+    (the card is public; the machine's folders are not)."""
+    return Path(str(source)).name if source and _is_local(source) else source
+
+
+def card_facts(run_dir: str | Path) -> dict[str, Any]:
+    """The figures a card states, all read from the run folder: recipe, data, model shape, steps, tokens
+    seen, last training and validation loss, and the recorded evaluations."""
+    run_dir = Path(run_dir)
+    kind = _kind(run_dir)
+    metrics = RunDir(run_dir).metrics()
+    train = [m for m in metrics if m.get("loss") is not None]
+    val = [m for m in metrics if m.get("val_loss") is not None]
+    facts: dict[str, Any] = {"kind": kind, "run": run_dir.resolve().name, "evals": read_evals(run_dir),
+                             "steps": train[-1]["step"] if train else None,
+                             "train_loss": train[-1]["loss"] if train else None,
+                             "val_loss": val[-1]["val_loss"] if val else None,
+                             "tokens": train[-1].get("tokens") if train else None}
+    if kind == "pretrain":
+        recipe = Recipe.from_dict(RunDir(run_dir).recipe_dict())
+        if train:
+            facts["tokens"] = summarize_run(run_dir)["tokens_seen"]
+        facts.update(recipe=recipe.name, data=_shown(recipe.data.source), tokenizer=recipe.data.tokenizer,
+                     model=recipe.model, max_steps=recipe.train.max_steps)
+    else:
+        info = RunDir(run_dir).finetune_info() or {}
+        facts.update(recipe=info.get("recipe", {}).get("name"), data=_shown(info.get("data")),
+                     base=_shown(info.get("base")), hub_base=not _is_local(info.get("base")),
+                     template=_template(run_dir))
+    return facts
+
+
+def _tokenizer_words(tokenizer: str, m: Any) -> str:
+    if getattr(m, "init", None):
+        return "the base's tokenizer"
+    return "GPT-2 BPE" if tokenizer == "gpt2" else "a byte-level BPE trained on its data"
+
+
+def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id: str | None = None) -> str:
+    """The README.md of an export: what the model is, how it was trained (figures from the run folder),
+    its evaluations, and how to load it (transformers when `hf`, Ollama and llama.cpp when `gguf_file`)."""
+    f = card_facts(run_dir)
+    where = repo_id or "PATH/TO/THIS/FOLDER"
+    tags = ["tinygpt", "text-generation"] + (["gguf"] if gguf_file else [])
+    front = ["---", "library_name: transformers" if hf else "library_name: gguf", "pipeline_tag: text-generation",
+             "tags:", *[f"- {t}" for t in tags]]
+    if f["kind"] != "pretrain" and f.get("base") and f["hub_base"]:
+        front.append(f"base_model: {f['base']}")  # a Hub id (a local base has no page to link)
+    lines = [*front, "---", "", f"# {f['run']}", ""]
+    if f["kind"] == "pretrain":
+        m = f["model"]
+        start = f"continued from `{_shown(m.init)}`" if getattr(m, "init", None) else "from scratch"
+        lines += [f"A {'Qwen3' if m.qk_norm else 'Llama'}-architecture language model pretrained {start} with "
+                  f"[tinygpt](https://github.com/tinygpt/tinygpt): {m.n_layer} layers, width {m.d_model}, "
+                  f"{m.n_head} heads ({m.n_kv_head or m.n_head} key/value), context {m.max_seq_len} tokens, "
+                  f"vocabulary {m.vocab_size:,} "
+                  f"({_tokenizer_words(f['tokenizer'], m)}).", ""]
+    else:
+        how = "every weight trained" if f["kind"] == "full" else "the adapter folded into the base"
+        lines += [f"[tinygpt](https://github.com/tinygpt/tinygpt)'s `{f['recipe']}` finetune of `{f['base']}`, {how}. "
+                  "Prompts use the instruction format it was trained on:", "",
+                  "```", TEMPLATES[f["template"]][1].format(instruction="<your instruction>") + "<answer>", "```", ""]
+    lines += ["## Training", "", "| | |", "|---|---|", f"| recipe | `{f['recipe']}` |", f"| data | `{f['data']}` |",
+              f"| steps | {_num(f['steps'])} |", f"| tokens seen | {_num(f['tokens'])} |",
+              f"| final training loss | {_num(f['train_loss'])} |",
+              f"| final validation loss | {_num(f['val_loss'])} |",
+              "", f"Losses are mean cross-entropy per token in nats, from the run's `{METRICS}`.", "",
+              "## Evaluations", ""]
+    if f["evals"]:
+        lines += ["| task | data | scores |", "|---|---|---|"]
+        lines += [f"| {e['task']} | `{_shown(e.get('data'))}` | {_scores(e)} |" for e in f["evals"]]
+    else:
+        lines.append("None recorded in the run folder (`tinygpt eval RUN --task ...` records each one).")
+    lines += ["", "## Use it", ""]
+    if hf:
+        lines += ["With transformers:", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                  f'model = AutoModelForCausalLM.from_pretrained("{where}")',
+                  f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+                  'ids = tokenizer("def main(", return_tensors="pt").input_ids',
+                  "print(tokenizer.decode(model.generate(ids, max_new_tokens=64, do_sample=True)[0]))", "```", ""]
+    if gguf_file:
+        ollama = f"ollama run hf.co/{repo_id}:{gguf_file.split('-', 1)[1].removesuffix('.gguf')}" if repo_id \
+            else "ollama create mymodel -f Modelfile && ollama run mymodel"
+        lines += [f"With Ollama (`{gguf_file}` and the `Modelfile` beside it, which sets the prompt format, the "
+                  "stop token and the model's context):", "", "```bash", ollama, "```", "",
+                  "With llama.cpp:", "", "```bash", f'llama-cli -m {gguf_file} -p "def main(" -n 64 --temp 0.8',
+                  "```", ""]
+    return "\n".join(lines)
+
+
+# --- export -----------------------------------------------------------------------------------
+
+def check_format(fmt: str, quant: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    gg.check_quant(quant)
+
+
+def _write_gguf(run_dir: Path, model: Any, tok: Any, folder: Path, quant: str) -> str:
+    """The GGUF and its Modelfile into `folder`; returns the GGUF's name."""
+    name = gguf_name(quant)
+    finetuned = _kind(run_dir) != "pretrain"
+    template = _template(run_dir) if finetuned else None
+    gg.write_gguf(model, tok, folder / name, quant, name=run_dir.resolve().name,
+                  chat_template=jinja_template(template, tok.eot) if template else None)
+    (folder / gg.MODELFILE).write_text(gg.modelfile(
+        name, tok, model.config.max_seq_len, template=ollama_template(template) if template else None,
+        stops=("### Instruction:",) if template else ()), encoding="utf-8")
+    return name
+
+
+def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str = "f16",
+           which: str = "latest") -> Path:
+    """A run (pretraining, or finetuning merged) as a new folder at `out_dir`: Hugging Face files
+    (`hf`) or a GGUF with its Modelfile (`gguf`), with a model card either way."""
+    run_dir = Path(run_dir)
+    check_format(fmt, quant)
+    out = check_export_target(out_dir)
+    kind = _kind(run_dir)
+    if kind == "finetune":
+        _adapter_dir(run_dir)  # no adapter yet: say so before merging anything
+    if fmt == "hf" and kind != "pretrain":
+        with atomic_output(out, folder=True) as tmp:
+            if kind == "finetune":
+                merge_adapter(run_dir, tmp)
+            else:
+                _move_up(export_full(run_dir, which, tmp / "model"))
+                (tmp / ADAPTER_INFO).unlink(missing_ok=True)  # this machine's paths: not for a shared folder
+            (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None), encoding="utf-8")
+        return out
+    model, tok = _load(run_dir, which)
+    if fmt == "hf":
+        with atomic_output(out, folder=True) as tmp:
+            _move_up(export_model(model, tok, tmp / "hf"))
+            (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None), encoding="utf-8")
+        return out
+    gg.tokenizer_tables(tok, model.config.vocab_size)  # a tokenizer llama.cpp would split otherwise: refused now
+    with atomic_output(out, folder=True) as tmp:
+        name = _write_gguf(run_dir, model, tok, tmp, quant)
+        (tmp / CARD).write_text(model_card(run_dir, hf=False, gguf_file=name), encoding="utf-8")
+    return out
+
+
+def _move_up(folder: Path) -> None:
+    """The files of `folder` into its parent, and the folder gone."""
+    for p in folder.iterdir():
+        p.rename(folder.parent / p.name)
+    folder.rmdir()
+
+
+def upload_folder(run_dir: str | Path, out_dir: str | Path, repo_id: str, *, gguf: str | None = "q8_0",
+                  which: str = "latest") -> Path:
+    """The folder `push` uploads: the Hugging Face files, a GGUF (`gguf` quantization; None for none) with
+    its Modelfile, and one card for both."""
+    run_dir = Path(run_dir)
+    check_format("hf", gguf or "f16")
+    hf_out = export(run_dir, out_dir, "hf", which=which)
+    name = None
+    if gguf:
+        model, tok = _load(run_dir, which)
+        name = _write_gguf(run_dir, model, tok, hf_out, gguf)
+    (hf_out / CARD).write_text(model_card(run_dir, hf=True, gguf_file=name, repo_id=repo_id),
+                               encoding="utf-8")
+    return hf_out
+
+
+# --- the Hub ----------------------------------------------------------------------------------
+
+class PushError(RuntimeError):
+    """A push that cannot start or finish: the message says what to do."""
+
+
+def hub_token() -> str | None:
+    """HF_TOKEN from the environment, else from Colab's secrets (the key icon in Colab's side bar)."""
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token:
+        return token
+    try:
+        from google.colab import userdata
+    except ImportError:
+        return None
+    try:
+        return userdata.get("HF_TOKEN")
+    except Exception:  # not added, or this notebook not granted access: both mean "no token"
+        return None
+
+
+def push(run_dir: str | Path, repo_id: str, *, token: str | None = None, private: bool = False,
+         gguf: str | None = "q8_0", which: str = "latest") -> str:
+    """Upload `upload_folder`'s folder to the Hub repository `repo_id` (created if needed); returns its URL.
+    The token and the Hub are checked first, so a missing token or no network costs no export."""
+    if "/" not in repo_id or repo_id.count("/") != 1:
+        raise PushError(f"repository {repo_id!r} is not USER/NAME (or ORG/NAME), e.g. alice/tinygpt-124m")
+    _kind(Path(run_dir))
+    if gguf:
+        gg.check_quant(gguf)
+    token = token or hub_token()
+    if not token:
+        raise PushError("no Hugging Face token: set HF_TOKEN to a write token from "
+                        "https://huggingface.co/settings/tokens (in Colab: add a secret named HF_TOKEN)")
+    try:
+        from huggingface_hub import HfApi
+    except ImportError as e:
+        raise PushError("pushing needs huggingface_hub: pip install huggingface_hub") from e
+    api = HfApi(token=token)
+    try:
+        user = api.whoami()["name"]
+    except Exception as e:
+        raise PushError(f"could not sign in to the Hugging Face Hub ({_short(e)}); check the network and that "
+                        "HF_TOKEN is a valid write token") from e
+    with tempfile.TemporaryDirectory(prefix="tinygpt-push-") as tmp:
+        folder = upload_folder(run_dir, Path(tmp) / "upload", repo_id, gguf=gguf, which=which)
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            api.upload_folder(folder_path=str(folder), repo_id=repo_id,
+                              commit_message=f"tinygpt push of {Path(run_dir).resolve().name} by {user}")
+        except Exception as e:
+            raise PushError(f"the upload to {repo_id} failed ({_short(e)}); run the same command again") from e
+    return f"https://huggingface.co/{repo_id}"
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+__all__ = ["FORMATS", "PushError", "card_facts", "export", "hub_token", "model_card", "push", "read_evals",
+           "upload_folder"]

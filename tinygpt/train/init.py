@@ -1,0 +1,188 @@
+"""Continued pretraining: a run whose weights and tokenizer start from a model people have.
+
+The base (`ModelConfig.init`, `tinygpt pretrain --init`) is ``hf:NAME[@REVISION]`` (a Hub model, fetched into the
+Hugging Face cache by `huggingface_hub`), a local Hugging Face folder of the Llama or Qwen3 family (config.json,
+safetensors, tokenizer.json), or another tinygpt run folder (its newest valid checkpoint). `continued_recipe` sizes
+a recipe for it: the base's architecture is the model, the base's own tokenizer tokenizes the corpus, the learning
+rate is lower and warms up, and the context is the base's (up to what the hardware trains at). A base the GPT
+cannot represent is refused by `read_base` before anything else happens, naming what differs.
+
+The weights are read once, at the run's first start (`initial_model`); run.json records the base, and a resumed run
+loads its own checkpoint without reading the base again (it may be gone from the cache by then).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinygpt.core.checkpoint import latest_valid, load_checkpoint
+from tinygpt.core.config import ConfigError, ModelConfig, Recipe, config_differences, get_recipe
+from tinygpt.core.paths import HUB_PREFIX
+from tinygpt.core.rundir import CHECKPOINTS, RUN_JSON, TOKENIZER_JSON, RunDir
+from tinygpt.model.gpt import GPT
+from tinygpt.model.hf import (
+    SAFETENSORS_INDEX,
+    gpt_from_state,
+    hub_model_folder,
+    import_tokenizer,
+    read_hf_state_dict,
+    representation_gaps,
+)
+from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.train.data import resolve_source
+
+INIT_TOKENIZER = "init"  # DataConfig.tokenizer of a continued run: the base's own tokenizer
+# The base is trained already: a from-scratch learning rate would undo much of what it knows. At most this peak
+# rate, a tenth of it at the end, and a warmup over at least 5% of the steps.
+CONTINUE_MAX_LR = 3e-4
+CONTINUE_WARMUP_FRACTION = 0.05
+# The longest context a GPU recipe trains a base at (its own when shorter); on a GPU the probe shortens it further
+# where memory says so. A CPU recipe keeps its own (short) context.
+GPU_CONTEXT = 2048
+# The fields that make two model configs the same network (the rest: context, speed and memory choices).
+ARCHITECTURE = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "rope_theta", "norm_eps",
+                "tie_embeddings", "qk_norm")
+
+
+@dataclass
+class Base:
+    """A base to continue from, as far as it can be known without reading its weights."""
+    spec: str  # as recorded in ModelConfig.init: hf:NAME[@REVISION], or an absolute folder
+    kind: str  # "hub", "folder" (a Hugging Face model folder) or "run" (a tinygpt run folder)
+    path: Path  # the local folder (for the Hub: config and tokenizer in the Hugging Face cache)
+    model: ModelConfig  # its architecture, with init = spec
+    tokenizer: Tokenizer
+
+
+def normalise_init(spec: str) -> str:
+    """A base as run.json records it: a Hub name as written, a folder as an absolute path (a relative one would
+    name another folder from another working directory)."""
+    spec = spec.strip()
+    if not spec:
+        raise ConfigError("--init is empty: give hf:NAME (a Hub model), a model folder or a tinygpt run folder")
+    return spec if spec.startswith(HUB_PREFIX) else str(Path(spec).expanduser().resolve())
+
+
+def read_base(spec: str) -> Base:
+    """The base's architecture and tokenizer, checked; nothing but its config and tokenizer is read (or, from the
+    Hub, downloaded). A base the GPT cannot represent, or that lacks what continued pretraining needs, fails
+    here in one line that says what differs or what to do."""
+    spec = normalise_init(spec)
+    if spec.startswith(HUB_PREFIX):
+        try:
+            kind, path = "hub", hub_model_folder(spec, weights=False)
+        except ValueError as e:
+            raise ConfigError(f"--init {spec}: {e}") from None
+    else:
+        path = Path(spec)
+        kind = "run" if (path / RUN_JSON).is_file() else "folder" if (path / "config.json").is_file() else None
+        if kind is None:
+            raise ConfigError(f"--init {spec}: " + ("the folder has neither run.json (a tinygpt run) nor config.json "
+                                                     "(a Hugging Face model)" if path.exists() else
+                                                     "no such folder; give hf:NAME for a Hub model (e.g. "
+                                                     "hf:HuggingFaceTB/SmolLM2-135M), a model folder or a run folder"))
+    if kind == "run":
+        run = RunDir(path)
+        if latest_valid(run.checkpoints) is None:
+            raise ConfigError(f"--init {spec}: the run has no valid checkpoint to start from; train it first")
+        model, tokenizer = Recipe.from_dict(run.recipe_dict()).model, Tokenizer.load(path / TOKENIZER_JSON)
+    else:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        gaps = representation_gaps(cfg)
+        if gaps:
+            raise ConfigError(f"--init {spec}: tinygpt's GPT cannot represent this model: {'; '.join(gaps)}")
+        try:
+            model = ModelConfig.from_hf_llama(cfg)
+        except (ConfigError, KeyError) as e:
+            raise ConfigError(f"--init {spec}: its config.json does not describe a model tinygpt can build ({e})") \
+                from None
+        tokenizer = import_tokenizer(path)
+        if tokenizer is None:
+            raise ConfigError(f"--init {spec}: no tokenizer.json with an end-of-text token beside the model (the "
+                              "corpus is tokenized with the base's own tokenizer); save it there with "
+                              "tokenizer.save_pretrained")
+        if kind == "folder" and not ((path / "model.safetensors").is_file() or (path / SAFETENSORS_INDEX).is_file()):
+            raise ConfigError(f"--init {spec}: no model.safetensors; load the model with transformers and "
+                              "save_pretrained() it again (safetensors is the default)")
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(f"--init {spec}: its tokenizer has {tokenizer.vocab_size} tokens, its model only "
+                          f"{model.vocab_size}")
+    return Base(spec, kind, path, dataclasses.replace(model, init=spec, activation_checkpointing=False), tokenizer)
+
+
+def continued_recipe(template: Recipe | str, init: str) -> Recipe:
+    """`template` (a recipe or its name: batch, steps, precision, data) continuing the base `init`: the base's
+    architecture and tokenizer, at most CONTINUE_MAX_LR with warmup, AdamW (Muon's rates are for a network
+    trained from scratch), the base's context up to GPU_CONTEXT (a CPU recipe keeps its own), and the same
+    tokens per step."""
+    template = get_recipe(template) if isinstance(template, str) else template
+    base = read_base(init)
+    t = template.train
+    seq_len = min(base.model.max_seq_len, t.seq_len if template.hardware == "cpu" else max(t.seq_len, GPU_CONTEXT))
+    lr = min(t.lr, CONTINUE_MAX_LR)
+    train = dataclasses.replace(
+        t, seq_len=seq_len, micro_batch_size=max(1, t.micro_batch_size * t.seq_len // seq_len), lr=lr,
+        min_lr=lr / 10, warmup_steps=max(t.warmup_steps, round(CONTINUE_WARMUP_FRACTION * t.max_steps)),
+        optimizer="adamw")
+    data = dataclasses.replace(template.data, tokenizer=INIT_TOKENIZER, vocab_size=base.tokenizer.vocab_size)
+    return Recipe(template.name, f"{template.description} Continued from {base.spec}.", template.hardware,
+                  base.model, train, data)
+
+
+def run_init(*run_dirs: str | Path | None) -> str | None:
+    """The base the first of these run folders (local, mirror ...) that is a pretraining run continues; None
+    when it started from scratch or there is none."""
+    for d in run_dirs:
+        if d is not None and RunDir(d).is_pretrain_run():
+            return RunDir(d).recipe_dict().get("model", {}).get("init")
+    return None
+
+
+def pretrain_recipe(name: str, init: str | None, *run_dirs: str | Path | None) -> Recipe:
+    """The recipe `tinygpt pretrain` and 01_pretrain train: the named one, or with a base (`init`, else the one
+    the run folder continues) that recipe sized for it. A run folder (the first of `run_dirs` that is a
+    pretraining run: local, then the mirror) that already continues the same base with the same recipe keeps
+    the recipe it recorded: a resume reads nothing of the base."""
+    runs = [RunDir(d) for d in run_dirs if d is not None and RunDir(d).is_pretrain_run()]
+    old = Recipe.from_dict(runs[0].recipe_dict()) if runs else None
+    same_name = old is not None and old.name == name
+    init = normalise_init(init) if init else (old.model.init if same_name else None)
+    if init is None:
+        return get_recipe(name)
+    if same_name and old.model.init == init:
+        return old
+    return continued_recipe(name, init)
+
+
+def base_tokenizer(recipe: Recipe) -> Tokenizer:
+    """The tokenizer of a continued run's base (its first start; then the run's own tokenizer.json serves)."""
+    if recipe.model.init is None:
+        raise ConfigError(f"data.tokenizer={INIT_TOKENIZER} takes the tokenizer of the base, but model.init names "
+                          "none: use --init BASE, or data.tokenizer=train")
+    if resolve_source(recipe.data.source)[0] == "tokens":
+        raise ConfigError(f"{recipe.data.source} holds token ids of GPT-2's tokenizer, not the base's: continue a "
+                          "base on text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes")
+    return read_base(recipe.model.init).tokenizer
+
+
+def initial_model(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> GPT:
+    """The model a run starts from. With `model.init` on the run's first start, the base's weights (an
+    architecture other than the recipe's is refused, naming the differences); otherwise, or when the run has a
+    checkpoint to resume, a seeded random one (the trainer then loads the checkpoint over it)."""
+    if recipe.model.init is None or (resume == "auto" and latest_valid(Path(run_dir) / CHECKPOINTS) is not None):
+        return GPT(recipe.model)
+    base = read_base(recipe.model.init)
+    diffs = config_differences({k: getattr(base.model, k) for k in ARCHITECTURE},
+                               {k: getattr(recipe.model, k) for k in ARCHITECTURE})
+    if diffs:
+        raise ConfigError(f"the base {base.spec} is another network than the recipe's model (base first): "
+                          + "; ".join(d.replace("in the run", "in the base").replace(" now", " in the recipe")
+                                      for d in diffs) + "; use continued_recipe (tinygpt pretrain --init) to size it")
+    if base.kind == "run":
+        sd = load_checkpoint(latest_valid(RunDir(base.path).checkpoints), with_state=False)[0]
+    else:
+        folder = hub_model_folder(base.spec) if base.kind == "hub" else base.path
+        sd = {k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")}
+    return gpt_from_state(recipe.model, sd, "cpu", f"the model of {base.spec}").train()
