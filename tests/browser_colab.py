@@ -3,7 +3,14 @@ nothing downloaded) on a local classic Jupyter server with Colab's ipywidgets 7.
 and TINYGPT_SMOKE=1. Each notebook is run all; what the page shows is returned as observations (for
 tests/test_browser.py) and photographed (docs/images/, shown in the README).
 
-    python tests/browser_colab.py --images docs/images      # refresh the README's screenshots
+    TINYGPT_SCREENSHOTS=docs/images python -m pytest tests/test_browser.py   # refresh the README's screenshots
+
+(tests/test_browser.py checks what each picture must show, then copies them there; `python
+tests/browser_colab.py --images DIR` takes the pictures without the checks.) The finetuning notebook starts
+from a base that has learned something: `cpu-smoke` pretrained for 400 steps (about a CPU minute) in
+the stand-in Drive, where smoke mode looks for its base (smoke mode's own base has 20 steps). Its answers
+before and after 6 finetuning steps are still empty or nearly so: tests/test_browser.py marks that check as
+expected to fail until a larger base (e.g. cpu-fast, 300 steps) is tried on a machine with CPU to spare.
 
 The front end lives in a private environment (.cache/browser-venv: the classic notebook, ipywidgets 7.7.1,
 selenium) that sees this environment's packages (torch, transformers...) behind its own, so the kernel runs
@@ -65,10 +72,30 @@ def browser_python() -> Path:
     return python
 
 
+SHOWCASE_BASE = ("cpu-smoke", 400)  # the finetuning notebook's base: recipe and steps (about a CPU minute)
+
+
+def showcase_base(env: dict[str, str]) -> Path:
+    """A base for 02_finetune that has learned something, where smoke mode looks for its base (the Colab
+    stand-in's Drive, tinygpt/runs/smoke-base); made once per Drive folder."""
+    recipe, steps = SHOWCASE_BASE
+    run = Path(env["TINYGPT_FAKE_DRIVE_ROOT"]) / "MyDrive" / "tinygpt" / "runs" / "smoke-base"
+    if (run / "checkpoints" / f"step_{steps:06d}").is_dir():
+        return run
+    cmd = [sys.executable, "-m", "tinygpt", "pretrain", "--recipe", recipe, "--max-steps", str(steps),
+           "--save-every", str(steps), "--eval-every", str(steps // 4), "--run-dir", str(run), "--quiet",
+           "--device", "cpu"]
+    subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}, check=True, timeout=1800,
+                   stdout=subprocess.DEVNULL)
+    return run
+
+
 def run_in_browser(env: dict[str, str], out: Path, notebooks: list[str] | None = None) -> dict:
     """Run the notebooks in Chromium under `env` (a Colab stand-in's variables); screenshots and
     observations.json go to `out`. The observations, by notebook."""
     out.mkdir(parents=True, exist_ok=True)
+    if "02_finetune.ipynb" in (notebooks or ALL):
+        showcase_base(env)
     cmd = [str(browser_python()), str(Path(__file__).resolve()), "--inside", "--out", str(out)]
     subprocess.run(cmd + (["--notebooks", *notebooks] if notebooks else []), env=env, check=True, timeout=1800)
     return json.loads((out / "observations.json").read_text())
@@ -182,6 +209,7 @@ def chromium(work: Path):
     options.binary_location = str(CHROMIUM)
     for flag in CHROME_FLAGS + [f"--user-data-dir={work / 'chromium-profile'}"]:
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console, kept for a failure
     return webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
 
 
@@ -242,6 +270,15 @@ def run_notebooks(out: Path, names: list[str]) -> dict:
                               "table": nb.text("table"), "perplexity": nb.text("perplexity")}
                 nb.screenshot("perplexity", "hellaswag", out / "evaluate-scores.png")
                 nb.screenshot("curves", "table", out / "evaluate-runs.png")
+            # every red box (stderr: warnings, tracebacks) the page shows, and every table too wide for its frame
+            seen[name]["stderr"] = nb.js("return [...document.querySelectorAll('.output_stderr')]"
+                                         ".map(e => e.innerText)")
+            seen[name]["overflowing_tables"] = nb.js(
+                "return [...document.querySelectorAll('.output_area table')].filter(t => t.getBoundingClientRect()"
+                ".right > t.closest('.output_subarea').getBoundingClientRect().right + 1).map(t => t.innerText"
+                ".slice(0, 80))")
+            seen[name]["text"] = nb.js("return [...document.querySelectorAll('.output_area')]"
+                                       ".map(e => e.innerText).join('\\n')")
             seen[name]["seconds"] = round(time.monotonic() - t0, 1)
             driver.get("about:blank")
         (out / "observations.json").write_text(json.dumps(seen, indent=1))
@@ -249,6 +286,7 @@ def run_notebooks(out: Path, names: list[str]) -> dict:
     except Exception:  # what the page showed, for whoever reads the failure
         if driver is not None:
             (out / "failure.html").write_text(driver.page_source)
+            (out / "failure-console.txt").write_text("\n".join(str(e) for e in driver.get_log("browser")))
             driver.save_screenshot(str(out / "failure.png"))
         raise
     finally:

@@ -1,6 +1,7 @@
 """The command line end to end: recipes, pretrain, generate, and the bad inputs a user will type."""
 import hashlib
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,27 @@ def test_pretrain_again_resumes_and_extends(trained, shared_data, tmp_path, caps
                  "--run-dir", str(trained), "--max-steps", "25", "--quiet", "--set", "data.max_chars=300000"]) == 0
     steps = [m["step"] for m in map(json.loads, (trained / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
     assert steps == sorted(set(steps)) and steps[-1] == 25
+    # it ends by saying what to run next, and each suggested command works as printed
+    out = capsys.readouterr().out
+    nxt = out[out.index("next:\n"):].splitlines()[1:]
+    assert [line.split()[1] for line in nxt] == ["generate", "eval", "export"]
+    generate = shlex.split(nxt[0].split("#")[0])
+    assert generate[:3] == ["tinygpt", "generate", "--run-dir"] and generate[3] == str(trained)
+    assert main(generate[1:] + ["--max-new-tokens", "5"]) == 0 and capsys.readouterr().out.startswith("def main(")
+    assert main(shlex.split(nxt[2].split("#")[0])[1:2] + [str(trained), str(tmp_path / "hf-model")]) == 0
+
+
+def test_a_mistyped_run_folder_suggests_the_closest_existing_one(trained, tmp_path, capsys):
+    typo = trained.parent / (trained.name[:-1] + trained.name[-1] * 2 + "x")  # "run" -> "runnx"
+    for argv in (["generate", "--run-dir", str(typo), "--prompt", "x"], ["eval", str(typo), "--task", "summary"],
+                 ["export", str(typo), str(tmp_path / "out")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"did you mean {trained}?" in err and err.count(str(typo)) == 1, err  # the typo is never the fix
+    far = trained.parent / "zzzzzzzz"
+    assert main(["generate", "--run-dir", str(far), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean" not in err and err.count(str(far)) == 1
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -92,7 +92,51 @@ def test_bad_input_exits_2_with_a_clear_message(run, tmp_path, shared_data, caps
     code, _, err = _cli(capsys, "eval", run, "--task", "hellaswag", "--data", wikitext, "--limit", 0)
     assert code == 2 and "limit" in err
     code, _, err = _cli(capsys, "eval", tmp_path / "missing", "--task", "summary")
+    assert code == 2 and f"no run folder at {tmp_path / 'missing'}" in err
+    (tmp_path / "missing").mkdir()
+    code, _, err = _cli(capsys, "eval", tmp_path / "missing", "--task", "summary")
     assert code == 2 and "metrics.jsonl" in err
+
+
+def _note(err: str, start: str) -> tuple[str, int]:
+    """The one note in `err` that starts with `start`, and the number its suggestion names."""
+    notes = [line for line in err.splitlines() if line.startswith(start)]
+    assert len(notes) == 1, err
+    return notes[0], int(notes[0].rsplit(" takes about", 1)[0].split()[-1])
+
+
+def test_a_long_evaluation_says_its_time_first_and_how_to_shorten_it(run, shared_data, capsys, monkeypatch):
+    monkeypatch.setattr(ev, "LONG_SECONDS", 0.0)  # every evaluation counts as long here: the note is under test
+    wikitext = shared_data / "wikitext2_test.txt"
+    code, out, err = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--max-chars", 40000,
+                          "--device", "cpu")
+    note, chars = _note(err, "perplexity over 0.0 MB (")
+    assert code == 0 and " windows of 64 tokens, non-overlapping): about " in note and "on this CPU" in note
+    assert 0 < chars < 40000 and len(str(chars).rstrip("0")) == 1  # a round number a person types
+    code, out, err = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--max-chars", chars,
+                          "--device", "cpu", "--json")
+    assert code == 0 and json.loads(out)["bytes"] <= chars + 100  # the suggestion is a valid, shorter run
+    code, out, err = _cli(capsys, "eval", run, "--task", "hellaswag", "--data", shared_data / "hellaswag_val.txt.bz2",
+                          "--limit", 40, "--batch-size", 8, "--device", "cpu")
+    note, limit = _note(err, "hellaswag over 40 items: about ")
+    assert code == 0 and 0 < limit < 40 and "--limit" in note
+    monkeypatch.setattr(ev, "LONG_SECONDS", 1e9)  # a short evaluation says nothing of its time
+    code, out, err = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--max-chars", 3000)
+    assert code == 0 and "about" not in err
+
+
+def test_a_window_beyond_the_training_context_is_said_in_one_line(run, shared_data, capsys):
+    wikitext = shared_data / "wikitext2_test.txt"
+    code, out, err = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--max-chars", 3000,
+                          "--window", 128)  # cpu-smoke trains at 64 in a model of context 128
+    notes = [line for line in err.splitlines() if "--window" in line]
+    assert code == 0 and len(notes) == 1 and "beyond the context this model was trained at (64 tokens)" in notes[0]
+    assert "--window 64" in notes[0]
+    code, out, err = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--max-chars", 3000,
+                          "--window", 64)
+    assert code == 0 and "--window" not in err
+    code, out, err = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--window", 256)
+    assert code == 2 and "window must be between 1 and the model's context 128" in err  # beyond the model: refused
 
 
 def test_hub_data_without_a_network_says_what_works_offline(run):

@@ -123,7 +123,7 @@ def test_load_real_hellaswag(shared_data):
     items = ev.load_hellaswag(shared_data / "hellaswag_val.txt.bz2")
     lines = bz2.open(shared_data / "hellaswag_val.txt.bz2", "rt", encoding="utf-8").read().splitlines()
     assert len(items) == len(lines) // 6 and len(items) in (10042, 41)  # the full set, or the shipped sample
-    assert items[0].context == "Roof shingle removal: A man is sitting on a roof. he"
+    assert items[0].context == "Roof shingle removal: A man is sitting on a roof. He"  # lm-eval's capitalised ctx_b
     assert items[0].label == 3 and items[0].endings[3] == "starts pulling up roofing on a roof."
     assert all(len(it.endings) == 4 and 0 <= it.label <= 3 for it in items)
     assert len(ev.load_hellaswag(shared_data / "hellaswag_val.txt.bz2", limit=5)) == 5
@@ -433,36 +433,111 @@ def test_a_datasets_text_is_joined_as_it_is(tmp_path, shared_data):
     assert ev.load_eval_text(tmp_path / "wt", max_chars=700) == text[:700]
 
 
-def _six_lines(item: ev.ChoiceItem) -> list[str]:
-    return [item.context, str(item.label), *item.endings]
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def _hub_record(lines: list[str], **markup: str) -> dict:
-    activity, ctx = lines[0].split(": ", 1)
-    return {"ind": 0, "activity_label": activity, "ctx": markup.get("ctx", ctx), "label": lines[1],
-            "endings": [markup.get(f"e{i}", e) for i, e in enumerate(lines[2:])]}
+def _hellaswag_records() -> list[dict]:
+    """Real HellaSwag records (tests/fixtures/README.md): the first 10 validation items and 6 train items,
+    3 of them WikiHow items with [header], [title], [step] and [substeps] in context and endings."""
+    return [json.loads(line) for line in (FIXTURES / "hellaswag_records.jsonl").read_text().splitlines()]
 
 
-def test_hub_hellaswag_records_become_the_six_line_items(tmp_path, shared_data):
+def _lm_eval_preprocess(text: str) -> str:
+    """lm-evaluation-harness's HellaSwag preprocess from its documented rules, written here without a
+    regular expression: strip; " [title]" -> ". "; drop each "[" up to the first "]" after it; then one
+    pass of "  " -> " "."""
+    text = text.strip().replace(" [title]", ". ")
+    kept, i = [], 0
+    while (j := text.find("[", i)) >= 0 and (k := text.find("]", j + 1)) >= 0:
+        kept.append(text[i:j])
+        i = k + 1
+    return ("".join(kept) + text[i:]).replace("  ", " ")
+
+
+def _lm_eval_doc(rec: dict) -> tuple[str, list[str], int]:
+    """lm-eval's (query, choices, gold) of a record: activity_label: ctx_a + " " + ctx_b capitalised."""
+    ctx_b = rec["ctx_b"][:1].upper() + rec["ctx_b"][1:].lower()  # str.capitalize, spelled out
+    query = _lm_eval_preprocess(rec["activity_label"] + ": " + rec["ctx_a"] + " " + ctx_b)
+    return query, [_lm_eval_preprocess(e) for e in rec["endings"]], int(rec["label"])
+
+
+def _docs(items: list[ev.ChoiceItem]) -> list[tuple[str, list[str], int]]:
+    return [(it.context, it.endings, it.label) for it in items]
+
+
+def test_hellaswag_text_is_lm_evals_on_real_records(tmp_path):
+    records = _hellaswag_records()
+    want = [_lm_eval_doc(r) for r in records]
+    assert _docs(ev.load_hellaswag(FIXTURES / "hellaswag_records.jsonl")) == want
+    # what lm-eval's rules do, seen on the real text: ctx_b capitalised, [title] a sentence end, brackets gone
+    assert want[0][0] == "Roof shingle removal: A man is sitting on a roof. He"
+    health = next(w for w, r in zip(want, records) if r["ind"] == 12)
+    assert health[0].startswith("Health: How to cope with suicidal thoughts. Put off any plans. Promise yourself")
+    assert health[1][0].endswith("lurking around your brain. For instance, don't tell yourself that you can't make it.")
+    assert not any("[" in q or "[" in "".join(e) for q, e, _ in want)
+    # the same records as a gzipped file, and limit
+    gz = tmp_path / "hellaswag_val.jsonl.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        f.write((FIXTURES / "hellaswag_records.jsonl").read_text())
+    assert _docs(ev.load_hellaswag(gz, limit=3)) == want[:3]
+
+
+def test_the_six_line_file_gives_lm_evals_text(shared_data):
+    """The offline six-line file (klosax/hellaswag_text_data) holds "activity_label: ctx" with ctx_b in lower
+    case and some brackets left: read, it gives lm-eval's text for the validation items we have records of."""
+    val = [r for r in _hellaswag_records() if r["split"] == "val"]
+    raw = bz2.open(FIXTURES / "hellaswag_val_sample.txt.bz2", "rt", encoding="utf-8").read().splitlines()
+    assert raw[0] == "Roof shingle removal: A man is sitting on a roof. he"  # what the file itself holds
+    files = [FIXTURES / "hellaswag_val_sample.txt.bz2"]
+    if (paths.shared_data_dir() or Path("/nonexistent")).joinpath("hellaswag_val.txt.bz2").is_file():
+        files.append(paths.shared_data_dir() / "hellaswag_val.txt.bz2")  # the full offline file: the same items
+    for path in files:
+        assert _docs(ev.load_hellaswag(path, limit=len(val))) == [_lm_eval_doc(r) for r in val]
+
+
+def test_the_full_offline_file_is_read_as_lm_evals_text():
+    full = (paths.shared_data_dir() or Path("/nonexistent")) / "hellaswag_val.txt.bz2"
+    if not full.is_file():
+        pytest.skip("the full HellaSwag file (../shared/data/hellaswag_val.txt.bz2) is absent; the shipped "
+                    "sample is tested above")
+    items = ev.load_hellaswag(full)
+    lines = bz2.open(full, "rt", encoding="utf-8").read().splitlines()
+    assert len(items) == 10042
+    texts = [t for it in items for t in (it.context, *it.endings)]
+    assert sum(_lm_eval_preprocess(t) != t for t in lines if len(t) > 1) > 0  # the file has [...] left
+    assert all(_lm_eval_preprocess(t) == t for t in texts)  # none is left after reading
+    # ctx_b capitalised on the ActivityNet items (3,243 of them), never on the WikiHow items
+    changed = [(it, line) for it, line in zip(items, lines[::6]) if it.context != line]
+    assert 3200 < len(changed) < 3300
+    assert all(line.split(": ", 1)[0] not in ev.WIKIHOW_LABELS for it, line in changed if it.context.lower() ==
+               line.lower())
+
+
+def test_bad_hellaswag_records_say_what_is_expected(tmp_path):
+    rec = _hellaswag_records()[0]
+    bad = tmp_path / "bad.jsonl"
+    for broken, message in (({**rec, "label": ""}, "label 0-3"), ({k: v for k, v in rec.items() if k != "ctx_b"},
+                                                                  "no 'ctx_b'")):
+        bad.write_text(json.dumps(broken) + "\n")
+        with pytest.raises(code.DataFormatError, match=message):
+            ev.load_hellaswag(bad)
+    bad.write_text("{not json\n")
+    with pytest.raises(code.DataFormatError, match="line 1 is not JSON"):
+        ev.load_hellaswag(bad)
+
+
+def test_hub_hellaswag_records_give_lm_evals_text(tmp_path):
     pytest.importorskip("datasets")
-    items = ev.load_hellaswag(shared_data / "hellaswag_val.txt.bz2", limit=3244)
-    wikihow_item = next(it for it in items if "fashion consultant" in it.context)
-    first, wikihow = _six_lines(items[0]), _six_lines(wikihow_item)
-    assert ev.hellaswag_lines(_hub_record(first)) == first
-    # The WikiHow items on the Hub carry layout markers: "[title]" ends a sentence, the others go.
-    marked = _hub_record(wikihow, ctx="[header] How to become a fashion consultant [title] Obtain your high school "
-                         "diploma or ged. [step] " + wikihow[0].split("ged. ", 1)[1],
-                         e0=wikihow[2].replace(".. Search", ". [title] Search"), e3="[substeps] " + wikihow[5])
-    assert ev.hellaswag_lines(marked) == wikihow
-    assert ev.hellaswag_lines({**marked, "ctx": "Try [insert name of town]."})[0].endswith("[insert name of town].")
-    with pytest.raises(code.DataFormatError, match="label 0-3"):
-        ev.hellaswag_lines({**marked, "label": ""})  # the Hub's test split has no labels
+    records = _hellaswag_records()
     # hf:NAME@SPLIT goes through datasets.load_dataset: a local dataset folder stands in for the Hub
     src = tmp_path / "hub"
     src.mkdir()
-    (src / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [_hub_record(first), marked]))
+    (src / "validation.jsonl").write_text("".join(json.dumps({**r, "label": str(r["label"])}) + "\n" for r in records))
     path = ev.hellaswag_path(f"hf:{src}@validation", cache_dir=tmp_path / "cache")
-    assert path.parent == tmp_path / "cache" and not list(path.parent.glob("*.tmp-*"))
-    got = ev.load_hellaswag(path)
-    assert [(g.context, g.label, g.endings) for g in got] == [(i.context, i.label, i.endings)
-                                                             for i in (items[0], wikihow_item)]
+    assert path.parent == tmp_path / "cache" and path.suffix == ".jsonl" and not list(path.parent.glob("*.tmp-*"))
+    assert _docs(ev.load_hellaswag(path)) == [_lm_eval_doc(r) for r in records]
+    (src / "test.jsonl").write_text(json.dumps({**records[0], "label": ""}) + "\n")  # the Hub's test split: no labels
+    with pytest.raises(code.DataFormatError, match="label 0-3"):
+        ev.hellaswag_path(f"hf:{src}@test", cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache" / path.name.replace("validation", "test")).exists()
+

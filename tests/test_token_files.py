@@ -27,13 +27,15 @@ def tokens() -> np.ndarray:
     return ids
 
 
-def _reference_llmc(path: Path, toks) -> None:
-    """llm.c's own Python writer (dev/data/data_common.py, write_datafile), written out independently."""
+def _reference_llmc(path: Path, toks, model_desc: str = "gpt-2") -> None:
+    """llm.c's own Python writer (dev/data/data_common.py, write_datafile with its HEADERS_INFO), written
+    out independently: gpt-2 is magic 20240520, version 1, uint16; llama-3 is magic 20240801, version 7, uint32."""
+    magic, version, dtype = {"gpt-2": (20240520, 1, np.uint16), "llama-3": (20240801, 7, np.uint32)}[model_desc]
     header = np.zeros(256, dtype=np.int32)
-    header[0] = 20240520
-    header[1] = 1
+    header[0] = magic
+    header[1] = version
     header[2] = len(toks)
-    path.write_bytes(header.tobytes() + np.array(toks, dtype=np.uint16).tobytes())
+    path.write_bytes(header.tobytes() + np.array(toks, dtype=dtype).tobytes())
 
 
 def _error(path, vocab_size=GPT2_PADDED) -> str:
@@ -90,6 +92,32 @@ def test_llmc_reference_writer_is_read_and_matches_ours(tmp_path, tokens):
     assert (ours / "x.bin").read_bytes() == (ref / "tinyshakespeare_train.bin").read_bytes()
 
 
+def test_llmc_llama3_shards_are_read_as_uint32(tmp_path, tokens):
+    """llm.c's Llama-3 shards (magic 20240801, version 7, uint32 ids) as its write_datafile writes them."""
+    llama = tokens + 70_000  # ids past uint16, as Llama 3's 128256-token vocabulary has
+    _reference_llmc(tmp_path / "fineweb_train_000001.bin", llama[1000:], "llama-3")
+    _reference_llmc(tmp_path / "fineweb_val_000000.bin", llama[:1000], "llama-3")
+    assert (tmp_path / "fineweb_val_000000.bin").stat().st_size == 1024 + 4 * 1000
+    assert detect_token_folder(tmp_path) == "llmc"
+    tf = open_token_folder(tmp_path, 128256)
+    assert tf.vocab_hint == 128256
+    assert all(a.dtype == np.uint32 and not a.flags.writeable for a in tf.train + [tf.val])
+    np.testing.assert_array_equal(tf.train[0], llama[1000:])
+    np.testing.assert_array_equal(tf.val, llama[:1000])
+    ours = tmp_path / "ours"
+    write_llmc_shard(ours / "x.bin", llama[1000:], kind="llama-3")
+    assert (ours / "x.bin").read_bytes() == (tmp_path / "fineweb_train_000001.bin").read_bytes()
+    msg = _error(tmp_path)  # a GPT-2-sized model: the ids do not fit, and the message names Llama 3
+    assert "Llama-3" in msg and "model.vocab_size=128256" in msg and "GPT-2" not in msg
+
+
+def test_a_folder_mixing_llmc_kinds_is_refused(tmp_path, tokens):
+    _reference_llmc(tmp_path / "fineweb_train_000001.bin", tokens[1000:], "gpt-2")
+    _reference_llmc(tmp_path / "fineweb_val_000000.bin", tokens[:1000], "llama-3")
+    msg = _error(tmp_path, vocab_size=128256)
+    assert "fineweb_val_000000.bin" in msg and "llama-3" in msg and "gpt-2" in msg
+
+
 def test_train_bin_with_the_llmc_magic_is_llmc(tmp_path, tokens):
     write_llmc_shard(tmp_path / "train.bin", tokens[1000:])
     write_llmc_shard(tmp_path / "val.bin", tokens[:1000])
@@ -117,14 +145,14 @@ def test_wrong_magic_names_the_file_and_the_value(tmp_path, tokens):
     data[:4] = np.array([12345], dtype="<i4").tobytes()
     bad.write_bytes(bytes(data))
     msg = _error(folder)
-    assert str(bad) in msg and "12345" in msg and "20240520" in msg
+    assert str(bad) in msg and "12345" in msg and "20240520" in msg and "20240801" in msg
 
 
 def test_unsupported_version_is_refused(tmp_path, tokens):
     folder = _llmc_folder(tmp_path, tokens, n_train=1)
     shard = folder / "fineweb_val_000000.bin"
     data = bytearray(shard.read_bytes())
-    data[4:8] = np.array([2], dtype="<i4").tobytes()  # llm.c's version 2: uint32 Llama 3 tokens
+    data[4:8] = np.array([2], dtype="<i4").tobytes()  # llm.c writes version 1 with the GPT-2 magic, never 2
     shard.write_bytes(bytes(data))
     msg = _error(folder)
     assert str(shard) in msg and "version 2" in msg and "version 1" in msg

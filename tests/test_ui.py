@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tinygpt.colab import ui
+from tinygpt.core import units
 from tinygpt.core.checkpoint import save_checkpoint, verify_checkpoint
 from tinygpt.core.config import RECIPES, get_recipe
 from tinygpt.train.hardware import hardware_report
@@ -205,6 +206,16 @@ def test_recipes_table_lists_every_recipe_and_marks_the_default(report):
     names = [row[0] for row in t.rows[1:]]
     assert len(names) == len(RECIPES) and f"{report.default_recipe} (default here)" in names
     assert "<th" in t._repr_html_() and "&lt;" not in ui.Table([("a<b",)])._repr_html_().replace("a&lt;b", "")
+    by_name = {row[0].split()[0]: row for row in t.rows[1:]}
+    assert by_name["cpu-smoke"][4] == f"{get_recipe('cpu-smoke').token_budget / 1e3:.3g}k"  # 15.4k, not 0.0M
+    assert "0.0M" not in str(t) and " 0 s " not in str(t) + " "
+    assert [units.count(n) for n in (512, 15_360, 614_400, 1.3e6, 5.2e9)] == ["512", "15.4k", "614k", "1.3M", "5.2B"]
+    assert [units.duration(s) for s in (None, 0.04, 0.4, 12, 600, 9000)] == ["-", "0.04 s", "0.4 s", "12 s", "10 min",
+                                                                             "2.5 h"]
+    assert [units.size_gb(g) for g in (0.004, 0.3, 3.21)] == ["4.1 MB", "307 MB", "3.2 GB"]
+    assert " 0.0 GB" not in str(t) and "0.00 h" not in str(ui.summary("cpu-smoke", report))
+    fp32 = str(ui.summary("cpu", report, hardware=False))
+    assert "(autocast)" not in fp32 and "none: fp32 matmuls use the master weights" in fp32
 
 
 def test_result_table(tmp_path):
@@ -278,3 +289,17 @@ def test_samples_take_a_prompt_that_suits_the_runs_data(tmp_path, shared_data):
     assert prompt != "def " and prompt.split()[0] in prose.read_text()
     texts = ui.samples(run, n=2, max_new_tokens=5, device="cpu")
     assert len(texts) == 2 and all(t.startswith(prompt) for t in texts)
+
+
+def test_a_notebook_shows_the_start_up_once(shared_data, tmp_path, capsys):
+    """With the loss plot shown, its start-up table replaces the trainer's line; without it, the line stays."""
+    from tinygpt.train.pretrain import pretrain
+
+    kw = dict(data=str(shared_data / "tinyshakespeare.txt"), max_steps=2, eval_every=2, save_every=2, device="cpu",
+              progress=True, cache_dir=tmp_path / "c")
+    pretrain("cpu-smoke", tmp_path / "shown", callbacks=[ui.LossPlot(tmp_path / "shown", show=True)], **kw)
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("to the first step") == 1 and "s to the first step:" not in out.out  # the table
+    pretrain("cpu-smoke", tmp_path / "plain", callbacks=[ui.LossPlot(tmp_path / "plain", show=False)], **kw)
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("to the first step") == 1 and "s to the first step:" in out.out + out.err  # the line

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
 from tinygpt.core.precision import PRECISION_FOR_HARDWARE, resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.core.units import count
 from tinygpt.evals import sandbox
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.tasks import TASKS, run_eval
@@ -93,14 +95,6 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
     return "\n".join(out)
 
 
-def _count(n: int) -> str:
-    """A token count a person reads at a glance: 350k, 1.2M, 5.2B."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)
-
-
 def _recipes(args) -> int:
     rows = []
     for r in RECIPES.values():
@@ -114,7 +108,7 @@ def _recipes(args) -> int:
     print(f"{'recipe':<14} {'hw':<5} {'params':>8} {'ctx':>5} {'tok/step':>9} {'budget':>7} {'prec':<5} "
           f"{'data':<40} description")
     for name, hw, p, ctx, tps, budget, prec, data, desc in rows:
-        print(f"{name:<14} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {_count(budget):>7} {prec:<5} {data:<40} {desc}")
+        print(f"{name:<14} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {count(budget):>7} {prec:<5} {data:<40} {desc}")
     return 0
 
 
@@ -199,9 +193,19 @@ def _pretrain(args) -> int:
         if behind:
             print(behind)
         return 130  # like an interrupted shell command: a script can tell the run did not finish
+    print(next_steps(args.run_dir))
     if behind:
         print(behind)  # the last line: the run is done here, not yet on the mirror
     return 0
+
+
+def next_steps(run_dir: str | Path) -> str:
+    """What to run after a finished pretraining run: sample, evaluate, export (the README's order)."""
+    d = shlex.quote(str(run_dir))
+    return ("next:\n"
+            f"  tinygpt generate --run-dir {d} --prompt \"def main(\" --max-new-tokens 100   # text from the model\n"
+            f"  tinygpt eval {d} --task perplexity        # loss, perplexity, bits per byte on its validation text\n"
+            f"  tinygpt export {d} hf-model/              # a Hugging Face folder (transformers, llama.cpp)")
 
 
 def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:
@@ -312,7 +316,7 @@ def _eval(args) -> int:
                        device=str(resolve_device(args.device)), limit=args.limit, window=args.window,
                        stride=args.stride, max_chars=args.max_chars, batch_size=args.batch_size, n=args.n, ks=args.k,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, progress=not args.json,
-                       unsafe_exec=args.unsafe_exec)
+                       unsafe_exec=args.unsafe_exec, say=lambda note: print(note, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(_jsonable(res), indent=1, default=str))
         return 0
@@ -326,6 +330,7 @@ def _eval(args) -> int:
         print(f"{'this model (n=' + str(res['n']) + ')':<22} {res['acc']:>7.2%} {res['acc_norm']:>9.2%}")
         for name, ref in res["reference"].items():
             print(f"{name:<22} {ref['acc']:>7.2%} {ref['acc_norm']:>9.2%}")
+        print(f"(published figures: {res['reference_source']}; the same query text)")
     if "per_problem" in res:
         for p in res["per_problem"]:
             print(f"  {p['task_id']:<14} {p['passed']}/{p['n']} passed  {', '.join(p['statuses'])}")

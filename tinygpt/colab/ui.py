@@ -33,6 +33,7 @@ from tinygpt.core.config import RECIPES, Recipe, get_recipe
 from tinygpt.core.files import atomic_output, link_problem
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.core.units import count, duration, size_gb
 from tinygpt.finetune.recipes import FINETUNE_RECIPES, default_finetune_recipe, this_hardware
 from tinygpt.model.generate import generate_text
 from tinygpt.model.loading import load_run
@@ -173,9 +174,9 @@ def recipes_table(report: Any) -> Table:
         n = estimate_memory(r.model, 1, 1, "fp32", device_type=report.device).n_params
         e = expectations(r, report)
         mark = " (default here)" if name == report.default_recipe else ""
-        rows.append((name + mark, r.hardware, f"{n / 1e6:.1f}M", r.train.seq_len, f"{r.token_budget / 1e6:,.1f}M",
-                     f"{e.peak_memory_gb:.1f} GB", "-" if e.fits is None else "yes" if e.fits else "no",
-                     "-" if e.tokens_per_s is None else f"{e.tokens_per_s:,.0f}", _duration(e.time_to_finish_s)))
+        rows.append((name + mark, r.hardware, count(n), r.train.seq_len, count(r.token_budget),
+                     size_gb(e.peak_memory_gb), "-" if e.fits is None else "yes" if e.fits else "no",
+                     "-" if e.tokens_per_s is None else f"{e.tokens_per_s:,.0f}", duration(e.time_to_finish_s)))
     return Table(rows, f"Recipes on this runtime ({report.name})",
                  notes=("memory is estimated; tokens/s and time are rough until measured (see the trial search)",))
 
@@ -189,11 +190,6 @@ def startup_table(record: dict[str, Any]) -> Table:
         rows.append(("  of which compile", f"{record['compile_s']:.1f}"))
     rows.append(("to the first step", f"{record.get('total_s', 0):.1f}"))
     return Table(rows, title="Start-up", notes=tuple(record.get("notes", ())))
-
-
-def _duration(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.0f} s" if seconds < 120 else \
-        f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:,.1f} h"
 
 
 def result_table(result: Any) -> Table:
@@ -475,6 +471,11 @@ class LossPlot(Callback):
         self.history.append(dict(metrics))
         if self.enabled and self.clock() - self._last_draw >= self.min_interval_s:
             self.draw()
+
+    @property
+    def shows_startup(self) -> bool:
+        """True when the start-up table is shown here: the trainer then does not print it as a line too."""
+        return bool(self.show)
 
     def on_startup(self, record: dict[str, Any]) -> None:
         """After the first step: where the start-up time went, as a table above the plot."""

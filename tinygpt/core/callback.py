@@ -15,6 +15,10 @@ from typing import Any
 class Callback:
     """Subclass and override the hooks you need. `trainer` is the running `tinygpt.train.Trainer`."""
 
+    # True for a callback that shows the start-up breakdown itself (a notebook's table): the start-up
+    # line is then not printed as well
+    shows_startup: bool = False
+
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         """Restored (`resumed_from`: the checkpoint's step, None for a fresh run); before the first step."""
 

@@ -18,6 +18,7 @@ one-line error everywhere, naming the file and what to do.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import shutil
@@ -58,6 +59,29 @@ def recipe_name_of(*run_dirs: str | Path | None) -> str | None:
 
 class RunDirError(ValueError):
     """A run folder's file is missing or unreadable; the message names the file and what to do."""
+
+
+def closest_run(path: str | Path) -> Path | None:
+    """The existing run folder (pretraining or finetuning) beside `path` whose name is closest to its
+    name, for a mistyped path; None when no run folder there has a similar name. Never `path` itself."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        return None
+    runs = {p.name: p for p in parent.iterdir()
+            if p.name != path.name and (RunDir(p).is_pretrain_run() or RunDir(p).is_finetune_run())}
+    best = difflib.get_close_matches(path.name, list(runs), n=1, cutoff=0.6)
+    return runs[best[0]] if best else None
+
+
+def missing_run_message(path: str | Path) -> str:
+    """One line for a run folder that does not exist: the closest existing run folder, if any, as the fix
+    (never the mistyped path again)."""
+    near = closest_run(path)
+    if near is not None:
+        return f"no run folder at {path}; did you mean {near}?"
+    return (f"no run folder at {path} (none beside it has a similar name); check the path, or train one with "
+            "`tinygpt pretrain`")
 
 
 class RunDirReplaced(RunDirError):
@@ -239,6 +263,8 @@ class RunDir:
 
     def info(self) -> dict[str, Any]:
         """run.json as a dict (a RunDirError when it is missing, garbage or not a run's)."""
+        if not self.path.exists():
+            raise RunDirError(missing_run_message(self.path))
         if not (self.path / RUN_JSON).is_file():
             raise RunDirError(f"{self.path} is not a tinygpt run folder (no {RUN_JSON}); train one with "
                               f"`tinygpt pretrain --run-dir {self.path}`")

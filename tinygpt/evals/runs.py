@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tinygpt.core.config import Recipe
-from tinygpt.core.rundir import METRICS, RunDir
+from tinygpt.core.rundir import METRICS, RunDir, missing_run_message
 from tinygpt.evals.code import DataFormatError
 from tinygpt.model.gpt import meta_model
 
@@ -33,6 +33,8 @@ def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl (a cut-off last line, from a run killed mid-write, is skipped)."""
     run = RunDir(run_dir)
+    if not run.path.exists():
+        raise FileNotFoundError(missing_run_message(run.path))
     if not run.metrics_path.is_file():
         raise FileNotFoundError(f"{run.metrics_path} does not exist; is {run_dir} a run folder that has trained "
                                 "and logged?")

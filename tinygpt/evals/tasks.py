@@ -43,6 +43,7 @@ class Request:
     temperature: float | None = None
     progress: bool = False
     unsafe_exec: bool = False  # code tasks: run generated code even with no kernel boundary (sandbox.py)
+    say: Callable[[str], None] | None = None  # one-line notes before long work (expected time, a window too long)
 
 
 @dataclass
@@ -76,12 +77,18 @@ def _perplexity(m: Loaded, r: Request) -> dict[str, Any]:
         text = validation_text(cfg, r.max_chars)
     else:
         text = lm.load_eval_text(r.data, r.max_chars)
-    window = r.window or (m.recipe.train.seq_len if m.recipe is not None else None)
-    return lm.perplexity(m.model, m.tokenizer, text, window, r.stride, r.batch_size or 4, r.progress)
+    trained = m.recipe.train.seq_len if m.recipe is not None else None
+    if r.window and trained and r.window > trained and r.say is not None:
+        r.say(f"--window {r.window} is beyond the context this model was trained at ({trained} tokens): positions "
+              f"past {trained} were never trained, so the perplexity will be worse than the model's; --window "
+              f"{trained} measures the model as trained")
+    window = r.window or trained
+    return lm.perplexity(m.model, m.tokenizer, text, window, r.stride, r.batch_size or 4, r.progress, r.say)
 
 
 def _hellaswag(m: Loaded, r: Request) -> dict[str, Any]:
-    return lm.hellaswag(m.model, m.tokenizer, lm.hellaswag_path(r.data), r.limit, r.batch_size or 16, r.progress)
+    return lm.hellaswag(m.model, m.tokenizer, lm.hellaswag_path(r.data), r.limit, r.batch_size or 16, r.progress,
+                        r.say)
 
 
 def _context_length(m: Loaded) -> int | None:
@@ -191,7 +198,8 @@ def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: s
              **request: Any) -> dict[str, Any]:
     """Evaluate a run folder (see `load_for_eval`) on one task of `TASKS`; `request` holds the fields of
     `Request` (data, limit, window, stride, max_chars, batch_size, n, ks, max_new_tokens, temperature,
-    progress, unsafe_exec). Perplexity: `data` a text file or hf:NAME[:CONFIG][@SPLIT] (see `lm.eval_data`);
+    progress, unsafe_exec, say: a function given one-line notes before long work, e.g. `print`). Perplexity:
+    `data` a text file or hf:NAME[:CONFIG][@SPLIT] (see `lm.eval_data`);
     hellaswag: hellaswag_val.txt[.bz2] or hf:Rowan/hellaswag@validation; humaneval / mbpp: the problems
     file, pass@k for `ks` with `n` samples per problem, greedy for n == 1 and temperature 0.8 above."""
     t = get_task(task)

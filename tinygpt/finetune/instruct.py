@@ -227,7 +227,10 @@ class Codec:
             self.bos_id, self.eos_id = tokenizer.bos_token_id, tokenizer.eos_token_id
             if self.eos_id is None:
                 raise DataError("the tokenizer has no eos token, so a response cannot be ended")
-            self.encode_batch = lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+            # verbose=False: no "sequence length is longer than the maximum" warning; the caller truncates
+            # to its seq_len and reports the truncated examples itself
+            self.encode_batch = lambda texts: tokenizer(list(texts), add_special_tokens=False,
+                                                        verbose=False)["input_ids"]
             self.chat_template = tokenizer.apply_chat_template if getattr(tokenizer, "chat_template", None) else None
         self.pad_id = self.eos_id
 

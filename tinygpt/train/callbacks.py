@@ -165,7 +165,8 @@ class StartupReport(Callback):
         if self.clock is not None and trainer.is_main:
             record = self.clock.record()
             RunDir(trainer.run_dir).append_metrics({"step": trainer.step, "startup": record})
-            trainer.say(self.clock.summary())
+            if not any(cb.shows_startup for cb in trainer.callbacks):  # a notebook's table replaces the line
+                trainer.say(self.clock.summary())
             for cb in trainer.callbacks:
                 cb.on_startup(record)
         trainer.throughput.restart()  # tokens/s counts steady steps, not the compile

@@ -63,7 +63,8 @@ class MemoryEstimate:
                 ("parameters", f"{self.params_gb:.2f}", f"{n} x 4 B (fp32 master weights)"),
                 ("gradients", f"{self.grads_gb:.2f}", f"{n} x 4 B"),
                 ("AdamW states", f"{self.optimizer_gb:.2f}", f"{n} x 2 x 4 B"),
-                ("weight copies", f"{self.weight_copies_gb:.2f}", f"matmul weights in {self.precision} (autocast)"),
+                ("weight copies", f"{self.weight_copies_gb:.2f}", "none: fp32 matmuls use the master weights"
+                 if self.precision == "fp32" else f"matmul weights in {self.precision} (autocast)"),
                 ("activations", f"{self.activations_gb:.2f}", f"{tok}, {ckpt}, {self.precision}"),
                 ("loss (logits)", f"{self.loss_gb:.2f}", loss),
                 ("overhead", f"{self.overhead_gb:.2f}",

@@ -339,7 +339,7 @@ def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
     names = [str(p) for p in files.files]
     return TokenShards(files.train, files.val, source_fingerprint(DataConfig(source=folder)),
                        {"format": files.kind, "train_tokens": files.train_tokens, "val_tokens": len(files.val)},
-                       check=lambda i, arr: check_shard_ids(arr, vocab_size, names[i]))
+                       check=lambda i, arr: check_shard_ids(arr, vocab_size, names[i], files.vocab_hint))
 
 
 def run_callbacks(recipe: Recipe, opts: PretrainOptions, model: GPT, dev: torch.device, precision: str,

@@ -34,6 +34,7 @@ from tinygpt.core.precision import (
     resolve_device,
 )
 from tinygpt.core.rundir import PROBE_JSON
+from tinygpt.core.units import duration, size_gb
 from tinygpt.model.gpt import GPT, meta_model
 from tinygpt.model.losses import default_chunk_rows
 from tinygpt.train.hardware import HardwareReport, cpu_name, mfu, ram_gb
@@ -519,14 +520,13 @@ class Expectations:
         return asdict(self)
 
     def rows(self) -> list[tuple[str, str]]:
-        hours = None if self.time_to_finish_s is None else self.time_to_finish_s / 3600
-        return [("peak memory", f"{self.peak_memory_gb:.1f} GB ({self.memory_source})"),
+        return [("peak memory", f"{size_gb(self.peak_memory_gb)} ({self.memory_source})"),
                 ("fits", "-" if self.fits is None else "yes" if self.fits else "no"),
                 ("tokens/s", "-" if self.tokens_per_s is None
                  else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})"),
                 ("MFU", "-" if self.mfu is None else f"{self.mfu:.0%}"),
                 ("token budget", f"{self.token_budget:,}"),
-                ("time to finish", "-" if hours is None else f"{hours:.2f} h")]
+                ("time to finish", duration(self.time_to_finish_s))]
 
 
 def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResult | None = None,
