@@ -58,17 +58,18 @@ def browser_python() -> Path:
     stamp = hashlib.sha256(json.dumps([FRONT_END, (ROOT / "constraints" / "colab.txt").read_text(),
                                        sys.version]).encode()).hexdigest()
     python = VENV / "bin" / "python"
-    if (VENV / "stamp").is_file() and (VENV / "stamp").read_text() == stamp:
-        return python
-    shutil.rmtree(VENV, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=300)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints" / "colab.txt"),
-                    *FRONT_END], check=True, timeout=900)
-    # this environment's packages behind the private ones (a .pth appends them; its own .pth files are not run)
+    if not ((VENV / "stamp").is_file() and (VENV / "stamp").read_text() == stamp):
+        shutil.rmtree(VENV, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=300)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints" / "colab.txt"),
+                        *FRONT_END], check=True, timeout=900)
+        (VENV / "stamp").write_text(stamp)
+    # this environment's packages behind the private ones (a .pth appends them; its own .pth files are not run),
+    # written at every call: CI runs the suite in two environments (newest, Colab's pins) over one checkout,
+    # and the notebooks must run on the packages of the suite that runs them
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "outer-env.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
-    (VENV / "stamp").write_text(stamp)
     return python
 
 
@@ -154,14 +155,21 @@ class Notebook:
     def watch_images(self, cell_id: str) -> None:
         """Record, while the cell runs, how many images its output holds at once and how many different
         pictures it showed: a plot that updates in place is one image with several pictures."""
-        self.js("""const el = arguments[0]; window.__plot = {most: 0, pictures: new Set()};
+        self.js("""const el = arguments[0]; window.__plot = {most: 0, pictures: new Set(), bars: 0};
                    new MutationObserver(() => { const imgs = el.querySelectorAll('img');
                        window.__plot.most = Math.max(window.__plot.most, imgs.length);
-                       imgs.forEach(i => window.__plot.pictures.add(i.src.length + ':' + i.src.slice(-64))); })
+                       imgs.forEach(i => window.__plot.pictures.add(i.src.length + ':' + i.src.slice(-64)));
+                       // the progress widget while it runs (when it closes it becomes its final text line)
+                       window.__plot.bars = Math.max(window.__plot.bars,
+                           el.querySelectorAll('.widget-hprogress, progress').length); })
                    .observe(el, {childList: true, subtree: true, attributes: true});""", self.output(cell_id))
 
     def watched_images(self) -> dict:
         return self.js("return {most: window.__plot.most, pictures: window.__plot.pictures.size}")
+
+    def watched_bars(self) -> int:
+        """The most progress widgets the watched cell showed at once while it ran."""
+        return self.js("return window.__plot.bars")
 
     def screenshot(self, first: str, last: str, path: Path) -> None:
         """A picture of the outputs of cells `first` to `last` (what the user sees under them). The classic
@@ -223,7 +231,7 @@ def pretrain(nb: Notebook, out: Path) -> dict:
     seen["default"] = Select(select).first_selected_option.text
     seen["options"] = [o.text for o in Select(select).options]
     seen["plot"] = nb.watched_images()
-    seen["progress_bars"] = len(nb.output("train").find_elements("css selector", ".widget-hprogress, progress"))
+    seen["progress_bars"] = nb.watched_bars()
     seen["train"], seen["samples"] = nb.text("train"), nb.text("samples")
     nb.screenshot("recipe", "recipe", out / "pretrain-recipe-picker.png")
     nb.screenshot("train", "train", out / "pretrain-training.png")

@@ -20,7 +20,7 @@ from typing import Any
 
 from tinygpt.core.config import Recipe
 from tinygpt.core.files import atomic_output
-from tinygpt.core.rundir import METRICS, RunDir, parse_jsonl
+from tinygpt.core.rundir import METRICS, RunDir, missing_run_message, parse_jsonl
 from tinygpt.evals.runs import summarize_run
 from tinygpt.evals.tasks import EVALS_JSONL
 from tinygpt.finetune.instruct import TEMPLATES
@@ -50,6 +50,8 @@ def _kind(run_dir: Path) -> str:
         return "finetune"
     if run.is_pretrain_run():
         return "pretrain"
+    if not run_dir.exists():
+        raise FileNotFoundError(missing_run_message(run_dir))  # a mistyped path: the closest run folder, if any
     raise FileNotFoundError(f"{run_dir} is neither a tinygpt run (run.json) nor a finetuning run (finetune.json); "
                             "give the folder `tinygpt pretrain` or `tinygpt finetune` wrote")
 

@@ -12,5 +12,18 @@ class _OptionalKernelNote(logging.Filter):
         return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
 
 
-# on bitsandbytes' optional-kernel logger only, before anything here can import peft or bitsandbytes
+class _NoGpuNote(logging.Filter):
+    """Drops bitsandbytes' import-time note that it was "compiled without GPU support" (bitsandbytes 0.46,
+    as peft imports it on a plain LoRA run) where there is no GPU to use anyway; with a CUDA device the
+    note means something is wrong, and it passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("The installed version of bitsandbytes was compiled without GPU support"):
+            return True
+        import torch  # already imported by bitsandbytes, which is loading
+        return torch.cuda.is_available()
+
+
+# on bitsandbytes' own loggers only, before anything here can import peft or bitsandbytes
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalKernelNote())
+logging.getLogger("bitsandbytes.cextension").addFilter(_NoGpuNote())
