@@ -202,10 +202,7 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *, activation_checkp
     for p in model.parameters():
         p.requires_grad_(False)
     if activation_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
         # Without this, checkpointed blocks whose inputs do not require grad give the adapters none.
         model.enable_input_require_grads()
         model.config.use_cache = False
@@ -220,6 +217,15 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *, activation_checkp
     return pm
 
 
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant), under the name the installed
+    transformers has (`activation_checkpointing_enable` from 5.x; 5.0, Colab's, has only the older name)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 # ----- full finetuning ----------------------------------------------------------------------------
 def prepare_full(model: torch.nn.Module, *, activation_checkpointing: bool = False) -> torch.nn.Module:
     """Every weight of `model` trainable, in fp32: the optimizer's master copy (autocast computes in half
@@ -228,10 +234,7 @@ def prepare_full(model: torch.nn.Module, *, activation_checkpointing: bool = Fal
     for p in model.parameters():
         p.requires_grad_(True)
     if activation_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
         model.config.use_cache = False
     return model
 
