@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tinygpt.core.callback import closing
 from tinygpt.core.checkpoint import find_run_checkpoint, list_checkpoints
 from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
@@ -614,11 +615,8 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
     trainer = Trainer(FinetuneLoss(pm, full_logits=plan.full_logits), dataclasses.replace(cfg, device=str(dev)),
                       TrainData(dataset.train, dataset.val_batches), run_dir, callbacks=callbacks, run_info=info,
                       io=ModelIO(loss_fn=module_loss, state_fn=state_fns[0], load_state_fn=state_fns[1]))
-    try:
+    with closing(callbacks):
         result = trainer.fit(resume)
-    finally:
-        for cb in callbacks:
-            cb.close()
     adapter_dir = mirrored = model_dir = None
     if not result.interrupted and rec.lora is None:  # a whole model folder (the checkpoints on the mirror hold it)
         model_dir = export_full(run_dir, str(result.checkpoint or "latest"))

@@ -19,7 +19,7 @@ import torch
 
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.callback import Callback
+from tinygpt.core.callback import Callback, closing
 from tinygpt.core.config import ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
 from tinygpt.core.files import refuse_links_in
 from tinygpt.core.paths import cache_root
@@ -252,7 +252,6 @@ def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world
                          precision, probe_info: dict | None, clock: StartupClock) -> TrainResult:
     with main_process_first(rank, world_size):  # the others find what rank 0 made
         data = prepare_run(recipe, opts, rank == 0, precision, dev, probe_info, clock)
-    callbacks: list[Callback] = []
     try:
         t = recipe.train
         sampler = WindowSampler(data.tokens, t.seq_len, t.seed)  # waits for the first shard
@@ -262,19 +261,18 @@ def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world
         torch.manual_seed(t.seed)
         model = initial_model(recipe, opts.run_dir, opts.resume)  # random, or a base's weights (model.init)
         callbacks = run_callbacks(recipe, opts, model, dev, precision.name, clock, rank, world_size, data.identity)
-        # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
-        # trainer's train_config) and the tokenizer
-        run_info = {"recipe": {k: v for k, v in recipe.to_dict().items() if k != "train"},
-                    "tokenizer": data.tokenizer.to_json()}
-        trainer = Trainer(model, replace(t, device=str(dev)), TrainData(sampler, val), opts.run_dir,
-                          callbacks=callbacks, ranks=Ranks(rank, world_size, opts.parallel), run_info=run_info)
-        clock.mark("model")
-        result = trainer.fit(opts.resume)
-        if rank == 0 and not result.interrupted:
-            sample_after_training(recipe, opts, result, model, data.tokenizer, data.tokens, dev, world_size)
+        with closing(callbacks):
+            # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
+            # trainer's train_config) and the tokenizer
+            run_info = {"recipe": {k: v for k, v in recipe.to_dict().items() if k != "train"},
+                        "tokenizer": data.tokenizer.to_json()}
+            trainer = Trainer(model, replace(t, device=str(dev)), TrainData(sampler, val), opts.run_dir,
+                              callbacks=callbacks, ranks=Ranks(rank, world_size, opts.parallel), run_info=run_info)
+            clock.mark("model")
+            result = trainer.fit(opts.resume)
+            if rank == 0 and not result.interrupted:
+                sample_after_training(recipe, opts, result, model, data.tokenizer, data.tokens, dev, world_size)
     finally:
-        for cb in callbacks:
-            cb.close()
         data.close()
     return result
 

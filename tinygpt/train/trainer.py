@@ -332,8 +332,11 @@ class Trainer(TrainStep):
             if self.step > 0 and self.saved_step != self.step:
                 self.save()  # training always ends with a checkpoint
         except OSError as e:  # metrics.jsonl or samples on a full disk: the same one-line story
+            RunDir(self.run_dir).check_held()  # unless the folder itself went: then that is the story
             raise self._write_failed(str(self.run_dir), e) from e
         except Exception as e:
+            if not isinstance(e, TrainingError):  # e.g. TensorBoard's writer, its folder deleted under it
+                RunDir(self.run_dir).check_held()
             self._raise_peer_failure(e)
             raise
         finally:
