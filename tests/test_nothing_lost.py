@@ -18,7 +18,7 @@ import pytest
 
 from tinygpt.cli import main
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.callback import closing
+from tinygpt.core.callback import Callback, closing
 from tinygpt.core.rundir import LOCK, RunDir, RunDirError, RunDirReplaced
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.pretrain import pretrain
@@ -149,14 +149,16 @@ def test_a_callback_failing_to_close_does_not_hide_the_error_that_ended_the_run(
     with pytest.warns(UserWarning, match="TensorBoardLogger could not close"), pytest.raises(RunDirReplaced):
         with closing([deleted_writer("a")]):
             raise RunDirReplaced("run folder was deleted and made again")
-    after = TensorBoardLogger.create(tmp_path / "c")
-    after.on_log({"step": 1, "loss": 2.5})
-    (events,) = (tmp_path / "c").iterdir()
-    unflushed = events.stat().st_size
+    closed = []
+
+    class Notes(Callback):  # a callback of the user's own, after the failing one
+        def close(self):
+            closed.append(True)
+
     with pytest.raises(FileNotFoundError):
-        with closing([deleted_writer("b"), after]):
+        with closing([deleted_writer("b"), Notes()]):
             pass
-    assert events.stat().st_size > unflushed  # the second writer was still closed: its scalar was flushed
+    assert closed == [True]  # the one after it was still closed
 
 
 def test_a_writer_whose_folder_was_replaced_stops_and_the_new_run_is_left_alone(tmp_path, cache):
