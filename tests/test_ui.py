@@ -15,6 +15,7 @@ from tinygpt.colab import ui
 from tinygpt.core import units
 from tinygpt.core.checkpoint import save_checkpoint, verify_checkpoint
 from tinygpt.core.config import RECIPES, get_recipe
+from tinygpt.core.hardware import HARDWARE
 from tinygpt.train.hardware import hardware_report
 
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
@@ -59,7 +60,7 @@ def test_picker_offers_a_time_budget_with_a_session_default(report, tmp_path, mo
     assert ui.recipe_picker(report).hours is None  # a CPU trains the recipe's steps
     gpu = replace(report, hardware_class="a100", default_recipe="a100-124m")
     picker = ui.recipe_picker(gpu)
-    assert picker.hours == ui.SESSION_HOURS["a100"] == 2.0 and "time: 2 h" in repr(picker)
+    assert picker.hours == HARDWARE["a100"].session_hours == 2.0 and "time: 2 h" in repr(picker)
     picker.hours_dropdown.value = 0.5  # the user picks half an hour
     assert picker.hours == 0.5
     from tinygpt.train.pretrain import pretrain

@@ -31,6 +31,7 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import MANIFEST, STATE_FILE, latest_valid, list_checkpoints, read_manifest
 from tinygpt.core.config import RECIPES, Recipe, get_recipe
 from tinygpt.core.files import atomic_output, link_problem
+from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.core.units import count, duration, size_gb
@@ -268,10 +269,6 @@ def default_recipe(report: Any = None, resume_from: RunFolders | str | Path | No
 
 # ---- the recipe picker -----------------------------------------------------------------------------
 
-# The time a runtime of each class usually gives one session (Colab's free T4 and L4 about 3 h before
-# a disconnect is likely; an A100 or H100 costs compute units by the hour): the default budget.
-SESSION_HOURS: dict[str, float | None] = {"cpu": None, "mps": None, "t4": 3.0, "l4": 3.0, "a100": 2.0,
-                                          "h100": 2.0, "h200": 2.0}
 HOURS_CHOICES: list[tuple[str, float | None]] = [("the recipe's steps", None), ("15 min", 0.25), ("30 min", 0.5),
                                                  ("1 h", 1.0), ("2 h", 2.0), ("3 h", 3.0), ("6 h", 6.0),
                                                  ("12 h", 12.0), ("24 h", 24.0)]
@@ -287,7 +284,7 @@ def default_hours(report: Any, resume_from: RunFolders | str | Path | None = Non
             return (budget.hours, "the run's own budget") if budget else (None, "the run has no time budget")
     if smoke_mode():
         return None, "TINYGPT_SMOKE is set"
-    hours = SESSION_HOURS.get(report.hardware_class)
+    hours = HARDWARE[report.hardware_class].session_hours if report.hardware_class in HARDWARE else None
     return hours, (f"about one {report.hardware_class} session" if hours else "a CPU trains the recipe's steps")
 
 def _widgets() -> Any:

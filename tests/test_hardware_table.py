@@ -1,0 +1,48 @@
+"""The one hardware table (`core.hardware.HARDWARE`): every class's entry is what the rest of tinygpt reads, and
+every name in it points at something that exists."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinygpt.core.config import RECIPES
+from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.precision import choose_precision
+from tinygpt.finetune.recipes import FINETUNE_RECIPES, finetune_device
+from tinygpt.train.hardware import GPU_TABLE, gpu_class, gpu_spec
+
+
+@pytest.mark.parametrize("name", list(HARDWARE))
+def test_every_class_names_a_recipe_and_finetuning_settings_that_exist(name):
+    c = HARDWARE[name]
+    assert c.name == name and c.default_recipe in RECIPES
+    assert all(c.finetune in r.train for r in FINETUNE_RECIPES.values())
+    assert (c.device_type == "cuda") == (c.capability is not None) == bool(c.gpus)
+    for gpu, _ in c.gpus:  # a listed GPU is put into its own class
+        assert gpu_spec(f"NVIDIA {gpu}")[1] == name and gpu_class(f"NVIDIA {gpu}", 0, 0.0) == name
+
+
+def test_every_recipe_is_made_for_a_class_of_the_table():
+    assert {r.hardware for r in RECIPES.values()} <= set(HARDWARE)
+
+
+def test_a_class_precision_is_what_the_device_rule_gives(monkeypatch):
+    assert HARDWARE["cpu"].precision == choose_precision(torch.device("cpu")).name == "fp32"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    for c in HARDWARE.values():
+        if c.device_type == "cuda":
+            capability = c.capability
+            assert choose_precision(torch.device("cuda")).name == c.precision, c.name
+
+
+def test_finetuning_devices_follow_the_table():
+    assert finetune_device("t4") == ("cuda", (7, 5), torch.float16)
+    assert finetune_device("a100") == ("cuda", (8, 0), torch.bfloat16)
+    assert finetune_device("cpu") == ("cpu", None, torch.float32)
+
+
+def test_gpu_names_are_matched_longest_first_as_whole_words():
+    assert [len(n) for n, _, _ in GPU_TABLE] == sorted((len(n) for n, _, _ in GPU_TABLE), reverse=True)
+    assert gpu_spec("NVIDIA H100 PCIe") == (756.0, "h100") and gpu_spec("NVIDIA H100 80GB HBM3") == (989.0, "h100")
+    assert gpu_spec("NVIDIA L40S")[1] == "a100" and gpu_spec("NVIDIA L4")[1] == "l4"
+    assert gpu_spec("NVIDIA GH200 480GB") == (989.0, "h200")
