@@ -1,7 +1,7 @@
 """The hardware classes: one entry per class of machine, holding everything tinygpt decides per class.
 
 A class is a group of devices that train alike: "cpu", "mps", and the GPU classes named for the
-Colab GPU each stands for (t4, l4, a100, h100, h200). `train.hardware` puts a device into a class (by
+GPU each stands for (t4, l4, a100, h100, ...). `train.hardware` puts a device into a class (by
 the GPU names listed here, else by generation and memory); the probe's default recipe, the
 precision a table shows for a class, the finetuning settings and the notebooks' default time budget
 are read from its entry. Nothing else keys anything by class name.
