@@ -46,3 +46,21 @@ def test_gpu_names_are_matched_longest_first_as_whole_words():
     assert gpu_spec("NVIDIA H100 PCIe") == (756.0, "h100") and gpu_spec("NVIDIA H100 80GB HBM3") == (989.0, "h100")
     assert gpu_spec("NVIDIA L40S")[1] == "a100" and gpu_spec("NVIDIA L4")[1] == "l4"
     assert gpu_spec("NVIDIA GH200 480GB") == (989.0, "h200")
+
+
+def test_colab_g4_is_its_own_class_that_the_probe_reports_and_the_picker_serves(monkeypatch):
+    """Colab's G4 (RTX PRO 6000 Blackwell, 96 GB, sm_120): before its entry it was taken for an H100 with no peak."""
+    from dataclasses import replace
+
+    from tinygpt import colab
+    from tinygpt.train.hardware import hardware_report
+
+    name = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    assert gpu_spec(name) == (500.0, "g4") and gpu_class(name, 12, 95.0) == "g4"
+    g4 = HARDWARE["g4"]
+    assert g4.precision == "bf16" and g4.default_recipe == "a100-124m" and g4.finetune == "a100"
+    monkeypatch.delenv("TINYGPT_SMOKE", raising=False)
+    report = replace(hardware_report("cpu"), device="cuda", name=name, hardware_class="g4",
+                     default_recipe=g4.default_recipe)
+    picker = colab.recipe_picker(report)
+    assert picker.value == "a100-124m" and "g4 runtime" in picker.reason and picker.hours == 2.0

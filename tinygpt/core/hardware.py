@@ -56,5 +56,10 @@ H100 = HardwareClass("h100", "cuda", (9, 0), "a100-124m", "a100", 2.0,  # "H100 
                      (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0)))
 H200 = HardwareClass("h200", "cuda", (9, 0), "a100-124m", "a100", 2.0,
                      (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0)))
+# Colab's G4: an RTX PRO 6000 Blackwell, 96 GB, compute capability 12.0. NVIDIA gives 4,000 sparse FP4 TOPS, so
+# about 500 dense bf16 TFLOP/s: half an H100 SXM, 1.6x an A100. Unlisted, the generation-and-memory rule took it
+# for an H100 and MFU had no peak. It trains like its neighbours: bf16; the flagship by default (the H100, twice
+# as fast, defaults to it too); finetuning's a100 settings (bf16 and 35+ GB); paid by the hour like an A100.
+G4 = HardwareClass("g4", "cuda", (12, 0), "a100-124m", "a100", 2.0, (("RTX PRO 6000", 500.0),))
 
-HARDWARE: dict[str, HardwareClass] = {c.name: c for c in (CPU, MPS, T4, L4, A100, H100, H200)}
+HARDWARE: dict[str, HardwareClass] = {c.name: c for c in (CPU, MPS, T4, L4, A100, H100, H200, G4)}
