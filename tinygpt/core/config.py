@@ -334,6 +334,11 @@ TINYSTORIES = "hf:roneneldan/TinyStories"  # ~470M GPT-2 tokens of simple storie
 FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"  # ~10B tokens of educational web pages
 
 
+def _gpt2_data(source: str, max_chars: int | None = None) -> DataConfig:
+    """A GPU recipe's data: a Hub data set read through the GPT-2 tokenizer (50257 tokens)."""
+    return DataConfig(source=source, tokenizer="gpt2", vocab_size=50257, max_chars=max_chars)
+
+
 # The named recipes: one constant each, then its name in RECIPES (`tinygpt recipes` lists them in this order).
 CPU_SMOKE = Recipe(
     "cpu-smoke", "A few seconds on any CPU: a 2-layer model, for tests and the notebooks' smoke mode.",
@@ -360,20 +365,20 @@ T4_50M = Recipe(
     "t4", model_config("50m", vocab_size=GPT2_VOCAB_PADDED, max_seq_len=512),
     TrainConfig(micro_batch_size=16, seq_len=512, grad_accum_steps=8, max_steps=4000, lr=6e-4,
                 min_lr=6e-5, warmup_steps=200, eval_every=250, save_every=250, precision="fp16"),
-    DataConfig(source=TINYSTORIES, tokenizer="gpt2", vocab_size=50257))
+    _gpt2_data(TINYSTORIES))
 L4_124M = Recipe(
     "l4-124m", "Colab's L4 (bf16): GPT-2-small scale, context 1024.",
     "l4", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
     TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=6e-4,
                 min_lr=6e-5, warmup_steps=300, eval_every=250, save_every=250, precision="bf16"),
-    DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=6_500_000_000))
+    _gpt2_data(FINEWEB_EDU, max_chars=6_500_000_000))
 A100_124M = Recipe(
     "a100-124m", "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; "
     "0.5M tokens per step.",
     "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
     TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=10000, lr=6e-4,
                 min_lr=6e-5, warmup_steps=700, eval_every=250, save_every=250, precision="bf16"),
-    DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=25_000_000_000))
+    _gpt2_data(FINEWEB_EDU, max_chars=25_000_000_000))
 A100_124M_FAST = Recipe(
     "a100-124m-fast", "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an "
     "untied head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3).",
@@ -382,19 +387,19 @@ A100_124M_FAST = Recipe(
     TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=1.5e-3,
                 min_lr=0.0, warmup_steps=250, optimizer="muon", schedule="wsd", decay_fraction=0.4,
                 eval_every=250, save_every=250, precision="bf16"),
-    DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=13_000_000_000))
+    _gpt2_data(FINEWEB_EDU, max_chars=13_000_000_000))
 A100_350M = Recipe(
     "a100-350m", "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16.",
     "a100", model_config("350m", vocab_size=GPT2_VOCAB_PADDED),
     TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=32, max_steps=20000, lr=3e-4,
                 min_lr=3e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-    DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257))
+    _gpt2_data(FINEWEB_EDU))
 H100_760M = Recipe(
     "h100-760m", "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16.",
     "h100", model_config("760m", vocab_size=GPT2_VOCAB_PADDED),
     TrainConfig(micro_batch_size=16, seq_len=2048, grad_accum_steps=16, max_steps=20000, lr=2.5e-4,
                 min_lr=2.5e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-    DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257))
+    _gpt2_data(FINEWEB_EDU))
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     CPU_SMOKE, CPU, CPU_FAST, T4_50M, L4_124M, A100_124M, A100_124M_FAST, A100_350M, H100_760M)}
