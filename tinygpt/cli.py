@@ -14,7 +14,8 @@ import torch
 from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.config import RECIPES, ConfigError, Recipe, get_recipe
-from tinygpt.core.precision import PRECISION_FOR_HARDWARE, resolve_device
+from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.core.units import count
 from tinygpt.evals import sandbox
@@ -98,7 +99,7 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
 def _recipes(args) -> int:
     rows = []
     for r in RECIPES.values():
-        prec = PRECISION_FOR_HARDWARE.get(r.hardware, "auto") if r.train.precision == "auto" else r.train.precision
+        prec = HARDWARE[r.hardware].precision if r.train.precision == "auto" else r.train.precision
         rows.append((r.name, r.hardware, meta_model(r.model).num_params(), r.train.seq_len, r.train.tokens_per_step,
                      r.token_budget, prec, r.data.source, r.description))
     if args.json:
