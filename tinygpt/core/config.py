@@ -183,6 +183,7 @@ def model_config(size: str, **overrides: Any) -> ModelConfig:
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 # How the loss is taken (`tinygpt.model.losses`): chunked by size, over the full logits, or always chunked.
 LOSS_MODES = ("auto", "full", "chunked")
+COMPILE_MODES = ("auto", "on", "regional", "off")  # auto: on for CUDA; regional: each transformer block
 
 
 @dataclass
@@ -232,7 +233,7 @@ class TrainConfig:
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr,
                  f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         _require(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        _require(self.compile in ("auto", "on", "regional", "off"),
+        _require(self.compile in COMPILE_MODES,
                  f"compile must be auto, on, regional or off, got {self.compile!r}")
         _require(self.optimizer in ("adamw", "muon"), f"optimizer must be adamw or muon, got {self.optimizer!r}")
         _require(self.loss in LOSS_MODES, f"loss must be one of {LOSS_MODES}, got {self.loss!r}")
