@@ -20,7 +20,7 @@ import torch
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback, closing
-from tinygpt.core.config import ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
+from tinygpt.core.config import COMPILE_MODES, ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
 from tinygpt.core.files import refuse_links_in
 from tinygpt.core.options import option, targets
 from tinygpt.core.paths import cache_root
@@ -163,6 +163,9 @@ class PretrainOptions:
                                        "checkpoints")
     device: str | None = option(None, help="cpu, cuda, cuda:1, mps (default: the best available)",
                                 sets="train.device")
+    compile: str | None = option(None, choices=COMPILE_MODES, sets="train.compile",
+                                 help="torch.compile the whole model (on), each block (regional), or not (off); "
+                                      "default: the recipe's (auto: on for CUDA)")
     cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
     callbacks: list | tuple = ()             # extra trainer callbacks (tinygpt.core.callback.Callback)
     progress: bool = option(True, flag="--quiet", help="no progress bar")
