@@ -15,6 +15,7 @@ from tinygpt.finetune.options import FinetuneOptions
 from tinygpt.model.generate import GenerateOptions
 from tinygpt.publish import ExportOptions, PushOptions
 from tinygpt.train.pretrain import PretrainOptions
+from tinygpt.train.probe import ProbeOptions
 
 
 @dataclass(kw_only=True)
@@ -108,6 +109,7 @@ def test_the_commands_parse_into_their_options_as_before(tmp_path):
         ExportOptions(run_dir="r", out_dir="o", format="gguf")]
     assert _command(["push", "r", "u/n", "--gguf", "none", "--private"], PushOptions) == [
         PushOptions(run_dir="r", repo_id="u/n", gguf="none", private=True)]
+    assert _command(["probe", "--recipe", "cpu", "--json"], ProbeOptions) == [ProbeOptions("cpu", as_json=True)]
 
 
 def test_every_generated_option_has_its_help():
