@@ -6,10 +6,13 @@ message that says what to change, before any tokenizer is trained or any memory 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tinygpt.core.options import option
 
 
 def config_differences(old: dict, new: dict, allowed: set[str] | frozenset = frozenset(),
@@ -180,6 +183,7 @@ def model_config(size: str, **overrides: Any) -> ModelConfig:
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 # How the loss is taken (`tinygpt.model.losses`): chunked by size, over the full logits, or always chunked.
 LOSS_MODES = ("auto", "full", "chunked")
+COMPILE_MODES = ("auto", "on", "regional", "off")  # auto: on for CUDA; regional: each transformer block
 
 
 @dataclass
@@ -229,7 +233,7 @@ class TrainConfig:
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr,
                  f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         _require(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        _require(self.compile in ("auto", "on", "regional", "off"),
+        _require(self.compile in COMPILE_MODES,
                  f"compile must be auto, on, regional or off, got {self.compile!r}")
         _require(self.optimizer in ("adamw", "muon"), f"optimizer must be adamw or muon, got {self.optimizer!r}")
         _require(self.loss in LOSS_MODES, f"loss must be one of {LOSS_MODES}, got {self.loss!r}")
@@ -325,6 +329,51 @@ class Recipe:
                       model=dataclasses.replace(self.model, **(model or {})),
                       train=dataclasses.replace(self.train, **(train or {})),
                       data=dataclasses.replace(self.data, **(data or {})))
+
+
+def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
+    """`train.lr=1e-3`-style overrides (`--set`), values parsed as JSON where they can be (numbers, true,
+    null); a number field takes a number (a whole number where it is an int), a string field a string."""
+    changes: dict[str, dict] = {"model": {}, "train": {}, "data": {}}
+    for a in assignments:
+        key, sep, raw = a.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or section not in changes or not name:
+            raise ConfigError(f"cannot read override {a!r}: write SECTION.FIELD=VALUE with SECTION model, train "
+                              "or data")
+        fields = getattr(recipe, section).to_dict()
+        if name not in fields:
+            raise ConfigError(f"{section} has no field {name!r}; fields: {', '.join(fields)}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        current = fields[name]
+        if isinstance(current, (int, float)) and not isinstance(current, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or (isinstance(current, int) and not isinstance(value, int) and current is not None):
+                kind = "a whole number" if isinstance(current, int) else "a number"
+                raise ConfigError(f"--set {a}: {section}.{name} must be {kind} (it is {current!r} in recipe "
+                                  f"{recipe.name}), not {raw!r}")
+        elif isinstance(current, str) and not isinstance(value, str):
+            value = raw
+        changes[section][name] = value
+    return recipe.replace(**changes)
+
+
+@dataclass
+class RecipeChoice:
+    """What `tinygpt pretrain` trains: a named recipe, maybe continued from a base, with fields changed.
+    Each field is a command-line option (core/options.py)."""
+    recipe: str | None = option(None, help="a name from `tinygpt recipes` (default: the run folder's own recipe "
+                                "when it has one, else the one this hardware suits, as `tinygpt probe` shows)")
+    init: str | None = option(None, metavar="BASE", help="continue pretraining a model: hf:NAME[@REVISION] (e.g. "
+                              "hf:HuggingFaceTB/SmolLM2-135M), a Llama/Qwen3 model folder, or a tinygpt run folder; "
+                              "its weights, tokenizer and architecture, with the recipe's batch and steps at a lower "
+                              "learning rate")
+    overrides: list[str] = option(default_factory=list, flag="--set", metavar="SECTION.FIELD=VALUE",
+                                  help="override recipe fields, e.g. --set train.lr=1e-3 model.n_layer=6 "
+                                       "data.max_chars=100000")
 
 
 GPT2_VOCAB_PADDED = 50304  # 50257 rounded up to a multiple of 128: faster matmuls, same tokenizer
