@@ -22,12 +22,10 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.config import RECIPES, ConfigError, RecipeChoice, apply_overrides
 from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.options import add_options, from_args, option
-from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir
 from tinygpt.core.units import count
-from tinygpt.evals import sandbox
-from tinygpt.evals.code import SANDBOX_NOTE
-from tinygpt.evals.tasks import TASKS, run_eval
+from tinygpt.evals.options import EvalOptions
+from tinygpt.evals.run import evaluate, report
 from tinygpt.finetune.lora import generate_response, load_finetuned, merge_adapter
 from tinygpt.finetune.options import FinetuneOptions
 from tinygpt.model.generate import GenerateOptions, generate_text
@@ -199,50 +197,9 @@ def _generate(args) -> int:
     return 0
 
 
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def _jsonable(v):
-    """NaN (a standard error of one item) as null: strict JSON readers refuse NaN."""
-    if isinstance(v, float) and v != v:
-        return None
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    return [_jsonable(x) for x in v] if isinstance(v, (list, tuple)) else v
-
-
 def _eval(args) -> int:
-    if TASKS[args.task].runs_code:  # said before anything runs; no boundary: refused unless --unsafe-exec
-        b = sandbox.boundary()
-        if b.kind == "none" and not args.unsafe_exec:
-            raise sandbox.SandboxUnavailable(sandbox.unavailable_message(b))
-        print(f"{args.task} {SANDBOX_NOTE}; here: {b.describe()}", file=sys.stderr, flush=True)
-    with sandbox.sigterm_as_interrupt():  # SIGTERM ends the sandboxes as Ctrl-C does
-        res = run_eval(args.run_dir, args.task, data=args.data, which=args.which,
-                       device=str(resolve_device(args.device)), limit=args.limit, window=args.window,
-                       stride=args.stride, max_chars=args.max_chars, batch_size=args.batch_size, n=args.n, ks=args.k,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, progress=not args.json,
-                       unsafe_exec=args.unsafe_exec, say=lambda note: print(note, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps(_jsonable(res), indent=1, default=str))
-        return 0
-    skip = {"reference", "per_problem", "diagnosis"}
-    width = max(len(k) for k in res)
-    for k, v in res.items():
-        if k not in skip:
-            print(f"{k:<{width}}  {_fmt(v)}")
-    if "reference" in res:  # HellaSwag: the published numbers beside this model's
-        print(f"\n{'model':<22} {'acc':>7} {'acc_norm':>9}")
-        print(f"{'this model (n=' + str(res['n']) + ')':<22} {res['acc']:>7.2%} {res['acc_norm']:>9.2%}")
-        for name, ref in res["reference"].items():
-            print(f"{name:<22} {ref['acc']:>7.2%} {ref['acc_norm']:>9.2%}")
-        print(f"(published figures: {res['reference_source']}; the same query text)")
-    if "per_problem" in res:
-        for p in res["per_problem"]:
-            print(f"  {p['task_id']:<14} {p['passed']}/{p['n']} passed  {', '.join(p['statuses'])}")
-    for note in res.get("diagnosis", []):
-        print(f"- {note}")
+    o = from_args(EvalOptions, args)
+    print(report(o.task, evaluate(o, say=lambda note: print(note, file=sys.stderr, flush=True)), o.as_json))
     return 0
 
 
@@ -276,7 +233,7 @@ COMMANDS = {
     "finetune": (_finetune, "LoRA / QLoRA / full finetuning of a tinygpt run or a Hugging Face model",
                  [(FinetuneOptions, "finetuning")]),
     "generate": (_generate, "sample text from a trained run", [(GenerateOptions, "sampling")]),
-    "eval": (_eval, "evaluate a run (or a Hugging Face model folder) on one task", []),  # + _add_eval_options
+    "eval": (_eval, "evaluate a run (or a Hugging Face model folder) on one task", [(EvalOptions, "evaluation")]),
     "export": (_export, "export a run (a finetune merged) to a Hugging Face folder or a GGUF for llama.cpp / Ollama, "
                         "with a model card", [(ExportOptions, "export")]),
     "push": (_push, "upload a run (Hugging Face files + GGUF + model card) to the Hugging Face Hub; the token comes "
@@ -293,33 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         for options, title in groups:
             add_options(command, options, title)
         command.set_defaults(func=func)
-    _add_eval_options(sub.choices["eval"])
     return p
-
-
-def _add_eval_options(e: argparse.ArgumentParser) -> None:
-    """`tinygpt eval`'s options, by hand until `EvalOptions` (tinygpt/evals/options.py) lands; then its entry
-    in COMMANDS takes [(EvalOptions, "evaluation")] and this function goes."""
-    e.add_argument("run_dir", metavar="RUN_DIR")
-    e.add_argument("--task", required=True, choices=tuple(TASKS),
-                   help="; ".join(f"{t.name}: {t.help}" for t in TASKS.values()))
-    e.add_argument("--data", default=None, help="the task's data file, or hf:NAME[:CONFIG][@SPLIT], e.g. "
-                   "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from the Hub); "
-                   "perplexity: default the run's own validation split, `builtin` the built-in corpus's")
-    e.add_argument("--which", default="latest", help="latest, best, or a checkpoint folder (default: latest)")
-    e.add_argument("--device", default="auto", help="cpu, cuda, mps (default: the best available)")
-    e.add_argument("--limit", type=int, default=None, help="only the first N items or problems")
-    e.add_argument("--window", type=int, default=None, help="perplexity: tokens per window (default: the context)")
-    e.add_argument("--stride", type=int, default=None, help="perplexity: sliding-window stride (default: none)")
-    e.add_argument("--max-chars", type=int, default=None, help="perplexity: score only the first N characters")
-    e.add_argument("--batch-size", type=int, default=None)
-    e.add_argument("--n", type=int, default=1, help="code tasks: samples per problem")
-    e.add_argument("--k", type=int, nargs="+", default=[1], help="code tasks: pass@k for these k (each <= n)")
-    e.add_argument("--max-new-tokens", type=int, default=384)
-    e.add_argument("--temperature", type=float, default=None, help="code tasks (default: greedy for n=1, else 0.8)")
-    e.add_argument("--json", action="store_true", help="print the whole result as JSON")
-    e.add_argument("--unsafe-exec", action="store_true", help="humaneval/mbpp: run generated code even where no "
-                   "kernel boundary is available (rlimits only; use a throwaway VM)")
 
 
 def main(argv: list[str] | None = None) -> int:

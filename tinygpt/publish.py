@@ -16,6 +16,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ from tinygpt.core.config import Recipe
 from tinygpt.core.files import atomic_output
 from tinygpt.core.options import option
 from tinygpt.core.rundir import METRICS, RunDir, missing_run_message, parse_jsonl
+from tinygpt.evals.run import EVALS_JSONL
 from tinygpt.evals.runs import summarize_run
-from tinygpt.evals.tasks import EVALS_JSONL
+from tinygpt.evals.tasks import TASKS
 from tinygpt.finetune.instruct import TEMPLATES
 from tinygpt.finetune.lora import FinetuneError, _adapter_dir, export_full, is_full_finetune, merge_adapter
 from tinygpt.finetune.recipes import ADAPTER_INFO
@@ -106,13 +108,13 @@ def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
     return parse_jsonl(p.read_text(encoding="utf-8"), p) if p.is_file() else []
 
 
-_HEADLINE = {"perplexity": ("perplexity", "bits_per_byte", "tokens"), "hellaswag": ("acc", "acc_norm", "n")}
-
-
 def _scores(e: dict[str, Any]) -> str:
-    keys = _HEADLINE.get(e.get("task"), ()) or [k for k in e.get("scores", {}) if k.startswith("pass@")]
+    """A recorded evaluation's scores as its card shows them: its task's headline (`Task.headline`), else every
+    number."""
     s = e.get("scores", {})
-    return ", ".join(f"{k} {_num(s[k])}" for k in keys if k in s) or \
+    task = TASKS.get(e.get("task"))
+    keys = [k for pattern in (task.headline if task else ()) for k in s if fnmatchcase(k, pattern)]
+    return ", ".join(f"{k} {_num(s[k])}" for k in keys) or \
         ", ".join(f"{k} {_num(v)}" for k, v in s.items() if isinstance(v, (int, float)))
 
 
