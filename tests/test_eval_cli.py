@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tinygpt.cli import main
+from tinygpt.cli import build_parser, main
+from tinygpt.core.options import from_args
 from tinygpt.evals import lm as ev
+from tinygpt.evals.options import EvalOptions
+from tinygpt.evals.run import evaluate
+from tinygpt.evals.tasks import TASKS
 from tinygpt.model.loading import load_run
 from tinygpt.train.pretrain import pretrain
 
@@ -175,3 +179,31 @@ def test_perplexity_defaults_to_the_runs_validation_split_and_its_context(tmp_pa
         assert main(["eval", str(run), "--task", "perplexity", "--max-chars", "20000", "--json", *data]) == 0
         res = json.loads(capsys.readouterr().out)
         assert res["window"] == 64 and res["tokens"] > 1000 and res["perplexity"] > 1, res
+
+
+def test_the_eval_command_parses_into_eval_options():
+    """`tinygpt eval`'s options are EvalOptions' fields (core/options.py): each flag lands on its field, and
+    what is not given keeps the field's default, the command's default of before."""
+    def parsed(*argv: str) -> EvalOptions:
+        return from_args(EvalOptions, build_parser().parse_args(["eval", *argv]))
+
+    assert parsed("r", "--task", "hellaswag", "--data", "d", "--which", "best", "--device", "cpu", "--limit", "5",
+                  "--window", "32", "--stride", "16", "--max-chars", "900", "--batch-size", "8", "--n", "5", "--k",
+                  "1", "5", "--max-new-tokens", "64", "--temperature", "0.2", "--json", "--unsafe-exec") == EvalOptions(
+        run_dir="r", task="hellaswag", data="d", which="best", device="cpu", limit=5, window=32, stride=16,
+        max_chars=900, batch_size=8, n=5, k=[1, 5], max_new_tokens=64, temperature=0.2, as_json=True, unsafe_exec=True)
+    default = parsed("r", "--task", "summary")
+    assert default == EvalOptions(run_dir="r", task="summary")
+    assert (default.which, default.device, default.n, default.k, default.as_json) == ("latest", "auto", 1, (1,), False)
+    for task in TASKS:  # the registry is the choice
+        assert parsed("r", "--task", task).task == task
+    with pytest.raises(SystemExit):
+        parsed("r", "--task", "mmlu")
+
+
+def test_evaluate_from_options_is_what_the_command_prints(run, shared_data, capsys):
+    wikitext = shared_data / "wikitext2_test.txt"
+    code, out, _ = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--max-chars", 2000,
+                        "--window", 32, "--json")
+    res = evaluate(EvalOptions(run_dir=run, task="perplexity", data=str(wikitext), max_chars=2000, window=32))
+    assert code == 0 and json.loads(out)["nll_nats"] == pytest.approx(res["nll_nats"], rel=1e-6)
