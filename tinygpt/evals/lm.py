@@ -110,7 +110,7 @@ LONG_SECONDS = 120.0  # an evaluation expected to take longer says so, with how 
 SHORT_SECONDS = 180.0  # what the suggested shorter run aims at (a quarter of the whole, when that is less)
 
 
-def _shorter(size: int, expected: float) -> int:
+def shorter(size: int, expected: float) -> int:
     """How much of `size` (characters, items) takes about `SHORT_SECONDS`, or a quarter of `expected`."""
     return _round_down(size * min(SHORT_SECONDS, expected / 4) / expected)
 
@@ -123,9 +123,9 @@ def _round_down(x: float) -> int:
     return int(x // scale * scale)
 
 
-def _run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: bool,
-                 say: Callable[[str], None] | None, describe: Callable[[float, float], str],
-                 cost: Sequence[float] | None = None) -> None:
+def run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: bool,
+                say: Callable[[str], None] | None, describe: Callable[[float, float], str],
+                cost: Sequence[float] | None = None) -> None:
     """``run(batch)`` for every batch. The first two are timed before any bar is shown; when the whole is
     expected to take more than `LONG_SECONDS`, ``say(describe(expected_total_s, s_per_batch))`` comes first.
     The first batch warms up, so the rate is the second's, per unit of `cost` (e.g. tokens; default: one
@@ -174,7 +174,7 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
     The text starts after the start token (`start_token`) so that its first token is scored too.
     Logits are (batch_size, window, vocab): lower both for a large vocabulary on a small GPU.
     A text expected to take over `LONG_SECONDS` is first said with its time and a shorter ``--max-chars``
-    (`_shorter`), through `say` (measured on the first batches; see `_run_batches`).
+    (`shorter`), through `say` (measured on the first batches; see `run_batches`).
     """
     lm = as_causal_lm(model)
     window = window or lm.max_seq_len
@@ -205,7 +205,7 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
         total += _nll_sum(lm, inputs, targets)
 
     def describe(expected: float, per_batch: float) -> str:
-        chars = _shorter(len(text), expected)
+        chars = shorter(len(text), expected)
         how = f"stride {step}" if step != window else "non-overlapping"
         return (f"perplexity over {n_bytes / 1e6:.1f} MB ({len(spans):,} windows of {window} tokens, {how}): about "
                 f"{duration(expected)} on this {lm.device.type.upper()}; --max-chars {chars} takes about "
@@ -213,7 +213,7 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
 
     with _evaluating(lm.module):
         batches = [spans[i:i + batch_size] for i in range(0, len(spans), batch_size)]
-        _run_batches(batches, run, "perplexity", progress, say, describe)
+        run_batches(batches, run, "perplexity", progress, say, describe)
     return {"mode": "non-overlapping" if stride in (None, window) else "sliding", "window": window,
             "stride": step, "windows": len(spans), "tokens": n_pred, "bytes": n_bytes,
             "first_token_scored": start is not None, "nll_nats": total, "loss": total / n_pred,
@@ -251,7 +251,7 @@ def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str
     continuation's tokens only. Tokenized as lm-evaluation-harness does: the continuation's tokens
     are those of context + continuation after the context's, and context trailing spaces move to
     the continuation; an empty context becomes the start token; too long inputs lose their left.
-    `say` and `describe`: as in `_run_batches` (a long run says its expected time first)."""
+    `say` and `describe`: as in `run_batches` (a long run says its expected time first)."""
     lm, encode, start = as_causal_lm(model), encoder(tokenizer), start_token(tokenizer)
     seqs = []
     for ctx, cont in requests:
@@ -291,7 +291,7 @@ def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str
     with _evaluating(lm.module):
         batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
         cost = [len(b) * max(len(seqs[j][0]) for j in b) for b in batches]  # padded tokens: longest first
-        _run_batches(batches, run, "loglikelihood", progress, say, describe, cost)
+        run_batches(batches, run, "loglikelihood", progress, say, describe, cost)
     return out
 
 
@@ -305,7 +305,7 @@ def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], bat
     requests = [(it.context, " " + e) for it in items for e in it.endings]
 
     def describe(expected: float, per_batch: float) -> str:
-        limit = _shorter(len(items), expected)
+        limit = shorter(len(items), expected)
         return (f"{name} over {len(items):,} items: about {duration(expected)} on this "
                 f"{as_causal_lm(model).device.type.upper()}; --limit {limit} takes about "
                 f"{duration(expected * limit / len(items))}")
