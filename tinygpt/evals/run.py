@@ -27,6 +27,8 @@ def check_request(task: Task, r: Request) -> None:
         v = getattr(r, name)
         if v is not None and v < 1:
             raise ValueError(f"{name} must be a positive number (or left out), got {v}")
+    if task.data_help is None and r.data is not None:
+        raise ValueError(f"task {task.name} reads no data file: leave out --data ({task.name}: {task.help})")
     if task.data_help is not None and not (r.data is None and task.data_default) and str(r.data) not in task.keywords:
         if r.data is None:
             raise ValueError(f"task {task.name} needs data (--data): {task.data_help}")
