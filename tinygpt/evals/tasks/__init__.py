@@ -1,20 +1,23 @@
 """The evaluation tasks, one module each (its data sources, help, default sizes, scorer and how its result
-prints, in one `TASK`). `TASKS` is the registry that `tinygpt eval --task`, `run_eval`, the model card and
-the notebooks read: a new task is a module here and one line in it."""
+prints, in one `TASK`). The import below is the registry: `TASKS` holds the `TASK` of every module it names,
+in its order, and `tinygpt eval --task`, `run_eval`, the model card and the notebooks read it. A new task is a
+module here and one line in that import."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 from tinygpt.evals.harness import Task, default_data
-from tinygpt.evals.tasks import hellaswag, humaneval, mbpp, perplexity, summary
-
-TASKS: dict[str, Task] = {m.TASK.name: m.TASK for m in (  # in the order `tinygpt eval --help` lists them
-    perplexity,
+from tinygpt.evals.tasks import (  # noqa: F401  (TASKS reads them)
     hellaswag,
     humaneval,
     mbpp,
+    perplexity,
     summary,
-)}
+)
+
+TASKS: dict[str, Task] = {m.TASK.name: m.TASK for m in list(globals().values())
+                          if isinstance(m, ModuleType) and isinstance(getattr(m, "TASK", None), Task)}
 
 
 def get_task(name: str) -> Task:
