@@ -13,6 +13,7 @@ from tinygpt.evals.tasks import (  # noqa: F401  (TASKS reads them)
     humaneval,
     mbpp,
     perplexity,
+    stdlib_functions,
     summary,
 )
 
