@@ -234,7 +234,7 @@ def read_text(path: str | Path, max_chars: int | None = None) -> str:
         return f.read(max_chars) if max_chars else f.read()
 
 
-# --- multiple choice: HellaSwag ---------------------------------------------------------------
+# --- log-likelihoods and multiple choice (HellaSwag: tasks/hellaswag.py) ---------------------
 
 @dataclass
 class ChoiceItem:

@@ -26,7 +26,6 @@ HELLASWAG_REFERENCE = {"random": {"acc": 0.25, "acc_norm": 0.25},
 HELLASWAG_REFERENCE_SOURCE = "lm-evaluation-harness, zero-shot, all 10,042 validation items"
 
 
-
 def hellaswag_preprocess(text: str) -> str:
     """lm-evaluation-harness's clean-up of HellaSwag text (its hellaswag task's ``preprocess``), rule for rule:
     strip; " [title]" (a WikiHow step title) becomes ". "; every other ``[...]`` fragment goes (the
