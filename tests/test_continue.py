@@ -249,7 +249,7 @@ def test_a_qwen3_base_continues_with_its_qk_norm(base, shared_data, tmp_path):
     recipe = continued_recipe("cpu-smoke", str(tmp_path / "qwen3")).replace(
         train={**TRAIN, "max_steps": 2, "eval_every": 0, "save_every": 0},
         data={"source": str(shared_data / "tinyshakespeare.txt")})
-    assert recipe.model.qk_norm and recipe.model.hf_model_type == "qwen3"
+    assert recipe.model.qk_norm and recipe.model.family.model_type == "qwen3"
     res = pretrain(recipe, tmp_path / "run", cache_dir=tmp_path / "cache", progress=False, probe="off", device="cpu")
     x, y = _first_batch(tmp_path / "run", tmp_path / "cache", recipe)
     assert res.metrics[0]["step"] == 1

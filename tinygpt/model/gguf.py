@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from tinygpt.core.checkpoint import model_state
-from tinygpt.core.config import ModelConfig
 from tinygpt.core.files import atomic_output
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer
@@ -52,11 +51,6 @@ def check_quant(quant: str) -> str:
         raise ValueError(f"unknown GGUF quantization {quant!r}; choose one of {', '.join(QUANTS)} (for q4/q5/k-quants, "
                          "run llama.cpp's llama-quantize on the f16 file)")
     return quant
-
-
-def gguf_arch(config: ModelConfig) -> str:
-    """llama.cpp's architecture for this model: `qwen3` with QK-norm, else `llama`."""
-    return "qwen3" if config.qk_norm else "llama"
 
 
 # --- tokenizer --------------------------------------------------------------------------------
@@ -130,18 +124,19 @@ def _rope_pairs(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
-    """The model's weights under llama.cpp's names, as float32 arrays (q/k permuted for `llama`)."""
+    """The model's weights (and biases) under llama.cpp's names, as float32 arrays (q/k rows permuted where
+    the family's llama.cpp architecture rotates adjacent pairs)."""
     gguf = _gguf()
-    config = model.config
-    arch = gguf_arch(config)
+    config, family = model.config, model.config.family
+    arch = family.model_type  # llama.cpp's architecture of the same name
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.n_layer)
     out = {}
     for key, t in model_state(model).items():
-        name = names.get_name(key, try_suffixes=(".weight",))
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no llama.cpp tensor for {key!r} in architecture {arch}")
         w = t.to(torch.float32).numpy()
-        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if family.rope_pairs and key.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             w = _rope_pairs(w, config.n_head if "q_proj" in key else config.n_kv_head or config.n_head)
         out[name] = w
     return out
@@ -173,10 +168,9 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = 
     config = model.config
     tokens, types, merges = tokenizer_tables(tokenizer, config.vocab_size)  # refused before anything is written
     tensors = gguf_tensors(model)
-    arch = gguf_arch(config)
     path = Path(path)
     with atomic_output(path) as tmp:
-        w = gguf.GGUFWriter(str(tmp), arch)
+        w = gguf.GGUFWriter(str(tmp), config.family.model_type)
         w.add_name(name)
         w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[quant]))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -37,10 +39,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, shape (max_len, head_dim), in the half-split layout Llama uses."""
+def norm_class(config: ModelConfig) -> Callable[[int], nn.Module]:
+    """The model's norm, built from its width (litgpt's `Config.norm_class`): every norm of the GPT (before
+    attention and the MLP, the final one, QK-norm's per head) comes from here, so a new norm is chosen here."""
+    return partial(RMSNorm, eps=config.norm_eps)
+
+
+def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, shape (max_seq_len, head_dim), in the half-split layout Llama uses."""
+    head_dim, theta = config.head_dim, config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    t = torch.arange(max_len, dtype=torch.int64, device=device).float()
+    t = torch.arange(config.max_seq_len, dtype=torch.int64, device=device).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -117,8 +126,7 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(config.d_model, kv_dim, bias=False)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=False)
         if config.qk_norm:  # Qwen3's names and place: per head, before RoPE
-            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.q_norm, self.k_norm = norm_class(config)(self.head_dim), norm_class(config)(self.head_dim)
         self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
@@ -174,9 +182,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.input_layernorm = norm_class(config)(config.d_model)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.post_attention_layernorm = norm_class(config)(config.d_model)
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, cache=None, layer=0):
@@ -191,7 +199,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.norm = norm_class(config)(config.d_model)
 
 
 class GPT(nn.Module):
@@ -202,7 +210,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rope_tables(config)
         # Not saved in the state_dict (Llama does not save them either); rebuilt from the config.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

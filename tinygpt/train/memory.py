@@ -127,9 +127,10 @@ def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, pre
     n = meta.num_params()
     tokens = micro_batch_size * seq_len
     chunk_rows = default_chunk_rows(tokens, model.vocab_size, loss)  # what model.cross_entropy will do
-    # Autocast caches one copy of each Linear's weight per forward; the chunked loss copies lm_head itself.
-    matmul = sum(m.weight.numel() for m in meta.modules()
-                 if isinstance(m, torch.nn.Linear) and not (chunk_rows and m is meta.lm_head))
+    # Autocast caches one copy of each Linear's parameters (weight, and bias where the config gives one) per
+    # forward; the chunked loss copies lm_head itself.
+    matmul = sum(p.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear)
+                 and not (chunk_rows and m is meta.lm_head) for p in m.parameters(recurse=False))
     e = 4 if precision == "fp32" else 2
     parts = [4 * n, 4 * n, 8 * n, 0 if e == 4 else e * matmul,
              *_activation_and_loss_bytes(model, tokens, e, ckpt, chunk_rows, seq_len, attention)]
