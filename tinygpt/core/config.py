@@ -122,7 +122,7 @@ class ModelConfig:
     norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6))
     tie_embeddings: bool = field(default=False, metadata=_hf("tie_word_embeddings", False))
     init_std: float = field(default=0.02, metadata=_hf("initializer_range", 0.02, network=False))
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = field(default=False, metadata={"identity": "never"})
     # Speed-run choices (modded-nanogpt), each kept only where it measured better at our scale
     # (docs/BENCHMARKS.md): an RMSNorm on each head's queries and keys before RoPE (Qwen3's q_norm and
     # k_norm: in Hugging Face terms the family, see `family`), and the projections into the residual stream
@@ -132,7 +132,7 @@ class ModelConfig:
     # One matmul for q/k/v and one for gate/up instead of five: fewer, larger kernels, which a GPU runs
     # faster. The same math and, with the same seed, the same initial weights, so it changes speed, not the
     # run; saved files keep the separate Hugging Face names. Off until measured faster (docs/BENCHMARKS.md).
-    fused_proj: bool = False
+    fused_proj: bool = field(default=False, metadata={"identity": "never"})
     # Where the weights start (continued pretraining, `tinygpt.train.init`): None, a seeded random
     # initialisation; else hf:NAME[@REVISION], a Hugging Face model folder or a tinygpt run folder, whose
     # architecture the fields above then repeat. Read once, at a run's first step; a resume does not read it.
@@ -183,6 +183,18 @@ class ModelConfig:
     def network_fields(cls) -> tuple[str, ...]:
         """The fields that make two configs the same network (and so the same weights' meaning)."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("network"))
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that make a run the same run (the mirror's identity.json hashes them, with the data):
+        not the speed and memory choices a probe may make otherwise on another GPU (`identity` "never"), and an
+        option added since identity.json began only where it is set ("when_set"), so that a run begun before
+        the option existed keeps its identity."""
+        out = {}
+        for f in dataclasses.fields(self):
+            rule, value = f.metadata.get("identity", "always"), getattr(self, f.name)
+            if rule == "always" or (rule == "when_set" and value != f.default):
+                out[f.name] = value
+        return out
 
     def to_hf_llama(self) -> dict[str, Any]:
         """The keyword arguments of the equivalent transformers config (`family.config_class`: `LlamaConfig`,
