@@ -130,7 +130,8 @@ def test_bases_the_gpt_cannot_represent_are_refused_naming_what_differs(base, tm
     llama = json.loads((base / "config.json").read_text())
     assert "model_type 'qwen2' (biases on q/k/v)" in _refused(tmp_path, {**llama, "model_type": "qwen2",
                                                                           "architectures": ["Qwen2ForCausalLM"]})
-    assert "attention_bias=true" in _refused(tmp_path, {**llama, "attention_bias": True})
+    assert "mlp_bias=true" in _refused(tmp_path, {**llama, "mlp_bias": True})
+    assert hf.representation_gaps({**llama, "attention_bias": True}) == []  # ModelConfig.attention_bias
     assert "RoPE scaling 'llama3'" in _refused(tmp_path, {**llama, "rope_scaling": {"rope_type": "llama3",
                                                                                    "factor": 8.0}})
     assert "hidden_act 'gelu'" in _refused(tmp_path, {**llama, "hidden_act": "gelu"})

@@ -70,7 +70,6 @@ def _hf(key: str, missing: Any = REQUIRED, network: bool = True) -> dict[str, An
 # A new option that makes one of them a choice moves it from here into a field.
 HF_FIXED: dict[str, tuple[Any, str]] = {
     "hidden_act": ("silu", "tinygpt's MLP is SwiGLU with SiLU"),
-    "attention_bias": (False, "tinygpt's attention has no biases"),
 }
 
 
@@ -85,6 +84,7 @@ class Family:
     qk_norm: bool  # the ModelConfig.qk_norm of this family's models
     hf_fixed: dict[str, tuple[Any, str]]  # HF_FIXED and this family's own keys the GPT fixes
     rope_pairs: bool  # llama.cpp rotates adjacent pairs (not halves): GGUF q/k rows are permuted
+    gguf_lacks: tuple[str, ...] = ()  # ModelConfig options llama.cpp's architecture of this name cannot load
 
     @property
     def config_class(self) -> str:
@@ -99,7 +99,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("llama", "Llama", False, {**HF_FIXED, "mlp_bias": (False, "tinygpt's MLP has no biases")}, rope_pairs=True),
     # Qwen3: Llama's layers plus an RMSNorm on each head's queries and keys; full attention, no sliding window.
     Family("qwen3", "Qwen3", True, {**HF_FIXED, "use_sliding_window": (False, "tinygpt's attention is full")},
-           rope_pairs=False),
+           rope_pairs=False, gguf_lacks=("attention_bias",)),
 )}
 
 
@@ -122,6 +122,10 @@ class ModelConfig:
     norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6))
     tie_embeddings: bool = field(default=False, metadata=_hf("tie_word_embeddings", False))
     init_std: float = field(default=0.02, metadata=_hf("initializer_range", 0.02, network=False))
+    # A bias on each attention projection (q, k, v and o; initialised at zero), as Llama's and Qwen3's
+    # attention_bias; the MLP stays without (Llama's mlp_bias is a separate key, Qwen3 has none). Newer than
+    # identity.json: in a run's identity only where set.
+    attention_bias: bool = field(default=False, metadata={**_hf("attention_bias", False), "identity": "when_set"})
     activation_checkpointing: bool = field(default=False, metadata={"identity": "never"})
     # Speed-run choices (modded-nanogpt), each kept only where it measured better at our scale
     # (docs/BENCHMARKS.md): an RMSNorm on each head's queries and keys before RoPE (Qwen3's q_norm and
@@ -160,7 +164,9 @@ class ModelConfig:
                  f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         _require(self.max_seq_len >= 1, f"max_seq_len must be positive, got {self.max_seq_len}")
         _require(self.d_ff >= 1, f"d_ff must be positive, got {self.d_ff}")
-        _require(isinstance(self.fused_proj, bool), f"fused_proj must be True or False, got {self.fused_proj!r}")
+        for name in ("fused_proj", "attention_bias"):
+            v = getattr(self, name)
+            _require(isinstance(v, bool), f"model.{name} must be True or False, got {v!r}")
 
     @property
     def head_dim(self) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tinygpt.core.checkpoint import model_state
+from tinygpt.core.config import ModelConfig
 from tinygpt.core.files import atomic_output
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer
@@ -51,6 +52,15 @@ def check_quant(quant: str) -> str:
         raise ValueError(f"unknown GGUF quantization {quant!r}; choose one of {', '.join(QUANTS)} (for q4/q5/k-quants, "
                          "run llama.cpp's llama-quantize on the f16 file)")
     return quant
+
+
+def check_architecture(config: ModelConfig) -> ModelConfig:
+    """`config`, after checking that llama.cpp's architecture of its family loads every option it has on."""
+    lacks = [name for name in config.family.gguf_lacks if getattr(config, name)]
+    if lacks:
+        raise ValueError(f"llama.cpp's {config.family.model_type} architecture cannot load a model with "
+                         f"{', '.join(lacks)}; export to Hugging Face format instead (tinygpt export RUN OUT)")
+    return config
 
 
 # --- tokenizer --------------------------------------------------------------------------------
@@ -165,7 +175,7 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = 
     chat_template: a Jinja template for llama.cpp's chat mode (a finetuned run's prompt format)."""
     gguf = _gguf()
     check_quant(quant)
-    config = model.config
+    config = check_architecture(model.config)
     tokens, types, merges = tokenizer_tables(tokenizer, config.vocab_size)  # refused before anything is written
     tensors = gguf_tensors(model)
     path = Path(path)
