@@ -97,7 +97,8 @@ def _saved_bytes(model: GPT, x, y, dtype) -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 1}, {"attention_bias": True}])
+@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 1}, {"attention_bias": True}, {"qk_norm": True},
+                                {"qk_norm": True, "n_kv_head": 1}])
 def test_activation_estimate_matches_saved_tensors(precision, kw):
     config = ModelConfig(vocab_size=300, n_layer=2, n_head=2, d_model=64, d_ff=128, max_seq_len=64, **kw)
     model, (B, T) = GPT(config), (2, 64)

@@ -90,6 +90,9 @@ def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointin
     # kernel keeps the softmax's output instead of the logsumexp: seq_len scores per token and head.
     attn = norm_then(3) + e * (d + 2 * kvd) + e * d
     attn += e * c.n_head * seq_len if kernel == "math" else 4 * c.n_head
+    if c.qk_norm:  # per head, on q and k before RoPE: the fp32 input, the normalised x in e, the rsqrt per head
+        heads = c.n_head + c.n_kv_head
+        attn += (4 + e) * heads * c.head_dim + 4 * heads
     mlp = norm_then(2) + 4 * e * ff  # SwiGLU: gate, silu(gate), up and their product
     layer = attn + mlp + 8  # + the two norms' rsqrt
     if chunk_rows == 0:  # F.cross_entropy: fp32 log-probs saved, their gradient and the logits' gradient
