@@ -52,17 +52,18 @@ def _require(ok: bool, message: str) -> None:
 
 
 # --- the model -------------------------------------------------------------------------------
-# Each ModelConfig field says beside its declaration how it reads in a transformers config (`hf`), and whether
-# it is part of the network (`network`: two configs that differ there are different networks; the rest are
-# context, initialisation, speed and memory choices). `to_hf_llama`, `from_hf_llama`, `network_fields` and
-# `tinygpt.model.hf` read these; nothing else spells the Hugging Face names of the fields.
+# Each ModelConfig field says beside its declaration how it reads in a transformers config (`hf`) and in a GGUF
+# file (`gguf`), and whether it is part of the network (`network`: two configs that differ there are different
+# networks; the rest are context, initialisation, speed and memory choices). `to_hf_llama`, `from_hf_llama`,
+# `to_gguf` and `network_fields` read these; nothing else spells the fields' names in those formats.
 REQUIRED = dataclasses.MISSING  # a config.json without this key does not describe a model
 
 
-def _hf(key: str, missing: Any = REQUIRED, network: bool = True) -> dict[str, Any]:
+def _hf(key: str, missing: Any = REQUIRED, network: bool = True, gguf: str | None = None) -> dict[str, Any]:
     """A field's metadata: its transformers config key, the value a config.json without the key means
-    (transformers' own default), and whether it is part of the network."""
-    return {"hf": key, "hf_missing": missing, "network": network}
+    (transformers' own default), whether it is part of the network, and how a GGUF file says it (gguf's writer
+    method `GGUFWriter.add_{gguf}`, which knows llama.cpp's key and type)."""
+    return {"hf": key, "hf_missing": missing, "network": network} | ({"gguf": gguf} if gguf else {})
 
 
 # What the GPT always is, as a transformers config says it: key -> (the GPT's value, why another value is not
@@ -109,17 +110,19 @@ class ModelConfig:
     and the choices are resolved once: `family` (which transformers / llama.cpp architecture), `head_dim`;
     `tinygpt.model.gpt` builds the layers from them (`norm_class`, `rope_tables`)."""
 
-    vocab_size: int = field(default=4096, metadata=_hf("vocab_size"))
-    n_layer: int = field(default=4, metadata=_hf("num_hidden_layers"))
-    n_head: int = field(default=4, metadata=_hf("num_attention_heads"))
+    vocab_size: int = field(default=4096, metadata=_hf("vocab_size", gguf="vocab_size"))
+    n_layer: int = field(default=4, metadata=_hf("num_hidden_layers", gguf="block_count"))
+    n_head: int = field(default=4, metadata=_hf("num_attention_heads", gguf="head_count"))
     # None: as many as n_head (no grouped-query attention)
-    n_kv_head: int | None = field(default=None, metadata=_hf("num_key_value_heads", None))
-    d_model: int = field(default=256, metadata=_hf("hidden_size"))
+    n_kv_head: int | None = field(default=None, metadata=_hf("num_key_value_heads", None,
+                                                                gguf="head_count_kv"))
+    d_model: int = field(default=256, metadata=_hf("hidden_size", gguf="embedding_length"))
     # None: about 8/3 d_model rounded up to a multiple of 64 (SwiGLU)
-    d_ff: int | None = field(default=None, metadata=_hf("intermediate_size"))
-    max_seq_len: int = field(default=256, metadata=_hf("max_position_embeddings", 2048, network=False))
-    rope_theta: float = field(default=10000.0, metadata=_hf("rope_theta", 10000.0))
-    norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6))
+    d_ff: int | None = field(default=None, metadata=_hf("intermediate_size", gguf="feed_forward_length"))
+    max_seq_len: int = field(default=256, metadata=_hf("max_position_embeddings", 2048, network=False,
+                                                       gguf="context_length"))
+    rope_theta: float = field(default=10000.0, metadata=_hf("rope_theta", 10000.0, gguf="rope_freq_base"))
+    norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6, gguf="layer_norm_rms_eps"))
     tie_embeddings: bool = field(default=False, metadata=_hf("tie_word_embeddings", False))
     init_std: float = field(default=0.02, metadata=_hf("initializer_range", 0.02, network=False))
     # A bias on each attention projection (q, k, v and o; initialised at zero), as Llama's and Qwen3's
@@ -208,6 +211,12 @@ class ModelConfig:
         mapped = {f.metadata["hf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "hf" in f.metadata}
         fixed = {key: value for key, (value, _) in self.family.hf_fixed.items()}
         return {**mapped, **fixed, "head_dim": self.head_dim}
+
+    def to_gguf(self) -> dict[str, int | float]:
+        """The model's llama.cpp metadata: {name: value} for gguf's writer method `GGUFWriter.add_{name}`."""
+        mapped = {f.metadata["gguf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "gguf" in f.metadata}
+        head = self.head_dim  # keys and values as wide as the queries, all of each head rotated
+        return {**mapped, "key_length": head, "value_length": head, "rope_dimension_count": head}
 
     @classmethod
     def from_hf_llama(cls, hf: dict[str, Any]) -> "ModelConfig":
