@@ -2,10 +2,12 @@
 with `gguf`, llama.cpp's own Python writer.
 
 Invariants:
-- The architecture is llama.cpp's `llama`, or `qwen3` for a model with QK-norm (the same two that
-  `model.hf` exports to transformers); tensor names come from gguf's own `TensorNameMap`.
+- The architecture is llama.cpp's `llama`, or `qwen3` for a model with QK-norm (`ModelConfig.family`, the
+  same two that `model.hf` exports to transformers); tensor names come from gguf's own `TensorNameMap`, the
+  metadata from the config's fields (`ModelConfig.to_gguf`). An option llama.cpp's architecture cannot load
+  (`Family.gguf_lacks`) is refused before anything is written.
 - llama.cpp's `llama` applies RoPE to adjacent pairs, tinygpt (like transformers) to the two halves of
-  each head; q_proj and k_proj rows are permuted here exactly as llama.cpp's `convert_hf_to_gguf.py`
+  each head; q_proj and k_proj rows (and biases) are permuted here exactly as llama.cpp's `convert_hf_to_gguf.py`
   does, so the attention scores are the same. `qwen3` uses the halves itself: nothing is permuted.
 - The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with unused `[PAD<i>]`
   entries up to the model's vocabulary, which llama.cpp requires), the merges in rank order, and the
@@ -15,7 +17,7 @@ Invariants:
   normalizer, byte fallback...) rather than writing a file that tokenizes otherwise.
 - No beginning-of-sequence token is added (tinygpt adds none); end-of-text is eos, and llama.cpp stops on it.
 - Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0. Like llama.cpp's converter,
-  1-D tensors (norms) stay f32 and a matrix whose rows are not a whole number of blocks stays f16.
+  1-D tensors (norms, biases) stay f32 and a matrix whose rows are not a whole number of blocks stays f16.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 with QK-norm), import a Llama or Qwen3 folder.
 
 tinygpt's parameter names are those of `LlamaForCausalLM`, so the weights move as they are; only
-config.json and the tokenizer files are written here. An exported folder loads with
+config.json and the tokenizer files are written here, config.json from the Hugging Face names that
+`ModelConfig`'s fields carry (`to_hf_llama`, `from_hf_llama`, `family`). An exported folder loads with
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` and gives the same
 logits and token ids as the run it came from.
 """
