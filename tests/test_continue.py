@@ -130,7 +130,8 @@ def test_bases_the_gpt_cannot_represent_are_refused_naming_what_differs(base, tm
     llama = json.loads((base / "config.json").read_text())
     assert "model_type 'qwen2' (biases on q/k/v)" in _refused(tmp_path, {**llama, "model_type": "qwen2",
                                                                           "architectures": ["Qwen2ForCausalLM"]})
-    assert "attention_bias=true" in _refused(tmp_path, {**llama, "attention_bias": True})
+    assert "mlp_bias=true" in _refused(tmp_path, {**llama, "mlp_bias": True})
+    assert hf.representation_gaps({**llama, "attention_bias": True}) == []  # ModelConfig.attention_bias
     assert "RoPE scaling 'llama3'" in _refused(tmp_path, {**llama, "rope_scaling": {"rope_type": "llama3",
                                                                                    "factor": 8.0}})
     assert "hidden_act 'gelu'" in _refused(tmp_path, {**llama, "hidden_act": "gelu"})
@@ -249,7 +250,7 @@ def test_a_qwen3_base_continues_with_its_qk_norm(base, shared_data, tmp_path):
     recipe = continued_recipe("cpu-smoke", str(tmp_path / "qwen3")).replace(
         train={**TRAIN, "max_steps": 2, "eval_every": 0, "save_every": 0},
         data={"source": str(shared_data / "tinyshakespeare.txt")})
-    assert recipe.model.qk_norm and recipe.model.hf_model_type == "qwen3"
+    assert recipe.model.qk_norm and recipe.model.family.model_type == "qwen3"
     res = pretrain(recipe, tmp_path / "run", cache_dir=tmp_path / "cache", progress=False, probe="off", device="cpu")
     x, y = _first_batch(tmp_path / "run", tmp_path / "cache", recipe)
     assert res.metrics[0]["step"] == 1

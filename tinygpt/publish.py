@@ -182,7 +182,7 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id:
     if f["kind"] == "pretrain":
         m = f["model"]
         start = f"continued from `{_shown(m.init)}`" if getattr(m, "init", None) else "from scratch"
-        lines += [f"A {'Qwen3' if m.qk_norm else 'Llama'}-architecture language model pretrained {start} with "
+        lines += [f"A {m.family.title}-architecture language model pretrained {start} with "
                   f"[tinygpt](https://github.com/tinygpt/tinygpt): {m.n_layer} layers, width {m.d_model}, "
                   f"{m.n_head} heads ({m.n_kv_head or m.n_head} key/value), context {m.max_seq_len} tokens, "
                   f"vocabulary {m.vocab_size:,} "

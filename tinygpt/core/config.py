@@ -54,32 +54,95 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# --- the model -------------------------------------------------------------------------------
+# Each ModelConfig field says beside its declaration how it reads in a transformers config (`hf`) and in a GGUF
+# file (`gguf`), and whether it is part of the network (`network`: two configs that differ there are different
+# networks; the rest are context, initialisation, speed and memory choices). `to_hf_llama`, `from_hf_llama`,
+# `to_gguf` and `network_fields` read these; nothing else spells the fields' names in those formats.
+REQUIRED = dataclasses.MISSING  # a config.json without this key does not describe a model
+
+
+def _hf(key: str, missing: Any = REQUIRED, network: bool = True, gguf: str | None = None) -> dict[str, Any]:
+    """A field's metadata: its transformers config key, the value a config.json without the key means
+    (transformers' own default), whether it is part of the network, and how a GGUF file says it (gguf's writer
+    method `GGUFWriter.add_{gguf}`, which knows llama.cpp's key and type)."""
+    return {"hf": key, "hf_missing": missing, "network": network} | ({"gguf": gguf} if gguf else {})
+
+
+# What the GPT always is, as a transformers config says it: key -> (the GPT's value, why another value is not
+# this GPT). `to_hf_llama` writes these; `tinygpt.model.hf.representation_gaps` refuses a config.json that differs.
+# A new option that makes one of them a choice moves it from here into a field.
+HF_FIXED: dict[str, tuple[Any, str]] = {
+    "hidden_act": ("silu", "tinygpt's MLP is SwiGLU with SiLU"),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers architecture with exactly the GPT's layers and parameter names (and the llama.cpp
+    architecture of the same name): the one place an export, an import, a GGUF file and a model card look up
+    what the model is called."""
+
+    model_type: str  # config.json's model_type, and llama.cpp's architecture
+    title: str  # `{title}Config` and `{title}ForCausalLM` in transformers; the model card's name
+    qk_norm: bool  # the ModelConfig.qk_norm of this family's models
+    hf_fixed: dict[str, tuple[Any, str]]  # HF_FIXED and this family's own keys the GPT fixes
+    rope_pairs: bool  # llama.cpp rotates adjacent pairs (not halves): GGUF q/k rows are permuted
+    gguf_lacks: tuple[str, ...] = ()  # ModelConfig options llama.cpp's architecture of this name cannot load
+
+    @property
+    def config_class(self) -> str:
+        return f"{self.title}Config"
+
+    @property
+    def model_class(self) -> str:
+        return f"{self.title}ForCausalLM"
+
+
+FAMILIES = {f.model_type: f for f in (
+    Family("llama", "Llama", False, {**HF_FIXED, "mlp_bias": (False, "tinygpt's MLP has no biases")}, rope_pairs=True),
+    # Qwen3: Llama's layers plus an RMSNorm on each head's queries and keys; full attention, no sliding window.
+    Family("qwen3", "Qwen3", True, {**HF_FIXED, "use_sliding_window": (False, "tinygpt's attention is full")},
+           rope_pairs=False, gguf_lacks=("attention_bias",)),
+)}
+
+
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder. Field names follow nanoGPT; `to_hf_llama` maps them to `LlamaConfig`."""
+    """A Llama-style decoder. Field names follow nanoGPT; each field's Hugging Face name stands beside it,
+    and the choices are resolved once: `family` (which transformers / llama.cpp architecture), `head_dim`;
+    `tinygpt.model.gpt` builds the layers from them (`norm_class`, `rope_tables`)."""
 
-    vocab_size: int = 4096
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int | None = None  # None: as many as n_head (no grouped-query attention)
-    d_model: int = 256
-    d_ff: int | None = None  # None: about 8/3 d_model rounded up to a multiple of 64 (SwiGLU)
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    activation_checkpointing: bool = False
+    vocab_size: int = field(default=4096, metadata=_hf("vocab_size", gguf="vocab_size"))
+    n_layer: int = field(default=4, metadata=_hf("num_hidden_layers", gguf="block_count"))
+    n_head: int = field(default=4, metadata=_hf("num_attention_heads", gguf="head_count"))
+    # None: as many as n_head (no grouped-query attention)
+    n_kv_head: int | None = field(default=None, metadata=_hf("num_key_value_heads", None,
+                                                                gguf="head_count_kv"))
+    d_model: int = field(default=256, metadata=_hf("hidden_size", gguf="embedding_length"))
+    # None: about 8/3 d_model rounded up to a multiple of 64 (SwiGLU)
+    d_ff: int | None = field(default=None, metadata=_hf("intermediate_size", gguf="feed_forward_length"))
+    max_seq_len: int = field(default=256, metadata=_hf("max_position_embeddings", 2048, network=False,
+                                                       gguf="context_length"))
+    rope_theta: float = field(default=10000.0, metadata=_hf("rope_theta", 10000.0, gguf="rope_freq_base"))
+    norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6, gguf="layer_norm_rms_eps"))
+    tie_embeddings: bool = field(default=False, metadata=_hf("tie_word_embeddings", False))
+    init_std: float = field(default=0.02, metadata=_hf("initializer_range", 0.02, network=False))
+    # A bias on each attention projection (q, k, v and o; initialised at zero), as Llama's and Qwen3's
+    # attention_bias; the MLP stays without (Llama's mlp_bias is a separate key, Qwen3 has none). Newer than
+    # identity.json: in a run's identity only where set.
+    attention_bias: bool = field(default=False, metadata={**_hf("attention_bias", False), "identity": "when_set"})
+    activation_checkpointing: bool = field(default=False, metadata={"identity": "never"})
     # Speed-run choices (modded-nanogpt), each kept only where it measured better at our scale
     # (docs/BENCHMARKS.md): an RMSNorm on each head's queries and keys before RoPE (Qwen3's q_norm and
-    # k_norm, so an export is a `Qwen3ForCausalLM`), and the projections into the residual stream
+    # k_norm: in Hugging Face terms the family, see `family`), and the projections into the residual stream
     # (o_proj, down_proj) initialised at zero, so that every block starts as the identity.
-    qk_norm: bool = False
+    qk_norm: bool = field(default=False, metadata={"network": True})
     zero_init_proj: bool = False
     # One matmul for q/k/v and one for gate/up instead of five: fewer, larger kernels, which a GPU runs
     # faster. The same math and, with the same seed, the same initial weights, so it changes speed, not the
     # run; saved files keep the separate Hugging Face names. Off until measured faster (docs/BENCHMARKS.md).
-    fused_proj: bool = False
+    fused_proj: bool = field(default=False, metadata={"identity": "never"})
     # Where the weights start (continued pretraining, `tinygpt.train.init`): None, a seeded random
     # initialisation; else hf:NAME[@REVISION], a Hugging Face model folder or a tinygpt run folder, whose
     # architecture the fields above then repeat. Read once, at a run's first step; a resume does not read it.
@@ -107,11 +170,18 @@ class ModelConfig:
                  f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         _require(self.max_seq_len >= 1, f"max_seq_len must be positive, got {self.max_seq_len}")
         _require(self.d_ff >= 1, f"d_ff must be positive, got {self.d_ff}")
-        _require(isinstance(self.fused_proj, bool), f"fused_proj must be True or False, got {self.fused_proj!r}")
+        for name in ("fused_proj", "attention_bias"):
+            v = getattr(self, name)
+            _require(isinstance(v, bool), f"model.{name} must be True or False, got {v!r}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def family(self) -> Family:
+        """The transformers (and llama.cpp) architecture with these layers: Llama, or Qwen3 with QK-norm."""
+        return next(f for f in FAMILIES.values() if f.qk_norm == self.qk_norm)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,41 +191,59 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    @property
-    def hf_model_type(self) -> str:
-        """The `transformers` architecture with the same layers and names: Llama, or Qwen3 with QK-norm."""
-        return "qwen3" if self.qk_norm else "llama"
+    @classmethod
+    def network_fields(cls) -> tuple[str, ...]:
+        """The fields that make two configs the same network (and so the same weights' meaning)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("network"))
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that make a run the same run (the mirror's identity.json hashes them, with the data):
+        not the speed and memory choices a probe may make otherwise on another GPU (`identity` "never"), and an
+        option added since identity.json began only where it is set ("when_set"), so that a run begun before
+        the option existed keeps its identity."""
+        out = {}
+        for f in dataclasses.fields(self):
+            rule, value = f.metadata.get("identity", "always"), getattr(self, f.name)
+            if rule == "always" or (rule == "when_set" and value != f.default):
+                out[f.name] = value
+        return out
 
     def to_hf_llama(self) -> dict[str, Any]:
-        """The keyword arguments of the equivalent `transformers.LlamaConfig` (or `Qwen3Config`: the same
-        names; see `hf_model_type`)."""
-        return dict(
-            vocab_size=self.vocab_size, hidden_size=self.d_model, intermediate_size=self.d_ff,
-            num_hidden_layers=self.n_layer, num_attention_heads=self.n_head,
-            num_key_value_heads=self.n_kv_head, max_position_embeddings=self.max_seq_len,
-            rope_theta=self.rope_theta, rms_norm_eps=self.norm_eps,
-            tie_word_embeddings=self.tie_embeddings, hidden_act="silu", attention_bias=False,
-            mlp_bias=False, initializer_range=self.init_std, head_dim=self.head_dim,
-        )
+        """The keyword arguments of the equivalent transformers config (`family.config_class`: `LlamaConfig`,
+        or `Qwen3Config` with QK-norm)."""
+        mapped = {f.metadata["hf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "hf" in f.metadata}
+        fixed = {key: value for key, (value, _) in self.family.hf_fixed.items()}
+        return {**mapped, **fixed, "head_dim": self.head_dim}
+
+    def to_gguf(self) -> dict[str, int | float]:
+        """The model's llama.cpp metadata: {name: value} for gguf's writer method `GGUFWriter.add_{name}`."""
+        mapped = {f.metadata["gguf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "gguf" in f.metadata}
+        head = self.head_dim  # keys and values as wide as the queries, all of each head rotated
+        return {**mapped, "key_length": head, "value_length": head, "rope_dimension_count": head}
 
     @classmethod
     def from_hf_llama(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a Llama `config.json` dictionary."""
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
-            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        n_head = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
-        _require(head_dim * n_head == hf["hidden_size"],
+        """Build from a Llama or Qwen3 `config.json` dictionary (a missing required key: KeyError)."""
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if "hf" in f.metadata:
+                kw[f.name] = _hf_value(hf, f.metadata["hf"], f.metadata["hf_missing"])
+                kw[f.name] = {"float": float, "bool": bool}.get(str(f.type), lambda v: v)(kw[f.name])
+        head_dim = hf.get("head_dim") or kw["d_model"] // kw["n_head"]
+        _require(head_dim * kw["n_head"] == kw["d_model"],
                  "tinygpt needs head_dim * num_attention_heads == hidden_size")
-        return cls(
-            vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
-            n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=hf["hidden_size"],
-            d_ff=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-            rope_theta=float(rope_theta), norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=hf.get("initializer_range", 0.02), qk_norm=hf.get("model_type") == "qwen3",
-        )
+        family = FAMILIES.get(hf.get("model_type"), FAMILIES["llama"])
+        return cls(**kw, qk_norm=family.qk_norm)
+
+
+def _hf_value(hf: dict[str, Any], key: str, missing: Any) -> Any:
+    """`hf[key]`, or where transformers >= 5 keeps it (rope settings under rope_parameters), or `missing`."""
+    for where in (hf, hf.get("rope_parameters") or {}):
+        if where.get(key) is not None:
+            return where[key]
+    if missing is REQUIRED:
+        raise KeyError(key)
+    return missing
 
 
 # Named model sizes. Parameter counts are for the GPT-2 vocabulary padded to 50304;

@@ -241,7 +241,7 @@ def base_config_dict(base: str | Path) -> dict[str, Any]:
     for a tinygpt run folder, that of the `LlamaForCausalLM` (or `Qwen3ForCausalLM`) it is exported as."""
     if is_tinygpt_run(base):
         recipe = Recipe.from_dict(RunDir(Path(base).expanduser()).recipe_dict())
-        return {"model_type": recipe.model.hf_model_type, **recipe.model.to_hf_llama()}
+        return {"model_type": recipe.model.family.model_type, **recipe.model.to_hf_llama()}
     return base_config(str(base)).to_dict()
 
 

@@ -42,9 +42,6 @@ CONTINUE_WARMUP_FRACTION = 0.05
 # The longest context a GPU recipe trains a base at (its own when shorter); on a GPU the probe shortens it further
 # where memory says so. A CPU recipe keeps its own (short) context.
 GPU_CONTEXT = 2048
-# The fields that make two model configs the same network (the rest: context, speed and memory choices).
-ARCHITECTURE = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "rope_theta", "norm_eps",
-                "tie_embeddings", "qk_norm")
 
 
 @dataclass
@@ -185,8 +182,9 @@ def initial_model(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> 
     if recipe.model.init is None or (resume == "auto" and latest_valid(Path(run_dir) / CHECKPOINTS) is not None):
         return GPT(recipe.model)
     base = read_base(recipe.model.init)
-    diffs = config_differences({k: getattr(base.model, k) for k in ARCHITECTURE},
-                               {k: getattr(recipe.model, k) for k in ARCHITECTURE})
+    network = ModelConfig.network_fields()
+    diffs = config_differences({k: getattr(base.model, k) for k in network},
+                               {k: getattr(recipe.model, k) for k in network})
     if diffs:
         raise ConfigError(f"the base {base.spec} is another network than the recipe's model (base first): "
                           + "; ".join(d.replace("in the run", "in the base").replace(" now", " in the recipe")

@@ -342,8 +342,7 @@ def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision,
 def identity_config(recipe: Recipe) -> dict:
     """What makes two runs the same run, for the mirror's identity: the model (less what the probe may
     choose differently on another GPU) and the data. Training settings are compared by check_run_dir."""
-    model = {k: v for k, v in recipe.model.to_dict().items() if k not in ("activation_checkpointing", "fused_proj")}
-    return {"recipe": recipe.name, "model": model, "data": recipe.data.to_dict()}
+    return {"recipe": recipe.name, "model": recipe.model.identity(), "data": recipe.data.to_dict()}
 
 
 def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
