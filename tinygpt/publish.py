@@ -20,7 +20,8 @@ from typing import Any
 
 from tinygpt.core.config import Recipe
 from tinygpt.core.files import atomic_output
-from tinygpt.core.rundir import METRICS, RunDir, missing_run_message, parse_jsonl
+from tinygpt.core.paths import is_hub
+from tinygpt.core.rundir import MERGED_DIR, METRICS, RunDir, missing_run_message, parse_jsonl
 from tinygpt.evals.runs import summarize_run
 from tinygpt.evals.tasks import EVALS_JSONL
 from tinygpt.finetune.instruct import TEMPLATES
@@ -67,7 +68,7 @@ def _load(run_dir: Path, which: str):
         model, tok, _, _ = load_run(run_dir, which)
         return model, tok
     with tempfile.TemporaryDirectory(prefix="tinygpt-merge-") as tmp:
-        merged = merge_adapter(run_dir, Path(tmp) / "merged") if kind == "finetune" else \
+        merged = merge_adapter(run_dir, Path(tmp) / MERGED_DIR) if kind == "finetune" else \
             export_full(run_dir, which, Path(tmp) / "model")
         try:
             model, tok = import_hf(merged)
@@ -121,7 +122,7 @@ def _num(v: Any) -> str:
 
 def _is_local(source: Any) -> bool:
     text = str(source or "")
-    return not text.startswith("hf:") and (text.startswith(("/", ".", "~")) or Path(text).exists())
+    return not is_hub(text) and (text.startswith(("/", ".", "~")) or Path(text).exists())
 
 
 def _shown(source: Any) -> Any:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from tinygpt.core.config import DataConfig
 from tinygpt.core.files import write_text_atomic
-from tinygpt.core.paths import cache_root, shared_data_dir
+from tinygpt.core.paths import cache_root, hub_spec, is_hub, shared_data_dir
 from tinygpt.core.units import duration
 from tinygpt.evals.code import DataFormatError
 from tinygpt.model.losses import IGNORE_INDEX
@@ -496,7 +496,7 @@ def eval_data(task: str, data_dir: str | Path | None = None) -> str:
 def load_eval_text(data: str | Path, max_chars: int | None = None) -> str:
     """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset (hf:NAME[:CONFIG][@SPLIT],
     or a save_to_disk folder) whose records are joined as they are (WikiText's records are its lines)."""
-    if str(data).startswith("hf:") or Path(data).is_dir():
+    if is_hub(data) or Path(data).is_dir():
         with _from_hub(str(data), "perplexity"):
             return "".join(iter_documents(DataConfig(source=str(data), max_chars=max_chars)))
     return read_text(data, max_chars)
@@ -507,7 +507,7 @@ def _from_hub(spec: str, task: str):
     try:
         yield
     except OSError as e:  # ConnectionError and the Hub client's HTTP errors: say what works offline
-        if not spec.startswith("hf:"):
+        if not is_hub(spec):
             raise
         raise RuntimeError(f"could not read {spec} from the Hugging Face Hub ({e}); with no network, "
                            f"pass a local file instead: {DATA_HELP[task].split(', or ')[0]}") from e
@@ -523,9 +523,9 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
     Hub) when it is None; for hf:NAME[@SPLIT], that dataset's records written once into `cache_dir` as JSONL
     (each checked by `hellaswag_item`), so the query text is built from ctx_a and ctx_b exactly."""
     spec = str(data) if data is not None else eval_data("hellaswag")
-    if not spec.startswith("hf:"):
+    if not is_hub(spec):
         return Path(spec)
-    name, _, split = spec[3:].partition("@")
+    name, _, split = hub_spec(spec)
     split = split or "validation"
     root = Path(cache_dir or cache_root("eval"))
     out = root / f"hellaswag-{name.replace('/', '--')}-{split}.jsonl"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tinygpt.core.config import Recipe
+from tinygpt.core.paths import is_hub
 from tinygpt.core.rundir import RunDir, RunDirError, read_json
 from tinygpt.evals import code, lm, sandbox
 from tinygpt.evals.runs import summarize_run
@@ -167,7 +168,7 @@ def check_request(task: Task, r: Request) -> None:
         return
     if r.data is None:
         raise ValueError(f"task {task.name} needs data (--data): {task.data_help}")
-    if not str(r.data).startswith("hf:") and not Path(r.data).exists():
+    if not is_hub(r.data) and not Path(r.data).exists():
         raise FileNotFoundError(f"no data file at {r.data}; task {task.name} needs {task.data_help}")
     if task.name in ("humaneval", "mbpp"):
         for k in r.ks:
