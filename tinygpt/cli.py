@@ -31,7 +31,8 @@ from tinygpt.model.gguf import QUANTS
 from tinygpt.model.gpt import meta_model
 from tinygpt.model.loading import load_run
 from tinygpt.publish import FORMATS, export, push
-from tinygpt.sync.drive import catch_up, mirror_lag, run_identity
+from tinygpt.sync.identity import run_identity
+from tinygpt.sync.mirror import catch_up, mirror_lag
 from tinygpt.train.budget import Budget
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.hardware import hardware_report
@@ -184,9 +185,9 @@ def _pretrain(args) -> int:
     print(f"step {res.step}: loss {res.loss if res.loss is None else round(res.loss, 4)}, "
           f"val_loss {res.val_loss if res.val_loss is None else round(res.val_loss, 4)}, "
           f"checkpoint {res.checkpoint}")
-    samples = Path(args.run_dir) / "samples.txt"
-    if samples.is_file() and not res.interrupted:
-        print("sample:\n" + samples.read_text(encoding="utf-8").split("===\n")[-1].strip())
+    samples = RunDir(args.run_dir).samples()
+    if samples and not res.interrupted:
+        print("sample:\n" + samples.split("===\n")[-1].strip())
     behind = mirror_line(args.mirror, mirror_lag(args.run_dir, args.mirror)) if args.mirror else None
     if res.interrupted:
         print("stopped by a signal; run the same command again to resume")

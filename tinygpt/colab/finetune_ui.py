@@ -11,7 +11,7 @@ from typing import Any
 
 from tinygpt.core.checkpoint import latest_valid, list_checkpoints
 from tinygpt.core.paths import cache_root, shared_data_dir
-from tinygpt.core.rundir import ADAPTER_DIR, recipe_name_of
+from tinygpt.core.rundir import ADAPTER_DIR, RunDir, recipe_name_of
 from tinygpt.finetune.recipes import FINETUNE_RECIPES, FULL_MODEL_DIR, device_need_gb, memory_table
 from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
 from tinygpt.train.pretrain import pretrain
@@ -49,7 +49,7 @@ class FinetuneStatus:
 
     def __str__(self) -> str:
         home, where = (self.mirror, "on Drive") if self.mirror is not None else (self.local, "here")
-        steps = list_checkpoints(home / "checkpoints")
+        steps = list_checkpoints(RunDir(home).checkpoints)
         lines = [f"local:  {self.local}"] + ([f"Drive:  {self.mirror}"] if self.mirror is not None else [])
         if steps:
             lines.append(f"{where}: step {steps[-1][0]} of recipe {recipe_name_of(home, self.local)}; "
@@ -83,6 +83,6 @@ def smoke_data() -> str:
 def smoke_base(run_dir: str | Path) -> str:
     """A tinygpt base for smoke mode: cpu-smoke pretrained for 20 steps on the built-in corpus (seconds
     on a CPU, no network), made once and then reused."""
-    if latest_valid(Path(run_dir) / "checkpoints") is None:
+    if latest_valid(RunDir(run_dir).checkpoints) is None:
         pretrain("cpu-smoke", run_dir, max_steps=20, progress=False)
     return str(run_dir)

@@ -26,18 +26,17 @@ from tinygpt.colab.finetune_ui import (  # noqa: F401  (handed on: notebooks rea
     smoke_base,
     smoke_data,
 )
-from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive  # noqa: F401  (in_colab: for the notebooks)
+from tinygpt.colab.mount import DRIVE_RUNS, drive_run_dir, in_colab, mount_drive  # noqa: F401  (for the notebooks)
 from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import MANIFEST, STATE_FILE, latest_valid, list_checkpoints, read_manifest
 from tinygpt.core.config import RECIPES, Recipe, get_recipe
 from tinygpt.core.files import atomic_output, link_problem
 from tinygpt.core.precision import resolve_device
-from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.core.rundir import PLOTS, RUN_FILES, RunDir, recipe_name_of
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.finetune.recipes import FINETUNE_RECIPES, default_finetune_recipe, this_hardware
 from tinygpt.model.generate import generate_text
 from tinygpt.model.loading import load_run
-from tinygpt.sync.drive import RUN_FILES
 from tinygpt.train.budget import Budget
 from tinygpt.train.data import validation_text
 from tinygpt.train.hardware import hardware_report
@@ -234,7 +233,7 @@ class RunFolders:
 
     def mirrored_step(self) -> int | None:
         """The newest checkpoint step on the mirror (None when there is none)."""
-        ckpts = list_checkpoints(self.mirror / "checkpoints")
+        ckpts = list_checkpoints(RunDir(self.mirror).checkpoints)
         return ckpts[-1][0] if ckpts else None
 
     def __str__(self) -> str:
@@ -250,7 +249,7 @@ def run_folders(name: str, mydrive: str | Path) -> RunFolders:
     """<workdir>/runs/<name> locally, mirrored to MyDrive/tinygpt/runs/<name>."""
     if not name or name.strip() != name or any(c in name for c in "/\\") or name.startswith("."):
         raise ValueError(f"run name {name!r} must be a plain folder name, e.g. 'my-first-gpt'")
-    return RunFolders(name, workdir() / "runs" / name, Path(mydrive) / DRIVE_RUNS / name)
+    return RunFolders(name, workdir() / "runs" / name, drive_run_dir(name, mydrive))
 
 
 def default_recipe(report: Any = None, resume_from: RunFolders | str | Path | None = None) -> tuple[str, str]:
@@ -534,8 +533,8 @@ class LossPlot(Callback):
             return
         fig = self.draw()
         if self.run_dir is not None:
-            (self.run_dir / "plots").mkdir(parents=True, exist_ok=True)
-            fig.savefig(self.run_dir / "plots" / "loss.png")
+            (self.run_dir / PLOTS).mkdir(parents=True, exist_ok=True)
+            fig.savefig(self.run_dir / PLOTS / "loss.png")
 
 
 # ---- the download ----------------------------------------------------------------------------------
@@ -549,11 +548,11 @@ def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool
     export (`unzip` it, then `tinygpt generate --run-dir <run>`). The optimizer state (state.pt, twice
     the model: 1.5 GB for 124M) stays on Drive unless `resumable`, which packs the whole checkpoint."""
     run_dir = Path(run_dir)
-    ckpt = latest_valid(run_dir / "checkpoints")
+    ckpt = latest_valid(RunDir(run_dir).checkpoints)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} holds no valid checkpoint to download; train first")
     files = [run_dir / n for n in RUN_FILES if (run_dir / n).is_file() or (run_dir / n).is_symlink()]
-    plots = run_dir / "plots"
+    plots = run_dir / PLOTS
     files += sorted(p for p in plots.iterdir() if p.is_file() or p.is_symlink()) if plots.is_dir() else []
     skip = set() if resumable else {STATE_FILE, MANIFEST}
     files += sorted(p for p in ckpt.iterdir() if (p.is_file() or p.is_symlink()) and p.name not in skip)

@@ -27,6 +27,7 @@ from tinygpt.core.config import Recipe, TrainConfig, check_same_settings
 from tinygpt.core.files import atomic_output
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
+    ADAPTER_CONFIG,
     ADAPTER_DIR,
     ADAPTER_INFO,
     BASE_DIR,
@@ -213,7 +214,7 @@ def _need(module: str, what: str):
 
 
 def is_tinygpt_run(base: str | Path) -> bool:
-    return (Path(base).expanduser() / "run.json").is_file()
+    return RunDir(Path(base).expanduser()).is_pretrain_run()
 
 
 def base_config(path: str):
@@ -473,13 +474,13 @@ def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Pa
     """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the checkpoint's
     model.safetensors already holds exactly PEFT's adapter weights under PEFT's names."""
     run_dir = Path(run_dir)
-    if not (run_dir / "adapter_config.json").is_file():
+    if not RunDir(run_dir).is_finetune_run():
         raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")
     ckpt = find_run_checkpoint(run_dir, which)
     out = Path(out_dir) if out_dir is not None else run_dir / ADAPTER_DIR
     with atomic_output(out, folder=True) as tmp:  # an old adapter is replaced whole: a crash leaves one of the two
         shutil.copyfile(ckpt / "model.safetensors", tmp / ADAPTER_WEIGHTS)
-        for name in ("adapter_config.json", ADAPTER_INFO):
+        for name in (ADAPTER_CONFIG, ADAPTER_INFO):
             shutil.copyfile(run_dir / name, tmp / name)
         # checked like a checkpoint before every use (sizes and sha256)
         write_manifest(tmp, {"step": int(read_manifest(ckpt).get("step", 0)), "kind": "adapter"})
