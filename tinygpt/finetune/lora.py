@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.callback import closing
-from tinygpt.core.checkpoint import find_run_checkpoint, list_checkpoints
+from tinygpt.core.checkpoint import MODEL_FILE, find_run_checkpoint, list_checkpoints
 from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import ADAPTER_CONFIG, RunDir, read_json
@@ -289,7 +289,7 @@ def export_full(run_dir: str | Path, which: str = "latest", out_dir: str | Path 
     out = Path(out_dir) if out_dir is not None else run_dir / FULL_MODEL_DIR
     with atomic_output(out, folder=True) as tmp:
         config.save_pretrained(tmp)
-        shutil.copyfile(ckpt / "model.safetensors", tmp / "model.safetensors")
+        shutil.copyfile(ckpt / MODEL_FILE, tmp / "model.safetensors")  # named as transformers reads it
         load_tokenizer(base).save_pretrained(tmp)
         write_json_atomic(tmp / ADAPTER_INFO, {**info, "checkpoint": str(ckpt)})
     return out

@@ -18,6 +18,7 @@ from safetensors.torch import load_file as load_safetensors
 
 from tinygpt.core.checkpoint import (
     MANIFEST,
+    MODEL_FILE,
     find_run_checkpoint,
     read_manifest,
     verify_checkpoint,
@@ -479,7 +480,7 @@ def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Pa
     ckpt = find_run_checkpoint(run_dir, which)
     out = Path(out_dir) if out_dir is not None else run_dir / ADAPTER_DIR
     with atomic_output(out, folder=True) as tmp:  # an old adapter is replaced whole: a crash leaves one of the two
-        shutil.copyfile(ckpt / "model.safetensors", tmp / ADAPTER_WEIGHTS)
+        shutil.copyfile(ckpt / MODEL_FILE, tmp / ADAPTER_WEIGHTS)
         for name in (ADAPTER_CONFIG, ADAPTER_INFO):
             shutil.copyfile(run_dir / name, tmp / name)
         # checked like a checkpoint before every use (sizes and sha256)

@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from tinygpt.core.checkpoint import MANIFEST  # a shard folder lists its files as a checkpoint does
 from tinygpt.core.config import DataConfig
 from tinygpt.core.files import (
     UnsafePathError,
@@ -46,7 +47,6 @@ from tinygpt.train.data import DataError, cache_key, is_validation_document, ite
 
 SHARD_FORMAT = 3
 SHARD_TOKENS = 1 << 21  # ~2M training tokens (4 MB as uint16) per shard: the first one is ready in seconds
-MANIFEST = "manifest.json"
 WRITER_LOCK = ".writer.lock"
 CHECKED = ".vocab-checked.json"  # local only, never mirrored: {file name: [sha256, highest id]} checked here
 BATCH_DOCS = 256  # documents per encode_batch call (the tokenizer runs them in parallel)
