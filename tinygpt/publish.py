@@ -21,9 +21,16 @@ from typing import Any
 from tinygpt.core.config import Recipe
 from tinygpt.core.files import atomic_output
 from tinygpt.core.paths import is_hub
-from tinygpt.core.rundir import MERGED_DIR, METRICS, RunDir, missing_run_message, parse_jsonl
+from tinygpt.core.rundir import (
+    EVALS_JSONL,
+    FULL_MODEL_DIR,
+    MERGED_DIR,
+    METRICS,
+    RunDir,
+    missing_run_message,
+    parse_jsonl,
+)
 from tinygpt.evals.runs import summarize_run
-from tinygpt.evals.tasks import EVALS_JSONL
 from tinygpt.finetune.instruct import TEMPLATES
 from tinygpt.finetune.lora import FinetuneError, _adapter_dir, export_full, is_full_finetune, merge_adapter
 from tinygpt.finetune.recipes import ADAPTER_INFO
@@ -69,7 +76,7 @@ def _load(run_dir: Path, which: str):
         return model, tok
     with tempfile.TemporaryDirectory(prefix="tinygpt-merge-") as tmp:
         merged = merge_adapter(run_dir, Path(tmp) / MERGED_DIR) if kind == "finetune" else \
-            export_full(run_dir, which, Path(tmp) / "model")
+            export_full(run_dir, which, Path(tmp) / FULL_MODEL_DIR)
         try:
             model, tok = import_hf(merged)
         except ValueError as e:  # a base llama.cpp's llama/qwen3 would not be (Gemma, GPT-2...)
@@ -252,7 +259,7 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str
             if kind == "finetune":
                 merge_adapter(run_dir, tmp)
             else:
-                _move_up(export_full(run_dir, which, tmp / "model"))
+                _move_up(export_full(run_dir, which, tmp / FULL_MODEL_DIR))
                 (tmp / ADAPTER_INFO).unlink(missing_ok=True)  # this machine's paths: not for a shared folder
             (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None), encoding="utf-8")
         return out

@@ -6,8 +6,10 @@
       identity.json     the run's id and configuration hash; its mirror holds the same (one run per mirror)
       metrics.jsonl     one JSON object per logged step (a killed run may leave the last line cut short)
       samples.txt       text sampled at intervals
+      evals.jsonl       each evaluation of the run (`tinygpt eval`), one JSON object per line
       finetune.json     a finetuning run's settings (instead of run.json)
       adapter_config.json, tinygpt_finetune.json, adapter/   a finetuning run's PEFT adapter
+      model/            a full finetuning run's result (config.json, model.safetensors, tokenizer)
       checkpoints/step_NNNNNN/   model.safetensors, state.pt, manifest.json (see core.checkpoint)
       best/             the checkpoint with the lowest validation loss
       plots/, tensorboard/   pictures and TensorBoard logs
@@ -46,6 +48,8 @@ TOKEN_CACHE = "_token_cache"  # beside the mirrored run folders: the token cache
 LOCK = ".lock"  # held by the one process writing the run folder (never mirrored)
 IDENTITY = "identity.json"  # the run's id and configuration hash, in the run folder and its mirror (one run per mirror)
 BASE_DIR, MERGED_DIR = "base", "merged"  # a finetuning run's exported tinygpt base; its merged model
+FULL_MODEL_DIR = "model"  # a full finetuning run's result: config.json, model.safetensors, tokenizer
+EVALS_JSONL = "evals.jsonl"  # each evaluation of a run, recorded in its folder (the model card lists them)
 BUDGET_JSON = "budget.json"  # a time budget's step count, fixed once (tinygpt pretrain --hours)
 COMPILE_CACHE = "compile_cache.bin"  # the compiler's artifacts (signed): a new VM on the same GPU compiles less
 PROBE_JSON = "probe.json"  # the probe's result: a new VM on the same GPU and torch does not probe again

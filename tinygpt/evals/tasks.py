@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from tinygpt.core.config import Recipe
 from tinygpt.core.paths import is_hub
-from tinygpt.core.rundir import RunDir, RunDirError, read_json
+from tinygpt.core.rundir import EVALS_JSONL, RunDir, RunDirError, read_json
 from tinygpt.evals import code, lm, sandbox
 from tinygpt.evals.runs import summarize_run
 from tinygpt.finetune.lora import load_finetuned
@@ -25,8 +25,6 @@ from tinygpt.model.generate import generate_text
 from tinygpt.model.hf import hf_generate_fn, load_hf_causal_lm
 from tinygpt.model.loading import load_run
 from tinygpt.train.data import validation_text
-
-EVALS_JSONL = "evals.jsonl"  # each evaluation of a run, recorded in its folder (the model card lists them)
 
 
 @dataclass

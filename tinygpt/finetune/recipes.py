@@ -32,6 +32,7 @@ from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
     ADAPTER_DIR,
     ADAPTER_INFO,
     BASE_DIR,
+    FULL_MODEL_DIR,
     MERGED_DIR,
     RunDir,
     recipe_name_of,
@@ -135,7 +136,6 @@ FINETUNE_RECIPES["full"] = FinetuneRecipe(
     "half-precision compute); for small bases, the result a whole model folder", None,
     {hw: dataclasses.replace(c, lr=c.lr * FULL_LR_FACTOR, min_lr=c.min_lr * FULL_LR_FACTOR)
      for hw, c in _settings().items()})
-FULL_MODEL_DIR = "model"  # a full finetuning run's result: config.json, model.safetensors, tokenizer
 
 
 def get_finetune_recipe(name: str) -> FinetuneRecipe:
