@@ -221,15 +221,15 @@ def test_cli_refuses_a_base_it_cannot_represent_before_any_work(base, shared_dat
 
 
 def test_notebook_base_picker_defaults_to_the_runs_own_base(continued, tmp_path):
-    from tinygpt.colab import ui
+    from tinygpt import colab
     _, _, tmp = continued
-    fresh = ui.base_picker(resume_from=tmp_path / "new")
+    fresh = colab.base_picker(resume_from=tmp_path / "new")
     assert fresh.value is None and "hf:HuggingFaceTB/SmolLM2-135M" in [v for _, v in fresh.dropdown.options]
-    resumed = ui.base_picker(resume_from=tmp / "run")
+    resumed = colab.base_picker(resume_from=tmp / "run")
     init = json.loads((tmp / "run" / "run.json").read_text())["recipe"]["model"]["init"]
     assert resumed.value == init and (init, init) in resumed.dropdown.options
     # what the training cell trains: the run's own recipe, read from run.json (the base is not read again)
-    assert ui.pretrain_recipe("cpu-smoke", resumed.value, tmp / "run").to_dict() == \
+    assert colab.pretrain_recipe("cpu-smoke", resumed.value, tmp / "run").to_dict() == \
         json.loads((tmp / "run" / "run.json").read_text())["recipe"]
 
 

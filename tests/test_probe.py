@@ -9,14 +9,13 @@ import math
 import pytest
 import torch
 
-from tinygpt.cli import probe_report
 from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig, get_recipe
 from tinygpt.model import losses
 from tinygpt.model.gpt import GPT
 from tinygpt.train.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops
 from tinygpt.train.memory import GB, TensorMemoryTracker, estimate_memory
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.probe import ProbeError, apply_probe, expectations, probe, trainer_speed
+from tinygpt.train.probe import ProbeError, apply_probe, expectations, probe, probe_report, trainer_speed
 
 
 def tiny_recipe(micro: int = 8, seq_len: int = 32, accum: int = 8, ckpt: bool = False) -> Recipe:

@@ -1,6 +1,6 @@
 """Nothing read from a run folder or a mirror (a shared Drive folder anyone with access may write)
 writes outside its folder or runs code (issue 21, items 2-5). Each test is an attack as it was made
-against 0f7fccf, through the real paths (`tinygpt pretrain` in a subprocess, `ui.zip_run`): it
+against 0f7fccf, through the real paths (`tinygpt pretrain` in a subprocess, `colab.zip_run`): it
 asserts that no file appears outside the folder and that the user sees the one line saying what
 was refused."""
 from __future__ import annotations
@@ -293,7 +293,7 @@ def test_a_link_in_the_run_folder_is_refused_before_anything_is_written(mirrored
 
 
 def test_the_download_zip_leaves_links_out_and_says_so(mirrored, tmp_path, capsys):
-    from tinygpt.colab import ui
+    from tinygpt import colab
 
     local, _ = copy_of(mirrored, tmp_path)
     shadow, passwd = tmp_path / "shadow", tmp_path / "passwd"
@@ -304,7 +304,7 @@ def test_the_download_zip_leaves_links_out_and_says_so(mirrored, tmp_path, capsy
     (local / "samples.txt").unlink()
     (local / "samples.txt").symlink_to(passwd)
     os.link(shadow, local / "plots" / "hard.png")
-    z = ui.zip_run(local, tmp_path / "r.zip")
+    z = colab.zip_run(local, tmp_path / "r.zip")
     with zipfile.ZipFile(z) as f:
         names = f.namelist()
         blob = b"".join(f.read(n) for n in names)

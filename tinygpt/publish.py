@@ -15,11 +15,14 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tinygpt.core.checkpoint import RunCheckpoint
 from tinygpt.core.config import Recipe
 from tinygpt.core.files import atomic_output
+from tinygpt.core.options import option
 from tinygpt.core.paths import is_hub
 from tinygpt.core.rundir import (
     EVALS_JSONL,
@@ -244,6 +247,18 @@ def _write_gguf(run_dir: Path, model: Any, tok: Any, folder: Path, quant: str) -
     return name
 
 
+@dataclass(kw_only=True)
+class ExportOptions(RunCheckpoint):
+    """`tinygpt export`: each field is one of its options (core/options.py)."""
+    out_dir: str = option(flag="OUT_DIR", help="a new or empty folder; nothing is overwritten")
+    format: str = option("hf", choices=FORMATS, help="hf: config.json + model.safetensors + tokenizer; gguf: one "
+                         ".gguf file + an Ollama Modelfile")
+    quant: str = option("f16", choices=gg.QUANTS, help="GGUF only: the weights' type")
+
+    def run(self) -> Path:
+        return export(self.run_dir, self.out_dir, self.format, self.quant, self.which)
+
+
 def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str = "f16",
            which: str = "latest") -> Path:
     """A run (pretraining, or finetuning merged) as a new folder at `out_dir`: Hugging Face files
@@ -318,6 +333,19 @@ def hub_token() -> str | None:
         return userdata.get("HF_TOKEN")
     except Exception:  # not added, or this notebook not granted access: both mean "no token"
         return None
+
+
+@dataclass(kw_only=True)
+class PushOptions(RunCheckpoint):
+    """`tinygpt push`: each field is one of its options (core/options.py)."""
+    repo_id: str = option(flag="REPO_ID", help="USER/NAME or ORG/NAME (created if it does not exist)")
+    private: bool = option(False, help="create the repository private")
+    gguf: str = option("q8_0", choices=(*gg.QUANTS, "none"),
+                       help="also upload a GGUF of this type, for `ollama run hf.co/REPO_ID`")
+
+    def run(self) -> str:
+        return push(self.run_dir, self.repo_id, private=self.private, gguf=None if self.gguf == "none" else self.gguf,
+                    which=self.which)
 
 
 def push(run_dir: str | Path, repo_id: str, *, token: str | None = None, private: bool = False,

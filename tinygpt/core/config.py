@@ -6,10 +6,13 @@ message that says what to change, before any tokenizer is trained or any memory 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tinygpt.core.options import option
 
 
 def config_differences(old: dict, new: dict, allowed: set[str] | frozenset = frozenset(),
@@ -180,6 +183,7 @@ def model_config(size: str, **overrides: Any) -> ModelConfig:
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 # How the loss is taken (`tinygpt.model.losses`): chunked by size, over the full logits, or always chunked.
 LOSS_MODES = ("auto", "full", "chunked")
+COMPILE_MODES = ("auto", "on", "regional", "off")  # auto: on for CUDA; regional: each transformer block
 
 
 @dataclass
@@ -229,7 +233,7 @@ class TrainConfig:
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr,
                  f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         _require(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        _require(self.compile in ("auto", "on", "regional", "off"),
+        _require(self.compile in COMPILE_MODES,
                  f"compile must be auto, on, regional or off, got {self.compile!r}")
         _require(self.optimizer in ("adamw", "muon"), f"optimizer must be adamw or muon, got {self.optimizer!r}")
         _require(self.loss in LOSS_MODES, f"loss must be one of {LOSS_MODES}, got {self.loss!r}")
@@ -290,7 +294,7 @@ class Recipe:
 
     name: str
     description: str
-    hardware: str  # "cpu", "t4", "l4", "a100", "h100"
+    hardware: str  # the class it is made for: a key of `core.hardware.HARDWARE`
     model: ModelConfig
     train: TrainConfig
     data: DataConfig = field(default_factory=DataConfig)
@@ -327,6 +331,51 @@ class Recipe:
                       data=dataclasses.replace(self.data, **(data or {})))
 
 
+def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
+    """`train.lr=1e-3`-style overrides (`--set`), values parsed as JSON where they can be (numbers, true,
+    null); a number field takes a number (a whole number where it is an int), a string field a string."""
+    changes: dict[str, dict] = {"model": {}, "train": {}, "data": {}}
+    for a in assignments:
+        key, sep, raw = a.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or section not in changes or not name:
+            raise ConfigError(f"cannot read override {a!r}: write SECTION.FIELD=VALUE with SECTION model, train "
+                              "or data")
+        fields = getattr(recipe, section).to_dict()
+        if name not in fields:
+            raise ConfigError(f"{section} has no field {name!r}; fields: {', '.join(fields)}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        current = fields[name]
+        if isinstance(current, (int, float)) and not isinstance(current, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or (isinstance(current, int) and not isinstance(value, int) and current is not None):
+                kind = "a whole number" if isinstance(current, int) else "a number"
+                raise ConfigError(f"--set {a}: {section}.{name} must be {kind} (it is {current!r} in recipe "
+                                  f"{recipe.name}), not {raw!r}")
+        elif isinstance(current, str) and not isinstance(value, str):
+            value = raw
+        changes[section][name] = value
+    return recipe.replace(**changes)
+
+
+@dataclass
+class RecipeChoice:
+    """What `tinygpt pretrain` trains: a named recipe, maybe continued from a base, with fields changed.
+    Each field is a command-line option (core/options.py)."""
+    recipe: str | None = option(None, help="a name from `tinygpt recipes` (default: the run folder's own recipe "
+                                "when it has one, else the one this hardware suits, as `tinygpt probe` shows)")
+    init: str | None = option(None, metavar="BASE", help="continue pretraining a model: hf:NAME[@REVISION] (e.g. "
+                              "hf:HuggingFaceTB/SmolLM2-135M), a Llama/Qwen3 model folder, or a tinygpt run folder; "
+                              "its weights, tokenizer and architecture, with the recipe's batch and steps at a lower "
+                              "learning rate")
+    overrides: list[str] = option(default_factory=list, flag="--set", metavar="SECTION.FIELD=VALUE",
+                                  help="override recipe fields, e.g. --set train.lr=1e-3 model.n_layer=6 "
+                                       "data.max_chars=100000")
+
+
 GPT2_VOCAB_PADDED = 50304  # 50257 rounded up to a multiple of 128: faster matmuls, same tokenizer
 # The GPU recipes stream a Hub data set large enough for their token budget (a model trained for
 # thousands of epochs on a few MB only memorises it); `--data builtin` trains offline instead.
@@ -334,75 +383,75 @@ TINYSTORIES = "hf:roneneldan/TinyStories"  # ~470M GPT-2 tokens of simple storie
 FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"  # ~10B tokens of educational web pages
 
 
-def _recipes() -> dict[str, Recipe]:
-    r: list[Recipe] = [
-        Recipe(
-            "cpu-smoke", "A few seconds on any CPU: a 2-layer model, for tests and the notebooks' smoke mode.",
-            "cpu", model_config("tiny", vocab_size=512),
-            TrainConfig(micro_batch_size=8, seq_len=64, max_steps=30, lr=3e-3, min_lr=3e-4, warmup_steps=5,
-                        eval_every=10, eval_batches=2, log_every=5, save_every=10, keep_last=2, precision="fp32"),
-            DataConfig(source="builtin", vocab_size=512, max_chars=400_000)),
-        Recipe(
-            "cpu", "The default on a CPU: a 3M-parameter model on the standard library's source, ~3 min on 2 cores.",
-            "cpu", model_config("cpu", vocab_size=4096),
-            TrainConfig(micro_batch_size=16, seq_len=128, max_steps=300, lr=2e-3, min_lr=2e-4, warmup_steps=30,
-                        eval_every=100, eval_batches=8, log_every=10, save_every=100, keep_last=2),
-            DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000)),
-        Recipe(
-            "cpu-fast", "The cpu recipe's model made faster to a good loss: QK-norm, zero-initialised projections, "
-            "Muon for the hidden matrices, warmup-stable-decay, 3 layers, half the batch: half the tokens, ~1 min.",
-            "cpu", model_config("cpu", vocab_size=4096, n_layer=3, qk_norm=True, zero_init_proj=True),
-            TrainConfig(micro_batch_size=8, seq_len=128, max_steps=300, lr=4e-3, min_lr=0.0, warmup_steps=20,
-                        optimizer="muon", schedule="wsd", decay_fraction=0.4, eval_every=100, eval_batches=8,
-                        log_every=10, save_every=100, keep_last=2),
-            DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000)),
-        Recipe(
-            "t4-50m", "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer.",
-            "t4", model_config("50m", vocab_size=GPT2_VOCAB_PADDED, max_seq_len=512),
-            TrainConfig(micro_batch_size=16, seq_len=512, grad_accum_steps=8, max_steps=4000, lr=6e-4,
-                        min_lr=6e-5, warmup_steps=200, eval_every=250, save_every=250, precision="fp16"),
-            DataConfig(source=TINYSTORIES, tokenizer="gpt2", vocab_size=50257)),
-        Recipe(
-            "l4-124m", "Colab's L4 (bf16): GPT-2-small scale, context 1024.",
-            "l4", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
-            TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=6e-4,
-                        min_lr=6e-5, warmup_steps=300, eval_every=250, save_every=250, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=6_500_000_000)),
-        Recipe(
-            "a100-124m", "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; "
-            "0.5M tokens per step.",
-            "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
-            TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=10000, lr=6e-4,
-                        min_lr=6e-5, warmup_steps=700, eval_every=250, save_every=250, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=25_000_000_000)),
-        Recipe(
-            "a100-124m-fast", "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an "
-            "untied head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3).",
-            "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED, tie_embeddings=False, qk_norm=True,
-                                 zero_init_proj=True),
-            TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=1.5e-3,
-                        min_lr=0.0, warmup_steps=250, optimizer="muon", schedule="wsd", decay_fraction=0.4,
-                        eval_every=250, save_every=250, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=13_000_000_000)),
-        Recipe(
-            "a100-350m", "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16.",
-            "a100", model_config("350m", vocab_size=GPT2_VOCAB_PADDED),
-            TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=32, max_steps=20000, lr=3e-4,
-                        min_lr=3e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257)),
-        Recipe(
-            "h100-760m", "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16.",
-            "h100", model_config("760m", vocab_size=GPT2_VOCAB_PADDED),
-            TrainConfig(micro_batch_size=16, seq_len=2048, grad_accum_steps=16, max_steps=20000, lr=2.5e-4,
-                        min_lr=2.5e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257)),
-    ]
-    return {x.name: x for x in r}
+def _gpt2_data(source: str, max_chars: int | None = None) -> DataConfig:
+    """A GPU recipe's data: a Hub data set read through the GPT-2 tokenizer (50257 tokens)."""
+    return DataConfig(source=source, tokenizer="gpt2", vocab_size=50257, max_chars=max_chars)
 
 
-RECIPES: dict[str, Recipe] = _recipes()
-DEFAULT_RECIPE_FOR_HARDWARE = {"cpu": "cpu", "mps": "cpu", "t4": "t4-50m", "l4": "l4-124m",
-                               "a100": "a100-124m", "h100": "a100-124m", "h200": "a100-124m"}
+# The named recipes: one constant each, then its name in RECIPES (`tinygpt recipes` lists them in this order).
+CPU_SMOKE = Recipe(
+    "cpu-smoke", "A few seconds on any CPU: a 2-layer model, for tests and the notebooks' smoke mode.",
+    "cpu", model_config("tiny", vocab_size=512),
+    TrainConfig(micro_batch_size=8, seq_len=64, max_steps=30, lr=3e-3, min_lr=3e-4, warmup_steps=5,
+                eval_every=10, eval_batches=2, log_every=5, save_every=10, keep_last=2, precision="fp32"),
+    DataConfig(source="builtin", vocab_size=512, max_chars=400_000))
+CPU = Recipe(
+    "cpu", "The default on a CPU: a 3M-parameter model on the standard library's source, ~3 min on 2 cores.",
+    "cpu", model_config("cpu", vocab_size=4096),
+    TrainConfig(micro_batch_size=16, seq_len=128, max_steps=300, lr=2e-3, min_lr=2e-4, warmup_steps=30,
+                eval_every=100, eval_batches=8, log_every=10, save_every=100, keep_last=2),
+    DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000))
+CPU_FAST = Recipe(
+    "cpu-fast", "The cpu recipe's model made faster to a good loss: QK-norm, zero-initialised projections, "
+    "Muon for the hidden matrices, warmup-stable-decay, 3 layers, half the batch: half the tokens, ~1 min.",
+    "cpu", model_config("cpu", vocab_size=4096, n_layer=3, qk_norm=True, zero_init_proj=True),
+    TrainConfig(micro_batch_size=8, seq_len=128, max_steps=300, lr=4e-3, min_lr=0.0, warmup_steps=20,
+                optimizer="muon", schedule="wsd", decay_fraction=0.4, eval_every=100, eval_batches=8,
+                log_every=10, save_every=100, keep_last=2),
+    DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000))
+T4_50M = Recipe(
+    "t4-50m", "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer.",
+    "t4", model_config("50m", vocab_size=GPT2_VOCAB_PADDED, max_seq_len=512),
+    TrainConfig(micro_batch_size=16, seq_len=512, grad_accum_steps=8, max_steps=4000, lr=6e-4,
+                min_lr=6e-5, warmup_steps=200, eval_every=250, save_every=250, precision="fp16"),
+    _gpt2_data(TINYSTORIES))
+L4_124M = Recipe(
+    "l4-124m", "Colab's L4 (bf16): GPT-2-small scale, context 1024.",
+    "l4", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
+    TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=6e-4,
+                min_lr=6e-5, warmup_steps=300, eval_every=250, save_every=250, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU, max_chars=6_500_000_000))
+A100_124M = Recipe(
+    "a100-124m", "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; "
+    "0.5M tokens per step.",
+    "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
+    TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=10000, lr=6e-4,
+                min_lr=6e-5, warmup_steps=700, eval_every=250, save_every=250, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU, max_chars=25_000_000_000))
+A100_124M_FAST = Recipe(
+    "a100-124m-fast", "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an "
+    "untied head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3).",
+    "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED, tie_embeddings=False, qk_norm=True,
+                         zero_init_proj=True),
+    TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=1.5e-3,
+                min_lr=0.0, warmup_steps=250, optimizer="muon", schedule="wsd", decay_fraction=0.4,
+                eval_every=250, save_every=250, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU, max_chars=13_000_000_000))
+A100_350M = Recipe(
+    "a100-350m", "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16.",
+    "a100", model_config("350m", vocab_size=GPT2_VOCAB_PADDED),
+    TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=32, max_steps=20000, lr=3e-4,
+                min_lr=3e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU))
+H100_760M = Recipe(
+    "h100-760m", "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16.",
+    "h100", model_config("760m", vocab_size=GPT2_VOCAB_PADDED),
+    TrainConfig(micro_batch_size=16, seq_len=2048, grad_accum_steps=16, max_steps=20000, lr=2.5e-4,
+                min_lr=2.5e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU))
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    CPU_SMOKE, CPU, CPU_FAST, T4_50M, L4_124M, A100_124M, A100_124M_FAST, A100_350M, H100_760M)}
 
 
 def get_recipe(name: str) -> Recipe:

@@ -26,7 +26,8 @@ from tinygpt.core.checkpoint import (
 )
 from tinygpt.core.config import Recipe, TrainConfig, check_same_settings
 from tinygpt.core.files import atomic_output
-from tinygpt.core.precision import resolve_device
+from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.precision import DTYPES, resolve_device
 from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
     ADAPTER_CONFIG,
     ADAPTER_DIR,
@@ -78,8 +79,8 @@ class LoraSettings:
 
 @dataclass
 class FinetuneRecipe:
-    """LoRA settings (None: full finetuning, every weight trains) plus a TrainConfig per hardware class ("cpu",
-    "t4", "a100")."""
+    """LoRA settings (None: full finetuning, every weight trains) plus a TrainConfig per finetuning class ("cpu",
+    "t4", "a100": the `finetune` entries of `core.hardware.HARDWARE`, coarser groups of the hardware classes)."""
 
     name: str
     description: str
@@ -146,17 +147,16 @@ def get_finetune_recipe(name: str) -> FinetuneRecipe:
                                train=dict(r.train))
 
 
-# The finetuning recipes know three classes: where bf16 and 35+ GB make LoRA on a 2B base easy
-# ("a100"), other GPUs ("t4"), and the CPU. They are coarser groups of the one hardware class.
-# What each finetuning class runs on, as `model.attention.attention_kernel` needs it: device, capability, dtype.
-FINETUNE_DEVICES = {"t4": ("cuda", (7, 5), torch.float16), "a100": ("cuda", (8, 0), torch.bfloat16),
-                    "cpu": ("cpu", None, torch.float32)}
-FINETUNE_CLASS = {"cpu": "cpu", "mps": "cpu", "t4": "t4", "l4": "t4", "a100": "a100", "h100": "a100", "h200": "a100"}
+def finetune_device(hardware: str) -> tuple[str, tuple[int, int] | None, torch.dtype]:
+    """What a finetuning class runs on, as `model.attention.attention_kernel` needs it: device type, compute
+    capability, dtype (the class's entry in `core.hardware.HARDWARE`)."""
+    c = HARDWARE[hardware]
+    return c.device_type, c.capability, DTYPES[c.precision]
 
 
 def detect_hardware(device: torch.device | str) -> str:
-    """The finetuning class ("cpu", "t4" or "a100") of a device, from `train.hardware.device_class`."""
-    return FINETUNE_CLASS[device_class(device)]
+    """The finetuning class ("cpu", "t4" or "a100") of a device: its hardware class's `finetune` entry."""
+    return HARDWARE[device_class(device)].finetune
 
 
 def this_hardware(device: str = "auto") -> tuple[str, float | None]:
@@ -290,7 +290,7 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     # Beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where no fused kernel
     # takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T scores: fp32 softmax + a copy.
     kernel = "math" if c.get("final_logit_softcapping") else \
-        attention_kernel(*FINETUNE_DEVICES[hardware], torch_version(), hd)
+        attention_kernel(*finetune_device(hardware), torch_version(), hd)
     if nkv < nh and kernel != "fused":
         layer_act += 2 * tokens * 2 * (nh - nkv) * hd
     if kernel == "math":

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinygpt.core.checkpoint import latest_valid, load_checkpoint
-from tinygpt.core.config import ConfigError, ModelConfig, Recipe, config_differences, get_recipe
+from tinygpt.core.config import RECIPES, ConfigError, ModelConfig, Recipe, config_differences, get_recipe
 from tinygpt.core.paths import is_hub
-from tinygpt.core.rundir import CHECKPOINTS, RUN_JSON, TOKENIZER_JSON, RunDir
+from tinygpt.core.rundir import CHECKPOINTS, RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.model.gpt import GPT
 from tinygpt.model.hf import (
     SAFETENSORS_INDEX,
@@ -32,6 +32,7 @@ from tinygpt.model.hf import (
 )
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.data import resolve_source
+from tinygpt.train.hardware import hardware_report
 
 INIT_TOKENIZER = "init"  # DataConfig.tokenizer of a continued run: the base's own tokenizer
 # The base is trained already: a from-scratch learning rate would undo much of what it knows. At most this peak
@@ -154,6 +155,16 @@ def pretrain_recipe(name: str, init: str | None, *run_dirs: str | Path | None) -
     if same_name and old.model.init == init:
         return old
     return continued_recipe(name, init)
+
+
+def default_recipe(run_dir: str | Path) -> tuple[str, str]:
+    """The recipe `tinygpt pretrain` trains without --recipe, and why: the run folder's own (a resume),
+    else this hardware's default (the probe's choice)."""
+    name = recipe_name_of(run_dir)
+    if name in RECIPES:
+        return name, f"the recipe of the run in {run_dir}"
+    report = hardware_report()
+    return report.default_recipe, f"the default for this {report.hardware_class} machine"
 
 
 def base_tokenizer(recipe: Recipe) -> Tokenizer:

@@ -20,8 +20,9 @@ import torch
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback, closing
-from tinygpt.core.config import ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
+from tinygpt.core.config import COMPILE_MODES, ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
 from tinygpt.core.files import refuse_links_in
+from tinygpt.core.options import option, targets
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKEN_CACHE, TOKENIZER_JSON, RunDir
@@ -138,24 +139,39 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
 
 @dataclass
 class PretrainOptions:
-    """How to run a recipe (the recipe says what to train). Every field has the CLI's default."""
-    run_dir: str | Path = "runs/default"
-    data: str | None = None                  # overrides recipe.data.source
-    max_steps: int | None = None             # these four override the recipe's train settings
-    save_every: int | None = None
-    eval_every: int | None = None
-    device: str | None = None
-    resume: str = "auto"                     # "auto": the newest valid checkpoint; "never": refuse one
-    mirror: str | Path | None = None         # a Drive folder (or any folder) to mirror the run to
+    """How to run a recipe (the recipe says what to train). Every field has the CLI's default; each with
+    help is a `tinygpt pretrain` option (core/options.py), and each that "sets" a recipe field overrides
+    it when given."""
+    run_dir: str | Path = option("runs/default", help="the run folder: made, or resumed when it holds this run")
+    data: str | None = option(None, help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT] (default: "
+                              "the recipe's)", sets="data.source")
+    max_steps: int | None = option(None, help="train to this step (default: the recipe's)", sets="train.max_steps")
+    hours: float | None = option(None, help="a time budget: the steps that fit are measured after warm-up and "
+                                 "fixed, with the warmup-stable-decay schedule ending on time (start-up not counted)")
+    save_every: int | None = option(None, help="save a checkpoint every N steps (default: the recipe's)",
+                                    sets="train.save_every")
+    eval_every: int | None = option(None, help="evaluate every N steps (default: the recipe's)",
+                                    sets="train.eval_every")
+    resume: str = option("auto", choices=("auto", "never"),
+                         help="auto: from the newest valid checkpoint (local or mirror); never: refuse a folder "
+                              "that has checkpoints")
+    mirror: str | Path | None = option(None, help="a folder (e.g. on Google Drive) that mirrors the run's "
+                                       "checkpoints")
+    device: str | None = option(None, help="cpu, cuda, cuda:1, mps (default: the best available)",
+                                sets="train.device")
+    compile: str | None = option(None, choices=COMPILE_MODES, sets="train.compile",
+                                 help="torch.compile the whole model (on), each block (regional), or not (off); "
+                                      "default: the recipe's (auto: on for CUDA)")
     cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
     callbacks: list | tuple = ()             # extra trainer callbacks (tinygpt.core.callback.Callback)
-    progress: bool = True
+    progress: bool = option(True, flag="--quiet", help="no progress bar")
     sample_prompt: str | None = None         # default: how a held-out document begins
     peak_tflops: float | None = None         # for MFU; default from the GPU table
-    parallel: str = "ddp"                    # under torchrun: "ddp" or "fsdp"
-    probe: str = "auto"                      # "auto": fit micro-batch/context/precision to the GPU; "off"
+    parallel: str = option("ddp", choices=("ddp", "fsdp"),
+                           help="under torchrun: DDP, or FSDP2 to shard a model too big for one GPU")
+    probe: str = option("auto", choices=("auto", "off"), help="on a GPU, let the probe choose micro-batch, context "
+                        "and precision (off: the recipe as written)")
     tensorboard: bool | None = None          # None: when installed; True: required; False: off
-    hours: float | None = None               # a time budget: steps measured and fixed once (budget.json)
 
     def __post_init__(self):
         if self.resume not in ("auto", "never"):
@@ -173,11 +189,10 @@ class PretrainOptions:
 
     def apply(self, recipe: Recipe) -> Recipe:
         """The recipe with this run's overrides."""
-        train = {k: v for k in ("max_steps", "save_every", "eval_every", "device")
-                 if (v := getattr(self, k)) is not None}
-        if self.hours is not None:
-            train["schedule"] = "wsd"  # its rate does not depend on the step count the budget sets later
-        return recipe.replace(train=train, data={"source": self.data} if self.data else None)
+        changes = targets(self)
+        if self.hours is not None:  # its rate does not depend on the step count the budget sets later
+            changes.setdefault("train", {})["schedule"] = "wsd"
+        return recipe.replace(**changes)
 
 
 def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
