@@ -32,7 +32,8 @@ from tinygpt.model.generate import GenerateOptions, generate_text
 from tinygpt.model.gpt import meta_model
 from tinygpt.model.loading import load_run
 from tinygpt.publish import ExportOptions, PushOptions
-from tinygpt.sync.drive import catch_up, mirror_lag, run_identity
+from tinygpt.sync.identity import run_identity
+from tinygpt.sync.mirror import catch_up, mirror_lag
 from tinygpt.train.budget import finished_run
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.init import default_recipe, pretrain_recipe
@@ -113,9 +114,9 @@ def _report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
     print(f"step {res.step}: loss {res.loss if res.loss is None else round(res.loss, 4)}, "
           f"val_loss {res.val_loss if res.val_loss is None else round(res.val_loss, 4)}, "
           f"checkpoint {res.checkpoint}")
-    samples = Path(run_dir) / "samples.txt"
-    if samples.is_file() and not res.interrupted:
-        print("sample:\n" + samples.read_text(encoding="utf-8").split("===\n")[-1].strip())
+    samples = RunDir(run_dir).samples()
+    if samples and not res.interrupted:
+        print("sample:\n" + samples.split("===\n")[-1].strip())
     behind = mirror_line(mirror, mirror_lag(run_dir, mirror)) if mirror else None
     if res.interrupted:
         print("stopped by a signal; run the same command again to resume")

@@ -24,8 +24,16 @@ from tinygpt.core.checkpoint import RunCheckpoint
 from tinygpt.core.config import Recipe
 from tinygpt.core.files import atomic_output
 from tinygpt.core.options import option
-from tinygpt.core.rundir import METRICS, RunDir, missing_run_message, parse_jsonl
-from tinygpt.evals.run import EVALS_JSONL
+from tinygpt.core.paths import is_hub
+from tinygpt.core.rundir import (
+    EVALS_JSONL,
+    FULL_MODEL_DIR,
+    MERGED_DIR,
+    METRICS,
+    RunDir,
+    missing_run_message,
+    parse_jsonl,
+)
 from tinygpt.evals.runs import summarize_run
 from tinygpt.evals.tasks import TASKS
 from tinygpt.finetune.instruct import TEMPLATES
@@ -72,8 +80,8 @@ def _load(run_dir: Path, which: str):
         model, tok, _, _ = load_run(run_dir, which)
         return model, tok
     with tempfile.TemporaryDirectory(prefix="tinygpt-merge-") as tmp:
-        merged = merge_adapter(run_dir, Path(tmp) / "merged") if kind == "finetune" else \
-            export_full(run_dir, which, Path(tmp) / "model")
+        merged = merge_adapter(run_dir, Path(tmp) / MERGED_DIR) if kind == "finetune" else \
+            export_full(run_dir, which, Path(tmp) / FULL_MODEL_DIR)
         try:
             model, tok = import_hf(merged)
         except ValueError as e:  # a base llama.cpp's llama/qwen3 would not be (Gemma, GPT-2...)
@@ -126,7 +134,7 @@ def _num(v: Any) -> str:
 
 def _is_local(source: Any) -> bool:
     text = str(source or "")
-    return not text.startswith("hf:") and (text.startswith(("/", ".", "~")) or Path(text).exists())
+    return not is_hub(text) and (text.startswith(("/", ".", "~")) or Path(text).exists())
 
 
 def _shown(source: Any) -> Any:
@@ -268,7 +276,7 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str
             if kind == "finetune":
                 merge_adapter(run_dir, tmp)
             else:
-                _move_up(export_full(run_dir, which, tmp / "model"))
+                _move_up(export_full(run_dir, which, tmp / FULL_MODEL_DIR))
                 (tmp / ADAPTER_INFO).unlink(missing_ok=True)  # this machine's paths: not for a shared folder
             (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None), encoding="utf-8")
         return out

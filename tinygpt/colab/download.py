@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tinygpt.core.checkpoint import MANIFEST, STATE_FILE, latest_valid, read_manifest
 from tinygpt.core.files import atomic_output, link_problem
-from tinygpt.sync.drive import RUN_FILES
+from tinygpt.core.rundir import PLOTS, RUN_FILES, RunDir
 
 _STORED = {".safetensors", ".pt", ".png"}  # already dense: deflating them costs time and saves ~nothing
 
@@ -18,11 +18,11 @@ def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool
     export (`unzip` it, then `tinygpt generate --run-dir <run>`). The optimizer state (state.pt, twice
     the model: 1.5 GB for 124M) stays on Drive unless `resumable`, which packs the whole checkpoint."""
     run_dir = Path(run_dir)
-    ckpt = latest_valid(run_dir / "checkpoints")
+    ckpt = latest_valid(RunDir(run_dir).checkpoints)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} holds no valid checkpoint to download; train first")
     files = [run_dir / n for n in RUN_FILES if (run_dir / n).is_file() or (run_dir / n).is_symlink()]
-    plots = run_dir / "plots"
+    plots = run_dir / PLOTS
     files += sorted(p for p in plots.iterdir() if p.is_file() or p.is_symlink()) if plots.is_dir() else []
     skip = set() if resumable else {STATE_FILE, MANIFEST}
     files += sorted(p for p in ckpt.iterdir() if (p.is_file() or p.is_symlink()) and p.name not in skip)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from tinygpt.colab.notebook import INSTALL_HINT, display, in_notebook
 from tinygpt.colab.tables import startup_table
 from tinygpt.core.callback import Callback
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.rundir import PLOTS, RunDir
 
 
 class LossPlot(Callback):
@@ -103,5 +103,5 @@ class LossPlot(Callback):
             return
         fig = self.draw()
         if self.run_dir is not None:
-            (self.run_dir / "plots").mkdir(parents=True, exist_ok=True)
-            fig.savefig(self.run_dir / "plots" / "loss.png")
+            (self.run_dir / PLOTS).mkdir(parents=True, exist_ok=True)
+            fig.savefig(self.run_dir / PLOTS / "loss.png")

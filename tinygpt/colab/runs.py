@@ -6,10 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive
+from tinygpt.colab.mount import drive_run_dir, in_colab, mount_drive
 from tinygpt.core.checkpoint import list_checkpoints
-from tinygpt.core.rundir import ADAPTER_DIR, recipe_name_of
-from tinygpt.finetune.recipes import FULL_MODEL_DIR
+from tinygpt.core.rundir import ADAPTER_DIR, FULL_MODEL_DIR, RunDir, recipe_name_of
 
 
 def workdir() -> Path:
@@ -39,7 +38,7 @@ class RunFolders:
 
     def mirrored_step(self) -> int | None:
         """The newest checkpoint step on the mirror (None when there is none)."""
-        ckpts = list_checkpoints(self.mirror / "checkpoints")
+        ckpts = list_checkpoints(RunDir(self.mirror).checkpoints)
         return ckpts[-1][0] if ckpts else None
 
     def __str__(self) -> str:
@@ -55,7 +54,7 @@ def run_folders(name: str, mydrive: str | Path) -> RunFolders:
     """<workdir>/runs/<name> locally, mirrored to MyDrive/tinygpt/runs/<name>."""
     if not name or name.strip() != name or any(c in name for c in "/\\") or name.startswith("."):
         raise ValueError(f"run name {name!r} must be a plain folder name, e.g. 'my-first-gpt'")
-    return RunFolders(name, workdir() / "runs" / name, Path(mydrive) / DRIVE_RUNS / name)
+    return RunFolders(name, workdir() / "runs" / name, drive_run_dir(name, mydrive))
 
 
 @dataclass
@@ -66,7 +65,7 @@ class FinetuneStatus:
 
     def __str__(self) -> str:
         home, where = (self.mirror, "on Drive") if self.mirror is not None else (self.local, "here")
-        steps = list_checkpoints(home / "checkpoints")
+        steps = list_checkpoints(RunDir(home).checkpoints)
         lines = [f"local:  {self.local}"] + ([f"Drive:  {self.mirror}"] if self.mirror is not None else [])
         if steps:
             lines.append(f"{where}: step {steps[-1][0]} of recipe {recipe_name_of(home, self.local)}; "

@@ -9,6 +9,7 @@ from typing import Any
 
 from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.paths import cache_root, shared_data_dir
+from tinygpt.core.rundir import RunDir
 from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
 from tinygpt.train.pretrain import pretrain
 
@@ -45,6 +46,6 @@ def smoke_data() -> str:
 def smoke_base(run_dir: str | Path) -> str:
     """A tinygpt base for smoke mode: cpu-smoke pretrained for 20 steps on the built-in corpus (seconds
     on a CPU, no network), made once and then reused."""
-    if latest_valid(Path(run_dir) / "checkpoints") is None:
+    if latest_valid(RunDir(run_dir).checkpoints) is None:
         pretrain(SMOKE_RECIPE, run_dir, max_steps=20, progress=False)
     return str(run_dir)

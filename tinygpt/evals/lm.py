@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tinygpt.core.config import DataConfig
+from tinygpt.core.paths import is_hub
 from tinygpt.core.units import duration
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train.data import iter_documents
@@ -331,7 +332,7 @@ def load_eval_text(data: str | Path, max_chars: int | None = None, offline: str 
     """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset (hf:NAME[:CONFIG][@SPLIT],
     or a save_to_disk folder) whose records are joined as they are (WikiText's records are its lines).
     `offline`: what to pass instead, said when the Hub cannot be reached."""
-    if str(data).startswith("hf:") or Path(data).is_dir():
+    if is_hub(data) or Path(data).is_dir():
         with from_hub(str(data), offline):
             return "".join(iter_documents(DataConfig(source=str(data), max_chars=max_chars)))
     return read_text(data, max_chars)
@@ -343,7 +344,7 @@ def from_hub(spec: str, offline: str):
     try:
         yield
     except OSError as e:  # ConnectionError and the Hub client's HTTP errors: say what works offline
-        if not spec.startswith("hf:"):
+        if not is_hub(spec):
             raise
         raise RuntimeError(f"could not read {spec} from the Hugging Face Hub ({e}); with no network, "
                            f"pass a local file instead: {offline}") from e

@@ -10,15 +10,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from tinygpt.core.paths import is_hub
 from tinygpt.core.precision import resolve_device
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.rundir import EVALS_JSONL, RunDir
 from tinygpt.evals import sandbox
 from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.harness import Request, Task, load_for_eval
 from tinygpt.evals.options import EvalOptions
 from tinygpt.evals.tasks import get_task
-
-EVALS_JSONL = "evals.jsonl"  # each evaluation of a run, recorded in its folder (the model card lists them)
 
 
 def check_request(task: Task, r: Request) -> None:
@@ -32,7 +31,7 @@ def check_request(task: Task, r: Request) -> None:
     if task.data_help is not None and not (r.data is None and task.data_default) and str(r.data) not in task.keywords:
         if r.data is None:
             raise ValueError(f"task {task.name} needs data (--data): {task.data_help}")
-        if not str(r.data).startswith("hf:") and not Path(r.data).exists():
+        if not is_hub(r.data) and not Path(r.data).exists():
             raise FileNotFoundError(f"no data file at {r.data}; task {task.name} needs {task.data_help}")
     if task.check is not None:
         task.check(r)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file as load_safetensors
 
 from tinygpt.core.checkpoint import (
     MANIFEST,
+    MODEL_FILE,
     find_run_checkpoint,
     read_manifest,
     verify_checkpoint,
@@ -28,9 +29,11 @@ from tinygpt.core.files import atomic_output
 from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.precision import DTYPES, resolve_device
 from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
+    ADAPTER_CONFIG,
     ADAPTER_DIR,
     ADAPTER_INFO,
     BASE_DIR,
+    FULL_MODEL_DIR,
     MERGED_DIR,
     RunDir,
     recipe_name_of,
@@ -134,7 +137,6 @@ FINETUNE_RECIPES["full"] = FinetuneRecipe(
     "half-precision compute); for small bases, the result a whole model folder", None,
     {hw: dataclasses.replace(c, lr=c.lr * FULL_LR_FACTOR, min_lr=c.min_lr * FULL_LR_FACTOR)
      for hw, c in _settings().items()})
-FULL_MODEL_DIR = "model"  # a full finetuning run's result: config.json, model.safetensors, tokenizer
 
 
 def get_finetune_recipe(name: str) -> FinetuneRecipe:
@@ -213,7 +215,7 @@ def _need(module: str, what: str):
 
 
 def is_tinygpt_run(base: str | Path) -> bool:
-    return (Path(base).expanduser() / "run.json").is_file()
+    return RunDir(Path(base).expanduser()).is_pretrain_run()
 
 
 def base_config(path: str):
@@ -473,13 +475,13 @@ def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Pa
     """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the checkpoint's
     model.safetensors already holds exactly PEFT's adapter weights under PEFT's names."""
     run_dir = Path(run_dir)
-    if not (run_dir / "adapter_config.json").is_file():
+    if not RunDir(run_dir).is_finetune_run():
         raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")
     ckpt = find_run_checkpoint(run_dir, which)
     out = Path(out_dir) if out_dir is not None else run_dir / ADAPTER_DIR
     with atomic_output(out, folder=True) as tmp:  # an old adapter is replaced whole: a crash leaves one of the two
-        shutil.copyfile(ckpt / "model.safetensors", tmp / ADAPTER_WEIGHTS)
-        for name in ("adapter_config.json", ADAPTER_INFO):
+        shutil.copyfile(ckpt / MODEL_FILE, tmp / ADAPTER_WEIGHTS)
+        for name in (ADAPTER_CONFIG, ADAPTER_INFO):
             shutil.copyfile(run_dir / name, tmp / name)
         # checked like a checkpoint before every use (sizes and sha256)
         write_manifest(tmp, {"step": int(read_manifest(ckpt).get("step", 0)), "kind": "adapter"})

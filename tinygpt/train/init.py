@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tinygpt.core.checkpoint import latest_valid, load_checkpoint
 from tinygpt.core.config import RECIPES, ConfigError, ModelConfig, Recipe, config_differences, get_recipe
-from tinygpt.core.paths import HUB_PREFIX
+from tinygpt.core.paths import is_hub
 from tinygpt.core.rundir import CHECKPOINTS, RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.model.gpt import GPT
 from tinygpt.model.hf import (
@@ -60,7 +60,7 @@ def normalise_init(spec: str) -> str:
     spec = spec.strip()
     if not spec:
         raise ConfigError("--init is empty: give hf:NAME (a Hub model), a model folder or a tinygpt run folder")
-    return spec if spec.startswith(HUB_PREFIX) else str(Path(spec).expanduser().resolve())
+    return spec if is_hub(spec) else str(Path(spec).expanduser().resolve())
 
 
 def read_base(spec: str) -> Base:
@@ -68,7 +68,7 @@ def read_base(spec: str) -> Base:
     Hub, downloaded). A base the GPT cannot represent, or that lacks what continued pretraining needs, fails
     here in one line that says what differs or what to do."""
     spec = normalise_init(spec)
-    if spec.startswith(HUB_PREFIX):
+    if is_hub(spec):
         try:
             kind, path = "hub", hub_model_folder(spec, weights=False)
         except ValueError as e:

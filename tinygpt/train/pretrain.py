@@ -25,17 +25,13 @@ from tinygpt.core.files import refuse_links_in
 from tinygpt.core.options import option, targets
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import choose_precision, resolve_device
-from tinygpt.core.rundir import RUN_JSON, RunDir
+from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKEN_CACHE, TOKENIZER_JSON, RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
-from tinygpt.sync.drive import (
-    Mirror,
-    ShardMirror,
-    restore_latest,
-    restore_shards,
-    run_identity,
-    write_identity,
-)
+from tinygpt.sync.identity import run_identity, write_identity
+from tinygpt.sync.mirror import Mirror
+from tinygpt.sync.restore import restore_latest
+from tinygpt.sync.shards import ShardMirror, restore_shards
 from tinygpt.train.budget import Budget
 from tinygpt.train.callbacks import MFU, Progress, StartupReport, TensorBoardLogger, TimeBudget, write_sample
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
@@ -79,14 +75,14 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
         old, new = Recipe.from_dict(run.recipe_dict()).to_dict(), recipe.to_dict()
         check_same_settings(f"run folder {run_dir}", {k: old.get(k) for k in ("model", "train", "data")},
                             {k: new[k] for k in ("model", "train", "data")}, allowed=RESUMABLE_CHANGES)
-    if resume == "never" and ckpt.list_checkpoints(run_dir / "checkpoints"):
+    if resume == "never" and ckpt.list_checkpoints(RunDir(run_dir).checkpoints):
         raise ConfigError(f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
                           "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
 
 
 def get_tokenizer(recipe: Recipe, run_dir: Path) -> Tokenizer:
     """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe says."""
-    saved = run_dir / "tokenizer.json"
+    saved = run_dir / TOKENIZER_JSON
     if saved.is_file():
         return Tokenizer.load(saved)
     d = recipe.data
@@ -323,7 +319,7 @@ def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision,
             _write_run_files(run_dir, recipe, tokenizer, precision, dev, meta, probe_info, identity)
         return data
     key = cache_key(recipe.data, tokenizer)
-    mirror_cache = Path(opts.mirror).parent / "_token_cache" / key if opts.mirror is not None else None
+    mirror_cache = Path(opts.mirror).parent / TOKEN_CACHE / key if opts.mirror is not None else None
     data = RunData(tokenizer, StreamedShards(cache / key), identity=identity)
     if is_main:
         before = data.tokens.n_shards
@@ -370,7 +366,7 @@ def run_callbacks(recipe: Recipe, opts: PretrainOptions, model: GPT, dev: torch.
     if rank != 0:
         return out
     if opts.tensorboard is not False:
-        tb = TensorBoardLogger.create(opts.run_dir / "tensorboard", required=bool(opts.tensorboard))
+        tb = TensorBoardLogger.create(opts.run_dir / TENSORBOARD, required=bool(opts.tensorboard))
         if tb is not None:
             out.append(tb)
     if opts.mirror is not None:
@@ -408,8 +404,8 @@ def _write_run_files(run_dir: Path, recipe: Recipe, tokenizer: Tokenizer, precis
     run_dir.mkdir(parents=True, exist_ok=True)
     if identity is not None:
         write_identity(run_dir, identity)
-    if not (run_dir / "tokenizer.json").is_file():
-        tokenizer.save(run_dir / "tokenizer.json")
+    if not (run_dir / TOKENIZER_JSON).is_file():
+        tokenizer.save(run_dir / TOKENIZER_JSON)
     info = {"recipe": recipe.to_dict(), "precision": precision.to_dict(), "device": str(dev),
             "data": data_meta, "probe": probe_info, "versions": versions(), "command": " ".join(sys.argv)}
     RunDir(run_dir).write_info(info)

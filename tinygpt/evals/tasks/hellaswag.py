@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tinygpt.core.files import write_text_atomic
-from tinygpt.core.paths import cache_root
+from tinygpt.core.paths import cache_root, hub_spec, is_hub
 from tinygpt.evals.code import DataFormatError
 from tinygpt.evals.harness import Loaded, Request, Task, default_data
 from tinygpt.evals.lm import ChoiceItem, from_hub, multiple_choice, open_text
@@ -153,10 +153,9 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
     Hub) when it is None; for hf:NAME[@SPLIT], that dataset's records written once into `cache_dir` as JSONL
     (each checked by `hellaswag_item`), so the query text is built from ctx_a and ctx_b exactly."""
     spec = str(data) if data is not None else default_data(TASK)
-    if not spec.startswith("hf:"):
+    if not is_hub(spec):
         return Path(spec)
-    name, _, split = spec[3:].partition("@")
-    split = split or "validation"
+    name, _, split = hub_spec(spec, "validation")
     root = Path(cache_dir or cache_root("eval"))
     out = root / f"hellaswag-{name.replace('/', '--')}-{split}.jsonl"
     if not out.is_file():
