@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from tinygpt.cli import probe_report
 from tinygpt.core.config import get_recipe
 from tinygpt.train.pretrain import pretrain
+from tinygpt.train.probe import probe_report
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from tinygpt.evals import code, sandbox
+from tinygpt.evals.tasks.humaneval import load_humaneval
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("TINYGPT_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -45,7 +46,7 @@ def main() -> None:
     os.environ.pop("TINYGPT_SANDBOX")
     path = DATA / "HumanEval.jsonl.gz"
     if path.is_file():
-        probs = code.load_humaneval(path)
+        probs = load_humaneval(path)
         t0 = time.perf_counter()
         rs = code.check_completions(probs, [p.canonical_solution for p in probs], args.workers)
         dt = time.perf_counter() - t0

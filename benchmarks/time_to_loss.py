@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from tinygpt.cli import apply_overrides
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import get_recipe
+from tinygpt.core.config import apply_overrides, get_recipe
 from tinygpt.core.paths import shared_data_dir
 from tinygpt.train.pretrain import pretrain
 

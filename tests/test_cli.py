@@ -162,3 +162,14 @@ def test_pretrain_without_recipe_says_which_and_a_finished_run_says_it_is_comple
     from tinygpt.cli import default_pretrain_recipe
     assert default_pretrain_recipe(tmp_path / "new", say=True) == hardware_report().default_recipe
     assert f"the default for this {hardware_report().hardware_class} machine" in capsys.readouterr().out
+
+
+def test_compile_is_an_option_that_reaches_the_run(tmp_path, capsys):
+    """`--compile` (nanoGPT's `--compile=False`) is one field of PretrainOptions: it sets train.compile."""
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    assert "--compile {auto,on,regional,off}" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run), "--max-steps", "2", "--quiet",
+                 "--device", "cpu", "--compile", "off"]) == 0
+    assert json.loads((run / "run.json").read_text())["recipe"]["train"]["compile"] == "off"

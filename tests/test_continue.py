@@ -130,7 +130,8 @@ def test_bases_the_gpt_cannot_represent_are_refused_naming_what_differs(base, tm
     llama = json.loads((base / "config.json").read_text())
     assert "model_type 'qwen2' (biases on q/k/v)" in _refused(tmp_path, {**llama, "model_type": "qwen2",
                                                                           "architectures": ["Qwen2ForCausalLM"]})
-    assert "attention_bias=true" in _refused(tmp_path, {**llama, "attention_bias": True})
+    assert "mlp_bias=true" in _refused(tmp_path, {**llama, "mlp_bias": True})
+    assert hf.representation_gaps({**llama, "attention_bias": True}) == []  # ModelConfig.attention_bias
     assert "RoPE scaling 'llama3'" in _refused(tmp_path, {**llama, "rope_scaling": {"rope_type": "llama3",
                                                                                    "factor": 8.0}})
     assert "hidden_act 'gelu'" in _refused(tmp_path, {**llama, "hidden_act": "gelu"})
@@ -221,15 +222,15 @@ def test_cli_refuses_a_base_it_cannot_represent_before_any_work(base, shared_dat
 
 
 def test_notebook_base_picker_defaults_to_the_runs_own_base(continued, tmp_path):
-    from tinygpt.colab import ui
+    from tinygpt import colab
     _, _, tmp = continued
-    fresh = ui.base_picker(resume_from=tmp_path / "new")
+    fresh = colab.base_picker(resume_from=tmp_path / "new")
     assert fresh.value is None and "hf:HuggingFaceTB/SmolLM2-135M" in [v for _, v in fresh.dropdown.options]
-    resumed = ui.base_picker(resume_from=tmp / "run")
+    resumed = colab.base_picker(resume_from=tmp / "run")
     init = json.loads((tmp / "run" / "run.json").read_text())["recipe"]["model"]["init"]
     assert resumed.value == init and (init, init) in resumed.dropdown.options
     # what the training cell trains: the run's own recipe, read from run.json (the base is not read again)
-    assert ui.pretrain_recipe("cpu-smoke", resumed.value, tmp / "run").to_dict() == \
+    assert colab.pretrain_recipe("cpu-smoke", resumed.value, tmp / "run").to_dict() == \
         json.loads((tmp / "run" / "run.json").read_text())["recipe"]
 
 
@@ -249,7 +250,7 @@ def test_a_qwen3_base_continues_with_its_qk_norm(base, shared_data, tmp_path):
     recipe = continued_recipe("cpu-smoke", str(tmp_path / "qwen3")).replace(
         train={**TRAIN, "max_steps": 2, "eval_every": 0, "save_every": 0},
         data={"source": str(shared_data / "tinyshakespeare.txt")})
-    assert recipe.model.qk_norm and recipe.model.hf_model_type == "qwen3"
+    assert recipe.model.qk_norm and recipe.model.family.model_type == "qwen3"
     res = pretrain(recipe, tmp_path / "run", cache_dir=tmp_path / "cache", progress=False, probe="off", device="cpu")
     x, y = _first_batch(tmp_path / "run", tmp_path / "cache", recipe)
     assert res.metrics[0]["step"] == 1

@@ -19,7 +19,8 @@ from filelock import FileLock  # a dependency of torch
 from safetensors.torch import load_file
 
 from tinygpt.core.checkpoint import MODEL_FILE, list_checkpoints, step_name, verify_checkpoint
-from tinygpt.sync.drive import Backoff, Mirror
+from tinygpt.sync.copy import Backoff
+from tinygpt.sync.mirror import Mirror
 from tinygpt.train.pretrain import pretrain
 
 REPO = Path(__file__).resolve().parents[1]

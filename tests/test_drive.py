@@ -25,7 +25,10 @@ from tinygpt.core.checkpoint import (
     step_name,
     verify_checkpoint,
 )
-from tinygpt.sync.drive import Backoff, Mirror, prune_mirror, restore_latest, restore_shards, sync_shards
+from tinygpt.sync.copy import Backoff
+from tinygpt.sync.mirror import Mirror, prune_mirror
+from tinygpt.sync.restore import restore_latest
+from tinygpt.sync.shards import restore_shards, sync_shards
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
@@ -34,7 +37,7 @@ RUN_FILES = {"run.json": '{"recipe": "tiny"}', "tokenizer.json": '{"model": "bpe
 
 
 def no_wait(**kw) -> Backoff:
-    return Backoff(sleep=lambda s: None, **kw)
+    return Backoff(wait=lambda stop, s: None, **kw)
 
 
 def make_run(root: Path, files: bool = True) -> Path:
@@ -132,7 +135,7 @@ def test_drive_errors_are_retried_with_backoff_and_never_reach_training(tmp_path
             enotconn()
         shutil.copyfile(src, dst)
 
-    m = Mirror(run, mirror, backoff=Backoff(sleep=sleeps.append), copy_file=flaky_copy)
+    m = Mirror(run, mirror, backoff=Backoff(wait=lambda stop, s: sleeps.append(s)), copy_file=flaky_copy)
     m.on_checkpoint(make_ckpt(run, 100), 100)  # the training thread: returns at once, raises nothing
     m.on_checkpoint(run / "nonexistent", "not a step")  # a bad call is only an error in the status
     m.on_log({"loss": 1.0})
@@ -200,7 +203,7 @@ def test_a_checkpoint_pruned_locally_during_its_copy_is_dropped_without_an_error
         shutil.copyfile(src, dst)
 
     sleeps = []
-    m = Mirror(run, mirror, backoff=Backoff(sleep=sleeps.append), copy_file=slow_copy)
+    m = Mirror(run, mirror, backoff=Backoff(wait=lambda stop, s: sleeps.append(s)), copy_file=slow_copy)
     m.on_checkpoint(make_ckpt(run, 100), 100)
     assert started.wait(30)
     shutil.rmtree(run / "checkpoints" / step_name(100))
@@ -294,14 +297,15 @@ def test_kill_9_during_a_copy_leaves_the_mirror_usable(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, shutil
         from pathlib import Path
-        from tinygpt.sync.drive import Mirror, Backoff
+        from tinygpt.sync.copy import Backoff
+        from tinygpt.sync.mirror import Mirror
         def dying_copy(src, dst):
             if "step_000200" in str(src):  # half the file reaches Drive, then the VM is gone
                 dst.write_bytes(Path(src).read_bytes()[:1000])
                 os.kill(os.getpid(), signal.SIGKILL)
             shutil.copyfile(src, dst)
         run = Path({str(old_vm)!r})
-        m = Mirror(run, {str(mirror)!r}, backoff=Backoff(sleep=lambda s: None), copy_file=dying_copy)
+        m = Mirror(run, {str(mirror)!r}, backoff=Backoff(wait=lambda stop, s: None), copy_file=dying_copy)
         for step in (100, 200):
             m.on_checkpoint(run / "checkpoints" / f"step_{{step:06d}}", step)
             m.flush()

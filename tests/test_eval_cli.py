@@ -3,15 +3,23 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tinygpt.cli import main
+from tinygpt.cli import build_parser, main
+from tinygpt.core.config import DataConfig
+from tinygpt.core.options import from_args
 from tinygpt.evals import lm as ev
+from tinygpt.evals.options import EvalOptions
+from tinygpt.evals.run import evaluate
+from tinygpt.evals.tasks import TASKS, stdlib_functions
 from tinygpt.model.loading import load_run
+from tinygpt.publish import model_card
+from tinygpt.train.data import validation_text
 from tinygpt.train.pretrain import pretrain
 
 
@@ -175,3 +183,57 @@ def test_perplexity_defaults_to_the_runs_validation_split_and_its_context(tmp_pa
         assert main(["eval", str(run), "--task", "perplexity", "--max-chars", "20000", "--json", *data]) == 0
         res = json.loads(capsys.readouterr().out)
         assert res["window"] == 64 and res["tokens"] > 1000 and res["perplexity"] > 1, res
+
+
+def test_the_eval_command_parses_into_eval_options():
+    """`tinygpt eval`'s options are EvalOptions' fields (core/options.py): each flag lands on its field, and
+    what is not given keeps the field's default, the command's default of before."""
+    def parsed(*argv: str) -> EvalOptions:
+        return from_args(EvalOptions, build_parser().parse_args(["eval", *argv]))
+
+    assert parsed("r", "--task", "hellaswag", "--data", "d", "--which", "best", "--device", "cpu", "--limit", "5",
+                  "--window", "32", "--stride", "16", "--max-chars", "900", "--batch-size", "8", "--n", "5", "--k",
+                  "1", "5", "--max-new-tokens", "64", "--temperature", "0.2", "--json", "--unsafe-exec") == EvalOptions(
+        run_dir="r", task="hellaswag", data="d", which="best", device="cpu", limit=5, window=32, stride=16,
+        max_chars=900, batch_size=8, n=5, k=[1, 5], max_new_tokens=64, temperature=0.2, as_json=True, unsafe_exec=True)
+    default = parsed("r", "--task", "summary")
+    assert default == EvalOptions(run_dir="r", task="summary")
+    assert (default.which, default.device, default.n, default.k, default.as_json) == ("latest", "auto", 1, (1,), False)
+    for task in TASKS:  # the registry is the choice
+        assert parsed("r", "--task", task).task == task
+    with pytest.raises(SystemExit):
+        parsed("r", "--task", "mmlu")
+
+
+def test_evaluate_from_options_is_what_the_command_prints(run, shared_data, capsys):
+    wikitext = shared_data / "wikitext2_test.txt"
+    code, out, _ = _cli(capsys, "eval", run, "--task", "perplexity", "--data", wikitext, "--max-chars", 2000,
+                        "--window", 32, "--json")
+    res = evaluate(EvalOptions(run_dir=run, task="perplexity", data=str(wikitext), max_chars=2000, window=32))
+    assert code == 0 and json.loads(out)["nll_nats"] == pytest.approx(res["nll_nats"], rel=1e-6)
+
+
+def test_stdlib_functions_on_a_tiny_run_of_the_builtin_corpus(tmp_path, capsys):
+    """The task added as one module (tasks/stdlib_functions.py): its functions are from the validation split of
+    `builtin`, their real bodies score perfectly, and on a run pretrained on `builtin` the command prints the
+    model's scores, records them, and the model card shows them."""
+    problems = stdlib_functions.held_out_functions(limit=6)
+    held_out = stdlib_functions._normal(validation_text(DataConfig(source="builtin")))
+    assert len(problems) == 6 and all(stdlib_functions._normal(p.prompt + p.canonical_solution) in held_out
+                                      for p in problems)
+    perfect = stdlib_functions.grade(problems, [p.canonical_solution for p in problems])
+    assert perfect["syntax_accuracy"] == perfect["exact_match"] == 1 and perfect["bleu"] == pytest.approx(100)
+    run = tmp_path / "run"
+    pretrain("cpu-smoke", run, max_steps=30, progress=False, device="cpu", cache_dir=tmp_path / "cache")
+    code, out, _ = _cli(capsys, "eval", run, "--task", "stdlib-functions", "--limit", 6, "--max-new-tokens", 48,
+                        "--json")
+    res = json.loads(out)
+    assert code == 0 and res["problems"] == 6 and res["python"] == platform.python_version(), res
+    assert 0 <= res["syntax_accuracy"] <= 1 and 0 <= res["bleu"] < 100 and res["exact_match"] < 1
+    assert res["data"] == f"Python {platform.python_version()}'s standard library (held-out functions)"
+    card = model_card(run, hf=True, gguf_file=None)
+    assert f"| stdlib-functions | `{res['data']}` | syntax_accuracy {res['syntax_accuracy']:.4g}" in card
+    code, out, _ = _cli(capsys, "eval", run, "--task", "stdlib-functions", "--limit", 2)
+    assert code == 0 and "syntax_accuracy" in out and "bleu_signature" in out
+    code, _, err = _cli(capsys, "eval", run, "--task", "stdlib-functions", "--data", tmp_path / "x.txt")
+    assert code == 2 and "reads no data file" in err

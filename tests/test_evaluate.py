@@ -25,7 +25,10 @@ from tinygpt.core.config import get_recipe
 from tinygpt.core.rundir import RunDirError
 from tinygpt.evals import code, sandbox
 from tinygpt.evals import lm as ev
-from tinygpt.evals.code import HUMANEVAL_STOPS
+from tinygpt.evals.tasks import hellaswag as hsw
+from tinygpt.evals.tasks import perplexity
+from tinygpt.evals.tasks.humaneval import HUMANEVAL_STOPS, load_humaneval
+from tinygpt.evals.tasks.mbpp import load_mbpp
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import train_bpe
 
@@ -108,38 +111,36 @@ def test_hugging_face_model_and_tokenizer_give_the_same_numbers(model, tok, wiki
     a = ev.perplexity(model, tok, wikitext[:1500], window=64, stride=32)
     b = ev.perplexity(hf, hf_tok, wikitext[:1500], window=64, stride=32)
     assert a["tokens"] == b["tokens"] and b["nll_nats"] == pytest.approx(a["nll_nats"], rel=1e-4)
-    items = ev.load_hellaswag(shared_data / "hellaswag_val.txt.bz2", limit=2)
+    items = hsw.load_hellaswag(shared_data / "hellaswag_val.txt.bz2", limit=2)
     reqs = [(it.context, " " + e) for it in items for e in it.endings]
     assert ev.loglikelihoods(hf, hf_tok, reqs) == pytest.approx(ev.loglikelihoods(model, tok, reqs), abs=1e-3)
     texts = [wikitext[:1000], "def f(x):\n    return x"]
-    report = ev.tokenizer_report(tok, texts)
-    assert report["chars_per_token"] == pytest.approx(tok.compression(texts))
-    assert ev.tokenizer_report(hf_tok, texts) == report
+    assert [ev.encoder(hf_tok)(t) for t in texts] == [ev.encoder(tok)(t) for t in texts] == [tok.encode(t) for t in texts]
 
 
 # --- HellaSwag --------------------------------------------------------------------------------
 
 def test_load_real_hellaswag(shared_data):
-    items = ev.load_hellaswag(shared_data / "hellaswag_val.txt.bz2")
+    items = hsw.load_hellaswag(shared_data / "hellaswag_val.txt.bz2")
     lines = bz2.open(shared_data / "hellaswag_val.txt.bz2", "rt", encoding="utf-8").read().splitlines()
     assert len(items) == len(lines) // 6 and len(items) in (10042, 41)  # the full set, or the shipped sample
     assert items[0].context == "Roof shingle removal: A man is sitting on a roof. He"  # lm-eval's capitalised ctx_b
     assert items[0].label == 3 and items[0].endings[3] == "starts pulling up roofing on a roof."
     assert all(len(it.endings) == 4 and 0 <= it.label <= 3 for it in items)
-    assert len(ev.load_hellaswag(shared_data / "hellaswag_val.txt.bz2", limit=5)) == 5
+    assert len(hsw.load_hellaswag(shared_data / "hellaswag_val.txt.bz2", limit=5)) == 5
 
 
 def test_bad_hellaswag_files_say_what_is_expected(tmp_path):
     seven = tmp_path / "seven.txt"
     seven.write_text("ctx\n1\na\nb\nc\nd\nextra\n")
     with pytest.raises(code.DataFormatError, match="incomplete item of 1 lines at line 7"):
-        ev.load_hellaswag(seven)
+        hsw.load_hellaswag(seven)
     gold = tmp_path / "gold.txt"
     gold.write_text("ctx\n7\na\nb\nc\nd\n")
     with pytest.raises(code.DataFormatError, match="line 2.*0-3"):
-        ev.load_hellaswag(gold)
+        hsw.load_hellaswag(gold)
     with pytest.raises(ValueError, match="limit"):
-        ev.load_hellaswag(gold, limit=0)
+        hsw.load_hellaswag(gold, limit=0)
 
 
 class Bigram(nn.Module):
@@ -188,7 +189,7 @@ def test_acc_and_acc_norm_pick_the_endings_they_must(byte_tok):
 
 
 def test_hellaswag_on_the_real_file(model, tok, shared_data):
-    r = ev.hellaswag(model, tok, shared_data / "hellaswag_val.txt.bz2", limit=4, batch_size=5)
+    r = hsw.hellaswag(model, tok, shared_data / "hellaswag_val.txt.bz2", limit=4, batch_size=5)
     assert r["task"] == "hellaswag" and r["n"] == 4 and 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1
     assert r["reference"]["random"]["acc"] == 0.25
 
@@ -274,8 +275,8 @@ def test_sandbox_contains_loops_memory_hogs_and_exits(monkeypatch):
 
 
 def test_real_problems_pass_with_canonical_and_fail_with_wrong_solutions(shared_data):
-    he = code.load_humaneval(shared_data / "HumanEval.jsonl.gz")
-    mbpp = code.load_mbpp(shared_data / "mbpp.jsonl")
+    he = load_humaneval(shared_data / "HumanEval.jsonl.gz")
+    mbpp = load_mbpp(shared_data / "mbpp.jsonl")
     n_he = len(gzip.open(shared_data / "HumanEval.jsonl.gz", "rt").read().splitlines())
     assert len(he) == n_he and n_he in (164, 8) and he[0].entry_point == "has_close_elements"
     ids = [json.loads(x)["task_id"] for x in (shared_data / "mbpp.jsonl").read_text().splitlines() if x.strip()]
@@ -291,7 +292,7 @@ def test_real_problems_pass_with_canonical_and_fail_with_wrong_solutions(shared_
 
 
 def test_evaluate_code_reports_pass_at_k(shared_data):
-    probs = code.load_humaneval(shared_data / "HumanEval.jsonl.gz")[:2]
+    probs = load_humaneval(shared_data / "HumanEval.jsonl.gz")[:2]
     answers = {probs[0].prompt: iter([f"Sure:\n```python\n{probs[0].prompt}{probs[0].canonical_solution}```", "    1/0\n"]),
                probs[1].prompt: iter(["    return []\n\ndef unrelated():\n    pass\n", "    return []\n"])}
     r = code.evaluate_code(probs, lambda prompt: next(answers[prompt]), n=2, ks=(1, 2), **UNSAFE)
@@ -309,10 +310,10 @@ def test_bad_code_data_files(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"task_id": 11, "text": "t"}) + "\n")
     with pytest.raises(code.DataFormatError, match="test_list"):
-        code.load_mbpp(bad)
+        load_mbpp(bad)
     bad.write_text("{not json\n")
     with pytest.raises(code.DataFormatError, match="line 1"):
-        code.load_humaneval(bad)
+        load_humaneval(bad)
 
 
 # --- runs --------------------------------------------------------------------------------------
@@ -412,15 +413,14 @@ def test_run_eval_on_a_run_folder(tmp_path, tok, shared_data):
 
 def test_eval_data_prefers_the_offline_copy_else_names_the_hub(tmp_path, shared_data, monkeypatch):
     monkeypatch.setenv("TINYGPT_SHARED_DATA", str(shared_data))
-    assert ev.eval_data("perplexity") == str(shared_data / "wikitext2_test.txt")
-    assert ev.hellaswag_path() == shared_data / "hellaswag_val.txt.bz2"
-    assert ev.wikitext2_test_text(max_chars=100) == ev.read_text(shared_data / "wikitext2_test.txt", 100)
+    assert evals.eval_data("perplexity") == str(shared_data / "wikitext2_test.txt")
+    assert hsw.hellaswag_path() == shared_data / "hellaswag_val.txt.bz2"
     monkeypatch.setenv("TINYGPT_SHARED_DATA", str(tmp_path / "none"))
     assert paths.shared_data_dir() is None
-    assert ev.eval_data("perplexity") == ev.WIKITEXT2_TEST_HUB == "hf:wikitext:wikitext-2-raw-v1@test"
-    assert ev.eval_data("hellaswag", data_dir=tmp_path) == ev.HELLASWAG_HUB
+    assert evals.eval_data("perplexity") == perplexity.WIKITEXT2_TEST_HUB == "hf:wikitext:wikitext-2-raw-v1@test"
+    assert evals.eval_data("hellaswag", data_dir=tmp_path) == hsw.HELLASWAG_HUB
     with pytest.raises(FileNotFoundError, match="HumanEval"):
-        ev.eval_data("humaneval", data_dir=tmp_path)
+        evals.eval_data("humaneval", data_dir=tmp_path)
 
 
 def test_a_datasets_text_is_joined_as_it_is(tmp_path, shared_data):
@@ -468,7 +468,7 @@ def _docs(items: list[ev.ChoiceItem]) -> list[tuple[str, list[str], int]]:
 def test_hellaswag_text_is_lm_evals_on_real_records(tmp_path):
     records = _hellaswag_records()
     want = [_lm_eval_doc(r) for r in records]
-    assert _docs(ev.load_hellaswag(FIXTURES / "hellaswag_records.jsonl")) == want
+    assert _docs(hsw.load_hellaswag(FIXTURES / "hellaswag_records.jsonl")) == want
     # what lm-eval's rules do, seen on the real text: ctx_b capitalised, [title] a sentence end, brackets gone
     assert want[0][0] == "Roof shingle removal: A man is sitting on a roof. He"
     health = next(w for w, r in zip(want, records) if r["ind"] == 12)
@@ -479,7 +479,7 @@ def test_hellaswag_text_is_lm_evals_on_real_records(tmp_path):
     gz = tmp_path / "hellaswag_val.jsonl.gz"
     with gzip.open(gz, "wt", encoding="utf-8") as f:
         f.write((FIXTURES / "hellaswag_records.jsonl").read_text())
-    assert _docs(ev.load_hellaswag(gz, limit=3)) == want[:3]
+    assert _docs(hsw.load_hellaswag(gz, limit=3)) == want[:3]
 
 
 def test_the_six_line_file_gives_lm_evals_text(shared_data):
@@ -492,7 +492,7 @@ def test_the_six_line_file_gives_lm_evals_text(shared_data):
     if (paths.shared_data_dir() or Path("/nonexistent")).joinpath("hellaswag_val.txt.bz2").is_file():
         files.append(paths.shared_data_dir() / "hellaswag_val.txt.bz2")  # the full offline file: the same items
     for path in files:
-        assert _docs(ev.load_hellaswag(path, limit=len(val))) == [_lm_eval_doc(r) for r in val]
+        assert _docs(hsw.load_hellaswag(path, limit=len(val))) == [_lm_eval_doc(r) for r in val]
 
 
 def test_the_full_offline_file_is_read_as_lm_evals_text():
@@ -500,7 +500,7 @@ def test_the_full_offline_file_is_read_as_lm_evals_text():
     if not full.is_file():
         pytest.skip("the full HellaSwag file (../shared/data/hellaswag_val.txt.bz2) is absent; the shipped "
                     "sample is tested above")
-    items = ev.load_hellaswag(full)
+    items = hsw.load_hellaswag(full)
     lines = bz2.open(full, "rt", encoding="utf-8").read().splitlines()
     assert len(items) == 10042
     texts = [t for it in items for t in (it.context, *it.endings)]
@@ -509,7 +509,7 @@ def test_the_full_offline_file_is_read_as_lm_evals_text():
     # ctx_b capitalised on the ActivityNet items (3,243 of them), never on the WikiHow items
     changed = [(it, line) for it, line in zip(items, lines[::6]) if it.context != line]
     assert 3200 < len(changed) < 3300
-    assert all(line.split(": ", 1)[0] not in ev.WIKIHOW_LABELS for it, line in changed if it.context.lower() ==
+    assert all(line.split(": ", 1)[0] not in hsw.WIKIHOW_LABELS for it, line in changed if it.context.lower() ==
                line.lower())
 
 
@@ -520,10 +520,10 @@ def test_bad_hellaswag_records_say_what_is_expected(tmp_path):
                                                                   "no 'ctx_b'")):
         bad.write_text(json.dumps(broken) + "\n")
         with pytest.raises(code.DataFormatError, match=message):
-            ev.load_hellaswag(bad)
+            hsw.load_hellaswag(bad)
     bad.write_text("{not json\n")
     with pytest.raises(code.DataFormatError, match="line 1 is not JSON"):
-        ev.load_hellaswag(bad)
+        hsw.load_hellaswag(bad)
 
 
 def test_hub_hellaswag_records_give_lm_evals_text(tmp_path):
@@ -533,11 +533,11 @@ def test_hub_hellaswag_records_give_lm_evals_text(tmp_path):
     src = tmp_path / "hub"
     src.mkdir()
     (src / "validation.jsonl").write_text("".join(json.dumps({**r, "label": str(r["label"])}) + "\n" for r in records))
-    path = ev.hellaswag_path(f"hf:{src}@validation", cache_dir=tmp_path / "cache")
+    path = hsw.hellaswag_path(f"hf:{src}@validation", cache_dir=tmp_path / "cache")
     assert path.parent == tmp_path / "cache" and path.suffix == ".jsonl" and not list(path.parent.glob("*.tmp-*"))
-    assert _docs(ev.load_hellaswag(path)) == [_lm_eval_doc(r) for r in records]
+    assert _docs(hsw.load_hellaswag(path)) == [_lm_eval_doc(r) for r in records]
     (src / "test.jsonl").write_text(json.dumps({**records[0], "label": ""}) + "\n")  # the Hub's test split: no labels
     with pytest.raises(code.DataFormatError, match="label 0-3"):
-        ev.hellaswag_path(f"hf:{src}@test", cache_dir=tmp_path / "cache")
+        hsw.hellaswag_path(f"hf:{src}@test", cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache" / path.name.replace("validation", "test")).exists()
 

@@ -23,7 +23,8 @@ import torch
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tinygpt.colab.finetune_ui import recipe_rows, run_status  # noqa: E402
+from tinygpt.colab.runs import run_status  # noqa: E402
+from tinygpt.colab.tables import finetune_recipe_rows  # noqa: E402
 from tinygpt.core.callback import Callback  # noqa: E402
 from tinygpt.core.config import ConfigError, DataConfig, Recipe, TrainConfig, model_config  # noqa: E402
 from tinygpt.finetune.lora import (  # noqa: E402
@@ -497,7 +498,7 @@ def test_recipes_and_memory_table():
     assert default_finetune_recipe(gemma2_2b, "a100", 40.0)[0] == "lora-r16"
     name, why = default_finetune_recipe(gemma2_2b, "t4", 8.0)  # a GPU too small for the 16-bit base
     assert name == "qlora-r16" and "8 GB" in why
-    rows = recipe_rows(gemma2_2b, "t4", 7.0)  # 16-bit Gemma-2 2B needs ~7 GB with the CUDA context; NF4 ~4 GB
+    rows = finetune_recipe_rows(gemma2_2b, "t4", 7.0)  # 16-bit Gemma-2 2B needs ~7 GB with the CUDA context; NF4 ~4 GB
     assert rows[0][:3] == ("recipe", "memory", "fits") and [r[0] for r in rows[1:]] == list(FINETUNE_RECIPES)
     assert {r[0]: r[2] for r in rows[1:]} == {"lora-r8": "no", "lora-r16": "no", "lora-r32": "no", "qlora-r16": "yes",
                                               "full": "no"}

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tinygpt.colab.finetune_ui import recipe_rows, run_status  # noqa: E402
+from tinygpt.colab.runs import run_status  # noqa: E402
+from tinygpt.colab.tables import finetune_recipe_rows  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
 from tinygpt.finetune.lora import (  # noqa: E402
     compare_generations,
@@ -135,7 +136,7 @@ def test_memory_table_counts_weights_gradients_and_adamw_for_every_weight(base):
             "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
     weights = {r["part"]: r["gb"] for r in memory_table("full", "t4", smol)}
     assert 0.5 < weights["base weights"] < 0.6 and 1.5 < weights["gradients + AdamW"] < 1.7  # SmolLM2-135M: 16 B/param
-    rows = {r[0]: r for r in recipe_rows(smol, "t4", 15.0)}
+    rows = {r[0]: r for r in finetune_recipe_rows(smol, "t4", 15.0)}
     assert rows["full"][2] == "yes" and float(rows["full"][1].split()[0]) > float(rows["lora-r16"][1].split()[0])
 
 

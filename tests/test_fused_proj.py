@@ -20,7 +20,8 @@ from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.trainer import TrainData, Trainer
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-VARIANTS = [dict(), dict(n_kv_head=1), dict(qk_norm=True), dict(n_kv_head=1, qk_norm=True, tie_embeddings=True)]
+VARIANTS = [dict(), dict(n_kv_head=1), dict(qk_norm=True), dict(n_kv_head=1, qk_norm=True, tie_embeddings=True),
+            dict(n_kv_head=1, attention_bias=True)]
 
 
 def _config(fused: bool, **kw) -> ModelConfig:

@@ -41,10 +41,10 @@ def _perturbed(config, seed: int = 0) -> GPT:
     return m.eval()
 
 
-def _config(tok: Tokenizer, qk_norm: bool, tied: bool = False):
+def _config(tok: Tokenizer, qk_norm: bool, tied: bool = False, bias: bool = False):
     vocab = 50304 if tok.vocab_size > 50000 else tok.vocab_size + 64  # padded past the tokenizer, as recipes do
     return dataclasses.replace(get_recipe("cpu-smoke").model, vocab_size=vocab, n_kv_head=1, qk_norm=qk_norm,
-                               tie_embeddings=tied, rope_theta=5000.0)
+                               tie_embeddings=tied, rope_theta=5000.0, attention_bias=bias)
 
 
 def _hf_order(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -164,6 +164,14 @@ def test_the_rope_permutation_turns_rotate_half_into_adjacent_pairs(bpe):
         ours = half(x @ wq[h * hd:(h + 1) * hd].T)
         theirs = pairs(x @ wq_gguf[h * hd:(h + 1) * hd].T)
         np.testing.assert_allclose(_hf_order(theirs.T, 1).T, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_an_option_llama_cpps_architecture_cannot_load_is_refused_before_writing(tmp_path, bpe):
+    """llama.cpp's `qwen3` loads no attention biases (its `llama` does: the llama.cpp test above runs one)."""
+    model = _perturbed(_config(bpe, qk_norm=True, bias=True))
+    with pytest.raises(ValueError, match="qwen3 architecture cannot load a model with attention_bias"):
+        gg.write_gguf(model, bpe, tmp_path / "m.gguf", "f32")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused(tmp_path, bpe):
@@ -317,11 +325,13 @@ def _llama_cpp():
     return gguf_agreement
 
 
-@pytest.mark.parametrize("kind,qk_norm", [("bpe", False), ("gpt2", True), ("smollm", False)])
-def test_llama_cpp_tokenizes_generates_and_scores_as_tinygpt(tmp_path, bpe, gpt2, smollm, shakespeare, kind, qk_norm):
+@pytest.mark.parametrize("kind,qk_norm,bias", [("bpe", False, False), ("gpt2", True, False), ("smollm", False, False),
+                                               ("bpe", False, True)])
+def test_llama_cpp_tokenizes_generates_and_scores_as_tinygpt(tmp_path, bpe, gpt2, smollm, shakespeare, kind, qk_norm,
+                                                             bias):
     ga = _llama_cpp()
     tok = {"bpe": bpe, "gpt2": gpt2, "smollm": smollm}[kind]
-    model = _perturbed(_config(tok, qk_norm))
+    model = _perturbed(_config(tok, qk_norm, bias=bias))
     path = gg.write_gguf(model, tok, tmp_path / "m.gguf", "f32")
     cpp = ga.LlamaCpp(path, model.config.max_seq_len)
     for text in TRICKY + [shakespeare[:500]]:

@@ -165,3 +165,17 @@ def test_import_refuses_what_it_cannot_load(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(llama))
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         hf.import_hf(tmp_path)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=1, tie_embeddings=True, rope_theta=5e5), dict(qk_norm=True)])
+def test_every_network_field_goes_through_a_transformers_config_and_back(tmp_path, kw):
+    """The fields' Hugging Face names (ModelConfig's field metadata) are the whole mapping: a config saved by
+    transformers' own class reads back as the same network, and refuses nothing."""
+    config = dataclasses.replace(get_recipe("cpu-smoke").model, init_std=0.03, **kw)
+    hf.hf_llama_config(config).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    back = ModelConfig.from_hf_llama(saved)
+    assert saved["model_type"] == config.family.model_type and hf.representation_gaps(saved) == []
+    assert {k: getattr(back, k) for k in ModelConfig.network_fields()} == \
+        {k: getattr(config, k) for k in ModelConfig.network_fields()}
+    assert (back.max_seq_len, back.init_std) == (config.max_seq_len, config.init_std)

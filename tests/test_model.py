@@ -118,3 +118,16 @@ def test_zero_init_projections_make_every_block_the_identity_at_start():
     loss = model(x[:, :-1], x[:, 1:])
     loss.backward()
     assert model.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0  # they do learn
+
+
+def test_a_runs_identity_leaves_out_what_a_probe_may_choose_otherwise():
+    """`ModelConfig.identity` is what the mirror's identity.json hashes: every field but the speed and memory
+    choices, so that a run resumed on another GPU (another probe) is still the same run."""
+    cfg = get_recipe("cpu-smoke").model
+    # what identity.json hashed before `identity` existed: a run mirrored then resumes as itself
+    assert sorted(cfg.identity()) == ["d_ff", "d_model", "init", "init_std", "max_seq_len", "n_head", "n_kv_head",
+                                      "n_layer", "norm_eps", "qk_norm", "rope_theta", "tie_embeddings", "vocab_size",
+                                      "zero_init_proj"]
+    assert cfg.identity() == {k: getattr(cfg, k) for k in cfg.identity()}
+    assert dataclasses.replace(cfg, activation_checkpointing=True, fused_proj=True).identity() == cfg.identity()
+    assert dataclasses.replace(cfg, qk_norm=True).identity() != cfg.identity()

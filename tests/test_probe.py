@@ -9,14 +9,13 @@ import math
 import pytest
 import torch
 
-from tinygpt.cli import probe_report
 from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig, get_recipe
 from tinygpt.model import losses
 from tinygpt.model.gpt import GPT
 from tinygpt.train.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops
 from tinygpt.train.memory import GB, TensorMemoryTracker, estimate_memory
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.probe import ProbeError, apply_probe, expectations, probe, trainer_speed
+from tinygpt.train.probe import ProbeError, apply_probe, expectations, probe, probe_report, trainer_speed
 
 
 def tiny_recipe(micro: int = 8, seq_len: int = 32, accum: int = 8, ckpt: bool = False) -> Recipe:
@@ -71,7 +70,7 @@ def test_mfu():
     assert mfu(1000.0, 6e9, None) is None
 
 
-@pytest.mark.parametrize("kw", [{}, {"tie_embeddings": True}, {"n_kv_head": 2}])
+@pytest.mark.parametrize("kw", [{}, {"tie_embeddings": True}, {"n_kv_head": 2}, {"attention_bias": True}])
 def test_parameter_gradient_optimizer_bytes_are_exact(kw):
     config = ModelConfig(vocab_size=300, n_layer=3, n_head=4, d_model=64, d_ff=160, **kw)
     n = GPT(config).num_params()
@@ -97,7 +96,8 @@ def _saved_bytes(model: GPT, x, y, dtype) -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 1}])
+@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 1}, {"attention_bias": True}, {"qk_norm": True},
+                                {"qk_norm": True, "n_kv_head": 1}])
 def test_activation_estimate_matches_saved_tensors(precision, kw):
     config = ModelConfig(vocab_size=300, n_layer=2, n_head=2, d_model=64, d_ff=128, max_seq_len=64, **kw)
     model, (B, T) = GPT(config), (2, 64)

@@ -89,7 +89,8 @@ def _corrupt_copy(src: Path, dst: Path) -> None:
 
 def test_mirror_pruning_keeps_the_good_checkpoints_under_corrupt_newer_ones(small_run, tmp_path):
 
-    from tinygpt.sync.drive import prune_mirror, restore_latest
+    from tinygpt.sync.mirror import prune_mirror
+    from tinygpt.sync.restore import restore_latest
     mirror = tmp_path / "drive" / "r"
     shutil.copytree(small_run, mirror)
     good = ckpt.list_checkpoints(mirror / "checkpoints")
@@ -119,7 +120,8 @@ def test_a_dead_mirror_warns_at_once_and_close_says_what_is_missing(small_run, t
     """The mirror's parent is a regular file (a Drive folder replaced by a file): a permanent error.
     Training never waits for it; the mirror tries once (no retries, no wait after training) and
     close() names what is not on Drive."""
-    from tinygpt.sync.drive import Backoff, Mirror
+    from tinygpt.sync.copy import Backoff
+    from tinygpt.sync.mirror import Mirror
     blocker = tmp_path / "drive"
     blocker.write_text("not a folder")
     newest = ckpt.latest_valid(small_run / "checkpoints")

@@ -22,6 +22,8 @@ import pytest
 
 from tinygpt.cli import main
 from tinygpt.evals import code, sandbox
+from tinygpt.evals.tasks.humaneval import load_humaneval
+from tinygpt.evals.tasks.mbpp import load_mbpp
 from tinygpt.train.pretrain import pretrain
 
 REPO = Path(__file__).resolve().parents[1]
@@ -342,7 +344,7 @@ def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, 
 # --- the syntax metric (issue 26 item 1) ----------------------------------------------------------
 
 def test_syntax_accuracy_judges_what_the_model_wrote(shared_data):
-    prob = code.load_humaneval(shared_data / "HumanEval.jsonl.gz")[0]
+    prob = load_humaneval(shared_data / "HumanEval.jsonl.gz")[0]
     answers = {"empty": "", "whitespace": "\n\n   \n", "comment": "    # TODO\n", "top_level_only": "\nx = 1\n",
                "valid": prob.canonical_solution, "invalid": "    return (\n", "valid_but_wrong": "    return None\n"}
     expected = {"empty": False, "whitespace": False, "comment": False, "top_level_only": False, "valid": True,
@@ -353,7 +355,7 @@ def test_syntax_accuracy_judges_what_the_model_wrote(shared_data):
     assert r["syntax_accuracy"] == pytest.approx(2 / 7)
     assert r["pass@1"] == pytest.approx(1 / 7)  # on the same completions: only the canonical one passes
     assert [p["statuses"][0] == "passed" for p in r["per_problem"]] == [k == "valid" for k in answers]
-    mbpp = code.load_mbpp(shared_data / "mbpp.jsonl")[0]
+    mbpp = load_mbpp(shared_data / "mbpp.jsonl")[0]
     assert [mbpp.valid_syntax(a) for a in ("", "  \n", "# nothing\n", mbpp.canonical_solution, "def (:")] == \
         [False, False, False, True, False]
 

@@ -1,6 +1,6 @@
 """Nothing read from a run folder or a mirror (a shared Drive folder anyone with access may write)
 writes outside its folder or runs code (issue 21, items 2-5). Each test is an attack as it was made
-against 0f7fccf, through the real paths (`tinygpt pretrain` in a subprocess, `ui.zip_run`): it
+against 0f7fccf, through the real paths (`tinygpt pretrain` in a subprocess, `colab.zip_run`): it
 asserts that no file appears outside the folder and that the user sees the one line saying what
 was refused."""
 from __future__ import annotations
@@ -251,7 +251,7 @@ def test_a_mirror_manifest_that_climbs_out_or_lies_about_its_step_is_skipped(mir
 
 
 def test_a_shard_list_on_the_mirror_naming_a_path_outside_is_refused(tmp_path):
-    from tinygpt.sync.drive import restore_shards
+    from tinygpt.sync.shards import restore_shards
 
     mirror, local = tmp_path / "a" / "b" / "mirror", tmp_path / "local"
     mirror.mkdir(parents=True)
@@ -293,7 +293,7 @@ def test_a_link_in_the_run_folder_is_refused_before_anything_is_written(mirrored
 
 
 def test_the_download_zip_leaves_links_out_and_says_so(mirrored, tmp_path, capsys):
-    from tinygpt.colab import ui
+    from tinygpt import colab
 
     local, _ = copy_of(mirrored, tmp_path)
     shadow, passwd = tmp_path / "shadow", tmp_path / "passwd"
@@ -304,7 +304,7 @@ def test_the_download_zip_leaves_links_out_and_says_so(mirrored, tmp_path, capsy
     (local / "samples.txt").unlink()
     (local / "samples.txt").symlink_to(passwd)
     os.link(shadow, local / "plots" / "hard.png")
-    z = ui.zip_run(local, tmp_path / "r.zip")
+    z = colab.zip_run(local, tmp_path / "r.zip")
     with zipfile.ZipFile(z) as f:
         names = f.namelist()
         blob = b"".join(f.read(n) for n in names)
@@ -344,7 +344,7 @@ def test_a_poisoned_token_shard_from_the_mirror_is_named_removed_and_tokenized_a
 def test_a_linked_token_folder_on_the_mirror_is_never_written_through(tmp_path):
     """The shard copy to the mirror (and back) does not follow a link planted where the shard
     folder belongs: it would write manifest.json and shards into any folder of this VM."""
-    from tinygpt.sync.drive import sync_shards
+    from tinygpt.sync.shards import sync_shards
 
     local, users = tmp_path / "local", tmp_path / "users-folder"
     local.mkdir()

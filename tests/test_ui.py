@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinygpt.colab import ui
+from tinygpt import colab
+from tinygpt.colab import notebook
 from tinygpt.core import units
 from tinygpt.core.checkpoint import save_checkpoint, verify_checkpoint
 from tinygpt.core.config import RECIPES, get_recipe
+from tinygpt.core.hardware import HARDWARE
 from tinygpt.train.hardware import hardware_report
 
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
@@ -43,36 +45,36 @@ def write_run_json(run_dir: Path, recipe: str) -> None:
 # ---- the recipe picker ---------------------------------------------------------------------------
 
 def test_not_in_a_notebook_here():
-    assert ui.in_notebook() is False
+    assert colab.in_notebook() is False
 
 
 def test_picker_defaults_to_the_probes_choice(report):
-    picker = ui.recipe_picker(report)
+    picker = colab.recipe_picker(report)
     assert report.default_recipe == "cpu" and picker.value == "cpu" and picker.dropdown.value == "cpu"
     assert [v for _, v in picker.dropdown.options] == list(RECIPES)
     gpu = replace(report, default_recipe="a100-124m", hardware_class="a100")  # as the probe says on an A100
-    assert ui.recipe_picker(gpu).value == "a100-124m"
-    assert "probe's choice" in repr(ui.recipe_picker(gpu))
+    assert colab.recipe_picker(gpu).value == "a100-124m"
+    assert "probe's choice" in repr(colab.recipe_picker(gpu))
 
 
 def test_picker_offers_a_time_budget_with_a_session_default(report, tmp_path, monkeypatch):
-    assert ui.recipe_picker(report).hours is None  # a CPU trains the recipe's steps
+    assert colab.recipe_picker(report).hours is None  # a CPU trains the recipe's steps
     gpu = replace(report, hardware_class="a100", default_recipe="a100-124m")
-    picker = ui.recipe_picker(gpu)
-    assert picker.hours == ui.SESSION_HOURS["a100"] == 2.0 and "time: 2 h" in repr(picker)
+    picker = colab.recipe_picker(gpu)
+    assert picker.hours == HARDWARE["a100"].session_hours == 2.0 and "time: 2 h" in repr(picker)
     picker.hours_dropdown.value = 0.5  # the user picks half an hour
     assert picker.hours == 0.5
     from tinygpt.train.pretrain import pretrain
-    run = ui.run_folders("budgeted", tmp_path / "drive")
+    run = colab.run_folders("budgeted", tmp_path / "drive")
     pretrain("cpu-smoke", run.local, hours=0.001, progress=False, device="cpu", cache_dir=tmp_path / "c")
-    assert ui.recipe_picker(gpu, resume_from=run).hours == 0.001  # a resumed run keeps its own budget
-    assert "0.001 h" in [label for label, _ in ui.recipe_picker(gpu, resume_from=run).hours_dropdown.options]
+    assert colab.recipe_picker(gpu, resume_from=run).hours == 0.001  # a resumed run keeps its own budget
+    assert "0.001 h" in [label for label, _ in colab.recipe_picker(gpu, resume_from=run).hours_dropdown.options]
     monkeypatch.setenv("TINYGPT_SMOKE", "1")
-    assert ui.recipe_picker(gpu).hours is None
+    assert colab.recipe_picker(gpu).hours is None
 
 
 def test_picker_value_is_read_when_the_training_cell_runs(report):
-    picker = ui.recipe_picker(report)
+    picker = colab.recipe_picker(report)
     picker.dropdown.value = "cpu-smoke"  # the user changes it after the cell ran
     assert picker.value == "cpu-smoke" and picker.default == "cpu"
     shown = picker.summary.value  # the HTML under the dropdown, redrawn on the change
@@ -81,37 +83,37 @@ def test_picker_value_is_read_when_the_training_cell_runs(report):
 
 
 def test_picker_defaults_to_the_recipe_of_the_run_on_drive(report, tmp_path, monkeypatch):
-    run = ui.run_folders("r", tmp_path / "MyDrive")
+    run = colab.run_folders("r", tmp_path / "MyDrive")
     write_run_json(run.mirror, "t4-50m")
     monkeypatch.setenv("TINYGPT_SMOKE", "1")  # the run being resumed wins even over smoke mode
-    picker = ui.recipe_picker(report, resume_from=run)
+    picker = colab.recipe_picker(report, resume_from=run)
     assert picker.value == "t4-50m" and "run on Drive" in picker.reason
-    assert ui.recipe_picker(report, resume_from=run.mirror).value == "t4-50m"
+    assert colab.recipe_picker(report, resume_from=run.mirror).value == "t4-50m"
     # Only the local copy (the same VM, Drive not synced yet) is enough too; an unknown recipe is ignored.
     write_run_json(run.local, "cpu")
     (run.mirror / "run.json").unlink()
-    assert ui.recipe_picker(report, resume_from=run).value == "cpu"
+    assert colab.recipe_picker(report, resume_from=run).value == "cpu"
     (run.local / "run.json").write_text(json.dumps({"recipe": {"name": "my-own"}}))
-    assert ui.recipe_picker(report, resume_from=run).value == "cpu-smoke"
+    assert colab.recipe_picker(report, resume_from=run).value == "cpu-smoke"
 
 
 def test_smoke_mode(report, monkeypatch):
-    assert ui.smoke_settings() == {}
+    assert colab.smoke_settings() == {}
     monkeypatch.setenv("TINYGPT_SMOKE", "1")
-    assert ui.smoke_mode() and ui.recipe_picker(report).value == "cpu-smoke"
-    assert ui.smoke_settings()["max_steps"] < get_recipe("cpu-smoke").train.max_steps
+    assert colab.smoke_mode() and colab.recipe_picker(report).value == "cpu-smoke"
+    assert colab.smoke_settings()["max_steps"] < get_recipe("cpu-smoke").train.max_steps
     monkeypatch.setenv("TINYGPT_SMOKE", "0")
-    assert not ui.smoke_mode()
+    assert not colab.smoke_mode()
 
 
 def test_without_ipywidgets_a_script_still_gets_the_default_and_a_notebook_is_told_how_to_install(
         report, monkeypatch):
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import ipywidgets -> ImportError
-    picker = ui.recipe_picker(report)
+    picker = colab.recipe_picker(report)
     assert picker.dropdown is None and picker.value == "cpu" and "recipe: cpu" in repr(picker)
-    monkeypatch.setattr(ui, "in_notebook", lambda: True)
+    monkeypatch.setattr(notebook, "in_notebook", lambda: True)  # where the pickers ask for ipywidgets
     with pytest.raises(ImportError, match=r"pip install"):
-        ui.recipe_picker(report)
+        colab.recipe_picker(report)
 
 
 # ---- the live loss plot --------------------------------------------------------------------------
@@ -124,7 +126,7 @@ class Clock:
         return self.t
 
 
-def log(plot: ui.LossPlot, step: int, **extra) -> None:
+def log(plot: colab.LossPlot, step: int, **extra) -> None:
     plot.on_log({"step": step, "loss": 6.0 - step / 10, "tokens": step * 512, "lr": 1e-3, **extra})
 
 
@@ -133,7 +135,7 @@ def test_loss_plot_draws_throttled_without_a_kernel_and_saves_with_the_run(tmp_p
     matplotlib.use("Agg")
 
     clock = Clock()
-    plot = ui.LossPlot(tmp_path, min_interval_s=2.0, clock=clock)
+    plot = colab.LossPlot(tmp_path, min_interval_s=2.0, clock=clock)
     assert plot.show is False and plot.enabled
     log(plot, 5)
     assert plot.draws == 1  # the first point at once
@@ -157,7 +159,7 @@ def test_loss_plot_of_a_resumed_run_starts_with_the_curve_so_far(tmp_path):
     # The trainer cut metrics.jsonl at the resumed step (10) and appended step 15 before calling on_log.
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [
         {"step": 5, "loss": 5.5}, {"step": 10, "loss": 5.0, "val_loss": 5.1}, {"step": 15, "loss": 4.5}]))
-    plot = ui.LossPlot(tmp_path)
+    plot = colab.LossPlot(tmp_path)
     plot.on_log({"step": 15, "loss": 4.5})
     assert [m["step"] for m in plot.history] == [5, 10, 15]
 
@@ -165,14 +167,14 @@ def test_loss_plot_of_a_resumed_run_starts_with_the_curve_so_far(tmp_path):
 def test_loss_plot_is_a_trainer_callback(shared_data, tmp_path):
     from tinygpt.train.pretrain import pretrain
 
-    plot = ui.LossPlot(tmp_path / "run", min_interval_s=0.0)
+    plot = colab.LossPlot(tmp_path / "run", min_interval_s=0.0)
     pretrain("cpu-smoke", tmp_path / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=10,
              eval_every=5, save_every=10, device="cpu", progress=False, callbacks=[plot], cache_dir=tmp_path / "c")
     assert [m["step"] for m in plot.history if "loss" in m] == [5, 10]
     assert plot.draws >= 3 and (tmp_path / "run" / "plots" / "loss.png").is_file()  # close() drew the end
     record = next(m["startup"] for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
                   if "startup" in m)
-    table = ui.startup_table(record)
+    table = colab.startup_table(record)
     assert [r[0] for r in table.rows] == ["phase", "probe", "tokenizer", "data", "model", "first step",
                                           "to the first step"]
     assert table.rows[-1][1] == f"{record['total_s']:.1f}" and "<table" in table._repr_html_()
@@ -180,32 +182,32 @@ def test_loss_plot_is_a_trainer_callback(shared_data, tmp_path):
 
 def test_loss_plot_without_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    plot = ui.LossPlot()
+    plot = colab.LossPlot()
     plot.on_log({"step": 1, "loss": 3.0})
     plot.close()
     assert not plot.enabled and plot.draws == 0  # a script: nothing to do
     with pytest.raises(ImportError, match=r"pip install"):
-        ui.LossPlot(show=True)  # a notebook: say how to get it
+        colab.LossPlot(show=True)  # a notebook: say how to get it
 
 
 # ---- tables --------------------------------------------------------------------------------------
 
 def test_summary_renders_hardware_memory_and_expectations(report):
-    s = ui.summary("cpu", report)
+    s = colab.summary("cpu", report)
     page = s._repr_html_()
     assert page.count("<table") == 3 and "AdamW" in page and "time to finish" in page and "cpu_cores" in page
     assert "Memory of cpu" in str(s) and "tokens/s" in str(s)
-    found = ui.trial_search("cpu-smoke", report, time_limit_s=5)
-    with_search = ui.summary("cpu-smoke", report, found)
+    found = colab.trial_search("cpu-smoke", report, time_limit_s=5)
+    with_search = colab.summary("cpu-smoke", report, found)
     assert "Trial search" in str(with_search) and "measured by trial" in str(with_search)
-    assert ui.trial_search("a100-124m", report) is None  # a GPU recipe is not tried on a CPU
+    assert colab.trial_search("a100-124m", report) is None  # a GPU recipe is not tried on a CPU
 
 
 def test_recipes_table_lists_every_recipe_and_marks_the_default(report):
-    t = ui.recipes_table(report)
+    t = colab.recipes_table(report)
     names = [row[0] for row in t.rows[1:]]
     assert len(names) == len(RECIPES) and f"{report.default_recipe} (default here)" in names
-    assert "<th" in t._repr_html_() and "&lt;" not in ui.Table([("a<b",)])._repr_html_().replace("a&lt;b", "")
+    assert "<th" in t._repr_html_() and "&lt;" not in colab.Table([("a<b",)])._repr_html_().replace("a&lt;b", "")
     by_name = {row[0].split()[0]: row for row in t.rows[1:]}
     assert by_name["cpu-smoke"][4] == f"{get_recipe('cpu-smoke').token_budget / 1e3:.3g}k"  # 15.4k, not 0.0M
     assert "0.0M" not in str(t) and " 0 s " not in str(t) + " "
@@ -213,8 +215,8 @@ def test_recipes_table_lists_every_recipe_and_marks_the_default(report):
     assert [units.duration(s) for s in (None, 0.04, 0.4, 12, 600, 9000)] == ["-", "0.04 s", "0.4 s", "12 s", "10 min",
                                                                              "2.5 h"]
     assert [units.size_gb(g) for g in (0.004, 0.3, 3.21)] == ["4.1 MB", "307 MB", "3.2 GB"]
-    assert " 0.0 GB" not in str(t) and "0.00 h" not in str(ui.summary("cpu-smoke", report))
-    fp32 = str(ui.summary("cpu", report, hardware=False))
+    assert " 0.0 GB" not in str(t) and "0.00 h" not in str(colab.summary("cpu-smoke", report))
+    fp32 = str(colab.summary("cpu", report, hardware=False))
     assert "(autocast)" not in fp32 and "none: fp32 matmuls use the master weights" in fp32
 
 
@@ -222,30 +224,30 @@ def test_result_table(tmp_path):
     from tinygpt.train.trainer import TrainResult
 
     r = TrainResult(tmp_path, 12, 5.6, 5.7, 5.65, tmp_path / "c", 9000.0, resumed_from=8, interrupted=True)
-    text = str(ui.result_table(r))
+    text = str(colab.result_table(r))
     assert "from step 8" in text and "5.6000" in text and "run the training cell again" in text
 
 
 # ---- Drive, run folders, the download ------------------------------------------------------------
 
 def test_outside_colab_a_local_folder_stands_in_for_drive(tmp_path):
-    mydrive = ui.connect_drive()
+    mydrive = colab.connect_drive()
     assert mydrive == tmp_path / "content" / "drive" / "MyDrive" and mydrive.is_dir()
-    run = ui.run_folders("my-run", mydrive)
+    run = colab.run_folders("my-run", mydrive)
     assert run.local == tmp_path / "content" / "runs" / "my-run"
     assert run.mirror == mydrive / "tinygpt" / "runs" / "my-run"
     assert "nothing on Drive yet" in str(run)
     for bad in ("", "a/b", ".hidden", " x"):
         with pytest.raises(ValueError, match="plain folder name"):
-            ui.run_folders(bad, mydrive)
+            colab.run_folders(bad, mydrive)
 
 
 def test_in_colab_drive_is_mounted(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FAKE_COLAB))
     monkeypatch.setenv("TINYGPT_FAKE_DRIVE_ROOT", str(tmp_path / "backing"))
     monkeypatch.delenv("TINYGPT_WORKDIR")
-    assert ui.in_colab() and ui.workdir() == Path("/content")
-    mydrive = ui.connect_drive(tmp_path / "content")
+    assert colab.in_colab() and colab.workdir() == Path("/content")
+    mydrive = colab.connect_drive(tmp_path / "content")
     assert (tmp_path / "content" / "drive").is_symlink() and mydrive.resolve() == (tmp_path / "backing" / "MyDrive")
 
 
@@ -262,7 +264,7 @@ def test_zip_run_holds_what_a_user_keeps_and_on_request_the_resumable_checkpoint
     make_run(run, (4, 8))
     (run / "checkpoints" / "step_000008" / "state.pt").write_bytes(b"cut short")  # newest is corrupt
     with pytest.warns(UserWarning, match="skipping checkpoint"):
-        archive = ui.zip_run(run)
+        archive = colab.zip_run(run)
     assert archive == tmp_path / "runs" / "r.zip"
     with zipfile.ZipFile(archive) as z:
         names = set(z.namelist())
@@ -271,10 +273,10 @@ def test_zip_run_holds_what_a_user_keeps_and_on_request_the_resumable_checkpoint
     assert not any("step_000008" in n for n in names)
     assert verify_checkpoint(tmp_path / "unzipped" / "r" / "checkpoints" / "step_000004")[0]
     assert "r/checkpoints/step_000004/state.pt" not in names  # the optimizer state stays on Drive
-    with zipfile.ZipFile(ui.zip_run(run, tmp_path / "full.zip", resumable=True)) as z:
+    with zipfile.ZipFile(colab.zip_run(run, tmp_path / "full.zip", resumable=True)) as z:
         assert "r/checkpoints/step_000004/state.pt" in z.namelist()
     with pytest.raises(FileNotFoundError, match="no valid checkpoint"):
-        ui.zip_run(tmp_path / "empty")
+        colab.zip_run(tmp_path / "empty")
 
 
 def test_samples_take_a_prompt_that_suits_the_runs_data(tmp_path, shared_data):
@@ -285,9 +287,9 @@ def test_samples_take_a_prompt_that_suits_the_runs_data(tmp_path, shared_data):
     run = tmp_path / "run"
     pretrain("cpu-smoke", run, data=str(prose), max_steps=2, save_every=2, eval_every=2, progress=False,
              device="cpu", cache_dir=tmp_path / "cache")
-    prompt = ui.sample_prompt(run)
+    prompt = colab.sample_prompt(run)
     assert prompt != "def " and prompt.split()[0] in prose.read_text()
-    texts = ui.samples(run, n=2, max_new_tokens=5, device="cpu")
+    texts = colab.samples(run, n=2, max_new_tokens=5, device="cpu")
     assert len(texts) == 2 and all(t.startswith(prompt) for t in texts)
 
 
@@ -297,9 +299,9 @@ def test_a_notebook_shows_the_start_up_once(shared_data, tmp_path, capsys):
 
     kw = dict(data=str(shared_data / "tinyshakespeare.txt"), max_steps=2, eval_every=2, save_every=2, device="cpu",
               progress=True, cache_dir=tmp_path / "c")
-    pretrain("cpu-smoke", tmp_path / "shown", callbacks=[ui.LossPlot(tmp_path / "shown", show=True)], **kw)
+    pretrain("cpu-smoke", tmp_path / "shown", callbacks=[colab.LossPlot(tmp_path / "shown", show=True)], **kw)
     out = capsys.readouterr()
     assert (out.out + out.err).count("to the first step") == 1 and "s to the first step:" not in out.out  # the table
-    pretrain("cpu-smoke", tmp_path / "plain", callbacks=[ui.LossPlot(tmp_path / "plain", show=False)], **kw)
+    pretrain("cpu-smoke", tmp_path / "plain", callbacks=[colab.LossPlot(tmp_path / "plain", show=False)], **kw)
     out = capsys.readouterr()
     assert (out.out + out.err).count("to the first step") == 1 and "s to the first step:" in out.out + out.err  # the line

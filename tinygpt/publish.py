@@ -15,14 +15,27 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from tinygpt.core.checkpoint import RunCheckpoint
 from tinygpt.core.config import Recipe
 from tinygpt.core.files import atomic_output
-from tinygpt.core.rundir import METRICS, RunDir, missing_run_message, parse_jsonl
+from tinygpt.core.options import option
+from tinygpt.core.paths import is_hub
+from tinygpt.core.rundir import (
+    EVALS_JSONL,
+    FULL_MODEL_DIR,
+    MERGED_DIR,
+    METRICS,
+    RunDir,
+    missing_run_message,
+    parse_jsonl,
+)
 from tinygpt.evals.runs import summarize_run
-from tinygpt.evals.tasks import EVALS_JSONL
+from tinygpt.evals.tasks import TASKS
 from tinygpt.finetune.instruct import TEMPLATES
 from tinygpt.finetune.lora import FinetuneError, _adapter_dir, export_full, is_full_finetune, merge_adapter
 from tinygpt.finetune.recipes import ADAPTER_INFO
@@ -67,8 +80,8 @@ def _load(run_dir: Path, which: str):
         model, tok, _, _ = load_run(run_dir, which)
         return model, tok
     with tempfile.TemporaryDirectory(prefix="tinygpt-merge-") as tmp:
-        merged = merge_adapter(run_dir, Path(tmp) / "merged") if kind == "finetune" else \
-            export_full(run_dir, which, Path(tmp) / "model")
+        merged = merge_adapter(run_dir, Path(tmp) / MERGED_DIR) if kind == "finetune" else \
+            export_full(run_dir, which, Path(tmp) / FULL_MODEL_DIR)
         try:
             model, tok = import_hf(merged)
         except ValueError as e:  # a base llama.cpp's llama/qwen3 would not be (Gemma, GPT-2...)
@@ -103,13 +116,13 @@ def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
     return parse_jsonl(p.read_text(encoding="utf-8"), p) if p.is_file() else []
 
 
-_HEADLINE = {"perplexity": ("perplexity", "bits_per_byte", "tokens"), "hellaswag": ("acc", "acc_norm", "n")}
-
-
 def _scores(e: dict[str, Any]) -> str:
-    keys = _HEADLINE.get(e.get("task"), ()) or [k for k in e.get("scores", {}) if k.startswith("pass@")]
+    """A recorded evaluation's scores as its card shows them: its task's headline (`Task.headline`), else every
+    number."""
     s = e.get("scores", {})
-    return ", ".join(f"{k} {_num(s[k])}" for k in keys if k in s) or \
+    task = TASKS.get(e.get("task"))
+    keys = [k for pattern in (task.headline if task else ()) for k in s if fnmatchcase(k, pattern)]
+    return ", ".join(f"{k} {_num(s[k])}" for k in keys) or \
         ", ".join(f"{k} {_num(v)}" for k, v in s.items() if isinstance(v, (int, float)))
 
 
@@ -121,7 +134,7 @@ def _num(v: Any) -> str:
 
 def _is_local(source: Any) -> bool:
     text = str(source or "")
-    return not text.startswith("hf:") and (text.startswith(("/", ".", "~")) or Path(text).exists())
+    return not is_hub(text) and (text.startswith(("/", ".", "~")) or Path(text).exists())
 
 
 def _shown(source: Any) -> Any:
@@ -177,7 +190,7 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id:
     if f["kind"] == "pretrain":
         m = f["model"]
         start = f"continued from `{_shown(m.init)}`" if getattr(m, "init", None) else "from scratch"
-        lines += [f"A {'Qwen3' if m.qk_norm else 'Llama'}-architecture language model pretrained {start} with "
+        lines += [f"A {m.family.title}-architecture language model pretrained {start} with "
                   f"[tinygpt](https://github.com/tinygpt/tinygpt): {m.n_layer} layers, width {m.d_model}, "
                   f"{m.n_head} heads ({m.n_kv_head or m.n_head} key/value), context {m.max_seq_len} tokens, "
                   f"vocabulary {m.vocab_size:,} "
@@ -236,6 +249,18 @@ def _write_gguf(run_dir: Path, model: Any, tok: Any, folder: Path, quant: str) -
     return name
 
 
+@dataclass(kw_only=True)
+class ExportOptions(RunCheckpoint):
+    """`tinygpt export`: each field is one of its options (core/options.py)."""
+    out_dir: str = option(flag="OUT_DIR", help="a new or empty folder; nothing is overwritten")
+    format: str = option("hf", choices=FORMATS, help="hf: config.json + model.safetensors + tokenizer; gguf: one "
+                         ".gguf file + an Ollama Modelfile")
+    quant: str = option("f16", choices=gg.QUANTS, help="GGUF only: the weights' type")
+
+    def run(self) -> Path:
+        return export(self.run_dir, self.out_dir, self.format, self.quant, self.which)
+
+
 def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str = "f16",
            which: str = "latest") -> Path:
     """A run (pretraining, or finetuning merged) as a new folder at `out_dir`: Hugging Face files
@@ -251,7 +276,7 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str
             if kind == "finetune":
                 merge_adapter(run_dir, tmp)
             else:
-                _move_up(export_full(run_dir, which, tmp / "model"))
+                _move_up(export_full(run_dir, which, tmp / FULL_MODEL_DIR))
                 (tmp / ADAPTER_INFO).unlink(missing_ok=True)  # this machine's paths: not for a shared folder
             (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None), encoding="utf-8")
         return out
@@ -310,6 +335,19 @@ def hub_token() -> str | None:
         return userdata.get("HF_TOKEN")
     except Exception:  # not added, or this notebook not granted access: both mean "no token"
         return None
+
+
+@dataclass(kw_only=True)
+class PushOptions(RunCheckpoint):
+    """`tinygpt push`: each field is one of its options (core/options.py)."""
+    repo_id: str = option(flag="REPO_ID", help="USER/NAME or ORG/NAME (created if it does not exist)")
+    private: bool = option(False, help="create the repository private")
+    gguf: str = option("q8_0", choices=(*gg.QUANTS, "none"),
+                       help="also upload a GGUF of this type, for `ollama run hf.co/REPO_ID`")
+
+    def run(self) -> str:
+        return push(self.run_dir, self.repo_id, private=self.private, gguf=None if self.gguf == "none" else self.gguf,
+                    which=self.which)
 
 
 def push(run_dir: str | Path, repo_id: str, *, token: str | None = None, private: bool = False,

@@ -1,6 +1,6 @@
 """Google Drive inside Colab: is this Colab, mount Drive, where runs live on it.
 
-Only the notebooks and `tinygpt.colab.ui` use this; the mirror itself (`tinygpt.sync.drive`) works
+Only the notebooks and `tinygpt.colab.runs` use this; the mirror itself (`tinygpt.sync`) works
 with any folder, so nothing below the Colab layer needs to know about Drive.
 """
 from __future__ import annotations
@@ -32,6 +32,6 @@ def mount_drive(mountpoint: str | Path = "/content/drive", force_remount: bool =
     return mydrive
 
 
-def drive_run_dir(name: str, mydrive: str | Path | None = None) -> Path:
-    """MyDrive/tinygpt/runs/<name> (mounting Drive first when `mydrive` is not given)."""
-    return Path(mydrive if mydrive is not None else mount_drive()) / DRIVE_RUNS / name
+def drive_run_dir(name: str, mydrive: str | Path) -> Path:
+    """MyDrive/tinygpt/runs/<name>: where the run `name` is mirrored on Drive (`mydrive` is MyDrive)."""
+    return Path(mydrive) / DRIVE_RUNS / name

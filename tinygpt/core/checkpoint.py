@@ -13,6 +13,7 @@ import pickle
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from tinygpt.core.files import (
     sha256_file,
     write_json_atomic,
 )
+from tinygpt.core.options import option
 from tinygpt.core.rundir import RunDir
 
 MANIFEST = "manifest.json"
@@ -126,7 +128,7 @@ def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL
         return False, (str(e) if isinstance(e, UnsafePathError) else f"unreadable manifest: {e}")
     if required not in files:
         return False, f"manifest lists no {required}"
-    if path.name.startswith("step_") and path.name[5:].isdigit() and manifest.get("step") != int(path.name[5:]):
+    if step_of(path) is not None and manifest.get("step") != step_of(path):
         return False, f"its manifest says step {manifest.get('step')!r}, the folder is {path.name}"
     for name, info in files.items():
         p = path / name
@@ -145,6 +147,12 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / MANIFEST).read_text())
 
 
+def step_of(folder: str | Path) -> int | None:
+    """The step a checkpoint folder's name says (`step_000020`: 20); None for any other name."""
+    name = Path(folder).name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
 def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     """(step, folder) of every `step_*` folder, oldest first (not verified). A symbolic link (the
     folder itself or a step folder) is never followed: it is left out with a warning."""
@@ -155,11 +163,11 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
         return out
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.startswith("step_") and p.name[5:].isdigit():
+            if (step := step_of(p)) is not None:
                 if p.is_symlink():
                     warnings.warn(f"{link_problem(p)}: not followed, this checkpoint is not used", stacklevel=2)
                 elif p.is_dir():
-                    out.append((int(p.name[5:]), p))
+                    out.append((step, p))
     return sorted(out)
 
 
@@ -221,6 +229,14 @@ def prune(ckpt_root: str | Path, keep_last: int) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+@dataclass(kw_only=True)
+class RunCheckpoint:
+    """A run folder and which of its checkpoints (`find_run_checkpoint`): the first options of `tinygpt
+    eval`, `export` and `push` (each field is an option: core/options.py)."""
+    run_dir: str = option(flag="RUN_DIR", help="a run folder (pretraining or finetuning)")
+    which: str = option("latest", help="latest, best, or a checkpoint folder")
 
 
 def find_run_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:

@@ -6,10 +6,13 @@ message that says what to change, before any tokenizer is trained or any memory 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tinygpt.core.options import option
 
 
 def config_differences(old: dict, new: dict, allowed: set[str] | frozenset = frozenset(),
@@ -51,32 +54,95 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# --- the model -------------------------------------------------------------------------------
+# Each ModelConfig field says beside its declaration how it reads in a transformers config (`hf`) and in a GGUF
+# file (`gguf`), and whether it is part of the network (`network`: two configs that differ there are different
+# networks; the rest are context, initialisation, speed and memory choices). `to_hf_llama`, `from_hf_llama`,
+# `to_gguf` and `network_fields` read these; nothing else spells the fields' names in those formats.
+REQUIRED = dataclasses.MISSING  # a config.json without this key does not describe a model
+
+
+def _hf(key: str, missing: Any = REQUIRED, network: bool = True, gguf: str | None = None) -> dict[str, Any]:
+    """A field's metadata: its transformers config key, the value a config.json without the key means
+    (transformers' own default), whether it is part of the network, and how a GGUF file says it (gguf's writer
+    method `GGUFWriter.add_{gguf}`, which knows llama.cpp's key and type)."""
+    return {"hf": key, "hf_missing": missing, "network": network} | ({"gguf": gguf} if gguf else {})
+
+
+# What the GPT always is, as a transformers config says it: key -> (the GPT's value, why another value is not
+# this GPT). `to_hf_llama` writes these; `tinygpt.model.hf.representation_gaps` refuses a config.json that differs.
+# A new option that makes one of them a choice moves it from here into a field.
+HF_FIXED: dict[str, tuple[Any, str]] = {
+    "hidden_act": ("silu", "tinygpt's MLP is SwiGLU with SiLU"),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers architecture with exactly the GPT's layers and parameter names (and the llama.cpp
+    architecture of the same name): the one place an export, an import, a GGUF file and a model card look up
+    what the model is called."""
+
+    model_type: str  # config.json's model_type, and llama.cpp's architecture
+    title: str  # `{title}Config` and `{title}ForCausalLM` in transformers; the model card's name
+    qk_norm: bool  # the ModelConfig.qk_norm of this family's models
+    hf_fixed: dict[str, tuple[Any, str]]  # HF_FIXED and this family's own keys the GPT fixes
+    rope_pairs: bool  # llama.cpp rotates adjacent pairs (not halves): GGUF q/k rows are permuted
+    gguf_lacks: tuple[str, ...] = ()  # ModelConfig options llama.cpp's architecture of this name cannot load
+
+    @property
+    def config_class(self) -> str:
+        return f"{self.title}Config"
+
+    @property
+    def model_class(self) -> str:
+        return f"{self.title}ForCausalLM"
+
+
+FAMILIES = {f.model_type: f for f in (
+    Family("llama", "Llama", False, {**HF_FIXED, "mlp_bias": (False, "tinygpt's MLP has no biases")}, rope_pairs=True),
+    # Qwen3: Llama's layers plus an RMSNorm on each head's queries and keys; full attention, no sliding window.
+    Family("qwen3", "Qwen3", True, {**HF_FIXED, "use_sliding_window": (False, "tinygpt's attention is full")},
+           rope_pairs=False, gguf_lacks=("attention_bias",)),
+)}
+
+
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder. Field names follow nanoGPT; `to_hf_llama` maps them to `LlamaConfig`."""
+    """A Llama-style decoder. Field names follow nanoGPT; each field's Hugging Face name stands beside it,
+    and the choices are resolved once: `family` (which transformers / llama.cpp architecture), `head_dim`;
+    `tinygpt.model.gpt` builds the layers from them (`norm_class`, `rope_tables`)."""
 
-    vocab_size: int = 4096
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int | None = None  # None: as many as n_head (no grouped-query attention)
-    d_model: int = 256
-    d_ff: int | None = None  # None: about 8/3 d_model rounded up to a multiple of 64 (SwiGLU)
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    activation_checkpointing: bool = False
+    vocab_size: int = field(default=4096, metadata=_hf("vocab_size", gguf="vocab_size"))
+    n_layer: int = field(default=4, metadata=_hf("num_hidden_layers", gguf="block_count"))
+    n_head: int = field(default=4, metadata=_hf("num_attention_heads", gguf="head_count"))
+    # None: as many as n_head (no grouped-query attention)
+    n_kv_head: int | None = field(default=None, metadata=_hf("num_key_value_heads", None,
+                                                                gguf="head_count_kv"))
+    d_model: int = field(default=256, metadata=_hf("hidden_size", gguf="embedding_length"))
+    # None: about 8/3 d_model rounded up to a multiple of 64 (SwiGLU)
+    d_ff: int | None = field(default=None, metadata=_hf("intermediate_size", gguf="feed_forward_length"))
+    max_seq_len: int = field(default=256, metadata=_hf("max_position_embeddings", 2048, network=False,
+                                                       gguf="context_length"))
+    rope_theta: float = field(default=10000.0, metadata=_hf("rope_theta", 10000.0, gguf="rope_freq_base"))
+    norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6, gguf="layer_norm_rms_eps"))
+    tie_embeddings: bool = field(default=False, metadata=_hf("tie_word_embeddings", False))
+    init_std: float = field(default=0.02, metadata=_hf("initializer_range", 0.02, network=False))
+    # A bias on each attention projection (q, k, v and o; initialised at zero), as Llama's and Qwen3's
+    # attention_bias; the MLP stays without (Llama's mlp_bias is a separate key, Qwen3 has none). Newer than
+    # identity.json: in a run's identity only where set.
+    attention_bias: bool = field(default=False, metadata={**_hf("attention_bias", False), "identity": "when_set"})
+    activation_checkpointing: bool = field(default=False, metadata={"identity": "never"})
     # Speed-run choices (modded-nanogpt), each kept only where it measured better at our scale
     # (docs/BENCHMARKS.md): an RMSNorm on each head's queries and keys before RoPE (Qwen3's q_norm and
-    # k_norm, so an export is a `Qwen3ForCausalLM`), and the projections into the residual stream
+    # k_norm: in Hugging Face terms the family, see `family`), and the projections into the residual stream
     # (o_proj, down_proj) initialised at zero, so that every block starts as the identity.
-    qk_norm: bool = False
+    qk_norm: bool = field(default=False, metadata={"network": True})
     zero_init_proj: bool = False
     # One matmul for q/k/v and one for gate/up instead of five: fewer, larger kernels, which a GPU runs
     # faster. The same math and, with the same seed, the same initial weights, so it changes speed, not the
     # run; saved files keep the separate Hugging Face names. Off until measured faster (docs/BENCHMARKS.md).
-    fused_proj: bool = False
+    fused_proj: bool = field(default=False, metadata={"identity": "never"})
     # Where the weights start (continued pretraining, `tinygpt.train.init`): None, a seeded random
     # initialisation; else hf:NAME[@REVISION], a Hugging Face model folder or a tinygpt run folder, whose
     # architecture the fields above then repeat. Read once, at a run's first step; a resume does not read it.
@@ -104,11 +170,18 @@ class ModelConfig:
                  f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         _require(self.max_seq_len >= 1, f"max_seq_len must be positive, got {self.max_seq_len}")
         _require(self.d_ff >= 1, f"d_ff must be positive, got {self.d_ff}")
-        _require(isinstance(self.fused_proj, bool), f"fused_proj must be True or False, got {self.fused_proj!r}")
+        for name in ("fused_proj", "attention_bias"):
+            v = getattr(self, name)
+            _require(isinstance(v, bool), f"model.{name} must be True or False, got {v!r}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def family(self) -> Family:
+        """The transformers (and llama.cpp) architecture with these layers: Llama, or Qwen3 with QK-norm."""
+        return next(f for f in FAMILIES.values() if f.qk_norm == self.qk_norm)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,41 +191,59 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    @property
-    def hf_model_type(self) -> str:
-        """The `transformers` architecture with the same layers and names: Llama, or Qwen3 with QK-norm."""
-        return "qwen3" if self.qk_norm else "llama"
+    @classmethod
+    def network_fields(cls) -> tuple[str, ...]:
+        """The fields that make two configs the same network (and so the same weights' meaning)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("network"))
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that make a run the same run (the mirror's identity.json hashes them, with the data):
+        not the speed and memory choices a probe may make otherwise on another GPU (`identity` "never"), and an
+        option added since identity.json began only where it is set ("when_set"), so that a run begun before
+        the option existed keeps its identity."""
+        out = {}
+        for f in dataclasses.fields(self):
+            rule, value = f.metadata.get("identity", "always"), getattr(self, f.name)
+            if rule == "always" or (rule == "when_set" and value != f.default):
+                out[f.name] = value
+        return out
 
     def to_hf_llama(self) -> dict[str, Any]:
-        """The keyword arguments of the equivalent `transformers.LlamaConfig` (or `Qwen3Config`: the same
-        names; see `hf_model_type`)."""
-        return dict(
-            vocab_size=self.vocab_size, hidden_size=self.d_model, intermediate_size=self.d_ff,
-            num_hidden_layers=self.n_layer, num_attention_heads=self.n_head,
-            num_key_value_heads=self.n_kv_head, max_position_embeddings=self.max_seq_len,
-            rope_theta=self.rope_theta, rms_norm_eps=self.norm_eps,
-            tie_word_embeddings=self.tie_embeddings, hidden_act="silu", attention_bias=False,
-            mlp_bias=False, initializer_range=self.init_std, head_dim=self.head_dim,
-        )
+        """The keyword arguments of the equivalent transformers config (`family.config_class`: `LlamaConfig`,
+        or `Qwen3Config` with QK-norm)."""
+        mapped = {f.metadata["hf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "hf" in f.metadata}
+        fixed = {key: value for key, (value, _) in self.family.hf_fixed.items()}
+        return {**mapped, **fixed, "head_dim": self.head_dim}
+
+    def to_gguf(self) -> dict[str, int | float]:
+        """The model's llama.cpp metadata: {name: value} for gguf's writer method `GGUFWriter.add_{name}`."""
+        mapped = {f.metadata["gguf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "gguf" in f.metadata}
+        head = self.head_dim  # keys and values as wide as the queries, all of each head rotated
+        return {**mapped, "key_length": head, "value_length": head, "rope_dimension_count": head}
 
     @classmethod
     def from_hf_llama(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a Llama `config.json` dictionary."""
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
-            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        n_head = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
-        _require(head_dim * n_head == hf["hidden_size"],
+        """Build from a Llama or Qwen3 `config.json` dictionary (a missing required key: KeyError)."""
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if "hf" in f.metadata:
+                kw[f.name] = _hf_value(hf, f.metadata["hf"], f.metadata["hf_missing"])
+                kw[f.name] = {"float": float, "bool": bool}.get(str(f.type), lambda v: v)(kw[f.name])
+        head_dim = hf.get("head_dim") or kw["d_model"] // kw["n_head"]
+        _require(head_dim * kw["n_head"] == kw["d_model"],
                  "tinygpt needs head_dim * num_attention_heads == hidden_size")
-        return cls(
-            vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
-            n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=hf["hidden_size"],
-            d_ff=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-            rope_theta=float(rope_theta), norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=hf.get("initializer_range", 0.02), qk_norm=hf.get("model_type") == "qwen3",
-        )
+        family = FAMILIES.get(hf.get("model_type"), FAMILIES["llama"])
+        return cls(**kw, qk_norm=family.qk_norm)
+
+
+def _hf_value(hf: dict[str, Any], key: str, missing: Any) -> Any:
+    """`hf[key]`, or where transformers >= 5 keeps it (rope settings under rope_parameters), or `missing`."""
+    for where in (hf, hf.get("rope_parameters") or {}):
+        if where.get(key) is not None:
+            return where[key]
+    if missing is REQUIRED:
+        raise KeyError(key)
+    return missing
 
 
 # Named model sizes. Parameter counts are for the GPT-2 vocabulary padded to 50304;
@@ -180,6 +271,7 @@ def model_config(size: str, **overrides: Any) -> ModelConfig:
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 # How the loss is taken (`tinygpt.model.losses`): chunked by size, over the full logits, or always chunked.
 LOSS_MODES = ("auto", "full", "chunked")
+COMPILE_MODES = ("auto", "on", "regional", "off")  # auto: on for CUDA; regional: each transformer block
 
 
 @dataclass
@@ -229,7 +321,7 @@ class TrainConfig:
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr,
                  f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         _require(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        _require(self.compile in ("auto", "on", "regional", "off"),
+        _require(self.compile in COMPILE_MODES,
                  f"compile must be auto, on, regional or off, got {self.compile!r}")
         _require(self.optimizer in ("adamw", "muon"), f"optimizer must be adamw or muon, got {self.optimizer!r}")
         _require(self.loss in LOSS_MODES, f"loss must be one of {LOSS_MODES}, got {self.loss!r}")
@@ -290,7 +382,7 @@ class Recipe:
 
     name: str
     description: str
-    hardware: str  # "cpu", "t4", "l4", "a100", "h100"
+    hardware: str  # the class it is made for: a key of `core.hardware.HARDWARE`
     model: ModelConfig
     train: TrainConfig
     data: DataConfig = field(default_factory=DataConfig)
@@ -319,12 +411,63 @@ class Recipe:
                    model=ModelConfig.from_dict(d["model"]), train=TrainConfig.from_dict(d["train"]),
                    data=DataConfig.from_dict(d.get("data", {})))
 
+    def identity(self) -> dict[str, Any]:
+        """What makes two runs the same run, for the mirror's identity: the recipe's name, the model (less what
+        the probe may choose otherwise on another GPU: `ModelConfig.identity`) and the data. Training settings
+        are compared against run.json instead, where some may change on resume."""
+        return {"recipe": self.name, "model": self.model.identity(), "data": self.data.to_dict()}
+
     def replace(self, model: dict | None = None, train: dict | None = None, data: dict | None = None) -> "Recipe":
         """A copy with some fields changed, validated again."""
         return Recipe(name=self.name, description=self.description, hardware=self.hardware,
                       model=dataclasses.replace(self.model, **(model or {})),
                       train=dataclasses.replace(self.train, **(train or {})),
                       data=dataclasses.replace(self.data, **(data or {})))
+
+
+def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
+    """`train.lr=1e-3`-style overrides (`--set`), values parsed as JSON where they can be (numbers, true,
+    null); a number field takes a number (a whole number where it is an int), a string field a string."""
+    changes: dict[str, dict] = {"model": {}, "train": {}, "data": {}}
+    for a in assignments:
+        key, sep, raw = a.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or section not in changes or not name:
+            raise ConfigError(f"cannot read override {a!r}: write SECTION.FIELD=VALUE with SECTION model, train "
+                              "or data")
+        fields = getattr(recipe, section).to_dict()
+        if name not in fields:
+            raise ConfigError(f"{section} has no field {name!r}; fields: {', '.join(fields)}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        current = fields[name]
+        if isinstance(current, (int, float)) and not isinstance(current, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or (isinstance(current, int) and not isinstance(value, int) and current is not None):
+                kind = "a whole number" if isinstance(current, int) else "a number"
+                raise ConfigError(f"--set {a}: {section}.{name} must be {kind} (it is {current!r} in recipe "
+                                  f"{recipe.name}), not {raw!r}")
+        elif isinstance(current, str) and not isinstance(value, str):
+            value = raw
+        changes[section][name] = value
+    return recipe.replace(**changes)
+
+
+@dataclass
+class RecipeChoice:
+    """What `tinygpt pretrain` trains: a named recipe, maybe continued from a base, with fields changed.
+    Each field is a command-line option (core/options.py)."""
+    recipe: str | None = option(None, help="a name from `tinygpt recipes` (default: the run folder's own recipe "
+                                "when it has one, else the one this hardware suits, as `tinygpt probe` shows)")
+    init: str | None = option(None, metavar="BASE", help="continue pretraining a model: hf:NAME[@REVISION] (e.g. "
+                              "hf:HuggingFaceTB/SmolLM2-135M), a Llama/Qwen3 model folder, or a tinygpt run folder; "
+                              "its weights, tokenizer and architecture, with the recipe's batch and steps at a lower "
+                              "learning rate")
+    overrides: list[str] = option(default_factory=list, flag="--set", metavar="SECTION.FIELD=VALUE",
+                                  help="override recipe fields, e.g. --set train.lr=1e-3 model.n_layer=6 "
+                                       "data.max_chars=100000")
 
 
 GPT2_VOCAB_PADDED = 50304  # 50257 rounded up to a multiple of 128: faster matmuls, same tokenizer
@@ -334,75 +477,75 @@ TINYSTORIES = "hf:roneneldan/TinyStories"  # ~470M GPT-2 tokens of simple storie
 FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"  # ~10B tokens of educational web pages
 
 
-def _recipes() -> dict[str, Recipe]:
-    r: list[Recipe] = [
-        Recipe(
-            "cpu-smoke", "A few seconds on any CPU: a 2-layer model, for tests and the notebooks' smoke mode.",
-            "cpu", model_config("tiny", vocab_size=512),
-            TrainConfig(micro_batch_size=8, seq_len=64, max_steps=30, lr=3e-3, min_lr=3e-4, warmup_steps=5,
-                        eval_every=10, eval_batches=2, log_every=5, save_every=10, keep_last=2, precision="fp32"),
-            DataConfig(source="builtin", vocab_size=512, max_chars=400_000)),
-        Recipe(
-            "cpu", "The default on a CPU: a 3M-parameter model on the standard library's source, ~3 min on 2 cores.",
-            "cpu", model_config("cpu", vocab_size=4096),
-            TrainConfig(micro_batch_size=16, seq_len=128, max_steps=300, lr=2e-3, min_lr=2e-4, warmup_steps=30,
-                        eval_every=100, eval_batches=8, log_every=10, save_every=100, keep_last=2),
-            DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000)),
-        Recipe(
-            "cpu-fast", "The cpu recipe's model made faster to a good loss: QK-norm, zero-initialised projections, "
-            "Muon for the hidden matrices, warmup-stable-decay, 3 layers, half the batch: half the tokens, ~1 min.",
-            "cpu", model_config("cpu", vocab_size=4096, n_layer=3, qk_norm=True, zero_init_proj=True),
-            TrainConfig(micro_batch_size=8, seq_len=128, max_steps=300, lr=4e-3, min_lr=0.0, warmup_steps=20,
-                        optimizer="muon", schedule="wsd", decay_fraction=0.4, eval_every=100, eval_batches=8,
-                        log_every=10, save_every=100, keep_last=2),
-            DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000)),
-        Recipe(
-            "t4-50m", "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer.",
-            "t4", model_config("50m", vocab_size=GPT2_VOCAB_PADDED, max_seq_len=512),
-            TrainConfig(micro_batch_size=16, seq_len=512, grad_accum_steps=8, max_steps=4000, lr=6e-4,
-                        min_lr=6e-5, warmup_steps=200, eval_every=250, save_every=250, precision="fp16"),
-            DataConfig(source=TINYSTORIES, tokenizer="gpt2", vocab_size=50257)),
-        Recipe(
-            "l4-124m", "Colab's L4 (bf16): GPT-2-small scale, context 1024.",
-            "l4", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
-            TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=6e-4,
-                        min_lr=6e-5, warmup_steps=300, eval_every=250, save_every=250, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=6_500_000_000)),
-        Recipe(
-            "a100-124m", "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; "
-            "0.5M tokens per step.",
-            "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
-            TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=10000, lr=6e-4,
-                        min_lr=6e-5, warmup_steps=700, eval_every=250, save_every=250, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=25_000_000_000)),
-        Recipe(
-            "a100-124m-fast", "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an "
-            "untied head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3).",
-            "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED, tie_embeddings=False, qk_norm=True,
-                                 zero_init_proj=True),
-            TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=1.5e-3,
-                        min_lr=0.0, warmup_steps=250, optimizer="muon", schedule="wsd", decay_fraction=0.4,
-                        eval_every=250, save_every=250, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=13_000_000_000)),
-        Recipe(
-            "a100-350m", "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16.",
-            "a100", model_config("350m", vocab_size=GPT2_VOCAB_PADDED),
-            TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=32, max_steps=20000, lr=3e-4,
-                        min_lr=3e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257)),
-        Recipe(
-            "h100-760m", "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16.",
-            "h100", model_config("760m", vocab_size=GPT2_VOCAB_PADDED),
-            TrainConfig(micro_batch_size=16, seq_len=2048, grad_accum_steps=16, max_steps=20000, lr=2.5e-4,
-                        min_lr=2.5e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-            DataConfig(source=FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257)),
-    ]
-    return {x.name: x for x in r}
+def _gpt2_data(source: str, max_chars: int | None = None) -> DataConfig:
+    """A GPU recipe's data: a Hub data set read through the GPT-2 tokenizer (50257 tokens)."""
+    return DataConfig(source=source, tokenizer="gpt2", vocab_size=50257, max_chars=max_chars)
 
 
-RECIPES: dict[str, Recipe] = _recipes()
-DEFAULT_RECIPE_FOR_HARDWARE = {"cpu": "cpu", "mps": "cpu", "t4": "t4-50m", "l4": "l4-124m",
-                               "a100": "a100-124m", "h100": "a100-124m", "h200": "a100-124m"}
+# The named recipes: one constant each, then its name in RECIPES (`tinygpt recipes` lists them in this order).
+CPU_SMOKE = Recipe(
+    "cpu-smoke", "A few seconds on any CPU: a 2-layer model, for tests and the notebooks' smoke mode.",
+    "cpu", model_config("tiny", vocab_size=512),
+    TrainConfig(micro_batch_size=8, seq_len=64, max_steps=30, lr=3e-3, min_lr=3e-4, warmup_steps=5,
+                eval_every=10, eval_batches=2, log_every=5, save_every=10, keep_last=2, precision="fp32"),
+    DataConfig(source="builtin", vocab_size=512, max_chars=400_000))
+CPU = Recipe(
+    "cpu", "The default on a CPU: a 3M-parameter model on the standard library's source, ~3 min on 2 cores.",
+    "cpu", model_config("cpu", vocab_size=4096),
+    TrainConfig(micro_batch_size=16, seq_len=128, max_steps=300, lr=2e-3, min_lr=2e-4, warmup_steps=30,
+                eval_every=100, eval_batches=8, log_every=10, save_every=100, keep_last=2),
+    DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000))
+CPU_FAST = Recipe(
+    "cpu-fast", "The cpu recipe's model made faster to a good loss: QK-norm, zero-initialised projections, "
+    "Muon for the hidden matrices, warmup-stable-decay, 3 layers, half the batch: half the tokens, ~1 min.",
+    "cpu", model_config("cpu", vocab_size=4096, n_layer=3, qk_norm=True, zero_init_proj=True),
+    TrainConfig(micro_batch_size=8, seq_len=128, max_steps=300, lr=4e-3, min_lr=0.0, warmup_steps=20,
+                optimizer="muon", schedule="wsd", decay_fraction=0.4, eval_every=100, eval_batches=8,
+                log_every=10, save_every=100, keep_last=2),
+    DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000))
+T4_50M = Recipe(
+    "t4-50m", "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer.",
+    "t4", model_config("50m", vocab_size=GPT2_VOCAB_PADDED, max_seq_len=512),
+    TrainConfig(micro_batch_size=16, seq_len=512, grad_accum_steps=8, max_steps=4000, lr=6e-4,
+                min_lr=6e-5, warmup_steps=200, eval_every=250, save_every=250, precision="fp16"),
+    _gpt2_data(TINYSTORIES))
+L4_124M = Recipe(
+    "l4-124m", "Colab's L4 (bf16): GPT-2-small scale, context 1024.",
+    "l4", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
+    TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=6e-4,
+                min_lr=6e-5, warmup_steps=300, eval_every=250, save_every=250, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU, max_chars=6_500_000_000))
+A100_124M = Recipe(
+    "a100-124m", "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; "
+    "0.5M tokens per step.",
+    "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
+    TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=10000, lr=6e-4,
+                min_lr=6e-5, warmup_steps=700, eval_every=250, save_every=250, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU, max_chars=25_000_000_000))
+A100_124M_FAST = Recipe(
+    "a100-124m-fast", "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an "
+    "untied head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3).",
+    "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED, tie_embeddings=False, qk_norm=True,
+                         zero_init_proj=True),
+    TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=1.5e-3,
+                min_lr=0.0, warmup_steps=250, optimizer="muon", schedule="wsd", decay_fraction=0.4,
+                eval_every=250, save_every=250, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU, max_chars=13_000_000_000))
+A100_350M = Recipe(
+    "a100-350m", "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16.",
+    "a100", model_config("350m", vocab_size=GPT2_VOCAB_PADDED),
+    TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=32, max_steps=20000, lr=3e-4,
+                min_lr=3e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU))
+H100_760M = Recipe(
+    "h100-760m", "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16.",
+    "h100", model_config("760m", vocab_size=GPT2_VOCAB_PADDED),
+    TrainConfig(micro_batch_size=16, seq_len=2048, grad_accum_steps=16, max_steps=20000, lr=2.5e-4,
+                min_lr=2.5e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
+    _gpt2_data(FINEWEB_EDU))
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    CPU_SMOKE, CPU, CPU_FAST, T4_50M, L4_124M, A100_124M, A100_124M_FAST, A100_350M, H100_760M)}
 
 
 def get_recipe(name: str) -> Recipe:

@@ -29,6 +29,11 @@ def shared_data_dir() -> Path | None:
 HUB_PREFIX = "hf:"
 
 
+def is_hub(source: object) -> bool:
+    """Whether a data set, model or base is written as a Hugging Face Hub reference (``hf:...``)."""
+    return str(source).startswith(HUB_PREFIX)
+
+
 def hub_spec(source: str, at: str | None = None) -> tuple[str, str | None, str | None]:
     """(name, config, at) of a Hugging Face Hub reference written ``hf:NAME[:CONFIG][@AT]``: the one parser of
     that form, for data sets (AT a split, `at` its default) and models (AT a revision, no CONFIG). The prefix

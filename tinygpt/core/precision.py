@@ -6,10 +6,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-# What `choose_precision` gives on each hardware class's GPUs (compute capability 8.0+: bf16; a T4,
-# 7.5: fp16 with a GradScaler; a CPU: fp32): for tables that name a class, not a device.
-PRECISION_FOR_HARDWARE = {"cpu": "fp32", "mps": "fp32", "t4": "fp16", "l4": "bf16", "a100": "bf16",
-                          "h100": "bf16", "h200": "bf16"}
+from tinygpt.core.hardware import BF16_CAPABILITY
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -19,7 +19,7 @@ class Precision:
 
     @property
     def dtype(self) -> torch.dtype:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.name]
+        return DTYPES[self.name]
 
     @property
     def use_scaler(self) -> bool:
@@ -59,10 +59,7 @@ def resolve_device(requested: str = "auto") -> torch.device:
 def native_bf16(device: torch.device) -> bool:
     """True only where bf16 matmuls run on hardware: CUDA compute capability 8.0 (Ampere) or newer.
     `torch.cuda.is_bf16_supported()` also says True on a T4 (sm_75) through emulation, which is slow."""
-    if device.type != "cuda":
-        return False
-    major, _ = torch.cuda.get_device_capability(device)
-    return major >= 8
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= BF16_CAPABILITY
 
 
 def choose_precision(device: torch.device, requested: str = "auto") -> Precision:

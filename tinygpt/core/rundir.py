@@ -6,11 +6,13 @@
       identity.json     the run's id and configuration hash; its mirror holds the same (one run per mirror)
       metrics.jsonl     one JSON object per logged step (a killed run may leave the last line cut short)
       samples.txt       text sampled at intervals
+      evals.jsonl       each evaluation of the run (`tinygpt eval`), one JSON object per line
       finetune.json     a finetuning run's settings (instead of run.json)
       adapter_config.json, tinygpt_finetune.json, adapter/   a finetuning run's PEFT adapter
+      model/            a full finetuning run's result (config.json, model.safetensors, tokenizer)
       checkpoints/step_NNNNNN/   model.safetensors, state.pt, manifest.json (see core.checkpoint)
       best/             the checkpoint with the lowest validation loss
-      plots/, tb/       pictures and TensorBoard logs
+      plots/, tensorboard/   pictures and TensorBoard logs
 
 Every reader of these files goes through `RunDir`, so a cut-off line or a garbage file gets the same
 one-line error everywhere, naming the file and what to do.
@@ -41,13 +43,17 @@ RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metr
 FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
                                                             "tinygpt_finetune.json", "adapter")
 CHECKPOINTS, BEST = "checkpoints", "best"
+PLOTS, TENSORBOARD = "plots", "tensorboard"  # pictures of the run; TensorBoard's event files
+TOKEN_CACHE = "_token_cache"  # beside the mirrored run folders: the token cache's shards, shared by runs
 LOCK = ".lock"  # held by the one process writing the run folder (never mirrored)
 IDENTITY = "identity.json"  # the run's id and configuration hash, in the run folder and its mirror (one run per mirror)
 BASE_DIR, MERGED_DIR = "base", "merged"  # a finetuning run's exported tinygpt base; its merged model
-# the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
+FULL_MODEL_DIR = "model"  # a full finetuning run's result: config.json, model.safetensors, tokenizer
+EVALS_JSONL = "evals.jsonl"  # each evaluation of a run, recorded in its folder (the model card lists them)
 BUDGET_JSON = "budget.json"  # a time budget's step count, fixed once (tinygpt pretrain --hours)
 COMPILE_CACHE = "compile_cache.bin"  # the compiler's artifacts (signed): a new VM on the same GPU compiles less
 PROBE_JSON = "probe.json"  # the probe's result: a new VM on the same GPU and torch does not probe again
+# the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
 RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, COMPILE_CACHE,
              BUDGET_JSON, PROBE_JSON)
 

@@ -1,6 +1,8 @@
-"""Evaluation: the task registry and `run_eval` (tasks), language-model metrics (lm), code metrics
-(code), and run summaries, tables and plots (runs). The names a notebook uses are handed on here."""
-from tinygpt.evals.lm import eval_data, hellaswag_rows  # noqa: F401
+"""Evaluation: one module per task under `tasks/` with its registry (`TASKS`), the machinery they share
+(`harness`: the task record, loading, generation; `lm`: language-model scoring; `code`: code metrics and the
+sandbox), `run` (`run_eval`, and `evaluate` from `EvalOptions` for `tinygpt eval`), and run summaries, tables
+and plots (`runs`). The names a notebook uses are handed on here."""
+from tinygpt.evals.run import run_eval  # noqa: F401
 from tinygpt.evals.runs import (  # noqa: F401
     compare_runs,
     list_runs,
@@ -9,4 +11,5 @@ from tinygpt.evals.runs import (  # noqa: F401
     read_samples,
     summarize_run,
 )
-from tinygpt.evals.tasks import TASKS, run_eval  # noqa: F401
+from tinygpt.evals.tasks import TASKS, eval_data  # noqa: F401
+from tinygpt.evals.tasks.hellaswag import hellaswag_rows  # noqa: F401

@@ -2,9 +2,10 @@
 running candidates against a problem's tests (tinygpt/evals/sandbox.py: behind a kernel boundary,
 the solution and the test in two processes, so the model's code cannot forge the verdict).
 
-HumanEval and MBPP load into one form, `CodeProblem`: the solution is ``prefix + completion``; the
-test process runs ``context`` (HumanEval's prompt, for its helpers), then ``test`` against the
-solution's names (HumanEval: the entry point; MBPP: every name the solution defines).
+Each code task (tinygpt/evals/tasks/humaneval.py, mbpp.py) loads its problems into one form, `CodeProblem`:
+the solution is ``prefix + completion``; the test process runs ``context`` (HumanEval's prompt, for its
+helpers), then ``test`` against the solution's names (HumanEval: the entry point; MBPP: every name the
+solution defines).
 """
 from __future__ import annotations
 
@@ -153,11 +154,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prod
 
 
-# --- problems ---------------------------------------------------------------------------------
-
-HUMANEVAL_STOPS = ("\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(")
-MBPP_STOPS = ("\nassert ", "\nprint(", "\nif __name__", "\n```")
-
+# --- problems: each code task's loader (tinygpt/evals/tasks/) reads its file into this form ---
 
 @dataclass
 class CodeProblem:
@@ -198,7 +195,8 @@ class CodeProblem:
         return truncate_at_stops(completion, self.stops)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a JSONL file (.gz too); a line that is not JSON is a `DataFormatError`."""
     opener = gzip.open if path.suffix == ".gz" else open
     if not path.is_file():
         raise FileNotFoundError(f"no data file at {path}")
@@ -214,52 +212,12 @@ def _read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def _need(rec: dict, keys: tuple[str, ...], path: Path, what: str) -> None:
+def need_keys(rec: dict, keys: tuple[str, ...], path: Path, what: str) -> None:
+    """Refuse a record that lacks one of `keys`, naming the file and the format it should be."""
     missing = [k for k in keys if k not in rec]
     if missing:
         raise DataFormatError(f"{path}: a record lacks {missing}; is this a {what} file? "
                               f"Each line must be a JSON object with {', '.join(keys)}")
-
-
-def load_humaneval(path: str | Path) -> list[CodeProblem]:
-    """The HumanEval problems (HumanEval.jsonl[.gz] from openai/human-eval)."""
-    path = Path(path)
-    keys = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
-    out = []
-    for r in _read_jsonl(path):
-        _need(r, keys, path, "HumanEval")
-        out.append(CodeProblem(str(r["task_id"]), r["prompt"], r["prompt"],
-                               f"{r['test']}\n\ncheck({r['entry_point']})\n", r["canonical_solution"],
-                               r["entry_point"], HUMANEVAL_STOPS, context=r["prompt"], names=(r["entry_point"],),
-                               handles=False))
-    return out
-
-
-def mbpp_prompt(text: str, tests: Sequence[str]) -> str:
-    """The MBPP prompt of Austin et al. (2021): the task and its tests."""
-    return (f"You are an expert Python programmer, and here is your task: {text} "
-            f"Your code should pass these tests:\n\n" + "\n".join(tests) + "\n")
-
-
-def load_mbpp(path: str | Path, task_ids: Iterable[int] | None = range(11, 511)) -> list[CodeProblem]:
-    """MBPP problems (mbpp.jsonl); by default the test split, task ids 11-510. None: all 974."""
-    path = Path(path)
-    wanted = None if task_ids is None else set(task_ids)
-    out = []
-    for r in _read_jsonl(path):
-        _need(r, ("task_id", "text", "code", "test_list"), path, "MBPP")
-        if wanted is not None and int(r["task_id"]) not in wanted:
-            continue
-        # The setup code builds test inputs from the solution's own classes (task 367: Node), so it
-        # goes after the completion, before the asserts.
-        setup = r.get("test_setup_code") or ""
-        m = re.search(r"def\s+(\w+)\s*\(", r["code"])
-        out.append(CodeProblem(f"MBPP/{r['task_id']}", mbpp_prompt(r["text"], r["test_list"]),
-                               "", "\n".join(([setup] if setup.strip() else []) + list(r["test_list"])),
-                               r["code"].replace("\r\n", "\n"), m.group(1) if m else "", MBPP_STOPS))
-    if not out:
-        raise DataFormatError(f"{path} holds no MBPP problems with the requested task ids")
-    return out
 
 
 # --- execution ---------------------------------------------------------------------------------

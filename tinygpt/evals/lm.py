@@ -1,6 +1,7 @@
-"""Language-model metrics: perplexity and bits per byte, multiple choice (HellaSwag), and where the
-standard evaluation data sets are (offline copy or Hub). Code metrics are in `tinygpt.evals.code`,
-run summaries in `tinygpt.evals.runs`, the task registry behind `tinygpt eval` in `tinygpt.evals.tasks`.
+"""Language-model scoring every task shares: perplexity and bits per byte of a text, log-likelihoods and
+multiple choice, batching that says a long run's time first, and reading an evaluation text (a file or
+a Hub data set). The tasks that use them are in `tinygpt.evals.tasks` (one module each); code metrics
+are in `tinygpt.evals.code`, run summaries in `tinygpt.evals.runs`.
 
 Every model function takes a tinygpt `GPT` or a Hugging Face causal LM (through `as_causal_lm`),
 and a tinygpt `Tokenizer` or a Hugging Face tokenizer. Wrap a call in `Precision.autocast()` to
@@ -11,10 +12,7 @@ from __future__ import annotations
 import bz2
 import contextlib
 import gzip
-import itertools
-import json
 import math
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,19 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from tinygpt.core.config import DataConfig
-from tinygpt.core.files import write_text_atomic
-from tinygpt.core.paths import cache_root, shared_data_dir
+from tinygpt.core.paths import is_hub
 from tinygpt.core.units import duration
-from tinygpt.evals.code import DataFormatError
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train.data import iter_documents
-
-# Published zero-shot numbers to put beside a model's own: GPT-2 124M through lm-evaluation-harness on all
-# 10,042 validation items, so on the query text `hellaswag_query` builds (lm-eval's), scored as `multiple_choice` does.
-HELLASWAG_REFERENCE = {"random": {"acc": 0.25, "acc_norm": 0.25},
-                       "gpt2-124m": {"acc": 0.2892, "acc_norm": 0.3114}}
-HELLASWAG_REFERENCE_SOURCE = "lm-evaluation-harness, zero-shot, all 10,042 validation items"
-
 
 # --- models and tokenizers --------------------------------------------------------------------
 
@@ -122,7 +111,7 @@ LONG_SECONDS = 120.0  # an evaluation expected to take longer says so, with how 
 SHORT_SECONDS = 180.0  # what the suggested shorter run aims at (a quarter of the whole, when that is less)
 
 
-def _shorter(size: int, expected: float) -> int:
+def shorter(size: int, expected: float) -> int:
     """How much of `size` (characters, items) takes about `SHORT_SECONDS`, or a quarter of `expected`."""
     return _round_down(size * min(SHORT_SECONDS, expected / 4) / expected)
 
@@ -135,9 +124,9 @@ def _round_down(x: float) -> int:
     return int(x // scale * scale)
 
 
-def _run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: bool,
-                 say: Callable[[str], None] | None, describe: Callable[[float, float], str],
-                 cost: Sequence[float] | None = None) -> None:
+def run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: bool,
+                say: Callable[[str], None] | None, describe: Callable[[float, float], str],
+                cost: Sequence[float] | None = None) -> None:
     """``run(batch)`` for every batch. The first two are timed before any bar is shown; when the whole is
     expected to take more than `LONG_SECONDS`, ``say(describe(expected_total_s, s_per_batch))`` comes first.
     The first batch warms up, so the rate is the second's, per unit of `cost` (e.g. tokens; default: one
@@ -186,7 +175,7 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
     The text starts after the start token (`start_token`) so that its first token is scored too.
     Logits are (batch_size, window, vocab): lower both for a large vocabulary on a small GPU.
     A text expected to take over `LONG_SECONDS` is first said with its time and a shorter ``--max-chars``
-    (`_shorter`), through `say` (measured on the first batches; see `_run_batches`).
+    (`shorter`), through `say` (measured on the first batches; see `run_batches`).
     """
     lm = as_causal_lm(model)
     window = window or lm.max_seq_len
@@ -217,7 +206,7 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
         total += _nll_sum(lm, inputs, targets)
 
     def describe(expected: float, per_batch: float) -> str:
-        chars = _shorter(len(text), expected)
+        chars = shorter(len(text), expected)
         how = f"stride {step}" if step != window else "non-overlapping"
         return (f"perplexity over {n_bytes / 1e6:.1f} MB ({len(spans):,} windows of {window} tokens, {how}): about "
                 f"{duration(expected)} on this {lm.device.type.upper()}; --max-chars {chars} takes about "
@@ -225,14 +214,15 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
 
     with _evaluating(lm.module):
         batches = [spans[i:i + batch_size] for i in range(0, len(spans), batch_size)]
-        _run_batches(batches, run, "perplexity", progress, say, describe)
+        run_batches(batches, run, "perplexity", progress, say, describe)
     return {"mode": "non-overlapping" if stride in (None, window) else "sliding", "window": window,
             "stride": step, "windows": len(spans), "tokens": n_pred, "bytes": n_bytes,
             "first_token_scored": start is not None, "nll_nats": total, "loss": total / n_pred,
             "perplexity": math.exp(total / n_pred), "bits_per_byte": total / (math.log(2) * n_bytes)}
 
 
-def _open_text(path: str | Path):
+def open_text(path: str | Path):
+    """A UTF-8 text file for reading, decompressed when it ends in .gz or .bz2."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no data file at {path}")
@@ -241,123 +231,18 @@ def _open_text(path: str | Path):
 
 def read_text(path: str | Path, max_chars: int | None = None) -> str:
     """A UTF-8 text file (.txt, .gz or .bz2), at most `max_chars` characters of it."""
-    with _open_text(path) as f:
+    with open_text(path) as f:
         return f.read(max_chars) if max_chars else f.read()
 
 
-# --- multiple choice: HellaSwag ---------------------------------------------------------------
+# --- log-likelihoods and multiple choice (HellaSwag: tasks/hellaswag.py) ---------------------
 
 @dataclass
 class ChoiceItem:
+    """One multiple-choice item: endings scored after the context; `label` is the right one's index."""
     context: str
     endings: list[str]
     label: int
-
-
-def hellaswag_preprocess(text: str) -> str:
-    """lm-evaluation-harness's clean-up of HellaSwag text (its hellaswag task's ``preprocess``), rule for rule:
-    strip; " [title]" (a WikiHow step title) becomes ". "; every other ``[...]`` fragment goes (the
-    layout markers [header], [step], [substeps] and bracketed asides alike); then one pass that turns
-    each double space into one."""
-    text = text.strip().replace(" [title]", ". ")
-    text = re.sub(r"\[.*?\]", "", text)
-    return text.replace("  ", " ")
-
-
-def hellaswag_query(activity_label: str, ctx_a: str, ctx_b: str) -> str:
-    """The text an item's endings are scored after, built as lm-evaluation-harness builds it:
-    ``preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize())``."""
-    return hellaswag_preprocess(f"{activity_label}: {ctx_a} {ctx_b.capitalize()}")
-
-
-def hellaswag_item(record: dict[str, Any]) -> ChoiceItem:
-    """A HellaSwag record (rowanz/hellaswag's JSONL, or the Hub's Rowan/hellaswag: activity_label,
-    ctx_a, ctx_b, endings, label) as the item lm-evaluation-harness scores: its query and its four
-    preprocessed endings."""
-    try:
-        endings, label = record["endings"], str(record["label"]).strip()
-        query = hellaswag_query(record["activity_label"], record["ctx_a"], record["ctx_b"])
-    except KeyError as e:
-        raise DataFormatError(f"HellaSwag record {record.get('ind')} has no {e.args[0]!r}; records need "
-                              "activity_label, ctx_a, ctx_b, endings and label (rowanz/hellaswag's format)") from None
-    if len(endings) != 4 or label not in ("0", "1", "2", "3"):
-        raise DataFormatError(f"HellaSwag record {record.get('ind')} needs four endings and a label 0-3")
-    return ChoiceItem(query, [hellaswag_preprocess(e) for e in endings], int(label))
-
-
-_SENTENCE_END = re.compile(r"[.!?] ")
-# The activity labels of HellaSwag's WikiHow items (WikiHow's categories); every other label is an
-# ActivityNet activity. A WikiHow item's ctx_b is empty.
-WIKIHOW_LABELS = frozenset({
-    "Arts and Entertainment", "Cars & Other Vehicles", "Computers and Electronics", "Education and Communications",
-    "Family Life", "Finance and Business", "Food and Entertaining", "Health", "Hobbies and Crafts",
-    "Holidays and Traditions", "Home and Garden", "Home,Categories", "Personal Care and Style", "Pets and Animals",
-    "Philosophy and Religion", "Relationships", "Sports and Fitness", "Travel", "Uncategorized", "Work World",
-    "Youth"})
-
-
-def _six_line_query(line: str) -> str:
-    """lm-evaluation-harness's query from a six-line file's context line (klosax/hellaswag_text_data).
-
-    That line is ``activity_label + ": " + ctx``, where ctx is the data set's ``ctx_a + " " + ctx_b`` with
-    ctx_b as written (lower case) and " [title]" already a sentence end, but other brackets kept. So
-    lm-eval's ``preprocess`` is applied again (it changes nothing it already did), and ctx_b is
-    capitalised. The line does not mark where ctx_b begins. In HellaSwag a WikiHow item's ctx_b is empty
-    (its label is one of `WIKIHOW_LABELS`), and an ActivityNet item's is the start of the sentence after
-    ctx_a, which ends a sentence: so ctx_b is what follows the last sentence end of an ActivityNet
-    context. A JSONL file of the records (`hellaswag_item`) needs no such rule.
-    """
-    label, sep, ctx = hellaswag_preprocess(line).partition(": ")
-    ends = [m.end() for m in _SENTENCE_END.finditer(ctx)]
-    if sep and ends and label not in WIKIHOW_LABELS:
-        ctx = ctx[:ends[-1]] + ctx[ends[-1]:].capitalize()
-    return label + sep + ctx
-
-
-def _is_jsonl(path: Path) -> bool:
-    return ".jsonl" in path.suffixes or ".json" in path.suffixes
-
-
-def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceItem]:
-    """HellaSwag items, their text as lm-evaluation-harness builds it (`hellaswag_query`), from either
-    a JSONL file of the data set's records (rowanz/hellaswag's hellaswag_val.jsonl, .gz or .bz2; exact),
-    or a text file of six lines per item: context, gold index (0-3), four endings
-    (klosax/hellaswag_text_data, the offline copy; see `_six_line_query`)."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be a positive number of items or None, got {limit}")
-    path = Path(path)
-    items: list[ChoiceItem] = []
-    if _is_jsonl(path):
-        with _open_text(path) as f:
-            for n, line in enumerate(f, 1):
-                if limit is not None and len(items) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as e:
-                    raise DataFormatError(f"{path} line {n} is not JSON ({e}); expected one HellaSwag record per "
-                                          "line (rowanz/hellaswag's hellaswag_val.jsonl)") from None
-                items.append(hellaswag_item(record))
-        return items
-    hint = ("expected six lines per item: the context, the gold index (0-3), then the four endings "
-            "(the format of klosax/hellaswag_text_data), or a .jsonl file of HellaSwag records")
-    with _open_text(path) as f:
-        lines = (line.rstrip("\n") for line in f)
-        while limit is None or len(items) < limit:  # streamed: a small limit reads only what it needs
-            group = list(itertools.islice(lines, 6))
-            if not group or group == [""]:
-                break
-            first = 6 * len(items) + 1
-            if len(group) < 6:
-                raise DataFormatError(f"{path} ends with an incomplete item of {len(group)} lines at line "
-                                      f"{first}; {hint}")
-            if group[1].strip() not in ("0", "1", "2", "3"):
-                raise DataFormatError(f"{path} line {first + 1}: gold index {group[1][:40]!r} is not 0-3; {hint}")
-            items.append(ChoiceItem(_six_line_query(group[0]), [hellaswag_preprocess(e) for e in group[2:]],
-                                    int(group[1])))
-    return items
 
 
 def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str]], batch_size: int = 16,
@@ -367,7 +252,7 @@ def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str
     continuation's tokens only. Tokenized as lm-evaluation-harness does: the continuation's tokens
     are those of context + continuation after the context's, and context trailing spaces move to
     the continuation; an empty context becomes the start token; too long inputs lose their left.
-    `say` and `describe`: as in `_run_batches` (a long run says its expected time first)."""
+    `say` and `describe`: as in `run_batches` (a long run says its expected time first)."""
     lm, encode, start = as_causal_lm(model), encoder(tokenizer), start_token(tokenizer)
     seqs = []
     for ctx, cont in requests:
@@ -407,7 +292,7 @@ def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str
     with _evaluating(lm.module):
         batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
         cost = [len(b) * max(len(seqs[j][0]) for j in b) for b in batches]  # padded tokens: longest first
-        _run_batches(batches, run, "loglikelihood", progress, say, describe, cost)
+        run_batches(batches, run, "loglikelihood", progress, say, describe, cost)
     return out
 
 
@@ -421,7 +306,7 @@ def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], bat
     requests = [(it.context, " " + e) for it in items for e in it.endings]
 
     def describe(expected: float, per_batch: float) -> str:
-        limit = _shorter(len(items), expected)
+        limit = shorter(len(items), expected)
         return (f"{name} over {len(items):,} items: about {duration(expected)} on this "
                 f"{as_causal_lm(model).device.type.upper()}; --limit {limit} takes about "
                 f"{duration(expected * limit / len(items))}")
@@ -441,105 +326,25 @@ def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], bat
     return {"n": n, "acc": acc, "acc_stderr": se(acc), "acc_norm": acc_norm, "acc_norm_stderr": se(acc_norm)}
 
 
-def hellaswag(model: Any, tokenizer: Any, path: str | Path, limit: int | None = None, batch_size: int = 16,
-              progress: bool = False, say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """HellaSwag accuracy on the first `limit` items of the validation file (all 10,042 by default), on
-    lm-evaluation-harness's query text (`load_hellaswag`), with the published reference figures."""
-    return {"task": "hellaswag", **multiple_choice(model, tokenizer, load_hellaswag(path, limit), batch_size,
-                                                   progress, say, "hellaswag"), "reference": HELLASWAG_REFERENCE,
-            "reference_source": HELLASWAG_REFERENCE_SOURCE}
+# --- evaluation text: a file, or a Hugging Face data set ----------------------------------------
 
-
-def hellaswag_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Table rows: each HellaSwag result (of `hellaswag` or `run_eval`) above the published reference numbers."""
-    rows = [{"model": r.get("run", "model"), "items": r["n"], "acc": r["acc"], "acc_norm": r["acc_norm"],
-             "acc_norm_stderr": r["acc_norm_stderr"]} for r in results]
-    return rows + [{"model": f"{name} (published)", "items": 10042, **ref} for name, ref in HELLASWAG_REFERENCE.items()]
-
-
-def tokenizer_report(tokenizer: Any, texts: Sequence[str]) -> dict[str, Any]:
-    """Compression of a tokenizer on some texts: characters and UTF-8 bytes per token."""
-    encode = encoder(tokenizer)
-    n_tokens = sum(len(encode(t)) for t in texts)
-    return {"vocab_size": len(tokenizer.get_vocab()) if not hasattr(tokenizer, "eot_id") else tokenizer.vocab_size,
-            "tokens": n_tokens, "chars_per_token": sum(map(len, texts)) / max(n_tokens, 1),
-            "bytes_per_token": sum(len(t.encode("utf-8")) for t in texts) / max(n_tokens, 1)}
-
-
-# --- evaluation data: the offline copy when there is one, else the Hugging Face Hub ------------
-
-WIKITEXT2_TEST_HUB = "hf:wikitext:wikitext-2-raw-v1@test"
-HELLASWAG_HUB = "hf:Rowan/hellaswag@validation"
-OFFLINE_FILES = {"perplexity": "wikitext2_test.txt", "hellaswag": "hellaswag_val.txt.bz2",
-                 "humaneval": "HumanEval.jsonl.gz", "mbpp": "mbpp.jsonl"}
-HUB_DATA = {"perplexity": WIKITEXT2_TEST_HUB, "hellaswag": HELLASWAG_HUB}
-DATA_HELP = {"perplexity": "a text file, e.g. the WikiText-2 test file wikitext2_test.txt, or "
-                            f"{WIKITEXT2_TEST_HUB} to read it from the Hugging Face Hub (needs datasets)",
-             "hellaswag": "the validation file hellaswag_val.txt[.bz2] (six lines per item, from the Hub dataset "
-                          "klosax/hellaswag_text_data), rowanz/hellaswag's hellaswag_val.jsonl, or "
-                          f"{HELLASWAG_HUB} to download it (needs datasets)",
-             "humaneval": "HumanEval.jsonl[.gz] (github.com/openai/human-eval, data/)",
-             "mbpp": "mbpp.jsonl (github.com/google-research/google-research, mbpp/)"}
-
-
-def eval_data(task: str, data_dir: str | Path | None = None) -> str:
-    """Where a task's standard data set is: the offline file in `data_dir` (default
-    `shared_data_dir()`) when it is there, else its Hugging Face Hub name for `run_eval`."""
-    d = Path(data_dir) if data_dir is not None else shared_data_dir()
-    if task in OFFLINE_FILES and d is not None and (d / OFFLINE_FILES[task]).is_file():
-        return str(d / OFFLINE_FILES[task])
-    if task in HUB_DATA:
-        return HUB_DATA[task]
-    raise FileNotFoundError(f"no offline data for {task!r} in {d}; pass {DATA_HELP.get(task, 'a data file')}")
-
-
-def load_eval_text(data: str | Path, max_chars: int | None = None) -> str:
+def load_eval_text(data: str | Path, max_chars: int | None = None, offline: str = "a text file") -> str:
     """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset (hf:NAME[:CONFIG][@SPLIT],
-    or a save_to_disk folder) whose records are joined as they are (WikiText's records are its lines)."""
-    if str(data).startswith("hf:") or Path(data).is_dir():
-        with _from_hub(str(data), "perplexity"):
+    or a save_to_disk folder) whose records are joined as they are (WikiText's records are its lines).
+    `offline`: what to pass instead, said when the Hub cannot be reached."""
+    if is_hub(data) or Path(data).is_dir():
+        with from_hub(str(data), offline):
             return "".join(iter_documents(DataConfig(source=str(data), max_chars=max_chars)))
     return read_text(data, max_chars)
 
 
 @contextlib.contextmanager
-def _from_hub(spec: str, task: str):
+def from_hub(spec: str, offline: str):
+    """Reading `spec` from the Hub: a network error becomes one line that says what works offline."""
     try:
         yield
     except OSError as e:  # ConnectionError and the Hub client's HTTP errors: say what works offline
-        if not spec.startswith("hf:"):
+        if not is_hub(spec):
             raise
         raise RuntimeError(f"could not read {spec} from the Hugging Face Hub ({e}); with no network, "
-                           f"pass a local file instead: {DATA_HELP[task].split(', or ')[0]}") from e
-
-
-def wikitext2_test_text(max_chars: int | None = None, data_dir: str | Path | None = None) -> str:
-    """The WikiText-2 test text: the offline file when present, else the raw variant from the Hub."""
-    return load_eval_text(eval_data("perplexity", data_dir), max_chars)
-
-
-def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None = None) -> Path:
-    """A HellaSwag file for `load_hellaswag`: `data` when it is a path; the offline copy (or the
-    Hub) when it is None; for hf:NAME[@SPLIT], that dataset's records written once into `cache_dir` as JSONL
-    (each checked by `hellaswag_item`), so the query text is built from ctx_a and ctx_b exactly."""
-    spec = str(data) if data is not None else eval_data("hellaswag")
-    if not spec.startswith("hf:"):
-        return Path(spec)
-    name, _, split = spec[3:].partition("@")
-    split = split or "validation"
-    root = Path(cache_dir or cache_root("eval"))
-    out = root / f"hellaswag-{name.replace('/', '--')}-{split}.jsonl"
-    if not out.is_file():
-        try:
-            import datasets
-        except ImportError as e:
-            raise ImportError(f"{spec} needs `pip install datasets`; or pass {DATA_HELP['hellaswag']}") from e
-        with _from_hub(spec, "hellaswag"):
-            fields = ("ind", "activity_label", "ctx_a", "ctx_b", "label", "endings")
-            records = [{k: rec[k] for k in fields if k in rec} for rec in datasets.load_dataset(name, split=split)]
-        for rec in records:
-            hellaswag_item(rec)  # a record that cannot be scored (the test split has no labels) is refused now
-        text = "".join(json.dumps(rec) + "\n" for rec in records)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out, text)  # whole or not at all: a cut-off download is not taken for the data set
-    return out
+                           f"pass a local file instead: {offline}") from e

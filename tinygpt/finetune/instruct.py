@@ -22,9 +22,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from tinygpt.core.paths import hub_spec
 from tinygpt.model.losses import IGNORE_INDEX
-from tinygpt.train.data import DataError
+from tinygpt.train.data import DataError, hub_dataset
 
 TEMPLATES: dict[str, tuple[str, str]] = {
     # (with input, without input); the response follows the template directly.
@@ -94,10 +93,7 @@ def load_records(source: str, split: str = "train") -> list[dict]:
         if not p.is_dir():
             raise DataError(f"data file {source!r} does not exist")
         return _hf_records(str(p), None, split, local=True)
-    try:
-        name, config, split = hub_spec(source, split)
-    except ValueError as e:
-        raise DataError(str(e)) from None
+    name, config, split = hub_dataset(source, split)
     return _hf_records(name, config, split or "train", local=False)
 
 

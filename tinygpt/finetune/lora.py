@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.callback import closing
-from tinygpt.core.checkpoint import find_run_checkpoint, list_checkpoints
+from tinygpt.core.checkpoint import MODEL_FILE, find_run_checkpoint, list_checkpoints
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
@@ -84,7 +84,7 @@ from tinygpt.model.attention import use_expanding_sdpa
 from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
-from tinygpt.sync.drive import mirror_adapter
+from tinygpt.sync.mirror import mirror_adapter
 from tinygpt.sync.mirrored import mirrored
 from tinygpt.train.callbacks import Progress
 from tinygpt.train.hardware import check_device
@@ -289,7 +289,7 @@ def export_full(run_dir: str | Path, which: str = "latest", out_dir: str | Path 
     out = Path(out_dir) if out_dir is not None else run_dir / FULL_MODEL_DIR
     with atomic_output(out, folder=True) as tmp:
         config.save_pretrained(tmp)
-        shutil.copyfile(ckpt / "model.safetensors", tmp / "model.safetensors")
+        shutil.copyfile(ckpt / MODEL_FILE, tmp / "model.safetensors")  # named as transformers reads it
         load_tokenizer(base).save_pretrained(tmp)
         write_json_atomic(tmp / ADAPTER_INFO, {**info, "checkpoint": str(ckpt)})
     return out
@@ -604,7 +604,7 @@ def _settle(rec: FinetuneRecipe, base: str, base_id: str, data: str, run_dir: Pa
         plan_finetune(planned, hardware, config_dict, memory_gb)
     info = {"recipe": rec.to_dict(), "base": base_id, "data": data, "hardware": hardware, "plan": plan.to_dict()}
     check_same_run(run_dir, old, info)
-    resuming = bool(list_checkpoints(run_dir / "checkpoints"))
+    resuming = bool(list_checkpoints(RunDir(run_dir).checkpoints))
     if resume == "never" and resuming:
         raise FinetuneError(f"run folder {run_dir} already has checkpoints; resume='never' would overwrite them")
     return _Settled(rec, hardware, cfg, overrides, planned, plan, info, resuming)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file as load_safetensors
 
 from tinygpt.core.checkpoint import (
     MANIFEST,
+    MODEL_FILE,
     find_run_checkpoint,
     read_manifest,
     verify_checkpoint,
@@ -25,11 +26,14 @@ from tinygpt.core.checkpoint import (
 )
 from tinygpt.core.config import Recipe, TrainConfig, check_same_settings
 from tinygpt.core.files import atomic_output
-from tinygpt.core.precision import resolve_device
+from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.precision import DTYPES, resolve_device
 from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
+    ADAPTER_CONFIG,
     ADAPTER_DIR,
     ADAPTER_INFO,
     BASE_DIR,
+    FULL_MODEL_DIR,
     MERGED_DIR,
     RunDir,
     recipe_name_of,
@@ -75,8 +79,8 @@ class LoraSettings:
 
 @dataclass
 class FinetuneRecipe:
-    """LoRA settings (None: full finetuning, every weight trains) plus a TrainConfig per hardware class ("cpu",
-    "t4", "a100")."""
+    """LoRA settings (None: full finetuning, every weight trains) plus a TrainConfig per finetuning class ("cpu",
+    "t4", "a100": the `finetune` entries of `core.hardware.HARDWARE`, coarser groups of the hardware classes)."""
 
     name: str
     description: str
@@ -133,7 +137,6 @@ FINETUNE_RECIPES["full"] = FinetuneRecipe(
     "half-precision compute); for small bases, the result a whole model folder", None,
     {hw: dataclasses.replace(c, lr=c.lr * FULL_LR_FACTOR, min_lr=c.min_lr * FULL_LR_FACTOR)
      for hw, c in _settings().items()})
-FULL_MODEL_DIR = "model"  # a full finetuning run's result: config.json, model.safetensors, tokenizer
 
 
 def get_finetune_recipe(name: str) -> FinetuneRecipe:
@@ -144,17 +147,16 @@ def get_finetune_recipe(name: str) -> FinetuneRecipe:
                                train=dict(r.train))
 
 
-# The finetuning recipes know three classes: where bf16 and 35+ GB make LoRA on a 2B base easy
-# ("a100"), other GPUs ("t4"), and the CPU. They are coarser groups of the one hardware class.
-# What each finetuning class runs on, as `model.attention.attention_kernel` needs it: device, capability, dtype.
-FINETUNE_DEVICES = {"t4": ("cuda", (7, 5), torch.float16), "a100": ("cuda", (8, 0), torch.bfloat16),
-                    "cpu": ("cpu", None, torch.float32)}
-FINETUNE_CLASS = {"cpu": "cpu", "mps": "cpu", "t4": "t4", "l4": "t4", "a100": "a100", "h100": "a100", "h200": "a100"}
+def finetune_device(hardware: str) -> tuple[str, tuple[int, int] | None, torch.dtype]:
+    """What a finetuning class runs on, as `model.attention.attention_kernel` needs it: device type, compute
+    capability, dtype (the class's entry in `core.hardware.HARDWARE`)."""
+    c = HARDWARE[hardware]
+    return c.device_type, c.capability, DTYPES[c.precision]
 
 
 def detect_hardware(device: torch.device | str) -> str:
-    """The finetuning class ("cpu", "t4" or "a100") of a device, from `train.hardware.device_class`."""
-    return FINETUNE_CLASS[device_class(device)]
+    """The finetuning class ("cpu", "t4" or "a100") of a device: its hardware class's `finetune` entry."""
+    return HARDWARE[device_class(device)].finetune
 
 
 def this_hardware(device: str = "auto") -> tuple[str, float | None]:
@@ -213,7 +215,7 @@ def _need(module: str, what: str):
 
 
 def is_tinygpt_run(base: str | Path) -> bool:
-    return (Path(base).expanduser() / "run.json").is_file()
+    return RunDir(Path(base).expanduser()).is_pretrain_run()
 
 
 def base_config(path: str):
@@ -241,7 +243,7 @@ def base_config_dict(base: str | Path) -> dict[str, Any]:
     for a tinygpt run folder, that of the `LlamaForCausalLM` (or `Qwen3ForCausalLM`) it is exported as."""
     if is_tinygpt_run(base):
         recipe = Recipe.from_dict(RunDir(Path(base).expanduser()).recipe_dict())
-        return {"model_type": recipe.model.hf_model_type, **recipe.model.to_hf_llama()}
+        return {"model_type": recipe.model.family.model_type, **recipe.model.to_hf_llama()}
     return base_config(str(base)).to_dict()
 
 
@@ -288,7 +290,7 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     # Beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where no fused kernel
     # takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T scores: fp32 softmax + a copy.
     kernel = "math" if c.get("final_logit_softcapping") else \
-        attention_kernel(*FINETUNE_DEVICES[hardware], torch_version(), hd)
+        attention_kernel(*finetune_device(hardware), torch_version(), hd)
     if nkv < nh and kernel != "fused":
         layer_act += 2 * tokens * 2 * (nh - nkv) * hd
     if kernel == "math":
@@ -473,13 +475,13 @@ def export_adapter(run_dir: str | Path, which: str = "latest", out_dir: str | Pa
     """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the checkpoint's
     model.safetensors already holds exactly PEFT's adapter weights under PEFT's names."""
     run_dir = Path(run_dir)
-    if not (run_dir / "adapter_config.json").is_file():
+    if not RunDir(run_dir).is_finetune_run():
         raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")
     ckpt = find_run_checkpoint(run_dir, which)
     out = Path(out_dir) if out_dir is not None else run_dir / ADAPTER_DIR
     with atomic_output(out, folder=True) as tmp:  # an old adapter is replaced whole: a crash leaves one of the two
-        shutil.copyfile(ckpt / "model.safetensors", tmp / ADAPTER_WEIGHTS)
-        for name in ("adapter_config.json", ADAPTER_INFO):
+        shutil.copyfile(ckpt / MODEL_FILE, tmp / ADAPTER_WEIGHTS)
+        for name in (ADAPTER_CONFIG, ADAPTER_INFO):
             shutil.copyfile(run_dir / name, tmp / name)
         # checked like a checkpoint before every use (sizes and sha256)
         write_manifest(tmp, {"step": int(read_manifest(ckpt).get("step", 0)), "kind": "adapter"})

@@ -1,9 +1,28 @@
 """Sampling with the KV cache: temperature, top-k, top-p, stop at end-of-text."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from tinygpt.core.options import option
 from tinygpt.model.gpt import GPT, KVCache
+
+
+@dataclass(kw_only=True)
+class GenerateOptions:
+    """What `tinygpt generate` samples: each field is one of its options (core/options.py)."""
+    run_dir: str | None = option(None, help="a pretraining run folder (not needed with --adapter)")
+    prompt: str = option(help="the text to continue (with --adapter: the instruction to answer)")
+    checkpoint: str = option("latest", help="latest, best, or a checkpoint folder")
+    max_new_tokens: int = option(200, help="tokens to generate")
+    temperature: float = option(0.8, help="0 is greedy; higher is more varied")
+    top_k: int | None = option(50, help="sample only from the k likeliest tokens")
+    top_p: float | None = option(None, help="sample only from the likeliest tokens that cover this probability")
+    num_samples: int = option(1, help="how many samples, each from its own seed")
+    seed: int | None = option(None, help="the random seed of the first sample (sample i: seed + i)")
+    adapter: str | None = option(None, help="a finetuning run or adapter folder: the prompt is an instruction "
+                                 "answered by base + adapter")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,

@@ -2,10 +2,12 @@
 with `gguf`, llama.cpp's own Python writer.
 
 Invariants:
-- The architecture is llama.cpp's `llama`, or `qwen3` for a model with QK-norm (the same two that
-  `model.hf` exports to transformers); tensor names come from gguf's own `TensorNameMap`.
+- The architecture is llama.cpp's `llama`, or `qwen3` for a model with QK-norm (`ModelConfig.family`, the
+  same two that `model.hf` exports to transformers); tensor names come from gguf's own `TensorNameMap`, the
+  metadata from the config's fields (`ModelConfig.to_gguf`). An option llama.cpp's architecture cannot load
+  (`Family.gguf_lacks`) is refused before anything is written.
 - llama.cpp's `llama` applies RoPE to adjacent pairs, tinygpt (like transformers) to the two halves of
-  each head; q_proj and k_proj rows are permuted here exactly as llama.cpp's `convert_hf_to_gguf.py`
+  each head; q_proj and k_proj rows (and biases) are permuted here exactly as llama.cpp's `convert_hf_to_gguf.py`
   does, so the attention scores are the same. `qwen3` uses the halves itself: nothing is permuted.
 - The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with unused `[PAD<i>]`
   entries up to the model's vocabulary, which llama.cpp requires), the merges in rank order, and the
@@ -15,7 +17,7 @@ Invariants:
   normalizer, byte fallback...) rather than writing a file that tokenizes otherwise.
 - No beginning-of-sequence token is added (tinygpt adds none); end-of-text is eos, and llama.cpp stops on it.
 - Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0. Like llama.cpp's converter,
-  1-D tensors (norms) stay f32 and a matrix whose rows are not a whole number of blocks stays f16.
+  1-D tensors (norms, biases) stay f32 and a matrix whose rows are not a whole number of blocks stays f16.
 """
 from __future__ import annotations
 
@@ -54,9 +56,13 @@ def check_quant(quant: str) -> str:
     return quant
 
 
-def gguf_arch(config: ModelConfig) -> str:
-    """llama.cpp's architecture for this model: `qwen3` with QK-norm, else `llama`."""
-    return "qwen3" if config.qk_norm else "llama"
+def check_architecture(config: ModelConfig) -> ModelConfig:
+    """`config`, after checking that llama.cpp's architecture of its family loads every option it has on."""
+    lacks = [name for name in config.family.gguf_lacks if getattr(config, name)]
+    if lacks:
+        raise ValueError(f"llama.cpp's {config.family.model_type} architecture cannot load a model with "
+                         f"{', '.join(lacks)}; export to Hugging Face format instead (tinygpt export RUN OUT)")
+    return config
 
 
 # --- tokenizer --------------------------------------------------------------------------------
@@ -130,18 +136,19 @@ def _rope_pairs(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
-    """The model's weights under llama.cpp's names, as float32 arrays (q/k permuted for `llama`)."""
+    """The model's weights (and biases) under llama.cpp's names, as float32 arrays (q/k rows permuted where
+    the family's llama.cpp architecture rotates adjacent pairs)."""
     gguf = _gguf()
-    config = model.config
-    arch = gguf_arch(config)
+    config, family = model.config, model.config.family
+    arch = family.model_type  # llama.cpp's architecture of the same name
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.n_layer)
     out = {}
     for key, t in model_state(model).items():
-        name = names.get_name(key, try_suffixes=(".weight",))
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no llama.cpp tensor for {key!r} in architecture {arch}")
         w = t.to(torch.float32).numpy()
-        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if family.rope_pairs and key.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             w = _rope_pairs(w, config.n_head if "q_proj" in key else config.n_kv_head or config.n_head)
         out[name] = w
     return out
@@ -170,28 +177,17 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = 
     chat_template: a Jinja template for llama.cpp's chat mode (a finetuned run's prompt format)."""
     gguf = _gguf()
     check_quant(quant)
-    config = model.config
+    config = check_architecture(model.config)
     tokens, types, merges = tokenizer_tables(tokenizer, config.vocab_size)  # refused before anything is written
     tensors = gguf_tensors(model)
-    arch = gguf_arch(config)
     path = Path(path)
     with atomic_output(path) as tmp:
-        w = gguf.GGUFWriter(str(tmp), arch)
+        w = gguf.GGUFWriter(str(tmp), config.family.model_type)
         w.add_name(name)
         w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[quant]))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_context_length(config.max_seq_len)
-        w.add_embedding_length(config.d_model)
-        w.add_block_count(config.n_layer)
-        w.add_feed_forward_length(config.d_ff)
-        w.add_head_count(config.n_head)
-        w.add_head_count_kv(config.n_kv_head or config.n_head)
-        w.add_key_length(config.head_dim)
-        w.add_value_length(config.head_dim)
-        w.add_rope_dimension_count(config.head_dim)
-        w.add_rope_freq_base(config.rope_theta)
-        w.add_layer_norm_rms_eps(config.norm_eps)
-        w.add_vocab_size(config.vocab_size)
+        for name, value in config.to_gguf().items():  # gguf's own writer knows llama.cpp's key and type
+            getattr(w, f"add_{name}")(value)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre_tokenizer_name(json.loads(tokenizer.to_json()).get("pre_tokenizer")))
         w.add_token_list(tokens)

@@ -1,4 +1,4 @@
-"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA, tied embeddings and QK-norm).
+"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA, tied embeddings, QK-norm and attention biases).
 
 Parameter names are those of Hugging Face `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm), so a
 state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side). With
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -37,10 +39,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, shape (max_len, head_dim), in the half-split layout Llama uses."""
+def norm_class(config: ModelConfig) -> Callable[[int], nn.Module]:
+    """The model's norm, built from its width (litgpt's `Config.norm_class`): every norm of the GPT (before
+    attention and the MLP, the final one, QK-norm's per head) comes from here, so a new norm is chosen here."""
+    return partial(RMSNorm, eps=config.norm_eps)
+
+
+def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, shape (max_seq_len, head_dim), in the half-split layout Llama uses."""
+    head_dim, theta = config.head_dim, config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    t = torch.arange(max_len, dtype=torch.int64, device=device).float()
+    t = torch.arange(config.max_seq_len, dtype=torch.int64, device=device).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -74,7 +83,8 @@ class KVCache:
 
 def _fuse_in_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, int], ...]) -> None:
     """Make `module.<fused>` (a Linear whose output rows are `parts`, (name, rows) in order) save as the
-    separate `module.<name>.weight` matrices and load from them, so that files keep the Hugging Face names.
+    separate `module.<name>.weight` matrices (and `.bias` vectors, where it has a bias) and load from them, so
+    that files keep the Hugging Face names.
 
     On `module` itself, not on the fused Linear: `load_state_dict` checks each module's keys for unexpected
     names before its children load, and hands each child only the keys under its own prefix."""
@@ -83,18 +93,24 @@ def _fuse_in_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, i
     def split(mod, state_dict, prefix, local_metadata):
         # This module's keys are the last ones in the dict (it is filled depth first): re-insert them in
         # order with the fused matrix replaced by its parts, as copies (safetensors refuses shared storage).
-        mine = [(k, state_dict.pop(k)) for k in [k for k in state_dict if k.startswith(prefix)]]
-        for k, v in mine:
-            if k == f"{prefix}{fused}.weight":
-                for name, part in zip(names, v.split(sizes, dim=0)):
+        # Each part's bias right after its weight, the order of the unfused module.
+        mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+        weight, bias = f"{prefix}{fused}.weight", f"{prefix}{fused}.bias"
+        for k, v in mine.items():
+            if k == weight:
+                biases = mine[bias].split(sizes, dim=0) if bias in mine else [None] * len(names)
+                for name, part, part_bias in zip(names, v.split(sizes, dim=0), biases):
                     state_dict[f"{prefix}{name}.weight"] = part.clone()
-            else:
+                    if part_bias is not None:
+                        state_dict[f"{prefix}{name}.bias"] = part_bias.clone()
+            elif k != bias:
                 state_dict[k] = v
 
     def join(mod, state_dict, prefix, *args):
-        keys = [f"{prefix}{name}.weight" for name in names]
-        if all(k in state_dict for k in keys):  # else leave it: a missing key is reported as usual
-            state_dict[f"{prefix}{fused}.weight"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{kind}" for name in names]
+            if all(k in state_dict for k in keys):  # else leave it: a missing key is reported as usual
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
 
     module.fused_parts = {**getattr(module, "fused_parts", {}), fused: parts}
     module.register_state_dict_post_hook(split)
@@ -107,18 +123,17 @@ class Attention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         q_dim, kv_dim = config.n_head * self.head_dim, config.n_kv_head * self.head_dim
         self.split_sizes = (q_dim, kv_dim, kv_dim)
-        self.fused = config.fused_proj
+        self.fused, bias = config.fused_proj, config.attention_bias
         if self.fused:  # one matmul for queries, keys and values, split after
-            self.qkv_proj = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=False)
+            self.qkv_proj = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=bias)
             _fuse_in_state_dict(self, "qkv_proj", (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)))
         else:
-            self.q_proj = nn.Linear(config.d_model, q_dim, bias=False)
-            self.k_proj = nn.Linear(config.d_model, kv_dim, bias=False)
-            self.v_proj = nn.Linear(config.d_model, kv_dim, bias=False)
-        self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=False)
+            self.q_proj = nn.Linear(config.d_model, q_dim, bias=bias)
+            self.k_proj = nn.Linear(config.d_model, kv_dim, bias=bias)
+            self.v_proj = nn.Linear(config.d_model, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=bias)
         if config.qk_norm:  # Qwen3's names and place: per head, before RoPE
-            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.q_norm, self.k_norm = norm_class(config)(self.head_dim), norm_class(config)(self.head_dim)
         self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
@@ -174,9 +189,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.input_layernorm = norm_class(config)(config.d_model)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.post_attention_layernorm = norm_class(config)(config.d_model)
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, cache=None, layer=0):
@@ -191,7 +206,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.norm = norm_class(config)(config.d_model)
 
 
 class GPT(nn.Module):
@@ -202,14 +217,14 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rope_tables(config)
         # Not saved in the state_dict (Llama does not save them either); rebuilt from the config.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std); the projections into the residual stream scaled by 1/sqrt(2 n_layer)
+        """Normal(0, init_std), biases zero; the projections into the residual stream scaled by 1/sqrt(2 n_layer)
         (GPT-2's scaled init) so that the residual variance does not grow with depth, or zero with
         `zero_init_proj`. A fused matrix is drawn part by part, under each part's own name and in the
         unfused order, so that `fused_proj` starts from bit-identical weights (one draw over the whole
@@ -227,7 +242,9 @@ class GPT(nn.Module):
 
     def _init_weight(self, name: str, p: torch.Tensor) -> None:
         std = self.config.init_std
-        if p.dim() == 1:  # every norm's weight
+        if name.endswith(".bias"):  # attention_bias: a block still starts as the unbiased one
+            nn.init.zeros_(p)
+        elif p.dim() == 1:  # every norm's weight
             nn.init.ones_(p)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):  # into the residual stream
             if self.config.zero_init_proj:

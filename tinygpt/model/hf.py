@@ -2,7 +2,8 @@
 with QK-norm), import a Llama or Qwen3 folder.
 
 tinygpt's parameter names are those of `LlamaForCausalLM`, so the weights move as they are; only
-config.json and the tokenizer files are written here. An exported folder loads with
+config.json and the tokenizer files are written here, config.json from the Hugging Face names that
+`ModelConfig`'s fields carry (`to_hf_llama`, `from_hf_llama`, `family`). An exported folder loads with
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` and gives the same
 logits and token ids as the run it came from.
 """
@@ -15,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from tinygpt.core.checkpoint import CheckpointError, load_model_state, model_state
-from tinygpt.core.config import ModelConfig
+from tinygpt.core.config import FAMILIES, ModelConfig
 from tinygpt.core.files import atomic_output, write_json_atomic
 from tinygpt.core.paths import hub_spec
 from tinygpt.model.gpt import GPT, rope_tables
@@ -42,19 +43,13 @@ def check_export_target(out_dir: str | Path) -> Path:
     return out
 
 
-HF_ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
-
-
 def hf_llama_config(config: ModelConfig, eot_id: int | None = None) -> Any:
-    """The `transformers` config of a tinygpt model config: a `LlamaConfig`, or with QK-norm a `Qwen3Config`
-    (Llama's layers plus an RMSNorm on each head's queries and keys; full attention, no sliding window)."""
+    """The `transformers` config of a tinygpt model config, of its family's class (`ModelConfig.family`:
+    a `LlamaConfig`, or with QK-norm a `Qwen3Config`)."""
     tf = _transformers()
-    config_class, arch = HF_ARCHITECTURES[config.hf_model_type]
-    kw = config.to_hf_llama()
-    if config.qk_norm:
-        kw = {k: v for k, v in kw.items() if k != "mlp_bias"} | {"use_sliding_window": False}
-    return getattr(tf, config_class)(**kw, architectures=[arch], bos_token_id=eot_id, eos_token_id=eot_id,
-                                     torch_dtype="float32")
+    family = config.family
+    return getattr(tf, family.config_class)(**config.to_hf_llama(), architectures=[family.model_class],
+                                            bos_token_id=eot_id, eos_token_id=eot_id, torch_dtype="float32")
 
 
 def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
@@ -114,23 +109,20 @@ def representation_gaps(cfg: dict[str, Any]) -> list[str]:
     architecture, or a Llama / Qwen3 feature the GPT lacks. Each item names the field and its value."""
     arch = cfg.get("architectures") or []
     kind = cfg.get("model_type")
-    known = kind in HF_ARCHITECTURES if kind else bool({"LlamaForCausalLM", "Qwen3ForCausalLM"} & set(arch))
-    if not known:
+    family = FAMILIES.get(kind) if kind else \
+        next((f for f in FAMILIES.values() if f.model_class in arch), None)
+    if family is None:
         what = kind or (arch[0] if arch else "an unknown model type")
         why = FAMILY_DIFFERENCES.get(kind or "")
-        return [f"model_type {what!r}{f' ({why})' if why else ''}, not 'llama' or 'qwen3'"]
-    gaps = []
-    if cfg.get("hidden_act", "silu") != "silu":
-        gaps.append(f"hidden_act {cfg['hidden_act']!r} (tinygpt's MLP is SwiGLU with SiLU)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            gaps.append(f"{flag}=true (tinygpt's layers have no biases)")
+        return [f"model_type {what!r}{f' ({why})' if why else ''}, not {' or '.join(map(repr, FAMILIES))}"]
+    gaps = [(f"{key}={json.dumps(cfg[key])}" if isinstance(value, bool) else f"{key} {cfg[key]!r}") + f" ({why})"
+            for key, (value, why) in family.hf_fixed.items() if cfg.get(key) is not None and cfg[key] != value]
     rope = cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type") or rope.get("type") or \
         (cfg.get("rope_parameters") or {}).get("rope_type", "default")
     if rope_type not in (None, "default"):
         gaps.append(f"RoPE scaling {rope_type!r} (tinygpt's attention does not implement it)")
-    if cfg.get("use_sliding_window") or (kind == "llama" and cfg.get("sliding_window")):
+    if family.model_type == "llama" and cfg.get("sliding_window"):
         gaps.append("sliding-window attention (tinygpt's attention is full)")
     if cfg.get("attention_dropout"):
         gaps.append(f"attention_dropout {cfg['attention_dropout']} (tinygpt trains without dropout)")
@@ -224,7 +216,7 @@ def gpt_from_state(config: ModelConfig, sd: dict[str, torch.Tensor], device: str
         raise ValueError(f"the weights do not fit {what}: {e}") from e
     if config.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, device=device)
+    cos, sin = rope_tables(config, device=device)
     model.rope_cos, model.rope_sin = cos, sin  # buffers were on meta; rebuild from the config
     return model
 

@@ -11,6 +11,8 @@ from typing import Iterable, Iterator
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from tinygpt.core.rundir import TOKENIZER_JSON
+
 EOT = "<|endoftext|>"
 
 
@@ -53,7 +55,7 @@ class Tokenizer:
     def load(cls, path: str | Path) -> "Tokenizer":
         p = Path(path)
         if p.is_dir():
-            p = p / "tokenizer.json"
+            p = p / TOKENIZER_JSON
         if not p.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {p}")
         return cls(_HFTokenizer.from_file(str(p)))

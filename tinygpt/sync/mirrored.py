@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tinygpt.core.callback import Callback
-from tinygpt.sync.drive import Mirror, restore_latest, run_identity, write_identity
+from tinygpt.sync.identity import run_identity, write_identity
+from tinygpt.sync.mirror import Mirror
+from tinygpt.sync.restore import restore_latest
 
 
 class RunMirror(Callback):

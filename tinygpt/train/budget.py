@@ -6,6 +6,7 @@ the time of a step, of an evaluation and of a checkpoint, fixes `max_steps` so t
 not counted) ends within the budget, and writes ``budget.json`` in the run folder: a resumed run keeps
 that step count, so it ends with its schedule complete however often it was interrupted. Resumed with
 more hours while still in the stable phase, it goes on longer; once the decay has begun, it cannot.
+`finished_run` tells a run that already reached its last step (budgeted, or the recipe's).
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tinygpt.core.checkpoint import latest_valid, step_of
 from tinygpt.core.files import write_json_atomic
-from tinygpt.core.rundir import BUDGET_JSON, RunDirError, read_json
+from tinygpt.core.rundir import BUDGET_JSON, RunDir, RunDirError, read_json, recipe_name_of
 
 MEASURE_STEPS = 8  # steady steps (after the compile) timed before the step count is fixed
 
@@ -101,3 +103,26 @@ def end_time(step: int, max_steps: int, step_s: float | None, now: float | None 
     if not step_s:
         return None
     return time.strftime("%H:%M", time.localtime((now or time.time()) + (max_steps - step) * step_s))
+
+
+def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = None) -> str | None:
+    """For a pretraining run of `recipe_name` that already reached its last step (`max_steps`, else its
+    budget's, else its recipe's), what to say instead of training nothing: that it is complete, its final
+    figures, and how to train longer; None otherwise."""
+    run = RunDir(run_dir)
+    if not run.is_pretrain_run() or recipe_name_of(run_dir) != recipe_name:
+        return None
+    last = latest_valid(run.checkpoints)
+    budget = Budget.load(Path(run_dir))
+    max_steps = max_steps or (budget.max_steps if budget else None) or \
+        run.recipe_dict().get("train", {}).get("max_steps")
+    step = step_of(last) if last is not None else None
+    if step is None or max_steps is None or step < max_steps:
+        return None
+    records = run.metrics()
+    loss = next((m["loss"] for m in reversed(records) if m.get("loss") is not None), None)
+    val = next((m["val_loss"] for m in reversed(records) if m.get("val_loss") is not None), None)
+    figures = ", ".join(f"{k} {v:.4g}" for k, v in (("loss", loss), ("val_loss", val)) if v is not None)
+    return (f"run {run_dir} is complete: step {step} of {max_steps}" + (f", {figures}" if figures else "")
+            + f"; checkpoint {last}. To train longer: the same command with --max-steps {2 * max_steps} "
+            "(the learning-rate schedule is recomputed for the new end)")

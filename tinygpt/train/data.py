@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from tinygpt.core.config import DataConfig
-from tinygpt.core.paths import HUB_PREFIX, hub_spec
+from tinygpt.core.paths import hub_spec, is_hub
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.token_files import DataError, detect_token_folder  # noqa: F401  (DataError: handed on)
 
@@ -115,16 +115,22 @@ def read_text_file(path: Path, skipped: dict[str, int] | None = None) -> str | N
         return data.decode("latin-1")
 
 
+def hub_dataset(source: str, split: str) -> tuple[str, str | None, str | None]:
+    """(name, config, split) of a Hub data set written ``hf:NAME[:CONFIG][@SPLIT]`` (the prefix optional),
+    `split` when it names none; a DataError for an empty name."""
+    try:
+        return hub_spec(source, split)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+
+
 def resolve_source(source: str) -> tuple[str, object]:
     """("builtin", None) | ("local", Path) | ("tokens", Path) | ("hf", (name, config, split)); a clear
     error otherwise."""
     if source in ("builtin", "stdlib"):
         return "builtin", None
-    if source.startswith(HUB_PREFIX):
-        try:
-            return "hf", hub_spec(source, "train")
-        except ValueError as e:
-            raise DataError(str(e)) from None
+    if is_hub(source):
+        return "hf", hub_dataset(source, "train")
     p = Path(source).expanduser()
     if p.is_dir() and detect_token_folder(p):
         return "tokens", p  # token ids already (nanoGPT / llm.c): trained on as they are

@@ -14,19 +14,15 @@ from pathlib import Path
 
 import torch
 
-from tinygpt.core.config import DEFAULT_RECIPE_FOR_HARDWARE, ConfigError, ModelConfig
+from tinygpt.core.config import ConfigError, ModelConfig
+from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.precision import choose_precision, native_bf16, resolve_device
 from tinygpt.train.memory import GB, estimate_memory
 
-# (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class).
-# Most specific first; a name matches as a whole word, so "L4" is not found in "L40S" nor "A10" in "A100".
-GPU_TABLE: list[tuple[str, float, str]] = [
-    ("H100 PCIe", 756.0, "h100"), ("H100 NVL", 835.0, "h100"), ("H100", 989.0, "h100"),  # "H100 80GB HBM3": SXM
-    ("GH200", 989.0, "h200"), ("H200 NVL", 835.0, "h200"), ("H200", 989.0, "h200"),
-    ("A100", 312.0, "a100"), ("L40S", 362.0, "a100"), ("L40", 181.0, "a100"), ("A6000", 155.0, "a100"),
-    ("L4", 121.0, "l4"), ("A10G", 125.0, "l4"), ("A10", 125.0, "l4"), ("RTX 4090", 165.0, "l4"),
-    ("RTX 3090", 71.0, "l4"), ("V100", 125.0, "t4"), ("T4", 65.0, "t4"), ("P100", 19.0, "t4"),
-]
+# (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class), every
+# class's GPUs, longest name first: "H100 PCIe" is tried before "H100". A name matches as a whole word.
+GPU_TABLE: list[tuple[str, float, str]] = sorted(
+    ((gpu, tflops, c.name) for c in HARDWARE.values() for gpu, tflops in c.gpus), key=lambda row: -len(row[0]))
 
 
 def gpu_spec(name: str) -> tuple[float | None, str | None]:
@@ -53,7 +49,7 @@ class HardwareReport:
     native_bf16: bool
     peak_tflops: float | None
     cpu_cores: int
-    hardware_class: str  # a key of config.DEFAULT_RECIPE_FOR_HARDWARE
+    hardware_class: str  # a key of core.hardware.HARDWARE (or the device type of an unlisted one)
     default_recipe: str
     precision: str
     precision_reason: str
@@ -106,9 +102,9 @@ def hardware_report(device: str | torch.device = "auto") -> HardwareReport:
         peak, hw = gpu_spec(name)[0], gpu_class(name, major, total)
     elif dev.type == "mps":
         name = f"Apple MPS ({platform.machine()})"  # unified memory: the RAM figures stand
-    prec = choose_precision(dev)
-    return HardwareReport(dev.type, name, total, free, cap, native_bf16(dev), peak, cpu_cores(), hw,
-                          DEFAULT_RECIPE_FOR_HARDWARE.get(hw, "cpu"), prec.name, prec.reason, torch.__version__)
+    prec, default = choose_precision(dev), HARDWARE[hw].default_recipe if hw in HARDWARE else "cpu"
+    return HardwareReport(dev.type, name, total, free, cap, native_bf16(dev), peak, cpu_cores(), hw, default,
+                          prec.name, prec.reason, torch.__version__)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
@@ -127,7 +123,7 @@ def gpu_class(name: str, major: int, total_gb: float) -> str:
 
 
 def device_class(device: str | torch.device = "auto") -> str:
-    """The hardware class of a device: "cpu", "mps" or a GPU class (t4, l4, a100, h100, h200)."""
+    """The hardware class of a device: "cpu", "mps" or a GPU class (a key of `core.hardware.HARDWARE`)."""
     dev = resolve_device(str(device))
     if dev.type != "cuda":
         return dev.type

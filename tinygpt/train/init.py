@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinygpt.core.checkpoint import latest_valid, load_checkpoint
-from tinygpt.core.config import ConfigError, ModelConfig, Recipe, config_differences, get_recipe
-from tinygpt.core.paths import HUB_PREFIX
-from tinygpt.core.rundir import CHECKPOINTS, RUN_JSON, TOKENIZER_JSON, RunDir
+from tinygpt.core.config import RECIPES, ConfigError, ModelConfig, Recipe, config_differences, get_recipe
+from tinygpt.core.paths import is_hub
+from tinygpt.core.rundir import CHECKPOINTS, RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.model.gpt import GPT
 from tinygpt.model.hf import (
     SAFETENSORS_INDEX,
@@ -32,6 +32,7 @@ from tinygpt.model.hf import (
 )
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.data import resolve_source
+from tinygpt.train.hardware import hardware_report
 
 INIT_TOKENIZER = "init"  # DataConfig.tokenizer of a continued run: the base's own tokenizer
 # The base is trained already: a from-scratch learning rate would undo much of what it knows. At most this peak
@@ -41,9 +42,6 @@ CONTINUE_WARMUP_FRACTION = 0.05
 # The longest context a GPU recipe trains a base at (its own when shorter); on a GPU the probe shortens it further
 # where memory says so. A CPU recipe keeps its own (short) context.
 GPU_CONTEXT = 2048
-# The fields that make two model configs the same network (the rest: context, speed and memory choices).
-ARCHITECTURE = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "rope_theta", "norm_eps",
-                "tie_embeddings", "qk_norm")
 
 
 @dataclass
@@ -62,7 +60,7 @@ def normalise_init(spec: str) -> str:
     spec = spec.strip()
     if not spec:
         raise ConfigError("--init is empty: give hf:NAME (a Hub model), a model folder or a tinygpt run folder")
-    return spec if spec.startswith(HUB_PREFIX) else str(Path(spec).expanduser().resolve())
+    return spec if is_hub(spec) else str(Path(spec).expanduser().resolve())
 
 
 def read_base(spec: str) -> Base:
@@ -70,7 +68,7 @@ def read_base(spec: str) -> Base:
     Hub, downloaded). A base the GPT cannot represent, or that lacks what continued pretraining needs, fails
     here in one line that says what differs or what to do."""
     spec = normalise_init(spec)
-    if spec.startswith(HUB_PREFIX):
+    if is_hub(spec):
         try:
             kind, path = "hub", hub_model_folder(spec, weights=False)
         except ValueError as e:
@@ -156,6 +154,16 @@ def pretrain_recipe(name: str, init: str | None, *run_dirs: str | Path | None) -
     return continued_recipe(name, init)
 
 
+def default_recipe(run_dir: str | Path) -> tuple[str, str]:
+    """The recipe `tinygpt pretrain` trains without --recipe, and why: the run folder's own (a resume),
+    else this hardware's default (the probe's choice)."""
+    name = recipe_name_of(run_dir)
+    if name in RECIPES:
+        return name, f"the recipe of the run in {run_dir}"
+    report = hardware_report()
+    return report.default_recipe, f"the default for this {report.hardware_class} machine"
+
+
 def base_tokenizer(recipe: Recipe) -> Tokenizer:
     """The tokenizer of a continued run's base (its first start; then the run's own tokenizer.json serves)."""
     if recipe.model.init is None:
@@ -174,8 +182,9 @@ def initial_model(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> 
     if recipe.model.init is None or (resume == "auto" and latest_valid(Path(run_dir) / CHECKPOINTS) is not None):
         return GPT(recipe.model)
     base = read_base(recipe.model.init)
-    diffs = config_differences({k: getattr(base.model, k) for k in ARCHITECTURE},
-                               {k: getattr(recipe.model, k) for k in ARCHITECTURE})
+    network = ModelConfig.network_fields()
+    diffs = config_differences({k: getattr(base.model, k) for k in network},
+                               {k: getattr(recipe.model, k) for k in network})
     if diffs:
         raise ConfigError(f"the base {base.spec} is another network than the recipe's model (base first): "
                           + "; ".join(d.replace("in the run", "in the base").replace(" now", " in the recipe")

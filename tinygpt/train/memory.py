@@ -90,6 +90,9 @@ def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointin
     # kernel keeps the softmax's output instead of the logsumexp: seq_len scores per token and head.
     attn = norm_then(3) + e * (d + 2 * kvd) + e * d
     attn += e * c.n_head * seq_len if kernel == "math" else 4 * c.n_head
+    if c.qk_norm:  # per head, on q and k before RoPE: the fp32 input, the normalised x in e, the rsqrt per head
+        heads = c.n_head + c.n_kv_head
+        attn += (4 + e) * heads * c.head_dim + 4 * heads
     mlp = norm_then(2) + 4 * e * ff  # SwiGLU: gate, silu(gate), up and their product
     layer = attn + mlp + 8  # + the two norms' rsqrt
     if chunk_rows == 0:  # F.cross_entropy: fp32 log-probs saved, their gradient and the logits' gradient
@@ -127,9 +130,10 @@ def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, pre
     n = meta.num_params()
     tokens = micro_batch_size * seq_len
     chunk_rows = default_chunk_rows(tokens, model.vocab_size, loss)  # what model.cross_entropy will do
-    # Autocast caches one copy of each Linear's weight per forward; the chunked loss copies lm_head itself.
-    matmul = sum(m.weight.numel() for m in meta.modules()
-                 if isinstance(m, torch.nn.Linear) and not (chunk_rows and m is meta.lm_head))
+    # Autocast caches one copy of each Linear's parameters (weight, and bias where the config gives one) per
+    # forward; the chunked loss copies lm_head itself.
+    matmul = sum(p.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear)
+                 and not (chunk_rows and m is meta.lm_head) for p in m.parameters(recurse=False))
     e = 4 if precision == "fp32" else 2
     parts = [4 * n, 4 * n, 8 * n, 0 if e == 4 else e * matmul,
              *_activation_and_loss_bytes(model, tokens, e, ckpt, chunk_rows, seq_len, attention)]

@@ -21,15 +21,24 @@ import torch
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback, closing
-from tinygpt.core.config import ConfigError, DataConfig, Recipe, TrainConfig, check_same_settings, get_recipe
+from tinygpt.core.config import (
+    COMPILE_MODES,
+    ConfigError,
+    DataConfig,
+    Recipe,
+    TrainConfig,
+    check_same_settings,
+    get_recipe,
+)
 from tinygpt.core.files import refuse_links_in
+from tinygpt.core.options import option, targets
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import Precision, choose_precision
-from tinygpt.core.rundir import RUN_JSON, RunDir
+from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKEN_CACHE, TOKENIZER_JSON, RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
-from tinygpt.sync.drive import ShardMirror, restore_shards
 from tinygpt.sync.mirrored import RunMirror, mirrored
+from tinygpt.sync.shards import ShardMirror, restore_shards
 from tinygpt.train.budget import Budget
 from tinygpt.train.callbacks import MFU, Progress, StartupReport, TensorBoardLogger, TimeBudget, write_sample
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
@@ -65,7 +74,7 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
         old, new = Recipe.from_dict(run.recipe_dict()).to_dict(), recipe.to_dict()
         check_same_settings(f"run folder {run_dir}", {k: old.get(k) for k in ("model", "train", "data")},
                             {k: new[k] for k in ("model", "train", "data")}, allowed=RESUMABLE_CHANGES)
-    if resume == "never" and ckpt.list_checkpoints(run_dir / "checkpoints"):
+    if resume == "never" and ckpt.list_checkpoints(RunDir(run_dir).checkpoints):
         raise ConfigError(f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
                           "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
 
@@ -73,7 +82,7 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
 def get_tokenizer(recipe: Recipe, run_dir: Path, token_ids: bool = False) -> Tokenizer:
     """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe says
     (`token_ids`: the source holds GPT-2 token ids, so no tokenizer can be trained on it)."""
-    saved = run_dir / "tokenizer.json"
+    saved = run_dir / TOKENIZER_JSON
     if saved.is_file():
         return Tokenizer.load(saved)
     d = recipe.data
@@ -130,24 +139,39 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
 
 @dataclass
 class PretrainOptions:
-    """How to run a recipe (the recipe says what to train). Every field has the CLI's default."""
-    run_dir: str | Path = "runs/default"
-    data: str | None = None                  # overrides recipe.data.source
-    max_steps: int | None = None             # these four override the recipe's train settings
-    save_every: int | None = None
-    eval_every: int | None = None
-    device: str | None = None
-    resume: str = "auto"                     # "auto": the newest valid checkpoint; "never": refuse one
-    mirror: str | Path | None = None         # a Drive folder (or any folder) to mirror the run to
+    """How to run a recipe (the recipe says what to train). Every field has the CLI's default; each with
+    help is a `tinygpt pretrain` option (core/options.py), and each that "sets" a recipe field overrides
+    it when given."""
+    run_dir: str | Path = option("runs/default", help="the run folder: made, or resumed when it holds this run")
+    data: str | None = option(None, help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT] (default: "
+                              "the recipe's)", sets="data.source")
+    max_steps: int | None = option(None, help="train to this step (default: the recipe's)", sets="train.max_steps")
+    hours: float | None = option(None, help="a time budget: the steps that fit are measured after warm-up and "
+                                 "fixed, with the warmup-stable-decay schedule ending on time (start-up not counted)")
+    save_every: int | None = option(None, help="save a checkpoint every N steps (default: the recipe's)",
+                                    sets="train.save_every")
+    eval_every: int | None = option(None, help="evaluate every N steps (default: the recipe's)",
+                                    sets="train.eval_every")
+    resume: str = option("auto", choices=("auto", "never"),
+                         help="auto: from the newest valid checkpoint (local or mirror); never: refuse a folder "
+                              "that has checkpoints")
+    mirror: str | Path | None = option(None, help="a folder (e.g. on Google Drive) that mirrors the run's "
+                                       "checkpoints")
+    device: str | None = option(None, help="cpu, cuda, cuda:1, mps (default: the best available)",
+                                sets="train.device")
+    compile: str | None = option(None, choices=COMPILE_MODES, sets="train.compile",
+                                 help="torch.compile the whole model (on), each block (regional), or not (off); "
+                                      "default: the recipe's (auto: on for CUDA)")
     cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
     callbacks: list | tuple = ()             # extra trainer callbacks (tinygpt.core.callback.Callback)
-    progress: bool = True
+    progress: bool = option(True, flag="--quiet", help="no progress bar")
     sample_prompt: str | None = None         # default: how a held-out document begins
     peak_tflops: float | None = None         # for MFU; default from the GPU table
-    parallel: str = "ddp"                    # under torchrun: "ddp" or "fsdp"
-    probe: str = "auto"                      # "auto": fit micro-batch/context/precision to the GPU; "off"
+    parallel: str = option("ddp", choices=("ddp", "fsdp"),
+                           help="under torchrun: DDP, or FSDP2 to shard a model too big for one GPU")
+    probe: str = option("auto", choices=("auto", "off"), help="on a GPU, let the probe choose micro-batch, context "
+                        "and precision (off: the recipe as written)")
     tensorboard: bool | None = None          # None: when installed; True: required; False: off
-    hours: float | None = None               # a time budget: steps measured and fixed once (budget.json)
 
     def __post_init__(self):
         if self.resume not in ("auto", "never"):
@@ -165,11 +189,10 @@ class PretrainOptions:
 
     def apply(self, recipe: Recipe) -> Recipe:
         """The recipe with this run's overrides."""
-        train = {k: v for k in ("max_steps", "save_every", "eval_every", "device")
-                 if (v := getattr(self, k)) is not None}
-        if self.hours is not None:
-            train["schedule"] = "wsd"  # its rate does not depend on the step count the budget sets later
-        return recipe.replace(train=train, data={"source": self.data} if self.data else None)
+        changes = targets(self)
+        if self.hours is not None:  # its rate does not depend on the step count the budget sets later
+            changes.setdefault("train", {})["schedule"] = "wsd"
+        return recipe.replace(**changes)
 
 
 def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
@@ -197,6 +220,7 @@ class Plan:
     ranks: Ranks
     probe: dict | None       # the probe's result, kept in run.json; None where it did not run
     token_ids: bool          # the data source is a folder of token ids (nanoGPT's, llm.c's): nothing to tokenize
+    identity: dict           # what makes two runs the same run (the mirror's identity.json hashes it)
     clock: StartupClock      # where the start-up time goes, from the moment the process joined the job
 
     @property
@@ -225,7 +249,8 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
     clock.mark("probe")
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, ranks.world_size)
     token_ids = resolve_source(recipe.data.source)[0] == "tokens"
-    return Plan(recipe, dev, choose_precision(dev, recipe.train.precision), ranks, probe_info, token_ids, clock)
+    precision = choose_precision(dev, recipe.train.precision)
+    return Plan(recipe, dev, precision, ranks, probe_info, token_ids, recipe.identity(), clock)
 
 
 def train_run(plan: Plan, opts: PretrainOptions) -> TrainResult:
@@ -242,7 +267,7 @@ def train_run(plan: Plan, opts: PretrainOptions) -> TrainResult:
         with main_process_first(plan.ranks.rank, plan.ranks.world_size):
             # a mirror that another run owns is refused here, before anything is copied or written
             mirror = held.enter_context(mirrored(opts.run_dir, opts.mirror if plan.is_main else None,
-                                                 identity_config(plan.recipe)))
+                                                 plan.identity))
             data = held.enter_context(prepare_run(plan, opts))
         return train(plan, opts, data, mirror)
 
@@ -295,7 +320,7 @@ def open_tokens(plan: Plan, opts: PretrainOptions, tokenizer: Tokenizer) -> RunD
     key = cache_key(recipe.data, tokenizer)
     data = RunData(tokenizer, StreamedShards(cache / key), {"cache": key, "source": recipe.data.source})
     if plan.is_main:
-        mirror_cache = Path(opts.mirror).parent / "_token_cache" / key if opts.mirror is not None else None
+        mirror_cache = Path(opts.mirror).parent / TOKEN_CACHE / key if opts.mirror is not None else None
         before = data.tokens.n_shards
         restored = restore_shards(mirror_cache, cache / key) if mirror_cache is not None else 0  # a new VM
         # a shard with ids past the vocabulary (another tokenizer's) is tokenized again
@@ -339,13 +364,6 @@ def compile_cache_for(plan: Plan, opts: PretrainOptions, model: GPT) -> CompileC
                                                     t.seq_len, t.compile), note)
 
 
-def identity_config(recipe: Recipe) -> dict:
-    """What makes two runs the same run, for the mirror's identity: the model (less what the probe may
-    choose differently on another GPU) and the data. Training settings are compared by check_run_dir."""
-    model = {k: v for k, v in recipe.model.to_dict().items() if k not in ("activation_checkpointing", "fused_proj")}
-    return {"recipe": recipe.name, "model": model, "data": recipe.data.to_dict()}
-
-
 def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
     """nanoGPT's or llm.c's token files as shards; each train shard's ids are checked on first use."""
     files = open_token_folder(folder, vocab_size)
@@ -373,7 +391,7 @@ def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT) -> list[Callbac
         out.append(Progress())
     out += list(opts.callbacks)
     if plan.is_main and opts.tensorboard is not False:
-        tb = TensorBoardLogger.create(opts.run_dir / "tensorboard", required=bool(opts.tensorboard))
+        tb = TensorBoardLogger.create(opts.run_dir / TENSORBOARD, required=bool(opts.tensorboard))
         if tb is not None:
             out.append(tb)
     return out
@@ -407,8 +425,8 @@ def sample_after_training(plan: Plan, opts: PretrainOptions, result: TrainResult
 def _write_run_files(run_dir: Path, plan: Plan, tokenizer: Tokenizer, data_meta: dict) -> None:
     """tokenizer.json (kept once written: a resumed run must use the same one) and run.json."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / "tokenizer.json").is_file():
-        tokenizer.save(run_dir / "tokenizer.json")
+    if not (run_dir / TOKENIZER_JSON).is_file():
+        tokenizer.save(run_dir / TOKENIZER_JSON)
     info = {"recipe": plan.recipe.to_dict(), "precision": plan.precision.to_dict(), "device": str(plan.device),
             "data": data_meta, "probe": plan.probe, "versions": versions(), "command": " ".join(sys.argv)}
     RunDir(run_dir).write_info(info)

@@ -26,6 +26,7 @@ import torch
 
 from tinygpt.core.config import Recipe, get_recipe
 from tinygpt.core.files import write_json_atomic
+from tinygpt.core.options import option
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import (
     Precision,
@@ -37,7 +38,7 @@ from tinygpt.core.rundir import PROBE_JSON
 from tinygpt.core.units import duration, size_gb
 from tinygpt.model.gpt import GPT, meta_model
 from tinygpt.model.losses import default_chunk_rows
-from tinygpt.train.hardware import HardwareReport, cpu_name, mfu, ram_gb
+from tinygpt.train.hardware import HardwareReport, cpu_name, hardware_report, mfu, ram_gb
 from tinygpt.train.memory import (
     CUDA_CONTEXT_GB,
     GB,
@@ -563,3 +564,59 @@ def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResu
     budget = recipe.token_budget
     return Expectations(recipe.name, peak, mem_src, fits, tps, tps_src, tps and mfu(tps, fpt, report.peak_tflops),
                         budget, budget / tps if tps else None)
+
+
+@dataclass
+class ProbeOptions:
+    """What `tinygpt probe` reports on; each field is one of its options (core/options.py)."""
+    recipe: str | None = option(None, help="probe for this recipe (default: the one this hardware suits)")
+    as_json: bool = option(False, flag="--json", help="print the report as JSON")
+
+
+def format_table(rows: list[tuple]) -> str:
+    """Rows as aligned text columns (the first row is not special)."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def probe_report(recipe: str | None = None, as_json: bool = False, *,
+                 cache_dir: str | Path | None = "default") -> str:
+    """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU;
+    elsewhere the estimate stands in for it."""
+    report = hardware_report()
+    rec = get_recipe(recipe or report.default_recipe)
+    requested, _ = requested_precision(rec, report.device, report.native_bf16)
+    prec = report.precision if requested == "auto" else requested
+    est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec, device_type=report.device,
+                          loss=rec.train.loss)
+    result, note, speed = None, None, None
+    if report.device == "cuda":
+        try:
+            result = probe(rec, cache_dir=cache_dir)
+        except ProbeError as e:
+            note = str(e)
+    else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
+        note = (f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch is used as is "
+                "and the estimate above stands in for a measurement")
+        if rec.hardware == "cpu":  # a CPU recipe's step takes a second: time it (a GPU recipe's would take minutes)
+            speed = trainer_speed(rec, report.device)
+    exp = expectations(rec, report, result, speed)
+    if as_json:
+        return json.dumps({"hardware": report.to_dict(), "recipe": rec.name, "memory_estimate": est.to_dict(),
+                           "search": result and result.to_dict(), "expectations": exp.to_dict(), "note": note},
+                          indent=2)
+    out = ["Hardware", format_table(report.rows()), f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
+           f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context {rec.train.seq_len}, {prec}",
+           format_table(est.rows())]
+    if result is not None:
+        limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
+        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
+        out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} "
+                f"accumulation steps"
+                f" x context {result.seq_len}, checkpointing {'on' if result.activation_checkpointing else 'off'}, "
+                f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"]
+        out += [f"  - {n}" for n in result.notes]
+    if note:
+        out.append(f"\n{note}")
+    out += ["\nExpectations", format_table(exp.rows())]
+    return "\n".join(out)

@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from tinygpt.core.checkpoint import MANIFEST  # a shard folder lists its files as a checkpoint does
 from tinygpt.core.config import DataConfig
 from tinygpt.core.files import (
     UnsafePathError,
@@ -37,7 +38,6 @@ from tinygpt.core.files import (
     inside,
     open_nofollow,
     refuse_link,
-    sha256_file,
     write_bytes_atomic,
     write_json_atomic,
 )
@@ -47,7 +47,6 @@ from tinygpt.train.data import DataError, cache_key, is_validation_document, ite
 
 SHARD_FORMAT = 3
 SHARD_TOKENS = 1 << 21  # ~2M training tokens (4 MB as uint16) per shard: the first one is ready in seconds
-MANIFEST = "manifest.json"
 WRITER_LOCK = ".writer.lock"
 CHECKED = ".vocab-checked.json"  # local only, never mirrored: {file name: [sha256, highest id]} checked here
 BATCH_DOCS = 256  # documents per encode_batch call (the tokenizer runs them in parallel)
@@ -416,16 +415,6 @@ def _drop_shards_from(folder: Path, manifest: dict, shards: list, i: int) -> lis
     kept = shards[:i]
     write_json_atomic(folder / MANIFEST, {**manifest, "shards": kept, "done": False, "error": None})
     return kept
-
-
-def shard_files_ok(folder: Path, manifest: dict) -> int:
-    """How many leading shards of `manifest` are whole in `folder` (size and sha256)."""
-    for i, s in enumerate(manifest.get("shards", [])):
-        for split in ("train", "val"):
-            p = inside(folder, s[split]["name"], folder / MANIFEST, plain=True)
-            if not p.is_file() or p.stat().st_size != s[split]["bytes"] or sha256_file(p) != s[split]["sha256"]:
-                return i
-    return len(manifest.get("shards", []))
 
 
 def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path, key: str | None = None,

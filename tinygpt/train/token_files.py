@@ -257,10 +257,3 @@ def write_llmc_shard(path: str | Path, tokens, kind: str = "gpt-2") -> Path:
         f.write(arr.tobytes())
     return Path(path)
 
-
-def write_nanogpt_bin(path: str | Path, tokens) -> Path:
-    """Write `tokens` as nanoGPT does: raw uint16 ids, no header. The file appears whole or not at all."""
-    arr = _as_ids(tokens)
-    with atomic_output(path) as tmp, open(tmp, "wb") as f:
-        f.write(arr.tobytes())
-    return Path(path)

@@ -285,7 +285,7 @@ class Trainer(TrainStep):
 
     @property
     def ckpt_root(self) -> Path:
-        return self.run_dir / "checkpoints"
+        return RunDir(self.run_dir).checkpoints
 
     # ----- the loop ------------------------------------------------------------------------------
     def fit(self, resume: str = "auto") -> TrainResult:
@@ -417,7 +417,7 @@ class Trainer(TrainStep):
         if not self.is_main:
             return None
         RunDir(self.run_dir).check_held()  # never into a folder that replaced the one this run locked
-        path = self.run_dir / "best" if best else self.ckpt_root / ckpt.step_name(self.step)
+        path = RunDir(self.run_dir).best if best else self.ckpt_root / ckpt.step_name(self.step)
         try:
             ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
                                  {"kind": "best" if best else "step", "val_loss": self.best_val_loss})

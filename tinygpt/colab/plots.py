@@ -1,0 +1,107 @@
+"""The live loss plot: a trainer callback that draws loss and val_loss in the notebook as training goes (one
+picture, updated in place), shows the start-up table after the first step, and saves plots/loss.png."""
+from __future__ import annotations
+
+import io
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from tinygpt.colab.notebook import INSTALL_HINT, display, in_notebook
+from tinygpt.colab.tables import startup_table
+from tinygpt.core.callback import Callback
+from tinygpt.core.rundir import PLOTS, RunDir
+
+
+class LossPlot(Callback):
+    """Trainer callback: loss and val_loss against steps (tokens on the top axis), redrawn at most
+    every `min_interval_s` in the notebook and saved to <run_dir>/plots/loss.png at the end.
+    In a kernel it needs matplotlib; elsewhere, without matplotlib, it does nothing."""
+
+    def __init__(self, run_dir: str | Path | None = None, *, min_interval_s: float = 2.0,
+                 show: bool | None = None, clock: Callable[[], float] = time.monotonic):
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.show = in_notebook() if show is None else show
+        self.min_interval_s, self.clock = min_interval_s, clock
+        self.history: list[dict] = []
+        self.draws, self.figure, self._handle, self._last_draw = 0, None, None, -math.inf
+        try:
+            __import__("matplotlib")
+            self.enabled = True
+        except ImportError:
+            if self.show:
+                raise ImportError(f"the live loss plot needs matplotlib: {INSTALL_HINT}") from None
+            self.enabled = False
+
+    def on_log(self, metrics: dict[str, Any]) -> None:
+        if not self.history and self.run_dir is not None:
+            self.history = self._earlier(int(metrics.get("step", 0)))  # a resumed run: the curve so far
+        self.history.append(dict(metrics))
+        if self.enabled and self.clock() - self._last_draw >= self.min_interval_s:
+            self.draw()
+
+    @property
+    def shows_startup(self) -> bool:
+        """True when the start-up table is shown here: the trainer then does not print it as a line too."""
+        return bool(self.show)
+
+    def on_startup(self, record: dict[str, Any]) -> None:
+        """After the first step: where the start-up time went, as a table above the plot."""
+        if self.show:
+            display(startup_table(record))
+
+    def _earlier(self, step: int) -> list[dict]:
+        """Entries before `step` in metrics.jsonl (the trainer cut it at the resumed step already)."""
+        try:
+            return [m for m in RunDir(self.run_dir).metrics() if m.get("step", 0) < step]
+        except (OSError, ValueError):  # an unreadable log: the plot starts here instead
+            return []
+
+    def draw(self) -> Any:
+        """Render the figure now (and show it in the notebook); the matplotlib Figure."""
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import EngFormatter
+
+        self._last_draw = self.clock()
+        fig = Figure(figsize=(7.5, 3.6), dpi=100, layout="constrained")
+        ax = fig.add_subplot()
+        for key, style in (("loss", dict(lw=1.2)), ("val_loss", dict(marker="o", ms=3, lw=1.2))):
+            pts = [(m["step"], m[key]) for m in self.history if m.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=key.replace("_", " "), **style)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats per token)")
+        ax.grid(alpha=0.3)
+        if any(m.get("loss") is not None or m.get("val_loss") is not None for m in self.history):
+            ax.legend(loc="upper right")
+        per_step = next((m["tokens"] / m["step"] for m in self.history if m.get("tokens") and m.get("step")), None)
+        if per_step:
+            top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda t: t / per_step))
+            top.xaxis.set_major_formatter(EngFormatter())
+            top.set_xlabel("tokens")
+        latest = {k: next((m[k] for m in reversed(self.history) if m.get(k) is not None), None)
+                  for k in ("step", "loss", "val_loss", "expected_final_loss")}
+        ax.set_title(", ".join(f"{k.replace('_', ' ').replace('expected final loss', 'heading for')} {v:.4g}"
+                               for k, v in latest.items() if v is not None), fontsize=10)
+        self.figure = fig
+        self.draws += 1
+        if self.show:
+            from IPython.display import Image
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png")
+            image = Image(data=buf.getvalue(), format="png")
+            if self._handle is None:
+                self._handle = display(image, display_id=True)
+            else:
+                self._handle.update(image)
+        return fig
+
+    def close(self) -> None:
+        """The final picture, always drawn, and saved with the run."""
+        if not self.enabled or not self.history:
+            return
+        fig = self.draw()
+        if self.run_dir is not None:
+            (self.run_dir / PLOTS).mkdir(parents=True, exist_ok=True)
+            fig.savefig(self.run_dir / PLOTS / "loss.png")

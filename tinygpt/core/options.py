@@ -1,0 +1,116 @@
+"""Command-line options made from dataclass fields: an option is stated once, on its field.
+
+The field's name, type, default and help are the option's; `add_options` writes them into an
+argparse parser and `from_args` builds the dataclass back from what was parsed, so the library gets
+the same object a notebook would build by hand. A field is an option when its metadata has "help":
+
+    max_steps: int | None = field(default=None, metadata={"help": "train to this step"})
+    max_steps: int | None = option(None, help="train to this step")        # the same field, shorter
+
+Metadata keys: "help" (one line), "flag" ("--name"; default the field's name with _ -> -; a name
+without a leading dash, e.g. "RUN_DIR", makes a positional argument, shown as its metavar, else as
+that name), "choices", "metavar". Other keys are for the library (e.g. "sets": "train.max_steps",
+read by `targets`).
+The annotation gives the type: int, float, str, Path (a union with str or None reads as str: the
+library takes either); a list, tuple or Sequence of X takes one or more values (given twice, they add
+up); bool is a flag that sets the field to the opposite of its default (`progress: bool = True` with
+"flag": "--quiet"). A field without a default is a required option.
+"""
+from __future__ import annotations
+
+import argparse
+import collections.abc
+import dataclasses
+import types
+import typing
+from typing import Any
+
+_SEVERAL = (list, tuple, collections.abc.Sequence)
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
+           **metadata: Any) -> Any:
+    """A dataclass field that is a command-line option: `dataclasses.field` with "help" and the other
+    metadata keys (flag, choices, metavar, ...) given as keywords."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"help": help, **metadata})
+
+
+def option_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of dataclass `cls` that are command-line options (those with help), in order."""
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
+    """Each option field of dataclass `cls` as an argument of `parser`, in one group titled `title`
+    (default: the first line of the class's docstring). Parsed, each lands under the field's name."""
+    group = parser.add_argument_group(title or (cls.__doc__ or cls.__name__).strip().splitlines()[0])
+    hints = typing.get_type_hints(cls)
+    for f in option_fields(cls):
+        names, kwargs = _argument(f, hints[f.name])
+        group.add_argument(*names, **kwargs)
+
+
+def from_args(cls: type, args: argparse.Namespace, **extra: Any) -> Any:
+    """`cls` built from parsed arguments: each option field takes its parsed value (its own default
+    where the option was not given), `extra` the fields that are not options (e.g. callbacks)."""
+    given = {f.name: v for f in option_fields(cls) if (v := getattr(args, f.name, None)) is not None}
+    return cls(**given, **extra)
+
+
+def targets(obj: Any) -> dict[str, dict[str, Any]]:
+    """The values of `obj`'s fields whose metadata says "sets": "SECTION.FIELD", as {section: {field:
+    value}}; a field left at None (or an empty string) sets nothing."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in dataclasses.fields(obj):
+        if "sets" in f.metadata and (value := getattr(obj, f.name)) not in (None, ""):
+            section, name = f.metadata["sets"].split(".")
+            out.setdefault(section, {})[name] = value
+    return out
+
+
+def _argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any]]:
+    """add_argument's names and keywords for one option field."""
+    meta = f.metadata
+    default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    value_type, several = _value_type(hint)
+    kwargs: dict[str, Any] = {k: meta[k] for k in ("choices", "metavar") if k in meta}
+    if value_type is bool:  # a flag: present means the opposite of the default
+        kwargs.update(action="store_false" if default else "store_true", default=default)
+    elif several:  # None until given, so the field's own default applies (argparse would extend it)
+        kwargs.update(nargs="+", type=value_type, action="extend", default=None)
+    else:
+        kwargs.update(type=value_type)
+        if default is not dataclasses.MISSING:
+            kwargs["default"] = default
+    kwargs["help"] = _help(meta["help"], None if value_type is bool else default)
+    flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+    if not flag.startswith("-"):  # a positional argument, shown as its metavar, else as the flag's text
+        kwargs.setdefault("metavar", flag)
+        if default is not dataclasses.MISSING:
+            kwargs["nargs"] = "?"
+        return [f.name], kwargs
+    if default is dataclasses.MISSING:
+        kwargs["required"] = True
+    if value_type is not bool and "choices" not in meta:  # as argparse shows its own dest: --max-steps MAX_STEPS
+        kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+    return [flag], {**kwargs, "dest": f.name}
+
+
+def _value_type(hint: Any) -> tuple[type, bool]:
+    """(the type of one value, whether the option takes several) from a field's annotation."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = str if str in members else members[0]
+    if typing.get_origin(hint) in _SEVERAL:
+        return typing.get_args(hint)[0], True
+    return hint, False
+
+
+def _help(text: str, default: Any) -> str:
+    """The help line with the default added where it says something (not None, not already said);
+    % doubled, as argparse formats help with it."""
+    if isinstance(default, (list, tuple)):
+        default = " ".join(map(str, default)) or None
+    if default not in (None, dataclasses.MISSING) and "default" not in text:
+        text = f"{text} (default: {default})"
+    return text.replace("%", "%%")

@@ -1,0 +1,20 @@
+"""A run's metrics.jsonl summarised, with a diagnosis (`runs.summarize_run`): no model, no data."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tinygpt.evals.harness import Request, Task
+from tinygpt.evals.runs import summarize_run
+
+
+def score(run_dir: str | Path, r: Request) -> dict[str, Any]:
+    return summarize_run(run_dir)
+
+
+def diagnosis(res: dict[str, Any]) -> list[str]:
+    return [f"- {note}" for note in res.get("diagnosis", [])]
+
+
+TASK = Task("summary", "a run's metrics.jsonl summarised, with a diagnosis (no model)", score, needs_model=False,
+            hidden=("diagnosis",), more=diagnosis)

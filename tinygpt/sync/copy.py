@@ -1,0 +1,198 @@
+"""Copy-and-verify: how a folder reaches the mirror (or comes back from it) whole or not at all.
+
+Data files go into a temporary folder, each checked against the source's manifest (size and sha256),
+manifest.json last, then the folder is renamed into place: a `step_*` folder on the mirror is complete
+by construction. A name that leaves its folder, or a link, is refused for good (SyncRefused). An error
+waiting can cure (a dropped FUSE mount says ENOTCONN, a full quota ENOSPC) is retried with exponential
+backoff (`Backoff`); one it cannot (`is_permanent`: a read-only file system, the mirror a file) is not.
+This module knows files and folders, never models.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tinygpt.core.checkpoint import MANIFEST
+from tinygpt.core.files import (
+    UnsafePathError,
+    fresh_tmp_dir,
+    link_problem,
+    replace_dir,
+    safe_name,
+    sha256_file,
+    try_fsync,
+)
+from tinygpt.core.rundir import CHECKPOINTS, RunDirError
+
+CopyFile = Callable[[Path, Path], Any]
+
+
+class SyncError(OSError):
+    """A copy that does not match its source's manifest."""
+
+
+class SyncRefused(SyncError):
+    """A name that leaves its folder or a link: refused for good, never retried."""
+
+
+class SyncAborted(Exception):
+    """The mirror was told to give up (its time after training ran out): no more retries."""
+
+
+class MirrorTaken(ValueError):
+    """The mirror folder belongs to another run (its identity.json says so): refused before any write."""
+
+
+def _fuse_mount(path: Path) -> bool:
+    """Whether `path` lies on a FUSE mount (Colab's Drive), where EACCES/EPERM can pass; elsewhere they do not."""
+    try:
+        mounts = [ln.split()[1:3] for ln in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return False
+    target = os.path.abspath(path)
+    best = max((m for m in mounts if target == m[0] or target.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best is not None and best[1].startswith("fuse")
+
+
+def is_permanent(e: BaseException, path: str | Path) -> bool:
+    """An error that waiting will not cure: the mirror (or a parent) is not a folder, the file system is
+    read-only, or permission is denied off FUSE; or the mirror belongs to another run. ENOSPC, EIO,
+    ENOTCONN and the rest are transient (a full quota is freed, a dropped mount comes back)."""
+    if isinstance(e, (MirrorTaken, RunDirError)):
+        return True
+    if not isinstance(e, OSError):
+        return False
+    if e.errno in (errno.ENOTDIR, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP):
+        return True
+    if isinstance(e, FileExistsError) and not Path(path).is_dir():  # the mirror is a file
+        return True
+    return e.errno in (errno.EACCES, errno.EPERM) and not _fuse_mount(Path(path))
+
+
+def plain_copy(src: Path, dst: Path) -> None:
+    """The default `copy_file`: the bytes alone. (copyfile, not copy2: Drive's FUSE mount refuses some of
+    the chmod/xattr calls that copystat makes.)"""
+    shutil.copyfile(src, dst)
+
+
+@dataclass
+class Backoff:
+    """How a copy to or from the mirror is retried: after delays base, 2*base, ... (capped), at most
+    `max_attempts` tries. Once `stop` is set (the mirror gives up) no retry starts and a wait ends at
+    once (SyncAborted). `wait(stop, seconds)` is the wait itself: the event's own (cut short when it is
+    set) unless another is passed (one that returns at once, to test the policy without waiting)."""
+    max_attempts: int = 8
+    base_delay_s: float = 2.0
+    max_delay_s: float = 60.0
+    wait: Callable[[threading.Event, float], Any] = threading.Event.wait
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, fn: Callable[[], Any], on_error: Callable[[OSError], Any] | None = None,
+            fatal: tuple[type[BaseException], ...] = (), permanent: Callable[[OSError], bool] | None = None) -> Any:
+        """fn(), retried on OSError; `fatal` ones, and those that `permanent` says waiting cannot cure, are
+        raised at once."""
+        delay = self.base_delay_s
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return fn()
+            except OSError as e:
+                if on_error is not None:
+                    on_error(e)
+                if attempt >= self.max_attempts or isinstance(e, fatal) or (permanent is not None and permanent(e)):
+                    raise
+                self._pause(min(delay, self.max_delay_s))
+                delay *= 2
+
+    def _pause(self, seconds: float) -> None:
+        if self.stop.is_set() or self.wait(self.stop, seconds) or self.stop.is_set():
+            raise SyncAborted()
+
+
+# ---- folder copies -------------------------------------------------------------------------------
+
+def check_copy(path: Path, info: dict[str, Any]) -> None:
+    """A SyncError unless the file at `path` has the size and sha256 its manifest entry `info` gives."""
+    size = path.stat().st_size
+    if size != info["size"]:
+        raise SyncError(f"{path} has {size} bytes, manifest says {info['size']}")
+    if sha256_file(path) != info["sha256"]:
+        raise SyncError(f"{path} fails its sha256 check")
+
+
+def _files_of(manifest_bytes: bytes, where: Path) -> dict[str, dict[str, Any]]:
+    """The files a checkpoint manifest lists, each a plain file name (a manifest on a shared mirror is
+    anyone's: a name like ../../x would write outside the folder)."""
+    try:
+        files = json.loads(manifest_bytes)["files"]
+        for name in files:
+            safe_name(name, Path(where) / MANIFEST, plain=True)
+        return files
+    except UnsafePathError as e:
+        raise SyncRefused(str(e)) from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise SyncError(f"unreadable manifest in {where}: {e}") from None
+
+
+def check_not_link(path: Path) -> None:
+    """A SyncError (not retried) when `path` is a symbolic link: a copy never follows one."""
+    if (why := link_problem(path)) is not None:
+        raise SyncRefused(f"{why}: not followed")
+
+
+def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: dict[str, bytes],
+                 copy_file: CopyFile, tag: str) -> None:
+    """Copy `files` (name -> size, sha256) into a temp folder, verifying each, then write `last`
+    (name -> bytes) in order and rename the folder into place."""
+    for p in (src, *(d for d in (src.parent, dst.parent) if d.name == CHECKPOINTS)):
+        check_not_link(p)  # a linked checkpoints/ or step folder would copy from or to somewhere else (the
+        # mirror's own path is the user's choice: a link there is theirs)
+    tmp = fresh_tmp_dir(dst, tag)
+    try:
+        for name, info in files.items():
+            check_not_link(src / name)
+            copy_file(src / name, tmp / name)
+            check_copy(tmp / name, info)
+            try_fsync(tmp / name)
+        for name, data in last.items():
+            (tmp / name).write_bytes(data)
+            try_fsync(tmp / name)
+        replace_dir(tmp, dst, tag)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path, copy_file: CopyFile = plain_copy, tag: str = "") -> None:
+    """Copy a checkpoint folder, data files verified against src's manifest, the manifest last. The
+    manifest's names must be plain file names and no file, nor either folder, may be a link."""
+    check_not_link(Path(src) / MANIFEST)
+    raw = (Path(src) / MANIFEST).read_bytes()  # read once: a best/ replaced meanwhile fails the checks
+    _copy_folder(Path(src), Path(dst), _files_of(raw, src), {MANIFEST: raw}, copy_file, tag or new_tag())
+
+
+def whole_lines(path: Path) -> bytes:
+    """A run file's bytes as the mirror takes them."""
+    data = path.read_bytes()
+    # metrics.jsonl may be mid-append: keep whole lines only, the rest comes with the next sync
+    return data[: data.rfind(b"\n") + 1] if path.suffix == ".jsonl" else data
+
+
+def new_tag() -> str:
+    """This process's mark on its temporary files (a later session clears another's leftovers by it)."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def manifest_step(folder: Path) -> int:
+    """The step a checkpoint folder's manifest names; -1 when it has none that can be read."""
+    try:
+        return int(json.loads((folder / MANIFEST).read_text()).get("step", -1))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return -1

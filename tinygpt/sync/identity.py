@@ -1,0 +1,68 @@
+"""One run per mirror: a run's identity (its id and configuration hash) in identity.json, in the run
+folder and in its mirror. A mirror that holds another run's identity is refused before anything is
+written there (MirrorTaken), so two runs never mix their checkpoints on one Drive folder."""
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from pathlib import Path
+
+from tinygpt.core.files import write_bytes_atomic
+from tinygpt.core.rundir import IDENTITY, RunDirError
+from tinygpt.sync.copy import MirrorTaken, new_tag
+
+
+def _read_identity(folder: Path) -> dict | None:
+    p = folder / IDENTITY
+    if not p.is_file():
+        return None
+    try:
+        d = json.loads(p.read_bytes())
+    except ValueError:
+        d = None
+    if not (isinstance(d, dict) and isinstance(d.get("run_id"), str) and isinstance(d.get("config"), str)):
+        raise RunDirError(f"{p} is not a run identity (run_id, config); delete it only if {folder} holds one run")
+    return d
+
+
+def run_identity(local: str | Path, mirror: str | Path | None, config: dict) -> dict:
+    """This run's identity ({run_id, config hash}) from the run folder's identity.json, else the mirror's
+    (a new VM resuming it), else a new one. Refuses, before anything is written (MirrorTaken), a mirror
+    that another run owns: another configuration, or another run id than the run folder's. A mirror that
+    cannot be read is left to the mirror's own retries: it never stops a run here."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    mine = _read_identity(Path(local))
+    theirs = None
+    if mirror is not None:
+        try:
+            theirs = _read_identity(Path(mirror))
+        except OSError:
+            theirs = None
+    if theirs is not None:
+        if theirs["config"] != digest:
+            raise MirrorTaken(f"the mirror {mirror} belongs to another run (run {theirs['run_id']}, with another "
+                              "configuration or data): this run would mix its files with that run's; nothing was "
+                              "written. Use another --mirror folder (one per run), or the same settings as that run")
+        if mine is not None and mine["run_id"] != theirs["run_id"]:
+            raise MirrorTaken(f"the mirror {mirror} belongs to run {theirs['run_id']} and run folder {local} is run "
+                              f"{mine['run_id']}: two runs would mix their checkpoints; nothing was written. Use "
+                              "another --mirror folder (one per run)")
+        return theirs
+    return mine if mine is not None else {"run_id": uuid.uuid4().hex[:12], "config": digest}
+
+
+def write_identity(folder: str | Path, identity: dict) -> None:
+    """The run folder's identity.json (kept once written)."""
+    if not (Path(folder) / IDENTITY).is_file():
+        write_bytes_atomic(Path(folder) / IDENTITY, json.dumps(identity).encode())
+
+
+def claim_mirror(mirror: Path, identity: dict, tag: str = "") -> None:
+    """Write the identity into the mirror, or check the one there (a second VM may have claimed it since)."""
+    theirs = _read_identity(mirror)
+    if theirs is None:
+        write_bytes_atomic(mirror / IDENTITY, json.dumps(identity).encode(), tag=tag or new_tag())
+    elif theirs["run_id"] != identity["run_id"]:
+        raise MirrorTaken(f"the mirror {mirror} was claimed by run {theirs['run_id']} (another VM or tab) while this "
+                          f"run ({identity['run_id']}) started: this run does not write there; use another --mirror")
