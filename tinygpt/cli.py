@@ -37,7 +37,7 @@ from tinygpt.sync.mirror import catch_up, mirror_lag
 from tinygpt.train.budget import finished_run
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.init import default_recipe, pretrain_recipe
-from tinygpt.train.pretrain import PretrainOptions, identity_config, pretrain
+from tinygpt.train.pretrain import PretrainOptions, pretrain
 from tinygpt.train.probe import ProbeOptions, probe_report
 
 
@@ -105,7 +105,7 @@ def _say_complete(done: str, run_dir: Path, mirror: str | None) -> None:
     print(done)
     if mirror:
         recipe = RunDir(run_dir).recipe()
-        lag = catch_up(run_dir, mirror, identity=run_identity(run_dir, mirror, identity_config(recipe)))
+        lag = catch_up(run_dir, mirror, identity=run_identity(run_dir, mirror, recipe.identity()))
         print(mirror_line(mirror, lag) or f"the mirror {mirror} has all of it")
 
 

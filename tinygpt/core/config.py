@@ -411,6 +411,12 @@ class Recipe:
                    model=ModelConfig.from_dict(d["model"]), train=TrainConfig.from_dict(d["train"]),
                    data=DataConfig.from_dict(d.get("data", {})))
 
+    def identity(self) -> dict[str, Any]:
+        """What makes two runs the same run, for the mirror's identity: the recipe's name, the model (less what
+        the probe may choose otherwise on another GPU: `ModelConfig.identity`) and the data. Training settings
+        are compared against run.json instead, where some may change on resume."""
+        return {"recipe": self.name, "model": self.model.identity(), "data": self.data.to_dict()}
+
     def replace(self, model: dict | None = None, train: dict | None = None, data: dict | None = None) -> "Recipe":
         """A copy with some fields changed, validated again."""
         return Recipe(name=self.name, description=self.description, hardware=self.hardware,

@@ -1,11 +1,11 @@
 """What runs inside the sandbox (tinygpt/evals/sandbox.py starts it): standard library only, because
 the same file is run three ways and never imports tinygpt:
 
-- ``python -I -S sandbox_init.py supervise``: the supervisor. Reads one job (JSON) on stdin, builds
+- ``python -I -S sandbox_init.py supervise``: the supervisor. Reads one job (marshal) on stdin, builds
   the jail (in namespace modes it is PID 1 of a new PID namespace and owns a private mount
   namespace: a size-capped tmpfs becomes ``/``, with ``/usr``, the Python install and five device
   files bound read-only, so nothing else of the machine exists in there), starts the two
-  processes below, waits, kills everything, and prints one JSON result on stdout. Its stdout is
+  processes below, waits, kills everything, and prints one result (a dict literal) on stdout. Its stdout is
   the only channel to the caller, and no child holds it.
 - ``python -I -S -c <this source> test``: the test process (uid B). Runs the problem's context and
   test code; the candidate is a proxy that calls into the solution process through two pipes.
@@ -562,22 +562,35 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 
 def supervise() -> None:
+    """The supervisor: read the job, build the jail and the folders, run the test process (and the solution's)
+    within the time limit, kill everything of the sandbox, then print the verdict, its only output."""
     import marshal
     import resource  # noqa: F401  (for _limits in the children, which may not read the stdlib)
-    import select
+    import select  # noqa: F401  (these three imported before the jail is built: inside it the stdlib may be gone)
     import signal
-    import time
+    import time  # noqa: F401
 
     job = marshal.loads(sys.stdin.buffer.read())  # from tinygpt itself, not from the sandbox
     source = open(__file__, encoding="utf-8").read()
-    mode = job["mode"]  # root | userns | uid | none
-    jailed = mode in ("root", "userns")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller stops us with SIGKILL
+    run = _Sandbox(job, source, *_prepare(job))
+    try:
+        run.start_and_wait()
+    finally:
+        run.kill_all()
+    sys.stdout.write(repr(run.verdict()))
+    sys.stdout.flush()
+
+
+def _prepare(job: dict) -> tuple[Jail | None, str, str, dict[str, int]]:
+    """The jail (root and userns modes: built, this process its PID 1) and each role's folder, owned by the
+    role's uid where it has one: (jail or None, the work folder, the output folder, uid by role)."""
+    mode = job["mode"]  # root | userns | uid | none
     jail = None
     if mode != "none":
         jail = Jail()
         jail.libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE: no child can ptrace this supervisor
-    if jailed:
+    if mode in ("root", "userns"):
         jail.build(job)
         work = "/work"
         os.mkdir(work, 0o755)
@@ -588,24 +601,42 @@ def supervise() -> None:
         os.mkdir(out_dir, 0o700)
         if mode == "uid":
             os.chmod(work, 0o711)  # each uid reaches its own folder, lists nothing
-    two = job["solution"] is not None
-    roles = ["test"] + (["serve"] if two else [])
+    roles = ["test"] + (["serve"] if job["solution"] is not None else [])
     uids = dict(zip(roles, job["uids"])) if mode in ("root", "uid") else {}
     for role in roles:
         os.mkdir(f"{work}/{role}", 0o700)
         if uids:
             os.chown(f"{work}/{role}", uids[role], uids[role])
-    result_r, result_w = os.pipe()
-    links = (*os.pipe(), *os.pipe()) if two else ()  # requests r/w, answers r/w
-    fds = {"test": [result_w, *((links[1], links[2]) if two else ())], "serve": [links[0], links[3]] if two else []}
-    pids: dict[str, int] = {}
-    codes: dict[str, int | None] = {}
-    deadline = time.monotonic() + job["timeout_s"]
-    timed_out = False
+    return jail, work, out_dir, uids
 
-    def start(role: str, payload: dict) -> None:
-        pids[role], stdin = _spawn(job, role, source, f"{work}/{role}", fds[role], f"{out_dir}/{role}.out",
-                                   f"{out_dir}/{role}.err", uids.get(role), jail, mode == "userns")
+
+class _Sandbox:
+    """The test process and, when there is a solution, the solution's (`serve`): their pipes (the result pipe,
+    held by the test process and this one only; requests and answers between the two), their starts, the
+    wait, the kill, and the verdict read from the result pipe, the exit codes and the output files."""
+
+    def __init__(self, job: dict, source: str, jail: Jail | None, work: str, out_dir: str,
+                 uids: dict[str, int]) -> None:
+        import time
+        self.job, self.source, self.jail, self.work, self.out_dir, self.uids = job, source, jail, work, out_dir, uids
+        self.jailed = job["mode"] in ("root", "userns")
+        self.two = job["solution"] is not None
+        self.result_r, self.result_w = os.pipe()
+        links = (*os.pipe(), *os.pipe()) if self.two else ()  # requests r/w, answers r/w
+        self.links = links
+        self.fds = {"test": [self.result_w, *((links[1], links[2]) if self.two else ())],
+                    "serve": [links[0], links[3]] if self.two else []}
+        self.pids: dict[str, int] = {}
+        self.codes: dict[str, int | None] = {}
+        self.deadline = time.monotonic() + job["timeout_s"]
+        self.timed_out = False
+        self.ready = b""
+
+    def start(self, role: str, payload: dict) -> None:
+        import marshal
+        self.pids[role], stdin = _spawn(self.job, role, self.source, f"{self.work}/{role}", self.fds[role],
+                                        f"{self.out_dir}/{role}.out", f"{self.out_dir}/{role}.err",
+                                        self.uids.get(role), self.jail, self.job["mode"] == "userns")
         try:
             data = marshal.dumps(payload)
             while data:
@@ -614,32 +645,39 @@ def supervise() -> None:
             pass
         os.close(stdin)
 
-    ready = b""
-    try:
-        start("test", {"context": job["context"], "test": job["test"], "names": job["names"]})
-        os.close(result_w)
-        if two:
+    def start_and_wait(self) -> None:
+        """Start the test process; once it has made itself non-dumpable (READY on the result pipe), the
+        solution's; then wait for the test process until the deadline."""
+        import select
+        import time
+        job = self.job
+        self.start("test", {"context": job["context"], "test": job["test"], "names": job["names"]})
+        os.close(self.result_w)
+        if self.two:
             # The test process makes itself non-dumpable first; only then does the solution's exist.
-            if select.select([result_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                ready = os.read(result_r, 1)
-            if ready == RESULT_READY:
-                start("serve", {"program": job["solution"], "handles": job["handles"]})
-            for fd in links:
+            if select.select([self.result_r], [], [], max(0.0, self.deadline - time.monotonic()))[0]:
+                self.ready = os.read(self.result_r, 1)
+            if self.ready == RESULT_READY:
+                self.start("serve", {"program": job["solution"], "handles": job["handles"]})
+            for fd in self.links:
                 os.close(fd)
-        codes["test"] = _wait(pids["test"], max(0.0, deadline - time.monotonic()))
-        timed_out = codes["test"] is None
-    finally:
-        for pid in pids.values():
+        self.codes["test"] = _wait(self.pids["test"], max(0.0, self.deadline - time.monotonic()))
+        self.timed_out = self.codes["test"] is None
+
+    def kill_all(self) -> None:
+        """Kill every process of the sandbox, wherever it went, and reap the children."""
+        import signal
+        for pid in self.pids.values():
             try:
                 os.killpg(pid, signal.SIGKILL)  # the process and its group
             except OSError:
                 pass
-        if jailed:
+        if self.jailed:
             try:
                 os.kill(-1, signal.SIGKILL)  # as PID 1 of this namespace: everything else in it
             except OSError:
                 pass
-        for uid in uids.values():  # no namespace: every process of the sandbox's uids, wherever it went
+        for uid in self.uids.values():  # no namespace: every process of the sandbox's uids, wherever it went
             killer = os.fork()
             if killer == 0:
                 try:
@@ -649,36 +687,37 @@ def supervise() -> None:
                     pass
                 os._exit(0)
             os.waitpid(killer, 0)
-        for role, pid in pids.items():
-            if codes.get(role) is None:
-                codes[role] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    os.set_blocking(result_r, False)
-    try:
-        said = ready + os.read(result_r, 16)
-    except BlockingIOError:
-        said = ready
-    tails = {}
-    for role in pids:
-        (o, o_size), (e, e_size) = _tail(f"{out_dir}/{role}.out"), _tail(f"{out_dir}/{role}.err")
-        tails[role] = (o, e, max(o_size, e_size) >= job["max_output_bytes"])
-    test_rc = codes["test"]
-    t_out, t_err, t_flood = tails["test"]
-    if timed_out:
-        status = "timeout"
-    elif test_rc == 0:
-        status = "passed" if RESULT_PASSED in said else "exited_early"
-    elif test_rc == LINK_BROKEN and "serve" in pids:
-        s_rc = codes["serve"]
-        status = "exited_early" if s_rc == 0 else _status(s_rc, tails["serve"][1], tails["serve"][2])
-    else:
-        status = _status(test_rc, t_err, t_flood)
-    if "serve" in tails:
-        s_out, s_err, _ = tails["serve"]
-        t_out = s_out + t_out
-        t_err = t_err + (f"\n--- the solution's process ---\n{s_err}" if s_err.strip() else "")
-    sys.stdout.write(repr({"status": status, "returncode": None if timed_out else test_rc, "stdout": t_out,
-                           "stderr": t_err}))
-    sys.stdout.flush()
+        for role, pid in self.pids.items():
+            if self.codes.get(role) is None:
+                self.codes[role] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    def verdict(self) -> dict:
+        """status (passed only when the test process wrote PASSED and exited 0), return code, the output tails."""
+        os.set_blocking(self.result_r, False)
+        try:
+            said = self.ready + os.read(self.result_r, 16)
+        except BlockingIOError:
+            said = self.ready
+        tails = {}
+        for role in self.pids:
+            (o, o_size), (e, e_size) = _tail(f"{self.out_dir}/{role}.out"), _tail(f"{self.out_dir}/{role}.err")
+            tails[role] = (o, e, max(o_size, e_size) >= self.job["max_output_bytes"])
+        test_rc = self.codes["test"]
+        t_out, t_err, t_flood = tails["test"]
+        if self.timed_out:
+            status = "timeout"
+        elif test_rc == 0:
+            status = "passed" if RESULT_PASSED in said else "exited_early"
+        elif test_rc == LINK_BROKEN and "serve" in self.pids:
+            s_rc = self.codes["serve"]
+            status = "exited_early" if s_rc == 0 else _status(s_rc, tails["serve"][1], tails["serve"][2])
+        else:
+            status = _status(test_rc, t_err, t_flood)
+        if "serve" in tails:
+            s_out, s_err, _ = tails["serve"]
+            t_out = s_out + t_out
+            t_err = t_err + (f"\n--- the solution's process ---\n{s_err}" if s_err.strip() else "")
+        return {"status": status, "returncode": None if self.timed_out else test_rc, "stdout": t_out, "stderr": t_err}
 
 
 if __name__ == "__main__":

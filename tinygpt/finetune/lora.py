@@ -1,5 +1,5 @@
 """LoRA and QLoRA finetuning through `peft` and `bitsandbytes`: base models, adapters, the run, merge.
-The recipes and memory estimates live in `finetune_config` (re-exported here).
+The recipes and memory estimates live in `tinygpt.finetune.recipes` (re-exported here).
 
 Every base is trained as a `transformers` causal LM. A tinygpt run folder is first exported to
 ``run_dir/base/`` as a `LlamaForCausalLM` (tinygpt already uses Llama's parameter names, so the
@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.callback import closing
 from tinygpt.core.checkpoint import MODEL_FILE, find_run_checkpoint, list_checkpoints
+from tinygpt.core.config import TrainConfig
 from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import ADAPTER_CONFIG, RunDir, read_json
@@ -43,7 +44,7 @@ from tinygpt.finetune.instruct import (
     format_prompt,
 )
 
-# Recipes, memory estimates, hardware checks, a base's config and the run folder's files: finetune_config.
+# Recipes, memory estimates, hardware checks, a base's config and the run folder's files: finetune/recipes.py.
 from tinygpt.finetune.recipes import (  # noqa: F401
     ADAPTER_DIR,
     ADAPTER_INFO,
@@ -83,9 +84,8 @@ from tinygpt.model.attention import use_expanding_sdpa
 from tinygpt.model.hf import export_model
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
-from tinygpt.sync.identity import run_identity, write_identity
-from tinygpt.sync.mirror import Mirror, mirror_adapter
-from tinygpt.sync.restore import restore_latest
+from tinygpt.sync.mirror import mirror_adapter
+from tinygpt.sync.mirrored import mirrored
 from tinygpt.train.callbacks import Progress
 from tinygpt.train.hardware import check_device
 from tinygpt.train.trainer import ModelIO, TrainData, Trainer
@@ -528,106 +528,143 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
 
 
 def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | Path, max_steps: int | None = None,
-             hardware: str | None = None, resume: str = "auto", callbacks=(), *, train: dict | None = None,
-             device: str | None = None, progress: bool = True, mirror: str | Path | None = None) -> FinetuneResult:
-    """The finetuning run itself; `finetune` holds the run folder's lock around it."""
-
+              hardware: str | None = None, resume: str = "auto", callbacks=(), *, train: dict | None = None,
+              device: str | None = None, progress: bool = True, mirror: str | Path | None = None) -> FinetuneResult:
+    """The finetuning run itself; `finetune` holds the run folder's lock around it: the settings decided once
+    (`_settle`), the base exported and the data read (a bad record fails in seconds, not after a 5 GB download),
+    the model made trainable, trained, then the adapter (or the whole model) written out."""
     rec = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     if resume not in ("auto", "never"):
         raise FinetuneError(f"resume must be 'auto' or 'never', got {resume!r}")
     run_dir = Path(run_dir)
-    mirror = Path(mirror) if mirror is not None else None
     check_device(dev := resolve_device(device or "auto"))
-    # one run per mirror: a mirror another run owns is refused before anything is copied or written
-    identity = run_identity(run_dir, mirror, {"recipe": rec.name, "data": data,
-                                              "base": str(Path(base).resolve()) if is_tinygpt_run(base) else base})
-    if mirror is not None:
-        # the newest valid checkpoint, local or mirrored, and the run files (finetune.json among them)
-        restore_latest(run_dir, mirror)
-    old = RunDir(run_dir).finetune_info()
-    # Colab may hand a resumed run another GPU: it keeps the settings it started with (same data rows).
-    hardware = hardware or (old or {}).get("hardware") or detect_hardware(dev)
+    base_id = str(Path(base).resolve()) if is_tinygpt_run(base) else base
     overrides = {**(train or {}), **({"max_steps": max_steps} if max_steps is not None else {})}
+    # the mirror's newest valid checkpoint and run files (finetune.json among them) come home before anything
+    # is decided: a resumed run on a new VM keeps its own settings
+    with mirrored(run_dir, mirror, {"recipe": rec.name, "data": data, "base": base_id}) as run_mirror:
+        run = _settle(rec, base, base_id, data, run_dir, dev, hardware, overrides, resume)
+        base_path = _base_folder(run, base, run_dir)
+        tok = load_tokenizer(base_path)
+        dataset = build_instruct_data(data, tok, run.cfg.seq_len, template=rec.template, pack=run.plan.pack,
+                                      seed=run.cfg.seed, val_batch_size=run.cfg.micro_batch_size,
+                                      eval_batches=run.cfg.eval_batches)
+        model, pm, io = _trainable_model(run, base_path, dev, run_dir)
+        callbacks = [*([Progress()] if progress else []), *callbacks]
+        # The Trainer compiles the loss module as a whole (compile "auto": on CUDA): forward and loss in one graph.
+        trainer = Trainer(FinetuneLoss(pm, full_logits=run.plan.full_logits),
+                          dataclasses.replace(run.cfg, device=str(dev)), TrainData(dataset.train, dataset.val_batches),
+                          run_dir, run_info=run.info, io=io,
+                          callbacks=[*callbacks, run_mirror])  # the mirror acts last
+        with closing(callbacks):  # the mirror is closed by `mirrored`, after these
+            result = trainer.fit(resume)
+    adapter_dir, mirrored_adapter, model_dir = _write_result(run, run_dir, result, tok, mirror)
+    mem = memory_table(run.planned, run.hardware, model.config.to_dict(),
+                       activation_checkpointing=run.plan.activation_checkpointing, full_logits=run.plan.full_logits)
+    n_train = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    return FinetuneResult(run_dir, adapter_dir, result, dataset.report, run.hardware, n_train,
+                          sum(p.numel() for p in pm.parameters()), mem, pm.eval(), tok, mirrored_adapter, run.plan,
+                          model_dir, base_path)
+
+
+@dataclass
+class _Settled:
+    """A finetuning run's settings, decided once before anything is written (`_settle`)."""
+    rec: FinetuneRecipe
+    hardware: str               # the hardware class whose settings the run trains with
+    cfg: TrainConfig            # the recipe's train settings for it, with the caller's overrides
+    overrides: dict
+    planned: FinetuneRecipe     # the recipe as the memory estimate sees it (the overrides included)
+    plan: FinetunePlan          # checkpointing, full logits, packing
+    info: dict                  # finetune.json
+    resuming: bool              # the run folder has checkpoints
+
+
+def _settle(rec: FinetuneRecipe, base: str, base_id: str, data: str, run_dir: Path, dev: torch.device,
+            hardware: str | None, overrides: dict, resume: str) -> _Settled:
+    """The hardware class (Colab may hand a resumed run another GPU: it keeps the settings it started with, so
+    the same data rows), the train settings, QLoRA's compile, and the plan from the memory estimate against this
+    device, once (a resumed run keeps its own, from finetune.json). Refuses, before anything is written, a base
+    that cannot be loaded, a folder holding another run, and checkpoints that resume 'never' would overwrite."""
+    old = RunDir(run_dir).finetune_info()
+    hardware = hardware or (old or {}).get("hardware") or detect_hardware(dev)
     cfg = rec.train_config(hardware, **overrides)
-    precision = choose_precision(dev, cfg.precision)
     if rec.quantize == "nf4":
         check_qlora(dev)
         import bitsandbytes
         compile_, note = qlora_compile(cfg.compile, dev.type, bitsandbytes.__version__, torch.__version__)
         if note:
-            warnings.warn(note, stacklevel=3)
+            warnings.warn(note, stacklevel=4)
             cfg = dataclasses.replace(cfg, compile=compile_)
-    tinygpt_base = is_tinygpt_run(base)
-    if not tinygpt_base:
+    if not is_tinygpt_run(base):
         base_config(base)  # a missing or unloadable base fails here, before anything is written
-    # Checkpointing, logits and packing: from the memory estimate against this device, once; a resumed run
-    # keeps its own (finetune.json).
     planned = dataclasses.replace(rec, train={**rec.train, hardware: cfg})  # the estimate sees the overrides
     config_dict, memory_gb = base_config_dict(base), memory_gb_of(dev)
     plan = resumed_plan(old, planned, hardware, config_dict, memory_gb) if old else \
         plan_finetune(planned, hardware, config_dict, memory_gb)
-    info = {"recipe": rec.to_dict(), "base": str(Path(base).resolve()) if tinygpt_base else base, "data": data,
-            "hardware": hardware, "plan": plan.to_dict()}
+    info = {"recipe": rec.to_dict(), "base": base_id, "data": data, "hardware": hardware, "plan": plan.to_dict()}
     check_same_run(run_dir, old, info)
     resuming = bool(list_checkpoints(RunDir(run_dir).checkpoints))
     if resume == "never" and resuming:
         raise FinetuneError(f"run folder {run_dir} already has checkpoints; resume='never' would overwrite them")
-    old_adapter = RunDir(run_dir).adapter_info()
+    return _Settled(rec, hardware, cfg, overrides, planned, plan, info, resuming)
+
+
+def _base_folder(run: _Settled, base: str, run_dir: Path) -> str:
+    """Write finetune.json and return the base to load: a tinygpt run exported once to run_dir/base, else the base
+    as given. A recipe's context longer than the base knows is cut to it (one asked for is refused)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_identity(run_dir, identity)
-    write_json_atomic(run_dir / FINETUNE_INFO, info)
+    write_json_atomic(run_dir / FINETUNE_INFO, run.info)
     base_path = base
-    if tinygpt_base:
+    if is_tinygpt_run(base):
         base_path = str((run_dir / BASE_DIR).resolve())
         if not (run_dir / BASE_DIR / "config.json").is_file():
             export_tinygpt_base(base, base_path)
     config = base_config(base_path)
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if max_pos and cfg.seq_len > max_pos:
-        if "seq_len" in overrides:
-            raise FinetuneError(f"seq_len {cfg.seq_len} is longer than the base's context of {max_pos} tokens")
-        cfg = dataclasses.replace(cfg, seq_len=max_pos)  # the recipe's default, cut to what the base knows
-    # Tokenizer and data first: a bad record fails in seconds, not after a 5 GB download.
-    tok = load_tokenizer(base_path)
-    dataset = build_instruct_data(data, tok, cfg.seq_len, template=rec.template, pack=plan.pack, seed=cfg.seed,
-                                  val_batch_size=cfg.micro_batch_size, eval_batches=cfg.eval_batches)
+    if max_pos and run.cfg.seq_len > max_pos:
+        if "seq_len" in run.overrides:
+            raise FinetuneError(f"seq_len {run.cfg.seq_len} is longer than the base's context of {max_pos} tokens")
+        run.cfg = dataclasses.replace(run.cfg, seq_len=max_pos)  # the recipe's default, cut to what the base knows
+    return base_path
+
+
+def _trainable_model(run: _Settled, base_path: str, dev: torch.device, run_dir: Path):
+    """(the base as loaded, the model that trains, how checkpoints hold it): LoRA adapters on a frozen base, or
+    (recipe full) the base itself in fp32; then tinygpt_finetune.json, with the base's signature."""
+    rec = run.rec
+    old_adapter = RunDir(run_dir).adapter_info()
     # full finetuning keeps fp32 weights (the optimizer's updates would vanish in half precision); autocast computes
-    dtype = precision.dtype if dev.type == "cuda" and rec.lora is not None else torch.float32
+    dtype = choose_precision(dev, run.cfg.precision).dtype if dev.type == "cuda" and rec.lora is not None \
+        else torch.float32
     model = load_base(base_path, quantize=rec.quantize, dtype=dtype, device=dev)
-    if resuming and "signature" in old_adapter:  # e.g. a tinygpt base that trained on since, exported anew
+    if run.resuming and "signature" in old_adapter:  # e.g. a tinygpt base that trained on since, exported anew
         check_signature(old_adapter["signature"], model, f"the checkpoints in {run_dir}")
     if rec.lora is None:  # full finetuning: the base itself trains, and every checkpoint holds all of it
-        pm, state_fns = prepare_full(model, activation_checkpointing=plan.activation_checkpointing), \
-            (full_state, load_full_state)
+        pm = prepare_full(model, activation_checkpointing=run.plan.activation_checkpointing)
+        io = ModelIO(loss_fn=module_loss, state_fn=full_state, load_state_fn=load_full_state)
     else:
-        pm = attach_lora(model, rec.lora, activation_checkpointing=plan.activation_checkpointing, seed=cfg.seed)
+        pm = attach_lora(model, rec.lora, activation_checkpointing=run.plan.activation_checkpointing, seed=run.cfg.seed)
         peft_config = dataclasses.replace(pm.peft_config["default"], inference_mode=True)  # as PEFT saves it
         peft_config.save_pretrained(str(run_dir))  # adapter_config.json + any checkpoint = an adapter (export_adapter)
-        state_fns = (adapter_state, load_adapter_state)
-    write_json_atomic(run_dir / ADAPTER_INFO, {"base": info["base"], "base_path": base_path, "quantize": rec.quantize,
-                                               "template": rec.template, "signature": base_signature(model)})
-    n_train = sum(p.numel() for p in pm.parameters() if p.requires_grad)
-    n_total = sum(p.numel() for p in pm.parameters())
-    callbacks = list(callbacks)
-    if mirror is not None:
-        callbacks.append(Mirror(run_dir, mirror, keep_last=cfg.keep_last, identity=identity))
-    # The Trainer compiles the loss module as a whole (compile "auto": on CUDA): forward and loss in one graph.
-    if progress:
-        callbacks.insert(0, Progress())
-    trainer = Trainer(FinetuneLoss(pm, full_logits=plan.full_logits), dataclasses.replace(cfg, device=str(dev)),
-                      TrainData(dataset.train, dataset.val_batches), run_dir, callbacks=callbacks, run_info=info,
-                      io=ModelIO(loss_fn=module_loss, state_fn=state_fns[0], load_state_fn=state_fns[1]))
-    with closing(callbacks):
-        result = trainer.fit(resume)
-    adapter_dir = mirrored = model_dir = None
-    if not result.interrupted and rec.lora is None:  # a whole model folder (the checkpoints on the mirror hold it)
-        model_dir = export_full(run_dir, str(result.checkpoint or "latest"))
-    elif not result.interrupted:
-        adapter_dir = export_adapter(run_dir, str(result.checkpoint or "latest"))
-        tok.save_pretrained(adapter_dir)
-        if mirror is not None:
-            mirrored = mirror_adapter(adapter_dir, mirror, result.step)
-    mem = memory_table(planned, hardware, model.config.to_dict(),
-                       activation_checkpointing=plan.activation_checkpointing, full_logits=plan.full_logits)
-    return FinetuneResult(run_dir, adapter_dir, result, dataset.report, hardware, n_train, n_total, mem, pm.eval(), tok,
-                          mirrored, plan, model_dir, base_path)
+        io = ModelIO(loss_fn=module_loss, state_fn=adapter_state, load_state_fn=load_adapter_state)
+    write_json_atomic(run_dir / ADAPTER_INFO, {"base": run.info["base"], "base_path": base_path,
+                                               "quantize": rec.quantize, "template": rec.template,
+                                               "signature": base_signature(model)})
+    return model, pm, io
+
+
+def _write_result(run: _Settled, run_dir: Path, result: Any, tok: Any,
+                  mirror: str | Path | None) -> tuple[Path | None, Path | None, Path | None]:
+    """(adapter folder, its copy on the mirror, whole-model folder) of a run that was not interrupted: the adapter
+    with the tokenizer (copied to the mirror), or, recipe full, a whole model folder (the mirrored checkpoints
+    hold it already); Nones for an interrupted one."""
+    if result.interrupted:
+        return None, None, None
+    which = str(result.checkpoint or "latest")
+    if run.rec.lora is None:
+        return None, None, export_full(run_dir, which)
+    adapter_dir = export_adapter(run_dir, which)
+    tok.save_pretrained(adapter_dir)
+    mirrored_adapter = mirror_adapter(adapter_dir, Path(mirror), result.step) if mirror is not None else None
+    return adapter_dir, mirrored_adapter, None

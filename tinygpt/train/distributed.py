@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from tinygpt.core.checkpoint import clean_state_dict
 from tinygpt.core.config import ConfigError
+from tinygpt.core.precision import resolve_device
 
 PARALLEL_MODES = ("ddp", "fsdp")
 # A collective that waits longer than this raises instead of hanging forever (a peer that hangs
@@ -36,6 +37,14 @@ PREP_TIMEOUT_S = float(os.environ.get("TINYGPT_DIST_PREP_TIMEOUT_S", 6 * 3600))
 def _active() -> bool:
     """Whether this process is in a process group (some torch builds lack torch.distributed)."""
     return dist.is_available() and dist.is_initialized()
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a torchrun job (one process: the defaults)."""
+    rank: int = 0
+    world_size: int = 1
+    parallel: str = "ddp"  # "ddp" or "fsdp" (FSDP2)
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,20 @@ def process_group(env: TorchrunEnv, device: torch.device, timeout_s: float = TIM
     yield
     # Not on an error: after a lost peer, tearing NCCL down can hang; the process is ending anyway.
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def joined(requested: str, parallel: str = "ddp") -> Iterator[tuple[torch.device, Ranks]]:
+    """This process's device and place in the job, for the block: started by torchrun with several
+    processes, its own GPU inside the job's process group (`rank_device`, `process_group`); otherwise
+    one process on the device asked for ("auto": the best present)."""
+    env = torchrun_env()
+    if env is not None and env.world_size > 1:
+        dev = rank_device(requested, env.local_rank)
+        with process_group(env, dev):
+            yield dev, Ranks(env.rank, env.world_size, parallel)
+        return
+    yield resolve_device(requested), Ranks(parallel=parallel)
 
 
 @contextlib.contextmanager

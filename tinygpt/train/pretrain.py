@@ -7,6 +7,7 @@ prepares the tokenizer, the token cache and the run folder while the others wait
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
 import sys
@@ -20,31 +21,29 @@ import torch
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback, closing
-from tinygpt.core.config import COMPILE_MODES, ConfigError, DataConfig, Recipe, check_same_settings, get_recipe
+from tinygpt.core.config import (
+    COMPILE_MODES,
+    ConfigError,
+    DataConfig,
+    Recipe,
+    TrainConfig,
+    check_same_settings,
+    get_recipe,
+)
 from tinygpt.core.files import refuse_links_in
 from tinygpt.core.options import option, targets
 from tinygpt.core.paths import cache_root
-from tinygpt.core.precision import choose_precision, resolve_device
+from tinygpt.core.precision import Precision, choose_precision
 from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKEN_CACHE, TOKENIZER_JSON, RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
-from tinygpt.sync.identity import run_identity, write_identity
-from tinygpt.sync.mirror import Mirror
-from tinygpt.sync.restore import restore_latest
+from tinygpt.sync.mirrored import RunMirror, mirrored
 from tinygpt.sync.shards import ShardMirror, restore_shards
 from tinygpt.train.budget import Budget
 from tinygpt.train.callbacks import MFU, Progress, StartupReport, TensorBoardLogger, TimeBudget, write_sample
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
 from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents, resolve_source, source_fingerprint
-from tinygpt.train.distributed import (
-    TorchrunEnv,
-    check_parallel,
-    main_process_first,
-    process_group,
-    rank_device,
-    split_global_batch,
-    torchrun_env,
-)
+from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
 from tinygpt.train.hardware import check_device, check_fits
 from tinygpt.train.hardware import peak_tflops as _peak
 from tinygpt.train.init import INIT_TOKENIZER, base_tokenizer, initial_model
@@ -54,7 +53,7 @@ from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.shards import ShardStream, StreamedShards, TokenShards, check_token_cache, stream_token_cache
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.token_files import check_shard_ids, open_token_folder
-from tinygpt.train.trainer import RESUMABLE_CHANGES, Ranks, TrainData, Trainer, TrainResult
+from tinygpt.train.trainer import RESUMABLE_CHANGES, TrainData, Trainer, TrainResult
 
 TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
 
@@ -80,13 +79,14 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
                           "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
 
 
-def get_tokenizer(recipe: Recipe, run_dir: Path) -> Tokenizer:
-    """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe says."""
+def get_tokenizer(recipe: Recipe, run_dir: Path, token_ids: bool = False) -> Tokenizer:
+    """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe says
+    (`token_ids`: the source holds GPT-2 token ids, so no tokenizer can be trained on it)."""
     saved = run_dir / TOKENIZER_JSON
     if saved.is_file():
         return Tokenizer.load(saved)
     d = recipe.data
-    if d.tokenizer == "train" and resolve_source(d.source)[0] == "tokens":
+    if d.tokenizer == "train" and token_ids:
         raise ConfigError(f"{d.source} holds GPT-2 token ids, so the tokenizer is GPT-2's: add --set "
                           "data.tokenizer=gpt2 model.vocab_size=50304, or use a recipe made for GPT-2 tokens "
                           "(e.g. a100-124m)")
@@ -199,47 +199,77 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
              options: PretrainOptions | None = None, **option_fields: Any) -> TrainResult:
     """Train a recipe into `run_dir`, resuming from its newest valid checkpoint (or the mirror's).
     Pass a `PretrainOptions`, or its fields as keywords (`pretrain("cpu", "runs/x", max_steps=100)`).
-    Started by torchrun with several processes, each joins the process group (`launch_torchrun`)."""
+    Started by torchrun with several processes, each joins the process group (`distributed.joined`) and
+    trains its share of the recipe's global batch.
+
+    The recipe flows down once: resolved here (overrides, then this process's device), fitted to the
+    machine by `plan_run` (every check, the probe, the precision), and from then on read from the `Plan`."""
     opts = options or PretrainOptions(run_dir=run_dir, **option_fields)
     recipe = opts.apply(get_recipe(recipe) if isinstance(recipe, str) else recipe)
-    env = torchrun_env()
-    if env is not None and env.world_size > 1:
-        return launch_torchrun(recipe, opts, env)
-    return run_pretraining(recipe, opts)
+    with joined(recipe.train.device, opts.parallel) as (dev, ranks):
+        plan = plan_run(recipe, opts, dev, ranks)
+        return train_run(plan, opts)
 
 
-def launch_torchrun(recipe: Recipe, opts: PretrainOptions, env: TorchrunEnv) -> TrainResult:
-    """This process's part of a torchrun job: its GPU, the process group, then the same run on
-    the recipe's global batch (each rank trains its share)."""
-    dev = rank_device(opts.device or recipe.train.device, env.local_rank)
-    with process_group(env, dev):
-        return run_pretraining(recipe.replace(train={"device": str(dev)}), opts, env.rank, env.world_size)
+@dataclass(frozen=True)
+class Plan:
+    """A recipe as this process trains it, decided once before anything is written (`plan_run`)."""
+    recipe: Recipe           # with the probe's choices (or the run's own, when it resumes)
+    device: torch.device
+    precision: Precision
+    ranks: Ranks
+    probe: dict | None       # the probe's result, kept in run.json; None where it did not run
+    token_ids: bool          # the data source is a folder of token ids (nanoGPT's, llm.c's): nothing to tokenize
+    identity: dict           # what makes two runs the same run (the mirror's identity.json hashes it)
+    clock: StartupClock      # where the start-up time goes, from the moment the process joined the job
+
+    @property
+    def is_main(self) -> bool:
+        return self.ranks.rank == 0  # rank 0 writes the run folder; the others only read it
+
+    def train_config(self) -> TrainConfig:
+        """The trainer's settings: the recipe's, on this process's device."""
+        return replace(self.recipe.train, device=str(self.device))
 
 
-def run_pretraining(recipe: Recipe, opts: PretrainOptions, rank: int = 0, world_size: int = 1) -> TrainResult:
-    """Validate, fit to the device, prepare run folder, tokenizer and data (rank 0 first), build the
-    model and train it; rank 0 then writes a sample. The process group, if any, is set up already."""
+def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks) -> Plan:
+    """Check what can be checked before any work (the data source, the parallel mode, the memory, the global
+    batch's split over the ranks), then let the probe fit the recipe to the GPU."""
     clock = StartupClock()
     check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
-    check_parallel(opts.parallel, recipe.train.optimizer, world_size)
-    check_device(dev := resolve_device(recipe.train.device))
+    check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size)
+    check_device(dev)
     t = recipe.train
     # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
     check_fits(recipe.model, 1 if dev.type == "cuda" else t.micro_batch_size, t.seq_len,
                choose_precision(dev, t.precision).name, dev, t.loss, what=f"recipe {recipe.name}")
     probe_info = None
     if opts.probe == "auto":
-        recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, world_size)
+        recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, ranks.world_size)
     clock.mark("probe")
-    split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, world_size)
+    split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, ranks.world_size)
+    token_ids = resolve_source(recipe.data.source)[0] == "tokens"
     precision = choose_precision(dev, recipe.train.precision)
+    return Plan(recipe, dev, precision, ranks, probe_info, token_ids, recipe.identity(), clock)
+
+
+def train_run(plan: Plan, opts: PretrainOptions) -> TrainResult:
+    """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves nothing
+    behind), restored from the mirror and prepared by rank 0 first (the other ranks then find tokenizer,
+    token cache and run.json made); then training. The token shards, the mirror and the lock are let go
+    in that order, whatever ended the run."""
     refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
-    # one writer per run folder (rank 0 writes it; the other ranks of the same job only read)
-    if rank != 0:
-        return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info, clock)
-    run = RunDir(opts.run_dir)
-    with run.lock(), run.undo_if_first_try_fails(RUN_JSON):  # a failed first try leaves nothing behind
-        return _train_in_run_folder(recipe, opts, rank, world_size, dev, precision, probe_info, clock)
+    with contextlib.ExitStack() as held:
+        if plan.is_main:
+            folder = RunDir(opts.run_dir)
+            held.enter_context(folder.lock())
+            held.enter_context(folder.undo_if_first_try_fails(RUN_JSON))
+        with main_process_first(plan.ranks.rank, plan.ranks.world_size):
+            # a mirror that another run owns is refused here, before anything is copied or written
+            mirror = held.enter_context(mirrored(opts.run_dir, opts.mirror if plan.is_main else None,
+                                                 plan.identity))
+            data = held.enter_context(prepare_run(plan, opts))
+        return train(plan, opts, data, mirror)
 
 
 @dataclass
@@ -247,8 +277,14 @@ class RunData:
     """A run's tokens and what keeps them coming: the tokenizing process and the copy to Drive."""
     tokenizer: Tokenizer
     tokens: TokenShards
+    meta: dict                        # where the tokens come from, as run.json says
     mirror: ShardMirror | None = None
-    identity: dict | None = None  # the run's id and configuration hash (one run per mirror)
+
+    def __enter__(self) -> RunData:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop tokenizing (the next run goes on from the first missing shard); finish the copy."""
@@ -259,118 +295,105 @@ class RunData:
                           "them again", stacklevel=2)
 
 
-def _train_in_run_folder(recipe: Recipe, opts: PretrainOptions, rank: int, world_size: int, dev: torch.device,
-                         precision, probe_info: dict | None, clock: StartupClock) -> TrainResult:
-    with main_process_first(rank, world_size):  # the others find what rank 0 made
-        data = prepare_run(recipe, opts, rank == 0, precision, dev, probe_info, clock)
-    try:
-        t = recipe.train
-        sampler = WindowSampler(data.tokens, t.seq_len, t.seed)  # waits for the first shard
-        val = fixed_batches(data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1), t.seq_len,
-                            t.micro_batch_size, t.eval_batches)
-        clock.mark("data")
-        torch.manual_seed(t.seed)
-        model = initial_model(recipe, opts.run_dir, opts.resume)  # random, or a base's weights (model.init)
-        callbacks = run_callbacks(recipe, opts, model, dev, precision.name, clock, rank, world_size, data.identity)
-        with closing(callbacks):
-            # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
-            # trainer's train_config) and the tokenizer
-            run_info = {"recipe": {k: v for k, v in recipe.to_dict().items() if k != "train"},
-                        "tokenizer": data.tokenizer.to_json()}
-            trainer = Trainer(model, replace(t, device=str(dev)), TrainData(sampler, val), opts.run_dir,
-                              callbacks=callbacks, ranks=Ranks(rank, world_size, opts.parallel), run_info=run_info)
-            clock.mark("model")
-            result = trainer.fit(opts.resume)
-            if rank == 0 and not result.interrupted:
-                sample_after_training(recipe, opts, result, model, data.tokenizer, data.tokens, dev, world_size)
-    finally:
-        data.close()
-    return result
-
-
-def compile_cache_for(recipe: Recipe, opts: PretrainOptions, model: GPT, dev: torch.device,
-                      precision: str) -> CompileCache:
-    """The run's compile cache, signed with this user's key (never kept on the mirror)."""
-    t = recipe.train
-    key, note = signing_key()
-    return CompileCache(opts.run_dir, key, describe(model, dev, precision, t.micro_batch_size, t.seq_len, t.compile),
-                        note)
-
-
-def prepare_run(recipe: Recipe, opts: PretrainOptions, is_main: bool, precision, dev: torch.device,
-                probe_info: dict | None, clock: StartupClock | None = None) -> RunData:
-    """Restore from the mirror (a new VM), check the run folder, get the tokenizer, start the token
-    shards (the mirror's complete ones first; a background process tokenizes on), write run.json."""
-    run_dir, cache = opts.run_dir, Path(opts.cache_dir or default_cache_dir())
-    identity = None
-    if is_main:  # a mirror that another run owns is refused here, before anything is copied or written
-        identity = run_identity(run_dir, opts.mirror, identity_config(recipe))
-    if opts.mirror is not None and is_main:
-        restore_latest(run_dir, Path(opts.mirror))  # a new VM: the mirror's newest valid checkpoint comes home
-    if is_main:
-        check_run_dir(run_dir, recipe, opts.resume)
-    tokenizer = get_tokenizer(recipe, run_dir)
-    if clock is not None:
-        clock.mark("tokenizer")
-    if resolve_source(recipe.data.source)[0] == "tokens":  # a folder of token ids: nothing to tokenize
-        data = RunData(tokenizer, open_token_shards(recipe.data.source, recipe.model.vocab_size), identity=identity)
-        if is_main:
-            meta = {"source": recipe.data.source, **data.tokens.meta}
-            _write_run_files(run_dir, recipe, tokenizer, precision, dev, meta, probe_info, identity)
-        return data
-    key = cache_key(recipe.data, tokenizer)
-    mirror_cache = Path(opts.mirror).parent / TOKEN_CACHE / key if opts.mirror is not None else None
-    data = RunData(tokenizer, StreamedShards(cache / key), identity=identity)
-    if is_main:
-        before = data.tokens.n_shards
-        restored = restore_shards(mirror_cache, cache / key) if mirror_cache is not None else 0  # a new VM
-        # tokenizes on from the first shard Drive lacks; a shard with ids past the vocabulary is tokenized again
-        check_token_cache(cache / key, tokenizer.vocab_size, mirror_cache, range(before, before + restored))
-        # tokenized about as far as the run reads (a resume with more steps asks for more)
-        data.tokens = stream_token_cache(recipe.data, tokenizer, cache, key, max_train_tokens=recipe.token_budget)
-        if mirror_cache is not None:
-            data.mirror = ShardMirror(cache / key, mirror_cache)
-        _write_run_files(run_dir, recipe, tokenizer, precision, dev, {"cache": key, "source": recipe.data.source},
-                         probe_info, identity)
+def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
+    """Check the run folder, get the tokenizer, open the tokens, write run.json (the checks and writes on
+    rank 0 alone)."""
+    if plan.is_main:
+        check_run_dir(opts.run_dir, plan.recipe, opts.resume)
+    tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.token_ids)
+    plan.clock.mark("tokenizer")
+    data = open_tokens(plan, opts, tokenizer)
+    if plan.is_main:
+        _write_run_files(opts.run_dir, plan, tokenizer, data.meta)
     return data
 
 
-def identity_config(recipe: Recipe) -> dict:
-    """What makes two runs the same run, for the mirror's identity: the model (less what the probe may
-    choose differently on another GPU) and the data. Training settings are compared by check_run_dir."""
-    return {"recipe": recipe.name, "model": recipe.model.identity(), "data": recipe.data.to_dict()}
+def open_tokens(plan: Plan, opts: PretrainOptions, tokenizer: Tokenizer) -> RunData:
+    """A folder of token ids as it is; otherwise the token cache: on rank 0 the mirror's complete shards come
+    first, then a background process tokenizes on from the first shard missing, about as far as the run reads
+    (a resume with more steps asks for more); the shards it writes go to the mirror as they are done."""
+    recipe = plan.recipe
+    if plan.token_ids:  # nothing to tokenize
+        tokens = open_token_shards(recipe.data.source, recipe.model.vocab_size)
+        return RunData(tokenizer, tokens, {"source": recipe.data.source, **tokens.meta})
+    cache = Path(opts.cache_dir or default_cache_dir())
+    key = cache_key(recipe.data, tokenizer)
+    data = RunData(tokenizer, StreamedShards(cache / key), {"cache": key, "source": recipe.data.source})
+    if plan.is_main:
+        mirror_cache = Path(opts.mirror).parent / TOKEN_CACHE / key if opts.mirror is not None else None
+        before = data.tokens.n_shards
+        restored = restore_shards(mirror_cache, cache / key) if mirror_cache is not None else 0  # a new VM
+        # a shard with ids past the vocabulary (another tokenizer's) is tokenized again
+        check_token_cache(cache / key, tokenizer.vocab_size, mirror_cache, range(before, before + restored))
+        data.tokens = stream_token_cache(recipe.data, tokenizer, cache, key, max_train_tokens=recipe.token_budget)
+        if mirror_cache is not None:
+            data.mirror = ShardMirror(cache / key, mirror_cache)
+    return data
+
+
+def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -> TrainResult:
+    """The sampler (waiting for the first shard), the validation batches, the model, its callbacks, the
+    trainer; then a sample of what the model writes (rank 0)."""
+    t = plan.recipe.train
+    sampler = WindowSampler(data.tokens, t.seq_len, t.seed)
+    val = fixed_batches(data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1), t.seq_len,
+                        t.micro_batch_size, t.eval_batches)
+    plan.clock.mark("data")
+    torch.manual_seed(t.seed)
+    model = initial_model(plan.recipe, opts.run_dir, opts.resume)  # random, or a base's weights (model.init)
+    callbacks = run_callbacks(plan, opts, model)
+    with closing(callbacks):  # the mirror is closed by `mirrored`, after these
+        # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
+        # trainer's train_config) and the tokenizer
+        run_info = {"recipe": {k: v for k, v in plan.recipe.to_dict().items() if k != "train"},
+                    "tokenizer": data.tokenizer.to_json()}
+        trainer = Trainer(model, plan.train_config(), TrainData(sampler, val), opts.run_dir, ranks=plan.ranks,
+                          callbacks=[*callbacks, *([mirror] if plan.is_main else [])], run_info=run_info)
+        plan.clock.mark("model")
+        result = trainer.fit(opts.resume)
+        if plan.is_main and not result.interrupted:
+            sample_after_training(plan, opts, result, model, data)
+    return result
+
+
+def compile_cache_for(plan: Plan, opts: PretrainOptions, model: GPT) -> CompileCache:
+    """The run's compile cache, signed with this user's key (never kept on the mirror)."""
+    t = plan.recipe.train
+    key, note = signing_key()
+    return CompileCache(opts.run_dir, key, describe(model, plan.device, plan.precision.name, t.micro_batch_size,
+                                                    t.seq_len, t.compile), note)
 
 
 def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
     """nanoGPT's or llm.c's token files as shards; each train shard's ids are checked on first use."""
     files = open_token_folder(folder, vocab_size)
     names = [str(p) for p in files.files]
+
+    def check(i: int, arr) -> None:  # shard i's ids fit the model's vocabulary
+        check_shard_ids(arr, vocab_size, names[i], files.vocab_hint)
+
     return TokenShards(files.train, files.val, source_fingerprint(DataConfig(source=folder)),
                        {"format": files.kind, "train_tokens": files.train_tokens, "val_tokens": len(files.val)},
-                       check=lambda i, arr: check_shard_ids(arr, vocab_size, names[i], files.vocab_hint))
+                       check=check)
 
 
-def run_callbacks(recipe: Recipe, opts: PretrainOptions, model: GPT, dev: torch.device, precision: str,
-                  clock: StartupClock, rank: int, world_size: int, identity: dict | None = None) -> list[Callback]:
+def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT) -> list[Callback]:
     """A pretraining run's side concerns, in the order they act: the start-up record and compile cache,
     the time budget (which fixes the step count the bar shows), MFU, the bar; the caller's callbacks;
-    then, on rank 0, TensorBoard (when wanted and installed) and the mirror."""
-    cache = compile_cache_for(recipe, opts, model, dev, precision) if world_size == 1 else None
-    out: list[Callback] = [StartupReport(clock, cache)]
+    then, on rank 0, TensorBoard (when wanted and installed). The mirror comes after all of them."""
+    cache = compile_cache_for(plan, opts, model) if plan.ranks.world_size == 1 else None
+    peak = opts.peak_tflops or gpu_peak_tflops(plan.device, plan.precision.name)
+    out: list[Callback] = [StartupReport(plan.clock, cache)]
     if opts.hours is not None:
         out.append(TimeBudget(opts.hours))
-    out.append(MFU(model.flops_per_token(recipe.train.seq_len), opts.peak_tflops or gpu_peak_tflops(dev, precision)))
+    out.append(MFU(model.flops_per_token(plan.recipe.train.seq_len), peak))
     if opts.progress:
         out.append(Progress())
     out += list(opts.callbacks)
-    if rank != 0:
-        return out
-    if opts.tensorboard is not False:
+    if plan.is_main and opts.tensorboard is not False:
         tb = TensorBoardLogger.create(opts.run_dir / TENSORBOARD, required=bool(opts.tensorboard))
         if tb is not None:
             out.append(tb)
-    if opts.mirror is not None:
-        out.append(Mirror(opts.run_dir, Path(opts.mirror), keep_last=recipe.train.keep_last, identity=identity))
     return out
 
 
@@ -384,28 +407,26 @@ def gpu_peak_tflops(dev: torch.device, precision: str) -> float | None:
         return None
 
 
-def sample_after_training(recipe: Recipe, opts: PretrainOptions, result: TrainResult, model: GPT,
-                          tokenizer: Tokenizer, tokens: TokenShards, dev: torch.device, world_size: int) -> None:
-    if world_size > 1 and opts.parallel == "fsdp" and result.checkpoint is not None:
+def sample_after_training(plan: Plan, opts: PretrainOptions, result: TrainResult, model: GPT, data: RunData) -> None:
+    """Append what the trained model writes to samples.txt, from the prompt asked for or, on a corpus other
+    than the built-in one, from how a held-out document begins."""
+    if plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp" and result.checkpoint is not None:
         # rank 0 alone cannot run the sharded model: it samples from the full checkpoint
-        model = GPT(recipe.model)
+        model = GPT(plan.recipe.model)
         ckpt.load_model_state(model, ckpt.load_checkpoint(result.checkpoint)[0])
-        model.to(dev)
+        model.to(plan.device)
     prompt = opts.sample_prompt
-    val = tokens.validation(8)
-    if prompt is None and recipe.data.source not in ("builtin", "stdlib") and len(val) >= 8:
-        prompt = tokenizer.decode(val[:8].tolist())  # how a held-out document begins
-    write_sample(model, tokenizer, opts.run_dir, result.step, prompt)
+    val = data.tokens.validation(8)
+    if prompt is None and plan.recipe.data.source not in ("builtin", "stdlib") and len(val) >= 8:
+        prompt = data.tokenizer.decode(val[:8].tolist())
+    write_sample(model, data.tokenizer, opts.run_dir, result.step, prompt)
 
 
-def _write_run_files(run_dir: Path, recipe: Recipe, tokenizer: Tokenizer, precision, dev: torch.device,
-                     data_meta: dict, probe_info: dict | None = None, identity: dict | None = None) -> None:
-    """tokenizer.json (kept once written: a resumed run must use the same one), identity.json and run.json."""
+def _write_run_files(run_dir: Path, plan: Plan, tokenizer: Tokenizer, data_meta: dict) -> None:
+    """tokenizer.json (kept once written: a resumed run must use the same one) and run.json."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if identity is not None:
-        write_identity(run_dir, identity)
     if not (run_dir / TOKENIZER_JSON).is_file():
         tokenizer.save(run_dir / TOKENIZER_JSON)
-    info = {"recipe": recipe.to_dict(), "precision": precision.to_dict(), "device": str(dev),
-            "data": data_meta, "probe": probe_info, "versions": versions(), "command": " ".join(sys.argv)}
+    info = {"recipe": plan.recipe.to_dict(), "precision": plan.precision.to_dict(), "device": str(plan.device),
+            "data": data_meta, "probe": plan.probe, "versions": versions(), "command": " ".join(sys.argv)}
     RunDir(run_dir).write_info(info)

@@ -37,6 +37,10 @@ class WindowSampler:
         return (len(arr) - 1) // self.seq_len
 
     def _order(self, n_windows: int) -> np.ndarray:
+        # Each (epoch, shard) has its own generator, seeded by (seed, epoch, shard), instead of one RNG that
+        # runs on through the run: the order of a shard never depends on what was drawn before it, so the
+        # position (epoch, shard, index) alone brings the order back on resume (no RNG state to save), and a
+        # shard the tokenizer writes later is ordered the same as if it had been there from the start.
         if self._perm_key != (self.epoch, self.shard):
             rng = np.random.default_rng([self.seed, self.epoch, self.shard])
             self._perm, self._perm_key = rng.permutation(n_windows), (self.epoch, self.shard)
@@ -60,6 +64,8 @@ class WindowSampler:
         return out
 
     def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        # every rank takes the whole global batch's windows and keeps its slice: all ranks stay at the same
+        # position, which is why one saved position resumes at any world size
         windows = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
         T = self.seq_len
         w = torch.from_numpy(np.stack([np.asarray(a[s:s + T + 1], dtype=np.int64) for a, s in windows]))

@@ -363,49 +363,58 @@ def check_token_cache(folder: str | Path, vocab_size: int, mirror: Path | None =
         except ValueError:
             checked = {}
         shards = manifest.get("shards", []) if isinstance(manifest, dict) else []
-        want = token_dtype(vocab_size).name
-        bad: tuple[int, str] | None = None
-        if isinstance(manifest, dict) and manifest.get("dtype") != want and shards:
-            bad = (0, f"the token cache {folder / MANIFEST} says dtype {manifest.get('dtype')!r}, this vocabulary "
-                      f"needs {want}")
-        for i, entry in enumerate(shards if bad is None else []):
-            where = f"from the mirror {mirror}" if i in restored and mirror is not None else "in the local cache"
-            try:
-                for split in ("train", "val"):
-                    info = entry[split]
-                    path = inside(folder, info["name"], folder / MANIFEST, plain=True)
-                    refuse_link(path)
-                    rec = checked.get(info["name"])
-                    if not (isinstance(rec, list) and rec[0] == info["sha256"] and i not in restored):
-                        n = info["bytes"] // np.dtype(want).itemsize
-                        top = int(np.max(np.memmap(path, dtype=want, mode="r", shape=(n,)))) if n else -1
-                        checked[info["name"]] = rec = [info["sha256"], top]
-                    if rec[1] >= vocab_size:
-                        bad = (i, f"token shard {path} ({where}) holds token id {rec[1]}, beyond the vocabulary "
-                                  f"of {vocab_size}")
-                        break
-            except (UnsafePathError, KeyError, TypeError, ValueError, OSError) as e:
-                bad = (i, f"token shard {i} ({where}) is unusable: {e}")
-            if bad is not None:
-                break
+        bad = _first_bad_shard(folder, manifest, shards, vocab_size, checked, mirror, restored)
         lines, kept = [], shards
         if bad is not None:
             i, why = bad
-            for entry in shards[i:]:
-                for split in ("train", "val"):
-                    try:
-                        inside(folder, entry[split]["name"], plain=True).unlink(missing_ok=True)
-                    except (UnsafePathError, KeyError, TypeError, OSError):
-                        pass  # an unsafe name is never deleted either: only the manifest forgets it
-            kept = shards[:i]
-            manifest = {**manifest, "shards": kept, "done": False, "error": None}
-            write_json_atomic(folder / MANIFEST, manifest)
+            kept = _drop_shards_from(folder, manifest, shards, i)
             lines.append(f"{why}: removed from the local cache ({len(shards) - i} shard(s) from there on); they are "
                          "tokenized again")
             warnings.warn(lines[-1], stacklevel=2)
         names = {e[s]["name"] for e in kept for s in ("train", "val")}
         write_json_atomic(folder / CHECKED, {k: v for k, v in checked.items() if k in names})
     return lines
+
+
+def _first_bad_shard(folder: Path, manifest, shards: list, vocab_size: int, checked: dict, mirror: Path | None,
+                     restored: range) -> tuple[int, str] | None:
+    """(index, why) of the first shard this vocabulary cannot use, or None; `checked` gains each file's
+    (sha256, highest id) as it is read (a file restored by this start is read again whatever the record says)."""
+    want = token_dtype(vocab_size).name
+    if isinstance(manifest, dict) and manifest.get("dtype") != want and shards:
+        return 0, (f"the token cache {folder / MANIFEST} says dtype {manifest.get('dtype')!r}, this vocabulary "
+                   f"needs {want}")
+    for i, entry in enumerate(shards):
+        where = f"from the mirror {mirror}" if i in restored and mirror is not None else "in the local cache"
+        try:
+            for split in ("train", "val"):
+                info = entry[split]
+                path = inside(folder, info["name"], folder / MANIFEST, plain=True)
+                refuse_link(path)
+                rec = checked.get(info["name"])
+                if not (isinstance(rec, list) and rec[0] == info["sha256"] and i not in restored):
+                    n = info["bytes"] // np.dtype(want).itemsize
+                    top = int(np.max(np.memmap(path, dtype=want, mode="r", shape=(n,)))) if n else -1
+                    checked[info["name"]] = rec = [info["sha256"], top]
+                if rec[1] >= vocab_size:
+                    return i, (f"token shard {path} ({where}) holds token id {rec[1]}, beyond the vocabulary "
+                               f"of {vocab_size}")
+        except (UnsafePathError, KeyError, TypeError, ValueError, OSError) as e:
+            return i, f"token shard {i} ({where}) is unusable: {e}"
+    return None
+
+
+def _drop_shards_from(folder: Path, manifest: dict, shards: list, i: int) -> list:
+    """Remove shard `i` and all after it (files and manifest entries, the writer to go on from `i`); the shards kept."""
+    for entry in shards[i:]:
+        for split in ("train", "val"):
+            try:
+                inside(folder, entry[split]["name"], plain=True).unlink(missing_ok=True)
+            except (UnsafePathError, KeyError, TypeError, OSError):
+                pass  # an unsafe name is never deleted either: only the manifest forgets it
+    kept = shards[:i]
+    write_json_atomic(folder / MANIFEST, {**manifest, "shards": kept, "done": False, "error": None})
+    return kept
 
 
 def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path, key: str | None = None,

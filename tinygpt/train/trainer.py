@@ -36,6 +36,7 @@ from tinygpt.core.rundir import RunDir
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import decay_start, expected_final_loss
+from tinygpt.train.distributed import Ranks
 from tinygpt.train.optim import build_optimizer
 from tinygpt.train.sampler import batch_to_device
 
@@ -107,14 +108,6 @@ class ModelIO:
     loss_fn: Callable | None = None
     state_fn: Callable | None = None
     load_state_fn: Callable | None = None
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in a torchrun job (one process: the defaults)."""
-    rank: int = 0
-    world_size: int = 1
-    parallel: str = "ddp"  # "ddp" or "fsdp" (FSDP2)
 
 
 @dataclass
@@ -190,7 +183,9 @@ class TrainStep:
         # the target tokens of the whole (global) step, counted on the host before any forward (no sync).
         # A mean per micro-batch would weigh a short or heavily masked micro-batch (prompt tokens are
         # IGNORE_INDEX in finetuning) as much as a full one; this way accumulation, or W ranks, give the
-        # gradient of one big batch. DDP / FSDP2 average gradients over ranks, hence the factor W.
+        # gradient of one big batch. DDP / FSDP2 average gradients over ranks, hence the factor W:
+        #   grad = sum over ranks r and micro-batches m of d(loss_sum[r, m]) * W / n_global / W
+        #        = d(sum of every target token's loss) / n_global, the mean over the global batch.
         n_targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro)
         n_global = dist_.agree_sum([n_targets])[0] if self.world_size > 1 else n_targets
         # The logged loss is this step's own (not an average since the last log), so a run
@@ -266,7 +261,8 @@ class Trainer(TrainStep):
                  run_info: dict | None = None):
         super().__init__(model, cfg, data.train, io, ranks)
         io = io or ModelIO()
-        self.val_batches, self.run_dir = data.val, Path(run_dir)
+        self.val_batches = data.val
+        self.run_dir = Path(run_dir)
         self.state_fn = io.state_fn or ckpt.model_state
         self.load_state_fn = io.load_state_fn or ckpt.load_model_state
         self.signals = StopOnSignal()
@@ -359,7 +355,10 @@ class Trainer(TrainStep):
             self.last_saved = Path(resume)
             self.resume(self.last_saved)
         resumed_from = self.saved_step = self.step if self.last_saved is not None else None
-        # rank 0 rewrites the log to the resumed step: the others must not read it meanwhile
+        # metrics.jsonl is cut back to the checkpoint's step: a run killed at step 130 whose newest checkpoint
+        # is step 100 logged 101..130 already, and will log them again (the same values: same weights, data
+        # position and RNGs), so the file reads as if the run had never stopped. Rank 0 rewrites it: the
+        # other ranks must not read it meanwhile.
         self.history = RunDir(self.run_dir).keep_metrics_through(self.step) if self.is_main else []
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
@@ -441,6 +440,10 @@ class Trainer(TrainStep):
         if diffs:
             raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
                                 + "\n  ".join(diffs) + "\nresume with the same settings, or use a new run folder")
+        # What exact resume needs, each for its reason: the weights and the optimizer's moments (the next
+        # update), the fp16 scaler's scale (the next step's overflow check), the sampler's position (the next
+        # batch: the order itself follows from the seed, see WindowSampler), and every RNG (dropout, sampling).
+        # The learning rate needs nothing of its own: lr_at sets it from the step before every update.
         dist_.load_state(self.model, self.optimizer, sd, state["optimizer"], self.load_state_fn)
         self.scaler.load_state_dict(state["scaler"])
         self.train_source.load_state_dict(state["sampler"])  # the sampler's order goes on from here
