@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from tinygpt.core.options import option
 
@@ -107,8 +107,21 @@ FAMILIES = {f.model_type: f for f in (
 )}
 
 
+class _Section:
+    """A recipe section (model, train, data) as a plain dict and back. A key this version does not know (a
+    run.json written by a newer tinygpt) is left out rather than refused."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     """A Llama-style decoder. Field names follow nanoGPT; each field's Hugging Face name stands beside it,
     and the choices are resolved once: `family` (which transformers / llama.cpp architecture), `head_dim`;
     `tinygpt.model.gpt` builds the layers from them (`norm_class`, `rope_tables`)."""
@@ -182,14 +195,6 @@ class ModelConfig:
     def family(self) -> Family:
         """The transformers (and llama.cpp) architecture with these layers: Llama, or Qwen3 with QK-norm."""
         return next(f for f in FAMILIES.values() if f.qk_norm == self.qk_norm)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     @classmethod
     def network_fields(cls) -> tuple[str, ...]:
@@ -275,7 +280,7 @@ COMPILE_MODES = ("auto", "on", "regional", "off")  # auto: on for CUDA; regional
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     """How to train: batch geometry, schedule, optimizer, and how often to evaluate and save."""
 
     micro_batch_size: int = 8
@@ -333,17 +338,9 @@ class TrainConfig:
         """Tokens in one optimizer step: the global batch (under torchrun it is split over the processes)."""
         return self.micro_batch_size * self.seq_len * self.grad_accum_steps
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     """Where the text comes from and how it becomes tokens.
 
     ``source``: ``builtin`` (the Python standard library's own source, always offline), a local
@@ -366,14 +363,6 @@ class DataConfig:
                  f"vocab_size {self.vocab_size} cannot work: a byte-level BPE needs at least 257 "
                  "(256 bytes + end-of-text) and the token cache holds at most 2**32 - 1 ids")
         _require(self.max_chars is None or self.max_chars > 0, "max_chars must be positive or None")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DataConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass
@@ -477,9 +466,13 @@ TINYSTORIES = "hf:roneneldan/TinyStories"  # ~470M GPT-2 tokens of simple storie
 FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"  # ~10B tokens of educational web pages
 
 
-def _gpt2_data(source: str, max_chars: int | None = None) -> DataConfig:
-    """A GPU recipe's data: a Hub data set read through the GPT-2 tokenizer (50257 tokens)."""
-    return DataConfig(source=source, tokenizer="gpt2", vocab_size=50257, max_chars=max_chars)
+def _gpu_recipe(name: str, hardware: str, size: str, *, description: str, train: TrainConfig,
+                source: str = "", max_chars: int | None = None, **model: Any) -> Recipe:
+    """A GPU recipe: a model of a named size (`model_config`, `model` overriding its fields) on a Hub data
+    set (FineWeb-Edu unless `source` says otherwise) read through the GPT-2 tokenizer (50257 tokens, the
+    embedding padded to GPT2_VOCAB_PADDED for the tensor cores)."""
+    return Recipe(name, description, hardware, model_config(size, vocab_size=GPT2_VOCAB_PADDED, **model), train,
+                  DataConfig(source=source or FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=max_chars))
 
 
 # The named recipes: one constant each, then its name in RECIPES (`tinygpt recipes` lists them in this order).
@@ -503,46 +496,49 @@ CPU_FAST = Recipe(
                 optimizer="muon", schedule="wsd", decay_fraction=0.4, eval_every=100, eval_batches=8,
                 log_every=10, save_every=100, keep_last=2),
     DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000))
-T4_50M = Recipe(
-    "t4-50m", "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer.",
-    "t4", model_config("50m", vocab_size=GPT2_VOCAB_PADDED, max_seq_len=512),
-    TrainConfig(micro_batch_size=16, seq_len=512, grad_accum_steps=8, max_steps=4000, lr=6e-4,
-                min_lr=6e-5, warmup_steps=200, eval_every=250, save_every=250, precision="fp16"),
-    _gpt2_data(TINYSTORIES))
-L4_124M = Recipe(
-    "l4-124m", "Colab's L4 (bf16): GPT-2-small scale, context 1024.",
-    "l4", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
-    TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=6e-4,
-                min_lr=6e-5, warmup_steps=300, eval_every=250, save_every=250, precision="bf16"),
-    _gpt2_data(FINEWEB_EDU, max_chars=6_500_000_000))
-A100_124M = Recipe(
-    "a100-124m", "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; "
-    "0.5M tokens per step.",
-    "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED),
-    TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=10000, lr=6e-4,
-                min_lr=6e-5, warmup_steps=700, eval_every=250, save_every=250, precision="bf16"),
-    _gpt2_data(FINEWEB_EDU, max_chars=25_000_000_000))
-A100_124M_FAST = Recipe(
-    "a100-124m-fast", "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an "
-    "untied head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3).",
-    "a100", model_config("124m", vocab_size=GPT2_VOCAB_PADDED, tie_embeddings=False, qk_norm=True,
-                         zero_init_proj=True),
-    TrainConfig(micro_batch_size=32, seq_len=1024, grad_accum_steps=16, max_steps=5000, lr=1.5e-3,
-                min_lr=0.0, warmup_steps=250, optimizer="muon", schedule="wsd", decay_fraction=0.4,
-                eval_every=250, save_every=250, precision="bf16"),
-    _gpt2_data(FINEWEB_EDU, max_chars=13_000_000_000))
-A100_350M = Recipe(
-    "a100-350m", "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16.",
-    "a100", model_config("350m", vocab_size=GPT2_VOCAB_PADDED),
-    TrainConfig(micro_batch_size=16, seq_len=1024, grad_accum_steps=32, max_steps=20000, lr=3e-4,
-                min_lr=3e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-    _gpt2_data(FINEWEB_EDU))
-H100_760M = Recipe(
-    "h100-760m", "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16.",
-    "h100", model_config("760m", vocab_size=GPT2_VOCAB_PADDED),
-    TrainConfig(micro_batch_size=16, seq_len=2048, grad_accum_steps=16, max_steps=20000, lr=2.5e-4,
-                min_lr=2.5e-5, warmup_steps=1000, eval_every=500, save_every=500, precision="bf16"),
-    _gpt2_data(FINEWEB_EDU))
+
+
+def _gpu_train(micro_batch_size: int, seq_len: int, grad_accum_steps: int, *, every: int, lr: float,
+               precision: str = "bf16", **kw: Any) -> TrainConfig:
+    """A GPU recipe's training settings: evaluated where it saves (each checkpoint's val_loss is known, and
+    `best/` is never older than the newest step); bf16 unless `precision` says otherwise."""
+    return TrainConfig(micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum_steps=grad_accum_steps,
+                       lr=lr, eval_every=every, save_every=every, precision=precision, **kw)
+
+
+# A T4 has no bf16: fp16 with a GradScaler; its 16 GB and ~65 TFLOP/s suit 50M parameters at context 512
+# on TinyStories, a corpus such a model learns to write fluently within one Colab session.
+T4_50M = _gpu_recipe("t4-50m", "t4", "50m", source=TINYSTORIES, max_seq_len=512, description=(
+    "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer."),
+    train=_gpu_train(16, 512, 8, max_steps=4000, lr=6e-4, min_lr=6e-5, warmup_steps=200, every=250,
+                     precision="fp16"))
+# An L4 (24 GB, bf16) fits GPT-2 small at half the A100's micro-batch; its token budget is what it
+# trains in about one 3-hour session.
+L4_124M = _gpu_recipe("l4-124m", "l4", "124m", max_chars=6_500_000_000, description=(
+    "Colab's L4 (bf16): GPT-2-small scale, context 1024."),
+    train=_gpu_train(16, 1024, 16, max_steps=5000, lr=6e-4, min_lr=6e-5, warmup_steps=300, every=250))
+# nanoGPT's GPT-2 small reproduction scaled to a Colab session: ~0.5M tokens per step (32 x 1024 x 16).
+A100_124M = _gpu_recipe("a100-124m", "a100", "124m", max_chars=25_000_000_000, description=(
+    "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; 0.5M tokens per "
+    "step."), train=_gpu_train(32, 1024, 16, max_steps=10000, lr=6e-4, min_lr=6e-5, warmup_steps=700, every=250))
+# The modded-nanoGPT changes that hold at this size (QK-norm, untied head, zero-init projections, Muon, WSD):
+# the flagship's loss in half its steps and tokens; Muon's orthogonalised updates take a 2.5x learning rate.
+A100_124M_FAST = _gpu_recipe(
+    "a100-124m-fast", "a100", "124m", max_chars=13_000_000_000, tie_embeddings=False, qk_norm=True,
+    zero_init_proj=True, description=(
+        "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an untied head, "
+        "zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3)."),
+    train=_gpu_train(32, 1024, 16, max_steps=5000, lr=1.5e-3, min_lr=0.0, warmup_steps=250, every=250,
+                     optimizer="muon", schedule="wsd", decay_fraction=0.4))
+# Three times the flagship's parameters: half the micro-batch, twice the accumulation (the same tokens per
+# step), and a lower peak learning rate as the model grows (GPT-3's table: 6e-4, 3e-4, 2.5e-4).
+A100_350M = _gpu_recipe("a100-350m", "a100", "350m", description=(
+    "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16."),
+    train=_gpu_train(16, 1024, 32, max_steps=20000, lr=3e-4, min_lr=3e-5, warmup_steps=1000, every=500))
+# 80 GB holds 760M parameters at context 2048; GQA keeps the KV cache of its generation small.
+H100_760M = _gpu_recipe("h100-760m", "h100", "760m", description=(
+    "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16."),
+    train=_gpu_train(16, 2048, 16, max_steps=20000, lr=2.5e-4, min_lr=2.5e-5, warmup_steps=1000, every=500))
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     CPU_SMOKE, CPU, CPU_FAST, T4_50M, L4_124M, A100_124M, A100_124M_FAST, A100_350M, H100_760M)}
