@@ -221,13 +221,24 @@ def chromium(work: Path):
     return webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
 
 
+def dropdown(nb: Notebook, cell_id: str, wait_s: float = 60.0):
+    """The cell's dropdown, once the front end has drawn it (after its cell ran: later on a busy machine)."""
+    deadline = time.monotonic() + wait_s
+    while not (found := nb.output(cell_id).find_elements("css selector", ".widget-dropdown select")):
+        if time.monotonic() > deadline:  # say what the cell showed instead: an error, or a widget's text fallback
+            raise AssertionError(f"no dropdown in cell {cell_id!r} after {wait_s:.0f} s; it shows: "
+                                 f"{nb.text(cell_id)[:1500]!r}")
+        time.sleep(0.5)
+    return found[0]
+
+
 def pretrain(nb: Notebook, out: Path) -> dict:
     """01_pretrain: run all untouched, then a new run with another recipe picked in the dropdown."""
     from selenium.webdriver.support.ui import Select
     seen: dict = {}
     nb.watch_images("train")
     nb.run()
-    select = nb.output("recipe").find_element("css selector", ".widget-dropdown select")
+    select = dropdown(nb, "recipe")
     seen["default"] = Select(select).first_selected_option.text
     seen["options"] = [o.text for o in Select(select).options]
     seen["plot"] = nb.watched_images()
@@ -239,7 +250,7 @@ def pretrain(nb: Notebook, out: Path) -> dict:
     source = nb.js("return Jupyter.notebook.get_cell(arguments[0]).get_text()", nb.index("run"))
     nb.set_source("run", source.replace('RUN_NAME = "my-first-gpt"', 'RUN_NAME = "second-gpt"'))
     nb.run(["run", "recipe"])
-    select = nb.output("recipe").find_element("css selector", ".widget-dropdown select")
+    select = dropdown(nb, "recipe")
     seen["default_second"] = Select(select).first_selected_option.text
     other = next(o for o in Select(select).options if o.text.split()[0] == "cpu")
     other.click()
