@@ -304,19 +304,21 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
-@pytest.mark.parametrize("mode,sig", [("root", signal.SIGTERM), ("none", signal.SIGINT)])
+@pytest.mark.parametrize("mode,sig", [("root", signal.SIGTERM), ("uid", signal.SIGTERM), ("none", signal.SIGINT)])
 def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, sig):
     """SIGTERM (or Ctrl-C) while programs run: `tinygpt eval` exits 130, and every launcher, sandbox
     process and /tmp/tinygpt-exec-* folder is gone (at 0f7fccf `sleep` children reparented to 1)."""
     if mode != "none" and sandbox.boundary(mode).kind != mode:
         pytest.skip(f"no {mode} boundary here")
-    slow = {"prompt": "def f():\n    \"\"\"one\"\"\"\n", "test": "import time\ntime.sleep(60)\ndef check(c):\n    pass\n"}
+    # the solution sleeps whatever the model writes: its one token goes into the prompt's last comment (an
+    # untrained model's two tokens were once "iz context", a syntax error that ended every program at once)
+    slow = {"prompt": "import time\ntime.sleep(60)\ndef f():\n    return 1\n# ", "test": "def check(c):\n    pass\n"}
     data = _humaneval_file(tmp_path / "slow.jsonl.gz", [slow] * 6)
     folders = tmp_path / "tmp"
     folders.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TINYGPT_SANDBOX": mode, "TMPDIR": str(folders)}
     proc = subprocess.Popen([sys.executable, "-m", "tinygpt", "eval", str(run), "--task", "humaneval", "--data",
-                             str(data), "--max-new-tokens", "2", "--device", "cpu", "--unsafe-exec"], env=env,
+                             str(data), "--max-new-tokens", "1", "--device", "cpu", "--unsafe-exec"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline, seen = time.monotonic() + 120, set()
     while time.monotonic() < deadline and proc.poll() is None:
@@ -330,11 +332,9 @@ def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, 
     seen |= _descendants(proc.pid)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    # 130 with "interrupted" is what main() says; in 2 of 4 full-suite runs (never alone) the SIGINT case ended
-    # by the signal itself (-2, CPython's exit for a KeyboardInterrupt that escaped), cause still open: both are
-    # an interrupted command, and what this test holds the code to is below: nothing is left behind
-    assert proc.returncode == 130 and b"interrupted" in err or (sig == signal.SIGINT and proc.returncode == -sig), \
-        (proc.returncode, err[-500:])
+    # (the -2 and -15 seen before were programs that ended at once, a syntax error in the model's words, so
+    # the signal came after the command had finished: the solution now sleeps whatever the model writes)
+    assert proc.returncode == 130 and b"interrupted" in err, (proc.returncode, err[-500:])
     time.sleep(0.2)
     alive = [p for p in seen if Path(f"/proc/{p}").exists() and _cmdline(Path(f"/proc/{p}"))]
     assert not alive, [_cmdline(Path(f"/proc/{p}")) for p in alive]

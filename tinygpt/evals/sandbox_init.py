@@ -481,6 +481,15 @@ def _limits(job: dict, libc, drop_capabilities) -> None:
         libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary or file capability helps
 
 
+def _host_libc():
+    """The C library outside a jail (uid and none modes build none), for prctl; None where ctypes fails."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True)
+    except (ImportError, OSError):
+        return None
+
+
 def _tail(path: str, n: int = 2000) -> tuple[str, int]:
     with open(path, "rb") as f:
         size = f.seek(0, 2)
@@ -512,6 +521,8 @@ def _spawn(job: dict, role: str, source: str, cwd: str, fds: list[int], out: str
     e = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
            "TINYGPT_SANDBOX_FDS": ",".join(str(3 + i) for i in range(len(fds)))}
+    libc = jail.libc if jail is not None else _host_libc()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
@@ -525,7 +536,13 @@ def _spawn(job: dict, role: str, source: str, cwd: str, fds: list[int], out: str
                 os.setgroups([])
                 os.setresgid(uid, uid, uid)
                 os.setresuid(uid, uid, uid)
-            _limits(job, jail.libc if jail else None, jail.drop_capabilities if drop else None)
+            _limits(job, libc, jail.drop_capabilities if drop else None)
+            # Its own session keeps it out of the supervisor's process group, so when the caller SIGKILLs the
+            # supervisor (Ctrl-C, SIGTERM) only this signal ends it where no PID namespace does (uid, none)
+            if libc is not None:
+                libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGKILL (set after setuid, which would clear it)
+            if os.getppid() != parent:  # the supervisor died before that: nobody would ever stop this one
+                os._exit(127)
             os.execve(job["python"], [job["python"], "-I", "-S", "-c", source, role], env)
         except BaseException as ex:  # noqa: BLE001 (a child must never return into the supervisor)
             os.write(2, f"sandbox: could not start the {role} process: {ex!r}\n".encode())
