@@ -310,6 +310,10 @@ def _writer_main() -> None:
         sys.exit(WRITER_DISK_FULL if e.errno == errno.ENOSPC else 1)
     except Exception:
         sys.exit(1)  # the manifest carries the error for the reader
+    finally:
+        # tokenizing is over: a stop that comes now has nothing to unwind, and as a KeyboardInterrupt inside
+        # the interpreter's exit (torch's atexit finalizers) it would print a traceback into the run's stderr
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 WRITER_DISK_FULL = 28  # the writer's exit status when the disk filled up (errno ENOSPC)
