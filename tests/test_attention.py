@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tests.test_probe import saved_bytes
 from tinygpt.core.config import ModelConfig, model_config
 from tinygpt.finetune.recipes import memory_table
 from tinygpt.model import attention
@@ -152,21 +153,6 @@ def test_hugging_face_bases_get_expanded_keys_and_values_on_a_t4(monkeypatch, sd
 
 
 # ----- the memory estimate counts what runs --------------------------------------------------------------
-def _saved_bytes(model, x, y) -> int:
-    """Bytes of the tensors autograd saves for backward, parameters and buffers excluded."""
-    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, y)
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("kernel", ["fused", "expand", "math"])
 def test_the_activation_estimate_counts_expanded_keys_and_the_math_kernels_matrix(kernel, monkeypatch):
     config = ModelConfig(vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128, max_seq_len=64)
@@ -176,7 +162,7 @@ def test_the_activation_estimate_counts_expanded_keys_and_the_math_kernels_matri
     if kernel == "fused" and torch_version() < (2, 9):
         pytest.skip("this torch's CPU kernel does not take grouped keys/values")
     with sdpa_kernel(SDPBackend.MATH) if kernel == "math" else sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        saved = _saved_bytes(model, x, y)
+        saved = saved_bytes(model, x, y)
     est = estimate_memory(config, B, T, "fp32", device_type="cpu", attention=kernel)
     # the estimate's loss line is its peak (12 B per logit); autograd saves the fp32 log-probs (4 B)
     assert (est.activations_gb * GB + 4 * B * T * config.vocab_size) == pytest.approx(saved, rel=0.01)

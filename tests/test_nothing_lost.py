@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -70,19 +71,19 @@ def small_run(tmp_path_factory, cache) -> Path:
     return run
 
 
-def mount_tmpfs(where: Path, size: str) -> None:
+def mount_tmpfs(where: Path, size: str = "5m") -> Iterator[Path]:
+    """A small file system at `where` for the test (a fixture's body): full disks made on purpose."""
     where.mkdir(parents=True, exist_ok=True)
     if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
                       capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mnt = tmp_path / "disk"
-    mount_tmpfs(mnt, "5m")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    yield from mount_tmpfs(tmp_path / "disk")
 
 
 def fill(disk: Path, leave: int) -> Path:
@@ -353,10 +354,7 @@ def test_sigterm_while_the_tokenizer_trains_leaves_no_run_folder(tmp_path, cache
 
 @pytest.fixture
 def small_cache(tmp_path):
-    mnt = tmp_path / "cache"
-    mount_tmpfs(mnt, "5m")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    yield from mount_tmpfs(tmp_path / "cache")
 
 
 def test_a_full_disk_while_tokenizing_stops_training_at_once(tmp_path, small_cache):

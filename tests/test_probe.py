@@ -79,8 +79,9 @@ def test_parameter_gradient_optimizer_bytes_are_exact(kw):
     assert est.total_gb == pytest.approx(sum(float(r[1]) for r in est.rows()[1:-1]), abs=0.01)
 
 
-def _saved_bytes(model: GPT, x, y, dtype) -> int:
-    """Bytes of the tensors autograd saves for backward (parameters and buffers excluded): the activations."""
+def saved_bytes(model: GPT, x, y, dtype=None) -> int:
+    """Bytes of the tensors autograd saves for backward (parameters and buffers excluded): the activations,
+    under CPU autocast to `dtype` when given."""
     params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
 
@@ -102,7 +103,7 @@ def test_activation_estimate_matches_saved_tensors(precision, kw):
     config = ModelConfig(vocab_size=300, n_layer=2, n_head=2, d_model=64, d_ff=128, max_seq_len=64, **kw)
     model, (B, T) = GPT(config), (2, 64)
     x, y = torch.randint(300, (B, T)), torch.randint(300, (B, T))
-    saved = _saved_bytes(model, x, y, torch.bfloat16 if precision == "bf16" else None)
+    saved = saved_bytes(model, x, y, torch.bfloat16 if precision == "bf16" else None)
     est = estimate_memory(config, B, T, precision, device_type="cpu")
     # The estimate's loss line is the peak (12 B per logit); autograd saves the fp32 log-probs (4 B).
     expected = (est.activations_gb + est.weight_copies_gb) * GB + 4 * B * T * config.vocab_size
