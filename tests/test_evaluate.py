@@ -22,6 +22,7 @@ from tinygpt import evals
 from tinygpt.core import paths
 from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
 from tinygpt.core.config import get_recipe
+from tinygpt.core.files import UnsafePathError
 from tinygpt.core.rundir import RunDirError
 from tinygpt.evals import code, sandbox
 from tinygpt.evals import lm as ev
@@ -540,4 +541,12 @@ def test_hub_hellaswag_records_give_lm_evals_text(tmp_path):
     with pytest.raises(code.DataFormatError, match="label 0-3"):
         hsw.hellaswag_path(f"hf:{src}@test", cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache" / path.name.replace("validation", "test")).exists()
+
+
+def test_a_hub_hellaswag_split_cannot_place_its_cache_file_outside_the_cache(tmp_path):
+    """The cached copy's file name comes from the spec: a split of "../x" is refused before anything is read."""
+    cache = tmp_path / "eval" / "cache"
+    with pytest.raises(UnsafePathError, match="is not one file name|climbs out"):
+        hsw.hellaswag_path("hf:Rowan/hellaswag@../../../outside", cache_dir=cache)
+    assert not list(tmp_path.rglob("*outside*"))
 

@@ -467,12 +467,12 @@ FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"  # ~10B tokens of educa
 
 
 def _gpu_recipe(name: str, hardware: str, size: str, *, description: str, train: TrainConfig,
-                source: str = "", max_chars: int | None = None, **model: Any) -> Recipe:
+                source: str = FINEWEB_EDU, max_chars: int | None = None, **model: Any) -> Recipe:
     """A GPU recipe: a model of a named size (`model_config`, `model` overriding its fields) on a Hub data
     set (FineWeb-Edu unless `source` says otherwise) read through the GPT-2 tokenizer (50257 tokens, the
     embedding padded to GPT2_VOCAB_PADDED for the tensor cores)."""
     return Recipe(name, description, hardware, model_config(size, vocab_size=GPT2_VOCAB_PADDED, **model), train,
-                  DataConfig(source=source or FINEWEB_EDU, tokenizer="gpt2", vocab_size=50257, max_chars=max_chars))
+                  DataConfig(source=source, tokenizer="gpt2", vocab_size=50257, max_chars=max_chars))
 
 
 # The named recipes: one constant each, then its name in RECIPES (`tinygpt recipes` lists them in this order).

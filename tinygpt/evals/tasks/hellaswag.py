@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tinygpt.core.files import write_text_atomic
+from tinygpt.core.files import safe_name, write_text_atomic
 from tinygpt.core.paths import cache_root, hub_spec, is_hub
 from tinygpt.evals.code import DataFormatError
 from tinygpt.evals.harness import Loaded, Request, Task, default_data
@@ -157,7 +157,8 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
         return Path(spec)
     name, _, split = hub_spec(spec, "validation")
     root = Path(cache_dir or cache_root("eval"))
-    out = root / f"hellaswag-{name.replace('/', '--')}-{split}.jsonl"
+    # one file name, from a spec the user typed: a split such as "../x" cannot place it outside the cache
+    out = root / safe_name(f"hellaswag-{name.replace('/', '--')}-{split}.jsonl", spec, plain=True)
     if not out.is_file():
         try:
             import datasets
