@@ -37,6 +37,31 @@ def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkey
     assert calls == ["a100-124m"] and again.to_dict() == fitted.to_dict() and info2 == info
 
 
+def test_a_probed_run_resumes_on_a_new_vm_from_the_mirror_with_its_own_choices(tmp_path, shared_data, monkeypatch):
+    """On a new VM the run folder is empty until the mirror is restored: the restore must come before the
+    probe, or the run is probed again (a minute on a GPU), may choose otherwise, and is refused as another
+    configuration. The first VM's probe is played by its recorded result: micro-batch 4 with 2 accumulation
+    steps where the recipe says 8 and 1, as a probe on a smaller GPU would."""
+    import tinygpt.train.pretrain as pretrain_mod
+
+    real_fit = pretrain_mod.fit_to_device
+    probed = {"micro_batch_size": 4, "grad_accum_steps": 2, "device_name": "NVIDIA T4"}
+    monkeypatch.setattr(pretrain_mod, "fit_to_device", lambda recipe, *a: (recipe.replace(
+        train={"micro_batch_size": 4, "grad_accum_steps": 2}), probed))
+    kw = dict(data=str(shared_data / "tinyshakespeare.txt"), save_every=2, eval_every=2, progress=False,
+              device="cpu", mirror=tmp_path / "drive" / "run", cache_dir=tmp_path / "cache")
+    first = pretrain("cpu-smoke", tmp_path / "vm1" / "run", max_steps=4, **kw)
+    assert first.step == 4
+    monkeypatch.setattr(pretrain_mod, "fit_to_device", real_fit)  # the new VM reads what the first one chose
+    calls = []
+    monkeypatch.setattr(pretrain_mod, "run_probe", lambda *a, **k: calls.append(a))
+    again = pretrain("cpu-smoke", tmp_path / "vm2" / "run", max_steps=6, **kw)
+    assert (again.resumed_from, again.step, calls) == (4, 6, [])
+    info = json.loads((tmp_path / "vm2" / "run" / "run.json").read_text())
+    assert info["probe"] == probed and (info["recipe"]["train"]["micro_batch_size"],
+                                        info["recipe"]["train"]["grad_accum_steps"]) == (4, 2)
+
+
 def test_metrics_reach_tensorboard(tmp_path, shared_data):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -137,7 +137,7 @@ def test_training_starts_before_tokenization_ends_and_records_its_start_up(tmp_p
     pretrain(recipe, tmp_path / "run", callbacks=[AtFirstStep()], **kw)
     assert not seen["manifest"]["done"] and len(seen["manifest"]["shards"]) >= 1
     rec = seen["record"]
-    assert {"probe_s", "tokenizer_s", "data_s", "model_s", "first_step_s", "compile_s", "total_s"} <= set(rec)
+    assert {"restore_s", "probe_s", "tokenizer_s", "data_s", "model_s", "first_step_s", "compile_s", "total_s"} <= set(rec)
     assert rec["total_s"] >= rec["data_s"] + rec["first_step_s"] and min(v for k, v in rec.items()
                                                                           if k.endswith("_s")) >= 0
     logged = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())

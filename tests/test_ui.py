@@ -175,7 +175,7 @@ def test_loss_plot_is_a_trainer_callback(shared_data, tmp_path):
     record = next(m["startup"] for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
                   if "startup" in m)
     table = colab.startup_table(record)
-    assert [r[0] for r in table.rows] == ["phase", "probe", "tokenizer", "data", "model", "first step",
+    assert [r[0] for r in table.rows] == ["phase", "restore", "probe", "tokenizer", "data", "model", "first step",
                                           "to the first step"]
     assert table.rows[-1][1] == f"{record['total_s']:.1f}" and "<table" in table._repr_html_()
 

@@ -46,6 +46,10 @@ class Ranks:
     world_size: int = 1
     parallel: str = "ddp"  # "ddp" or "fsdp" (FSDP2)
 
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0  # rank 0 writes the run folder; the others only read it
+
 
 @dataclass(frozen=True)
 class TorchrunEnv:

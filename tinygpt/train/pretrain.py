@@ -202,13 +202,52 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
     Started by torchrun with several processes, each joins the process group (`distributed.joined`) and
     trains its share of the recipe's global batch.
 
-    The recipe flows down once: resolved here (overrides, then this process's device), fitted to the
-    machine by `plan_run` (every check, the probe, the precision), and from then on read from the `Plan`."""
+    The recipe flows down once: resolved here (overrides, then this process's device), checked before any
+    work (`check_recipe`), fitted to the machine by `plan_run` once the run folder is held and restored
+    (`train_run`), and from then on read from the `Plan`."""
     opts = options or PretrainOptions(run_dir=run_dir, **option_fields)
     recipe = opts.apply(get_recipe(recipe) if isinstance(recipe, str) else recipe)
     with joined(recipe.train.device, opts.parallel) as (dev, ranks):
-        plan = plan_run(recipe, opts, dev, ranks)
-        return train_run(plan, opts)
+        clock = StartupClock()
+        check_recipe(recipe, opts, dev, ranks)
+        return train_run(recipe, opts, dev, ranks, clock)
+
+
+def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks) -> None:
+    """What can be checked before any work, before a byte is copied from the mirror: the data source, the
+    parallel mode, the device, and that the model fits its memory."""
+    check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
+    check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size)
+    check_device(dev)
+    t = recipe.train
+    # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
+    check_fits(recipe.model, 1 if dev.type == "cuda" else t.micro_batch_size, t.seq_len,
+               choose_precision(dev, t.precision).name, dev, t.loss, what=f"recipe {recipe.name}")
+
+
+def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks,
+              clock: StartupClock) -> TrainResult:
+    """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves nothing
+    behind), restored from the mirror, planned, and prepared by rank 0 first (the other ranks then find
+    run.json, tokenizer and token cache made); then training. The restore comes before the plan: on a new
+    VM, a run that the probe fitted to its GPU finds its choices in the restored run.json and keeps them
+    (probed again, it could choose otherwise and be refused as another configuration). The token shards,
+    the mirror and the lock are let go in that order, whatever ended the run."""
+    refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
+    with contextlib.ExitStack() as held:
+        if ranks.is_main:
+            folder = RunDir(opts.run_dir)
+            held.enter_context(folder.lock())
+            held.enter_context(folder.undo_if_first_try_fails(RUN_JSON))
+        with main_process_first(ranks.rank, ranks.world_size):
+            # a mirror that another run owns is refused here, before anything is copied or written; the
+            # identity leaves out what the probe chooses, so it is known before the probe runs
+            mirror = held.enter_context(mirrored(opts.run_dir, opts.mirror if ranks.is_main else None,
+                                                 recipe.identity()))
+            clock.mark("restore")
+            plan = plan_run(recipe, opts, dev, ranks, clock)
+            data = held.enter_context(prepare_run(plan, opts))
+        return train(plan, opts, data, mirror)
 
 
 @dataclass(frozen=True)
@@ -220,29 +259,20 @@ class Plan:
     ranks: Ranks
     probe: dict | None       # the probe's result, kept in run.json; None where it did not run
     token_ids: bool          # the data source is a folder of token ids (nanoGPT's, llm.c's): nothing to tokenize
-    identity: dict           # what makes two runs the same run (the mirror's identity.json hashes it)
     clock: StartupClock      # where the start-up time goes, from the moment the process joined the job
 
     @property
     def is_main(self) -> bool:
-        return self.ranks.rank == 0  # rank 0 writes the run folder; the others only read it
+        return self.ranks.is_main
 
     def train_config(self) -> TrainConfig:
         """The trainer's settings: the recipe's, on this process's device."""
         return replace(self.recipe.train, device=str(self.device))
 
 
-def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks) -> Plan:
-    """Check what can be checked before any work (the data source, the parallel mode, the memory, the global
-    batch's split over the ranks), then let the probe fit the recipe to the GPU."""
-    clock = StartupClock()
-    check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
-    check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size)
-    check_device(dev)
-    t = recipe.train
-    # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
-    check_fits(recipe.model, 1 if dev.type == "cuda" else t.micro_batch_size, t.seq_len,
-               choose_precision(dev, t.precision).name, dev, t.loss, what=f"recipe {recipe.name}")
+def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks, clock: StartupClock) -> Plan:
+    """Let the probe fit the recipe to the GPU (a resumed run keeps the choices it began with), then split
+    the global batch over the ranks and settle the precision."""
     probe_info = None
     if opts.probe == "auto":
         recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, ranks.world_size)
@@ -250,26 +280,7 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, ranks.world_size)
     token_ids = resolve_source(recipe.data.source)[0] == "tokens"
     precision = choose_precision(dev, recipe.train.precision)
-    return Plan(recipe, dev, precision, ranks, probe_info, token_ids, recipe.identity(), clock)
-
-
-def train_run(plan: Plan, opts: PretrainOptions) -> TrainResult:
-    """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves nothing
-    behind), restored from the mirror and prepared by rank 0 first (the other ranks then find tokenizer,
-    token cache and run.json made); then training. The token shards, the mirror and the lock are let go
-    in that order, whatever ended the run."""
-    refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
-    with contextlib.ExitStack() as held:
-        if plan.is_main:
-            folder = RunDir(opts.run_dir)
-            held.enter_context(folder.lock())
-            held.enter_context(folder.undo_if_first_try_fails(RUN_JSON))
-        with main_process_first(plan.ranks.rank, plan.ranks.world_size):
-            # a mirror that another run owns is refused here, before anything is copied or written
-            mirror = held.enter_context(mirrored(opts.run_dir, opts.mirror if plan.is_main else None,
-                                                 plan.identity))
-            data = held.enter_context(prepare_run(plan, opts))
-        return train(plan, opts, data, mirror)
+    return Plan(recipe, dev, precision, ranks, probe_info, token_ids, clock)
 
 
 @dataclass
