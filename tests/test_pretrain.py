@@ -1,10 +1,11 @@
 """pretrain(): the probe's decisions on a GPU, kept when resuming; TensorBoard logging."""
 import json
+import re
 
 import pytest
 import torch
 
-from tinygpt.core.config import get_recipe
+from tinygpt.core.config import ConfigError, get_recipe
 from tinygpt.train.pretrain import fit_to_device, pretrain
 
 
@@ -74,3 +75,23 @@ def test_metrics_reach_tensorboard(tmp_path, shared_data):
     logged = [m["loss"] for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
               if "loss" in m]
     assert losses == pytest.approx(logged, rel=1e-6) and "val/loss" in acc.Tags()["scalars"]
+
+
+def test_samples_come_every_sample_every_steps_and_once_at_the_end(tmp_path, shared_data):
+    """train.sample_every=4 over 10 steps: steps 4 and 8 on the way, 10 at the end (nothing twice); a resume
+    to 12 adds only its own end; under FSDP, where rank 0 holds a shard, the option is refused before any work."""
+    from tinygpt.train.distributed import Ranks
+    from tinygpt.train.pretrain import PretrainOptions, check_recipe
+
+    recipe = get_recipe("cpu-smoke").replace(train={"sample_every": 4})
+    kw = dict(data=str(shared_data / "tinyshakespeare.txt"), save_every=5, eval_every=5, progress=False,
+              device="cpu", cache_dir=tmp_path / "cache")
+    pretrain(recipe, tmp_path / "run", max_steps=10, **kw)
+    samples = tmp_path / "run" / "samples.txt"
+    assert re.findall(r"=== step (\d+) ===", samples.read_text()) == ["4", "8", "10"]
+    pretrain(recipe, tmp_path / "run", max_steps=12, **kw)
+    assert re.findall(r"=== step (\d+) ===", samples.read_text()) == ["4", "8", "10", "12"]
+    with pytest.raises(ConfigError, match="train.sample_every=0"):
+        check_recipe(recipe, PretrainOptions(run_dir=tmp_path / "fsdp", parallel="fsdp"), torch.device("cpu"),
+                     Ranks(0, 2, "fsdp"))
+    assert not (tmp_path / "fsdp").exists()

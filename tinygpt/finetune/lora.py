@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tinygpt.core.callback import closing
 from tinygpt.core.checkpoint import MODEL_FILE, find_run_checkpoint, list_checkpoints
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
@@ -555,9 +554,8 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
         trainer = Trainer(FinetuneLoss(pm, full_logits=run.plan.full_logits),
                           dataclasses.replace(run.cfg, device=str(dev)), TrainData(dataset.train, dataset.val_batches),
                           run_dir, run_info=run.info, io=io,
-                          callbacks=[*callbacks, run_mirror])  # the mirror acts last
-        with closing(callbacks):  # the mirror is closed by `mirrored`, after these
-            result = trainer.fit(resume)
+                          callbacks=[*callbacks, run_mirror])  # the mirror acts last, and is closed last
+        result = trainer.fit(resume)
     adapter_dir, mirrored_adapter, model_dir = _write_result(run, run_dir, result, tok, mirror)
     mem = memory_table(run.planned, run.hardware, model.config.to_dict(),
                        activation_checkpointing=run.plan.activation_checkpointing, full_logits=run.plan.full_logits)

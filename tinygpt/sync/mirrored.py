@@ -41,9 +41,11 @@ class RunMirror(Callback):
             self.copying.on_checkpoint(path, step)
 
     def close(self) -> None:
-        """Finish the copies (within the mirror's wait) and stop; `mirrored` calls it when its block ends."""
+        """Finish the copies (within the mirror's wait) and stop: the Trainer calls it when training ends,
+        `mirrored` when its block ends (a second close does nothing)."""
         if self.copying is not None:
             self.copying.close()
+            self.copying = None
 
 
 @contextlib.contextmanager

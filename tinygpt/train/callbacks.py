@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import ConfigError
+from tinygpt.core.config import ConfigError, ModelConfig
 from tinygpt.core.rundir import RunDir
 from tinygpt.model.generate import generate_text
 from tinygpt.model.gpt import GPT
@@ -27,10 +28,11 @@ from tinygpt.train.trainer import TrainingError, eager
 
 
 class TensorBoardLogger(Callback):
-    """Trainer callback: every logged metric as a TensorBoard scalar, x axis = step."""
+    """Trainer callback: every logged metric as a TensorBoard scalar, x axis = step. The writer (its event
+    file) is made when training starts, so a run that fails before it leaves none."""
 
-    def __init__(self, writer):
-        self.writer = writer
+    def __init__(self, log_dir: Path, summary_writer: Any):
+        self.log_dir, self.summary_writer, self.writer = Path(log_dir), summary_writer, None
 
     @classmethod
     def create(cls, log_dir: Path, required: bool = False) -> "TensorBoardLogger | None":
@@ -40,16 +42,21 @@ class TensorBoardLogger(Callback):
             if required:
                 raise ConfigError("TensorBoard logging needs `pip install tensorboard`") from None
             return None
-        return cls(SummaryWriter(str(log_dir)))
+        return cls(log_dir, SummaryWriter)
+
+    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
+        if self.writer is None:
+            self.writer = self.summary_writer(str(self.log_dir))
 
     def on_log(self, metrics: dict) -> None:
         step = metrics["step"]
         for k, v in metrics.items():
-            if k != "step" and isinstance(v, (int, float)) and v is not None:
+            if self.writer is not None and k != "step" and isinstance(v, (int, float)) and v is not None:
                 self.writer.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, step)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, prompt: str | None = None) -> str:
@@ -63,6 +70,38 @@ def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, pro
     RunDir(run_dir).append_sample(f"=== step {step} ===\n{text}\n\n")
     model.train()
     return text
+
+
+class Samples(Callback):
+    """What the model writes, appended to samples.txt on rank 0: every `every` steps (train.sample_every; 0:
+    none on the way, as nanochat's "once in a while" sample) and once when the run reaches its last step,
+    from that step's checkpoint (a run stopped by a signal writes none). Under FSDP rank 0 holds only a
+    shard: `whole` (the model's config) rebuilds the model from that checkpoint, and only the end is
+    sampled (`pretrain` refuses sample_every there)."""
+
+    def __init__(self, tokenizer: Tokenizer, run_dir: Path, every: int = 0, prompt: str | None = None,
+                 whole: ModelConfig | None = None):
+        self.tokenizer, self.run_dir, self.every, self.prompt = tokenizer, Path(run_dir), every, prompt
+        self.whole = whole
+        self.trainer: Any = None
+
+    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
+        self.trainer = trainer
+
+    def on_step(self, trainer: Any) -> None:
+        if self.every and trainer.step % self.every == 0 and trainer.step != trainer.max_steps and trainer.is_main:
+            write_sample(trainer.model, self.tokenizer, self.run_dir, trainer.step, self.prompt)
+
+    def on_checkpoint(self, path: str | Path, step: int) -> None:
+        t = self.trainer  # (only rank 0 is told of a checkpoint)
+        if t is None or step != t.max_steps or Path(path) != t.ckpt_root / ckpt.step_name(step):
+            return  # not the last step's own checkpoint (best/ is told too)
+        model = t.model
+        if self.whole is not None:
+            model = GPT(self.whole)
+            ckpt.load_model_state(model, ckpt.load_checkpoint(path)[0])
+            model.to(t.device)
+        write_sample(model, self.tokenizer, self.run_dir, step, self.prompt)
 
 
 class Progress(Callback):
@@ -236,16 +275,19 @@ class TimeBudget(Callback):
 
 
 class MFU(Callback):
-    """Model FLOPs utilisation in each logged record: tokens/s x FLOPs per token over the peak of the GPUs."""
+    """Model FLOPs utilisation in each logged record: tokens/s x FLOPs per token (the trained model's, at its
+    context, read when training starts) over the peak of the GPUs."""
 
-    def __init__(self, flops_per_token: float, peak_tflops: float | None):
-        self.flops_per_token, self.peak_tflops, self.world_size = flops_per_token, peak_tflops, 1
+    def __init__(self, peak_tflops: float | None):
+        self.peak_tflops, self.flops_per_token, self.world_size = peak_tflops, None, 1
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         self.world_size = trainer.world_size
+        if isinstance(trainer.model, GPT):  # (also when FSDP2 has sharded it: its class derives from GPT)
+            self.flops_per_token = trainer.model.flops_per_token(trainer.cfg.seq_len)
 
     def on_metrics(self, m: dict) -> None:
-        if m.get("tokens_per_s") and self.peak_tflops:  # peak is one GPU's
+        if m.get("tokens_per_s") and self.peak_tflops and self.flops_per_token:  # peak is one GPU's
             m["mfu"] = round(m["tokens_per_s"] * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size), 4)
 
 

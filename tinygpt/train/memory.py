@@ -30,7 +30,8 @@ def overhead_gb(tensor_gb: float, device_type: str = "cuda") -> float:
 
 @dataclass
 class MemoryEstimate:
-    """Training memory by part, in GB; `rows()` is the table a person would draw."""
+    """Training memory by part, in GB; `rows()` is the table a person would draw. The overhead and the total
+    follow from the parts (`overhead_gb`, the one rule)."""
 
     params_gb: float
     grads_gb: float
@@ -38,8 +39,6 @@ class MemoryEstimate:
     weight_copies_gb: float
     activations_gb: float
     loss_gb: float
-    overhead_gb: float
-    total_gb: float
     n_params: int
     micro_batch_size: int
     seq_len: int
@@ -49,8 +48,19 @@ class MemoryEstimate:
     loss_chunk_rows: int  # 0: the plain F.cross_entropy over the full logits
     attention: str = "fused"  # `model.attention.attention_kernel`: "fused", "expand" (GQA K/V repeated) or "math"
 
+    @property
+    def overhead_gb(self) -> float:
+        tensors = (self.params_gb + self.grads_gb + self.optimizer_gb + self.weight_copies_gb + self.activations_gb
+                   + self.loss_gb)
+        return overhead_gb(tensors, self.device_type)
+
+    @property
+    def total_gb(self) -> float:
+        return (self.params_gb + self.grads_gb + self.optimizer_gb + self.weight_copies_gb + self.activations_gb
+                + self.loss_gb + self.overhead_gb)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "overhead_gb": self.overhead_gb, "total_gb": self.total_gb}
 
     def rows(self) -> list[tuple[str, str, str]]:
         n, tok = f"{self.n_params / 1e6:.1f}M", f"{self.micro_batch_size} x {self.seq_len} tokens"
@@ -72,12 +82,23 @@ class MemoryEstimate:
                 ("total", f"{self.total_gb:.2f}", "")]
 
 
-def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointing: bool,
-                               chunk_rows: int, seq_len: int = 0, kernel: str = "fused") -> tuple[int, int]:
+def _activation_and_loss_bytes(c: ModelConfig, tokens: int, seq_len: int, precision: str, checkpointing: bool,
+                               loss: str, device_type: str, capability: tuple[int, int] | None,
+                               kernel: str | None) -> tuple[int, int, int, str]:
     """(activations, loss) bytes at the peak, counted tensor by tensor (tests check them against
-    saved-tensor hooks and a tracked step). The residual stream and RMSNorm are fp32 under
-    autocast; e is the matmul dtype's size. kernel: `attention_kernel`'s answer for this device."""
+    saved-tensor hooks and a tracked step), as this device runs the step: the loss in `default_chunk_rows`
+    chunks (what model.cross_entropy will do) and attention by `attention_kernel` (`kernel` overrides);
+    those two choices are returned with the bytes. The residual stream and RMSNorm are fp32 under autocast;
+    e is the matmul dtype's size."""
     d, ff, v = c.d_model, c.d_ff, c.vocab_size
+    e = 4 if precision == "fp32" else 2
+    chunk_rows = default_chunk_rows(tokens, v, loss)
+    if kernel is None:
+        if device_type == "cuda" and capability is None:
+            capability = (7, 5) if precision == "fp16" else (8, 0)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        grouped = c.n_kv_head != c.n_head or device_type == "mps"  # (MPS runs the math kernel either way)
+        kernel = attention_kernel(device_type, capability, dtype, torch_version(), c.head_dim) if grouped else "fused"
     # Keys and values as SDPA keeps them: repeated to the query heads unless a fused kernel takes them grouped.
     kvd = (c.n_kv_head if kernel == "fused" else c.n_head) * c.head_dim
 
@@ -96,19 +117,20 @@ def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointin
     mlp = norm_then(2) + 4 * e * ff  # SwiGLU: gate, silu(gate), up and their product
     layer = attn + mlp + 8  # + the two norms' rsqrt
     if chunk_rows == 0:  # F.cross_entropy: fp32 log-probs saved, their gradient and the logits' gradient
-        head, loss = norm_then(1) + 16, 12 * tokens * v  # + final norm, lm_head input, int64 ids
+        head, loss_bytes = norm_then(1) + 16, 12 * tokens * v  # + final norm, lm_head input, int64 ids
     else:  # tinygpt.model.losses: gradients made in forward, one chunk of logits at a time (fp32, plus
         # temporaries: logsumexp's, and under autocast the matmul output and the gradient in e);
         # the hidden states and their gradient (fp32), the head's fp32 gradient, and either its
         # two e copies (forward) or its scaled gradient (backward)
         head = 8 * d + 16
-        loss = 8 * d * tokens + 8 * v * d + (6 if e == 4 else 8) * chunk_rows * v
+        loss_bytes = 8 * d * tokens + 8 * v * d + (6 if e == 4 else 8) * chunk_rows * v
     if checkpointing:
         # Each block keeps only its fp32 input. A block is recomputed (with the gradients in flight
         # through it) only after the loss's memory is freed: one of the two phases sets the peak.
         recompute = (layer + 4 * d + 2 * e * ff) * tokens
-        return (c.n_layer * 4 * d + head) * tokens + max(0, recompute - head * tokens - loss), loss
-    return (c.n_layer * layer + head) * tokens, loss
+        kept = (c.n_layer * 4 * d + head) * tokens + max(0, recompute - head * tokens - loss_bytes)
+        return kept, loss_bytes, chunk_rows, kernel
+    return (c.n_layer * layer + head) * tokens, loss_bytes, chunk_rows, kernel
 
 
 def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, precision: str = "fp32",
@@ -120,27 +142,18 @@ def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, pre
     on this device (`attention` overrides): a CUDA GPU of unknown `capability` is taken to be one that picks
     this precision by default (fp16: a T4, sm75; else sm80)."""
     ckpt = model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
-    if attention is None:
-        if device_type == "cuda" and capability is None:
-            capability = (7, 5) if precision == "fp16" else (8, 0)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-        attention = attention_kernel(device_type, capability, dtype, torch_version(), model.head_dim) \
-            if model.n_kv_head != model.n_head or device_type == "mps" else "fused"
+    activations, loss_bytes, chunk_rows, attention = _activation_and_loss_bytes(
+        model, micro_batch_size * seq_len, seq_len, precision, ckpt, loss, device_type, capability, attention)
     meta = meta_model(model)
     n = meta.num_params()
-    tokens = micro_batch_size * seq_len
-    chunk_rows = default_chunk_rows(tokens, model.vocab_size, loss)  # what model.cross_entropy will do
     # Autocast caches one copy of each Linear's parameters (weight, and bias where the config gives one) per
     # forward; the chunked loss copies lm_head itself.
     matmul = sum(p.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear)
                  and not (chunk_rows and m is meta.lm_head) for p in m.parameters(recurse=False))
-    e = 4 if precision == "fp32" else 2
-    parts = [4 * n, 4 * n, 8 * n, 0 if e == 4 else e * matmul,
-             *_activation_and_loss_bytes(model, tokens, e, ckpt, chunk_rows, seq_len, attention)]
-    sub = sum(parts) / GB
-    overhead = overhead_gb(sub, device_type)
-    return MemoryEstimate(*(p / GB for p in parts), overhead, sub + overhead, n, micro_batch_size, seq_len,
-                          precision, ckpt, device_type, chunk_rows, attention)
+    copies = 0 if precision == "fp32" else 2 * matmul  # in bf16 or fp16
+    return MemoryEstimate(4 * n / GB, 4 * n / GB, 8 * n / GB, copies / GB, activations / GB,
+                          loss_bytes / GB, n, micro_batch_size, seq_len, precision, ckpt, device_type, chunk_rows,
+                          attention)
 
 
 class TensorMemoryTracker(TorchDispatchMode):

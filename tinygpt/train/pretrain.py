@@ -20,7 +20,7 @@ import torch
 
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.callback import Callback, closing
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import (
     COMPILE_MODES,
     ConfigError,
@@ -40,7 +40,7 @@ from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.mirrored import RunMirror, mirrored
 from tinygpt.sync.shards import ShardMirror, restore_shards
 from tinygpt.train.budget import Budget
-from tinygpt.train.callbacks import MFU, Progress, StartupReport, TensorBoardLogger, TimeBudget, write_sample
+from tinygpt.train.callbacks import MFU, Progress, Samples, StartupReport, TensorBoardLogger, TimeBudget
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
 from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents, resolve_source, source_fingerprint
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
@@ -218,6 +218,9 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     parallel mode, the device, and that the model fits its memory."""
     check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
     check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size)
+    if opts.parallel == "fsdp" and ranks.world_size > 1 and recipe.train.sample_every:
+        raise ConfigError("train.sample_every needs the whole model on rank 0 and FSDP shards it: set "
+                          "train.sample_every=0 (a sample is still written at the end) or use --parallel ddp")
     check_device(dev)
     t = recipe.train
     # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
@@ -343,8 +346,8 @@ def open_tokens(plan: Plan, opts: PretrainOptions, tokenizer: Tokenizer) -> RunD
 
 
 def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -> TrainResult:
-    """The sampler (waiting for the first shard), the validation batches, the model, its callbacks, the
-    trainer; then a sample of what the model writes (rank 0)."""
+    """The sampler (waiting for the first shard), the validation batches, the model, its callbacks (the
+    mirror last), the trainer, which closes them all when it ends."""
     t = plan.recipe.train
     sampler = WindowSampler(data.tokens, t.seq_len, t.seed)
     val = fixed_batches(data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1), t.seq_len,
@@ -352,19 +355,15 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
     plan.clock.mark("data")
     torch.manual_seed(t.seed)
     model = initial_model(plan.recipe, opts.run_dir, opts.resume)  # random, or a base's weights (model.init)
-    callbacks = run_callbacks(plan, opts, model)
-    with closing(callbacks):  # the mirror is closed by `mirrored`, after these
-        # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
-        # trainer's train_config) and the tokenizer
-        run_info = {"recipe": {k: v for k, v in plan.recipe.to_dict().items() if k != "train"},
-                    "tokenizer": data.tokenizer.to_json()}
-        trainer = Trainer(model, plan.train_config(), TrainData(sampler, val), opts.run_dir, ranks=plan.ranks,
-                          callbacks=[*callbacks, *([mirror] if plan.is_main else [])], run_info=run_info)
-        plan.clock.mark("model")
-        result = trainer.fit(opts.resume)
-        if plan.is_main and not result.interrupted:
-            sample_after_training(plan, opts, result, model, data)
-    return result
+    # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the trainer's
+    # train_config) and the tokenizer
+    run_info = {"recipe": {k: v for k, v in plan.recipe.to_dict().items() if k != "train"},
+                "tokenizer": data.tokenizer.to_json()}
+    callbacks = [*run_callbacks(plan, opts, model, data), *([mirror] if plan.is_main else [])]
+    trainer = Trainer(model, plan.train_config(), TrainData(sampler, val), opts.run_dir, ranks=plan.ranks,
+                      callbacks=callbacks, run_info=run_info)
+    plan.clock.mark("model")
+    return trainer.fit(opts.resume)
 
 
 def compile_cache_for(plan: Plan, opts: PretrainOptions, model: GPT) -> CompileCache:
@@ -388,24 +387,35 @@ def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
                        check=check)
 
 
-def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT) -> list[Callback]:
+def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) -> list[Callback]:
     """A pretraining run's side concerns, in the order they act: the start-up record and compile cache,
-    the time budget (which fixes the step count the bar shows), MFU, the bar; the caller's callbacks;
-    then, on rank 0, TensorBoard (when wanted and installed). The mirror comes after all of them."""
+    the time budget (which fixes the step count the bar shows), MFU, the bar, the samples; the caller's
+    callbacks; then, on rank 0, TensorBoard (when wanted and installed). The mirror comes after all of them."""
     cache = compile_cache_for(plan, opts, model) if plan.ranks.world_size == 1 else None
     peak = opts.peak_tflops or gpu_peak_tflops(plan.device, plan.precision.name)
     out: list[Callback] = [StartupReport(plan.clock, cache)]
     if opts.hours is not None:
         out.append(TimeBudget(opts.hours))
-    out.append(MFU(model.flops_per_token(plan.recipe.train.seq_len), peak))
+    out.append(MFU(peak))
     if opts.progress:
         out.append(Progress())
+    sharded = plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp"  # rank 0 alone cannot run the model
+    out.append(Samples(data.tokenizer, opts.run_dir, plan.recipe.train.sample_every, sample_prompt(plan, opts, data),
+                       whole=plan.recipe.model if sharded else None))
     out += list(opts.callbacks)
     if plan.is_main and opts.tensorboard is not False:
         tb = TensorBoardLogger.create(opts.run_dir / TENSORBOARD, required=bool(opts.tensorboard))
         if tb is not None:
             out.append(tb)
     return out
+
+
+def sample_prompt(plan: Plan, opts: PretrainOptions, data: RunData) -> str | None:
+    """The prompt asked for or, on a corpus other than the built-in one, how a held-out document begins."""
+    val = data.tokens.validation(8)
+    if opts.sample_prompt is None and plan.recipe.data.source not in ("builtin", "stdlib") and len(val) >= 8:
+        return data.tokenizer.decode(val[:8].tolist())
+    return opts.sample_prompt
 
 
 def gpu_peak_tflops(dev: torch.device, precision: str) -> float | None:
@@ -416,21 +426,6 @@ def gpu_peak_tflops(dev: torch.device, precision: str) -> float | None:
         return _peak(torch.cuda.get_device_name(dev), precision)
     except Exception:  # the table is a nicety; training does not depend on it
         return None
-
-
-def sample_after_training(plan: Plan, opts: PretrainOptions, result: TrainResult, model: GPT, data: RunData) -> None:
-    """Append what the trained model writes to samples.txt, from the prompt asked for or, on a corpus other
-    than the built-in one, from how a held-out document begins."""
-    if plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp" and result.checkpoint is not None:
-        # rank 0 alone cannot run the sharded model: it samples from the full checkpoint
-        model = GPT(plan.recipe.model)
-        ckpt.load_model_state(model, ckpt.load_checkpoint(result.checkpoint)[0])
-        model.to(plan.device)
-    prompt = opts.sample_prompt
-    val = data.tokens.validation(8)
-    if prompt is None and plan.recipe.data.source not in ("builtin", "stdlib") and len(val) >= 8:
-        prompt = data.tokenizer.decode(val[:8].tolist())
-    write_sample(model, data.tokenizer, opts.run_dir, result.step, prompt)
 
 
 def _write_run_files(run_dir: Path, plan: Plan, tokenizer: Tokenizer, data_meta: dict) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.callback import Callback
+from tinygpt.core.callback import Callback, closing
 from tinygpt.core.config import TrainConfig, config_differences
 from tinygpt.core.files import clean_leftovers
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
@@ -253,7 +253,8 @@ class Trainer(TrainStep):
 
     Checkpoints go to ``run_dir/checkpoints/step_XXXXXX`` (and ``run_dir/best``), metrics to
     metrics.jsonl. Everything beside the loop (progress, start-up record, time budget, mirror, plots)
-    is a `Callback` in `callbacks`; the Trainer's own `StopOnSignal` comes first.
+    is a `Callback` in `callbacks`; the Trainer's own `StopOnSignal` comes first. `fit` closes every
+    callback when it ends, however it ends, in that order (`core.callback.closing`).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, data: TrainData, run_dir: str | Path, *,
@@ -291,52 +292,53 @@ class Trainer(TrainStep):
     def fit(self, resume: str = "auto") -> TrainResult:
         """Train to max_steps: restore (`resume` "auto", "never" or a checkpoint folder), then each step:
         one optimizer step, the callbacks' turn, then as due: log, evaluate, keep the best, save. Ends
-        with a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the same way."""
-        resumed_from = self.restore(resume)
-        stopping = False
-        try:
-            for cb in self.callbacks:
-                cb.on_start(self, resumed_from)
-            self.model.train()
-            self.throughput.restart()
-            while (self.max_steps is None or self.step < self.max_steps) and not stopping:
-                step = self.optimizer_step()
-                self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
-                for cb in self.callbacks:  # e.g. the start-up record, a time budget's measurement
-                    cb.on_step(self)
-                stopping = self._agree_to_stop()
-                last = self.step == self.max_steps
-                log = self.step % self.cfg.log_every == 0 or last
-                evaluate = bool(self.cfg.eval_every) and (self.step % self.cfg.eval_every == 0 or last)
-                save = bool(self.cfg.save_every and self.step % self.cfg.save_every == 0) or last or stopping
-                if self.world_size > 1 and (log or save):
-                    dist_.all_reduce_sum_(step.loss_sum)  # the global sum: logged, and checked the same on all ranks
-                if log:
-                    self._log_step(step, evaluate)  # evaluates too, when due
-                elif evaluate:
-                    self.val_loss = self.evaluate()
-                    self._log({"step": self.step, "val_loss": self.val_loss})
-                if evaluate and self.val_loss is not None and (
-                        self.best_val_loss is None or self.val_loss < self.best_val_loss):
-                    self.best_val_loss = self.val_loss
-                    self.save(best=True)
-                if save:
-                    # never write a checkpoint from weights that a NaN may have reached
-                    self._check_finite(float(step.loss_sum))
-                    self._check_finite(float(step.grad_norm), what="gradient norm")
-                    self.save()
-            if self.step > 0 and self.saved_step != self.step:
-                self.save()  # training always ends with a checkpoint
-        except OSError as e:  # metrics.jsonl or samples on a full disk: the same one-line story
-            RunDir(self.run_dir).check_held()  # unless the folder itself went: then that is the story
-            raise self._write_failed(str(self.run_dir), e) from e
-        except Exception as e:
-            if not isinstance(e, TrainingError):  # e.g. TensorBoard's writer, its folder deleted under it
-                RunDir(self.run_dir).check_held()
-            self._raise_peer_failure(e)
-            raise
-        finally:
-            self.signals.close()
+        with a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the same way. Then
+        every callback is closed (the bar's last line, TensorBoard's file, the mirror's last copies), even
+        when one before it fails, and without hiding an error that ended the run."""
+        with closing(self.callbacks):  # StopOnSignal first: the handlers are given back first
+            resumed_from = self.restore(resume)
+            stopping = False
+            try:
+                for cb in self.callbacks:
+                    cb.on_start(self, resumed_from)
+                self.model.train()
+                self.throughput.restart()
+                while (self.max_steps is None or self.step < self.max_steps) and not stopping:
+                    step = self.optimizer_step()
+                    self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
+                    for cb in self.callbacks:  # e.g. the start-up record, a time budget's measurement
+                        cb.on_step(self)
+                    stopping = self._agree_to_stop()
+                    last = self.step == self.max_steps
+                    log = self.step % self.cfg.log_every == 0 or last
+                    evaluate = bool(self.cfg.eval_every) and (self.step % self.cfg.eval_every == 0 or last)
+                    save = bool(self.cfg.save_every and self.step % self.cfg.save_every == 0) or last or stopping
+                    if self.world_size > 1 and (log or save):  # the global sum: logged, and checked alike on all ranks
+                        dist_.all_reduce_sum_(step.loss_sum)
+                    if log:
+                        self._log_step(step, evaluate)  # evaluates too, when due
+                    elif evaluate:
+                        self.val_loss = self.evaluate()
+                        self._log({"step": self.step, "val_loss": self.val_loss})
+                    if evaluate and self.val_loss is not None and (
+                            self.best_val_loss is None or self.val_loss < self.best_val_loss):
+                        self.best_val_loss = self.val_loss
+                        self.save(best=True)
+                    if save:
+                        # never write a checkpoint from weights that a NaN may have reached
+                        self._check_finite(float(step.loss_sum))
+                        self._check_finite(float(step.grad_norm), what="gradient norm")
+                        self.save()
+                if self.step > 0 and self.saved_step != self.step:
+                    self.save()  # training always ends with a checkpoint
+            except OSError as e:  # metrics.jsonl or samples on a full disk: the same one-line story
+                RunDir(self.run_dir).check_held()  # unless the folder itself went: then that is the story
+                raise self._write_failed(str(self.run_dir), e) from e
+            except Exception as e:
+                if not isinstance(e, TrainingError):  # e.g. TensorBoard's writer, its folder deleted under it
+                    RunDir(self.run_dir).check_held()
+                self._raise_peer_failure(e)
+                raise
         return TrainResult(self.run_dir, self.step, self.last_loss, self.val_loss, self.best_val_loss,
                            self.last_saved, self.tokens_per_s, resumed_from, stopping, self.history)
 
