@@ -21,7 +21,7 @@ from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError
 from tinygpt.model import hf
 from tinygpt.model.tokenizer import Tokenizer, train_bpe
-from tinygpt.train.init import CONTINUE_MAX_LR, continued_recipe, initial_model, read_base
+from tinygpt.train.init import CONTINUE_MAX_LR, continued_recipe, initial_model, read_base, starting_base
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.sampler import WindowSampler
 from tinygpt.train.shards import StreamedShards
@@ -110,7 +110,7 @@ def test_another_run_as_the_base_starts_from_its_last_checkpoint(continued, tmp_
     _, res, tmp = continued
     recipe = continued_recipe("cpu-smoke", str(tmp / "run"))
     assert recipe.model.init == str((tmp / "run").resolve()) and recipe.model.n_kv_head == 2
-    model = initial_model(recipe, tmp_path / "new")
+    model = initial_model(recipe.model, starting_base(recipe, tmp_path / "new"))
     a, b = ckpt.model_state(model), ckpt.load_checkpoint(res.checkpoint)[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -255,3 +255,18 @@ def test_a_qwen3_base_continues_with_its_qk_norm(base, shared_data, tmp_path):
     x, y = _first_batch(tmp_path / "run", tmp_path / "cache", recipe)
     assert res.metrics[0]["step"] == 1
     assert res.metrics[0]["loss"] == pytest.approx(_hf_loss(qwen3.eval(), x, y), abs=1e-4)
+
+
+def test_a_base_that_does_not_match_the_recipe_is_refused_before_any_work(base, shared_data, tmp_path):
+    """The base is read once, in the plan (before the tokenizer, the token cache and run.json): a recipe whose
+    network is not the base's, or that takes the base's tokenizer without naming a base, fails there in one
+    line and leaves no run folder behind."""
+    recipe = continued_recipe("cpu-smoke", str(base)).replace(data={"source": str(shared_data / "tinyshakespeare.txt")})
+    kw = dict(cache_dir=tmp_path / "cache", progress=False, device="cpu", max_steps=2)
+    with pytest.raises(ConfigError, match=r"another network than the recipe's model .*n_layer") as e:
+        pretrain(recipe.replace(model={"n_layer": 3}), tmp_path / "run", **kw)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="data.tokenizer=init takes the tokenizer of the base, but model.init"):
+        pretrain(recipe.replace(model={"init": None}), tmp_path / "run", **kw)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+    assert starting_base(recipe, tmp_path / "run").tokenizer.vocab_size == recipe.data.vocab_size

@@ -80,8 +80,8 @@ def _load(run_dir: Path, which: str):
         model, tok, _, _ = load_run(run_dir, which)
         return model, tok
     with tempfile.TemporaryDirectory(prefix="tinygpt-merge-") as tmp:
-        merged = merge_adapter(run_dir, Path(tmp) / MERGED_DIR) if kind == "finetune" else \
-            export_full(run_dir, which, Path(tmp) / FULL_MODEL_DIR)
+        merged = (merge_adapter(run_dir, Path(tmp) / MERGED_DIR) if kind == "finetune"
+                  else export_full(run_dir, which, Path(tmp) / FULL_MODEL_DIR))
         try:
             model, tok = import_hf(merged)
         except ValueError as e:  # a base llama.cpp's llama/qwen3 would not be (Gemma, GPT-2...)
@@ -122,8 +122,8 @@ def _scores(e: dict[str, Any]) -> str:
     s = e.get("scores", {})
     task = TASKS.get(e.get("task"))
     keys = [k for pattern in (task.headline if task else ()) for k in s if fnmatchcase(k, pattern)]
-    return ", ".join(f"{k} {_num(s[k])}" for k in keys) or \
-        ", ".join(f"{k} {_num(v)}" for k, v in s.items() if isinstance(v, (int, float)))
+    return (", ".join(f"{k} {_num(s[k])}" for k in keys)
+            or ", ".join(f"{k} {_num(v)}" for k, v in s.items() if isinstance(v, (int, float))))
 
 
 def _num(v: Any) -> str:
@@ -219,8 +219,8 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id:
                   'ids = tokenizer("def main(", return_tensors="pt").input_ids',
                   "print(tokenizer.decode(model.generate(ids, max_new_tokens=64, do_sample=True)[0]))", "```", ""]
     if gguf_file:
-        ollama = f"ollama run hf.co/{repo_id}:{gguf_file.split('-', 1)[1].removesuffix('.gguf')}" if repo_id \
-            else "ollama create mymodel -f Modelfile && ollama run mymodel"
+        ollama = (f"ollama run hf.co/{repo_id}:{gguf_file.split('-', 1)[1].removesuffix('.gguf')}" if repo_id
+                  else "ollama create mymodel -f Modelfile && ollama run mymodel")
         lines += [f"With Ollama (`{gguf_file}` and the `Modelfile` beside it, which sets the prompt format, the "
                   "stop token and the model's context):", "", "```bash", ollama, "```", "",
                   "With llama.cpp:", "", "```bash", f'llama-cli -m {gguf_file} -p "def main(" -n 64 --temp 0.8',

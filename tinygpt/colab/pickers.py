@@ -77,8 +77,8 @@ class RecipePicker:
         # classic Jupyter and JupyterLab (8), where capturing into an Output widget differs between them
         self.summary = widgets.HTML()
         self.dropdown.observe(lambda change: self._show_summary(), names="value")
-        choices = HOURS_CHOICES if self.default_hours in [h for _, h in HOURS_CHOICES] else \
-            HOURS_CHOICES + [(f"{self.default_hours:g} h", self.default_hours)]
+        choices = (HOURS_CHOICES if self.default_hours in [h for _, h in HOURS_CHOICES]
+                   else HOURS_CHOICES + [(f"{self.default_hours:g} h", self.default_hours)])
         self.hours_dropdown = widgets.Dropdown(options=choices, value=self.default_hours, description="time",
                                                layout=widgets.Layout(width="max-content"))
 

@@ -433,8 +433,8 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
             value = raw
         current = fields[name]
         if isinstance(current, (int, float)) and not isinstance(current, bool):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or (isinstance(current, int) and not isinstance(value, int) and current is not None):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or (isinstance(current, int) and not isinstance(value, int) and current is not None)):
                 kind = "a whole number" if isinstance(current, int) else "a number"
                 raise ConfigError(f"--set {a}: {section}.{name} must be {kind} (it is {current!r} in recipe "
                                   f"{recipe.name}), not {raw!r}")

@@ -209,8 +209,8 @@ class RunDir:
                 held = _HELD.pop(key, None)
             os.close(fd)  # releases the lock
             # (a folder replaced meanwhile is another run's: its .lock is not ours to remove)
-            if created and held is not None and held == _identity(self.path) \
-                    and [p.name for p in self.path.iterdir()] == [LOCK]:
+            if (created and held is not None and held == _identity(self.path)
+                    and [p.name for p in self.path.iterdir()] == [LOCK]):
                 # refused before writing anything (bad input): leave no trace of the folder
                 (self.path / LOCK).unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
@@ -246,8 +246,8 @@ class RunDir:
         try:
             yield
         except BaseException:
-            if first and self.path.is_dir() and not any(self.checkpoints.glob("step_*")) \
-                    and _identity(self.path) == _HELD.get(os.path.abspath(self.path), _identity(self.path)):
+            if (first and self.path.is_dir() and not any(self.checkpoints.glob("step_*"))
+                    and _identity(self.path) == _HELD.get(os.path.abspath(self.path), _identity(self.path))):
                 for name in set(os.listdir(self.path)) - before - {LOCK}:
                     p = self.path / name
                     if p.is_dir() and not p.is_symlink():

@@ -281,8 +281,8 @@ def export_full(run_dir: str | Path, which: str = "latest", out_dir: str | Path 
     ckpt = find_run_checkpoint(run_dir, which)
     base = info["base_path"]
     if not (Path(base) / "config.json").is_file():  # a Hub id; or a new VM, where a tinygpt base is exported again
-        base = str(export_tinygpt_base(info["base"], run_dir / BASE_DIR)) if is_tinygpt_run(info["base"]) \
-            else info["base"]
+        base = (str(export_tinygpt_base(info["base"], run_dir / BASE_DIR)) if is_tinygpt_run(info["base"])
+                else info["base"])
     config = AutoConfig.from_pretrained(base)
     config.torch_dtype = torch.float32
     out = Path(out_dir) if out_dir is not None else run_dir / FULL_MODEL_DIR
@@ -300,12 +300,13 @@ def causal_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, pos
     position_ids: of packed rows (0 again at each record's start: attention stays inside each record).
     chunk_rows: as in `losses.linear_cross_entropy` (None picks by size, 0 takes the full logits)."""
     # A DDP wrapper (no get_base_model) must see the forward call: wrapped models take the plain path.
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else \
-        model if hasattr(model, "get_output_embeddings") and hasattr(model, "base_model") else None  # full finetuning
+    hf = (model.get_base_model() if hasattr(model, "get_base_model")
+          else model if hasattr(model, "get_output_embeddings") and hasattr(model, "base_model")  # full finetuning
+          else None)
     head = hf.get_output_embeddings() if hf is not None else None
     pos = {"position_ids": position_ids} if position_ids is not None else {}
-    if hf is not None and chunked_loss({"model_type": hf.config.model_type}) \
-            and isinstance(head, torch.nn.Linear) and head.bias is None:
+    if (hf is not None and chunked_loss({"model_type": hf.config.model_type})
+            and isinstance(head, torch.nn.Linear) and head.bias is None):
         hidden = hf.base_model(input_ids=x, use_cache=False, **pos).last_hidden_state
         cap = getattr(hf.config, "final_logit_softcapping", None)
         if cap and hf.config.model_type in SOFTCAP_HEAD_TYPES:
@@ -598,8 +599,8 @@ def _settle(rec: FinetuneRecipe, base: str, base_id: str, data: str, run_dir: Pa
         base_config(base)  # a missing or unloadable base fails here, before anything is written
     planned = dataclasses.replace(rec, train={**rec.train, hardware: cfg})  # the estimate sees the overrides
     config_dict, memory_gb = base_config_dict(base), memory_gb_of(dev)
-    plan = resumed_plan(old, planned, hardware, config_dict, memory_gb) if old else \
-        plan_finetune(planned, hardware, config_dict, memory_gb)
+    plan = (resumed_plan(old, planned, hardware, config_dict, memory_gb) if old
+            else plan_finetune(planned, hardware, config_dict, memory_gb))
     info = {"recipe": rec.to_dict(), "base": base_id, "data": data, "hardware": hardware, "plan": plan.to_dict()}
     check_same_run(run_dir, old, info)
     resuming = bool(list_checkpoints(RunDir(run_dir).checkpoints))
@@ -633,8 +634,8 @@ def _trainable_model(run: _Settled, base_path: str, dev: torch.device, run_dir: 
     rec = run.rec
     old_adapter = RunDir(run_dir).adapter_info()
     # full finetuning keeps fp32 weights (the optimizer's updates would vanish in half precision); autocast computes
-    dtype = choose_precision(dev, run.cfg.precision).dtype if dev.type == "cuda" and rec.lora is not None \
-        else torch.float32
+    dtype = (choose_precision(dev, run.cfg.precision).dtype if dev.type == "cuda" and rec.lora is not None
+             else torch.float32)
     model = load_base(base_path, quantize=rec.quantize, dtype=dtype, device=dev)
     if run.resuming and "signature" in old_adapter:  # e.g. a tinygpt base that trained on since, exported anew
         check_signature(old_adapter["signature"], model, f"the checkpoints in {run_dir}")

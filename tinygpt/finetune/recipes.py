@@ -289,15 +289,15 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     layer_act = 2 * tokens * (17 * h + 5 * ff)
     # Beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where no fused kernel
     # takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T scores: fp32 softmax + a copy.
-    kernel = "math" if c.get("final_logit_softcapping") else \
-        attention_kernel(*finetune_device(hardware), torch_version(), hd)
+    kernel = ("math" if c.get("final_logit_softcapping")
+              else attention_kernel(*finetune_device(hardware), torch_version(), hd))
     if nkv < nh and kernel != "fused":
         layer_act += 2 * tokens * 2 * (nh - nkv) * hd
     if kernel == "math":
         layer_act += tokens * nh * cfg.seq_len * (4 + half)
     rule = checkpointing_rule(recipe, hardware)
-    ckpt = activation_checkpointing if activation_checkpointing is not None else \
-        (rule if rule is not None else hardware != "cpu")
+    ckpt = (activation_checkpointing if activation_checkpointing is not None
+            else rule if rule is not None else hardware != "cpu")
     act = (L * 2 * tokens * h + layer_act) if ckpt else L * layer_act
     chunked = chunked_loss(c) and not full_logits
     logits = (2**25 * 8) if chunked else tokens * V * 12  # fp16 logits + fp32 copy + fp32 log-softmax/grad

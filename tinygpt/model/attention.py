@@ -38,8 +38,8 @@ def attention_kernel(device_type: str, capability: tuple[int, int] | None, dtype
     if version < ENABLE_GQA_TORCH:
         return "expand"
     if device_type == "cuda":
-        flash = capability is not None and capability >= (8, 0) and dtype in (torch.float16, torch.bfloat16) \
-            and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
+        flash = (capability is not None and capability >= (8, 0) and dtype in (torch.float16, torch.bfloat16)
+                 and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0)
         return "fused" if flash else "expand"
     if device_type == "cpu":
         return "fused" if version >= CPU_FUSED_GQA_TORCH else "expand"

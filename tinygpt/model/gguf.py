@@ -44,8 +44,8 @@ def _gguf():
     try:
         import gguf
     except ImportError as e:
-        raise ImportError("GGUF export needs the gguf package: pip install 'tinygpt[export]' (or pip install gguf)") \
-            from e
+        raise ImportError(
+            "GGUF export needs the gguf package: pip install 'tinygpt[export]' (or pip install gguf)") from e
     return gguf
 
 
@@ -78,8 +78,8 @@ def pre_tokenizer_name(pre: dict[str, Any] | None) -> str | None:
     if _byte_level(pre):
         return PRE_TOKENIZER
     parts = pre.get("pretokenizers") or []
-    if pre.get("type") == "Sequence" and len(parts) == 2 and parts[0] == {"type": "Digits", "individual_digits": True} \
-            and _byte_level(parts[1]):
+    if (pre.get("type") == "Sequence" and len(parts) == 2
+            and parts[0] == {"type": "Digits", "individual_digits": True} and _byte_level(parts[1])):
         return "smollm"
     return None
 

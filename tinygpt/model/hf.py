@@ -109,8 +109,8 @@ def representation_gaps(cfg: dict[str, Any]) -> list[str]:
     architecture, or a Llama / Qwen3 feature the GPT lacks. Each item names the field and its value."""
     arch = cfg.get("architectures") or []
     kind = cfg.get("model_type")
-    family = FAMILIES.get(kind) if kind else \
-        next((f for f in FAMILIES.values() if f.model_class in arch), None)
+    family = (FAMILIES.get(kind) if kind
+              else next((f for f in FAMILIES.values() if f.model_class in arch), None))
     if family is None:
         what = kind or (arch[0] if arch else "an unknown model type")
         why = FAMILY_DIFFERENCES.get(kind or "")
@@ -118,8 +118,8 @@ def representation_gaps(cfg: dict[str, Any]) -> list[str]:
     gaps = [(f"{key}={json.dumps(cfg[key])}" if isinstance(value, bool) else f"{key} {cfg[key]!r}") + f" ({why})"
             for key, (value, why) in family.hf_fixed.items() if cfg.get(key) is not None and cfg[key] != value]
     rope = cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or rope.get("type") or \
-        (cfg.get("rope_parameters") or {}).get("rope_type", "default")
+    rope_type = (rope.get("rope_type") or rope.get("type")
+                 or (cfg.get("rope_parameters") or {}).get("rope_type", "default"))
     if rope_type not in (None, "default"):
         gaps.append(f"RoPE scaling {rope_type!r} (tinygpt's attention does not implement it)")
     if family.model_type == "llama" and cfg.get("sliding_window"):

@@ -194,8 +194,8 @@ class Mirror(Callback):
             if self._files_dirty:
                 self.not_synced.append("the latest run files (metrics.jsonl, samples.txt, ...)")
         last = f"step {st.last_synced_step}" if st.last_synced_step is not None else "no checkpoint"
-        how = "after the wait" if self._dead is None else \
-            f"at once ({type(self._dead).__name__}: {self._dead}: waiting would not help)"
+        how = ("after the wait" if self._dead is None
+               else f"at once ({type(self._dead).__name__}: {self._dead}: waiting would not help)")
         warnings.warn(f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on it: "
                       f"{'; '.join(self.not_synced) or 'nothing'}; last error: {st.last_error}. The local run "
                       f"folder {self.local} has everything", stacklevel=2)
@@ -343,8 +343,8 @@ class Mirror(Callback):
             if not (src / MANIFEST).is_file():
                 return False  # pruned or being replaced locally: the next checkpoint will come
             raw = (src / MANIFEST).read_bytes()
-            if (dst / MANIFEST).is_file() and (dst / MANIFEST).read_bytes() == raw \
-                    and verify_checkpoint(dst, deep=False)[0]:
+            if ((dst / MANIFEST).is_file() and (dst / MANIFEST).read_bytes() == raw
+                    and verify_checkpoint(dst, deep=False)[0]):
                 return True  # already there (e.g. the checkpoint a restore came from)
             try:
                 copy_checkpoint(src, dst, self.copy_file, self._tag)

@@ -114,8 +114,8 @@ def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = 
         return None
     last = latest_valid(run.checkpoints)
     budget = Budget.load(Path(run_dir))
-    max_steps = max_steps or (budget.max_steps if budget else None) or \
-        run.recipe_dict().get("train", {}).get("max_steps")
+    max_steps = (max_steps or (budget.max_steps if budget else None)
+                 or run.recipe_dict().get("train", {}).get("max_steps"))
     step = step_of(last) if last is not None else None
     if step is None or max_steps is None or step < max_steps:
         return None

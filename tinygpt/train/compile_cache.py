@@ -127,8 +127,8 @@ def checked_artifacts(payload: bytes):
             dest = _destination(kind, a.key)
             if dest is None:
                 raise ValueError(f"it holds a {kind!r} artifact, a kind not checked here")
-            if "\0" in a.key or os.path.isabs(a.key) or ".." in a.key.replace("\\", "/").split("/") \
-                    or not _inside(dest, root):
+            if ("\0" in a.key or os.path.isabs(a.key) or ".." in a.key.replace("\\", "/").split("/")
+                    or not _inside(dest, root)):
                 raise ValueError(f"its {kind} artifact {a.key[:80]!r} would be written outside torch's cache folder "
                                  f"{root}")
     return artifacts

@@ -173,8 +173,9 @@ def wrap_model(model: torch.nn.Module, parallel: str, device: torch.device,
         compiled = torch.compile(model) if use_compile else model
         # The rope tables are buffers that never change: broadcasting them every forward is waste
         # (newer torch names the switch forward_sync_buffers and deprecates broadcast_buffers).
-        no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in \
-            inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False}
+        no_buffer_sync = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                          else {"broadcast_buffers": False})
         ddp = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None,
                   gradient_as_bucket_view=True, **no_buffer_sync)
         return ddp, compiled

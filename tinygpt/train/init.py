@@ -7,8 +7,9 @@ a recipe for it: the base's architecture is the model, the base's own tokenizer 
 rate is lower and warms up, and the context is the base's (up to what the hardware trains at). A base the GPT
 cannot represent is refused by `read_base` before anything else happens, naming what differs.
 
-The weights are read once, at the run's first start (`initial_model`); run.json records the base, and a resumed run
-loads its own checkpoint without reading the base again (it may be gone from the cache by then).
+The base is read once per start, when the run needs it (`starting_base`, in pretraining's plan: at the run's first
+start, for its weights and tokenizer); run.json records the base, and a resumed run loads its own checkpoint and
+tokenizer without reading the base again (it may be gone from the cache by then).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from tinygpt.core.checkpoint import latest_valid, load_checkpoint
 from tinygpt.core.config import RECIPES, ConfigError, ModelConfig, Recipe, config_differences, get_recipe
 from tinygpt.core.paths import is_hub
-from tinygpt.core.rundir import CHECKPOINTS, RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
+from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.model.gpt import GPT
 from tinygpt.model.hf import (
     SAFETENSORS_INDEX,
@@ -94,8 +95,8 @@ def read_base(spec: str) -> Base:
         try:
             model = ModelConfig.from_hf_llama(cfg)
         except (ConfigError, KeyError) as e:
-            raise ConfigError(f"--init {spec}: its config.json does not describe a model tinygpt can build ({e})") \
-                from None
+            raise ConfigError(
+                f"--init {spec}: its config.json does not describe a model tinygpt can build ({e})") from None
         tokenizer = import_tokenizer(path)
         if tokenizer is None:
             raise ConfigError(f"--init {spec}: no tokenizer.json with an end-of-text token beside the model (the "
@@ -164,23 +165,29 @@ def default_recipe(run_dir: str | Path) -> tuple[str, str]:
     return report.default_recipe, f"the default for this {report.hardware_class} machine"
 
 
-def base_tokenizer(recipe: Recipe) -> Tokenizer:
-    """The tokenizer of a continued run's base (its first start; then the run's own tokenizer.json serves)."""
+def check_init(recipe: Recipe) -> None:
+    """A recipe that takes its tokenizer from a base names one, and gives it text to encode (before any work)."""
+    if recipe.data.tokenizer != INIT_TOKENIZER:
+        return
     if recipe.model.init is None:
         raise ConfigError(f"data.tokenizer={INIT_TOKENIZER} takes the tokenizer of the base, but model.init names "
                           "none: use --init BASE, or data.tokenizer=train")
     if resolve_source(recipe.data.source)[0] == "tokens":
         raise ConfigError(f"{recipe.data.source} holds token ids of GPT-2's tokenizer, not the base's: continue a "
                           "base on text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes")
-    return read_base(recipe.model.init).tokenizer
 
 
-def initial_model(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> GPT:
-    """The model a run starts from. With `model.init` on the run's first start, the base's weights (an
-    architecture other than the recipe's is refused, naming the differences); otherwise, or when the run has a
-    checkpoint to resume, a seeded random one (the trainer then loads the checkpoint over it)."""
-    if recipe.model.init is None or (resume == "auto" and latest_valid(Path(run_dir) / CHECKPOINTS) is not None):
-        return GPT(recipe.model)
+def starting_base(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> Base | None:
+    """The base a continued run needs, read once and checked against the recipe's network (another network is
+    refused, naming the differences): at its first start, for its weights and tokenizer. A run that resumes
+    from its own checkpoint, with its own tokenizer.json, reads nothing of the base (it may be gone from the
+    cache by then): None, as for a run from scratch."""
+    if recipe.model.init is None:
+        return None
+    run = RunDir(run_dir)
+    resumes = resume == "auto" and latest_valid(run.checkpoints) is not None
+    if resumes and (recipe.data.tokenizer != INIT_TOKENIZER or (run.path / TOKENIZER_JSON).is_file()):
+        return None
     base = read_base(recipe.model.init)
     network = ModelConfig.network_fields()
     diffs = config_differences({k: getattr(base.model, k) for k in network},
@@ -189,9 +196,21 @@ def initial_model(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> 
         raise ConfigError(f"the base {base.spec} is another network than the recipe's model (base first): "
                           + "; ".join(d.replace("in the run", "in the base").replace(" now", " in the recipe")
                                       for d in diffs) + "; use continued_recipe (tinygpt pretrain --init) to size it")
+    return base
+
+
+def initial_model(model: ModelConfig, base: Base | None = None) -> GPT:
+    """The model a run starts from: the base's weights (`starting_base`), else a seeded random one (the trainer
+    then loads the run's checkpoint over it when it resumes)."""
+    if base is None:
+        return GPT(model)
+    return gpt_from_state(model, base_weights(base), "cpu", f"the model of {base.spec}").train()
+
+
+def base_weights(base: Base) -> dict:
+    """The base's state dict: a run's newest valid checkpoint, or a Hugging Face model's safetensors (from the Hub
+    they are downloaded now, once, into its cache)."""
     if base.kind == "run":
-        sd = load_checkpoint(latest_valid(RunDir(base.path).checkpoints), with_state=False)[0]
-    else:
-        folder = hub_model_folder(base.spec) if base.kind == "hub" else base.path
-        sd = {k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")}
-    return gpt_from_state(recipe.model, sd, "cpu", f"the model of {base.spec}").train()
+        return load_checkpoint(latest_valid(RunDir(base.path).checkpoints), with_state=False)[0]
+    folder = hub_model_folder(base.spec) if base.kind == "hub" else base.path
+    return {k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")}

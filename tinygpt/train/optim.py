@@ -134,8 +134,8 @@ class MuonAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                skip = torch.zeros((), dtype=torch.bool, device=p.device) if found_inf is None \
-                    else found_inf.to(p.device) > 0
+                skip = (torch.zeros((), dtype=torch.bool, device=p.device) if found_inf is None
+                        else found_inf.to(p.device) > 0)
                 grad = p.grad if grad_scale is None else p.grad / grad_scale.to(p.device)
                 grad = torch.where(skip, 0.0, grad)  # inf * 0 would be nan
                 state = self.state[p]

@@ -46,7 +46,7 @@ from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents, r
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
 from tinygpt.train.hardware import check_device, check_fits
 from tinygpt.train.hardware import peak_tflops as _peak
-from tinygpt.train.init import INIT_TOKENIZER, base_tokenizer, initial_model
+from tinygpt.train.init import INIT_TOKENIZER, Base, check_init, initial_model, starting_base
 from tinygpt.train.probe import apply_probe
 from tinygpt.train.probe import probe as run_probe
 from tinygpt.train.sampler import WindowSampler, fixed_batches
@@ -79,9 +79,10 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
                           "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
 
 
-def get_tokenizer(recipe: Recipe, run_dir: Path, token_ids: bool = False) -> Tokenizer:
+def get_tokenizer(recipe: Recipe, run_dir: Path, token_ids: bool = False, base: Base | None = None) -> Tokenizer:
     """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe says
-    (`token_ids`: the source holds GPT-2 token ids, so no tokenizer can be trained on it)."""
+    (`token_ids`: the source holds GPT-2 token ids, so no tokenizer can be trained on it; `base`: a continued
+    run's base, whose tokenizer it takes)."""
     saved = run_dir / TOKENIZER_JSON
     if saved.is_file():
         return Tokenizer.load(saved)
@@ -96,8 +97,8 @@ def get_tokenizer(recipe: Recipe, run_dir: Path, token_ids: bool = False) -> Tok
         tok = train_bpe(sample, d.vocab_size)
     elif d.tokenizer == "gpt2":
         tok = load_gpt2()
-    elif d.tokenizer == INIT_TOKENIZER:  # continued pretraining: the base's own tokenizer
-        tok = base_tokenizer(recipe)
+    elif d.tokenizer == INIT_TOKENIZER:  # continued pretraining: the base's own (read for a run without one)
+        tok = base.tokenizer
     else:
         tok = Tokenizer.load(d.tokenizer)
     if tok.vocab_size > recipe.model.vocab_size:
@@ -217,6 +218,7 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     """What can be checked before any work, before a byte is copied from the mirror: the data source, the
     parallel mode, the device, and that the model fits its memory."""
     check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
+    check_init(recipe)
     check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size)
     if opts.parallel == "fsdp" and ranks.world_size > 1 and recipe.train.sample_every:
         raise ConfigError("train.sample_every needs the whole model on rank 0 and FSDP shards it: set "
@@ -262,6 +264,7 @@ class Plan:
     ranks: Ranks
     probe: dict | None       # the probe's result, kept in run.json; None where it did not run
     token_ids: bool          # the data source is a folder of token ids (nanoGPT's, llm.c's): nothing to tokenize
+    base: Base | None        # a continued run's base where this start needs it (`starting_base`), read once
     clock: StartupClock      # where the start-up time goes, from the moment the process joined the job
 
     @property
@@ -274,8 +277,10 @@ class Plan:
 
 
 def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks, clock: StartupClock) -> Plan:
-    """Let the probe fit the recipe to the GPU (a resumed run keeps the choices it began with), then split
-    the global batch over the ranks and settle the precision."""
+    """Read a continued run's base (at its first start: another network is refused here, before any work),
+    let the probe fit the recipe to the GPU (a resumed run keeps the choices it began with), then split the
+    global batch over the ranks and settle the precision."""
+    base = starting_base(recipe, opts.run_dir, opts.resume)
     probe_info = None
     if opts.probe == "auto":
         recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, ranks.world_size)
@@ -283,7 +288,7 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, ranks.world_size)
     token_ids = resolve_source(recipe.data.source)[0] == "tokens"
     precision = choose_precision(dev, recipe.train.precision)
-    return Plan(recipe, dev, precision, ranks, probe_info, token_ids, clock)
+    return Plan(recipe, dev, precision, ranks, probe_info, token_ids, base, clock)
 
 
 @dataclass
@@ -314,7 +319,7 @@ def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
     rank 0 alone)."""
     if plan.is_main:
         check_run_dir(opts.run_dir, plan.recipe, opts.resume)
-    tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.token_ids)
+    tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.token_ids, plan.base)
     plan.clock.mark("tokenizer")
     data = open_tokens(plan, opts, tokenizer)
     if plan.is_main:
@@ -354,7 +359,7 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
                         t.micro_batch_size, t.eval_batches)
     plan.clock.mark("data")
     torch.manual_seed(t.seed)
-    model = initial_model(plan.recipe, opts.run_dir, opts.resume)  # random, or a base's weights (model.init)
+    model = initial_model(plan.recipe.model, plan.base)  # random, or a base's weights (model.init)
     # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the trainer's
     # train_config) and the tokenizer
     run_info = {"recipe": {k: v for k, v in plan.recipe.to_dict().items() if k != "train"},

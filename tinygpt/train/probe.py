@@ -328,8 +328,8 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
     prec = choose_precision(dev, precision or requested)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} {cpu_name()}"
     if memory_limit_gb is None:
-        memory_limit_gb = torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB if dev.type == "cuda" \
-            else ram_gb()[1] or math.inf
+        memory_limit_gb = (torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB if dev.type == "cuda"
+                           else ram_gb()[1] or math.inf)
     train = recipe.train
     key = dict(device=name, recipe=recipe.name, torch=torch.__version__, model=recipe.model.to_dict(),
                seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, tokens_per_step=train.tokens_per_step,
@@ -426,8 +426,8 @@ class _Search:
         timings: list[tuple[int, int, str]] = []  # (micro-batch, accumulation, loss) to time, in this order
         for micro, accum in _speed_candidates(largest, t, train.tokens_per_step):
             timings.append((micro, accum, train.loss))
-            if train.loss == "auto" and default_chunk_rows(micro * t, self.recipe.model.vocab_size) \
-                    and not self.out_of_time():
+            if (train.loss == "auto" and default_chunk_rows(micro * t, self.recipe.model.vocab_size)
+                    and not self.out_of_time()):
                 self.runner.loss = "full"
                 full_fits = self.fits(micro, t, ckpt)
                 self.runner.loss = train.loss

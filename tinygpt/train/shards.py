@@ -226,8 +226,8 @@ def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path, shar
     folder.mkdir(parents=True, exist_ok=True)
     with _writer_lock(folder):
         clean_leftovers(folder)  # half-written files of a writer that was killed
-        manifest = read_json(folder / MANIFEST) if (folder / MANIFEST).is_file() else \
-            new_manifest(cfg, tokenizer, shard_tokens)
+        manifest = (read_json(folder / MANIFEST) if (folder / MANIFEST).is_file()
+                    else new_manifest(cfg, tokenizer, shard_tokens))
         if manifest.get("done"):
             return manifest
         try:
@@ -452,8 +452,8 @@ class ShardStream(StreamedShards):
         if self.writer.alive():
             return True
         self._reload()
-        if self.limit is not None and not self.complete and not self._manifest.get("error") \
-                and self.n_shards >= self.limit:  # it paused at its limit: more is wanted
+        if (self.limit is not None and not self.complete and not self._manifest.get("error")
+                and self.n_shards >= self.limit):  # it paused at its limit: more is wanted
             self.limit *= 2
             self.writer = ShardWriter(self.cfg, self.tokenizer, self.folder, self.shard_tokens, self.limit)
             return True

@@ -53,5 +53,5 @@ class StartupClock:
                  if k not in ("total_s", "compile_s", "notes")]
         if r["compile_s"]:
             parts.append(f"of which compile {r['compile_s']:.1f} s")
-        return f"start-up {r['total_s']:.1f} s to the first step: " + ", ".join(parts) + \
-            "".join(f"; {n}" for n in self.notes)
+        return (f"start-up {r['total_s']:.1f} s to the first step: " + ", ".join(parts)
+                + "".join(f"; {n}" for n in self.notes))

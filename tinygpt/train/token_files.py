@@ -203,9 +203,9 @@ def open_token_folder(path: str | Path, vocab_size: int) -> TokenFiles:
     folder = Path(path)
     kind = detect_token_folder(folder)
     if kind is None:
-        where = "does not exist" if not folder.exists() else "is not a folder" if not folder.is_dir() else \
-            "holds neither nanoGPT's train.bin/val.bin nor llm.c shards (*.bin starting with magic 20240520 " \
-            "or 20240801)"
+        where = ("does not exist" if not folder.exists() else "is not a folder" if not folder.is_dir()
+                 else "holds neither nanoGPT's train.bin/val.bin nor llm.c shards (*.bin starting with magic "
+                      "20240520 or 20240801)")
         raise DataError(f"{folder} {where}; point data.source at a folder of token files")
     train_files, val_files = _split_files(folder, kind)
     if kind == "nanogpt":

@@ -55,8 +55,8 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     `model.model.layers`, under `FinetuneLoss` and PEFT's wrappers a few levels deeper). None if there is none."""
     best, best_n = None, 0
     for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 0 \
-                and len({type(m) for m in module}) == 1:
+        if (isinstance(module, torch.nn.ModuleList) and len(module) > 0
+                and len({type(m) for m in module}) == 1):
             n = sum(p.numel() for p in module.parameters())
             if n > best_n:
                 best, best_n = module, n
@@ -193,8 +193,8 @@ class TrainStep:
         self._loss_sum.zero_()
         for i, batch in enumerate(micro):
             x, y, *extra = self._batch_to_device(*batch)
-            with dist_.gradient_sync(self.forward_model, self.model, i == len(micro) - 1), \
-                    self.precision.autocast():
+            with (dist_.gradient_sync(self.forward_model, self.model, i == len(micro) - 1),
+                  self.precision.autocast()):
                 loss_sum = self.loss_fn(self.forward_model, x, y, *extra)
                 self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
             self._loss_sum += loss_sum.detach().float()
@@ -466,8 +466,8 @@ class Trainer(TrainStep):
             m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
         if evaluated:
             self.val_loss = m["val_loss"] = self.evaluate()
-        expected = expected_final_loss(self.history + [m], self.max_steps, self.cfg.warmup_steps) \
-            if self.max_steps is not None else None
+        expected = (expected_final_loss(self.history + [m], self.max_steps, self.cfg.warmup_steps)
+                    if self.max_steps is not None else None)
         if expected is not None:
             m["expected_final_loss"] = round(expected, 4)
         for cb in self.callbacks:
@@ -503,9 +503,9 @@ class Trainer(TrainStep):
                                 "the same command again, with any number of processes, to resume from it") from e
 
     def _write_failed(self, what: str, e: BaseException) -> TrainingError:
-        why = f"the disk is full ({os.strerror(errno.ENOSPC)})" \
-            if getattr(e, "errno", None) == errno.ENOSPC or any(m in str(e) for m in _DISK_FULL) \
-            else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        disk_full = getattr(e, "errno", None) == errno.ENOSPC or any(m in str(e) for m in _DISK_FULL)
+        why = (f"the disk is full ({os.strerror(errno.ENOSPC)})" if disk_full
+               else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return TrainingError(f"could not write {what} at step {self.step}: {why}. The last good checkpoint is "
                              f"{ckpt.latest_valid(self.ckpt_root)}; free some disk space and run the same command "
                              "again to resume from it")
