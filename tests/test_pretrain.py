@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from tinygpt.core.config import ConfigError, get_recipe
-from tinygpt.train.pretrain import fit_to_device, pretrain
+from tinygpt.train.pretrain import pretrain
+from tinygpt.train.probe import fit_to_device
 
 
 def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkeypatch):
-    import tinygpt.train.pretrain as pretrain_mod
+    import tinygpt.train.probe as probe_mod
 
     calls = []
 
@@ -21,7 +22,7 @@ def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkey
         def to_dict(self):
             return {"micro_batch_size": 8}
 
-    monkeypatch.setattr(pretrain_mod, "run_probe",  # the result is kept in the run folder (probe.json)
+    monkeypatch.setattr(probe_mod, "probe",  # the result is kept in the run folder (probe.json)
                         lambda recipe, device=None, run_dir=None: calls.append(recipe.name) or FakeResult()
                         if run_dir == tmp_path else None)
     recipe = get_recipe("a100-124m")
@@ -44,6 +45,7 @@ def test_a_probed_run_resumes_on_a_new_vm_from_the_mirror_with_its_own_choices(t
     configuration. The first VM's probe is played by its recorded result: micro-batch 4 with 2 accumulation
     steps where the recipe says 8 and 1, as a probe on a smaller GPU would."""
     import tinygpt.train.pretrain as pretrain_mod
+    import tinygpt.train.probe as probe_mod
 
     real_fit = pretrain_mod.fit_to_device
     probed = {"micro_batch_size": 4, "grad_accum_steps": 2, "device_name": "NVIDIA T4"}
@@ -55,7 +57,7 @@ def test_a_probed_run_resumes_on_a_new_vm_from_the_mirror_with_its_own_choices(t
     assert first.step == 4
     monkeypatch.setattr(pretrain_mod, "fit_to_device", real_fit)  # the new VM reads what the first one chose
     calls = []
-    monkeypatch.setattr(pretrain_mod, "run_probe", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(probe_mod, "probe", lambda *a, **k: calls.append(a))
     again = pretrain("cpu-smoke", tmp_path / "vm2" / "run", max_steps=6, **kw)
     assert (again.resumed_from, again.step, calls) == (4, 6, [])
     info = json.loads((tmp_path / "vm2" / "run" / "run.json").read_text())

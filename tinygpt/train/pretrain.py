@@ -47,8 +47,7 @@ from tinygpt.train.distributed import Ranks, check_parallel, joined, main_proces
 from tinygpt.train.hardware import check_device, check_fits
 from tinygpt.train.hardware import peak_tflops as _peak
 from tinygpt.train.init import INIT_TOKENIZER, Base, check_init, initial_model, starting_base
-from tinygpt.train.probe import apply_probe
-from tinygpt.train.probe import probe as run_probe
+from tinygpt.train.probe import fit_to_device
 from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.shards import ShardStream, StreamedShards, TokenShards, check_token_cache, stream_token_cache
 from tinygpt.train.startup import StartupClock
@@ -105,37 +104,6 @@ def get_tokenizer(recipe: Recipe, run_dir: Path, token_ids: bool = False, base: 
         raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {recipe.model.vocab_size}: "
                           "raise the model's vocab_size")
     return tok
-
-
-PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "precision", "loss")
-
-
-def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1) -> tuple[Recipe, dict | None]:
-    """The probe decides micro-batch, accumulation, context, precision and activation checkpointing on a
-    GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it started
-    with (they are part of its configuration); on a CPU the recipe stands as written."""
-    run = RunDir(run_dir)
-    if run.is_pretrain_run():
-        old = run.info()
-        if old.get("probe"):  # the probe is not run again: its choices are part of the run
-            r = old["recipe"]
-            # (a CUDA device with no CUDA runtime is only a test's: there is no name to compare)
-            on_gpu = dev.type == "cuda" and torch.cuda.is_available()
-            was, now = old["probe"].get("device_name"), torch.cuda.get_device_name(dev) if on_gpu else None
-            if now is not None and was != now:
-                warnings.warn(f"this run was probed on a {was} and resumes on a {now}: it keeps micro-batch "
-                              f"{r['train']['micro_batch_size']}, context {r['train']['seq_len']} and precision "
-                              f"{r['train']['precision']}; if it runs out of memory, start a new run folder",
-                              stacklevel=2)
-            kept = recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS if k in r["train"]},
-                                  model={"activation_checkpointing": r["model"]["activation_checkpointing"]})
-            return kept, old["probe"]
-        return recipe, None
-    if dev.type != "cuda" or world_size > 1:
-        return recipe, None
-
-    result = run_probe(recipe, device=dev, run_dir=run_dir)
-    return apply_probe(recipe, result), result.to_dict()
 
 
 @dataclass

@@ -18,6 +18,7 @@ import math
 import re
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,7 +35,7 @@ from tinygpt.core.precision import (
     native_bf16,
     resolve_device,
 )
-from tinygpt.core.rundir import PROBE_JSON
+from tinygpt.core.rundir import PROBE_JSON, RunDir
 from tinygpt.core.units import duration, size_gb
 from tinygpt.model.gpt import GPT, meta_model
 from tinygpt.model.losses import default_chunk_rows
@@ -49,6 +50,8 @@ from tinygpt.train.optim import build_optimizer
 from tinygpt.train.trainer import TrainStep
 
 PROBE_TIME_LIMIT_S = 60.0  # the search and the timings stop here (the choice so far is kept, and said)
+# what the probe chooses (with model.activation_checkpointing); a run keeps them when it resumes
+PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "precision", "loss")
 SPEED_STEPS, SPEED_WARMUP = 8, 4  # optimizer steps timed (median) after warm-up ones (the compile among them)
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
@@ -500,9 +503,35 @@ def _speed_key(micro: int, loss: str) -> str:
 def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
     """The recipe with the probe's micro-batch, context, accumulation, checkpointing, precision and loss."""
     return recipe.replace(model={"activation_checkpointing": result.activation_checkpointing},
-                          train={"micro_batch_size": result.micro_batch_size, "seq_len": result.seq_len,
-                                 "grad_accum_steps": result.grad_accum_steps, "precision": result.precision,
-                                 "loss": result.loss})
+                          train={k: getattr(result, k) for k in PROBED_TRAIN_FIELDS})
+
+
+def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1) -> tuple[Recipe, dict | None]:
+    """The probe decides micro-batch, accumulation, context, precision and activation checkpointing on a
+    GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it started
+    with (they are part of its configuration); on a CPU the recipe stands as written."""
+    run = RunDir(run_dir)
+    if run.is_pretrain_run():
+        old = run.info()
+        if old.get("probe"):  # the probe is not run again: its choices are part of the run
+            r = old["recipe"]
+            # (a CUDA device with no CUDA runtime is only a test's: there is no name to compare)
+            on_gpu = dev.type == "cuda" and torch.cuda.is_available()
+            was, now = old["probe"].get("device_name"), torch.cuda.get_device_name(dev) if on_gpu else None
+            if now is not None and was != now:
+                warnings.warn(f"this run was probed on a {was} and resumes on a {now}: it keeps micro-batch "
+                              f"{r['train']['micro_batch_size']}, context {r['train']['seq_len']} and precision "
+                              f"{r['train']['precision']}; if it runs out of memory, start a new run folder",
+                              stacklevel=2)
+            kept = recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS if k in r["train"]},
+                                  model={"activation_checkpointing": r["model"]["activation_checkpointing"]})
+            return kept, old["probe"]
+        return recipe, None
+    if dev.type != "cuda" or world_size > 1:
+        return recipe, None
+
+    result = probe(recipe, device=dev, run_dir=run_dir)
+    return apply_probe(recipe, result), result.to_dict()
 
 
 @dataclass
