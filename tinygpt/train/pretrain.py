@@ -183,8 +183,9 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
 
 
 def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks) -> None:
-    """What can be checked before any work, before a byte is copied from the mirror: the data source, the
-    parallel mode, the device, and that the model fits its memory."""
+    """What can be checked before any work, before a byte is copied from the mirror: the data source, a base's
+    tokenizer named, the parallel mode (and samples under FSDP), the device, and that the model fits its
+    memory."""
     check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
     check_init(recipe)
     check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size)
@@ -204,8 +205,9 @@ def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: R
     behind), restored from the mirror, planned, and prepared by rank 0 first (the other ranks then find
     run.json, tokenizer and token cache made); then training. The restore comes before the plan: on a new
     VM, a run that the probe fitted to its GPU finds its choices in the restored run.json and keeps them
-    (probed again, it could choose otherwise and be refused as another configuration). The token shards,
-    the mirror and the lock are let go in that order, whatever ended the run."""
+    (probed again, it could choose otherwise and be refused as another configuration). The trainer closes
+    its callbacks when training ends (the mirror last: it finishes its copies); then the token shards and
+    the lock are let go, whatever ended the run (`mirrored` closes a mirror that training never reached)."""
     refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
     with contextlib.ExitStack() as held:
         if ranks.is_main:
