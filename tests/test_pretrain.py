@@ -97,3 +97,20 @@ def test_samples_come_every_sample_every_steps_and_once_at_the_end(tmp_path, sha
         check_recipe(recipe, PretrainOptions(run_dir=tmp_path / "fsdp", parallel="fsdp"), torch.device("cpu"),
                      Ranks(0, 2, "fsdp"))
     assert not (tmp_path / "fsdp").exists()
+
+
+def test_samples_txt_is_cut_back_to_the_checkpoint_a_run_resumes_from(tmp_path, shared_data):
+    """As metrics.jsonl: a run killed after its step-6 sample but before its step-8 checkpoint resumes from
+    step 4, and writes the samples of steps 6 and 8 again, once each, the same text as the unbroken run's."""
+    import shutil
+
+    recipe = get_recipe("cpu-smoke").replace(train={"sample_every": 3})
+    kw = dict(data=str(shared_data / "tinyshakespeare.txt"), save_every=4, eval_every=4, progress=False,
+              device="cpu", cache_dir=tmp_path / "cache", max_steps=8)
+    pretrain(recipe, tmp_path / "run", **kw)
+    samples = tmp_path / "run" / "samples.txt"
+    unbroken = samples.read_text()
+    assert re.findall(r"=== step (\d+) ===", unbroken) == ["3", "6", "8"]
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000008")  # the kill came before this checkpoint
+    assert pretrain(recipe, tmp_path / "run", **kw).resumed_from == 4
+    assert samples.read_text() == unbroken

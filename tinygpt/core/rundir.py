@@ -23,6 +23,7 @@ import contextlib
 import difflib
 import json
 import os
+import re
 import shutil
 import socket
 import threading
@@ -40,6 +41,8 @@ from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import append_text, write_json_atomic, write_text_atomic
 
 RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metrics.jsonl", "samples.txt"
+SAMPLE_HEADING = "=== step {step} ==="  # each sample in samples.txt begins with this line
+_SAMPLE_HEADINGS = re.compile("^" + re.escape(SAMPLE_HEADING).replace(re.escape("{step}"), r"(\d+)") + "$", re.M)
 FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
                                                             "tinygpt_finetune.json", "adapter")
 CHECKPOINTS, BEST = "checkpoints", "best"
@@ -334,7 +337,20 @@ class RunDir:
         p = self.path / SAMPLES
         return p.read_text(encoding="utf-8") if p.is_file() else ""
 
-    def append_sample(self, text: str) -> None:
+    def append_sample(self, step: int, text: str) -> None:
+        """One sample, under its step's heading."""
         self.check_held()
         self.path.mkdir(parents=True, exist_ok=True)
-        append_text(self.path / SAMPLES, text)  # never through a link
+        append_text(self.path / SAMPLES, f"{SAMPLE_HEADING.format(step=step)}\n{text}\n\n")  # never through a link
+
+    def keep_samples_through(self, step: int) -> None:
+        """Cut samples.txt to the samples of steps up to `step`, as metrics.jsonl is cut: a resumed run writes
+        the later ones again (the same text: same weights and seed), so the file reads as an unbroken run's."""
+        p = self.path / SAMPLES
+        if not p.is_file():
+            return
+        text = p.read_text(encoding="utf-8")
+        later = next((m.start() for m in _SAMPLE_HEADINGS.finditer(text) if int(m.group(1)) > step), None)
+        if later is not None:
+            self.check_held()
+            write_text_atomic(p, text[:later])

@@ -67,7 +67,7 @@ def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, pro
     with eager():
         text = generate_text(model, tokenizer, prompt or "def ", max_new_tokens=120, temperature=0.8, top_k=50,
                              seed=0)
-    RunDir(run_dir).append_sample(f"=== step {step} ===\n{text}\n\n")
+    RunDir(run_dir).append_sample(step, text)
     model.train()
     return text
 
@@ -87,6 +87,8 @@ class Samples(Callback):
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         self.trainer = trainer
+        if trainer.is_main:  # a resumed run writes the samples after its checkpoint again
+            RunDir(self.run_dir).keep_samples_through(resumed_from or 0)
 
     def on_step(self, trainer: Any) -> None:
         if self.every and trainer.step % self.every == 0 and trainer.step != trainer.max_steps and trainer.is_main:
