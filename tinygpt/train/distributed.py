@@ -318,13 +318,17 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _PEER_HINTS)
 
 
-def check_parallel(parallel: str, optimizer: str, world_size: int, custom_state: bool = False) -> None:
+def check_parallel(parallel: str, optimizer: str, world_size: int, custom_state: bool = False,
+                   sample_every: int = 0) -> None:
     """Refuse a parallel mode that cannot work, before any work starts."""
     if parallel not in PARALLEL_MODES:
         raise ConfigError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {parallel!r}")
     if parallel == "fsdp" and custom_state and world_size > 1:
         raise ConfigError("FSDP2 checkpoints hold the whole model; saving a part of it (LoRA adapters) "
                           "works with --parallel ddp")
+    if parallel == "fsdp" and sample_every and world_size > 1:
+        raise ConfigError("train.sample_every needs the whole model on rank 0 and FSDP shards it: set "
+                          "train.sample_every=0 (a sample is still written at the end) or use --parallel ddp")
     if parallel == "fsdp" and optimizer == "muon" and world_size > 1:
         raise ConfigError("the muon optimizer orthogonalises whole matrices and FSDP2 holds only shards of them: "
                           "use --parallel ddp, or the adamw optimizer")

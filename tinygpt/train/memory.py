@@ -49,15 +49,17 @@ class MemoryEstimate:
     attention: str = "fused"  # `model.attention.attention_kernel`: "fused", "expand" (GQA K/V repeated) or "math"
 
     @property
+    def tensors_gb(self) -> float:
+        return (self.params_gb + self.grads_gb + self.optimizer_gb + self.weight_copies_gb + self.activations_gb
+                + self.loss_gb)
+
+    @property
     def overhead_gb(self) -> float:
-        tensors = (self.params_gb + self.grads_gb + self.optimizer_gb + self.weight_copies_gb + self.activations_gb
-                   + self.loss_gb)
-        return overhead_gb(tensors, self.device_type)
+        return overhead_gb(self.tensors_gb, self.device_type)
 
     @property
     def total_gb(self) -> float:
-        return (self.params_gb + self.grads_gb + self.optimizer_gb + self.weight_copies_gb + self.activations_gb
-                + self.loss_gb + self.overhead_gb)
+        return self.tensors_gb + self.overhead_gb
 
     def to_dict(self) -> dict:
         return {**asdict(self), "overhead_gb": self.overhead_gb, "total_gb": self.total_gb}
@@ -82,23 +84,12 @@ class MemoryEstimate:
                 ("total", f"{self.total_gb:.2f}", "")]
 
 
-def _activation_and_loss_bytes(c: ModelConfig, tokens: int, seq_len: int, precision: str, checkpointing: bool,
-                               loss: str, device_type: str, capability: tuple[int, int] | None,
-                               kernel: str | None) -> tuple[int, int, int, str]:
+def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointing: bool,
+                               chunk_rows: int, seq_len: int, kernel: str) -> tuple[int, int]:
     """(activations, loss) bytes at the peak, counted tensor by tensor (tests check them against
-    saved-tensor hooks and a tracked step), as this device runs the step: the loss in `default_chunk_rows`
-    chunks (what model.cross_entropy will do) and attention by `attention_kernel` (`kernel` overrides);
-    those two choices are returned with the bytes. The residual stream and RMSNorm are fp32 under autocast;
-    e is the matmul dtype's size."""
+    saved-tensor hooks and a tracked step). The residual stream and RMSNorm are fp32 under
+    autocast; e is the matmul dtype's size. kernel: `attention_kernel`'s answer for this device."""
     d, ff, v = c.d_model, c.d_ff, c.vocab_size
-    e = 4 if precision == "fp32" else 2
-    chunk_rows = default_chunk_rows(tokens, v, loss)
-    if kernel is None:
-        if device_type == "cuda" and capability is None:
-            capability = (7, 5) if precision == "fp16" else (8, 0)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-        grouped = c.n_kv_head != c.n_head or device_type == "mps"  # (MPS runs the math kernel either way)
-        kernel = attention_kernel(device_type, capability, dtype, torch_version(), c.head_dim) if grouped else "fused"
     # Keys and values as SDPA keeps them: repeated to the query heads unless a fused kernel takes them grouped.
     kvd = (c.n_kv_head if kernel == "fused" else c.n_head) * c.head_dim
 
@@ -129,8 +120,8 @@ def _activation_and_loss_bytes(c: ModelConfig, tokens: int, seq_len: int, precis
         # through it) only after the loss's memory is freed: one of the two phases sets the peak.
         recompute = (layer + 4 * d + 2 * e * ff) * tokens
         kept = (c.n_layer * 4 * d + head) * tokens + max(0, recompute - head * tokens - loss_bytes)
-        return kept, loss_bytes, chunk_rows, kernel
-    return (c.n_layer * layer + head) * tokens, loss_bytes, chunk_rows, kernel
+        return kept, loss_bytes
+    return (c.n_layer * layer + head) * tokens, loss_bytes
 
 
 def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, precision: str = "fp32",
@@ -142,15 +133,23 @@ def estimate_memory(model: ModelConfig, micro_batch_size: int, seq_len: int, pre
     on this device (`attention` overrides): a CUDA GPU of unknown `capability` is taken to be one that picks
     this precision by default (fp16: a T4, sm75; else sm80)."""
     ckpt = model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
-    activations, loss_bytes, chunk_rows, attention = _activation_and_loss_bytes(
-        model, micro_batch_size * seq_len, seq_len, precision, ckpt, loss, device_type, capability, attention)
+    if attention is None:
+        if device_type == "cuda" and capability is None:
+            capability = (7, 5) if precision == "fp16" else (8, 0)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        grouped = model.n_kv_head != model.n_head or device_type == "mps"  # (MPS: the math kernel either way)
+        attention = (attention_kernel(device_type, capability, dtype, torch_version(), model.head_dim)
+                     if grouped else "fused")
+    tokens, e = micro_batch_size * seq_len, 4 if precision == "fp32" else 2
+    chunk_rows = default_chunk_rows(tokens, model.vocab_size, loss)  # what model.cross_entropy will do
+    activations, loss_bytes = _activation_and_loss_bytes(model, tokens, e, ckpt, chunk_rows, seq_len, attention)
     meta = meta_model(model)
     n = meta.num_params()
     # Autocast caches one copy of each Linear's parameters (weight, and bias where the config gives one) per
     # forward; the chunked loss copies lm_head itself.
     matmul = sum(p.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear)
                  and not (chunk_rows and m is meta.lm_head) for p in m.parameters(recurse=False))
-    copies = 0 if precision == "fp32" else 2 * matmul  # in bf16 or fp16
+    copies = 0 if e == 4 else e * matmul
     return MemoryEstimate(4 * n / GB, 4 * n / GB, 8 * n / GB, copies / GB, activations / GB,
                           loss_bytes / GB, n, micro_batch_size, seq_len, precision, ckpt, device_type, chunk_rows,
                           attention)

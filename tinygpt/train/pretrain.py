@@ -188,10 +188,7 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     memory."""
     check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
     check_init(recipe)
-    check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size)
-    if opts.parallel == "fsdp" and ranks.world_size > 1 and recipe.train.sample_every:
-        raise ConfigError("train.sample_every needs the whole model on rank 0 and FSDP shards it: set "
-                          "train.sample_every=0 (a sample is still written at the end) or use --parallel ddp")
+    check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size, sample_every=recipe.train.sample_every)
     check_device(dev)
     t = recipe.train
     # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
