@@ -203,6 +203,31 @@ def test_the_lock_is_never_followed_through_a_symlink(tmp_path):
     assert target.read_text() == "keep me"
 
 
+def test_a_ctrl_c_while_the_lock_is_taken_leaves_no_folder_and_no_handler_behind(tmp_path, monkeypatch):
+    """The signal comes while .lock exists but before the lock is recorded as held (here: while the
+    holder's name is looked up). It reaches the program once the lock is held, so the release runs and
+    the folder the lock made is gone; the program's own SIGINT handler is back in place."""
+    import socket
+    run = tmp_path / "r"
+    real_hostname = socket.gethostname
+
+    def hostname_then_ctrl_c():
+        assert (run / LOCK).exists()
+        signal.raise_signal(signal.SIGINT)
+        return real_hostname()
+
+    monkeypatch.setattr(socket, "gethostname", hostname_then_ctrl_c)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with RunDir(run).lock():
+            pytest.fail("the Ctrl-C must stop the run before its body starts")
+    assert not run.exists()
+    assert signal.getsignal(signal.SIGINT) is handler
+    monkeypatch.undo()
+    with RunDir(run).lock():  # the folder is free again
+        assert (run / LOCK).exists()
+
+
 # ---- 3. one run per mirror -----------------------------------------------------------------------
 
 def test_a_second_run_on_the_same_mirror_is_refused_before_it_writes(tmp_path, cache):

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -104,6 +105,28 @@ _HELD: dict[str, tuple[int, int]] = {}
 _HELD_LOCK = threading.Lock()
 
 
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive inside the block are delivered, to the handlers they would have
+    reached, when it ends: a few lines that must run whole (take a lock and record it) are never cut in
+    half by a KeyboardInterrupt. Python runs signal handlers in the main thread only, so elsewhere there
+    is nothing to defer."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # all restored, however it ends
+    try:
+        for s in kept:
+            signal.signal(s, lambda signum, frame: arrived.append(signum))
+        yield
+    finally:
+        for s, handler in kept.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(arrived):
+            signal.raise_signal(s)
+
+
 def _identity(path: Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
@@ -181,36 +204,25 @@ class RunDir:
     def lock(self) -> Iterator[None]:
         """Hold the run folder for this process: a second writer (another tab, a double-run cell) is
         refused with a RunDirError naming the holder. The lock is the kernel's (flock): a process that
-        dies, even by kill -9, releases it, so it never stays stuck."""
+        dies, even by kill -9, releases it, so it never stays stuck. A folder this call made is removed
+        again when nothing but the lock was written in it, even when a Ctrl-C or SIGTERM arrives while the
+        lock is being taken (it is delivered once the lock is held, so the release always runs)."""
         created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         if fcntl is None:
             yield
             return
-        # O_NOFOLLOW: a .lock planted as a symlink (a shared folder) is refused, never followed
-        try:
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        except OSError as e:
-            raise RunDirError(f"cannot open the lock {self.path / LOCK} ({e.strerror}); if it is a symlink, "
-                              "remove it") from None
         key = os.path.abspath(self.path)
+        fd = None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
-                raise RunDirError(f"run folder {self.path} is in use by {holder}; wait for it to finish or stop it, "
-                                  "or use another run folder") from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since "
-                          f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(), 0)
-            with _HELD_LOCK:
-                _HELD[key] = _identity(self.path)  # type: ignore[assignment]
+            with _signals_deferred():
+                fd = self._take_lock(key)
             yield
         finally:
             with _HELD_LOCK:
                 held = _HELD.pop(key, None)
-            os.close(fd)  # releases the lock
+            if fd is not None:
+                os.close(fd)  # releases the lock
             # (a folder replaced meanwhile is another run's: its .lock is not ours to remove)
             if (created and held is not None and held == _identity(self.path)
                     and [p.name for p in self.path.iterdir()] == [LOCK]):
@@ -218,6 +230,30 @@ class RunDir:
                 (self.path / LOCK).unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     self.path.rmdir()
+
+    def _take_lock(self, key: str) -> int:
+        """Open .lock, take the kernel's lock on it, write who holds it and record the folder as held:
+        the open descriptor (closing it lets the lock go). A RunDirError, with nothing held, when another
+        process holds it or .lock cannot be opened."""
+        # O_NOFOLLOW: a .lock planted as a symlink (a shared folder) is refused, never followed
+        try:
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            raise RunDirError(f"cannot open the lock {self.path / LOCK} ({e.strerror}); if it is a symlink, "
+                              "remove it") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirError(f"run folder {self.path} is in use by {holder}; wait for it to finish or stop it, "
+                              "or use another run folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(), 0)
+        with _HELD_LOCK:
+            _HELD[key] = _identity(self.path)  # type: ignore[assignment]
+        return fd
 
     def check_held(self) -> None:
         """Before a write: when this process holds the folder's lock, the folder at the path must still be
