@@ -12,10 +12,9 @@ from tinygpt.train.data import (
     builtin_files,
     iter_documents,
     resolve_source,
-    token_dtype,
 )
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.shards import build_token_cache
+from tinygpt.train.shards import build_token_cache, token_dtype
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,11 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError, DataConfig
 from tinygpt.model.tokenizer import load_gpt2, train_bpe
 from tinygpt.train.data import DataError, iter_documents
-from tinygpt.train.pretrain import open_token_shards, pretrain
+from tinygpt.train.pretrain import pretrain
 from tinygpt.train.sampler import WindowSampler
 from tinygpt.train.shards import MANIFEST, ShardWriter, StreamedShards, build_token_cache, write_shards
 from tinygpt.train.token_files import write_llmc_shard
+from tinygpt.train.tokens import open_token_shards
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_SHARDS = 20_000  # tokens: a few hundred kB of text makes many shards
@@ -174,7 +175,8 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 from tinygpt.core.config import get_recipe
-from tinygpt.train.pretrain import open_token_shards, pretrain
+from tinygpt.train.pretrain import pretrain
+from tinygpt.train.tokens import open_token_shards
 from tinygpt.train.shards import StreamedShards
 run, cache = sys.argv[1:3]
 # 3 evaluations; micro-batch 8, eval_batches 3: the validation split has fewer windows than 24 and

@@ -106,6 +106,15 @@ class Samples(Callback):
         write_sample(model, self.tokenizer, self.run_dir, step, self.prompt)
 
 
+def sample_prompt(asked: str | None, source: str, tokenizer: Tokenizer, tokens: Any) -> str | None:
+    """The samples' prompt: the one asked for or, on a corpus other than the built-in one (whose held-out
+    code would make an odd prompt), how a held-out document begins (its first 8 tokens)."""
+    val = tokens.validation(8)
+    if asked is None and source not in ("builtin", "stdlib") and len(val) >= 8:
+        return tokenizer.decode(val[:8].tolist())
+    return asked
+
+
 class Progress(Callback):
     """The training bar: tqdm's in a terminal, a widget in a notebook that ends as its final line, and
     where output goes to a file (CI, nohup, a Colab %%capture), no carriage-return bar but one plain line

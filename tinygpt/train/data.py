@@ -1,9 +1,9 @@
 """Text sources: the built-in corpus, local files and folders, Hugging Face data sets.
 
 Documents come out in a fixed order, each long file cut into pieces of about CHUNK_CHARS, and every
-k-th document is held out for validation. The token cache's folder name (`cache_key`) is a
-fingerprint of the source, the tokenizer and the split; `tinygpt.train.shards` fills it. This
-module imports no torch: the tokenizing process starts without it.
+k-th document is held out for validation. `source_fingerprint` changes when a source's content may
+have; the token cache (`tinygpt.train.shards`) names its folders with it. This module imports no
+torch: the tokenizing process starts without it.
 """
 from __future__ import annotations
 
@@ -16,14 +16,10 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
 from tinygpt.core.config import DataConfig
 from tinygpt.core.paths import hub_spec, is_hub
-from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.token_files import DataError, detect_token_folder  # noqa: F401  (DataError: handed on)
 
-CACHE_FORMAT = 3  # 3: shards (2: one file, latin-1 fallback and long lines cut; 1: other documents)
 _SKIP_WORDS = {"latin-1": "not UTF-8, read as latin-1", "binary": "binary (NUL bytes), skipped",
                "unreadable": "unreadable, skipped"}
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".csv", ".html", ".c", ".h", ".js", ".ts",
@@ -236,18 +232,3 @@ def source_fingerprint(cfg: DataConfig) -> str:
         st = f.stat()
         h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 when every id fits (half the disk and memory), else uint32."""
-    if vocab_size <= 2**16:
-        return np.dtype(np.uint16)
-    if vocab_size <= 2**32:
-        return np.dtype(np.uint32)
-    raise DataError(f"vocabulary of {vocab_size} does not fit the token cache (at most 2**32 ids)")
-
-
-def cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
-    """The token cache's folder name: source content, tokenizer and split all in one hash."""
-    return hashlib.sha256(f"{CACHE_FORMAT}|{source_fingerprint(cfg)}|{tokenizer.fingerprint()}|"
-                          f"{cfg.val_fraction}".encode()).hexdigest()[:20]

@@ -39,6 +39,16 @@ def peak_tflops(name: str, precision: str = "bf16") -> float | None:
     return None if precision == "fp32" else gpu_spec(name)[0]
 
 
+def gpu_peak_tflops(dev: torch.device, precision: str) -> float | None:
+    """The GPU's peak dense TFLOP/s from the table (for MFU); None on a CPU or an unknown GPU."""
+    if dev.type != "cuda":
+        return None
+    try:
+        return peak_tflops(torch.cuda.get_device_name(dev), precision)
+    except Exception:  # the table is a nicety; training does not depend on it
+        return None
+
+
 @dataclass
 class HardwareReport:
     device: str  # "cuda", "mps" or "cpu"

@@ -11,7 +11,6 @@ import contextlib
 import math
 import platform
 import sys
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.config import (
     COMPILE_MODES,
     ConfigError,
-    DataConfig,
     Recipe,
     TrainConfig,
     check_same_settings,
@@ -32,33 +30,33 @@ from tinygpt.core.config import (
 )
 from tinygpt.core.files import refuse_links_in
 from tinygpt.core.options import option, targets
-from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import Precision, choose_precision
-from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKEN_CACHE, TOKENIZER_JSON, RunDir
+from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKENIZER_JSON, RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.mirrored import RunMirror, mirrored
-from tinygpt.sync.shards import ShardMirror, restore_shards
 from tinygpt.train.budget import Budget
-from tinygpt.train.callbacks import MFU, Progress, Samples, StartupReport, TensorBoardLogger, TimeBudget
+from tinygpt.train.callbacks import (
+    MFU,
+    Progress,
+    Samples,
+    StartupReport,
+    TensorBoardLogger,
+    TimeBudget,
+    sample_prompt,
+)
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
-from tinygpt.train.data import cache_key, check_hub_reachable, iter_documents, resolve_source, source_fingerprint
+from tinygpt.train.data import check_hub_reachable, iter_documents, resolve_source
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
-from tinygpt.train.hardware import check_device, check_fits
-from tinygpt.train.hardware import peak_tflops as _peak
+from tinygpt.train.hardware import check_device, check_fits, gpu_peak_tflops
 from tinygpt.train.init import INIT_TOKENIZER, Base, check_init, initial_model, starting_base
 from tinygpt.train.probe import fit_to_device
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.shards import ShardStream, StreamedShards, TokenShards, check_token_cache, stream_token_cache
 from tinygpt.train.startup import StartupClock
-from tinygpt.train.token_files import check_shard_ids, open_token_folder
+from tinygpt.train.tokens import RunData, open_tokens
 from tinygpt.train.trainer import RESUMABLE_CHANGES, TrainData, Trainer, TrainResult
 
 TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
-
-
-def default_cache_dir() -> Path:
-    return cache_root("tokens")
 
 
 def versions() -> dict[str, str]:
@@ -258,29 +256,6 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
     return Plan(recipe, dev, precision, ranks, probe_info, token_ids, base, clock)
 
 
-@dataclass
-class RunData:
-    """A run's tokens and what keeps them coming: the tokenizing process and the copy to Drive."""
-    tokenizer: Tokenizer
-    tokens: TokenShards
-    meta: dict                        # where the tokens come from, as run.json says
-    mirror: ShardMirror | None = None
-
-    def __enter__(self) -> RunData:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop tokenizing (the next run goes on from the first missing shard); finish the copy."""
-        if isinstance(self.tokens, ShardStream):
-            self.tokens.stop()
-        if self.mirror is not None and not self.mirror.close():
-            warnings.warn(f"some token shards are not yet on the mirror ({self.mirror.mirror}); a new VM tokenizes "
-                          "them again", stacklevel=2)
-
-
 def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
     """Check the run folder, get the tokenizer, open the tokens, write run.json (the checks and writes on
     rank 0 alone)."""
@@ -288,32 +263,10 @@ def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
         check_run_dir(opts.run_dir, plan.recipe, opts.resume)
     tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.token_ids, plan.base)
     plan.clock.mark("tokenizer")
-    data = open_tokens(plan, opts, tokenizer)
+    data = open_tokens(plan.recipe, tokenizer, plan.token_ids, writer=plan.is_main, cache_dir=opts.cache_dir,
+                       mirror=opts.mirror)
     if plan.is_main:
         _write_run_files(opts.run_dir, plan, tokenizer, data.meta)
-    return data
-
-
-def open_tokens(plan: Plan, opts: PretrainOptions, tokenizer: Tokenizer) -> RunData:
-    """A folder of token ids as it is; otherwise the token cache: on rank 0 the mirror's complete shards come
-    first, then a background process tokenizes on from the first shard missing, about as far as the run reads
-    (a resume with more steps asks for more); the shards it writes go to the mirror as they are done."""
-    recipe = plan.recipe
-    if plan.token_ids:  # nothing to tokenize
-        tokens = open_token_shards(recipe.data.source, recipe.model.vocab_size)
-        return RunData(tokenizer, tokens, {"source": recipe.data.source, **tokens.meta})
-    cache = Path(opts.cache_dir or default_cache_dir())
-    key = cache_key(recipe.data, tokenizer)
-    data = RunData(tokenizer, StreamedShards(cache / key), {"cache": key, "source": recipe.data.source})
-    if plan.is_main:
-        mirror_cache = Path(opts.mirror).parent / TOKEN_CACHE / key if opts.mirror is not None else None
-        before = data.tokens.n_shards
-        restored = restore_shards(mirror_cache, cache / key) if mirror_cache is not None else 0  # a new VM
-        # a shard with ids past the vocabulary (another tokenizer's) is tokenized again
-        check_token_cache(cache / key, tokenizer.vocab_size, mirror_cache, range(before, before + restored))
-        data.tokens = stream_token_cache(recipe.data, tokenizer, cache, key, max_train_tokens=recipe.token_budget)
-        if mirror_cache is not None:
-            data.mirror = ShardMirror(cache / key, mirror_cache)
     return data
 
 
@@ -346,19 +299,6 @@ def compile_cache_for(plan: Plan, opts: PretrainOptions, model: GPT) -> CompileC
                                                     t.seq_len, t.compile), note)
 
 
-def open_token_shards(folder: str, vocab_size: int) -> TokenShards:
-    """nanoGPT's or llm.c's token files as shards; each train shard's ids are checked on first use."""
-    files = open_token_folder(folder, vocab_size)
-    names = [str(p) for p in files.files]
-
-    def check(i: int, arr) -> None:  # shard i's ids fit the model's vocabulary
-        check_shard_ids(arr, vocab_size, names[i], files.vocab_hint)
-
-    return TokenShards(files.train, files.val, source_fingerprint(DataConfig(source=folder)),
-                       {"format": files.kind, "train_tokens": files.train_tokens, "val_tokens": len(files.val)},
-                       check=check)
-
-
 def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) -> list[Callback]:
     """A pretraining run's side concerns, in the order they act: the start-up record and compile cache,
     the time budget (which fixes the step count the bar shows), MFU, the bar, the samples; the caller's
@@ -372,7 +312,8 @@ def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) 
     if opts.progress:
         out.append(Progress())
     sharded = plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp"  # rank 0 alone cannot run the model
-    out.append(Samples(data.tokenizer, opts.run_dir, plan.recipe.train.sample_every, sample_prompt(plan, opts, data),
+    prompt = sample_prompt(opts.sample_prompt, plan.recipe.data.source, data.tokenizer, data.tokens)
+    out.append(Samples(data.tokenizer, opts.run_dir, plan.recipe.train.sample_every, prompt,
                        whole=plan.recipe.model if sharded else None))
     out += list(opts.callbacks)
     if plan.is_main and opts.tensorboard is not False:
@@ -380,24 +321,6 @@ def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) 
         if tb is not None:
             out.append(tb)
     return out
-
-
-def sample_prompt(plan: Plan, opts: PretrainOptions, data: RunData) -> str | None:
-    """The prompt asked for or, on a corpus other than the built-in one, how a held-out document begins."""
-    val = data.tokens.validation(8)
-    if opts.sample_prompt is None and plan.recipe.data.source not in ("builtin", "stdlib") and len(val) >= 8:
-        return data.tokenizer.decode(val[:8].tolist())
-    return opts.sample_prompt
-
-
-def gpu_peak_tflops(dev: torch.device, precision: str) -> float | None:
-    """The GPU's peak dense TFLOP/s from the table (for MFU); None on a CPU or an unknown GPU."""
-    if dev.type != "cuda":
-        return None
-    try:
-        return _peak(torch.cuda.get_device_name(dev), precision)
-    except Exception:  # the table is a nicety; training does not depend on it
-        return None
 
 
 def _write_run_files(run_dir: Path, plan: Plan, tokenizer: Tokenizer, data_meta: dict) -> None:

@@ -43,9 +43,10 @@ from tinygpt.core.files import (
 )
 from tinygpt.core.rundir import read_json
 from tinygpt.model.tokenizer import Tokenizer
-from tinygpt.train.data import DataError, cache_key, is_validation_document, iter_documents, token_dtype
+from tinygpt.train.data import DataError, is_validation_document, iter_documents, source_fingerprint
 
 SHARD_FORMAT = 3
+CACHE_FORMAT = 3  # in the cache's folder name; 3: shards (2: one file, latin-1 fallback and long lines cut)
 SHARD_TOKENS = 1 << 21  # ~2M training tokens (4 MB as uint16) per shard: the first one is ready in seconds
 WRITER_LOCK = ".writer.lock"
 CHECKED = ".vocab-checked.json"  # local only, never mirrored: {file name: [sha256, highest id]} checked here
@@ -54,6 +55,21 @@ BATCH_DOCS = 256  # documents per encode_batch call (the tokenizer runs them in 
 
 def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:06d}.bin"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (half the disk and memory), else uint32."""
+    if vocab_size <= 2**16:
+        return np.dtype(np.uint16)
+    if vocab_size <= 2**32:
+        return np.dtype(np.uint32)
+    raise DataError(f"vocabulary of {vocab_size} does not fit the token cache (at most 2**32 ids)")
+
+
+def cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
+    """The token cache's folder name: source content, tokenizer and split all in one hash."""
+    return hashlib.sha256(f"{CACHE_FORMAT}|{source_fingerprint(cfg)}|{tokenizer.fingerprint()}|"
+                          f"{cfg.val_fraction}".encode()).hexdigest()[:20]
 
 
 # ---- reading --------------------------------------------------------------------------------------
