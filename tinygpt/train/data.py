@@ -144,17 +144,19 @@ def resolve_source(source: str) -> tuple[str, object]:
 HUB_HOST = ("huggingface.co", 443)
 
 
-def check_hub_reachable(source: str, timeout_s: float = 5.0) -> None:
-    """For a Hub dataset, one quick connection to the Hub before any work: offline, a one-line error
-    at once instead of the datasets library's retries ending in a ConnectionError minutes later."""
+def check_source(source: str, timeout_s: float = 5.0) -> str:
+    """The source's kind (`resolve_source`), checked before any work: an unknown source fails here, and for
+    a Hub dataset one quick connection to the Hub is made, so that offline the error is one line at once
+    instead of the datasets library's retries ending in a ConnectionError minutes later."""
     kind, spec = resolve_source(source)
     if kind != "hf" or Path(spec[0]).exists() or os.environ.get("HF_HUB_OFFLINE") == "1":
-        return  # a local save_to_disk folder, or the Hub cache only
+        return kind  # not the Hub, a local save_to_disk folder, or the Hub cache only
     try:
         socket.create_connection(HUB_HOST, timeout=timeout_s).close()
     except OSError as e:
         raise DataError(f"cannot reach the Hugging Face Hub to read {source} ({e.strerror or e}); with no network use "
                         "a local file or folder (--data PATH) or --data builtin") from None
+    return kind
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:

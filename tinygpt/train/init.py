@@ -32,7 +32,6 @@ from tinygpt.model.hf import (
     representation_gaps,
 )
 from tinygpt.model.tokenizer import Tokenizer
-from tinygpt.train.data import resolve_source
 from tinygpt.train.hardware import hardware_report
 
 INIT_TOKENIZER = "init"  # DataConfig.tokenizer of a continued run: the base's own tokenizer
@@ -165,14 +164,15 @@ def default_recipe(run_dir: str | Path) -> tuple[str, str]:
     return report.default_recipe, f"the default for this {report.hardware_class} machine"
 
 
-def check_init(recipe: Recipe) -> None:
-    """A recipe that takes its tokenizer from a base names one, and gives it text to encode (before any work)."""
+def check_init(recipe: Recipe, token_ids: bool) -> None:
+    """A recipe that takes its tokenizer from a base names one, and gives it text to encode, not a folder of
+    token ids (`token_ids`: the source's kind, resolved once by the caller); before any work."""
     if recipe.data.tokenizer != INIT_TOKENIZER:
         return
     if recipe.model.init is None:
         raise ConfigError(f"data.tokenizer={INIT_TOKENIZER} takes the tokenizer of the base, but model.init names "
                           "none: use --init BASE, or data.tokenizer=train")
-    if resolve_source(recipe.data.source)[0] == "tokens":
+    if token_ids:
         raise ConfigError(f"{recipe.data.source} holds token ids of GPT-2's tokenizer, not the base's: continue a "
                           "base on text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes")
 

@@ -46,7 +46,7 @@ from tinygpt.train.callbacks import (
     sample_prompt,
 )
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
-from tinygpt.train.data import check_hub_reachable, iter_documents, resolve_source
+from tinygpt.train.data import check_source, iter_documents, resolve_source
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
 from tinygpt.train.hardware import check_device, check_fits, gpu_peak_tflops
 from tinygpt.train.init import INIT_TOKENIZER, Base, check_init, initial_model, starting_base
@@ -184,8 +184,8 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     """What can be checked before any work, before a byte is copied from the mirror: the data source, a base's
     tokenizer named, the parallel mode (and samples under FSDP), the device, and that the model fits its
     memory."""
-    check_hub_reachable(recipe.data.source)  # an unknown or unreachable source fails here, before any work
-    check_init(recipe)
+    kind = check_source(recipe.data.source)  # an unknown or unreachable source fails here, before any work
+    check_init(recipe, token_ids=kind == "tokens")
     check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size, sample_every=recipe.train.sample_every)
     check_device(dev)
     t = recipe.train
