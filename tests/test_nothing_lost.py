@@ -20,9 +20,13 @@ import pytest
 from tinygpt.cli import main
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback, closing
+from tinygpt.core.config import get_recipe
+from tinygpt.core.files import TMP_PREFIX, atomic_output
 from tinygpt.core.rundir import LOCK, RunDir, RunDirError, RunDirReplaced
 from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.sync.copy import copy_checkpoint
 from tinygpt.train.pretrain import pretrain
+from tinygpt.train.shards import SHARD_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(max_steps=4, save_every=2, eval_every=2, progress=False, device="cpu")
@@ -186,7 +190,8 @@ def test_a_writer_whose_folder_was_replaced_stops_and_the_new_run_is_left_alone(
             first.kill()
     lines = [ln for ln in err.splitlines() if ln.startswith("tinygpt ")]
     assert first.returncode == 2 and len(lines) == 1, err[-2000:]
-    assert "was deleted and made again" in lines[0] and "stopped without writing into it" in lines[0], lines
+    # "deleted" when the writer looked between the rm -rf and the mkdir, else "deleted and made again"
+    assert "was deleted" in lines[0] and "stopped without writing into it" in lines[0], lines
     steps = [m["step"] for m in RunDir(run).metrics() if "loss" in m]
     assert steps == sorted(set(steps)) and max(steps) == 4, steps  # only the second run's records
     assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")][-1] == 4
@@ -367,6 +372,29 @@ def test_sigterm_during_export_leaves_no_temporary_folder(small_run, tmp_path, c
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.parametrize("write", ["export", "mirror copy"])
+def test_a_ctrl_c_just_after_a_temporary_folder_is_made_leaves_no_temporary(small_run, tmp_path, monkeypatch, write):
+    """The signal lands right after the mkdir of `.tmp-<name>-<pid>/` (an export's, a checkpoint copy's):
+    the temporary is removed all the same (before, it was made outside the block that removes it)."""
+    real_mkdir = Path.mkdir
+
+    def mkdir_then_ctrl_c(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if self.name.startswith(TMP_PREFIX):
+            raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        if write == "export":
+            with atomic_output(out / "hf", folder=True):
+                pytest.fail("the Ctrl-C must come before the block")
+        else:
+            copy_checkpoint(ckpt.latest_valid(small_run / "checkpoints"), out / "step")
+    assert list(out.iterdir()) == []
+
+
 def test_sigterm_while_the_tokenizer_trains_leaves_no_run_folder(tmp_path, cache):
     """SIGTERM before training starts (the tokenizer is being trained): the first try leaves nothing."""
     run = tmp_path / "r"
@@ -387,9 +415,13 @@ def test_a_full_disk_while_tokenizing_stops_training_at_once(tmp_path, small_cac
     stops at the next batch with the disk-full line (before: ~4000 steps later, when shard 1 was needed,
     with "tokenization stopped before shard 1")."""
     run = tmp_path / "r"
+    # one thread for training: the niced writer must tokenize shard 1 while training runs, on a loaded machine too
     p = tinygpt("pretrain", *SMOKE, "--run-dir", str(run), "--max-steps", "6000", "--save-every", "5000",
-                "--set", "train.eval_every=5000", "data.max_chars=12000000", cache=small_cache, timeout=600)
+                "--set", "train.eval_every=5000", "data.max_chars=12000000", cache=small_cache, timeout=600,
+                OMP_NUM_THREADS="1")
     line = one_error_line(p)
     assert "the disk is full" in line and "free some disk space" in line, line
     step = int(line.split(" at step ")[1].split(":")[0])
-    assert step < 3000, line  # long before shard 0 (2M tokens, 4096 steps of 512) ran out
+    t = get_recipe("cpu-smoke").train
+    shard_0_steps = SHARD_TOKENS // (t.micro_batch_size * t.seq_len * t.grad_accum_steps)  # 4096
+    assert step < shard_0_steps, line  # before shard 0 ran out, when the old code first noticed

@@ -245,10 +245,12 @@ def atomic_output(dst: str | Path, folder: bool = False, tag: str | int | None =
     when it raises, the temporary is removed and `dst` is as it was."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = fresh_tmp_dir(dst, tag) if folder else tmp_sibling(dst, tag)
-    if not folder:
-        tmp.unlink(missing_ok=True)  # a link planted at the temporary name is not written through
-    try:
+    tmp = tmp_sibling(dst, tag)
+    try:  # made inside the try: a Ctrl-C that lands just after the mkdir still removes it
+        if folder:
+            fresh_tmp_dir(dst, tag)
+        else:
+            tmp.unlink(missing_ok=True)  # a link planted at the temporary name is not written through
         yield tmp
         if folder:
             for p in tmp.iterdir():

@@ -208,28 +208,32 @@ class RunDir:
         again when nothing but the lock was written in it, even when a Ctrl-C or SIGTERM arrives while the
         lock is being taken (it is delivered once the lock is held, so the release always runs)."""
         created = not self.path.exists()
-        self.path.mkdir(parents=True, exist_ok=True)
-        if fcntl is None:
-            yield
-            return
         key = os.path.abspath(self.path)
         fd = None
         try:
             with _signals_deferred():
-                fd = self._take_lock(key)
+                self.path.mkdir(parents=True, exist_ok=True)
+                if fcntl is not None:  # (Windows: no advisory locks; one writer is then the user's care)
+                    fd = self._take_lock(key)
             yield
         finally:
             with _HELD_LOCK:
                 held = _HELD.pop(key, None)
             if fd is not None:
                 os.close(fd)  # releases the lock
-            # (a folder replaced meanwhile is another run's: its .lock is not ours to remove)
-            if (created and held is not None and held == _identity(self.path)
-                    and [p.name for p in self.path.iterdir()] == [LOCK]):
-                # refused before writing anything (bad input): leave no trace of the folder
-                (self.path / LOCK).unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    self.path.rmdir()
+            if created:
+                self._remove_if_unwritten(held)
+
+    def _remove_if_unwritten(self, held: tuple[int, int] | None) -> None:
+        """A folder `lock` made, refused or stopped before anything was written in it (bad input, a Ctrl-C):
+        no trace is left. A folder replaced meanwhile is another run's: its .lock is not ours to remove."""
+        names = [p.name for p in self.path.iterdir()] if self.path.is_dir() else None
+        if held is not None and held == _identity(self.path) and names == [LOCK]:
+            (self.path / LOCK).unlink(missing_ok=True)
+        elif not (held is None and names == []):  # no lock taken: only an empty folder is removed
+            return
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
 
     def _take_lock(self, key: str) -> int:
         """Open .lock, take the kernel's lock on it, write who holds it and record the folder as held:

@@ -27,6 +27,7 @@ from tinygpt.core.files import (
     replace_dir,
     safe_name,
     sha256_file,
+    tmp_sibling,
     try_fsync,
 )
 from tinygpt.core.rundir import CHECKPOINTS, RunDirError
@@ -154,8 +155,9 @@ def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: d
     for p in (src, *(d for d in (src.parent, dst.parent) if d.name == CHECKPOINTS)):
         check_not_link(p)  # a linked checkpoints/ or step folder would copy from or to somewhere else (the
         # mirror's own path is the user's choice: a link there is theirs)
-    tmp = fresh_tmp_dir(dst, tag)
-    try:
+    tmp = tmp_sibling(dst, tag)
+    try:  # made inside the try: a Ctrl-C that lands just after the mkdir still removes it
+        fresh_tmp_dir(dst, tag)
         for name, info in files.items():
             check_not_link(src / name)
             copy_file(src / name, tmp / name)
