@@ -19,7 +19,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from test_install import NOTEBOOKS, install_cell
+from test_install import NOTEBOOKS, build_wheel, install_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 COLAB = ROOT / "constraints" / "colab.txt"
@@ -52,10 +52,7 @@ def notebook_extras() -> list[tuple[str, ...]]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """This checkout as a wheel: its metadata is what pip and Colab see (setup.py as it is now)."""
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, timeout=300)
-    return next(out.glob("tinygpt-*.whl"))
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 def requirements(wheel: Path, extras: tuple[str, ...]) -> list[Requirement]:

@@ -135,7 +135,9 @@ def test_drive_errors_are_retried_with_backoff_and_never_reach_training(tmp_path
             enotconn()
         shutil.copyfile(src, dst)
 
-    m = Mirror(run, mirror, backoff=Backoff(wait=lambda stop, s: sleeps.append(s)), copy_file=flaky_copy)
+    # catch_up=False: the checkpoint made below is handed over once, never also found by the catch-up
+    m = Mirror(run, mirror, backoff=Backoff(wait=lambda stop, s: sleeps.append(s)), copy_file=flaky_copy,
+               catch_up=False)
     m.on_checkpoint(make_ckpt(run, 100), 100)  # the training thread: returns at once, raises nothing
     m.on_checkpoint(run / "nonexistent", "not a step")  # a bad call is only an error in the status
     m.on_log({"loss": 1.0})
@@ -179,7 +181,7 @@ def test_newer_checkpoints_supersede_pending_ones_and_locally_pruned_ones_are_sk
             release.wait(30)  # Drive is slow: step 100 takes a while
         shutil.copyfile(src, dst)
 
-    m = Mirror(run, mirror, keep_last=5, backoff=no_wait(), copy_file=blocking_copy)
+    m = Mirror(run, mirror, keep_last=5, backoff=no_wait(), copy_file=blocking_copy, catch_up=False)
     m.on_checkpoint(make_ckpt(run, 100), 100)
     assert started.wait(30)
     for step in (200, 300, 400):
@@ -305,7 +307,8 @@ def test_kill_9_during_a_copy_leaves_the_mirror_usable(tmp_path):
                 os.kill(os.getpid(), signal.SIGKILL)
             shutil.copyfile(src, dst)
         run = Path({str(old_vm)!r})
-        m = Mirror(run, {str(mirror)!r}, backoff=Backoff(wait=lambda stop, s: None), copy_file=dying_copy)
+        m = Mirror(run, {str(mirror)!r}, backoff=Backoff(wait=lambda stop, s: None), copy_file=dying_copy,
+                   catch_up=False)  # step 100 first, as handed over (the catch-up could take 200 first)
         for step in (100, 200):
             m.on_checkpoint(run / "checkpoints" / f"step_{{step:06d}}", step)
             m.flush()

@@ -590,7 +590,9 @@ def test_mirror_gets_verified_checkpoints_and_the_adapter_and_a_new_vm_resumes_f
     monkeypatch.setattr("tinygpt.finetune.lora.detect_hardware", lambda device: "t4")
     resumed = finetune("lora-r8", str(tiny_run), data, vm, train=MIRROR_TRAIN, progress=False, mirror=drive)
     assert resumed.train.resumed_from == 2 and resumed.train.step == 6 and resumed.hardware == "cpu"
-    assert [s for s, _ in list_checkpoints(drive / "checkpoints")] == [4, 6]  # keep_last 2, as locally
+    on_drive = [s for s, _ in list_checkpoints(drive / "checkpoints")]
+    # the last step, and at most keep_last 2 as locally (step 4 may be superseded by 6 while step 3's best/ copies)
+    assert on_drive[-1] == 6 and len(on_drive) <= 2 and set(on_drive) <= {2, 4, 6}, on_drive
     assert all(verify_checkpoint(p)[0] for _, p in list_checkpoints(drive / "checkpoints"))
     adapter = resumed.mirrored_adapter
     assert adapter == drive / "adapter"

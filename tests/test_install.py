@@ -3,10 +3,12 @@ every notebook, and the pip requirement it builds installs this checkout (built 
 where a Colab user gets it from GitHub) into a fresh environment that then works offline."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,11 +32,20 @@ def test_every_notebook_installs_from_one_source_variable():
         assert template.startswith("tinygpt[notebooks") and template.endswith(" @ {TINYGPT_SOURCE}"), name
 
 
+def build_wheel(out: Path) -> Path:
+    """This checkout as a wheel in `out`. pip builds in the tree (build/, tinygpt.egg-info/), so two builds at
+    once (the two test workers) would write over each other's files: one at a time, by a lock."""
+    from filelock import FileLock  # a dependency of torch
+
+    lock = Path(tempfile.gettempdir()) / f"tinygpt-wheel-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]}.lock"
+    with FileLock(str(lock), timeout=600):
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(out), str(ROOT)], check=True, timeout=300)
+    return next(out.glob("tinygpt-*.whl"))
+
+
 def test_the_install_cell_installs_this_checkout_into_a_fresh_environment(tmp_path):
-    wheel_dir = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheel_dir), str(ROOT)], check=True, timeout=300)
-    wheel = next(wheel_dir.glob("tinygpt-*.whl"))
+    wheel = build_wheel(tmp_path / "dist")
     _, template = install_cell(ROOT / "notebooks" / "01_pretrain.ipynb")
     requirement = template.format(TINYGPT_SOURCE=wheel.as_uri())  # what IPython expands in the %pip line
     venv = tmp_path / "venv"

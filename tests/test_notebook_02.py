@@ -80,7 +80,8 @@ def test_notebook_finetunes_mirrors_to_drive_and_resumes_on_a_new_vm(tmp_path, s
     assert "training: 100%" in out["train"] and "training:   0%" not in out["train"], out["train"][:600]
     assert (tmp_path / "content" / "runs" / "my-first-finetune" / "plots" / "loss.png").is_file()
     assert out["generations"].count("--- before (the base) ---") == 3
-    assert [s for s, _ in list_checkpoints(mirror / "checkpoints")] == [3, 6]
+    on_drive = [s for s, _ in list_checkpoints(mirror / "checkpoints")]
+    assert on_drive[-1] == 6 and set(on_drive) <= {3, 6}, on_drive  # step 3 may be superseded by 6 while it waits
     assert all(verify_checkpoint(p)[0] for _, p in list_checkpoints(mirror / "checkpoints"))
     for name, info in read_manifest(mirror / "adapter")["files"].items():
         assert sha256_file(mirror / "adapter" / name) == info["sha256"]

@@ -204,6 +204,34 @@ def test_a_local_key_file_others_could_write_or_from_a_colab_secret(tmp_path, mo
     assert signing_key() == (k_a, None) and k_a is not None and not (tmp_path / "another-vm").exists()
 
 
+def _key_after(barrier, out) -> None:
+    from tinygpt.train.compile_cache import signing_key
+    barrier.wait()
+    key, note = signing_key()
+    out.put((key.hex() if key else None, note))
+
+
+def test_runs_starting_at_once_on_a_fresh_machine_share_one_whole_key(tmp_path, monkeypatch):
+    """Eight processes ask for the key at the same moment, none made yet: one key file is made, whole,
+    and every process signs with it (before: the others were refused, or read a key file half written)."""
+    import multiprocessing
+
+    monkeypatch.delenv("TINYGPT_COMPILE_KEY", raising=False)
+    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "tg"))
+    ctx = multiprocessing.get_context("fork")
+    barrier, out = ctx.Barrier(8), ctx.Queue()
+    procs = [ctx.Process(target=_key_after, args=(barrier, out)) for _ in range(8)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(60)
+    from tinygpt.train.compile_cache import KEY_FILE
+    assert {note for _, note in got} == {None}, got
+    assert {key for key, _ in got} == {(tmp_path / "tg" / KEY_FILE).read_bytes().hex()}
+    assert sorted(p.name for p in (tmp_path / "tg").iterdir()) == [KEY_FILE]  # no temporary left
+
+
 # ---- 3. names from a mirror's manifests ----------------------------------------------------------
 
 def test_a_mirror_manifest_that_climbs_out_or_lies_about_its_step_is_skipped(mirrored, tmp_path, data):

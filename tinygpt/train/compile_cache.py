@@ -48,6 +48,29 @@ def _colab_secret() -> str | None:
         return None
 
 
+def _new_key_file(path: Path) -> bytes | None:
+    """A new key, written whole to a private temporary and then linked to `path`, so that no process
+    ever reads a key file half written (two runs starting at once on a fresh machine); None when
+    another process linked its key first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_bytes(32)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        os.link(tmp, path)
+    except FileExistsError:
+        return None
+    except OSError:  # a file system without hard links: made in place, alone (O_EXCL) though not whole at once
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+    finally:
+        os.unlink(tmp)
+    return key
+
+
 def signing_key() -> tuple[bytes | None, str | None]:
     """(this user's key, a note). The key is derived from $TINYGPT_COMPILE_KEY or Colab's secret of
     that name, else read from (or first made in) the local key file; never from a mirror. (None, why)
@@ -60,14 +83,12 @@ def signing_key() -> tuple[bytes | None, str | None]:
         st = os.lstat(path)
     except FileNotFoundError:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            key = secrets.token_bytes(32)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(key)
-            return key, None
+            key = _new_key_file(path)
         except OSError as e:
             return None, f"the compile cache is off: no key file could be made at {path} ({e})"
+        if key is not None:
+            return key, None
+        st = os.lstat(path)  # another process made it first: its key, checked as any other
     except OSError as e:
         return None, f"the compile cache is off: its key file {path} is unreadable ({e})"
     why = None
