@@ -173,3 +173,40 @@ def test_compile_is_an_option_that_reaches_the_run(tmp_path, capsys):
     assert main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run), "--max-steps", "2", "--quiet",
                  "--device", "cpu", "--compile", "off"]) == 0
     assert json.loads((run / "run.json").read_text())["recipe"]["train"]["compile"] == "off"
+
+
+def test_a_signal_that_comes_while_a_failed_run_closes_does_not_hide_the_failure(tmp_path, monkeypatch, capsys):
+    """Under torchrun, once one rank dies the others fail ("lost its peers") and torchrun then sends them
+    SIGTERM, which may land while the failure unwinds through the callbacks' close: the failure is what
+    the command says (exit 2), not "interrupted"; a Ctrl-C on its own is still an interruption (130)."""
+    from tinygpt.core.callback import Callback
+    from tinygpt.train import pretrain as real
+    from tinygpt.train.trainer import TrainingError
+
+    class PeersLost(Callback):
+        def on_step(self, trainer):
+            if trainer.step == 2:
+                raise TrainingError("process 0 of 2 lost its peers at step 2")
+
+        def close(self):
+            if signal_on_close:
+                raise KeyboardInterrupt  # the SIGTERM, through cli's handler
+
+    def pretrain_failing(recipe, options):
+        options.callbacks = [*options.callbacks, PeersLost()]
+        return real.pretrain(recipe, options=options)
+
+    monkeypatch.setattr("tinygpt.cli.pretrain", pretrain_failing)
+    argv = ["pretrain", "--recipe", "cpu-smoke", "--device", "cpu", "--quiet", "--max-steps", "4", "--probe", "off"]
+    signal_on_close = True
+    assert main([*argv, "--run-dir", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "lost its peers at step 2" in err and "interrupted" not in err, err
+    signal_on_close = False
+
+    def interrupted(recipe, options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("tinygpt.cli.pretrain", interrupted)
+    assert main([*argv, "--run-dir", str(tmp_path / "b")]) == 130
+    assert "interrupted" in capsys.readouterr().err

@@ -39,6 +39,7 @@ from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.init import default_recipe, pretrain_recipe
 from tinygpt.train.pretrain import PretrainOptions, pretrain
 from tinygpt.train.probe import ProbeOptions, probe_report
+from tinygpt.train.trainer import TrainingError
 
 
 def _probe(args) -> int:
@@ -266,17 +267,26 @@ def main(argv: list[str] | None = None) -> int:
     old_term = _sigterm_raises()
     try:
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as k:
+        if isinstance(k.__context__, TrainingError):
+            # the run had already failed when the signal came (torchrun stops every rank once one has died):
+            # the failure is the reason to tell, not the signal
+            return _error(args, k.__context__)
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if args.debug:
-            raise
-        print(f"tinygpt {args.command}: error: {one_line(e)} (--debug shows the traceback)", file=sys.stderr)
-        return 2
+        return _error(args, e)
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _error(args: argparse.Namespace, e: Exception) -> int:
+    """A command's failure as one line (the traceback with --debug)."""
+    if args.debug:
+        raise e
+    print(f"tinygpt {args.command}: error: {one_line(e)} (--debug shows the traceback)", file=sys.stderr)
+    return 2
 
 
 def _interrupt(signum, frame):
