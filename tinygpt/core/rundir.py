@@ -115,14 +115,15 @@ def _signals_deferred() -> Iterator[None]:
         yield
         return
     arrived: list[int] = []
-    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # all restored, however it ends
+    # all restored, however it ends; a handler set outside Python (getsignal: None) is left alone
+    kept = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not None}
     try:
         for s in kept:
             signal.signal(s, lambda signum, frame: arrived.append(signum))
         yield
     finally:
         for s, handler in kept.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+            signal.signal(s, handler)
         for s in dict.fromkeys(arrived):
             signal.raise_signal(s)
 
