@@ -363,7 +363,10 @@ def test_sigterm_during_export_leaves_no_temporary_folder(small_run, tmp_path, c
     for attempt in range(10):
         out = tmp_path / f"hf{attempt}"
         proc = spawn("export", str(small_run), str(out), cache=cache)
-        if _sigterm_when(proc, lambda: any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())):
+        signalled = _sigterm_when(proc, lambda: any(p.name.startswith(".tmp-") for p in tmp_path.iterdir()))
+        # (a signal sent once the export was already renamed into place, on a loaded machine, comes too late to
+        # interrupt anything: that try counts as finished first)
+        if signalled and not (proc.returncode in (0, -signal.SIGTERM) and (out / "config.json").is_file()):
             break
     else:
         pytest.skip("the export always finished before a SIGTERM could reach it")
