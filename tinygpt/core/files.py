@@ -228,14 +228,13 @@ def clean_leftovers(folder: str | Path, keep_tag: str | int | None = None) -> No
             p.unlink(missing_ok=True)
 
 
-def fresh_tmp_dir(dst: str | Path, tag: str | int | None = None) -> Path:
-    """An empty temporary folder beside `dst`, to be filled and then handed to `replace_dir`."""
-    tmp = tmp_sibling(dst, tag)
+def fresh_tmp_dir(tmp: Path) -> None:
+    """Make `tmp` (a `tmp_sibling`) an empty folder, to be filled and then handed to `replace_dir`: a link or
+    a leftover of an earlier try at that name is removed first."""
     if tmp.is_symlink():
         tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    return tmp
 
 
 @contextlib.contextmanager
@@ -248,7 +247,7 @@ def atomic_output(dst: str | Path, folder: bool = False, tag: str | int | None =
     tmp = tmp_sibling(dst, tag)
     try:  # made inside the try: a Ctrl-C that lands just after the mkdir still removes it
         if folder:
-            fresh_tmp_dir(dst, tag)
+            fresh_tmp_dir(tmp)
         else:
             tmp.unlink(missing_ok=True)  # a link planted at the temporary name is not written through
         yield tmp

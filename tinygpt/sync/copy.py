@@ -157,7 +157,7 @@ def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: d
         # mirror's own path is the user's choice: a link there is theirs)
     tmp = tmp_sibling(dst, tag)
     try:  # made inside the try: a Ctrl-C that lands just after the mkdir still removes it
-        fresh_tmp_dir(dst, tag)
+        fresh_tmp_dir(tmp)
         for name, info in files.items():
             check_not_link(src / name)
             copy_file(src / name, tmp / name)
