@@ -42,6 +42,7 @@ CHROME_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-ba
                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
                 "--window-size=1100,2400", "--hide-scrollbars"]
 CELL_TIMEOUT_S = 300
+STARTUP_S = 180  # the server, a kernel: seconds on a loaded 2-core machine (CI's other worker trains meanwhile)
 
 
 def missing_browser() -> str | None:
@@ -98,7 +99,13 @@ def run_in_browser(env: dict[str, str], out: Path, notebooks: list[str] | None =
     if "02_finetune.ipynb" in (notebooks or ALL):
         showcase_base(env)
     cmd = [str(browser_python()), str(Path(__file__).resolve()), "--inside", "--out", str(out)]
-    subprocess.run(cmd + (["--notebooks", *notebooks] if notebooks else []), env=env, check=True, timeout=1800)
+    log = out / "inside.log"
+    with open(log, "wb") as f:
+        p = subprocess.run(cmd + (["--notebooks", *notebooks] if notebooks else []), env=env, timeout=1800,
+                           stdout=f, stderr=subprocess.STDOUT)
+    if p.returncode != 0:  # the run's own last words in the failure (pytest repeats a module fixture's error)
+        raise RuntimeError(f"the browser run failed (exit {p.returncode}); the end of {log}:\n"
+                           + log.read_text(errors="replace")[-4000:])
     return json.loads((out / "observations.json").read_text())
 
 
@@ -112,7 +119,8 @@ class Notebook:
         self.ids = [c.get("id") for c in json.loads(path.read_text())["cells"]]
         driver.get(url)
         self.wait("return !!(window.Jupyter && Jupyter.notebook && Jupyter.notebook._fully_loaded"
-                  " && Jupyter.notebook.kernel && Jupyter.notebook.kernel.is_connected())", 60, "the kernel to start")
+                  " && Jupyter.notebook.kernel && Jupyter.notebook.kernel.is_connected())", STARTUP_S,
+                  "the kernel to start")
         self.js("Jupyter.notebook.set_autosave_interval(0)")  # never write outputs into the copy
 
     def js(self, script: str, *args):
@@ -199,7 +207,7 @@ def start_server(folder: Path, work: Path) -> tuple[subprocess.Popen, str]:
                                f"--NotebookApp.token={token}", f"--notebook-dir={folder}"],
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 60
+    end = time.monotonic() + STARTUP_S
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -211,17 +219,26 @@ def start_server(folder: Path, work: Path) -> tuple[subprocess.Popen, str]:
 
 
 def chromium(work: Path):
+    """The browser, started once more if the first start fails: on a loaded machine Chromium can miss
+    chromedriver's start-up deadline ("session not created"), which says nothing about the notebooks."""
     from selenium import webdriver
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.chrome.service import Service
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in CHROME_FLAGS + [f"--user-data-dir={work / 'chromium-profile'}"]:
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console, kept for a failure
-    return webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    for attempt in (1, 2):
+        options = webdriver.ChromeOptions()
+        options.binary_location = str(CHROMIUM)
+        for flag in CHROME_FLAGS + [f"--user-data-dir={work / f'chromium-profile-{attempt}'}"]:
+            options.add_argument(flag)
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console, kept for a failure
+        try:
+            return webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+        except WebDriverException as e:
+            if attempt == 2:
+                raise
+            print(f"Chromium did not start ({str(e).splitlines()[0][:200]}); starting it again", flush=True)
 
 
-def dropdown(nb: Notebook, cell_id: str, wait_s: float = 60.0):
+def dropdown(nb: Notebook, cell_id: str, wait_s: float = 180.0):
     """The cell's dropdown, once the front end has drawn it (after its cell ran: later on a busy machine)."""
     deadline = time.monotonic() + wait_s
     while not (found := nb.output(cell_id).find_elements("css selector", ".widget-dropdown select")):
