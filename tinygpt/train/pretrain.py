@@ -46,7 +46,7 @@ from tinygpt.train.callbacks import (
     sample_prompt,
 )
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
-from tinygpt.train.data import check_source, iter_documents, resolve_source
+from tinygpt.train.data import check_source, iter_documents
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
 from tinygpt.train.hardware import check_device, check_fits, gpu_peak_tflops
 from tinygpt.train.init import INIT_TOKENIZER, Base, check_init, initial_model, starting_base
@@ -176,26 +176,27 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
     recipe = opts.apply(get_recipe(recipe) if isinstance(recipe, str) else recipe)
     with joined(recipe.train.device, opts.parallel) as (dev, ranks):
         clock = StartupClock()
-        check_recipe(recipe, opts, dev, ranks)
-        return train_run(recipe, opts, dev, ranks, clock)
+        token_ids = check_recipe(recipe, opts, dev, ranks)
+        return train_run(recipe, opts, dev, ranks, clock, token_ids)
 
 
-def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks) -> None:
+def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks) -> bool:
     """What can be checked before any work, before a byte is copied from the mirror: the data source, a base's
     tokenizer named, the parallel mode (and samples under FSDP), the device, and that the model fits its
-    memory."""
-    kind = check_source(recipe.data.source)  # an unknown or unreachable source fails here, before any work
-    check_init(recipe, token_ids=kind == "tokens")
+    memory. Returns whether the source holds token ids (nothing to tokenize), as resolved here."""
+    token_ids = check_source(recipe.data.source) == "tokens"  # an unknown or unreachable source fails here
+    check_init(recipe, token_ids)
     check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size, sample_every=recipe.train.sample_every)
     check_device(dev)
     t = recipe.train
     # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
     check_fits(recipe.model, 1 if dev.type == "cuda" else t.micro_batch_size, t.seq_len,
                choose_precision(dev, t.precision).name, dev, t.loss, what=f"recipe {recipe.name}")
+    return token_ids
 
 
-def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks,
-              clock: StartupClock) -> TrainResult:
+def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks, clock: StartupClock,
+              token_ids: bool) -> TrainResult:
     """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves nothing
     behind), restored from the mirror, planned, and prepared by rank 0 first (the other ranks then find
     run.json, tokenizer and token cache made); then training. The restore comes before the plan: on a new
@@ -215,7 +216,7 @@ def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: R
             mirror = held.enter_context(mirrored(opts.run_dir, opts.mirror if ranks.is_main else None,
                                                  recipe.identity()))
             clock.mark("restore")
-            plan = plan_run(recipe, opts, dev, ranks, clock)
+            plan = plan_run(recipe, opts, dev, ranks, clock, token_ids)
             data = held.enter_context(prepare_run(plan, opts))
         return train(plan, opts, data, mirror)
 
@@ -241,7 +242,8 @@ class Plan:
         return replace(self.recipe.train, device=str(self.device))
 
 
-def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks, clock: StartupClock) -> Plan:
+def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks, clock: StartupClock,
+             token_ids: bool) -> Plan:
     """Read a continued run's base (at its first start: another network is refused here, before any work),
     let the probe fit the recipe to the GPU (a resumed run keeps the choices it began with), then split the
     global batch over the ranks and settle the precision."""
@@ -251,7 +253,6 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
         recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, ranks.world_size)
     clock.mark("probe")
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, ranks.world_size)
-    token_ids = resolve_source(recipe.data.source)[0] == "tokens"
     precision = choose_precision(dev, recipe.train.precision)
     return Plan(recipe, dev, precision, ranks, probe_info, token_ids, base, clock)
 

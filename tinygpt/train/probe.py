@@ -307,7 +307,7 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-")
 
 
-def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precision: str | None = None,
+def probe(recipe: Recipe, device: str | torch.device = "auto", *, precision: str | None = None,
           memory_limit_gb: float | None = None, margin: float = 0.1,
           measure: Callable[[int, int, bool], float] | None = None, max_micro_batch: int | None = None,
           min_seq_len: int = 128, time_limit_s: float | None = PROBE_TIME_LIMIT_S,
@@ -325,7 +325,6 @@ def probe(recipe: Recipe | str, device: str | torch.device = "auto", *, precisio
     step, compiled where it compiles) picks the fastest; None keeps the largest. A candidate whose timing
     runs out of memory (in any of its forms: `is_allocation_failure`) is dropped with a note. After
     `time_limit_s` (None: no limit) the search and the timings stop and the best found so far is taken."""
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     dev = resolve_device(str(device))
     requested, prec_note = requested_precision(recipe, dev.type, native_bf16(dev))
     prec = choose_precision(dev, precision or requested)
