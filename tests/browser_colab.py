@@ -103,9 +103,11 @@ def run_in_browser(env: dict[str, str], out: Path, notebooks: list[str] | None =
     with open(log, "wb") as f:
         p = subprocess.run(cmd + (["--notebooks", *notebooks] if notebooks else []), env=env, timeout=1800,
                            stdout=f, stderr=subprocess.STDOUT)
-    if p.returncode != 0:  # the run's own last words in the failure (pytest repeats a module fixture's error)
-        raise RuntimeError(f"the browser run failed (exit {p.returncode}); the end of {log}:\n"
-                           + log.read_text(errors="replace")[-4000:])
+    if p.returncode != 0:  # the run's own last words in the failure (pytest repeats a module fixture's error),
+        said = log.read_text(errors="replace")  # its last line first: pytest's one-line summary shows it
+        last = next((line for line in reversed(said.splitlines()) if line.strip()), "")
+        raise RuntimeError(f"the browser run failed (exit {p.returncode}): {last[:300]}\nthe end of {log}:\n"
+                           + said[-4000:])
     return json.loads((out / "observations.json").read_text())
 
 
