@@ -295,6 +295,33 @@ def test_a_failed_first_try_leaves_nothing_and_the_fixed_one_trains_its_own_toke
     assert Tokenizer.load(run / "tokenizer.json").vocab_size == 512  # not the 257 of the 1-character corpus
 
 
+def test_a_failed_write_of_run_json_stops_the_tokenizing_process(tmp_path, monkeypatch):
+    """run.json is written once the tokens are open, and on rank 0 the background process is tokenizing by
+    then: a write that fails there (a full disk, a replaced folder, a Ctrl-C) stops it too, instead of
+    leaving it tokenizing on in the notebook's kernel after the run has failed."""
+    import errno
+
+    import tinygpt.train.tokens as tokens_module
+    real, streams = tokens_module.stream_token_cache, []
+
+    def recording(*args, **kw):  # the real stream, kept to look at its process afterwards
+        streams.append(real(*args, **kw))
+        return streams[-1]
+
+    monkeypatch.setattr(tokens_module, "stream_token_cache", recording)
+
+    def full_disk(self, info):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path / "run.json"))
+
+    monkeypatch.setattr(RunDir, "write_info", full_disk)
+    # thousands of steps: the process has shards to write for several seconds (it was found still running)
+    with pytest.raises(OSError, match="No space left"):
+        pretrain("cpu-smoke", tmp_path / "r", cache_dir=tmp_path / "tokens", max_steps=6000, progress=False,
+                 device="cpu")
+    assert len(streams) == 1 and streams[0].writer.process.poll() is not None
+    assert not (tmp_path / "r").exists()  # a failed first try leaves nothing
+
+
 def test_a_failed_first_finetuning_try_leaves_no_base_and_the_fixed_one_runs(small_run, tmp_path, shared_data):
     from tinygpt.finetune.lora import finetune
     bad = tmp_path / "bad.json"

@@ -217,7 +217,10 @@ def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: R
                                                  recipe.identity()))
             clock.mark("restore")
             plan = plan_run(recipe, opts, dev, ranks, clock, token_ids)
+            # held before anything else can fail: a failed write below still stops the tokenizing process
             data = held.enter_context(prepare_run(plan, opts))
+            if ranks.is_main:
+                _write_run_files(opts.run_dir, plan, data.tokenizer, data.meta)
         return train(plan, opts, data, mirror)
 
 
@@ -258,17 +261,14 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
 
 
 def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
-    """Check the run folder, get the tokenizer, open the tokens, write run.json (the checks and writes on
-    rank 0 alone)."""
+    """Check the run folder (on rank 0), get the tokenizer, open the tokens (on rank 0, a background process
+    starts tokenizing: the caller closes what this returns)."""
     if plan.is_main:
         check_run_dir(opts.run_dir, plan.recipe, opts.resume)
     tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.token_ids, plan.base)
     plan.clock.mark("tokenizer")
-    data = open_tokens(plan.recipe, tokenizer, plan.token_ids, writer=plan.is_main, cache_dir=opts.cache_dir,
+    return open_tokens(plan.recipe, tokenizer, plan.token_ids, writer=plan.is_main, cache_dir=opts.cache_dir,
                        mirror=opts.mirror)
-    if plan.is_main:
-        _write_run_files(opts.run_dir, plan, tokenizer, data.meta)
-    return data
 
 
 def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -> TrainResult:
