@@ -19,7 +19,7 @@ import pytest
 
 from tinygpt.cli import main
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.callback import Callback, closing
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import get_recipe
 from tinygpt.core.files import TMP_PREFIX, atomic_output
 from tinygpt.core.rundir import LOCK, RunDir, RunDirError, RunDirReplaced
@@ -27,6 +27,7 @@ from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.sync.copy import copy_checkpoint
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.shards import SHARD_TOKENS
+from tinygpt.train.trainer import closing
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(max_steps=4, save_every=2, eval_every=2, progress=False, device="cpu")

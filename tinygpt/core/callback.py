@@ -8,10 +8,8 @@ It lives in core because the mirror (tinygpt.sync) and the notebooks' plots are 
 """
 from __future__ import annotations
 
-import contextlib
-import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 
 class Callback:
@@ -44,27 +42,3 @@ class Callback:
 
     def close(self) -> None:
         """Training is over (finished, interrupted or failed)."""
-
-
-@contextlib.contextmanager
-def closing(callbacks: Iterable[Callback]) -> Iterator[None]:
-    """Close every callback when the block ends, each even when one before it fails. When the block
-    raised, a callback's failing close is only a warning: it must not hide the error that ended the
-    run (a TensorBoard writer whose folder was deleted would otherwise replace the one-line reason)."""
-    try:
-        yield
-    except BaseException:
-        for cb in callbacks:
-            try:
-                cb.close()
-            except Exception as e:  # noqa: BLE001 - the first error is the one to tell
-                warnings.warn(f"{type(cb).__name__} could not close: {type(e).__name__}: {e}", stacklevel=3)
-        raise
-    first: Exception | None = None
-    for cb in callbacks:
-        try:
-            cb.close()
-        except Exception as e:  # noqa: BLE001 - close the rest, then raise the first
-            first = first or e
-    if first is not None:
-        raise first

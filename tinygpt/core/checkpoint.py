@@ -30,7 +30,7 @@ from tinygpt.core.files import (
     write_json_atomic,
 )
 from tinygpt.core.options import option
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.rundir import BEST, RunDir
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -242,7 +242,7 @@ class RunCheckpoint:
 def find_run_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
     """The checkpoint folder of a run: "latest" (newest valid step), "best", or a folder path."""
     run_dir = Path(run_dir)
-    if which not in ("latest", "best"):
+    if which not in ("latest", BEST):  # the selector names the folder it picks
         p = Path(which)
         if not p.is_absolute() and not p.exists():  # relative to the run folder, unless it exists as given
             p = run_dir / which
@@ -250,7 +250,7 @@ def find_run_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
         if not ok:
             raise CheckpointError(f"checkpoint {p} is not valid: {why}")
         return p
-    if which == "best" and verify_checkpoint(RunDir(run_dir).best)[0]:
+    if which == BEST and verify_checkpoint(RunDir(run_dir).best)[0]:
         return RunDir(run_dir).best
     p = latest_valid(RunDir(run_dir).checkpoints)
     if p is None:

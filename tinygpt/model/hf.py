@@ -210,14 +210,14 @@ def gpt_from_state(config: ModelConfig, sd: dict[str, torch.Tensor], device: str
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
+    # the RoPE tables are buffers, not weights (no state dict holds them): to_empty left them unset
+    model.rope_cos, model.rope_sin = rope_tables(config, device=device)
     try:
         load_model_state(model, sd)
     except CheckpointError as e:
         raise ValueError(f"the weights do not fit {what}: {e}") from e
     if config.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    cos, sin = rope_tables(config, device=device)
-    model.rope_cos, model.rope_sin = cos, sin  # buffers were on meta; rebuild from the config
     return model
 
 

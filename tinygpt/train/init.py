@@ -204,13 +204,15 @@ def initial_model(model: ModelConfig, base: Base | None = None) -> GPT:
     then loads the run's checkpoint over it when it resumes)."""
     if base is None:
         return GPT(model)
-    return gpt_from_state(model, base_weights(base), "cpu", f"the model of {base.spec}").train()
+    weights = base_weights(base)
+    return gpt_from_state(model, weights, "cpu", f"the model of {base.spec}").train()
 
 
 def base_weights(base: Base) -> dict:
     """The base's state dict: a run's newest valid checkpoint, or a Hugging Face model's safetensors (from the Hub
     they are downloaded now, once, into its cache)."""
     if base.kind == "run":
-        return load_checkpoint(latest_valid(RunDir(base.path).checkpoints), with_state=False)[0]
+        newest = latest_valid(RunDir(base.path).checkpoints)
+        return load_checkpoint(newest, with_state=False)[0]
     folder = hub_model_folder(base.spec) if base.kind == "hub" else base.path
     return {k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")}

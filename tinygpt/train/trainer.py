@@ -22,17 +22,17 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 import torch
 
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.callback import Callback, closing
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import TrainConfig, config_differences
 from tinygpt.core.files import clean_leftovers
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.rundir import BEST, RunDir
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import decay_start, expected_final_loss
@@ -234,6 +234,30 @@ class StopOnSignal(Callback):
         self._old = {}
 
 
+@contextlib.contextmanager
+def closing(callbacks: Iterable[Callback]) -> Iterator[None]:
+    """Close every callback when the block ends, each even when one before it fails. When the block
+    raised, a callback's failing close is only a warning: it must not hide the error that ended the
+    run (a TensorBoard writer whose folder was deleted would otherwise replace the one-line reason)."""
+    try:
+        yield
+    except BaseException:
+        for cb in callbacks:
+            try:
+                cb.close()
+            except Exception as e:  # noqa: BLE001 - the first error is the one to tell
+                warnings.warn(f"{type(cb).__name__} could not close: {type(e).__name__}: {e}", stacklevel=3)
+        raise
+    first: Exception | None = None
+    for cb in callbacks:
+        try:
+            cb.close()
+        except Exception as e:  # noqa: BLE001 - close the rest, then raise the first
+            first = first or e
+    if first is not None:
+        raise first
+
+
 class Throughput:
     """Tokens per second over the steps since the last log (the first step, with its compile, not counted)."""
 
@@ -254,7 +278,7 @@ class Trainer(TrainStep):
     Checkpoints go to ``run_dir/checkpoints/step_XXXXXX`` (and ``run_dir/best``), metrics to
     metrics.jsonl. Everything beside the loop (progress, start-up record, time budget, mirror, plots)
     is a `Callback` in `callbacks`; the Trainer's own `StopOnSignal` comes first. `fit` closes every
-    callback when it ends, however it ends, in that order (`core.callback.closing`).
+    callback when it ends, however it ends, in that order (`closing`).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, data: TrainData, run_dir: str | Path, *,
@@ -422,7 +446,7 @@ class Trainer(TrainStep):
         path = RunDir(self.run_dir).best if best else self.ckpt_root / ckpt.step_name(self.step)
         try:
             ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
-                                 {"kind": "best" if best else "step", "val_loss": self.best_val_loss})
+                                 {"kind": BEST if best else "step", "val_loss": self.best_val_loss})
         except Exception as e:  # torch.save and safetensors report a full disk as their own errors, not OSError
             # a full disk or a lost mount: the half-written folder is gone already (atomic_output)
             raise self._write_failed(f"checkpoint {path}", e) from e
