@@ -210,7 +210,7 @@ def gpt_from_state(config: ModelConfig, sd: dict[str, torch.Tensor], device: str
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
-    # the RoPE tables are buffers, not weights (no state dict holds them): to_empty left them unset
+    # the RoPE tables are buffers that no state dict holds: to_empty left them as uninitialised memory
     model.rope_cos, model.rope_sin = rope_tables(config, device=device)
     try:
         load_model_state(model, sd)
