@@ -169,6 +169,15 @@ def _log(run: Path) -> list[tuple]:
             map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "startup" not in m]
 
 
+def _last_logged_step(run: Path) -> int:
+    """The step of the last whole line of metrics.jsonl while the run writes it (a line may be half
+    written when it is read, or the file not made yet): 0 before the first."""
+    path = run / "metrics.jsonl"
+    text = path.read_text() if path.is_file() else ""
+    whole = text[:text.rfind("\n") + 1].splitlines()
+    return max((m["step"] for m in map(json.loads, whole) if "startup" not in m), default=0)
+
+
 def test_hub_base_resumes_bit_exact_after_kill_9_without_reading_the_base_again(base, shared_data, tmp_path):
     _hub_cache(base, tmp_path / "hub")
     data = shared_data / "tinyshakespeare.txt"
@@ -182,8 +191,7 @@ def test_hub_base_resumes_bit_exact_after_kill_9_without_reading_the_base_again(
     run = tmp_path / "run"
     p = _cli(run, data, tmp_path, "--init", "hf:test-org/smollm2-tiny")
     t0 = time.time()
-    while not any(s >= 8 for s, _ in ckpt.list_checkpoints(run / "checkpoints")) or \
-            not (run / "metrics.jsonl").is_file() or _log(run)[-1][0] < 9:
+    while not any(s >= 8 for s, _ in ckpt.list_checkpoints(run / "checkpoints")) or _last_logged_step(run) < 9:
         assert p.poll() is None and time.time() - t0 < 300, p.stdout.read().decode()
         time.sleep(0.005)
     p.send_signal(signal.SIGKILL)
