@@ -232,6 +232,32 @@ def test_runs_starting_at_once_on_a_fresh_machine_share_one_whole_key(tmp_path, 
     assert sorted(p.name for p in (tmp_path / "tg").iterdir()) == [KEY_FILE]  # no temporary left
 
 
+
+_FULL_DISK = """
+import resource, signal
+from tinygpt.train.compile_cache import signing_key
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))  # room for half a key: the disk fills mid-write
+print(signing_key()[1])
+"""
+
+
+def test_a_key_file_the_disk_cannot_hold_leaves_nothing_that_refuses_the_next_run(tmp_path, monkeypatch):
+    """The first key is written on a disk that fills after 16 bytes (a real write, cut by the kernel's file
+    size limit): the cache is off for that run in one line, and no file is left, so the next run makes a whole
+    key (before: a 16-byte key file was left, refused by every later run until the user deleted it)."""
+    from tinygpt.train.compile_cache import KEY_FILE, signing_key
+
+    monkeypatch.delenv("TINYGPT_COMPILE_KEY", raising=False)
+    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "tg"))
+    run = subprocess.run([sys.executable, "-c", _FULL_DISK], env=dict(os.environ), cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "the compile cache is off: no key file could be made" in run.stdout, run.stdout
+    assert list((tmp_path / "tg").iterdir()) == []
+    key, note = signing_key()
+    assert note is None and key == (tmp_path / "tg" / KEY_FILE).read_bytes() and len(key) == 32
+
 # ---- 3. names from a mirror's manifests ----------------------------------------------------------
 
 def test_a_mirror_manifest_that_climbs_out_or_lies_about_its_step_is_skipped(mirrored, tmp_path, data):

@@ -51,24 +51,35 @@ def _colab_secret() -> str | None:
 def _new_key_file(path: Path) -> bytes | None:
     """A new key, written whole to a private temporary and then linked to `path`, so that no process
     ever reads a key file half written (two runs starting at once on a fresh machine); None when
-    another process linked its key first."""
+    another process made its key first. A failed write leaves no file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_bytes(32)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        _write_private(tmp, key)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return None
+        except OSError:  # a file system without hard links: made in place, alone (O_EXCL) though not whole at once
+            try:
+                _write_private(path, key)
+            except FileExistsError:
+                return None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return key
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """`data` in a new file only this user may read (never through a link); removed again if the write fails."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(key)
-        os.link(tmp, path)
-    except FileExistsError:
-        return None
-    except OSError:  # a file system without hard links: made in place, alone (O_EXCL) though not whole at once
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key)
-    finally:
-        os.unlink(tmp)
-    return key
+            f.write(data)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def signing_key() -> tuple[bytes | None, str | None]:
