@@ -239,17 +239,48 @@ def test_a_compile_cache_from_someone_else_or_another_setup_is_ignored(tmp_path)
     assert "unreadable" in mine.load()
 
 
-def test_a_folder_of_llmc_shards_trains_without_tokenizing(tmp_path):
-    tok = load_gpt2()
-    ids = tok.encode((Path(os.__file__).parent / "argparse.py").read_text())
-    folder = tmp_path / "fineweb"
+def _llmc_folder(folder: Path) -> Path:
+    """llm.c shards of real GPT-2 ids (argparse.py): one for validation, two to train on."""
+    ids = load_gpt2().encode((Path(os.__file__).parent / "argparse.py").read_text())
     folder.mkdir()
     write_llmc_shard(folder / "fineweb_val_000000.bin", ids[:4000])
     write_llmc_shard(folder / "fineweb_train_000001.bin", ids[4000:16000])
     write_llmc_shard(folder / "fineweb_train_000002.bin", ids[16000:])
+    return folder
+
+
+def test_a_tokenizer_that_cannot_read_the_source_is_refused_before_the_probe(tmp_path, monkeypatch):
+    """Token ids with a tokenizer to train, or a base's: refused with the recipe's checks, before the mirror is
+    read and the probe runs (on a GPU a minute of trials, for a run that then fails); a GPT-2 tokenizer too
+    large for the model, or a base's tokenizer with no base, is refused by the recipe itself."""
+    import tinygpt.train.pretrain as pretrain_mod
+    from tinygpt.core.config import get_recipe
+    folder = _llmc_folder(tmp_path / "fineweb")
+    probed = []
+    monkeypatch.setattr(pretrain_mod, "fit_to_device", lambda *a, **k: probed.append(a) or (a[0], None))
+    kw = dict(max_steps=3, progress=False, device="cpu", cache_dir=tmp_path / "cache", mirror=tmp_path / "drive")
+    for tokenizer, init, said in (("train", None, "no tokenizer can be trained on it"),
+                                  ("init", "hf:HuggingFaceTB/SmolLM2-135M", "not the base's")):
+        recipe = get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": tokenizer},
+                                                 model={"init": init})
+        with pytest.raises(ConfigError, match=said) as e:
+            pretrain(recipe, tmp_path / "bad", **kw)
+        assert "\n" not in str(e.value)
+    assert probed == [] and not (tmp_path / "bad").exists() and not (tmp_path / "drive").exists()
+    with pytest.raises(ConfigError, match="has 50257 tokens but the model's vocab_size is 512: add "
+                                          "model.vocab_size=50304"):
+        get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": "gpt2"})
+    with pytest.raises(ConfigError, match="data.tokenizer=init takes the tokenizer of the base, but model.init"):
+        get_recipe("cpu-smoke").replace(data={"tokenizer": "init"})
+    # the same recipe, told its tokenizer, trains: the probe's place in the run is reached
+    pretrain(get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": "gpt2"},
+                                             model={"vocab_size": 50304}), tmp_path / "good", **kw)
+    assert len(probed) == 1
+
+
+def test_a_folder_of_llmc_shards_trains_without_tokenizing(tmp_path):
+    folder = _llmc_folder(tmp_path / "fineweb")
     kw = dict(max_steps=3, save_every=3, eval_every=3, progress=False, device="cpu", cache_dir=tmp_path / "cache")
-    with pytest.raises(ConfigError, match="data.tokenizer=gpt2"):
-        pretrain("cpu-smoke", tmp_path / "bad", data=str(folder), **kw)
     from tinygpt.core.config import get_recipe
     recipe = get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": "gpt2"},
                                              model={"vocab_size": 50304})

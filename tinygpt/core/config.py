@@ -49,6 +49,11 @@ FUSED_PROJ_MUON = ("fused_proj=True does not work with optimizer='muon' (Muon or
                    "as separate matrices): set fused_proj=False, or use optimizer='adamw'")
 
 
+GPT2_VOCAB = 50257  # GPT-2's BPE: what the gpt2 tokenizer, nanoGPT's files and llm.c's GPT-2 shards hold
+GPT2_VOCAB_PADDED = 50304  # 50257 rounded up to a multiple of 128: faster matmuls, same tokenizer
+INIT_TOKENIZER = "init"  # DataConfig.tokenizer of a continued run: the base's own tokenizer
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -346,7 +351,8 @@ class DataConfig(_Section):
     ``source``: ``builtin`` (the Python standard library's own source, always offline), a local
     file or folder, or a Hugging Face dataset as ``hf:NAME[:CONFIG][@SPLIT]``.
     ``tokenizer``: ``train`` (a byte-level BPE of ``vocab_size`` trained on the source), ``gpt2``
-    (the GPT-2 BPE from vocab/merges files), or a path to a ``tokenizer.json``.
+    (the GPT-2 BPE from vocab/merges files), ``init`` (the base's own, in continued pretraining: `model.init`),
+    or a path to a ``tokenizer.json``.
     """
 
     source: str = "builtin"
@@ -385,6 +391,13 @@ class Recipe:
                  f"tokenizer's {self.data.vocab_size}")
         _require(not (self.model.fused_proj and self.train.optimizer == "muon"),
                  f"recipe {self.name!r}: {FUSED_PROJ_MUON}")
+        # the tokenizers this knows before one is read: GPT-2's size, and that a base's needs a base
+        _require(self.data.tokenizer != "gpt2" or self.model.vocab_size >= GPT2_VOCAB,
+                 f"recipe {self.name!r}: data.tokenizer=gpt2 has {GPT2_VOCAB} tokens but the model's vocab_size is "
+                 f"{self.model.vocab_size}: add model.vocab_size={GPT2_VOCAB_PADDED}")
+        _require(self.data.tokenizer != INIT_TOKENIZER or self.model.init is not None,
+                 f"data.tokenizer={INIT_TOKENIZER} takes the tokenizer of the base, but model.init names none: use "
+                 "--init BASE, or data.tokenizer=train")
 
     @property
     def token_budget(self) -> int:
@@ -459,7 +472,6 @@ class RecipeChoice:
                                        "data.max_chars=100000")
 
 
-GPT2_VOCAB_PADDED = 50304  # 50257 rounded up to a multiple of 128: faster matmuls, same tokenizer
 # The GPU recipes stream a Hub data set large enough for their token budget (a model trained for
 # thousands of epochs on a few MB only memorises it); `--data builtin` trains offline instead.
 TINYSTORIES = "hf:roneneldan/TinyStories"  # ~470M GPT-2 tokens of simple stories: small models learn it well
@@ -472,7 +484,7 @@ def _gpu_recipe(name: str, hardware: str, size: str, *, description: str, train:
     set (FineWeb-Edu unless `source` says otherwise) read through the GPT-2 tokenizer (50257 tokens, the
     embedding padded to GPT2_VOCAB_PADDED for the tensor cores)."""
     return Recipe(name, description, hardware, model_config(size, vocab_size=GPT2_VOCAB_PADDED, **model), train,
-                  DataConfig(source=source, tokenizer="gpt2", vocab_size=50257, max_chars=max_chars))
+                  DataConfig(source=source, tokenizer="gpt2", vocab_size=GPT2_VOCAB, max_chars=max_chars))
 
 
 # The named recipes: one constant each, then its name in RECIPES (`tinygpt recipes` lists them in this order).

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinygpt.core.checkpoint import latest_valid, load_checkpoint
-from tinygpt.core.config import RECIPES, ConfigError, ModelConfig, Recipe, config_differences, get_recipe
+from tinygpt.core.config import (
+    INIT_TOKENIZER,
+    RECIPES,
+    ConfigError,
+    ModelConfig,
+    Recipe,
+    config_differences,
+    get_recipe,
+)
 from tinygpt.core.paths import is_hub
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.model.gpt import GPT
@@ -34,7 +42,6 @@ from tinygpt.model.hf import (
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.hardware import hardware_report
 
-INIT_TOKENIZER = "init"  # DataConfig.tokenizer of a continued run: the base's own tokenizer
 # The base is trained already: a from-scratch learning rate would undo much of what it knows. At most this peak
 # rate, a tenth of it at the end, and a warmup over at least 5% of the steps.
 CONTINUE_MAX_LR = 3e-4
@@ -162,19 +169,6 @@ def default_recipe(run_dir: str | Path) -> tuple[str, str]:
         return name, f"the recipe of the run in {run_dir}"
     report = hardware_report()
     return report.default_recipe, f"the default for this {report.hardware_class} machine"
-
-
-def check_init(recipe: Recipe, token_ids: bool) -> None:
-    """A recipe that takes its tokenizer from a base names one, and gives it text to encode, not a folder of
-    token ids (`token_ids`: the source's kind, resolved once by the caller); before any work."""
-    if recipe.data.tokenizer != INIT_TOKENIZER:
-        return
-    if recipe.model.init is None:
-        raise ConfigError(f"data.tokenizer={INIT_TOKENIZER} takes the tokenizer of the base, but model.init names "
-                          "none: use --init BASE, or data.tokenizer=train")
-    if token_ids:
-        raise ConfigError(f"{recipe.data.source} holds token ids of GPT-2's tokenizer, not the base's: continue a "
-                          "base on text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes")
 
 
 def starting_base(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> Base | None:

@@ -22,6 +22,8 @@ from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import (
     COMPILE_MODES,
+    GPT2_VOCAB_PADDED,
+    INIT_TOKENIZER,
     ConfigError,
     Recipe,
     TrainConfig,
@@ -49,7 +51,7 @@ from tinygpt.train.compile_cache import CompileCache, describe, signing_key
 from tinygpt.train.data import check_source, iter_documents
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
 from tinygpt.train.hardware import check_device, check_fits, gpu_peak_tflops
-from tinygpt.train.init import INIT_TOKENIZER, Base, check_init, initial_model, starting_base
+from tinygpt.train.init import Base, initial_model, starting_base
 from tinygpt.train.probe import fit_to_device
 from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.startup import StartupClock
@@ -76,18 +78,28 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
                           "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
 
 
-def get_tokenizer(recipe: Recipe, run_dir: Path, token_ids: bool = False, base: Base | None = None) -> Tokenizer:
+def check_tokenizer(recipe: Recipe, token_ids: bool) -> None:
+    """A source of token ids (`token_ids`, as `check_source` resolved it) comes with the tokenizer that made
+    them: none can be trained on it, and a base's own would read them as other tokens. Before any work (the
+    recipe itself refuses a tokenizer its model is too small for, or a base's without a base)."""
+    d = recipe.data
+    if token_ids and d.tokenizer == "train":
+        raise ConfigError(f"{d.source} holds token ids, not text, so no tokenizer can be trained on it: for GPT-2's "
+                          f"(nanoGPT's .bin, llm.c's GPT-2 shards) add --set data.tokenizer=gpt2 "
+                          f"model.vocab_size={GPT2_VOCAB_PADDED}, or use a recipe made for them (e.g. a100-124m)")
+    if token_ids and d.tokenizer == INIT_TOKENIZER:
+        raise ConfigError(f"{d.source} holds token ids of another tokenizer, not the base's: continue a base on "
+                          "text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes")
+
+
+def get_tokenizer(recipe: Recipe, run_dir: Path, base: Base | None = None) -> Tokenizer:
     """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe says
-    (`token_ids`: the source holds GPT-2 token ids, so no tokenizer can be trained on it; `base`: a continued
-    run's base, whose tokenizer it takes)."""
+    (`check_tokenizer` has refused one that cannot read the source; `base`: a continued run's base, whose
+    tokenizer it takes)."""
     saved = run_dir / TOKENIZER_JSON
     if saved.is_file():
         return Tokenizer.load(saved)
     d = recipe.data
-    if d.tokenizer == "train" and token_ids:
-        raise ConfigError(f"{d.source} holds GPT-2 token ids, so the tokenizer is GPT-2's: add --set "
-                          "data.tokenizer=gpt2 model.vocab_size=50304, or use a recipe made for GPT-2 tokens "
-                          "(e.g. a100-124m)")
     if d.tokenizer == "train":
         budget = TOKENIZER_TRAIN_CHARS if d.max_chars is None else min(d.max_chars, TOKENIZER_TRAIN_CHARS)
         sample = iter_documents(type(d)(**{**d.to_dict(), "max_chars": budget}))
@@ -181,11 +193,11 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
 
 
 def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks) -> bool:
-    """What can be checked before any work, before a byte is copied from the mirror: the data source, a base's
-    tokenizer named, the parallel mode (and samples under FSDP), the device, and that the model fits its
+    """What can be checked before any work, before a byte is copied from the mirror: the data source and the
+    tokenizer that reads it, the parallel mode (and samples under FSDP), the device, and that the model fits its
     memory. Returns whether the source holds token ids (nothing to tokenize), as resolved here."""
     token_ids = check_source(recipe.data.source) == "tokens"  # an unknown or unreachable source fails here
-    check_init(recipe, token_ids)
+    check_tokenizer(recipe, token_ids)
     check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size, sample_every=recipe.train.sample_every)
     check_device(dev)
     t = recipe.train
@@ -265,7 +277,7 @@ def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
     starts tokenizing: the caller closes what this returns)."""
     if plan.is_main:
         check_run_dir(opts.run_dir, plan.recipe, opts.resume)
-    tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.token_ids, plan.base)
+    tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.base)
     plan.clock.mark("tokenizer")
     return open_tokens(plan.recipe, tokenizer, plan.token_ids, writer=plan.is_main, cache_dir=opts.cache_dir,
                        mirror=opts.mirror)

@@ -24,12 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tinygpt.core.config import GPT2_VOCAB_PADDED
+from tinygpt.core.config import GPT2_VOCAB, GPT2_VOCAB_PADDED
 from tinygpt.core.files import atomic_output
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-GPT2_VOCAB = 50257  # GPT-2's BPE: what nanoGPT's files and llm.c's GPT-2 shards hold
 LLAMA3_VOCAB = 128256  # Llama 3's tokenizer: what llm.c's Llama-3 shards hold
 NANOGPT_NAMES = ("train.bin", "val.bin")
 TOKEN = np.dtype("<u2")  # little-endian uint16 on every machine, as nanoGPT and llm.c's GPT-2 shards are written
