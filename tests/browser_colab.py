@@ -120,9 +120,13 @@ class Notebook:
         self.driver, self.path = driver, path
         self.ids = [c.get("id") for c in json.loads(path.read_text())["cells"]]
         driver.get(url)
+        # and the widget manager listening (ipywidgets 7's extension gives the kernel one when it registers for
+        # widgets): a widget a cell makes before then is dropped by the page, as a user who runs a cell before the
+        # page has loaded would see
         self.wait("return !!(window.Jupyter && Jupyter.notebook && Jupyter.notebook._fully_loaded"
-                  " && Jupyter.notebook.kernel && Jupyter.notebook.kernel.is_connected())", STARTUP_S,
-                  "the kernel to start")
+                  " && Jupyter.notebook.kernel && Jupyter.notebook.kernel.is_connected()"
+                  " && Jupyter.notebook.kernel.widget_manager)", STARTUP_S,
+                  "the kernel to start and the widget manager to listen")
         self.js("Jupyter.notebook.set_autosave_interval(0)")  # never write outputs into the copy
 
     def js(self, script: str, *args):
@@ -245,8 +249,10 @@ def dropdown(nb: Notebook, cell_id: str, wait_s: float = 180.0):
     deadline = time.monotonic() + wait_s
     while not (found := nb.output(cell_id).find_elements("css selector", ".widget-dropdown select")):
         if time.monotonic() > deadline:  # say what the cell showed instead: an error, or a widget's text fallback
-            raise AssertionError(f"no dropdown in cell {cell_id!r} after {wait_s:.0f} s; it shows: "
-                                 f"{nb.text(cell_id)[:1500]!r}")
+            models = nb.js("const m = Jupyter.notebook.kernel.widget_manager;"
+                           " return m ? Object.keys(m._models).length : 'no widget manager'")
+            raise AssertionError(f"no dropdown in cell {cell_id!r} after {wait_s:.0f} s (widget models in the "
+                                 f"page: {models}); it shows: {nb.text(cell_id)[:1500]!r}")
         time.sleep(0.5)
     return found[0]
 
