@@ -124,6 +124,56 @@ def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
     return fd
 
 
+RUN_FILE_LIMIT = 64 << 20  # the largest run file read back (run.json, tokenizer.json, metrics.jsonl, ...): 64 MB
+
+
+class FileTooLarge(ValueError):
+    """A file over the size tinygpt reads of its kind; the message names it and the limit."""
+
+
+def read_bytes_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = "") -> bytes:
+    """The bytes of a file in a run folder, a mirror or a base folder, read the one way every such file is read:
+    never through a symbolic link, never a hard-linked file (its other names lie outside the folder), never a
+    FIFO or device (opened non-blocking, then checked to be a plain file), and never more than `limit` bytes
+    (FileTooLarge, naming the file, before anything is read). FileNotFoundError when absent; UnsafePathError
+    for a link. `what` ("on the mirror", ...) is added after the file's name in every message."""
+    path = Path(path)
+    fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path}{what} is not a plain file: refused; replace it by a plain file or delete it")
+        if st.st_nlink > 1:
+            refuse_link(path, writes=True)
+        if st.st_size > limit:
+            raise FileTooLarge(f"{path}{what} holds {st.st_size:,} bytes, more than the {limit:,} tinygpt reads of "
+                               "such a file: refused, nothing was read; it was not written by tinygpt: delete it or "
+                               "restore it from a copy you trust")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # grew while it was read
+        raise FileTooLarge(f"{path}{what} grew past {limit:,} bytes while it was read: refused")
+    return data
+
+
+def read_text_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = "") -> str:
+    """`read_bytes_safe` decoded as UTF-8; a file that is not UTF-8 is a ValueError naming it."""
+    try:
+        return read_bytes_safe(path, limit, what).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}{what} is not UTF-8 text (byte {e.start}): it was not written by tinygpt; delete "
+                         "it or restore it from a copy you trust") from None
+
+
+def read_json_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = "") -> Any:
+    """`read_text_safe` parsed as JSON; bad JSON is a ValueError naming the file."""
+    text = read_text_safe(path, limit, what)
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path}{what} is not valid JSON ({e}): it was not written by tinygpt, or was cut short; "
+                         "delete it or restore it from a copy you trust") from None
+
+
 def append_text(path: str | Path, text: str) -> None:
     """Append to a file (made when absent), never through a link."""
     fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
