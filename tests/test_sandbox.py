@@ -7,21 +7,25 @@ crafted HumanEval file through `tinygpt eval` on a tiny trained run, the refusal
 boundary, and SIGTERM / SIGINT mid-eval leaving no process and no folder."""
 from __future__ import annotations
 
+import ast
+import contextlib
 import gzip
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tinygpt.cli import main
-from tinygpt.evals import code, sandbox
+from tinygpt.evals import code, sandbox, sandbox_init
 from tinygpt.evals.tasks.humaneval import load_humaneval
 from tinygpt.evals.tasks.mbpp import load_mbpp
 from tinygpt.train.pretrain import pretrain
@@ -184,8 +188,7 @@ print(pid)
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and marker in _cmdline(p)]
     assert not left, f"{len(left)} process(es) outlived the sandbox"
     r = sandbox.run("import os\nos.fork()\n", timeout_s=20)  # the default: no new process at all
-    if kind == "root" or os.geteuid() != 0:  # (the kernel exempts the real root's uid from RLIMIT_NPROC)
-        assert r.status == "failed" and "BlockingIOError" in r.stderr
+    assert r.status == "failed" and "PermissionError" in r.stderr  # (the filter: also where RLIMIT_NPROC is not)
 
 
 def test_no_network(kind):
@@ -224,6 +227,201 @@ def test_limits_and_statuses(kind):
     r = sandbox.run("def f(x):\n    raise KeyError(x)\n", "try:\n    f(3)\nexcept KeyError as e:\n"
                     "    assert e.args == ('3',)\n", names=("f",))
     assert r.passed, r.stderr  # built-in exceptions cross as themselves
+
+
+# --- memory outside the limits, threads, namespaces (issue 32 item 9) -----------------------------
+
+def _needs_filter() -> None:
+    if sandbox_init.seccomp_filter(False) is None:
+        pytest.skip(f"no system call filter for {os.uname().machine} (x86_64 and aarch64 only)")
+
+
+def _host_shm_owners() -> set[int]:
+    """The uids owning SysV shared memory segments in the host's IPC namespace."""
+    try:
+        rows = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    return {int(r.split()[7]) for r in rows if len(r.split()) > 7}
+
+
+def test_sysv_ipc_and_memfd_hold_no_memory_past_the_limits(kind):
+    """SysV shared memory held 3.0 GB past a 1 GB RLIMIT_AS, and memfd 944 MB more, until the timeout
+    (at ee92b4d); in the uid mode the segments were the host's and stayed after the sandbox ended. Each
+    here holds twice the address-space limit where it is allowed: now every way in is refused."""
+    _needs_filter()
+    limit, chunk = 64, 8  # MB; max_output_mb (each file's cap, memfd's too) is the chunk
+    shm = f"""import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+for i in range({2 * limit // chunk}):
+    sid = libc.shmget(0, {chunk} * 2**20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600; never removed
+    if sid < 0:
+        raise OSError(ctypes.get_errno(), 'shmget')
+    p = libc.shmat(sid, None, 0)
+    ctypes.memset(p, 1, {chunk} * 2**20)
+    libc.shmdt(ctypes.c_void_p(p))
+print('held', {2 * limit}, 'MB')
+"""
+    memfd = f"""import os
+fds = [os.memfd_create('x') for _ in range({2 * limit // chunk})]
+for fd in fds:
+    for _ in range({chunk}):
+        os.write(fd, b'x' * 2**20)
+print('held', {2 * limit}, 'MB')
+"""
+    others = {  # the other IPC kinds: a message queue, a semaphore set (held past the sandbox in the uid mode)
+        "msgget": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nif libc.msgget(0, 0o1600) < 0:\n"
+                  "    raise OSError(ctypes.get_errno(), 'msgget')\n",
+        "semget": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nif libc.semget(0, 1, 0o1600) < 0:\n"
+                  "    raise OSError(ctypes.get_errno(), 'semget')\n",
+    }
+    before = _host_shm_owners()
+    for name, program in {"shm": shm, "memfd": memfd, **others}.items():
+        r = sandbox.run(program, memory_mb=limit, max_output_mb=chunk, timeout_s=30)
+        assert r.status == "failed" and "PermissionError: [Errno 1]" in r.stderr, (name, r.status, r.stdout,
+                                                                                   r.stderr[-300:])
+        assert "held" not in r.stdout
+    assert not {u for u in _host_shm_owners() - before if u >= 1_000_000}  # nothing of the sandbox's on the host
+    if kind == "uid":
+        return  # no namespace: the filter alone keeps the host's IPC out of reach
+    results: list = []  # the namespace modes: the running program's IPC namespace is not this one's
+    box = threading.Thread(target=lambda: results.append(sandbox.run("import time\ntime.sleep(3)\n", timeout_s=20)))
+    box.start()
+    deadline, theirs = time.monotonic() + 15, None
+    while theirs is None and time.monotonic() < deadline:
+        for pid in _descendants(os.getpid()):
+            if " -c " in _cmdline(Path(f"/proc/{pid}")):
+                with contextlib.suppress(OSError):
+                    theirs = os.stat(f"/proc/{pid}/ns/ipc").st_ino
+        time.sleep(0.05)
+    box.join()
+    assert results[0].passed and theirs is not None and theirs != os.stat("/proc/self/ns/ipc").st_ino
+
+
+THREADED_SOLUTION = """import threading
+from concurrent.futures import ThreadPoolExecutor
+
+
+def total(xs):
+    out = []
+    t = threading.Thread(target=lambda: out.append(sum(xs)))
+    t.start()
+    t.join()
+    with ThreadPoolExecutor(8) as pool:
+        squares = list(pool.map(lambda x: x * x, xs))
+    return out[0] + sum(squares)
+"""
+
+
+def test_a_threaded_solution_passes_and_new_processes_stay_refused(kind):
+    """A correct solution that starts a thread scored `failed` at ee92b4d ("can't start new thread":
+    RLIMIT_NPROC 1). Now threads run (a pool of 8, in the solution and in the test), while every way
+    to a new process is still refused (and a user namespace run by root, which RLIMIT_NPROC does not
+    bind, refuses them too); a thread bomb ends at the allowance or the address space."""
+    _needs_filter()
+    r = sandbox.run(THREADED_SOLUTION, "assert total([1, 2, 3]) == 6 + 14\n", names=("total",), handles=False,
+                    timeout_s=30)
+    assert r.passed, (r.status, r.stderr[-500:])
+    r = sandbox.run("def f():\n    return 1\n", THREADED_SOLUTION + "assert total([f(), 2]) == 3 + 5\n",
+                    names=("f",), timeout_s=30)
+    assert r.passed, (r.status, r.stderr[-500:])
+    clone = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine, -1)
+    starts = {
+        "fork": "import os\nif os.fork() == 0:\n    os._exit(0)\n",
+        "subprocess": "import subprocess\nsubprocess.run(['/bin/true'])\n",
+        "posix_spawn": "import os\nos.posix_spawn('/bin/true', ['true'], {})\n",
+        "raw_clone": f"""import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+pid = libc.syscall({clone}, 17, 0, 0, 0, 0)  # clone(SIGCHLD): a fork by hand
+if pid == 0:
+    os._exit(0)
+if pid < 0:
+    raise OSError(ctypes.get_errno(), 'clone')
+""",
+    }
+    for name, program in starts.items():
+        r = sandbox.run(program, timeout_s=20)
+        assert r.status == "failed" and "PermissionError" in r.stderr, (name, r.status, r.stderr[-300:])
+    bomb = "import threading, time\nfor _ in range(1000):\n    threading.Thread(target=time.sleep, args=(5,)).start()\n"
+    r = sandbox.run(bomb, timeout_s=30)
+    assert r.status == "failed" and "can't start new thread" in r.stderr, (r.status, r.stderr[-300:])
+
+
+def test_no_user_namespace_inside_the_jail(kind):
+    """At ee92b4d the model's code could make a user namespace (every capability inside it, a tmpfs of
+    any size among them), or join another: now unshare, setns and clone with CLONE_NEWUSER fail with
+    EPERM, also where new processes are allowed."""
+    _needs_filter()
+    clone = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine, -1)
+    program = f"""import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+errors = {{}}
+for name, call in {{
+        'unshare_user': lambda: libc.unshare(0x10000000),
+        'unshare_user_mount': lambda: libc.unshare(0x10000000 | 0x00020000),
+        'unshare_mount': lambda: libc.unshare(0x00020000),
+        'setns': lambda: libc.setns(os.open('/dev/null', os.O_RDONLY), 0),
+        'clone_user': lambda: libc.syscall({clone}, 0x10000000 | 17, 0, 0, 0, 0)}}.items():
+    ctypes.set_errno(0)
+    rc = call()
+    if rc == 0 and name == 'clone_user':
+        os._exit(0)  # the child, in its new user namespace
+    errors[name] = ctypes.get_errno() if rc < 0 else 0
+if hasattr(os, 'unshare'):  # Python 3.12+
+    try:
+        os.unshare(os.CLONE_NEWUSER)
+        errors['os.unshare'] = 0
+    except OSError as e:
+        errors['os.unshare'] = e.errno
+print(errors)
+"""
+    for processes in (1, 8):
+        r = sandbox.run(program, max_processes=processes, timeout_s=20)
+        assert r.passed, r.stderr[-500:]
+        errors = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+        assert errors and set(errors.values()) == {1}, (processes, errors)  # EPERM, each
+
+
+def _bpf(program: bytes, nr: int, arch: int, arg0: int = 0) -> int:
+    """What a classic-BPF seccomp filter returns for one call (the few instructions the sandbox's uses)."""
+    data = struct.pack("=iIQ6Q", nr, arch, 0, arg0, 0, 0, 0, 0, 0)  # struct seccomp_data
+    pc, acc = 0, 0
+    while True:
+        code, jt, jf, k = struct.unpack_from("=HBBI", program, 8 * pc)
+        if code == 0x06:  # ret
+            return k
+        if code == 0x20:  # ld [k]
+            acc, pc = struct.unpack_from("=I", data, k)[0], pc + 1
+            continue
+        taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]  # jeq, jge, jset
+        pc += 1 + (jt if taken else jf)
+
+
+def test_the_filter_refuses_the_same_calls_on_both_architectures():
+    """The filter is installed only on the machine the tests run on: its program for the other one is
+    checked here, by interpreting it, with each architecture's own numbers (aarch64's openat is
+    x86_64's clone)."""
+    allow, eperm, enosys = 0x7FFF0000, 0x50001, 0x50026
+    thread = 0x3D0F00  # glibc's pthread_create: CLONE_VM|FS|FILES|SIGHAND|THREAD|SYSVSEM|SETTLS|*_TID
+    numbers = {"x86_64": (0xC000003E, dict(read=0, openat=257, shmget=29, msgget=68, semget=64, mq_open=240,
+                                           memfd_create=319, unshare=272, setns=308, clone=56, clone3=435)),
+               "aarch64": (0xC00000B7, dict(read=63, openat=56, shmget=194, msgget=186, semget=190, mq_open=180,
+                                            memfd_create=279, unshare=97, setns=268, clone=220, clone3=435))}
+    for machine, (arch, nr) in numbers.items():
+        for processes in (False, True):
+            prog = sandbox_init.seccomp_filter(processes, machine)
+            got = {name: _bpf(prog, n, arch) for name, n in nr.items() if name != "clone"}
+            assert got == {**{k: eperm for k in got}, "read": allow, "openat": allow, "clone3": enosys}, machine
+            assert _bpf(prog, nr["clone"], arch, thread) == allow
+            assert _bpf(prog, nr["clone"], arch, 17) == (allow if processes else eperm)  # a fork: SIGCHLD
+            assert _bpf(prog, nr["clone"], arch, 0x10000000 | 17) == eperm  # CLONE_NEWUSER
+            assert _bpf(prog, nr["read"], 0x40000003) == eperm  # i386's int 0x80
+    x86 = sandbox_init.seccomp_filter(False, "x86_64")
+    assert _bpf(x86, 0x40000000 | 29, 0xC000003E) == eperm  # x32's shmget
+    assert _bpf(x86, 57, 0xC000003E) == _bpf(x86, 58, 0xC000003E) == eperm  # fork, vfork
+    assert _bpf(sandbox_init.seccomp_filter(True, "x86_64"), 57, 0xC000003E) == allow
+    assert sandbox_init.seccomp_filter(False, "riscv64") is None
 
 
 # --- through the CLI ---------------------------------------------------------------------------

@@ -17,18 +17,32 @@ by running a program through it; `TINYGPT_SANDBOX=root|userns|uid|none` restrict
   read-only and five device files (so /root, /home, /content, /etc, /tmp and the run folders do
   not exist in there) and is the only writable place, so the total written is capped; each process
   runs under its own unprivileged uid/gid with no supplementary groups, no-new-privs, no network,
-  rlimits on address space, CPU time, file size, open files and processes (default: no new
-  process at all). PID 1 of the namespace is the supervisor: when it ends, the kernel kills
-  everything else in it, so nothing outlives a program.
+  rlimits on address space, CPU time, file size, open files and processes, and a system call
+  filter (seccomp): no new process (the default; threads are allowed, up to 32), no SysV IPC,
+  POSIX message queue or memfd (memory outside the address-space limit), no new namespace (a
+  user namespace would give back every capability); the IPC namespace is checked to be its own
+  and allows no SysV object. PID 1 of the namespace is the supervisor: when it ends, the kernel
+  kills everything else in it, so nothing outlives a program.
 - ``userns`` (no root, unprivileged user namespaces): the same, but the two processes share the
   caller's uid, with every capability dropped and the test process non-dumpable (started before
   the solution's), so the solution's process cannot ptrace it, read its memory or open its pipes.
+  No user namespace can be made below the jail's (the filter, and max_user_namespaces 0 in it).
+  Run by root, RLIMIT_NPROC does not count (the kernel exempts uid 0): threads are bounded by
+  the address space only, and new processes by the filter.
 - ``uid`` (root where namespaces cannot be made): each process under its own unprivileged uid
-  with no supplementary groups, no-new-privs and the rlimits (no new process), in a 0700 folder
-  of its own; at the end every process of those uids is killed. Weaker: world-readable files are
-  visible, world-writable folders writable, and only each file's size is capped.
+  with no supplementary groups, no-new-privs, the rlimits and the filter (no new process, no
+  SysV IPC: the host's namespace is never reached), in a 0700 folder of its own; at the end
+  every process of those uids is killed. Weaker: world-readable files are visible,
+  world-writable folders (/tmp, /dev/shm) writable and what is written there stays, and only
+  each file's size is capped.
 - ``none``: no kernel boundary. `run` refuses unless `unsafe=True` (`tinygpt eval --unsafe-exec`),
-  then runs both processes with the rlimits only, in a /tmp/tinygpt-exec-* folder removed after.
+  then runs both processes with the rlimits and the filter only, in a /tmp/tinygpt-exec-* folder
+  removed after.
+
+The filter is written for x86_64 and aarch64; elsewhere there is none: RLIMIT_NPROC alone refuses
+new processes (and threads with them), SysV IPC is refused only in the namespace modes (by its
+limits in the sandbox's IPC namespace), a nested user namespace only in the userns mode, and memfd
+is bounded only by the timeout.
 
 A caller interrupted (SIGTERM or Ctrl-C raised as KeyboardInterrupt) kills every sandbox still
 running (`stop_all`); a caller killed outright takes them with it (the parent-death signal of
@@ -185,6 +199,19 @@ def resume() -> None:
     _stopping.clear()
 
 
+def _namespaces() -> dict[str, tuple[int, int] | None]:
+    """This process's IPC and user namespaces (device, inode; None where /proc cannot tell): the supervisor
+    checks that its own are others before it changes their limits."""
+    out: dict[str, tuple[int, int] | None] = {}
+    for name in ("ipc", "user"):
+        try:
+            st = os.stat(f"/proc/self/ns/{name}")
+            out[name] = (st.st_dev, st.st_ino)
+        except OSError:
+            out[name] = None
+    return out
+
+
 def _run(b: Boundary, solution: str | None, test: str, context: str, names: Sequence[str] | None, handles: bool,
          *, timeout_s: float, memory_mb: int, cpu_s: int, max_output_mb: int, max_write_mb: int,
          max_processes: int) -> ExecResult:
@@ -193,7 +220,8 @@ def _run(b: Boundary, solution: str | None, test: str, context: str, names: Sequ
            "names": None if names is None else list(names), "handles": handles, "python": _python(),
            "read_only": _read_only_paths(), "timeout_s": timeout_s, "memory_bytes": memory_mb * 2**20,
            "cpu_s": cpu_s, "max_output_bytes": max_output_mb * 2**20, "max_write_bytes": max_write_mb * 2**20,
-           "max_processes": max_processes, "uids": [_UID_BASE + 2 * slot, _UID_BASE + 2 * slot + 1]}
+           "max_processes": max_processes, "uids": [_UID_BASE + 2 * slot, _UID_BASE + 2 * slot + 1],
+           "caller_ns": _namespaces()}
     folder = tempfile.mkdtemp(prefix="tinygpt-exec-") if b.kind in ("uid", "none") else None
     t0 = time.monotonic()
     try:
@@ -238,7 +266,8 @@ def run(program: str, test: str | None = None, *, context: str = "", names: Sequ
     the solution defines, as MBPP's asserts need) to proxies, then runs `test`; `handles=False`
     refuses any answer that is not a plain value. Without `test`, `program` runs alone.
     Limits: wall clock `timeout_s`; per process address space `memory_mb`, CPU `cpu_s` (default the
-    timeout + 1 s), `max_output_mb` per file or output stream, `max_processes` (1: none started);
+    timeout + 1 s), `max_output_mb` per file or output stream, `max_processes` (1: none started;
+    threads are allowed, 32 beyond it, where the system call filter is);
     `max_write_mb` in all (the jail's tmpfs; with no boundary only the per-file cap holds)."""
     if timeout_s <= 0 or memory_mb <= 0 or max_write_mb <= 0 or max_processes < 1:
         raise ValueError("timeout_s, memory_mb and max_write_mb must be positive, max_processes at least 1")

@@ -5,8 +5,9 @@ the same file is run three ways and never imports tinygpt:
   the jail (in namespace modes it is PID 1 of a new PID namespace and owns a private mount
   namespace: a size-capped tmpfs becomes ``/``, with ``/usr``, the Python install and five device
   files bound read-only, so nothing else of the machine exists in there), starts the two
-  processes below, waits, kills everything, and prints one result (a dict literal) on stdout. Its stdout is
-  the only channel to the caller, and no child holds it.
+  processes below (under the rlimits and a system call filter: no new process, SysV IPC, memfd
+  or namespace; see "the system call filter"), waits, kills everything, and prints one result
+  (a dict literal) on stdout. Its stdout is the only channel to the caller, and no child holds it.
 - ``python -I -S -c <this source> test``: the test process (uid B). Runs the problem's context and
   test code; the candidate is a proxy that calls into the solution process through two pipes.
   When the test code has run to its end it writes ``P`` on its result pipe (held by it and the
@@ -458,8 +459,10 @@ class Jail:
         self.libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
 
 
-def _limits(job: dict, libc, drop_capabilities) -> None:
-    """In the child after fork (after setgroups/setgid/setuid in root mode), before exec."""
+def _limits(job: dict, libc, drop_capabilities, seccomp: bytes | None) -> None:
+    """In the child after fork (after setgroups/setgid/setuid in root mode), before exec. With the system call
+    filter (`seccomp`), RLIMIT_NPROC leaves room for THREADS threads (MALLOC_ARENA_MAX=1 keeps each one's
+    cost to its stack): the filter, not the rlimit, refuses the new processes."""
     import resource  # already imported by the supervisor: the child's uid may not read the stdlib
 
     def limit(which: int, soft: int, hard: int | None = None) -> None:
@@ -474,11 +477,84 @@ def _limits(job: dict, libc, drop_capabilities) -> None:
     limit(resource.RLIMIT_FSIZE, job["max_output_bytes"])
     limit(resource.RLIMIT_CORE, 0)
     limit(resource.RLIMIT_NOFILE, 64)
-    limit(resource.RLIMIT_NPROC, job["max_processes"])
+    limit(resource.RLIMIT_NPROC, job["max_processes"] + (THREADS if seccomp is not None else 0))
     if drop_capabilities is not None:
         drop_capabilities()
     if libc is not None:
         libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary or file capability helps
+    if seccomp is not None:
+        _install_filter(libc, seccomp)
+
+
+# --- the system call filter -------------------------------------------------------------------
+#
+# Installed in each child before exec (kept across exec, inherited by threads), on the two architectures
+# whose numbers are below. What no sandboxed process may do, with EPERM:
+# - SysV IPC and POSIX message queues: shared memory held outside RLIMIT_AS (3 GB past a 1 GB limit) and,
+#   in the uid mode, in the host's namespace, kept after the sandbox ends;
+# - memfd_create, memfd_secret: memory files outside the jail's size-capped tmpfs (~1 GB past the limit);
+# - unshare, setns, and clone with a CLONE_NEW* flag: a user namespace gives back every capability in
+#   it, and with them a mount of any size;
+# - with max_processes=1, a new process: clone without CLONE_THREAD, fork, vfork. Threads are a clone
+#   with CLONE_THREAD, allowed (RLIMIT_NPROC allows THREADS of them).
+# clone3 answers ENOSYS: its flags are in memory the filter cannot read, and glibc then uses clone.
+# Another architecture's calls (i386's int 0x80, x32's numbers on x86_64) are refused whole.
+
+THREADS = 32  # a thread pool's worth (ThreadPoolExecutor's default is at most 32 workers)
+CLONE_THREAD = 0x00010000
+CLONE_NEW = 0x7E020080  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET|NEWTIME (all in the low 32 bits)
+_SYSCALLS = {  # machine: (AUDIT_ARCH_*, refused, clone, clone3, fork and vfork)
+    "x86_64": (0xC000003E, (29, 30, 31, 67,  # shmget shmat shmctl shmdt
+                            64, 65, 66, 220,  # semget semop semctl semtimedop
+                            68, 69, 70, 71,  # msgget msgsnd msgrcv msgctl
+                            240, 241, 242, 243, 244, 245,  # mq_open .. mq_getsetattr
+                            319, 447,  # memfd_create memfd_secret
+                            272, 308),  # unshare setns
+               56, 435, (57, 58)),
+    "aarch64": (0xC00000B7, (*range(180, 198),  # mq_open .. mq_getsetattr, msg*, sem*, shm*
+                             279, 447, 97, 268),  # memfd_create memfd_secret unshare setns
+                220, 435, ()),
+}
+
+
+def seccomp_filter(processes: bool, machine: str | None = None) -> bytes | None:
+    """The filter above as classic BPF (struct sock_filter[]), or None on an architecture not listed."""
+    import struct
+    machine = machine or os.uname().machine
+    arch = _SYSCALLS.get(machine)
+    if arch is None:
+        return None
+    audit_arch, refused, clone, clone3, forks = arch
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38  # SECCOMP_RET_ALLOW, RET_ERRNO(...)
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, audit_arch), (ret, 0, 0, eperm),  # seccomp_data.arch
+            (ld, 0, 0, 0)]  # seccomp_data.nr
+    if machine == "x86_64":
+        prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]  # x32
+    for nr in refused + (() if processes else forks):
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
+    prog += [(jeq, 0, 1, clone3), (ret, 0, 0, enosys)]
+    flags = [(ld, 0, 0, 16),  # the low 32 bits of args[0] (both are little-endian), clone's flags
+             (jset, 0, 1, CLONE_NEW), (ret, 0, 0, eperm)]
+    if not processes:
+        flags += [(jset, 1, 0, CLONE_THREAD), (ret, 0, 0, eperm)]
+    flags += [(ret, 0, 0, allow)]
+    prog += [(jeq, 0, len(flags), clone), *flags, (ret, 0, 0, allow)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+
+
+def _install_filter(libc, program: bytes) -> None:
+    """prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &sock_fprog), after no-new-privs; raises if refused."""
+    import ctypes
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    prog = Fprog(len(program) // 8, program)
+    ul = ctypes.c_ulong
+    if libc.prctl(ul(22), ul(2), ctypes.byref(prog), ul(0), ul(0)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"sandbox: the system call filter: {os.strerror(err)}")
 
 
 def _host_libc():
@@ -520,8 +596,10 @@ def _spawn(job: dict, role: str, source: str, cwd: str, fds: list[int], out: str
     o = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     e = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+           "MALLOC_ARENA_MAX": "1",  # threads share the heap: a 64 MB arena each would leave room for few of them
            "TINYGPT_SANDBOX_FDS": ",".join(str(3 + i) for i in range(len(fds)))}
     libc = jail.libc if jail is not None else _host_libc()
+    seccomp = seccomp_filter(job["max_processes"] > 1) if libc is not None else None
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:
@@ -536,7 +614,7 @@ def _spawn(job: dict, role: str, source: str, cwd: str, fds: list[int], out: str
                 os.setgroups([])
                 os.setresgid(uid, uid, uid)
                 os.setresuid(uid, uid, uid)
-            _limits(job, libc, jail.drop_capabilities if drop else None)
+            _limits(job, libc, jail.drop_capabilities if drop else None, seccomp)
             # Its own session keeps it out of the supervisor's process group, so when the caller SIGKILLs the
             # supervisor (Ctrl-C, SIGTERM) only this signal ends it where no PID namespace does (uid, none)
             if libc is not None:
@@ -599,6 +677,31 @@ def supervise() -> None:
     sys.stdout.flush()
 
 
+def _no_ipc_nor_user_namespaces(job: dict) -> None:
+    """Namespace modes, before the jail hides /proc: this IPC namespace is not the caller's (else stop), and
+    allows no SysV segment, queue or semaphore set; in userns mode no user namespace can be made below
+    this one. The filter refuses those calls already: this holds where it cannot be installed. /proc/sys
+    can be read-only (a container): then the filter alone."""
+    def ns(name: str) -> tuple[int, int]:
+        st = os.stat(f"/proc/self/ns/{name}")
+        return st.st_dev, st.st_ino
+
+    caller = job.get("caller_ns") or {}
+    if caller.get("ipc") is None:
+        raise OSError("sandbox: cannot tell this IPC namespace from the caller's (no /proc/self/ns/ipc)")
+    if tuple(caller["ipc"]) == ns("ipc"):
+        raise OSError("sandbox: no IPC namespace of its own")
+    sysctls = [("kernel/shmmni", "0"), ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0")]
+    if job["mode"] == "userns" and caller.get("user") is not None and tuple(caller["user"]) != ns("user"):
+        sysctls.append(("user/max_user_namespaces", "0"))  # a limit of this user namespace only
+    for name, value in sysctls:
+        try:
+            with open(f"/proc/sys/{name}", "w") as f:
+                f.write(value)
+        except OSError:
+            pass
+
+
 def _prepare(job: dict) -> tuple[Jail | None, str, str, dict[str, int]]:
     """The jail (root and userns modes: built, this process its PID 1) and each role's folder, owned by the
     role's uid where it has one: (jail or None, the work folder, the output folder, uid by role)."""
@@ -608,6 +711,7 @@ def _prepare(job: dict) -> tuple[Jail | None, str, str, dict[str, int]]:
         jail = Jail()
         jail.libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE: no child can ptrace this supervisor
     if mode in ("root", "userns"):
+        _no_ipc_nor_user_namespaces(job)
         jail.build(job)
         work = "/work"
         os.mkdir(work, 0o755)
