@@ -91,7 +91,7 @@ def _pretrain(args) -> int:
         if main_rank:
             _say_complete(done, opts.run_dir, opts.mirror)
         return 0
-    recipe = pretrain_recipe(name, choice.init, opts.run_dir, opts.mirror)  # with a base: sized for it
+    recipe = pretrain_recipe(name, choice.init, opts.run_dir)  # with a base: sized for it (never the mirror's)
     if recipe.model.init and main_rank:
         print(f"base {recipe.model.init}: its weights and tokenizer, lr {recipe.train.lr:g}, context "
               f"{recipe.train.seq_len}", flush=True)

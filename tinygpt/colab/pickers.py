@@ -166,8 +166,12 @@ class BasePicker:
     scratch), read by the training cell when it runs."""
 
     def __init__(self, resume_from: RunFolders | str | Path | None = None):
-        folders = (resume_from.local, resume_from.mirror) if isinstance(resume_from, RunFolders) else (resume_from,)
-        self.default = run_init(*folders)
+        local, mirror = ((resume_from.local, resume_from.mirror) if isinstance(resume_from, RunFolders)
+                         else (resume_from, None))
+        # the local run's own base; a mirror's (a shared folder: it could name any folder of this VM) only when it
+        # is one of the Hub bases listed here, which Run all may then pick without reading anything local
+        theirs = run_init(mirror)
+        self.default = run_init(local) or (theirs if theirs in dict(HUB_BASES).values() else None)
         self.reason = "the run's own base" if self.default else "a new run trains from scratch unless you pick a base"
         options = list(HUB_BASES) + ([(self.default, self.default)] if self.default not in dict(HUB_BASES).values()
                                      else [])

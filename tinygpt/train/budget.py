@@ -22,6 +22,9 @@ from tinygpt.core.files import write_json_atomic
 from tinygpt.core.rundir import BUDGET_JSON, RunDir, RunDirError, read_json, recipe_name_of
 
 MEASURE_STEPS = 8  # steady steps (after the compile) timed before the step count is fixed
+MAX_HOURS = 24 * 30  # a month of GPU time: far past any Colab session, and a bound on what budget.json may say
+MIN_STEP_S = 1e-4  # no optimizer step of any recipe takes less (the smallest CPU recipe takes milliseconds)
+MAX_BUDGET_STEPS = 10**8  # the most steps a budget may fix, whatever its hours and step time say
 
 
 @dataclass
@@ -52,7 +55,30 @@ class Budget:
             if d.get(name) is not None and not number(d[name], whole):
                 kind = "a positive whole number" if whole else "a positive number"
                 raise RunDirError(f"{path}: {name} must be {kind} or null, got {d[name]!r}{fix}")
-        return cls(**{k: d.get(k) for k in ("hours", "max_steps", "decided_at_step", "step_s", "decided_at")})
+        budget = cls(**{k: d.get(k) for k in ("hours", "max_steps", "decided_at_step", "step_s", "decided_at")})
+        if (why := budget.out_of_bounds()) is not None:
+            raise RunDirError(f"{path}: {why}: not a budget tinygpt decided{fix}")
+        return budget
+
+    def out_of_bounds(self) -> str | None:
+        """Why these figures cannot be a budget tinygpt decided (None when they can): budget.json comes back from a
+        shared mirror, so it must not set a run that never ends. Hours at most MAX_HOURS, a step time of at least
+        MIN_STEP_S, and a step count no larger than the hours buy at that step time (`steps_for`, `extend`: at most
+        hours * 3600 / step_s steps after the step it was decided at) nor MAX_BUDGET_STEPS."""
+        if self.hours > MAX_HOURS:
+            return f"hours {self.hours:g} is more than {MAX_HOURS}"
+        if self.step_s is not None and self.step_s < MIN_STEP_S:
+            return f"step_s {self.step_s:g} is less than {MIN_STEP_S:g} s"
+        if self.max_steps is None:
+            return None
+        if self.max_steps > MAX_BUDGET_STEPS:
+            return f"max_steps {self.max_steps} is more than {MAX_BUDGET_STEPS}"
+        if self.step_s is not None:
+            bought = (self.decided_at_step or 0) + math.ceil(self.hours * 3600 / self.step_s) + 1
+            if self.max_steps > bought:
+                return (f"max_steps {self.max_steps} is more than {self.hours:g} h buy at {self.step_s:g} s a step "
+                        f"({bought})")
+        return None
 
     def save(self, run_dir: Path) -> None:
         write_json_atomic(Path(run_dir) / BUDGET_JSON, asdict(self))

@@ -14,7 +14,6 @@ tokenizer without reading the base again (it may be gone from the cache by then)
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tinygpt.core.config import (
     config_differences,
     get_recipe,
 )
+from tinygpt.core.files import read_json_safe
 from tinygpt.core.paths import is_hub
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.model.gpt import GPT
@@ -94,7 +94,9 @@ def read_base(spec: str) -> Base:
             raise ConfigError(f"--init {spec}: the run has no valid checkpoint to start from; train it first")
         model, tokenizer = Recipe.from_dict(run.recipe_dict()).model, Tokenizer.load(path / TOKENIZER_JSON)
     else:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        cfg = read_json_safe(path / "config.json")  # bounded, never through a link, a bad file named
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"--init {spec}: its config.json is not a model config (a JSON object)")
         gaps = representation_gaps(cfg)
         if gaps:
             raise ConfigError(f"--init {spec}: tinygpt's GPT cannot represent this model: {'; '.join(gaps)}")
@@ -103,7 +105,7 @@ def read_base(spec: str) -> Base:
         except (ConfigError, KeyError) as e:
             raise ConfigError(
                 f"--init {spec}: its config.json does not describe a model tinygpt can build ({e})") from None
-        tokenizer = import_tokenizer(path)
+        tokenizer = import_tokenizer(path)  # its regexes checked: a crafted one is refused, never run
         if tokenizer is None:
             raise ConfigError(f"--init {spec}: no tokenizer.json with an end-of-text token beside the model (the "
                               "corpus is tokenized with the base's own tokenizer); save it there with "
@@ -136,22 +138,22 @@ def continued_recipe(template: Recipe | str, init: str) -> Recipe:
                   base.model, train, data)
 
 
-def run_init(*run_dirs: str | Path | None) -> str | None:
-    """The base the first of these run folders (local, mirror ...) that is a pretraining run continues; None
-    when it started from scratch or there is none."""
-    for d in run_dirs:
-        if d is not None and RunDir(d).is_pretrain_run():
-            return RunDir(d).recipe_dict().get("model", {}).get("init")
+def run_init(run_dir: str | Path | None) -> str | None:
+    """The base the local run folder `run_dir` continues, if it is a pretraining run; None when it started from
+    scratch or there is none. Never a mirror's: a shared folder's run.json could name any folder of this VM."""
+    if run_dir is not None and RunDir(run_dir).is_pretrain_run():
+        return RunDir(run_dir).recipe_dict().get("model", {}).get("init")
     return None
 
 
-def pretrain_recipe(name: str, init: str | None, *run_dirs: str | Path | None) -> Recipe:
+def pretrain_recipe(name: str, init: str | None, run_dir: str | Path | None = None) -> Recipe:
     """The recipe `tinygpt pretrain` and 01_pretrain train: the named one, or with a base (`init`, else the one
-    the run folder continues) that recipe sized for it. A run folder (the first of `run_dirs` that is a
-    pretraining run: local, then the mirror) that already continues the same base with the same recipe keeps
-    the recipe it recorded: a resume reads nothing of the base."""
-    runs = [RunDir(d) for d in run_dirs if d is not None and RunDir(d).is_pretrain_run()]
-    old = Recipe.from_dict(runs[0].recipe_dict()) if runs else None
+    the local run folder continues) that recipe sized for it. A local run folder that already continues the same
+    base with the same recipe keeps the recipe it recorded: a resume reads nothing of the base. Only the run
+    folder the user made is read, never the mirror: a shared folder's run.json is evidence to compare against
+    (`check_mirror_run`), it never chooses the base, the data or the tokenizer."""
+    run = RunDir(run_dir) if run_dir is not None else None
+    old = Recipe.from_dict(run.recipe_dict()) if run is not None and run.is_pretrain_run() else None
     same_name = old is not None and old.name == name
     init = normalise_init(init) if init else (old.model.init if same_name else None)
     if init is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import platform
 import sys
 from dataclasses import dataclass, replace
@@ -28,16 +29,17 @@ from tinygpt.core.config import (
     Recipe,
     TrainConfig,
     check_same_settings,
+    config_differences,
     get_recipe,
 )
-from tinygpt.core.files import refuse_links_in
+from tinygpt.core.files import link_problem, read_json_safe, refuse_links_in
 from tinygpt.core.options import option, targets
 from tinygpt.core.precision import Precision, choose_precision
-from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKENIZER_JSON, RunDir
+from tinygpt.core.rundir import BUDGET_JSON, METRICS, RUN_JSON, SAMPLES, TENSORBOARD, TOKENIZER_JSON, RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.mirrored import RunMirror, mirrored
-from tinygpt.train.budget import Budget
+from tinygpt.train.budget import MAX_HOURS, Budget
 from tinygpt.train.callbacks import (
     MFU,
     Progress,
@@ -52,7 +54,7 @@ from tinygpt.train.data import check_source, iter_documents
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
 from tinygpt.train.hardware import check_device, check_fits, gpu_peak_tflops
 from tinygpt.train.init import Base, initial_model, starting_base
-from tinygpt.train.probe import fit_to_device
+from tinygpt.train.probe import PROBED_TRAIN_FIELDS, fit_to_device
 from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.tokens import RunData, open_tokens
@@ -76,6 +78,60 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
     if resume == "never" and ckpt.list_checkpoints(RunDir(run_dir).checkpoints):
         raise ConfigError(f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
                           "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
+
+
+# what a run's run.json may hold otherwise than the command that resumes it: what a resume may change, and what the
+# probe chose on the GPU it began on (kept from run.json by `fit_to_device`)
+MIRROR_MAY_DIFFER = RESUMABLE_CHANGES | set(PROBED_TRAIN_FIELDS) | {"activation_checkpointing"}
+
+
+def check_mirror_run(recipe: Recipe, mirror: str | Path | None) -> None:
+    """A mirror is a shared folder: its run.json is evidence, never a source. What a run trains (the recipe, its
+    base, data and tokenizer) comes from the command and the local run folder; a mirror whose run.json records
+    another run is refused in one line naming the fields, before anything is copied from or to it (so nothing it
+    names, a base folder or a data folder, is read, and nothing is uploaded). An unreachable mirror is left to the
+    restore, which says so."""
+    if mirror is None:
+        return
+    path = Path(mirror) / RUN_JSON
+    try:
+        if not os.path.lexists(path):
+            return
+        info = read_json_safe(path, what=" (on the mirror)")
+        theirs = Recipe.from_dict(info["recipe"]).to_dict()
+    except OSError:
+        return
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"the mirror's {RUN_JSON} cannot be read as a run's ({str(e).splitlines()[0]}); nothing "
+                          f"was copied from or to {mirror}: use another --mirror folder") from None
+    check_mirror_files(mirror)
+    ours = recipe.to_dict()
+    diffs = config_differences({k: theirs.get(k) for k in ("model", "train", "data")},
+                               {k: ours[k] for k in ("model", "train", "data")}, MIRROR_MAY_DIFFER)
+    if theirs.get("name") != recipe.name:
+        diffs.insert(0, f"recipe: {theirs.get('name')!r} in the run, {recipe.name!r} now")
+    if diffs:
+        raise ConfigError(f"the mirror {mirror} holds another run than this command's ({'; '.join(diffs)}): nothing "
+                          "was copied from or to it, and nothing it names was read. Give the command that run was "
+                          "started with (its --recipe, --init, --data, --set), or use another --mirror folder")
+
+
+def check_mirror_files(mirror: str | Path) -> None:
+    """The run files a restore would copy home and a later start parses (budget.json, metrics.jsonl, samples.txt),
+    read as a start reads them: one that tinygpt could not have written is refused here, naming it, before it is
+    copied into the local folder (where it would stop every later start too)."""
+    run = RunDir(mirror)
+    reads = {BUDGET_JSON: lambda: Budget.load(run.path), METRICS: run.metrics, SAMPLES: run.samples}
+    try:
+        for name, read in reads.items():
+            if link_problem(run.path / name) is None:  # a link is not copied: the restore says so, and goes on
+                read()
+    except OSError:
+        return  # an unreachable mirror: the restore says so
+    except ValueError as e:  # RunDirError, UnsafePathError, FileTooLarge: each names its file
+        raise ConfigError(f"the mirror holds a file tinygpt did not write: {str(e).splitlines()[0]}; nothing was "
+                          f"copied from or to {mirror}: delete that file there, or use another --mirror "
+                          "folder") from None
 
 
 def check_tokenizer(recipe: Recipe, token_ids: bool) -> None:
@@ -158,8 +214,9 @@ class PretrainOptions:
         if self.probe not in ("auto", "off"):
             raise ConfigError(f"probe must be 'auto' or 'off', got {self.probe!r}")
         if self.hours is not None and not (isinstance(self.hours, (int, float)) and math.isfinite(self.hours)
-                                           and self.hours > 0):
-            raise ConfigError(f"hours must be a positive, finite number of hours (e.g. 1.5), got {self.hours!r}")
+                                           and 0 < self.hours <= MAX_HOURS):
+            raise ConfigError(f"hours must be a positive number of hours up to {MAX_HOURS} (e.g. 1.5), got "
+                              f"{self.hours!r}")
         if self.hours is not None and self.max_steps is not None:
             raise ConfigError("give --hours or --max-steps, not both: a time budget sets the step count itself")
         self.run_dir = Path(self.run_dir)
@@ -217,6 +274,7 @@ def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: R
     its callbacks when training ends (the mirror last: it finishes its copies); then the token shards and
     the lock are let go, whatever ended the run (`mirrored` closes a mirror that training never reached)."""
     refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
+    check_mirror_run(recipe, opts.mirror if ranks.is_main else None)  # another run's mirror: before any copy
     with contextlib.ExitStack() as held:
         if ranks.is_main:
             folder = RunDir(opts.run_dir)
