@@ -51,6 +51,18 @@ class MirrorTaken(ValueError):
     """The mirror folder belongs to another run (its identity.json says so): refused before any write."""
 
 
+class MirrorGone(OSError):
+    """The mirror folder this run was copying to is no longer there (Drive unmounted, the folder deleted or
+    replaced): nothing more is copied, and nothing is made in its place on the VM's own disk."""
+
+    def __init__(self, mirror: Path, local: Path, why: str) -> None:
+        super().__init__(errno.ENOENT, f"the mirror at {mirror} is gone ({why}); local checkpoints are safe in "
+                                       f"{local}; remount Drive and run again to copy them")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 def _fuse_mount(path: Path) -> bool:
     """Whether `path` lies on a FUSE mount (Colab's Drive), where EACCES/EPERM can pass; elsewhere they do not."""
     try:
@@ -67,7 +79,7 @@ def is_permanent(e: BaseException, path: str | Path) -> bool:
     """An error that waiting will not cure: the mirror (or a parent) is not a folder, the file system is
     read-only, or permission is denied off FUSE; or the mirror belongs to another run. ENOSPC, EIO,
     ENOTCONN and the rest are transient (a full quota is freed, a dropped mount comes back)."""
-    if isinstance(e, (MirrorTaken, RunDirError)):
+    if isinstance(e, (MirrorTaken, MirrorGone, RunDirError)):
         return True
     if not isinstance(e, OSError):
         return False

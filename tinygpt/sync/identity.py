@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import uuid
 from pathlib import Path
 
-from tinygpt.core.files import write_bytes_atomic
+from tinygpt.core.files import read_bytes_safe, write_bytes_atomic
 from tinygpt.core.rundir import IDENTITY, RunDirError
 from tinygpt.sync.copy import MirrorTaken, new_tag
 
+IDENTITY_LIMIT = 4096  # an identity.json holds two short strings
 
-def _read_identity(folder: Path) -> dict | None:
+
+def read_identity(folder: Path) -> dict | None:
+    """The identity.json of a run folder or a mirror (None when it has none; RunDirError when it is not one)."""
     p = folder / IDENTITY
-    if not p.is_file():
+    if not os.path.lexists(p):
         return None
     try:
-        d = json.loads(p.read_bytes())
+        d = json.loads(read_bytes_safe(p, IDENTITY_LIMIT))  # no link followed, a few bytes at most
     except ValueError:
         d = None
     if not (isinstance(d, dict) and isinstance(d.get("run_id"), str) and isinstance(d.get("config"), str)):
@@ -32,11 +36,11 @@ def run_identity(local: str | Path, mirror: str | Path | None, config: dict) -> 
     that another run owns: another configuration, or another run id than the run folder's. A mirror that
     cannot be read is left to the mirror's own retries: it never stops a run here."""
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    mine = _read_identity(Path(local))
+    mine = read_identity(Path(local))
     theirs = None
     if mirror is not None:
         try:
-            theirs = _read_identity(Path(mirror))
+            theirs = read_identity(Path(mirror))
         except OSError:
             theirs = None
     if theirs is not None:
@@ -60,7 +64,7 @@ def write_identity(folder: str | Path, identity: dict) -> None:
 
 def claim_mirror(mirror: Path, identity: dict, tag: str = "") -> None:
     """Write the identity into the mirror, or check the one there (a second VM may have claimed it since)."""
-    theirs = _read_identity(mirror)
+    theirs = read_identity(mirror)
     if theirs is None:
         write_bytes_atomic(mirror / IDENTITY, json.dumps(identity).encode(), tag=tag or new_tag())
     elif theirs["run_id"] != identity["run_id"]:

@@ -26,6 +26,7 @@ from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, METRICS, RUN_FIL
 from tinygpt.sync.copy import (
     Backoff,
     CopyFile,
+    MirrorGone,
     SyncAborted,
     SyncRefused,
     copy_checkpoint,
@@ -35,7 +36,7 @@ from tinygpt.sync.copy import (
     plain_copy,
     whole_lines,
 )
-from tinygpt.sync.identity import claim_mirror
+from tinygpt.sync.identity import claim_mirror, read_identity
 
 CLOSE_TIMEOUT_S = 120.0  # after training, how long the mirror may finish its copies before we return
 
@@ -135,6 +136,7 @@ class Mirror(Callback):
         # identity: written into the mirror before anything else, refused when the mirror holds another run's
         self.identity, self._claimed, self._catch_up = identity, identity is None, catch_up
         self._dead: BaseException | None = None  # a permanent error: the mirror is off for this run
+        self._root: tuple[int, int] | None = None  # the mirror folder's (device, inode) once this run has claimed it
         self._thread = threading.Thread(target=self._run, name="tinygpt-mirror", daemon=True)
         self._thread.start()
 
@@ -315,9 +317,9 @@ class Mirror(Callback):
         with self._cond:
             self._files_dirty = False
             self._files_synced_at = self.clock()
-        if self.mirror.exists() and not self.mirror.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "the mirror is a file, not a folder", str(self.mirror))
-        self.mirror.mkdir(parents=True, exist_ok=True)
+        if self._root is None:
+            self._first_contact()
+        self._check_root()
         if not self._claimed:  # before the first file: the mirror is this run's, or nothing is written
             claim_mirror(self.mirror, self.identity, self._tag)
             self._claimed = True
@@ -331,6 +333,36 @@ class Mirror(Callback):
             write_bytes_atomic(self.mirror / name, whole_lines(src), st.st_mtime_ns, self._tag)
             self._file_sigs[name] = (st.st_size, st.st_mtime_ns)
 
+    def _first_contact(self) -> None:
+        """Make the mirror folder (once, at the first copy) and note which folder it is. A Drive mount point that
+        is not mounted is refused: its parents would be made on the VM's own disk."""
+        if self.mirror.exists() and not self.mirror.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "the mirror is a file, not a folder", str(self.mirror))
+        drive = unmounted_drive(self.mirror)
+        if drive is not None:
+            raise MirrorGone(self.mirror, self.local, f"nothing is mounted at {drive}")
+        self.mirror.mkdir(parents=True, exist_ok=True)
+        st = os.stat(self.mirror)
+        self._root = (st.st_dev, st.st_ino)
+
+    def _check_root(self) -> None:
+        """Before each copy: the mirror folder is the one this run began copying to (same device and inode, this
+        run's identity.json still there), else MirrorGone: a Drive unmounted mid-run leaves an empty mount point
+        on the VM's disk, where nothing must be made (the copies would look done and be lost with the VM)."""
+        try:
+            st = os.stat(self.mirror)
+        except FileNotFoundError:
+            raise MirrorGone(self.mirror, self.local, "the folder no longer exists: Drive unmounted, or the folder "
+                                                     "deleted") from None
+        if (st.st_dev, st.st_ino) != self._root:
+            raise MirrorGone(self.mirror, self.local, "another folder now has its name: Drive unmounted or "
+                                                     "remounted, or the folder replaced")
+        if self._claimed and self.identity is not None:
+            theirs = read_identity(self.mirror)
+            if theirs is None or theirs["run_id"] != self.identity["run_id"]:
+                why = "gone" if theirs is None else f"run {theirs['run_id']}'s"
+                raise MirrorGone(self.mirror, self.local, f"its identity.json is {why}: the folder was replaced")
+
     def _sync_checkpoint(self, key: str, src: Path, step: int) -> None:
         dst = self.mirror / key
         group = key.split("/")[0]
@@ -342,6 +374,7 @@ class Mirror(Callback):
                     return False
             if not (src / MANIFEST).is_file():
                 return False  # pruned or being replaced locally: the next checkpoint will come
+            self._check_root()  # a vanished Drive: nothing is made in its place
             raw = (src / MANIFEST).read_bytes()
             if ((dst / MANIFEST).is_file() and (dst / MANIFEST).read_bytes() == raw
                     and verify_checkpoint(dst, deep=False)[0]):
@@ -368,6 +401,17 @@ class Mirror(Callback):
             prune_mirror(dst.parent, self.keep_last, self._verified)
 
 
+DRIVE_MOUNTPOINT = Path("/content/drive")  # where Colab mounts Google Drive (colab.mount_drive's default)
+
+
+def unmounted_drive(mirror: Path) -> Path | None:
+    """Colab's Drive mount point when `mirror` lies under it and nothing is mounted there (None otherwise)."""
+    path = Path(os.path.abspath(mirror))
+    if DRIVE_MOUNTPOINT in path.parents and not os.path.ismount(DRIVE_MOUNTPOINT):
+        return DRIVE_MOUNTPOINT
+    return None
+
+
 def _same_folder(local: Path, there: Path) -> bool:
     try:
         return (there / MANIFEST).read_bytes() == (local / MANIFEST).read_bytes() and verify_checkpoint(
@@ -381,6 +425,9 @@ def mirror_lag(local_run_dir: str | Path, mirror_run_dir: str | Path) -> list[st
     checkpoint, best/, the adapter, metrics.jsonl's logged steps."""
     local, mirror = Path(local_run_dir), Path(mirror_run_dir)
     out: list[str] = []
+    if not mirror.is_dir() and list_checkpoints(local / CHECKPOINTS):
+        return ["everything: the folder is gone (Drive unmounted, or the folder deleted); remount Drive and run "
+                "again to copy it"]
     try:
         newest = next((p for _, p in reversed(list_checkpoints(local / CHECKPOINTS))
                        if verify_checkpoint(p, deep=False)[0]), None)

@@ -27,7 +27,7 @@ from tinygpt.sync.copy import (
     new_tag,
     plain_copy,
 )
-from tinygpt.sync.mirror import mirror_wait_s
+from tinygpt.sync.mirror import mirror_wait_s, unmounted_drive
 
 
 def _shard_manifest(folder: Path) -> dict | None:
@@ -127,19 +127,47 @@ class ShardMirror:
     def __init__(self, local_dir: Path, mirror_dir: Path, every_s: float = 20.0, copy_file: CopyFile = plain_copy):
         self.local, self.mirror, self.every_s, self.copy_file = local_dir, mirror_dir, every_s, copy_file
         self._stop = threading.Event()
+        self._home: tuple[int, int] | None = None  # (device, inode) of the folder holding the token cache, once made
         self._thread = threading.Thread(target=self._run, name="tinygpt-shard-mirror", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            if sync_shards(self.local, self.mirror, backoff=Backoff(max_attempts=3), copy_file=self.copy_file) < 0:
+            if self._gone() or sync_shards(self.local, self.mirror, backoff=Backoff(max_attempts=3),
+                                           copy_file=self.copy_file) < 0:
                 return  # a permanent error: said once; the shards are only a cache
             there = _shard_manifest(self.mirror)
             if there is not None and there.get("done"):
                 return
             if self._stop.wait(self.every_s):
-                sync_shards(self.local, self.mirror, backoff=Backoff(max_attempts=3), copy_file=self.copy_file)
+                if not self._gone():
+                    sync_shards(self.local, self.mirror, backoff=Backoff(max_attempts=3), copy_file=self.copy_file)
                 return
+
+    def _gone(self) -> bool:
+        """Whether the folder that holds the mirror's token cache (the runs' folder on Drive) has gone since the
+        first copy (Drive unmounted, the folder deleted or replaced), said once; it is made at the first copy
+        only, and never under an unmounted Drive mount point: nothing is copied onto the VM's own disk."""
+        home = self.mirror.parent.parent if self.mirror.parent.name == TOKEN_CACHE else self.mirror.parent
+        why = None
+        if self._home is None:
+            if (drive := unmounted_drive(home)) is not None:
+                why = f"nothing is mounted at {drive}"
+            else:
+                home.mkdir(parents=True, exist_ok=True)
+                st = os.stat(home)
+                self._home = (st.st_dev, st.st_ino)
+        else:
+            try:
+                st = os.stat(home)
+                if (st.st_dev, st.st_ino) != self._home:
+                    why = "another folder now has its name"
+            except FileNotFoundError:
+                why = "the folder no longer exists"
+        if why is not None:
+            warnings.warn(f"token shards are not copied to {self.mirror}: {home} is gone ({why}; Drive unmounted?); "
+                          "they are only a cache, kept on this VM", stacklevel=2)
+        return why is not None
 
     def close(self, timeout: float | None = None) -> bool:
         """One last copy (within `timeout`, default `mirror_wait_s()`); True if everything local is on the mirror."""
