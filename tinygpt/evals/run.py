@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from tinygpt.core.files import append_text, refuse_link
 from tinygpt.core.paths import is_hub
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import EVALS_JSONL, RunDir
@@ -49,6 +50,7 @@ def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: s
         return t.score(run_dir, r)
     r = dataclasses.replace(r, **{k: v for k, v in t.defaults.items() if getattr(r, k) is None})
     check_request(t, r)
+    refuse_link(Path(run_dir) / EVALS_JSONL, writes=True)  # where the result goes: a link is refused before any work
     loaded = load_for_eval(run_dir, which, device)
     data = str(r.data) if r.data is not None else t.data_default
     head = {"run": Path(run_dir).name, "checkpoint": loaded.source, "task": task, "data": data}
@@ -68,8 +70,7 @@ def record_eval(run_dir: str | Path, result: dict[str, Any]) -> None:
     record = {**{k: result[k] for k in keep}, "scores": scores,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
-        with open(run.path / EVALS_JSONL, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(run.path / EVALS_JSONL, json.dumps(record) + "\n")  # never through a link or a hard link
     except OSError as e:  # a read-only folder (someone else's run): the result is still returned
         warnings.warn(f"the result was not recorded in {run.path / EVALS_JSONL}: {e.strerror or e}", stacklevel=2)
 
