@@ -163,7 +163,8 @@ def test_a_mirror_that_vanishes_mid_run_is_never_recreated_on_the_vms_disk(tmp_p
     capsys.readouterr()
     assert _report_pretrain(res, tmp_path / "vm", str(mirror)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith(f"the mirror {mirror} is behind") and "the folder is gone" in last, last
+    assert last.startswith(f"the mirror {mirror} is behind: the folder is gone") and "remount" in last, last
+    assert "same command again" not in last
 
 
 def test_a_mirror_folder_replaced_mid_run_gets_nothing_more(tmp_path):
@@ -276,3 +277,76 @@ def test_evals_jsonl_is_never_written_or_read_through_a_link(tmp_path, capsys):
     assert main(["export", str(run), str(tmp_path / "export")]) == 0
     capsys.readouterr()
     assert "swordfish" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "export").glob("*.md"))
+
+
+def test_a_diverged_first_try_says_what_is_true_and_leaves_the_folder_as_found(tmp_path):
+    """Item 10: `--set train.lr=1e9` diverges before any checkpoint. Before: "The last good checkpoint is None ...
+    run again to resume from it", and a folder that existed kept a .lock. Now the message says nothing was saved
+    and the run starts again from step 0, and the folder holds what it held before; the advice then works."""
+    data = text_folder(tmp_path / "data", 1)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine\n")
+    out = pretrain(run, tmp_path / "cache", "--max-steps", "20", "--set", "train.lr=1e9", data=data)
+    assert out.returncode != 0, out.stdout
+    assert "None" not in out.stdout and "before any checkpoint was saved" in out.stdout, out.stdout
+    assert "starts from step 0" in out.stdout, out.stdout
+    assert listing(run) == ["notes.txt"]  # no run.json, tokenizer, metrics or .lock left behind
+    out = pretrain(run, tmp_path / "cache", "--max-steps", "2", data=data)  # as the message says
+    assert out.returncode == 0, out.stdout
+
+
+def test_the_loser_of_two_runs_on_one_mirror_is_told_to_use_another(tmp_path):
+    """Item 10: two runs started at once on one new mirror: the first claims it, the second's copies stop; its last
+    line used to say "the same command again copies the rest", which the mirror then refused. It now names the run
+    that holds the mirror and says to use another --mirror folder."""
+    from tinygpt.cli import mirror_line
+    from tinygpt.core.checkpoint import write_manifest
+    from tinygpt.sync.identity import write_identity
+    from tinygpt.sync.mirror import Mirror, mirror_lag
+
+    mirror = tmp_path / "drive" / "run"
+    locals_ = []
+    for run_id in ("winner00001", "loser000002"):
+        local = tmp_path / run_id
+        ckpt = local / "checkpoints" / "step_000002"
+        ckpt.mkdir(parents=True)
+        (ckpt / "model.bin").write_bytes(os.urandom(100))
+        write_manifest(ckpt, {"step": 2})
+        identity = {"run_id": run_id, "config": "same"}
+        write_identity(local, identity)
+        m = Mirror(local, mirror, identity=identity)
+        m.on_checkpoint(ckpt, 2)
+        m.flush(timeout=300)
+        m.close(timeout=60)
+        locals_.append(local)
+    assert json.loads((mirror / "identity.json").read_text())["run_id"] == "winner00001"
+    assert mirror_lag(locals_[0], mirror) == []
+    line = mirror_line(mirror, mirror_lag(locals_[1], mirror))
+    assert "belongs to run winner00001" in line and "use another --mirror folder" in line, line
+    assert "same command again" not in line
+
+
+def test_an_export_killed_with_9_leaves_no_temporary_for_ever(tmp_path):
+    """Item 10: `kill -9` during `tinygpt export` left `.tmp-<name>-<pid>` beside the target for ever. The next
+    write of that target removes the temporaries of processes that no longer run, and leaves a running one's."""
+    import signal
+
+    from tinygpt.core.files import atomic_output
+
+    dead = subprocess.Popen(["sleep", "60"])
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        target = tmp_path / "export"
+        for pid in (dead.pid, alive.pid):
+            (tmp_path / f".tmp-export-{pid}").mkdir()
+            (tmp_path / f".tmp-export-{pid}" / "model.safetensors").write_bytes(b"half")
+        with atomic_output(target, folder=True) as tmp:
+            (tmp / "README.md").write_text("card\n")
+        assert listing(tmp_path) == sorted(["export", "export/README.md", f".tmp-export-{alive.pid}",
+                                            f".tmp-export-{alive.pid}/model.safetensors"])
+    finally:
+        alive.kill()
+        alive.wait()

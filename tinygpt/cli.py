@@ -33,7 +33,7 @@ from tinygpt.model.gpt import meta_model
 from tinygpt.model.loading import load_run
 from tinygpt.publish import ExportOptions, PushOptions
 from tinygpt.sync.identity import run_identity
-from tinygpt.sync.mirror import catch_up, mirror_lag
+from tinygpt.sync.mirror import NOTHING_MORE, catch_up, mirror_lag
 from tinygpt.train.budget import finished_run
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.init import default_recipe, pretrain_recipe
@@ -143,6 +143,8 @@ def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:
     """The line a command ends with when the mirror is behind the local run (None when it is not)."""
     if not lag:
         return None
+    if lag[0].startswith(NOTHING_MORE):  # gone, or another run's: the line says what to do instead
+        return f"the mirror {mirror} is behind: {lag[0][len(NOTHING_MORE):]}; the local run folder has everything"
     return (f"the mirror {mirror} is behind: it lacks {'; '.join(lag)}; the local run folder has everything, "
             "and the same command again (with --mirror) copies the rest once the mirror has room and is reachable")
 

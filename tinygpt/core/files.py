@@ -287,6 +287,31 @@ def fresh_tmp_dir(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it runs, as another user
+        return True
+    return True
+
+
+def clear_dead_tmps(dst: Path) -> None:
+    """Remove the temporaries beside `dst` (`.tmp-<name>-<pid>...`) of processes that no longer run: a write killed
+    with -9 leaves one, which nothing else would ever remove. Those of running processes (and this one) stay."""
+    prefix = f"{TMP_PREFIX}{dst.name}-"
+    with contextlib.suppress(OSError):
+        for p in dst.parent.iterdir():
+            pid = p.name[len(prefix):].split("-")[0] if p.name.startswith(prefix) else ""
+            if not (pid.isascii() and pid.isdigit()) or int(pid) == os.getpid() or _running(int(pid)):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def atomic_output(dst: str | Path, folder: bool = False, tag: str | int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `dst` to fill (a file, or with `folder` an empty folder). When the
@@ -294,6 +319,7 @@ def atomic_output(dst: str | Path, folder: bool = False, tag: str | int | None =
     when it raises, the temporary is removed and `dst` is as it was."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    clear_dead_tmps(dst)  # an earlier write of the same target killed with -9
     tmp = tmp_sibling(dst, tag)
     try:  # made inside the try: a Ctrl-C that lands just after the mkdir still removes it
         if folder:

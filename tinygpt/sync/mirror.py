@@ -420,14 +420,24 @@ def _same_folder(local: Path, there: Path) -> bool:
         return False
 
 
+NOTHING_MORE = "everything: "  # how mirror_lag begins when the mirror takes nothing more of this run (and why)
+
+
 def mirror_lag(local_run_dir: str | Path, mirror_run_dir: str | Path) -> list[str]:
     """What the local run holds and the mirror lacks, in words ([] when the mirror has it all): the newest
     checkpoint, best/, the adapter, metrics.jsonl's logged steps."""
     local, mirror = Path(local_run_dir), Path(mirror_run_dir)
     out: list[str] = []
     if not mirror.is_dir() and list_checkpoints(local / CHECKPOINTS):
-        return ["everything: the folder is gone (Drive unmounted, or the folder deleted); remount Drive and run "
+        return [f"{NOTHING_MORE}the folder is gone (Drive unmounted, or the folder deleted); remount Drive and run "
                 "again to copy it"]
+    try:
+        mine, theirs = read_identity(local), read_identity(mirror)
+    except (OSError, ValueError):
+        mine = theirs = None
+    if mine is not None and theirs is not None and mine["run_id"] != theirs["run_id"]:
+        return [f"{NOTHING_MORE}it belongs to run {theirs['run_id']} (another VM or tab claimed it first), so this "
+                f"run copies nothing there: use another --mirror folder for it"]
     try:
         newest = next((p for _, p in reversed(list_checkpoints(local / CHECKPOINTS))
                        if verify_checkpoint(p, deep=False)[0]), None)

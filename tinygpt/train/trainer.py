@@ -522,26 +522,40 @@ class Trainer(TrainStep):
         if self.world_size > 1 and not isinstance(e, TrainingError) and dist_.is_peer_failure(e):
             raise TrainingError(f"process {self.rank} of {self.world_size} lost its peers at step {self.step} "
                                 f"({type(e).__name__}: {str(e)[:160]}...): another "
-                                "process of this job died or hung (torchrun's report names it). The last "
-                                f"good checkpoint is {self.last_saved or ckpt.latest_valid(self.ckpt_root)}; run "
-                                "the same command again, with any number of processes, to resume from it") from e
+                                "process of this job died or hung (torchrun's report names it). "
+                                + self._where_to_resume("run the same command again, with any number of "
+                                                        "processes")) from e
 
     def _write_failed(self, what: str, e: BaseException) -> TrainingError:
         disk_full = getattr(e, "errno", None) == errno.ENOSPC or any(m in str(e) for m in _DISK_FULL)
         why = (f"the disk is full ({os.strerror(errno.ENOSPC)})" if disk_full
                else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return TrainingError(f"could not write {what} at step {self.step}: {why}. The last good checkpoint is "
-                             f"{ckpt.latest_valid(self.ckpt_root)}; free some disk space and run the same command "
-                             "again to resume from it")
+        return TrainingError(f"could not write {what} at step {self.step}: {why}. "
+                             + self._where_to_resume("free some disk space and run the same command again"))
+
+    def _where_to_resume(self, then: str) -> str:
+        """The end of a failure's message: the last good checkpoint and `then` (what to do) to resume from it, or,
+        with none saved yet, that the same `then` starts the run again from step 0 (never "checkpoint None")."""
+        last = self.last_saved or ckpt.latest_valid(self.ckpt_root)
+        if last is None:
+            return f"No checkpoint was saved yet: {then} to start again from step 0"
+        return f"The last good checkpoint is {last}: {then} to resume from it"
 
     def _check_finite(self, value: float, what: str = "loss") -> None:
         if math.isfinite(value):
             return
         if what == "gradient norm" and self.precision.use_scaler:
             return  # fp16: the scaler skipped this step and lowered its scale; the weights are intact
-        raise TrainingError(f"the {what} became {value} at step {self.step}; nothing was saved after it. The last "
-                            f"good checkpoint is {self.last_saved}. Lower the learning rate, or use precision "
-                            "bf16/fp32 instead of fp16, then run again to resume from it")
+        last = self.last_saved or ckpt.latest_valid(self.ckpt_root)
+        change = "a lower learning rate (--set train.lr=...)" + (
+            " or precision bf16/fp32 instead of fp16" if self.precision.use_scaler else "")
+        if last is None:  # a first try that saved nothing leaves nothing behind: the same folder takes new settings
+            raise TrainingError(f"the {what} became {value} at step {self.step}, before any checkpoint was saved: "
+                                f"run again with {change}; it starts from step 0")
+        # the rate and the precision are part of a run's configuration: a run folder with checkpoints keeps its own
+        raise TrainingError(f"the {what} became {value} at step {self.step}; nothing was saved after it. The last good "
+                            f"checkpoint is {last}. Train with {change} in a new run folder (--run-dir): this one "
+                            "keeps the settings it began with")
 
 
 
