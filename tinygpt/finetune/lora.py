@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.checkpoint import MODEL_FILE, find_run_checkpoint, list_checkpoints
 from tinygpt.core.config import TrainConfig
-from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
+from tinygpt.core.files import FileTooLarge, UnsafePathError, atomic_output, refuse_links_in, write_json_atomic
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import ADAPTER_CONFIG, RunDir, read_json
 from tinygpt.finetune.instruct import (
@@ -41,6 +41,7 @@ from tinygpt.finetune.instruct import (
     DataReport,
     build_instruct_data,
     format_prompt,
+    load_records,
 )
 
 # Recipes, memory estimates, hardware checks, a base's config and the run folder's files: finetune/recipes.py.
@@ -80,9 +81,10 @@ from tinygpt.finetune.recipes import (  # noqa: F401
     verify_adapter,
 )
 from tinygpt.model.attention import use_expanding_sdpa
-from tinygpt.model.hf import export_model
+from tinygpt.model.hf import UntrustedModel, export_model, from_pretrained
 from tinygpt.model.loading import load_run
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy
+from tinygpt.model.tokenizer import UnsafeTokenizer
 from tinygpt.sync.mirror import mirror_adapter
 from tinygpt.sync.mirrored import mirrored
 from tinygpt.train.callbacks import Progress
@@ -125,19 +127,21 @@ def _cpu_safe_4bit(model: torch.nn.Module) -> None:
 
 
 def load_tokenizer(path: str):
+    """A base's (or an adapter's) tokenizer through transformers, its folder checked first and its own code never
+    run (`model.hf.from_pretrained`)."""
     _need("transformers", "finetuning")
-    from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return from_pretrained("AutoTokenizer", path)
+    except (UntrustedModel, UnsafeTokenizer, UnsafePathError, FileTooLarge):
+        raise  # one line that names the file already
     except Exception as e:
         raise FinetuneError(f"could not load the tokenizer of base {path!r}: {e}") from e
 
 
 def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu"):
-    """A Hugging Face causal LM from a local folder or a Hub id, optionally in 4-bit NF4."""
-    from transformers import AutoModelForCausalLM
-
+    """A Hugging Face causal LM from a local folder or a Hub id, optionally in 4-bit NF4; its folder checked
+    first and its own code never run (`base_config`, `model.hf.from_pretrained`)."""
     config = base_config(path)
     try:
         kw: dict[str, Any] = {"dtype": dtype}
@@ -150,7 +154,9 @@ def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.f
             kw.update(quantization_config=_bnb_config(dtype),  # quantized as it loads, straight onto the device
                       device_map={"": torch.cuda.current_device() if dev.type == "cuda" and dev.index is None
                                       else (dev.index if dev.type == "cuda" else dev.type)})
-        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        model = from_pretrained("AutoModelForCausalLM", path, **kw)
+    except (UntrustedModel, UnsafeTokenizer, UnsafePathError, FileTooLarge):
+        raise  # one line that names the file already
     except Exception as e:
         raise FinetuneError(f"could not load base model {path!r}: {type(e).__name__}: {e}") from e
     if quantize == "nf4":
@@ -272,8 +278,6 @@ def export_full(run_dir: str | Path, which: str = "latest", out_dir: str | Path 
     """A full finetuning run's checkpoint ("latest", "best" or a folder) as a standalone transformers model folder
     (config.json, model.safetensors, tokenizer; run_dir/model by default): the checkpoint's weights already carry
     transformers' names, so they are copied as they are. An existing folder is replaced whole."""
-    from transformers import AutoConfig
-
     run_dir = Path(run_dir)
     info = RunDir(run_dir).adapter_info()
     if not is_full_finetune(run_dir) or not info:
@@ -283,7 +287,7 @@ def export_full(run_dir: str | Path, which: str = "latest", out_dir: str | Path 
     if not (Path(base) / "config.json").is_file():  # a Hub id; or a new VM, where a tinygpt base is exported again
         base = (str(export_tinygpt_base(info["base"], run_dir / BASE_DIR)) if is_tinygpt_run(info["base"])
                 else info["base"])
-    config = AutoConfig.from_pretrained(base)
+    config = base_config(base)  # checked: no code of its own, a model type tinygpt loads
     config.torch_dtype = torch.float32
     out = Path(out_dir) if out_dir is not None else run_dir / FULL_MODEL_DIR
     with atomic_output(out, folder=True) as tmp:
@@ -530,14 +534,18 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
 def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | Path, max_steps: int | None = None,
               hardware: str | None = None, resume: str = "auto", callbacks=(), *, train: dict | None = None,
               device: str | None = None, progress: bool = True, mirror: str | Path | None = None) -> FinetuneResult:
-    """The finetuning run itself; `finetune` holds the run folder's lock around it: the settings decided once
-    (`_settle`), the base exported and the data read (a bad record fails in seconds, not after a 5 GB download),
+    """The finetuning run itself; `finetune` holds the run folder's lock around it: the data read first (a missing
+    or bad file fails in seconds, before anything of the base is read), the settings decided once (`_settle`),
+    the base exported and the records tokenized (a bad record fails before a 5 GB download),
     the model made trainable, trained, then the adapter (or the whole model) written out."""
     rec = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     if resume not in ("auto", "never"):
         raise FinetuneError(f"resume must be 'auto' or 'never', got {resume!r}")
     run_dir = Path(run_dir)
     check_device(dev := resolve_device(device or "auto"))
+    # --data is read (and a missing or unreadable one refused) before anything of the base is: its config,
+    # tokenizer and weights
+    records = load_records(data) if isinstance(data, str) else data
     base_id = str(Path(base).resolve()) if is_tinygpt_run(base) else base
     overrides = {**(train or {}), **({"max_steps": max_steps} if max_steps is not None else {})}
     # the mirror's newest valid checkpoint and run files (finetune.json among them) come home before anything
@@ -546,7 +554,7 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
         run = _settle(rec, base, base_id, data, run_dir, dev, hardware, overrides, resume)
         base_path = _base_folder(run, base, run_dir)
         tok = load_tokenizer(base_path)
-        dataset = build_instruct_data(data, tok, run.cfg.seq_len, template=rec.template, pack=run.plan.pack,
+        dataset = build_instruct_data(records, tok, run.cfg.seq_len, template=rec.template, pack=run.plan.pack,
                                       seed=run.cfg.seed, val_batch_size=run.cfg.micro_batch_size,
                                       eval_batches=run.cfg.eval_batches)
         model, pm, io = _trainable_model(run, base_path, dev, run_dir)

@@ -25,7 +25,7 @@ from tinygpt.core.checkpoint import (
     write_manifest,
 )
 from tinygpt.core.config import Recipe, TrainConfig, check_same_settings
-from tinygpt.core.files import atomic_output
+from tinygpt.core.files import FileTooLarge, UnsafePathError, atomic_output
 from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.precision import DTYPES, resolve_device
 from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
@@ -40,6 +40,8 @@ from tinygpt.core.rundir import (  # noqa: F401  (handed on to lora)
 )
 from tinygpt.core.rundir import FINETUNE_JSON as FINETUNE_INFO  # noqa: F401
 from tinygpt.model.attention import attention_kernel, torch_version
+from tinygpt.model.hf import UntrustedModel, from_pretrained
+from tinygpt.model.tokenizer import UnsafeTokenizer
 from tinygpt.train.hardware import device_class
 from tinygpt.train.memory import overhead_gb
 
@@ -219,9 +221,9 @@ def is_tinygpt_run(base: str | Path) -> bool:
 
 
 def base_config(path: str):
-    """The `transformers` config of a base (a local folder or a Hub id): the cheap check that it exists."""
+    """The `transformers` config of a base (a local folder or a Hub id): the cheap check that it exists, and
+    (`model.hf.from_pretrained`) that it is a model tinygpt loads, naming no code of its own."""
     _need("transformers", "finetuning")
-    from transformers import AutoConfig
 
     p = Path(path).expanduser()
     if p.exists() and not (p / "config.json").is_file():
@@ -231,7 +233,9 @@ def base_config(path: str):
         raise FinetuneError(f"base {path!r} does not exist: give a tinygpt run folder, a model folder or a "
                             "Hub id such as google/gemma-2-2b")
     try:
-        return AutoConfig.from_pretrained(path)
+        return from_pretrained("AutoConfig", path)
+    except (UntrustedModel, UnsafeTokenizer, UnsafePathError, FileTooLarge):
+        raise  # one line that names the file already
     except Exception as e:
         raise FinetuneError(f"could not load base model {path!r}: {type(e).__name__}: {e}\nCheck the folder or "
                             "the Hub id and the network; gated models (Gemma, Llama) need their licence accepted on "

@@ -10,6 +10,7 @@ logits and token ids as the run it came from.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,11 +18,11 @@ import torch
 
 from tinygpt.core.checkpoint import CheckpointError, load_model_state, model_state
 from tinygpt.core.config import FAMILIES, ModelConfig
-from tinygpt.core.files import atomic_output, write_json_atomic
+from tinygpt.core.files import atomic_output, read_json_safe, write_json_atomic
 from tinygpt.core.paths import hub_spec
 from tinygpt.model.gpt import GPT, rope_tables
 from tinygpt.model.loading import load_run
-from tinygpt.model.tokenizer import EOT, Tokenizer
+from tinygpt.model.tokenizer import EOT, Tokenizer, _from_str, check_regexes, read_tokenizer_json
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -32,6 +33,105 @@ def _transformers():
     except ImportError as e:
         raise ImportError("Hugging Face export needs transformers: pip install transformers") from e
     return transformers
+
+
+# --- what tinygpt loads of a Hugging Face folder ------------------------------------------------
+# A model folder is data: transformers runs its own code for it, never the folder's. The model types tinygpt
+# loads through transformers (a finetuning base, `tinygpt eval` of a model folder): its own families (FAMILIES,
+# which it exports and imports) and those finetuning trains (finetune.recipes' PLAIN_HEAD_TYPES and
+# SOFTCAP_HEAD_TYPES, and GPT-2); each must also be one the installed transformers ships.
+HF_MODEL_TYPES = frozenset(FAMILIES) | {"qwen2", "mistral", "gemma", "gemma2", "phi3", "gpt2"}
+
+
+class UntrustedModel(ValueError):
+    """A Hugging Face folder (or Hub model) tinygpt will not load: it names code of its own, or a model type
+    tinygpt does not load. The message names the file and what to do."""
+
+
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    return cfg if isinstance(cfg, dict) else {**cfg.to_dict(), "auto_map": getattr(cfg, "auto_map", None)}
+
+
+def check_hf_config(cfg: Any, where: str | Path) -> None:
+    """Refuse (UntrustedModel, one line naming `where`) a config (config.json as read, or a transformers config)
+    that names custom code (`auto_map`) or a model_type that is not in HF_MODEL_TYPES and transformers' own."""
+    if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
+        raise UntrustedModel(f"{where} is not a model config (a JSON object): refused")
+    d = _as_dict(cfg)
+    if d.get("auto_map"):
+        raise UntrustedModel(
+            f"{where} names code of its own (auto_map: {_code_names(d['auto_map'])}): refused before anything was "
+            "loaded; tinygpt never runs a model folder's code, only the model code transformers ships: use a model "
+            f"whose model_type is one of {', '.join(sorted(HF_MODEL_TYPES))} without auto_map (if its model_type is "
+            "one of those, deleting auto_map from config.json and tokenizer_config.json is enough)")
+    kind = d.get("model_type")
+    if not isinstance(kind, str) or kind not in HF_MODEL_TYPES or kind not in _transformers().CONFIG_MAPPING:
+        what = f"model_type {kind!r}" if kind else "no model_type"
+        raise UntrustedModel(
+            f"{where} has {what}, not one tinygpt loads through transformers ({', '.join(sorted(HF_MODEL_TYPES))}): "
+            "refused before anything was loaded; use a model of one of those families (or export it again)")
+
+
+def _code_names(auto_map: Any) -> str:
+    names = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    flat = [n for v in names for n in (v if isinstance(v, (list, tuple)) else [v]) if n]
+    text = ", ".join(map(str, flat)) or repr(auto_map)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def hf_file(folder: str | Path, name: str) -> Path:
+    """folder/name as tinygpt reads it: that path, or in huggingface_hub's cache (a snapshots/REVISION/ folder,
+    whose files link to ../../blobs/) the blob it links to. Any other link stays a link, which every reader
+    refuses (`core.files.read_bytes_safe`)."""
+    folder = Path(folder)
+    p = folder / name
+    if p.is_symlink() and folder.parent.name == "snapshots":
+        blobs, target = os.path.realpath(folder.parent.parent / "blobs"), os.path.realpath(p)
+        if os.path.commonpath([blobs, target]) == blobs:
+            return Path(target)
+    return p
+
+
+def check_hf_folder(path: str | Path) -> None:
+    """A local Hugging Face folder, checked before transformers sees it (nothing where `path` is not a folder:
+    a Hub id is checked as its files arrive, `from_pretrained`): config.json (when there) by `check_hf_config`;
+    tokenizer_config.json naming no code; tokenizer.json's regexes known (`tokenizer.check_regexes`). Each is
+    read bounded and never through a link (`core.files.read_json_safe`); a refusal names the file."""
+    folder = Path(str(path)).expanduser()
+    if not folder.is_dir():
+        return
+    config = folder / "config.json"
+    if config.is_file() or config.is_symlink():
+        check_hf_config(read_json_safe(hf_file(folder, "config.json")), config)
+    tok_config = folder / "tokenizer_config.json"
+    if tok_config.is_file() or tok_config.is_symlink():
+        d = read_json_safe(hf_file(folder, "tokenizer_config.json"))
+        if isinstance(d, dict) and d.get("auto_map"):
+            raise UntrustedModel(
+                f"{tok_config} names code of its own (auto_map: {_code_names(d['auto_map'])}): refused before "
+                "anything was loaded; tinygpt never runs a model folder's code: delete auto_map there (the "
+                "tokenizer.json beside it is what tinygpt reads), or use another model")
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.json").is_symlink():
+        read_tokenizer_json(hf_file(folder, "tokenizer.json"))
+
+
+def from_pretrained(auto_class: str, path: str | Path, **kw: Any) -> Any:
+    """`transformers.<auto_class>.from_pretrained(path, **kw)` (AutoConfig, AutoTokenizer, AutoModelForCausalLM),
+    the one way tinygpt calls it: a local folder is checked first (`check_hf_folder`), the folder's own code is
+    never run (trust_remote_code=False, so transformers neither asks nor imports it), a Hub model's config is
+    checked before its weights or tokenizer load, and a tokenizer's regexes before it encodes anything."""
+    tf = _transformers()
+    check_hf_folder(path)
+    kw["trust_remote_code"] = False
+    if auto_class != "AutoConfig" and auto_class != "AutoTokenizer" and not Path(str(path)).expanduser().is_dir():
+        from_pretrained("AutoConfig", path)  # a Hub model: its config says what it is before any weights come
+    loaded = getattr(tf, auto_class).from_pretrained(str(path), **kw)
+    if auto_class == "AutoConfig":
+        check_hf_config(loaded, f"{path}'s config.json")
+    backend = getattr(loaded, "backend_tokenizer", None)
+    if backend is not None:
+        check_regexes(backend.to_str(), f"{path}'s tokenizer")
+    return loaded
 
 
 def check_export_target(out_dir: str | Path) -> Path:
@@ -174,7 +274,10 @@ def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").is_file():
         return load_file(str(path / "model.safetensors"))
     if (path / SAFETENSORS_INDEX).is_file():
-        shards = sorted(set(json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+        index = read_json_safe(hf_file(path, SAFETENSORS_INDEX))
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"{path / SAFETENSORS_INDEX} has no weight_map: save the model again")
+        shards = sorted(set(map(str, index["weight_map"].values())))
         sd: dict[str, torch.Tensor] = {}
         for shard in shards:
             sd.update(load_file(str(path / shard)))
@@ -192,7 +295,9 @@ def import_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model folder?")
-    hf_cfg = json.loads((path / "config.json").read_text())
+    hf_cfg = read_json_safe(hf_file(path, "config.json"))
+    if not isinstance(hf_cfg, dict):
+        raise ValueError(f"{path / 'config.json'} is not a model config (a JSON object)")
     _check_llama(hf_cfg, path)
     config = ModelConfig.from_hf_llama(hf_cfg)
     if max_seq_len:
@@ -223,25 +328,28 @@ def gpt_from_state(config: ModelConfig, sd: dict[str, torch.Tensor], device: str
 
 def import_tokenizer(path: str | Path) -> Tokenizer | None:
     """The tokenizer of a Hugging Face model folder (its tokenizer.json through `tokenizers`, end-of-text
-    = the model's eos token); None without a tokenizer.json."""
+    = the model's eos token); None without a tokenizer.json. Every file is read bounded and never through a
+    link, and a tokenizer.json whose regexes are not known ones is refused (`tokenizer.read_tokenizer_json`)."""
     path = Path(path)
-    return _import_tokenizer(path, json.loads((path / "config.json").read_text()))
+    hf_cfg = read_json_safe(hf_file(path, "config.json"))
+    if not isinstance(hf_cfg, dict):
+        raise ValueError(f"{path / 'config.json'} is not a model config (a JSON object)")
+    return _import_tokenizer(path, hf_cfg)
 
 
 def _import_tokenizer(path: Path, hf_cfg: dict[str, Any]) -> Tokenizer | None:
     if not (path / "tokenizer.json").is_file():
         return None
-    from tokenizers import Tokenizer as _HFTokenizer
-
-    tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+    tok = _from_str(read_tokenizer_json(hf_file(path, "tokenizer.json")), path / "tokenizer.json")
     eos = hf_cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
-    names = [tok.id_to_token(eos)] if eos is not None else []
+    names = [tok.id_to_token(eos)] if isinstance(eos, int) else []
     for f in ("tokenizer_config.json", "special_tokens_map.json"):
         if (path / f).is_file():
-            v = json.loads((path / f).read_text()).get("eos_token")
+            d = read_json_safe(hf_file(path, f))
+            v = d.get("eos_token") if isinstance(d, dict) else None
             names.append(v.get("content") if isinstance(v, dict) else v)
-    for name in [n for n in names if n] + [EOT]:
+    for name in [n for n in names if n and isinstance(n, str)] + [EOT]:
         if tok.token_to_id(name) is not None:
             return Tokenizer(tok, name)
     return None
@@ -249,12 +357,14 @@ def _import_tokenizer(path: Path, hf_cfg: dict[str, Any]) -> Tokenizer | None:
 
 # --- a transformers model for evaluation ------------------------------------------------------
 
-def load_hf_causal_lm(path: str | Path, device: str | torch.device = "cpu", **from_pretrained: Any) -> tuple[Any, Any]:
+def load_hf_causal_lm(path: str | Path, device: str | torch.device = "cpu",
+                      **from_pretrained_kw: Any) -> tuple[Any, Any]:
     """A transformers causal LM (eval mode) and its tokenizer from a folder or Hub name, for
-    `tinygpt.evals` (an export, a merged finetune, any causal LM)."""
-    tf = _transformers()
-    model = tf.AutoModelForCausalLM.from_pretrained(str(path), **from_pretrained).to(device).eval()
-    return model, tf.AutoTokenizer.from_pretrained(str(path))
+    `tinygpt.evals` (an export, a merged finetune, any causal LM); the folder is checked first and its own
+    code never runs (`from_pretrained`)."""
+    check_hf_folder(path)  # the whole folder, tokenizer included, before any weights load
+    model = from_pretrained("AutoModelForCausalLM", path, **from_pretrained_kw).to(device).eval()
+    return model, from_pretrained("AutoTokenizer", path)
 
 
 def hf_generate_fn(model: Any, tokenizer: Any, max_new_tokens: int = 384,

@@ -1,19 +1,94 @@
 """Byte-level BPE tokenizers through Hugging Face `tokenizers`: trained on a text source, loaded
-from a `tokenizer.json`, or the GPT-2 BPE built from its vocab and merges files."""
+from a `tokenizer.json`, or the GPT-2 BPE built from its vocab and merges files.
+
+A tokenizer.json from a folder tinygpt did not write (a base, a mirror) is read bounded and never through a
+link (`core.files.read_text_safe`), and is refused when any regular expression in it (a `Split`
+pre-tokenizer's, a `Replace` normalizer's) is not one of `KNOWN_REGEXES`: `tokenizers` runs them with a
+backtracking engine, and a crafted one spends hours on one line, then panics in every encoding thread."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from tinygpt.core.files import RUN_FILE_LIMIT, read_text_safe
 from tinygpt.core.rundir import TOKENIZER_JSON
 
 EOT = "<|endoftext|>"
+
+# The regular expressions a tokenizer.json may carry (as the `Split` pre-tokenizer of the tokenizers that use
+# one writes them): every other is refused before anything is encoded. GPT-2's own (the `ByteLevel`
+# pre-tokenizer's built-in pattern, which GPT-2's and tinygpt's trained tokenizers use without writing it
+# out) and the same written as a `Split`; Llama-3's (tiktoken's cl100k); Qwen2's (also Qwen2.5's and
+# Qwen3's); Qwen3.5's (Qwen2's with combining marks kept on their letters).
+KNOWN_REGEXES = {
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+": "GPT-2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "Llama-3",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "Qwen2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+": "Qwen3.5",
+}
+
+
+class UnsafeTokenizer(ValueError):
+    """A tokenizer.json tinygpt will not run: the message names the file and what to do."""
+
+
+def unknown_regexes(spec: Any, where: str = "") -> list[tuple[str, str]]:
+    """(where, pattern) of every regular expression in a parsed tokenizer.json that is not in KNOWN_REGEXES;
+    `where` is its place, e.g. "pre_tokenizer.pretokenizers[0]"."""
+    found = []
+    if isinstance(spec, dict):
+        if "Regex" in spec and not (isinstance(spec["Regex"], str) and spec["Regex"] in KNOWN_REGEXES):
+            found.append((where.rsplit(".pattern", 1)[0] or "top level", str(spec["Regex"])))
+        for k, v in spec.items():
+            found += unknown_regexes(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(spec, list):
+        for i, v in enumerate(spec):
+            found += unknown_regexes(v, f"{where}[{i}]")
+    return found
+
+
+def check_regexes(text: str, name: str | Path) -> None:
+    """Refuse (UnsafeTokenizer, one line naming `name`) a tokenizer.json text that is not JSON, or whose
+    regular expressions are not all KNOWN_REGEXES."""
+    try:
+        spec = json.loads(text)
+    except ValueError as e:
+        raise UnsafeTokenizer(f"{name} is not a tokenizer.json (not JSON: {e}): refused") from None
+    bad = unknown_regexes(spec)
+    if bad:
+        where, pattern = bad[0]
+        shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UnsafeTokenizer(
+            f"{name}: its {where} regex {shown!r}{more} is not one tinygpt runs (those of "
+            f"{', '.join(dict.fromkeys(KNOWN_REGEXES.values()))}): refused before any text was encoded, since a "
+            "crafted regex can take hours on one line; use a model whose tokenizer is one of those, or that "
+            "model's tokenizer.json in its place")
+
+
+def read_tokenizer_json(path: str | Path) -> str:
+    """The text of a tokenizer.json from any folder, read the one safe way (no link, at most RUN_FILE_LIMIT
+    bytes) and checked by `check_regexes`."""
+    text = read_text_safe(path, RUN_FILE_LIMIT)
+    check_regexes(text, path)
+    return text
+
+
+def _from_str(text: str, name: str | Path) -> _HFTokenizer:
+    try:
+        return _HFTokenizer.from_str(text)
+    except Exception as e:  # tokenizers' own parse error: one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UnsafeTokenizer(f"{name} is not a tokenizer.json that `tokenizers` reads ({first}): refused") from None
 
 
 class Tokenizer:
@@ -48,17 +123,19 @@ class Tokenizer:
         Path(path).write_text(self.to_json(), encoding="utf-8")
 
     @classmethod
-    def from_json(cls, text: str) -> "Tokenizer":
-        return cls(_HFTokenizer.from_str(text))
+    def from_json(cls, text: str, name: str = "the tokenizer") -> "Tokenizer":
+        check_regexes(text, name)
+        return cls(_from_str(text, name))
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
+        """A tokenizer.json (or a folder holding one), read bounded, never through a link, its regexes checked."""
         p = Path(path)
         if p.is_dir():
             p = p / TOKENIZER_JSON
         if not p.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {p}")
-        return cls(_HFTokenizer.from_file(str(p)))
+        return cls(_from_str(read_tokenizer_json(p), p))
 
     def fingerprint(self) -> str:
         """sha256 of the serialised tokenizer: part of the token cache's key."""

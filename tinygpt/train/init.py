@@ -34,6 +34,7 @@ from tinygpt.model.gpt import GPT
 from tinygpt.model.hf import (
     SAFETENSORS_INDEX,
     gpt_from_state,
+    hf_file,
     hub_model_folder,
     import_tokenizer,
     read_hf_state_dict,
@@ -94,7 +95,7 @@ def read_base(spec: str) -> Base:
             raise ConfigError(f"--init {spec}: the run has no valid checkpoint to start from; train it first")
         model, tokenizer = Recipe.from_dict(run.recipe_dict()).model, Tokenizer.load(path / TOKENIZER_JSON)
     else:
-        cfg = read_json_safe(path / "config.json")  # bounded, never through a link, a bad file named
+        cfg = read_json_safe(hf_file(path, "config.json"))  # bounded, never through a link (but the Hub cache's)
         if not isinstance(cfg, dict):
             raise ConfigError(f"--init {spec}: its config.json is not a model config (a JSON object)")
         gaps = representation_gaps(cfg)

@@ -348,7 +348,9 @@ class ShardWriter:
                  max_shards: int | None = None):
         req = {"data": cfg.to_dict(), "tokenizer": tokenizer.to_json(), "folder": str(folder),
                "shard_tokens": shard_tokens, "parent": os.getpid(), "max_shards": max_shards}
-        self.process = subprocess.Popen([sys.executable, "-m", "tinygpt.train.shards"], stdin=subprocess.PIPE)
+        # no Rust backtrace from `tokenizers` reaches the run's output (RUST_BACKTRACE is set on some machines)
+        env = {k: v for k, v in os.environ.items() if k != "RUST_BACKTRACE"}
+        self.process = subprocess.Popen([sys.executable, "-m", "tinygpt.train.shards"], stdin=subprocess.PIPE, env=env)
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(req).encode())
         self.process.stdin.close()
