@@ -7,6 +7,8 @@ Invariants:
   Bad input (target taken, unknown format or quantization, no checkpoint) is refused before any model loads.
 - Every export folder has a `README.md` model card whose figures come from the run folder itself
   (run.json / finetune.json, metrics.jsonl, evals.jsonl), and a GGUF export has an Ollama `Modelfile`.
+  Every string in the card that a user or a run folder chose (the run's name, data, base, recipe, tasks, score
+  names) goes through `card_text`: one line, inert (no heading, HTML, link or emphasis comes from it).
 - `push` needs a token (`HF_TOKEN`, or Colab's secret of that name) and the Hub; without either it stops
   with one line before exporting anything. What it uploads is exactly `upload_folder`'s folder.
 """
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import string
 import tempfile
+import unicodedata
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -22,7 +27,7 @@ from typing import Any
 
 from tinygpt.core.checkpoint import RunCheckpoint
 from tinygpt.core.config import Recipe
-from tinygpt.core.files import atomic_output
+from tinygpt.core.files import atomic_output, read_text_safe
 from tinygpt.core.options import option
 from tinygpt.core.paths import is_hub
 from tinygpt.core.rundir import (
@@ -113,23 +118,59 @@ def jinja_template(template: str, eot: str) -> str:
 def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
     """The evaluations `run_eval` recorded in the run folder (evals.jsonl), oldest first; [] when none."""
     p = Path(run_dir) / EVALS_JSONL
-    return parse_jsonl(p.read_text(encoding="utf-8"), p) if p.is_file() else []
+    try:
+        text = read_text_safe(p)  # never through a link or a hard link: the card (and a push) would carry it
+    except FileNotFoundError:
+        return []
+    return parse_jsonl(text, p)
 
 
 def _scores(e: dict[str, Any]) -> str:
     """A recorded evaluation's scores as its card shows them: its task's headline (`Task.headline`), else every
     number."""
-    s = e.get("scores", {})
-    task = TASKS.get(e.get("task"))
-    keys = [k for pattern in (task.headline if task else ()) for k in s if fnmatchcase(k, pattern)]
-    return (", ".join(f"{k} {_num(s[k])}" for k in keys)
-            or ", ".join(f"{k} {_num(v)}" for k, v in s.items() if isinstance(v, (int, float))))
+    s = e.get("scores") if isinstance(e.get("scores"), dict) else {}
+    task = TASKS.get(e["task"]) if isinstance(e.get("task"), str) else None
+    keys = [k for pattern in (task.headline if task else ()) for k in s if fnmatchcase(str(k), pattern)]
+    return (", ".join(f"{card_text(k, code=False)} {_num(s[k])}" for k in keys)
+            or ", ".join(f"{card_text(k, code=False)} {_num(v)}" for k, v in s.items() if isinstance(v, (int, float))))
 
 
 def _num(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if math.isfinite(v) else str(v)
-    return f"{v:,}" if isinstance(v, int) else str(v)
+    return f"{v:,}" if isinstance(v, int) else card_text(v, code=False)
+
+
+CARD_TEXT_LIMIT = 200  # characters of one user string in a card (a longer one is cut, with an ellipsis)
+# in text: every ASCII punctuation character is backslash-escaped (markdown reads none of them then), but for
+# these, which start nothing inline; & < > become entities (no HTML, no entity, no autolink)
+_PLAIN = set(",-")
+_ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")  # a Hub repository: USER/NAME
+
+
+def card_text(value: Any, code: bool = True) -> str:
+    """A string a user or a run folder chose (a run's name, a data spec, a base, a recipe, a task, a score's name)
+    as a model card writes it: one line (control, format and line-separator characters become spaces), at most
+    CARD_TEXT_LIMIT characters, and inert. `code`: a code span fenced by more backticks than it holds, `|`
+    escaped (a table cell); else text with every markdown character backslash-escaped and & < > as entities,
+    an underscore inside a word (`bits_per_byte`) left as it is. No heading, HTML, link or emphasis comes
+    from it either way."""
+    text = "".join(" " if unicodedata.category(c)[0] in "CZ" and c != " " else c for c in str(value))
+    text = " ".join(text.split())
+    if len(text) > CARD_TEXT_LIMIT:
+        text = text[:CARD_TEXT_LIMIT - 1] + "…"
+    if code:
+        text = text.replace("|", "\\|")
+        fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+        pad = " " if text[:1] == "`" or text[-1:] == "`" else ""
+        return f"{fence}{pad}{text}{pad}{fence}" if text else ""
+    out = []
+    for i, c in enumerate(text):
+        inner = c == "_" and text[i - 1:i].isalnum() and text[i + 1:i + 2].isalnum()
+        out.append(_ENTITIES.get(c) or (f"\\{c}" if c in string.punctuation and c not in _PLAIN and not inner
+                                        else c))
+    return "".join(out)
 
 
 def _is_local(source: Any) -> bool:
@@ -180,16 +221,17 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id:
     """The README.md of an export: what the model is, how it was trained (figures from the run folder),
     its evaluations, and how to load it (transformers when `hf`, Ollama and llama.cpp when `gguf_file`)."""
     f = card_facts(run_dir)
+    repo_id = repo_id if repo_id and _HUB_ID.fullmatch(repo_id) else None  # a Hub repository's name, or none
     where = repo_id or "PATH/TO/THIS/FOLDER"
     tags = ["tinygpt", "text-generation"] + (["gguf"] if gguf_file else [])
     front = ["---", "library_name: transformers" if hf else "library_name: gguf", "pipeline_tag: text-generation",
              "tags:", *[f"- {t}" for t in tags]]
-    if f["kind"] != "pretrain" and f.get("base") and f["hub_base"]:
+    if f["kind"] != "pretrain" and isinstance(f.get("base"), str) and f["hub_base"] and _HUB_ID.fullmatch(f["base"]):
         front.append(f"base_model: {f['base']}")  # a Hub id (a local base has no page to link)
-    lines = [*front, "---", "", f"# {f['run']}", ""]
+    lines = [*front, "---", "", f"# {card_text(f['run'], code=False)}", ""]
     if f["kind"] == "pretrain":
         m = f["model"]
-        start = f"continued from `{_shown(m.init)}`" if getattr(m, "init", None) else "from scratch"
+        start = f"continued from {card_text(_shown(m.init))}" if getattr(m, "init", None) else "from scratch"
         lines += [f"A {m.family.title}-architecture language model pretrained {start} with "
                   f"[tinygpt](https://github.com/tinygpt/tinygpt): {m.n_layer} layers, width {m.d_model}, "
                   f"{m.n_head} heads ({m.n_kv_head or m.n_head} key/value), context {m.max_seq_len} tokens, "
@@ -197,10 +239,12 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id:
                   f"({_tokenizer_words(f['tokenizer'], m)}).", ""]
     else:
         how = "every weight trained" if f["kind"] == "full" else "the adapter folded into the base"
-        lines += [f"[tinygpt](https://github.com/tinygpt/tinygpt)'s `{f['recipe']}` finetune of `{f['base']}`, {how}. "
+        lines += [f"[tinygpt](https://github.com/tinygpt/tinygpt)'s {card_text(f['recipe'])} finetune of "
+                  f"{card_text(f['base'])}, {how}. "
                   "Prompts use the instruction format it was trained on:", "",
                   "```", TEMPLATES[f["template"]][1].format(instruction="<your instruction>") + "<answer>", "```", ""]
-    lines += ["## Training", "", "| | |", "|---|---|", f"| recipe | `{f['recipe']}` |", f"| data | `{f['data']}` |",
+    lines += ["## Training", "", "| | |", "|---|---|", f"| recipe | {card_text(f['recipe'])} |",
+              f"| data | {card_text(f['data'])} |",
               f"| steps | {_num(f['steps'])} |", f"| tokens seen | {_num(f['tokens'])} |",
               f"| final training loss | {_num(f['train_loss'])} |",
               f"| final validation loss | {_num(f['val_loss'])} |",
@@ -208,7 +252,8 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None, repo_id:
               "## Evaluations", ""]
     if f["evals"]:
         lines += ["| task | data | scores |", "|---|---|---|"]
-        lines += [f"| {e['task']} | `{_shown(e.get('data'))}` | {_scores(e)} |" for e in f["evals"]]
+        lines += [f"| {card_text(e.get('task'), code=False)} | {card_text(_shown(e.get('data')))} | {_scores(e)} |"
+                  for e in f["evals"]]
     else:
         lines.append("None recorded in the run folder (`tinygpt eval RUN --task ...` records each one).")
     lines += ["", "## Use it", ""]
