@@ -9,8 +9,11 @@ and a load that finds a missing file or a wrong checksum refuses it, so the prev
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import re
 import shutil
+import struct
 import time
 import warnings
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ from tinygpt.core.files import (
     clean_leftovers,
     fsync,
     link_problem,
+    open_nofollow,
+    read_json_safe,
     safe_name,
     sha256_file,
     write_json_atomic,
@@ -107,7 +112,8 @@ def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_s
 
 def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL_FILE) -> tuple[bool, str]:
     """(ok, reason). Checks the manifest (which must list `required`), each file's size, and (deep)
-    each file's sha256. Adapter folders are verified the same way (required: the adapter weights).
+    each file's sha256 and each safetensors file's header (`check_safetensors`). Adapter folders are verified
+    the same way (required: the adapter weights).
     Every name the manifest lists must be a plain file name (never a path that leaves the folder) of a
     plain file (never a link), and a `step_N` folder's manifest must say step N."""
     path = Path(path)
@@ -118,14 +124,14 @@ def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL
     if not mf.is_file():
         return False, "no manifest.json (incomplete write)"
     try:
-        manifest = json.loads(mf.read_text())
+        manifest = _read_manifest_file(mf)
         files = manifest["files"]
         if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
             raise TypeError("'files' is not a table of files")
         for name in files:
             safe_name(name, mf, plain=True)
-    except (ValueError, KeyError, TypeError) as e:  # UnsafePathError is a ValueError
-        return False, (str(e) if isinstance(e, UnsafePathError) else f"unreadable manifest: {e}")
+    except (ValueError, KeyError, TypeError, OSError, CheckpointError) as e:  # UnsafePathError is a ValueError
+        return False, (str(e) if isinstance(e, (UnsafePathError, CheckpointError)) else f"unreadable manifest: {e}")
     if required not in files:
         return False, f"manifest lists no {required}"
     if step_of(path) is not None and manifest.get("step") != step_of(path):
@@ -140,17 +146,45 @@ def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL
             return False, f"{name} has {p.stat().st_size} bytes, manifest says {info.get('size')}"
         if deep and sha256_file(p) != info.get("sha256"):
             return False, f"{name} fails its sha256 check"
+        if deep and name.endswith(".safetensors"):  # whoever writes a shared folder can write its manifest too
+            try:
+                check_safetensors(p)
+            except CheckpointError as e:
+                return False, str(e)
     return True, "ok"
 
 
+MANIFEST_LIMIT = 1 << 20  # the largest manifest.json read back (a real one lists three files: a few hundred bytes)
+
+
+def _read_manifest_file(mf: Path) -> dict[str, Any]:
+    """manifest.json read the one way a run file is read (no link, at most MANIFEST_LIMIT bytes); anything but a
+    JSON object (or JSON nested too deep to parse) is a CheckpointError naming the file."""
+    try:
+        manifest = read_json_safe(mf, MANIFEST_LIMIT)
+    except RecursionError:
+        raise CheckpointError(f"{mf} nests JSON too deep to read: it was not written by tinygpt") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{mf} holds a JSON {type(manifest).__name__}, not a manifest: it was not written by "
+                              "tinygpt")
+    return manifest
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / MANIFEST).read_text())
+    """A checkpoint folder's manifest.json (`_read_manifest_file`: bounded, no link, one-line errors naming it)."""
+    return _read_manifest_file(Path(path) / MANIFEST)
+
+
+STEP_DIGITS = 12  # a step number in a folder name or a samples.txt heading: 1 to 12 ASCII digits
+_STEP_FOLDER = re.compile(rf"step_([0-9]{{1,{STEP_DIGITS}}})")
 
 
 def step_of(folder: str | Path) -> int | None:
-    """The step a checkpoint folder's name says (`step_000020`: 20); None for any other name."""
-    name = Path(folder).name
-    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+    """The step a checkpoint folder's name says (`step_000020`: 20); None for any other name, `step_` with
+    anything but 1 to STEP_DIGITS ASCII digits among them (`step_²`, which `str.isdigit` takes for a digit and
+    `int` refuses, or a 5000-digit number)."""
+    m = _STEP_FOLDER.fullmatch(Path(folder).name)
+    return int(m.group(1)) if m else None
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
@@ -163,6 +197,10 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
         return out
     if root.is_dir():
         for p in root.iterdir():
+            if p.name.startswith("step_") and step_of(p) is None:
+                shown = p.name if len(p.name) <= 40 else p.name[:40] + f"... ({len(p.name)} characters)"
+                warnings.warn(f"{root / shown} is not a checkpoint's name (step_ and 1 to {STEP_DIGITS} ASCII "
+                              "digits): ignored; it was not written by tinygpt", stacklevel=2)
             if (step := step_of(p)) is not None:
                 if p.is_symlink():
                     warnings.warn(f"{link_problem(p)}: not followed, this checkpoint is not used", stacklevel=2)
@@ -191,16 +229,79 @@ def load_checkpoint(path: str | Path, verify: bool = True, map_location="cpu",
                     with_state: bool = True) -> tuple[dict, dict, dict]:
     """(model state_dict, training state, manifest) of a verified checkpoint folder; the training
     state is {} when `with_state` is False (inference needs only the weights)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     if verify:
         ok, why = verify_checkpoint(path)
         if not ok:
             raise CheckpointError(f"checkpoint {path} is not valid: {why}")
-    sd = load_file(str(path / MODEL_FILE))
+    sd = load_safetensors(path / MODEL_FILE)
     state = _load_state(path / STATE_FILE, map_location) if with_state and (path / STATE_FILE).exists() else {}
     return sd, state, read_manifest(path)
+
+
+SAFETENSORS_HEADER_LIMIT = 64 << 20  # the largest safetensors header read (a 70B model's shard: well under 1 MB)
+
+
+def check_safetensors(path: str | Path) -> None:
+    """Refuse a .safetensors file whose header is not one: its first 8 bytes (the header's length) over
+    SAFETENSORS_HEADER_LIMIT or past the file's end, a header that is not a JSON object of tensors, or a tensor
+    whose bytes lie outside the file. Read without following a link; every refusal is one CheckpointError
+    naming the file, before the safetensors library reads it (whose errors name no file)."""
+    path = Path(path)
+    bad = None
+    try:
+        with open(open_nofollow(path, os.O_RDONLY), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if n is None:
+                bad = f"holds {size} bytes, fewer than a safetensors header's 8"
+            elif n > SAFETENSORS_HEADER_LIMIT:
+                bad = f"says its header is {n:,} bytes, more than the {SAFETENSORS_HEADER_LIMIT:,} tinygpt reads"
+            elif 8 + n > size:
+                bad = f"says its header is {n:,} bytes, past the file's end ({size:,} bytes)"
+            else:
+                header = json.loads(f.read(n).decode("utf-8"))
+                bad = _header_problem(header, size - 8 - n)
+    except (UnicodeDecodeError, ValueError, RecursionError):  # bad JSON
+        bad = "has a header that is not JSON"
+    except OSError as e:
+        raise CheckpointError(f"{path} could not be read ({e.strerror or e})") from None
+    if bad:
+        raise CheckpointError(f"{path} is not a safetensors file: it {bad}; it was not written by tinygpt (or was "
+                              "cut short): delete the checkpoint folder or restore it from a copy you trust")
+
+
+def _header_problem(header: Any, data_bytes: int) -> str | None:
+    if not isinstance(header, dict):
+        return f"has a header that is a JSON {type(header).__name__}, not a table of tensors"
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            return f"has a tensor {name[:80]!r} whose bytes are not inside the file ({str(offsets)[:80]})"
+    return None
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors file, its header checked first (`check_safetensors`); any failure is one
+    CheckpointError naming the file."""
+    from safetensors.torch import load_file
+
+    check_safetensors(path)
+    try:
+        return load_file(str(path))
+    except Exception as e:  # SafetensorError, and what torch makes of a wrong dtype or shape: none names the file
+        raise CheckpointError(f"{path} could not be read as safetensors ({one_line_of(e)}); it was not written by "
+                              "tinygpt (or was cut short): delete the checkpoint folder or restore it from a copy "
+                              "you trust") from None
+
+
+def one_line_of(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return (text[:300] + "...") if len(text) > 300 else text
 
 
 def _load_state(path: Path, map_location) -> dict:
@@ -212,6 +313,9 @@ def _load_state(path: Path, map_location) -> dict:
         raise CheckpointError(f"{path} holds more than tensors and numbers and was not loaded (it could run code); "
                               "it was not written by this version of tinygpt: delete the checkpoint folder or "
                               "start a new run folder") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:  # not a torch file, or cut short
+        raise CheckpointError(f"{path} could not be read ({one_line_of(e)}); it was not written by tinygpt (or was "
+                              "cut short): delete the checkpoint folder or restore it from a copy you trust") from None
 
 
 def prune(ckpt_root: str | Path, keep_last: int) -> list[Path]:

@@ -9,9 +9,7 @@ evaluate in bf16/fp16; log-probabilities are always taken in fp32.
 """
 from __future__ import annotations
 
-import bz2
 import contextlib
-import gzip
 import math
 import time
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ import torch.nn.functional as F
 from tinygpt.core.config import DataConfig
 from tinygpt.core.paths import is_hub
 from tinygpt.core.units import duration
+from tinygpt.evals.code import DataFile, DataFormatError
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train.data import iter_documents
 
@@ -221,18 +220,28 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
             "perplexity": math.exp(total / n_pred), "bits_per_byte": total / (math.log(2) * n_bytes)}
 
 
-def open_text(path: str | Path):
-    """A UTF-8 text file for reading, decompressed when it ends in .gz or .bz2."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no data file at {path}")
-    return {".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix, open)(path, "rt", encoding="utf-8")
+def open_text(path: str | Path) -> DataFile:
+    """A UTF-8 text file for reading, decompressed as it is read when it ends in .gz or .bz2, in bounded pieces:
+    its lines are at most 16 MB (`code.DataFile`; a longer one, bytes that are not UTF-8 or a damaged archive
+    are one line naming the file and the line)."""
+    return DataFile(path)
+
+
+EVAL_TEXT_CHARS = 64 << 20  # the most characters of an evaluation text read without --max-chars
 
 
 def read_text(path: str | Path, max_chars: int | None = None) -> str:
-    """A UTF-8 text file (.txt, .gz or .bz2), at most `max_chars` characters of it."""
+    """A UTF-8 text file (.txt, .gz or .bz2), at most `max_chars` characters of it, read a piece at a time
+    (never more than that in memory). Without `max_chars` a text over EVAL_TEXT_CHARS characters (a small
+    archive can hold gigabytes) is refused in one line naming the file."""
     with open_text(path) as f:
-        return f.read(max_chars) if max_chars else f.read()
+        if max_chars:
+            return f.read(max_chars)
+        text = f.read(EVAL_TEXT_CHARS + 1)
+    if len(text) > EVAL_TEXT_CHARS:
+        raise DataFormatError(f"{path} holds more than {EVAL_TEXT_CHARS:,} characters of text: refused, the rest was "
+                              f"not read; pass --max-chars N to score its first N characters")
+    return text
 
 
 # --- log-likelihoods and multiple choice (HellaSwag: tasks/hellaswag.py) ---------------------

@@ -7,9 +7,11 @@ torch: the tokenizing process starts without it.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import socket
+import stat
 import sys
 import sysconfig
 import warnings
@@ -70,45 +72,131 @@ def _local_files(path: Path) -> list[Path]:
     return out
 
 
+def _cut(text: str, start: int, size: int) -> int:
+    """Where the piece of `text` that begins at `start` ends (`_chunks`): at the first line end `size` or more
+    characters on, unless that is over 4 * size away (or there is none): then at a space in the second half
+    of the next `size` characters, or after `size` characters."""
+    end = text.find("\n", start + size)
+    if end == -1 or end - start > 4 * size:
+        end = start + size
+        if end < len(text):
+            space = text.rfind(" ", start + size // 2, end)
+            end = space + 1 if space != -1 else end
+        return min(end, len(text))
+    return end + 1
+
+
 def _chunks(text: str, size: int = CHUNK_CHARS) -> Iterator[str]:
     """Split at line ends into pieces of about `size` characters. A line much longer than that (a
     minified file, a 50 MB one-line dump) is cut at a space, or anywhere, so that it still makes many
     documents and the train/validation split has some of it on both sides."""
     start = 0
     while start < len(text):
-        end = text.find("\n", start + size)
-        if end == -1 or end - start > 4 * size:
-            end = start + size
-            if end < len(text):
-                space = text.rfind(" ", start + size // 2, end)
-                end = space + 1 if space != -1 else end
-            end = min(end, len(text))
-        else:
-            end += 1
+        end = _cut(text, start, size)
         yield text[start:end]
         start = end
 
 
-def read_text_file(path: Path, skipped: dict[str, int] | None = None) -> str | None:
-    """A local text file as str: UTF-8, else latin-1 (which reads any byte: the stated fallback for
-    the old encodings of Western text); None for a binary file (NUL bytes) or an unreadable one.
-    `skipped` counts what happened, for one warning at the end."""
-    try:
-        data = path.read_bytes()
+def _chunks_streamed(parts: Iterator[str], size: int = CHUNK_CHARS) -> Iterator[str]:
+    """`_chunks` of the text `parts` make when joined, holding only a few pieces of it at a time: a piece is cut
+    once more than 4 * size characters past its start are known (all `_cut` ever looks at) or the text ended,
+    so the pieces are the same as `_chunks("".join(parts))`'s."""
+    buf, start = "", 0
+    for part in parts:
+        buf = buf[start:] + part
+        start = 0
+        while len(buf) - start > 4 * size:
+            end = _cut(buf, start, size)
+            yield buf[start:end]
+            start = end
+    buf = buf[start:]
+    yield from _chunks(buf, size)
+
+
+READ_BYTES = 1 << 20  # a local text file is read this much at a time: never whole (a 10 GB file is 10 GB of RAM)
+_SNIFF_BYTES = 8192  # a file with a NUL byte among its first bytes is binary
+
+
+def _count(skipped: dict[str, int] | None, what: str) -> None:
+    if skipped is not None:
+        skipped[what] = skipped.get(what, 0) + 1
+
+
+def _utf8_upto(f, limit: float) -> bool:
+    """Whether the first `limit` bytes of the open binary file `f` are UTF-8 (read in pieces, kept nowhere);
+    a character cut at `limit` counts as UTF-8."""
+    decoder, seen = codecs.getincrementaldecoder("utf-8")(), 0
+    while seen < limit and (block := f.read(int(min(READ_BYTES, limit - seen)))):
+        seen += len(block)
+        try:
+            decoder.decode(block)
+        except UnicodeDecodeError:
+            return False
+    if seen < limit:  # the whole file: a character cut at its end is not UTF-8
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
+def stream_text_file(path: Path, skipped: dict[str, int] | None = None,
+                     max_chars: float = float("inf")) -> Iterator[str]:
+    """A local text file as str pieces, read READ_BYTES at a time (never whole): UTF-8, else latin-1 (which
+    reads any byte: the stated fallback for the old encodings of Western text); nothing for a binary file
+    (a NUL byte among its first 8192 bytes, looked at before anything else is read), an unreadable one, or
+    anything but a plain file (a FIFO).
+    The encoding is decided on the bytes that can make the first `max_chars` characters (all of the file
+    when unbounded), the pieces stop once `max_chars` characters are given; `skipped` counts what
+    happened, for one warning at the end."""
+    try:  # non-blocking, then checked: a FIFO named like a text file is skipped, never waited on
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise IsADirectoryError(path)
+        f = os.fdopen(fd, "rb")
     except OSError:
-        if skipped is not None:
-            skipped["unreadable"] = skipped.get("unreadable", 0) + 1
-        return None
-    if b"\0" in data[:8192]:
-        if skipped is not None:
-            skipped["binary"] = skipped.get("binary", 0) + 1
-        return None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        if skipped is not None:
-            skipped["latin-1"] = skipped.get("latin-1", 0) + 1
-        return data.decode("latin-1")
+        _count(skipped, "unreadable")
+        return
+    with f:
+        try:
+            if b"\0" in f.read(_SNIFF_BYTES):
+                _count(skipped, "binary")
+                return
+            f.seek(0)
+            utf8 = _utf8_upto(f, 4 * max_chars + 4)  # a character is at most 4 bytes of UTF-8
+            f.seek(0)
+        except OSError:
+            _count(skipped, "unreadable")
+            return
+        if not utf8:
+            _count(skipped, "latin-1")
+        # past the checked bytes (only when max_chars stops the reading) a bad byte is replaced, never raised
+        decoder = codecs.getincrementaldecoder("utf-8" if utf8 else "latin-1")(errors="replace")
+        given = 0
+        while given < max_chars:
+            try:
+                block = f.read(READ_BYTES)
+            except OSError:  # a disk error midway: what was read stays, the rest is skipped and counted
+                _count(skipped, "unreadable")
+                return
+            text = decoder.decode(block, final=not block)
+            if text:
+                given += len(text)
+                yield text
+            if not block:
+                return
+
+
+def read_text_file(path: Path, skipped: dict[str, int] | None = None) -> str | None:
+    """A local text file as str (`stream_text_file` joined): UTF-8, else latin-1; None for a binary file
+    (NUL bytes) or an unreadable one. `skipped` counts what happened, for one warning at the end."""
+    counts: dict[str, int] = {}
+    text = "".join(stream_text_file(path, counts))
+    if skipped is not None:
+        for k, n in counts.items():
+            skipped[k] = skipped.get(k, 0) + n
+    return None if counts.get("binary") or counts.get("unreadable") else text
 
 
 def hub_dataset(source: str, split: str) -> tuple[str, str | None, str | None]:
@@ -175,9 +263,9 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
         elif kind == "local":
             skipped: dict[str, int] = {}
             for f in _local_files(arg):  # type: ignore[arg-type]
-                text = read_text_file(f, skipped)
-                if text is not None:
-                    yield from _chunks(text)
+                # streamed: a file is read a piece at a time, as far as the budget left needs (and the
+                # look-ahead `_cut` takes past it, so the documents are cut as from the whole file)
+                yield from _chunks_streamed(stream_text_file(f, skipped, budget + 4 * CHUNK_CHARS + 1))
             if skipped:
                 warnings.warn(f"{cfg.source}: " + ", ".join(
                     f"{n} {'file' if n == 1 else 'files'} {_SKIP_WORDS[k]}" for k, n in sorted(skipped.items())),
