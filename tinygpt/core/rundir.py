@@ -39,11 +39,20 @@ except ImportError:  # Windows: no advisory locks; one writer is then the user's
     fcntl = None
 
 from tinygpt.core.config import ConfigError, Recipe
-from tinygpt.core.files import append_text, write_json_atomic, write_text_atomic
+from tinygpt.core.files import (
+    RUN_FILE_LIMIT,
+    append_text,
+    read_json_safe,
+    read_text_safe,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metrics.jsonl", "samples.txt"
 SAMPLE_HEADING = "=== step {step} ==="  # each sample in samples.txt begins with this line
-_SAMPLE_HEADINGS = re.compile("^" + re.escape(SAMPLE_HEADING).replace(re.escape("{step}"), r"(\d+)") + "$", re.M)
+# a step in a heading: 1 to 12 ASCII digits (`\d` takes other scripts' digits, and a 5000-digit number is no step)
+_SAMPLE_HEADINGS = re.compile("^" + re.escape(SAMPLE_HEADING).replace(re.escape("{step}"), r"([0-9]{1,12})") + "$",
+                              re.M)
 FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
                                                             "tinygpt_finetune.json", "adapter")
 CHECKPOINTS, BEST = "checkpoints", "best"
@@ -60,6 +69,14 @@ PROBE_JSON = "probe.json"  # the probe's result: a new VM on the same GPU and to
 # the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
 RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, COMPILE_CACHE,
              BUDGET_JSON, PROBE_JSON)
+
+COMPILE_CACHE_LIMIT = 1 << 30  # the compiler's artifacts of the largest recipe are tens of MB
+
+
+def run_file_limit(name: str) -> int:
+    """The most bytes tinygpt reads of a run file (`files.read_bytes_safe`): a larger one, on a shared mirror above
+    all, was not written by tinygpt and is refused, named, before it is read or copied."""
+    return {METRICS: METRICS_LIMIT, COMPILE_CACHE: COMPILE_CACHE_LIMIT}.get(name, RUN_FILE_LIMIT)
 
 
 def recipe_name_of(*run_dirs: str | Path | None) -> str | None:
@@ -137,33 +154,79 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def read_json(path: str | Path, what: str = "") -> Any:
-    """A JSON file, or a one-line RunDirError that names it."""
+    """A JSON file, read the one way a run file is read (`files.read_json_safe`: no link, no hard-linked file,
+    no FIFO, at most RUN_FILE_LIMIT bytes), or a one-line RunDirError that names it."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json_safe(path)
     except FileNotFoundError:
         raise RunDirError(f"{path} does not exist{what}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RunDirError(f"{path} is not valid JSON ({e}); restore it from the mirror or start a new run "
-                          "folder") from None
+    except RecursionError:
+        raise RunDirError(f"{path} nests JSON too deep to read: it was not written by tinygpt; restore it from the "
+                          "mirror or start a new run folder") from None
+    except OSError as e:
+        raise RunDirError(f"{path} could not be read ({e.strerror or e})") from None
+    except ValueError as e:  # not UTF-8, not JSON, too large, a link: the message names the file and what to do
+        raise RunDirError(str(e)) from None
+
+
+METRICS_LIMIT = 256 << 20  # metrics.jsonl grows with the run: a record per logged step, ~200 bytes each
+
+
+def _read_run_text(path: Path, limit: int = RUN_FILE_LIMIT) -> str:
+    """A run folder's text file (metrics.jsonl, samples.txt) read the one way (`files.read_text_safe`: no link,
+    at most `limit` bytes), or a one-line RunDirError naming it; "" when absent."""
+    try:
+        return read_text_safe(path, limit)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        raise RunDirError(f"{path} could not be read ({e.strerror or e})") from None
+    except ValueError as e:  # not UTF-8, too large, a link or FIFO: the message names the file
+        raise RunDirError(str(e)) from None
 
 
 def parse_jsonl(text: str, path: Path | str = METRICS) -> list[dict[str, Any]]:
     """The records of a JSON-lines text. A cut-off last line (a process killed mid-write) is dropped;
-    a bad line anywhere else is an error."""
-    lines = [ln for ln in text.split("\n") if ln.strip()]
+    a bad line anywhere else is an error naming the file and the line."""
+    return [rec for _, rec in _numbered_records(text, path)]
+
+
+def _numbered_records(text: str, path: Path | str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of each record of a JSON-lines text (`parse_jsonl`)."""
+    lines = [(i, ln) for i, ln in enumerate(text.split("\n"), 1) if ln.strip()]
     records = []
-    for i, line in enumerate(lines, 1):
+    for k, (i, line) in enumerate(lines, 1):
         try:
             rec = json.loads(line)
-        except ValueError as e:
-            if i == len(lines):
+        except (ValueError, RecursionError) as e:
+            if k == len(lines):
                 break
-            raise RunDirError(f"{path} line {i} is not JSON ({e}); it holds one JSON object per line") from None
+            why = "nests too deep" if isinstance(e, RecursionError) else f"is not JSON ({e})"
+            raise RunDirError(f"{path} line {i} {why}; it holds one JSON object per line") from None
         if not isinstance(rec, dict):
             raise RunDirError(f"{path} line {i} is not a JSON object; it holds one JSON object per line")
-        records.append(rec)
+        records.append((i, rec))
     return records
+
+
+MAX_STEP = 10**12 - 1  # the largest step read back (STEP_DIGITS ASCII digits in a checkpoint's folder name)
+_METRICS_OBJECTS = ("startup",)  # the fields of a metrics record that are not numbers
+
+
+def _metrics_problem(rec: dict[str, Any]) -> str | None:
+    """What is wrong with one metrics.jsonl record (None when nothing is): its step must be a whole number from 0
+    to MAX_STEP, every other field a number or null (the start-up record's breakdown an object)."""
+    step = rec.get("step")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        return f"has step {str(step)[:40]!r}, not a whole number from 0 to {MAX_STEP:,}"
+    for k, v in rec.items():
+        if k in _METRICS_OBJECTS:
+            if not isinstance(v, dict):
+                return f"has {k!r} {str(v)[:40]!r}, not an object"
+        elif k != "step" and v is not None and type(v) not in (int, float):
+            return f"has {str(k)[:40]!r} {str(v)[:40]!r}, not a number"
+    return None
 
 
 @dataclass(frozen=True)
@@ -209,6 +272,7 @@ class RunDir:
         again when nothing but the lock was written in it, even when a Ctrl-C or SIGTERM arrives while the
         lock is being taken (it is delivered once the lock is held, so the release always runs)."""
         created = not self.path.exists()
+        made_lock = not os.path.lexists(self.path / LOCK)
         key = os.path.abspath(self.path)
         fd = None
         try:
@@ -221,9 +285,17 @@ class RunDir:
             with _HELD_LOCK:
                 held = _HELD.pop(key, None)
             if fd is not None:
+                if made_lock and not created and held == _identity(self.path) and not self._holds_a_run():
+                    with contextlib.suppress(OSError):  # a folder that existed, left as found (still held here)
+                        (self.path / LOCK).unlink()
                 os.close(fd)  # releases the lock
             if created:
                 self._remove_if_unwritten(held)
+
+    def _holds_a_run(self) -> bool:
+        """Whether the folder holds a run's files (a failed first try in a folder that existed removed its own)."""
+        return self.checkpoints.exists() or any((self.path / n).exists()
+                                                for n in (RUN_JSON, FINETUNE_JSON, ADAPTER_CONFIG, IDENTITY))
 
     def _remove_if_unwritten(self, held: tuple[int, int] | None) -> None:
         """A folder `lock` made, refused or stopped before anything was written in it (bad input, a Ctrl-C):
@@ -348,7 +420,12 @@ class RunDir:
     def metrics(self) -> list[dict[str, Any]]:
         """The logged records; [] when nothing was logged yet."""
         p = self.metrics_path
-        return parse_jsonl(p.read_text(encoding="utf-8"), p) if p.is_file() else []
+        records = _numbered_records(_read_run_text(p, METRICS_LIMIT), p)  # bounded, never through a link
+        for i, rec in records:  # checked here: a wrong type would fail far from the file, naming nothing
+            if (why := _metrics_problem(rec)) is not None:
+                raise RunDirError(f"{p} line {i} {why}: it was not written by tinygpt; delete that line or restore "
+                                  "the file from a copy you trust")
+        return [rec for _, rec in records]
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         self.check_held()  # only the lock holder appends: never into a folder that replaced its own
@@ -375,8 +452,7 @@ class RunDir:
 
     # -- samples.txt
     def samples(self) -> str:
-        p = self.path / SAMPLES
-        return p.read_text(encoding="utf-8") if p.is_file() else ""
+        return _read_run_text(self.path / SAMPLES)  # bounded, never through a link; "" when absent
 
     def append_sample(self, step: int, text: str) -> None:
         """One sample, under its step's heading."""
@@ -388,9 +464,7 @@ class RunDir:
         """Cut samples.txt to the samples of steps up to `step`, as metrics.jsonl is cut: a resumed run writes
         the later ones again (the same text: same weights and seed), so the file reads as an unbroken run's."""
         p = self.path / SAMPLES
-        if not p.is_file():
-            return
-        text = p.read_text(encoding="utf-8")
+        text = _read_run_text(p)  # bounded, never through a link
         later = next((m.start() for m in _SAMPLE_HEADINGS.finditer(text) if int(m.group(1)) > step), None)
         if later is not None:
             self.check_held()

@@ -24,13 +24,14 @@ from tinygpt.core.files import (
     UnsafePathError,
     fresh_tmp_dir,
     link_problem,
+    read_bytes_safe,
     replace_dir,
     safe_name,
     sha256_file,
     tmp_sibling,
     try_fsync,
 )
-from tinygpt.core.rundir import CHECKPOINTS, RunDirError
+from tinygpt.core.rundir import CHECKPOINTS, RunDirError, run_file_limit
 
 CopyFile = Callable[[Path, Path], Any]
 
@@ -188,13 +189,13 @@ def copy_checkpoint(src: str | Path, dst: str | Path, copy_file: CopyFile = plai
     """Copy a checkpoint folder, data files verified against src's manifest, the manifest last. The
     manifest's names must be plain file names and no file, nor either folder, may be a link."""
     check_not_link(Path(src) / MANIFEST)
-    raw = (Path(src) / MANIFEST).read_bytes()  # read once: a best/ replaced meanwhile fails the checks
+    raw = read_bytes_safe(Path(src) / MANIFEST)  # read once: a best/ replaced meanwhile fails the checks
     _copy_folder(Path(src), Path(dst), _files_of(raw, src), {MANIFEST: raw}, copy_file, tag or new_tag())
 
 
 def whole_lines(path: Path) -> bytes:
-    """A run file's bytes as the mirror takes them."""
-    data = path.read_bytes()
+    """A run file's bytes as the mirror takes them (read the one way: no link, at most its limit)."""
+    data = read_bytes_safe(path, run_file_limit(path.name))
     # metrics.jsonl may be mid-append: keep whole lines only, the rest comes with the next sync
     return data[: data.rfind(b"\n") + 1] if path.suffix == ".jsonl" else data
 
@@ -207,6 +208,6 @@ def new_tag() -> str:
 def manifest_step(folder: Path) -> int:
     """The step a checkpoint folder's manifest names; -1 when it has none that can be read."""
     try:
-        return int(json.loads((folder / MANIFEST).read_text()).get("step", -1))
+        return int(json.loads(read_bytes_safe(folder / MANIFEST)).get("step", -1))
     except (OSError, ValueError, AttributeError, TypeError):
         return -1

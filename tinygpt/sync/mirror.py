@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint, write_manifest
-from tinygpt.core.files import clean_leftovers, write_bytes_atomic
-from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, METRICS, RUN_FILES, RunDir
+from tinygpt.core.files import clean_leftovers, read_bytes_safe, write_bytes_atomic
+from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, METRICS, RUN_FILES, RunDir, run_file_limit
 from tinygpt.sync.copy import (
     Backoff,
     CopyFile,
@@ -375,8 +375,8 @@ class Mirror(Callback):
             if not (src / MANIFEST).is_file():
                 return False  # pruned or being replaced locally: the next checkpoint will come
             self._check_root()  # a vanished Drive: nothing is made in its place
-            raw = (src / MANIFEST).read_bytes()
-            if ((dst / MANIFEST).is_file() and (dst / MANIFEST).read_bytes() == raw
+            raw = read_bytes_safe(src / MANIFEST)
+            if ((dst / MANIFEST).is_file() and read_bytes_safe(dst / MANIFEST) == raw
                     and verify_checkpoint(dst, deep=False)[0]):
                 return True  # already there (e.g. the checkpoint a restore came from)
             try:
@@ -414,10 +414,21 @@ def unmounted_drive(mirror: Path) -> Path | None:
 
 def _same_folder(local: Path, there: Path) -> bool:
     try:
-        return (there / MANIFEST).read_bytes() == (local / MANIFEST).read_bytes() and verify_checkpoint(
+        return read_bytes_safe(there / MANIFEST) == read_bytes_safe(local / MANIFEST) and verify_checkpoint(
             there, deep=False)[0]
+    except (OSError, ValueError):  # a link or an oversized manifest on the mirror: not the same folder
+        return False
+
+
+def _missing(path: Path) -> bool:
+    """Whether nothing is at `path` (not: a file where a folder's parent should be, or an unreadable mount)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
     except OSError:
         return False
+    return False
 
 
 NOTHING_MORE = "everything: "  # how mirror_lag begins when the mirror takes nothing more of this run (and why)
@@ -428,7 +439,7 @@ def mirror_lag(local_run_dir: str | Path, mirror_run_dir: str | Path) -> list[st
     checkpoint, best/, the adapter, metrics.jsonl's logged steps."""
     local, mirror = Path(local_run_dir), Path(mirror_run_dir)
     out: list[str] = []
-    if not mirror.is_dir() and list_checkpoints(local / CHECKPOINTS):
+    if _missing(mirror) and list_checkpoints(local / CHECKPOINTS):
         return [f"{NOTHING_MORE}the folder is gone (Drive unmounted, or the folder deleted); remount Drive and run "
                 "again to copy it"]
     try:
@@ -450,7 +461,7 @@ def mirror_lag(local_run_dir: str | Path, mirror_run_dir: str | Path) -> list[st
                 out.append(f"{name}/")
         if (local / METRICS).is_file():
             ours = whole_lines(local / METRICS)
-            theirs = (mirror / METRICS).read_bytes() if (mirror / METRICS).is_file() else b""
+            theirs = read_bytes_safe(mirror / METRICS, run_file_limit(METRICS)) if (mirror / METRICS).is_file() else b""
             if not theirs.startswith(ours):
                 out.append(METRICS)
     except OSError as e:

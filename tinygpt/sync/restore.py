@@ -4,12 +4,13 @@ cut-short checkpoint is skipped with a warning; a mirror that holds another run'
 before anything is copied."""
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 from tinygpt.core.checkpoint import list_checkpoints, verify_checkpoint
-from tinygpt.core.files import link_problem, write_bytes_atomic
-from tinygpt.core.rundir import ADAPTER_CONFIG, RUN_FILES, TOKENIZER_JSON, RunDir
+from tinygpt.core.files import link_problem, read_bytes_safe, write_bytes_atomic
+from tinygpt.core.rundir import ADAPTER_CONFIG, RUN_FILES, TOKENIZER_JSON, RunDir, run_file_limit
 from tinygpt.sync.copy import (
     Backoff,
     CopyFile,
@@ -80,17 +81,24 @@ def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None,
     return chosen
 
 
+ON_MIRROR = " (on the mirror)"  # added to a refused file's name in messages
 DEFINING_FILES = (TOKENIZER_JSON, ADAPTER_CONFIG)  # written once: a different one is another run's
 
 
 def _check_defining_files(local: Path, mirror: Path) -> None:
     for name in DEFINING_FILES:
+        limit = run_file_limit(name)
         try:
-            if not ((local / name).is_file() and (mirror / name).is_file()):
+            if not os.path.lexists(mirror / name):
                 continue
-            same = (local / name).read_bytes() == (mirror / name).read_bytes()
+            theirs = read_bytes_safe(mirror / name, limit, ON_MIRROR)  # a resumed run cannot do without it
+            if not (local / name).is_file():
+                continue
+            same = read_bytes_safe(local / name, limit) == theirs
         except OSError:
             continue  # an unreadable mirror: the restore below says so
+        except ValueError as e:  # a link, or larger than tinygpt writes: named, before anything is copied
+            raise MirrorTaken(f"{e}; nothing was copied from the mirror") from None
         if not same:
             raise MirrorTaken(f"{name} on the mirror {mirror} differs from {local / name}: the mirror holds another "
                               "run's files; nothing was copied or overwritten. Use another --mirror folder (one per "
@@ -119,12 +127,18 @@ def _restore_run_files(local: Path, mirror: Path, backoff: Backoff, copy_file: C
             continue
         if not src.is_file():
             continue
+        limit = run_file_limit(name)
+        try:
+            theirs = read_bytes_safe(src, limit, ON_MIRROR)  # read once, bounded: what is compared is what is copied
+        except ValueError as e:  # larger than tinygpt writes, or not a plain file: named, and not copied
+            warnings.warn(f"{e}; {name} is not restored from the mirror", stacklevel=3)
+            continue
         if dst.is_file():
             if name in DEFINING_FILES:
                 continue  # equal (checked before the restore)
-            theirs, ours = src.read_bytes(), dst.read_bytes()
+            ours = read_bytes_safe(dst, limit)
             newer = src.stat().st_mtime > dst.stat().st_mtime
             if theirs == ours or not newer or not (mirror_ahead or theirs.startswith(ours)):
                 continue
         mtime_ns = src.stat().st_mtime_ns
-        backoff.run(lambda: write_bytes_atomic(dst, src.read_bytes(), mtime_ns, tag))
+        backoff.run(lambda: write_bytes_atomic(dst, theirs, mtime_ns, tag))

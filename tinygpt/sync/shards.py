@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from tinygpt.core.checkpoint import MANIFEST
-from tinygpt.core.files import UnsafePathError, clean_leftovers, safe_name, write_bytes_atomic
+from tinygpt.core.files import UnsafePathError, clean_leftovers, read_bytes_safe, safe_name, write_bytes_atomic
 from tinygpt.core.rundir import TOKEN_CACHE
 from tinygpt.sync.copy import (
     Backoff,
@@ -32,7 +32,7 @@ from tinygpt.sync.mirror import mirror_wait_s, unmounted_drive
 
 def _shard_manifest(folder: Path) -> dict | None:
     try:
-        m = json.loads((folder / MANIFEST).read_bytes())
+        m = json.loads(read_bytes_safe(folder / MANIFEST))  # no link, bounded: a mirror's list is anyone's
     except (OSError, ValueError):
         return None
     return m if isinstance(m, dict) and isinstance(m.get("shards"), list) else None

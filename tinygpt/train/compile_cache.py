@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from tinygpt.core.files import write_bytes_atomic
+from tinygpt.core.files import read_bytes_safe, write_bytes_atomic
 from tinygpt.core.paths import cache_root
-from tinygpt.core.rundir import COMPILE_CACHE
+from tinygpt.core.rundir import COMPILE_CACHE, COMPILE_CACHE_LIMIT
 
 KEY_FILE = "compile-signing.key"
 KEY_ENV = "TINYGPT_COMPILE_KEY"  # also the name of the Colab secret
@@ -198,9 +198,9 @@ class CompileCache:
         if not self.path.is_file() or self.path.is_symlink():
             return None
         try:
-            head, _, payload = self.path.read_bytes().partition(b"\n")
+            head, _, payload = read_bytes_safe(self.path, COMPILE_CACHE_LIMIT).partition(b"\n")
             header = json.loads(head)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # FileTooLarge and UnsafePathError are ValueErrors
             return f"{self.path.name} is unreadable: ignored, compiling from scratch"
         if header.get("what") != self.what:
             diff = ", ".join(f"{k} {header.get('what', {}).get(k)} vs {v}" for k, v in self.what.items()

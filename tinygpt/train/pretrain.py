@@ -215,7 +215,7 @@ class PretrainOptions:
             raise ConfigError(f"probe must be 'auto' or 'off', got {self.probe!r}")
         if self.hours is not None and not (isinstance(self.hours, (int, float)) and math.isfinite(self.hours)
                                            and 0 < self.hours <= MAX_HOURS):
-            raise ConfigError(f"hours must be a positive number of hours up to {MAX_HOURS} (e.g. 1.5), got "
+            raise ConfigError(f"hours must be a positive, finite number of hours up to {MAX_HOURS} (e.g. 1.5), got "
                               f"{self.hours!r}")
         if self.hours is not None and self.max_steps is not None:
             raise ConfigError("give --hours or --max-steps, not both: a time budget sets the step count itself")
