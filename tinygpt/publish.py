@@ -288,6 +288,7 @@ def _write_gguf(run_dir: Path, model: Any, tok: Any, folder: Path, quant: str) -
     template = _template(run_dir) if finetuned else None
     gg.write_gguf(model, tok, folder / name, quant, name=run_dir.resolve().name,
                   chat_template=jinja_template(template, tok.eot) if template else None)
+    # outside run folders: the export folder this call made, fresh
     (folder / gg.MODELFILE).write_text(gg.modelfile(
         name, tok, model.config.max_seq_len, template=ollama_template(template) if template else None,
         stops=("### Instruction:",) if template else ()), encoding="utf-8")
@@ -323,17 +324,20 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str
             else:
                 _move_up(export_full(run_dir, which, tmp / FULL_MODEL_DIR))
                 (tmp / ADAPTER_INFO).unlink(missing_ok=True)  # this machine's paths: not for a shared folder
+            # outside run folders: atomic_output's fresh temporary
             (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None), encoding="utf-8")
         return out
     model, tok = _load(run_dir, which)
     if fmt == "hf":
         with atomic_output(out, folder=True) as tmp:
             _move_up(export_model(model, tok, tmp / "hf"))
+            # outside run folders: atomic_output's fresh temporary
             (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None), encoding="utf-8")
         return out
     gg.tokenizer_tables(tok, model.config.vocab_size)  # a tokenizer llama.cpp would split otherwise: refused now
     with atomic_output(out, folder=True) as tmp:
         name = _write_gguf(run_dir, model, tok, tmp, quant)
+        # outside run folders: atomic_output's fresh temporary
         (tmp / CARD).write_text(model_card(run_dir, hf=False, gguf_file=name), encoding="utf-8")
     return out
 
@@ -356,6 +360,7 @@ def upload_folder(run_dir: str | Path, out_dir: str | Path, repo_id: str, *, ggu
     if gguf:
         model, tok = _load(run_dir, which)
         name = _write_gguf(run_dir, model, tok, hf_out, gguf)
+    # outside run folders: the export folder this call made, fresh
     (hf_out / CARD).write_text(model_card(run_dir, hf=True, gguf_file=name, repo_id=repo_id),
                                encoding="utf-8")
     return hf_out

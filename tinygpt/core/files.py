@@ -169,6 +169,9 @@ def read_json_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = ""
     text = read_text_safe(path, limit, what)
     try:
         return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path}{what} nests JSON too deep to read: it was not written by tinygpt; delete it or "
+                         "restore it from a copy you trust") from None
     except ValueError as e:
         raise ValueError(f"{path}{what} is not valid JSON ({e}): it was not written by tinygpt, or was cut short; "
                          "delete it or restore it from a copy you trust") from None
@@ -183,14 +186,14 @@ def append_text(path: str | Path, text: str) -> None:
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:  # a checkpoint's file on a mirror: no link
         while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
 
 
 def fsync(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:

@@ -123,7 +123,7 @@ def _read_json_records(p: Path) -> Records:
     if size > JSON_FILE_LIMIT:
         raise DataError(f"{p} holds {size:,} bytes, more than the {JSON_FILE_LIMIT:,} read of a .json file: write "
                         "the records one per line as a .jsonl file, which is read a line at a time")
-    data = p.read_bytes()
+    data = p.read_bytes()  # outside run folders: the data file the user named, its size checked above
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -26,7 +26,7 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
     seen: set[tuple[str, str]] = set()
     for path in builtin_files():
         try:
-            source = path.read_text(encoding="utf-8")
+            source = path.read_text(encoding="utf-8")  # outside run folders: the standard library's sources
             tree = ast.parse(source)
             file_lines = io.StringIO(source, newline="").readlines()  # split once per file, as ast does
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):

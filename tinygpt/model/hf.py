@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from tinygpt.core.checkpoint import CheckpointError, load_model_state, model_state
+from tinygpt.core.checkpoint import CheckpointError, load_model_state, load_safetensors, model_state
 from tinygpt.core.config import FAMILIES, ModelConfig
-from tinygpt.core.files import atomic_output, read_json_safe, write_json_atomic
+from tinygpt.core.files import atomic_output, read_json_safe, safe_name, write_json_atomic
 from tinygpt.core.paths import hub_spec
 from tinygpt.model.gpt import GPT, rope_tables
 from tinygpt.model.loading import load_run
@@ -163,6 +163,7 @@ def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
 
 
 def _update_json(path: Path, **values: Any) -> None:
+    # outside run folders: the export's temporary folder, which this process made and fills
     path.write_text(json.dumps({**json.loads(path.read_text()), **values}, indent=2))
 
 
@@ -267,12 +268,12 @@ def hub_model_folder(spec: str, weights: bool = True) -> Path:
 
 
 def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a Hugging Face folder: model.safetensors or shards listed in its index."""
-    from safetensors.torch import load_file
-
+    """The tensors of a Hugging Face folder: model.safetensors or shards listed in its index, each header checked
+    before the library reads it (`load_safetensors`: a bad one is named), each shard's name a plain file name of
+    the folder (an index is anyone's: "../x" would read outside it)."""
     path = Path(path)
     if (path / "model.safetensors").is_file():
-        return load_file(str(path / "model.safetensors"))
+        return load_safetensors(hf_file(path, "model.safetensors"))
     if (path / SAFETENSORS_INDEX).is_file():
         index = read_json_safe(hf_file(path, SAFETENSORS_INDEX))
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
@@ -280,7 +281,7 @@ def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         shards = sorted(set(map(str, index["weight_map"].values())))
         sd: dict[str, torch.Tensor] = {}
         for shard in shards:
-            sd.update(load_file(str(path / shard)))
+            sd.update(load_safetensors(hf_file(path, safe_name(shard, path / SAFETENSORS_INDEX, plain=True))))
         return sd
     raise FileNotFoundError(f"{path} has no model.safetensors or {SAFETENSORS_INDEX}; if it holds "
                             "pytorch_model.bin, load it with transformers and save_pretrained() it again "

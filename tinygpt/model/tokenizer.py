@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from tinygpt.core.files import RUN_FILE_LIMIT, read_text_safe
+from tinygpt.core.files import RUN_FILE_LIMIT, read_text_safe, write_text_atomic
 from tinygpt.core.rundir import TOKENIZER_JSON
 
 EOT = "<|endoftext|>"
@@ -120,7 +120,8 @@ class Tokenizer:
         return self.tok.to_str()
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(), encoding="utf-8")
+        """Written whole or not at all, never through a link (a run folder's tokenizer.json)."""
+        write_text_atomic(path, self.to_json())
 
     @classmethod
     def from_json(cls, text: str, name: str = "the tokenizer") -> "Tokenizer":
@@ -170,9 +171,9 @@ def train_bpe(texts: Iterator[str] | Iterable[str], vocab_size: int, eot: str = 
 
 def gpt2_tokenizer(vocab_json: str | Path, merges_txt: str | Path) -> Tokenizer:
     """The GPT-2 BPE (50257 entries, `<|endoftext|>` = 50256) from OpenAI's vocab and merges files."""
-    vocab = json.loads(Path(vocab_json).read_text(encoding="utf-8"))
+    vocab = json.loads(Path(vocab_json).read_text(encoding="utf-8"))  # outside run folders: the package's own
     merges = []
-    for line in Path(merges_txt).read_text(encoding="utf-8").splitlines():
+    for line in Path(merges_txt).read_text(encoding="utf-8").splitlines():  # outside run folders: the package's
         if line and not line.startswith("#version"):
             a, b = line.split(" ")
             merges.append((a, b))

@@ -67,7 +67,7 @@ class MirrorGone(OSError):
 def _fuse_mount(path: Path) -> bool:
     """Whether `path` lies on a FUSE mount (Colab's Drive), where EACCES/EPERM can pass; elsewhere they do not."""
     try:
-        mounts = [ln.split()[1:3] for ln in Path("/proc/self/mounts").read_text().splitlines()]
+        mounts = [ln.split()[1:3] for ln in Path("/proc/self/mounts").read_text().splitlines()]  # outside run folders
     except OSError:
         return False
     target = os.path.abspath(path)
@@ -177,7 +177,7 @@ def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: d
             check_copy(tmp / name, info)
             try_fsync(tmp / name)
         for name, data in last.items():
-            (tmp / name).write_bytes(data)
+            (tmp / name).write_bytes(data)  # outside run folders: the fresh temporary folder made above
             try_fsync(tmp / name)
         replace_dir(tmp, dst, tag)
     except BaseException:

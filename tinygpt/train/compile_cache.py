@@ -114,7 +114,7 @@ def signing_key() -> tuple[bytes | None, str | None]:
     if why:
         return None, (f"the compile cache key file {path} {why}: refused, the compile cache is not used; delete it "
                       f"(a new one is made) or set ${KEY_ENV}")
-    return path.read_bytes(), None
+    return path.read_bytes(), None  # outside run folders: the user's key file, checked above (plain, own, 0600)
 
 
 def _inside(path: str, root: str) -> bool:

@@ -150,6 +150,7 @@ def stream_text_file(path: Path, skipped: dict[str, int] | None = None,
     when unbounded), the pieces stop once `max_chars` characters are given; `skipped` counts what
     happened, for one warning at the end."""
     try:  # non-blocking, then checked: a FIFO named like a text file is skipped, never waited on
+        # outside run folders: a text file of the source the user named
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
@@ -256,7 +257,7 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
         if kind == "builtin":  # our own corpus: the stdlib's UTF-8 sources, as they are
             for f in builtin_files():
                 try:
-                    text = f.read_text(encoding="utf-8")
+                    text = f.read_text(encoding="utf-8")  # outside run folders: the standard library's sources
                 except (UnicodeDecodeError, OSError):
                     continue
                 yield from _chunks(text)

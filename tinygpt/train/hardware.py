@@ -79,7 +79,7 @@ def ram_gb() -> tuple[float | None, float | None]:
         import psutil
         return psutil.virtual_memory().total / GB, psutil.virtual_memory().available / GB
     with contextlib.suppress(OSError, KeyError, ValueError):
-        lines = Path("/proc/meminfo").read_text().splitlines()
+        lines = Path("/proc/meminfo").read_text().splitlines()  # outside run folders: the kernel's
         kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in lines)}
         return kb["MemTotal"] * 1024 / GB, kb["MemAvailable"] * 1024 / GB
     return None, None
@@ -87,7 +87,7 @@ def ram_gb() -> tuple[float | None, float | None]:
 
 def cpu_name() -> str:
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # outside run folders: the kernel's
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "cpu"

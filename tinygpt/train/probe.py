@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from tinygpt.core.config import Recipe, get_recipe
-from tinygpt.core.files import write_json_atomic
+from tinygpt.core.files import read_json_safe, write_json_atomic
 from tinygpt.core.options import option
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import (
@@ -366,7 +366,7 @@ def _read_kept(paths: list[Path], key: dict) -> ProbeResult | None:
     copied to where it was missing (the run keeps what the user's cache had, and the other way round)."""
     for path in paths:
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            cached = ProbeResult.from_dict(json.loads(path.read_text()))
+            cached = ProbeResult.from_dict(read_json_safe(path))  # probe.json comes back from a mirror too
             if cached.key == json.loads(json.dumps(key)):
                 cached.from_cache = True
                 for other in paths:

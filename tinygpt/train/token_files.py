@@ -77,7 +77,7 @@ def _bins(folder: Path) -> list[Path]:
 
 def _first_int32(path: Path) -> int | None:
     """The first little-endian int32 of a file, or None for a file shorter than 4 bytes."""
-    with open(path, "rb") as f:
+    with open(path, "rb") as f:  # outside run folders: a token file of the source the user named
         head = f.read(4)
     return int(np.frombuffer(head, dtype="<i4")[0]) if len(head) == 4 else None
 
@@ -251,7 +251,7 @@ def write_llmc_shard(path: str | Path, tokens, kind: str = "gpt-2") -> Path:
         raise DataError(f"an llm.c shard holds fewer than 2**31 tokens (its count is an int32); got {len(arr)}")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = fmt.magic, fmt.version, len(arr)
-    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:  # outside run folders: a fresh temporary
         f.write(header.tobytes())
         f.write(arr.tobytes())
     return Path(path)

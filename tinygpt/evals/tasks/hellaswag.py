@@ -108,6 +108,9 @@ def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceIte
                     continue
                 try:
                     record = json.loads(line)
+                except RecursionError:
+                    raise DataFormatError(f"{path} line {n} nests JSON too deep to read; expected one HellaSwag "
+                                          "record per line") from None
                 except ValueError as e:
                     raise DataFormatError(f"{path} line {n} is not JSON ({e}); expected one HellaSwag record per "
                                           "line (rowanz/hellaswag's hellaswag_val.jsonl)") from None
