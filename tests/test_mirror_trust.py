@@ -215,14 +215,23 @@ def test_a_mirrors_run_files_that_tinygpt_never_wrote_are_refused_before_any_cop
 
     for name, forged in (("budget.json", json.dumps({"hours": 1, "max_steps": 10**30})),
                          ("budget.json", json.dumps({"hours": 1e9, "max_steps": 5})),
-                         ("metrics.jsonl", honest + json.dumps({"step": "x", "loss": 1.0}) + "\n" + honest)):
-        (drive / name).write_text(forged)
+                         ("metrics.jsonl", honest + json.dumps({"step": "x", "loss": 1.0}) + "\n" + honest),
+                         ("tokenizer.json", None)):
+        keep = (drive / name).read_bytes() if (drive / name).exists() else None
+        if forged is None:  # 100 MB of nothing, as sparse as the 4 GB one that was read whole before
+            with open(drive / name, "r+b") as f:
+                f.truncate(100 << 20)
+        else:
+            (drive / name).write_text(forged)
         out = pretrain(tmp_path / "vm2", tmp_path / "cache", "--max-steps", "4", "--mirror", str(drive), data=data)
         assert out.returncode != 0, out.stdout
-        assert str(drive / name) in out.stdout and "did not write" in out.stdout, out.stdout
+        assert str(drive / name) in out.stdout, out.stdout
+        assert "did not write" in out.stdout or "not written by tinygpt" in out.stdout, out.stdout
         assert out.stdout.strip().count("\n") == 0, out.stdout  # one line
         assert not (tmp_path / "vm2" / name).exists() and not (tmp_path / "vm2" / "checkpoints").exists()
         (drive / name).unlink()
+        if keep is not None:
+            (drive / name).write_bytes(keep)
     (drive / "metrics.jsonl").write_text(honest)
 
     (tmp_path / "vm1" / "budget.json").write_text(json.dumps({"hours": 1, "max_steps": 10**30}))
