@@ -94,9 +94,9 @@ def _where(records: Sequence[Any], i: int) -> str:
 
 
 def _read_jsonl_records(p: Path) -> Records:
-    """A .jsonl file's records, a line at a time (`evals.code.DataFile`: lines of at most 16 MB, UTF-8); any
+    """A .jsonl file's records, a line at a time (`core.datafiles.DataFile`: lines of at most 16 MB, UTF-8); any
     bad line is a DataError naming the file and the line."""
-    from tinygpt.evals.code import DataFile, DataFormatError
+    from tinygpt.core.datafiles import DataFile, DataFormatError
 
     items, lines = [], []
     try:
