@@ -205,17 +205,17 @@ def test_cli_exports_gguf_with_a_modelfile_and_a_card(run, tmp_path, capsys):
     assert main(["export", str(run), str(out), "--format", "gguf", "--quant", "q8_0"]) == 0
     assert "ollama create" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "README.md", "model-Q8_0.gguf"]
-    model_cfg = get_recipe("cpu-smoke").model
+    trained = get_recipe("cpu-smoke").train.seq_len  # the context it was trained at, not its position tables
     modelfile = (out / "Modelfile").read_text()
     assert modelfile.startswith("FROM ./model-Q8_0.gguf\n") and 'TEMPLATE """{{ .Prompt }}"""' in modelfile
-    assert f"PARAMETER num_ctx {model_cfg.max_seq_len}\n" in modelfile and 'PARAMETER stop "<|endoftext|>"' in modelfile
+    assert f"PARAMETER num_ctx {trained}\n" in modelfile and 'PARAMETER stop "<|endoftext|>"' in modelfile
     meta, tensors = gg.read_gguf(out / "model-Q8_0.gguf")
     assert meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0 and meta["general.name"] == "run"
     card = (out / "README.md").read_text()
     s = summarize_run(run)
     assert s["steps"] == 12 and f"| steps | {s['steps']} |" in card and f"| tokens seen | {s['tokens_seen']:,} |" in card
-    assert f"| final training loss | {s['loss_last']:.4g} |" in card
-    assert f"| final validation loss | {s['val_loss_last']:.4g} |" in card and "ollama create" in card
+    assert f"| training loss | {s['loss_last']:.4g} |" in card
+    assert f"| validation loss | {s['val_loss_last']:.4g} |" in card and "ollama create" in card
 
     assert main(["export", str(run), str(out), "--format", "gguf"]) == 2  # the target is taken: refused
     assert "not empty; nothing was written" in capsys.readouterr().err
@@ -231,7 +231,7 @@ def test_push_folder_holds_hf_files_gguf_and_a_card_with_the_runs_figures(run, t
     (ev,) = read_evals(run)
     assert ev["task"] == "perplexity" and ev["data"].endswith("wikitext2_test.txt")
     assert f"perplexity {ev['scores']['perplexity']:.4g}, bits_per_byte {ev['scores']['bits_per_byte']:.4g}" in card
-    assert f"| final training loss | {facts['train_loss']:.4g} |" in card and "library_name: transformers" in card
+    assert f"| training loss | {facts['train_loss']:.4g} |" in card and "library_name: transformers" in card
     assert 'AutoModelForCausalLM.from_pretrained("alice/tiny")' in card and "ollama run hf.co/alice/tiny:F16" in card
     assert "| `wikitext2_test.txt` |" in card and str(run.parent) not in card  # no folder of this machine
     transformers = pytest.importorskip("transformers")
@@ -294,7 +294,7 @@ def test_a_finetune_exports_merged_with_its_prompt_format(lora_run, tmp_path):
     sd = merged.state_dict()
     np.testing.assert_array_equal(tensors["blk.1.ffn_up.weight"], sd["model.layers.1.mlp.up_proj.weight"].numpy())
     np.testing.assert_array_equal(tensors["blk.0.attn_v.weight"], sd["model.layers.0.self_attn.v_proj.weight"].numpy())
-    assert "### Instruction:\n{{ message['content'] }}\n\n### Response:\n" in meta["tokenizer.chat_template"]
+    assert "### Instruction:\n{{ message['content'] | trim }}\n\n### Response:\n" in meta["tokenizer.chat_template"]
     modelfile = (out / "Modelfile").read_text()
     assert "### Instruction:\n{{ .Prompt }}\n\n### Response:\n" in modelfile
     assert 'PARAMETER stop "### Instruction:"' in modelfile
@@ -302,7 +302,7 @@ def test_a_finetune_exports_merged_with_its_prompt_format(lora_run, tmp_path):
     facts = card_facts(lora_run)
     assert facts["kind"] == "finetune" and facts["recipe"] == "lora-r8" and facts["steps"] == 6
     assert "`lora-r8` finetune of `run`," in card and str(lora_run.parent) not in card  # no folder of this machine
-    assert f"| final validation loss | {facts['val_loss']:.4g} |" in card and "| data | `code_alpaca_2k.json` |" in card
+    assert f"| validation loss | {facts['val_loss']:.4g} |" in card and "| data | `code_alpaca_2k.json` |" in card
 
     hf_out = tmp_path / "ft-hf"
     assert main(["export", str(lora_run), str(hf_out)]) == 0

@@ -15,7 +15,10 @@ Invariants:
   for SmolLM's single digits before it, so that runs continued from SmolLM export too).
   `check_tokenizer` refuses a tokenizer llama.cpp would split differently (another pre-tokenizer, a
   normalizer, byte fallback...) rather than writing a file that tokenizes otherwise.
-- No beginning-of-sequence token is added (tinygpt adds none); end-of-text is eos, and llama.cpp stops on it.
+- End-of-text is eos, and llama.cpp stops on it. A pretrained run's GGUF adds no beginning-of-sequence token
+  (`tinygpt generate` continues a prompt as it is); a finetune's adds the one its training prompts began with
+  (`bos_id`, `add_bos`: end-of-text for a tinygpt base), so llama.cpp and Ollama start a prompt as training did.
+- `context_length` is the context the run was trained at (`context`), not the size of its position tables.
 - Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0. Like llama.cpp's converter,
   1-D tensors (norms, biases) stay f32 and a matrix whose rows are not a whole number of blocks stays f16.
 """
@@ -172,12 +175,17 @@ _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8
 
 
 def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = "f16", *, name: str = "tinygpt",
-               chat_template: str | None = None) -> Path:
+               chat_template: str | None = None, context: int | None = None, bos_id: int | None = None,
+               add_bos: bool = False) -> Path:
     """Write `model` and `tokenizer` as one GGUF file at `path` (written beside it and renamed into place).
-    chat_template: a Jinja template for llama.cpp's chat mode (a finetuned run's prompt format)."""
+    chat_template: a Jinja template for llama.cpp's chat mode (a finetuned run's prompt format). context: the
+    `context_length` clients read (the trained context; the model's max_seq_len when None). bos_id / add_bos:
+    the token a prompt starts with, and whether llama.cpp adds it (end-of-text, not added, by default)."""
     gguf = _gguf()
     check_quant(quant)
     config = check_architecture(model.config)
+    if context is not None and context < 1:
+        raise ValueError(f"context must be a positive number of tokens, got {context}")
     tokens, types, merges = tokenizer_tables(tokenizer, config.vocab_size)  # refused before anything is written
     tensors = gguf_tensors(model)
     path = Path(path)
@@ -186,17 +194,19 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = 
         w.add_name(name)
         w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[quant]))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for name, value in config.to_gguf().items():  # gguf's own writer knows llama.cpp's key and type
+        meta = config.to_gguf()
+        meta["context_length"] = context or config.max_seq_len
+        for name, value in meta.items():  # gguf's own writer knows llama.cpp's key and type
             getattr(w, f"add_{name}")(value)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre_tokenizer_name(json.loads(tokenizer.to_json()).get("pre_tokenizer")))
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)
-        w.add_bos_token_id(tokenizer.eot_id)
+        w.add_bos_token_id(tokenizer.eot_id if bos_id is None else bos_id)
         w.add_eos_token_id(tokenizer.eot_id)
         w.add_pad_token_id(tokenizer.eot_id)
-        w.add_add_bos_token(False)
+        w.add_add_bos_token(bool(add_bos))
         w.add_add_eos_token(False)
         if chat_template:
             w.add_chat_template(chat_template)

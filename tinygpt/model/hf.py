@@ -167,9 +167,12 @@ def _update_json(path: Path, **values: Any) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **values}, indent=2))
 
 
-def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path) -> Path:
+def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path, *,
+                 context: int | None = None) -> Path:
     """Write `model` (and `tokenizer`) as a Hugging Face Llama folder at `out_dir` (new or empty).
-    The folder is written beside the target and renamed into place, so a failure leaves nothing."""
+    The folder is written beside the target and renamed into place, so a failure leaves nothing.
+    context: the context clients read (config.json's max_position_embeddings, the tokenizer's
+    model_max_length): the one the model was trained at; the model's max_seq_len when None."""
     out = check_export_target(out_dir)
     from safetensors.torch import save_file
 
@@ -178,16 +181,59 @@ def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path) -
         hf_llama_config(model.config, eot_id).save_pretrained(tmp)
         # transformers 5 keeps rope_theta under rope_parameters; 4.x reads it at the top level and would
         # silently fall back to 10000 without it. Both keys, so that either version loads the same model.
-        _update_json(tmp / "config.json", rope_theta=model.config.rope_theta)
+        _update_json(tmp / "config.json", rope_theta=model.config.rope_theta,
+                     max_position_embeddings=context or model.config.max_seq_len)
         save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
-            hf_tokenizer(tokenizer, model.config.max_seq_len).save_pretrained(tmp)
+            hf_tokenizer(tokenizer, context or model.config.max_seq_len).save_pretrained(tmp)
             # transformers 5 writes its own class name; "PreTrainedTokenizerFast" loads in 4.x and 5.x.
-            _update_json(tmp / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
+            _update_json(tmp / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast",
+                         add_bos_token=False, add_eos_token=False)
             gen = {"bos_token_id": eot_id, "eos_token_id": eot_id, "transformers_version": _transformers().__version__}
             write_json_atomic(tmp / "generation_config.json", gen)
         check_export_target(out)  # still free? (someone may have written there meanwhile)
     return out
+
+
+def set_prompt_format(folder: str | Path, *, bos_id: int | None, chat_template: str | None = None,
+                      context: int | None = None) -> None:
+    """Make an exported Hugging Face folder (written by this process) start every prompt as its training
+    did: with token `bos_id` added by the tokenizer (tokenizer.json's post-processor, which transformers 4.x
+    and 5.x and `tokenizers` all apply; `add_bos_token` in tokenizer_config.json, which converters such as
+    llama.cpp's read; bos_token_id in config.json and generation_config.json), or with nothing added when
+    `bos_id` is None. chat_template: the prompt format for `apply_chat_template`; context: the trained
+    context (max_position_embeddings, model_max_length)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    folder = Path(folder)
+    tj = folder / "tokenizer.json"
+    tok = HFTokenizer.from_str(read_tokenizer_json(tj))
+    bos = tok.id_to_token(bos_id) if bos_id is not None else None
+    if bos_id is not None and bos is None:
+        raise ValueError(f"token id {bos_id} is not in {tj}")
+    adds = tok.encode("a").ids[:1] == [bos_id] if bos_id is not None else False
+    if bos_id is not None and not adds:
+        template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                 special_tokens=[(bos, bos_id)])
+        old = tok.post_processor
+        tok.post_processor = processors.Sequence([old, template]) if old is not None else template
+    # outside run folders: the export's temporary folder, which this process made and fills
+    tj.write_text(tok.to_str(), encoding="utf-8")
+    tc = {"add_bos_token": bos_id is not None, "add_eos_token": False}
+    if bos is not None:
+        tc["bos_token"] = bos
+    if chat_template is not None:
+        tc["chat_template"] = chat_template
+        if (folder / "chat_template.jinja").is_file():  # transformers 5 reads this file first
+            (folder / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+    if context:
+        tc["model_max_length"] = context
+    _update_json(folder / "tokenizer_config.json", **tc)
+    _update_json(folder / "config.json", bos_token_id=bos_id,
+                 **({"max_position_embeddings": context} if context else {}))
+    if (folder / "generation_config.json").is_file():
+        _update_json(folder / "generation_config.json", bos_token_id=bos_id)
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
