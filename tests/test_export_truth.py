@@ -9,6 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -185,12 +186,12 @@ def test_a_q8_0_export_says_how_to_run_it_on_a_cpu_with_amx(run, tmp_path, capsy
 PROMPTS = ["def main(", "The king said", "import os\n"]
 
 
-def _llama(path: Path, n_ctx: int):
+def _llama(path: Path, n_ctx: int, logits_all: bool = False):
     try:
         from llama_cpp import Llama
     except ImportError:
         pytest.skip("llama.cpp is not installed here (pip install llama-cpp-python builds it from source with CMake)")
-    return Llama(model_path=str(path), n_ctx=n_ctx, logits_all=False, verbose=False, n_threads=2, seed=0)
+    return Llama(model_path=str(path), n_ctx=n_ctx, logits_all=logits_all, verbose=False, n_threads=2, seed=0)
 
 
 def _greedy_cpp(llm, ids: list[int], n: int, stop: int | None = None) -> list[int]:
@@ -274,6 +275,14 @@ def test_a_finetuned_gguf_answers_an_instruction_as_generate_adapter_does(lora_r
     assert ids == _training_prompt(lora_run, INSTRUCTION)
     got = _greedy_cpp(llm, ids, 24, stop=tok.eos_token_id)
     assert tok.decode(got, skip_special_tokens=True) == want
+    # (a model this briefly trained may answer with little but newlines:) the whole next-token distribution
+    # after the prompt, llama.cpp's against the merged model's, with the BOS in place
+    scorer = _llama(path, 128, logits_all=True)
+    scorer.eval(ids)
+    with torch.no_grad():
+        ours = merged(input_ids=torch.tensor([ids])).logits[0, -1].double().numpy()
+    theirs = np.asarray(scorer.scores[len(ids) - 1], dtype=np.float64)
+    np.testing.assert_allclose(theirs, ours, atol=1e-3 * max(1.0, float(np.abs(ours).max())), rtol=0)
     # llama.cpp's chat mode (the GGUF's Jinja template, as llama-cpp-python renders it) gives the same answer
     llm.reset()
     chat = llm.create_chat_completion(messages=[{"role": "user", "content": INSTRUCTION}], temperature=0.0,
