@@ -192,9 +192,15 @@ print(json.dumps({"val_windows": (len(val) - 1) // 64, "evals": sum("val_loss" i
 """
 
 
+# A bound for a hung compile, not a speed test: a cold compiled run is about 55 CPU-seconds (inductor's C++ compile
+# of the training step; measured with torch 2.11 on Python 3.13), 160 to 400 s of wall time at load 10 on 2 cores,
+# and it crossed 600 s at load 40 (issue 33)
+COMPILE_RUN_TIMEOUT_S = 1800
+
+
 def _run_py(code: str, *args: str, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=COMPILE_RUN_TIMEOUT_S, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
