@@ -262,6 +262,20 @@ def test_llama_cpp_greedy_tokens_at_f16_equal_tinygpts(kind, run, tmp_path):
         assert _greedy_cpp(llm, ids, 24) == _greedy_ours(model, ids, 24), (kind, prompt)
 
 
+def test_llama_cpp_greedy_tokens_of_a_merged_lora_at_f16_equal_its_merged_models(lora_run, tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
+    from tinygpt.finetune.lora import load_finetuned
+
+    merged, tok = load_finetuned(lora_run, merge=True)
+    path = next(export(lora_run, tmp_path / "g", "gguf", "f16").glob("*.gguf"))
+    llm = _llama(path, 128)
+    merged = _f16(merged.float().eval())
+    for prompt in PROMPTS:
+        ids = [tok.bos_token_id] + tok(prompt, add_special_tokens=False)["input_ids"]  # as the GGUF starts it
+        assert llm.tokenize(prompt.encode(), add_bos=True, special=True) == ids
+        assert _greedy_cpp(llm, ids, 24) == _greedy_ours(merged, ids, 24, hf=True), prompt
+
+
 def test_a_finetuned_gguf_answers_an_instruction_as_generate_adapter_does(lora_run, tmp_path):
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
     from tinygpt.finetune.lora import generate_response, load_finetuned
