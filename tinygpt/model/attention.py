@@ -52,7 +52,17 @@ def device_profile(device: torch.device) -> tuple[str, tuple[int, int] | None]:
     return device.type, cap  # type: ignore[return-value]
 
 
-@torch.compiler.assume_constant_result
+def assume_constant_result(fn):
+    """`torch.compiler.assume_constant_result` without importing the compiler: that decorator imports
+    torch._dynamo (sympy, fx: about 2 CPU-seconds) only to set this one attribute, which the compiler reads
+    when it traces a call of `fn`; applied at import, it made every command (`--help`, generate, CPU training
+    with compile off) pay for a compiler it never ran. tests/test_imports.py checks that the attribute is still
+    all the decorator sets."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def _expands(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     # A constant for the compiler: the graph is already specialised on the device and dtype of its inputs.
     device_type, capability = device_profile(device)

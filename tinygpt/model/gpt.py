@@ -307,11 +307,29 @@ class GPT(nn.Module):
         return cross_entropy(self.lm_head, x, targets, reduction=reduction, mode=loss)
 
 
+class _ShapesOnly(torch.overrides.TorchFunctionMode):
+    """What `meta_model` needs of the GPT's construction, its shapes, without the two things that would run
+    torch's Python meta kernels, which import the compiler (torch._dynamo, sympy: about 2 CPU-seconds) on
+    first use: `torch.nn.init` calls are left out (a meta tensor has no values to draw) and the RoPE tables
+    are computed on the CPU (`torch.arange` there), to be replaced by meta tensors of their shape."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        if func is torch.arange:
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
 def meta_model(config: ModelConfig) -> GPT:
     """The model on the meta device: no memory, instant even at 760M, for counting parameters and FLOPs
-    from the model itself (so no formula elsewhere can drift from it)."""
-    with torch.device("meta"):
-        return GPT(config)
+    from the model itself (so no formula elsewhere can drift from it). Nothing is initialised (`_ShapesOnly`)."""
+    with torch.device("meta"), _ShapesOnly():
+        model = GPT(config)
+    for name in ("rope_cos", "rope_sin"):
+        setattr(model, name, torch.empty_like(getattr(model, name), device="meta"))
+    return model
 
 
 def cross_entropy(head: nn.Linear, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",

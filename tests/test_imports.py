@@ -1,0 +1,75 @@
+"""Commands import what they use: `tinygpt --help`, `recipes` and `generate` load nothing of the compiler
+(torch._dynamo, torch._inductor, which bring sympy), transformers, peft, datasets or matplotlib; CPU pretraining
+with compile off loads none of them either, except the compiler where torch's own optimizer imports it (torch
+2.13's `Optimizer.add_param_group` is `@torch._disable_dynamo`, which imports torch._dynamo on first call). Each command runs as a real process under `python -X importtime` (its child processes too, the
+shard writer's included: PYTHONPROFILEIMPORTTIME), and every module it imported is read from that list. What is
+counted is modules, never time."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COMPILER = ("torch._dynamo", "torch._inductor", "sympy")
+UNUSED = (*COMPILER, "transformers", "peft", "datasets", "matplotlib")
+
+
+def imported(*args: str, cwd: Path = REPO) -> set[str]:
+    """Every module the command `python -m tinygpt ARGS` (and any Python process it starts) imported."""
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    out = subprocess.run([sys.executable, "-m", "tinygpt", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return set(re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", out.stderr, re.M))
+
+
+def unused(modules: set[str], allowed: tuple[str, ...] = ()) -> list[str]:
+    return sorted(m for m in modules if (m.split(".")[0] in UNUSED or m.startswith(UNUSED))
+                  and not (m.split(".")[0] in allowed or m.startswith(allowed)))
+
+
+def torch_optimizer_imports_the_compiler() -> bool:
+    code = ("import sys, torch; torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]); "
+            "print('torch._dynamo' in sys.modules)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
+
+
+def test_help_and_recipes_import_no_compiler_and_no_hugging_face():
+    for args in (["--help"], ["recipes"]):
+        modules = imported(*args)
+        assert "tinygpt.cli" in modules and "torch" in modules  # the list is read
+        assert unused(modules) == [], args
+
+
+def test_compile_only_decoration_is_what_torch_would_apply():
+    """attention.py marks `_expands` constant for the compiler without importing it; the mark is all that
+    `torch.compiler.assume_constant_result` sets (if torch changes that, this fails, not the compiled graph)."""
+    import torch
+
+    from tinygpt.model import attention
+
+    def f():
+        return 0
+
+    def g():
+        return 0
+
+    assert vars(torch.compiler.assume_constant_result(f)) == vars(attention.assume_constant_result(g))
+    assert vars(attention._expands) == vars(f)
+
+
+def test_cpu_pretraining_and_generate_import_no_compiler_and_no_hugging_face(tmp_path):
+    run = tmp_path / "run"
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(3000)), encoding="utf-8")
+    modules = imported("pretrain", "--recipe", "cpu-smoke", "--data", str(text), "--run-dir", str(run),
+                       "--max-steps", "3", "--quiet", "--device", "cpu", "--set", "train.compile=off",
+                       "--set", "train.eval_every=0", "--set", "train.save_every=3")
+    assert "tinygpt.train.trainer" in modules and "tinygpt.train.shards" in modules  # it trained and tokenized
+    assert unused(modules, COMPILER if torch_optimizer_imports_the_compiler() else ()) == []
+    modules = imported("generate", "--run-dir", str(run), "--prompt", "def main(", "--max-new-tokens", "5")
+    assert "tinygpt.model.generate" in modules
+    assert unused(modules) == []
