@@ -164,6 +164,10 @@ def _read_manifest_file(mf: Path) -> dict[str, Any]:
         manifest = read_json_safe(mf, MANIFEST_LIMIT)
     except RecursionError:
         raise CheckpointError(f"{mf} nests JSON too deep to read: it was not written by tinygpt") from None
+    except CheckpointError:
+        raise
+    except ValueError as e:  # not JSON, too large, a link: read_json_safe's one line names the file
+        raise CheckpointError(str(e)) from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{mf} holds a JSON {type(manifest).__name__}, not a manifest: it was not written by "
                               "tinygpt")

@@ -226,6 +226,7 @@ def set_prompt_format(folder: str | Path, *, bos_id: int | None, chat_template: 
     if chat_template is not None:
         tc["chat_template"] = chat_template
         if (folder / "chat_template.jinja").is_file():  # transformers 5 reads this file first
+            # outside run folders: the export's temporary folder, which this process made and fills
             (folder / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     if context:
         tc["model_max_length"] = context
