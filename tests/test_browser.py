@@ -75,6 +75,14 @@ def _generations(text: str) -> list[tuple[str, str]]:
     return [(b.strip(), a.strip()) for b, a in pairs]
 
 
+def _product_text(text: str) -> str:
+    """The page's text without what the models wrote (03_evaluate's `=== RUN` samples, 02_finetune's before/after
+    answers): a model trained on Python writes `None` as readily as `def`, and which words a smoke model writes
+    changes with torch's version (torch 2.11's sampling wrote one in 03_evaluate)."""
+    text = re.sub(r"^=== .*?(?=^=== |^Out\[|^In \[|\Z)", "", text, flags=re.S | re.M)
+    return re.sub(r"^--- (before|after) \(.*?\) ---\n.*?(?=^--- |^### |^Out\[|^In \[|\Z)", "", text, flags=re.S | re.M)
+
+
 def test_the_screenshots_show_todays_product_cleanly(browser):
     """What the README's pictures must show, checked on the page they were taken of."""
     seen, images, _ = browser
@@ -82,7 +90,8 @@ def test_the_screenshots_show_todays_product_cleanly(browser):
         nb = seen[name]
         assert nb["stderr"] == [], (name, nb["stderr"])
         assert nb["overflowing_tables"] == [], (name, nb["overflowing_tables"])
-        assert not re.search(r"\bNone\b|\bnan\b|\b0\.0M\b|(?<![.\d])0 s\b", nb["text"]), (name, nb["text"][-3000:])
+        assert not re.search(r"\bNone\b|\bnan\b|\b0\.0M\b|(?<![.\d])0 s\b", _product_text(nb["text"])), \
+            (name, nb["text"][-3000:])
     setup, pretrain = seen["00_setup.ipynb"], seen["01_pretrain.ipynb"]
     assert all(name in setup["recipes"] for name in RECIPES)  # every recipe in the table and in the picker
     assert {o.split()[0] for o in pretrain["options"]} == set(RECIPES)
