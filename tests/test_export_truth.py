@@ -276,6 +276,29 @@ def test_llama_cpp_greedy_tokens_of_a_merged_lora_at_f16_equal_its_merged_models
         assert _greedy_cpp(llm, ids, 24) == _greedy_ours(merged, ids, 24, hf=True), prompt
 
 
+def test_llama_cpp_greedy_tokens_of_a_full_finetune_at_f16_equal_its_hf_exports(run, shared_data, tmp_path):
+    """The fifth export kind: a full finetune (every weight trained). Its GGUF in llama.cpp and its Hugging Face export
+    in transformers start a prompt with the same tokens (the finetune's BOS) and continue it greedily alike at f16."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
+    import transformers
+
+    from tinygpt.finetune.lora import finetune
+
+    finetune("full", str(run), str(shared_data / "code_alpaca_2k.json"), tmp_path / "full", hardware="cpu",
+             progress=False, train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=3,
+                                        warmup_steps=1, eval_every=3, save_every=3, eval_batches=1, log_every=1))
+    hf = export(tmp_path / "full", tmp_path / "hf", "hf")
+    path = next(export(tmp_path / "full", tmp_path / "g", "gguf", "f16").glob("*.gguf"))
+    model = _f16(transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval())
+    tok = transformers.AutoTokenizer.from_pretrained(hf)
+    llm = _llama(path, 128)
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]  # what transformers adds before a prompt
+        assert ids[0] == tok.bos_token_id
+        assert llm.tokenize(prompt.encode(), add_bos=True, special=True) == ids
+        assert _greedy_cpp(llm, ids, 24) == _greedy_ours(model, ids, 24, hf=True), prompt
+
+
 def test_a_finetuned_gguf_answers_an_instruction_as_generate_adapter_does(lora_run, tmp_path):
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
     from tinygpt.finetune.lora import generate_response, load_finetuned
