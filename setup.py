@@ -33,6 +33,7 @@ extras["dev"] = sorted({d for v in extras.values() for d in v} | {"pytest>=7", "
                                                                    "setuptools>=70.1", "wheel>=0.40",
                                                                    # the layers contract and the linter (CI)
                                                                    "import-linter>=2.0", "ruff>=0.6"})
+install_requires.append("tiktoken>=0.14.0")  # GPT-2 token caches at 3.5x the speed of tokenizers (Colab has 0.14.0)
 
 setup(
     name="tinygpt",

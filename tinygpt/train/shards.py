@@ -17,6 +17,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -256,6 +257,33 @@ def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path, shar
     return manifest
 
 
+def encode_documents(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of each text followed by end-of-text, all in one array of `dtype` (one conversion per batch,
+    none per document), and where each text's ids end in it."""
+    eot = tokenizer.eot_id
+    ids = tokenizer.encode_batch(texts)
+    ends = np.cumsum(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1)
+    flat = np.empty(int(ends[-1]) if len(ids) else 0, dtype=dtype)
+    flat[ends - 1] = eot
+    body = np.ones(len(flat), dtype=bool)
+    body[ends - 1] = False
+    flat[body] = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=len(flat) - len(ids))
+    return flat, ends
+
+
+def _add_documents(group: _Group, flat: np.ndarray, ends: np.ndarray, val: np.ndarray, k: int, end: int) -> None:
+    """Documents k .. end-1 of a batch into the group: each run of consecutive training (or validation)
+    documents as one slice of the batch's array."""
+    cuts = [k, *(k + 1 + np.flatnonzero(val[k + 1:end] != val[k:end - 1])).tolist(), end]
+    for a, b in zip(cuts, cuts[1:]):
+        part = flat[(ends[a - 1] if a else 0):ends[b - 1]]
+        if val[a]:
+            group.val.append(part)
+        else:
+            group.train.append(part)
+            group.n_train += len(part)
+
+
 def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: dict,
                  should_stop: Callable[[], bool]) -> None:
     dtype = np.dtype(manifest["dtype"])
@@ -268,16 +296,22 @@ def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: 
         documents after the last shard's end are read again by the next writer)."""
         nonlocal group
         first = n_docs - len(batch)
-        for k, ids in enumerate(tokenizer.encode_batch(batch)):
-            arr = np.asarray(ids + [tokenizer.eot_id], dtype=dtype)
-            if is_validation_document(first + k, cfg.val_fraction):
-                group.val.append(arr)
-            else:
-                group.train.append(arr)
-                group.n_train += len(arr)
-            group.chars += len(batch[k])
-            if group.n_train >= shard_tokens:  # the group ends with this document
-                _write_group(folder, manifest, group, first + k + 1)
+        flat, ends = encode_documents(tokenizer, batch, dtype)
+        lengths = np.diff(ends, prepend=0)
+        val = np.fromiter((is_validation_document(first + k, cfg.val_fraction) for k in range(len(batch))),
+                          dtype=bool, count=len(batch))
+        train_lengths = np.where(val, 0, lengths)
+        chars = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
+        k = 0
+        while k < len(batch):  # documents k, k+1, ... into the group until its training tokens reach a shard's
+            reached = np.cumsum(train_lengths[k:]) >= shard_tokens - group.n_train
+            j = int(np.argmax(reached)) if reached.any() else None
+            end = len(batch) if j is None else k + j + 1  # the group ends with document end - 1 if j is not None
+            _add_documents(group, flat, ends, val, k, end)
+            group.chars += int(chars[k:end].sum())
+            k = end
+            if j is not None:
+                _write_group(folder, manifest, group, first + end)
                 group = _Group()
                 if should_stop():
                     return True
@@ -318,7 +352,9 @@ def _writer_main() -> None:
     # SIGTERM (ShardWriter.stop, a killed run) unwinds like Ctrl-C: no half-written .tmp-* file stays behind
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        write_shards(DataConfig.from_dict(req["data"]), Tokenizer.from_json(req["tokenizer"]), req["folder"],
+        tokenizer = Tokenizer.from_json(req["tokenizer"])
+        tokenizer.gpt2 = bool(req.get("gpt2"))
+        write_shards(DataConfig.from_dict(req["data"]), tokenizer, req["folder"],
                      req["shard_tokens"], should_stop=lambda: os.getppid() != parent, max_shards=req["max_shards"])
     except KeyboardInterrupt:
         sys.exit(0)
@@ -347,7 +383,8 @@ class ShardWriter:
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, folder: Path, shard_tokens: int = SHARD_TOKENS,
                  max_shards: int | None = None):
         req = {"data": cfg.to_dict(), "tokenizer": tokenizer.to_json(), "folder": str(folder),
-               "shard_tokens": shard_tokens, "parent": os.getpid(), "max_shards": max_shards}
+               "shard_tokens": shard_tokens, "parent": os.getpid(), "max_shards": max_shards,
+               "gpt2": tokenizer.tiktoken() is not None}  # checked here once: the writer need not again
         # no Rust backtrace from `tokenizers` reaches the run's output (RUST_BACKTRACE is set on some machines)
         env = {k: v for k, v in os.environ.items() if k != "RUST_BACKTRACE"}
         self.process = subprocess.Popen([sys.executable, "-m", "tinygpt.train.shards"], stdin=subprocess.PIPE, env=env)
