@@ -3,6 +3,10 @@
 CPU (what CI machines and this repository's figures use):
     python benchmarks/startup.py cpu            # 3 MB vs 250 MB of local text, the `cpu` recipe, cold caches
     python benchmarks/startup.py compile        # compile=on vs regional: cold compile, graphs, recompiles
+    python benchmarks/startup.py imports --repeat 5     # `tinygpt --help` / `recipes` vs `import torch`, CPU-s
+    python benchmarks/startup.py tokenize --repeat 3    # GPT-2 through the shard writer vs tiktoken alone
+        (--before DIR: the writer of another checkout, e.g. `git archive COMMIT | tar -x -C DIR`;
+         TINYGPT_TIKTOKEN=0: the writer on `tokenizers`)
 GPU (an H100 or A100; `--data builtin` needs no network):
     python benchmarks/startup.py gpu --recipe a100-124m --steps 30
         cold: empty compiler and tinygpt caches; warm: the run's compile_cache.bin copied into a fresh run folder
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import site
 import statistics
@@ -113,6 +118,96 @@ def compile_modes(args) -> None:
         print(f"| {mode} | {start['first_step_s']} | {start['compile_s']} | {c['graphs']} | {c['recompiles']} |")
 
 
+def child_cpu_s(cmd: list[str], env: dict | None = None) -> float:
+    """User + system CPU seconds of one finished child process (the kernel's accounting, all its threads)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def imports(args) -> None:
+    """CPU seconds of `tinygpt --help` and `tinygpt recipes` against `python -c "import torch"`, run in turn
+    (A B A B ...), the ratio taken pair by pair; medians."""
+    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}, {args.repeat} pairs each, CPU seconds (user + system)")
+    print("| command | CPU-s | `import torch` CPU-s | ratio (median of pairs) |")
+    print("|---|---|---|---|")
+    base = [sys.executable, "-c", "import torch"]
+    child_cpu_s(base)  # warm the file cache
+    for what in (["--help"], ["recipes"]):
+        cmd = [sys.executable, "-m", "tinygpt", *what]
+        child_cpu_s(cmd)
+        a, b = [], []
+        for _ in range(args.repeat):
+            a.append(child_cpu_s(cmd))
+            b.append(child_cpu_s(base))
+        ratio = statistics.median(x / y for x, y in zip(a, b))
+        print(f"| `tinygpt {' '.join(what)}` | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {ratio:.2f}x |")
+    print("\ngoal: `tinygpt --help` at most 1.15x `import torch`")
+
+
+_WRITER = """
+import json, resource, sys, tempfile
+from tinygpt.core.config import DataConfig
+from tinygpt.model.tokenizer import load_gpt2
+from tinygpt.train.shards import build_token_cache
+cfg = DataConfig(source=sys.argv[1], tokenizer="gpt2", max_chars=int(sys.argv[2]))
+tok = load_gpt2()
+with tempfile.TemporaryDirectory() as tmp:
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    m = build_token_cache(cfg, tok, tmp).meta
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"tokens": m["train_tokens"] + m["val_tokens"],
+                  "cpu_s": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime}))
+"""
+
+_TIKTOKEN = """
+import json, resource, sys
+from tinygpt.core.config import DataConfig
+from tinygpt.model.tokenizer import tiktoken_gpt2
+from tinygpt.train.data import iter_documents
+from tinygpt.train.shards import BATCH_DOCS
+docs = list(iter_documents(DataConfig(source=sys.argv[1], tokenizer="gpt2", max_chars=int(sys.argv[2]))))
+enc = tiktoken_gpt2()
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+n = sum(len(ids) + 1 for i in range(0, len(docs), BATCH_DOCS) for ids in enc.encode_ordinary_batch(docs[i:i + BATCH_DOCS]))
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"tokens": n, "cpu_s": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime}))
+"""
+
+
+def tokenize(args) -> None:
+    """GPT-2 tokens per CPU-second: the shard writer (`build_token_cache`: read, encode, uint16, hash, write)
+    against tiktoken's `encode_ordinary_batch` alone on the same documents (already read), in turn; medians."""
+    corpus = args.corpus or "builtin"
+    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"corpus {corpus}, {args.chars / 1e6:.0f} MB, {args.repeat} runs each, CPU seconds of all threads")
+    env = dict(os.environ)
+    if args.before:  # its folder first on the path (`python -c` puts the working folder before PYTHONPATH)
+        env["PYTHONPATH"] = args.before
+    rates: dict[str, list[float]] = {"writer": [], "tiktoken": []}
+    tokens = {}
+    for _ in range(args.repeat):
+        for name, code, e in (("writer", _WRITER, env), ("tiktoken", _TIKTOKEN, None)):
+            out = subprocess.run([sys.executable, "-c", code, corpus, str(args.chars)], env=e, text=True,
+                                 cwd=args.before if e is env and args.before else REPO, capture_output=True)
+            if out.returncode != 0:
+                raise SystemExit(out.stderr[-3000:])
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rates[name].append(r["tokens"] / r["cpu_s"])
+            tokens[name] = r["tokens"]
+    w, t = statistics.median(rates["writer"]), statistics.median(rates["tiktoken"])
+    label = f"writer from {args.before}" if args.before else (
+        "writer, tokenizers (TINYGPT_TIKTOKEN=0)" if os.environ.get("TINYGPT_TIKTOKEN") == "0" else "writer")
+    print("| path | tokens | tokens per CPU-s (median) | runs |")
+    print("|---|---|---|---|")
+    print(f"| {label} | {tokens['writer']:,} | {w / 1e6:.2f}M | {', '.join(f'{x / 1e6:.2f}M' for x in rates['writer'])} |")
+    print(f"| tiktoken encode_ordinary_batch alone | {tokens['tiktoken']:,} | {t / 1e6:.2f}M | "
+          f"{', '.join(f'{x / 1e6:.2f}M' for x in rates['tiktoken'])} |")
+    print(f"\nwriter / tiktoken: {w / t:.2f}x (goal: at least 0.8x)")
+
+
 def gpu(args) -> None:
     base = ["--recipe", args.recipe, "--data", args.data, "--max-steps", str(args.steps), "--save-every", "0",
             "--eval-every", "0", "--set", "train.log_every=1"]
@@ -138,14 +233,16 @@ def gpu(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["cpu", "compile", "gpu"])
+    ap.add_argument("what", choices=["cpu", "compile", "gpu", "imports", "tokenize"])
     ap.add_argument("--corpus", help="a folder of text (default: this Python's site-packages)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--recipe", default="a100-124m")
     ap.add_argument("--data", default="builtin")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--chars", type=int, default=20_000_000, help="tokenize: characters of the corpus")
+    ap.add_argument("--before", help="tokenize: a checkout whose shard writer to measure (PYTHONPATH)")
     args = ap.parse_args()
-    {"cpu": cpu, "compile": compile_modes, "gpu": gpu}[args.what](args)
+    {"cpu": cpu, "compile": compile_modes, "gpu": gpu, "imports": imports, "tokenize": tokenize}[args.what](args)
 
 
 if __name__ == "__main__":
