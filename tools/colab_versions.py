@@ -6,7 +6,7 @@ FREEZE is a copy of pip-freeze.gpu.txt from googlecolab/backend-info (or `pip li
 Colab runtime), OS_INFO the same commit's os-info-gpu.txt (its `Python 3.13.15` line is checked against
 colab.txt's `# python` line). Exit status 0 when every pinned package has Colab's version, 1 otherwise, each
 package that differs printed with both versions. With no arguments it reads the copies kept in
-tests/fixtures (which tests/test_colab_versions.py checks the same way). The README ("Versions") says how to
+tests/fixtures (which tests/test_colab_versions.py checks the same way). The README ("When Colab moves") says how to
 refresh both files from the repository's newest commit.
 """
 from __future__ import annotations
