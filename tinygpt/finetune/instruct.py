@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from tinygpt.core.datafiles import DataFile, DataFormatError
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train.data import DataError, hub_dataset
 
@@ -96,8 +97,6 @@ def _where(records: Sequence[Any], i: int) -> str:
 def _read_jsonl_records(p: Path) -> Records:
     """A .jsonl file's records, a line at a time (`core.datafiles.DataFile`: lines of at most 16 MB, UTF-8); any
     bad line is a DataError naming the file and the line."""
-    from tinygpt.core.datafiles import DataFile, DataFormatError
-
     items, lines = [], []
     try:
         with DataFile(p) as f:
