@@ -12,8 +12,8 @@ the stand-in Drive, where smoke mode looks for its base (smoke mode's own base h
 before and after 6 finetuning steps are still empty or nearly so: tests/test_browser.py marks that check as
 expected to fail until a larger base (e.g. cpu-fast, 300 steps) is tried on a machine with CPU to spare.
 
-The front end lives in a private environment (.cache/browser-venv: the classic notebook, ipywidgets 7.7.1,
-selenium) that sees this environment's packages (torch, transformers...) behind its own, so the kernel runs
+The front end lives in a private environment (.cache/browser-venv-X.Y, one per Python: the classic notebook,
+ipywidgets 7.7.1, selenium) that sees this environment's packages (torch, transformers...) behind its own, so the kernel runs
 this checkout with Colab's widget versions. This file runs twice: in this environment it builds that
 environment and starts itself again inside it, where it drives the browser.
 """
@@ -33,7 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / ".cache" / "browser-venv"
+# one per Python: CI's two suites run on different Pythons, and a folder rebuilt for one while the other's kernel
+# starts from it loads the wrong torch ("Failed to load PyTorch C extensions")
+VENV = ROOT / ".cache" / f"browser-venv-{sys.version_info.major}.{sys.version_info.minor}"
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 # Colab's front-end versions come from constraints/colab.txt; selenium drives Debian's chromedriver
 FRONT_END = ["notebook", "ipywidgets", "widgetsnbextension", "ipykernel", "jupyter_client", "traitlets",
