@@ -136,7 +136,7 @@ class Mirror(Callback):
         # identity: written into the mirror before anything else, refused when the mirror holds another run's
         self.identity, self._claimed, self._catch_up = identity, identity is None, catch_up
         self._dead: BaseException | None = None  # a permanent error: the mirror is off for this run
-        self._root: tuple[int, int] | None = None  # the mirror folder's (device, inode) once this run has claimed it
+        self._root: int | None = None  # the device the mirror folder lies on, from this run's first copy
         self._thread = threading.Thread(target=self._run, name="tinygpt-mirror", daemon=True)
         self._thread.start()
 
@@ -342,21 +342,21 @@ class Mirror(Callback):
         if drive is not None:
             raise MirrorGone(self.mirror, self.local, f"nothing is mounted at {drive}")
         self.mirror.mkdir(parents=True, exist_ok=True)
-        st = os.stat(self.mirror)
-        self._root = (st.st_dev, st.st_ino)
+        self._root = os.stat(self.mirror).st_dev
 
     def _check_root(self) -> None:
-        """Before each copy: the mirror folder is the one this run began copying to (same device and inode, this
-        run's identity.json still there), else MirrorGone: a Drive unmounted mid-run leaves an empty mount point
-        on the VM's disk, where nothing must be made (the copies would look done and be lost with the VM)."""
+        """Before each copy: the mirror folder is the one this run began copying to (on the same device, this run's
+        identity.json still there), else MirrorGone: a Drive unmounted mid-run leaves an empty mount point on the
+        VM's disk, where nothing must be made (the copies would look done and be lost with the VM). The inode is
+        not compared: a FUSE mount (Drive's) may number a folder anew after the kernel forgets it."""
         try:
             st = os.stat(self.mirror)
         except FileNotFoundError:
             raise MirrorGone(self.mirror, self.local, "the folder no longer exists: Drive unmounted, or the folder "
                                                      "deleted") from None
-        if (st.st_dev, st.st_ino) != self._root:
-            raise MirrorGone(self.mirror, self.local, "another folder now has its name: Drive unmounted or "
-                                                     "remounted, or the folder replaced")
+        if st.st_dev != self._root:
+            raise MirrorGone(self.mirror, self.local, "it now lies on another file system: Drive unmounted or "
+                                                     "remounted")
         if self._claimed and self.identity is not None:
             theirs = read_identity(self.mirror)
             if theirs is None or theirs["run_id"] != self.identity["run_id"]:

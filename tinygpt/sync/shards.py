@@ -127,7 +127,7 @@ class ShardMirror:
     def __init__(self, local_dir: Path, mirror_dir: Path, every_s: float = 20.0, copy_file: CopyFile = plain_copy):
         self.local, self.mirror, self.every_s, self.copy_file = local_dir, mirror_dir, every_s, copy_file
         self._stop = threading.Event()
-        self._home: tuple[int, int] | None = None  # (device, inode) of the folder holding the token cache, once made
+        self._home: int | None = None  # the device of the folder holding the token cache, once made
         self._thread = threading.Thread(target=self._run, name="tinygpt-shard-mirror", daemon=True)
         self._thread.start()
 
@@ -146,7 +146,7 @@ class ShardMirror:
 
     def _gone(self) -> bool:
         """Whether the folder that holds the mirror's token cache (the runs' folder on Drive) has gone since the
-        first copy (Drive unmounted, the folder deleted or replaced), said once; it is made at the first copy
+        first copy (Drive unmounted, the folder deleted), said once; it is made at the first copy
         only, and never under an unmounted Drive mount point: nothing is copied onto the VM's own disk."""
         home = self.mirror.parent.parent if self.mirror.parent.name == TOKEN_CACHE else self.mirror.parent
         why = None
@@ -155,13 +155,11 @@ class ShardMirror:
                 why = f"nothing is mounted at {drive}"
             else:
                 home.mkdir(parents=True, exist_ok=True)
-                st = os.stat(home)
-                self._home = (st.st_dev, st.st_ino)
+                self._home = os.stat(home).st_dev
         else:
             try:
-                st = os.stat(home)
-                if (st.st_dev, st.st_ino) != self._home:
-                    why = "another folder now has its name"
+                if os.stat(home).st_dev != self._home:
+                    why = "it now lies on another file system"
             except FileNotFoundError:
                 why = "the folder no longer exists"
         if why is not None:
