@@ -198,7 +198,7 @@ class CodeProblem:
 # --- execution ---------------------------------------------------------------------------------
 
 SANDBOX_NOTE = ("runs the code the model writes: each problem's solution and test in two sandboxed processes "
-                "(README: How generated code is run)")
+                "(docs/TRUST.md: How generated code is run)")
 
 
 def run_program(program: str, **limits: Any) -> ExecResult:
