@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tinygpt.core.datafiles import DataFormatError, json_object
 from tinygpt.core.files import safe_name, write_text_atomic
 from tinygpt.core.paths import cache_root, hub_spec, is_hub
-from tinygpt.evals.code import DataFormatError
 from tinygpt.evals.harness import Loaded, Request, Task, default_data
 from tinygpt.evals.lm import ChoiceItem, from_hub, multiple_choice, open_text
 
@@ -106,14 +106,8 @@ def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceIte
                     break
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                except RecursionError:
-                    raise DataFormatError(f"{path} line {n} nests JSON too deep to read; expected one HellaSwag "
-                                          "record per line") from None
-                except ValueError as e:
-                    raise DataFormatError(f"{path} line {n} is not JSON ({e}); expected one HellaSwag record per "
-                                          "line (rowanz/hellaswag's hellaswag_val.jsonl)") from None
+                record = json_object(line, path, n, "expected one HellaSwag record per line (rowanz/hellaswag's "
+                                     "hellaswag_val.jsonl)")
                 items.append(hellaswag_item(record))
         return items
     hint = ("expected six lines per item: the context, the gold index (0-3), then the four endings "
