@@ -73,6 +73,9 @@ def _bounded(tmp_path: Path, body: str, address_space: int | None = None, timeou
         "    own = next(int(ln.split()[1]) for ln in open('/proc/self/status') if ln.startswith('VmHWM:'))",
         "    rss = max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)",
         "    out['maxrss_mb'] = rss / 1024",
+        # bytes this process read through read(2) and its kind (a count, not a size of the machine's libraries)
+        "    rchar = next(int(ln.split()[1]) for ln in open('/proc/self/io') if ln.startswith('rchar:'))",
+        "    out['read_mb'] = rchar / 2**20",
         "    print(json.dumps(out))",
     ]) + "\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -313,7 +316,9 @@ def test_a_10gb_sparse_data_file_is_skipped_without_being_read(tmp_path):
     line = _error_line(res["stderr"], "pretrain")
     assert str(sparse) in line and "no text" in line, line
     assert "1 file binary (NUL bytes), skipped" in res["stderr"]
-    assert res["maxrss_mb"] < 800, res["maxrss_mb"]
+    # counted, not sized: the peak memory of the CLI with torch differs by 200 MB between environments (620 MB
+    # locally, 830 MB in CI's Colab suite with bitsandbytes); the bytes it read are the claim
+    assert res["read_mb"] < 512, res["read_mb"]  # imports read ~100 MB of sources; the file is 10 GB
 
 
 def test_a_huge_text_file_is_read_only_as_far_as_max_chars_and_cut_as_before(tmp_path):
