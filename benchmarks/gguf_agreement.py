@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tinygpt import publish  # noqa: E402
-from tinygpt.core.config import get_recipe  # noqa: E402
+from tinygpt.core.recipes import get_recipe
 from tinygpt.finetune.lora import load_finetuned  # noqa: E402
 from tinygpt.model.loading import load_run  # noqa: E402
 

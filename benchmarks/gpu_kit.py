@@ -366,7 +366,7 @@ def tinygpt_parts(shape: Shape, device, *, fused_proj=False, chunked="auto", fus
     import torch
     from gpu_pretrain import TinyGPTLoss
 
-    from tinygpt.core.config import model_config
+    from tinygpt.core.recipes import model_config
     from tinygpt.model.gpt import GPT
     from tinygpt.train.optim import param_groups
     cfg = model_config(shape.size, vocab_size=shape.vocab, fused_proj=fused_proj)
@@ -386,7 +386,7 @@ def gpt2_parts(shape: Shape, device):
     from gpu_pretrain import HFLoss
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tinygpt.core.config import model_config
+    from tinygpt.core.recipes import model_config
     from tinygpt.train.optim import param_groups
     m = model_config(shape.size)
     cfg = GPT2Config(vocab_size=shape.vocab, n_positions=max(m.max_seq_len, shape.seq_len), n_embd=m.d_model,
@@ -464,7 +464,7 @@ def step_pretrain(ctx: Ctx) -> dict:
     # accumulation and optimizer at the probe's micro-batch
     trainer = None
     if not ctx.smoke and ctx.left() > 25:
-        from tinygpt.core.config import get_recipe
+        from tinygpt.core.recipes import get_recipe
         from tinygpt.train.probe import meta_model, trainer_speed
         probe = ctx.results.get("probe", {}).get("figures") or {}
         recipe = get_recipe("a100-124m").replace(train={"micro_batch_size": shape.micro_batch, "grad_accum_steps": 1,
@@ -608,7 +608,7 @@ def sdpa_kernels(fn: Callable[[], None]) -> list[str]:
 def step_t4_gqa(ctx: Ctx) -> dict:
     import torch
 
-    from tinygpt.core.config import model_config
+    from tinygpt.core.recipes import model_config
     from tinygpt.model import attention
     from tinygpt.model.gpt import GPT
 
@@ -663,7 +663,7 @@ def step_t4_gqa(ctx: Ctx) -> dict:
 def step_time_to_loss(ctx: Ctx) -> dict:
     from time_to_loss import Clock  # benchmarks/time_to_loss.py: (seconds after step 1, step, val loss)
 
-    from tinygpt.core.config import get_recipe
+    from tinygpt.core.recipes import get_recipe
     from tinygpt.train.pretrain import pretrain
 
     if ctx.smoke:  # the CPU pair, at a smaller shape

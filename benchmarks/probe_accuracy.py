@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tinygpt.core.config import get_recipe
+from tinygpt.core.recipes import get_recipe
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.probe import probe_report
 

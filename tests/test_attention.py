@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.test_probe import saved_bytes
-from tinygpt.core.config import ModelConfig, model_config
+from tinygpt.core.config import ModelConfig
+from tinygpt.core.recipes import model_config
 from tinygpt.finetune.recipes import memory_table
 from tinygpt.model import attention
 from tinygpt.model.attention import attention_kernel, torch_version

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from tinygpt.core.config import ModelConfig, get_recipe
+from tinygpt.core.config import ModelConfig
+from tinygpt.core.recipes import get_recipe
 from tinygpt.model import hf
 from tinygpt.model.gpt import GPT
 from tinygpt.model.loading import load_run

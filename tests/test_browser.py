@@ -19,7 +19,7 @@ import pytest
 from browser_colab import ALL, missing_browser, run_in_browser
 from test_notebooks import Colab
 
-from tinygpt.core.config import RECIPES
+from tinygpt.core.recipes import RECIPES
 
 pytestmark = pytest.mark.skipif(missing_browser() is not None, reason=str(missing_browser()))
 

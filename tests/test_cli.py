@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tinygpt.cli import main
-from tinygpt.core.config import ConfigError, get_recipe
+from tinygpt.core.config import ConfigError
+from tinygpt.core.recipes import get_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

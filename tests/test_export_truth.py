@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tinygpt.cli import main
-from tinygpt.core.config import get_recipe
+from tinygpt.core.recipes import get_recipe
 from tinygpt.finetune.instruct import Codec, format_prompt
 from tinygpt.publish import AMX_NOTE, export, trained_context
 from tinygpt.train.pretrain import pretrain

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.config import get_recipe
+from tinygpt.core.recipes import get_recipe
 from tinygpt.model import hf
 from tinygpt.model.loading import load_run
 from tinygpt.train.pretrain import pretrain

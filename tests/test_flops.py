@@ -11,7 +11,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from tinygpt.core.config import ModelConfig, model_config
+from tinygpt.core.config import ModelConfig
+from tinygpt.core.recipes import model_config
 from tinygpt.model.gpt import GPT
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.config import ConfigError, ModelConfig, TrainConfig, get_recipe, model_config
+from tinygpt.core.config import ConfigError, ModelConfig, TrainConfig
+from tinygpt.core.recipes import get_recipe, model_config
 from tinygpt.model import hf
 from tinygpt.model.gpt import GPT, KVCache
 from tinygpt.model.tokenizer import train_bpe

@@ -15,7 +15,7 @@ import torch
 
 from tinygpt.cli import main
 from tinygpt.core.checkpoint import model_state
-from tinygpt.core.config import get_recipe
+from tinygpt.core.recipes import get_recipe
 from tinygpt.evals.runs import summarize_run
 from tinygpt.model import gguf as gg
 from tinygpt.model.gpt import GPT

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinygpt.core.config import RECIPES
 from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.precision import choose_precision
+from tinygpt.core.recipes import RECIPES
 from tinygpt.finetune.recipes import FINETUNE_RECIPES, finetune_device
 from tinygpt.train.hardware import GPU_TABLE, gpu_class, gpu_spec
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
-from tinygpt.core.config import ModelConfig, get_recipe
+from tinygpt.core.config import ModelConfig
+from tinygpt.core.recipes import get_recipe
 from tinygpt.model import hf
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import EOT, Tokenizer, train_bpe

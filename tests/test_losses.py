@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinygpt.core.config import ConfigError, TrainConfig, model_config
+from tinygpt.core.config import ConfigError, TrainConfig
+from tinygpt.core.recipes import model_config
 from tinygpt.model import losses
 from tinygpt.model.gpt import GPT
 from tinygpt.model.losses import IGNORE_INDEX, default_chunk_rows, linear_cross_entropy

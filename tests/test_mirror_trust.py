@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import get_recipe
+from tinygpt.core.recipes import get_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STDLIB = Path(os.__file__).parent

@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from tinygpt.core.config import MODEL_SIZES, ConfigError, ModelConfig, get_recipe, model_config
+from tinygpt.core.config import ConfigError, ModelConfig
+from tinygpt.core.recipes import MODEL_SIZES, get_recipe, model_config
 from tinygpt.model.gpt import GPT, KVCache
 
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tinygpt.core.config import ModelConfig, TrainConfig, model_config
+from tinygpt.core.config import ModelConfig, TrainConfig
+from tinygpt.core.recipes import model_config
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import train_bpe
 from tinygpt.train.optim import MuonAdamW, build_optimizer, split_muon_params

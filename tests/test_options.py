@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from tinygpt.cli import COMMANDS, build_parser
-from tinygpt.core.config import RecipeChoice, get_recipe
+from tinygpt.core.config import RecipeChoice
 from tinygpt.core.options import add_options, from_args, option, option_fields
+from tinygpt.core.recipes import get_recipe
 from tinygpt.finetune.options import FinetuneOptions
 from tinygpt.model.generate import GenerateOptions
 from tinygpt.publish import ExportOptions, PushOptions

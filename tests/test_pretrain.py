@@ -5,7 +5,8 @@ import re
 import pytest
 import torch
 
-from tinygpt.core.config import ConfigError, get_recipe
+from tinygpt.core.config import ConfigError
+from tinygpt.core.recipes import get_recipe
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.probe import fit_to_device
 

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig, get_recipe
+from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig
+from tinygpt.core.recipes import get_recipe
 from tinygpt.model import losses
 from tinygpt.model.gpt import GPT
 from tinygpt.train.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.config import TrainConfig, model_config
+from tinygpt.core.config import TrainConfig
+from tinygpt.core.recipes import model_config
 from tinygpt.model.gpt import GPT
 from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.trainer import TrainData, Trainer, TrainingError, lr_at

@@ -102,8 +102,8 @@ def _forged_cache(run_dir: Path, key: bytes, what: dict, artifacts: list[tuple[s
 
 def _what_of_cpu_smoke() -> dict:
     """What a `tinygpt pretrain --recipe cpu-smoke --set train.compile=on` run's compile cache is for."""
-    from tinygpt.core.config import get_recipe
     from tinygpt.core.precision import choose_precision
+    from tinygpt.core.recipes import get_recipe
     from tinygpt.model.gpt import GPT
     from tinygpt.train.compile_cache import describe
 

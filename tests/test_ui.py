@@ -15,8 +15,8 @@ from tinygpt import colab
 from tinygpt.colab import notebook
 from tinygpt.core import units
 from tinygpt.core.checkpoint import save_checkpoint, verify_checkpoint
-from tinygpt.core.config import RECIPES, get_recipe
 from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.recipes import RECIPES, get_recipe
 from tinygpt.train.hardware import hardware_report
 
 FAKE_COLAB = Path(__file__).parent / "fake_colab"

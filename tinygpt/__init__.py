@@ -2,11 +2,9 @@
 __version__ = "0.1.0"
 
 from tinygpt.core.config import (  # noqa: F401
-    RECIPES,
     DataConfig,
     ModelConfig,
     Recipe,
     TrainConfig,
-    get_recipe,
-    model_config,
 )
+from tinygpt.core.recipes import RECIPES, get_recipe, model_config  # noqa: F401

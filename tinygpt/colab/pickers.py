@@ -12,8 +12,8 @@ from tinygpt.colab.notebook import display, load_ipywidgets
 from tinygpt.colab.runs import RunFolders
 from tinygpt.colab.smoke import SMOKE_RECIPE, smoke_mode
 from tinygpt.colab.tables import Table, Tables, finetune_recipe_rows, recipes_table, summary
-from tinygpt.core.config import RECIPES
 from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.recipes import RECIPES
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.finetune.recipes import FINETUNE_RECIPES, default_finetune_recipe, this_hardware
 from tinygpt.train.budget import Budget

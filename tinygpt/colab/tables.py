@@ -7,7 +7,8 @@ import html
 from dataclasses import dataclass
 from typing import Any
 
-from tinygpt.core.config import RECIPES, Recipe, get_recipe
+from tinygpt.core.config import Recipe
+from tinygpt.core.recipes import RECIPES, get_recipe
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.finetune.recipes import FINETUNE_RECIPES, device_need_gb, memory_table
 from tinygpt.train.memory import estimate_memory

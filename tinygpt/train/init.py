@@ -18,17 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinygpt.core.checkpoint import latest_valid, load_checkpoint
-from tinygpt.core.config import (
-    INIT_TOKENIZER,
-    RECIPES,
-    ConfigError,
-    ModelConfig,
-    Recipe,
-    config_differences,
-    get_recipe,
-)
+from tinygpt.core.config import INIT_TOKENIZER, ConfigError, ModelConfig, Recipe, config_differences
 from tinygpt.core.files import read_json_safe
 from tinygpt.core.paths import is_hub
+from tinygpt.core.recipes import RECIPES, get_recipe
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.model.gpt import GPT
 from tinygpt.model.hf import (

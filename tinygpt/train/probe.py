@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from tinygpt.core.config import Recipe, get_recipe
+from tinygpt.core.config import Recipe
 from tinygpt.core.files import read_json_safe, write_json_atomic
 from tinygpt.core.options import option
 from tinygpt.core.paths import cache_root
@@ -35,6 +35,7 @@ from tinygpt.core.precision import (
     native_bf16,
     resolve_device,
 )
+from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import PROBE_JSON, RunDir
 from tinygpt.core.units import duration, size_gb
 from tinygpt.model.gpt import GPT, meta_model
