@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tinygpt.cli import main
-from tinygpt.evals import code, sandbox, sandbox_init
+from tinygpt.evals import code, sandbox, sandbox_seccomp
 from tinygpt.evals.tasks.humaneval import load_humaneval
 from tinygpt.evals.tasks.mbpp import load_mbpp
 from tinygpt.train.pretrain import pretrain
@@ -232,7 +232,7 @@ def test_limits_and_statuses(kind):
 # --- memory outside the limits, threads, namespaces (issue 32 item 9) -----------------------------
 
 def _needs_filter() -> None:
-    if sandbox_init.seccomp_filter(False) is None:
+    if sandbox_seccomp.seccomp_filter(False) is None:
         pytest.skip(f"no system call filter for {os.uname().machine} (x86_64 and aarch64 only)")
 
 
@@ -412,18 +412,18 @@ def test_the_filter_refuses_the_same_calls_on_both_architectures():
                                             memfd_create=279, unshare=97, setns=268, clone=220, clone3=435))}
     for machine, (arch, nr) in numbers.items():
         for processes in (False, True):
-            prog = sandbox_init.seccomp_filter(processes, machine)
+            prog = sandbox_seccomp.seccomp_filter(processes, machine)
             got = {name: _bpf(prog, n, arch) for name, n in nr.items() if name != "clone"}
             assert got == {**{k: eperm for k in got}, "read": allow, "openat": allow, "clone3": enosys}, machine
             assert _bpf(prog, nr["clone"], arch, thread) == allow
             assert _bpf(prog, nr["clone"], arch, 17) == (allow if processes else eperm)  # a fork: SIGCHLD
             assert _bpf(prog, nr["clone"], arch, 0x10000000 | 17) == eperm  # CLONE_NEWUSER
             assert _bpf(prog, nr["read"], 0x40000003) == eperm  # i386's int 0x80
-    x86 = sandbox_init.seccomp_filter(False, "x86_64")
+    x86 = sandbox_seccomp.seccomp_filter(False, "x86_64")
     assert _bpf(x86, 0x40000000 | 29, 0xC000003E) == eperm  # x32's shmget
     assert _bpf(x86, 57, 0xC000003E) == _bpf(x86, 58, 0xC000003E) == eperm  # fork, vfork
-    assert _bpf(sandbox_init.seccomp_filter(True, "x86_64"), 57, 0xC000003E) == allow
-    assert sandbox_init.seccomp_filter(False, "riscv64") is None
+    assert _bpf(sandbox_seccomp.seccomp_filter(True, "x86_64"), 57, 0xC000003E) == allow
+    assert sandbox_seccomp.seccomp_filter(False, "riscv64") is None
 
 
 # --- through the CLI ---------------------------------------------------------------------------
