@@ -1,7 +1,8 @@
 """Running code the model wrote, behind a kernel boundary.
 
-`run(solution, test, ...)` runs a problem in two sandboxed processes (tinygpt/evals/sandbox_init.py
-has the inside): the solution (the prompt and the model's completion) in one, the test (the
+`run(solution, test, ...)` runs a problem in two sandboxed processes (tinygpt/evals/sandbox_init.py,
+the supervisor, and its siblings sandbox_child.py, sandbox_jail.py and sandbox_seccomp.py have the
+inside): the solution (the prompt and the model's completion) in one, the test (the
 prompt's helpers, the test code, `check(candidate)` or MBPP's asserts) in another, the candidate
 being a proxy whose calls cross a pipe as plain values. The verdict is the test process's exit
 status as its parent sees it plus a message on a pipe that only the test process holds, so nothing
