@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tinygpt.cli import main
 from tinygpt.core.config import ConfigError, TrainConfig
 from tinygpt.train.budget import Budget, decay_start, expected_final_loss, extend, steps_for
 from tinygpt.train.pretrain import PretrainOptions, pretrain
@@ -64,10 +65,26 @@ def test_a_budgeted_run_fixes_its_steps_and_ends_with_the_schedule_complete(tmp_
     assert logged[-1]["step"] == res.step and logged[-1]["lr"] == pytest.approx(3e-4)  # cpu-smoke's min_lr
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["recipe"]["train"]["schedule"] == "wsd"
+    # the recipe's own cosine gave way to wsd, and the start-up line (and its record) says so
+    startup = next(m["startup"] for m in res.metrics if "startup" in m)
+    assert "--hours trains with schedule wsd, not the recipe's cosine" in startup["notes"]
     with pytest.raises(ConfigError, match="not both"):
         PretrainOptions(run_dir=tmp_path / "x", hours=1, max_steps=10)
     with pytest.raises(ConfigError, match="positive"):
         PretrainOptions(run_dir=tmp_path / "x", hours=0)
+
+
+def test_a_set_that_the_budget_would_override_is_refused_in_one_line_before_any_work(tmp_path, capsys):
+    """--hours decides the schedule (wsd) and the step count: a --set of either beside it cannot be
+    honoured, so it is refused before anything is made, never replaced without a word."""
+    run = tmp_path / "run"
+    for sets, said in ((["train.schedule=cosine"], "--set train.schedule=cosine cannot be honoured with --hours"),
+                       (["train.max_steps=50"], "--set train.max_steps=50 and --hours both set the step count")):
+        code = main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run), "--device", "cpu", "--quiet",
+                     "--hours", "0.01", "--set", *sets])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and said in err, err
+        assert not run.exists()
 
 
 def test_a_budgeted_run_killed_after_its_decision_resumes_to_the_same_step_count(tmp_path):

@@ -81,6 +81,32 @@ def test_pretrain_again_resumes_and_extends(trained, shared_data, tmp_path, caps
     assert main(shlex.split(nxt[2].split("#")[0])[1:2] + [str(trained), str(tmp_path / "hf-model")]) == 0
 
 
+def test_an_option_without_a_hugging_face_equivalent_is_declared_once_and_every_export_reads_it(
+        trained, tmp_path, capsys, monkeypatch):
+    """A model option transformers cannot hold says so on its field ("lacks": ("hf",)); here the test
+    declares it on max_seq_len (cpu-smoke sets it to 128, not the default). The run's closing hints then
+    suggest no export, and both export formats refuse in one line before writing anything."""
+    from types import MappingProxyType
+
+    from tinygpt.cli import next_steps
+    from tinygpt.core.config import ModelConfig
+    from tinygpt.core.rundir import RunDir
+
+    declared = ModelConfig.__dataclass_fields__["max_seq_len"]
+    monkeypatch.setattr(declared, "metadata", MappingProxyType({**declared.metadata, "lacks": ("hf",)}))
+    model = RunDir(trained).recipe().model
+    assert model.export_gaps("hf") == model.export_gaps("gguf") == ["max_seq_len=128"]
+    hints = next_steps(trained)
+    assert "tinygpt export" not in hints and "no export: transformers has no equivalent of max_seq_len=128" in hints
+    for fmt in ("hf", "gguf"):
+        assert main(["export", str(trained), str(tmp_path / fmt), "--format", fmt]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "cannot load a model with max_seq_len=128" in err, err
+        assert "cannot be finetuned" in err and not (tmp_path / fmt).exists()
+    monkeypatch.undo()
+    assert "tinygpt export" in next_steps(trained) and model.export_gaps("gguf") == []
+
+
 def test_a_mistyped_run_folder_suggests_the_closest_existing_one(trained, tmp_path, capsys):
     typo = trained.parent / (trained.name[:-1] + trained.name[-1] * 2 + "x")  # "run" -> "runnx"
     for argv in (["generate", "--run-dir", str(typo), "--prompt", "x"], ["eval", str(typo), "--task", "summary"],

@@ -1,18 +1,21 @@
-"""Configuration dataclasses: the model, the training run, the data, and the named recipes.
+"""Configuration dataclasses: the model, the training run, the data (the named recipes made of them
+are `core.recipes`).
 
 Every dataclass validates itself in ``__post_init__`` so that a bad configuration fails with a
-message that says what to change, before any tokenizer is trained or any memory is allocated.
+message that says what to change, before any tokenizer is trained or any memory is allocated. A
+field's allowed values are declared once, on the field: a `Literal` annotation for a fixed set of
+words, bounds in its metadata for a number (`core.fields`, which checks them and gives the command
+line its choices). What relates two fields stays an explicit rule in ``__post_init__``.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
-from tinygpt.core.options import option
+from tinygpt.core.fields import bounded, field_problem
 
 
 def config_differences(old: dict, new: dict, allowed: set[str] | frozenset = frozenset(),
@@ -59,19 +62,33 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_fields(obj: Any, where: str) -> None:
+    """Each field of `obj` as declared (a Literal's values, a number's type and bounds): `field_problem`."""
+    if (problem := field_problem(obj, where)) is not None:
+        raise ConfigError(problem)
+
+
 # --- the model -------------------------------------------------------------------------------
 # Each ModelConfig field says beside its declaration how it reads in a transformers config (`hf`) and in a GGUF
 # file (`gguf`), and whether it is part of the network (`network`: two configs that differ there are different
 # networks; the rest are context, initialisation, speed and memory choices). `to_hf_llama`, `from_hf_llama`,
 # `to_gguf` and `network_fields` read these; nothing else spells the fields' names in those formats.
+# An option that a format cannot hold says so in its metadata: "lacks" names the formats that have no
+# equivalent of it when it is set (not its default): "hf" (transformers, and so llama.cpp and
+# finetuning, which go through transformers' families), "gguf" (llama.cpp), "gguf:FAMILY" (llama.cpp's
+# architecture of that family). `ModelConfig.export_gaps` reads it; export, GGUF, finetuning and the
+# hints a run ends with ask it.
 REQUIRED = dataclasses.MISSING  # a config.json without this key does not describe a model
 
 
-def _hf(key: str, missing: Any = REQUIRED, network: bool = True, gguf: str | None = None) -> dict[str, Any]:
-    """A field's metadata: its transformers config key, the value a config.json without the key means
-    (transformers' own default), whether it is part of the network, and how a GGUF file says it (gguf's writer
-    method `GGUFWriter.add_{gguf}`, which knows llama.cpp's key and type)."""
-    return {"hf": key, "hf_missing": missing, "network": network} | ({"gguf": gguf} if gguf else {})
+def _hf(key: str, missing: Any = REQUIRED, network: bool = True, gguf: str | None = None,
+        **rules: Any) -> dict[str, Any]:
+    """A field's metadata: its transformers config key, the value a config.json without the key
+    means (transformers' own default), whether it is part of the network, how a GGUF file says it
+    (gguf's writer method `GGUFWriter.add_{gguf}`, which knows llama.cpp's key and type), and its
+    other rules (bounds, "lacks", "identity")."""
+    return {"hf": key, "hf_missing": missing, "network": network, **({"gguf": gguf} if gguf else {}),
+            **rules}
 
 
 # What the GPT always is, as a transformers config says it: key -> (the GPT's value, why another value is not
@@ -93,7 +110,6 @@ class Family:
     qk_norm: bool  # the ModelConfig.qk_norm of this family's models
     hf_fixed: dict[str, tuple[Any, str]]  # HF_FIXED and this family's own keys the GPT fixes
     rope_pairs: bool  # llama.cpp rotates adjacent pairs (not halves): GGUF q/k rows are permuted
-    gguf_lacks: tuple[str, ...] = ()  # ModelConfig options llama.cpp's architecture of this name cannot load
 
     @property
     def config_class(self) -> str:
@@ -108,7 +124,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("llama", "Llama", False, {**HF_FIXED, "mlp_bias": (False, "tinygpt's MLP has no biases")}, rope_pairs=True),
     # Qwen3: Llama's layers plus an RMSNorm on each head's queries and keys; full attention, no sliding window.
     Family("qwen3", "Qwen3", True, {**HF_FIXED, "use_sliding_window": (False, "tinygpt's attention is full")},
-           rope_pairs=False, gguf_lacks=("attention_bias",)),
+           rope_pairs=False),
 )}
 
 
@@ -131,25 +147,30 @@ class ModelConfig(_Section):
     and the choices are resolved once: `family` (which transformers / llama.cpp architecture), `head_dim`;
     `tinygpt.model.gpt` builds the layers from them (`norm_class`, `rope_tables`)."""
 
-    vocab_size: int = field(default=4096, metadata=_hf("vocab_size", gguf="vocab_size"))
-    n_layer: int = field(default=4, metadata=_hf("num_hidden_layers", gguf="block_count"))
-    n_head: int = field(default=4, metadata=_hf("num_attention_heads", gguf="head_count"))
+    vocab_size: int = field(default=4096, metadata=_hf("vocab_size", gguf="vocab_size", min=2))
+    n_layer: int = field(default=4, metadata=_hf("num_hidden_layers", gguf="block_count", min=1))
+    n_head: int = field(default=4, metadata=_hf("num_attention_heads", gguf="head_count", min=1))
     # None: as many as n_head (no grouped-query attention)
     n_kv_head: int | None = field(default=None, metadata=_hf("num_key_value_heads", None,
-                                                                gguf="head_count_kv"))
-    d_model: int = field(default=256, metadata=_hf("hidden_size", gguf="embedding_length"))
+                                                                gguf="head_count_kv", min=1))
+    d_model: int = field(default=256, metadata=_hf("hidden_size", gguf="embedding_length", min=1))
     # None: about 8/3 d_model rounded up to a multiple of 64 (SwiGLU)
-    d_ff: int | None = field(default=None, metadata=_hf("intermediate_size", gguf="feed_forward_length"))
+    d_ff: int | None = field(default=None, metadata=_hf("intermediate_size",
+                                                        gguf="feed_forward_length", min=1))
     max_seq_len: int = field(default=256, metadata=_hf("max_position_embeddings", 2048, network=False,
-                                                       gguf="context_length"))
-    rope_theta: float = field(default=10000.0, metadata=_hf("rope_theta", 10000.0, gguf="rope_freq_base"))
-    norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6, gguf="layer_norm_rms_eps"))
+                                                       gguf="context_length", min=1))
+    rope_theta: float = field(default=10000.0, metadata=_hf("rope_theta", 10000.0,
+                                                            gguf="rope_freq_base", above=0))
+    norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6,
+                                                       gguf="layer_norm_rms_eps", above=0))
     tie_embeddings: bool = field(default=False, metadata=_hf("tie_word_embeddings", False))
-    init_std: float = field(default=0.02, metadata=_hf("initializer_range", 0.02, network=False))
+    init_std: float = field(default=0.02, metadata=_hf("initializer_range", 0.02, network=False,
+                                                       above=0))
     # A bias on each attention projection (q, k, v and o; initialised at zero), as Llama's and Qwen3's
     # attention_bias; the MLP stays without (Llama's mlp_bias is a separate key, Qwen3 has none). Newer than
-    # identity.json: in a run's identity only where set.
-    attention_bias: bool = field(default=False, metadata={**_hf("attention_bias", False), "identity": "when_set"})
+    # identity.json: in a run's identity only where set. llama.cpp's qwen3 has no such bias.
+    attention_bias: bool = field(default=False, metadata=_hf("attention_bias", False, identity="when_set",
+                                                             lacks=("gguf:qwen3",)))
     activation_checkpointing: bool = field(default=False, metadata={"identity": "never"})
     # Speed-run choices (modded-nanogpt), each kept only where it measured better at our scale
     # (docs/BENCHMARKS.md): an RMSNorm on each head's queries and keys before RoPE (Qwen3's q_norm and
@@ -169,28 +190,15 @@ class ModelConfig(_Section):
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        if self.d_ff is None:
+        if self.d_ff is None and isinstance(self.d_model, int):
             self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64)
-        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len"):
-            v = getattr(self, name)
-            _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                     f"model.{name} must be a positive whole number, got {v!r}")
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            v = getattr(self, name)
-            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
-                     f"model.{name} must be a positive finite number, got {v!r}")
-        _require(self.vocab_size >= 2, f"vocab_size must be at least 2, got {self.vocab_size}")
-        _require(self.n_layer >= 1, f"n_layer must be at least 1, got {self.n_layer}")
-        _require(self.n_head >= 1 and self.d_model % self.n_head == 0,
+        _check_fields(self, "model.")
+        _require(self.d_model % self.n_head == 0,
                  f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
-        _require(self.head_dim % 2 == 0, f"head_dim = d_model / n_head must be even for RoPE, got {self.head_dim}")
-        _require(1 <= self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0,
+        _require(self.head_dim % 2 == 0,
+                 f"head_dim = d_model / n_head must be even for RoPE, got {self.head_dim}")
+        _require(self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0,
                  f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
-        _require(self.max_seq_len >= 1, f"max_seq_len must be positive, got {self.max_seq_len}")
-        _require(self.d_ff >= 1, f"d_ff must be positive, got {self.d_ff}")
-        for name in ("fused_proj", "attention_bias"):
-            v = getattr(self, name)
-            _require(isinstance(v, bool), f"model.{name} must be True or False, got {v!r}")
 
     @property
     def head_dim(self) -> int:
@@ -218,15 +226,37 @@ class ModelConfig(_Section):
                 out[f.name] = value
         return out
 
+    def export_gaps(self, target: Literal["hf", "gguf"] = "hf") -> list[str]:
+        """The options set here that `target` has no equivalent of, as NAME=VALUE ([] when the model
+        exports to it): the fields whose metadata "lacks" names it (a GGUF lacks what transformers
+        lacks too), set to other than their default."""
+        names = {"hf"} | ({"gguf", f"gguf:{self.family.model_type}"} if target == "gguf" else set())
+        return [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                if names & set(f.metadata.get("lacks", ())) and getattr(self, f.name) != f.default]
+
+    def check_exports(self, target: Literal["hf", "gguf"] = "hf") -> None:
+        """Refuse, in one line, a model that `target` cannot hold (`export_gaps`)."""
+        if gaps := self.export_gaps("hf"):
+            raise ConfigError(f"transformers' {self.family.title} (and llama.cpp) cannot load a model with "
+                              f"{', '.join(gaps)}: it has no export and cannot be finetuned; tinygpt "
+                              "generate and eval use it as it is")
+        if gaps := self.export_gaps(target):
+            raise ConfigError(f"llama.cpp's {self.family.model_type} architecture cannot load a model "
+                              f"with {', '.join(gaps)}: export to Hugging Face format instead (tinygpt "
+                              "export RUN OUT)")
+
     def to_hf_llama(self) -> dict[str, Any]:
         """The keyword arguments of the equivalent transformers config (`family.config_class`: `LlamaConfig`,
-        or `Qwen3Config` with QK-norm)."""
+        or `Qwen3Config` with QK-norm); a model it cannot hold is refused (`check_exports`)."""
+        self.check_exports("hf")
         mapped = {f.metadata["hf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "hf" in f.metadata}
         fixed = {key: value for key, (value, _) in self.family.hf_fixed.items()}
         return {**mapped, **fixed, "head_dim": self.head_dim}
 
     def to_gguf(self) -> dict[str, int | float]:
-        """The model's llama.cpp metadata: {name: value} for gguf's writer method `GGUFWriter.add_{name}`."""
+        """The model's llama.cpp metadata: {name: value} for gguf's writer method `GGUFWriter.add_{name}`;
+        a model llama.cpp cannot load is refused (`check_exports`)."""
+        self.check_exports("gguf")
         mapped = {f.metadata["gguf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "gguf" in f.metadata}
         head = self.head_dim  # keys and values as wide as the queries, all of each head rotated
         return {**mapped, "key_length": head, "value_length": head, "rope_dimension_count": head}
@@ -257,65 +287,51 @@ def _hf_value(hf: dict[str, Any], key: str, missing: Any) -> Any:
 
 
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-# How the loss is taken (`tinygpt.model.losses`): chunked by size, over the full logits, or always chunked.
-LOSS_MODES = ("auto", "full", "chunked")
-COMPILE_MODES = ("auto", "on", "regional", "off")  # auto: on for CUDA; regional: each transformer block
+# The words a TrainConfig field takes (each one Literal: the command line's choices are read from it).
+Optimizer = Literal["adamw", "muon"]  # muon: Muon for the hidden matrices, AdamW for the rest
+# cosine: to min_lr at max_steps; wsd: warmup, stable, then a linear decay over decay_fraction
+Schedule = Literal["cosine", "wsd"]
+PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # auto: the device's best (core.precision)
+# auto: on for CUDA; on: the whole model; regional: each transformer block; off
+CompileMode = Literal["auto", "on", "regional", "off"]
+# How the loss is taken (`tinygpt.model.losses`): auto chunks by size (on a GPU the probe times
+# both), full: the whole logits, chunked: always in chunks.
+LossMode = Literal["auto", "full", "chunked"]
 
 
 @dataclass
 class TrainConfig(_Section):
     """How to train: batch geometry, schedule, optimizer, and how often to evaluate and save."""
 
-    micro_batch_size: int = 8
-    seq_len: int = 256
-    grad_accum_steps: int = 1
-    max_steps: int = 200
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 20
+    micro_batch_size: int = bounded(8, min=1)
+    seq_len: int = bounded(256, min=1)
+    grad_accum_steps: int = bounded(1, min=1)
+    max_steps: int = bounded(200, min=1)
+    lr: float = bounded(1e-3, above=0)
+    min_lr: float = bounded(1e-4, min=0)  # at most lr
+    warmup_steps: int = bounded(20, min=0)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    optimizer: str = "adamw"  # "adamw" or "muon" (Muon for matrices, AdamW for the rest)
-    schedule: str = "cosine"  # "cosine" to min_lr at max_steps, or "wsd": warmup, stable, then a linear decay
-    decay_fraction: float = 0.2  # wsd: the last fraction of the steps decays from lr to min_lr
-    precision: str = "auto"
-    compile: str = "auto"  # "auto" (on for CUDA), "on" (the whole model), "regional" (each block), "off"
-    loss: str = "auto"  # "auto" (chunked by size; on a GPU the probe times both), "full" logits, or "chunked"
-    device: str = "auto"
+    optimizer: Optimizer = "adamw"
+    schedule: Schedule = "cosine"
+    decay_fraction: float = bounded(0.2, above=0, max=1)  # wsd: the last fraction of the steps decays
+    precision: PrecisionName = "auto"
+    compile: CompileMode = "auto"
+    loss: LossMode = "auto"
+    device: str = "auto"  # auto, cpu, cuda, cuda:1, mps...
     seed: int = 1337
-    eval_every: int = 50
-    eval_batches: int = 8
-    log_every: int = 10
-    save_every: int = 100
-    keep_last: int = 3
-    sample_every: int = 0  # 0: one sample at the end only
+    eval_every: int = bounded(50, min=0)  # 0: off
+    eval_batches: int = bounded(8, min=1)
+    log_every: int = bounded(10, min=1)
+    save_every: int = bounded(100, min=0)  # 0: off
+    keep_last: int = bounded(3, min=1)
+    sample_every: int = bounded(0, min=0)  # 0: one sample at the end only
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "max_steps", "eval_batches",
-                     "log_every", "keep_last", "eval_every", "save_every", "warmup_steps", "sample_every", "seed"):
-            v = getattr(self, name)
-            _require(isinstance(v, int) and not isinstance(v, bool), f"train.{name} must be a whole number, got {v!r}")
-        for name in ("micro_batch_size", "seq_len", "grad_accum_steps", "max_steps", "eval_batches",
-                     "log_every", "keep_last"):
-            _require(getattr(self, name) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("eval_every", "save_every", "warmup_steps", "sample_every"):
-            _require(getattr(self, name) >= 0, f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
-        for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip", "decay_fraction"):
-            v = getattr(self, name)
-            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-                     f"train.{name} must be a finite number, got {v!r}")
-        _require(self.lr > 0 and 0 <= self.min_lr <= self.lr,
-                 f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        _require(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        _require(self.compile in COMPILE_MODES,
-                 f"compile must be auto, on, regional or off, got {self.compile!r}")
-        _require(self.optimizer in ("adamw", "muon"), f"optimizer must be adamw or muon, got {self.optimizer!r}")
-        _require(self.loss in LOSS_MODES, f"loss must be one of {LOSS_MODES}, got {self.loss!r}")
-        _require(self.schedule in ("cosine", "wsd"), f"schedule must be cosine or wsd, got {self.schedule!r}")
-        _require(0 < self.decay_fraction <= 1, f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        _check_fields(self, "train.")
+        _require(self.min_lr <= self.lr, f"train.min_lr must be at most lr ({self.lr}), got {self.min_lr}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -336,18 +352,16 @@ class DataConfig(_Section):
 
     source: str = "builtin"
     tokenizer: str = "train"
-    vocab_size: int = 4096
-    max_chars: int | None = None  # read at most this many characters of the source
-    val_fraction: float = 0.05
+    vocab_size: int = bounded(4096, min=256 + 1, max=2**32 - 1,
+                              why="a byte-level BPE needs at least 257 (256 bytes + end-of-text) and the "
+                                  "token cache holds at most 2**32 - 1 ids")
+    max_chars: int | None = bounded(None, min=1)  # read at most this many characters of the source
+    val_fraction: float = bounded(0.05, above=0, below=0.5)
     text_field: str = "text"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.source, str) and self.source.strip() != "", "data source must not be empty")
-        _require(0 < self.val_fraction < 0.5, f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        _require(256 + 1 <= self.vocab_size <= 2**32 - 1,
-                 f"vocab_size {self.vocab_size} cannot work: a byte-level BPE needs at least 257 "
-                 "(256 bytes + end-of-text) and the token cache holds at most 2**32 - 1 ids")
-        _require(self.max_chars is None or self.max_chars > 0, "max_chars must be positive or None")
+        _check_fields(self, "data.")
 
 
 @dataclass
@@ -404,48 +418,3 @@ class Recipe:
                       model=dataclasses.replace(self.model, **(model or {})),
                       train=dataclasses.replace(self.train, **(train or {})),
                       data=dataclasses.replace(self.data, **(data or {})))
-
-
-def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
-    """`train.lr=1e-3`-style overrides (`--set`), values parsed as JSON where they can be (numbers, true,
-    null); a number field takes a number (a whole number where it is an int), a string field a string."""
-    changes: dict[str, dict] = {"model": {}, "train": {}, "data": {}}
-    for a in assignments:
-        key, sep, raw = a.partition("=")
-        section, _, name = key.partition(".")
-        if not sep or section not in changes or not name:
-            raise ConfigError(f"cannot read override {a!r}: write SECTION.FIELD=VALUE with SECTION model, train "
-                              "or data")
-        fields = getattr(recipe, section).to_dict()
-        if name not in fields:
-            raise ConfigError(f"{section} has no field {name!r}; fields: {', '.join(fields)}")
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            value = raw
-        current = fields[name]
-        if isinstance(current, (int, float)) and not isinstance(current, bool):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or (isinstance(current, int) and not isinstance(value, int) and current is not None)):
-                kind = "a whole number" if isinstance(current, int) else "a number"
-                raise ConfigError(f"--set {a}: {section}.{name} must be {kind} (it is {current!r} in recipe "
-                                  f"{recipe.name}), not {raw!r}")
-        elif isinstance(current, str) and not isinstance(value, str):
-            value = raw
-        changes[section][name] = value
-    return recipe.replace(**changes)
-
-
-@dataclass
-class RecipeChoice:
-    """What `tinygpt pretrain` trains: a named recipe, maybe continued from a base, with fields changed.
-    Each field is a command-line option (core/options.py)."""
-    recipe: str | None = option(None, help="a name from `tinygpt recipes` (default: the run folder's own recipe "
-                                "when it has one, else the one this hardware suits, as `tinygpt probe` shows)")
-    init: str | None = option(None, metavar="BASE", help="continue pretraining a model: hf:NAME[@REVISION] (e.g. "
-                              "hf:HuggingFaceTB/SmolLM2-135M), a Llama/Qwen3 model folder, or a tinygpt run folder; "
-                              "its weights, tokenizer and architecture, with the recipe's batch and steps at a lower "
-                              "learning rate")
-    overrides: list[str] = option(default_factory=list, flag="--set", metavar="SECTION.FIELD=VALUE",
-                                  help="override recipe fields, e.g. --set train.lr=1e-3 model.n_layer=6 "
-                                       "data.max_chars=100000")

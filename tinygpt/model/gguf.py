@@ -5,7 +5,7 @@ Invariants:
 - The architecture is llama.cpp's `llama`, or `qwen3` for a model with QK-norm (`ModelConfig.family`, the
   same two that `model.hf` exports to transformers); tensor names come from gguf's own `TensorNameMap`, the
   metadata from the config's fields (`ModelConfig.to_gguf`). An option llama.cpp's architecture cannot load
-  (`Family.gguf_lacks`) is refused before anything is written.
+  (declared on its field: `ModelConfig.export_gaps`) is refused before anything is written.
 - llama.cpp's `llama` applies RoPE to adjacent pairs, tinygpt (like transformers) to the two halves of
   each head; q_proj and k_proj rows (and biases) are permuted here exactly as llama.cpp's `convert_hf_to_gguf.py`
   does, so the attention scores are the same. `qwen3` uses the halves itself: nothing is permuted.
@@ -61,10 +61,7 @@ def check_quant(quant: str) -> str:
 
 def check_architecture(config: ModelConfig) -> ModelConfig:
     """`config`, after checking that llama.cpp's architecture of its family loads every option it has on."""
-    lacks = [name for name in config.family.gguf_lacks if getattr(config, name)]
-    if lacks:
-        raise ValueError(f"llama.cpp's {config.family.model_type} architecture cannot load a model with "
-                         f"{', '.join(lacks)}; export to Hugging Face format instead (tinygpt export RUN OUT)")
+    config.check_exports("gguf")
     return config
 
 
