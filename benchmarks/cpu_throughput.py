@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinygpt.core.recipes import get_recipe
+from tinygpt.core.recipes import get_recipe  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
 from tinygpt.train.data import iter_documents  # noqa: E402

@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinygpt.core.config import GPT2_VOCAB_PADDED, TrainConfig
+from tinygpt.core.config import GPT2_VOCAB_PADDED, TrainConfig  # noqa: E402
 from tinygpt.core.precision import Precision, choose_precision, enable_tf32, resolve_device  # noqa: E402
-from tinygpt.core.recipes import MODEL_SIZES, model_config
+from tinygpt.core.recipes import MODEL_SIZES, model_config  # noqa: E402
 from tinygpt.model import losses  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.train.hardware import peak_tflops as probe_peak_tflops  # noqa: E402

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinygpt.core.config import TrainConfig
-from tinygpt.core.recipes import model_config
+from tinygpt.core.config import TrainConfig  # noqa: E402
+from tinygpt.core.recipes import model_config  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
 from tinygpt.train.optim import build_optimizer  # noqa: E402
