@@ -30,10 +30,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tinygpt import publish  # noqa: E402
 from tinygpt.core.recipes import get_recipe
 from tinygpt.finetune.lora import load_finetuned  # noqa: E402
 from tinygpt.model.loading import load_run  # noqa: E402
+from tinygpt.publish.export import export  # noqa: E402
 
 
 def held_out_text(chars: int = 6000) -> str:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 logits_of, context = logits_fn(model, True), model.config.max_position_embeddings
             for quant in args.quant:
                 out = root / "gguf" / str(len(rows))
-                publish.export(run, out, "gguf", quant)
+                export(run, out, "gguf", quant)
                 r = {"run": name, "quant": quant, **compare(next(out.glob("*.gguf")), logits_of, tok, context, text)}
                 rows.append(r)
                 print(f"{name:<42} {quant:<5} tokenization {'same' if r['tokenization_equal'] else 'DIFFERENT'}, "

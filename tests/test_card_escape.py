@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tinygpt.publish import CARD, CARD_TEXT_LIMIT, card_text
+from tinygpt.publish.card import CARD, CARD_TEXT_LIMIT, card_text
 
 REPO = Path(__file__).resolve().parents[1]
 EVIL_RUN = "evil\n# Owned\n<img src=x onerror=alert(1)>"

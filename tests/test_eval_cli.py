@@ -18,7 +18,7 @@ from tinygpt.evals.options import EvalOptions
 from tinygpt.evals.run import evaluate
 from tinygpt.evals.tasks import TASKS, stdlib_functions
 from tinygpt.model.loading import load_run
-from tinygpt.publish import model_card
+from tinygpt.publish.card import model_card
 from tinygpt.train.data import validation_text
 from tinygpt.train.pretrain import pretrain
 

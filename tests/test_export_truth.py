@@ -16,7 +16,9 @@ import torch
 from tinygpt.cli import main
 from tinygpt.core.recipes import get_recipe
 from tinygpt.finetune.instruct import Codec, format_prompt
-from tinygpt.publish import AMX_NOTE, export, trained_context
+from tinygpt.publish.card import AMX_NOTE
+from tinygpt.publish.export import export
+from tinygpt.publish.source import trained_context
 from tinygpt.train.pretrain import pretrain
 
 gguf = pytest.importorskip("gguf")

@@ -20,7 +20,9 @@ from tinygpt.evals.runs import summarize_run
 from tinygpt.model import gguf as gg
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import EOT, Tokenizer, find_gpt2_files, load_gpt2, train_bpe
-from tinygpt.publish import card_facts, hub_token, read_evals, upload_folder
+from tinygpt.publish.card import card_facts, read_evals
+from tinygpt.publish.export import upload_folder
+from tinygpt.publish.hub import hub_token
 from tinygpt.train.pretrain import pretrain
 
 gguf = pytest.importorskip("gguf")
@@ -344,7 +346,7 @@ def test_llama_cpp_tokenizes_generates_and_scores_as_tinygpt(tmp_path, bpe, gpt2
 def test_llama_cpp_runs_a_trained_run_and_a_merged_finetune_as_tinygpt(run, lora_run, tmp_path):
     from tinygpt.finetune.lora import load_finetuned
     from tinygpt.model.loading import load_run
-    from tinygpt.publish import export
+    from tinygpt.publish.export import export
 
     ga = _llama_cpp()
     text = ga.held_out_text()

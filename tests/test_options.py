@@ -13,7 +13,8 @@ from tinygpt.core.options import add_options, from_args, option, option_fields
 from tinygpt.core.recipes import RecipeChoice, get_recipe
 from tinygpt.finetune.options import FinetuneOptions
 from tinygpt.model.generate import GenerateOptions
-from tinygpt.publish import ExportOptions, PushOptions
+from tinygpt.publish.export import ExportOptions
+from tinygpt.publish.hub import PushOptions
 from tinygpt.train.pretrain import PretrainOptions
 from tinygpt.train.probe import ProbeOptions
 

@@ -31,7 +31,8 @@ from tinygpt.finetune.options import FinetuneOptions
 from tinygpt.model.generate import GenerateOptions, generate_text
 from tinygpt.model.gpt import meta_model
 from tinygpt.model.loading import load_run
-from tinygpt.publish import ExportOptions, PushOptions
+from tinygpt.publish.export import ExportOptions
+from tinygpt.publish.hub import PushOptions
 from tinygpt.sync.identity import run_identity
 from tinygpt.sync.mirror import NOTHING_MORE, catch_up, mirror_lag
 from tinygpt.train.budget import finished_run
