@@ -167,7 +167,7 @@ import json, resource, sys
 from tinygpt.core.config import DataConfig
 from tinygpt.model.tokenizer import tiktoken_gpt2
 from tinygpt.train.data import iter_documents
-from tinygpt.train.shards import BATCH_DOCS
+from tinygpt.train.shard_writer import BATCH_DOCS
 docs = list(iter_documents(DataConfig(source=sys.argv[1], tokenizer="gpt2", max_chars=int(sys.argv[2]))))
 enc = tiktoken_gpt2()
 r0 = resource.getrusage(resource.RUSAGE_SELF)

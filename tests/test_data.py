@@ -14,7 +14,8 @@ from tinygpt.train.data import (
     resolve_source,
 )
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.shards import build_token_cache, token_dtype
+from tinygpt.train.shard_writer import token_dtype
+from tinygpt.train.shards import build_token_cache
 
 
 @pytest.fixture(scope="module")

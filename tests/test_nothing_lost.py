@@ -26,7 +26,7 @@ from tinygpt.core.rundir import LOCK, RunDir, RunDirError, RunDirReplaced
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.sync.copy import copy_checkpoint
 from tinygpt.train.pretrain import pretrain
-from tinygpt.train.shards import SHARD_TOKENS
+from tinygpt.train.shard_writer import SHARD_TOKENS
 from tinygpt.train.trainer import closing
 
 ROOT = Path(__file__).resolve().parents[1]

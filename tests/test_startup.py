@@ -24,7 +24,8 @@ from tinygpt.model.tokenizer import load_gpt2, train_bpe
 from tinygpt.train.data import DataError, iter_documents
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.sampler import WindowSampler
-from tinygpt.train.shards import MANIFEST, ShardWriter, StreamedShards, build_token_cache, write_shards
+from tinygpt.train.shard_writer import ShardWriter, write_shards
+from tinygpt.train.shards import MANIFEST, StreamedShards, build_token_cache
 from tinygpt.train.token_files import write_llmc_shard
 from tinygpt.train.tokens import open_token_shards
 

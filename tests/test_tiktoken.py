@@ -17,7 +17,7 @@ from tinygpt.core.config import DataConfig
 from tinygpt.core.rundir import read_json
 from tinygpt.model.tokenizer import EOT, Tokenizer, find_gpt2_files, gpt2_ranks, load_gpt2, tiktoken_gpt2, train_bpe
 from tinygpt.train.data import is_validation_document, iter_documents
-from tinygpt.train.shards import encode_documents, token_dtype, write_shards
+from tinygpt.train.shard_writer import encode_documents, token_dtype, write_shards
 
 tiktoken = pytest.importorskip("tiktoken")
 

@@ -17,7 +17,7 @@ import torch
 
 from tinygpt.model import hf
 from tinygpt.model.tokenizer import KNOWN_REGEXES, Tokenizer, UnsafeTokenizer, train_bpe
-from tinygpt.train import shards
+from tinygpt.train import shard_writer
 from tinygpt.train.init import read_base
 
 transformers = pytest.importorskip("transformers")
@@ -226,9 +226,9 @@ def test_the_token_writer_runs_without_rust_backtraces(monkeypatch, tok, tmp_pat
             self.stdin = open(os.devnull, "wb")
 
     monkeypatch.setenv("RUST_BACKTRACE", "1")
-    monkeypatch.setattr(shards.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(shard_writer.subprocess, "Popen", FakePopen)
     from tinygpt.core.config import DataConfig
-    shards.ShardWriter(DataConfig(source="builtin"), tok, tmp_path)
+    shard_writer.ShardWriter(DataConfig(source="builtin"), tok, tmp_path)
     assert seen.get("env") is not None and "RUST_BACKTRACE" not in seen["env"]
     assert seen["env"].get("PATH") == os.environ.get("PATH")
 
