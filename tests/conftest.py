@@ -1,6 +1,6 @@
 """Shared fixtures: the offline data sets in ../shared/data where a machine has them, else a stand-in
-folder with the same file names, built from the Python standard library and the small fixtures in
-tests/fixtures (see its README), so that the whole suite runs on a fresh clone with no network."""
+folder with the same file names, built from the Python standard library and the small samples the
+package ships (tinygpt/samples/README.md), so that the whole suite runs on a fresh clone with no network."""
 from __future__ import annotations
 
 import gzip
@@ -12,7 +12,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("TINYGPT_SHARED_DATA", REPO.parent / "shared" / "data"))
-FIXTURES = REPO / "tests" / "fixtures"
 
 
 def _stdlib_prose(chars: int) -> str:
@@ -38,6 +37,7 @@ def _stdlib_prose(chars: int) -> str:
 def build_stand_in(folder: Path) -> Path:
     """The stand-in data folder: same names as ../shared/data, content every machine can make."""
     from tinygpt.core.config import DataConfig
+    from tinygpt.core.paths import sample_path
     from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
     from tinygpt.model.tokenizer import find_gpt2_files
     from tinygpt.train.data import validation_text
@@ -45,9 +45,9 @@ def build_stand_in(folder: Path) -> Path:
     (folder / "tinyshakespeare.txt").write_text(_stdlib_prose(1_100_000), encoding="utf-8")
     (folder / "wikitext2_test.txt").write_text(validation_text(DataConfig(source="builtin"), 400_000), encoding="utf-8")
     write_stdlib_instructions(folder / "code_alpaca_2k.json")
-    shutil.copyfile(FIXTURES / "HumanEval_sample.jsonl.gz", folder / "HumanEval.jsonl.gz")
-    shutil.copyfile(FIXTURES / "mbpp_sample.jsonl", folder / "mbpp.jsonl")
-    shutil.copyfile(FIXTURES / "hellaswag_val_sample.txt.bz2", folder / "hellaswag_val.txt.bz2")
+    for name, sample in (("HumanEval.jsonl.gz", "humaneval"), ("mbpp.jsonl", "mbpp"),
+                         ("hellaswag_val.txt.bz2", "hellaswag")):
+        shutil.copyfile(sample_path("sample:" + sample), folder / name)  # the samples the package ships
     vocab, merges = find_gpt2_files()
     shutil.copyfile(vocab, folder / "gpt2_vocab.json")
     shutil.copyfile(merges, folder / "gpt2_merges.txt")

@@ -124,7 +124,7 @@ def test_hugging_face_model_and_tokenizer_give_the_same_numbers(model, tok, wiki
 def test_load_real_hellaswag(shared_data):
     items = hsw.load_hellaswag(shared_data / "hellaswag_val.txt.bz2")
     lines = bz2.open(shared_data / "hellaswag_val.txt.bz2", "rt", encoding="utf-8").read().splitlines()
-    assert len(items) == len(lines) // 6 and len(items) in (10042, 41)  # the full set, or the shipped sample
+    assert len(items) == len(lines) // 6 and len(items) in (10042, 200)  # the full set, or the shipped sample
     assert items[0].context == "Roof shingle removal: A man is sitting on a roof. He"  # lm-eval's capitalised ctx_b
     assert items[0].label == 3 and items[0].endings[3] == "starts pulling up roofing on a roof."
     assert all(len(it.endings) == 4 and 0 <= it.label <= 3 for it in items)
@@ -487,9 +487,9 @@ def test_the_six_line_file_gives_lm_evals_text(shared_data):
     """The offline six-line file (klosax/hellaswag_text_data) holds "activity_label: ctx" with ctx_b in lower
     case and some brackets left: read, it gives lm-eval's text for the validation items we have records of."""
     val = [r for r in _hellaswag_records() if r["split"] == "val"]
-    raw = bz2.open(FIXTURES / "hellaswag_val_sample.txt.bz2", "rt", encoding="utf-8").read().splitlines()
+    raw = bz2.open(paths.sample_path("sample:hellaswag"), "rt", encoding="utf-8").read().splitlines()
     assert raw[0] == "Roof shingle removal: A man is sitting on a roof. he"  # what the file itself holds
-    files = [FIXTURES / "hellaswag_val_sample.txt.bz2"]
+    files = [paths.sample_path("sample:hellaswag")]
     if (paths.shared_data_dir() or Path("/nonexistent")).joinpath("hellaswag_val.txt.bz2").is_file():
         files.append(paths.shared_data_dir() / "hellaswag_val.txt.bz2")  # the full offline file: the same items
     for path in files:

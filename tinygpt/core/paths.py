@@ -2,7 +2,8 @@
 
 One definition each: `TINYGPT_CACHE` (default ~/.cache/tinygpt) holds token caches, probe results
 and downloaded evaluation data; `TINYGPT_SHARED_DATA` (default ../shared/data beside a source
-checkout) holds the larger offline data sets when a machine has them.
+checkout) holds the larger offline data sets when a machine has them; `sample:NAME` names a small
+sample of a public data set that ships with the package (tinygpt/samples/).
 """
 from __future__ import annotations
 
@@ -24,6 +25,27 @@ def shared_data_dir() -> Path | None:
     env = os.environ.get("TINYGPT_SHARED_DATA")
     candidates = [Path(env)] if env else [REPO_ROOT.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
     return next((d for d in candidates if d.is_dir()), None)
+
+
+SAMPLES_DIR = Path(__file__).resolve().parents[1] / "samples"  # ships with the package (tinygpt/samples/README.md)
+SAMPLE_PREFIX = "sample:"
+SAMPLES = {"wikitext2": "wikitext2_test_sample.txt", "hellaswag": "hellaswag_val_sample.txt.bz2",
+           "mbpp": "mbpp_sample.jsonl", "humaneval": "HumanEval_sample.jsonl.gz"}
+
+
+def is_sample(source: object) -> bool:
+    """Whether a data source names a sample that ships with the package (``sample:NAME``)."""
+    return str(source).startswith(SAMPLE_PREFIX)
+
+
+def sample_path(source: str | Path) -> Path:
+    """The file of a shipped sample, ``sample:NAME`` (NAME one of `SAMPLES`: wikitext2, hellaswag, mbpp,
+    humaneval), for ``--data`` on a fresh clone or a pip install with no network; a ValueError naming the
+    samples for any other name."""
+    name = str(source).removeprefix(SAMPLE_PREFIX)
+    if name not in SAMPLES:
+        raise ValueError(f"no sample {name!r}; the samples are " + ", ".join(SAMPLE_PREFIX + n for n in SAMPLES))
+    return SAMPLES_DIR / SAMPLES[name]
 
 
 HUB_PREFIX = "hf:"

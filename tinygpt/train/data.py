@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tinygpt.core.config import DataConfig
-from tinygpt.core.paths import hub_spec, is_hub
+from tinygpt.core.paths import hub_spec, is_hub, is_sample, sample_path
 from tinygpt.train.token_files import DataError, detect_token_folder  # noqa: F401  (DataError: handed on)
 
 _SKIP_WORDS = {"latin-1": "not UTF-8, read as latin-1", "binary": "binary (NUL bytes), skipped",
@@ -214,6 +214,11 @@ def resolve_source(source: str) -> tuple[str, object]:
     error otherwise."""
     if source in ("builtin", "stdlib"):
         return "builtin", None
+    if is_sample(source):  # a sample that ships with the package (sample:wikitext2)
+        try:
+            return "local", sample_path(source)
+        except ValueError as e:
+            raise DataError(str(e)) from None
     if is_hub(source):
         return "hf", hub_dataset(source, "train")
     p = Path(source).expanduser()
