@@ -1,0 +1,146 @@
+"""The size planner (`--size auto --hours H`): the ladder, the law, the choice, and a planned run that keeps
+its size when it resumes. Speeds in the choice tests come from a modelled machine (a fixed FLOP rate, so
+that the choice is a function of the hours alone); the end-to-end runs time the real trainer step."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import tinygpt.train.plan as plan_mod
+from tinygpt.core.config import ConfigError
+from tinygpt.core.recipes import get_recipe
+from tinygpt.model.gpt import meta_model
+from tinygpt.train.plan import (
+    CHINCHILLA,
+    LADDER_DEPTHS,
+    LADDER_FIELDS,
+    MIN_STEPS,
+    TIMED_RUNGS,
+    depth_of,
+    effective_tokens,
+    fitted_laws,
+    kept_plan,
+    plan_size,
+    plan_table,
+    rung,
+)
+from tinygpt.train.pretrain import pretrain
+
+
+def machine(flops_per_s: float, calls: list | None = None):
+    """tokens/s of a machine that trains at a fixed FLOP rate (the recipe's own FLOPs per token)."""
+    def speed(recipe):
+        if calls is not None:
+            calls.append(recipe.model.n_layer)
+        return flops_per_s / meta_model(recipe.model).flops_per_token(recipe.train.seq_len)
+    return speed
+
+
+def test_a_rung_changes_only_the_ladder_fields_and_the_learning_rates():
+    base = get_recipe("a100-124m")
+    for depth in (4, 12, 24):
+        r = rung(base, depth)
+        assert (r.model.n_layer, r.model.d_model, r.model.n_head) == (depth, 64 * depth, depth)
+        assert r.model.d_ff % 64 == 0 and 2.5 < r.model.d_ff / r.model.d_model < 2.8
+        assert math.isclose(r.train.lr * r.model.d_model, base.train.lr * base.model.d_model)
+        same = {k: v for k, v in r.model.to_dict().items() if k not in LADDER_FIELDS}
+        assert same == {k: v for k, v in base.model.to_dict().items() if k not in LADDER_FIELDS}
+        assert {k: v for k, v in r.train.to_dict().items() if k not in ("lr", "min_lr")} == \
+            {k: v for k, v in base.train.to_dict().items() if k not in ("lr", "min_lr")}
+        assert r.data == base.data
+    assert rung(base, 12).model.d_model == base.model.d_model  # GPT-2 small is a point on the ladder
+
+
+def test_more_hours_choose_a_larger_model_and_the_lowest_predicted_loss():
+    recipe = get_recipe("a100-124m")
+    sizes, ratios = [], []
+    for hours in (0.05, 0.5, 3, 12):
+        plan = plan_size(recipe, hours, machine(150e12), law=CHINCHILLA)
+        c = plan.choice
+        assert c.predicted_loss == min(x.predicted_loss for x in plan.candidates)
+        assert math.isclose(c.predicted_loss, CHINCHILLA.loss(c.params, c.tokens))
+        sizes.append(depth_of(plan.size))
+        ratios.append(c.tokens_per_param)
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1], sizes
+    assert 5 < ratios[2] < 100, ratios  # 3 h: Chinchilla's optimum, tens of tokens per parameter
+
+
+def test_the_planner_times_a_few_rungs_and_never_one_the_hours_cannot_train():
+    calls: list[int] = []
+    recipe = get_recipe("cpu")
+    plan = plan_size(recipe, 0.2, machine(2e10, calls))
+    assert 1 <= len(calls) <= TIMED_RUNGS and len(set(calls)) == len(calls)
+    assert sum(c.timed for c in plan.candidates) == len(calls)
+    step_tokens = recipe.train.tokens_per_step
+    for c in plan.candidates[1:]:
+        assert c.tokens >= MIN_STEPS * step_tokens  # a rung with fewer steps than its warm-up is no candidate
+    assert max(calls) == max(depth_of(c.size) for c in plan.candidates)  # the largest left is timed
+    assert [r[0] for r in plan_table(plan)][1:] == [c.size for c in plan.candidates]
+    assert sum("chosen" in r[-1] for r in plan_table(plan)) == 1
+
+
+def test_a_source_smaller_than_the_budget_counts_its_repeats_and_favours_a_larger_model():
+    assert effective_tokens(1e6, None) == effective_tokens(1e6, 2e6) == 1e6
+    assert 1e6 < effective_tokens(4e6, 1e6) < 4e6
+    assert effective_tokens(1e12, 1e6) <= 1e6 * (1 + plan_mod.REPEAT_HALF_LIFE) + 1
+    recipe = get_recipe("a100-124m")
+    free = plan_size(recipe, 12, machine(150e12), law=CHINCHILLA)
+    small = plan_size(recipe, 12, machine(150e12), law=CHINCHILLA, unique_tokens=free.choice.tokens / 20)
+    assert small.choice.epochs > 1
+    assert depth_of(small.size) >= depth_of(free.size)
+
+
+def test_a_plan_read_back_may_name_only_a_rung_of_the_ladder():
+    assert kept_plan({}) is None
+    assert kept_plan({"plan": {"size": "d4"}}) == {"size": "d4"}
+    for bad in ("d7", "../d4", "124m", 4, None, "d"):
+        with pytest.raises(ConfigError, match="not on the ladder"):
+            kept_plan({"plan": {"size": bad}})
+    with pytest.raises(ConfigError):
+        kept_plan({"plan": "d4"})
+    assert all(depth_of(f"d{d}") == d for d in LADDER_DEPTHS)
+
+
+def test_the_shipped_fitted_law_predicts_its_held_out_runs_within_5_percent():
+    laws = fitted_laws()
+    if "cpu" not in laws:
+        pytest.skip("no fitted law shipped (benchmarks/fit_scaling.py --write writes it)")
+    data = json.loads((plan_mod.resources.files("tinygpt.train") / plan_mod.LAWS_FILE).read_text())["laws"]["cpu"]
+    law = laws["cpu"]
+    assert data["held_out_max_error"] is not None and data["held_out_max_error"] <= 0.05
+    for run in data["runs"]:  # the constants are the ones the runs beside them gave
+        assert abs(law.loss(run["params"], run["tokens"]) - run["val_loss"]) / run["val_loss"] < 0.1
+
+
+def test_size_auto_needs_hours_and_says_so_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="--size auto chooses the size that --hours buys"):
+        pretrain("cpu-smoke", tmp_path / "r", size="auto", device="cpu", progress=False)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_planned_run_trains_the_chosen_rung_and_resumes_at_its_size_without_planning(tmp_path, monkeypatch):
+    run = tmp_path / "r"
+    result = pretrain("cpu-smoke", run, size="auto", hours=0.002, device="cpu", progress=False,
+                      tensorboard=False)
+    info = json.loads((run / "run.json").read_text())
+    plan = info["plan"]
+    chosen = [c for c in plan["candidates"] if c["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["size"] == plan["size"]
+    expected = rung(get_recipe("cpu-smoke"), depth_of(plan["size"]))
+    assert {k: info["recipe"]["model"][k] for k in LADDER_FIELDS} == \
+        {k: expected.model.to_dict()[k] for k in LADDER_FIELDS}
+    assert info["recipe"]["train"]["lr"] == expected.train.lr
+    assert result.step >= 1
+
+    def no_timing(*a, **k):
+        raise AssertionError("a resumed planned run planned again")
+    monkeypatch.setattr(plan_mod, "trainer_speed", no_timing)
+    # resumed with more hours (another machine would time other speeds): the size is the one in run.json,
+    # with --size auto or without it
+    for size in ("auto", None):
+        again = pretrain("cpu-smoke", run, size=size, hours=0.003, device="cpu", progress=False,
+                         tensorboard=False)
+        assert json.loads((run / "run.json").read_text())["plan"]["size"] == plan["size"]
+        assert again.step >= result.step

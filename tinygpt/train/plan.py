@@ -1,0 +1,298 @@
+"""The size planner: the model a time budget should train, chosen from a ladder of sizes by a scaling law.
+
+For `pretrain --size auto --hours H` (and `probe --hours H`): each rung of the recipe's ladder (one family:
+depth with the width, heads and learning rate derived from it) gets this machine's tokens/s (a few rungs
+timed with the trainer's own step, the rest scaled from them by training FLOPs per token, and said so), the
+tokens the hours buy at that speed, and a predicted final loss L(N, D) = E + A/N^alpha + B/D^beta, with N the
+non-embedding parameters and D the tokens seen (fewer than seen where the source is smaller than the budget
+and would be read again: Muennighoff et al. 2023's effective data). The lowest predicted loss is chosen;
+tokens per parameter is a result, not an input.
+
+Invariants: the plan is decided once, before anything is written, and kept in run.json ("plan"); a resumed
+run takes its size from there (on another GPU too), never plans again. A rung is the recipe's model with
+only the ladder's fields (n_layer, d_model, n_head, n_kv_head, d_ff) changed, and its train config with only
+lr and min_lr scaled by width: everything else (vocabulary, context, data, schedule) is the recipe's.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from typing import Any, Callable
+
+import torch
+
+from tinygpt.core.callback import Callback
+from tinygpt.core.config import ConfigError, Recipe
+from tinygpt.core.files import read_json_safe
+from tinygpt.core.precision import choose_precision
+from tinygpt.model.gpt import meta_model
+from tinygpt.train.hardware import check_fits
+from tinygpt.train.probe import trainer_speed
+
+HEAD_DIM = 64  # each rung's width is depth * HEAD_DIM, in heads of 64 (nanochat's aspect ratio)
+LADDER_DEPTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+LADDER_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")  # what a rung changes in a model
+PLANNED_FIELDS = frozenset(LADDER_FIELDS) | {"lr", "min_lr"}  # what a plan changes in a recipe
+TIMED_RUNGS = 3  # rungs whose speed is measured; the others are scaled by FLOPs per token from the nearest
+BUDGET_OVERHEAD = 0.1  # the share of a budget that evaluations, checkpoints and samples take (not training)
+PLAN_SPEED_STEPS = 4  # optimizer steps timed per timed rung (after 2 of warm-up): the planner stays short
+MIN_STEPS = 50  # a rung the hours buy fewer optimizer steps for is not a candidate (its warmup alone is most)
+REPEAT_HALF_LIFE = 15.4  # R*_D of Muennighoff et al. (2023): how fast repeated epochs lose their value
+
+
+def rung(recipe: Recipe, depth: int) -> Recipe:
+    """The recipe at ladder depth `depth`: width depth*HEAD_DIM, heads of HEAD_DIM (grouped as the recipe
+    groups them), an MLP of 8/3 the width (a multiple of 64, SwiGLU's usual), and the learning rates scaled
+    inversely with width from the recipe's own (GPT-3's table: 6e-4 at 768, 3e-4 at 1536)."""
+    m, t = recipe.model, recipe.train
+    d_model = depth * HEAD_DIM
+    n_head = d_model // HEAD_DIM
+    group = (m.n_head // m.n_kv_head) if m.n_kv_head else 1
+    n_kv = n_head // group if group > 1 and n_head % group == 0 else None
+    d_ff = 64 * max(1, round(8 * d_model / 3 / 64))
+    scale = m.d_model / d_model
+    return recipe.replace(model=dict(n_layer=depth, d_model=d_model, n_head=n_head, n_kv_head=n_kv, d_ff=d_ff),
+                          train=dict(lr=t.lr * scale, min_lr=t.min_lr * scale))
+
+
+def rung_name(depth: int) -> str:
+    return f"d{depth}"
+
+
+@dataclass(frozen=True)
+class ScalingLaw:
+    """L(N, D) = E + A / N**alpha + B / D**beta (nats per token), with where its constants came from."""
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    source: str
+
+    def loss(self, n_params: float, tokens: float) -> float:
+        return self.E + self.A / n_params ** self.alpha + self.B / tokens ** self.beta
+
+
+# The prior: Hoffmann et al. (2022), "Training Compute-Optimal Large Language Models", approach 3, fitted on
+# 400 runs of 70M to 16B parameters (MassiveText, its own tokenizer): the law for GPU-scale rungs.
+CHINCHILLA = ScalingLaw(1.69, 406.4, 410.7, 0.34, 0.28, "Chinchilla's published fit (Hoffmann et al. 2022)")
+LAWS_FILE = "scaling_laws.json"  # beside this module, written by benchmarks/fit_scaling.py
+
+
+def fitted_laws() -> dict[str, ScalingLaw]:
+    """The laws benchmarks/fit_scaling.py fitted on tinygpt's own runs, by the recipe they ladder."""
+    with resources.as_file(resources.files("tinygpt.train") / LAWS_FILE) as path:
+        if not path.is_file():
+            return {}
+        laws = read_json_safe(path, limit=1 << 20)["laws"]
+    return {name: ScalingLaw(**{k: law[k] for k in ("E", "A", "B", "alpha", "beta", "source")})
+            for name, law in laws.items()}
+
+
+def law_for(recipe: Recipe) -> ScalingLaw:
+    """The law fitted on this recipe's own ladder (same corpus and tokenizer) where there is one, else
+    Chinchilla's."""
+    return fitted_laws().get(recipe.name, CHINCHILLA)
+
+
+def effective_tokens(tokens: float, unique: float | None) -> float:
+    """Tokens seen, counted as Muennighoff et al.'s effective data when a source of `unique` tokens is
+    read more than once: each repeat is worth less, and never more than REPEAT_HALF_LIFE epochs of it."""
+    if unique is None or tokens <= unique:
+        return tokens
+    repeats = tokens / unique - 1
+    return unique * (1 + REPEAT_HALF_LIFE * (1 - math.exp(-repeats / REPEAT_HALF_LIFE)))
+
+
+@dataclass
+class Candidate:
+    """One rung as the planner sees it (a row of the table)."""
+    size: str
+    params: int  # non-embedding
+    tokens_per_s: float
+    timed: bool  # measured here; else scaled from a timed rung by FLOPs per token
+    tokens: float  # what the hours buy at that speed
+    epochs: float | None  # of the source (None: its size unknown)
+    predicted_loss: float
+    chosen: bool = False
+
+    @property
+    def tokens_per_param(self) -> float:
+        return self.tokens / self.params
+
+
+@dataclass
+class SizePlan:
+    """What run.json keeps as "plan": the hours, the law, every candidate, the chosen size."""
+    hours: float
+    size: str
+    law: dict
+    candidates: list[Candidate]
+    seconds: float  # the planner's own time
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def choice(self) -> Candidate:
+        return next(c for c in self.candidates if c.chosen)
+
+
+def ladder(recipe: Recipe, fits: Callable[[Recipe], bool]) -> list[tuple[int, Recipe]]:
+    """The rungs of the recipe's family that `fits` (this device's memory), smallest first."""
+    return [(d, r) for d in LADDER_DEPTHS if fits(r := rung(recipe, d))]
+
+
+def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
+              fits: Callable[[Recipe], bool] = lambda r: True, unique_tokens: float | None = None,
+              law: ScalingLaw | None = None, timed: int = TIMED_RUNGS) -> SizePlan:
+    """Choose the rung with the lowest predicted loss after `hours`. `speed(recipe)` measures tokens/s (the
+    probe's `trainer_speed`): the smallest rung first; the rungs that speed, scaled by FLOPs per token, buys
+    fewer than MIN_STEPS steps in the hours are dropped (never timed); then the largest left and rungs between,
+    `timed` in all; every other rung is scaled by FLOPs per token from the nearest timed one."""
+    start = time.perf_counter()
+    law = law or law_for(recipe)
+    rungs = ladder(recipe, fits)
+    if not rungs:
+        raise ConfigError(f"no size of recipe {recipe.name}'s ladder fits this device's memory")
+    seq, seconds = recipe.train.seq_len, hours * 3600 * (1 - BUDGET_OVERHEAD)
+    flops = {d: meta_model(r.model).flops_per_token(seq) for d, r in rungs}
+    measured = {rungs[0][0]: speed(rungs[0][1])}
+
+    def tokens_per_s(d: int) -> float:
+        near = min(measured, key=lambda m: abs(math.log(flops[m] / flops[d])))
+        return measured.get(d, measured[near] * flops[near] / flops[d])
+
+    rungs = [(d, r) for i, (d, r) in enumerate(rungs)
+             if i == 0 or tokens_per_s(d) * seconds >= MIN_STEPS * r.train.tokens_per_step]
+    picks = sorted({round(i * (len(rungs) - 1) / max(1, timed - 1)) for i in range(timed)})
+    for i in reversed(picks):  # the largest first: what it measures scales the others best
+        d, r = rungs[i]
+        if d not in measured:
+            measured[d] = speed(r)
+    out = []
+    for d, r in rungs:
+        tps = tokens_per_s(d)
+        tokens = tps * seconds
+        n = meta_model(r.model).num_params(non_embedding=True)
+        out.append(Candidate(rung_name(d), n, tps, d in measured, tokens,
+                             tokens / unique_tokens if unique_tokens else None,
+                             law.loss(n, effective_tokens(tokens, unique_tokens))))
+    best = min(out, key=lambda c: c.predicted_loss)
+    best.chosen = True
+    return SizePlan(hours, best.size, asdict(law), out, time.perf_counter() - start)
+
+
+def apply_plan(recipe: Recipe, plan: SizePlan | dict) -> Recipe:
+    """The recipe at the plan's chosen size."""
+    size = plan.size if isinstance(plan, SizePlan) else plan["size"]
+    depth = depth_of(size)
+    return rung(recipe, depth)
+
+
+def depth_of(size: str) -> int:
+    """A rung's depth from its name ("d6"), refusing any name that is not on the ladder (run.json's plan
+    comes back from a mirror: it may choose only among the ladder's rungs)."""
+    if not (isinstance(size, str) and size[:1] == "d" and size[1:].isdigit() and int(size[1:]) in LADDER_DEPTHS):
+        raise ConfigError(f"size {size!r} is not on the ladder ({', '.join(map(rung_name, LADDER_DEPTHS))})")
+    return int(size[1:])
+
+
+def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:
+    """The plan as rows: a header, then one per candidate, the choice marked."""
+    rows = [("size", "params", "tokens/s", "tokens", "tokens/param", "epochs", "pred. loss", "")]
+    for c in plan.candidates:
+        rows.append((c.size, _count(c.params), f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
+                     _count(c.tokens), f"{c.tokens_per_param:.1f}",
+                     "-" if c.epochs is None else f"{c.epochs:.1f}", f"{c.predicted_loss:.3f}",
+                     "<- chosen" if c.chosen else ""))
+    return rows
+
+
+def plan_note(plan: SizePlan) -> str:
+    c = plan.choice
+    return (f"size auto: {c.size} ({_count(c.params)} non-embedding parameters, {_count(c.tokens)} tokens in "
+            f"{plan.hours:g} h, {c.tokens_per_param:.0f} tokens per parameter), the lowest predicted loss "
+            f"({c.predicted_loss:.3f}) by {plan.law['source']}; ~ marks a speed scaled by FLOPs from a timed size")
+
+
+def _count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+
+# Characters per token of a source, before its tokenizer exists (the plan comes first): measured on the
+# builtin corpus with the cpu recipe's trained 4096-token BPE, and GPT-2's on English text. An estimate: the
+# planner says "epochs ~"; only data-limited sources depend on it.
+CHARS_PER_TOKEN = {"gpt2": 4.2, "train": 3.2}
+
+
+def unique_tokens(recipe: Recipe) -> float | None:
+    """About how many tokens the source holds (its character cap, `data.max_chars`, read at
+    CHARS_PER_TOKEN); None where the recipe sets no cap (a Hub corpus: more than any budget here reads)."""
+    d = recipe.data
+    if d.max_chars is None:
+        return None
+    return d.max_chars / CHARS_PER_TOKEN.get(d.tokenizer, CHARS_PER_TOKEN["train"])
+
+
+def kept_plan(info: dict | None) -> dict | None:
+    """The plan a run folder's run.json keeps (a resumed run's size), checked to name a ladder rung."""
+    plan = (info or {}).get("plan")
+    if plan is None:
+        return None
+    if not isinstance(plan, dict):
+        raise ConfigError("run.json's plan is not a plan tinygpt wrote; delete the run folder's run.json plan "
+                          "or start a new run")
+    depth_of(plan.get("size"))
+    return plan
+
+
+def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
+    """Whether a rung trains in this device's memory at its recipe's micro-batch (`check_fits`)."""
+    def fits(r: Recipe) -> bool:
+        try:
+            check_fits(r.model, r.train.micro_batch_size, r.train.seq_len, precision, dev, r.train.loss)
+        except ConfigError:
+            return False
+        return True
+    return fits
+
+
+def choose_size(recipe: Recipe, hours: float, dev: torch.device, kept: dict | None) -> tuple[Recipe, SizePlan | dict]:
+    """`--size auto`: the run's kept plan (a resumed run keeps its size), else a new plan on this device,
+    timing rungs with the trainer's own step (`trainer_speed`, a short measurement)."""
+    if kept is not None:
+        return apply_plan(recipe, kept), kept
+    if recipe.model.init is not None:
+        raise ConfigError("--size auto chooses a new model's size; a continued base (--init) keeps its own: "
+                          "leave out --size")
+    precision = choose_precision(dev, recipe.train.precision).name
+    plan = plan_size(recipe, hours, lambda r: trainer_speed(r, dev, steps=PLAN_SPEED_STEPS, warmup=2),
+                     fits=fits_in(dev, precision), unique_tokens=unique_tokens(recipe))
+    return apply_plan(recipe, plan), plan
+
+
+class PlanReport(Callback):
+    """Says the plan (the table, then the choice) when training starts; a resumed run says its kept size."""
+
+    def __init__(self, plan: SizePlan | dict):
+        self.plan = plan
+
+    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
+        if isinstance(self.plan, dict):
+            trainer.say(f"size auto: {self.plan['size']}, as planned when the run began (kept in run.json)")
+            return
+        for line in format_rows(plan_table(self.plan)).splitlines():
+            trainer.say(line)
+        trainer.say(plan_note(self.plan))
+
+
+def format_rows(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
