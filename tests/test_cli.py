@@ -60,7 +60,7 @@ def test_pretrain_writes_a_complete_run_folder(trained):
 
 
 def test_generate_from_the_run(trained, capsys):
-    assert main(["generate", "--run-dir", str(trained), "--prompt", "ROMEO:", "--max-new-tokens", "20",
+    assert main(["generate", str(trained), "--prompt", "ROMEO:", "--max-new-tokens", "20",
                  "--seed", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("ROMEO:") and len(out) > len("ROMEO:") + 5
@@ -76,7 +76,7 @@ def test_pretrain_again_resumes_and_extends(trained, shared_data, tmp_path, caps
     nxt = out[out.index("next:\n"):].splitlines()[1:]
     assert [line.split()[1] for line in nxt] == ["generate", "eval", "export"]
     generate = shlex.split(nxt[0].split("#")[0])
-    assert generate[:3] == ["tinygpt", "generate", "--run-dir"] and generate[3] == str(trained)
+    assert generate[:3] == ["tinygpt", "generate", str(trained)]
     assert main(generate[1:] + ["--max-new-tokens", "5"]) == 0 and capsys.readouterr().out.startswith("def main(")
     assert main(shlex.split(nxt[2].split("#")[0])[1:2] + [str(trained), str(tmp_path / "hf-model")]) == 0
 
@@ -109,13 +109,13 @@ def test_an_option_without_a_hugging_face_equivalent_is_declared_once_and_every_
 
 def test_a_mistyped_run_folder_suggests_the_closest_existing_one(trained, tmp_path, capsys):
     typo = trained.parent / (trained.name[:-1] + trained.name[-1] * 2 + "x")  # "run" -> "runnx"
-    for argv in (["generate", "--run-dir", str(typo), "--prompt", "x"], ["eval", str(typo), "--task", "summary"],
+    for argv in (["generate", str(typo), "--prompt", "x"], ["eval", str(typo), "--task", "summary"],
                  ["export", str(typo), str(tmp_path / "out")]):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert f"did you mean {trained}?" in err and err.count(str(typo)) == 1, err  # the typo is never the fix
     far = trained.parent / "zzzzzzzz"
-    assert main(["generate", "--run-dir", str(far), "--prompt", "x"]) == 2
+    assert main(["generate", str(far), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "did you mean" not in err and err.count(str(far)) == 1
 
@@ -147,7 +147,7 @@ def test_refusals_leave_an_existing_run_untouched(trained, shared_data, tmp_path
                  "--run-dir", str(trained), "--resume", "never", "--quiet", "--set", "data.max_chars=300000"]) == 2
     assert "--resume never would overwrite" in capsys.readouterr().err
     # an empty prompt
-    assert main(["generate", "--run-dir", str(trained), "--prompt", ""]) == 2
+    assert main(["generate", str(trained), "--prompt", ""]) == 2
     assert "prompt is empty" in capsys.readouterr().err
     assert _tree_hash(trained) == before
 

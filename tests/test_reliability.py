@@ -62,7 +62,7 @@ def test_a_poisoned_state_never_runs(small_run, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="could run code"):
         ckpt.load_checkpoint(newest)
     # generate reads the weights only (safetensors); resuming reads state.pt, weights-only
-    assert main(["generate", "--run-dir", str(run), "--prompt", "def", "--max-new-tokens", "2"]) == 0
+    assert main(["generate", str(run), "--prompt", "def", "--max-new-tokens", "2"]) == 0
     with pytest.raises(CheckpointError, match="could run code"):
         pretrain("cpu-smoke", run, cache_dir=small_run.parent / "cache", **{**FAST, "max_steps": 6})
     assert not marker.exists(), "a pickled call in state.pt was executed"
@@ -215,11 +215,11 @@ def test_cli_errors_are_one_line_and_set_twice_keeps_both(tmp_path, capsys):
     bad = tmp_path / "c"
     bad.mkdir()
     (bad / "run.json").write_text("{not json")
-    assert main(["generate", "--run-dir", str(bad), "--prompt", "x"]) == 2
+    assert main(["generate", str(bad), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "run.json" in err
     (bad / "run.json").write_text("[1, 2]")
-    assert main(["generate", "--run-dir", str(bad), "--prompt", "x"]) == 2
+    assert main(["generate", str(bad), "--prompt", "x"]) == 2
     assert "run.json" in capsys.readouterr().err
     # --set given twice keeps both
     run = tmp_path / "d"

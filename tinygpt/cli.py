@@ -13,16 +13,18 @@ import json
 import shlex
 import signal
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import RECIPES, ConfigError, RecipeChoice, apply_overrides
+from tinygpt.core.config import ConfigError
 from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.options import add_options, from_args, option
-from tinygpt.core.rundir import RunDir
+from tinygpt.core.recipes import RECIPES, RecipeChoice, apply_overrides
+from tinygpt.core.rundir import FINETUNE_JSON, RunDir
 from tinygpt.core.units import count
 from tinygpt.evals.options import EvalOptions
 from tinygpt.evals.run import evaluate, report
@@ -113,9 +115,7 @@ def _say_complete(done: str, run_dir: Path, mirror: str | None) -> None:
 
 def _report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
     """What a pretraining run ends with: its figures, a sample, what to run next, the mirror's lag."""
-    print(f"step {res.step}: loss {res.loss if res.loss is None else round(res.loss, 4)}, "
-          f"val_loss {res.val_loss if res.val_loss is None else round(res.val_loss, 4)}, "
-          f"checkpoint {res.checkpoint}")
+    print(f"step {res.step}: " + _figures(loss=res.loss, val_loss=res.val_loss, checkpoint=res.checkpoint))
     samples = RunDir(run_dir).samples()
     if samples and not res.interrupted:
         print("sample:\n" + samples.split("===\n")[-1].strip())
@@ -131,11 +131,17 @@ def _report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
     return 0
 
 
+def _figures(**figures) -> str:
+    """"loss 2.1234, val_loss 2.3456, ...": the figures that were measured (a short run may have none)."""
+    said = [f"{k} {round(v, 4) if isinstance(v, float) else v}" for k, v in figures.items() if v is not None]
+    return ", ".join(said) or "no loss measured yet"
+
+
 def next_steps(run_dir: str | Path) -> str:
     """What to run after a finished pretraining run: sample, evaluate, export (the README's order)."""
     d = shlex.quote(str(run_dir))
     return ("next:\n"
-            f"  tinygpt generate --run-dir {d} --prompt \"def main(\" --max-new-tokens 100   # text from the model\n"
+            f"  tinygpt generate {d} --prompt \"def main(\" --max-new-tokens 100   # text from the model\n"
             f"  tinygpt eval {d} --task perplexity        # loss, perplexity, bits per byte on its validation text\n"
             f"  tinygpt export {d} hf-model/              # a Hugging Face folder (transformers, llama.cpp)")
 
@@ -165,8 +171,7 @@ def _finetune(args) -> int:
     print(f"data: {d.records} records ({d.format}), {d.train_examples} train / {d.val_examples} val examples, "
           f"{d.truncated} truncated, {d.dropped} dropped")
     t = res.train
-    print(f"step {t.step}: loss {t.loss if t.loss is None else round(t.loss, 4)}, "
-          f"val_loss {t.val_loss if t.val_loss is None else round(t.val_loss, 4)}; "
+    print(f"step {t.step}: {_figures(loss=t.loss, val_loss=t.val_loss)}; "
           f"{res.trainable_params:,} trainable of {res.total_params:,} parameters")
     if t.interrupted:
         print("stopped by a signal; run the same command again to resume")
@@ -176,22 +181,34 @@ def _finetune(args) -> int:
         print(f"adapter (PEFT format): {res.adapter_dir}")
         if opts.merge:
             print(f"merged model: {merge_adapter(res.adapter_dir)}")
+    if not t.interrupted:
+        print(finetune_next_steps(opts.run_dir))
     if opts.mirror and (behind := mirror_line(opts.mirror, mirror_lag(opts.run_dir, opts.mirror))):
         print(behind)
     return 130 if t.interrupted else 0
+
+
+def finetune_next_steps(run_dir: str | Path) -> str:
+    """What to run after a finished finetuning run: ask it, evaluate it, export it (merged)."""
+    d = shlex.quote(str(run_dir))
+    return ("next:\n"
+            f"  tinygpt generate {d} --prompt \"Write a function that reverses a string.\"   # its answer\n"
+            f"  tinygpt eval {d} --task stdlib-functions   # writes functions from their docstrings\n"
+            f"  tinygpt export {d} hf-model/               # base + adapter merged, as a Hugging Face folder")
 
 
 def _generate(args) -> int:
     o = from_args(GenerateOptions, args)
     if not o.prompt:
         raise ConfigError("the prompt is empty: give some text to continue, e.g. --prompt 'def '")
-    if o.adapter:
-        model, tok = load_finetuned(o.adapter)
+    adapter = o.adapter or (o.run_dir if o.run_dir and is_finetuning_run(o.run_dir) else None)
+    if adapter:  # a finetuning run answers the prompt as an instruction
+        model, tok = load_finetuned(adapter)
         print(generate_response(model, tok, o.prompt, max_new_tokens=o.max_new_tokens, temperature=o.temperature,
                                 top_p=o.top_p))
         return 0
     if not o.run_dir:
-        raise ConfigError("give --run-dir (a pretraining run) or --adapter (a finetuning run)")
+        raise ConfigError("give the run folder: tinygpt generate RUN_DIR --prompt TEXT")
     model, tok, _, _ = load_run(o.run_dir, o.checkpoint, device="cuda" if torch.cuda.is_available() else "cpu")
     for i in range(o.num_samples):
         text = generate_text(model, tok, o.prompt, o.max_new_tokens, o.temperature, o.top_k, o.top_p,
@@ -200,6 +217,12 @@ def _generate(args) -> int:
         if i + 1 < o.num_samples:
             print("-" * 40)
     return 0
+
+
+def is_finetuning_run(path: str | Path) -> bool:
+    """Whether `path` is a finetuning run's folder (its settings, an adapter, or a full finetune's model)."""
+    run = RunDir(path)
+    return (run / FINETUNE_JSON).is_file() or run.is_finetune_run()
 
 
 def _eval(args) -> int:
@@ -268,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     # (an export's .tmp-<out>-<pid>/, a first try's run folder) is removed on the way out; training
     # installs its own handler, which saves a checkpoint first
     old_term = _sigterm_raises()
+    old_show, warnings.showwarning = warnings.showwarning, _warning_line  # one line each, no source line
     try:
         return args.func(args)
     except KeyboardInterrupt as k:
@@ -280,8 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         return _error(args, e)
     finally:
+        warnings.showwarning = old_show
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the command's one line ("tinygpt: warning: ..."), not Python's file:line and source."""
+    print(f"tinygpt: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
 
 
 def _error(args: argparse.Namespace, e: Exception) -> int:
@@ -310,7 +340,10 @@ def one_line(e: BaseException) -> str:
         where = f" {e.filename}" if e.filename else ""
         hint = "; free some disk space and run again" if e.errno == errno.ENOSPC else ""
         return f"{e.strerror}:{where}{hint}"
-    text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    text = ""
+    for line in filter(None, (line.strip() for line in str(e).splitlines())):
+        # a heading and its list ("holds a different configuration:" then one line per field) read as one
+        text += (" " if text.endswith(":") else "; " if text else "") + line
     return text or type(e).__name__
 
 

@@ -15,7 +15,7 @@ _STORED = {".safetensors", ".pt", ".png"}  # already dense: deflating them costs
 def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool = False) -> Path:
     """<run>.zip beside the run folder with what a user keeps: run files (config, tokenizer, metrics,
     samples), plots and the newest valid checkpoint's weights and manifest, enough to generate and
-    export (`unzip` it, then `tinygpt generate --run-dir <run>`). The optimizer state (state.pt, twice
+    export (`unzip` it, then `tinygpt generate <run>`). The optimizer state (state.pt, twice
     the model: 1.5 GB for 124M) stays on Drive unless `resumable`, which packs the whole checkpoint."""
     run_dir = Path(run_dir)
     ckpt = latest_valid(RunDir(run_dir).checkpoints)

@@ -9,8 +9,9 @@ the same object a notebook would build by hand. A field is an option when its me
 
 Metadata keys: "help" (one line), "flag" ("--name"; default the field's name with _ -> -; a name
 without a leading dash, e.g. "RUN_DIR", makes a positional argument, shown as its metavar, else as
-that name), "choices", "metavar". Other keys are for the library (e.g. "sets": "train.max_steps",
-read by `targets`).
+that name), "choices", "metavar", "alias" (a positional's flag spelling too, e.g. "--run-dir"; with
+"deprecated": True, using it prints a one-line note). Other keys are for the library (e.g. "sets":
+"train.max_steps", read by `targets`).
 The annotation gives the type: int, float, str, Path (a union with str or None reads as str: the
 library takes either); a list, tuple or Sequence of X takes one or more values (given twice, they add
 up); bool is a flag that sets the field to the opposite of its default (`progress: bool = True` with
@@ -21,11 +22,15 @@ from __future__ import annotations
 import argparse
 import collections.abc
 import dataclasses
+import difflib
+import shlex
+import sys
 import types
 import typing
 from typing import Any
 
 _SEVERAL = (list, tuple, collections.abc.Sequence)
+_ALIAS = "__alias"  # the parsed value of a positional's flag spelling lands under the field's name + this
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
@@ -33,6 +38,12 @@ def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: An
     """A dataclass field that is a command-line option: `dataclasses.field` with "help" and the other
     metadata keys (flag, choices, metavar, ...) given as keywords."""
     return dataclasses.field(default=default, default_factory=default_factory, metadata={"help": help, **metadata})
+
+
+def did_you_mean(word: Any, names: collections.abc.Iterable[str]) -> str:
+    """" (did you mean 'cpu-smoke'?)" for a misspelled `word` close to one of `names`; "" when none is."""
+    close = difflib.get_close_matches(str(word), list(names), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def option_fields(cls: type) -> list[dataclasses.Field]:
@@ -48,13 +59,35 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str | None = 
     for f in option_fields(cls):
         names, kwargs = _argument(f, hints[f.name])
         group.add_argument(*names, **kwargs)
+        if alias := f.metadata.get("alias"):
+            shown = argparse.SUPPRESS if f.metadata.get("deprecated") else f"the same as {kwargs['metavar']}"
+            group.add_argument(alias, dest=f.name + _ALIAS, type=kwargs.get("type"), metavar=kwargs["metavar"],
+                               help=shown)
 
 
 def from_args(cls: type, args: argparse.Namespace, **extra: Any) -> Any:
     """`cls` built from parsed arguments: each option field takes its parsed value (its own default
     where the option was not given), `extra` the fields that are not options (e.g. callbacks)."""
-    given = {f.name: v for f in option_fields(cls) if (v := getattr(args, f.name, None)) is not None}
+    given = {f.name: v for f in option_fields(cls) if (v := _value(f, args)) is not None}
     return cls(**given, **extra)
+
+
+def _value(f: dataclasses.Field, args: argparse.Namespace) -> Any:
+    """A field's parsed value: a positional's, or its alias flag's (never both, with the note a deprecated
+    alias prints); a required positional with an alias given neither way is a ValueError that says so."""
+    value, alias = getattr(args, f.name, None), getattr(args, f.name + _ALIAS, None)
+    meta, command = f.metadata, f"tinygpt {getattr(args, 'command', '') or ''}".rstrip()
+    if alias is not None:
+        if value is not None and value != alias:
+            raise ValueError(f"{meta['flag']} is given twice ({value} and {meta['alias']} {alias}): give it once")
+        if meta.get("deprecated"):
+            print(f"note: {meta['alias']} is deprecated; give it as the first argument: {command} "
+                  f"{shlex.quote(str(alias))} ...", file=sys.stderr, flush=True)
+        return alias
+    if value is None and "alias" in meta and f.default is f.default_factory is dataclasses.MISSING:
+        raise ValueError(f"give {meta['flag']}: {command} {meta['flag']} ... (or {meta['alias']} "
+                         f"{meta['flag']})")
+    return value
 
 
 def targets(obj: Any) -> dict[str, dict[str, Any]]:
@@ -74,6 +107,8 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any
     default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
     value_type, several = _value_type(hint)
     kwargs: dict[str, Any] = {k: meta[k] for k in ("choices", "metavar") if k in meta}
+    if "choices" in meta:  # a misspelled choice is answered with the closest one
+        value_type = _one_of(value_type, tuple(meta["choices"]))
     if value_type is bool:  # a flag: present means the opposite of the default
         kwargs.update(action="store_false" if default else "store_true", default=default)
     elif several:  # None until given, so the field's own default applies (argparse would extend it)
@@ -86,14 +121,28 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any
     flag = meta.get("flag", "--" + f.name.replace("_", "-"))
     if not flag.startswith("-"):  # a positional argument, shown as its metavar, else as the flag's text
         kwargs.setdefault("metavar", flag)
-        if default is not dataclasses.MISSING:
+        if default is not dataclasses.MISSING or "alias" in meta:  # required: from_args checks
             kwargs["nargs"] = "?"
+        if "alias" in meta:  # None when not given, so that from_args can tell it from the alias
+            kwargs["default"] = None
         return [f.name], kwargs
     if default is dataclasses.MISSING:
         kwargs["required"] = True
     if value_type is not bool and "choices" not in meta:  # as argparse shows its own dest: --max-steps MAX_STEPS
         kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
     return [flag], {**kwargs, "dest": f.name}
+
+
+def _one_of(value_type: Any, choices: tuple) -> Any:
+    """`value_type` that refuses a value outside `choices` with argparse's message and the closest one."""
+    def convert(text: str) -> Any:
+        value = value_type(text)
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r}{did_you_mean(text, map(str, choices))} "
+                                             f"(choose from {', '.join(map(str, choices))})")
+        return value
+    convert.__name__ = getattr(value_type, "__name__", "value")  # argparse names the type in some errors
+    return convert
 
 
 def _value_type(hint: Any) -> tuple[type, bool]:

@@ -16,6 +16,7 @@ from tinygpt.core.config import (
     Recipe,
     TrainConfig,
 )
+from tinygpt.core.options import did_you_mean
 
 # Named model sizes. Parameter counts are for the GPT-2 vocabulary padded to 50304;
 # `tinygpt recipes` prints the exact count for each recipe's vocabulary.
@@ -146,6 +147,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 def get_recipe(name: str) -> Recipe:
     """A fresh copy of a named recipe (safe to modify)."""
     if name not in RECIPES:
-        raise ConfigError(f"unknown recipe {name!r}; `tinygpt recipes` lists them: "
+        raise ConfigError(f"unknown recipe {name!r}{did_you_mean(name, RECIPES)}; `tinygpt recipes` "
+                          "lists them: "
                           f"{', '.join(RECIPES)}")
     return Recipe.from_dict(RECIPES[name].to_dict())

@@ -354,15 +354,16 @@ class RunDir:
     @contextlib.contextmanager
     def undo_if_first_try_fails(self, marker: str) -> Iterator[None]:
         """Around a run's start: when `marker` (run.json, finetune.json) did not exist before and the block
-        raises before any checkpoint exists, everything the block added to the folder is removed, so a
+        raises before it adds a checkpoint, everything the block added to the folder is removed, so a
         failed first try (bad data, no such device, a bad value) leaves no run.json, tokenizer or base/
-        that a corrected try would pick up. A run that has a marker or a checkpoint keeps all it has."""
+        that a corrected try would pick up. A run that has a marker or a new checkpoint keeps all it has."""
         first = not (self.path / marker).exists()
         before = set(os.listdir(self.path)) if first and self.path.is_dir() else set()
+        steps = set(self.checkpoints.glob("step_*"))  # a folder's own (e.g. a finetuning run's) are not ours
         try:
             yield
         except BaseException:
-            if (first and self.path.is_dir() and not any(self.checkpoints.glob("step_*"))
+            if (first and self.path.is_dir() and not set(self.checkpoints.glob("step_*")) - steps
                     and _identity(self.path) == _HELD.get(os.path.abspath(self.path), _identity(self.path))):
                 for name in set(os.listdir(self.path)) - before - {LOCK}:
                     p = self.path / name
@@ -388,8 +389,8 @@ class RunDir:
         if not self.path.exists():
             raise RunDirError(missing_run_message(self.path))
         if not (self.path / RUN_JSON).is_file():
-            raise RunDirError(f"{self.path} is not a tinygpt run folder (no {RUN_JSON}); train one with "
-                              f"`tinygpt pretrain --run-dir {self.path}`")
+            raise RunDirError(f"{self.path} is not a tinygpt pretraining run folder (no {RUN_JSON}); train one "
+                              f"with `tinygpt pretrain {self.path}`")
         info = read_json(self.path / RUN_JSON)
         if not isinstance(info, dict) or not isinstance(info.get("recipe"), dict):
             raise RunDirError(f"{self.path / RUN_JSON} does not hold a run's recipe; restore it from the mirror or "

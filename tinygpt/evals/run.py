@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -19,6 +20,7 @@ from tinygpt.evals.code import SANDBOX_NOTE
 from tinygpt.evals.harness import Request, Task, load_for_eval
 from tinygpt.evals.options import EvalOptions
 from tinygpt.evals.tasks import get_task
+from tinygpt.train.data import check_source
 
 
 def check_request(task: Task, r: Request) -> None:
@@ -87,10 +89,14 @@ def evaluate(opts: EvalOptions, say: Callable[[str], None] | None = None) -> dic
             raise sandbox.SandboxUnavailable(sandbox.unavailable_message(b))
         if say is not None:
             say(f"{task.name} {SANDBOX_NOTE}; here: {b.describe()}")
+    if is_hub(opts.data):
+        check_source(opts.data)  # offline: one line at once, not the datasets library's retries
     request = {f.name: getattr(opts, f.name) for f in dataclasses.fields(Request)}
+    # a bar where one is drawn (a terminal, a notebook's widget); a log file gets no carriage returns
+    bar = not opts.as_json and (sys.stderr.isatty() or "ipykernel" in sys.modules)
     with sandbox.sigterm_as_interrupt():
         return run_eval(opts.run_dir, opts.task, which=opts.which, device=str(resolve_device(opts.device)),
-                        **{**request, "progress": not opts.as_json, "say": say})
+                        **{**request, "progress": bar, "say": say})
 
 
 def _jsonable(v):
@@ -103,7 +109,8 @@ def _jsonable(v):
 
 
 def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    """A figure as the table shows it: 4 significant digits, "-" for one not measured (None)."""
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def report(task: str, result: dict[str, Any], as_json: bool = False) -> str:

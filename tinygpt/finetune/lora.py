@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from tinygpt.core.checkpoint import MODEL_FILE, find_run_checkpoint, list_checkpoints
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.files import FileTooLarge, UnsafePathError, atomic_output, refuse_links_in, write_json_atomic
+from tinygpt.core.folders import refuse_other_kind
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import ADAPTER_CONFIG, RunDir, read_json
 from tinygpt.finetune.instruct import (
@@ -524,6 +525,7 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     With `mirror` (a folder on Drive) checkpoints are copied there as they are written, the run resumes
     from there on a new VM, and the final adapter is copied to mirror/adapter."""
     refuse_links_in(run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
+    refuse_other_kind(run_dir, "finetuning run", "finetune")  # a pretraining run, an export: untouched
     run = RunDir(run_dir)
     # one writer per run folder; a failed first try (bad data, no device) leaves no base/ nor finetune.json
     with run.lock(), run.undo_if_first_try_fails(FINETUNE_INFO):

@@ -16,7 +16,8 @@ class FinetuneOptions:
                          "bytes per parameter, for small bases)")
     base: str = option(help="a tinygpt run folder, a model folder, or a Hugging Face id")
     data: str = option(help="a JSON/JSONL file, a saved dataset folder, or hf:NAME[:CONFIG][@SPLIT]")
-    run_dir: str = option(help="the finetuning run's folder: made, or resumed when it holds this run")
+    run_dir: str = option(flag="RUN_DIR", alias="--run-dir",
+                          help="the finetuning run's folder: made, or resumed when it holds this run")
     max_steps: int | None = option(None, help="train to this step (default: the recipe's)")
     hardware: str | None = option(None, choices=sorted({c.finetune for c in HARDWARE.values()}),
                                   help="which of the recipe's settings to use (default: detected)")

@@ -12,7 +12,9 @@ from tinygpt.model.gpt import GPT, KVCache
 @dataclass(kw_only=True)
 class GenerateOptions:
     """What `tinygpt generate` samples: each field is one of its options (core/options.py)."""
-    run_dir: str | None = option(None, help="a pretraining run folder (not needed with --adapter)")
+    run_dir: str | None = option(None, flag="RUN_DIR", alias="--run-dir", deprecated=True,
+                                 help="a run folder: a pretraining run, or a finetuning run (then the prompt is "
+                                      "an instruction, as with --adapter)")
     prompt: str = option(help="the text to continue (with --adapter: the instruction to answer)")
     checkpoint: str = option("latest", help="latest, best, or a checkpoint folder")
     max_new_tokens: int = option(200, help="tokens to generate")

@@ -11,6 +11,7 @@ from tinygpt.core.checkpoint import (
     load_model_state,
 )
 from tinygpt.core.config import ModelConfig
+from tinygpt.core.folders import not_a_run_message
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, RunDirError
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer
@@ -20,6 +21,8 @@ def load_run(run_dir: str | Path, which: str = "latest", device: str | torch.dev
     """(model in eval mode, tokenizer, recipe, checkpoint folder) of a tinygpt run folder;
     `which` is "latest" (newest valid step), "best", or a checkpoint folder."""
     run = RunDir(run_dir)
+    if run.path.is_dir() and not run.is_pretrain_run():  # a finetuning run, an export: what opens it
+        raise RunDirError(not_a_run_message(run.path))
     recipe = run.recipe()  # every value checked before anything is built from it
     ckpt = find_run_checkpoint(run.path, which)
     sd, _, _ = load_checkpoint(ckpt, verify=True, with_state=False)  # the weights only: safetensors

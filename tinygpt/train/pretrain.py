@@ -30,11 +30,12 @@ from tinygpt.core.config import (
     TrainConfig,
     check_same_settings,
     config_differences,
-    get_recipe,
 )
 from tinygpt.core.files import link_problem, read_json_safe, refuse_links_in
+from tinygpt.core.folders import refuse_other_kind
 from tinygpt.core.options import option, targets
 from tinygpt.core.precision import Precision, choose_precision
+from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import BUDGET_JSON, METRICS, RUN_JSON, SAMPLES, TENSORBOARD, TOKENIZER_JSON, RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
@@ -177,7 +178,8 @@ class PretrainOptions:
     """How to run a recipe (the recipe says what to train). Every field has the CLI's default; each with
     help is a `tinygpt pretrain` option (core/options.py), and each that "sets" a recipe field overrides
     it when given."""
-    run_dir: str | Path = option("runs/default", help="the run folder: made, or resumed when it holds this run")
+    run_dir: str | Path = option("runs/default", flag="RUN_DIR", alias="--run-dir",
+                                 help="the run folder: made, or resumed when it holds this run")
     data: str | None = option(None, help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT] (default: "
                               "the recipe's)", sets="data.source")
     max_steps: int | None = option(None, help="train to this step (default: the recipe's)", sets="train.max_steps")
@@ -274,6 +276,7 @@ def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: R
     its callbacks when training ends (the mirror last: it finishes its copies); then the token shards and
     the lock are let go, whatever ended the run (`mirrored` closes a mirror that training never reached)."""
     refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
+    refuse_other_kind(opts.run_dir, "pretraining run", "pretrain")  # a finetuning run, an export: untouched
     check_mirror_run(recipe, opts.mirror if ranks.is_main else None)  # another run's mirror: before any copy
     with contextlib.ExitStack() as held:
         if ranks.is_main:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
+from tinygpt.core.options import did_you_mean
 from tinygpt.evals.harness import Task, default_data
 from tinygpt.evals.tasks import (  # noqa: F401  (TASKS reads them)
     hellaswag,
@@ -23,7 +24,8 @@ TASKS: dict[str, Task] = {m.TASK.name: m.TASK for m in list(globals().values())
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+        raise ValueError(f"unknown task {name!r}{did_you_mean(name, TASKS)}; choose one of "
+                         f"{', '.join(TASKS)}")
     return TASKS[name]
 
 
