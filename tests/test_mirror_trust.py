@@ -311,8 +311,9 @@ def test_the_loser_of_two_runs_on_one_mirror_is_told_to_use_another(tmp_path):
     that holds the mirror and says to use another --mirror folder."""
     from tinygpt.cli import mirror_line
     from tinygpt.core.checkpoint import write_manifest
+    from tinygpt.sync.catchup import mirror_lag
     from tinygpt.sync.identity import write_identity
-    from tinygpt.sync.mirror import Mirror, mirror_lag
+    from tinygpt.sync.mirror import Mirror
 
     mirror = tmp_path / "drive" / "run"
     locals_ = []

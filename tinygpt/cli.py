@@ -35,8 +35,8 @@ from tinygpt.model.gpt import meta_model
 from tinygpt.model.loading import load_run
 from tinygpt.publish.export import ExportOptions
 from tinygpt.publish.hub import PushOptions
+from tinygpt.sync.catchup import NOTHING_MORE, catch_up, mirror_lag
 from tinygpt.sync.identity import run_identity
-from tinygpt.sync.mirror import NOTHING_MORE, catch_up, mirror_lag
 from tinygpt.train.budget import finished_run
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.init import default_recipe, pretrain_recipe

@@ -5,11 +5,10 @@ Training writes each checkpoint to the local disk first (fast, atomic) and hands
 whose background thread copies it with `sync.copy` (verified, complete by construction). Errors are
 retried with backoff and only reported in `Mirror.status`: the training thread never waits for Drive
 and never sees its errors. After training, `close` gives the copies `mirror_wait_s()` to finish.
-`mirror_lag` says what the mirror lacks; `catch_up` copies it.
+Whether the mirror folder is still this run's is watch.py's to say; what it lacks, catchup.py's.
 """
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import threading
@@ -22,11 +21,10 @@ from typing import Any, Callable
 from tinygpt.core.callback import Callback
 from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint, write_manifest
 from tinygpt.core.files import clean_leftovers, read_bytes_safe, write_bytes_atomic
-from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, METRICS, RUN_FILES, RunDir, run_file_limit
+from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, RUN_FILES, RunDir
 from tinygpt.sync.copy import (
     Backoff,
     CopyFile,
-    MirrorGone,
     SyncAborted,
     SyncRefused,
     copy_checkpoint,
@@ -36,29 +34,35 @@ from tinygpt.sync.copy import (
     plain_copy,
     whole_lines,
 )
-from tinygpt.sync.identity import claim_mirror, read_identity
+from tinygpt.sync.identity import claim_mirror
+from tinygpt.sync.watch import check_root, first_contact
 
-CLOSE_TIMEOUT_S = 120.0  # after training, how long the mirror may finish its copies before we return
+# after training, how long the mirror may finish its copies before we return
+CLOSE_TIMEOUT_S = 120.0
 
 
 def mirror_wait_s() -> float:
-    """How long the mirror may finish its copies after training: $TINYGPT_MIRROR_WAIT_S, else 120 s."""
+    """How long the mirror may finish its copies after training: $TINYGPT_MIRROR_WAIT_S, else
+    120 s."""
     raw = os.environ.get("TINYGPT_MIRROR_WAIT_S")
     try:
         value = float(raw) if raw is not None else CLOSE_TIMEOUT_S
     except ValueError:
         value = -1.0
     if not (value >= 0 and value != float("inf")):
-        raise ValueError(f"TINYGPT_MIRROR_WAIT_S must be a number of seconds, 0 or more; got {raw!r}")
+        raise ValueError(f"TINYGPT_MIRROR_WAIT_S must be a number of seconds, 0 or more; "
+                         f"got {raw!r}")
     return value
 
 
-def prune_mirror(ckpt_root: str | Path, keep_last: int, known_valid: set[str] | None = None) -> list[Path]:
+def prune_mirror(ckpt_root: str | Path, keep_last: int,
+                 known_valid: set[str] | None = None) -> list[Path]:
     """Keep the newest `keep_last` checkpoints that pass the FULL check (sha256 of every file) and
     delete older step folders; never delete the newest verified one, and with none verified delete
     nothing. A size check is not enough: a corrupt folder of the right size at a higher step would
-    push every good one out. `known_valid` holds names verified already (by the copy that wrote them,
-    or an earlier prune); names verified here are added to it, so each folder is hashed once."""
+    push every good one out. `known_valid` holds names verified already (by the copy that wrote
+    them, or an earlier prune); names verified here are added to it, so each folder is hashed
+    once."""
     known = known_valid if known_valid is not None else set()
     ckpts = list_checkpoints(ckpt_root)
     kept: list[int] = []
@@ -107,36 +111,44 @@ class Mirror(Callback):
     best/), `on_log(metrics)` after each logged step, `close()` at the end. None of them blocks on
     Drive or raises."""
 
-    def __init__(self, local_run_dir: str | Path, mirror_run_dir: str | Path, keep_last: int = 2, *,
-                 files_every_s: float = 30.0, backoff: Backoff | None = None,
+    def __init__(self, local_run_dir: str | Path, mirror_run_dir: str | Path, keep_last: int = 2,
+                 *, files_every_s: float = 30.0, backoff: Backoff | None = None,
                  copy_file: CopyFile = plain_copy, clock: Callable[[], float] = time.time,
-                 close_timeout_s: float | None = None, identity: dict | None = None, catch_up: bool = True):
+                 close_timeout_s: float | None = None, identity: dict | None = None,
+                 catch_up: bool = True):
         self.local, self.mirror = Path(local_run_dir), Path(mirror_run_dir)
         if os.path.abspath(self.mirror) == os.path.abspath(self.local):  # no stat: Drive may hang
-            raise ValueError(f"the mirror {self.mirror} is the run folder itself; pick another folder")
+            raise ValueError(f"the mirror {self.mirror} is the run folder itself; pick another "
+                             "folder")
         self.keep_last, self.files_every_s = keep_last, files_every_s
         self._give_up = threading.Event()
-        # retries stop on the give-up event: close() cuts a backoff's wait short instead of waiting it out
+        # retries stop on the give-up event: close() cuts a backoff's wait short instead of
+        # waiting it out
         self.backoff = replace(backoff or Backoff(), stop=self._give_up)
         self.copy_file, self.clock = copy_file, clock
         self.close_timeout_s = mirror_wait_s() if close_timeout_s is None else close_timeout_s
         self.not_synced: list[str] = []  # after close(): what is not on the mirror, in words
-        self._current: tuple[str, Path] | None = None  # the checkpoint being copied (key, local path)
+        # the checkpoint being copied (key, local path)
+        self._current: tuple[str, Path] | None = None
         self._tag = new_tag()
         self._cond = threading.Condition()
-        self._pending: dict[str, tuple[Path, int]] = {}  # key (path in the run folder) -> (local path, step)
+        # key (path in the run folder) -> (local path, step)
+        self._pending: dict[str, tuple[Path, int]] = {}
         self._busy = False
         self._closing = False
         self._files_dirty = True  # run.json and tokenizer.json go over before the first checkpoint
         self._files_synced_at = float("-inf")
-        self._file_sigs: dict[str, tuple[int, int]] = {}  # (size, mtime_ns) of each file when last copied
+        # (size, mtime_ns) of each file when last copied
+        self._file_sigs: dict[str, tuple[int, int]] = {}
         self._verified: set[str] = set()
         self._status = MirrorStatus()
         self._last_exc: BaseException | None = None
-        # identity: written into the mirror before anything else, refused when the mirror holds another run's
+        # identity: written into the mirror before anything else, refused when the mirror holds
+        # another run's
         self.identity, self._claimed, self._catch_up = identity, identity is None, catch_up
         self._dead: BaseException | None = None  # a permanent error: the mirror is off for this run
-        self._root: int | None = None  # the device the mirror folder lies on, from this run's first copy
+        # the device the mirror folder lies on, from this run's first copy
+        self._root: int | None = None
         self._thread = threading.Thread(target=self._run, name="tinygpt-mirror", daemon=True)
         self._thread.start()
 
@@ -168,16 +180,19 @@ class Mirror(Callback):
             return replace(self._status, pending=len(self._pending) + self._busy)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every checkpoint handed over so far is synced (or given up); False on timeout."""
+        """Wait until every checkpoint handed over so far is synced (or given up); False on
+        timeout."""
         with self._cond:
-            done = self._cond.wait_for(lambda: (not self._pending and not self._busy) or self._dead is not None,
-                                       timeout)
-            return done and self._dead is None  # a mirror turned off by a permanent error synced nothing more
+            done = self._cond.wait_for(
+                lambda: (not self._pending and not self._busy) or self._dead is not None, timeout)
+            # a mirror turned off by a permanent error synced nothing more
+            return done and self._dead is None
 
     def close(self, timeout: float | None = None) -> bool:
-        """Finish pending copies and the run files within `timeout` (default `close_timeout_s`), then
-        stop. When the time runs out the mirror gives up, `not_synced` says what is missing on the
-        mirror (also as a warning), and False is returned: a dead Drive never blocks the cell."""
+        """Finish pending copies and the run files within `timeout` (default `close_timeout_s`),
+        then stop. When the time runs out the mirror gives up, `not_synced` says what is missing on
+        the mirror (also as a warning), and False is returned: a dead Drive never blocks the
+        cell."""
         with self._cond:
             self._closing = True
             self._files_dirty = True
@@ -192,15 +207,17 @@ class Mirror(Callback):
             st = self._status
             self.not_synced = [f"checkpoint {k} (step {self._pending[k][1]})" for k in pending]
             if self._current is not None:
-                self.not_synced.append(f"checkpoint {self._current[0]} (being copied when time ran out)")
+                self.not_synced.append(f"checkpoint {self._current[0]} (being copied when time "
+                                       "ran out)")
             if self._files_dirty:
                 self.not_synced.append("the latest run files (metrics.jsonl, samples.txt, ...)")
         last = f"step {st.last_synced_step}" if st.last_synced_step is not None else "no checkpoint"
         how = ("after the wait" if self._dead is None
                else f"at once ({type(self._dead).__name__}: {self._dead}: waiting would not help)")
-        warnings.warn(f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on it: "
-                      f"{'; '.join(self.not_synced) or 'nothing'}; last error: {st.last_error}. The local run "
-                      f"folder {self.local} has everything", stacklevel=2)
+        warnings.warn(f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
+                      f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
+                      f"{st.last_error}. The local run folder {self.local} has everything",
+                      stacklevel=2)
         return False
 
     def __enter__(self) -> Mirror:
@@ -229,13 +246,13 @@ class Mirror(Callback):
             self._status.last_error = f"{type(e).__name__}: {e}"
             self._status.last_error_at = self.clock()
         if first:  # say so at once; the retries go on behind training
-            warnings.warn(f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; training goes on and the copy is "
-                          "retried", stacklevel=2)
+            warnings.warn(f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; training goes on "
+                          "and the copy is retried", stacklevel=2)
 
     def _catch_up_items(self) -> None:
-        """What the local run holds that the mirror may lack (its newest checkpoint, best/, the adapter):
-        queued at the start, so a mirror left behind by an earlier run (full, offline) catches up now.
-        A copy the mirror has already is recognised by its manifest and skipped."""
+        """What the local run holds that the mirror may lack (its newest checkpoint, best/, the
+        adapter): queued at the start, so a mirror left behind by an earlier run (full, offline)
+        catches up now. A copy the mirror has already is recognised by its manifest and skipped."""
         items: dict[str, tuple[Path, int]] = {}
         for s, p in reversed(list_checkpoints(self.local / CHECKPOINTS)):
             if verify_checkpoint(p, deep=False)[0]:
@@ -250,8 +267,8 @@ class Mirror(Callback):
                     self._pending[key] = item
 
     def _run(self) -> None:
-        self._guarded(lambda: [clean_leftovers(d, self._tag) for d in (self.mirror, self.mirror / CHECKPOINTS)
-                               if d.is_dir()])
+        self._guarded(lambda: [clean_leftovers(d, self._tag)
+                               for d in (self.mirror, self.mirror / CHECKPOINTS) if d.is_dir()])
         if self._catch_up:
             self._guarded(self._catch_up_items)
         while True:
@@ -263,7 +280,8 @@ class Mirror(Callback):
             with self._cond:
                 while True:
                     if self._pending:  # newest step first, then best/
-                        key = max(self._pending, key=lambda k: (k.startswith(CHECKPOINTS + "/"), self._pending[k][1]))
+                        key = max(self._pending, key=lambda k: (k.startswith(CHECKPOINTS + "/"),
+                                                                self._pending[k][1]))
                         item = (key, *self._pending.pop(key))
                         break
                     wait_s = self._files_synced_at + self.files_every_s - self.clock()
@@ -276,7 +294,8 @@ class Mirror(Callback):
                 self._busy = item is not None
             try:
                 # run files first: a restored checkpoint is useless without the run's tokenizer.json
-                self._guarded(lambda: self.backoff.run(self._sync_files, self._note_error, permanent=self._permanent))
+                self._guarded(lambda: self.backoff.run(self._sync_files, self._note_error,
+                                                       permanent=self._permanent))
                 if item is not None and self._dead is None:
                     self._current = item[:2]
                     if self._guarded(lambda: self._sync_checkpoint(*item)):
@@ -302,9 +321,10 @@ class Mirror(Callback):
                     self._status.errors += 1
                     self._status.last_error = f"{type(e).__name__}: {e}"
                     self._status.last_error_at = self.clock()
-                warnings.warn(f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; waiting would not help, so the "
-                              "mirror is off for this run (training goes on; the local run folder has everything, "
-                              "and the next run copies what the mirror lacks once this is fixed)", stacklevel=2)
+                warnings.warn(f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; waiting would "
+                              "not help, so the mirror is off for this run (training goes on; the "
+                              "local run folder has everything, and the next run copies what the "
+                              "mirror lacks once this is fixed)", stacklevel=2)
                 return False
             if e is not self._last_exc:  # a retried one is counted already
                 self._note_error(e)
@@ -313,19 +333,22 @@ class Mirror(Callback):
             return False
 
     def _sync_files(self) -> None:
-        RunDir(self.local).check_held()  # the run folder replaced under this run: copy nothing of another run's
+        # the run folder replaced under this run: copy nothing of another run's
+        RunDir(self.local).check_held()
         with self._cond:
             self._files_dirty = False
             self._files_synced_at = self.clock()
         if self._root is None:
-            self._first_contact()
+            self._root = first_contact(self.mirror, self.local)
         self._check_root()
-        if not self._claimed:  # before the first file: the mirror is this run's, or nothing is written
+        # before the first file: the mirror is this run's, or nothing is written
+        if not self._claimed:
             claim_mirror(self.mirror, self.identity, self._tag)
             self._claimed = True
         for name in RUN_FILES:
             src = self.local / name
-            if not src.is_file() or src.is_symlink():  # a link is never followed (to the shared folder least of all)
+            # a link is never followed (to the shared folder least of all)
+            if not src.is_file() or src.is_symlink():
                 continue
             st = src.stat()
             if self._file_sigs.get(name) == (st.st_size, st.st_mtime_ns):
@@ -333,35 +356,8 @@ class Mirror(Callback):
             write_bytes_atomic(self.mirror / name, whole_lines(src), st.st_mtime_ns, self._tag)
             self._file_sigs[name] = (st.st_size, st.st_mtime_ns)
 
-    def _first_contact(self) -> None:
-        """Make the mirror folder (once, at the first copy) and note which folder it is. A Drive mount point that
-        is not mounted is refused: its parents would be made on the VM's own disk."""
-        if self.mirror.exists() and not self.mirror.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "the mirror is a file, not a folder", str(self.mirror))
-        drive = unmounted_drive(self.mirror)
-        if drive is not None:
-            raise MirrorGone(self.mirror, self.local, f"nothing is mounted at {drive}")
-        self.mirror.mkdir(parents=True, exist_ok=True)
-        self._root = os.stat(self.mirror).st_dev
-
     def _check_root(self) -> None:
-        """Before each copy: the mirror folder is the one this run began copying to (on the same device, this run's
-        identity.json still there), else MirrorGone: a Drive unmounted mid-run leaves an empty mount point on the
-        VM's disk, where nothing must be made (the copies would look done and be lost with the VM). The inode is
-        not compared: a FUSE mount (Drive's) may number a folder anew after the kernel forgets it."""
-        try:
-            st = os.stat(self.mirror)
-        except FileNotFoundError:
-            raise MirrorGone(self.mirror, self.local, "the folder no longer exists: Drive unmounted, or the folder "
-                                                     "deleted") from None
-        if st.st_dev != self._root:
-            raise MirrorGone(self.mirror, self.local, "it now lies on another file system: Drive unmounted or "
-                                                     "remounted")
-        if self._claimed and self.identity is not None:
-            theirs = read_identity(self.mirror)
-            if theirs is None or theirs["run_id"] != self.identity["run_id"]:
-                why = "gone" if theirs is None else f"run {theirs['run_id']}'s"
-                raise MirrorGone(self.mirror, self.local, f"its identity.json is {why}: the folder was replaced")
+        check_root(self.mirror, self.local, self._root, self.identity if self._claimed else None)
 
     def _sync_checkpoint(self, key: str, src: Path, step: int) -> None:
         dst = self.mirror / key
@@ -388,7 +384,8 @@ class Mirror(Callback):
             return True
 
         # a link on the mirror stays one (SyncRefused), like any error waiting cannot cure
-        if not self.backoff.run(attempt, self._note_error, fatal=(SyncRefused,), permanent=self._permanent):
+        if not self.backoff.run(attempt, self._note_error, fatal=(SyncRefused,),
+                                permanent=self._permanent):
             return
         with self._cond:
             if group == CHECKPOINTS:
@@ -401,101 +398,25 @@ class Mirror(Callback):
             prune_mirror(dst.parent, self.keep_last, self._verified)
 
 
-DRIVE_MOUNTPOINT = Path("/content/drive")  # where Colab mounts Google Drive (colab.mount_drive's default)
-
-
-def unmounted_drive(mirror: Path) -> Path | None:
-    """Colab's Drive mount point when `mirror` lies under it and nothing is mounted there (None otherwise)."""
-    path = Path(os.path.abspath(mirror))
-    if DRIVE_MOUNTPOINT in path.parents and not os.path.ismount(DRIVE_MOUNTPOINT):
-        return DRIVE_MOUNTPOINT
-    return None
-
-
-def _same_folder(local: Path, there: Path) -> bool:
-    try:
-        return read_bytes_safe(there / MANIFEST) == read_bytes_safe(local / MANIFEST) and verify_checkpoint(
-            there, deep=False)[0]
-    except (OSError, ValueError):  # a link or an oversized manifest on the mirror: not the same folder
-        return False
-
-
-def _missing(path: Path) -> bool:
-    """Whether nothing is at `path` (not: a file where a folder's parent should be, or an unreadable mount)."""
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return False
-
-
-NOTHING_MORE = "everything: "  # how mirror_lag begins when the mirror takes nothing more of this run (and why)
-
-
-def mirror_lag(local_run_dir: str | Path, mirror_run_dir: str | Path) -> list[str]:
-    """What the local run holds and the mirror lacks, in words ([] when the mirror has it all): the newest
-    checkpoint, best/, the adapter, metrics.jsonl's logged steps."""
-    local, mirror = Path(local_run_dir), Path(mirror_run_dir)
-    out: list[str] = []
-    if _missing(mirror) and list_checkpoints(local / CHECKPOINTS):
-        return [f"{NOTHING_MORE}the folder is gone (Drive unmounted, or the folder deleted); remount Drive and run "
-                "again to copy it"]
-    try:
-        mine, theirs = read_identity(local), read_identity(mirror)
-    except (OSError, ValueError):
-        mine = theirs = None
-    if mine is not None and theirs is not None and mine["run_id"] != theirs["run_id"]:
-        return [f"{NOTHING_MORE}it belongs to run {theirs['run_id']} (another VM or tab claimed it first), so this "
-                f"run copies nothing there: use another --mirror folder for it"]
-    try:
-        newest = next((p for _, p in reversed(list_checkpoints(local / CHECKPOINTS))
-                       if verify_checkpoint(p, deep=False)[0]), None)
-        if newest is not None and not _same_folder(newest, mirror / CHECKPOINTS / newest.name):
-            there = [s for s, p in list_checkpoints(mirror / CHECKPOINTS) if verify_checkpoint(p, deep=False)[0]]
-            out.append(f"checkpoint step {manifest_step(newest)} (the mirror's newest: "
-                       f"{f'step {max(there)}' if there else 'none'})")
-        for name in (BEST, ADAPTER_DIR):
-            if (local / name / MANIFEST).is_file() and not _same_folder(local / name, mirror / name):
-                out.append(f"{name}/")
-        if (local / METRICS).is_file():
-            ours = whole_lines(local / METRICS)
-            theirs = read_bytes_safe(mirror / METRICS, run_file_limit(METRICS)) if (mirror / METRICS).is_file() else b""
-            if not theirs.startswith(ours):
-                out.append(METRICS)
-    except OSError as e:
-        return [f"everything (the mirror cannot be read: {e})"]
-    return out
-
-
-def catch_up(local_run_dir: str | Path, mirror_run_dir: str | Path, *, identity: dict | None = None,
-             timeout: float | None = None, backoff: Backoff | None = None) -> list[str]:
-    """Copy to the mirror what the local run holds and it lacks (a run that ended with the mirror full or
-    offline), within `timeout`; what it still lacks afterwards ([] when nothing)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the answer is the list returned: one line, said by the caller
-        m = Mirror(local_run_dir, mirror_run_dir, identity=identity, backoff=backoff, close_timeout_s=timeout)
-        m.close()
-    return mirror_lag(local_run_dir, mirror_run_dir)
-
-
-# ---- one-off folders (a finetuning run's adapter) --------------------------------------------------
+# ---- one-off folders (a finetuning run's adapter) ------------------------------------------------
 
 def _mirror_copy(what: str, fn, where: Path) -> bool:
-    """Run a copy to or from the mirror with a few retries (none for a permanent error); a Drive failure
-    warns, it never stops a run."""
+    """Run a copy to or from the mirror with a few retries (none for a permanent error); a Drive
+    failure warns, it never stops a run."""
     try:
         Backoff(max_attempts=4).run(fn, permanent=lambda e: is_permanent(e, where))
         return True
     except OSError as e:
-        warnings.warn(f"Drive mirror: could not copy {what} ({type(e).__name__}: {e}); the local run folder "
-                      "has it", stacklevel=3)
+        warnings.warn(f"Drive mirror: could not copy {what} ({type(e).__name__}: {e}); the local "
+                      "run folder has it", stacklevel=3)
         return False
 
 
 def mirror_adapter(adapter_dir: Path, mirror: Path, step: int) -> Path | None:
-    """Copy an adapter folder to mirror/adapter, each file checked against a manifest written here first."""
+    """Copy an adapter folder to mirror/adapter, each file checked against a manifest written here
+    first."""
     write_manifest(adapter_dir, {"step": int(step), "kind": "adapter"})
     dst = mirror / ADAPTER_DIR
-    return dst if _mirror_copy(f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst), mirror) else None
+    copied = _mirror_copy(f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst),
+                          mirror)
+    return dst if copied else None

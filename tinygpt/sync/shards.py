@@ -27,7 +27,8 @@ from tinygpt.sync.copy import (
     new_tag,
     plain_copy,
 )
-from tinygpt.sync.mirror import mirror_wait_s, unmounted_drive
+from tinygpt.sync.mirror import mirror_wait_s
+from tinygpt.sync.watch import unmounted_drive
 
 
 def _shard_manifest(folder: Path) -> dict | None:
