@@ -20,7 +20,7 @@ from tinygpt.cli import main
 from tinygpt.core.config import ConfigError, TrainConfig
 from tinygpt.train.budget import Budget, decay_start, expected_final_loss, extend, steps_for
 from tinygpt.train.pretrain import PretrainOptions, pretrain
-from tinygpt.train.trainer import lr_at
+from tinygpt.train.step import lr_at
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,8 @@ def test_a_budgeted_run_fixes_its_steps_and_ends_with_the_schedule_complete(tmp_
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["recipe"]["train"]["schedule"] == "wsd"
     # the recipe's own cosine gave way to wsd, and the start-up line (and its record) says so
-    startup = next(m["startup"] for m in res.metrics if "startup" in m)
+    records = map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    startup = next(m["startup"] for m in records if "startup" in m)
     assert "--hours trains with schedule wsd, not the recipe's cosine" in startup["notes"]
     with pytest.raises(ConfigError, match="not both"):
         PretrainOptions(run_dir=tmp_path / "x", hours=1, max_steps=10)

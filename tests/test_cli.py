@@ -124,10 +124,10 @@ def test_a_mistyped_run_folder_suggests_the_closest_existing_one(trained, tmp_pa
     (["pretrain", "--recipe", "gpt5"], "unknown recipe 'gpt5'"),
     (["pretrain", "--data", "/no/such/corpus.txt"], "neither 'builtin', an existing file or folder"),
     (["pretrain", "--set", "train.seq_len=100000"], "longer than the model's max_seq_len"),
-    (["pretrain", "--set", "data.vocab_size=100"], "vocab_size 100 cannot work"),
-    (["pretrain", "--set", "data.vocab_size=5000000000"], "vocab_size 5000000000 cannot work"),
+    (["pretrain", "--set", "data.vocab_size=100"], "data.vocab_size must be a whole number of at least 257 up to 4294967295, got 100"),
+    (["pretrain", "--set", "data.vocab_size=5000000000"], "at least 257 up to 4294967295, got 5000000000: a byte-level BPE"),
     (["pretrain", "--set", "train.lr"], "SECTION.FIELD=VALUE"),
-    (["pretrain", "--resume", "auto", "--set", "train.micro_batch_size=0"], "micro_batch_size must be at least 1"),
+    (["pretrain", "--resume", "auto", "--set", "train.micro_batch_size=0"], "train.micro_batch_size must be a positive whole number, got 0"),
 ])
 def test_bad_input_fails_before_any_work(argv, message, tmp_path, capsys):
     run = tmp_path / "run"

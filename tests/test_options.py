@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 import pytest
 
 from tinygpt.cli import COMMANDS, build_parser
+from tinygpt.core.config import CompileMode, ConfigError, TrainConfig
+from tinygpt.core.fields import field_problem
 from tinygpt.core.options import add_options, from_args, option, option_fields
 from tinygpt.core.recipes import RecipeChoice, get_recipe
 from tinygpt.finetune.options import FinetuneOptions
@@ -126,11 +129,6 @@ def test_a_literals_values_are_the_options_choices_and_a_new_entry_is_one_more_c
     """A fixed set of values is stated once, as the field's `Literal`: the command line's choices are read
     from it (here a subclass adds "linear" to the schedules), and the one validator refuses anything else
     in one line that says what to choose."""
-    from typing import Literal, get_args
-
-    from tinygpt.core.config import CompileMode, ConfigError, TrainConfig
-    from tinygpt.core.fields import field_problem
-
     compile_flag = next(a for a in _parser(PretrainOptions)._actions if a.dest == "compile")
     assert tuple(compile_flag.choices) == get_args(CompileMode) == ("auto", "on", "regional", "off")
 

@@ -9,13 +9,15 @@ the same object a notebook would build by hand. A field is an option when its me
 
 Metadata keys: "help" (one line), "flag" ("--name"; default the field's name with _ -> -; a name
 without a leading dash, e.g. "RUN_DIR", makes a positional argument, shown as its metavar, else as
-that name), "choices", "metavar", "alias" (a positional's flag spelling too, e.g. "--run-dir"; with
+that name), "choices" (for a set known only at run time; a fixed set is the annotation's
+`Literal`), "metavar", "alias" (a positional's flag spelling too, e.g. "--run-dir"; with
 "deprecated": True, using it prints a one-line note). Other keys are for the library (e.g. "sets":
 "train.max_steps", read by `targets`).
 The annotation gives the type: int, float, str, Path (a union with str or None reads as str: the
-library takes either); a list, tuple or Sequence of X takes one or more values (given twice, they add
-up); bool is a flag that sets the field to the opposite of its default (`progress: bool = True` with
-"flag": "--quiet"). A field without a default is a required option.
+library takes either), a `Literal` of values (the option's choices); a list, tuple or Sequence of X
+takes one or more values (given twice, they add up); bool is a flag that sets the field to the
+opposite of its default (`progress: bool = True` with "flag": "--quiet"). A field without a default
+is a required option.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import sys
 import types
 import typing
 from typing import Any
+
+from tinygpt.core.fields import literal_choices
 
 _SEVERAL = (list, tuple, collections.abc.Sequence)
 _ALIAS = "__alias"  # the parsed value of a positional's flag spelling lands under the field's name + this
@@ -106,9 +110,11 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any
     meta = f.metadata
     default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
     value_type, several = _value_type(hint)
-    kwargs: dict[str, Any] = {k: meta[k] for k in ("choices", "metavar") if k in meta}
-    if "choices" in meta:  # a misspelled choice is answered with the closest one
-        value_type = _one_of(value_type, tuple(meta["choices"]))
+    words = meta.get("choices", literal_choices(hint))  # the metadata's, else the annotation's Literal
+    kwargs: dict[str, Any] = {"metavar": meta["metavar"]} if "metavar" in meta else {}
+    if words is not None:  # a misspelled choice is answered with the closest one
+        kwargs["choices"] = words
+        value_type = _one_of(value_type, tuple(words))
     if value_type is bool:  # a flag: present means the opposite of the default
         kwargs.update(action="store_false" if default else "store_true", default=default)
     elif several:  # None until given, so the field's own default applies (argparse would extend it)
@@ -128,7 +134,7 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any
         return [f.name], kwargs
     if default is dataclasses.MISSING:
         kwargs["required"] = True
-    if value_type is not bool and "choices" not in meta:  # as argparse shows its own dest: --max-steps MAX_STEPS
+    if value_type is not bool and words is None:  # as argparse shows its own dest: --max-steps MAX_STEPS
         kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
     return [flag], {**kwargs, "dest": f.name}
 
@@ -152,6 +158,8 @@ def _value_type(hint: Any) -> tuple[type, bool]:
         hint = str if str in members else members[0]
     if typing.get_origin(hint) in _SEVERAL:
         return typing.get_args(hint)[0], True
+    if typing.get_origin(hint) is typing.Literal:  # its values' type: str for Literal["a", "b"]
+        return type(typing.get_args(hint)[0]), False
     return hint, False
 
 
