@@ -23,7 +23,7 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError
 from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.options import add_options, from_args, option
-from tinygpt.core.recipes import RECIPES, RecipeChoice, apply_overrides
+from tinygpt.core.recipes import RECIPES, RecipeChoice, parse_overrides
 from tinygpt.core.rundir import FINETUNE_JSON, RunDir
 from tinygpt.core.units import count
 from tinygpt.evals.options import EvalOptions
@@ -40,7 +40,7 @@ from tinygpt.sync.identity import run_identity
 from tinygpt.train.budget import finished_run
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.init import default_recipe, pretrain_recipe
-from tinygpt.train.pretrain import PretrainOptions, pretrain
+from tinygpt.train.pretrain import PretrainOptions, check_budget_overrides, pretrain
 from tinygpt.train.probe import ProbeOptions, probe_report
 from tinygpt.train.trainer import TrainingError
 
@@ -95,10 +95,12 @@ def _pretrain(args) -> int:
             _say_complete(done, opts.run_dir, opts.mirror)
         return 0
     recipe = pretrain_recipe(name, choice.init, opts.run_dir)  # with a base: sized for it (never the mirror's)
+    changes = parse_overrides(recipe, choice.overrides)
+    check_budget_overrides(changes, opts.hours)  # a --set that --hours would override: refused
     if recipe.model.init and main_rank:
         print(f"base {recipe.model.init}: its weights and tokenizer, lr {recipe.train.lr:g}, context "
               f"{recipe.train.seq_len}", flush=True)
-    res = pretrain(apply_overrides(recipe, choice.overrides), options=opts)
+    res = pretrain(recipe.replace(**changes), options=opts)
     if not main_rank:
         return 130 if res.interrupted else 0
     return _report_pretrain(res, opts.run_dir, opts.mirror)
@@ -138,12 +140,18 @@ def _figures(**figures) -> str:
 
 
 def next_steps(run_dir: str | Path) -> str:
-    """What to run after a finished pretraining run: sample, evaluate, export (the README's order)."""
+    """What to run after a finished pretraining run: sample, evaluate, export (the README's order;
+    no export where the model has options transformers has no equivalent of: `export_gaps`)."""
     d = shlex.quote(str(run_dir))
+    if gaps := RunDir(run_dir).recipe().model.export_gaps("hf"):
+        export = f"  (no export: transformers has no equivalent of {', '.join(gaps)})"
+    else:
+        export = (f"  tinygpt export {d} hf-model/              # a Hugging Face folder "
+                  "(transformers, llama.cpp)")
     return ("next:\n"
             f"  tinygpt generate {d} --prompt \"def main(\" --max-new-tokens 100   # text from the model\n"
             f"  tinygpt eval {d} --task perplexity        # loss, perplexity, bits per byte on its validation text\n"
-            f"  tinygpt export {d} hf-model/              # a Hugging Face folder (transformers, llama.cpp)")
+            + export)
 
 
 def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:

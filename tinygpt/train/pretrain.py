@@ -14,7 +14,7 @@ import platform
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -22,15 +22,16 @@ from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import (
-    COMPILE_MODES,
     GPT2_VOCAB_PADDED,
     INIT_TOKENIZER,
+    CompileMode,
     ConfigError,
     Recipe,
     TrainConfig,
     check_same_settings,
     config_differences,
 )
+from tinygpt.core.fields import field_problem
 from tinygpt.core.files import link_problem, read_json_safe, refuse_links_in
 from tinygpt.core.folders import refuse_other_kind
 from tinygpt.core.options import option, targets
@@ -189,14 +190,14 @@ class PretrainOptions:
                                     sets="train.save_every")
     eval_every: int | None = option(None, help="evaluate every N steps (default: the recipe's)",
                                     sets="train.eval_every")
-    resume: str = option("auto", choices=("auto", "never"),
-                         help="auto: from the newest valid checkpoint (local or mirror); never: refuse a folder "
-                              "that has checkpoints")
+    resume: Literal["auto", "never"] = option(
+        "auto", help="auto: from the newest valid checkpoint (local or mirror); never: refuse a "
+        "folder that has checkpoints")
     mirror: str | Path | None = option(None, help="a folder (e.g. on Google Drive) that mirrors the run's "
                                        "checkpoints")
     device: str | None = option(None, help="cpu, cuda, cuda:1, mps (default: the best available)",
                                 sets="train.device")
-    compile: str | None = option(None, choices=COMPILE_MODES, sets="train.compile",
+    compile: CompileMode | None = option(None, sets="train.compile",
                                  help="torch.compile the whole model (on), each block (regional), or not (off); "
                                       "default: the recipe's (auto: on for CUDA)")
     cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
@@ -204,17 +205,16 @@ class PretrainOptions:
     progress: bool = option(True, flag="--quiet", help="no progress bar")
     sample_prompt: str | None = None         # default: how a held-out document begins
     peak_tflops: float | None = None         # for MFU; default from the GPU table
-    parallel: str = option("ddp", choices=("ddp", "fsdp"),
-                           help="under torchrun: DDP, or FSDP2 to shard a model too big for one GPU")
-    probe: str = option("auto", choices=("auto", "off"), help="on a GPU, let the probe choose micro-batch, context "
-                        "and precision (off: the recipe as written)")
+    parallel: Literal["ddp", "fsdp"] = option(
+        "ddp", help="under torchrun: DDP, or FSDP2 to shard a model too big for one GPU")
+    probe: Literal["auto", "off"] = option(
+        "auto", help="on a GPU, let the probe choose micro-batch, context and precision (off: the "
+        "recipe as written)")
     tensorboard: bool | None = None          # None: when installed; True: required; False: off
 
     def __post_init__(self):
-        if self.resume not in ("auto", "never"):
-            raise ConfigError(f"resume must be 'auto' or 'never', got {self.resume!r}")
-        if self.probe not in ("auto", "off"):
-            raise ConfigError(f"probe must be 'auto' or 'off', got {self.probe!r}")
+        if (problem := field_problem(self)) is not None:  # resume, probe, parallel: their Literals
+            raise ConfigError(problem)
         if self.hours is not None and not (isinstance(self.hours, (int, float)) and math.isfinite(self.hours)
                                            and 0 < self.hours <= MAX_HOURS):
             raise ConfigError(f"hours must be a positive, finite number of hours up to {MAX_HOURS} (e.g. 1.5), got "
@@ -226,11 +226,34 @@ class PretrainOptions:
             self.hours = budget.hours  # a budgeted run resumes with its budget
 
     def apply(self, recipe: Recipe) -> Recipe:
-        """The recipe with this run's overrides."""
+        """The recipe with this run's overrides. A time budget trains with the warmup-stable-decay
+        schedule, whose rate does not depend on the step count the budget fixes later: it replaces
+        the recipe's own (`budget_note` says so at start-up; `check_budget_overrides` refuses a
+        --set of another)."""
         changes = targets(self)
-        if self.hours is not None:  # its rate does not depend on the step count the budget sets later
+        if self.hours is not None:
             changes.setdefault("train", {})["schedule"] = "wsd"
         return recipe.replace(**changes)
+
+    def budget_note(self, recipe: Recipe) -> str | None:
+        """What the time budget changes in `recipe`, for the start-up line (None: nothing)."""
+        if self.hours is None or recipe.train.schedule == "wsd":
+            return None
+        return f"--hours trains with schedule wsd, not the recipe's {recipe.train.schedule}"
+
+
+def check_budget_overrides(changes: dict[str, dict[str, Any]], hours: float | None) -> None:
+    """Refuse, in one line before any work, a `--set` (`changes`: `parse_overrides`) that a time
+    budget cannot honour: a schedule other than wsd, or a step count (the budget decides both)."""
+    train = changes.get("train", {}) if hours is not None else {}
+    if train.get("schedule", "wsd") != "wsd":
+        raise ConfigError(f"--set train.schedule={train['schedule']} cannot be honoured with "
+                          "--hours: a time budget trains with schedule wsd (its rate does not "
+                          "depend on the step count, fixed after warm-up); drop the --set, or give "
+                          "--max-steps instead of --hours")
+    if "max_steps" in train:
+        raise ConfigError(f"--set train.max_steps={train['max_steps']} and --hours both set the "
+                          "step count: give one (a time budget measures its steps after warm-up)")
 
 
 def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
@@ -244,9 +267,11 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
     work (`check_recipe`), fitted to the machine by `plan_run` once the run folder is held and restored
     (`train_run`), and from then on read from the `Plan`."""
     opts = options or PretrainOptions(run_dir=run_dir, **option_fields)
-    recipe = opts.apply(get_recipe(recipe) if isinstance(recipe, str) else recipe)
+    given = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    recipe = opts.apply(given)
     with joined(recipe.train.device, opts.parallel) as (dev, ranks):
         clock = StartupClock()
+        clock.notes += [note] if (note := opts.budget_note(given)) else []
         token_ids = check_recipe(recipe, opts, dev, ranks)
         return train_run(recipe, opts, dev, ranks, clock, token_ids)
 
