@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from tinygpt import evals
 from tinygpt.core import paths
 from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
-from tinygpt.core.config import get_recipe
 from tinygpt.core.files import UnsafePathError
+from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import RunDirError
 from tinygpt.evals import code, sandbox
 from tinygpt.evals import lm as ev

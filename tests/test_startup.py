@@ -136,7 +136,7 @@ def test_training_starts_before_tokenization_ends_and_records_its_start_up(tmp_p
             seen.update(manifest=_manifest(folder), record=record)
 
     kw = dict(max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu", cache_dir=tmp_path / "cache")
-    from tinygpt.core.config import get_recipe
+    from tinygpt.core.recipes import get_recipe
     recipe = get_recipe("cpu-smoke").replace(data={"max_chars": 40_000_000})  # the whole stdlib: ~10 shards
     pretrain(recipe, tmp_path / "run", callbacks=[AtFirstStep()], **kw)
     assert not seen["manifest"]["done"] and len(seen["manifest"]["shards"]) >= 1
@@ -261,7 +261,7 @@ def test_a_tokenizer_that_cannot_read_the_source_is_refused_before_the_probe(tmp
     read and the probe runs (on a GPU a minute of trials, for a run that then fails); a GPT-2 tokenizer too
     large for the model, or a base's tokenizer with no base, is refused by the recipe itself."""
     import tinygpt.train.pretrain as pretrain_mod
-    from tinygpt.core.config import get_recipe
+    from tinygpt.core.recipes import get_recipe
     folder = _llmc_folder(tmp_path / "fineweb")
     probed = []
     monkeypatch.setattr(pretrain_mod, "fit_to_device", lambda *a, **k: probed.append(a) or (a[0], None))
@@ -288,7 +288,7 @@ def test_a_tokenizer_that_cannot_read_the_source_is_refused_before_the_probe(tmp
 def test_a_folder_of_llmc_shards_trains_without_tokenizing(tmp_path):
     folder = _llmc_folder(tmp_path / "fineweb")
     kw = dict(max_steps=3, save_every=3, eval_every=3, progress=False, device="cpu", cache_dir=tmp_path / "cache")
-    from tinygpt.core.config import get_recipe
+    from tinygpt.core.recipes import get_recipe
     recipe = get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": "gpt2"},
                                              model={"vocab_size": 50304})
     res = pretrain(recipe, tmp_path / "run", **kw)
@@ -323,9 +323,9 @@ def test_regional_compile_compiles_the_blocks_and_on_compiles_the_whole_model():
     """Told apart by what dynamo compiled, not by time: under "regional" the block's forward holds the one
     graph (shared by both blocks) and the model's forward none; under "on", the other way round. A
     FinetuneLoss over a PEFT-wrapped Hugging Face Llama compiles its decoder layers the same way."""
-    from tinygpt.core.config import model_config
+    from tinygpt.core.recipes import model_config
     from tinygpt.model.gpt import GPT, Block
-    from tinygpt.train.trainer import compiled, transformer_blocks
+    from tinygpt.train.step import compiled, transformer_blocks
 
     seen = {}
     for mode in ("regional", "on"):
@@ -342,7 +342,7 @@ def test_regional_compile_compiles_the_blocks_and_on_compiles_the_whole_model():
     from peft import LoraConfig, get_peft_model
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from tinygpt.finetune.lora import FinetuneLoss
+    from tinygpt.finetune.loss import FinetuneLoss
     torch._dynamo.reset()
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
