@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tinygpt.core.recipes import get_recipe
+from tinygpt.core.recipes import get_recipe  # noqa: E402
 from tinygpt.finetune.lora import load_finetuned  # noqa: E402
 from tinygpt.model.loading import load_run  # noqa: E402
 from tinygpt.publish.export import export  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tinygpt.core.recipes import model_config
+from tinygpt.core.recipes import model_config  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
 from tinygpt.finetune.lora import (  # noqa: E402
     FinetuneLoss,

@@ -20,8 +20,8 @@ import pytest
 from tinygpt.cli import main
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import get_recipe
 from tinygpt.core.files import TMP_PREFIX, atomic_output
+from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import LOCK, RunDir, RunDirError, RunDirReplaced
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.sync.copy import copy_checkpoint

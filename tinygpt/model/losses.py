@@ -31,7 +31,7 @@ PLAIN_MAX_LOGITS = 2**24
 CHUNK_LOGITS = 2**25
 
 
-# `mode` is `TrainConfig.loss` (`core.config.LOSS_MODES`): "auto" chunks by size (below), "full" always
+# `mode` is `TrainConfig.loss` (`core.config.LossMode`): "auto" chunks by size (below), "full" always
 # keeps the full logits (the fastest where they fit: one fused kernel, no loop), "chunked" always
 # chunks. On a GPU the probe times "full" against "chunked" and keeps the faster one that fits.
 
