@@ -1,5 +1,6 @@
-"""notebooks/03_evaluate.ipynb: runs top to bottom with nbmake in smoke mode, on its Colab path (the fake
-google.colab: Drive mounts, the runs are read from it), and is committed thin and without outputs."""
+"""notebooks/03_evaluate.ipynb: runs top to bottom with nbmake in smoke mode, offline with no data folder (the
+samples that ship with the package), on its Colab path (the fake google.colab: Drive mounts, the runs are read
+from it), and is committed thin and without outputs."""
 from __future__ import annotations
 
 import json
@@ -26,10 +27,12 @@ def test_committed_thin_and_without_outputs():
     assert len(nb["cells"]) - len(code) >= len(code)  # as much explanation as code
 
 
-def test_notebook_runs_in_smoke_mode_on_its_colab_path(shared_data, tmp_path):
+def test_notebook_runs_in_smoke_mode_on_its_colab_path(tmp_path):
+    """With no data folder and no network: smoke mode evaluates on the samples that ship with the package."""
     pytest.importorskip("nbmake")
     fake_colab = str(REPO / "tests" / "fake_colab")
-    env = {**os.environ, "TINYGPT_SMOKE": "1", "TINYGPT_SHARED_DATA": str(shared_data),
+    env = {**os.environ, "TINYGPT_SMOKE": "1", "TINYGPT_SHARED_DATA": str(tmp_path / "no-data-folder"),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [fake_colab, str(REPO), os.environ.get("PYTHONPATH")])),
            "TINYGPT_WORKDIR": str(tmp_path / "content"), "TINYGPT_CACHE": str(tmp_path / "cache"),
            "TINYGPT_FAKE_DRIVE_ROOT": str(tmp_path / "drive-backing"),

@@ -15,8 +15,7 @@ from tinygpt.core.config import TrainConfig
 from tinygpt.core.recipes import model_config
 from tinygpt.model.gpt import GPT
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.step import lr_at
-from tinygpt.train.trainer import TrainData, Trainer, TrainingError
+from tinygpt.train.trainer import TrainData, Trainer, TrainingError, lr_at
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,15 @@ from tinygpt.colab.pickers import (
 from tinygpt.colab.plots import LossPlot
 from tinygpt.colab.runs import RunFolders, connect_drive, run_folders, run_status, workdir
 from tinygpt.colab.sampling import sample_prompt, samples
-from tinygpt.colab.smoke import SMOKE_RECIPE, SMOKE_TRAIN, smoke_base, smoke_data, smoke_mode, smoke_settings
+from tinygpt.colab.smoke import (
+    SMOKE_RECIPE,
+    SMOKE_TRAIN,
+    eval_data,
+    smoke_base,
+    smoke_data,
+    smoke_mode,
+    smoke_settings,
+)
 from tinygpt.colab.tables import (
     Table,
     Tables,
@@ -36,7 +44,8 @@ from tinygpt.colab.tables import (
 from tinygpt.train.init import pretrain_recipe  # a recipe sized for the base picked (01_pretrain's training cell)
 
 __all__ = ["DRIVE_RUNS", "SMOKE_RECIPE", "SMOKE_TRAIN", "LossPlot", "RunFolders", "Table", "Tables", "base_picker",
-           "base_rows", "connect_drive", "default_hours", "default_recipe", "finetune_picker", "hardware_table",
+           "base_rows", "connect_drive", "default_hours", "default_recipe", "eval_data", "finetune_picker",
+           "hardware_table",
            "in_colab", "in_notebook", "mount_drive", "pretrain_recipe", "recipe_picker", "recipes_table",
            "result_table", "run_folders", "run_status", "sample_prompt", "samples", "smoke_base", "smoke_data",
            "smoke_mode", "smoke_settings", "startup_table", "summary", "trial_search", "workdir", "zip_run"]

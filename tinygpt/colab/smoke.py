@@ -1,6 +1,6 @@
 """Notebook smoke mode: `TINYGPT_SMOKE=1` turns every notebook into a seconds-long test on a CPU (CI runs them
 that way): the tiny recipe and a few steps for pretraining; a tiny base, offline data and a few steps for
-finetuning."""
+finetuning; the samples that ship with the package for evaluation."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ from typing import Any
 from tinygpt.core.checkpoint import latest_valid
 from tinygpt.core.paths import cache_root, shared_data_dir
 from tinygpt.core.rundir import RunDir
+from tinygpt.evals.tasks import eval_data as standard_eval_data
 from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
 from tinygpt.train.pretrain import pretrain
 
@@ -41,6 +42,13 @@ def smoke_data() -> str:
         return str(shared / "code_alpaca_2k.json")
     path = cache_root("data") / "stdlib_instructions.json"
     return str(path if path.is_file() else write_stdlib_instructions(path))
+
+
+def eval_data(task: str) -> str:
+    """An evaluation task's data for a notebook: in smoke mode the sample that ships with the package (no
+    network, no data folder: `sample:wikitext2`...), else its standard set (`tinygpt.evals.eval_data`: an
+    offline copy where the machine has one, else the Hugging Face Hub)."""
+    return standard_eval_data(task, sample=smoke_mode())
 
 
 def smoke_base(run_dir: str | Path) -> str:

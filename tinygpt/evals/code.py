@@ -65,6 +65,20 @@ def truncate_at_stops(completion: str, stops: Sequence[str]) -> str:
     return completion[:cut]
 
 
+def answer_ended(completion: str, stops: Sequence[str]) -> bool:
+    """Whether a completion has ended as `CodeProblem.clean` reads it: its fenced block closed, or (with no
+    fence) a stop sequence written; generation stops there."""
+    if "```" in completion:
+        return completion.count("```") >= 2
+    return any(s in completion for s in stops)
+
+
+def empty_share(codes: Sequence[str]) -> float:
+    """The share of answers that hold nothing but blanks: beside a score of 0, it says whether the model
+    wrote wrong code or none."""
+    return sum(not c.strip() for c in codes) / len(codes) if codes else 0.0
+
+
 def is_valid_python(code: str) -> bool:
     try:
         ast.parse(code)
@@ -262,6 +276,7 @@ def evaluate_code(problems: Sequence[CodeProblem], generate: Callable[[str], str
     for k in ks:
         out[f"pass@{k}"] = sum(pass_at_k(n, r["passed"], k) for r in per_problem) / len(per_problem)
     out["syntax_accuracy"] = sum(p.valid_syntax(c) for p, c in zip(flat_problems, flat_codes)) / len(flat_codes)
+    out["empty_answers"] = empty_share(flat_codes)
     out["bleu"], out["bleu_signature"] = bleu_with_signature(flat_codes, [p.canonical_solution for p in flat_problems])
     out["per_problem"] = per_problem
     return out

@@ -8,19 +8,22 @@ modules.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
 
 from tinygpt.core.config import Recipe
 from tinygpt.core.options import option
-from tinygpt.core.paths import shared_data_dir
+from tinygpt.core.paths import SAMPLE_PREFIX, shared_data_dir
 from tinygpt.core.rundir import RunDir, RunDirError, read_json
 from tinygpt.evals import code, sandbox
 from tinygpt.finetune.lora import load_finetuned
-from tinygpt.model.generate import generate_text
-from tinygpt.model.hf import hf_generate_fn, load_hf_causal_lm
+from tinygpt.model.generate import generate
+from tinygpt.model.hf import load_hf_causal_lm
 from tinygpt.model.loading import load_run
 
 
@@ -28,7 +31,8 @@ from tinygpt.model.loading import load_run
 class Request:
     """What a caller asked for, the same for every task (each task reads the fields it uses). A field
     left None takes the task's default (`Task.defaults`). The fields with help are `tinygpt eval`'s options."""
-    data: str | Path | None = option(None, help="the task's data file, or hf:NAME[:CONFIG][@SPLIT], e.g. "
+    data: str | Path | None = option(None, help="the task's data file, sample:NAME (a sample that ships with "
+                              "tinygpt: wikitext2, hellaswag, mbpp, humaneval), or hf:NAME[:CONFIG][@SPLIT], e.g. "
                               "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from "
                               "the Hub); perplexity: default the run's own validation split, `builtin` the built-in "
                               "corpus's")
@@ -64,7 +68,8 @@ class Task:
 
     `score(loaded, request) -> dict` scores a model (with ``needs_model=False``: ``score(run_dir, request)``,
     from the run folder alone). Its data: `data_help` says what ``--data`` must be (None: the task reads no
-    data); `offline_file` is its name in the shared data folder and `hub` its Hugging Face name (`default_data`);
+    data); `offline_file` is its name in the shared data folder, `hub` its Hugging Face name and `sample` the
+    name of its sample that ships with the package (`default_data`);
     `data_default` names what is scored without ``--data`` (None: ``--data`` is required); `keywords` are
     ``--data`` words the scorer reads itself. `defaults`: the `Request` fields it sets when the caller leaves
     them None (its sizes). Printing: the result's scalars as a table but `hidden`, then `more(result)`.
@@ -75,6 +80,7 @@ class Task:
     data_help: str | None = None
     offline_file: str | None = None
     hub: str | None = None
+    sample: str | None = None                            # its sample that ships with tinygpt (sample:NAME)
     data_default: str | None = None
     keywords: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -86,9 +92,12 @@ class Task:
     headline: tuple[str, ...] = ()
 
 
-def default_data(task: Task, data_dir: str | Path | None = None) -> str:
+def default_data(task: Task, data_dir: str | Path | None = None, sample: bool = False) -> str:
     """Where a task's standard data set is: its offline file in `data_dir` (default `shared_data_dir()`)
-    when it is there, else its Hugging Face Hub name."""
+    when it is there, else its Hugging Face Hub name; with `sample`, the sample that ships with the package
+    (``sample:NAME``: no network, no data folder)."""
+    if sample and task.sample:
+        return SAMPLE_PREFIX + task.sample
     d = Path(data_dir) if data_dir is not None else shared_data_dir()
     if task.offline_file and d is not None and (d / task.offline_file).is_file():
         return str(d / task.offline_file)
@@ -115,44 +124,144 @@ def load_for_eval(path: str | Path, which: str = "latest", device: str = "cpu") 
     return Loaded(model, tok, str(ckpt), False, recipe)
 
 
-# --- generation ------------------------------------------------------------------------------------
+# --- generation ---------------------------------------------------------------------------------------
 
 def _context_length(m: Loaded) -> int | None:
+    """The context the model can read: the one a tinygpt run trained at (its position table may be longer),
+    else the model config's."""
     if not m.is_hf:
-        return m.model.config.max_seq_len
+        trained = m.recipe.train.seq_len if m.recipe is not None else m.model.config.max_seq_len
+        return min(trained, m.model.config.max_seq_len)
     cfg = m.model.config
     return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 
-def generator(m: Loaded, max_new_tokens: int, temperature: float) -> Callable[[str], str]:
-    """`generate(prompt) -> completion`, stopping at the model's context: a prompt that fills it gets an
-    empty completion, and the first one cut short is said in one line (no library's reminder)."""
-    context = _context_length(m)
-    said = []
+CHUNK = 32  # new tokens between two looks for the end of the answer
 
-    def room(prompt: str) -> int:
-        if context is None:
-            return max_new_tokens
-        left = context - len(m.tokenizer.encode(prompt))
-        if left < max_new_tokens and not said:
-            said.append(True)
-            print(f"note: a prompt of {context - left} tokens leaves {max(left, 0)} of the model's {context}-token "
-                  f"context: its completion stops there (--max-new-tokens {max_new_tokens})", file=sys.stderr,
-                  flush=True)
-        return min(max_new_tokens, left)
 
-    def generate(prompt: str) -> str:
-        n = room(prompt)
-        if n < 1:
-            return ""
-        if m.is_hf:
-            return hf_generate_fn(m.model, m.tokenizer, n, temperature)(prompt)
-        greedy = temperature == 0
-        text = generate_text(m.model, m.tokenizer, prompt, n, temperature=1.0 if greedy else temperature,
-                             top_k=1 if greedy else None)
-        return text[len(prompt):]  # byte-level BPE decodes the prompt back exactly
+def _indents(text: str) -> bool:
+    """Whether a token's text starts a line inside a function body: spaces or a tab, then no line end."""
+    return text[:1] in (" ", "\t") and text.lstrip(" \t")[:1] not in ("\n", "\r")
 
-    return generate
+
+def _note(line: str) -> None:
+    """One line on stderr, above a progress bar rather than through it."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        tqdm.write(line, file=sys.stderr)
+
+
+class Generator:
+    """`generate(prompt) -> completion` within the model's context. A prompt that leaves the answer less than
+    `max_new_tokens` is cut from the left to leave it at least half the context (`room`), said once in one
+    line and counted (`cut`); no library's reminder about long sequences is shown. Tokens come `CHUNK` at a
+    time and stop once `done(completion)` (the task's end of an answer) or at end-of-text. Sampling (a
+    temperature above 0) is seeded: the same model gives the same answers, and the caller's random state is
+    left as it was. With `body` (the prompt ends inside a function, after its docstring), the first token is
+    one that indents: a small model's likeliest next line often leaves the function at once (a blank line
+    and the next `def`), an empty answer that says nothing about the code it can write."""
+
+    def __init__(self, m: Loaded, max_new_tokens: int, temperature: float,
+                 done: Callable[[str], bool] | None = None, say: Callable[[str], None] | None = None,
+                 seed: int = 0, body: bool = False):
+        self.m, self.max_new_tokens, self.temperature, self.done = m, max_new_tokens, temperature, done
+        self.context, self.cut, self.seed, self.calls = _context_length(m), 0, seed, 0
+        self.say, self.body, self.indenting = say or _note, body, None
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.m.is_hf:  # verbose=False: transformers' "longer than the specified maximum" warning is ours to say
+            return list(self.m.tokenizer(prompt, verbose=False)["input_ids"])
+        return list(self.m.tokenizer.encode(prompt))
+
+    def room(self, ids: list[int]) -> tuple[list[int], int]:
+        """(the prompt's ids that fit, the new tokens it leaves room for)."""
+        if self.context is None:
+            return ids, self.max_new_tokens
+        room = min(self.max_new_tokens, max(self.context - len(ids), self.context // 2))
+        keep = self.context - room
+        if len(ids) <= keep:
+            return ids, room
+        if not self.cut:
+            self.say(f"note: a prompt of {len(ids)} tokens does not fit the model's {self.context}-token context "
+                     f"with room for its answer: it is cut to its last {keep} tokens (from the left), leaving "
+                     f"{room} for the answer; every such prompt is cut alike and counted (prompts_cut)")
+        self.cut += 1
+        bos = getattr(self.m.tokenizer, "bos_token_id", None) if self.m.is_hf else None
+        return (ids[:1] + ids[len(ids) - keep + 1:] if bos is not None and ids[0] == bos else ids[-keep:]), room
+
+    @contextlib.contextmanager
+    def _seeded(self) -> Iterator[torch.Tensor]:
+        """A context with its own seeded random state (the caller's is restored), for `ids`' tensor."""
+        device = next(self.m.model.parameters()).device
+        self.calls += 1
+        with torch.inference_mode(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self.seed * 1_000_003 + self.calls)
+            yield device
+
+    def _indenting(self) -> torch.Tensor:
+        """The ids of the tokens that start a line inside a function: indentation, then code (or nothing)."""
+        if self.indenting is None:
+            size = len(self.m.tokenizer) if self.m.is_hf else self.m.tokenizer.vocab_size
+            self.indenting = torch.tensor([i for i in range(size) if _indents(self.decode([i]))], dtype=torch.long)
+        return self.indenting
+
+    def _first(self, ids: list[int]) -> int:
+        """The answer's first token when the prompt ends inside a function (after its docstring): the most likely
+        (or sampled) one that indents, so that the answer is the function's body and never nothing."""
+        with self._seeded() as device:
+            x = torch.tensor([ids], dtype=torch.long, device=device)
+            logits = (self.m.model(input_ids=x).logits if self.m.is_hf else self.m.model(x))[0, -1].float()
+            allowed = self._indenting().to(device)
+            masked = torch.full_like(logits, float("-inf"))
+            masked[allowed] = logits[allowed]
+            if self.temperature == 0:
+                return int(masked.argmax())
+            return int(torch.multinomial(torch.softmax(masked / self.temperature, dim=-1), 1))
+
+    def _more(self, ids: list[int], n: int) -> tuple[list[int], bool]:
+        """Up to n new tokens after ids, and whether the model ended its text."""
+        m, greedy = self.m, self.temperature == 0
+        with self._seeded() as device:
+            x = torch.tensor([ids], dtype=torch.long, device=device)
+            if m.is_hf:
+                tok = m.tokenizer
+                pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+                sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": self.temperature}
+                out = m.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                       pad_token_id=pad, **sampling)[0, len(ids):].tolist()
+                eos = tok.eos_token_id
+            else:
+                eos = m.tokenizer.eot_id
+                out = generate(m.model, x, n, temperature=1.0 if greedy else self.temperature,
+                               top_k=1 if greedy else None, eot_id=eos)[0, len(ids):].tolist()
+        if eos in out:
+            return out[:out.index(eos)], True
+        return out, False
+
+    def decode(self, ids: list[int]) -> str:
+        if self.m.is_hf:
+            return self.m.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.m.tokenizer.decode(ids)
+
+    def __call__(self, prompt: str) -> str:
+        ids, room = self.room(self.encode(prompt))
+        new: list[int] = [self._first(ids)] if self.body and prompt.endswith("\n") else []
+        text, ended = self.decode(new), False
+        while len(new) < room and not ended and not (self.done and self.done(text)):
+            more, ended = self._more(ids + new, min(CHUNK, room - len(new)))
+            new += more
+            text = self.decode(new)
+            ended = ended or not more
+        return text
+
+
+def generator(m: Loaded, max_new_tokens: int, temperature: float, done: Callable[[str], bool] | None = None,
+              body: bool = False) -> Generator:
+    """A `Generator` for the model (see there)."""
+    return Generator(m, max_new_tokens, temperature, done, body=body)
 
 
 # --- the code tasks (HumanEval, MBPP): generated code run against each problem's tests ---------------
@@ -170,15 +279,19 @@ def _per_problem(res: dict[str, Any]) -> list[str]:
 
 
 def code_task(name: str, help: str, load: Callable[[str | Path], list[code.CodeProblem]], data_help: str,
-              offline_file: str) -> Task:
+              offline_file: str, sample: str) -> Task:
     """A task that generates `n` completions per problem and runs them against its tests (`code.evaluate_code`):
     pass@k, syntax accuracy, BLEU; greedy for n == 1, temperature 0.8 above."""
     def score(m: Loaded, r: Request) -> dict[str, Any]:
         problems = load(r.data)[:r.limit]
         temperature = (0.0 if r.n == 1 else 0.8) if r.temperature is None else r.temperature
-        generate = generator(m, r.max_new_tokens, temperature)
-        return {"temperature": temperature, **code.evaluate_code(problems, generate, r.n, r.k, progress=r.progress,
-                                                                 unsafe=r.unsafe_exec)}
+        stops = problems[0].stops if problems else ()
+        body = bool(problems) and problems[0].prefix == problems[0].prompt  # HumanEval: the answer is a body
+        generate = generator(m, r.max_new_tokens, temperature, lambda text: code.answer_ended(text, stops), body)
+        res = code.evaluate_code(problems, generate, r.n, r.k, progress=r.progress, unsafe=r.unsafe_exec)
+        return {"temperature": temperature, "prompts_cut": generate.cut, **res}
 
-    return Task(name, help, score, data_help, offline_file, runs_code=True, check=_check_code,
-                defaults={"max_new_tokens": 384}, hidden=("per_problem",), more=_per_problem, headline=("pass@*",))
+    data_help = f"{data_help}, or {SAMPLE_PREFIX}{sample} (a sample that ships with tinygpt)"
+    return Task(name, help, score, data_help, offline_file, sample=sample, runs_code=True, check=_check_code,
+                defaults={"max_new_tokens": 384}, hidden=("per_problem",), more=_per_problem,
+                headline=("pass@*", "empty_answers"))

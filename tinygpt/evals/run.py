@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinygpt.core.files import append_text, refuse_link
-from tinygpt.core.paths import is_hub
+from tinygpt.core.paths import is_hub, is_sample, sample_path
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import EVALS_JSONL, RunDir
 from tinygpt.evals import sandbox
@@ -51,10 +51,13 @@ def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: s
     if not t.needs_model:
         return t.score(run_dir, r)
     r = dataclasses.replace(r, **{k: v for k, v in t.defaults.items() if getattr(r, k) is None})
+    named = r.data
+    if is_sample(r.data):  # a sample that ships with the package: recorded by its name, read from its file
+        r = dataclasses.replace(r, data=sample_path(r.data))
     check_request(t, r)
     refuse_link(Path(run_dir) / EVALS_JSONL, writes=True)  # where the result goes: a link is refused before any work
     loaded = load_for_eval(run_dir, which, device)
-    data = str(r.data) if r.data is not None else t.data_default
+    data = str(named) if named is not None else t.data_default
     head = {"run": Path(run_dir).name, "checkpoint": loaded.source, "task": task, "data": data}
     result = {**head, **t.score(loaded, r)}
     record_eval(run_dir, result)

@@ -48,7 +48,7 @@ from tinygpt.train.memory import (
     estimate_memory,
 )
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.step import TrainStep
+from tinygpt.train.trainer import TrainStep
 
 PROBE_TIME_LIMIT_S = 60.0  # the search and the timings stop here (the choice so far is kept, and said)
 # what the probe chooses (with model.activation_checkpointing); a run keeps them when it resumes

@@ -29,7 +29,8 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def eval_data(task: str, data_dir: str | Path | None = None) -> str:
-    """Where a task's standard data set is: the offline file in `data_dir` (default `shared_data_dir()`)
-    when it is there, else its Hugging Face Hub name, for `run_eval`."""
-    return default_data(get_task(task), data_dir)
+def eval_data(task: str, data_dir: str | Path | None = None, sample: bool = False) -> str:
+    """Where a task's standard data set is, for `run_eval`: the offline file in `data_dir` (default
+    `shared_data_dir()`) when it is there, else its Hugging Face Hub name; with `sample`, the sample that
+    ships with the package (``sample:NAME``)."""
+    return default_data(get_task(task), data_dir, sample)

@@ -17,7 +17,8 @@ from tinygpt.evals.lm import ChoiceItem, from_hub, multiple_choice, open_text
 
 HELLASWAG_HUB = "hf:Rowan/hellaswag@validation"
 OFFLINE = ("the validation file hellaswag_val.txt[.bz2] (six lines per item, from the Hub dataset "
-           "klosax/hellaswag_text_data), rowanz/hellaswag's hellaswag_val.jsonl")
+           "klosax/hellaswag_text_data), rowanz/hellaswag's hellaswag_val.jsonl, or sample:hellaswag (200 items "
+           "that ship with tinygpt)")
 
 # Published zero-shot numbers to put beside a model's own: GPT-2 124M through lm-evaluation-harness on all
 # 10,042 validation items, so on the query text `hellaswag_query` builds (lm-eval's), scored as `multiple_choice` does.
@@ -186,5 +187,5 @@ def reference_table(res: dict[str, Any]) -> list[str]:
 
 TASK = Task("hellaswag", "HellaSwag accuracy (acc and acc_norm)", score,
             data_help=f"{OFFLINE}, or {HELLASWAG_HUB} to download it (needs datasets)",
-            offline_file="hellaswag_val.txt.bz2", hub=HELLASWAG_HUB, defaults={"batch_size": 16},
+            offline_file="hellaswag_val.txt.bz2", hub=HELLASWAG_HUB, sample="hellaswag", defaults={"batch_size": 16},
             hidden=("reference",), more=reference_table, headline=("acc", "acc_norm", "n"))

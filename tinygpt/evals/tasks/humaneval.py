@@ -25,4 +25,5 @@ def load_humaneval(path: str | Path) -> list[CodeProblem]:
 
 
 TASK = code_task("humaneval", "HumanEval pass@k (runs generated code)", load_humaneval,
-                 "HumanEval.jsonl[.gz] (github.com/openai/human-eval, data/)", "HumanEval.jsonl.gz")
+                 "HumanEval.jsonl[.gz] (github.com/openai/human-eval, data/)", "HumanEval.jsonl.gz",
+                 "humaneval")

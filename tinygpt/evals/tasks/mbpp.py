@@ -41,4 +41,4 @@ def load_mbpp(path: str | Path, task_ids: Iterable[int] | None = range(11, 511))
 
 
 TASK = code_task("mbpp", "MBPP pass@k on problems 11-510 (runs generated code)", load_mbpp,
-                 "mbpp.jsonl (github.com/google-research/google-research, mbpp/)", "mbpp.jsonl")
+                 "mbpp.jsonl (github.com/google-research/google-research, mbpp/)", "mbpp.jsonl", "mbpp")

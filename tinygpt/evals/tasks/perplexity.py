@@ -11,7 +11,8 @@ from tinygpt.evals.harness import Loaded, Request, Task
 from tinygpt.train.data import validation_text
 
 WIKITEXT2_TEST_HUB = "hf:wikitext:wikitext-2-raw-v1@test"
-OFFLINE = "a text file, e.g. the WikiText-2 test file wikitext2_test.txt"
+OFFLINE = ("a text file, e.g. the WikiText-2 test file wikitext2_test.txt, or sample:wikitext2 (its first 77 KB, "
+           "which ship with tinygpt)")
 
 
 def score(m: Loaded, r: Request) -> dict[str, Any]:
@@ -36,6 +37,7 @@ def score(m: Loaded, r: Request) -> dict[str, Any]:
 
 TASK = Task("perplexity", "perplexity and bits per byte of a text (default: the run's own validation split)", score,
             data_help=f"{OFFLINE}, or {WIKITEXT2_TEST_HUB} to read it from the Hugging Face Hub (needs datasets)",
-            offline_file="wikitext2_test.txt", hub=WIKITEXT2_TEST_HUB, data_default="the run's validation split",
+            offline_file="wikitext2_test.txt", hub=WIKITEXT2_TEST_HUB, sample="wikitext2",
+            data_default="the run's validation split",
             keywords=("builtin", "stdlib"), defaults={"batch_size": 4},
             headline=("perplexity", "bits_per_byte", "tokens"))

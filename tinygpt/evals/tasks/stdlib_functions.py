@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from tinygpt.core.config import DataConfig
 from tinygpt.core.units import duration
 from tinygpt.evals import lm
-from tinygpt.evals.code import CodeProblem, bleu_with_signature
+from tinygpt.evals.code import CodeProblem, bleu_with_signature, empty_share
 from tinygpt.evals.harness import Loaded, Request, Task, generator
 from tinygpt.train.data import is_validation_document, iter_documents
 
@@ -84,19 +84,24 @@ def body(completion: str) -> str:
                                        completion.splitlines(keepends=True)))
 
 
+def ended(completion: str) -> bool:
+    """Whether a completion has left the function: a line at column 0 after its first (`body` ends there)."""
+    return body(completion) != completion and bool(completion.strip())
+
+
 def grade(problems: list[CodeProblem], bodies: list[str]) -> dict[str, Any]:
     """Syntax accuracy, exact matches and corpus BLEU of the bodies written for `problems`."""
     n = len(problems)
     bleu, signature = bleu_with_signature(bodies, [p.canonical_solution for p in problems])
     return {"problems": n, "syntax_accuracy": sum(p.valid_syntax(b) for p, b in zip(problems, bodies)) / n,
             "exact_match": sum(_normal(b) == _normal(p.canonical_solution) for p, b in zip(problems, bodies)) / n,
-            "bleu": bleu, "bleu_signature": signature}
+            "empty_answers": empty_share(bodies), "bleu": bleu, "bleu_signature": signature}
 
 
 def score(m: Loaded, r: Request) -> dict[str, Any]:
     problems = held_out_functions(r.limit)
     temperature = 0.0 if r.temperature is None else r.temperature
-    generate, bodies = generator(m, r.max_new_tokens, temperature), []
+    generate, bodies = generator(m, r.max_new_tokens, temperature, ended, body=True), []
 
     def run(batch: list[CodeProblem]) -> None:
         bodies.extend(body(generate(p.prompt)) for p in batch)
@@ -107,10 +112,11 @@ def score(m: Loaded, r: Request) -> dict[str, Any]:
                 f"takes about {duration(expected * limit / len(problems))}")
 
     lm.run_batches([[p] for p in problems], run, "stdlib-functions", r.progress, r.say, describe)
-    return {"python": platform.python_version(), "temperature": temperature, **grade(problems, bodies)}
+    return {"python": platform.python_version(), "temperature": temperature, "prompts_cut": generate.cut,
+            **grade(problems, bodies)}
 
 
 TASK = Task("stdlib-functions", "held-out standard-library functions written from their docstrings: syntax accuracy "
             "and BLEU (runs nothing; every machine has the data)", score,
             data_default=f"Python {platform.python_version()}'s standard library (held-out functions)",
-            defaults={"max_new_tokens": 128}, headline=("syntax_accuracy", "bleu", "problems"))
+            defaults={"max_new_tokens": 128}, headline=("syntax_accuracy", "bleu", "empty_answers", "problems"))
