@@ -89,7 +89,7 @@ def cpu(args) -> None:
 _COUNT = """
 import json, sys
 from torch._dynamo.utils import counters
-from tinygpt.core.config import get_recipe
+from tinygpt.core.recipes import get_recipe
 from tinygpt.train.pretrain import pretrain
 mode, run, cache = sys.argv[1:4]
 recipe = get_recipe("cpu").replace(train={"compile": mode, "eval_every": 10, "max_steps": 30, "eval_batches": 3,

@@ -27,7 +27,7 @@ COMMON = ["--recipe", "cpu-smoke", "--max-steps", str(STEPS), "--save-every", "4
           "train.log_every=1", "train.keep_last=10"]
 FSDP_SCRIPT = """
 import sys
-from tinygpt.core.config import get_recipe
+from tinygpt.core.recipes import get_recipe
 from tinygpt.train.pretrain import pretrain
 
 recipe = get_recipe("cpu-smoke").replace(train=dict(micro_batch_size=4, grad_accum_steps=2, log_every=1, keep_last=10))

@@ -177,7 +177,7 @@ import json, sys
 from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
-from tinygpt.core.config import get_recipe
+from tinygpt.core.recipes import get_recipe
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.tokens import open_token_shards
 from tinygpt.train.shards import StreamedShards
