@@ -144,3 +144,20 @@ def test_a_planned_run_trains_the_chosen_rung_and_resumes_at_its_size_without_pl
                          tensorboard=False)
         assert json.loads((run / "run.json").read_text())["plan"]["size"] == plan["size"]
         assert again.step >= result.step
+
+
+def test_the_notebook_shows_the_plan_and_its_picker_plans_only_with_a_time(tmp_path):
+    from tinygpt.colab import plan_plot
+    from tinygpt.colab.pickers import RecipePicker
+    from tinygpt.train.hardware import hardware_report
+    run = tmp_path / "r"
+    pretrain("cpu-smoke", run, size="auto", hours=0.001, device="cpu", progress=False, tensorboard=False)
+    pytest.importorskip("matplotlib")
+    fig = plan_plot(run, show=False)
+    plan = json.loads((run / "run.json").read_text())["plan"]
+    assert fig is not None and (run / "plots" / "plan.png").stat().st_size > 1000
+    points = fig.axes[0].lines[0].get_xydata()
+    assert [tuple(p) for p in points] == [(c["params"], c["predicted_loss"]) for c in plan["candidates"]]
+    assert plan_plot(tmp_path / "unplanned", show=False) is None
+    picker = RecipePicker(hardware_report("cpu"))  # a CPU: no time budget by default, so the recipe's size
+    assert picker.hours is None and picker.size is None and "size: the recipe's" in repr(picker)

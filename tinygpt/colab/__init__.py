@@ -18,7 +18,7 @@ from tinygpt.colab.pickers import (
     finetune_picker,
     recipe_picker,
 )
-from tinygpt.colab.plots import LossPlot
+from tinygpt.colab.plots import LossPlot, plan_plot
 from tinygpt.colab.runs import RunFolders, connect_drive, run_folders, run_status, workdir
 from tinygpt.colab.sampling import sample_prompt, samples
 from tinygpt.colab.smoke import (
@@ -46,6 +46,6 @@ from tinygpt.train.init import pretrain_recipe  # a recipe sized for the base pi
 __all__ = ["DRIVE_RUNS", "SMOKE_RECIPE", "SMOKE_TRAIN", "LossPlot", "RunFolders", "Table", "Tables", "base_picker",
            "base_rows", "connect_drive", "default_hours", "default_recipe", "eval_data", "finetune_picker",
            "hardware_table",
-           "in_colab", "in_notebook", "mount_drive", "pretrain_recipe", "recipe_picker", "recipes_table",
+           "in_colab", "in_notebook", "mount_drive", "plan_plot", "pretrain_recipe", "recipe_picker", "recipes_table",
            "result_table", "run_folders", "run_status", "sample_prompt", "samples", "smoke_base", "smoke_data",
            "smoke_mode", "smoke_settings", "startup_table", "summary", "trial_search", "workdir", "zip_run"]

@@ -15,7 +15,8 @@ from tinygpt.colab.tables import Table, Tables, finetune_recipe_rows, recipes_ta
 from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.recipes import RECIPES
 from tinygpt.core.rundir import RunDir, recipe_name_of
-from tinygpt.finetune.recipes import FINETUNE_RECIPES, default_finetune_recipe, this_hardware
+from tinygpt.finetune.plan import default_finetune_recipe
+from tinygpt.finetune.recipes import FINETUNE_RECIPES, this_hardware
 from tinygpt.train.budget import Budget
 from tinygpt.train.hardware import hardware_report
 from tinygpt.train.init import run_init
@@ -57,6 +58,10 @@ def default_hours(report: Any, resume_from: RunFolders | str | Path | None = Non
     return hours, (f"about one {report.hardware_class} session" if hours else "a CPU trains the recipe's steps")
 
 
+# the size dropdown: auto (the planner, tinygpt.train.plan) or the recipe's model as written
+SIZE_CHOICES = [("auto (what the time buys)", "auto"), ("the recipe's", None)]
+
+
 class RecipePicker:
     """A dropdown of the recipes with the right default and, under it, every recipe's memory and time
     on this runtime, then the chosen recipe's memory breakdown and expectations (updated on change).
@@ -66,7 +71,7 @@ class RecipePicker:
         self.report = report
         self.default, self.reason = default_recipe(report, resume_from)
         self.default_hours, self.hours_reason = default_hours(report, resume_from)
-        self.dropdown = self._output = self.hours_dropdown = None
+        self.dropdown = self._output = self.hours_dropdown = self.size_dropdown = None
         widgets = load_ipywidgets()
         if widgets is None:
             return  # a script: `value` is the default
@@ -81,6 +86,8 @@ class RecipePicker:
                    else HOURS_CHOICES + [(f"{self.default_hours:g} h", self.default_hours)])
         self.hours_dropdown = widgets.Dropdown(options=choices, value=self.default_hours, description="time",
                                                layout=widgets.Layout(width="max-content"))
+        self.size_dropdown = widgets.Dropdown(options=SIZE_CHOICES, value="auto", description="size",
+                                              layout=widgets.Layout(width="max-content"))
 
     @property
     def value(self) -> str:
@@ -90,6 +97,14 @@ class RecipePicker:
     def hours(self) -> float | None:
         """The time budget chosen (None: train the recipe's steps); `pretrain(..., hours=picker.hours)`."""
         return self.hours_dropdown.value if self.hours_dropdown is not None else self.default_hours
+
+    @property
+    def size(self) -> str | None:
+        """"auto" (the size the time buys: `pretrain(..., size=picker.size)`), or None: the recipe's own
+        size, and always without a time budget (the planner needs hours)."""
+        if self.hours is None:
+            return None
+        return self.size_dropdown.value if self.size_dropdown is not None else "auto"
 
     def _show_summary(self) -> None:
         tables = Tables([recipes_table(self.report), *summary(self.value, self.report, hardware=False)])
@@ -104,11 +119,15 @@ class RecipePicker:
                                self.hours_dropdown, widgets.HTML(
                                    f"<i>time available for training: {html.escape(self.hours_reason)}; the run "
                                    "measures its speed and sets its steps to end on time</i>"),
+                               self.size_dropdown, widgets.HTML(
+                                   "<i>size: auto chooses the model the time buys (a ladder of sizes, a "
+                                   "scaling law, this GPU's speed), shown before training starts</i>"),
                                self.summary]))
 
     def __repr__(self) -> str:
         budget = "the recipe's steps" if self.hours is None else f"{self.hours:g} h"
-        return f"recipe: {self.value} (default: {self.default}, {self.reason}); time: {budget}"
+        size = "the recipe's" if self.size is None else self.size
+        return f"recipe: {self.value} (default: {self.default}, {self.reason}); time: {budget}; size: {size}"
 
 
 def recipe_picker(report: Any = None, resume_from: RunFolders | str | Path | None = None) -> RecipePicker:

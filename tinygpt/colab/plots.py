@@ -12,6 +12,7 @@ from tinygpt.colab.notebook import INSTALL_HINT, display, in_notebook
 from tinygpt.colab.tables import startup_table
 from tinygpt.core.callback import Callback
 from tinygpt.core.rundir import PLOTS, RunDir
+from tinygpt.train.plan import kept_plan
 
 
 class LossPlot(Callback):
@@ -105,3 +106,39 @@ class LossPlot(Callback):
         if self.run_dir is not None:
             (self.run_dir / PLOTS).mkdir(parents=True, exist_ok=True)
             fig.savefig(self.run_dir / PLOTS / "loss.png")
+
+
+def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
+    """`--size auto`'s plan as a picture: predicted loss against non-embedding parameters, one point per
+    size of the ladder, the chosen one marked; saved as <run_dir>/plots/plan.png and shown in a notebook.
+    The matplotlib Figure, or None for a run that was not planned (or without matplotlib)."""
+    plan = kept_plan(RunDir(run_dir).info_or_empty())
+    if plan is None or not plan.get("candidates"):
+        return None
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    cands = plan["candidates"]
+    fig = Figure(figsize=(7, 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot([c["params"] for c in cands], [c["predicted_loss"] for c in cands], "o-", color="tab:blue")
+    for c in cands:
+        ax.annotate(c["size"], (c["params"], c["predicted_loss"]), textcoords="offset points", xytext=(0, 6),
+                    ha="center", fontsize=8)
+    best = next(c for c in cands if c["chosen"])
+    ax.plot([best["params"]], [best["predicted_loss"]], "o", ms=12, mfc="none", color="tab:red",
+            label=f"chosen: {best['size']}, {best['tokens'] / best['params']:.0f} tokens per parameter")
+    ax.set_xscale("log")
+    ax.set_xlabel("non-embedding parameters")
+    ax.set_ylabel("predicted loss")
+    ax.set_title(f"the sizes {plan['hours']:g} h buy here", fontsize=10)
+    ax.legend(fontsize=8)
+    (Path(run_dir) / PLOTS).mkdir(parents=True, exist_ok=True)
+    fig.savefig(Path(run_dir) / PLOTS / "plan.png")
+    if in_notebook() if show is None else show:
+        from IPython.display import Image
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        display(Image(data=buf.getvalue(), format="png"))
+    return fig

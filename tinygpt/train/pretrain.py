@@ -56,6 +56,7 @@ from tinygpt.train.data import check_source, iter_documents
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
 from tinygpt.train.hardware import check_device, check_fits, gpu_peak_tflops
 from tinygpt.train.init import Base, initial_model, starting_base
+from tinygpt.train.plan import PLANNED_FIELDS, PlanReport, SizePlan, choose_size, kept_plan
 from tinygpt.train.probe import PROBED_TRAIN_FIELDS, fit_to_device
 from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.startup import StartupClock
@@ -87,12 +88,13 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
 MIRROR_MAY_DIFFER = RESUMABLE_CHANGES | set(PROBED_TRAIN_FIELDS) | {"activation_checkpointing"}
 
 
-def check_mirror_run(recipe: Recipe, mirror: str | Path | None) -> None:
+def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = False) -> None:
     """A mirror is a shared folder: its run.json is evidence, never a source. What a run trains (the recipe, its
     base, data and tokenizer) comes from the command and the local run folder; a mirror whose run.json records
     another run is refused in one line naming the fields, before anything is copied from or to it (so nothing it
     names, a base folder or a data folder, is read, and nothing is uploaded). An unreachable mirror is left to the
-    restore, which says so."""
+    restore, which says so. `sized` (--size auto): the model's ladder fields and learning rates are the plan's,
+    which the restored run.json keeps (`plan.kept_plan` then checks it names a rung of the ladder)."""
     if mirror is None:
         return
     path = Path(mirror) / RUN_JSON
@@ -109,7 +111,8 @@ def check_mirror_run(recipe: Recipe, mirror: str | Path | None) -> None:
     check_mirror_files(mirror)
     ours = recipe.to_dict()
     diffs = config_differences({k: theirs.get(k) for k in ("model", "train", "data")},
-                               {k: ours[k] for k in ("model", "train", "data")}, MIRROR_MAY_DIFFER)
+                               {k: ours[k] for k in ("model", "train", "data")},
+                               MIRROR_MAY_DIFFER | (PLANNED_FIELDS if sized else set()))
     if theirs.get("name") != recipe.name:
         diffs.insert(0, f"recipe: {theirs.get('name')!r} in the run, {recipe.name!r} now")
     if diffs:
@@ -186,6 +189,9 @@ class PretrainOptions:
     max_steps: int | None = option(None, help="train to this step (default: the recipe's)", sets="train.max_steps")
     hours: float | None = option(None, help="a time budget: the steps that fit are measured after warm-up and "
                                  "fixed, with the warmup-stable-decay schedule ending on time (start-up not counted)")
+    size: Literal["auto"] | None = option(
+        None, help="auto (with --hours): the model size the hours buy, chosen from the recipe's ladder of "
+        "sizes by a scaling law and this machine's speed (docs/PLANNER.md); default: the recipe's")
     save_every: int | None = option(None, help="save a checkpoint every N steps (default: the recipe's)",
                                     sets="train.save_every")
     eval_every: int | None = option(None, help="evaluate every N steps (default: the recipe's)",
@@ -221,6 +227,8 @@ class PretrainOptions:
                               f"{self.hours!r}")
         if self.hours is not None and self.max_steps is not None:
             raise ConfigError("give --hours or --max-steps, not both: a time budget sets the step count itself")
+        if self.size == "auto" and self.hours is None and not (Path(self.run_dir) / BUDGET_JSON).is_file():
+            raise ConfigError("--size auto chooses the size that --hours buys: give --hours too (e.g. --hours 1)")
         self.run_dir = Path(self.run_dir)
         if self.hours is None and (budget := Budget.load(self.run_dir)) is not None:
             self.hours = budget.hours  # a budgeted run resumes with its budget
@@ -302,7 +310,8 @@ def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: R
     the lock are let go, whatever ended the run (`mirrored` closes a mirror that training never reached)."""
     refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
     refuse_other_kind(opts.run_dir, "pretraining run", "pretrain")  # a finetuning run, an export: untouched
-    check_mirror_run(recipe, opts.mirror if ranks.is_main else None)  # another run's mirror: before any copy
+    # another run's mirror: refused before any copy
+    check_mirror_run(recipe, opts.mirror if ranks.is_main else None, sized=opts.size == "auto")
     with contextlib.ExitStack() as held:
         if ranks.is_main:
             folder = RunDir(opts.run_dir)
@@ -330,6 +339,7 @@ class Plan:
     precision: Precision
     ranks: Ranks
     probe: dict | None       # the probe's result, kept in run.json; None where it did not run
+    size: SizePlan | dict | None  # --size auto: the plan (a dict when kept from run.json); else None
     token_ids: bool          # the data source is a folder of token ids (nanoGPT's, llm.c's): nothing to tokenize
     base: Base | None        # a continued run's base where this start needs it (`starting_base`), read once
     clock: StartupClock      # where the start-up time goes, from the moment the process joined the job
@@ -349,13 +359,18 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
     let the probe fit the recipe to the GPU (a resumed run keeps the choices it began with), then split the
     global batch over the ranks and settle the precision."""
     base = starting_base(recipe, opts.run_dir, opts.resume)
+    size = None
+    kept = kept_plan(RunDir(opts.run_dir).info_or_empty())
+    if opts.size == "auto" or kept is not None:  # a planned run resumes at its size, --size given or not
+        recipe, size = choose_size(recipe, opts.hours, dev, kept)
+        clock.mark("plan")
     probe_info = None
     if opts.probe == "auto":
         recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, ranks.world_size)
     clock.mark("probe")
     split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, ranks.world_size)
     precision = choose_precision(dev, recipe.train.precision)
-    return Plan(recipe, dev, precision, ranks, probe_info, token_ids, base, clock)
+    return Plan(recipe, dev, precision, ranks, probe_info, size, token_ids, base, clock)
 
 
 def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
@@ -410,6 +425,8 @@ def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) 
     out.append(MFU(peak))
     if opts.progress:
         out.append(Progress())
+    if plan.size is not None:  # after the bar: it prints what is said
+        out.append(PlanReport(plan.size))
     sharded = plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp"  # rank 0 alone cannot run the model
     prompt = sample_prompt(opts.sample_prompt, plan.recipe.data.source, data.tokenizer, data.tokens)
     out.append(Samples(data.tokenizer, opts.run_dir, plan.recipe.train.sample_every, prompt,
@@ -428,5 +445,7 @@ def _write_run_files(run_dir: Path, plan: Plan, tokenizer: Tokenizer, data_meta:
     if not (run_dir / TOKENIZER_JSON).is_file():
         tokenizer.save(run_dir / TOKENIZER_JSON)
     info = {"recipe": plan.recipe.to_dict(), "precision": plan.precision.to_dict(), "device": str(plan.device),
-            "data": data_meta, "probe": plan.probe, "versions": versions(), "command": " ".join(sys.argv)}
+            "data": data_meta, "probe": plan.probe,
+            **({"plan": plan.size if isinstance(plan.size, dict) else plan.size.to_dict()} if plan.size else {}),
+            "versions": versions(), "command": " ".join(sys.argv)}
     RunDir(run_dir).write_info(info)
