@@ -278,7 +278,7 @@ def step_probe(ctx: Ctx) -> dict:
                "peak_gb": r["peak_gb"], "speeds": r.get("speeds"), "notes": r.get("notes"),
                "predicted_tokens_per_s": r["tokens_per_s"], "predicted_source": r.get("tokens_per_s_source")}
     else:
-        from tinygpt.train.probe import probe_report
+        from tinygpt.train.report import probe_report
         t0 = time.perf_counter()
         rep = json.loads(probe_report(start["figures"]["recipe"], as_json=True, cache_dir=None))
         exp = rep["expectations"]
@@ -465,7 +465,8 @@ def step_pretrain(ctx: Ctx) -> dict:
     trainer = None
     if not ctx.smoke and ctx.left() > 25:
         from tinygpt.core.recipes import get_recipe
-        from tinygpt.train.probe import meta_model, trainer_speed
+        from tinygpt.model.gpt import meta_model
+        from tinygpt.train.probe import trainer_speed
         probe = ctx.results.get("probe", {}).get("figures") or {}
         recipe = get_recipe("a100-124m").replace(train={"micro_batch_size": shape.micro_batch, "grad_accum_steps": 1,
                                                         "precision": "bf16", "loss": probe.get("loss") or "auto"})

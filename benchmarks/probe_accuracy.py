@@ -24,7 +24,7 @@ import torch
 
 from tinygpt.core.recipes import get_recipe
 from tinygpt.train.pretrain import pretrain
-from tinygpt.train.probe import probe_report
+from tinygpt.train.report import probe_report
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from tinygpt.model.generate import GenerateOptions
 from tinygpt.publish.export import ExportOptions
 from tinygpt.publish.hub import PushOptions
 from tinygpt.train.pretrain import PretrainOptions
-from tinygpt.train.probe import ProbeOptions
+from tinygpt.train.report import ProbeOptions
 
 
 @dataclass(kw_only=True)

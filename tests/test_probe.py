@@ -16,7 +16,8 @@ from tinygpt.model.gpt import GPT
 from tinygpt.train.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops
 from tinygpt.train.memory import GB, TensorMemoryTracker, estimate_memory
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.probe import ProbeError, apply_probe, expectations, probe, probe_report, trainer_speed
+from tinygpt.train.probe import ProbeError, apply_probe, probe, trainer_speed
+from tinygpt.train.report import expectations, probe_report
 
 
 def tiny_recipe(micro: int = 8, seq_len: int = 32, accum: int = 8, ckpt: bool = False) -> Recipe:

@@ -1,12 +1,13 @@
 """The probe: what this machine is, how much memory a recipe needs (estimated, with a breakdown),
-and the largest micro-batch and context that really fit (found by trial), cached per device,
-recipe and torch version, and kept in the run folder (probe.json, mirrored with the run) so that a new
-VM on the same GPU and torch reads it instead of probing again. "GB" here is GiB (2**30 bytes), as
+and the largest micro-batch and context that really fit (found by trial), cached per device, recipe
+and torch version, and kept in the run folder (probe.json, mirrored with the run) so that a new VM
+on the same GPU and torch reads it instead of probing again. "GB" here is GiB (2**30 bytes), as
 Colab and nvidia-smi count GPU memory.
 
-The probe leaves the process as it found it: its compiled timings are forgotten (`torch._dynamo.reset()`),
-so the training step that follows compiles its own graph, for its own micro-batch, with static shapes
-(after timing a second micro-batch size, dynamo would otherwise have made the batch dimension symbolic).
+The probe leaves the process as it found it: its compiled timings are forgotten
+(`torch._dynamo.reset()`), so the training step that follows compiles its own graph, for its own
+micro-batch, with static shapes (after timing a second micro-batch size, dynamo would otherwise have
+made the batch dimension symbolic).
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import torch
 
 from tinygpt.core.config import Recipe
 from tinygpt.core.files import read_json_safe, write_json_atomic
-from tinygpt.core.options import option
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import (
     Precision,
@@ -35,54 +35,33 @@ from tinygpt.core.precision import (
     native_bf16,
     resolve_device,
 )
-from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import PROBE_JSON, RunDir
-from tinygpt.core.units import duration, size_gb
-from tinygpt.model.gpt import GPT, meta_model
+from tinygpt.model.gpt import GPT
 from tinygpt.model.losses import default_chunk_rows
-from tinygpt.train.hardware import HardwareReport, cpu_name, hardware_report, mfu, ram_gb
-from tinygpt.train.memory import (
-    CUDA_CONTEXT_GB,
-    GB,
-    TensorMemoryTracker,
-    estimate_memory,
+from tinygpt.train.hardware import cpu_name, ram_gb
+from tinygpt.train.memory import CUDA_CONTEXT_GB, GB
+from tinygpt.train.step import TrainStep
+from tinygpt.train.trials import (
+    Trial,
+    TrialRunner,
+    batch_geometry,
+    is_allocation_failure,
+    largest_fit,
+    speed_candidates,
+    sync,
 )
-from tinygpt.train.optim import build_optimizer
-from tinygpt.train.trainer import TrainStep
 
-PROBE_TIME_LIMIT_S = 60.0  # the search and the timings stop here (the choice so far is kept, and said)
+# the search and the timings stop here (the choice so far is kept, and said)
+PROBE_TIME_LIMIT_S = 60.0
 # what the probe chooses (with model.activation_checkpointing); a run keeps them when it resumes
 PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "precision", "loss")
-SPEED_STEPS, SPEED_WARMUP = 8, 4  # optimizer steps timed (median) after warm-up ones (the compile among them)
-
-ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
-CPU_GFLOPS_PER_CORE = 25.0  # a rough guess of what PyTorch gets from one core in fp32; for expectations only
-
-@dataclass
-class Trial:
-    micro_batch: int
-    seq_len: int
-    checkpointing: bool
-    peak_gb: float | None  # None after a real out-of-memory
-    ok: bool  # ran, and peak <= (1 - margin) * limit
-    oom: bool
-    tokens_per_s: float | None
-
-
-# How an allocation failure reads when it does not arrive as torch.OutOfMemoryError: cuBLAS, cuDNN and a
-# CUDA launch report theirs as a plain RuntimeError (inside a compiled graph too).
-_ALLOCATION_FAILURES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
-                        "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
-
-
-def is_allocation_failure(e: BaseException) -> bool:
-    """An out-of-memory error in any of the forms torch, cuBLAS and cuDNN raise it."""
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and any(m in str(e) for m in _ALLOCATION_FAILURES))
+# optimizer steps timed (median) after warm-up ones (the compile among them)
+SPEED_STEPS, SPEED_WARMUP = 8, 4
 
 
 class ProbeError(RuntimeError):
-    """Nothing fits, not even micro-batch 1 at the shortest context with activation checkpointing."""
+    """Nothing fits, not even micro-batch 1 at the shortest context with activation
+    checkpointing."""
 
 
 @dataclass
@@ -105,9 +84,11 @@ class ProbeResult:
     trials: list[Trial] = field(default_factory=list)
     key: dict = field(default_factory=dict)
     from_cache: bool = False
-    speeds: dict = field(default_factory=dict)  # "micro-batch" or "micro-batch full" -> tokens/s of the trainer's step
+    # "micro-batch" or "micro-batch full" -> tokens/s of the trainer's step
+    speeds: dict = field(default_factory=dict)
     tokens_per_s_source: str = "measured by trial (eager, one micro-batch)"
-    loss: str = "auto"  # the loss the trainer takes: "full" logits where they fit and measured faster
+    # the loss the trainer takes: "full" logits where they fit and measured faster
+    loss: str = "auto"
     time_limit_s: float | None = None  # the search's time limit
 
     def to_dict(self) -> dict:
@@ -118,111 +99,10 @@ class ProbeResult:
         return cls(**{**d, "trials": [Trial(**t) for t in d.get("trials", [])]})
 
 
-class _TrialRunner:
-    """One model and optimizer shared by every trial: rebuilding a 760M model per trial would dominate."""
-
-    def __init__(self, recipe: Recipe, device: torch.device, precision: Precision, limit_gb: float, margin: float,
-                 measure: Callable[[int, int, bool], float] | None):
-        self.device, self.precision, self.limit_gb, self.margin, self.measure = (
-            device, precision, limit_gb, margin, measure)
-        self.loss = recipe.train.loss  # what each trial's loss does: the trainer's own choice
-        torch.manual_seed(0)
-        with torch.device(device):
-            self.model = GPT(dataclasses.replace(recipe.model))  # own config: checkpointing is toggled per trial
-        self.opt = build_optimizer(self.model, recipe.train, device.type)
-        self.scaler = precision.grad_scaler()
-        # Training holds gradients (accumulation) and AdamW states through every forward: allocate
-        # both now so that every trial, the first included, has them in its peak.
-        for p in self.model.parameters():
-            p.grad = torch.zeros_like(p)
-        self.opt.step()
-        held = list(self.model.parameters()) + [p.grad for p in self.model.parameters()]
-        held += [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        self.held_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
-
-    def _step(self, b: int, t: int) -> float:
-        """One optimizer step at full length, then one evaluation forward; returns the step's seconds."""
-        m, v = self.model, self.model.config.vocab_size
-        x, y = (torch.randint(v, (b, t), device=self.device) for _ in range(2))
-        m.train()
-        _sync(self.device)
-        t0 = time.perf_counter()
-        with self.precision.autocast():
-            loss = m(x, y, loss=self.loss)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self.opt.zero_grad(set_to_none=False)
-        _sync(self.device)
-        seconds = time.perf_counter() - t0
-        m.eval()
-        with torch.no_grad(), self.precision.autocast():
-            m(x, y, loss=self.loss)
-        return seconds
-
-    def trial(self, b: int, t: int, ckpt: bool) -> Trial:
-        self.model.config.activation_checkpointing = ckpt
-        peak = seconds = None
-        oom = False
-        try:
-            if self.measure is not None:
-                seconds = self._step(b, t)
-                peak = self.measure(b, t, ckpt)
-            elif self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-                seconds = self._step(b, t)
-                peak = torch.cuda.max_memory_allocated(self.device) / GB
-            else:
-                with TensorMemoryTracker() as tracker:
-                    seconds = self._step(b, t)
-                peak = (self.held_bytes + tracker.peak_bytes) / GB
-            if peak > self.limit_gb:
-                raise torch.OutOfMemoryError(f"trial peak {peak:.2f} GB is over the limit {self.limit_gb:.2f} GB")
-        except Exception as e:
-            if not is_allocation_failure(e):
-                raise
-            oom = True
-        if oom:  # outside the except block: the traceback, and the tensors its frames hold, are gone
-            self.opt.zero_grad(set_to_none=False)
-            self.scaler = self.precision.grad_scaler()  # an OOM inside scaler.step leaves it half-way
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        ok = not oom and peak <= (1 - self.margin) * self.limit_gb
-        return Trial(b, t, ckpt, peak, ok, oom, None if oom else b * t / max(seconds, 1e-9))
-
-
-def _largest_fit(fits: Callable[[int], bool], cap: int, out_of_time: Callable[[], bool]) -> int:
-    """Double from 1 until a failure (or cap), then bisect between the last fit and the first failure."""
-    ok, bad, b = 0, cap + 1, 1
-    while ok < cap and not (ok and out_of_time()):
-        if not fits(b):
-            bad = b
-            break
-        ok, b = b, min(2 * b, cap)
-    while bad - ok > 1 and not (ok and out_of_time()):
-        mid = (ok + bad) // 2
-        ok, bad = (mid, bad) if fits(mid) else (ok, mid)
-    return ok
-
-
-def _batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[int, int, str | None]:
-    """(micro_batch, grad_accum, note): a divisor of the recipe's sequences per step keeps its global
-    batch exact; if the best divisor wastes over half the memory, keep the micro-batch and say so."""
-    if tokens_per_step % seq_len == 0:
-        seqs = tokens_per_step // seq_len
-        d = max(x for x in range(1, min(largest, seqs) + 1) if seqs % x == 0)
-        if 2 * d >= largest:
-            return d, seqs // d, None
-    accum = math.ceil(tokens_per_step / (largest * seq_len))
-    micro = math.ceil(tokens_per_step / (accum * seq_len))  # the smallest overshoot with this many steps
-    return micro, accum, (f"the global batch is {micro * seq_len * accum} tokens per step instead of the "
-                          f"recipe's {tokens_per_step}: no micro-batch near {largest} divides it exactly")
-
-
 class RandomBatches:
-    """A `BatchSource` of full rows of random tokens, for timing (the speed of a step does not depend on which
-    tokens); its own generator leaves the caller's random state alone. `served_tokens` counts what it served."""
+    """A `BatchSource` of full rows of random tokens, for timing (the speed of a step does not
+    depend on which tokens); its own generator leaves the caller's random state alone.
+    `served_tokens` counts what it served."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int = 0):
         self.vocab_size, self.seq_len = vocab_size, seq_len
@@ -250,15 +130,16 @@ def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: in
     t = dataclasses.replace(recipe.train, device=str(dev))
     times = []
     try:
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the caller's RNG stays as it was
+        # the caller's RNG stays as it was
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(0)
             step = TrainStep(GPT(dataclasses.replace(recipe.model)), t,
                              RandomBatches(recipe.model.vocab_size, t.seq_len))
             for _ in range(warmup + steps):
-                _sync(dev)
+                sync(dev)
                 t0 = time.perf_counter()
                 step.optimizer_step()
-                _sync(dev)
+                sync(dev)
                 times.append(time.perf_counter() - t0)
             del step
     finally:  # an out-of-memory error included: the memory and the compiled graphs go
@@ -270,34 +151,16 @@ def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: in
 
 
 def forget_compiled() -> None:
-    """Drop what torch's compiler learnt in this process (graphs, and which dimensions it made dynamic),
-    as if it had just started: the training step compiles afresh, for its own shapes."""
-    if "torch._dynamo" in sys.modules:  # never imported: nothing to forget (and importing it costs ~1 s)
+    """Drop what torch's compiler learnt in this process (graphs, and which dimensions it made
+    dynamic), as if it had just started: the training step compiles afresh, for its own shapes."""
+    # never imported: nothing to forget (and importing it costs ~1 s)
+    if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
 
 
-def _sync(dev: torch.device) -> None:
-    """Drain the device's queue: a timing must include the kernels it launched."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    elif dev.type == "mps":
-        torch.mps.synchronize()
-
-
-def _speed_candidates(largest: int, seq_len: int, tokens_per_step: int) -> list[tuple[int, int]]:
-    """The (micro-batch, accumulation) pairs worth timing: the geometry the largest micro-batch that fits
-    gives, and those of about a half and a quarter of it (the largest is not always the fastest)."""
-    out: list[tuple[int, int]] = []
-    for limit in (largest, largest // 2, largest // 4):
-        if limit >= 1:
-            micro, accum, _ = _batch_geometry(limit, seq_len, tokens_per_step)
-            if (micro, accum) not in out:
-                out.append((micro, accum))
-    return out
-
-
 def requested_precision(recipe: Recipe, device_type: str, has_native_bf16: bool) -> tuple[str, str | None]:
-    """A recipe's bf16 on a GPU that only emulates it (T4, V100) would be slow: let the probe decide."""
+    """A recipe's bf16 on a GPU that only emulates it (T4, V100) would be slow: let the probe
+    decide."""
     if recipe.train.precision == "bf16" and device_type == "cuda" and not has_native_bf16:
         return "auto", (f"recipe {recipe.name!r} asks for bf16, which this GPU only emulates: precision chosen by "
                         "the probe")
@@ -314,18 +177,20 @@ def probe(recipe: Recipe, device: str | torch.device = "auto", *, precision: str
           min_seq_len: int = 128, time_limit_s: float | None = PROBE_TIME_LIMIT_S,
           cache_dir: str | Path | None = "default", run_dir: str | Path | None = None,
           speed: Callable[[Recipe, torch.device], float] | None = trainer_speed) -> ProbeResult:
-    """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits in
-    (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per step.
+    """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits
+    in (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per
+    step.
 
-    `measure(micro_batch, seq_len, checkpointing) -> GB`, called after each trial's step, replaces the
-    real measurement (torch.cuda.max_memory_allocated on CUDA, TensorMemoryTracker elsewhere); a trial
-    over `memory_limit_gb` (default: the GPU's memory less its context, or the free RAM) raises
-    torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off; `run_dir`: the
-    result is also kept there (probe.json) and read from there first (a new VM with the run restored).
-    Among the micro-batches that fit, `speed(recipe, device) -> tokens/s` (default: the trainer's own
-    step, compiled where it compiles) picks the fastest; None keeps the largest. A candidate whose timing
-    runs out of memory (in any of its forms: `is_allocation_failure`) is dropped with a note. After
-    `time_limit_s` (None: no limit) the search and the timings stop and the best found so far is taken."""
+    `measure(micro_batch, seq_len, checkpointing) -> GB`, called after each trial's step, replaces
+    the real measurement (torch.cuda.max_memory_allocated on CUDA, TensorMemoryTracker elsewhere); a
+    trial over `memory_limit_gb` (default: the GPU's memory less its context, or the free RAM)
+    raises torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off;
+    `run_dir`: the result is also kept there (probe.json) and read from there first (a new VM with
+    the run restored). Among the micro-batches that fit, `speed(recipe, device) -> tokens/s`
+    (default: the trainer's own step, compiled where it compiles) picks the fastest; None keeps the
+    largest. A candidate whose timing runs out of memory (in any of its forms:
+    `is_allocation_failure`) is dropped with a note. After `time_limit_s` (None: no limit) the
+    search and the timings stop and the best found so far is taken."""
     dev = resolve_device(str(device))
     requested, prec_note = requested_precision(recipe, dev.type, native_bf16(dev))
     prec = choose_precision(dev, precision or requested)
@@ -342,7 +207,7 @@ def probe(recipe: Recipe, device: str | torch.device = "auto", *, precision: str
     paths = [Path(run_dir) / PROBE_JSON] if run_dir is not None else []
     if cache_dir is not None:
         folder = cache_root("probe") if cache_dir == "default" else Path(cache_dir)
-        paths.append(folder / f"{_slug(name)}__{_slug(recipe.name)}__torch-{_slug(torch.__version__)}.json")
+        paths.append(folder / _cache_name(key))
     kept = _read_kept(paths, key)
     if kept is not None:
         return kept
@@ -362,12 +227,20 @@ def probe(recipe: Recipe, device: str | torch.device = "auto", *, precision: str
     return result
 
 
+def _cache_name(key: dict) -> str:
+    """The user cache's file for a key: named by its device, recipe and torch version; the rest
+    of the key is compared inside (a result kept for other settings is searched again)."""
+    return f"{_slug(key['device'])}__{_slug(key['recipe'])}__torch-{_slug(key['torch'])}.json"
+
+
 def _read_kept(paths: list[Path], key: dict) -> ProbeResult | None:
     """The first kept result for exactly this key (the run folder's, then the user's cache); it is
-    copied to where it was missing (the run keeps what the user's cache had, and the other way round)."""
+    copied to where it was missing (the run keeps what the user's cache had, and the other way
+    round)."""
     for path in paths:
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            cached = ProbeResult.from_dict(read_json_safe(path))  # probe.json comes back from a mirror too
+            # probe.json comes back from a mirror too
+            cached = ProbeResult.from_dict(read_json_safe(path))
             if cached.key == json.loads(json.dumps(key)):
                 cached.from_cache = True
                 for other in paths:
@@ -379,18 +252,20 @@ def _read_kept(paths: list[Path], key: dict) -> ProbeResult | None:
 
 def _keep(path: Path, result: ProbeResult) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {**result.to_dict(), "from_cache": False})  # a disconnect never leaves half a file
+    # a disconnect never leaves half a file
+    write_json_atomic(path, {**result.to_dict(), "from_cache": False})
 
 
 class _Search:
-    """One probe's search: memory trials, then timings of the trainer's step, within one time limit."""
+    """One probe's search: memory trials, then timings of the trainer's step, within one time
+    limit."""
 
     def __init__(self, recipe: Recipe, dev: torch.device, prec: Precision, limit_gb: float, margin: float,
                  measure: Callable | None, time_limit_s: float | None):
         self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure = (
             recipe, dev, prec, limit_gb, margin, measure)
         self.time_limit_s, self.t0 = time_limit_s, time.perf_counter()
-        self.runner = _TrialRunner(recipe, dev, prec, limit_gb, margin, measure)
+        self.runner = TrialRunner(recipe, dev, prec, limit_gb, margin, measure)
         self.trials: list[Trial] = []
         self.notes: list[str] = []
         self.speeds: dict[tuple[int, str], float] = {}
@@ -403,8 +278,9 @@ class _Search:
         return self.trials[-1].ok
 
     def largest_fit(self, cap0: int, min_seq_len: int) -> tuple[int, bool, int]:
-        """(context, checkpointing, largest micro-batch): the recipe's context first, without checkpointing
-        first (unless the recipe has it on), halving the context only when micro-batch 1 does not fit."""
+        """(context, checkpointing, largest micro-batch): the recipe's context first, without
+        checkpointing first (unless the recipe has it on), halving the context only when micro-batch
+        1 does not fit."""
         train = self.recipe.train
         lengths = [train.seq_len]
         while lengths[-1] // 2 >= min_seq_len:
@@ -412,7 +288,7 @@ class _Search:
         ckpts = [True] if self.recipe.model.activation_checkpointing else [False, True]
         for t in lengths:
             for ckpt in ckpts:
-                largest = _largest_fit(lambda b: self.fits(b, t, ckpt),
+                largest = largest_fit(lambda b: self.fits(b, t, ckpt),
                                        max(1, min(cap0, train.tokens_per_step // t)), self.out_of_time)
                 if largest:
                     return t, ckpt, largest
@@ -421,13 +297,15 @@ class _Search:
                          "checkpointing: pick a smaller recipe")
 
     def fastest(self, speed: Callable, largest: int, t: int, ckpt: bool) -> tuple[int, str]:
-        """The fastest of the micro-batches that fit, as the trainer runs them (compiled, its loss and
-        optimizer): on an H100 the largest micro-batch was not the fastest, and eager trials said 0.42x.
-        Where the recipe's loss would chunk the logits, the full logits are timed too if they fit: the
-        chunked loss cost 12-13% on an H100 where the full logits fitted. (micro-batch, loss)."""
+        """The fastest of the micro-batches that fit, as the trainer runs them (compiled, its loss
+        and optimizer): on an H100 the largest micro-batch was not the fastest, and eager trials
+        said 0.42x. Where the recipe's loss would chunk the logits, the full logits are timed too if
+        they fit: the chunked loss cost 12-13% on an H100 where the full logits fitted.
+        (micro-batch, loss)."""
         train = self.recipe.train
-        timings: list[tuple[int, int, str]] = []  # (micro-batch, accumulation, loss) to time, in this order
-        for micro, accum in _speed_candidates(largest, t, train.tokens_per_step):
+        # (micro-batch, accumulation, loss) to time, in this order
+        timings: list[tuple[int, int, str]] = []
+        for micro, accum in speed_candidates(largest, t, train.tokens_per_step):
             timings.append((micro, accum, train.loss))
             if (train.loss == "auto" and default_chunk_rows(micro * t, self.recipe.model.vocab_size)
                     and not self.out_of_time()):
@@ -444,7 +322,7 @@ class _Search:
             if self.speeds and self.out_of_time():
                 break
             self._time(speed, micro, accum, mode, t, ckpt)
-        self.runner = _TrialRunner(self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure)
+        self.runner = TrialRunner(self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure)
         # every timing ran out of memory: the smallest candidate, whose memory trial passed
         limit, loss = max(self.speeds, key=self.speeds.__getitem__) if self.speeds else (timings[-1][0], train.loss)
         self.runner.loss = loss
@@ -469,10 +347,11 @@ class _Search:
                               f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
 
     def confirm(self, limit: int, loss: str, largest: int, t: int, ckpt: bool, name: str, key: dict) -> ProbeResult:
-        """The chosen geometry confirmed by one more (warm) trial, whose peak is the one reported."""
+        """The chosen geometry confirmed by one more (warm) trial, whose peak is the one
+        reported."""
         tokens_per_step = self.recipe.train.tokens_per_step
         while True:
-            micro, accum, geometry_note = _batch_geometry(limit, t, tokens_per_step)
+            micro, accum, geometry_note = batch_geometry(limit, t, tokens_per_step)
             if self.fits(micro, t, ckpt) or micro == 1:
                 break
             limit = micro - 1
@@ -501,15 +380,16 @@ def _speed_key(micro: int, loss: str) -> str:
 
 
 def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
-    """The recipe with the probe's micro-batch, context, accumulation, checkpointing, precision and loss."""
+    """The recipe with the probe's micro-batch, context, accumulation, checkpointing, precision and
+    loss."""
     return recipe.replace(model={"activation_checkpointing": result.activation_checkpointing},
                           train={k: getattr(result, k) for k in PROBED_TRAIN_FIELDS})
 
 
 def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1) -> tuple[Recipe, dict | None]:
-    """The probe decides micro-batch, accumulation, context, precision and activation checkpointing on a
-    GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it started
-    with (they are part of its configuration); on a CPU the recipe stands as written."""
+    """The probe decides micro-batch, accumulation, context, precision and activation checkpointing
+    on a GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it
+    started with (they are part of its configuration); on a CPU the recipe stands as written."""
     run = RunDir(run_dir)
     if run.is_pretrain_run():
         old = run.info()
@@ -532,120 +412,3 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
 
     result = probe(recipe, device=dev, run_dir=run_dir)
     return apply_probe(recipe, result), result.to_dict()
-
-
-@dataclass
-class Expectations:
-    recipe: str
-    peak_memory_gb: float
-    memory_source: str
-    fits: bool | None  # None where total memory is unknown
-    tokens_per_s: float | None
-    tokens_per_s_source: str
-    mfu: float | None
-    token_budget: int
-    time_to_finish_s: float | None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def rows(self) -> list[tuple[str, str]]:
-        return [("peak memory", f"{size_gb(self.peak_memory_gb)} ({self.memory_source})"),
-                ("fits", "-" if self.fits is None else "yes" if self.fits else "no"),
-                ("tokens/s", "-" if self.tokens_per_s is None
-                 else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})"),
-                ("MFU", "-" if self.mfu is None else f"{self.mfu:.0%}"),
-                ("token budget", f"{self.token_budget:,}"),
-                ("time to finish", duration(self.time_to_finish_s))]
-
-
-def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResult | None = None,
-                 measured_tokens_per_s: float | None = None) -> Expectations:
-    """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware.
-    `measured_tokens_per_s`: the trainer's own step timed as the recipe stands (`trainer_speed`), where
-    no probe searched (the CPU)."""
-    if probe_result is not None:
-        recipe = apply_probe(recipe, probe_result)
-    t = recipe.train
-    fpt = meta_model(recipe.model).flops_per_token(t.seq_len)
-    context = CUDA_CONTEXT_GB if report.device == "cuda" else 0.0
-    if probe_result is not None and not math.isnan(probe_result.peak_gb):
-        peak, mem_src = probe_result.peak_gb + context, "measured by trial" + (" + CUDA context" if context else "")
-    else:
-        requested, _ = requested_precision(recipe, report.device, report.native_bf16)
-        prec = report.precision if requested == "auto" else requested
-        peak = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device,
-                               loss=t.loss).total_gb
-        mem_src = "estimated"
-    if probe_result is not None and probe_result.tokens_per_s:
-        tps, tps_src = probe_result.tokens_per_s, probe_result.tokens_per_s_source
-    elif measured_tokens_per_s:
-        tps, tps_src = measured_tokens_per_s, f"measured: the trainer's step, median of {SPEED_STEPS}"
-    elif report.peak_tflops:
-        tps = report.peak_tflops * 1e12 * ASSUMED_MFU / fpt
-        tps_src = f"{report.peak_tflops:.0f} TFLOP/s peak x {ASSUMED_MFU:.0%} MFU assumed"
-    elif report.device == "cpu":
-        tps = report.cpu_cores * CPU_GFLOPS_PER_CORE * 1e9 / fpt
-        tps_src = f"rough guess: {report.cpu_cores} cores x {CPU_GFLOPS_PER_CORE:.0f} GFLOP/s"
-    else:
-        tps, tps_src = None, "unknown on this device"
-    fits = None if report.total_memory_gb is None else peak <= report.total_memory_gb
-    budget = recipe.token_budget
-    return Expectations(recipe.name, peak, mem_src, fits, tps, tps_src, tps and mfu(tps, fpt, report.peak_tflops),
-                        budget, budget / tps if tps else None)
-
-
-@dataclass
-class ProbeOptions:
-    """What `tinygpt probe` reports on; each field is one of its options (core/options.py)."""
-    recipe: str | None = option(None, help="probe for this recipe (default: the one this hardware suits)")
-    as_json: bool = option(False, flag="--json", help="print the report as JSON")
-
-
-def format_table(rows: list[tuple]) -> str:
-    """Rows as aligned text columns (the first row is not special)."""
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def probe_report(recipe: str | None = None, as_json: bool = False, *,
-                 cache_dir: str | Path | None = "default") -> str:
-    """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU;
-    elsewhere the estimate stands in for it."""
-    report = hardware_report()
-    rec = get_recipe(recipe or report.default_recipe)
-    requested, _ = requested_precision(rec, report.device, report.native_bf16)
-    prec = report.precision if requested == "auto" else requested
-    est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec, device_type=report.device,
-                          loss=rec.train.loss)
-    result, note, speed = None, None, None
-    if report.device == "cuda":
-        try:
-            result = probe(rec, cache_dir=cache_dir)
-        except ProbeError as e:
-            note = str(e)
-    else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
-        note = (f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch is used as is "
-                "and the estimate above stands in for a measurement")
-        if rec.hardware == "cpu":  # a CPU recipe's step takes a second: time it (a GPU recipe's would take minutes)
-            speed = trainer_speed(rec, report.device)
-    exp = expectations(rec, report, result, speed)
-    if as_json:
-        return json.dumps({"hardware": report.to_dict(), "recipe": rec.name, "memory_estimate": est.to_dict(),
-                           "search": result and result.to_dict(), "expectations": exp.to_dict(), "note": note},
-                          indent=2)
-    out = ["Hardware", format_table(report.rows()), f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
-           f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context {rec.train.seq_len}, {prec}",
-           format_table(est.rows())]
-    if result is not None:
-        limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
-        cached = " (cached)" if result.from_cache else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
-        out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} "
-                f"accumulation steps"
-                f" x context {result.seq_len}, checkpointing {'on' if result.activation_checkpointing else 'off'}, "
-                f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"]
-        out += [f"  - {n}" for n in result.notes]
-    if note:
-        out.append(f"\n{note}")
-    out += ["\nExpectations", format_table(exp.rows())]
-    return "\n".join(out)

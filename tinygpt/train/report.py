@@ -1,0 +1,157 @@
+"""What `tinygpt probe` and the notebooks show of a probe: expected peak memory, tokens/s and time
+to finish (`expectations`), and the report as text or JSON (`probe_report`). Formatting only: the
+caller prints."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tinygpt.core.config import Recipe
+from tinygpt.core.options import option
+from tinygpt.core.recipes import get_recipe
+from tinygpt.core.units import duration, size_gb
+from tinygpt.model.gpt import meta_model
+from tinygpt.train.hardware import HardwareReport, hardware_report, mfu
+from tinygpt.train.memory import CUDA_CONTEXT_GB, estimate_memory
+from tinygpt.train.probe import (
+    SPEED_STEPS,
+    ProbeError,
+    ProbeResult,
+    apply_probe,
+    probe,
+    requested_precision,
+    trainer_speed,
+)
+
+ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
+# a rough guess of what PyTorch gets from one core in fp32; for expectations only
+CPU_GFLOPS_PER_CORE = 25.0
+
+
+@dataclass
+class Expectations:
+    recipe: str
+    peak_memory_gb: float
+    memory_source: str
+    fits: bool | None  # None where total memory is unknown
+    tokens_per_s: float | None
+    tokens_per_s_source: str
+    mfu: float | None
+    token_budget: int
+    time_to_finish_s: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [("peak memory", f"{size_gb(self.peak_memory_gb)} ({self.memory_source})"),
+                ("fits", "-" if self.fits is None else "yes" if self.fits else "no"),
+                ("tokens/s", "-" if self.tokens_per_s is None
+                 else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})"),
+                ("MFU", "-" if self.mfu is None else f"{self.mfu:.0%}"),
+                ("token budget", f"{self.token_budget:,}"),
+                ("time to finish", duration(self.time_to_finish_s))]
+
+
+def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResult | None = None,
+                 measured_tokens_per_s: float | None = None) -> Expectations:
+    """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware.
+    `measured_tokens_per_s`: the trainer's own step timed as the recipe stands (`trainer_speed`),
+    where no probe searched (the CPU)."""
+    if probe_result is not None:
+        recipe = apply_probe(recipe, probe_result)
+    t = recipe.train
+    fpt = meta_model(recipe.model).flops_per_token(t.seq_len)
+    context = CUDA_CONTEXT_GB if report.device == "cuda" else 0.0
+    if probe_result is not None and not math.isnan(probe_result.peak_gb):
+        peak = probe_result.peak_gb + context
+        mem_src = "measured by trial" + (" + CUDA context" if context else "")
+    else:
+        requested, _ = requested_precision(recipe, report.device, report.native_bf16)
+        prec = report.precision if requested == "auto" else requested
+        peak = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec,
+                               device_type=report.device, loss=t.loss).total_gb
+        mem_src = "estimated"
+    if probe_result is not None and probe_result.tokens_per_s:
+        tps, tps_src = probe_result.tokens_per_s, probe_result.tokens_per_s_source
+    elif measured_tokens_per_s:
+        tps = measured_tokens_per_s
+        tps_src = f"measured: the trainer's step, median of {SPEED_STEPS}"
+    elif report.peak_tflops:
+        tps = report.peak_tflops * 1e12 * ASSUMED_MFU / fpt
+        tps_src = f"{report.peak_tflops:.0f} TFLOP/s peak x {ASSUMED_MFU:.0%} MFU assumed"
+    elif report.device == "cpu":
+        tps = report.cpu_cores * CPU_GFLOPS_PER_CORE * 1e9 / fpt
+        tps_src = f"rough guess: {report.cpu_cores} cores x {CPU_GFLOPS_PER_CORE:.0f} GFLOP/s"
+    else:
+        tps, tps_src = None, "unknown on this device"
+    fits = None if report.total_memory_gb is None else peak <= report.total_memory_gb
+    budget = recipe.token_budget
+    return Expectations(recipe.name, peak, mem_src, fits, tps, tps_src,
+                        tps and mfu(tps, fpt, report.peak_tflops), budget,
+                        budget / tps if tps else None)
+
+
+@dataclass
+class ProbeOptions:
+    """What `tinygpt probe` reports on; each field is one of its options (core/options.py)."""
+    recipe: str | None = option(None, help="probe for this recipe (default: the one this hardware "
+                                           "suits)")
+    as_json: bool = option(False, flag="--json", help="print the report as JSON")
+
+
+def format_table(rows: list[tuple]) -> str:
+    """Rows as aligned text columns (the first row is not special)."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in rows)
+
+
+def probe_report(recipe: str | None = None, as_json: bool = False, *,
+                 cache_dir: str | Path | None = "default") -> str:
+    """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU;
+    elsewhere the estimate stands in for it."""
+    report = hardware_report()
+    rec = get_recipe(recipe or report.default_recipe)
+    requested, _ = requested_precision(rec, report.device, report.native_bf16)
+    prec = report.precision if requested == "auto" else requested
+    est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec,
+                          device_type=report.device, loss=rec.train.loss)
+    result, note, speed = None, None, None
+    if report.device == "cuda":
+        try:
+            result = probe(rec, cache_dir=cache_dir)
+        except ProbeError as e:
+            note = str(e)
+    else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
+        note = (f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch "
+                "is used as is and the estimate above stands in for a measurement")
+        # a CPU recipe's step takes a second: time it (a GPU recipe's would take minutes)
+        if rec.hardware == "cpu":
+            speed = trainer_speed(rec, report.device)
+    exp = expectations(rec, report, result, speed)
+    if as_json:
+        return json.dumps({"hardware": report.to_dict(), "recipe": rec.name,
+                           "memory_estimate": est.to_dict(), "search": result and result.to_dict(),
+                           "expectations": exp.to_dict(), "note": note}, indent=2)
+    out = ["Hardware", format_table(report.rows()),
+           f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
+           f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context "
+           f"{rec.train.seq_len}, {prec}",
+           format_table(est.rows())]
+    if result is not None:
+        limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
+        cached = (" (cached)" if result.from_cache
+                  else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})")
+        out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x "
+                f"{result.grad_accum_steps} accumulation steps"
+                f" x context {result.seq_len}, checkpointing "
+                f"{'on' if result.activation_checkpointing else 'off'}, "
+                f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"]
+        out += [f"  - {n}" for n in result.notes]
+    if note:
+        out.append(f"\n{note}")
+    out += ["\nExpectations", format_table(exp.rows())]
+    return "\n".join(out)
