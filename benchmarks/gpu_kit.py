@@ -115,7 +115,7 @@ def compiled_code(ctx: Ctx):
     """Compiled code as the GPU runs it; in --smoke the same wrappers run eagerly (a CPU compile takes minutes
     on 2 cores)."""
     if ctx.smoke:
-        from tinygpt.train.trainer import eager
+        from tinygpt.train.step import eager
         return eager()
     return contextlib.nullcontext()
 
@@ -322,7 +322,7 @@ def timed_row(name: str, model, loss_mod, opt, prec, device, compile_mode: str, 
     import torch
     from gpu_pretrain import make_step, random_batches, time_steps
 
-    from tinygpt.train.trainer import compiled
+    from tinygpt.train.step import compiled
 
     if compile_mode == "on":
         loss_fn = torch.compile(loss_mod)

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from tinygpt.finetune.lora import FinetuneLoss, LoraSettings, attach_lora, get_finetune_recipe, module_loss  # noqa: E402
-from tinygpt.train.trainer import ModelIO, TrainData, Trainer  # noqa: E402
+from tinygpt.train.step import ModelIO  # noqa: E402
+from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
 
 
 def test_bucket_lengths():

@@ -363,7 +363,7 @@ def test_a_probe_leaves_no_compiled_shapes_behind(tmp_path):
     from torch._dynamo.utils import counters
 
     from tinygpt.train.probe import RandomBatches
-    from tinygpt.train.trainer import TrainStep
+    from tinygpt.train.step import TrainStep
     recipe = tiny_recipe(micro=4, seq_len=32, accum=4).replace(train={"compile": "on", "device": "cpu"})
     torch._dynamo.reset()
     result = probe(recipe, "cpu", memory_limit_gb=1.0, margin=0.0, cache_dir=None, max_micro_batch=8,

@@ -15,7 +15,8 @@ from tinygpt.core.config import TrainConfig
 from tinygpt.core.recipes import model_config
 from tinygpt.model.gpt import GPT
 from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.trainer import TrainData, Trainer, TrainingError, lr_at
+from tinygpt.train.step import lr_at
+from tinygpt.train.trainer import TrainData, Trainer, TrainingError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -254,6 +254,10 @@ class GPT(nn.Module):
         else:
             nn.init.normal_(p, mean=0.0, std=std)
 
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks, in order: what regional compilation compiles one by one."""
+        return self.model.layers
+
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters counted once (a tied embedding is one matrix)."""
         n = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

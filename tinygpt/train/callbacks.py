@@ -24,7 +24,8 @@ from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import MEASURE_STEPS, Budget, end_time, extend, steps_for
 from tinygpt.train.compile_cache import CompileCache
 from tinygpt.train.startup import StartupClock
-from tinygpt.train.trainer import TrainingError, eager
+from tinygpt.train.step import eager
+from tinygpt.train.trainer import TrainingError
 
 
 class TensorBoardLogger(Callback):

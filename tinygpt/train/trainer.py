@@ -1,28 +1,22 @@
-"""The AMP training loop with exact resume.
+"""The AMP training loop with exact resume, around `TrainStep` (`tinygpt.train.step`).
 
-`TrainStep` is one optimizer step and nothing else: `grad_accum_steps` micro-batches whose summed
-token losses are divided by the number of target tokens in the whole step, so accumulation gives the
-same gradient as one big batch (also when prompt tokens are masked). `Trainer.fit` is the loop, read
-top to bottom: the step, then the callbacks' turn, then "once in a while" (log, evaluate, keep the
-best, save). The loss is read back from the device only on logging steps: everything else queues on
-the GPU without a host-device sync. Progress, the start-up record, a time budget and the mirror are
-`Callback`s (tinygpt.core.callback); the loop knows none of them.
+`Trainer.fit` is the loop, read top to bottom: the step, then the callbacks' turn, then "once in a
+while" (log, evaluate, keep the best, save). The loss is read back from the device only on logging
+steps: everything else queues on the GPU without a host-device sync. Progress, the start-up record,
+a time budget and the mirror are `Callback`s (tinygpt.core.callback); the loop knows none of them.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import math
 import os
 import random
-import signal
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,83 +25,34 @@ from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import TrainConfig, config_differences
 from tinygpt.core.files import clean_leftovers
-from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
 from tinygpt.core.rundir import BEST, RunDir
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
-from tinygpt.train.budget import decay_start, expected_final_loss
+from tinygpt.train.budget import expected_final_loss
 from tinygpt.train.distributed import Ranks
-from tinygpt.train.optim import build_optimizer
-from tinygpt.train.sampler import batch_to_device
+from tinygpt.train.step import BatchSource, ModelIO, StepResult, TrainStep, eager
+from tinygpt.train.stopping import StopOnSignal, closing
 
 # Fields that may change between a run and its resumption; any other difference is refused.
-RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every",
-                     "compile", "device", "eval_batches", "loss"})
+RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_every", "keep_last",
+                               "sample_every", "compile", "device", "eval_batches", "loss"})
 
 
 # how torch.save (zip writer) and safetensors say "the disk is full"
 _DISK_FULL = ("unexpected pos", "No space left on device", "os error 28")
 
 
-def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The model's stack of transformer blocks: the `nn.ModuleList` of identical modules holding the most
-    parameters, wherever it sits (tinygpt's GPT at `model.layers`, a Hugging Face causal LM at
-    `model.model.layers`, under `FinetuneLoss` and PEFT's wrappers a few levels deeper). None if there is none."""
-    best, best_n = None, 0
-    for module in model.modules():
-        if (isinstance(module, torch.nn.ModuleList) and len(module) > 0
-                and len({type(m) for m in module}) == 1):
-            n = sum(p.numel() for p in module.parameters())
-            if n > best_n:
-                best, best_n = module, n
-    return best
-
-
-def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """The model to run steps with. "regional": each transformer block compiled in place (identical
-    blocks share one compiled graph, so compile time does not grow with depth; the embedding, the head
-    and the loss run eagerly); otherwise the whole model, as one graph."""
-    blocks = transformer_blocks(model) if mode == "regional" else None
-    if blocks is not None:
-        for block in blocks:
-            block.compile()
-        return model
-    return torch.compile(model)
-
-
-def eager():
-    """Run compiled code eagerly inside this block (no compile, no recompile), where torch can."""
-    stance = getattr(torch.compiler, "set_stance", None)
-    return stance("force_eager") if stance is not None else contextlib.nullcontext()
-
 
 class TrainingError(RuntimeError):
     """Training cannot go on; the last good checkpoint is kept and named in the message."""
 
 
-class BatchSource(Protocol):
-    """Batches are (x, y) or (x, y, *extra): extra tensors (e.g. position ids of packed records) go to
-    `loss_fn` after y."""
-    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, ...]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
-
-
 @dataclass
 class TrainData:
-    """What a run trains on: an endless, resumable source of batches, and fixed validation batches."""
+    """What a run trains on: an endless, resumable source of batches, and fixed validation
+    batches."""
     train: BatchSource
     val: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
-
-
-@dataclass
-class ModelIO:
-    """How the trainer takes a model's loss and saves it, where that is not a tinygpt GPT's way.
-    `loss_fn(model, x, y, *extra)` returns the summed token loss (extra: tensors a batch carries after y);
-    `state_fn` / `load_state_fn` choose what a checkpoint holds (only the adapters, for LoRA)."""
-    loss_fn: Callable | None = None
-    state_fn: Callable | None = None
-    load_state_fn: Callable | None = None
 
 
 @dataclass
@@ -124,142 +69,9 @@ class TrainResult:
     metrics: list[dict] = field(default_factory=list)
 
 
-@dataclass
-class StepResult:
-    """What one optimizer step leaves on the device for the actions after it (nothing is read back yet)."""
-    lr: float
-    loss_sum: torch.Tensor   # summed token loss of the step (this rank's, until reduced)
-    n_targets: int           # target tokens of the whole global step
-    grad_norm: torch.Tensor
-
-
-class TrainStep:
-    """The optimizer step of `model` on batches from `source`, and nothing else: no run folder, no
-    logging. The probe and the benchmarks time it; the Trainer runs it. Device and precision come from
-    `cfg` (`device`, `precision`); with `ranks.world_size` > 1 (an initialised process group, see
-    `tinygpt.train.distributed`) `cfg` is the global batch and this rank trains its share with DDP or FSDP2."""
-
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, source: BatchSource,
-                 io: ModelIO | None = None, ranks: Ranks | None = None):
-        io, ranks = io or ModelIO(), ranks or Ranks()
-        self.cfg, self.train_source, self.ranks = cfg, source, ranks
-        self.rank, self.world_size = ranks.rank, ranks.world_size
-        self.device = resolve_device(cfg.device)
-        self.precision = choose_precision(self.device, cfg.precision)
-        self.model = model.to(self.device)
-        self.loss_fn = io.loss_fn or functools.partial(default_loss, loss=cfg.loss)
-        # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
-        self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
-            cfg.micro_batch_size, cfg.grad_accum_steps, ranks.world_size)
-        self.step = 0
-        self.max_steps: int | None = cfg.max_steps  # None while a time budget has not decided it
-        if self.device.type == "cuda":
-            enable_tf32()
-        self.use_compile = cfg.compile in ("on", "regional") or (cfg.compile == "auto" and self.device.type == "cuda")
-        # The compiled wrapper runs the steps; self.model (uncompiled, same parameters) is what
-        # is saved, so checkpoint keys never carry `_orig_mod.`.
-        if ranks.world_size > 1:  # before the optimizer: FSDP2 replaces the parameters by shards
-            dist_.check_parallel(ranks.parallel, cfg.optimizer, ranks.world_size, custom_state=io.state_fn is not None)
-            self.forward_model, self.eval_model = dist_.wrap_model(self.model, ranks.parallel, self.device,
-                                                                   self.use_compile)
-        else:
-            self.forward_model = compiled(self.model, cfg.compile) if self.use_compile else self.model
-            # Evaluation runs eagerly: a no-grad graph would be a second compile (75 s for 124M on an
-            # H100) for a few forward passes per eval_every steps, and under "regional" a recompile.
-            self.eval_model = self.model
-        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
-        self.scaler = dist_.grad_scaler(self.precision, self.model)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._loss_sum = torch.zeros((), device=self.device)
-
-    def optimizer_step(self) -> StepResult:
-        """One optimizer step over `grad_accum_steps` micro-batches. Nothing is read back from the device."""
-        lr = lr_at(self.step, self.cfg, self.max_steps)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_scale", 1.0)
-        micro = [self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
-                 for _ in range(self.grad_accum_steps)]
-        # The loss normalisation: each micro-batch's loss is a sum over its tokens, and the step divides by
-        # the target tokens of the whole (global) step, counted on the host before any forward (no sync).
-        # A mean per micro-batch would weigh a short or heavily masked micro-batch (prompt tokens are
-        # IGNORE_INDEX in finetuning) as much as a full one; this way accumulation, or W ranks, give the
-        # gradient of one big batch. DDP / FSDP2 average gradients over ranks, hence the factor W:
-        #   grad = sum over ranks r and micro-batches m of d(loss_sum[r, m]) * W / n_global / W
-        #        = d(sum of every target token's loss) / n_global, the mean over the global batch.
-        n_targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro)
-        n_global = dist_.agree_sum([n_targets])[0] if self.world_size > 1 else n_targets
-        # The logged loss is this step's own (not an average since the last log), so a run
-        # resumed between two logs writes the same numbers as one never stopped.
-        self._loss_sum.zero_()
-        for i, batch in enumerate(micro):
-            x, y, *extra = self._batch_to_device(*batch)
-            with (dist_.gradient_sync(self.forward_model, self.model, i == len(micro) - 1),
-                  self.precision.autocast()):
-                loss_sum = self.loss_fn(self.forward_model, x, y, *extra)
-                self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
-            self._loss_sum += loss_sum.detach().float()
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = dist_.local_value(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return StepResult(lr, self._loss_sum, n_global, grad_norm)
-
-    def _batch_to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return batch_to_device(tensors, self.device)  # contiguous, pinned: the copy overlaps compute
-
-
-class StopOnSignal(Callback):
-    """Ctrl-C or SIGTERM (Colab's stop button, a preempted VM) ends training after the current step,
-    with a checkpoint, instead of killing it mid-write."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._old: dict = {}
-
-    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # only the main thread may install handlers
-
-        def handler(signum, frame):
-            self.received = signal.Signals(signum).name
-
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._old[s] = signal.signal(s, handler)
-
-    def close(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-
-
-@contextlib.contextmanager
-def closing(callbacks: Iterable[Callback]) -> Iterator[None]:
-    """Close every callback when the block ends, each even when one before it fails. When the block
-    raised, a callback's failing close is only a warning: it must not hide the error that ended the
-    run (a TensorBoard writer whose folder was deleted would otherwise replace the one-line reason)."""
-    try:
-        yield
-    except BaseException:
-        for cb in callbacks:
-            try:
-                cb.close()
-            except Exception as e:  # noqa: BLE001 - the first error is the one to tell
-                warnings.warn(f"{type(cb).__name__} could not close: {type(e).__name__}: {e}", stacklevel=3)
-        raise
-    first: Exception | None = None
-    for cb in callbacks:
-        try:
-            cb.close()
-        except Exception as e:  # noqa: BLE001 - close the rest, then raise the first
-            first = first or e
-    if first is not None:
-        raise first
-
-
 class Throughput:
-    """Tokens per second over the steps since the last log (the first step, with its compile, not counted)."""
+    """Tokens per second over the steps since the last log (the first step, with its compile, not
+    counted)."""
 
     def __init__(self) -> None:
         self.restart()
@@ -276,14 +88,14 @@ class Trainer(TrainStep):
     """Trains `model` on `data` into `run_dir`, resuming exactly where a checkpoint left off.
 
     Checkpoints go to ``run_dir/checkpoints/step_XXXXXX`` (and ``run_dir/best``), metrics to
-    metrics.jsonl. Everything beside the loop (progress, start-up record, time budget, mirror, plots)
-    is a `Callback` in `callbacks`; the Trainer's own `StopOnSignal` comes first. `fit` closes every
-    callback when it ends, however it ends, in that order (`closing`).
+    metrics.jsonl. Everything beside the loop (progress, start-up record, time budget, mirror,
+    plots) is a `Callback` in `callbacks`; the Trainer's own `StopOnSignal` comes first. `fit`
+    closes every callback when it ends, however it ends, in that order (`closing`).
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, data: TrainData, run_dir: str | Path, *,
-                 callbacks: tuple | list = (), io: ModelIO | None = None, ranks: Ranks | None = None,
-                 run_info: dict | None = None):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, data: TrainData,
+                 run_dir: str | Path, *, callbacks: tuple | list = (), io: ModelIO | None = None,
+                 ranks: Ranks | None = None, run_info: dict | None = None):
         super().__init__(model, cfg, data.train, io, ranks)
         io = io or ModelIO()
         self.val_batches = data.val
@@ -293,7 +105,8 @@ class Trainer(TrainStep):
         self.signals = StopOnSignal()
         for cb in callbacks:
             if not isinstance(cb, Callback):
-                raise TypeError(f"{cb!r} is not a trainer callback: subclass tinygpt.core.callback.Callback")
+                raise TypeError(f"{cb!r} is not a trainer callback: subclass "
+                                "tinygpt.core.callback.Callback")
         self.callbacks: list[Callback] = [self.signals, *callbacks]
         self.run_info = run_info or {}
         self.is_main = self.rank == 0
@@ -302,11 +115,13 @@ class Trainer(TrainStep):
         # what the loop knows between steps (the Result is made of it)
         self.history: list[dict] = []
         self.last_saved: Path | None = None
-        self.saved_step: int | None = None  # the same on every rank (only rank 0 gets a path back from save)
+        # the same on every rank (only rank 0 gets a path back from save)
+        self.saved_step: int | None = None
         self.last_loss: float | None = None
         self.val_loss: float | None = None
         self.tokens_per_s: float | None = None
-        self.step_s: float | None = None  # seconds per step, evaluations and saves included (a time budget's)
+        # seconds per step, evaluations and saves included (a time budget's)
+        self.step_s: float | None = None
 
     @property
     def ckpt_root(self) -> Path:
@@ -314,11 +129,12 @@ class Trainer(TrainStep):
 
     # ----- the loop ------------------------------------------------------------------------------
     def fit(self, resume: str = "auto") -> TrainResult:
-        """Train to max_steps: restore (`resume` "auto", "never" or a checkpoint folder), then each step:
-        one optimizer step, the callbacks' turn, then as due: log, evaluate, keep the best, save. Ends
-        with a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the same way. Then
-        every callback is closed (the bar's last line, TensorBoard's file, the mirror's last copies), even
-        when one before it fails, and without hiding an error that ended the run."""
+        """Train to max_steps: restore (`resume` "auto", "never" or a checkpoint folder), then each
+        step: one optimizer step, the callbacks' turn, then as due: log, evaluate, keep the best,
+        save. Ends with a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the
+        same way. Then every callback is closed (the bar's last line, TensorBoard's file, the
+        mirror's last copies), even when one before it fails, and without hiding an error that ended
+        the run."""
         with closing(self.callbacks):  # StopOnSignal first: the handlers are given back first
             resumed_from = self.restore(resume)
             stopping = False
@@ -330,14 +146,18 @@ class Trainer(TrainStep):
                 while (self.max_steps is None or self.step < self.max_steps) and not stopping:
                     step = self.optimizer_step()
                     self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
-                    for cb in self.callbacks:  # e.g. the start-up record, a time budget's measurement
+                    # e.g. the start-up record, a time budget's measurement
+                    for cb in self.callbacks:
                         cb.on_step(self)
                     stopping = self._agree_to_stop()
                     last = self.step == self.max_steps
                     log = self.step % self.cfg.log_every == 0 or last
-                    evaluate = bool(self.cfg.eval_every) and (self.step % self.cfg.eval_every == 0 or last)
-                    save = bool(self.cfg.save_every and self.step % self.cfg.save_every == 0) or last or stopping
-                    if self.world_size > 1 and (log or save):  # the global sum: logged, and checked alike on all ranks
+                    evaluate = bool(self.cfg.eval_every) and (
+                        self.step % self.cfg.eval_every == 0 or last)
+                    save = (bool(self.cfg.save_every and self.step % self.cfg.save_every == 0)
+                            or last or stopping)
+                    # the global sum: logged, and checked alike on all ranks
+                    if self.world_size > 1 and (log or save):
                         dist_.all_reduce_sum_(step.loss_sum)
                     if log:
                         self._log_step(step, evaluate)  # evaluates too, when due
@@ -356,43 +176,50 @@ class Trainer(TrainStep):
                 if self.step > 0 and self.saved_step != self.step:
                     self.save()  # training always ends with a checkpoint
             except OSError as e:  # metrics.jsonl or samples on a full disk: the same one-line story
-                RunDir(self.run_dir).check_held()  # unless the folder itself went: then that is the story
+                # unless the folder itself went: then that is the story
+                RunDir(self.run_dir).check_held()
                 raise self._write_failed(str(self.run_dir), e) from e
             except Exception as e:
-                if not isinstance(e, TrainingError):  # e.g. TensorBoard's writer, its folder deleted under it
+                # e.g. TensorBoard's writer, its folder deleted under it
+                if not isinstance(e, TrainingError):
                     RunDir(self.run_dir).check_held()
                 self._raise_peer_failure(e)
                 raise
-        return TrainResult(self.run_dir, self.step, self.last_loss, self.val_loss, self.best_val_loss,
-                           self.last_saved, self.tokens_per_s, resumed_from, stopping, self.history)
+        return TrainResult(self.run_dir, self.step, self.last_loss, self.val_loss,
+                           self.best_val_loss, self.last_saved, self.tokens_per_s, resumed_from,
+                           stopping, self.history)
 
     def restore(self, resume: str) -> int | None:
         """Exact resume: the newest valid checkpoint (or the one named) brings back the weights, the
-        optimizer, the scaler, the sampler's position and every RNG, and metrics.jsonl is cut back to
-        its step, so the run goes on as if it had never stopped. The step restored from, or None."""
+        optimizer, the scaler, the sampler's position and every RNG, and metrics.jsonl is cut back
+        to its step, so the run goes on as if it had never stopped. The step restored from, or
+        None."""
         if resume == "auto":
-            self.last_saved = ckpt.latest_valid(self.ckpt_root)  # hashes it: no second check on load
+            # hashes it: no second check on load
+            self.last_saved = ckpt.latest_valid(self.ckpt_root)
             if self.last_saved is not None:
                 self.resume(self.last_saved, verified=True)
             elif self.is_main and ckpt.list_checkpoints(self.ckpt_root):
-                warnings.warn(f"no checkpoint in {self.ckpt_root} passes verification: training starts from step 0 "
-                              "(the folders are kept)", stacklevel=3)
+                warnings.warn(f"no checkpoint in {self.ckpt_root} passes verification: training "
+                              "starts from step 0 (the folders are kept)", stacklevel=3)
         elif resume != "never":
             self.last_saved = Path(resume)
             self.resume(self.last_saved)
         resumed_from = self.saved_step = self.step if self.last_saved is not None else None
-        # metrics.jsonl is cut back to the checkpoint's step: a run killed at step 130 whose newest checkpoint
-        # is step 100 logged 101..130 already, and will log them again (the same values: same weights, data
-        # position and RNGs), so the file reads as if the run had never stopped. Rank 0 rewrites it: the
-        # other ranks must not read it meanwhile.
+        # metrics.jsonl is cut back to the checkpoint's step: a run killed at step 130 whose newest
+        # checkpoint is step 100 logged 101..130 already, and will log them again (the same values:
+        # same weights, data position and RNGs), so the file reads as if the run had never stopped.
+        # Rank 0 rewrites it: the other ranks must not read it meanwhile.
         self.history = RunDir(self.run_dir).keep_metrics_through(self.step) if self.is_main else []
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
-            clean_leftovers(self.run_dir)  # e.g. .tmp-best-<pid>/ of a process killed while writing best/
+            # e.g. .tmp-best-<pid>/ of a process killed while writing best/
+            clean_leftovers(self.run_dir)
         return resumed_from
 
     def say(self, text: str) -> None:
-        """A line for the person watching (the progress callback prints it; a quiet run does not)."""
+        """A line for the person watching (the progress callback prints it; a quiet run does
+        not)."""
         for cb in self.callbacks:
             cb.on_message(text)
 
@@ -411,11 +238,12 @@ class Trainer(TrainStep):
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         with eager() if self.use_compile else contextlib.nullcontext():
             self._evaluate_batches(range(self.rank, end, W), total)
-        count = sum(int((self.val_batches[i][1] != IGNORE_INDEX).sum()) for i in range(self.rank, min(end, n), W))
+        count = sum(int((self.val_batches[i][1] != IGNORE_INDEX).sum())
+                    for i in range(self.rank, min(end, n), W))
         self.model.train()
         if W > 1:
-            both = dist_.all_reduce_sum_(torch.stack([total, torch.tensor(float(count), device=self.device,
-                                                                            dtype=torch.float64)]))
+            both = dist_.all_reduce_sum_(torch.stack([
+                total, torch.tensor(float(count), device=self.device, dtype=torch.float64)]))
             total, count = both[0], int(both[1])
         return float(total) / max(count, 1)
 
@@ -430,24 +258,30 @@ class Trainer(TrainStep):
 
     # ----- checkpoints -------------------------------------------------------------------------
     def train_state(self, optimizer_state: dict | None = None) -> dict[str, Any]:
-        optimizer_state = self.optimizer.state_dict() if optimizer_state is None else optimizer_state
+        if optimizer_state is None:
+            optimizer_state = self.optimizer.state_dict()
         return {"step": self.step, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
-                "sampler": self.train_source.state_dict(), "rng": rng_state(), "best_val_loss": self.best_val_loss,
-                "train_config": self.cfg.to_dict(), "world_size": self.world_size, "run_info": self.run_info}
+                "sampler": self.train_source.state_dict(), "rng": rng_state(),
+                "best_val_loss": self.best_val_loss, "train_config": self.cfg.to_dict(),
+                "world_size": self.world_size, "run_info": self.run_info}
 
     def save(self, best: bool = False) -> Path | None:
-        """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is collective)."""
-        model_sd, optimizer_sd = dist_.gather_state(self.model, self.optimizer, self.state_fn, self.rank)
+        """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is
+        collective)."""
+        model_sd, optimizer_sd = dist_.gather_state(self.model, self.optimizer, self.state_fn,
+                                                    self.rank)
         if not best:
             self.saved_step = self.step
         if not self.is_main:
             return None
-        RunDir(self.run_dir).check_held()  # never into a folder that replaced the one this run locked
+        # never into a folder that replaced the one this run locked
+        RunDir(self.run_dir).check_held()
         path = RunDir(self.run_dir).best if best else self.ckpt_root / ckpt.step_name(self.step)
         try:
             ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
                                  {"kind": BEST if best else "step", "val_loss": self.best_val_loss})
-        except Exception as e:  # torch.save and safetensors report a full disk as their own errors, not OSError
+        # torch.save and safetensors report a full disk as their own errors, not OSError
+        except Exception as e:
             # a full disk or a lost mount: the half-written folder is gone already (atomic_output)
             raise self._write_failed(f"checkpoint {path}", e) from e
         if not best:
@@ -460,16 +294,20 @@ class Trainer(TrainStep):
     def resume(self, path: Path, verified: bool = False) -> None:
         sd, state, _ = ckpt.load_checkpoint(path, verify=not verified)
         if "optimizer" not in state:
-            raise TrainingError(f"checkpoint {path} holds the weights only (a download, without state.pt): training "
-                                "cannot resume from it; copy the whole checkpoint from Drive, or use a new run folder")
-        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict(), RESUMABLE_CHANGES)
+            raise TrainingError(f"checkpoint {path} holds the weights only (a download, without "
+                                "state.pt): training cannot resume from it; copy the whole "
+                                "checkpoint from Drive, or use a new run folder")
+        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict(),
+                                   RESUMABLE_CHANGES)
         if diffs:
-            raise TrainingError(f"checkpoint {path} was written with a different training configuration:\n  "
-                                + "\n  ".join(diffs) + "\nresume with the same settings, or use a new run folder")
-        # What exact resume needs, each for its reason: the weights and the optimizer's moments (the next
-        # update), the fp16 scaler's scale (the next step's overflow check), the sampler's position (the next
-        # batch: the order itself follows from the seed, see WindowSampler), and every RNG (dropout, sampling).
-        # The learning rate needs nothing of its own: lr_at sets it from the step before every update.
+            raise TrainingError(f"checkpoint {path} was written with a different training "
+                                "configuration:\n  " + "\n  ".join(diffs)
+                                + "\nresume with the same settings, or use a new run folder")
+        # What exact resume needs, each for its reason: the weights and the optimizer's moments (the
+        # next update), the fp16 scaler's scale (the next step's overflow check), the sampler's
+        # position (the next batch: the order itself follows from the seed, see WindowSampler), and
+        # every RNG (dropout, sampling). The learning rate needs nothing of its own: lr_at sets it
+        # from the step before every update.
         dist_.load_state(self.model, self.optimizer, sd, state["optimizer"], self.load_state_fn)
         self.scaler.load_state_dict(state["scaler"])
         self.train_source.load_state_dict(state["sampler"])  # the sampler's order goes on from here
@@ -483,7 +321,8 @@ class Trainer(TrainStep):
         self.last_loss = step.loss_sum.item() / max(step.n_targets, 1)
         self._check_finite(self.last_loss)
         self.tokens_per_s = self.throughput.rate()
-        m = {"step": self.step, "loss": round(self.last_loss, 6), "lr": step.lr, "grad_norm": float(step.grad_norm),
+        m = {"step": self.step, "loss": round(self.last_loss, 6), "lr": step.lr,
+             "grad_norm": float(step.grad_norm),
              "tokens": self.step * self.cfg.tokens_per_step,
              "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None}
         if self.device.type == "cuda":
@@ -520,22 +359,25 @@ class Trainer(TrainStep):
     def _raise_peer_failure(self, e: Exception) -> None:
         """Under torchrun, a dead or hung peer becomes one message that says how to resume."""
         if self.world_size > 1 and not isinstance(e, TrainingError) and dist_.is_peer_failure(e):
-            raise TrainingError(f"process {self.rank} of {self.world_size} lost its peers at step {self.step} "
-                                f"({type(e).__name__}: {str(e)[:160]}...): another "
+            raise TrainingError(f"process {self.rank} of {self.world_size} lost its peers at step "
+                                f"{self.step} ({type(e).__name__}: {str(e)[:160]}...): another "
                                 "process of this job died or hung (torchrun's report names it). "
-                                + self._where_to_resume("run the same command again, with any number of "
-                                                        "processes")) from e
+                                + self._where_to_resume("run the same command again, with any "
+                                                        "number of processes")) from e
 
     def _write_failed(self, what: str, e: BaseException) -> TrainingError:
-        disk_full = getattr(e, "errno", None) == errno.ENOSPC or any(m in str(e) for m in _DISK_FULL)
+        disk_full = (getattr(e, "errno", None) == errno.ENOSPC
+                     or any(m in str(e) for m in _DISK_FULL))
         why = (f"the disk is full ({os.strerror(errno.ENOSPC)})" if disk_full
                else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return TrainingError(f"could not write {what} at step {self.step}: {why}. "
-                             + self._where_to_resume("free some disk space and run the same command again"))
+                             + self._where_to_resume("free some disk space and run the same "
+                                                     "command again"))
 
     def _where_to_resume(self, then: str) -> str:
-        """The end of a failure's message: the last good checkpoint and `then` (what to do) to resume from it, or,
-        with none saved yet, that the same `then` starts the run again from step 0 (never "checkpoint None")."""
+        """The end of a failure's message: the last good checkpoint and `then` (what to do) to
+        resume from it, or, with none saved yet, that the same `then` starts the run again from step
+        0 (never "checkpoint None")."""
         last = self.last_saved or ckpt.latest_valid(self.ckpt_root)
         if last is None:
             return f"No checkpoint was saved yet: {then} to start again from step 0"
@@ -545,43 +387,23 @@ class Trainer(TrainStep):
         if math.isfinite(value):
             return
         if what == "gradient norm" and self.precision.use_scaler:
-            return  # fp16: the scaler skipped this step and lowered its scale; the weights are intact
+            # fp16: the scaler skipped this step and lowered its scale; the weights are intact
+            return
         last = self.last_saved or ckpt.latest_valid(self.ckpt_root)
         change = "a lower learning rate (--set train.lr=...)" + (
             " or precision bf16/fp32 instead of fp16" if self.precision.use_scaler else "")
-        if last is None:  # a first try that saved nothing leaves nothing behind: the same folder takes new settings
-            raise TrainingError(f"the {what} became {value} at step {self.step}, before any checkpoint was saved: "
-                                f"run again with {change}; it starts from step 0")
-        # the rate and the precision are part of a run's configuration: a run folder with checkpoints keeps its own
-        raise TrainingError(f"the {what} became {value} at step {self.step}; nothing was saved after it. The last good "
-                            f"checkpoint is {last}. Train with {change} in a new run folder (--run-dir): this one "
-                            "keeps the settings it began with")
+        # a first try that saved nothing leaves nothing behind: the same folder takes new settings
+        if last is None:
+            raise TrainingError(f"the {what} became {value} at step {self.step}, before any "
+                                f"checkpoint was saved: run again with {change}; it starts from "
+                                "step 0")
+        # the rate and the precision are part of a run's configuration: a run folder with
+        # checkpoints keeps its own
+        raise TrainingError(f"the {what} became {value} at step {self.step}; nothing was saved "
+                            f"after it. The last good checkpoint is {last}. Train with {change} in "
+                            "a new run folder (--run-dir): this one keeps the settings it began "
+                            "with")
 
-
-
-def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> float:
-    """Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps; or, "wsd", lr held
-    until the last decay_fraction of the steps, then a straight line to min_lr at the last step.
-    `max_steps`: the run's length where it is not the recipe's (a time budget decides it), None while
-    undecided: until the decay, wsd's rate does not depend on it, so a budget may decide it late."""
-    n = cfg.max_steps if max_steps == "recipe" else max_steps
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "wsd":
-        start = decay_start(n, cfg.decay_fraction) if n is not None else None
-        if start is None or step < start:
-            return cfg.lr
-        progress = min(1.0, (step - start) / max(1, n - 1 - start))
-        return cfg.lr + (cfg.min_lr - cfg.lr) * progress
-    span = max(1, n - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str = "auto") -> torch.Tensor:
-    """A tinygpt GPT's summed token loss: summed, not averaged, so that the step can divide by the target
-    tokens of all its micro-batches together (see `TrainStep.optimizer_step`)."""
-    return model(x, y, reduction="sum", loss=loss)
 
 
 def rng_state() -> dict[str, Any]:
@@ -589,7 +411,8 @@ def rng_state() -> dict[str, Any]:
     loads with `torch.load(weights_only=True)` and can never run code."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    s = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+    s = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                    "gauss": gauss},
          "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                    "has_gauss": int(has_gauss), "cached": float(cached)},
          "torch": torch.get_rng_state()}
@@ -601,8 +424,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(s: dict[str, Any]) -> None:
     py, npy = s["python"], s["numpy"]
     random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached"]))
     torch.set_rng_state(s["torch"])
     if "cuda" in s and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])

@@ -1,0 +1,211 @@
+"""One optimizer step, and what it needs: the model compiled (whole, or block by block), the batch
+source, the learning-rate schedule.
+
+`TrainStep` is one optimizer step and nothing else: `grad_accum_steps` micro-batches whose summed
+token losses are divided by the number of target tokens in the whole step, so accumulation gives the
+same gradient as one big batch (also when prompt tokens are masked). The probe and the benchmarks
+time it; the Trainer (`tinygpt.train.trainer`) runs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from tinygpt.core.config import TrainConfig
+from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
+from tinygpt.model.gpt import GPT
+from tinygpt.model.losses import IGNORE_INDEX
+from tinygpt.train import distributed as dist_
+from tinygpt.train.budget import decay_start
+from tinygpt.train.distributed import Ranks
+from tinygpt.train.optim import build_optimizer
+from tinygpt.train.sampler import batch_to_device
+
+
+def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of transformer blocks, as the model declares it: a tinygpt GPT's
+    `blocks()`, or in a Hugging Face model the `nn.ModuleList` of the layer classes its
+    `_no_split_modules` names (transformers' list of the layers kept whole), under `FinetuneLoss`
+    and PEFT's wrappers too. None if the model declares none."""
+    for module in model.modules():
+        if isinstance(module, GPT):
+            return module.blocks()
+        declared = set(getattr(module, "_no_split_modules", None) or ())
+        if declared:
+            for sub in module.modules():
+                if (isinstance(sub, torch.nn.ModuleList) and len(sub) > 0
+                        and all(type(m).__name__ in declared for m in sub)):
+                    return sub
+    return None
+
+
+def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """The model to run steps with. "regional": each transformer block compiled in place (identical
+    blocks share one compiled graph, so compile time does not grow with depth; the embedding, the
+    head and the loss run eagerly); otherwise the whole model, as one graph."""
+    blocks = transformer_blocks(model) if mode == "regional" else None
+    if blocks is not None:
+        for block in blocks:
+            block.compile()
+        return model
+    return torch.compile(model)
+
+
+def eager():
+    """Run compiled code eagerly inside this block (no compile, no recompile), where torch can."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
+class BatchSource(Protocol):
+    """Batches are (x, y) or (x, y, *extra): extra tensors (e.g. position ids of packed records) go
+    to `loss_fn` after y."""
+    def next_batch(self, batch_size: int, rank: int = 0,
+                   world_size: int = 1) -> tuple[torch.Tensor, ...]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+
+
+@dataclass
+class ModelIO:
+    """How the trainer takes a model's loss and saves it, where that is not a tinygpt GPT's way.
+    `loss_fn(model, x, y, *extra)` returns the summed token loss (extra: tensors a batch carries
+    after y); `state_fn` / `load_state_fn` choose what a checkpoint holds (only the adapters, for
+    LoRA)."""
+    loss_fn: Callable | None = None
+    state_fn: Callable | None = None
+    load_state_fn: Callable | None = None
+
+
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step leaves on the device for the actions after it (nothing is read back
+    yet)."""
+    lr: float
+    loss_sum: torch.Tensor   # summed token loss of the step (this rank's, until reduced)
+    n_targets: int           # target tokens of the whole global step
+    grad_norm: torch.Tensor
+
+
+class TrainStep:
+    """The optimizer step of `model` on batches from `source`, and nothing else: no run folder, no
+    logging. The probe and the benchmarks time it; the Trainer runs it. Device and precision come
+    from `cfg` (`device`, `precision`); with `ranks.world_size` > 1 (an initialised process group,
+    see `tinygpt.train.distributed`) `cfg` is the global batch and this rank trains its share with
+    DDP or FSDP2."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, source: BatchSource,
+                 io: ModelIO | None = None, ranks: Ranks | None = None):
+        io, ranks = io or ModelIO(), ranks or Ranks()
+        self.cfg, self.train_source, self.ranks = cfg, source, ranks
+        self.rank, self.world_size = ranks.rank, ranks.world_size
+        self.device = resolve_device(cfg.device)
+        self.precision = choose_precision(self.device, cfg.precision)
+        self.model = model.to(self.device)
+        self.loss_fn = io.loss_fn or functools.partial(default_loss, loss=cfg.loss)
+        # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
+        self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
+            cfg.micro_batch_size, cfg.grad_accum_steps, ranks.world_size)
+        self.step = 0
+        self.max_steps: int | None = cfg.max_steps  # None while a time budget has not decided it
+        if self.device.type == "cuda":
+            enable_tf32()
+        self.use_compile = cfg.compile in ("on", "regional") or (
+            cfg.compile == "auto" and self.device.type == "cuda")
+        # The compiled wrapper runs the steps; self.model (uncompiled, same parameters) is what
+        # is saved, so checkpoint keys never carry `_orig_mod.`.
+        if ranks.world_size > 1:  # before the optimizer: FSDP2 replaces the parameters by shards
+            dist_.check_parallel(ranks.parallel, cfg.optimizer, ranks.world_size,
+                                 custom_state=io.state_fn is not None)
+            self.forward_model, self.eval_model = dist_.wrap_model(
+                self.model, ranks.parallel, self.device, self.use_compile)
+        else:
+            self.forward_model = (compiled(self.model, cfg.compile) if self.use_compile
+                                  else self.model)
+            # Evaluation runs eagerly: a no-grad graph would be a second compile (75 s for 124M on
+            # an H100) for a few forward passes per eval_every steps, and under "regional" a
+            # recompile.
+            self.eval_model = self.model
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        self.scaler = dist_.grad_scaler(self.precision, self.model)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._loss_sum = torch.zeros((), device=self.device)
+
+    def optimizer_step(self) -> StepResult:
+        """One optimizer step over `grad_accum_steps` micro-batches. Nothing is read back from the
+        device."""
+        lr = lr_at(self.step, self.cfg, self.max_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)
+        micro = [self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
+                 for _ in range(self.grad_accum_steps)]
+        # The loss normalisation: each micro-batch's loss is a sum over its tokens, and the step
+        # divides by the target tokens of the whole (global) step, counted on the host before any
+        # forward (no sync). A mean per micro-batch would weigh a short or heavily masked
+        # micro-batch (prompt tokens are IGNORE_INDEX in finetuning) as much as a full one; this way
+        # accumulation, or W ranks, give the gradient of one big batch. DDP / FSDP2 average
+        # gradients over ranks, hence the factor W:
+        #   grad = sum over ranks r and micro-batches m of d(loss_sum[r, m]) * W / n_global / W
+        #        = d(sum of every target token's loss) / n_global, the mean over the global batch.
+        n_targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro)
+        n_global = dist_.agree_sum([n_targets])[0] if self.world_size > 1 else n_targets
+        # The logged loss is this step's own (not an average since the last log), so a run
+        # resumed between two logs writes the same numbers as one never stopped.
+        self._loss_sum.zero_()
+        for i, batch in enumerate(micro):
+            x, y, *extra = self._batch_to_device(*batch)
+            with (dist_.gradient_sync(self.forward_model, self.model, i == len(micro) - 1),
+                  self.precision.autocast()):
+                loss_sum = self.loss_fn(self.forward_model, x, y, *extra)
+                self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
+            self._loss_sum += loss_sum.detach().float()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = dist_.local_value(torch.nn.utils.clip_grad_norm_(self._params,
+                                                                     self.cfg.grad_clip))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return StepResult(lr, self._loss_sum, n_global, grad_norm)
+
+    def _batch_to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # contiguous, pinned: the copy overlaps compute
+        return batch_to_device(tensors, self.device)
+
+
+def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> float:
+    """Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps; or, "wsd", lr
+    held until the last decay_fraction of the steps, then a straight line to min_lr at the last
+    step. `max_steps`: the run's length where it is not the recipe's (a time budget decides it),
+    None while undecided: until the decay, wsd's rate does not depend on it, so a budget may decide
+    it late."""
+    n = cfg.max_steps if max_steps == "recipe" else max_steps
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "wsd":
+        start = decay_start(n, cfg.decay_fraction) if n is not None else None
+        if start is None or step < start:
+            return cfg.lr
+        progress = min(1.0, (step - start) / max(1, n - 1 - start))
+        return cfg.lr + (cfg.min_lr - cfg.lr) * progress
+    span = max(1, n - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 loss: str = "auto") -> torch.Tensor:
+    """A tinygpt GPT's summed token loss: summed, not averaged, so that the step can divide by the
+    target tokens of all its micro-batches together (see `TrainStep.optimizer_step`)."""
+    return model(x, y, reduction="sum", loss=loss)
+
+
