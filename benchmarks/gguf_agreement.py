@@ -117,7 +117,7 @@ KINDS = {  # name: recipe overrides of cpu-smoke
 
 
 def train_runs(root: Path, steps: int, finetune_steps: int) -> dict[str, Path]:
-    from tinygpt.finetune.lora import finetune
+    from tinygpt.finetune.run import finetune
     from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
     from tinygpt.train.pretrain import pretrain
 

@@ -51,26 +51,17 @@ from tinygpt.core.config import GPT2_VOCAB_PADDED  # noqa: E402
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device  # noqa: E402
 from tinygpt.core.recipes import MODEL_SIZES, model_config  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
-from tinygpt.finetune.lora import (  # noqa: E402
-    FinetuneLoss,
-    attach_lora,
-    check_qlora,
-    detect_hardware,
-    get_finetune_recipe,
-    load_base,
-    load_tokenizer,
-    memory_gb_of,
-    module_loss,
-    plan_finetune,
-)
-from tinygpt.finetune.recipes import base_config  # noqa: E402
+from tinygpt.finetune.lora import attach_lora, load_base, load_tokenizer  # noqa: E402
+from tinygpt.finetune.loss import FinetuneLoss, module_loss  # noqa: E402
+from tinygpt.finetune.plan import base_config, memory_gb_of, plan_finetune  # noqa: E402
+from tinygpt.finetune.recipes import check_qlora, detect_hardware, get_finetune_recipe  # noqa: E402
 from tinygpt.finetune.stdlib_instructions import stdlib_instructions  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.hf import export_model  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402
 from tinygpt.model.tokenizer import load_gpt2, train_bpe  # noqa: E402
 from tinygpt.train.probe import RandomBatches  # noqa: E402
-from tinygpt.train.step import ModelIO, TrainStep  # noqa: E402
+from tinygpt.train.trainer import ModelIO, TrainStep  # noqa: E402
 
 
 def make_base(args, folder: Path, records: list[dict]) -> Path:

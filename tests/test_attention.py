@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tests.test_probe import saved_bytes
 from tinygpt.core.config import ModelConfig
 from tinygpt.core.recipes import model_config
-from tinygpt.finetune.recipes import memory_table
+from tinygpt.finetune.plan import memory_table
 from tinygpt.model import attention
 from tinygpt.model.attention import attention_kernel, torch_version
 from tinygpt.model.gpt import GPT, KVCache
@@ -201,7 +201,9 @@ def test_the_finetuning_plan_counts_expanded_keys_on_a_t4():
 def test_a_finetuned_base_on_a_t4_compiles_as_one_graph(monkeypatch, tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from tinygpt.finetune.lora import FinetuneLoss, LoraSettings, attach_lora, load_base  # needs transformers
+    from tinygpt.finetune.lora import attach_lora, load_base  # needs transformers
+    from tinygpt.finetune.loss import FinetuneLoss
+    from tinygpt.finetune.recipes import LoraSettings
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2)).save_pretrained(tmp_path)

@@ -26,7 +26,7 @@ from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.checkpoint import CheckpointError
 from tinygpt.core.rundir import RunDir, RunDirError
 from tinygpt.evals import code
-from tinygpt.finetune.instruct import load_records, record_segments
+from tinygpt.finetune.records import load_records, record_segments
 from tinygpt.train.data import DataError
 from tinygpt.train.pretrain import pretrain
 

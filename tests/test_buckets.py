@@ -17,9 +17,10 @@ from tinygpt.model.tokenizer import train_bpe
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tinygpt.finetune.lora import FinetuneLoss, LoraSettings, attach_lora, get_finetune_recipe, module_loss  # noqa: E402
-from tinygpt.train.step import ModelIO  # noqa: E402
-from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
+from tinygpt.finetune.lora import attach_lora  # noqa: E402
+from tinygpt.finetune.loss import FinetuneLoss, module_loss  # noqa: E402
+from tinygpt.finetune.recipes import LoraSettings, get_finetune_recipe  # noqa: E402
+from tinygpt.train.trainer import ModelIO, TrainData, Trainer  # noqa: E402
 
 
 def test_bucket_lengths():
@@ -99,7 +100,7 @@ def test_an_old_bitsandbytes_trains_qlora_eagerly_and_says_so(tmp_path, monkeypa
 
     import bitsandbytes
 
-    from tinygpt.finetune import lora
+    from tinygpt.finetune.run import finetune
     records = stdlib_instructions(60)
     (tmp_path / "data.json").write_text(json.dumps(records))
     tok = train_bpe([r["instruction"] + "\n" + r["output"] for r in records], vocab_size=512)
@@ -113,7 +114,7 @@ def test_an_old_bitsandbytes_trains_qlora_eagerly_and_says_so(tmp_path, monkeypa
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda *a, **k: compiled.append(a) or pytest.fail("QLoRA was compiled"))
     with pytest.warns(UserWarning, match=r"^QLoRA runs eagerly: .*bitsandbytes >= 0\.46"):
-        res = lora.finetune("qlora-r16", str(base), str(tmp_path / "data.json"), tmp_path / "run", hardware="cpu",
-                            train=dict(max_steps=1, eval_every=0, save_every=1, seq_len=256, compile="on"),
-                            progress=False)
+        res = finetune("qlora-r16", str(base), str(tmp_path / "data.json"), tmp_path / "run", hardware="cpu",
+                       train=dict(max_steps=1, eval_every=0, save_every=1, seq_len=256, compile="on"),
+                       progress=False)
     assert res.train.step == 1 and not compiled

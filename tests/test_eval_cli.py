@@ -158,7 +158,8 @@ def test_hub_data_without_a_network_says_what_works_offline(run):
 
 def test_a_finetuning_run_is_evaluated_with_its_adapter(run, shared_data, tmp_path, capsys):
     pytest.importorskip("peft")
-    from tinygpt.finetune.lora import finetune, load_finetuned
+    from tinygpt.finetune.lora import load_finetuned
+    from tinygpt.finetune.run import finetune
 
     ft = tmp_path / "ft"
     finetune("lora-r8", str(run), str(shared_data / "code_alpaca_2k.json"), ft, max_steps=2, hardware="cpu",

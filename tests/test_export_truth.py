@@ -15,7 +15,7 @@ import torch
 
 from tinygpt.cli import main
 from tinygpt.core.recipes import get_recipe
-from tinygpt.finetune.instruct import Codec, format_prompt
+from tinygpt.model.prompts import Codec, format_prompt
 from tinygpt.publish.card import AMX_NOTE
 from tinygpt.publish.export import export
 from tinygpt.publish.source import trained_context
@@ -41,7 +41,7 @@ def run(tmp_path_factory, shared_data) -> Path:
 
 @pytest.fixture(scope="module")
 def lora_run(run, shared_data, tmp_path_factory) -> Path:
-    from tinygpt.finetune.lora import finetune
+    from tinygpt.finetune.run import finetune
 
     ft = tmp_path_factory.mktemp("truth-ft") / "ft"
     finetune("lora-r8", str(run), str(shared_data / "code_alpaca_2k.json"), ft, hardware="cpu", progress=False,
@@ -284,7 +284,7 @@ def test_llama_cpp_greedy_tokens_of_a_full_finetune_at_f16_equal_its_hf_exports(
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
     import transformers
 
-    from tinygpt.finetune.lora import finetune
+    from tinygpt.finetune.run import finetune
 
     finetune("full", str(run), str(shared_data / "code_alpaca_2k.json"), tmp_path / "full", hardware="cpu",
              progress=False, train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=3,
@@ -303,7 +303,8 @@ def test_llama_cpp_greedy_tokens_of_a_full_finetune_at_f16_equal_its_hf_exports(
 
 def test_a_finetuned_gguf_answers_an_instruction_as_generate_adapter_does(lora_run, tmp_path):
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
-    from tinygpt.finetune.lora import generate_response, load_finetuned
+    from tinygpt.finetune.lora import load_finetuned
+    from tinygpt.model.generate import generate_response
 
     merged, tok = load_finetuned(lora_run, merge=True)
     want = generate_response(merged, tok, INSTRUCTION, max_new_tokens=24)  # `tinygpt generate --adapter`, greedy

@@ -19,22 +19,15 @@ transformers = pytest.importorskip("transformers")
 
 from tinygpt.core.recipes import model_config  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
-from tinygpt.finetune.lora import (  # noqa: E402
-    FinetuneLoss,
-    LoraSettings,
-    attach_lora,
-    causal_lm_loss,
-    finetune,
-    get_finetune_recipe,
-    load_base,
-    module_loss,
-)
-from tinygpt.finetune.recipes import device_need_gb, memory_table, plan_finetune  # noqa: E402
+from tinygpt.finetune.lora import attach_lora, load_base  # noqa: E402
+from tinygpt.finetune.loss import FinetuneLoss, causal_lm_loss, module_loss  # noqa: E402
+from tinygpt.finetune.plan import device_need_gb, memory_table, plan_finetune  # noqa: E402
+from tinygpt.finetune.recipes import LoraSettings, get_finetune_recipe  # noqa: E402
+from tinygpt.finetune.run import finetune  # noqa: E402
 from tinygpt.finetune.stdlib_instructions import stdlib_instructions  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
-from tinygpt.train.step import ModelIO  # noqa: E402
-from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
+from tinygpt.train.trainer import ModelIO, TrainData, Trainer  # noqa: E402
 
 SEQ = 256
 TRAIN = dict(seq_len=SEQ, micro_batch_size=2, grad_accum_steps=2, max_steps=2, warmup_steps=1, lr=3e-3,

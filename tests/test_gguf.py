@@ -277,7 +277,7 @@ def test_the_token_comes_from_colabs_secrets(monkeypatch):
 
 @pytest.fixture(scope="module")
 def lora_run(run, shared_data, tmp_path_factory) -> Path:
-    from tinygpt.finetune.lora import finetune
+    from tinygpt.finetune.run import finetune
 
     ft = tmp_path_factory.mktemp("gguf-ft") / "ft"
     finetune("lora-r8", str(run), str(shared_data / "code_alpaca_2k.json"), ft, hardware="cpu", progress=False,
@@ -364,7 +364,7 @@ def test_llama_cpp_runs_a_trained_run_and_a_merged_finetune_as_tinygpt(run, lora
 def test_a_full_finetune_exports_its_whole_model(run, shared_data, tmp_path):
     from safetensors.numpy import load_file
 
-    from tinygpt.finetune.lora import finetune
+    from tinygpt.finetune.run import finetune
 
     finetune("full", str(run), str(shared_data / "code_alpaca_2k.json"), tmp_path / "full", hardware="cpu",
              progress=False, train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=3,

@@ -6,15 +6,10 @@ import json
 import pytest
 import torch
 
-from tinygpt.finetune.instruct import (
-    InstructSource,
-    build_instruct_data,
-    format_prompt,
-    load_records,
-    mbpp_instruction,
-    record_segments,
-)
+from tinygpt.finetune.instruct import InstructSource, build_instruct_data
+from tinygpt.finetune.records import load_records, mbpp_instruction, record_segments
 from tinygpt.model.losses import IGNORE_INDEX
+from tinygpt.model.prompts import format_prompt
 from tinygpt.model.tokenizer import train_bpe
 from tinygpt.train.data import DataError
 

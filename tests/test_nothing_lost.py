@@ -27,7 +27,7 @@ from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.sync.copy import copy_checkpoint
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.shard_writer import SHARD_TOKENS
-from tinygpt.train.stopping import closing
+from tinygpt.train.trainer import closing
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(max_steps=4, save_every=2, eval_every=2, progress=False, device="cpu")
@@ -325,7 +325,7 @@ def test_a_failed_write_of_run_json_stops_the_tokenizing_process(tmp_path, monke
 
 
 def test_a_failed_first_finetuning_try_leaves_no_base_and_the_fixed_one_runs(small_run, tmp_path, shared_data):
-    from tinygpt.finetune.lora import finetune
+    from tinygpt.finetune.run import finetune
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"no": "fields a record has"}] * 20))
     ft = tmp_path / "ft"

@@ -28,9 +28,9 @@ from tinygpt.core.rundir import FINETUNE_JSON, RunDir
 from tinygpt.core.units import count
 from tinygpt.evals.options import EvalOptions
 from tinygpt.evals.run import evaluate, report
-from tinygpt.finetune.lora import generate_response, load_finetuned, merge_adapter
+from tinygpt.finetune.lora import load_finetuned, merge_adapter
 from tinygpt.finetune.options import FinetuneOptions
-from tinygpt.model.generate import GenerateOptions, generate_text
+from tinygpt.model.generate import GenerateOptions, generate_response, generate_text
 from tinygpt.model.gpt import meta_model
 from tinygpt.model.loading import load_run
 from tinygpt.publish.export import ExportOptions
@@ -41,7 +41,7 @@ from tinygpt.train.budget import finished_run
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.init import default_recipe, pretrain_recipe
 from tinygpt.train.pretrain import PretrainOptions, check_budget_overrides, pretrain
-from tinygpt.train.report import ProbeOptions, probe_report
+from tinygpt.train.probe import ProbeOptions, probe_report
 from tinygpt.train.trainer import TrainingError
 
 

@@ -1,12 +1,12 @@
 """`tinygpt finetune`'s options: each field is one option (core/options.py) and, but `merge`, a keyword of
-`lora.finetune` of the same name, so a new option is a field here and a keyword there."""
+`run.finetune` of the same name, so a new option is a field here and a keyword there."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
 from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.options import option
-from tinygpt.finetune.lora import FinetuneResult, finetune
+from tinygpt.finetune.run import FinetuneResult, finetune
 
 
 @dataclass(kw_only=True)

@@ -8,9 +8,12 @@ the math kernel, which builds the full T x T attention matrix per head; with key
 query heads first, the memory-efficient kernel (CUDA) or flash (CPU) serves instead. `attention_kernel` is
 that decision as a pure function of the device's description; `expand_kv` applies it to a live tensor; the
 memory estimate (`train.memory`) counts what it decides. For Hugging Face bases `EXPANDING_SDPA` is the same
-rule as a transformers attention implementation (`use_expanding_sdpa`).
+rule as a transformers attention implementation (`use_expanding_sdpa`); `hf_attention` picks a
+base's.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -117,3 +120,10 @@ def use_expanding_sdpa() -> str:
     AttentionInterface.register(EXPANDING_SDPA, _expanding_sdpa)
     ALL_MASK_ATTENTION_FUNCTIONS.register(EXPANDING_SDPA, sdpa_mask)
     return EXPANDING_SDPA
+
+
+def hf_attention(config: Any) -> str:
+    """The attention implementation a transformers model (its config) loads with here: eager where
+    the logits are soft-capped (Gemma-2: sdpa ignores its soft-capping), else sdpa with GQA
+    keys/values expanded where no fused kernel takes them grouped (`use_expanding_sdpa`: a T4)."""
+    return "eager" if getattr(config, "final_logit_softcapping", None) else use_expanding_sdpa()

@@ -1,12 +1,19 @@
-"""Sampling with the KV cache: temperature, top-k, top-p, stop at end-of-text."""
+"""Sampling with the KV cache: temperature, top-k, top-p, stop at end-of-text. And a transformers
+model's answers to instructions, in the prompt format it was finetuned with (`model.prompts`): one
+answer (`generate_response`), or a few before and after finetuning (`compare_generations`)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
 from tinygpt.core.options import option
+from tinygpt.model.attention import hf_attention
 from tinygpt.model.gpt import GPT, KVCache
+from tinygpt.model.hf import from_pretrained
+from tinygpt.model.prompts import Codec, format_prompt
 
 
 @dataclass(kw_only=True)
@@ -105,3 +112,65 @@ def generate_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int = 200,
     if stop_at_eot and tokenizer.eot_id in out[ids.size(1):]:
         out = out[: ids.size(1) + out[ids.size(1):].index(tokenizer.eot_id)]
     return tokenizer.decode(out)
+
+
+# ----- a transformers model's answers to instructions --------------------------------------------
+@torch.no_grad()
+def generate_response(model, tokenizer, instruction: str, input: str = "", *,
+                      template: str = "alpaca", max_new_tokens: int = 128, temperature: float = 0.0,
+                      top_p: float | None = None) -> str:
+    """A transformers (or PEFT) model's answer to one instruction (greedy when temperature is 0)."""
+    codec = Codec(tokenizer)
+    ids = codec.encode_examples([[(format_prompt(instruction, input, template), False)]])[0][0]
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    kw: dict[str, Any] = {"do_sample": temperature > 0}
+    if temperature > 0:
+        kw.update(temperature=temperature, top_p=top_p)
+    context = getattr(model.config, "max_position_embeddings", None)
+    # past the context the base was trained on, tokens are noise (and transformers warns)
+    if context:
+        max_new_tokens = max(1, min(max_new_tokens, context - len(ids)))
+    # use_cache: training with activation checkpointing switched the config's default off
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
+                         max_new_tokens=max_new_tokens, eos_token_id=codec.eos_id,
+                         pad_token_id=codec.pad_id, use_cache=True, **kw)
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+@dataclass
+class Generations:
+    """Answers to a few instructions before and after finetuning; prints as text."""
+    rows: list[tuple[str, str, str]]  # (instruction, before, after)
+
+    def __str__(self) -> str:
+        return "\n\n".join(f"### {i}\n--- before (the base) ---\n{b.strip()}\n"
+                           f"--- after (with the adapter) ---\n{a.strip()}"
+                           for i, b, a in self.rows)
+
+    __repr__ = __str__
+
+
+def compare_generations(model, tokenizer, instructions: Sequence[str], *, template: str = "alpaca",
+                        max_new_tokens: int = 96, base: str | None = None) -> Generations:
+    """Greedy answers of a PEFT model with its adapter switched off (exactly the base: LoRA leaves
+    the base weights alone, and no second copy of the base is loaded) and on. A fully finetuned
+    model has no adapter to switch off: `base` (`FinetuneResult.base_path`) is then loaded beside it
+    to answer first."""
+    adapter = hasattr(model, "disable_adapter")
+    if not adapter:
+        if base is None:
+            raise ValueError("a fully finetuned model has no adapter to switch off: "
+                             "pass base=result.base_path")
+        config = from_pretrained("AutoConfig", base)
+        original = from_pretrained("AutoModelForCausalLM", base, dtype=torch.float32,
+                                   attn_implementation=hf_attention(config)).eval()
+    rows = []
+    for instruction in instructions:
+        with model.disable_adapter() if adapter else contextlib.nullcontext():
+            before = generate_response(model if adapter else original, tokenizer, instruction,
+                                       template=template, max_new_tokens=max_new_tokens)
+        after = generate_response(model, tokenizer, instruction, template=template,
+                                  max_new_tokens=max_new_tokens)
+        rows.append((instruction, before, after))
+    return Generations(rows)

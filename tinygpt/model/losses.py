@@ -15,11 +15,15 @@ matmuls as the plain loss (no recomputation), and peak memory holds one chunk of
 
 It is a `torch.autograd.Function`, so a head weight tied to the embedding receives this gradient
 through autograd and it adds to the embedding's own, and it traces under `torch.compile`.
+
+`softcapped_loss` is the same loss for a head whose logits are soft-capped (Gemma-2), a chunk of
+rows at a time, each chunk recomputed in the backward pass.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # targets with this value carry no loss (prompt tokens, padding); the one definition
 
@@ -130,3 +134,24 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         return loss_sum
     # A tensor division, no .item(): no host-device sync in the training loop.
     return loss_sum / (t != ignore_index).sum()
+
+
+def softcapped_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
+                    *, chunk_rows: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy of Gemma-2's logits cap * tanh(hidden @ weight.T / cap), a chunk of rows
+    at a time. Each chunk's logits are recomputed in the backward pass instead of kept: one more
+    head matmul buys the (tokens, 256k vocab) logits that would not fit a T4 next to the model.
+    chunk_rows: None picks by size (`default_chunk_rows`), 0 takes the full logits."""
+
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    rows = default_chunk_rows(h.shape[0], weight.shape[0]) if chunk_rows is None else chunk_rows
+
+    def part(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        z = F.linear(hc, weight).float()
+        return F.cross_entropy(cap * torch.tanh(z / cap), tc, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    if rows <= 0 or rows >= h.shape[0]:
+        return part(h, t)
+    return sum(checkpoint(part, h[i:i + rows], t[i:i + rows], use_reentrant=False)
+               for i in range(0, h.shape[0], rows))

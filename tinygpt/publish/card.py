@@ -24,7 +24,7 @@ from tinygpt.core.files import read_text_safe
 from tinygpt.core.paths import is_hub
 from tinygpt.core.rundir import EVALS_JSONL, METRICS, RunDir, parse_jsonl
 from tinygpt.evals.tasks import TASKS
-from tinygpt.finetune.instruct import TEMPLATES
+from tinygpt.model.prompts import TEMPLATES
 from tinygpt.publish.source import run_kind, run_template, trained_context
 
 CARD = "README.md"

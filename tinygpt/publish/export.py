@@ -23,9 +23,9 @@ from typing import Any
 from tinygpt.core.checkpoint import RunCheckpoint
 from tinygpt.core.files import atomic_output
 from tinygpt.core.options import option
-from tinygpt.core.rundir import FULL_MODEL_DIR
-from tinygpt.finetune.lora import _adapter_dir, export_full, merge_adapter
-from tinygpt.finetune.recipes import ADAPTER_INFO
+from tinygpt.core.rundir import ADAPTER_INFO, FULL_MODEL_DIR
+from tinygpt.finetune.lora import adapter_folder, merge_adapter
+from tinygpt.finetune.run import export_full
 from tinygpt.model import gguf as gg
 from tinygpt.model.hf import check_export_target, export_model, from_pretrained, set_prompt_format
 from tinygpt.publish.card import AMX_NOTE, CARD, model_card
@@ -110,7 +110,7 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str
     kind = run_kind(run_dir)
     ctx = _context(run_dir, context)
     if kind == "finetune":
-        _adapter_dir(run_dir)  # no adapter yet: say so before merging anything
+        adapter_folder(run_dir)  # no adapter yet: say so before merging anything
     if fmt == "hf" and kind != "pretrain":
         with atomic_output(out, folder=True) as tmp:
             if kind == "finetune":

@@ -17,10 +17,12 @@ from tinygpt.core.checkpoint import STATE_FILE, find_run_checkpoint
 from tinygpt.core.config import Recipe
 from tinygpt.core.paths import is_hub
 from tinygpt.core.rundir import FULL_MODEL_DIR, MERGED_DIR, RunDir, missing_run_message
-from tinygpt.finetune.instruct import TEMPLATES, Codec
-from tinygpt.finetune.lora import FinetuneError, export_full, is_full_finetune, merge_adapter
+from tinygpt.finetune.lora import merge_adapter
+from tinygpt.finetune.recipes import FinetuneError
+from tinygpt.finetune.run import export_full, is_full_finetune
 from tinygpt.model.hf import from_pretrained, import_hf
 from tinygpt.model.loading import load_run
+from tinygpt.model.prompts import TEMPLATES, Codec
 
 
 def run_kind(run_dir: Path) -> str:

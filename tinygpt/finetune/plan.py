@@ -1,0 +1,298 @@
+"""What a recipe needs with a given base, read from the base's config alone: the memory estimate
+(`memory_table`), the plan a run trains with (`plan_finetune`: activation checkpointing, full or
+chunked logits, packed rows), and the recipe to start from (`default_finetune_recipe`). Nothing here
+loads weights: a base's `config.json` (`base_config`, `base_config_dict`) is all it reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from tinygpt.core.config import Recipe
+from tinygpt.core.files import FileTooLarge, UnsafePathError
+from tinygpt.core.rundir import RunDir, recipe_name_of
+from tinygpt.finetune.recipes import (
+    FINETUNE_RECIPES,
+    FinetuneError,
+    FinetuneRecipe,
+    finetune_device,
+    get_finetune_recipe,
+    require_package,
+)
+from tinygpt.model.attention import attention_kernel, torch_version
+from tinygpt.model.hf import UntrustedModel, from_pretrained
+from tinygpt.model.tokenizer import UnsafeTokenizer
+from tinygpt.train.memory import overhead_gb
+
+# Families whose logits are exactly lm_head(hidden): their loss goes through the chunked
+# `losses.linear_cross_entropy` (no full (tokens, vocab) logits).
+PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"}
+# Families whose logits are cap * tanh(lm_head(hidden) / cap) (Gemma-2): chunked too, by
+# `losses.softcapped_loss`.
+SOFTCAP_HEAD_TYPES = {"gemma2"}
+# Families whose transformers implementation builds its attention mask with `masking_utils`, which
+# reads position ids that restart at 0 as record boundaries (attention stays inside each packed
+# record).
+PACKABLE_TYPES = PLAIN_HEAD_TYPES | SOFTCAP_HEAD_TYPES
+# A plan must fit this share of the device's memory (the rest is headroom, as for the default
+# recipe).
+FIT_FRACTION = 0.9
+
+
+def chunked_loss(config: dict[str, Any]) -> bool:
+    """Whether finetuning's loss avoids the full (tokens, vocab) logits for a base with this
+    config."""
+    model_type = config.get("model_type")
+    return model_type in PLAIN_HEAD_TYPES or model_type in SOFTCAP_HEAD_TYPES
+
+
+# ----- the base -----------------------------------------------------------------------------------
+def is_tinygpt_run(base: str | Path) -> bool:
+    return RunDir(Path(base).expanduser()).is_pretrain_run()
+
+
+def base_config(path: str):
+    """The `transformers` config of a base (a local folder or a Hub id): the cheap check that it
+    exists, and (`model.hf.from_pretrained`) that it is a model tinygpt loads, naming no code of its
+    own."""
+    require_package("transformers", "finetuning")
+
+    p = Path(path).expanduser()
+    if p.exists() and not (p / "config.json").is_file():
+        raise FinetuneError(f"base {path!r} is a folder with neither run.json (a tinygpt run) nor "
+                            "config.json (a Hugging Face model)")
+    if not p.exists() and (path.startswith(("/", ".", "~")) or path.count("/") > 1):
+        raise FinetuneError(f"base {path!r} does not exist: give a tinygpt run folder, a model "
+                            "folder or a Hub id such as google/gemma-2-2b")
+    try:
+        return from_pretrained("AutoConfig", path)
+    except (UntrustedModel, UnsafeTokenizer, UnsafePathError, FileTooLarge):
+        raise  # one line that names the file already
+    except Exception as e:
+        raise FinetuneError(f"could not load base model {path!r}: {type(e).__name__}: {e}\nCheck "
+                            "the folder or the Hub id and the network; gated models (Gemma, Llama) "
+                            "need their licence accepted on the Hub and `hf auth login` (or "
+                            "HF_TOKEN set)") from e
+
+
+def base_config_dict(base: str | Path) -> dict[str, Any]:
+    """A base's `config.json` as a dict (what `memory_table` reads), without loading any weights;
+    for a tinygpt run folder, that of the `LlamaForCausalLM` (or `Qwen3ForCausalLM`) it is exported
+    as."""
+    if is_tinygpt_run(base):
+        recipe = Recipe.from_dict(RunDir(Path(base).expanduser()).recipe_dict())
+        return {"model_type": recipe.model.family.model_type, **recipe.model.to_hf_llama()}
+    return base_config(str(base)).to_dict()
+
+
+# ----- memory -------------------------------------------------------------------------------------
+def checkpointing_rule(recipe: FinetuneRecipe, hardware: str) -> bool | None:
+    """The recipe's activation checkpointing on this hardware: True, False, or None (decided by
+    memory)."""
+    rule = recipe.activation_checkpointing
+    if isinstance(rule, str):
+        if rule not in ("auto", "on", "off"):
+            raise FinetuneError(f"activation_checkpointing must be auto, on or off, got {rule!r}")
+        return None if rule == "auto" else rule == "on"
+    return hardware in rule
+
+
+def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[str, Any], *,
+                 activation_checkpointing: bool | None = None,
+                 full_logits: bool | None = None) -> list[dict[str, Any]]:
+    """Estimated GPU memory (GB) of finetuning a base with a Llama-like `config.json` dict.
+    Activations: 2 bytes x tokens x (17 d_model + 5 d_ff) per layer (a layer with LoRA dropout and
+    flash attention); with activation checkpointing only the layer inputs plus one layer are held.
+    activation_checkpointing / full_logits: None gives the leanest the recipe allows (checkpointing
+    on a GPU unless the recipe says "off"; chunked logits where the family allows), the least a run
+    can need."""
+    recipe = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
+    c, cfg = base_config, recipe.train_config(hardware)
+    h = c.get("hidden_size") or c["n_embd"]
+    L = c.get("num_hidden_layers") or c["n_layer"]
+    nh = c.get("num_attention_heads") or c["n_head"]
+    hd = c.get("head_dim") or h // nh
+    nkv = c.get("num_key_value_heads") or nh
+    ff = c.get("intermediate_size") or c.get("n_inner") or 4 * h
+    V = c["vocab_size"]
+    shapes = {"q_proj": (h, nh * hd), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd),
+              "o_proj": (nh * hd, h), "gate_proj": (h, ff), "up_proj": (h, ff),
+              "down_proj": (ff, h)}
+    linear = L * sum(a * b for a, b in shapes.values())
+    emb = V * h * (1 if c.get("tie_word_embeddings", True) else 2)
+    if recipe.lora is None:  # full finetuning: every weight is trained
+        lora = linear + emb
+    else:
+        targets = recipe.lora.target_modules or tuple(shapes)
+        lora = L * sum(recipe.lora.r * sum(shapes[t]) for t in targets if t in shapes)
+    # full finetuning: fp32 weights (the optimizer updates them)
+    half = 4 if hardware == "cpu" or recipe.lora is None else 2
+    nf4 = recipe.quantize == "nf4"
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    layer_act = 2 * tokens * (17 * h + 5 * ff)
+    # Beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where
+    # no fused kernel takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T
+    # scores: fp32 softmax + a copy.
+    kernel = ("math" if c.get("final_logit_softcapping")
+              else attention_kernel(*finetune_device(hardware), torch_version(), hd))
+    if nkv < nh and kernel != "fused":
+        layer_act += 2 * tokens * 2 * (nh - nkv) * hd
+    if kernel == "math":
+        layer_act += tokens * nh * cfg.seq_len * (4 + half)
+    rule = checkpointing_rule(recipe, hardware)
+    ckpt = (activation_checkpointing if activation_checkpointing is not None
+            else rule if rule is not None else hardware != "cpu")
+    act = (L * 2 * tokens * h + layer_act) if ckpt else L * layer_act
+    chunked = chunked_loss(c) and not full_logits
+    # chunked: one chunk's logits; else fp16 logits + fp32 copy + fp32 log-softmax/grad
+    logits = (2**25 * 8) if chunked else tokens * V * 12
+    gb = 1e9
+    adapted = recipe.lora is not None
+    rows = [
+        ("base weights", (linear * (0.516 if nf4 else half) + emb * half) / gb,
+         "NF4: 4 bits + double-quantized scales (0.127 bits) per linear weight; embeddings stay "
+         "16-bit" if nf4 else f"{half} bytes per weight"),
+        ("adapters", lora * 4 / gb, f"{lora / 1e6:.1f}M LoRA weights in fp32") if adapted
+        else ("adapters", 0.0, "none: full finetuning trains the base weights themselves"),
+        ("gradients + AdamW", lora * 12 / gb, "fp32 gradient and two moments per "
+         + ("adapter weight" if adapted else f"weight ({lora / 1e6:.1f}M)")),
+        ("activations", act / gb, f"micro-batch {cfg.micro_batch_size} x {cfg.seq_len}, "
+         f"{'with' if ckpt else 'without'} activation checkpointing"),
+        ("logits + loss", logits / gb,
+         "chunked cross-entropy" if chunked else "full (tokens, vocab) logits"),
+    ]
+    out = [{"part": p, "gb": round(v, 3), "how": how} for p, v, how in rows]
+    return out + [{"part": "total", "gb": round(sum(r["gb"] for r in out), 3),
+                   "how": "tensors only; `device_need_gb` adds the CUDA context and allocator "
+                          "slack"}]
+
+
+def device_need_gb(table: list[dict[str, Any]], hardware: str) -> float:
+    """The memory a device must have for a `memory_table`: its tensors plus `train.memory`'s
+    overhead."""
+    tensors = table[-1]["gb"]
+    return tensors + overhead_gb(tensors, "cpu" if hardware == "cpu" else "cuda")
+
+
+def memory_gb_of(device: torch.device | str) -> float:
+    """The memory a device has for tensors, in GB: a GPU's total memory, else the machine's RAM."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory / 1e9
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows): assume a laptop's 8 GB
+        return 8.0
+
+
+def packing_supported(base_config: dict[str, Any]) -> bool:
+    """Whether packed records keep their attention to themselves in this base: a family whose
+    transformers code builds its mask with `masking_utils`, in a transformers that reads restarting
+    position ids as record boundaries (4.53 and later)."""
+    if base_config.get("model_type") not in PACKABLE_TYPES:
+        return False
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----- the plan -----------------------------------------------------------------------------------
+@dataclass
+class FinetunePlan:
+    """How a run trains, decided once from the memory estimate against the device and kept in
+    finetune.json (a resumed run keeps it): recompute activations or not, full logits or chunked,
+    packed rows or padded."""
+
+    activation_checkpointing: bool
+    full_logits: bool
+    pack: bool
+    need_gb: float  # the estimate of this plan, CUDA context and slack included
+    memory_gb: float | None  # the device's memory it was decided against
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FinetunePlan":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+def plan_finetune(recipe: FinetuneRecipe, hardware: str, base_config: dict[str, Any],
+                  memory_gb: float | None) -> FinetunePlan:
+    """The fastest plan whose estimate fits FIT_FRACTION of `memory_gb` (None: any fits). Tried
+    fastest first: no recomputation and the full logits; then chunked logits (a loop over row
+    chunks, no extra matmul); then activation checkpointing (one more forward per step); the leanest
+    when none fits."""
+    rule = checkpointing_rule(recipe, hardware)
+    ckpts = [rule] if rule is not None else [False, True]
+    logits = [True, False] if chunked_loss(base_config) else [True]
+    options = [(c, f) for c in ckpts for f in logits]
+    pack = recipe.pack and packing_supported(base_config)
+    for c, f in options:
+        table = memory_table(recipe, hardware, base_config, activation_checkpointing=c,
+                             full_logits=f)
+        need = device_need_gb(table, hardware)
+        if memory_gb is None or need <= FIT_FRACTION * memory_gb:
+            break
+    where = f"of {memory_gb:.1f} GB" if memory_gb is not None else "(device memory unknown)"
+    fits = memory_gb is None or need <= FIT_FRACTION * memory_gb
+    why = (f"about {need:.1f} GB {where}: activation checkpointing {'on' if c else 'off'}, "
+           f"{'full' if f else 'chunked'} logits"
+           + ("" if fits else "; the leanest plan, and it may not fit"))
+    return FinetunePlan(c, f, pack, round(need, 3),
+                        None if memory_gb is None else round(memory_gb, 3), why)
+
+
+def resumed_plan(old: dict[str, Any], recipe: FinetuneRecipe, hardware: str,
+                 base_config: dict[str, Any], memory_gb: float | None) -> FinetunePlan:
+    """The plan of the run being resumed (from its finetune.json). Its packing is always kept (the
+    rows must be the same); its memory choices too, unless this device is too small for them. A run
+    from before plans were recorded had the old rules: padded rows, checkpointing per hardware
+    class."""
+    if "plan" in old:
+        plan = FinetunePlan.from_dict(old["plan"])
+    else:
+        r = old.get("recipe", {})
+        rule = r.get("activation_checkpointing", ["t4", "a100"])
+        ckpt = (hardware in rule if isinstance(rule, list)
+                else rule == "on" or (rule == "auto" and hardware != "cpu"))
+        plan = FinetunePlan(ckpt, False, bool(r.get("pack", False)), 0.0, None,
+                            "a run from before plans were kept")
+    table = memory_table(recipe, hardware, base_config,
+                         activation_checkpointing=plan.activation_checkpointing,
+                         full_logits=plan.full_logits)
+    need = device_need_gb(table, hardware)
+    if memory_gb is not None and need > FIT_FRACTION * memory_gb:
+        lean = plan_finetune(recipe, hardware, base_config, memory_gb)
+        return dataclasses.replace(lean, pack=plan.pack, why=lean.why + " (re-planned: the run's "
+                                   "plan does not fit this device)")
+    return dataclasses.replace(plan, need_gb=round(need, 3))
+
+
+# ----- the default --------------------------------------------------------------------------------
+def default_finetune_recipe(base_config: dict[str, Any], hardware: str,
+                            memory_gb: float | None = None,
+                            resume_from: Iterable[str | Path | None] = ()) -> tuple[str, str]:
+    """(recipe name, why): the run being resumed decides first; on a GPU lora-r16 when its estimate
+    fits `memory_gb` with 10% to spare, else qlora-r16; on a CPU lora-r8 (4-bit kernels are slow
+    there)."""
+    resumed = recipe_name_of(*resume_from)
+    if resumed in FINETUNE_RECIPES:
+        return resumed, "the recipe of the run on Drive (it continues where it stopped)"
+    if hardware == "cpu":
+        return "lora-r8", ("on a CPU: the smallest adapter, base weights in fp32 (4-bit kernels "
+                           "are slow here)")
+    need = device_need_gb(memory_table("lora-r16", hardware, base_config), hardware)
+    if memory_gb is None or need <= 0.9 * memory_gb:
+        return "lora-r16", (f"lora-r16 needs about {need:.1f} GB"
+                            + (f" of this GPU's {memory_gb:.0f} GB" if memory_gb else ""))
+    return "qlora-r16", (f"lora-r16 would need about {need:.1f} GB, more than this GPU's "
+                         f"{memory_gb:.0f} GB: the base goes in 4-bit")
