@@ -61,7 +61,7 @@ from tinygpt.model.hf import export_model  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402
 from tinygpt.model.tokenizer import load_gpt2, train_bpe  # noqa: E402
 from tinygpt.train.probe import RandomBatches  # noqa: E402
-from tinygpt.train.trainer import ModelIO, TrainStep  # noqa: E402
+from tinygpt.train.step import ModelIO, TrainStep  # noqa: E402
 
 
 def make_base(args, folder: Path, records: list[dict]) -> Path:

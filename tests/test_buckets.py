@@ -20,7 +20,8 @@ pytest.importorskip("peft")
 from tinygpt.finetune.lora import attach_lora  # noqa: E402
 from tinygpt.finetune.loss import FinetuneLoss, module_loss  # noqa: E402
 from tinygpt.finetune.recipes import LoraSettings, get_finetune_recipe  # noqa: E402
-from tinygpt.train.trainer import ModelIO, TrainData, Trainer  # noqa: E402
+from tinygpt.train.step import ModelIO  # noqa: E402
+from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
 
 
 def test_bucket_lengths():

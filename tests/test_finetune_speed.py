@@ -27,7 +27,8 @@ from tinygpt.finetune.run import finetune  # noqa: E402
 from tinygpt.finetune.stdlib_instructions import stdlib_instructions  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
-from tinygpt.train.trainer import ModelIO, TrainData, Trainer  # noqa: E402
+from tinygpt.train.step import ModelIO  # noqa: E402
+from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
 
 SEQ = 256
 TRAIN = dict(seq_len=SEQ, micro_batch_size=2, grad_accum_steps=2, max_steps=2, warmup_steps=1, lr=3e-3,

@@ -27,7 +27,7 @@ from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.sync.copy import copy_checkpoint
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.shard_writer import SHARD_TOKENS
-from tinygpt.train.trainer import closing
+from tinygpt.train.stopping import closing
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(max_steps=4, save_every=2, eval_every=2, progress=False, device="cpu")

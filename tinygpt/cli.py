@@ -41,7 +41,7 @@ from tinygpt.train.budget import finished_run
 from tinygpt.train.distributed import torchrun_env
 from tinygpt.train.init import default_recipe, pretrain_recipe
 from tinygpt.train.pretrain import PretrainOptions, check_budget_overrides, pretrain
-from tinygpt.train.probe import ProbeOptions, probe_report
+from tinygpt.train.report import ProbeOptions, probe_report
 from tinygpt.train.trainer import TrainingError
 
 

@@ -13,7 +13,8 @@ from tinygpt.core.units import count, duration, size_gb
 from tinygpt.finetune.plan import device_need_gb, memory_table
 from tinygpt.finetune.recipes import FINETUNE_RECIPES
 from tinygpt.train.memory import estimate_memory
-from tinygpt.train.probe import ProbeError, expectations, probe, requested_precision
+from tinygpt.train.probe import ProbeError, probe, requested_precision
+from tinygpt.train.report import expectations
 
 
 @dataclass

@@ -74,7 +74,8 @@ from tinygpt.sync.mirror import mirror_adapter
 from tinygpt.sync.mirrored import mirrored
 from tinygpt.train.callbacks import Progress
 from tinygpt.train.hardware import check_device
-from tinygpt.train.trainer import ModelIO, TrainData, Trainer
+from tinygpt.train.step import ModelIO
+from tinygpt.train.trainer import TrainData, Trainer
 
 
 @dataclass
