@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import threading
 import time
@@ -47,6 +46,7 @@ from tinygpt.core.files import (
     write_json_atomic,
     write_text_atomic,
 )
+from tinygpt.core.signals import signals_deferred
 
 RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metrics.jsonl", "samples.txt"
 SAMPLE_HEADING = "=== step {step} ==="  # each sample in samples.txt begins with this line
@@ -120,29 +120,6 @@ class RunDirReplaced(RunDirError):
 # locked. The lock is bound to that identity, not to the path: see RunDir.check_held.
 _HELD: dict[str, tuple[int, int]] = {}
 _HELD_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM that arrive inside the block are delivered, to the handlers they would have
-    reached, when it ends: a few lines that must run whole (take a lock and record it) are never cut in
-    half by a KeyboardInterrupt. Python runs signal handlers in the main thread only, so elsewhere there
-    is nothing to defer."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived: list[int] = []
-    # all restored, however it ends; a handler set outside Python (getsignal: None) is left alone
-    kept = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not None}
-    try:
-        for s in kept:
-            signal.signal(s, lambda signum, frame: arrived.append(signum))
-        yield
-    finally:
-        for s, handler in kept.items():
-            signal.signal(s, handler)
-        for s in dict.fromkeys(arrived):
-            signal.raise_signal(s)
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -276,7 +253,7 @@ class RunDir:
         key = os.path.abspath(self.path)
         fd = None
         try:
-            with _signals_deferred():
+            with signals_deferred():
                 self.path.mkdir(parents=True, exist_ok=True)
                 if fcntl is not None:  # (Windows: no advisory locks; one writer is then the user's care)
                     fd = self._take_lock(key)
