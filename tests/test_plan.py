@@ -23,10 +23,10 @@ from tinygpt.train.plan import (
     fitted_laws,
     kept_plan,
     plan_size,
-    plan_table,
     rung,
 )
 from tinygpt.train.pretrain import pretrain
+from tinygpt.train.report import plan_table
 
 
 def machine(flops_per_s: float, calls: list | None = None):
@@ -161,3 +161,22 @@ def test_the_notebook_shows_the_plan_and_its_picker_plans_only_with_a_time(tmp_p
     assert plan_plot(tmp_path / "unplanned", show=False) is None
     picker = RecipePicker(hardware_report("cpu"))  # a CPU: no time budget by default, so the recipe's size
     assert picker.hours is None and picker.size is None and "size: the recipe's" in repr(picker)
+
+
+def test_probe_with_hours_prints_the_plan_it_would_train(capsys):
+    from tinygpt.cli import main
+    assert main(["probe", "--recipe", "cpu-smoke", "--hours", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "Size plan for 0.01 h" in out and "<- chosen" in out and "size auto: d" in out
+    assert main(["probe", "--recipe", "cpu-smoke", "--hours", "0.01", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert sum(c["chosen"] for c in plan["candidates"]) == 1 and depth_of(plan["size"]) in LADDER_DEPTHS
+
+
+def test_colab_summary_with_hours_shows_the_same_plan():
+    from tinygpt.colab import summary
+    from tinygpt.train.hardware import hardware_report
+    tables = summary("cpu-smoke", hardware_report("cpu"), hardware=False, hours=0.01)
+    plan = tables[-1]
+    assert plan.title == "Size plan for 0.01 h" and plan.rows[0][0] == "size"
+    assert sum("chosen" in r[-1] for r in plan.rows) == 1 and plan.notes[0].startswith("size auto: d")

@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinygpt.core.config import Recipe
+from tinygpt.core.precision import resolve_device
 from tinygpt.core.recipes import RECIPES, get_recipe
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.finetune.plan import device_need_gb, memory_table
 from tinygpt.finetune.recipes import FINETUNE_RECIPES
 from tinygpt.train.memory import estimate_memory
 from tinygpt.train.probe import ProbeError, probe, requested_precision
-from tinygpt.train.report import expectations
+from tinygpt.train.plan import choose_size
+from tinygpt.train.report import expectations, plan_note, plan_table
 
 
 @dataclass
@@ -83,9 +85,11 @@ def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) 
         return None
 
 
-def summary(recipe: Recipe | str, report: Any, search: Any = None, hardware: bool = True) -> Tables:
+def summary(recipe: Recipe | str, report: Any, search: Any = None, hardware: bool = True,
+            hours: float | None = None) -> Tables:
     """Hardware (unless not `hardware`), the recipe's memory breakdown, the trial search (if given) and
-    the expected memory, tokens/s and time to finish, for one recipe on this runtime."""
+    the expected memory, tokens/s and time to finish, for one recipe on this runtime; with `hours`, the
+    size planner's table for that budget (what `pretrain(..., hours=hours, size="auto")` trains)."""
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     t, prec = recipe.train, _precision_for(recipe, report)
@@ -102,6 +106,9 @@ def summary(recipe: Recipe | str, report: Any, search: Any = None, hardware: boo
                             "Trial search" + (" (cached)" if search.from_cache else ""), header=False,
                             notes=tuple(search.notes)))
     tables.append(Table(expectations(recipe, report, search).rows(), "Expected on this runtime", header=False))
+    if hours is not None:
+        plan = choose_size(recipe, hours, resolve_device(report.device), None)[1]
+        tables.append(Table(plan_table(plan), f"Size plan for {hours:g} h", notes=(plan_note(plan),)))
     return Tables(tables)
 
 

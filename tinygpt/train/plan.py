@@ -19,11 +19,10 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from importlib import resources
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import read_json_safe
 from tinygpt.core.precision import choose_precision
@@ -200,32 +199,6 @@ def depth_of(size: str) -> int:
     return int(size[1:])
 
 
-def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:
-    """The plan as rows: a header, then one per candidate, the choice marked."""
-    rows = [("size", "params", "tokens/s", "tokens", "tokens/param", "epochs", "pred. loss", "")]
-    for c in plan.candidates:
-        rows.append((c.size, _count(c.params), f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
-                     _count(c.tokens), f"{c.tokens_per_param:.1f}",
-                     "-" if c.epochs is None else f"{c.epochs:.1f}", f"{c.predicted_loss:.3f}",
-                     "<- chosen" if c.chosen else ""))
-    return rows
-
-
-def plan_note(plan: SizePlan) -> str:
-    c = plan.choice
-    return (f"size auto: {c.size} ({_count(c.params)} non-embedding parameters, {_count(c.tokens)} tokens in "
-            f"{plan.hours:g} h, {c.tokens_per_param:.0f} tokens per parameter), the lowest predicted loss "
-            f"({c.predicted_loss:.3f}) by {plan.law['source']}; ~ marks a speed scaled by FLOPs from a timed size")
-
-
-def _count(n: float) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{n:.0f}"
-
-
-
 # Characters per token of a source, before its tokenizer exists (the plan comes first): measured on the
 # builtin corpus with the cpu recipe's trained 4096-token BPE, and GPT-2's on English text. An estimate: the
 # planner says "epochs ~"; only data-limited sources depend on it.
@@ -276,23 +249,3 @@ def choose_size(recipe: Recipe, hours: float, dev: torch.device, kept: dict | No
     plan = plan_size(recipe, hours, lambda r: trainer_speed(r, dev, steps=PLAN_SPEED_STEPS, warmup=2),
                      fits=fits_in(dev, precision), unique_tokens=unique_tokens(recipe))
     return apply_plan(recipe, plan), plan
-
-
-class PlanReport(Callback):
-    """Says the plan (the table, then the choice) when training starts; a resumed run says its kept size."""
-
-    def __init__(self, plan: SizePlan | dict):
-        self.plan = plan
-
-    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
-        if isinstance(self.plan, dict):
-            trainer.say(f"size auto: {self.plan['size']}, as planned when the run began (kept in run.json)")
-            return
-        for line in format_rows(plan_table(self.plan)).splitlines():
-            trainer.say(line)
-        trainer.say(plan_note(self.plan))
-
-
-def format_rows(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

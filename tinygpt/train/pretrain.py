@@ -56,8 +56,9 @@ from tinygpt.train.data import check_source, iter_documents
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
 from tinygpt.train.hardware import check_device, check_fits, gpu_peak_tflops
 from tinygpt.train.init import Base, initial_model, starting_base
-from tinygpt.train.plan import PLANNED_FIELDS, PlanReport, SizePlan, choose_size, kept_plan
+from tinygpt.train.plan import PLANNED_FIELDS, SizePlan, choose_size, kept_plan
 from tinygpt.train.probe import PROBED_TRAIN_FIELDS, fit_to_device
+from tinygpt.train.report import PlanReport
 from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.tokens import RunData, open_tokens

@@ -7,14 +7,18 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import Recipe
 from tinygpt.core.options import option
+from tinygpt.core.precision import resolve_device
 from tinygpt.core.recipes import get_recipe
-from tinygpt.core.units import duration, size_gb
+from tinygpt.core.units import count, duration, size_gb
 from tinygpt.model.gpt import meta_model
 from tinygpt.train.hardware import HardwareReport, hardware_report, mfu
 from tinygpt.train.memory import CUDA_CONTEXT_GB, estimate_memory
+from tinygpt.train.plan import SizePlan, choose_size
 from tinygpt.train.probe import (
     SPEED_STEPS,
     ProbeError,
@@ -100,6 +104,8 @@ class ProbeOptions:
     recipe: str | None = option(None, help="probe for this recipe (default: the one this hardware "
                                            "suits)")
     as_json: bool = option(False, flag="--json", help="print the report as JSON")
+    hours: float | None = option(None, help="a time budget: the size planner's table for it (what "
+                                 "`pretrain --hours H --size auto` would train here)")
 
 
 def format_table(rows: list[tuple]) -> str:
@@ -109,10 +115,10 @@ def format_table(rows: list[tuple]) -> str:
                      for r in rows)
 
 
-def probe_report(recipe: str | None = None, as_json: bool = False, *,
+def probe_report(recipe: str | None = None, as_json: bool = False, hours: float | None = None, *,
                  cache_dir: str | Path | None = "default") -> str:
-    """What `tinygpt probe [--recipe NAME] [--json]` prints. The trial search runs on a CUDA GPU;
-    elsewhere the estimate stands in for it."""
+    """What `tinygpt probe [--recipe NAME] [--json] [--hours H]` prints. The trial search runs on a
+    CUDA GPU; elsewhere the estimate stands in for it. With `hours`, the size planner's plan too."""
     report = hardware_report()
     rec = get_recipe(recipe or report.default_recipe)
     requested, _ = requested_precision(rec, report.device, report.native_bf16)
@@ -132,10 +138,12 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
         if rec.hardware == "cpu":
             speed = trainer_speed(rec, report.device)
     exp = expectations(rec, report, result, speed)
+    plan = None if hours is None else choose_size(rec, hours, resolve_device(report.device), None)[1]
     if as_json:
         return json.dumps({"hardware": report.to_dict(), "recipe": rec.name,
                            "memory_estimate": est.to_dict(), "search": result and result.to_dict(),
-                           "expectations": exp.to_dict(), "note": note}, indent=2)
+                           "expectations": exp.to_dict(), "note": note,
+                           **({"plan": plan.to_dict()} if plan else {})}, indent=2)
     out = ["Hardware", format_table(report.rows()),
            f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
            f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context "
@@ -154,4 +162,42 @@ def probe_report(recipe: str | None = None, as_json: bool = False, *,
     if note:
         out.append(f"\n{note}")
     out += ["\nExpectations", format_table(exp.rows())]
+    if plan is not None:
+        out += [f"\nSize plan for {hours:g} h (pretrain --hours {hours:g} --size auto)",
+                format_table(plan_table(plan)), plan_note(plan)]
     return "\n".join(out)
+
+
+def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:
+    """The plan as rows: a header, then one per candidate, the choice marked."""
+    rows = [("size", "params", "tokens/s", "tokens", "tokens/param", "epochs", "pred. loss", "")]
+    for c in plan.candidates:
+        rows.append((c.size, count(c.params), f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
+                     count(c.tokens), f"{c.tokens_per_param:.1f}",
+                     "-" if c.epochs is None else f"{c.epochs:.1f}", f"{c.predicted_loss:.3f}",
+                     "<- chosen" if c.chosen else ""))
+    return rows
+
+
+def plan_note(plan: SizePlan) -> str:
+    c = plan.choice
+    return (f"size auto: {c.size} ({count(c.params)} non-embedding parameters, {count(c.tokens)} "
+            f"tokens in {plan.hours:g} h, {c.tokens_per_param:.0f} tokens per parameter), the lowest "
+            f"predicted loss ({c.predicted_loss:.3f}) by {plan.law['source']}; ~ marks a speed scaled "
+            "by FLOPs from a timed size")
+
+
+class PlanReport(Callback):
+    """Says the plan (the table, then the choice) when training starts; a resumed run says its kept
+    size."""
+
+    def __init__(self, plan: SizePlan | dict):
+        self.plan = plan
+
+    def on_start(self, trainer: Any, resumed_from: int | None) -> None:
+        if isinstance(self.plan, dict):
+            trainer.say(f"size auto: {self.plan['size']}, as planned when the run began (kept in run.json)")
+            return
+        for line in format_table(plan_table(self.plan)).splitlines():
+            trainer.say(line)
+        trainer.say(plan_note(self.plan))
