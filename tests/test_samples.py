@@ -14,6 +14,7 @@ from tinygpt.evals.tasks import TASKS, eval_data
 from tinygpt.evals.tasks.hellaswag import load_hellaswag
 from tinygpt.evals.tasks.humaneval import load_humaneval
 from tinygpt.evals.tasks.mbpp import load_mbpp
+from tinygpt.finetune.records import load_records, record_segments
 from tinygpt.train.data import DataError, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,3 +51,17 @@ def test_the_samples_are_what_the_tasks_read():
         if task.sample is not None:
             assert eval_data(name, sample=True) == f"sample:{task.sample}"
             assert f"sample:{task.sample}" in task.data_help  # `tinygpt eval --help` names it
+
+
+def test_finetuning_reads_the_mbpp_sample_and_builtin_instructions(tmp_path, monkeypatch):
+    """`tinygpt finetune --data sample:mbpp` trains on the sample's training ids only; `--data builtin` on the
+    standard library's functions as instructions, written once into the cache."""
+    records = load_records("sample:mbpp")
+    _, fmt, excluded = record_segments(records)
+    assert len(records) == 362 and fmt == "mbpp" and excluded == 52
+    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path))
+    stdlib = load_records("builtin")
+    assert (tmp_path / "data" / "stdlib_instructions.json").is_file() and len(stdlib) > 100
+    assert set(stdlib[0]) == {"instruction", "input", "output"} and load_records("stdlib") == stdlib
+    with pytest.raises(DataError, match="sample:mbpp"):
+        load_records("sample:alpaca")

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tinygpt.core.datafiles import DataFile, DataFormatError
+from tinygpt.core.paths import cache_root, is_sample, sample_path
+from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
 from tinygpt.model.prompts import TEMPLATES, Segments, format_prompt
 from tinygpt.train.data import DataError, hub_dataset
 
@@ -107,7 +109,16 @@ def load_records(source: str, split: str = "train") -> list[dict]:
     """Records from a local .json / .jsonl file, a folder written by `datasets.save_to_disk`, or the
     Hugging Face Hub as ``hf:NAME[:CONFIG][@SPLIT]`` (a bare ``org/name`` that is not a path works
     too). A local file's records come as `Records`, so that every error about one names the file
-    (and line)."""
+    (and line). ``sample:mbpp`` is the MBPP sample that ships with the package; ``builtin`` the standard
+    library's short functions as instructions (`stdlib_instructions`: every machine has them)."""
+    if source in ("builtin", "stdlib"):
+        path = cache_root("data") / "stdlib_instructions.json"
+        source = str(path if path.is_file() else write_stdlib_instructions(path))
+    if is_sample(source):
+        try:
+            source = str(sample_path(source))
+        except ValueError as e:
+            raise DataError(str(e)) from None
     p = Path(source).expanduser()
     if not p.exists() and source in DATASETS:
         source = DATASETS[source]
