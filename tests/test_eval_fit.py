@@ -91,14 +91,13 @@ def test_generation_stops_at_the_end_of_an_answer_and_sampling_is_seeded(model, 
 
 
 def test_an_answer_inside_a_function_starts_its_body(model, tok):
-    """After a docstring, the answer's first token indents (`body`): the function is never left empty."""
+    """After a docstring, the answer opens with indentation and code (`body`): the function is never left
+    empty, even by a model whose likeliest next line is blank."""
     prompt = 'def add(a, b):\n    """Return a + b."""\n'
     for temperature in (0.0, 0.8):
-        g = Generator(Loaded(model, tok, "m", False), 8, temperature, body=True)
-        answer = g(prompt)
-        first = tok.encode(prompt + answer)[len(tok.encode(prompt))]
-        assert answer[:1] in (" ", "\t") and first in g.indenting.tolist(), repr(answer)
-        assert tok.decode([first]).lstrip(" \t")[:1] not in ("\n", "\r")  # not a blank line
+        answer = Generator(Loaded(model, tok, "m", False), 12, temperature, body=True)(prompt)
+        first_line = answer.split("\n")[0]
+        assert first_line[:1] in (" ", "\t") and first_line.strip(), repr(answer)
 
 
 def test_code_answers_end_at_a_stop_or_a_closed_fence_and_empty_ones_are_counted():

@@ -139,9 +139,10 @@ def _context_length(m: Loaded) -> int | None:
 CHUNK = 32  # new tokens between two looks for the end of the answer
 
 
-def _indents(text: str) -> bool:
-    """Whether a token's text starts a line inside a function body: spaces or a tab, then no line end."""
-    return text[:1] in (" ", "\t") and text.lstrip(" \t")[:1] not in ("\n", "\r")
+def _opens(text: str) -> bool:
+    """Whether text can begin a line of a function's body: indented, and no line end before its code."""
+    line, end, _ = text.partition("\n")
+    return line[:1] in (" ", "\t") and "\r" not in line and (not end or bool(line.strip()))
 
 
 def _note(line: str) -> None:
@@ -160,16 +161,16 @@ class Generator:
     line and counted (`cut`); no library's reminder about long sequences is shown. Tokens come `CHUNK` at a
     time and stop once `done(completion)` (the task's end of an answer) or at end-of-text. Sampling (a
     temperature above 0) is seeded: the same model gives the same answers, and the caller's random state is
-    left as it was. With `body` (the prompt ends inside a function, after its docstring), the first token is
-    one that indents: a small model's likeliest next line often leaves the function at once (a blank line
-    and the next `def`), an empty answer that says nothing about the code it can write."""
+    left as it was. With `body` (the prompt ends inside a function, after its docstring), the answer opens
+    with indentation and code (`_opening`): a small model's likeliest next line often leaves the function at
+    once (a blank line and the next `def`), an empty answer that says nothing about the code it can write."""
 
     def __init__(self, m: Loaded, max_new_tokens: int, temperature: float,
                  done: Callable[[str], bool] | None = None, say: Callable[[str], None] | None = None,
                  seed: int = 0, body: bool = False):
         self.m, self.max_new_tokens, self.temperature, self.done = m, max_new_tokens, temperature, done
         self.context, self.cut, self.seed, self.calls = _context_length(m), 0, seed, 0
-        self.say, self.body, self.indenting = say or _note, body, None
+        self.say, self.body, self.texts = say or _note, body, None
 
     def encode(self, prompt: str) -> list[int]:
         if self.m.is_hf:  # verbose=False: transformers' "longer than the specified maximum" warning is ours to say
@@ -201,25 +202,37 @@ class Generator:
             torch.manual_seed(self.seed * 1_000_003 + self.calls)
             yield device
 
-    def _indenting(self) -> torch.Tensor:
-        """The ids of the tokens that start a line inside a function: indentation, then code (or nothing)."""
-        if self.indenting is None:
+    def _texts(self) -> list[str]:
+        """Each token's text, by id (read once)."""
+        if self.texts is None:
             size = len(self.m.tokenizer) if self.m.is_hf else self.m.tokenizer.vocab_size
-            self.indenting = torch.tensor([i for i in range(size) if _indents(self.decode([i]))], dtype=torch.long)
-        return self.indenting
+            self.texts = [self.decode([i]) for i in range(size)]
+        return self.texts
 
-    def _first(self, ids: list[int]) -> int:
-        """The answer's first token when the prompt ends inside a function (after its docstring): the most likely
-        (or sampled) one that indents, so that the answer is the function's body and never nothing."""
+    def _opening(self, ids: list[int], most: int = 8) -> list[int]:
+        """The answer's first tokens when the prompt ends inside a function (after its docstring): indentation,
+        then code before any line end (`_opens`; by the `most`-th token at the latest), each the most likely (or
+        a sampled) one of those, so that the answer opens a statement of the function's body, never nothing."""
+        out: list[int] = []
+        texts = self._texts()
         with self._seeded() as device:
-            x = torch.tensor([ids], dtype=torch.long, device=device)
-            logits = (self.m.model(input_ids=x).logits if self.m.is_hf else self.m.model(x))[0, -1].float()
-            allowed = self._indenting().to(device)
-            masked = torch.full_like(logits, float("-inf"))
-            masked[allowed] = logits[allowed]
-            if self.temperature == 0:
-                return int(masked.argmax())
-            return int(torch.multinomial(torch.softmax(masked / self.temperature, dim=-1), 1))
+            for step in range(most):
+                x = torch.tensor([ids + out], dtype=torch.long, device=device)
+                logits = (self.m.model(input_ids=x).logits if self.m.is_hf else self.m.model(x))[0, -1].float()
+                line, last = self.decode(out), step == most - 1  # the last one brings code, not more blanks
+                allowed = torch.tensor([i for i, t in enumerate(texts)
+                                        if _opens(line + t) and (not last or (line + t).strip())], device=device)
+                if not len(allowed):  # a tokenizer with no such token: the model's own way
+                    break
+                masked = torch.full_like(logits, float("-inf"))
+                masked[allowed] = logits[allowed]
+                if self.temperature == 0:
+                    out.append(int(masked.argmax()))
+                else:
+                    out.append(int(torch.multinomial(torch.softmax(masked / self.temperature, dim=-1), 1)))
+                if self.decode(out).strip():
+                    break
+        return out
 
     def _more(self, ids: list[int], n: int) -> tuple[list[int], bool]:
         """Up to n new tokens after ids, and whether the model ended its text."""
@@ -248,7 +261,7 @@ class Generator:
 
     def __call__(self, prompt: str) -> str:
         ids, room = self.room(self.encode(prompt))
-        new: list[int] = [self._first(ids)] if self.body and prompt.endswith("\n") else []
+        new: list[int] = self._opening(ids) if self.body and prompt.endswith("\n") else []
         text, ended = self.decode(new), False
         while len(new) < room and not ended and not (self.done and self.done(text)):
             more, ended = self._more(ids + new, min(CHUNK, room - len(new)))
