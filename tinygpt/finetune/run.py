@@ -108,7 +108,8 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     and the final adapter is copied to mirror/adapter."""
     # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
     refuse_links_in(run_dir)
-    refuse_other_kind(run_dir, "finetuning run", "finetune")  # a pretraining run, an export: untouched
+    # a pretraining run, an export: untouched
+    refuse_other_kind(run_dir, "finetuning run", "finetune")
     run = RunDir(run_dir)
     # one writer per run folder; a failed first try (bad data, no device) leaves no base/ nor
     # finetune.json
