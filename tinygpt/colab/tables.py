@@ -14,8 +14,8 @@ from tinygpt.core.units import count, duration, size_gb
 from tinygpt.finetune.plan import device_need_gb, memory_table
 from tinygpt.finetune.recipes import FINETUNE_RECIPES
 from tinygpt.train.memory import estimate_memory
-from tinygpt.train.probe import ProbeError, probe, requested_precision
 from tinygpt.train.plan import choose_size
+from tinygpt.train.probe import ProbeError, probe, requested_precision
 from tinygpt.train.report import expectations, plan_note, plan_table
 
 
