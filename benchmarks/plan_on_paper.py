@@ -1,0 +1,58 @@
+"""What `--size auto` would choose on each Colab GPU, on paper: no GPU needed.
+
+    python benchmarks/plan_on_paper.py          # markdown table for docs/BENCHMARKS.md
+
+For each GPU class (T4, L4, A100, H100) and budget (1, 3, 12 hours), the planner (`tinygpt.train.plan`) runs
+on the class's default recipe (the H100 on h100-760m's ladder, context 2048) with tokens/s assumed, not
+measured: the GPU's peak dense bf16/fp16 TFLOP/s (core/hardware.py) times an MFU of 0.4, divided by each
+rung's training FLOPs per token. The rungs must fit the class's memory at micro-batch 1 (the probe lowers the
+micro-batch; activation checkpointing is not assumed). To be replaced by measured rows when a GPU is lent:
+`tinygpt probe --hours H` there prints the same table from timed steps.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tinygpt.core.hardware import HARDWARE  # noqa: E402
+from tinygpt.core.recipes import get_recipe  # noqa: E402
+from tinygpt.core.units import count  # noqa: E402
+from tinygpt.model.gpt import meta_model  # noqa: E402
+from tinygpt.train.memory import estimate_memory  # noqa: E402
+from tinygpt.train.plan import law_for, plan_size, unique_tokens  # noqa: E402
+
+MFU = 0.4
+GPUS = {"t4": ("T4", 15.0, "t4-50m"), "l4": ("L4", 22.0, "l4-124m"), "a100": ("A100", 40.0, "a100-124m"),
+        "h100": ("H100", 80.0, "h100-760m")}
+
+
+def main() -> int:
+    print("| GPU | recipe ladder | hours | assumed tokens/s (chosen) | chosen | non-emb. params | tokens "
+          "| tokens/param | epochs | law |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for cls, (gpu, mem_gb, recipe_name) in GPUS.items():
+        hw = HARDWARE[cls]
+        peak = dict(hw.gpus)[gpu] * 1e12
+        recipe = get_recipe(recipe_name)
+        prec = hw.precision
+
+        def speed(r, peak=peak):
+            return MFU * peak / meta_model(r.model).flops_per_token(r.train.seq_len)
+
+        def fits(r, mem_gb=mem_gb, prec=prec):
+            return estimate_memory(r.model, 1, r.train.seq_len, prec, device_type="cuda").total_gb <= mem_gb
+
+        for hours in (1, 3, 12):
+            plan = plan_size(recipe, hours, speed, fits=fits, unique_tokens=unique_tokens(recipe))
+            c = plan.choice
+            epochs = "-" if c.epochs is None else f"{c.epochs:.2f}"
+            print(f"| {gpu} | {recipe_name} | {hours} | {c.tokens_per_s:,.0f} | {c.size} | {count(c.params)} | "
+                  f"{count(c.tokens)} | {c.tokens_per_param:.0f} | {epochs} | {law_for(recipe).source} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
