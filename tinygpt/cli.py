@@ -61,24 +61,66 @@ def _recipes(args) -> int:
     rows = []
     for r in RECIPES.values():
         prec = HARDWARE[r.hardware].precision if r.train.precision == "auto" else r.train.precision
-        rows.append((r.name, r.hardware, meta_model(r.model).num_params(), r.train.seq_len, r.train.tokens_per_step,
-                     r.token_budget, prec, r.data.source, r.description))
+        rows.append(
+            (
+                r.name,
+                r.hardware,
+                meta_model(r.model).num_params(),
+                r.train.seq_len,
+                r.train.tokens_per_step,
+                r.token_budget,
+                prec,
+                r.data.source,
+                r.description,
+            )
+        )
     if as_json:
-        print(json.dumps([dict(zip(("name", "hardware", "params", "context", "tokens_per_step", "token_budget",
-                                    "precision", "data", "description"), row)) for row in rows], indent=1))
+        print(
+            json.dumps(
+                [
+                    dict(
+                        zip(
+                            (
+                                "name",
+                                "hardware",
+                                "params",
+                                "context",
+                                "tokens_per_step",
+                                "token_budget",
+                                "precision",
+                                "data",
+                                "description",
+                            ),
+                            row,
+                        )
+                    )
+                    for row in rows
+                ],
+                indent=1,
+            )
+        )
         return 0
-    print(f"{'recipe':<14} {'hw':<5} {'params':>8} {'ctx':>5} {'tok/step':>9} {'budget':>7} {'prec':<5} "
-          f"{'data':<40} description")
+    print(
+        f"{'recipe':<14} {'hw':<5} {'params':>8} {'ctx':>5} {'tok/step':>9} {'budget':>7} "
+        f"{'prec':<5} {'data':<40} description"
+    )
     for name, hw, p, ctx, tps, budget, prec, data, desc in rows:
-        print(f"{name:<14} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {count(budget):>7} {prec:<5} {data:<40} {desc}")
+        print(
+            f"{name:<14} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {count(budget):>7} {prec:<5} "
+            f"{data:<40} {desc}"
+        )
     return 0
 
 
 def default_pretrain_recipe(run_dir: str | Path, say: bool = True) -> str:
-    """The recipe `tinygpt pretrain` uses without --recipe (`train.init.default_recipe`), said in one line."""
+    """The recipe `tinygpt pretrain` uses without --recipe
+    (`train.init.default_recipe`), said in one line."""
     name, why = default_recipe(run_dir)
     if say:
-        print(f"recipe {name}: {why} (--recipe NAME to choose; `tinygpt recipes` lists them)", flush=True)
+        print(
+            f"recipe {name}: {why} (--recipe NAME to choose; `tinygpt recipes` lists them)",
+            flush=True,
+        )
     return name
 
 
@@ -89,17 +131,25 @@ def _pretrain(args) -> int:
     opts = from_args(PretrainOptions, args, callbacks=[SayResumed()] if main_rank else [])
     name = choice.recipe or default_pretrain_recipe(opts.run_dir, say=main_rank)
     # as typed: PretrainOptions takes a budgeted run's hours from its folder
-    plain_rerun = opts.resume == "auto" and args.hours is None and not (opts.data or choice.init or choice.overrides)
+    plain_rerun = (
+        opts.resume == "auto"
+        and args.hours is None
+        and not (opts.data or choice.init or choice.overrides)
+    )
     if plain_rerun and (done := finished_run(opts.run_dir, name, opts.max_steps)) is not None:
         if main_rank:
             _say_complete(done, opts.run_dir, opts.mirror)
         return 0
-    recipe = pretrain_recipe(name, choice.init, opts.run_dir)  # with a base: sized for it (never the mirror's)
+    # with a base: sized for it (never the mirror's)
+    recipe = pretrain_recipe(name, choice.init, opts.run_dir)
     changes = parse_overrides(recipe, choice.overrides)
     check_budget_overrides(changes, opts.hours)  # a --set that --hours would override: refused
     if recipe.model.init and main_rank:
-        print(f"base {recipe.model.init}: its weights and tokenizer, lr {recipe.train.lr:g}, context "
-              f"{recipe.train.seq_len}", flush=True)
+        print(
+            f"base {recipe.model.init}: its weights and tokenizer, lr {recipe.train.lr:g}, context "
+            f"{recipe.train.seq_len}",
+            flush=True,
+        )
     res = pretrain(recipe.replace(**changes), options=opts)
     if not main_rank:
         return 130 if res.interrupted else 0
@@ -107,7 +157,8 @@ def _pretrain(args) -> int:
 
 
 def _say_complete(done: str, run_dir: Path, mirror: str | None) -> None:
-    """A finished run's line; "complete" means complete on the mirror too: what it lacks goes there now."""
+    """A finished run's line; "complete" means complete
+    on the mirror too: what it lacks goes there now."""
     print(done)
     if mirror:
         recipe = RunDir(run_dir).recipe()
@@ -116,8 +167,12 @@ def _say_complete(done: str, run_dir: Path, mirror: str | None) -> None:
 
 
 def _report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
-    """What a pretraining run ends with: its figures, a sample, what to run next, the mirror's lag."""
-    print(f"step {res.step}: " + _figures(loss=res.loss, val_loss=res.val_loss, checkpoint=res.checkpoint))
+    """What a pretraining run ends with: its figures,
+    a sample, what to run next, the mirror's lag."""
+    print(
+        f"step {res.step}: "
+        + _figures(loss=res.loss, val_loss=res.val_loss, checkpoint=res.checkpoint)
+    )
     samples = RunDir(run_dir).samples()
     if samples and not res.interrupted:
         print("sample:\n" + samples.split("===\n")[-1].strip())
@@ -134,8 +189,13 @@ def _report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
 
 
 def _figures(**figures) -> str:
-    """"loss 2.1234, val_loss 2.3456, ...": the figures that were measured (a short run may have none)."""
-    said = [f"{k} {round(v, 4) if isinstance(v, float) else v}" for k, v in figures.items() if v is not None]
+    """"loss 2.1234, val_loss 2.3456, ...": the figures
+    that were measured (a short run may have none)."""
+    said = [
+        f"{k} {round(v, 4) if isinstance(v, float) else v}"
+        for k, v in figures.items()
+        if v is not None
+    ]
     return ", ".join(said) or "no loss measured yet"
 
 
@@ -148,20 +208,30 @@ def next_steps(run_dir: str | Path) -> str:
     else:
         export = (f"  tinygpt export {d} hf-model/              # a Hugging Face folder "
                   "(transformers, llama.cpp)")
-    return ("next:\n"
-            f"  tinygpt generate {d} --prompt \"def main(\" --max-new-tokens 100   # text from the model\n"
-            f"  tinygpt eval {d} --task perplexity        # loss, perplexity, bits per byte on its validation text\n"
-            + export)
+    return (
+        "next:\n"
+        f'  tinygpt generate {d} --prompt "def main(" --max-new-tokens 100   # text from the '
+        "model\n"
+        f"  tinygpt eval {d} --task perplexity        # loss, perplexity, bits per byte on its "
+        "validation text\n" + export
+    )
 
 
 def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:
-    """The line a command ends with when the mirror is behind the local run (None when it is not)."""
+    """The line a command ends with when the mirror
+    is behind the local run (None when it is not)."""
     if not lag:
         return None
     if lag[0].startswith(NOTHING_MORE):  # gone, or another run's: the line says what to do instead
-        return f"the mirror {mirror} is behind: {lag[0][len(NOTHING_MORE):]}; the local run folder has everything"
-    return (f"the mirror {mirror} is behind: it lacks {'; '.join(lag)}; the local run folder has everything, "
-            "and the same command again (with --mirror) copies the rest once the mirror has room and is reachable")
+        return (
+            f"the mirror {mirror} is behind: {lag[0][len(NOTHING_MORE) :]}; the local run "
+            "folder has everything"
+        )
+    return (
+        f"the mirror {mirror} is behind: it lacks {'; '.join(lag)}; the local run folder has "
+        "everything, and the same command again (with --mirror) copies the rest once the mirror "
+        "has room and is reachable"
+    )
 
 
 class SayResumed(Callback):
@@ -176,8 +246,10 @@ def _finetune(args) -> int:
     opts = from_args(FinetuneOptions, args)
     res = opts.run()
     d = res.data
-    print(f"data: {d.records} records ({d.format}), {d.train_examples} train / {d.val_examples} val examples, "
-          f"{d.truncated} truncated, {d.dropped} dropped")
+    print(
+        f"data: {d.records} records ({d.format}), {d.train_examples} train / {d.val_examples} val "
+        f"examples, {d.truncated} truncated, {d.dropped} dropped"
+    )
     t = res.train
     print(f"step {t.step}: {_figures(loss=t.loss, val_loss=t.val_loss)}; "
           f"{res.trainable_params:,} trainable of {res.total_params:,} parameters")
@@ -199,10 +271,14 @@ def _finetune(args) -> int:
 def finetune_next_steps(run_dir: str | Path) -> str:
     """What to run after a finished finetuning run: ask it, evaluate it, export it (merged)."""
     d = shlex.quote(str(run_dir))
-    return ("next:\n"
-            f"  tinygpt generate {d} --prompt \"Write a function that reverses a string.\"   # its answer\n"
-            f"  tinygpt eval {d} --task stdlib-functions   # writes functions from their docstrings\n"
-            f"  tinygpt export {d} hf-model/               # base + adapter merged, as a Hugging Face folder")
+    return (
+        "next:\n"
+        f'  tinygpt generate {d} --prompt "Write a function that reverses a string."   # its '
+        "answer\n"
+        f"  tinygpt eval {d} --task stdlib-functions   # writes functions from their docstrings\n"
+        f"  tinygpt export {d} hf-model/               # base + adapter merged, as a Hugging Face "
+        "folder"
+    )
 
 
 def _generate(args) -> int:
@@ -212,15 +288,33 @@ def _generate(args) -> int:
     adapter = o.adapter or (o.run_dir if o.run_dir and is_finetuning_run(o.run_dir) else None)
     if adapter:  # a finetuning run answers the prompt as an instruction
         model, tok = load_finetuned(adapter)
-        print(generate_response(model, tok, o.prompt, max_new_tokens=o.max_new_tokens, temperature=o.temperature,
-                                top_p=o.top_p))
+        print(
+            generate_response(
+                model,
+                tok,
+                o.prompt,
+                max_new_tokens=o.max_new_tokens,
+                temperature=o.temperature,
+                top_p=o.top_p,
+            )
+        )
         return 0
     if not o.run_dir:
         raise ConfigError("give the run folder: tinygpt generate RUN_DIR --prompt TEXT")
-    model, tok, _, _ = load_run(o.run_dir, o.checkpoint, device="cuda" if torch.cuda.is_available() else "cpu")
+    model, tok, _, _ = load_run(
+        o.run_dir, o.checkpoint, device="cuda" if torch.cuda.is_available() else "cpu"
+    )
     for i in range(o.num_samples):
-        text = generate_text(model, tok, o.prompt, o.max_new_tokens, o.temperature, o.top_k, o.top_p,
-                             seed=None if o.seed is None else o.seed + i)
+        text = generate_text(
+            model,
+            tok,
+            o.prompt,
+            o.max_new_tokens,
+            o.temperature,
+            o.top_k,
+            o.top_p,
+            seed=None if o.seed is None else o.seed + i,
+        )
         print(text)
         if i + 1 < o.num_samples:
             print("-" * 40)
@@ -228,14 +322,21 @@ def _generate(args) -> int:
 
 
 def is_finetuning_run(path: str | Path) -> bool:
-    """Whether `path` is a finetuning run's folder (its settings, an adapter, or a full finetune's model)."""
+    """Whether `path` is a finetuning run's folder (its
+    settings, an adapter, or a full finetune's model)."""
     run = RunDir(path)
     return (run / FINETUNE_JSON).is_file() or run.is_finetune_run()
 
 
 def _eval(args) -> int:
     o = from_args(EvalOptions, args)
-    print(report(o.task, evaluate(o, say=lambda note: print(note, file=sys.stderr, flush=True)), o.as_json))
+    print(
+        report(
+            o.task,
+            evaluate(o, say=lambda note: print(note, file=sys.stderr, flush=True)),
+            o.as_json,
+        )
+    )
     return 0
 
 
@@ -243,13 +344,17 @@ def _export(args) -> int:
     o = from_args(ExportOptions, args)
     out = o.run()
     if o.format == "gguf":
-        print(f"exported {o.run_dir} to {out} as GGUF ({o.quant}) with a Modelfile and a model card; run it "
-              f"with `cd {out} && ollama create mymodel -f Modelfile && ollama run mymodel`, or llama.cpp's "
-              f"`llama-cli -m {next(out.glob('*.gguf'))}`")
+        print(
+            f"exported {o.run_dir} to {out} as GGUF ({o.quant}) with a Modelfile and a model card; "
+            f"run it with `cd {out} && ollama create mymodel -f Modelfile && ollama run mymodel`, "
+            f"or llama.cpp's `llama-cli -m {next(out.glob('*.gguf'))}`"
+        )
     else:
-        print(f"exported {o.run_dir} ({o.which}) to {out} as a Hugging Face folder with a model card; load "
-              f"it with AutoModelForCausalLM.from_pretrained({str(out)!r}) and "
-              f"AutoTokenizer.from_pretrained({str(out)!r})")
+        print(
+            f"exported {o.run_dir} ({o.which}) to {out} as a Hugging Face folder with a model "
+            f"card; load it with AutoModelForCausalLM.from_pretrained({str(out)!r}) and "
+            f"AutoTokenizer.from_pretrained({str(out)!r})"
+        )
     return 0
 
 
@@ -259,27 +364,51 @@ def _push(args) -> int:
     return 0
 
 
-# each command: its function, its help line, and the option groups (an options dataclass, the group's title)
+# each command: its function, its help line, and the
+# option groups (an options dataclass, the group's title)
 COMMANDS = {
-    "probe": (_probe, "what this machine is, and what it can train (micro-batch, context, precision)",
-              [(ProbeOptions, "probe")]),
+    "probe": (
+        _probe,
+        "what this machine is, and what it can train (micro-batch, context, precision)",
+        [(ProbeOptions, "probe")],
+    ),
     "recipes": (_recipes, "list the named recipes", [(RecipesOptions, "list")]),
-    "pretrain": (_pretrain, "pretrain a GPT from scratch or from a base (resumes automatically)",
-                 [(RecipeChoice, "what to train"), (PretrainOptions, "how to run it")]),
-    "finetune": (_finetune, "LoRA / QLoRA / full finetuning of a tinygpt run or a Hugging Face model",
-                 [(FinetuneOptions, "finetuning")]),
+    "pretrain": (
+        _pretrain,
+        "pretrain a GPT from scratch or from a base (resumes automatically)",
+        [(RecipeChoice, "what to train"), (PretrainOptions, "how to run it")],
+    ),
+    "finetune": (
+        _finetune,
+        "LoRA / QLoRA / full finetuning of a tinygpt run or a Hugging Face model",
+        [(FinetuneOptions, "finetuning")],
+    ),
     "generate": (_generate, "sample text from a trained run", [(GenerateOptions, "sampling")]),
-    "eval": (_eval, "evaluate a run (or a Hugging Face model folder) on one task", [(EvalOptions, "evaluation")]),
-    "export": (_export, "export a run (a finetune merged) to a Hugging Face folder or a GGUF for llama.cpp / Ollama, "
-                        "with a model card", [(ExportOptions, "export")]),
-    "push": (_push, "upload a run (Hugging Face files + GGUF + model card) to the Hugging Face Hub; the token comes "
-                    "from HF_TOKEN or Colab's secret HF_TOKEN", [(PushOptions, "push")]),
+    "eval": (
+        _eval,
+        "evaluate a run (or a Hugging Face model folder) on one task",
+        [(EvalOptions, "evaluation")],
+    ),
+    "export": (
+        _export,
+        "export a run (a finetune merged) to a Hugging Face folder or a GGUF for llama.cpp / "
+        "Ollama, with a model card",
+        [(ExportOptions, "export")],
+    ),
+    "push": (
+        _push,
+        "upload a run (Hugging Face files + GGUF + model card) to the Hugging Face Hub; the token "
+        "comes from HF_TOKEN or Colab's secret HF_TOKEN",
+        [(PushOptions, "push")],
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tinygpt", description=__doc__.split("\n\n")[0])
-    p.add_argument("--debug", action="store_true", help="on an error, show the full traceback, not one line")
+    p.add_argument(
+        "--debug", action="store_true", help="on an error, show the full traceback, not one line"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     for name, (func, help_line, groups) in COMMANDS.items():
         command = sub.add_parser(name, help=help_line, description=help_line)
@@ -295,17 +424,18 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
     args = parser.parse_args([a for a in argv if a != "--debug"])
     args.debug = debug
-    # SIGTERM (a notebook's stop button, `kill`, a closing terminal) unwinds like Ctrl-C, so every temporary
-    # (an export's .tmp-<out>-<pid>/, a first try's run folder) is removed on the way out; training
-    # installs its own handler, which saves a checkpoint first
+    # SIGTERM (a notebook's stop button, `kill`, a closing terminal) unwinds like Ctrl-C, so every
+    # temporary (an export's .tmp-<out>-<pid>/, a first try's run folder) is removed on the way out;
+    # training installs its own handler, which saves a checkpoint first
     old_term = _sigterm_raises()
-    old_show, warnings.showwarning = warnings.showwarning, _warning_line  # one line each, no source line
+    # one line each, no source line
+    old_show, warnings.showwarning = warnings.showwarning, _warning_line
     try:
         return args.func(args)
     except KeyboardInterrupt as k:
         if isinstance(k.__context__, TrainingError):
-            # the run had already failed when the signal came (torchrun stops every rank once one has died):
-            # the failure is the reason to tell, not the signal
+            # the run had already failed when the signal came (torchrun stops every rank once one
+            # has died): the failure is the reason to tell, not the signal
             return _error(args, k.__context__)
         print("interrupted", file=sys.stderr)
         return 130
@@ -318,15 +448,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning as the command's one line ("tinygpt: warning: ..."), not Python's file:line and source."""
-    print(f"tinygpt: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
+    """A warning as the command's one line ("tinygpt:
+    warning: ..."), not Python's file:line and source."""
+    print(
+        f"tinygpt: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True
+    )
 
 
 def _error(args: argparse.Namespace, e: Exception) -> int:
     """A command's failure as one line (the traceback with --debug)."""
     if args.debug:
         raise e
-    print(f"tinygpt {args.command}: error: {one_line(e)} (--debug shows the traceback)", file=sys.stderr)
+    print(
+        f"tinygpt {args.command}: error: {one_line(e)} (--debug shows the traceback)",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -335,7 +471,8 @@ def _interrupt(signum, frame):
 
 
 def _sigterm_raises():
-    """Make SIGTERM raise KeyboardInterrupt; the handler it replaces (None where signals cannot be set)."""
+    """Make SIGTERM raise KeyboardInterrupt; the handler
+    it replaces (None where signals cannot be set)."""
     try:
         return signal.signal(signal.SIGTERM, _interrupt)
     except ValueError:  # not the main thread
@@ -350,7 +487,8 @@ def one_line(e: BaseException) -> str:
         return f"{e.strerror}:{where}{hint}"
     text = ""
     for line in filter(None, (line.strip() for line in str(e).splitlines())):
-        # a heading and its list ("holds a different configuration:" then one line per field) read as one
+        # a heading and its list ("holds a different
+        # configuration:" then one line per field) read as one
         text += (" " if text.endswith(":") else "; " if text else "") + line
     return text or type(e).__name__
 

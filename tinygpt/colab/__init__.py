@@ -1,7 +1,8 @@
-"""What only notebooks use, one module per concern; a notebook reaches all of it through this package
-(`from tinygpt import colab`, then `colab.recipe_picker(...)`):
+"""What only notebooks use, one module per concern; a notebook reaches all of it through this
+package (`from tinygpt import colab`, then `colab.recipe_picker(...)`):
 
-- `runs`: where runs live, Drive, a run's two homes and where it stands (`mount`: mounting Drive in Colab)
+- `runs`: where runs live, Drive, a run's two homes and
+  where it stands (`mount`: mounting Drive in Colab)
 - `pickers`: the recipe, base and finetuning dropdowns
 - `tables`: tables shown as HTML in a notebook and as text elsewhere
 - `plots`: the live loss plot (a trainer callback)
@@ -43,9 +44,41 @@ from tinygpt.colab.tables import (
 )
 from tinygpt.train.init import pretrain_recipe  # a recipe sized for the base picked (01_pretrain's training cell)
 
-__all__ = ["DRIVE_RUNS", "SMOKE_RECIPE", "SMOKE_TRAIN", "LossPlot", "RunFolders", "Table", "Tables", "base_picker",
-           "base_rows", "connect_drive", "default_hours", "default_recipe", "eval_data", "finetune_picker",
-           "hardware_table",
-           "in_colab", "in_notebook", "mount_drive", "plan_plot", "pretrain_recipe", "recipe_picker", "recipes_table",
-           "result_table", "run_folders", "run_status", "sample_prompt", "samples", "smoke_base", "smoke_data",
-           "smoke_mode", "smoke_settings", "startup_table", "summary", "trial_search", "workdir", "zip_run"]
+__all__ = [
+    "DRIVE_RUNS",
+    "SMOKE_RECIPE",
+    "SMOKE_TRAIN",
+    "LossPlot",
+    "RunFolders",
+    "Table",
+    "Tables",
+    "base_picker",
+    "base_rows",
+    "connect_drive",
+    "default_hours",
+    "default_recipe",
+    "eval_data",
+    "finetune_picker",
+    "hardware_table",
+    "in_colab",
+    "in_notebook",
+    "mount_drive",
+    "plan_plot",
+    "pretrain_recipe",
+    "recipe_picker",
+    "recipes_table",
+    "result_table",
+    "run_folders",
+    "run_status",
+    "sample_prompt",
+    "samples",
+    "smoke_base",
+    "smoke_data",
+    "smoke_mode",
+    "smoke_settings",
+    "startup_table",
+    "summary",
+    "trial_search",
+    "workdir",
+    "zip_run",
+]

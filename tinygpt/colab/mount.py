@@ -18,7 +18,9 @@ def in_colab() -> bool:
     return True
 
 
-def mount_drive(mountpoint: str | Path = "/content/drive", force_remount: bool = False, **kwargs) -> Path:
+def mount_drive(
+    mountpoint: str | Path = "/content/drive", force_remount: bool = False, **kwargs
+) -> Path:
     """Mount Google Drive (Colab only) and return its MyDrive folder."""
     try:
         from google.colab import drive
@@ -33,5 +35,6 @@ def mount_drive(mountpoint: str | Path = "/content/drive", force_remount: bool =
 
 
 def drive_run_dir(name: str, mydrive: str | Path) -> Path:
-    """MyDrive/tinygpt/runs/<name>: where the run `name` is mirrored on Drive (`mydrive` is MyDrive)."""
+    """MyDrive/tinygpt/runs/<name>: where the run `name`
+    is mirrored on Drive (`mydrive` is MyDrive)."""
     return Path(mydrive) / DRIVE_RUNS / name

@@ -1,8 +1,9 @@
-"""The notebook kernel: whether code runs inside one, showing an object there, and ipywidgets on demand.
+"""The notebook kernel: whether code runs inside one,
+showing an object there, and ipywidgets on demand.
 
-ipywidgets and matplotlib are imported only where they are used (``pip install "tinygpt[notebooks]"``);
-outside a notebook every piece still works without them (tables print as text, a picker's `value` is
-its default).
+ipywidgets and matplotlib are imported only where they are used (``pip install
+"tinygpt[notebooks]"``); outside a notebook every piece still works without them (tables print as
+text, a picker's `value` is its default).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def display(obj: Any, **kwargs: Any) -> Any:
 
 
 def load_ipywidgets() -> Any:
-    """ipywidgets for a dropdown, or None in a script without it (a picker's `value` is then its default);
-    in a notebook without it, an ImportError that says what to install."""
+    """ipywidgets for a dropdown, or None in a script without it (a picker's `value` is then its
+    default); in a notebook without it, an ImportError that says what to install."""
     try:
         return __import__("ipywidgets")
     except ImportError:

@@ -1,7 +1,7 @@
-"""The notebooks' dropdowns: the pretraining recipe (with a time budget), the base of a pretraining run, and
-the finetuning recipe. Each defaults to the run being resumed, then smoke mode, then what suits this
-hardware; the training cell reads `value` when it runs, so Run all trains the default. Without ipywidgets
-(a script) a picker is its default."""
+"""The notebooks' dropdowns: the pretraining recipe (with a time budget), the base of a pretraining
+run, and the finetuning recipe. Each defaults to the run being resumed, then smoke mode, then what
+suits this hardware; the training cell reads `value` when it runs, so Run all trains the default.
+Without ipywidgets (a script) a picker is its default."""
 from __future__ import annotations
 
 import html
@@ -23,11 +23,18 @@ from tinygpt.train.init import run_init
 
 
 def _homes(resume_from: RunFolders | str | Path | None) -> tuple:
-    """The folders a resumed run may be in: its mirror on Drive first (the newest state), then its local copy."""
-    return (resume_from.mirror, resume_from.local) if isinstance(resume_from, RunFolders) else (resume_from,)
+    """The folders a resumed run may be in: its mirror on
+    Drive first (the newest state), then its local copy."""
+    return (
+        (resume_from.mirror, resume_from.local)
+        if isinstance(resume_from, RunFolders)
+        else (resume_from,)
+    )
 
 
-def default_recipe(report: Any = None, resume_from: RunFolders | str | Path | None = None) -> tuple[str, str]:
+def default_recipe(
+    report: Any = None, resume_from: RunFolders | str | Path | None = None
+) -> tuple[str, str]:
     """(recipe name, why): the run being resumed decides first, then smoke mode, then the probe."""
     resumed = recipe_name_of(*_homes(resume_from))
     if resumed in RECIPES:
@@ -40,22 +47,40 @@ def default_recipe(report: Any = None, resume_from: RunFolders | str | Path | No
 
 
 # The time budget dropdown's choices (a resumed run's own budget is added when it is none of them).
-HOURS_CHOICES: list[tuple[str, float | None]] = [("the recipe's steps", None), ("15 min", 0.25), ("30 min", 0.5),
-                                                 ("1 h", 1.0), ("2 h", 2.0), ("3 h", 3.0), ("6 h", 6.0),
-                                                 ("12 h", 12.0), ("24 h", 24.0)]
+HOURS_CHOICES: list[tuple[str, float | None]] = [
+    ("the recipe's steps", None),
+    ("15 min", 0.25),
+    ("30 min", 0.5),
+    ("1 h", 1.0),
+    ("2 h", 2.0),
+    ("3 h", 3.0),
+    ("6 h", 6.0),
+    ("12 h", 12.0),
+    ("24 h", 24.0),
+]
 
 
-def default_hours(report: Any, resume_from: RunFolders | str | Path | None = None) -> tuple[float | None, str]:
-    """(hours or None, why): a resumed run keeps its own budget (or none); smoke mode and CPUs train the
-    recipe's steps; a GPU gets what a session of its class usually lasts."""
+def default_hours(
+    report: Any, resume_from: RunFolders | str | Path | None = None
+) -> tuple[float | None, str]:
+    """(hours or None, why): a resumed run keeps its own budget (or none); smoke mode and CPUs train
+    the recipe's steps; a GPU gets what a session of its class usually lasts."""
     for folder in _homes(resume_from):
         if folder is not None and RunDir(folder).is_pretrain_run():
             budget = Budget.load(Path(folder))
-            return (budget.hours, "the run's own budget") if budget else (None, "the run has no time budget")
+            return (
+                (budget.hours, "the run's own budget")
+                if budget
+                else (None, "the run has no time budget")
+            )
     if smoke_mode():
         return None, "TINYGPT_SMOKE is set"
-    hours = HARDWARE[report.hardware_class].session_hours if report.hardware_class in HARDWARE else None
-    return hours, (f"about one {report.hardware_class} session" if hours else "a CPU trains the recipe's steps")
+    hours = (
+        HARDWARE[report.hardware_class].session_hours if report.hardware_class in HARDWARE else None
+    )
+    return hours, (
+        f"about one {report.hardware_class} session" if hours else "a CPU trains the recipe's steps"
+    )
 
 
 # the size dropdown: auto (the planner, tinygpt.train.plan) or the recipe's model as written
@@ -63,9 +88,9 @@ SIZE_CHOICES = [("auto (what the time buys)", "auto"), ("the recipe's", None)]
 
 
 class RecipePicker:
-    """A dropdown of the recipes with the right default and, under it, every recipe's memory and time
-    on this runtime, then the chosen recipe's memory breakdown and expectations (updated on change).
-    The training cell reads `value` when it runs, so Run all trains the default."""
+    """A dropdown of the recipes with the right default and, under it, every recipe's memory and
+    time on this runtime, then the chosen recipe's memory breakdown and expectations (updated on
+    change). The training cell reads `value` when it runs, so Run all trains the default."""
 
     def __init__(self, report: Any, resume_from: RunFolders | str | Path | None = None):
         self.report = report
@@ -78,16 +103,25 @@ class RecipePicker:
         options = [(f"{name}  ({RECIPES[name].hardware})", name) for name in RECIPES]
         self.dropdown = widgets.Dropdown(options=options, value=self.default, description="recipe",
                                          layout=widgets.Layout(width="max-content"))
-        # the summary is an HTML widget, not an Output one: it renders the same in Colab (ipywidgets 7),
-        # classic Jupyter and JupyterLab (8), where capturing into an Output widget differs between them
+        # the summary is an HTML widget, not an Output one: it renders the
+        # same in Colab (ipywidgets 7), classic Jupyter and JupyterLab
+        # (8), where capturing into an Output widget differs between them
         self.summary = widgets.HTML()
         self.dropdown.observe(lambda change: self._show_summary(), names="value")
         choices = (HOURS_CHOICES if self.default_hours in [h for _, h in HOURS_CHOICES]
                    else HOURS_CHOICES + [(f"{self.default_hours:g} h", self.default_hours)])
-        self.hours_dropdown = widgets.Dropdown(options=choices, value=self.default_hours, description="time",
-                                               layout=widgets.Layout(width="max-content"))
-        self.size_dropdown = widgets.Dropdown(options=SIZE_CHOICES, value="auto", description="size",
-                                              layout=widgets.Layout(width="max-content"))
+        self.hours_dropdown = widgets.Dropdown(
+            options=choices,
+            value=self.default_hours,
+            description="time",
+            layout=widgets.Layout(width="max-content"),
+        )
+        self.size_dropdown = widgets.Dropdown(
+            options=SIZE_CHOICES,
+            value="auto",
+            description="size",
+            layout=widgets.Layout(width="max-content"),
+        )
 
     @property
     def value(self) -> str:
@@ -95,19 +129,22 @@ class RecipePicker:
 
     @property
     def hours(self) -> float | None:
-        """The time budget chosen (None: train the recipe's steps); `pretrain(..., hours=picker.hours)`."""
+        """The time budget chosen (None: train the recipe's steps); `pretrain(...,
+        hours=picker.hours)`."""
         return self.hours_dropdown.value if self.hours_dropdown is not None else self.default_hours
 
     @property
     def size(self) -> str | None:
-        """"auto" (the size the time buys: `pretrain(..., size=picker.size)`), or None: the recipe's own
-        size, and always without a time budget (the planner needs hours)."""
+        """"auto" (the size the time buys: `pretrain(..., size=picker.size)`), or None: the recipe's
+        own size, and always without a time budget (the planner needs hours)."""
         if self.hours is None:
             return None
         return self.size_dropdown.value if self.size_dropdown is not None else "auto"
 
     def _show_summary(self) -> None:
-        tables = Tables([recipes_table(self.report), *summary(self.value, self.report, hardware=False)])
+        tables = Tables(
+            [recipes_table(self.report), *summary(self.value, self.report, hardware=False)]
+        )
         self.summary.value = tables._repr_html_()
 
     def _ipython_display_(self) -> None:
@@ -115,22 +152,38 @@ class RecipePicker:
             return display(str(self))
         widgets = __import__("ipywidgets")
         self._show_summary()
-        display(widgets.VBox([self.dropdown, widgets.HTML(f"<i>default: {html.escape(self.reason)}</i>"),
-                               self.hours_dropdown, widgets.HTML(
-                                   f"<i>time available for training: {html.escape(self.hours_reason)}; the run "
-                                   "measures its speed and sets its steps to end on time</i>"),
-                               self.size_dropdown, widgets.HTML(
-                                   "<i>size: auto chooses the model the time buys (a ladder of sizes, a "
-                                   "scaling law, this GPU's speed), shown before training starts</i>"),
-                               self.summary]))
+        display(
+            widgets.VBox(
+                [
+                    self.dropdown,
+                    widgets.HTML(f"<i>default: {html.escape(self.reason)}</i>"),
+                    self.hours_dropdown,
+                    widgets.HTML(
+                        f"<i>time available for training: {html.escape(self.hours_reason)}; the "
+                        "run measures its speed and sets its steps to end on time</i>"
+                    ),
+                    self.size_dropdown,
+                    widgets.HTML(
+                        "<i>size: auto chooses the model the time buys (a ladder of sizes, a "
+                        "scaling law, this GPU's speed), shown before training starts</i>"
+                    ),
+                    self.summary,
+                ]
+            )
+        )
 
     def __repr__(self) -> str:
         budget = "the recipe's steps" if self.hours is None else f"{self.hours:g} h"
         size = "the recipe's" if self.size is None else self.size
-        return f"recipe: {self.value} (default: {self.default}, {self.reason}); time: {budget}; size: {size}"
+        return (
+            f"recipe: {self.value} (default: {self.default}, {self.reason}); time: {budget}; "
+            f"size: {size}"
+        )
 
 
-def recipe_picker(report: Any = None, resume_from: RunFolders | str | Path | None = None) -> RecipePicker:
+def recipe_picker(
+    report: Any = None, resume_from: RunFolders | str | Path | None = None
+) -> RecipePicker:
     """The recipe dropdown; `report` defaults to `probe.hardware_report()`."""
     if report is None:
         report = hardware_report()
@@ -138,8 +191,9 @@ def recipe_picker(report: Any = None, resume_from: RunFolders | str | Path | Non
 
 
 class FinetunePicker:
-    """02_finetune's recipe dropdown (the run's own recipe, or the default for this base on this runtime)
-    over the table of every recipe's memory here. The training cell reads `value` when it runs."""
+    """02_finetune's recipe dropdown (the run's own recipe, or the default
+    for this base on this runtime) over the table of every recipe's memory
+    here. The training cell reads `value` when it runs."""
 
     def __init__(self, base_config: dict[str, Any], run: RunFolders | None = None):
         self.hardware, self.gpu_gb = this_hardware()
@@ -152,7 +206,9 @@ class FinetunePicker:
         widgets = load_ipywidgets()
         if widgets is None:
             return  # a script: `value` is the default
-        self.dropdown = widgets.Dropdown(options=list(FINETUNE_RECIPES), value=self.default, description="recipe")
+        self.dropdown = widgets.Dropdown(
+            options=list(FINETUNE_RECIPES), value=self.default, description="recipe"
+        )
 
     @property
     def value(self) -> str:
@@ -172,7 +228,8 @@ def finetune_picker(base_config: dict[str, Any], run: RunFolders | None = None) 
     return FinetunePicker(base_config, run)
 
 
-# 01_pretrain's base dropdown: small Hub models whose architecture tinygpt's GPT is (Llama's layers, no biases).
+# 01_pretrain's base dropdown: small Hub models whose
+# architecture tinygpt's GPT is (Llama's layers, no biases).
 HUB_BASES = (("from scratch", None),
              ("SmolLM2-135M (Hub, 135M, any GPU)", "hf:HuggingFaceTB/SmolLM2-135M"),
              ("SmolLM2-360M (Hub, 362M, L4 / A100)", "hf:HuggingFaceTB/SmolLM2-360M"),
@@ -180,25 +237,38 @@ HUB_BASES = (("from scratch", None),
 
 
 class BasePicker:
-    """01_pretrain's base dropdown: from scratch, or a Hub model whose weights and tokenizer the run starts from
-    (`tinygpt pretrain --init`). It defaults to the run's own base when resuming. `value` is the base (None: from
-    scratch), read by the training cell when it runs."""
+    """01_pretrain's base dropdown: from scratch, or a Hub model whose weights and tokenizer the run
+    starts from (`tinygpt pretrain --init`). It defaults to the run's own base when resuming.
+    `value` is the base (None: from scratch), read by the training cell when it runs."""
 
     def __init__(self, resume_from: RunFolders | str | Path | None = None):
-        local, mirror = ((resume_from.local, resume_from.mirror) if isinstance(resume_from, RunFolders)
-                         else (resume_from, None))
-        # the local run's own base; a mirror's (a shared folder: it could name any folder of this VM) only when it
-        # is one of the Hub bases listed here, which Run all may then pick without reading anything local
+        local, mirror = (
+            (resume_from.local, resume_from.mirror)
+            if isinstance(resume_from, RunFolders)
+            else (resume_from, None)
+        )
+        # the local run's own base; a mirror's (a shared folder: it could name any folder of this
+        # VM) only when it is one of the Hub bases listed here, which Run all may then pick without
+        # reading anything local
         theirs = run_init(mirror)
         self.default = run_init(local) or (theirs if theirs in dict(HUB_BASES).values() else None)
-        self.reason = "the run's own base" if self.default else "a new run trains from scratch unless you pick a base"
-        options = list(HUB_BASES) + ([(self.default, self.default)] if self.default not in dict(HUB_BASES).values()
-                                     else [])
+        self.reason = (
+            "the run's own base"
+            if self.default
+            else "a new run trains from scratch unless you pick a base"
+        )
+        options = list(HUB_BASES) + (
+            [(self.default, self.default)] if self.default not in dict(HUB_BASES).values() else []
+        )
         self.dropdown = None
         widgets = load_ipywidgets()
         if widgets is not None:
-            self.dropdown = widgets.Dropdown(options=options, value=self.default, description="base",
-                                             layout=widgets.Layout(width="max-content"))
+            self.dropdown = widgets.Dropdown(
+                options=options,
+                value=self.default,
+                description="base",
+                layout=widgets.Layout(width="max-content"),
+            )
 
     @property
     def value(self) -> str | None:
@@ -207,12 +277,23 @@ class BasePicker:
     def _ipython_display_(self) -> None:
         if self.dropdown is None:
             return display(str(self))
-        display(__import__("ipywidgets").VBox([self.dropdown, __import__("ipywidgets").HTML(
-            f"<i>default: {html.escape(self.reason)}; a base brings its own architecture, tokenizer and context, "
-            "trained at a lower learning rate</i>")]))
+        display(
+            __import__("ipywidgets").VBox(
+                [
+                    self.dropdown,
+                    __import__("ipywidgets").HTML(
+                        f"<i>default: {html.escape(self.reason)}; a base brings its own "
+                        "architecture, tokenizer and context, trained at a lower learning rate</i>"
+                    ),
+                ]
+            )
+        )
 
     def __repr__(self) -> str:
-        return f"base: {self.value or 'from scratch'} (default: {self.default or 'from scratch'}, {self.reason})"
+        return (
+            f"base: {self.value or 'from scratch'} (default: {self.default or 'from scratch'}, "
+            f"{self.reason})"
+        )
 
 
 def base_picker(resume_from: RunFolders | str | Path | None = None) -> BasePicker:

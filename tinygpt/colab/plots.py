@@ -1,5 +1,6 @@
-"""The live loss plot: a trainer callback that draws loss and val_loss in the notebook as training goes (one
-picture, updated in place), shows the start-up table after the first step, and saves plots/loss.png."""
+"""The live loss plot: a trainer callback that draws loss and val_loss
+in the notebook as training goes (one picture, updated in place), shows
+the start-up table after the first step, and saves plots/loss.png."""
 from __future__ import annotations
 
 import io
@@ -37,14 +38,16 @@ class LossPlot(Callback):
 
     def on_log(self, metrics: dict[str, Any]) -> None:
         if not self.history and self.run_dir is not None:
-            self.history = self._earlier(int(metrics.get("step", 0)))  # a resumed run: the curve so far
+            # a resumed run: the curve so far
+            self.history = self._earlier(int(metrics.get("step", 0)))
         self.history.append(dict(metrics))
         if self.enabled and self.clock() - self._last_draw >= self.min_interval_s:
             self.draw()
 
     @property
     def shows_startup(self) -> bool:
-        """True when the start-up table is shown here: the trainer then does not print it as a line too."""
+        """True when the start-up table is shown here: the
+        trainer then does not print it as a line too."""
         return bool(self.show)
 
     def on_startup(self, record: dict[str, Any]) -> None:
@@ -53,7 +56,8 @@ class LossPlot(Callback):
             display(startup_table(record))
 
     def _earlier(self, step: int) -> list[dict]:
-        """Entries before `step` in metrics.jsonl (the trainer cut it at the resumed step already)."""
+        """Entries before `step` in metrics.jsonl (the
+        trainer cut it at the resumed step already)."""
         try:
             return [m for m in RunDir(self.run_dir).metrics() if m.get("step", 0) < step]
         except (OSError, ValueError):  # an unreadable log: the plot starts here instead
@@ -76,15 +80,26 @@ class LossPlot(Callback):
         ax.grid(alpha=0.3)
         if any(m.get("loss") is not None or m.get("val_loss") is not None for m in self.history):
             ax.legend(loc="upper right")
-        per_step = next((m["tokens"] / m["step"] for m in self.history if m.get("tokens") and m.get("step")), None)
+        per_step = next(
+            (m["tokens"] / m["step"] for m in self.history if m.get("tokens") and m.get("step")),
+            None,
+        )
         if per_step:
-            top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda t: t / per_step))
+            top = ax.secondary_xaxis(
+                "top", functions=(lambda s: s * per_step, lambda t: t / per_step)
+            )
             top.xaxis.set_major_formatter(EngFormatter())
             top.set_xlabel("tokens")
         latest = {k: next((m[k] for m in reversed(self.history) if m.get(k) is not None), None)
                   for k in ("step", "loss", "val_loss", "expected_final_loss")}
-        ax.set_title(", ".join(f"{k.replace('_', ' ').replace('expected final loss', 'heading for')} {v:.4g}"
-                               for k, v in latest.items() if v is not None), fontsize=10)
+        ax.set_title(
+            ", ".join(
+                f"{k.replace('_', ' ').replace('expected final loss', 'heading for')} {v:.4g}"
+                for k, v in latest.items()
+                if v is not None
+            ),
+            fontsize=10,
+        )
         self.figure = fig
         self.draws += 1
         if self.show:
@@ -109,9 +124,10 @@ class LossPlot(Callback):
 
 
 def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
-    """`--size auto`'s plan as a picture: predicted loss against non-embedding parameters, one point per
-    size of the ladder, the chosen one marked; saved as <run_dir>/plots/plan.png and shown in a notebook.
-    The matplotlib Figure, or None for a run that was not planned (or without matplotlib)."""
+    """`--size auto`'s plan as a picture: predicted loss against non-embedding
+    parameters, one point per size of the ladder, the chosen one marked; saved
+    as <run_dir>/plots/plan.png and shown in a notebook. The matplotlib
+    Figure, or None for a run that was not planned (or without matplotlib)."""
     plan = kept_plan(RunDir(run_dir).info_or_empty())
     if plan is None or not plan.get("candidates"):
         return None
@@ -122,13 +138,28 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
     cands = plan["candidates"]
     fig = Figure(figsize=(7, 3.5), layout="constrained")
     ax = fig.add_subplot()
-    ax.plot([c["params"] for c in cands], [c["predicted_loss"] for c in cands], "o-", color="tab:blue")
+    ax.plot(
+        [c["params"] for c in cands], [c["predicted_loss"] for c in cands], "o-", color="tab:blue"
+    )
     for c in cands:
-        ax.annotate(c["size"], (c["params"], c["predicted_loss"]), textcoords="offset points", xytext=(0, 6),
-                    ha="center", fontsize=8)
+        ax.annotate(
+            c["size"],
+            (c["params"], c["predicted_loss"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=8,
+        )
     best = next(c for c in cands if c["chosen"])
-    ax.plot([best["params"]], [best["predicted_loss"]], "o", ms=12, mfc="none", color="tab:red",
-            label=f"chosen: {best['size']}, {best['tokens'] / best['params']:.0f} tokens per parameter")
+    ax.plot(
+        [best["params"]],
+        [best["predicted_loss"]],
+        "o",
+        ms=12,
+        mfc="none",
+        color="tab:red",
+        label=f"chosen: {best['size']}, {best['tokens'] / best['params']:.0f} tokens per parameter",
+    )
     ax.set_xscale("log")
     ax.set_xlabel("non-embedding parameters")
     ax.set_ylabel("predicted loss")

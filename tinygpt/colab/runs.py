@@ -1,5 +1,6 @@
-"""Run folders in a notebook: where runs live on this machine, Drive (mounted in Colab, a local stand-in
-elsewhere), a run's two homes (fast local disk and its mirror on Drive) and where a run stands."""
+"""Run folders in a notebook: where runs live on this machine, Drive
+(mounted in Colab, a local stand-in elsewhere), a run's two homes
+(fast local disk and its mirror on Drive) and where a run stands."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,8 @@ from tinygpt.core.rundir import ADAPTER_DIR, FULL_MODEL_DIR, RunDir, recipe_name
 
 
 def workdir() -> Path:
-    """Where runs and Drive live on this machine: $TINYGPT_WORKDIR, else /content in Colab, else here."""
+    """Where runs and Drive live on this machine:
+    $TINYGPT_WORKDIR, else /content in Colab, else here."""
     if os.environ.get("TINYGPT_WORKDIR"):
         return Path(os.environ["TINYGPT_WORKDIR"])
     return Path("/content") if in_colab() else Path.cwd()
@@ -43,8 +45,11 @@ class RunFolders:
 
     def __str__(self) -> str:
         step, recipe = self.mirrored_step(), recipe_name_of(self.mirror, self.local)
-        state = (f"on Drive: step {step} of recipe {recipe}; training continues from there" if step is not None
-                 else "nothing on Drive yet: a new run")
+        state = (
+            f"on Drive: step {step} of recipe {recipe}; training continues from there"
+            if step is not None
+            else "nothing on Drive yet: a new run"
+        )
         return f"run {self.name!r}\n  local:  {self.local}\n  Drive:  {self.mirror}\n  {state}"
 
     __repr__ = __str__
@@ -66,15 +71,20 @@ class FinetuneStatus:
     def __str__(self) -> str:
         home, where = (self.mirror, "on Drive") if self.mirror is not None else (self.local, "here")
         steps = list_checkpoints(RunDir(home).checkpoints)
-        lines = [f"local:  {self.local}"] + ([f"Drive:  {self.mirror}"] if self.mirror is not None else [])
+        lines = [f"local:  {self.local}"] + (
+            [f"Drive:  {self.mirror}"] if self.mirror is not None else []
+        )
         if steps:
-            lines.append(f"{where}: step {steps[-1][0]} of recipe {recipe_name_of(home, self.local)}; "
-                         "finetuning continues from there")
+            lines.append(
+                f"{where}: step {steps[-1][0]} of recipe {recipe_name_of(home, self.local)}; "
+                "finetuning continues from there"
+            )
         else:
             lines.append(f"nothing {where} yet: a new run")
         if (home / ADAPTER_DIR / "adapter_model.safetensors").is_file():
             lines.append(f"adapter {where}: {home / ADAPTER_DIR}")
-        if (self.local / FULL_MODEL_DIR / "config.json").is_file():  # full finetuning (its checkpoints go to Drive)
+        # full finetuning (its checkpoints go to Drive)
+        if (self.local / FULL_MODEL_DIR / "config.json").is_file():
             lines.append(f"model here: {self.local / FULL_MODEL_DIR}")
         return "\n".join(lines)
 

@@ -1,4 +1,5 @@
-"""Text from a run: a few samples from one of its checkpoints, from a prompt that suits what it trained on."""
+"""Text from a run: a few samples from one of its
+checkpoints, from a prompt that suits what it trained on."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +13,8 @@ from tinygpt.train.data import validation_text
 
 
 def sample_prompt(run_dir: str | Path) -> str:
-    """A prompt that suits what the run trained on: `def ` for the built-in Python corpus, else how one
-    of its held-out documents begins (a story for TinyStories, a sentence for FineWeb-Edu)."""
+    """A prompt that suits what the run trained on: `def ` for the built-in Python corpus, else how
+    one of its held-out documents begins (a story for TinyStories, a sentence for FineWeb-Edu)."""
     recipe = Recipe.from_dict(RunDir(run_dir).recipe_dict())
     if recipe.data.source in ("builtin", "stdlib"):
         return "def "
@@ -24,7 +25,11 @@ def sample_prompt(run_dir: str | Path) -> str:
 
 def samples(run_dir: str | Path, n: int = 3, which: str = "latest", prompt: str | None = None,
             max_new_tokens: int = 150, device: str = "auto") -> list[str]:
-    """`n` samples (seeds 0..n-1) from a run's checkpoint, from `prompt` or one that suits its data."""
+    """`n` samples (seeds 0..n-1) from a run's checkpoint,
+    from `prompt` or one that suits its data."""
     model, tokenizer, _, _ = load_run(run_dir, which, resolve_device(device))
     prompt = prompt or sample_prompt(run_dir)
-    return [generate_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens, seed=seed) for seed in range(n)]
+    return [
+        generate_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens, seed=seed)
+        for seed in range(n)
+    ]

@@ -1,6 +1,7 @@
-"""Tables: rows of cells shown as HTML in a notebook and as aligned text elsewhere, and the tables the notebooks
-show (hardware, recipes with their memory and time here, one recipe's summary, start-up, a run's result, a
-finetuning base and its recipes). They arrange what the library computes; nothing here decides."""
+"""Tables: rows of cells shown as HTML in a notebook and as aligned text elsewhere, and the tables
+the notebooks show (hardware, recipes with their memory and time here, one recipe's summary,
+start-up, a run's result, a finetuning base and its recipes). They arrange what the library
+computes; nothing here decides."""
 from __future__ import annotations
 
 import html
@@ -28,9 +29,15 @@ class Table:
     notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        widths = [max(len(str(r[i])) for r in self.rows) for i in range(len(self.rows[0]))] if self.rows else []
+        widths = (
+            [max(len(str(r[i])) for r in self.rows) for i in range(len(self.rows[0]))]
+            if self.rows
+            else []
+        )
         lines = [self.title] if self.title else []
-        lines += ["  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in self.rows]
+        lines += [
+            "  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in self.rows
+        ]
         return "\n".join(lines + [f"  - {n}" for n in self.notes])
 
     __repr__ = __str__
@@ -40,8 +47,10 @@ class Table:
         out.append('<table style="border-collapse:collapse">')
         for i, row in enumerate(self.rows):
             tag = "th" if self.header and i == 0 else "td"
-            cells = "".join(f'<{tag} style="text-align:left;padding:2px 10px">{html.escape(str(c))}</{tag}>'
-                            for c in row)
+            cells = "".join(
+                f'<{tag} style="text-align:left;padding:2px 10px">{html.escape(str(c))}</{tag}>'
+                for c in row
+            )
             out.append(f"<tr>{cells}</tr>")
         out.append("</table>")
         if self.notes:
@@ -66,15 +75,17 @@ def hardware_table(report: Any) -> Table:
 
 
 def _precision_for(recipe: Recipe, report: Any) -> str:
-    """The recipe's precision; the probe's where it says auto, or bf16 on a GPU that only emulates it."""
+    """The recipe's precision; the probe's where it says
+    auto, or bf16 on a GPU that only emulates it."""
 
     p, _ = requested_precision(recipe, report.device, report.native_bf16)
     return report.precision if p == "auto" else p
 
 
 def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) -> Any:
-    """The probe's trial search (largest micro-batch that fits) where it is meaningful: on a CUDA GPU,
-    or a cpu recipe anywhere (capped at `time_limit_s`); None elsewhere or when nothing fits."""
+    """The probe's trial search (largest micro-batch that fits) where
+    it is meaningful: on a CUDA GPU, or a cpu recipe anywhere (capped
+    at `time_limit_s`); None elsewhere or when nothing fits."""
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if report.device != "cuda" and recipe.hardware != "cpu":
@@ -87,45 +98,88 @@ def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) 
 
 def summary(recipe: Recipe | str, report: Any, search: Any = None, hardware: bool = True,
             hours: float | None = None) -> Tables:
-    """Hardware (unless not `hardware`), the recipe's memory breakdown, the trial search (if given) and
-    the expected memory, tokens/s and time to finish, for one recipe on this runtime; with `hours`, the
-    size planner's table for that budget (what `pretrain(..., hours=hours, size="auto")` trains)."""
+    """Hardware (unless not `hardware`), the recipe's memory breakdown, the trial search (if given)
+    and the expected memory, tokens/s and time to finish, for one recipe on this runtime; with
+    `hours`, the size planner's table for that budget (what `pretrain(..., hours=hours,
+    size="auto")` trains)."""
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     t, prec = recipe.train, _precision_for(recipe, report)
-    est = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device, loss=t.loss)
+    est = estimate_memory(
+        recipe.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device, loss=t.loss
+    )
     tables = [hardware_table(report)] if hardware else []
-    tables.append(Table(est.rows(), f"Memory of {recipe.name}: micro-batch {t.micro_batch_size}, "
-                                    f"context {t.seq_len}, {prec} (estimated)", notes=(recipe.description,)))
+    tables.append(
+        Table(
+            est.rows(),
+            f"Memory of {recipe.name}: micro-batch {t.micro_batch_size}, "
+            f"context {t.seq_len}, {prec} (estimated)",
+            notes=(recipe.description,),
+        )
+    )
     if search is not None:
-        tables.append(Table([("micro-batch", search.micro_batch_size), ("accumulation steps", search.grad_accum_steps),
-                             ("context", search.seq_len),
-                             ("activation checkpointing", "on" if search.activation_checkpointing else "off"),
-                             ("precision", search.precision),
-                             ("measured peak", f"{search.peak_gb:.2f} of {search.memory_limit_gb:.1f} GB")],
-                            "Trial search" + (" (cached)" if search.from_cache else ""), header=False,
-                            notes=tuple(search.notes)))
-    tables.append(Table(expectations(recipe, report, search).rows(), "Expected on this runtime", header=False))
+        tables.append(
+            Table(
+                [
+                    ("micro-batch", search.micro_batch_size),
+                    ("accumulation steps", search.grad_accum_steps),
+                    ("context", search.seq_len),
+                    (
+                        "activation checkpointing",
+                        "on" if search.activation_checkpointing else "off",
+                    ),
+                    ("precision", search.precision),
+                    ("measured peak", f"{search.peak_gb:.2f} of {search.memory_limit_gb:.1f} GB"),
+                ],
+                "Trial search" + (" (cached)" if search.from_cache else ""),
+                header=False,
+                notes=tuple(search.notes),
+            )
+        )
+    tables.append(
+        Table(expectations(recipe, report, search).rows(), "Expected on this runtime", header=False)
+    )
     if hours is not None:
         plan = choose_size(recipe, hours, resolve_device(report.device), None)[1]
-        tables.append(Table(plan_table(plan), f"Size plan for {hours:g} h", notes=(plan_note(plan),)))
+        tables.append(
+            Table(plan_table(plan), f"Size plan for {hours:g} h", notes=(plan_note(plan),))
+        )
     return Tables(tables)
 
 
 def recipes_table(report: Any) -> Table:
-    """Every recipe with its size and the expected memory, speed and time to finish on this runtime."""
+    """Every recipe with its size and the expected
+    memory, speed and time to finish on this runtime."""
 
-    rows: list[tuple] = [("recipe", "for", "params", "context", "tokens", "memory", "fits", "tokens/s", "time")]
+    rows: list[tuple] = [
+        ("recipe", "for", "params", "context", "tokens", "memory", "fits", "tokens/s", "time")
+    ]
     for name in RECIPES:
         r = get_recipe(name)
         n = estimate_memory(r.model, 1, 1, "fp32", device_type=report.device).n_params
         e = expectations(r, report)
         mark = " (default here)" if name == report.default_recipe else ""
-        rows.append((name + mark, r.hardware, count(n), r.train.seq_len, count(r.token_budget),
-                     size_gb(e.peak_memory_gb), "-" if e.fits is None else "yes" if e.fits else "no",
-                     "-" if e.tokens_per_s is None else f"{e.tokens_per_s:,.0f}", duration(e.time_to_finish_s)))
-    return Table(rows, f"Recipes on this runtime ({report.name})",
-                 notes=("memory is estimated; tokens/s and time are rough until measured (see the trial search)",))
+        rows.append(
+            (
+                name + mark,
+                r.hardware,
+                count(n),
+                r.train.seq_len,
+                count(r.token_budget),
+                size_gb(e.peak_memory_gb),
+                "-" if e.fits is None else "yes" if e.fits else "no",
+                "-" if e.tokens_per_s is None else f"{e.tokens_per_s:,.0f}",
+                duration(e.time_to_finish_s),
+            )
+        )
+    return Table(
+        rows,
+        f"Recipes on this runtime ({report.name})",
+        notes=(
+            "memory is estimated; tokens/s and time are rough until measured (see the trial "
+            "search)",
+        ),
+    )
 
 
 def startup_table(record: dict[str, Any]) -> Table:
@@ -144,18 +198,33 @@ def result_table(result: Any) -> Table:
     def num(v: float | None) -> str:
         return "-" if v is None else f"{v:.4f}"
 
-    rows = [("step", result.step), ("loss", num(result.loss)), ("val_loss", num(result.val_loss)),
-            ("best val_loss", num(result.best_val_loss)), ("checkpoint", result.checkpoint),
-            ("tokens/s", "-" if not result.tokens_per_s else f"{result.tokens_per_s:,.0f}"),
-            ("resumed", "no: a new run" if result.resumed_from is None else f"from step {result.resumed_from}")]
-    notes = ("stopped before the end: run the training cell again to continue",) if result.interrupted else ()
+    rows = [
+        ("step", result.step),
+        ("loss", num(result.loss)),
+        ("val_loss", num(result.val_loss)),
+        ("best val_loss", num(result.best_val_loss)),
+        ("checkpoint", result.checkpoint),
+        ("tokens/s", "-" if not result.tokens_per_s else f"{result.tokens_per_s:,.0f}"),
+        (
+            "resumed",
+            "no: a new run" if result.resumed_from is None else f"from step {result.resumed_from}",
+        ),
+    ]
+    notes = (
+        ("stopped before the end: run the training cell again to continue",)
+        if result.interrupted
+        else ()
+    )
     return Table(rows, "Training", header=False, notes=notes)
 
 
 # ---- finetuning ----------------------------------------------------------------------------------
 
-def finetune_recipe_rows(base_config: dict[str, Any], hardware: str, memory_gb: float | None = None) -> list[tuple]:
-    """Every finetuning recipe with its estimated peak memory for this base and whether it fits (for `Table`)."""
+def finetune_recipe_rows(
+    base_config: dict[str, Any], hardware: str, memory_gb: float | None = None
+) -> list[tuple]:
+    """Every finetuning recipe with its estimated peak memory
+    for this base and whether it fits (for `Table`)."""
     rows: list[tuple] = [("recipe", "memory", "fits", "what it is")]
     for name, r in FINETUNE_RECIPES.items():
         gb = device_need_gb(memory_table(r, hardware, base_config), hardware)

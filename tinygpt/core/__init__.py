@@ -1,1 +1,2 @@
-"""The ground floor: configuration, crash-safe files, run folders, checkpoints, precision. Imports no model code."""
+"""The ground floor: configuration, crash-safe files, run
+folders, checkpoints, precision. Imports no model code."""

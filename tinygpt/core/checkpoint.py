@@ -63,8 +63,8 @@ def clean_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A state_dict ready for safetensors: clean keys, contiguous CPU tensors, a tied lm_head dropped
-    (safetensors refuses shared storage; Hugging Face omits it the same way)."""
+    """A state_dict ready for safetensors: clean keys, contiguous CPU tensors, a tied lm_head
+    dropped (safetensors refuses shared storage; Hugging Face omits it the same way)."""
     sd = clean_state_dict(model.state_dict())
     emb, head = sd.get("model.embed_tokens.weight"), sd.get("lm_head.weight")
     if emb is not None and head is not None and emb.data_ptr() == head.data_ptr():
@@ -81,7 +81,9 @@ def load_model_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> Non
     tied = getattr(getattr(target, "config", None), "tie_embeddings", False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -95,8 +97,12 @@ def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_state: dict[str, Any],
-                    meta: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    model_sd: dict[str, torch.Tensor],
+    train_state: dict[str, Any],
+    meta: dict[str, Any] | None = None,
+) -> Path:
     """Write a complete checkpoint folder at `path` atomically (replacing one already there)."""
     from safetensors.torch import save_file
 
@@ -110,12 +116,14 @@ def save_checkpoint(path: str | Path, model_sd: dict[str, torch.Tensor], train_s
     return path
 
 
-def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL_FILE) -> tuple[bool, str]:
+def verify_checkpoint(
+    path: str | Path, deep: bool = True, required: str = MODEL_FILE
+) -> tuple[bool, str]:
     """(ok, reason). Checks the manifest (which must list `required`), each file's size, and (deep)
-    each file's sha256 and each safetensors file's header (`check_safetensors`). Adapter folders are verified
-    the same way (required: the adapter weights).
-    Every name the manifest lists must be a plain file name (never a path that leaves the folder) of a
-    plain file (never a link), and a `step_N` folder's manifest must say step N."""
+    each file's sha256 and each safetensors file's header (`check_safetensors`). Adapter folders are
+    verified the same way (required: the adapter weights). Every name the manifest lists must be a
+    plain file name (never a path that leaves the folder) of a plain file (never a link), and a
+    `step_N` folder's manifest must say step N."""
     path = Path(path)
     mf = path / MANIFEST
     for p in (path, mf):
@@ -130,8 +138,13 @@ def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL
             raise TypeError("'files' is not a table of files")
         for name in files:
             safe_name(name, mf, plain=True)
-    except (ValueError, KeyError, TypeError, OSError, CheckpointError) as e:  # UnsafePathError is a ValueError
-        return False, (str(e) if isinstance(e, (UnsafePathError, CheckpointError)) else f"unreadable manifest: {e}")
+    # UnsafePathError is a ValueError
+    except (ValueError, KeyError, TypeError, OSError, CheckpointError) as e:
+        return False, (
+            str(e)
+            if isinstance(e, (UnsafePathError, CheckpointError))
+            else f"unreadable manifest: {e}"
+        )
     if required not in files:
         return False, f"manifest lists no {required}"
     if step_of(path) is not None and manifest.get("step") != step_of(path):
@@ -146,7 +159,8 @@ def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL
             return False, f"{name} has {p.stat().st_size} bytes, manifest says {info.get('size')}"
         if deep and sha256_file(p) != info.get("sha256"):
             return False, f"{name} fails its sha256 check"
-        if deep and name.endswith(".safetensors"):  # whoever writes a shared folder can write its manifest too
+        # whoever writes a shared folder can write its manifest too
+        if deep and name.endswith(".safetensors"):
             try:
                 check_safetensors(p)
             except CheckpointError as e:
@@ -154,28 +168,35 @@ def verify_checkpoint(path: str | Path, deep: bool = True, required: str = MODEL
     return True, "ok"
 
 
-MANIFEST_LIMIT = 1 << 20  # the largest manifest.json read back (a real one lists three files: a few hundred bytes)
+# the largest manifest.json read back (a real one lists three files: a few hundred bytes)
+MANIFEST_LIMIT = 1 << 20
 
 
 def _read_manifest_file(mf: Path) -> dict[str, Any]:
-    """manifest.json read the one way a run file is read (no link, at most MANIFEST_LIMIT bytes); anything but a
-    JSON object (or JSON nested too deep to parse) is a CheckpointError naming the file."""
+    """manifest.json read the one way a run file is read (no link, at
+    most MANIFEST_LIMIT bytes); anything but a JSON object (or JSON
+    nested too deep to parse) is a CheckpointError naming the file."""
     try:
         manifest = read_json_safe(mf, MANIFEST_LIMIT)
     except RecursionError:
-        raise CheckpointError(f"{mf} nests JSON too deep to read: it was not written by tinygpt") from None
+        raise CheckpointError(
+            f"{mf} nests JSON too deep to read: it was not written by tinygpt"
+        ) from None
     except CheckpointError:
         raise
     except ValueError as e:  # not JSON, too large, a link: read_json_safe's one line names the file
         raise CheckpointError(str(e)) from None
     if not isinstance(manifest, dict):
-        raise CheckpointError(f"{mf} holds a JSON {type(manifest).__name__}, not a manifest: it was not written by "
-                              "tinygpt")
+        raise CheckpointError(
+            f"{mf} holds a JSON {type(manifest).__name__}, not a manifest: it was not written by "
+            "tinygpt"
+        )
     return manifest
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """A checkpoint folder's manifest.json (`_read_manifest_file`: bounded, no link, one-line errors naming it)."""
+    """A checkpoint folder's manifest.json (`_read_manifest_file`:
+    bounded, no link, one-line errors naming it)."""
     return _read_manifest_file(Path(path) / MANIFEST)
 
 
@@ -184,9 +205,9 @@ _STEP_FOLDER = re.compile(rf"step_([0-9]{{1,{STEP_DIGITS}}})")
 
 
 def step_of(folder: str | Path) -> int | None:
-    """The step a checkpoint folder's name says (`step_000020`: 20); None for any other name, `step_` with
-    anything but 1 to STEP_DIGITS ASCII digits among them (`step_²`, which `str.isdigit` takes for a digit and
-    `int` refuses, or a 5000-digit number)."""
+    """The step a checkpoint folder's name says (`step_000020`: 20); None for any other name,
+    `step_` with anything but 1 to STEP_DIGITS ASCII digits among them (`step_²`, which
+    `str.isdigit` takes for a digit and `int` refuses, or a 5000-digit number)."""
     m = _STEP_FOLDER.fullmatch(Path(folder).name)
     return int(m.group(1)) if m else None
 
@@ -202,12 +223,20 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     if root.is_dir():
         for p in root.iterdir():
             if p.name.startswith("step_") and step_of(p) is None:
-                shown = p.name if len(p.name) <= 40 else p.name[:40] + f"... ({len(p.name)} characters)"
-                warnings.warn(f"{root / shown} is not a checkpoint's name (step_ and 1 to {STEP_DIGITS} ASCII "
-                              "digits): ignored; it was not written by tinygpt", stacklevel=2)
+                shown = (
+                    p.name if len(p.name) <= 40 else p.name[:40] + f"... ({len(p.name)} characters)"
+                )
+                warnings.warn(
+                    f"{root / shown} is not a checkpoint's name (step_ and 1 to {STEP_DIGITS} "
+                    "ASCII digits): ignored; it was not written by tinygpt",
+                    stacklevel=2,
+                )
             if (step := step_of(p)) is not None:
                 if p.is_symlink():
-                    warnings.warn(f"{link_problem(p)}: not followed, this checkpoint is not used", stacklevel=2)
+                    warnings.warn(
+                        f"{link_problem(p)}: not followed, this checkpoint is not used",
+                        stacklevel=2,
+                    )
                 elif p.is_dir():
                     out.append((step, p))
     return sorted(out)
@@ -239,18 +268,24 @@ def load_checkpoint(path: str | Path, verify: bool = True, map_location="cpu",
         if not ok:
             raise CheckpointError(f"checkpoint {path} is not valid: {why}")
     sd = load_safetensors(path / MODEL_FILE)
-    state = _load_state(path / STATE_FILE, map_location) if with_state and (path / STATE_FILE).exists() else {}
+    state = (
+        _load_state(path / STATE_FILE, map_location)
+        if with_state and (path / STATE_FILE).exists()
+        else {}
+    )
     return sd, state, read_manifest(path)
 
 
-SAFETENSORS_HEADER_LIMIT = 64 << 20  # the largest safetensors header read (a 70B model's shard: well under 1 MB)
+# the largest safetensors header read (a 70B model's shard: well under 1 MB)
+SAFETENSORS_HEADER_LIMIT = 64 << 20
 
 
 def check_safetensors(path: str | Path) -> None:
-    """Refuse a .safetensors file whose header is not one: its first 8 bytes (the header's length) over
-    SAFETENSORS_HEADER_LIMIT or past the file's end, a header that is not a JSON object of tensors, or a tensor
-    whose bytes lie outside the file. Read without following a link; every refusal is one CheckpointError
-    naming the file, before the safetensors library reads it (whose errors name no file)."""
+    """Refuse a .safetensors file whose header is not one: its first 8 bytes (the header's length)
+    over SAFETENSORS_HEADER_LIMIT or past the file's end, a header that is not a JSON object of
+    tensors, or a tensor whose bytes lie outside the file. Read without following a link; every
+    refusal is one CheckpointError naming the file, before the safetensors library reads it (whose
+    errors name no file)."""
     path = Path(path)
     bad = None
     try:
@@ -261,7 +296,10 @@ def check_safetensors(path: str | Path) -> None:
             if n is None:
                 bad = f"holds {size} bytes, fewer than a safetensors header's 8"
             elif n > SAFETENSORS_HEADER_LIMIT:
-                bad = f"says its header is {n:,} bytes, more than the {SAFETENSORS_HEADER_LIMIT:,} tinygpt reads"
+                bad = (
+                    f"says its header is {n:,} bytes, more than the "
+                    f"{SAFETENSORS_HEADER_LIMIT:,} tinygpt reads"
+                )
             elif 8 + n > size:
                 bad = f"says its header is {n:,} bytes, past the file's end ({size:,} bytes)"
             else:
@@ -272,8 +310,10 @@ def check_safetensors(path: str | Path) -> None:
     except OSError as e:
         raise CheckpointError(f"{path} could not be read ({e.strerror or e})") from None
     if bad:
-        raise CheckpointError(f"{path} is not a safetensors file: it {bad}; it was not written by tinygpt (or was "
-                              "cut short): delete the checkpoint folder or restore it from a copy you trust")
+        raise CheckpointError(
+            f"{path} is not a safetensors file: it {bad}; it was not written by tinygpt (or was "
+            "cut short): delete the checkpoint folder or restore it from a copy you trust"
+        )
 
 
 def _header_problem(header: Any, data_bytes: int) -> str | None:
@@ -283,24 +323,34 @@ def _header_problem(header: Any, data_bytes: int) -> str | None:
         if name == "__metadata__":
             continue
         offsets = t.get("data_offsets") if isinstance(t, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
-            return f"has a tensor {name[:80]!r} whose bytes are not inside the file ({str(offsets)[:80]})"
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+        ):
+            return (
+                f"has a tensor {name[:80]!r} whose bytes are not inside the file "
+                f"({str(offsets)[:80]})"
+            )
     return None
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a .safetensors file, its header checked first (`check_safetensors`); any failure is one
-    CheckpointError naming the file."""
+    """The tensors of a .safetensors file, its header checked first (`check_safetensors`); any
+    failure is one CheckpointError naming the file."""
     from safetensors.torch import load_file
 
     check_safetensors(path)
     try:
         return load_file(str(path))
-    except Exception as e:  # SafetensorError, and what torch makes of a wrong dtype or shape: none names the file
-        raise CheckpointError(f"{path} could not be read as safetensors ({one_line_of(e)}); it was not written by "
-                              "tinygpt (or was cut short): delete the checkpoint folder or restore it from a copy "
-                              "you trust") from None
+    # SafetensorError, and what torch makes of a wrong dtype or shape: none names the file
+    except Exception as e:
+        raise CheckpointError(
+            f"{path} could not be read as safetensors ({one_line_of(e)}); it was not written by "
+            "tinygpt (or was cut short): delete the checkpoint folder or restore it from a copy "
+            "you trust"
+        ) from None
 
 
 def one_line_of(e: BaseException) -> str:
@@ -309,17 +359,22 @@ def one_line_of(e: BaseException) -> str:
 
 
 def _load_state(path: Path, map_location) -> dict:
-    """The training state, weights-only: tensors, numbers, strings, lists and dicts, never code. A run
-    folder may come from anyone (a shared Drive folder), so nothing in it is unpickled as objects."""
+    """The training state, weights-only: tensors, numbers, strings,
+    lists and dicts, never code. A run folder may come from anyone (a
+    shared Drive folder), so nothing in it is unpickled as objects."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
-        raise CheckpointError(f"{path} holds more than tensors and numbers and was not loaded (it could run code); "
-                              "it was not written by this version of tinygpt: delete the checkpoint folder or "
-                              "start a new run folder") from None
+        raise CheckpointError(
+            f"{path} holds more than tensors and numbers and was not loaded (it could run code); "
+            "it was not written by this version of tinygpt: delete the checkpoint folder or "
+            "start a new run folder"
+        ) from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:  # not a torch file, or cut short
-        raise CheckpointError(f"{path} could not be read ({one_line_of(e)}); it was not written by tinygpt (or was "
-                              "cut short): delete the checkpoint folder or restore it from a copy you trust") from None
+        raise CheckpointError(
+            f"{path} could not be read ({one_line_of(e)}); it was not written by tinygpt (or was "
+            "cut short): delete the checkpoint folder or restore it from a copy you trust"
+        ) from None
 
 
 def prune(ckpt_root: str | Path, keep_last: int) -> list[Path]:
@@ -329,9 +384,12 @@ def prune(ckpt_root: str | Path, keep_last: int) -> list[Path]:
     removed = []
     clean_leftovers(root)
     ckpts = list_checkpoints(root)
-    # The shallow check (manifest, sizes) is enough here: each folder was hashed when it was written,
-    # and re-reading gigabytes of checkpoint after every save would cost more than the save itself.
-    newest_valid = next((p for _, p in reversed(ckpts) if verify_checkpoint(p, deep=False)[0]), None)
+    # The shallow check (manifest, sizes) is enough here: each folder
+    # was hashed when it was written, and re-reading gigabytes of
+    # checkpoint after every save would cost more than the save itself.
+    newest_valid = next(
+        (p for _, p in reversed(ckpts) if verify_checkpoint(p, deep=False)[0]), None
+    )
     for _, p in ckpts[:-keep_last] if keep_last > 0 else ckpts:
         if p != newest_valid:
             shutil.rmtree(p, ignore_errors=True)
@@ -352,7 +410,8 @@ def find_run_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
     run_dir = Path(run_dir)
     if which not in ("latest", BEST):  # the selector names the folder it picks
         p = Path(which)
-        if not p.is_absolute() and not p.exists():  # relative to the run folder, unless it exists as given
+        # relative to the run folder, unless it exists as given
+        if not p.is_absolute() and not p.exists():
             p = run_dir / which
         ok, why = verify_checkpoint(p)
         if not ok:

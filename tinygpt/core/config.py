@@ -33,26 +33,39 @@ def config_differences(old: dict, new: dict, allowed: set[str] | frozenset = fro
     return out
 
 
-def check_same_settings(where: str | Path, old: dict | None, new: dict, what: str = "a different configuration",
-                        allowed: set[str] | frozenset = frozenset()) -> None:
+def check_same_settings(
+    where: str | Path,
+    old: dict | None,
+    new: dict,
+    what: str = "a different configuration",
+    allowed: set[str] | frozenset = frozenset(),
+) -> None:
     """The one "is this the same run?" check of pretraining, finetuning and the trainer: refuse to
     continue `where` when `old` (what it was started with) and `new` differ beyond `allowed`."""
     diffs = config_differences(old, new, allowed) if old is not None else []
     if diffs:
-        raise ConfigError(f"{where} holds {what}:\n  " + "\n  ".join(diffs)
-                          + "\nuse another run folder (a new --run-dir or RUN_NAME), or the same settings to resume")
+        raise ConfigError(
+            f"{where} holds {what}:\n  "
+            + "\n  ".join(diffs)
+            + "\nuse another run folder (a new --run-dir or RUN_NAME), or the same settings to "
+            "resume"
+        )
 
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says what to change."""
 
 
-# Muon orthogonalises each hidden matrix; on a fused q/k/v or gate/up matrix that would be other math.
-FUSED_PROJ_MUON = ("fused_proj=True does not work with optimizer='muon' (Muon orthogonalises q/k/v and gate/up "
-                   "as separate matrices): set fused_proj=False, or use optimizer='adamw'")
+# Muon orthogonalises each hidden matrix; on a fused
+# q/k/v or gate/up matrix that would be other math.
+FUSED_PROJ_MUON = (
+    "fused_proj=True does not work with optimizer='muon' (Muon orthogonalises q/k/v and gate/up "
+    "as separate matrices): set fused_proj=False, or use optimizer='adamw'"
+)
 
 
-GPT2_VOCAB = 50257  # GPT-2's BPE: what the gpt2 tokenizer, nanoGPT's files and llm.c's GPT-2 shards hold
+# GPT-2's BPE: what the gpt2 tokenizer, nanoGPT's files and llm.c's GPT-2 shards hold
+GPT2_VOCAB = 50257
 GPT2_VOCAB_PADDED = 50304  # 50257 rounded up to a multiple of 128: faster matmuls, same tokenizer
 INIT_TOKENIZER = "init"  # DataConfig.tokenizer of a continued run: the base's own tokenizer
 
@@ -63,21 +76,22 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _check_fields(obj: Any, where: str) -> None:
-    """Each field of `obj` as declared (a Literal's values, a number's type and bounds): `field_problem`."""
+    """Each field of `obj` as declared (a Literal's values,
+    a number's type and bounds): `field_problem`."""
     if (problem := field_problem(obj, where)) is not None:
         raise ConfigError(problem)
 
 
 # --- the model -------------------------------------------------------------------------------
-# Each ModelConfig field says beside its declaration how it reads in a transformers config (`hf`) and in a GGUF
-# file (`gguf`), and whether it is part of the network (`network`: two configs that differ there are different
-# networks; the rest are context, initialisation, speed and memory choices). `to_hf_llama`, `from_hf_llama`,
-# `to_gguf` and `network_fields` read these; nothing else spells the fields' names in those formats.
-# An option that a format cannot hold says so in its metadata: "lacks" names the formats that have no
-# equivalent of it when it is set (not its default): "hf" (transformers, and so llama.cpp and
-# finetuning, which go through transformers' families), "gguf" (llama.cpp), "gguf:FAMILY" (llama.cpp's
-# architecture of that family). `ModelConfig.export_gaps` reads it; export, GGUF, finetuning and the
-# hints a run ends with ask it.
+# Each ModelConfig field says beside its declaration how it reads in a transformers config (`hf`)
+# and in a GGUF file (`gguf`), and whether it is part of the network (`network`: two configs that
+# differ there are different networks; the rest are context, initialisation, speed and memory
+# choices). `to_hf_llama`, `from_hf_llama`, `to_gguf` and `network_fields` read these; nothing else
+# spells the fields' names in those formats. An option that a format cannot hold says so in its
+# metadata: "lacks" names the formats that have no equivalent of it when it is set (not its
+# default): "hf" (transformers, and so llama.cpp and finetuning, which go through transformers'
+# families), "gguf" (llama.cpp), "gguf:FAMILY" (llama.cpp's architecture of that family).
+# `ModelConfig.export_gaps` reads it; export, GGUF, finetuning and the hints a run ends with ask it.
 REQUIRED = dataclasses.MISSING  # a config.json without this key does not describe a model
 
 
@@ -87,13 +101,19 @@ def _hf(key: str, missing: Any = REQUIRED, network: bool = True, gguf: str | Non
     means (transformers' own default), whether it is part of the network, how a GGUF file says it
     (gguf's writer method `GGUFWriter.add_{gguf}`, which knows llama.cpp's key and type), and its
     other rules (bounds, "lacks", "identity")."""
-    return {"hf": key, "hf_missing": missing, "network": network, **({"gguf": gguf} if gguf else {}),
-            **rules}
+    return {
+        "hf": key,
+        "hf_missing": missing,
+        "network": network,
+        **({"gguf": gguf} if gguf else {}),
+        **rules,
+    }
 
 
-# What the GPT always is, as a transformers config says it: key -> (the GPT's value, why another value is not
-# this GPT). `to_hf_llama` writes these; `tinygpt.model.hf.representation_gaps` refuses a config.json that differs.
-# A new option that makes one of them a choice moves it from here into a field.
+# What the GPT always is, as a transformers config says it: key -> (the GPT's
+# value, why another value is not this GPT). `to_hf_llama` writes these;
+# `tinygpt.model.hf.representation_gaps` refuses a config.json that differs. A
+# new option that makes one of them a choice moves it from here into a field.
 HF_FIXED: dict[str, tuple[Any, str]] = {
     "hidden_act": ("silu", "tinygpt's MLP is SwiGLU with SiLU"),
 }
@@ -102,8 +122,8 @@ HF_FIXED: dict[str, tuple[Any, str]] = {
 @dataclass(frozen=True)
 class Family:
     """A transformers architecture with exactly the GPT's layers and parameter names (and the llama.cpp
-    architecture of the same name): the one place an export, an import, a GGUF file and a model card look up
-    what the model is called."""
+    architecture of the same name): the one place an export, an import, a GGUF file and a model card
+    look up what the model is called."""
 
     model_type: str  # config.json's model_type, and llama.cpp's architecture
     title: str  # `{title}Config` and `{title}ForCausalLM` in transformers; the model card's name
@@ -120,17 +140,32 @@ class Family:
         return f"{self.title}ForCausalLM"
 
 
-FAMILIES = {f.model_type: f for f in (
-    Family("llama", "Llama", False, {**HF_FIXED, "mlp_bias": (False, "tinygpt's MLP has no biases")}, rope_pairs=True),
-    # Qwen3: Llama's layers plus an RMSNorm on each head's queries and keys; full attention, no sliding window.
-    Family("qwen3", "Qwen3", True, {**HF_FIXED, "use_sliding_window": (False, "tinygpt's attention is full")},
-           rope_pairs=False),
-)}
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family(
+            "llama",
+            "Llama",
+            False,
+            {**HF_FIXED, "mlp_bias": (False, "tinygpt's MLP has no biases")},
+            rope_pairs=True,
+        ),
+        # Qwen3: Llama's layers plus an RMSNorm on each head's
+        # queries and keys; full attention, no sliding window.
+        Family(
+            "qwen3",
+            "Qwen3",
+            True,
+            {**HF_FIXED, "use_sliding_window": (False, "tinygpt's attention is full")},
+            rope_pairs=False,
+        ),
+    )
+}
 
 
 class _Section:
-    """A recipe section (model, train, data) as a plain dict and back. A key this version does not know (a
-    run.json written by a newer tinygpt) is left out rather than refused."""
+    """A recipe section (model, train, data) as a plain dict and back. A key this version does not
+    know (a run.json written by a newer tinygpt) is left out rather than refused."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -144,8 +179,8 @@ class _Section:
 @dataclass
 class ModelConfig(_Section):
     """A Llama-style decoder. Field names follow nanoGPT; each field's Hugging Face name stands beside it,
-    and the choices are resolved once: `family` (which transformers / llama.cpp architecture), `head_dim`;
-    `tinygpt.model.gpt` builds the layers from them (`norm_class`, `rope_tables`)."""
+    and the choices are resolved once: `family` (which transformers / llama.cpp architecture),
+    `head_dim`; `tinygpt.model.gpt` builds the layers from them (`norm_class`, `rope_tables`)."""
 
     vocab_size: int = field(default=4096, metadata=_hf("vocab_size", gguf="vocab_size", min=2))
     n_layer: int = field(default=4, metadata=_hf("num_hidden_layers", gguf="block_count", min=1))
@@ -157,8 +192,10 @@ class ModelConfig(_Section):
     # None: about 8/3 d_model rounded up to a multiple of 64 (SwiGLU)
     d_ff: int | None = field(default=None, metadata=_hf("intermediate_size",
                                                         gguf="feed_forward_length", min=1))
-    max_seq_len: int = field(default=256, metadata=_hf("max_position_embeddings", 2048, network=False,
-                                                       gguf="context_length", min=1))
+    max_seq_len: int = field(
+        default=256,
+        metadata=_hf("max_position_embeddings", 2048, network=False, gguf="context_length", min=1),
+    )
     rope_theta: float = field(default=10000.0, metadata=_hf("rope_theta", 10000.0,
                                                             gguf="rope_freq_base", above=0))
     norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6,
@@ -166,25 +203,31 @@ class ModelConfig(_Section):
     tie_embeddings: bool = field(default=False, metadata=_hf("tie_word_embeddings", False))
     init_std: float = field(default=0.02, metadata=_hf("initializer_range", 0.02, network=False,
                                                        above=0))
-    # A bias on each attention projection (q, k, v and o; initialised at zero), as Llama's and Qwen3's
-    # attention_bias; the MLP stays without (Llama's mlp_bias is a separate key, Qwen3 has none). Newer than
-    # identity.json: in a run's identity only where set. llama.cpp's qwen3 has no such bias.
-    attention_bias: bool = field(default=False, metadata=_hf("attention_bias", False, identity="when_set",
-                                                             lacks=("gguf:qwen3",)))
+    # A bias on each attention projection (q, k, v and o; initialised at zero),
+    # as Llama's and Qwen3's attention_bias; the MLP stays without (Llama's
+    # mlp_bias is a separate key, Qwen3 has none). Newer than identity.json: in
+    # a run's identity only where set. llama.cpp's qwen3 has no such bias.
+    attention_bias: bool = field(
+        default=False,
+        metadata=_hf("attention_bias", False, identity="when_set", lacks=("gguf:qwen3",)),
+    )
     activation_checkpointing: bool = field(default=False, metadata={"identity": "never"})
-    # Speed-run choices (modded-nanogpt), each kept only where it measured better at our scale
-    # (docs/BENCHMARKS.md): an RMSNorm on each head's queries and keys before RoPE (Qwen3's q_norm and
-    # k_norm: in Hugging Face terms the family, see `family`), and the projections into the residual stream
-    # (o_proj, down_proj) initialised at zero, so that every block starts as the identity.
+    # Speed-run choices (modded-nanogpt), each kept only where it measured better
+    # at our scale (docs/BENCHMARKS.md): an RMSNorm on each head's queries and
+    # keys before RoPE (Qwen3's q_norm and k_norm: in Hugging Face terms the
+    # family, see `family`), and the projections into the residual stream (o_proj,
+    # down_proj) initialised at zero, so that every block starts as the identity.
     qk_norm: bool = field(default=False, metadata={"network": True})
     zero_init_proj: bool = False
-    # One matmul for q/k/v and one for gate/up instead of five: fewer, larger kernels, which a GPU runs
-    # faster. The same math and, with the same seed, the same initial weights, so it changes speed, not the
-    # run; saved files keep the separate Hugging Face names. Off until measured faster (docs/BENCHMARKS.md).
+    # One matmul for q/k/v and one for gate/up instead of five: fewer, larger kernels, which a GPU
+    # runs faster. The same math and, with the same seed, the same initial weights, so it changes
+    # speed, not the run; saved files keep the separate Hugging Face names. Off until measured
+    # faster (docs/BENCHMARKS.md).
     fused_proj: bool = field(default=False, metadata={"identity": "never"})
-    # Where the weights start (continued pretraining, `tinygpt.train.init`): None, a seeded random
-    # initialisation; else hf:NAME[@REVISION], a Hugging Face model folder or a tinygpt run folder, whose
-    # architecture the fields above then repeat. Read once, at a run's first step; a resume does not read it.
+    # Where the weights start (continued pretraining, `tinygpt.train.init`): None,
+    # a seeded random initialisation; else hf:NAME[@REVISION], a Hugging Face
+    # model folder or a tinygpt run folder, whose architecture the fields above
+    # then repeat. Read once, at a run's first step; a resume does not read it.
     init: str | None = None
 
     def __post_init__(self) -> None:
@@ -206,7 +249,8 @@ class ModelConfig(_Section):
 
     @property
     def family(self) -> Family:
-        """The transformers (and llama.cpp) architecture with these layers: Llama, or Qwen3 with QK-norm."""
+        """The transformers (and llama.cpp) architecture
+        with these layers: Llama, or Qwen3 with QK-norm."""
         return next(f for f in FAMILIES.values() if f.qk_norm == self.qk_norm)
 
     @classmethod
@@ -215,10 +259,10 @@ class ModelConfig(_Section):
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("network"))
 
     def identity(self) -> dict[str, Any]:
-        """The fields that make a run the same run (the mirror's identity.json hashes them, with the data):
-        not the speed and memory choices a probe may make otherwise on another GPU (`identity` "never"), and an
-        option added since identity.json began only where it is set ("when_set"), so that a run begun before
-        the option existed keeps its identity."""
+        """The fields that make a run the same run (the mirror's identity.json hashes them, with the
+        data): not the speed and memory choices a probe may make otherwise on another GPU
+        (`identity` "never"), and an option added since identity.json began only where it is set
+        ("when_set"), so that a run begun before the option existed keeps its identity."""
         out = {}
         for f in dataclasses.fields(self):
             rule, value = f.metadata.get("identity", "always"), getattr(self, f.name)
@@ -237,38 +281,54 @@ class ModelConfig(_Section):
     def check_exports(self, target: Literal["hf", "gguf"] = "hf") -> None:
         """Refuse, in one line, a model that `target` cannot hold (`export_gaps`)."""
         if gaps := self.export_gaps("hf"):
-            raise ConfigError(f"transformers' {self.family.title} (and llama.cpp) cannot load a model with "
-                              f"{', '.join(gaps)}: it has no export and cannot be finetuned; tinygpt "
-                              "generate and eval use it as it is")
+            raise ConfigError(
+                f"transformers' {self.family.title} (and llama.cpp) cannot load a model with "
+                f"{', '.join(gaps)}: it has no export and cannot be finetuned; tinygpt "
+                "generate and eval use it as it is"
+            )
         if gaps := self.export_gaps(target):
-            raise ConfigError(f"llama.cpp's {self.family.model_type} architecture cannot load a model "
-                              f"with {', '.join(gaps)}: export to Hugging Face format instead (tinygpt "
-                              "export RUN OUT)")
+            raise ConfigError(
+                f"llama.cpp's {self.family.model_type} architecture cannot load a model "
+                f"with {', '.join(gaps)}: export to Hugging Face format instead (tinygpt "
+                "export RUN OUT)"
+            )
 
     def to_hf_llama(self) -> dict[str, Any]:
-        """The keyword arguments of the equivalent transformers config (`family.config_class`: `LlamaConfig`,
-        or `Qwen3Config` with QK-norm); a model it cannot hold is refused (`check_exports`)."""
+        """The keyword arguments of the equivalent transformers config
+        (`family.config_class`: `LlamaConfig`, or `Qwen3Config` with
+        QK-norm); a model it cannot hold is refused (`check_exports`)."""
         self.check_exports("hf")
-        mapped = {f.metadata["hf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "hf" in f.metadata}
+        mapped = {
+            f.metadata["hf"]: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if "hf" in f.metadata
+        }
         fixed = {key: value for key, (value, _) in self.family.hf_fixed.items()}
         return {**mapped, **fixed, "head_dim": self.head_dim}
 
     def to_gguf(self) -> dict[str, int | float]:
-        """The model's llama.cpp metadata: {name: value} for gguf's writer method `GGUFWriter.add_{name}`;
-        a model llama.cpp cannot load is refused (`check_exports`)."""
+        """The model's llama.cpp metadata: {name: value} for gguf's writer method
+        `GGUFWriter.add_{name}`; a model llama.cpp cannot load is refused (`check_exports`)."""
         self.check_exports("gguf")
-        mapped = {f.metadata["gguf"]: getattr(self, f.name) for f in dataclasses.fields(self) if "gguf" in f.metadata}
+        mapped = {
+            f.metadata["gguf"]: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if "gguf" in f.metadata
+        }
         head = self.head_dim  # keys and values as wide as the queries, all of each head rotated
         return {**mapped, "key_length": head, "value_length": head, "rope_dimension_count": head}
 
     @classmethod
     def from_hf_llama(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a Llama or Qwen3 `config.json` dictionary (a missing required key: KeyError)."""
+        """Build from a Llama or Qwen3 `config.json`
+        dictionary (a missing required key: KeyError)."""
         kw = {}
         for f in dataclasses.fields(cls):
             if "hf" in f.metadata:
                 kw[f.name] = _hf_value(hf, f.metadata["hf"], f.metadata["hf_missing"])
-                kw[f.name] = {"float": float, "bool": bool}.get(str(f.type), lambda v: v)(kw[f.name])
+                kw[f.name] = {"float": float, "bool": bool}.get(str(f.type), lambda v: v)(
+                    kw[f.name]
+                )
         head_dim = hf.get("head_dim") or kw["d_model"] // kw["n_head"]
         _require(head_dim * kw["n_head"] == kw["d_model"],
                  "tinygpt needs head_dim * num_attention_heads == hidden_size")
@@ -277,7 +337,8 @@ class ModelConfig(_Section):
 
 
 def _hf_value(hf: dict[str, Any], key: str, missing: Any) -> Any:
-    """`hf[key]`, or where transformers >= 5 keeps it (rope settings under rope_parameters), or `missing`."""
+    """`hf[key]`, or where transformers >= 5 keeps it (rope
+    settings under rope_parameters), or `missing`."""
     for where in (hf, hf.get("rope_parameters") or {}):
         if where.get(key) is not None:
             return where[key]
@@ -287,7 +348,8 @@ def _hf_value(hf: dict[str, Any], key: str, missing: Any) -> Any:
 
 
 
-# The words a TrainConfig field takes (each one Literal: the command line's choices are read from it).
+# The words a TrainConfig field takes (each one Literal:
+# the command line's choices are read from it).
 Optimizer = Literal["adamw", "muon"]  # muon: Muon for the hidden matrices, AdamW for the rest
 # cosine: to min_lr at max_steps; wsd: warmup, stable, then a linear decay over decay_fraction
 Schedule = Literal["cosine", "wsd"]
@@ -316,7 +378,8 @@ class TrainConfig(_Section):
     grad_clip: float = 1.0
     optimizer: Optimizer = "adamw"
     schedule: Schedule = "cosine"
-    decay_fraction: float = bounded(0.2, above=0, max=1)  # wsd: the last fraction of the steps decays
+    # wsd: the last fraction of the steps decays
+    decay_fraction: float = bounded(0.2, above=0, max=1)
     precision: PrecisionName = "auto"
     compile: CompileMode = "auto"
     loss: LossMode = "auto"
@@ -331,11 +394,15 @@ class TrainConfig(_Section):
 
     def __post_init__(self) -> None:
         _check_fields(self, "train.")
-        _require(self.min_lr <= self.lr, f"train.min_lr must be at most lr ({self.lr}), got {self.min_lr}")
+        _require(
+            self.min_lr <= self.lr,
+            f"train.min_lr must be at most lr ({self.lr}), got {self.min_lr}",
+        )
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens in one optimizer step: the global batch (under torchrun it is split over the processes)."""
+        """Tokens in one optimizer step: the global batch
+        (under torchrun it is split over the processes)."""
         return self.micro_batch_size * self.seq_len * self.grad_accum_steps
 
 
@@ -343,24 +410,31 @@ class TrainConfig(_Section):
 class DataConfig(_Section):
     """Where the text comes from and how it becomes tokens.
 
-    ``source``: ``builtin`` (the Python standard library's own source, always offline), a local
-    file or folder, or a Hugging Face dataset as ``hf:NAME[:CONFIG][@SPLIT]``.
-    ``tokenizer``: ``train`` (a byte-level BPE of ``vocab_size`` trained on the source), ``gpt2``
-    (the GPT-2 BPE from vocab/merges files), ``init`` (the base's own, in continued pretraining: `model.init`),
-    or a path to a ``tokenizer.json``.
+    ``source``: ``builtin`` (the Python standard library's own source, always offline), a local file
+    or folder, or a Hugging Face dataset as ``hf:NAME[:CONFIG][@SPLIT]``. ``tokenizer``: ``train``
+    (a byte-level BPE of ``vocab_size`` trained on the source), ``gpt2`` (the GPT-2 BPE from
+    vocab/merges files), ``init`` (the base's own, in continued pretraining: `model.init`), or a
+    path to a ``tokenizer.json``.
     """
 
     source: str = "builtin"
     tokenizer: str = "train"
-    vocab_size: int = bounded(4096, min=256 + 1, max=2**32 - 1,
-                              why="a byte-level BPE needs at least 257 (256 bytes + end-of-text) and the "
-                                  "token cache holds at most 2**32 - 1 ids")
+    vocab_size: int = bounded(
+        4096,
+        min=256 + 1,
+        max=2**32 - 1,
+        why="a byte-level BPE needs at least 257 (256 bytes + end-of-text) and the "
+        "token cache holds at most 2**32 - 1 ids",
+    )
     max_chars: int | None = bounded(None, min=1)  # read at most this many characters of the source
     val_fraction: float = bounded(0.05, above=0, below=0.5)
     text_field: str = "text"
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.source, str) and self.source.strip() != "", "data source must not be empty")
+        _require(
+            isinstance(self.source, str) and self.source.strip() != "",
+            "data source must not be empty",
+        )
         _check_fields(self, "data.")
 
 
@@ -379,40 +453,60 @@ class Recipe:
         _require(self.train.seq_len <= self.model.max_seq_len,
                  f"recipe {self.name!r}: seq_len {self.train.seq_len} is longer than the model's "
                  f"max_seq_len {self.model.max_seq_len}; lower seq_len or raise max_seq_len")
-        _require(self.model.vocab_size >= self.data.vocab_size,
-                 f"recipe {self.name!r}: the model's vocab_size {self.model.vocab_size} is smaller than the "
-                 f"tokenizer's {self.data.vocab_size}")
+        _require(
+            self.model.vocab_size >= self.data.vocab_size,
+            f"recipe {self.name!r}: the model's vocab_size {self.model.vocab_size} is smaller than "
+            f"the tokenizer's {self.data.vocab_size}",
+        )
         _require(not (self.model.fused_proj and self.train.optimizer == "muon"),
                  f"recipe {self.name!r}: {FUSED_PROJ_MUON}")
         # the tokenizers this knows before one is read: GPT-2's size, and that a base's needs a base
-        _require(self.data.tokenizer != "gpt2" or self.model.vocab_size >= GPT2_VOCAB,
-                 f"recipe {self.name!r}: data.tokenizer=gpt2 has {GPT2_VOCAB} tokens but the model's vocab_size is "
-                 f"{self.model.vocab_size}: add model.vocab_size={GPT2_VOCAB_PADDED}")
-        _require(self.data.tokenizer != INIT_TOKENIZER or self.model.init is not None,
-                 f"data.tokenizer={INIT_TOKENIZER} takes the tokenizer of the base, but model.init names none: use "
-                 "--init BASE, or data.tokenizer=train")
+        _require(
+            self.data.tokenizer != "gpt2" or self.model.vocab_size >= GPT2_VOCAB,
+            f"recipe {self.name!r}: data.tokenizer=gpt2 has {GPT2_VOCAB} tokens but the model's "
+            f"vocab_size is {self.model.vocab_size}: add model.vocab_size={GPT2_VOCAB_PADDED}",
+        )
+        _require(
+            self.data.tokenizer != INIT_TOKENIZER or self.model.init is not None,
+            f"data.tokenizer={INIT_TOKENIZER} takes the tokenizer of the base, but model.init "
+            "names none: use --init BASE, or data.tokenizer=train",
+        )
 
     @property
     def token_budget(self) -> int:
         return self.train.tokens_per_step * self.train.max_steps
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "hardware": self.hardware,
-                "model": self.model.to_dict(), "train": self.train.to_dict(), "data": self.data.to_dict()}
+        return {
+            "name": self.name,
+            "description": self.description,
+            "hardware": self.hardware,
+            "model": self.model.to_dict(),
+            "train": self.train.to_dict(),
+            "data": self.data.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Recipe":
-        return cls(name=d["name"], description=d.get("description", ""), hardware=d.get("hardware", "cpu"),
-                   model=ModelConfig.from_dict(d["model"]), train=TrainConfig.from_dict(d["train"]),
-                   data=DataConfig.from_dict(d.get("data", {})))
+        return cls(
+            name=d["name"],
+            description=d.get("description", ""),
+            hardware=d.get("hardware", "cpu"),
+            model=ModelConfig.from_dict(d["model"]),
+            train=TrainConfig.from_dict(d["train"]),
+            data=DataConfig.from_dict(d.get("data", {})),
+        )
 
     def identity(self) -> dict[str, Any]:
-        """What makes two runs the same run, for the mirror's identity: the recipe's name, the model (less what
-        the probe may choose otherwise on another GPU: `ModelConfig.identity`) and the data. Training settings
-        are compared against run.json instead, where some may change on resume."""
+        """What makes two runs the same run, for the mirror's identity: the
+        recipe's name, the model (less what the probe may choose otherwise on
+        another GPU: `ModelConfig.identity`) and the data. Training settings are
+        compared against run.json instead, where some may change on resume."""
         return {"recipe": self.name, "model": self.model.identity(), "data": self.data.to_dict()}
 
-    def replace(self, model: dict | None = None, train: dict | None = None, data: dict | None = None) -> "Recipe":
+    def replace(
+        self, model: dict | None = None, train: dict | None = None, data: dict | None = None
+    ) -> "Recipe":
         """A copy with some fields changed, validated again."""
         return Recipe(name=self.name, description=self.description, hardware=self.hardware,
                       model=dataclasses.replace(self.model, **(model or {})),

@@ -24,7 +24,8 @@ from typing import Any, Iterator
 TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"  # leftovers of an interrupted write carry these
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once, at import: os.umask is process-wide, so never again from a thread
-FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; some writers (safetensors) make 0600 files
+# what open() gives a new file; some writers (safetensors) make 0600 files
+FILE_MODE = 0o666 & ~_UMASK
 
 
 def _usual_mode(path: Path) -> None:
@@ -34,7 +35,8 @@ def _usual_mode(path: Path) -> None:
 
 
 class UnsafePathError(ValueError):
-    """A name that would leave its folder, or a link tinygpt will not follow; the message names it."""
+    """A name that would leave its folder, or a link
+    tinygpt will not follow; the message names it."""
 
 
 def safe_name(name: Any, where: str | Path, plain: bool = False) -> str:
@@ -53,26 +55,33 @@ def safe_name(name: Any, where: str | Path, plain: bool = False) -> str:
     elif plain and "/" in name:
         bad = "is a path where a plain file name belongs"
     if bad:
-        raise UnsafePathError(f"{where} names {name!r}, which {bad}: refused (nothing was read or written there); "
-                              "the file was not written by tinygpt: delete it or restore it from a copy you trust")
+        raise UnsafePathError(
+            f"{where} names {name!r}, which {bad}: refused (nothing was read or written there); "
+            "the file was not written by tinygpt: delete it or restore it from a copy you trust"
+        )
     return name
 
 
-def inside(folder: str | Path, name: Any, where: str | Path | None = None, plain: bool = False) -> Path:
-    """folder/name after `safe_name`, checked to resolve inside `folder` (no link on the way leads out)."""
+def inside(
+    folder: str | Path, name: Any, where: str | Path | None = None, plain: bool = False
+) -> Path:
+    """folder/name after `safe_name`, checked to resolve
+    inside `folder` (no link on the way leads out)."""
     folder = Path(folder)
     p = folder / safe_name(name, where if where is not None else folder, plain)
     root = os.path.realpath(folder)
     if os.path.commonpath([root, os.path.realpath(p)]) != root:
-        raise UnsafePathError(f"{p} leads outside {folder} through a symbolic link: refused; tinygpt never follows "
-                              "links in a run folder or a mirror: remove the link")
+        raise UnsafePathError(
+            f"{p} leads outside {folder} through a symbolic link: refused; tinygpt never follows "
+            "links in a run folder or a mirror: remove the link"
+        )
     return p
 
 
 def link_problem(path: str | Path, writes: bool = False) -> str | None:
     """Why `path` must not be followed or written through, in words (None when it is a plain file or
-    folder, or absent): a symbolic link, or (`writes`: a file written in place) a file with other hard
-    links, whose other names lie outside the folder."""
+    folder, or absent): a symbolic link, or (`writes`: a file written in place) a file with other
+    hard links, whose other names lie outside the folder."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -87,8 +96,10 @@ def link_problem(path: str | Path, writes: bool = False) -> str | None:
 def refuse_link(path: str | Path, writes: bool = False) -> None:
     """UnsafePathError (one line, naming it) when `link_problem` finds one."""
     if (why := link_problem(path, writes)) is not None:
-        raise UnsafePathError(f"{why}: tinygpt never follows or writes through links in a run folder or a mirror; "
-                              "replace it by a plain file (or delete it), or use another folder")
+        raise UnsafePathError(
+            f"{why}: tinygpt never follows or writes through links in a run folder or a mirror; "
+            "replace it by a plain file (or delete it), or use another folder"
+        )
 
 
 def links_in(folder: str | Path) -> list[str]:
@@ -103,11 +114,14 @@ def links_in(folder: str | Path) -> list[str]:
 
 
 def refuse_links_in(folder: str | Path, what: str = "run folder") -> None:
-    """UnsafePathError naming the first link in `folder` (a run folder is checked before it is written)."""
+    """UnsafePathError naming the first link in `folder`
+    (a run folder is checked before it is written)."""
     if found := links_in(folder):
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise UnsafePathError(f"{found[0]}{more}: tinygpt never follows or writes through links in a {what}; "
-                              "replace it by a plain file or folder (or delete it), or use another folder")
+        raise UnsafePathError(
+            f"{found[0]}{more}: tinygpt never follows or writes through links in a {what}; "
+            "replace it by a plain file or folder (or delete it), or use another folder"
+        )
 
 
 def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
@@ -124,7 +138,8 @@ def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
     return fd
 
 
-RUN_FILE_LIMIT = 64 << 20  # the largest run file read back (run.json, tokenizer.json, metrics.jsonl, ...): 64 MB
+# the largest run file read back (run.json, tokenizer.json, metrics.jsonl, ...): 64 MB
+RUN_FILE_LIMIT = 64 << 20
 
 
 class FileTooLarge(ValueError):
@@ -132,23 +147,29 @@ class FileTooLarge(ValueError):
 
 
 def read_bytes_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = "") -> bytes:
-    """The bytes of a file in a run folder, a mirror or a base folder, read the one way every such file is read:
-    never through a symbolic link, never a hard-linked file (its other names lie outside the folder), never a
-    FIFO or device (opened non-blocking, then checked to be a plain file), and never more than `limit` bytes
-    (FileTooLarge, naming the file, before anything is read). FileNotFoundError when absent; UnsafePathError
-    for a link. `what` ("on the mirror", ...) is added after the file's name in every message."""
+    """The bytes of a file in a run folder, a mirror or a base folder, read the one way every such
+    file is read: never through a symbolic link, never a hard-linked file (its other names lie
+    outside the folder), never a FIFO or device (opened non-blocking, then checked to be a plain
+    file), and never more than `limit` bytes (FileTooLarge, naming the file, before anything is
+    read). FileNotFoundError when absent; UnsafePathError for a link. `what` ("on the mirror", ...)
+    is added after the file's name in every message."""
     path = Path(path)
     fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path}{what} is not a plain file: refused; replace it by a plain file or delete it")
+            raise UnsafePathError(
+                f"{path}{what} is not a plain file: refused; replace it by a plain file or delete "
+                "it"
+            )
         if st.st_nlink > 1:
             refuse_link(path, writes=True)
         if st.st_size > limit:
-            raise FileTooLarge(f"{path}{what} holds {st.st_size:,} bytes, more than the {limit:,} tinygpt reads of "
-                               "such a file: refused, nothing was read; it was not written by tinygpt: delete it or "
-                               "restore it from a copy you trust")
+            raise FileTooLarge(
+                f"{path}{what} holds {st.st_size:,} bytes, more than the {limit:,} tinygpt reads "
+                "of such a file: refused, nothing was read; it was not written by tinygpt: delete "
+                "it or restore it from a copy you trust"
+            )
         data = f.read(limit + 1)
     if len(data) > limit:  # grew while it was read
         raise FileTooLarge(f"{path}{what} grew past {limit:,} bytes while it was read: refused")
@@ -160,8 +181,10 @@ def read_text_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = ""
     try:
         return read_bytes_safe(path, limit, what).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}{what} is not UTF-8 text (byte {e.start}): it was not written by tinygpt; delete "
-                         "it or restore it from a copy you trust") from None
+        raise ValueError(
+            f"{path}{what} is not UTF-8 text (byte {e.start}): it was not written by tinygpt; "
+            "delete it or restore it from a copy you trust"
+        ) from None
 
 
 def read_json_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = "") -> Any:
@@ -170,11 +193,15 @@ def read_json_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = ""
     try:
         return json.loads(text)
     except RecursionError:
-        raise ValueError(f"{path}{what} nests JSON too deep to read: it was not written by tinygpt; delete it or "
-                         "restore it from a copy you trust") from None
+        raise ValueError(
+            f"{path}{what} nests JSON too deep to read: it was not written by tinygpt; delete it "
+            "or restore it from a copy you trust"
+        ) from None
     except ValueError as e:
-        raise ValueError(f"{path}{what} is not valid JSON ({e}): it was not written by tinygpt, or was cut short; "
-                         "delete it or restore it from a copy you trust") from None
+        raise ValueError(
+            f"{path}{what} is not valid JSON ({e}): it was not written by tinygpt, or was cut "
+            "short; delete it or restore it from a copy you trust"
+        ) from None
 
 
 def append_text(path: str | Path, text: str) -> None:
@@ -186,7 +213,8 @@ def append_text(path: str | Path, text: str) -> None:
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:  # a checkpoint's file on a mirror: no link
+    # a checkpoint's file on a mirror: no link
+    with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:
         while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
@@ -201,8 +229,8 @@ def fsync(path: str | Path) -> None:
 
 
 def try_fsync(path: str | Path) -> None:
-    """fsync where the filesystem allows it. Best effort: some (Drive's FUSE mount among them) refuse
-    fsync on folders or files; what matters there is verified by reading it back."""
+    """fsync where the filesystem allows it. Best effort: some (Drive's FUSE mount among them)
+    refuse fsync on folders or files; what matters there is verified by reading it back."""
     try:
         fsync(path)
     except OSError:
@@ -210,7 +238,8 @@ def try_fsync(path: str | Path) -> None:
 
 
 def tmp_sibling(path: str | Path, tag: str | int | None = None) -> Path:
-    """`.tmp-<name>-<tag>` beside `path` (tag: this process by default), where a write is prepared."""
+    """`.tmp-<name>-<tag>` beside `path` (tag: this
+    process by default), where a write is prepared."""
     path = Path(path)
     return path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid() if tag is None else tag}"
 
@@ -221,14 +250,18 @@ def write_bytes_atomic(path: str | Path, data: bytes, mtime_ns: int | None = Non
     path = Path(path)
     tmp = tmp_sibling(path, tag)
     try:
-        tmp.unlink(missing_ok=True)  # O_EXCL below: a link planted at the temporary name is never written through
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), "wb") as f:
+        # O_EXCL below: a link planted at the temporary name is never written through
+        tmp.unlink(missing_ok=True)
+        with os.fdopen(
+            os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), "wb"
+        ) as f:
             f.write(data)
             f.flush()
             with contextlib.suppress(OSError):  # best effort: some FUSE mounts refuse fsync
                 os.fsync(f.fileno())
         if mtime_ns is not None:
-            with contextlib.suppress(OSError):  # keeps "is the copy newer" meaningful where utime works
+            # keeps "is the copy newer" meaningful where utime works
+            with contextlib.suppress(OSError):
                 os.utime(tmp, ns=(mtime_ns, mtime_ns))
         os.replace(tmp, path)
     except BaseException:
@@ -262,9 +295,10 @@ def replace_dir(tmp: Path, dst: Path, tag: str | int | None = None) -> None:
 
 
 def clean_leftovers(folder: str | Path, keep_tag: str | int | None = None) -> None:
-    """Remove what interrupted writes left in `folder` (temporary files and folders of another process,
-    e.g. one killed with -9); put back a folder moved aside by `replace_dir` when its new copy never
-    arrived. Names ending with `keep_tag` (this process's own writes in progress) are left alone."""
+    """Remove what interrupted writes left in `folder` (temporary files and
+    folders of another process, e.g. one killed with -9); put back a folder
+    moved aside by `replace_dir` when its new copy never arrived. Names ending
+    with `keep_tag` (this process's own writes in progress) are left alone."""
     folder = Path(folder)
     if not folder.is_dir():
         return
@@ -282,8 +316,8 @@ def clean_leftovers(folder: str | Path, keep_tag: str | int | None = None) -> No
 
 
 def fresh_tmp_dir(tmp: Path) -> None:
-    """Make `tmp` (a `tmp_sibling`) an empty folder, to be filled and then handed to `replace_dir`: a link or
-    a leftover of an earlier try at that name is removed first."""
+    """Make `tmp` (a `tmp_sibling`) an empty folder, to be filled and then handed to `replace_dir`:
+    a link or a leftover of an earlier try at that name is removed first."""
     if tmp.is_symlink():
         tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -301,13 +335,18 @@ def _running(pid: int) -> bool:
 
 
 def clear_dead_tmps(dst: Path) -> None:
-    """Remove the temporaries beside `dst` (`.tmp-<name>-<pid>...`) of processes that no longer run: a write killed
-    with -9 leaves one, which nothing else would ever remove. Those of running processes (and this one) stay."""
+    """Remove the temporaries beside `dst` (`.tmp-<name>-<pid>...`) of processes that no longer run:
+    a write killed with -9 leaves one, which nothing else would ever remove. Those of running
+    processes (and this one) stay."""
     prefix = f"{TMP_PREFIX}{dst.name}-"
     with contextlib.suppress(OSError):
         for p in dst.parent.iterdir():
             pid = p.name[len(prefix):].split("-")[0] if p.name.startswith(prefix) else ""
-            if not (pid.isascii() and pid.isdigit()) or int(pid) == os.getpid() or _running(int(pid)):
+            if (
+                not (pid.isascii() and pid.isdigit())
+                or int(pid) == os.getpid()
+                or _running(int(pid))
+            ):
                 continue
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
@@ -316,10 +355,12 @@ def clear_dead_tmps(dst: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(dst: str | Path, folder: bool = False, tag: str | int | None = None) -> Iterator[Path]:
-    """Yield a temporary path beside `dst` to fill (a file, or with `folder` an empty folder). When the
-    block ends normally it is fsynced and renamed to `dst` (an existing folder is replaced whole);
-    when it raises, the temporary is removed and `dst` is as it was."""
+def atomic_output(
+    dst: str | Path, folder: bool = False, tag: str | int | None = None
+) -> Iterator[Path]:
+    """Yield a temporary path beside `dst` to fill (a file, or with `folder` an empty folder). When
+    the block ends normally it is fsynced and renamed to `dst` (an existing folder is replaced
+    whole); when it raises, the temporary is removed and `dst` is as it was."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     clear_dead_tmps(dst)  # an earlier write of the same target killed with -9
@@ -328,7 +369,8 @@ def atomic_output(dst: str | Path, folder: bool = False, tag: str | int | None =
         if folder:
             fresh_tmp_dir(tmp)
         else:
-            tmp.unlink(missing_ok=True)  # a link planted at the temporary name is not written through
+            # a link planted at the temporary name is not written through
+            tmp.unlink(missing_ok=True)
         yield tmp
         if folder:
             for p in tmp.iterdir():

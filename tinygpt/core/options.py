@@ -34,18 +34,27 @@ from typing import Any
 from tinygpt.core.fields import literal_choices
 
 _SEVERAL = (list, tuple, collections.abc.Sequence)
-_ALIAS = "__alias"  # the parsed value of a positional's flag spelling lands under the field's name + this
+# the parsed value of a positional's flag spelling lands under the field's name + this
+_ALIAS = "__alias"
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
-           **metadata: Any) -> Any:
-    """A dataclass field that is a command-line option: `dataclasses.field` with "help" and the other
-    metadata keys (flag, choices, metavar, ...) given as keywords."""
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={"help": help, **metadata})
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    default_factory: Any = dataclasses.MISSING,
+    **metadata: Any,
+) -> Any:
+    """A dataclass field that is a command-line option: `dataclasses.field` with "help" and the
+    other metadata keys (flag, choices, metavar, ...) given as keywords."""
+    return dataclasses.field(
+        default=default, default_factory=default_factory, metadata={"help": help, **metadata}
+    )
 
 
 def did_you_mean(word: Any, names: collections.abc.Iterable[str]) -> str:
-    """" (did you mean 'cpu-smoke'?)" for a misspelled `word` close to one of `names`; "" when none is."""
+    """" (did you mean 'cpu-smoke'?)" for a misspelled
+    `word` close to one of `names`; "" when none is."""
     close = difflib.get_close_matches(str(word), list(names), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -56,17 +65,29 @@ def option_fields(cls: type) -> list[dataclasses.Field]:
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
-    """Each option field of dataclass `cls` as an argument of `parser`, in one group titled `title`
-    (default: the first line of the class's docstring). Parsed, each lands under the field's name."""
-    group = parser.add_argument_group(title or (cls.__doc__ or cls.__name__).strip().splitlines()[0])
+    """Each option field of dataclass `cls` as an argument of `parser`,
+    in one group titled `title` (default: the first line of the class's
+    docstring). Parsed, each lands under the field's name."""
+    group = parser.add_argument_group(
+        title or (cls.__doc__ or cls.__name__).strip().splitlines()[0]
+    )
     hints = typing.get_type_hints(cls)
     for f in option_fields(cls):
         names, kwargs = _argument(f, hints[f.name])
         group.add_argument(*names, **kwargs)
         if alias := f.metadata.get("alias"):
-            shown = argparse.SUPPRESS if f.metadata.get("deprecated") else f"the same as {kwargs['metavar']}"
-            group.add_argument(alias, dest=f.name + _ALIAS, type=kwargs.get("type"), metavar=kwargs["metavar"],
-                               help=shown)
+            shown = (
+                argparse.SUPPRESS
+                if f.metadata.get("deprecated")
+                else f"the same as {kwargs['metavar']}"
+            )
+            group.add_argument(
+                alias,
+                dest=f.name + _ALIAS,
+                type=kwargs.get("type"),
+                metavar=kwargs["metavar"],
+                help=shown,
+            )
 
 
 def from_args(cls: type, args: argparse.Namespace, **extra: Any) -> Any:
@@ -77,13 +98,16 @@ def from_args(cls: type, args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def _value(f: dataclasses.Field, args: argparse.Namespace) -> Any:
-    """A field's parsed value: a positional's, or its alias flag's (never both, with the note a deprecated
-    alias prints); a required positional with an alias given neither way is a ValueError that says so."""
+    """A field's parsed value: a positional's, or its alias flag's (never
+    both, with the note a deprecated alias prints); a required positional
+    with an alias given neither way is a ValueError that says so."""
     value, alias = getattr(args, f.name, None), getattr(args, f.name + _ALIAS, None)
     meta, command = f.metadata, f"tinygpt {getattr(args, 'command', '') or ''}".rstrip()
     if alias is not None:
         if value is not None and value != alias:
-            raise ValueError(f"{meta['flag']} is given twice ({value} and {meta['alias']} {alias}): give it once")
+            raise ValueError(
+                f"{meta['flag']} is given twice ({value} and {meta['alias']} {alias}): give it once"
+            )
         if meta.get("deprecated"):
             print(f"note: {meta['alias']} is deprecated; give it as the first argument: {command} "
                   f"{shlex.quote(str(alias))} ...", file=sys.stderr, flush=True)
@@ -95,8 +119,8 @@ def _value(f: dataclasses.Field, args: argparse.Namespace) -> Any:
 
 
 def targets(obj: Any) -> dict[str, dict[str, Any]]:
-    """The values of `obj`'s fields whose metadata says "sets": "SECTION.FIELD", as {section: {field:
-    value}}; a field left at None (or an empty string) sets nothing."""
+    """The values of `obj`'s fields whose metadata says "sets": "SECTION.FIELD", as {section:
+    {field: value}}; a field left at None (or an empty string) sets nothing."""
     out: dict[str, dict[str, Any]] = {}
     for f in dataclasses.fields(obj):
         if "sets" in f.metadata and (value := getattr(obj, f.name)) not in (None, ""):
@@ -110,7 +134,8 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any
     meta = f.metadata
     default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
     value_type, several = _value_type(hint)
-    words = meta.get("choices", literal_choices(hint))  # the metadata's, else the annotation's Literal
+    # the metadata's, else the annotation's Literal
+    words = meta.get("choices", literal_choices(hint))
     kwargs: dict[str, Any] = {"metavar": meta["metavar"]} if "metavar" in meta else {}
     if words is not None:  # a misspelled choice is answered with the closest one
         kwargs["choices"] = words
@@ -125,7 +150,8 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any
             kwargs["default"] = default
     kwargs["help"] = _help(meta["help"], None if value_type is bool else default)
     flag = meta.get("flag", "--" + f.name.replace("_", "-"))
-    if not flag.startswith("-"):  # a positional argument, shown as its metavar, else as the flag's text
+    # a positional argument, shown as its metavar, else as the flag's text
+    if not flag.startswith("-"):
         kwargs.setdefault("metavar", flag)
         if default is not dataclasses.MISSING or "alias" in meta:  # required: from_args checks
             kwargs["nargs"] = "?"
@@ -134,20 +160,25 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any
         return [f.name], kwargs
     if default is dataclasses.MISSING:
         kwargs["required"] = True
-    if value_type is not bool and words is None:  # as argparse shows its own dest: --max-steps MAX_STEPS
+    # as argparse shows its own dest: --max-steps MAX_STEPS
+    if value_type is not bool and words is None:
         kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
     return [flag], {**kwargs, "dest": f.name}
 
 
 def _one_of(value_type: Any, choices: tuple) -> Any:
-    """`value_type` that refuses a value outside `choices` with argparse's message and the closest one."""
+    """`value_type` that refuses a value outside `choices`
+    with argparse's message and the closest one."""
     def convert(text: str) -> Any:
         value = value_type(text)
         if value not in choices:
-            raise argparse.ArgumentTypeError(f"invalid choice: {text!r}{did_you_mean(text, map(str, choices))} "
-                                             f"(choose from {', '.join(map(str, choices))})")
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {text!r}{did_you_mean(text, map(str, choices))} "
+                f"(choose from {', '.join(map(str, choices))})"
+            )
         return value
-    convert.__name__ = getattr(value_type, "__name__", "value")  # argparse names the type in some errors
+    # argparse names the type in some errors
+    convert.__name__ = getattr(value_type, "__name__", "value")
     return convert
 
 

@@ -23,7 +23,8 @@ class Precision:
 
     @property
     def use_scaler(self) -> bool:
-        """fp16 has too little range for small gradients: scale the loss, unscale before clipping."""
+        """fp16 has too little range for small gradients:
+        scale the loss, unscale before clipping."""
         return self.name == "fp16"
 
     def autocast(self):
@@ -46,8 +47,10 @@ def resolve_device(requested: str = "auto") -> torch.device:
     if requested != "auto":
         dev = torch.device(requested)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu "
-                               "or, in Colab, Runtime > Change runtime type > GPU")
+            raise RuntimeError(
+                "device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu "
+                "or, in Colab, Runtime > Change runtime type > GPU"
+            )
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
@@ -57,13 +60,15 @@ def resolve_device(requested: str = "auto") -> torch.device:
 
 
 def native_bf16(device: torch.device) -> bool:
-    """True only where bf16 matmuls run on hardware: CUDA compute capability 8.0 (Ampere) or newer.
-    `torch.cuda.is_bf16_supported()` also says True on a T4 (sm_75) through emulation, which is slow."""
+    """True only where bf16 matmuls run on hardware: CUDA compute
+    capability 8.0 (Ampere) or newer. `torch.cuda.is_bf16_supported()`
+    also says True on a T4 (sm_75) through emulation, which is slow."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= BF16_CAPABILITY
 
 
 def choose_precision(device: torch.device, requested: str = "auto") -> Precision:
-    """bf16 on sm_80+, fp16 with a GradScaler on older CUDA GPUs, fp32 on CPU and MPS, unless overridden."""
+    """bf16 on sm_80+, fp16 with a GradScaler on older
+    CUDA GPUs, fp32 on CPU and MPS, unless overridden."""
     dt = device.type
     if requested != "auto":
         if requested not in ("bf16", "fp16", "fp32"):
@@ -76,24 +81,31 @@ def choose_precision(device: torch.device, requested: str = "auto") -> Precision
     if dt == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if native_bf16(device):
-            return Precision("bf16", dt, f"compute capability {cap[0]}.{cap[1]} >= 8.0 has native bf16")
-        return Precision("fp16", dt, f"compute capability {cap[0]}.{cap[1]} < 8.0: fp16 with a GradScaler")
+            return Precision(
+                "bf16", dt, f"compute capability {cap[0]}.{cap[1]} >= 8.0 has native bf16"
+            )
+        return Precision(
+            "fp16", dt, f"compute capability {cap[0]}.{cap[1]} < 8.0: fp16 with a GradScaler"
+        )
     return Precision("fp32", dt, f"{dt}: fp32 by default (autocast gains little here)")
 
 
 def has_fp32_precision_api() -> bool:
     """Whether this torch has the per-backend `fp32_precision` settings (2.9 and later)."""
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(torch.backends.cudnn, "conv")
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(
+        torch.backends.cudnn, "conv"
+    )
 
 
 def enable_tf32() -> None:
-    """TF32 for fp32 matmuls and cuDNN convolutions on Ampere+ (no effect elsewhere), leaving every reader of
-    the setting in agreement. Where torch has the `fp32_precision` settings they are the ones set (the legacy
-    cuDNN flag's setter warns there that it is going away). torch keeps the legacy cuBLAS value apart and its
-    legacy readers raise ("mix of the legacy and new APIs") when the two disagree, which is the state the new
-    setting alone leaves (or transformers' `enable_tf32`, which sets the global one); torch 2.9's Inductor reads
-    that legacy flag on CUDA (`_warn_tf32_disabled`, pad_mm, its Triton matmul heuristics). So the legacy cuBLAS
-    value is moved to agree, through the one setter that writes both and warns about nothing. Without the new
+    """TF32 for fp32 matmuls and cuDNN convolutions on Ampere+ (no effect elsewhere), leaving every
+    reader of the setting in agreement. Where torch has the `fp32_precision` settings they are the
+    ones set (the legacy cuDNN flag's setter warns there that it is going away). torch keeps the
+    legacy cuBLAS value apart and its legacy readers raise ("mix of the legacy and new APIs") when
+    the two disagree, which is the state the new setting alone leaves (or transformers'
+    `enable_tf32`, which sets the global one); torch 2.9's Inductor reads that legacy flag on CUDA
+    (`_warn_tf32_disabled`, pad_mm, its Triton matmul heuristics). So the legacy cuBLAS value is
+    moved to agree, through the one setter that writes both and warns about nothing. Without the new
     settings: the legacy flags."""
     if has_fp32_precision_api():
         torch.backends.cuda.matmul.fp32_precision = "tf32"

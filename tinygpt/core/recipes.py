@@ -150,9 +150,11 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 def get_recipe(name: str) -> Recipe:
     """A fresh copy of a named recipe (safe to modify)."""
     if name not in RECIPES:
-        raise ConfigError(f"unknown recipe {name!r}{did_you_mean(name, RECIPES)}; `tinygpt recipes` "
-                          "lists them: "
-                          f"{', '.join(RECIPES)}")
+        raise ConfigError(
+            f"unknown recipe {name!r}{did_you_mean(name, RECIPES)}; `tinygpt recipes` "
+            "lists them: "
+            f"{', '.join(RECIPES)}"
+        )
     return Recipe.from_dict(RECIPES[name].to_dict())
 
 

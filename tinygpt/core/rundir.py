@@ -48,40 +48,68 @@ from tinygpt.core.files import (
 )
 from tinygpt.core.signals import signals_deferred
 
-RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = "run.json", "tokenizer.json", "metrics.jsonl", "samples.txt"
+RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = (
+    "run.json",
+    "tokenizer.json",
+    "metrics.jsonl",
+    "samples.txt",
+)
 SAMPLE_HEADING = "=== step {step} ==="  # each sample in samples.txt begins with this line
-# a step in a heading: 1 to 12 ASCII digits (`\d` takes other scripts' digits, and a 5000-digit number is no step)
-_SAMPLE_HEADINGS = re.compile("^" + re.escape(SAMPLE_HEADING).replace(re.escape("{step}"), r"([0-9]{1,12})") + "$",
-                              re.M)
+# a step in a heading: 1 to 12 ASCII digits (`\d` takes
+# other scripts' digits, and a 5000-digit number is no step)
+_SAMPLE_HEADINGS = re.compile(
+    "^" + re.escape(SAMPLE_HEADING).replace(re.escape("{step}"), r"([0-9]{1,12})") + "$", re.M
+)
 FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
                                                             "tinygpt_finetune.json", "adapter")
 CHECKPOINTS, BEST = "checkpoints", "best"
 PLOTS, TENSORBOARD = "plots", "tensorboard"  # pictures of the run; TensorBoard's event files
-TOKEN_CACHE = "_token_cache"  # beside the mirrored run folders: the token cache's shards, shared by runs
+# beside the mirrored run folders: the token cache's shards, shared by runs
+TOKEN_CACHE = "_token_cache"
 LOCK = ".lock"  # held by the one process writing the run folder (never mirrored)
-IDENTITY = "identity.json"  # the run's id and configuration hash, in the run folder and its mirror (one run per mirror)
-BASE_DIR, MERGED_DIR = "base", "merged"  # a finetuning run's exported tinygpt base; its merged model
-FULL_MODEL_DIR = "model"  # a full finetuning run's result: config.json, model.safetensors, tokenizer
-EVALS_JSONL = "evals.jsonl"  # each evaluation of a run, recorded in its folder (the model card lists them)
+# the run's id and configuration hash, in the run folder and its mirror (one run per mirror)
+IDENTITY = "identity.json"
+# a finetuning run's exported tinygpt base; its merged model
+BASE_DIR, MERGED_DIR = "base", "merged"
+# a full finetuning run's result: config.json, model.safetensors, tokenizer
+FULL_MODEL_DIR = "model"
+# each evaluation of a run, recorded in its folder (the model card lists them)
+EVALS_JSONL = "evals.jsonl"
 BUDGET_JSON = "budget.json"  # a time budget's step count, fixed once (tinygpt pretrain --hours)
-COMPILE_CACHE = "compile_cache.bin"  # the compiler's artifacts (signed): a new VM on the same GPU compiles less
-PROBE_JSON = "probe.json"  # the probe's result: a new VM on the same GPU and torch does not probe again
-# the small files a mirror keeps beside the checkpoints (everything a run needs to resume or be read)
-RUN_FILES = (RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES, FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, COMPILE_CACHE,
-             BUDGET_JSON, PROBE_JSON)
+# the compiler's artifacts (signed): a new VM on the same GPU compiles less
+COMPILE_CACHE = "compile_cache.bin"
+# the probe's result: a new VM on the same GPU and torch does not probe again
+PROBE_JSON = "probe.json"
+# the small files a mirror keeps beside the checkpoints
+# (everything a run needs to resume or be read)
+RUN_FILES = (
+    RUN_JSON,
+    TOKENIZER_JSON,
+    METRICS,
+    SAMPLES,
+    FINETUNE_JSON,
+    ADAPTER_CONFIG,
+    ADAPTER_INFO,
+    COMPILE_CACHE,
+    BUDGET_JSON,
+    PROBE_JSON,
+)
 
 COMPILE_CACHE_LIMIT = 1 << 30  # the compiler's artifacts of the largest recipe are tens of MB
 
 
 def run_file_limit(name: str) -> int:
-    """The most bytes tinygpt reads of a run file (`files.read_bytes_safe`): a larger one, on a shared mirror above
-    all, was not written by tinygpt and is refused, named, before it is read or copied."""
+    """The most bytes tinygpt reads of a run file (`files.read_bytes_safe`):
+    a larger one, on a shared mirror above all, was not written by tinygpt
+    and is refused, named, before it is read or copied."""
     return {METRICS: METRICS_LIMIT, COMPILE_CACHE: COMPILE_CACHE_LIMIT}.get(name, RUN_FILE_LIMIT)
 
 
 def recipe_name_of(*run_dirs: str | Path | None) -> str | None:
     """The recipe name in the first of these run folders (local, mirror ...) that has one."""
-    return next((n for d in run_dirs if d is not None and (n := RunDir(d).recipe_name()) is not None), None)
+    return next(
+        (n for d in run_dirs if d is not None and (n := RunDir(d).recipe_name()) is not None), None
+    )
 
 
 class RunDirError(ValueError):
@@ -89,8 +117,9 @@ class RunDirError(ValueError):
 
 
 def closest_run(path: str | Path) -> Path | None:
-    """The existing run folder (pretraining or finetuning) beside `path` whose name is closest to its
-    name, for a mistyped path; None when no run folder there has a similar name. Never `path` itself."""
+    """The existing run folder (pretraining or finetuning) beside `path`
+    whose name is closest to its name, for a mistyped path; None when no
+    run folder there has a similar name. Never `path` itself."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
@@ -102,13 +131,15 @@ def closest_run(path: str | Path) -> Path | None:
 
 
 def missing_run_message(path: str | Path) -> str:
-    """One line for a run folder that does not exist: the closest existing run folder, if any, as the fix
-    (never the mistyped path again)."""
+    """One line for a run folder that does not exist: the closest existing run folder, if any, as
+    the fix (never the mistyped path again)."""
     near = closest_run(path)
     if near is not None:
         return f"no run folder at {path}; did you mean {near}?"
-    return (f"no run folder at {path} (none beside it has a similar name); check the path, or train one with "
-            "`tinygpt pretrain`")
+    return (
+        f"no run folder at {path} (none beside it has a similar name); check the path, or train "
+        "one with `tinygpt pretrain`"
+    )
 
 
 class RunDirReplaced(RunDirError):
@@ -116,8 +147,8 @@ class RunDirReplaced(RunDirError):
     another tab) while it ran: it writes nothing into the new folder, which may be another run's."""
 
 
-# The folders this process holds the lock of: absolute path -> (st_dev, st_ino) of the folder when it was
-# locked. The lock is bound to that identity, not to the path: see RunDir.check_held.
+# The folders this process holds the lock of: absolute path -> (st_dev, st_ino) of the folder when
+# it was locked. The lock is bound to that identity, not to the path: see RunDir.check_held.
 _HELD: dict[str, tuple[int, int]] = {}
 _HELD_LOCK = threading.Lock()
 
@@ -131,28 +162,34 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def read_json(path: str | Path, what: str = "") -> Any:
-    """A JSON file, read the one way a run file is read (`files.read_json_safe`: no link, no hard-linked file,
-    no FIFO, at most RUN_FILE_LIMIT bytes), or a one-line RunDirError that names it."""
+    """A JSON file, read the one way a run file is read
+    (`files.read_json_safe`: no link, no hard-linked file, no FIFO, at most
+    RUN_FILE_LIMIT bytes), or a one-line RunDirError that names it."""
     path = Path(path)
     try:
         return read_json_safe(path)
     except FileNotFoundError:
         raise RunDirError(f"{path} does not exist{what}") from None
     except RecursionError:
-        raise RunDirError(f"{path} nests JSON too deep to read: it was not written by tinygpt; restore it from the "
-                          "mirror or start a new run folder") from None
+        raise RunDirError(
+            f"{path} nests JSON too deep to read: it was not written by tinygpt; restore it from "
+            "the mirror or start a new run folder"
+        ) from None
     except OSError as e:
         raise RunDirError(f"{path} could not be read ({e.strerror or e})") from None
-    except ValueError as e:  # not UTF-8, not JSON, too large, a link: the message names the file and what to do
+    # not UTF-8, not JSON, too large, a link: the message names the file and what to do
+    except ValueError as e:
         raise RunDirError(str(e)) from None
 
 
-METRICS_LIMIT = 256 << 20  # metrics.jsonl grows with the run: a record per logged step, ~200 bytes each
+# metrics.jsonl grows with the run: a record per logged step, ~200 bytes each
+METRICS_LIMIT = 256 << 20
 
 
 def _read_run_text(path: Path, limit: int = RUN_FILE_LIMIT) -> str:
-    """A run folder's text file (metrics.jsonl, samples.txt) read the one way (`files.read_text_safe`: no link,
-    at most `limit` bytes), or a one-line RunDirError naming it; "" when absent."""
+    """A run folder's text file (metrics.jsonl, samples.txt) read
+    the one way (`files.read_text_safe`: no link, at most `limit`
+    bytes), or a one-line RunDirError naming it; "" when absent."""
     try:
         return read_text_safe(path, limit)
     except FileNotFoundError:
@@ -164,8 +201,8 @@ def _read_run_text(path: Path, limit: int = RUN_FILE_LIMIT) -> str:
 
 
 def parse_jsonl(text: str, path: Path | str = METRICS) -> list[dict[str, Any]]:
-    """The records of a JSON-lines text. A cut-off last line (a process killed mid-write) is dropped;
-    a bad line anywhere else is an error naming the file and the line."""
+    """The records of a JSON-lines text. A cut-off last line (a process killed mid-write) is
+    dropped; a bad line anywhere else is an error naming the file and the line."""
     return [rec for _, rec in _numbered_records(text, path)]
 
 
@@ -182,18 +219,22 @@ def _numbered_records(text: str, path: Path | str) -> list[tuple[int, dict[str, 
             why = "nests too deep" if isinstance(e, RecursionError) else f"is not JSON ({e})"
             raise RunDirError(f"{path} line {i} {why}; it holds one JSON object per line") from None
         if not isinstance(rec, dict):
-            raise RunDirError(f"{path} line {i} is not a JSON object; it holds one JSON object per line")
+            raise RunDirError(
+                f"{path} line {i} is not a JSON object; it holds one JSON object per line"
+            )
         records.append((i, rec))
     return records
 
 
-MAX_STEP = 10**12 - 1  # the largest step read back (STEP_DIGITS ASCII digits in a checkpoint's folder name)
+# the largest step read back (STEP_DIGITS ASCII digits in a checkpoint's folder name)
+MAX_STEP = 10**12 - 1
 _METRICS_OBJECTS = ("startup",)  # the fields of a metrics record that are not numbers
 
 
 def _metrics_problem(rec: dict[str, Any]) -> str | None:
-    """What is wrong with one metrics.jsonl record (None when nothing is): its step must be a whole number from 0
-    to MAX_STEP, every other field a number or null (the start-up record's breakdown an object)."""
+    """What is wrong with one metrics.jsonl record (None when nothing is):
+    its step must be a whole number from 0 to MAX_STEP, every other field
+    a number or null (the start-up record's breakdown an object)."""
     step = rec.get("step")
     if type(step) is not int or not 0 <= step <= MAX_STEP:
         return f"has step {str(step)[:40]!r}, not a whole number from 0 to {MAX_STEP:,}"
@@ -243,11 +284,12 @@ class RunDir:
     # -- one writer
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold the run folder for this process: a second writer (another tab, a double-run cell) is
-        refused with a RunDirError naming the holder. The lock is the kernel's (flock): a process that
-        dies, even by kill -9, releases it, so it never stays stuck. A folder this call made is removed
-        again when nothing but the lock was written in it, even when a Ctrl-C or SIGTERM arrives while the
-        lock is being taken (it is delivered once the lock is held, so the release always runs)."""
+        """Hold the run folder for this process: a second writer (another tab, a
+        double-run cell) is refused with a RunDirError naming the holder. The lock is the
+        kernel's (flock): a process that dies, even by kill -9, releases it, so it never
+        stays stuck. A folder this call made is removed again when nothing but the lock
+        was written in it, even when a Ctrl-C or SIGTERM arrives while the lock is being
+        taken (it is delivered once the lock is held, so the release always runs)."""
         created = not self.path.exists()
         made_lock = not os.path.lexists(self.path / LOCK)
         key = os.path.abspath(self.path)
@@ -255,28 +297,38 @@ class RunDir:
         try:
             with signals_deferred():
                 self.path.mkdir(parents=True, exist_ok=True)
-                if fcntl is not None:  # (Windows: no advisory locks; one writer is then the user's care)
+                # (Windows: no advisory locks; one writer is then the user's care)
+                if fcntl is not None:
                     fd = self._take_lock(key)
             yield
         finally:
             with _HELD_LOCK:
                 held = _HELD.pop(key, None)
             if fd is not None:
-                if made_lock and not created and held == _identity(self.path) and not self._holds_a_run():
-                    with contextlib.suppress(OSError):  # a folder that existed, left as found (still held here)
+                if (
+                    made_lock
+                    and not created
+                    and held == _identity(self.path)
+                    and not self._holds_a_run()
+                ):
+                    # a folder that existed, left as found (still held here)
+                    with contextlib.suppress(OSError):
                         (self.path / LOCK).unlink()
                 os.close(fd)  # releases the lock
             if created:
                 self._remove_if_unwritten(held)
 
     def _holds_a_run(self) -> bool:
-        """Whether the folder holds a run's files (a failed first try in a folder that existed removed its own)."""
-        return self.checkpoints.exists() or any((self.path / n).exists()
-                                                for n in (RUN_JSON, FINETUNE_JSON, ADAPTER_CONFIG, IDENTITY))
+        """Whether the folder holds a run's files (a failed
+        first try in a folder that existed removed its own)."""
+        return self.checkpoints.exists() or any(
+            (self.path / n).exists() for n in (RUN_JSON, FINETUNE_JSON, ADAPTER_CONFIG, IDENTITY)
+        )
 
     def _remove_if_unwritten(self, held: tuple[int, int] | None) -> None:
-        """A folder `lock` made, refused or stopped before anything was written in it (bad input, a Ctrl-C):
-        no trace is left. A folder replaced meanwhile is another run's: its .lock is not ours to remove."""
+        """A folder `lock` made, refused or stopped before anything was written
+        in it (bad input, a Ctrl-C): no trace is left. A folder replaced
+        meanwhile is another run's: its .lock is not ours to remove."""
         names = [p.name for p in self.path.iterdir()] if self.path.is_dir() else None
         if held is not None and held == _identity(self.path) and names == [LOCK]:
             (self.path / LOCK).unlink(missing_ok=True)
@@ -286,22 +338,28 @@ class RunDir:
             self.path.rmdir()
 
     def _take_lock(self, key: str) -> int:
-        """Open .lock, take the kernel's lock on it, write who holds it and record the folder as held:
-        the open descriptor (closing it lets the lock go). A RunDirError, with nothing held, when another
-        process holds it or .lock cannot be opened."""
+        """Open .lock, take the kernel's lock on it, write who holds it and record the folder as
+        held: the open descriptor (closing it lets the lock go). A RunDirError, with nothing held,
+        when another process holds it or .lock cannot be opened."""
         # O_NOFOLLOW: a .lock planted as a symlink (a shared folder) is refused, never followed
         try:
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            fd = os.open(
+                self.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644
+            )
         except OSError as e:
-            raise RunDirError(f"cannot open the lock {self.path / LOCK} ({e.strerror}); if it is a symlink, "
-                              "remove it") from None
+            raise RunDirError(
+                f"cannot open the lock {self.path / LOCK} ({e.strerror}); if it is a symlink, "
+                "remove it"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
-            raise RunDirError(f"run folder {self.path} is in use by {holder}; wait for it to finish or stop it, "
-                              "or use another run folder") from None
+            raise RunDirError(
+                f"run folder {self.path} is in use by {holder}; wait for it to finish or stop it, "
+                "or use another run folder"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(), 0)
@@ -310,11 +368,11 @@ class RunDir:
         return fd
 
     def check_held(self) -> None:
-        """Before a write: when this process holds the folder's lock, the folder at the path must still be
-        the one it locked (same device and inode). A folder deleted or recreated under a running writer
-        (whose lock went with it, so another process may hold the new one) raises RunDirReplaced: the
-        writer stops rather than mix its files into another run's. No-op where this process holds no
-        lock on the path (readers; ranks other than 0)."""
+        """Before a write: when this process holds the folder's lock, the folder at the path must
+        still be the one it locked (same device and inode). A folder deleted or recreated under a
+        running writer (whose lock went with it, so another process may hold the new one) raises
+        RunDirReplaced: the writer stops rather than mix its files into another run's. No-op where
+        this process holds no lock on the path (readers; ranks other than 0)."""
         key = os.path.abspath(self.path)
         with _HELD_LOCK:
             held = _HELD.get(key)
@@ -322,26 +380,39 @@ class RunDir:
             return
         now = _identity(self.path)
         if now != held:
-            what = "deleted" if now is None else "deleted and made again (another folder now has its name)"
-            raise RunDirReplaced(f"run folder {self.path} was {what} while this process was writing it, by another "
-                                 "tab or process: this run stopped without writing into it. What it saved is gone "
-                                 "from there (a --mirror keeps the checkpoints it copied); run the command again "
-                                 "to start or resume there")
+            what = (
+                "deleted"
+                if now is None
+                else "deleted and made again (another folder now has its name)"
+            )
+            raise RunDirReplaced(
+                f"run folder {self.path} was {what} while this process was writing it, by another "
+                "tab or process: this run stopped without writing into it. What it saved is gone "
+                "from there (a --mirror keeps the checkpoints it copied); run the command again "
+                "to start or resume there"
+            )
 
     @contextlib.contextmanager
     def undo_if_first_try_fails(self, marker: str) -> Iterator[None]:
-        """Around a run's start: when `marker` (run.json, finetune.json) did not exist before and the block
-        raises before it adds a checkpoint, everything the block added to the folder is removed, so a
-        failed first try (bad data, no such device, a bad value) leaves no run.json, tokenizer or base/
-        that a corrected try would pick up. A run that has a marker or a new checkpoint keeps all it has."""
+        """Around a run's start: when `marker` (run.json, finetune.json) did not exist before and
+        the block raises before it adds a checkpoint, everything the block added to the folder is
+        removed, so a failed first try (bad data, no such device, a bad value) leaves no run.json,
+        tokenizer or base/ that a corrected try would pick up. A run that has a marker or a new
+        checkpoint keeps all it has."""
         first = not (self.path / marker).exists()
         before = set(os.listdir(self.path)) if first and self.path.is_dir() else set()
-        steps = set(self.checkpoints.glob("step_*"))  # a folder's own (e.g. a finetuning run's) are not ours
+        # a folder's own (e.g. a finetuning run's) are not ours
+        steps = set(self.checkpoints.glob("step_*"))
         try:
             yield
         except BaseException:
-            if (first and self.path.is_dir() and not set(self.checkpoints.glob("step_*")) - steps
-                    and _identity(self.path) == _HELD.get(os.path.abspath(self.path), _identity(self.path))):
+            if (
+                first
+                and self.path.is_dir()
+                and not set(self.checkpoints.glob("step_*")) - steps
+                and _identity(self.path)
+                == _HELD.get(os.path.abspath(self.path), _identity(self.path))
+            ):
                 for name in set(os.listdir(self.path)) - before - {LOCK}:
                     p = self.path / name
                     if p.is_dir() and not p.is_symlink():
@@ -353,25 +424,32 @@ class RunDir:
 
     # -- run.json
     def recipe(self) -> Recipe:
-        """run.json's recipe, every value checked (sizes, rates, ...) before anything is built from it."""
+        """run.json's recipe, every value checked (sizes,
+        rates, ...) before anything is built from it."""
         d = self.recipe_dict()
         try:
             return Recipe.from_dict(d)
         except (ConfigError, KeyError, TypeError, ValueError) as e:
-            raise RunDirError(f"{self.path / RUN_JSON} holds a recipe that cannot work ({e}); restore it from the "
-                              "mirror or start a new run folder") from None
+            raise RunDirError(
+                f"{self.path / RUN_JSON} holds a recipe that cannot work ({e}); restore it from "
+                "the mirror or start a new run folder"
+            ) from None
 
     def info(self) -> dict[str, Any]:
         """run.json as a dict (a RunDirError when it is missing, garbage or not a run's)."""
         if not self.path.exists():
             raise RunDirError(missing_run_message(self.path))
         if not (self.path / RUN_JSON).is_file():
-            raise RunDirError(f"{self.path} is not a tinygpt pretraining run folder (no {RUN_JSON}); train one "
-                              f"with `tinygpt pretrain {self.path}`")
+            raise RunDirError(
+                f"{self.path} is not a tinygpt pretraining run folder (no {RUN_JSON}); train one "
+                f"with `tinygpt pretrain {self.path}`"
+            )
         info = read_json(self.path / RUN_JSON)
         if not isinstance(info, dict) or not isinstance(info.get("recipe"), dict):
-            raise RunDirError(f"{self.path / RUN_JSON} does not hold a run's recipe; restore it from the mirror or "
-                              "start a new run folder")
+            raise RunDirError(
+                f"{self.path / RUN_JSON} does not hold a run's recipe; restore it from the mirror "
+                "or start a new run folder"
+            )
         return info
 
     def info_or_empty(self) -> dict[str, Any]:
@@ -398,11 +476,15 @@ class RunDir:
     def metrics(self) -> list[dict[str, Any]]:
         """The logged records; [] when nothing was logged yet."""
         p = self.metrics_path
-        records = _numbered_records(_read_run_text(p, METRICS_LIMIT), p)  # bounded, never through a link
-        for i, rec in records:  # checked here: a wrong type would fail far from the file, naming nothing
+        # bounded, never through a link
+        records = _numbered_records(_read_run_text(p, METRICS_LIMIT), p)
+        # checked here: a wrong type would fail far from the file, naming nothing
+        for i, rec in records:
             if (why := _metrics_problem(rec)) is not None:
-                raise RunDirError(f"{p} line {i} {why}: it was not written by tinygpt; delete that line or restore "
-                                  "the file from a copy you trust")
+                raise RunDirError(
+                    f"{p} line {i} {why}: it was not written by tinygpt; delete that line or "
+                    "restore the file from a copy you trust"
+                )
         return [rec for _, rec in records]
 
     def append_metrics(self, record: dict[str, Any]) -> None:
@@ -410,8 +492,8 @@ class RunDir:
         append_text(self.metrics_path, json.dumps(record) + "\n")  # never through a link
 
     def keep_metrics_through(self, step: int) -> list[dict[str, Any]]:
-        """Cut metrics.jsonl to the records up to `step` (a resumed run's log then equals an unbroken
-        one); returns them. A cut-off line is dropped."""
+        """Cut metrics.jsonl to the records up to `step` (a resumed run's log then equals an
+        unbroken one); returns them. A cut-off line is dropped."""
         kept = [m for m in self.metrics() if m.get("step", 0) <= step]
         self.check_held()
         if self.metrics_path.exists():
@@ -419,8 +501,8 @@ class RunDir:
         return kept
 
     def recipe_name(self) -> str | None:
-        """The recipe a run was started with: run.json's for pretraining, finetune.json's for finetuning;
-        None when neither is readable."""
+        """The recipe a run was started with: run.json's for pretraining, finetune.json's for
+        finetuning; None when neither is readable."""
         for name in (RUN_JSON, FINETUNE_JSON):
             try:
                 return str(read_json(self.path / name)["recipe"]["name"])
@@ -436,14 +518,18 @@ class RunDir:
         """One sample, under its step's heading."""
         self.check_held()
         self.path.mkdir(parents=True, exist_ok=True)
-        append_text(self.path / SAMPLES, f"{SAMPLE_HEADING.format(step=step)}\n{text}\n\n")  # never through a link
+        # never through a link
+        append_text(self.path / SAMPLES, f"{SAMPLE_HEADING.format(step=step)}\n{text}\n\n")
 
     def keep_samples_through(self, step: int) -> None:
-        """Cut samples.txt to the samples of steps up to `step`, as metrics.jsonl is cut: a resumed run writes
-        the later ones again (the same text: same weights and seed), so the file reads as an unbroken run's."""
+        """Cut samples.txt to the samples of steps up to `step`, as metrics.jsonl
+        is cut: a resumed run writes the later ones again (the same text: same
+        weights and seed), so the file reads as an unbroken run's."""
         p = self.path / SAMPLES
         text = _read_run_text(p)  # bounded, never through a link
-        later = next((m.start() for m in _SAMPLE_HEADINGS.finditer(text) if int(m.group(1)) > step), None)
+        later = next(
+            (m.start() for m in _SAMPLE_HEADINGS.finditer(text) if int(m.group(1)) > step), None
+        )
         if later is not None:
             self.check_held()
             write_text_atomic(p, text[:later])

@@ -1,11 +1,11 @@
 """Copy-and-verify: how a folder reaches the mirror (or comes back from it) whole or not at all.
 
 Data files go into a temporary folder, each checked against the source's manifest (size and sha256),
-manifest.json last, then the folder is renamed into place: a `step_*` folder on the mirror is complete
-by construction. A name that leaves its folder, or a link, is refused for good (SyncRefused). An error
-waiting can cure (a dropped FUSE mount says ENOTCONN, a full quota ENOSPC) is retried with exponential
-backoff (`Backoff`); one it cannot (`is_permanent`: a read-only file system, the mirror a file) is not.
-This module knows files and folders, never models.
+manifest.json last, then the folder is renamed into place: a `step_*` folder on the mirror is
+complete by construction. A name that leaves its folder, or a link, is refused for good
+(SyncRefused). An error waiting can cure (a dropped FUSE mount says ENOTCONN, a full quota ENOSPC)
+is retried with exponential backoff (`Backoff`); one it cannot (`is_permanent`: a read-only file
+system, the mirror a file) is not. This module knows files and folders, never models.
 """
 from __future__ import annotations
 
@@ -49,25 +49,32 @@ class SyncAborted(Exception):
 
 
 class MirrorTaken(ValueError):
-    """The mirror folder belongs to another run (its identity.json says so): refused before any write."""
+    """The mirror folder belongs to another run (its
+    identity.json says so): refused before any write."""
 
 
 class MirrorGone(OSError):
-    """The mirror folder this run was copying to is no longer there (Drive unmounted, the folder deleted or
-    replaced): nothing more is copied, and nothing is made in its place on the VM's own disk."""
+    """The mirror folder this run was copying to is no longer there
+    (Drive unmounted, the folder deleted or replaced): nothing more is
+    copied, and nothing is made in its place on the VM's own disk."""
 
     def __init__(self, mirror: Path, local: Path, why: str) -> None:
-        super().__init__(errno.ENOENT, f"the mirror at {mirror} is gone ({why}); local checkpoints are safe in "
-                                       f"{local}; remount Drive and run again to copy them")
+        super().__init__(
+            errno.ENOENT,
+            f"the mirror at {mirror} is gone ({why}); local checkpoints are safe in "
+            f"{local}; remount Drive and run again to copy them",
+        )
 
     def __str__(self) -> str:
         return self.strerror
 
 
 def _fuse_mount(path: Path) -> bool:
-    """Whether `path` lies on a FUSE mount (Colab's Drive), where EACCES/EPERM can pass; elsewhere they do not."""
+    """Whether `path` lies on a FUSE mount (Colab's Drive),
+    where EACCES/EPERM can pass; elsewhere they do not."""
     try:
-        mounts = [ln.split()[1:3] for ln in Path("/proc/self/mounts").read_text().splitlines()]  # outside run folders
+        # outside run folders
+        mounts = [ln.split()[1:3] for ln in Path("/proc/self/mounts").read_text().splitlines()]
     except OSError:
         return False
     target = os.path.abspath(path)
@@ -77,9 +84,10 @@ def _fuse_mount(path: Path) -> bool:
 
 
 def is_permanent(e: BaseException, path: str | Path) -> bool:
-    """An error that waiting will not cure: the mirror (or a parent) is not a folder, the file system is
-    read-only, or permission is denied off FUSE; or the mirror belongs to another run. ENOSPC, EIO,
-    ENOTCONN and the rest are transient (a full quota is freed, a dropped mount comes back)."""
+    """An error that waiting will not cure: the mirror (or a parent) is not a
+    folder, the file system is read-only, or permission is denied off FUSE;
+    or the mirror belongs to another run. ENOSPC, EIO, ENOTCONN and the rest
+    are transient (a full quota is freed, a dropped mount comes back)."""
     if isinstance(e, (MirrorTaken, MirrorGone, RunDirError)):
         return True
     if not isinstance(e, OSError):
@@ -92,27 +100,33 @@ def is_permanent(e: BaseException, path: str | Path) -> bool:
 
 
 def plain_copy(src: Path, dst: Path) -> None:
-    """The default `copy_file`: the bytes alone. (copyfile, not copy2: Drive's FUSE mount refuses some of
-    the chmod/xattr calls that copystat makes.)"""
+    """The default `copy_file`: the bytes alone. (copyfile, not copy2: Drive's FUSE mount refuses
+    some of the chmod/xattr calls that copystat makes.)"""
     shutil.copyfile(src, dst)
 
 
 @dataclass
 class Backoff:
     """How a copy to or from the mirror is retried: after delays base, 2*base, ... (capped), at most
-    `max_attempts` tries. Once `stop` is set (the mirror gives up) no retry starts and a wait ends at
-    once (SyncAborted). `wait(stop, seconds)` is the wait itself: the event's own (cut short when it is
-    set) unless another is passed (one that returns at once, to test the policy without waiting)."""
+    `max_attempts` tries. Once `stop` is set (the mirror gives up) no retry
+    starts and a wait ends at once (SyncAborted). `wait(stop, seconds)` is the
+    wait itself: the event's own (cut short when it is set) unless another is
+    passed (one that returns at once, to test the policy without waiting)."""
     max_attempts: int = 8
     base_delay_s: float = 2.0
     max_delay_s: float = 60.0
     wait: Callable[[threading.Event, float], Any] = threading.Event.wait
     stop: threading.Event = field(default_factory=threading.Event)
 
-    def run(self, fn: Callable[[], Any], on_error: Callable[[OSError], Any] | None = None,
-            fatal: tuple[type[BaseException], ...] = (), permanent: Callable[[OSError], bool] | None = None) -> Any:
-        """fn(), retried on OSError; `fatal` ones, and those that `permanent` says waiting cannot cure, are
-        raised at once."""
+    def run(
+        self,
+        fn: Callable[[], Any],
+        on_error: Callable[[OSError], Any] | None = None,
+        fatal: tuple[type[BaseException], ...] = (),
+        permanent: Callable[[OSError], bool] | None = None,
+    ) -> Any:
+        """fn(), retried on OSError; `fatal` ones, and those that `permanent` says waiting cannot
+        cure, are raised at once."""
         delay = self.base_delay_s
         for attempt in range(1, self.max_attempts + 1):
             try:
@@ -120,7 +134,11 @@ class Backoff:
             except OSError as e:
                 if on_error is not None:
                     on_error(e)
-                if attempt >= self.max_attempts or isinstance(e, fatal) or (permanent is not None and permanent(e)):
+                if (
+                    attempt >= self.max_attempts
+                    or isinstance(e, fatal)
+                    or (permanent is not None and permanent(e))
+                ):
                     raise
                 self._pause(min(delay, self.max_delay_s))
                 delay *= 2
@@ -133,7 +151,8 @@ class Backoff:
 # ---- folder copies -------------------------------------------------------------------------------
 
 def check_copy(path: Path, info: dict[str, Any]) -> None:
-    """A SyncError unless the file at `path` has the size and sha256 its manifest entry `info` gives."""
+    """A SyncError unless the file at `path` has the
+    size and sha256 its manifest entry `info` gives."""
     size = path.stat().st_size
     if size != info["size"]:
         raise SyncError(f"{path} has {size} bytes, manifest says {info['size']}")
@@ -142,8 +161,8 @@ def check_copy(path: Path, info: dict[str, Any]) -> None:
 
 
 def _files_of(manifest_bytes: bytes, where: Path) -> dict[str, dict[str, Any]]:
-    """The files a checkpoint manifest lists, each a plain file name (a manifest on a shared mirror is
-    anyone's: a name like ../../x would write outside the folder)."""
+    """The files a checkpoint manifest lists, each a plain file name (a manifest on a shared mirror
+    is anyone's: a name like ../../x would write outside the folder)."""
     try:
         files = json.loads(manifest_bytes)["files"]
         for name in files:
@@ -166,7 +185,8 @@ def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: d
     """Copy `files` (name -> size, sha256) into a temp folder, verifying each, then write `last`
     (name -> bytes) in order and rename the folder into place."""
     for p in (src, *(d for d in (src.parent, dst.parent) if d.name == CHECKPOINTS)):
-        check_not_link(p)  # a linked checkpoints/ or step folder would copy from or to somewhere else (the
+        # a linked checkpoints/ or step folder would copy from or to somewhere else (the
+        check_not_link(p)
         # mirror's own path is the user's choice: a link there is theirs)
     tmp = tmp_sibling(dst, tag)
     try:  # made inside the try: a Ctrl-C that lands just after the mkdir still removes it
@@ -177,7 +197,8 @@ def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: d
             check_copy(tmp / name, info)
             try_fsync(tmp / name)
         for name, data in last.items():
-            (tmp / name).write_bytes(data)  # outside run folders: the fresh temporary folder made above
+            # outside run folders: the fresh temporary folder made above
+            (tmp / name).write_bytes(data)
             try_fsync(tmp / name)
         replace_dir(tmp, dst, tag)
     except BaseException:
@@ -185,23 +206,30 @@ def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: d
         raise
 
 
-def copy_checkpoint(src: str | Path, dst: str | Path, copy_file: CopyFile = plain_copy, tag: str = "") -> None:
+def copy_checkpoint(
+    src: str | Path, dst: str | Path, copy_file: CopyFile = plain_copy, tag: str = ""
+) -> None:
     """Copy a checkpoint folder, data files verified against src's manifest, the manifest last. The
     manifest's names must be plain file names and no file, nor either folder, may be a link."""
     check_not_link(Path(src) / MANIFEST)
-    raw = read_bytes_safe(Path(src) / MANIFEST)  # read once: a best/ replaced meanwhile fails the checks
-    _copy_folder(Path(src), Path(dst), _files_of(raw, src), {MANIFEST: raw}, copy_file, tag or new_tag())
+    # read once: a best/ replaced meanwhile fails the checks
+    raw = read_bytes_safe(Path(src) / MANIFEST)
+    _copy_folder(
+        Path(src), Path(dst), _files_of(raw, src), {MANIFEST: raw}, copy_file, tag or new_tag()
+    )
 
 
 def whole_lines(path: Path) -> bytes:
-    """A run file's bytes as the mirror takes them (read the one way: no link, at most its limit)."""
+    """A run file's bytes as the mirror takes them
+    (read the one way: no link, at most its limit)."""
     data = read_bytes_safe(path, run_file_limit(path.name))
     # metrics.jsonl may be mid-append: keep whole lines only, the rest comes with the next sync
     return data[: data.rfind(b"\n") + 1] if path.suffix == ".jsonl" else data
 
 
 def new_tag() -> str:
-    """This process's mark on its temporary files (a later session clears another's leftovers by it)."""
+    """This process's mark on its temporary files (a
+    later session clears another's leftovers by it)."""
     return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 

@@ -17,7 +17,8 @@ IDENTITY_LIMIT = 4096  # an identity.json holds two short strings
 
 
 def read_identity(folder: Path) -> dict | None:
-    """The identity.json of a run folder or a mirror (None when it has none; RunDirError when it is not one)."""
+    """The identity.json of a run folder or a mirror (None
+    when it has none; RunDirError when it is not one)."""
     p = folder / IDENTITY
     if not os.path.lexists(p):
         return None
@@ -25,17 +26,26 @@ def read_identity(folder: Path) -> dict | None:
         d = json.loads(read_bytes_safe(p, IDENTITY_LIMIT))  # no link followed, a few bytes at most
     except ValueError:
         d = None
-    if not (isinstance(d, dict) and isinstance(d.get("run_id"), str) and isinstance(d.get("config"), str)):
-        raise RunDirError(f"{p} is not a run identity (run_id, config); delete it only if {folder} holds one run")
+    if not (
+        isinstance(d, dict)
+        and isinstance(d.get("run_id"), str)
+        and isinstance(d.get("config"), str)
+    ):
+        raise RunDirError(
+            f"{p} is not a run identity (run_id, config); delete it only if {folder} holds one run"
+        )
     return d
 
 
 def run_identity(local: str | Path, mirror: str | Path | None, config: dict) -> dict:
-    """This run's identity ({run_id, config hash}) from the run folder's identity.json, else the mirror's
-    (a new VM resuming it), else a new one. Refuses, before anything is written (MirrorTaken), a mirror
-    that another run owns: another configuration, or another run id than the run folder's. A mirror that
-    cannot be read is left to the mirror's own retries: it never stops a run here."""
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """This run's identity ({run_id, config hash}) from the run folder's
+    identity.json, else the mirror's (a new VM resuming it), else a new one. Refuses,
+    before anything is written (MirrorTaken), a mirror that another run owns: another
+    configuration, or another run id than the run folder's. A mirror that cannot be
+    read is left to the mirror's own retries: it never stops a run here."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[
+        :16
+    ]
     mine = read_identity(Path(local))
     theirs = None
     if mirror is not None:
@@ -45,13 +55,18 @@ def run_identity(local: str | Path, mirror: str | Path | None, config: dict) -> 
             theirs = None
     if theirs is not None:
         if theirs["config"] != digest:
-            raise MirrorTaken(f"the mirror {mirror} belongs to another run (run {theirs['run_id']}, with another "
-                              "configuration or data): this run would mix its files with that run's; nothing was "
-                              "written. Use another --mirror folder (one per run), or the same settings as that run")
+            raise MirrorTaken(
+                f"the mirror {mirror} belongs to another run (run {theirs['run_id']}, with another "
+                "configuration or data): this run would mix its files with that run's; nothing "
+                "was written. Use another --mirror folder (one per run), or the same settings as "
+                "that run"
+            )
         if mine is not None and mine["run_id"] != theirs["run_id"]:
-            raise MirrorTaken(f"the mirror {mirror} belongs to run {theirs['run_id']} and run folder {local} is run "
-                              f"{mine['run_id']}: two runs would mix their checkpoints; nothing was written. Use "
-                              "another --mirror folder (one per run)")
+            raise MirrorTaken(
+                f"the mirror {mirror} belongs to run {theirs['run_id']} and run folder {local} is "
+                f"run {mine['run_id']}: two runs would mix their checkpoints; nothing was written. "
+                "Use another --mirror folder (one per run)"
+            )
         return theirs
     return mine if mine is not None else {"run_id": uuid.uuid4().hex[:12], "config": digest}
 
@@ -63,10 +78,14 @@ def write_identity(folder: str | Path, identity: dict) -> None:
 
 
 def claim_mirror(mirror: Path, identity: dict, tag: str = "") -> None:
-    """Write the identity into the mirror, or check the one there (a second VM may have claimed it since)."""
+    """Write the identity into the mirror, or check the
+    one there (a second VM may have claimed it since)."""
     theirs = read_identity(mirror)
     if theirs is None:
         write_bytes_atomic(mirror / IDENTITY, json.dumps(identity).encode(), tag=tag or new_tag())
     elif theirs["run_id"] != identity["run_id"]:
-        raise MirrorTaken(f"the mirror {mirror} was claimed by run {theirs['run_id']} (another VM or tab) while this "
-                          f"run ({identity['run_id']}) started: this run does not write there; use another --mirror")
+        raise MirrorTaken(
+            f"the mirror {mirror} was claimed by run {theirs['run_id']} (another VM or tab) while "
+            f"this run ({identity['run_id']}) started: this run does not write there; use another "
+            "--mirror"
+        )

@@ -1,7 +1,7 @@
 """Restore from the mirror: on a new VM, the newest valid checkpoint, local or mirrored, comes back
-(with best/ and the run files the local folder lacks), each copy verified by `sync.copy`. A corrupt or
-cut-short checkpoint is skipped with a warning; a mirror that holds another run's tokenizer is refused
-before anything is copied."""
+(with best/ and the run files the local folder lacks), each copy verified by `sync.copy`. A corrupt
+or cut-short checkpoint is skipped with a warning; a mirror that holds another run's tokenizer is
+refused before anything is copied."""
 from __future__ import annotations
 
 import os
@@ -34,13 +34,18 @@ def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None,
     candidates = [(s, 1, p) for s, p in list_checkpoints(RunDir(local).checkpoints)]
     mirror = Path(mirror_run_dir) if mirror_run_dir is not None else None
     if mirror is not None:
-        _check_defining_files(local, mirror)  # another run's tokenizer: refused before anything is copied
+        # another run's tokenizer: refused before anything is copied
+        _check_defining_files(local, mirror)
         try:
-            listed = backoff.run(lambda: list_checkpoints(RunDir(mirror).checkpoints),  # no wait where it cannot help
+            # no wait where it cannot help
+            listed = backoff.run(lambda: list_checkpoints(RunDir(mirror).checkpoints),
                                  permanent=lambda e: is_permanent(e, mirror))
             candidates += [(s, 0, p) for s, p in listed]
         except OSError as e:
-            warnings.warn(f"cannot read the mirror {mirror} ({e}); resuming from local checkpoints only", stacklevel=2)
+            warnings.warn(
+                f"cannot read the mirror {mirror} ({e}); resuming from local checkpoints only",
+                stacklevel=2,
+            )
             mirror = None
     chosen = None
     for _, is_local, p in sorted(candidates, key=lambda c: c[:2], reverse=True):
@@ -53,7 +58,8 @@ def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None,
             dst = RunDir(local).checkpoints / p.name
 
             def fetch(p: Path = p, dst: Path = dst) -> None:
-                ok, why = verify_checkpoint(p, deep=False)  # cheap; the sha256 is checked on the copy
+                # cheap; the sha256 is checked on the copy
+                ok, why = verify_checkpoint(p, deep=False)
                 if not ok:
                     raise SyncError(why)
                 copy_checkpoint(p, dst, copy_file, tag)
@@ -69,12 +75,15 @@ def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None,
             continue  # the mirror went away during this restore
         warnings.warn(f"skipping checkpoint {p}: {why}", stacklevel=2)
     if chosen is None and candidates:
-        warnings.warn(f"none of the {len(candidates)} checkpoints here or on the mirror passed verification: "
-                      "training starts from step 0 (the failing folders are kept; see the warnings above)",
-                      stacklevel=2)
+        warnings.warn(
+            f"none of the {len(candidates)} checkpoints here or on the mirror passed verification: "
+            "training starts from step 0 (the failing folders are kept; see the warnings above)",
+            stacklevel=2,
+        )
     if mirror is not None:
         try:
-            ahead = chosen is not None and not any(p == chosen for _, _, p in candidates)  # came from the mirror
+            # came from the mirror
+            ahead = chosen is not None and not any(p == chosen for _, _, p in candidates)
             _restore_run_files(local, mirror, backoff, copy_file, tag, ahead)
         except OSError as e:
             warnings.warn(f"could not restore best/ or run files from {mirror}: {e}", stacklevel=2)
@@ -91,46 +100,57 @@ def _check_defining_files(local: Path, mirror: Path) -> None:
         try:
             if not os.path.lexists(mirror / name):
                 continue
-            theirs = read_bytes_safe(mirror / name, limit, ON_MIRROR)  # a resumed run cannot do without it
+            # a resumed run cannot do without it
+            theirs = read_bytes_safe(mirror / name, limit, ON_MIRROR)
             if not (local / name).is_file():
                 continue
             same = read_bytes_safe(local / name, limit) == theirs
         except OSError:
             continue  # an unreadable mirror: the restore below says so
-        except ValueError as e:  # a link, or larger than tinygpt writes: named, before anything is copied
+        # a link, or larger than tinygpt writes: named, before anything is copied
+        except ValueError as e:
             raise MirrorTaken(f"{e}; nothing was copied from the mirror") from None
         if not same:
-            raise MirrorTaken(f"{name} on the mirror {mirror} differs from {local / name}: the mirror holds another "
-                              "run's files; nothing was copied or overwritten. Use another --mirror folder (one per "
-                              "run), or another run folder to continue the mirror's run")
+            raise MirrorTaken(
+                f"{name} on the mirror {mirror} differs from {local / name}: the mirror holds "
+                "another run's files; nothing was copied or overwritten. Use another --mirror "
+                "folder (one per run), or another run folder to continue the mirror's run"
+            )
 
 
 def _restore_run_files(local: Path, mirror: Path, backoff: Backoff, copy_file: CopyFile, tag: str,
                        mirror_ahead: bool = True) -> None:
-    """best/ when the mirror's is newer; a run file the local folder lacks, or holds a shorter copy of
-    (metrics.jsonl the mirror has more of); when the mirror's checkpoint was newer than every local one
-    (`mirror_ahead`), its newer files too. A local file that differs is never overwritten otherwise. A link
-    on the mirror is never followed (it could point at any file of this VM, which the next sync would carry
-    to the shared folder)."""
+    """best/ when the mirror's is newer; a run file the local folder lacks, or holds a shorter copy
+    of (metrics.jsonl the mirror has more of); when the mirror's checkpoint was newer than every
+    local one (`mirror_ahead`), its newer files too. A local file that differs is never overwritten
+    otherwise. A link on the mirror is never followed (it could point at any file of this VM, which
+    the next sync would carry to the shared folder)."""
     best_there, best_here = RunDir(mirror).best, RunDir(local).best
     if verify_checkpoint(best_there, deep=False)[0] and (
-            not verify_checkpoint(best_here)[0] or manifest_step(best_here) < manifest_step(best_there)):
+        not verify_checkpoint(best_here)[0] or manifest_step(best_here) < manifest_step(best_there)
+    ):
         try:
-            backoff.run(lambda: copy_checkpoint(best_there, best_here, copy_file, tag), fatal=(SyncError,))
+            backoff.run(
+                lambda: copy_checkpoint(best_there, best_here, copy_file, tag), fatal=(SyncError,)
+            )
         except SyncError as e:
             warnings.warn(f"skipping {best_there}: {e}", stacklevel=3)
     local.mkdir(parents=True, exist_ok=True)
     for name in RUN_FILES:
         src, dst = mirror / name, local / name
         if (why := link_problem(src)) is not None:
-            warnings.warn(f"{why}: not followed, {name} is not restored from the mirror", stacklevel=3)
+            warnings.warn(
+                f"{why}: not followed, {name} is not restored from the mirror", stacklevel=3
+            )
             continue
         if not src.is_file():
             continue
         limit = run_file_limit(name)
         try:
-            theirs = read_bytes_safe(src, limit, ON_MIRROR)  # read once, bounded: what is compared is what is copied
-        except ValueError as e:  # larger than tinygpt writes, or not a plain file: named, and not copied
+            # read once, bounded: what is compared is what is copied
+            theirs = read_bytes_safe(src, limit, ON_MIRROR)
+        # larger than tinygpt writes, or not a plain file: named, and not copied
+        except ValueError as e:
             warnings.warn(f"{e}; {name} is not restored from the mirror", stacklevel=3)
             continue
         if dst.is_file():

@@ -1,9 +1,10 @@
 """The token cache on the mirror: complete shards copied there as they are written (`ShardMirror`),
 and back to a new VM (`restore_shards`), which then tokenizes on from the first shard it lacks.
 
-A shard folder's manifest.json lists its complete shards in order, each as {"train": {"name", "bytes",
-"sha256"}, "val": {...}}; "done" says the source is all there. A copy holds a prefix of those shards
-and a manifest that lists exactly that prefix (written after the files), so it is always usable.
+A shard folder's manifest.json lists its complete shards in order, each as
+{"train": {"name", "bytes", "sha256"}, "val": {...}}; "done" says the source
+is all there. A copy holds a prefix of those shards and a manifest that
+lists exactly that prefix (written after the files), so it is always usable.
 """
 from __future__ import annotations
 
@@ -33,15 +34,18 @@ from tinygpt.sync.watch import unmounted_drive
 
 def _shard_manifest(folder: Path) -> dict | None:
     try:
-        m = json.loads(read_bytes_safe(folder / MANIFEST))  # no link, bounded: a mirror's list is anyone's
+        # no link, bounded: a mirror's list is anyone's
+        m = json.loads(read_bytes_safe(folder / MANIFEST))
     except (OSError, ValueError):
         return None
     return m if isinstance(m, dict) and isinstance(m.get("shards"), list) else None
 
 
-def _copy_shards(src: Path, dst: Path, manifest: dict, start: int, copy_file: CopyFile, tag: str) -> int:
-    """Copy shards [start:] of `manifest` from src to dst, each file checked (size, sha256) before it
-    is renamed into place; then dst's manifest, listing every shard copied. The count copied."""
+def _copy_shards(
+    src: Path, dst: Path, manifest: dict, start: int, copy_file: CopyFile, tag: str
+) -> int:
+    """Copy shards [start:] of `manifest` from src to dst, each file checked (size, sha256) before
+    it is renamed into place; then dst's manifest, listing every shard copied. The count copied."""
     shards = manifest["shards"]
     for p in (src, dst, *(d.parent for d in (src, dst) if d.parent.name == TOKEN_CACHE)):
         check_not_link(p)  # a linked shard folder would be read from, or written to, somewhere else
@@ -65,9 +69,14 @@ def _copy_shards(src: Path, dst: Path, manifest: dict, start: int, copy_file: Co
             n += 1
     finally:  # a failure keeps what was copied whole: the manifest lists that prefix
         if n > start:
-            out = {**manifest, "shards": shards[:n], "done": bool(manifest.get("done")) and n == len(shards)}
+            out = {
+                **manifest,
+                "shards": shards[:n],
+                "done": bool(manifest.get("done")) and n == len(shards),
+            }
             write_bytes_atomic(dst / MANIFEST, json.dumps(out, indent=1).encode(), tag=tag)
-    if n == start and manifest.get("done") and n == len(shards):  # only the end of the source is news
+    # only the end of the source is news
+    if n == start and manifest.get("done") and n == len(shards):
         write_bytes_atomic(dst / MANIFEST, json.dumps(manifest, indent=1).encode(), tag=tag)
     return n - start
 
@@ -75,8 +84,8 @@ def _copy_shards(src: Path, dst: Path, manifest: dict, start: int, copy_file: Co
 def sync_shards(local_dir: str | Path, mirror_dir: str | Path, *, backoff: Backoff | None = None,
                 copy_file: CopyFile = plain_copy) -> int:
     """Copy the complete shards the mirror lacks; the number copied (0 when Drive failed, with a
-    warning: the shards are only a cache, and the next call tries again; -1 when waiting would not help:
-    the mirror's parent is a file, a read-only file system, ...)."""
+    warning: the shards are only a cache, and the next call tries again; -1 when waiting would not
+    help: the mirror's parent is a file, a read-only file system, ...)."""
     local, mirror = Path(local_dir), Path(mirror_dir)
     manifest = _shard_manifest(local)
     if manifest is None:
@@ -112,10 +121,14 @@ def restore_shards(mirror_dir: str | Path, local_dir: str | Path, *, backoff: Ba
         return 0  # not the same source: the local folder is the truth
     tag = new_tag()
     try:
-        return (backoff or Backoff()).run(lambda: _copy_shards(mirror, local, there, start, copy_file, tag),
-                                          fatal=(SyncError,))
+        return (backoff or Backoff()).run(
+            lambda: _copy_shards(mirror, local, there, start, copy_file, tag), fatal=(SyncError,)
+        )
     except OSError as e:
-        warnings.warn(f"cannot restore token shards from {mirror}: {e}; they will be tokenized again", stacklevel=2)
+        warnings.warn(
+            f"cannot restore token shards from {mirror}: {e}; they will be tokenized again",
+            stacklevel=2,
+        )
         return 0
     finally:
         clean_leftovers(local, tag)
@@ -125,8 +138,19 @@ class ShardMirror:
     """Copies token shards to the mirror as they are written, in a background thread, until the
     source is all there and copied, or `close`."""
 
-    def __init__(self, local_dir: Path, mirror_dir: Path, every_s: float = 20.0, copy_file: CopyFile = plain_copy):
-        self.local, self.mirror, self.every_s, self.copy_file = local_dir, mirror_dir, every_s, copy_file
+    def __init__(
+        self,
+        local_dir: Path,
+        mirror_dir: Path,
+        every_s: float = 20.0,
+        copy_file: CopyFile = plain_copy,
+    ):
+        self.local, self.mirror, self.every_s, self.copy_file = (
+            local_dir,
+            mirror_dir,
+            every_s,
+            copy_file,
+        )
         self._stop = threading.Event()
         self._home: int | None = None  # the device of the folder holding the token cache, once made
         self._thread = threading.Thread(target=self._run, name="tinygpt-shard-mirror", daemon=True)
@@ -142,14 +166,24 @@ class ShardMirror:
                 return
             if self._stop.wait(self.every_s):
                 if not self._gone():
-                    sync_shards(self.local, self.mirror, backoff=Backoff(max_attempts=3), copy_file=self.copy_file)
+                    sync_shards(
+                        self.local,
+                        self.mirror,
+                        backoff=Backoff(max_attempts=3),
+                        copy_file=self.copy_file,
+                    )
                 return
 
     def _gone(self) -> bool:
-        """Whether the folder that holds the mirror's token cache (the runs' folder on Drive) has gone since the
-        first copy (Drive unmounted, the folder deleted), said once; it is made at the first copy
-        only, and never under an unmounted Drive mount point: nothing is copied onto the VM's own disk."""
-        home = self.mirror.parent.parent if self.mirror.parent.name == TOKEN_CACHE else self.mirror.parent
+        """Whether the folder that holds the mirror's token cache (the runs' folder
+        on Drive) has gone since the first copy (Drive unmounted, the folder
+        deleted), said once; it is made at the first copy only, and never under an
+        unmounted Drive mount point: nothing is copied onto the VM's own disk."""
+        home = (
+            self.mirror.parent.parent
+            if self.mirror.parent.name == TOKEN_CACHE
+            else self.mirror.parent
+        )
         why = None
         if self._home is None:
             if (drive := unmounted_drive(home)) is not None:
@@ -164,12 +198,16 @@ class ShardMirror:
             except FileNotFoundError:
                 why = "the folder no longer exists"
         if why is not None:
-            warnings.warn(f"token shards are not copied to {self.mirror}: {home} is gone ({why}; Drive unmounted?); "
-                          "they are only a cache, kept on this VM", stacklevel=2)
+            warnings.warn(
+                f"token shards are not copied to {self.mirror}: {home} is gone ({why}; Drive "
+                "unmounted?); they are only a cache, kept on this VM",
+                stacklevel=2,
+            )
         return why is not None
 
     def close(self, timeout: float | None = None) -> bool:
-        """One last copy (within `timeout`, default `mirror_wait_s()`); True if everything local is on the mirror."""
+        """One last copy (within `timeout`, default `mirror_wait_s()`);
+        True if everything local is on the mirror."""
         timeout = mirror_wait_s() if timeout is None else timeout
         self._stop.set()
         self._thread.join(timeout)
