@@ -145,7 +145,7 @@ def pretrain_recipe(name: str, init: str | None, run_dir: str | Path | None = No
     the local run folder continues) that recipe sized for it. A local run folder that already continues the same
     base with the same recipe keeps the recipe it recorded: a resume reads nothing of the base. Only the run
     folder the user made is read, never the mirror: a shared folder's run.json is evidence to compare against
-    (`check_mirror_run`), it never chooses the base, the data or the tokenizer."""
+    (`train.mirror_trust.check_mirror_run`), it never chooses the base, the data or the tokenizer."""
     run = RunDir(run_dir) if run_dir is not None else None
     old = Recipe.from_dict(run.recipe_dict()) if run is not None and run.is_pretrain_run() else None
     same_name = old is not None and old.name == name

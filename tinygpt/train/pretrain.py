@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import platform
 import sys
 from dataclasses import dataclass, replace
@@ -29,15 +28,14 @@ from tinygpt.core.config import (
     Recipe,
     TrainConfig,
     check_same_settings,
-    config_differences,
 )
 from tinygpt.core.fields import field_problem
-from tinygpt.core.files import link_problem, read_json_safe, refuse_links_in
+from tinygpt.core.files import refuse_links_in
 from tinygpt.core.folders import refuse_other_kind
 from tinygpt.core.options import option, targets
 from tinygpt.core.precision import Precision, choose_precision
 from tinygpt.core.recipes import get_recipe
-from tinygpt.core.rundir import BUDGET_JSON, METRICS, RUN_JSON, SAMPLES, TENSORBOARD, TOKENIZER_JSON, RunDir
+from tinygpt.core.rundir import BUDGET_JSON, RUN_JSON, TENSORBOARD, TOKENIZER_JSON, RunDir
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.mirrored import RunMirror, mirrored
@@ -56,8 +54,9 @@ from tinygpt.train.data import check_source, iter_documents
 from tinygpt.train.distributed import Ranks, check_parallel, joined, main_process_first, split_global_batch
 from tinygpt.train.hardware import check_device, check_fits, gpu_peak_tflops
 from tinygpt.train.init import Base, initial_model, starting_base
-from tinygpt.train.plan import PLANNED_FIELDS, SizePlan, choose_size, kept_plan
-from tinygpt.train.probe import PROBED_TRAIN_FIELDS, fit_to_device
+from tinygpt.train.mirror_trust import check_mirror_run
+from tinygpt.train.plan import SizePlan, choose_size, kept_plan
+from tinygpt.train.probe import fit_to_device
 from tinygpt.train.report import PlanReport
 from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.startup import StartupClock
@@ -82,62 +81,6 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
     if resume == "never" and ckpt.list_checkpoints(RunDir(run_dir).checkpoints):
         raise ConfigError(f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
                           "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
-
-
-# what a run's run.json may hold otherwise than the command that resumes it: what a resume may change, and what the
-# probe chose on the GPU it began on (kept from run.json by `fit_to_device`)
-MIRROR_MAY_DIFFER = RESUMABLE_CHANGES | set(PROBED_TRAIN_FIELDS) | {"activation_checkpointing"}
-
-
-def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = False) -> None:
-    """A mirror is a shared folder: its run.json is evidence, never a source. What a run trains (the recipe, its
-    base, data and tokenizer) comes from the command and the local run folder; a mirror whose run.json records
-    another run is refused in one line naming the fields, before anything is copied from or to it (so nothing it
-    names, a base folder or a data folder, is read, and nothing is uploaded). An unreachable mirror is left to the
-    restore, which says so. `sized` (--size auto): the model's ladder fields and learning rates are the plan's,
-    which the restored run.json keeps (`plan.kept_plan` then checks it names a rung of the ladder)."""
-    if mirror is None:
-        return
-    path = Path(mirror) / RUN_JSON
-    try:
-        if not os.path.lexists(path):
-            return
-        info = read_json_safe(path, what=" (on the mirror)")
-        theirs = Recipe.from_dict(info["recipe"]).to_dict()
-    except OSError:
-        return
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"the mirror's {RUN_JSON} cannot be read as a run's ({str(e).splitlines()[0]}); nothing "
-                          f"was copied from or to {mirror}: use another --mirror folder") from None
-    check_mirror_files(mirror)
-    ours = recipe.to_dict()
-    diffs = config_differences({k: theirs.get(k) for k in ("model", "train", "data")},
-                               {k: ours[k] for k in ("model", "train", "data")},
-                               MIRROR_MAY_DIFFER | (PLANNED_FIELDS if sized else set()))
-    if theirs.get("name") != recipe.name:
-        diffs.insert(0, f"recipe: {theirs.get('name')!r} in the run, {recipe.name!r} now")
-    if diffs:
-        raise ConfigError(f"the mirror {mirror} holds another run than this command's ({'; '.join(diffs)}): nothing "
-                          "was copied from or to it, and nothing it names was read. Give the command that run was "
-                          "started with (its --recipe, --init, --data, --set), or use another --mirror folder")
-
-
-def check_mirror_files(mirror: str | Path) -> None:
-    """The run files a restore would copy home and a later start parses (budget.json, metrics.jsonl, samples.txt),
-    read as a start reads them: one that tinygpt could not have written is refused here, naming it, before it is
-    copied into the local folder (where it would stop every later start too)."""
-    run = RunDir(mirror)
-    reads = {BUDGET_JSON: lambda: Budget.load(run.path), METRICS: run.metrics, SAMPLES: run.samples}
-    try:
-        for name, read in reads.items():
-            if link_problem(run.path / name) is None:  # a link is not copied: the restore says so, and goes on
-                read()
-    except OSError:
-        return  # an unreachable mirror: the restore says so
-    except ValueError as e:  # RunDirError, UnsafePathError, FileTooLarge: each names its file
-        raise ConfigError(f"the mirror holds a file tinygpt did not write: {str(e).splitlines()[0]}; nothing was "
-                          f"copied from or to {mirror}: delete that file there, or use another --mirror "
-                          "folder") from None
 
 
 def check_tokenizer(recipe: Recipe, token_ids: bool) -> None:
