@@ -83,6 +83,10 @@ def tokens(shared_data, tmp_path_factory):
 
 
 def pytest_configure(config):
+    # the two tiers (docs/TESTING.md): `-m "not slow"` is the inner loop, the README's command runs both
+    config.addinivalue_line("markers", "slow: real processes killed, mirrors filled, notebooks, the browser, pip, "
+                                       "torch.compile against eager, llama.cpp: tests that a faster one covers in "
+                                       "short form; the full suite (no -m) runs them")
     # Tiny models on a 2-core CI machine run fastest with one thread per test process
     # (pytest-xdist runs two); more threads only contend.
     import torch

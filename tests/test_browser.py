@@ -21,7 +21,8 @@ from test_notebooks import Colab
 
 from tinygpt.core.recipes import RECIPES
 
-pytestmark = pytest.mark.skipif(missing_browser() is not None, reason=str(missing_browser()))
+pytestmark = [pytest.mark.slow,  # a browser and every notebook in it
+              pytest.mark.skipif(missing_browser() is not None, reason=str(missing_browser()))]
 
 
 @pytest.fixture(scope="module")

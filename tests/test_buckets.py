@@ -61,6 +61,7 @@ class Widths:
         self.source.load_state_dict(s)
 
 
+@pytest.mark.slow  # torch.compile
 def test_twenty_steps_of_mixed_lengths_compile_once_per_bucket(tmp_path, monkeypatch):
     records = stdlib_instructions(200)
     tok = train_bpe([r["instruction"] + "\n" + r["output"] for r in records], vocab_size=512)

@@ -88,6 +88,7 @@ def test_a_set_that_the_budget_would_override_is_refused_in_one_line_before_any_
         assert not run.exists()
 
 
+@pytest.mark.slow  # a real process killed
 def test_a_budgeted_run_killed_after_its_decision_resumes_to_the_same_step_count(tmp_path):
     env = {**os.environ, "TINYGPT_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     run = tmp_path / "run"

@@ -90,6 +90,7 @@ def test_the_requirement_ranges_admit_colabs_versions(wheel, extras):
     assert not refused, f"tinygpt[{','.join(extras)}] would change Colab's packages: {refused}"
 
 
+@pytest.mark.slow  # pip resolves
 def test_pip_resolves_every_install_line_without_changing_colabs_packages(wheel, tmp_path):
     """pip's own resolver, for Colab's Python (3.13) on Colab's platform, with the pinned versions as constraints: it
     fails when anything tinygpt pulls in (directly or not) needs a version of a preinstalled package other

@@ -178,6 +178,7 @@ def _last_logged_step(run: Path) -> int:
     return max((m["step"] for m in map(json.loads, whole) if "startup" not in m), default=0)
 
 
+@pytest.mark.slow  # a real process killed
 def test_hub_base_resumes_bit_exact_after_kill_9_without_reading_the_base_again(base, shared_data, tmp_path):
     _hub_cache(base, tmp_path / "hub")
     data = shared_data / "tinyshakespeare.txt"

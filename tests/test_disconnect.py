@@ -23,6 +23,7 @@ from tinygpt.sync.copy import Backoff
 from tinygpt.sync.mirror import Mirror
 from tinygpt.train.pretrain import pretrain
 
+pytestmark = pytest.mark.slow  # real runs killed, mirrors filled (short form: test_fast_recipe.py's resume)
 REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY = 40, 4
 

@@ -159,6 +159,7 @@ def _wait_for_step(run_dir, step, proc, timeout=120):
     raise TimeoutError
 
 
+@pytest.mark.slow  # torchrun processes killed
 def test_kill9_of_one_rank_then_resume_in_one_process(reference, shared_data):
     """DDP on 2 processes; rank 1 is killed; the job ends with a clear error and an intact checkpoint,
     which one process resumes to the very loss curve of the unbroken single-process run."""
@@ -179,6 +180,7 @@ def test_kill9_of_one_rank_then_resume_in_one_process(reference, shared_data):
     _assert_same_run(run, reference / "ref")
 
 
+@pytest.mark.slow  # torchrun processes stopped
 def test_one_process_checkpoint_resumes_in_two_stops_on_sigterm_and_finishes_with_fsdp(reference, shared_data,
                                                                                    tmp_path):
     """The single-process run's step-4 checkpoint is resumed by 2 DDP processes; SIGTERM to torchrun

@@ -241,6 +241,7 @@ def _perturbed(tok, qk_norm: bool):
     return m.eval()
 
 
+@pytest.mark.slow  # llama.cpp
 @pytest.mark.parametrize("kind", ["own-bpe", "gpt2", "qwen3"])
 def test_llama_cpp_greedy_tokens_at_f16_equal_tinygpts(kind, run, tmp_path):
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
@@ -264,6 +265,7 @@ def test_llama_cpp_greedy_tokens_at_f16_equal_tinygpts(kind, run, tmp_path):
         assert _greedy_cpp(llm, ids, 24) == _greedy_ours(model, ids, 24), (kind, prompt)
 
 
+@pytest.mark.slow  # llama.cpp
 def test_llama_cpp_greedy_tokens_of_a_merged_lora_at_f16_equal_its_merged_models(lora_run, tmp_path):
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
     from tinygpt.finetune.lora import load_finetuned
@@ -278,6 +280,7 @@ def test_llama_cpp_greedy_tokens_of_a_merged_lora_at_f16_equal_its_merged_models
         assert _greedy_cpp(llm, ids, 24) == _greedy_ours(merged, ids, 24, hf=True), prompt
 
 
+@pytest.mark.slow  # llama.cpp
 def test_llama_cpp_greedy_tokens_of_a_full_finetune_at_f16_equal_its_hf_exports(run, shared_data, tmp_path):
     """The fifth export kind: a full finetune (every weight trained). Its GGUF in llama.cpp and its Hugging Face export
     in transformers start a prompt with the same tokens (the finetune's BOS) and continue it greedily alike at f16."""

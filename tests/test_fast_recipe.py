@@ -65,6 +65,7 @@ def test_cpu_fast_resumes_bit_for_bit(fast_run, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+@pytest.mark.slow  # a second resume (test_cpu_fast_resumes_bit_for_bit is the fast one)
 def test_a_run_begun_before_a_setting_existed_resumes(fast_run, tmp_path):
     """run.json and the checkpoint's training state written without `train.loss` and `model.fused_proj`
     (as by a version before them): the run resumes, those fields taking their defaults."""

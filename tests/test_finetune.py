@@ -532,6 +532,7 @@ KILLER = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.slow  # a real process killed
 def test_kill_9_and_resume_gives_the_same_adapter_bit_for_bit(tmp_path, tiny_run, shared_data):
     from safetensors.torch import load_file
     data = str(shared_data / "code_alpaca_2k.json")

@@ -174,6 +174,7 @@ def test_full_logits_and_chunked_losses_equal_the_models_own_logits(family, base
 
 
 # ----- compiled ----------------------------------------------------------------------------------------
+@pytest.mark.slow  # torch.compile against eager
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
 def test_loss_module_compiles_as_one_graph_with_the_eager_loss_and_gradients(quantize, base_dirs, records):
     """Forward pass and loss are one graph (no break back to Python between them) for LoRA and QLoRA;
@@ -209,6 +210,7 @@ class Source:
         self.i = s["i"]
 
 
+@pytest.mark.slow  # torch.compile against eager
 def test_trainer_compiles_forward_and_loss_together_and_trains_as_eager(base_dirs, records, tmp_path):
     """compile="on" (what "auto" means on CUDA): the Trainer's step runs the compiled FinetuneLoss
     (inductor), and two optimizer steps leave the adapters where eager steps leave them."""

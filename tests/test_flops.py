@@ -64,6 +64,7 @@ def test_forward_flops_match_torch_flop_counter(name):
     assert counter.get_total_flops() == (6 * matmul_weights(c) + 12 * c.n_layer * T * c.d_model) * B * T
 
 
+@pytest.mark.slow  # the benchmark script's run
 def test_benchmark_cpu_mode_runs(tmp_path):
     """`benchmarks/gpu_pretrain.py` on the CPU with a tiny model and the Hugging Face reference."""
     out = tmp_path / "bench.json"

@@ -149,6 +149,7 @@ KILLER = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.slow  # a real process killed
 def test_kill_9_and_resume_gives_the_same_model_bit_for_bit(base, shared_data, tmp_path):
     from safetensors.torch import load_file
     data = str(shared_data / "code_alpaca_2k.json")

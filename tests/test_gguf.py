@@ -327,6 +327,7 @@ def _llama_cpp():
     return gguf_agreement
 
 
+@pytest.mark.slow  # llama.cpp
 @pytest.mark.parametrize("kind,qk_norm,bias", [("bpe", False, False), ("gpt2", True, False), ("smollm", False, False),
                                                ("bpe", False, True)])
 def test_llama_cpp_tokenizes_generates_and_scores_as_tinygpt(tmp_path, bpe, gpt2, smollm, shakespeare, kind, qk_norm,
@@ -343,6 +344,7 @@ def test_llama_cpp_tokenizes_generates_and_scores_as_tinygpt(tmp_path, bpe, gpt2
     assert abs(r["ppl_rel_diff"]) < 1e-3, r
 
 
+@pytest.mark.slow  # llama.cpp
 def test_llama_cpp_runs_a_trained_run_and_a_merged_finetune_as_tinygpt(run, lora_run, tmp_path):
     from tinygpt.finetune.lora import load_finetuned
     from tinygpt.model.loading import load_run

@@ -40,6 +40,7 @@ def skipped_parts(figures) -> list[str]:
     return []
 
 
+@pytest.mark.slow  # the whole kit's smoke run
 def test_smoke_runs_every_step_with_figures_or_a_reasoned_skip(tmp_path):
     doc, stdout = run_kit(tmp_path / "out")
     steps = doc["steps"]

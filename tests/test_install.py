@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -44,6 +46,7 @@ def build_wheel(out: Path) -> Path:
     return next(out.glob("tinygpt-*.whl"))
 
 
+@pytest.mark.slow  # pip installs into a fresh environment
 def test_the_install_cell_installs_this_checkout_into_a_fresh_environment(tmp_path):
     wheel = build_wheel(tmp_path / "dist")
     _, template = install_cell(ROOT / "notebooks" / "01_pretrain.ipynb")

@@ -66,6 +66,7 @@ def run_notebook(tmp: Path, shared_data: Path) -> dict[str, str]:
     return shown
 
 
+@pytest.mark.slow  # a notebook run twice
 def test_notebook_finetunes_mirrors_to_drive_and_resumes_on_a_new_vm(tmp_path, shared_data):
     out = run_notebook(tmp_path, shared_data)
     drive = tmp_path / "drive-backing" / "MyDrive" / "tinygpt" / "runs"

@@ -27,6 +27,7 @@ def test_committed_thin_and_without_outputs():
     assert len(nb["cells"]) - len(code) >= len(code)  # as much explanation as code
 
 
+@pytest.mark.slow  # a notebook (test_notebooks.py::test_setup_notebook is the fast one)
 def test_notebook_runs_in_smoke_mode_on_its_colab_path(tmp_path):
     """With no data folder and no network: smoke mode evaluates on the samples that ship with the package."""
     pytest.importorskip("nbmake")

@@ -85,6 +85,7 @@ def test_setup_notebook(tmp_path):
     assert "Trial search" in summary and "cpu-smoke" in summary and "time to finish" in summary
 
 
+@pytest.mark.slow  # a notebook run twice
 def test_pretrain_notebook_trains_mirrors_downloads_and_resumes_on_a_new_vm(tmp_path):
     vm = Colab(tmp_path)
     out = vm.run("01_pretrain.ipynb")

@@ -100,6 +100,7 @@ def fill(disk: Path, leave: int) -> Path:
 
 # ---- 1. the mirror is a promise ------------------------------------------------------------------
 
+@pytest.mark.slow  # CLI runs onto a full mirror
 def test_a_full_mirror_is_said_in_the_last_line_and_the_next_command_catches_up(tmp_path, small_disk, cache):
     """A 5 MB mirror file system with room for the run files only: training finishes, its last line says
     the mirror is behind; with space freed, the same command on the finished run copies the final
@@ -123,6 +124,7 @@ def test_a_full_mirror_is_said_in_the_last_line_and_the_next_command_catches_up(
     assert (mirror / "metrics.jsonl").read_text() == (run / "metrics.jsonl").read_text()
 
 
+@pytest.mark.slow  # a CLI run with a mirror
 def test_a_mirror_under_a_file_gives_up_at_once_after_training(tmp_path, cache):
     """A permanent error (the mirror's parent is a file): no 120 s wait after training; the last line
     says what the mirror lacks. (Before: "gave up after the wait", two minutes later.)"""
@@ -168,6 +170,7 @@ def test_a_callback_failing_to_close_does_not_hide_the_error_that_ended_the_run(
     assert closed == ["b", "d"]
 
 
+@pytest.mark.slow  # CLI runs, one replaced mid-run
 def test_a_writer_whose_folder_was_replaced_stops_and_the_new_run_is_left_alone(tmp_path, cache):
     """`rm -rf run; mkdir run` in another tab while a run trains: a second run gets the new folder's lock
     and trains; the first stops in one line naming what happened and writes nothing into the new folder
@@ -236,6 +239,7 @@ def test_a_ctrl_c_while_the_lock_is_taken_leaves_no_folder_and_no_handler_behind
 
 # ---- 3. one run per mirror -----------------------------------------------------------------------
 
+@pytest.mark.slow  # CLI runs sharing a mirror
 def test_a_second_run_on_the_same_mirror_is_refused_before_it_writes(tmp_path, cache):
     mirror = tmp_path / "drive" / "r"
     a = tinygpt("pretrain", *SMOKE, "--run-dir", str(tmp_path / "a"), "--mirror", str(mirror), "--max-steps", "2",
@@ -263,6 +267,7 @@ def test_a_second_run_on_the_same_mirror_is_refused_before_it_writes(tmp_path, c
     assert d.returncode == 0 and "resumed from step 2" in d.stdout, d.stderr[-2000:]
 
 
+@pytest.mark.slow  # CLI runs with a mirror
 def test_a_different_tokenizer_on_the_mirror_is_named_and_never_overwrites(small_run, tmp_path, cache):
     """A mirror from before identities (no identity.json) holding another run's newer tokenizer.json."""
     run, mirror = tmp_path / "r", tmp_path / "drive" / "r"
@@ -282,6 +287,7 @@ def test_a_different_tokenizer_on_the_mirror_is_named_and_never_overwrites(small
 
 # ---- 4. a failed first try leaves no trace -------------------------------------------------------
 
+@pytest.mark.slow  # CLI runs
 def test_a_failed_first_try_leaves_nothing_and_the_fixed_one_trains_its_own_tokenizer(tmp_path, cache):
     run, corpus = tmp_path / "r", tmp_path / "corpus.txt"
     corpus.write_text("x")
@@ -340,6 +346,7 @@ def test_a_failed_first_finetuning_try_leaves_no_base_and_the_fixed_one_runs(sma
 
 # ---- 5. values checked before work ---------------------------------------------------------------
 
+@pytest.mark.slow  # CLI runs
 def test_sizes_memory_and_hours_are_checked_before_any_work(tmp_path, capsys, cache):
     def refused(*args: str) -> str:
         code = main(["pretrain", *SMOKE, "--run-dir", str(tmp_path / "r"), *args])
@@ -357,6 +364,7 @@ def test_sizes_memory_and_hours_are_checked_before_any_work(tmp_path, capsys, ca
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow  # CLI runs
 def test_a_garbled_budget_or_run_json_is_one_line_before_work(small_run, tmp_path, cache):
     run = tmp_path / "r"
     shutil.copytree(small_run, run)
@@ -388,6 +396,7 @@ def _sigterm_when(proc: subprocess.Popen, ready, timeout: float = 120) -> bool:
     return False
 
 
+@pytest.mark.slow  # a real process stopped
 def test_sigterm_during_export_leaves_no_temporary_folder(small_run, tmp_path, cache):
     for attempt in range(10):
         out = tmp_path / f"hf{attempt}"
@@ -427,6 +436,7 @@ def test_a_ctrl_c_just_after_a_temporary_folder_is_made_leaves_no_temporary(smal
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.slow  # a real process stopped
 def test_sigterm_while_the_tokenizer_trains_leaves_no_run_folder(tmp_path, cache):
     """SIGTERM before training starts (the tokenizer is being trained): the first try leaves nothing."""
     run = tmp_path / "r"
@@ -442,6 +452,7 @@ def small_cache(tmp_path):
     yield from mount_tmpfs(tmp_path / "cache")
 
 
+@pytest.mark.slow  # a CLI run onto a full disk
 def test_a_full_disk_while_tokenizing_stops_training_at_once(tmp_path, small_cache):
     """The token cache on a 5 MB file system: the first shard (4 MB) fits, the second does not. Training
     stops at the next batch with the disk-full line (before: ~4000 steps later, when shard 1 was needed,

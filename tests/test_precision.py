@@ -68,6 +68,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # torch.compile
 def test_tf32_after_the_new_api_leaves_every_reader_agreeing_and_compiles():
     """transformers sets the new fp32_precision API first; tinygpt's TF32 setup then leaves the legacy and the new
     readers in agreement (torch raises on a mix, and 2.9's Inductor reads the legacy flag on CUDA), warns about

@@ -220,6 +220,7 @@ def test_nothing_fits_raises_a_clear_error():
         run(tiny_recipe(), lambda b, t, c: 10.0, limit=1.0, min_seq_len=16)
 
 
+@pytest.mark.slow  # real timings
 def test_real_measurement_on_cpu():
     """No injected measurement: the tracker measures real tensors; the limit makes the answer interesting."""
     recipe = tiny_recipe(micro=16, seq_len=64, accum=4)
@@ -252,6 +253,7 @@ def test_the_fastest_micro_batch_that_fits_is_chosen_not_the_largest():
     assert result.trials[-1].micro_batch == 8 and result.trials[-1].ok  # the choice confirmed by a trial
 
 
+@pytest.mark.slow  # real timings
 def test_full_logits_are_timed_where_they_fit_and_kept_when_faster():
     """A vocabulary large enough that the recipe's "auto" loss would chunk: the probe also tries the full
     logits (a memory trial, then the trainer's step) and keeps them when they measure faster."""
@@ -292,6 +294,7 @@ def test_trainer_speed_times_the_trainers_own_step_on_cpu(tmp_path, monkeypatch)
     assert result.tokens_per_s_source.startswith("measured: the trainer's step")
 
 
+@pytest.mark.slow  # real timings
 def test_cache_is_written_and_reused(tmp_path):
     measure = Counting(lambda b, t, c: 0.1 * b)
     kw = dict(measure=measure, memory_limit_gb=1.0, cache_dir=tmp_path)
@@ -356,6 +359,7 @@ def test_the_result_is_kept_in_the_run_folder_and_a_new_vm_reads_it_without_timi
     assert "probe.json" in RUN_FILES  # what the mirror copies to Drive and restores
 
 
+@pytest.mark.slow  # torch.compile
 def test_a_probe_leaves_no_compiled_shapes_behind(tmp_path):
     """The probe times 3 micro-batches with the trainer's compiled step; the training step that follows
     compiles once, for its own micro-batch, with static shapes: 0 recompiles after step 1, and a batch of

@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a 300-step run in a subprocess
 def test_a_300_step_run_logged_to_a_file_writes_lines_not_a_bar(tmp_path):
     """stdout and stderr to a file, as under CI, nohup or a Colab %%capture: no carriage return, at most one
     line per logged step, and the last step's line."""
@@ -63,12 +64,14 @@ def _check_final_state(texts: list[str]) -> None:
     assert bars and all(re.search(r"training: 100%.*6/6", t) for t in bars), texts
 
 
+@pytest.mark.slow  # a notebook kernel
 def test_the_saved_notebook_shows_the_bar_finished_with_these_packages(tmp_path):
     pytest.importorskip("nbclient")
     pytest.importorskip("ipywidgets")
     _check_final_state(_saved_bar(sys.executable, tmp_path))
 
 
+@pytest.mark.slow  # a notebook kernel
 def test_the_saved_notebook_shows_the_bar_finished_under_colab_s_jupyter_pins(tmp_path):
     """ipywidgets 7 (Colab's) displays a widget itself and used to drop the display id the bar's last state
     is written under, so the saved cell read 0%. TINYGPT_PINNED_PYTHON: a Python whose ipykernel,

@@ -37,6 +37,7 @@ def base(tmp_path_factory, shared_data) -> Path:
     return make_run(tmp_path_factory.mktemp("quiet") / "base", docs, tok, seed=0, steps=10)
 
 
+@pytest.mark.slow  # real LoRA finetune and generate in subprocesses
 def test_lora_finetune_and_generate_show_no_harmless_third_party_warning(base, shared_data, tmp_path):
     ft = _tinygpt("finetune", "--recipe", "lora-r8", "--base", str(base), "--data",
                   str(shared_data / "code_alpaca_2k.json"), "--run-dir", str(tmp_path / "ft"), "--max-steps", "2",

@@ -33,7 +33,9 @@ from tinygpt.train.pretrain import pretrain
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(params=["root", "userns", "uid"])
+# root in the fast tier; the other two boundaries run the same tests in the full suite (`-m slow`)
+@pytest.fixture(params=["root", pytest.param("userns", marks=pytest.mark.slow),
+                        pytest.param("uid", marks=pytest.mark.slow)])
 def kind(request, monkeypatch) -> str:
     """Each kernel boundary this machine offers (root: Colab's case; userns: a user's machine; uid:
     root where no namespace can be made)."""
@@ -450,6 +452,7 @@ def _cli(*argv, env=None, **kw) -> subprocess.CompletedProcess:
                           env=env, **kw)
 
 
+@pytest.mark.slow  # the CLI in a subprocess
 def test_a_crafted_humaneval_file_escapes_nothing_through_the_cli(run, tmp_path, victim):
     if sandbox.boundary().kind == "none":
         pytest.skip(f"no kernel boundary here: {sandbox.boundary().why_not}")
@@ -504,6 +507,7 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
+@pytest.mark.slow  # real processes stopped
 @pytest.mark.parametrize("mode,sig", [("root", signal.SIGTERM), ("uid", signal.SIGTERM), ("none", signal.SIGINT)])
 def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, sig):
     """SIGTERM (or Ctrl-C) while programs run: `tinygpt eval` exits 130, and every launcher, sandbox

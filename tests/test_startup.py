@@ -65,6 +65,7 @@ def test_shards_hold_the_documents_in_order_with_the_split(one_go, stdlib_cfg, t
     assert m["train_tokens"] > 10 * m["val_tokens"] > 0 and m["documents"] == len(docs)
 
 
+@pytest.mark.slow  # a real process killed
 def test_a_writer_killed_mid_way_is_continued_without_tokenizing_again(one_go, stdlib_cfg, tok, tmp_path):
     folder = tmp_path / "k"
     # at most 4 shards: a kill that comes late (a loaded machine writes the rest in one burst) still finds the
@@ -155,6 +156,7 @@ def test_training_starts_before_tokenization_ends_and_records_its_start_up(tmp_p
     assert {n: (folder / n).stat().st_mtime_ns for n in mtimes} == mtimes
 
 
+@pytest.mark.slow  # runs with a mirror
 def test_shards_reach_the_mirror_and_a_new_vm_does_not_tokenize_again(tmp_path, monkeypatch):
     kw = dict(max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu")
     pretrain("cpu-smoke", tmp_path / "vm1" / "run", mirror=tmp_path / "drive" / "run", cache_dir=tmp_path / "c1", **kw)
@@ -206,6 +208,7 @@ def _run_py(code: str, *args: str, env: dict | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_training_never_recompiles_after_the_first_step_and_a_new_vm_reuses_the_compile(tmp_path):
     """One graph for the whole run: evaluation (no grad, a partial last batch) adds none. The compile
     cache saved in the run folder, copied into a fresh folder with an empty compiler cache (a new VM),
@@ -319,6 +322,7 @@ def _compiled_code_objects(*functions) -> list[int]:
     return [len(_debug_get_cache_entry_list(f.__code__)) for f in functions]
 
 
+@pytest.mark.slow  # torch.compile
 def test_regional_compile_compiles_the_blocks_and_on_compiles_the_whole_model():
     """Told apart by what dynamo compiled, not by time: under "regional" the block's forward holds the one
     graph (shared by both blocks) and the model's forward none; under "on", the other way round. A

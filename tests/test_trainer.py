@@ -143,6 +143,7 @@ def _wait_for_step(run_dir, step, proc, timeout=120):
     raise TimeoutError
 
 
+@pytest.mark.slow  # real processes killed (short form: test_fast_recipe.py's resume)
 @pytest.mark.parametrize("how", ["kill9", "sigterm"])
 def test_interrupted_run_resumes_bit_identical(how, shared_data, tmp_path):
     cache = tmp_path / "cache"
@@ -204,6 +205,7 @@ def test_checkpoint_carries_the_recipe_and_tokenizer(shared_data, tmp_path):
     assert state["run_info"]["tokenizer"] == saved.to_json()  # a checkpoint folder alone is enough to decode
 
 
+@pytest.mark.slow  # torch.compile against eager
 def test_torch_compile_trains_like_eager_and_saves_clean_keys(tokens, tmp_path):
     eager = make_trainer(tokens, tmp_path / "eager", max_steps=4, log_every=1).fit()
     t = make_trainer(tokens, tmp_path / "compiled", max_steps=4, log_every=1, compile="on")

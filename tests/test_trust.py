@@ -73,6 +73,7 @@ def files_under(folder: Path) -> set[str]:
 
 # ---- 2. the compile cache ------------------------------------------------------------------------
 
+@pytest.mark.slow  # a mirrored CLI run (the `mirrored` fixture) and more CLI runs
 def test_a_mirrored_run_leaves_no_signing_key_on_the_mirror(mirrored):
     """The key that signs compile caches never lives on the shared folder (whoever writes it would
     sign caches that run on the next VM)."""
@@ -114,6 +115,7 @@ def _what_of_cpu_smoke() -> dict:
                     t.compile)
 
 
+@pytest.mark.slow  # a mirrored CLI run (the `mirrored` fixture) and more CLI runs
 def test_a_compile_cache_signed_with_a_key_planted_on_the_mirror_writes_nothing(mirrored, tmp_path, data):
     """The attack: a new VM (no local key), the attacker's key beside the mirror where 0f7fccf adopted
     it, and a cache signed with it whose autotune artifact is named by an absolute path (a `.pth` file
@@ -260,6 +262,7 @@ def test_a_key_file_the_disk_cannot_hold_leaves_nothing_that_refuses_the_next_ru
 
 # ---- 3. names from a mirror's manifests ----------------------------------------------------------
 
+@pytest.mark.slow  # a mirrored CLI run (the `mirrored` fixture) and more CLI runs
 def test_a_mirror_manifest_that_climbs_out_or_lies_about_its_step_is_skipped(mirrored, tmp_path, data):
     """The mirror lies deeper than the local folder, so `../` * 5 resolves inside the mirror on the
     way in but outside the run folder on the way out: 0f7fccf wrote the file there. A manifest whose
@@ -320,6 +323,7 @@ def test_a_shard_list_on_the_mirror_naming_a_path_outside_is_refused(tmp_path):
 
 # ---- 4. links in a run folder --------------------------------------------------------------------
 
+@pytest.mark.slow  # a mirrored CLI run (the `mirrored` fixture) and more CLI runs
 @pytest.mark.parametrize("name,how", [(".lock", "symlink"), ("metrics.jsonl", "symlink"), ("samples.txt", "symlink"),
                                       ("metrics.jsonl", "hardlink"), ("checkpoints", "symlink")])
 def test_a_link_in_the_run_folder_is_refused_before_anything_is_written(mirrored, tmp_path, data, name, how):
@@ -346,6 +350,7 @@ def test_a_link_in_the_run_folder_is_refused_before_anything_is_written(mirrored
     assert len([ln for ln in out.stdout.splitlines() if "error:" in ln]) == 1
 
 
+@pytest.mark.slow  # a mirrored CLI run (the `mirrored` fixture) and more CLI runs
 def test_the_download_zip_leaves_links_out_and_says_so(mirrored, tmp_path, capsys):
     from tinygpt import colab
 
@@ -372,6 +377,7 @@ def test_the_download_zip_leaves_links_out_and_says_so(mirrored, tmp_path, capsy
 
 # ---- 5. a poisoned token shard -------------------------------------------------------------------
 
+@pytest.mark.slow  # a mirrored CLI run (the `mirrored` fixture) and more CLI runs
 def test_a_poisoned_token_shard_from_the_mirror_is_named_removed_and_tokenized_again(mirrored, tmp_path, data):
     """Ids of 65535 with a matching sha256 in the mirror's shard: 0f7fccf restored it and failed with
     `index out of range in self`, naming neither shard nor mirror, and kept it in the local cache."""

@@ -113,6 +113,7 @@ def one_line_refusal(out: subprocess.CompletedProcess) -> str:
 
 # ---- 8. auto_map: a folder's own code -----------------------------------------------------------
 
+@pytest.mark.slow  # the CLI in a subprocess (test_every_transformers_load_refuses_code... and test_init_base_with_a_backtracking_regex... are the fast ones)
 def test_finetune_base_naming_its_own_code_is_refused_before_anything_runs(llama, records, tmp_path):
     marker = tmp_path / "ran.txt"
     evil = with_code(llama, tmp_path / "evil", marker)
@@ -125,6 +126,7 @@ def test_finetune_base_naming_its_own_code_is_refused_before_anything_runs(llama
     assert not (tmp_path / "run" / "finetune.json").exists()
 
 
+@pytest.mark.slow  # the CLI in a subprocess (test_every_transformers_load_refuses_code... and test_init_base_with_a_backtracking_regex... are the fast ones)
 def test_finetune_checks_data_before_it_reads_anything_of_the_base(llama, tmp_path):
     marker = tmp_path / "ran.txt"
     evil = with_code(llama, tmp_path / "evil", marker)
@@ -134,6 +136,7 @@ def test_finetune_checks_data_before_it_reads_anything_of_the_base(llama, tmp_pa
     assert "missing.json" in line and "does not exist" in line and not marker.exists()
 
 
+@pytest.mark.slow  # the CLI in a subprocess (test_every_transformers_load_refuses_code... and test_init_base_with_a_backtracking_regex... are the fast ones)
 def test_eval_of_a_folder_naming_its_own_code_is_refused_before_anything_runs(llama, tmp_path, shakespeare):
     marker = tmp_path / "ran.txt"
     evil = with_code(llama, tmp_path / "evil", marker)
@@ -181,6 +184,7 @@ def test_init_base_with_a_backtracking_regex_is_refused_in_one_line(llama, tmp_p
     assert not list((tmp_path / "tg-cache").rglob("*.bin"))  # nothing was tokenized
 
 
+@pytest.mark.slow  # the CLI in a subprocess (test_every_transformers_load_refuses_code... and test_init_base_with_a_backtracking_regex... are the fast ones)
 def test_finetune_base_with_a_backtracking_regex_is_refused_in_one_line(llama, records, tmp_path):
     evil = with_regex(llama, tmp_path / "evil", EVIL_REGEX)
     out = cli("finetune", "--recipe", "lora-r8", "--base", str(evil), "--data", str(records), "--run-dir",
