@@ -32,10 +32,17 @@ def test_ruff_passes():
     assert r.returncode == 0, r.stdout[-3000:]
 
 
+# The command line imports each command's modules inside that command (issue 37: `tinygpt --help`
+# loads no torch, a command only what it runs); tests/test_imports.py counts what each one loads.
+IMPORTS_AS_USED = {"tinygpt/cli.py"}
+
+
 def test_package_imports_stand_at_the_top_of_files():
     """An import of a tinygpt module inside a function hides the dependency graph from file headers."""
     hidden = []
     for path in sorted((ROOT / "tinygpt").rglob("*.py")):
+        if str(path.relative_to(ROOT)) in IMPORTS_AS_USED:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for inner in ast.walk(node):

@@ -207,8 +207,10 @@ def test_a_signal_that_comes_while_a_failed_run_closes_does_not_hide_the_failure
     SIGTERM, which may land while the failure unwinds through the callbacks' close: the failure is what
     the command says (exit 2), not "interrupted"; a Ctrl-C on its own is still an interruption (130)."""
     from tinygpt.core.callback import Callback
-    from tinygpt.train import pretrain as real
+    from tinygpt.train import pretrain as real  # the command imports `pretrain` from here as it runs
     from tinygpt.train.trainer import TrainingError
+
+    pretrain = real.pretrain
 
     class PeersLost(Callback):
         def on_step(self, trainer):
@@ -221,9 +223,9 @@ def test_a_signal_that_comes_while_a_failed_run_closes_does_not_hide_the_failure
 
     def pretrain_failing(recipe, options):
         options.callbacks = [*options.callbacks, PeersLost()]
-        return real.pretrain(recipe, options=options)
+        return pretrain(recipe, options=options)
 
-    monkeypatch.setattr("tinygpt.cli.pretrain", pretrain_failing)
+    monkeypatch.setattr(real, "pretrain", pretrain_failing)
     argv = ["pretrain", "--recipe", "cpu-smoke", "--device", "cpu", "--quiet", "--max-steps", "4", "--probe", "off"]
     signal_on_close = True
     assert main([*argv, "--run-dir", str(tmp_path / "a")]) == 2
@@ -234,6 +236,6 @@ def test_a_signal_that_comes_while_a_failed_run_closes_does_not_hide_the_failure
     def interrupted(recipe, options):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("tinygpt.cli.pretrain", interrupted)
+    monkeypatch.setattr(real, "pretrain", interrupted)
     assert main([*argv, "--run-dir", str(tmp_path / "b")]) == 130
     assert "interrupted" in capsys.readouterr().err

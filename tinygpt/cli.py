@@ -17,8 +17,6 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError
 from tinygpt.core.hardware import HARDWARE
@@ -26,26 +24,14 @@ from tinygpt.core.options import add_options, from_args, option
 from tinygpt.core.recipes import RECIPES, RecipeChoice, parse_overrides
 from tinygpt.core.rundir import FINETUNE_JSON, RunDir
 from tinygpt.core.units import count
-from tinygpt.evals.options import EvalOptions
-from tinygpt.evals.run import evaluate, report
-from tinygpt.finetune.lora import load_finetuned, merge_adapter
-from tinygpt.finetune.options import FinetuneOptions
-from tinygpt.model.generate import GenerateOptions, generate_response, generate_text
-from tinygpt.model.gpt import meta_model
-from tinygpt.model.loading import load_run
-from tinygpt.publish.export import ExportOptions
-from tinygpt.publish.hub import PushOptions
-from tinygpt.sync.catchup import NOTHING_MORE, catch_up, mirror_lag
-from tinygpt.sync.identity import run_identity
-from tinygpt.train.budget import finished_run
-from tinygpt.train.distributed import torchrun_env
-from tinygpt.train.init import default_recipe, pretrain_recipe
-from tinygpt.train.pretrain import PretrainOptions, check_budget_overrides, pretrain
-from tinygpt.train.report import ProbeOptions, probe_report
-from tinygpt.train.trainer import TrainingError
+
+# Each command imports what it runs when it runs (`tinygpt --help` imports none of it: not torch,
+# the trainer, the evaluations or finetuning; tests/test_imports.py counts the modules).
 
 
 def _probe(args) -> int:
+    from tinygpt.train.report import ProbeOptions, probe_report
+
     print(probe_report(**asdict(from_args(ProbeOptions, args))))
     return 0
 
@@ -57,6 +43,8 @@ class RecipesOptions:
 
 
 def _recipes(args) -> int:
+    from tinygpt.model.gpt import meta_model
+
     as_json = from_args(RecipesOptions, args).as_json
     rows = []
     for r in RECIPES.values():
@@ -115,6 +103,8 @@ def _recipes(args) -> int:
 def default_pretrain_recipe(run_dir: str | Path, say: bool = True) -> str:
     """The recipe `tinygpt pretrain` uses without --recipe
     (`train.init.default_recipe`), said in one line."""
+    from tinygpt.train.init import default_recipe
+
     name, why = default_recipe(run_dir)
     if say:
         print(
@@ -125,6 +115,11 @@ def default_pretrain_recipe(run_dir: str | Path, say: bool = True) -> str:
 
 
 def _pretrain(args) -> int:
+    from tinygpt.train.budget import finished_run
+    from tinygpt.train.distributed import torchrun_env
+    from tinygpt.train.init import pretrain_recipe
+    from tinygpt.train.pretrain import PretrainOptions, check_budget_overrides, pretrain
+
     env = torchrun_env()
     main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
     choice = from_args(RecipeChoice, args)
@@ -159,6 +154,9 @@ def _pretrain(args) -> int:
 def _say_complete(done: str, run_dir: Path, mirror: str | None) -> None:
     """A finished run's line; "complete" means complete
     on the mirror too: what it lacks goes there now."""
+    from tinygpt.sync.catchup import catch_up
+    from tinygpt.sync.identity import run_identity
+
     print(done)
     if mirror:
         recipe = RunDir(run_dir).recipe()
@@ -169,6 +167,8 @@ def _say_complete(done: str, run_dir: Path, mirror: str | None) -> None:
 def _report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
     """What a pretraining run ends with: its figures,
     a sample, what to run next, the mirror's lag."""
+    from tinygpt.sync.catchup import mirror_lag
+
     print(
         f"step {res.step}: "
         + _figures(loss=res.loss, val_loss=res.val_loss, checkpoint=res.checkpoint)
@@ -220,6 +220,8 @@ def next_steps(run_dir: str | Path) -> str:
 def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:
     """The line a command ends with when the mirror
     is behind the local run (None when it is not)."""
+    from tinygpt.sync.catchup import NOTHING_MORE
+
     if not lag:
         return None
     if lag[0].startswith(NOTHING_MORE):  # gone, or another run's: the line says what to do instead
@@ -243,6 +245,10 @@ class SayResumed(Callback):
 
 
 def _finetune(args) -> int:
+    from tinygpt.finetune.lora import merge_adapter
+    from tinygpt.finetune.options import FinetuneOptions
+    from tinygpt.sync.catchup import mirror_lag
+
     opts = from_args(FinetuneOptions, args)
     res = opts.run()
     d = res.data
@@ -282,6 +288,12 @@ def finetune_next_steps(run_dir: str | Path) -> str:
 
 
 def _generate(args) -> int:
+    import torch
+
+    from tinygpt.finetune.lora import load_finetuned
+    from tinygpt.model.generate import GenerateOptions, generate_response, generate_text
+    from tinygpt.model.loading import load_run
+
     o = from_args(GenerateOptions, args)
     if not o.prompt:
         raise ConfigError("the prompt is empty: give some text to continue, e.g. --prompt 'def '")
@@ -329,6 +341,9 @@ def is_finetuning_run(path: str | Path) -> bool:
 
 
 def _eval(args) -> int:
+    from tinygpt.evals.options import EvalOptions
+    from tinygpt.evals.run import evaluate, report
+
     o = from_args(EvalOptions, args)
     print(
         report(
@@ -341,6 +356,8 @@ def _eval(args) -> int:
 
 
 def _export(args) -> int:
+    from tinygpt.publish.export import ExportOptions
+
     o = from_args(ExportOptions, args)
     out = o.run()
     if o.format == "gguf":
@@ -359,52 +376,74 @@ def _export(args) -> int:
 
 
 def _push(args) -> int:
+    from tinygpt.publish.hub import PushOptions
+
     o = from_args(PushOptions, args)
     print(f"pushed {o.run_dir} to {o.run()}")
     return 0
 
 
-# each command: its function, its help line, and the
-# option groups (an options dataclass, the group's title)
+class Groups:
+    """A command's option groups, (an options dataclass, the group's title), as iterated; a
+    dataclass named "module:Name" is imported only then (by the command that runs, or by
+    `build_parser()` whole)."""
+
+    def __init__(self, *groups: tuple[type | str, str]):
+        self.groups = groups
+
+    def __iter__(self):
+        for options, title in self.groups:
+            if isinstance(options, str):
+                module, name = options.split(":")
+                # as an import statement does: `python -X importtime` lists it (not import_module)
+                options = getattr(__import__(module, fromlist=[name]), name)
+            yield options, title
+
+
+# each command: its function, its help line, and its option groups
 COMMANDS = {
     "probe": (
         _probe,
         "what this machine is, and what it can train (micro-batch, context, precision)",
-        [(ProbeOptions, "probe")],
+        Groups(("tinygpt.train.report:ProbeOptions", "probe")),
     ),
     "recipes": (_recipes, "list the named recipes", [(RecipesOptions, "list")]),
     "pretrain": (
         _pretrain,
         "pretrain a GPT from scratch or from a base (resumes automatically)",
-        [(RecipeChoice, "what to train"), (PretrainOptions, "how to run it")],
+        Groups((RecipeChoice, "what to train"),
+               ("tinygpt.train.pretrain:PretrainOptions", "how to run it")),
     ),
     "finetune": (
         _finetune,
         "LoRA / QLoRA / full finetuning of a tinygpt run or a Hugging Face model",
-        [(FinetuneOptions, "finetuning")],
+        Groups(("tinygpt.finetune.options:FinetuneOptions", "finetuning")),
     ),
-    "generate": (_generate, "sample text from a trained run", [(GenerateOptions, "sampling")]),
+    "generate": (_generate, "sample text from a trained run",
+                 Groups(("tinygpt.model.generate:GenerateOptions", "sampling"))),
     "eval": (
         _eval,
         "evaluate a run (or a Hugging Face model folder) on one task",
-        [(EvalOptions, "evaluation")],
+        Groups(("tinygpt.evals.options:EvalOptions", "evaluation")),
     ),
     "export": (
         _export,
         "export a run (a finetune merged) to a Hugging Face folder or a GGUF for llama.cpp / "
         "Ollama, with a model card",
-        [(ExportOptions, "export")],
+        Groups(("tinygpt.publish.export:ExportOptions", "export")),
     ),
     "push": (
         _push,
         "upload a run (Hugging Face files + GGUF + model card) to the Hugging Face Hub; the token "
         "comes from HF_TOKEN or Colab's secret HF_TOKEN",
-        [(PushOptions, "push")],
+        Groups(("tinygpt.publish.hub:PushOptions", "push")),
     ),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: set[str] | None = None) -> argparse.ArgumentParser:
+    """The command line, with the options of `commands` only (of all commands without it, whose
+    modules it then imports)."""
     p = argparse.ArgumentParser(prog="tinygpt", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--debug", action="store_true", help="on an error, show the full traceback, not one line"
@@ -412,15 +451,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, (func, help_line, groups) in COMMANDS.items():
         command = sub.add_parser(name, help=help_line, description=help_line)
-        for options, title in groups:
+        for options, title in groups if commands is None or name in commands else ():
             add_options(command, options, title)
         command.set_defaults(func=func)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser({a for a in argv if not a.startswith("-")})  # the command's options only
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
     args = parser.parse_args([a for a in argv if a != "--debug"])
     args.debug = debug
@@ -433,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt as k:
-        if isinstance(k.__context__, TrainingError):
+        trainer = sys.modules.get("tinygpt.train.trainer")  # not imported: no TrainingError
+        if trainer is not None and isinstance(k.__context__, trainer.TrainingError):
             # the run had already failed when the signal came (torchrun stops every rank once one
             # has died): the failure is the reason to tell, not the signal
             return _error(args, k.__context__)
