@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -204,3 +206,44 @@ def test_a_scaled_step_with_an_inf_gradient_changes_nothing(fused):
         for k, v in state[id(p)].items():
             if k != "step":
                 assert torch.equal(opt.state[p][k], v), k
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_eager_optimizers_step_as_torchs_and_import_no_compiler(optimizer, shakespeare_ids):
+    """Where nothing compiles, `build_optimizer(compiled=False)` gives EagerAdamW / EagerMuonAdamW:
+    the same losses, weights and state as torch's classes (a checkpoint of one loads into the other),
+    and, in a fresh process, no import of torch._dynamo (counted in sys.modules, not timed)."""
+    data = batches(shakespeare_ids, 6, seed=2)
+    cfg = TrainConfig(optimizer=optimizer, lr=3e-3)
+    runs = []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        model = GPT(model_config("tiny", vocab_size=VOCAB, max_seq_len=SEQ))
+        opt = build_optimizer(model, cfg, "cpu", compiled=compiled)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        runs.append((model, opt, train_steps(model, opt, scaler, data, 3e-3)))
+    (m1, o1, losses1), (m2, o2, losses2) = runs
+    assert type(o2).__name__.startswith("Eager") and not type(o1).__name__.startswith("Eager")
+    assert losses1 == losses2
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    s1, s2 = o1.state_dict(), o2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"] and s1["state"].keys() == s2["state"].keys()
+    for k, state in s1["state"].items():
+        assert all(torch.equal(v, s2["state"][k][name]) for name, v in state.items())
+    o1.load_state_dict(s2)
+    o2.load_state_dict(s1)
+    code = ("import sys, torch\n"
+            "from tinygpt.core.config import TrainConfig\n"
+            "from tinygpt.core.recipes import model_config\n"
+            "from tinygpt.model.gpt import GPT\n"
+            "from tinygpt.train.optim import build_optimizer\n"
+            "model = GPT(model_config('tiny', vocab_size=64, max_seq_len=16))\n"
+            f"opt = build_optimizer(model, TrainConfig(optimizer='{optimizer}'), 'cpu', compiled=False)\n"
+            "x = torch.randint(0, 64, (2, 16))\n"
+            "model(x, x).backward()\n"
+            "opt.step()\n"
+            "opt.zero_grad(set_to_none=True)\n"
+            "opt.load_state_dict(opt.state_dict())\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -3,6 +3,7 @@ matrices with AdamW for everything else, presented to the trainer as one optimiz
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -54,6 +55,34 @@ def split_muon_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter],
     return muon, decay, no_decay
 
 
+class EagerOptimizer(torch.optim.Optimizer):
+    """torch's Optimizer without the compiler's import, for a process that never compiles. torch wraps
+    `add_param_group`, `zero_grad`, `state_dict` and `load_state_dict` in `torch._disable_dynamo`,
+    and AdamW's step in `_use_grad_for_differentiable`: each imports torch._dynamo on its first call
+    (about 1.5 CPU-seconds, as much as `import torch`) only to keep the compiler from tracing into
+    it. These are the functions they wrap (`__wrapped__`; where a torch has none, its own method)."""
+
+    add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
+    zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
+    state_dict = inspect.unwrap(torch.optim.Optimizer.state_dict)
+    load_state_dict = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
+
+
+def eager(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """A torch optimizer class on EagerOptimizer's methods, its step unwrapped and run without grad
+    (all `_use_grad_for_differentiable` does with differentiable=False, less its graph breaks)."""
+    step = inspect.unwrap(cls.step)
+
+    def eager_step(self, closure=None):
+        with torch.no_grad():
+            return step(self, closure)
+
+    return type(f"Eager{cls.__name__}", (cls, EagerOptimizer), {"step": eager_step})
+
+
+EagerAdamW = eager(torch.optim.AdamW)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the hidden matrices, AdamW for the rest, behaving as one optimizer.
 
@@ -73,10 +102,10 @@ class MuonAdamW(torch.optim.Optimizer):
         groups = [g for g in muon_groups + adamw_groups if len(g["params"]) > 0]
         super().__init__(groups, {})
         # The inner optimizers fill in their defaults (momentum, betas, ...) into the shared dicts.
-        self._muon = torch.optim.Muon([g for g in self.param_groups if g["kind"] == "muon"] or
+        self._muon = self.inner_muon([g for g in self.param_groups if g["kind"] == "muon"] or
                                       [{"params": []}], lr=lr, momentum=momentum, nesterov=True,
                                       adjust_lr_fn="match_rms_adamw")
-        self._adamw = torch.optim.AdamW([g for g in self.param_groups if g["kind"] == "adamw"] or
+        self._adamw = self.inner_adamw([g for g in self.param_groups if g["kind"] == "adamw"] or
                                         [{"params": []}], lr=lr, betas=betas, eps=eps, fused=fused)
         self._link()
 
@@ -90,6 +119,8 @@ class MuonAdamW(torch.optim.Optimizer):
     # `found_inf` (a device tensor) set on it, instead of reading found_inf back to the host to decide
     # whether to step: no host-device sync per step. The step then unscales and skips by itself.
     _step_supports_amp_scaling = True
+    inner_muon: type[torch.optim.Optimizer] = torch.optim.Muon
+    inner_adamw: type[torch.optim.Optimizer] = torch.optim.AdamW
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -156,15 +187,24 @@ class MuonAdamW(torch.optim.Optimizer):
         self._link()
 
 
+class EagerMuonAdamW(MuonAdamW, EagerOptimizer):
+    """MuonAdamW without the compiler's import (EagerOptimizer), inside and out."""
+    inner_muon = eager(torch.optim.Muon)
+    inner_adamw = EagerAdamW
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str, *,
-                    muon_lr_scale: float = MUON_LR_SCALE) -> torch.optim.Optimizer:
+                    muon_lr_scale: float = MUON_LR_SCALE,
+                    compiled: bool = True) -> torch.optim.Optimizer:
     """The optimizer for `cfg.optimizer`; the learning rate is set by the trainer every step
-    (times each group's ``lr_scale``)."""
+    (times each group's ``lr_scale``). Where nothing is `compiled`, the Eager classes: the same
+    steps, without importing the compiler."""
     betas = (cfg.beta1, cfg.beta2)
     fused = device_type == "cuda"
     if cfg.optimizer == "adamw":
         groups = param_groups(model, cfg.weight_decay)
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=fused)
+        adamw = torch.optim.AdamW if compiled else EagerAdamW
+        return adamw(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=fused)
     if cfg.optimizer == "muon":
         muon, decay, no_decay = split_muon_params(model)
         # Muon decays by lr * weight_decay per step, as AdamW: keep that product equal to AdamW's.
@@ -172,5 +212,6 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str, 
                         "weight_decay": cfg.weight_decay / muon_lr_scale}]
         adamw_groups = [{"params": decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
                         {"params": no_decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0}]
-        return MuonAdamW(muon_groups, adamw_groups, lr=cfg.lr, betas=betas, fused=fused)
+        muon_adamw = MuonAdamW if compiled else EagerMuonAdamW
+        return muon_adamw(muon_groups, adamw_groups, lr=cfg.lr, betas=betas, fused=fused)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose adamw or muon")

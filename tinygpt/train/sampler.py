@@ -7,6 +7,8 @@ resumes with the same order however fast tokenization ran before or after the in
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
@@ -124,6 +126,7 @@ def batch_to_device(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
         out = tuple(t.to(device, non_blocking=True) for t in pinned_batch(tensors))
     else:
         out = tuple(t.to(device) for t in tensors)
-    for t in out:
-        torch._dynamo.mark_static(t)
+    if "torch._dynamo" in sys.modules:  # torch.compile imports it: a process that never does needs no mark
+        for t in out:
+            torch._dynamo.mark_static(t)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -57,8 +58,11 @@ def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
 
 
 def eager():
-    """Run compiled code eagerly inside this block (no compile, no recompile), where torch can."""
+    """Run compiled code eagerly inside this block (no compile, no recompile), where torch can.
+    A process that has not imported the compiler has no compiled code (and is spared its import)."""
     stance = getattr(torch.compiler, "set_stance", None)
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
     return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
@@ -135,7 +139,8 @@ class TrainStep:
             # an H100) for a few forward passes per eval_every steps, and under "regional" a
             # recompile.
             self.eval_model = self.model
-        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type,
+                                         compiled=self.use_compile)
         self.scaler = dist_.grad_scaler(self.precision, self.model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._loss_sum = torch.zeros((), device=self.device)
