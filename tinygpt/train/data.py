@@ -115,6 +115,9 @@ def _chunks_streamed(parts: Iterator[str], size: int = CHUNK_CHARS) -> Iterator[
 
 READ_BYTES = 1 << 20  # a local text file is read this much at a time: never whole (a 10 GB file is 10 GB of RAM)
 _SNIFF_BYTES = 8192  # a file with a NUL byte among its first bytes is binary
+# the encoding is decided on a file's first MB: a run's first step waits for the first shard, not
+# for a pass over a 10 GB file (issue 37; tests/test_first_shard.py counts the bytes read)
+UTF8_CHECK_BYTES = READ_BYTES
 
 
 def _count(skipped: dict[str, int] | None, what: str) -> None:
@@ -146,9 +149,9 @@ def stream_text_file(path: Path, skipped: dict[str, int] | None = None,
     reads any byte: the stated fallback for the old encodings of Western text); nothing for a binary file
     (a NUL byte among its first 8192 bytes, looked at before anything else is read), an unreadable one, or
     anything but a plain file (a FIFO).
-    The encoding is decided on the bytes that can make the first `max_chars` characters (all of the file
-    when unbounded), the pieces stop once `max_chars` characters are given; `skipped` counts what
-    happened, for one warning at the end."""
+    The encoding is decided on the bytes that can make the first `max_chars` characters, at most the
+    first UTF8_CHECK_BYTES (past them a bad byte is replaced); the pieces stop once `max_chars`
+    characters are given; `skipped` counts what happened, for one warning at the end."""
     try:  # non-blocking, then checked: a FIFO named like a text file is skipped, never waited on
         # outside run folders: a text file of the source the user named
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -165,7 +168,8 @@ def stream_text_file(path: Path, skipped: dict[str, int] | None = None,
                 _count(skipped, "binary")
                 return
             f.seek(0)
-            utf8 = _utf8_upto(f, 4 * max_chars + 4)  # a character is at most 4 bytes of UTF-8
+            # a character is at most 4 bytes of UTF-8
+            utf8 = _utf8_upto(f, min(4 * max_chars + 4, UTF8_CHECK_BYTES))
             f.seek(0)
         except OSError:
             _count(skipped, "unreadable")

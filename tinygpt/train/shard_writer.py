@@ -36,6 +36,9 @@ from tinygpt.train.data import DataError, is_validation_document, iter_documents
 SHARD_FORMAT = 3
 # ~2M training tokens (4 MB as uint16) per shard: the first one is ready in seconds
 SHARD_TOKENS = 1 << 21
+# the first shard is an eighth of that (about 1 MB of text): a run's first step waits for it alone
+# (manifests written before it have no "first_shard_tokens": their first shard is SHARD_TOKENS)
+FIRST_SHARD_TOKENS = 1 << 18
 WRITER_LOCK = ".writer.lock"
 BATCH_DOCS = 256  # documents per encode_batch call (the tokenizer runs them in parallel)
 
@@ -91,6 +94,7 @@ def new_manifest(cfg: DataConfig, tokenizer: Tokenizer, shard_tokens: int) -> di
     return {"format": SHARD_FORMAT, "source": cfg.source,
             "dtype": token_dtype(tokenizer.vocab_size).name, "vocab_size": tokenizer.vocab_size,
             "tokenizer": tokenizer.fingerprint(), "shard_tokens": shard_tokens,
+            "first_shard_tokens": min(shard_tokens, FIRST_SHARD_TOKENS),
             "val_fraction": cfg.val_fraction, "shards": [], "done": False, "error": None}
 
 
@@ -153,7 +157,11 @@ def _add_documents(group: _Group, flat: np.ndarray, ends: np.ndarray, val: np.nd
 def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: dict,
                  should_stop: Callable[[], bool]) -> None:
     dtype = np.dtype(manifest["dtype"])
-    shard_tokens = manifest["shard_tokens"]
+    first_tokens = manifest.get("first_shard_tokens", manifest["shard_tokens"])
+
+    def target() -> int:  # the training tokens of the group being filled
+        return manifest["shard_tokens"] if manifest["shards"] else first_tokens
+
     skip = manifest["shards"][-1]["documents_end"] if manifest["shards"] else 0
     group, batch, n_docs = _Group(), [], 0
 
@@ -171,7 +179,7 @@ def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: 
         k = 0
         # documents k, k+1, ... into the group until its training tokens reach a shard's
         while k < len(batch):
-            reached = np.cumsum(train_lengths[k:]) >= shard_tokens - group.n_train
+            reached = np.cumsum(train_lengths[k:]) >= target() - group.n_train
             j = int(np.argmax(reached)) if reached.any() else None
             # the group ends with document end - 1 if j is not None
             end = len(batch) if j is None else k + j + 1
