@@ -5,6 +5,8 @@ CPU (what CI machines and this repository's figures use):
     python benchmarks/startup.py compile        # compile=on vs regional: cold compile, graphs, recompiles
     python benchmarks/startup.py imports --repeat 5     # `tinygpt --help` / `recipes` vs `import torch`, CPU-s
     python benchmarks/startup.py tokenize --repeat 3    # GPT-2 through the shard writer vs tiktoken alone
+    python benchmarks/startup.py first-step --repeat 5 --nanogpt DIR   # warm, vs nanoGPT's train.py
+        (DIR: a checkout of karpathy/nanoGPT: its train.py, model.py, configurator.py as they are)
         (--before DIR: the writer of another checkout, e.g. `git archive COMMIT | tar -x -C DIR`;
          TINYGPT_TIKTOKEN=0: the writer on `tokenizers`)
 GPU (an H100 or A100; `--data builtin` needs no network):
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import platform
 import resource
 import shutil
@@ -208,6 +211,76 @@ def tokenize(args) -> None:
     print(f"\nwriter / tiktoken: {w / t:.2f}x (goal: at least 0.8x)")
 
 
+def cpu_until(cmd: list[str], cwd: Path, env: dict, done) -> float:
+    """CPU seconds (user + system, the kernel's accounting) of `cmd` from launch until `done(lines
+    printed)` is true, when it is killed (SIGKILL: nothing it would do after that is counted)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    lines: list[str] = []
+    while not done(lines):
+        line = p.stdout.readline()
+        if not line and p.poll() is not None and not done(lines):
+            raise SystemExit(f"{cmd[:3]} ended before its first step:\n{''.join(lines)[-3000:]}")
+        lines.append(line)
+    p.kill()
+    p.communicate()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def first_step(args) -> None:
+    """Launch to the end of the first step on a warm cache, `cpu-smoke`'s shape (2 layers, d_model
+    64, 2 heads, context 64, micro-batch 8, vocabulary 512, fp32, no compile), CPU seconds: `tinygpt
+    pretrain` (its token cache filled by a run before) until its start-up line, against nanoGPT's
+    `train.py` (its train.bin / val.bin written before) until its `iter 0:` line, in turn."""
+    if not args.nanogpt:
+        raise SystemExit("give --nanogpt DIR, a checkout of karpathy/nanoGPT")
+    import numpy as np
+    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {args.repeat} pairs, CPU-s")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        env = {**fresh_env(tmp), "PYTHONUNBUFFERED": "1"}
+        tiny = [sys.executable, "-m", "tinygpt", "pretrain", "--recipe", "cpu-smoke", "--device",
+                "cpu", "--max-steps", "1", "--compile", "off"]
+        subprocess.run([*tiny, "--run-dir", str(tmp / "warm-up"), "--quiet"], cwd=REPO, env=env,
+                       check=True, capture_output=True)  # fills the token cache
+        nano = tmp / "nanogpt"
+        (nano / "data" / "tg").mkdir(parents=True)
+        for f in ("train.py", "model.py", "configurator.py"):
+            shutil.copy(Path(args.nanogpt) / f, nano / f)
+        rng = np.random.default_rng(0)
+        rng.integers(0, 512, 150_000, dtype=np.uint16).tofile(nano / "data" / "tg" / "train.bin")
+        rng.integers(0, 512, 8_000, dtype=np.uint16).tofile(nano / "data" / "tg" / "val.bin")
+        with open(nano / "data" / "tg" / "meta.pkl", "wb") as f:
+            pickle.dump({"vocab_size": 512}, f)
+        nano_cmd = [sys.executable, "train.py", "--dataset=tg", "--n_layer=2", "--n_head=2",
+                    "--n_embd=64", "--block_size=64", "--batch_size=8",
+                    "--gradient_accumulation_steps=1", "--device=cpu", "--compile=False",
+                    "--dtype=float32", "--dropout=0.0", "--bias=False", "--eval_iters=1",
+                    "--eval_interval=1000", "--log_interval=1", "--max_iters=0", "--out_dir=out"]
+        ours, theirs = [], []
+        for i in range(args.repeat + 1):  # the first pair warms the file cache
+            run = tmp / f"run{i}"
+            a = cpu_until([*tiny, "--run-dir", str(run)], REPO, env, lambda lines: any(
+                "to the first step" in x for x in lines))
+            b = cpu_until(nano_cmd, nano, env,
+                          lambda lines: any(x.startswith("iter 0:") for x in lines))
+            if i:
+                ours.append(a)
+                theirs.append(b)
+        records = (run / "metrics.jsonl").read_text().splitlines()
+        startup = next(json.loads(x)["startup"] for x in records if "startup" in x)
+    ratio = statistics.median(b / a for a, b in zip(ours, theirs))
+    print("| launch to the end of the first step | CPU-s (median) | runs |")
+    print("|---|---|---|")
+    for name, runs in (("tinygpt pretrain", ours), ("nanoGPT train.py", theirs)):
+        print(f"| {name} | {statistics.median(runs):.2f} | {', '.join(f'{x:.2f}' for x in runs)} |")
+    print(f"\nnanoGPT / tinygpt (speed, median of pairs): {ratio:.2f}x (goal: at least 1.0x)")
+    print(f"tinygpt's last start-up record (wall s): {json.dumps(startup)}")
+
+
 def gpu(args) -> None:
     base = ["--recipe", args.recipe, "--data", args.data, "--max-steps", str(args.steps), "--save-every", "0",
             "--eval-every", "0", "--set", "train.log_every=1"]
@@ -233,16 +306,18 @@ def gpu(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["cpu", "compile", "gpu", "imports", "tokenize"])
+    ap.add_argument("what", choices=["cpu", "compile", "gpu", "imports", "tokenize", "first-step"])
     ap.add_argument("--corpus", help="a folder of text (default: this Python's site-packages)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--recipe", default="a100-124m")
     ap.add_argument("--data", default="builtin")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--chars", type=int, default=20_000_000, help="tokenize: characters of the corpus")
+    ap.add_argument("--nanogpt", help="first-step: a checkout of karpathy/nanoGPT")
     ap.add_argument("--before", help="tokenize: a checkout whose shard writer to measure (PYTHONPATH)")
     args = ap.parse_args()
-    {"cpu": cpu, "compile": compile_modes, "gpu": gpu, "imports": imports, "tokenize": tokenize}[args.what](args)
+    {"cpu": cpu, "compile": compile_modes, "gpu": gpu, "imports": imports, "tokenize": tokenize,
+     "first-step": first_step}[args.what](args)
 
 
 if __name__ == "__main__":
