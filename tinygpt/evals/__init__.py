@@ -1,7 +1,7 @@
-"""Evaluation: one module per task under `tasks/` with its registry (`TASKS`), the machinery they share
-(`harness`: the task record, loading, generation; `lm`: language-model scoring; `code`: code metrics and the
-sandbox), `run` (`run_eval`, and `evaluate` from `EvalOptions` for `tinygpt eval`), and run summaries, tables
-and plots (`runs`). The names a notebook uses are handed on here."""
+"""Evaluation: one module per task under `tasks/` with its registry (`TASKS`), the machinery they
+share (`harness`: the task record, loading, generation; `lm`: language-model scoring; `code`: code
+metrics and the sandbox), `run` (`run_eval`, and `evaluate` from `EvalOptions` for `tinygpt eval`),
+and run summaries, tables and plots (`runs`). The names a notebook uses are handed on here."""
 from tinygpt.evals.run import run_eval  # noqa: F401
 from tinygpt.evals.runs import (  # noqa: F401
     compare_runs,

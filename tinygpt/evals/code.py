@@ -2,10 +2,10 @@
 running candidates against a problem's tests (tinygpt/evals/sandbox.py: behind a kernel boundary,
 the solution and the test in two processes, so the model's code cannot forge the verdict).
 
-Each code task (tinygpt/evals/tasks/humaneval.py, mbpp.py) loads its problems into one form, `CodeProblem`:
-the solution is ``prefix + completion``; the test process runs ``context`` (HumanEval's prompt, for its
-helpers), then ``test`` against the solution's names (HumanEval: the entry point; MBPP: every name the
-solution defines).
+Each code task (tinygpt/evals/tasks/humaneval.py, mbpp.py) loads its problems into one form,
+`CodeProblem`: the solution is ``prefix + completion``; the test process runs ``context``
+(HumanEval's prompt, for its helpers), then ``test`` against the solution's names (HumanEval: the
+entry point; MBPP: every name the solution defines).
 """
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOT
 
 
 def extract_code(completion: str) -> str:
-    """The code in a completion: the first fenced block tagged python/py (else the first fenced
-    block of any kind; an unclosed fence runs to the end), or the completion itself when it has none."""
+    """The code in a completion: the first fenced block tagged python/py
+    (else the first fenced block of any kind; an unclosed fence runs to
+    the end), or the completion itself when it has none."""
     blocks = _FENCE.findall(completion)
     if not blocks:
         return completion
@@ -56,7 +57,8 @@ def extract_code(completion: str) -> str:
 
 
 def truncate_at_stops(completion: str, stops: Sequence[str]) -> str:
-    """The completion up to the first stop sequence (a base model keeps writing past the function)."""
+    """The completion up to the first stop sequence (a
+    base model keeps writing past the function)."""
     cut = len(completion)
     for s in stops:
         i = completion.find(s)
@@ -66,16 +68,16 @@ def truncate_at_stops(completion: str, stops: Sequence[str]) -> str:
 
 
 def answer_ended(completion: str, stops: Sequence[str]) -> bool:
-    """Whether a completion has ended as `CodeProblem.clean` reads it: its fenced block closed, or (with no
-    fence) a stop sequence written; generation stops there."""
+    """Whether a completion has ended as `CodeProblem.clean` reads it: its fenced block closed, or
+    (with no fence) a stop sequence written; generation stops there."""
     if "```" in completion:
         return completion.count("```") >= 2
     return any(s in completion for s in stops)
 
 
 def empty_share(codes: Sequence[str]) -> float:
-    """The share of answers that hold nothing but blanks: beside a score of 0, it says whether the model
-    wrote wrong code or none."""
+    """The share of answers that hold nothing but blanks: beside a score of 0, it says whether the
+    model wrote wrong code or none."""
     return sum(not c.strip() for c in codes) / len(codes) if codes else 0.0
 
 
@@ -95,7 +97,8 @@ def syntax_accuracy(codes: Sequence[str]) -> float:
 
 
 def _statements(tree: ast.AST, function: str = "") -> int:
-    """How many statements `function`'s body holds (its last top-level definition); without one, in all."""
+    """How many statements `function`'s body holds (its
+    last top-level definition); without one, in all."""
     if function:
         for node in reversed(getattr(tree, "body", [])):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
@@ -118,12 +121,16 @@ def _bleu_metric(**sacrebleu_options: Any):
     return BLEU(**sacrebleu_options)
 
 
-def _refs_streams(hypotheses: Sequence[str], references: Sequence[str] | Sequence[Sequence[str]]) -> list[list[str]]:
-    """sacrebleu wants reference *streams* (one list per reference position); accept one reference per
-    hypothesis (a list of str) or several (a list of lists of equal length)."""
+def _refs_streams(
+    hypotheses: Sequence[str], references: Sequence[str] | Sequence[Sequence[str]]
+) -> list[list[str]]:
+    """sacrebleu wants reference *streams* (one list per reference position); accept one reference
+    per hypothesis (a list of str) or several (a list of lists of equal length)."""
     if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references: give one reference "
-                         "(or one list of references) per hypothesis")
+        raise ValueError(
+            f"{len(hypotheses)} hypotheses but {len(references)} references: give one reference "
+            "(or one list of references) per hypothesis"
+        )
     if not hypotheses:
         raise ValueError("bleu needs at least one hypothesis")
     if all(isinstance(r, str) for r in references):
@@ -134,14 +141,19 @@ def _refs_streams(hypotheses: Sequence[str], references: Sequence[str] | Sequenc
     return [[r[i] for r in references] for i in range(counts.pop())]
 
 
-def bleu_with_signature(hypotheses: Sequence[str], references: Sequence[str] | Sequence[Sequence[str]],
-                        **sacrebleu_options: Any) -> tuple[float, str]:
-    """Corpus BLEU (0-100) and sacrebleu's signature (e.g. ``nrefs:1|case:mixed|eff:no|tok:13a|...``),
-    to print beside the score so that it can be reproduced. Options go to `sacrebleu.metrics.BLEU`
-    (e.g. tokenize="char"). `references`: one string per hypothesis, or one list of them each."""
+def bleu_with_signature(
+    hypotheses: Sequence[str],
+    references: Sequence[str] | Sequence[Sequence[str]],
+    **sacrebleu_options: Any,
+) -> tuple[float, str]:
+    """Corpus BLEU (0-100) and sacrebleu's signature (e.g.
+    ``nrefs:1|case:mixed|eff:no|tok:13a|...``), to print beside the score so that it can be
+    reproduced. Options go to `sacrebleu.metrics.BLEU` (e.g. tokenize="char"). `references`: one
+    string per hypothesis, or one list of them each."""
     metric = _bleu_metric(**sacrebleu_options)
     score = metric.corpus_score(list(hypotheses), _refs_streams(hypotheses, references)).score
-    return score, str(metric.get_signature())  # the signature needs a scored corpus (it counts references)
+    # the signature needs a scored corpus (it counts references)
+    return score, str(metric.get_signature())
 
 
 def bleu(hypotheses: Sequence[str], references: Sequence[str] | Sequence[Sequence[str]],
@@ -190,9 +202,10 @@ class CodeProblem:
     handles: bool = True
 
     def valid_syntax(self, completion: str) -> bool:
-        """The model wrote valid code: not empty or blank, it parses after the prefix, and it adds at least
-        one statement (to the entry point's function when the prefix defines it): a prompt's header
-        and docstring alone parse, so an empty answer or a lone comment is not valid syntax."""
+        """The model wrote valid code: not empty or blank, it parses after the
+        prefix, and it adds at least one statement (to the entry point's function
+        when the prefix defines it): a prompt's header and docstring alone parse,
+        so an empty answer or a lone comment is not valid syntax."""
         if not completion.strip():
             return False
         tree = _parse(self.prefix + completion)
@@ -200,10 +213,13 @@ class CodeProblem:
             return False
         before = _parse(self.prefix) if self.prefix else None
         function = self.entry_point if before is not None and self.entry_point else ""
-        return _statements(tree, function) > (_statements(before, function) if before is not None else 0)
+        return _statements(tree, function) > (
+            _statements(before, function) if before is not None else 0
+        )
 
     def clean(self, completion: str) -> str:
-        """Code from a raw model completion: a fenced block if there is one, else the text up to a stop."""
+        """Code from a raw model completion: a fenced block
+        if there is one, else the text up to a stop."""
         if "```" in completion:
             return extract_code(completion)
         return truncate_at_stops(completion, self.stops)
@@ -211,27 +227,40 @@ class CodeProblem:
 
 # --- execution ---------------------------------------------------------------------------------
 
-SANDBOX_NOTE = ("runs the code the model writes: each problem's solution and test in two sandboxed processes "
-                "(docs/TRUST.md: How generated code is run)")
+SANDBOX_NOTE = (
+    "runs the code the model writes: each problem's solution and test in two sandboxed processes "
+    "(docs/TRUST.md: How generated code is run)"
+)
 
 
 def run_program(program: str, **limits: Any) -> ExecResult:
-    """Run one Python program alone in the sandbox (`sandbox.run`); it passes when it exits 0 after its last line."""
+    """Run one Python program alone in the sandbox (`sandbox.run`);
+    it passes when it exits 0 after its last line."""
     return sandbox.run(program, **limits)
 
 
 def run_problem(problem: CodeProblem, completion: str, **limits: Any) -> ExecResult:
     """Run a completion against a problem's tests: the solution and the test in two sandboxed
     processes (`sandbox.run`), so that the solution cannot forge the verdict."""
-    return sandbox.run(problem.prefix + completion, problem.test, context=problem.context, names=problem.names,
-                       handles=problem.handles, **limits)
+    return sandbox.run(
+        problem.prefix + completion,
+        problem.test,
+        context=problem.context,
+        names=problem.names,
+        handles=problem.handles,
+        **limits,
+    )
 
 
-def check_completions(problems: Sequence[CodeProblem], completions: Sequence[str], workers: int | None = None,
-                      **limits: Any) -> list[ExecResult]:
-    """Run problems[i] against completions[i] for every i, `workers` sandboxes at a time. Interrupted
-    (Ctrl-C, or SIGTERM turned into KeyboardInterrupt), it kills every running sandbox and starts no
-    other before the exception goes on: no process and no folder is left behind."""
+def check_completions(
+    problems: Sequence[CodeProblem],
+    completions: Sequence[str],
+    workers: int | None = None,
+    **limits: Any,
+) -> list[ExecResult]:
+    """Run problems[i] against completions[i] for every i, `workers` sandboxes at a time.
+    Interrupted (Ctrl-C, or SIGTERM turned into KeyboardInterrupt), it kills every running sandbox
+    and starts no other before the exception goes on: no process and no folder is left behind."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
     workers = workers or min(4, os.cpu_count() or 1)
@@ -245,7 +274,8 @@ def check_completions(problems: Sequence[CodeProblem], completions: Sequence[str
         sandbox.stop_all()
         raise
     finally:
-        pool.shutdown(wait=True)  # the running ones end at once once killed; each removes its folder
+        # the running ones end at once once killed; each removes its folder
+        pool.shutdown(wait=True)
 
 
 def evaluate_code(problems: Sequence[CodeProblem], generate: Callable[[str], str], n: int = 1,
@@ -275,8 +305,12 @@ def evaluate_code(problems: Sequence[CodeProblem], generate: Callable[[str], str
     out: dict[str, Any] = {"problems": len(problems), "n": n, "sandbox": results[0].boundary}
     for k in ks:
         out[f"pass@{k}"] = sum(pass_at_k(n, r["passed"], k) for r in per_problem) / len(per_problem)
-    out["syntax_accuracy"] = sum(p.valid_syntax(c) for p, c in zip(flat_problems, flat_codes)) / len(flat_codes)
+    out["syntax_accuracy"] = sum(
+        p.valid_syntax(c) for p, c in zip(flat_problems, flat_codes)
+    ) / len(flat_codes)
     out["empty_answers"] = empty_share(flat_codes)
-    out["bleu"], out["bleu_signature"] = bleu_with_signature(flat_codes, [p.canonical_solution for p in flat_problems])
+    out["bleu"], out["bleu_signature"] = bleu_with_signature(
+        flat_codes, [p.canonical_solution for p in flat_problems]
+    )
     out["per_problem"] = per_problem
     return out

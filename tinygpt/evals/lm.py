@@ -1,7 +1,7 @@
-"""Language-model scoring every task shares: perplexity and bits per byte of a text, log-likelihoods and
-multiple choice, batching that says a long run's time first, and reading an evaluation text (a file or
-a Hub data set). The tasks that use them are in `tinygpt.evals.tasks` (one module each); code metrics
-are in `tinygpt.evals.code`, run summaries in `tinygpt.evals.runs`.
+"""Language-model scoring every task shares: perplexity and bits per byte of a text, log-likelihoods
+and multiple choice, batching that says a long run's time first, and reading an evaluation text (a
+file or a Hub data set). The tasks that use them are in `tinygpt.evals.tasks` (one module each);
+code metrics are in `tinygpt.evals.code`, run summaries in `tinygpt.evals.runs`.
 
 Every model function takes a tinygpt `GPT` or a Hugging Face causal LM (through `as_causal_lm`),
 and a tinygpt `Tokenizer` or a Hugging Face tokenizer. Wrap a call in `Precision.autocast()` to
@@ -46,7 +46,8 @@ class CausalLM:
 
 def as_causal_lm(model: Any, max_seq_len: int | None = None) -> CausalLM:
     """Adapt a tinygpt `GPT` (logits from ``model(idx)``) or a Hugging Face causal LM (``.logits``,
-    also under `peft`). The context comes from ``config.max_seq_len`` / ``max_position_embeddings``."""
+    also under `peft`). The context comes from ``config.max_seq_len`` /
+    ``max_position_embeddings``."""
     if isinstance(model, CausalLM):
         return model if max_seq_len is None else CausalLM(model.module, max_seq_len)
     if max_seq_len is None:
@@ -64,7 +65,8 @@ def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     """text -> ids with no special tokens added, for a tinygpt or a Hugging Face tokenizer."""
     if hasattr(tokenizer, "eot_id"):
         return tokenizer.encode
-    # verbose=False: a whole text is longer than model_max_length on purpose (it is cut into windows)
+    # verbose=False: a whole text is longer than
+    # model_max_length on purpose (it is cut into windows)
     return lambda text: tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
 
@@ -100,23 +102,30 @@ def _nll_sum(lm: CausalLM, inputs: list[list[int]], targets: list[list[int]]) ->
         x[i, :len(a)], y[i, :len(b)] = torch.tensor(a), torch.tensor(b)
     logits = lm.logits(x.to(lm.device))
     y = y.to(logits.device)
-    return sum(float(F.cross_entropy(logits[i].float(), y[i], ignore_index=IGNORE_INDEX, reduction="sum"))
-               for i in range(len(inputs)))  # one row at a time in fp32: a big vocabulary stays small
+    return sum(
+        float(F.cross_entropy(logits[i].float(), y[i], ignore_index=IGNORE_INDEX, reduction="sum"))
+        # one row at a time in fp32: a big vocabulary stays small
+        for i in range(len(inputs))
+    )
 
 
 # --- time: said first when the work is long ----------------------------------------------------
 
-LONG_SECONDS = 120.0  # an evaluation expected to take longer says so, with how to shorten it, before it goes on
-SHORT_SECONDS = 180.0  # what the suggested shorter run aims at (a quarter of the whole, when that is less)
+# an evaluation expected to take longer says so, with how to shorten it, before it goes on
+LONG_SECONDS = 120.0
+# what the suggested shorter run aims at (a quarter of the whole, when that is less)
+SHORT_SECONDS = 180.0
 
 
 def shorter(size: int, expected: float) -> int:
-    """How much of `size` (characters, items) takes about `SHORT_SECONDS`, or a quarter of `expected`."""
+    """How much of `size` (characters, items) takes about
+    `SHORT_SECONDS`, or a quarter of `expected`."""
     return _round_down(size * min(SHORT_SECONDS, expected / 4) / expected)
 
 
 def _round_down(x: float) -> int:
-    """`x` rounded down to one significant digit (a number a person would type): 237000 -> 200000."""
+    """`x` rounded down to one significant digit (a
+    number a person would type): 237000 -> 200000."""
     if x < 1:
         return 1
     scale = 10 ** int(math.floor(math.log10(x)))
@@ -126,10 +135,10 @@ def _round_down(x: float) -> int:
 def run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: bool,
                 say: Callable[[str], None] | None, describe: Callable[[float, float], str],
                 cost: Sequence[float] | None = None) -> None:
-    """``run(batch)`` for every batch. The first two are timed before any bar is shown; when the whole is
-    expected to take more than `LONG_SECONDS`, ``say(describe(expected_total_s, s_per_batch))`` comes first.
-    The first batch warms up, so the rate is the second's, per unit of `cost` (e.g. tokens; default: one
-    per batch) when batches differ in size."""
+    """``run(batch)`` for every batch. The first two are timed before any bar is shown; when the
+    whole is expected to take more than `LONG_SECONDS`, ``say(describe(expected_total_s,
+    s_per_batch))`` comes first. The first batch warms up, so the rate is the second's, per unit of
+    `cost` (e.g. tokens; default: one per batch) when batches differ in size."""
     n, done = len(batches), 0
     cost = list(cost) if cost is not None else [1.0] * n
     first = per = 0.0
@@ -147,7 +156,8 @@ def run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: 
     if progress and rest:
         try:
             from tqdm.auto import tqdm
-            bar = tqdm(total=n, initial=done, desc=desc, leave=False)  # gone when done: the result says it
+            # gone when done: the result says it
+            bar = tqdm(total=n, initial=done, desc=desc, leave=False)
         except ImportError:
             pass
     for b in rest:
@@ -160,26 +170,35 @@ def run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: 
 
 # --- perplexity and bits per byte -------------------------------------------------------------
 
-def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None, stride: int | None = None,
-               batch_size: int = 4, progress: bool = False,
-               say: Callable[[str], None] | None = None) -> dict[str, Any]:
+def perplexity(
+    model: Any,
+    tokenizer: Any,
+    text: str,
+    window: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 4,
+    progress: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Token-level perplexity and bits per byte of `text`.
 
     With ``stride=None`` the text is cut into non-overlapping windows of `window` tokens (default:
     the model's context), each scored from an empty context. With a stride, windows start every
-    `stride` tokens and only the tokens no earlier window scored count, so each one (past the
-    first window) sees at least ``window - stride`` tokens of context: a lower, fairer perplexity
-    for ``window / stride`` times the compute. ``stride == window`` is the non-overlapping case.
-    Bits per byte = total nats / (ln 2 * UTF-8 bytes of the text): comparable across tokenizers.
-    The text starts after the start token (`start_token`) so that its first token is scored too.
-    Logits are (batch_size, window, vocab): lower both for a large vocabulary on a small GPU.
-    A text expected to take over `LONG_SECONDS` is first said with its time and a shorter ``--max-chars``
+    `stride` tokens and only the tokens no earlier window scored count, so each one (past the first
+    window) sees at least ``window - stride`` tokens of context: a lower, fairer perplexity for
+    ``window / stride`` times the compute. ``stride == window`` is the non-overlapping case. Bits
+    per byte = total nats / (ln 2 * UTF-8 bytes of the text): comparable across tokenizers. The text
+    starts after the start token (`start_token`) so that its first token is scored too. Logits are
+    (batch_size, window, vocab): lower both for a large vocabulary on a small GPU. A text expected
+    to take over `LONG_SECONDS` is first said with its time and a shorter ``--max-chars``
     (`shorter`), through `say` (measured on the first batches; see `run_batches`).
     """
     lm = as_causal_lm(model)
     window = window or lm.max_seq_len
     if not 1 <= window <= lm.max_seq_len:
-        raise ValueError(f"window must be between 1 and the model's context {lm.max_seq_len}, got {window}")
+        raise ValueError(
+            f"window must be between 1 and the model's context {lm.max_seq_len}, got {window}"
+        )
     if stride is not None and not 1 <= stride <= window:
         raise ValueError(f"stride must be between 1 and window ({window}), got {stride}")
     step = stride or window
@@ -188,7 +207,8 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
     n_pred = len(ids) - 1  # ids[1:] are predicted; without a start token the first one is not
     if n_pred < 1:
         raise ValueError("the text is too short to score; give at least one token of text")
-    spans, prev_end = [], 0  # (begin, end, first scored target): inputs ids[begin:end], targets ids[begin+1:end+1]
+    # (begin, end, first scored target): inputs ids[begin:end], targets ids[begin+1:end+1]
+    spans, prev_end = [], 0
     for begin in range(0, n_pred, step):
         end = min(begin + window, n_pred)
         spans.append((begin, end, prev_end))
@@ -207,23 +227,34 @@ def perplexity(model: Any, tokenizer: Any, text: str, window: int | None = None,
     def describe(expected: float, per_batch: float) -> str:
         chars = shorter(len(text), expected)
         how = f"stride {step}" if step != window else "non-overlapping"
-        return (f"perplexity over {n_bytes / 1e6:.1f} MB ({len(spans):,} windows of {window} tokens, {how}): about "
-                f"{duration(expected)} on this {lm.device.type.upper()}; --max-chars {chars} takes about "
-                f"{duration(expected * chars / len(text))}")
+        return (
+            f"perplexity over {n_bytes / 1e6:.1f} MB ({len(spans):,} windows of {window} tokens, "
+            f"{how}): about {duration(expected)} on this {lm.device.type.upper()}; --max-chars "
+            f"{chars} takes about {duration(expected * chars / len(text))}"
+        )
 
     with _evaluating(lm.module):
         batches = [spans[i:i + batch_size] for i in range(0, len(spans), batch_size)]
         run_batches(batches, run, "perplexity", progress, say, describe)
-    return {"mode": "non-overlapping" if stride in (None, window) else "sliding", "window": window,
-            "stride": step, "windows": len(spans), "tokens": n_pred, "bytes": n_bytes,
-            "first_token_scored": start is not None, "nll_nats": total, "loss": total / n_pred,
-            "perplexity": math.exp(total / n_pred), "bits_per_byte": total / (math.log(2) * n_bytes)}
+    return {
+        "mode": "non-overlapping" if stride in (None, window) else "sliding",
+        "window": window,
+        "stride": step,
+        "windows": len(spans),
+        "tokens": n_pred,
+        "bytes": n_bytes,
+        "first_token_scored": start is not None,
+        "nll_nats": total,
+        "loss": total / n_pred,
+        "perplexity": math.exp(total / n_pred),
+        "bits_per_byte": total / (math.log(2) * n_bytes),
+    }
 
 
 def open_text(path: str | Path) -> DataFile:
-    """A UTF-8 text file for reading, decompressed as it is read when it ends in .gz or .bz2, in bounded pieces:
-    its lines are at most 16 MB (`code.DataFile`; a longer one, bytes that are not UTF-8 or a damaged archive
-    are one line naming the file and the line)."""
+    """A UTF-8 text file for reading, decompressed as it is read when it ends in .gz or .bz2, in
+    bounded pieces: its lines are at most 16 MB (`code.DataFile`; a longer one, bytes that are not
+    UTF-8 or a damaged archive are one line naming the file and the line)."""
     return DataFile(path)
 
 
@@ -231,16 +262,18 @@ EVAL_TEXT_CHARS = 64 << 20  # the most characters of an evaluation text read wit
 
 
 def read_text(path: str | Path, max_chars: int | None = None) -> str:
-    """A UTF-8 text file (.txt, .gz or .bz2), at most `max_chars` characters of it, read a piece at a time
-    (never more than that in memory). Without `max_chars` a text over EVAL_TEXT_CHARS characters (a small
-    archive can hold gigabytes) is refused in one line naming the file."""
+    """A UTF-8 text file (.txt, .gz or .bz2), at most `max_chars` characters of it, read a piece at
+    a time (never more than that in memory). Without `max_chars` a text over EVAL_TEXT_CHARS
+    characters (a small archive can hold gigabytes) is refused in one line naming the file."""
     with open_text(path) as f:
         if max_chars:
             return f.read(max_chars)
         text = f.read(EVAL_TEXT_CHARS + 1)
     if len(text) > EVAL_TEXT_CHARS:
-        raise DataFormatError(f"{path} holds more than {EVAL_TEXT_CHARS:,} characters of text: refused, the rest was "
-                              f"not read; pass --max-chars N to score its first N characters")
+        raise DataFormatError(
+            f"{path} holds more than {EVAL_TEXT_CHARS:,} characters of text: refused, the rest was "
+            f"not read; pass --max-chars N to score its first N characters"
+        )
     return text
 
 
@@ -254,9 +287,15 @@ class ChoiceItem:
     label: int
 
 
-def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str]], batch_size: int = 16,
-                   progress: bool = False, say: Callable[[str], None] | None = None,
-                   describe: Callable[[float, float], str] | None = None) -> list[float]:
+def loglikelihoods(
+    model: Any,
+    tokenizer: Any,
+    requests: Sequence[tuple[str, str]],
+    batch_size: int = 16,
+    progress: bool = False,
+    say: Callable[[str], None] | None = None,
+    describe: Callable[[float, float], str] | None = None,
+) -> list[float]:
     """log P(continuation | context) in nats for each (context, continuation), summed over the
     continuation's tokens only. Tokenized as lm-evaluation-harness does: the continuation's tokens
     are those of context + continuation after the context's, and context trailing spaces move to
@@ -276,7 +315,10 @@ def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str
                 raise ValueError("an empty context needs a tokenizer with a BOS or EOS token")
             ctx_ids = [start]
         if not 1 <= len(cont_ids) <= lm.max_seq_len:
-            raise ValueError(f"continuation {cont[:40]!r} has {len(cont_ids)} tokens; it needs 1 to {lm.max_seq_len}")
+            raise ValueError(
+                f"continuation {cont[:40]!r} has {len(cont_ids)} tokens; it needs 1 to "
+                f"{lm.max_seq_len}"
+            )
         seqs.append(((ctx_ids + cont_ids)[-(lm.max_seq_len + 1):], len(cont_ids)))
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))  # similar lengths pad less
     out = [0.0] * len(seqs)
@@ -300,7 +342,8 @@ def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str
                     f"{lm.device.type.upper()}")
     with _evaluating(lm.module):
         batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-        cost = [len(b) * max(len(seqs[j][0]) for j in b) for b in batches]  # padded tokens: longest first
+        # padded tokens: longest first
+        cost = [len(b) * max(len(seqs[j][0]) for j in b) for b in batches]
         run_batches(batches, run, "loglikelihood", progress, say, describe, cost)
     return out
 
@@ -326,21 +369,32 @@ def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], bat
         ll = lls[i:i + len(it.endings)]
         i += len(it.endings)
         correct += max(range(len(ll)), key=lambda j: ll[j]) == it.label
-        correct_norm += max(range(len(ll)), key=lambda j: ll[j] / max(len(it.endings[j]), 1)) == it.label
+        correct_norm += (
+            max(range(len(ll)), key=lambda j: ll[j] / max(len(it.endings[j]), 1)) == it.label
+        )
     n = len(items)
     acc, acc_norm = correct / n, correct_norm / n
     def se(p: float) -> float:  # the standard error of a proportion over n items
         return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
 
-    return {"n": n, "acc": acc, "acc_stderr": se(acc), "acc_norm": acc_norm, "acc_norm_stderr": se(acc_norm)}
+    return {
+        "n": n,
+        "acc": acc,
+        "acc_stderr": se(acc),
+        "acc_norm": acc_norm,
+        "acc_norm_stderr": se(acc_norm),
+    }
 
 
 # --- evaluation text: a file, or a Hugging Face data set ----------------------------------------
 
-def load_eval_text(data: str | Path, max_chars: int | None = None, offline: str = "a text file") -> str:
-    """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset (hf:NAME[:CONFIG][@SPLIT],
-    or a save_to_disk folder) whose records are joined as they are (WikiText's records are its lines).
-    `offline`: what to pass instead, said when the Hub cannot be reached."""
+def load_eval_text(
+    data: str | Path, max_chars: int | None = None, offline: str = "a text file"
+) -> str:
+    """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset
+    (hf:NAME[:CONFIG][@SPLIT], or a save_to_disk folder) whose records are
+    joined as they are (WikiText's records are its lines). `offline`: what
+    to pass instead, said when the Hub cannot be reached."""
     if is_hub(data) or Path(data).is_dir():
         with from_hub(str(data), offline):
             return "".join(iter_documents(DataConfig(source=str(data), max_chars=max_chars)))
@@ -349,11 +403,14 @@ def load_eval_text(data: str | Path, max_chars: int | None = None, offline: str 
 
 @contextlib.contextmanager
 def from_hub(spec: str, offline: str):
-    """Reading `spec` from the Hub: a network error becomes one line that says what works offline."""
+    """Reading `spec` from the Hub: a network error
+    becomes one line that says what works offline."""
     try:
         yield
     except OSError as e:  # ConnectionError and the Hub client's HTTP errors: say what works offline
         if not is_hub(spec):
             raise
-        raise RuntimeError(f"could not read {spec} from the Hugging Face Hub ({e}); with no network, "
-                           f"pass a local file instead: {offline}") from e
+        raise RuntimeError(
+            f"could not read {spec} from the Hugging Face Hub ({e}); with no network, "
+            f"pass a local file instead: {offline}"
+        ) from e

@@ -1,5 +1,6 @@
-"""`EvalOptions`: what `tinygpt eval` takes; the command's options are its fields with help (core/options.py):
-a run folder and its checkpoint, one task of the registry, and the `Request` fields every task reads."""
+"""`EvalOptions`: what `tinygpt eval` takes; the command's options are its fields with help
+(core/options.py): a run folder and its checkpoint, one task of the registry, and the `Request`
+fields every task reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ from tinygpt.evals.tasks import TASKS
 class EvalOptions(Request, RunCheckpoint):
     """A `Request` with the model it is for and the task; every field has the CLI's default. `run_dir` may also
     be a Hugging Face model folder."""
-    task: str = option(choices=tuple(TASKS), help="; ".join(f"{t.name}: {t.help}" for t in TASKS.values()))
+
+    task: str = option(
+        choices=tuple(TASKS), help="; ".join(f"{t.name}: {t.help}" for t in TASKS.values())
+    )
     device: str = option("auto", help="cpu, cuda, mps (default: the best available)")
     as_json: bool = option(False, flag="--json", help="print the whole result as JSON")

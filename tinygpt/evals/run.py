@@ -1,6 +1,6 @@
-"""Running one task of the registry on a model: `run_eval` (the library's call, which records each result in
-the run's `evals.jsonl`), `evaluate` (what `tinygpt eval` runs from its `EvalOptions`) and `report` (what
-it prints)."""
+"""Running one task of the registry on a model: `run_eval` (the library's call, which records each
+result in the run's `evals.jsonl`), `evaluate` (what `tinygpt eval` runs from its `EvalOptions`) and
+`report` (what it prints)."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,32 +30,43 @@ def check_request(task: Task, r: Request) -> None:
         if v is not None and v < 1:
             raise ValueError(f"{name} must be a positive number (or left out), got {v}")
     if task.data_help is None and r.data is not None:
-        raise ValueError(f"task {task.name} reads no data file: leave out --data ({task.name}: {task.help})")
-    if task.data_help is not None and not (r.data is None and task.data_default) and str(r.data) not in task.keywords:
+        raise ValueError(
+            f"task {task.name} reads no data file: leave out --data ({task.name}: {task.help})"
+        )
+    if (
+        task.data_help is not None
+        and not (r.data is None and task.data_default)
+        and str(r.data) not in task.keywords
+    ):
         if r.data is None:
             raise ValueError(f"task {task.name} needs data (--data): {task.data_help}")
         if not is_hub(r.data) and not Path(r.data).exists():
-            raise FileNotFoundError(f"no data file at {r.data}; task {task.name} needs {task.data_help}")
+            raise FileNotFoundError(
+                f"no data file at {r.data}; task {task.name} needs {task.data_help}"
+            )
     if task.check is not None:
         task.check(r)
 
 
 def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: str = "cpu",
              **request: Any) -> dict[str, Any]:
-    """Evaluate a run folder (see `load_for_eval`) on one task of `TASKS`; `request` holds the fields of
-    `Request` (data, limit, window, stride, max_chars, batch_size, n, k, max_new_tokens, temperature,
-    progress, unsafe_exec, say: a function given one-line notes before long work, e.g. `print`); a field left
-    None takes the task's default. Each task's module says what its `data` may be (`Task.data_help`)."""
+    """Evaluate a run folder (see `load_for_eval`) on one task of `TASKS`; `request` holds the
+    fields of `Request` (data, limit, window, stride, max_chars, batch_size, n, k, max_new_tokens,
+    temperature, progress, unsafe_exec, say: a function given one-line notes before long work, e.g.
+    `print`); a field left None takes the task's default. Each task's module says what its `data`
+    may be (`Task.data_help`)."""
     t = get_task(task)
     r = Request(**request)
     if not t.needs_model:
         return t.score(run_dir, r)
     r = dataclasses.replace(r, **{k: v for k, v in t.defaults.items() if getattr(r, k) is None})
     named = r.data
-    if is_sample(r.data):  # a sample that ships with the package: recorded by its name, read from its file
+    # a sample that ships with the package: recorded by its name, read from its file
+    if is_sample(r.data):
         r = dataclasses.replace(r, data=sample_path(r.data))
     check_request(t, r)
-    refuse_link(Path(run_dir) / EVALS_JSONL, writes=True)  # where the result goes: a link is refused before any work
+    # where the result goes: a link is refused before any work
+    refuse_link(Path(run_dir) / EVALS_JSONL, writes=True)
     loaded = load_for_eval(run_dir, which, device)
     data = str(named) if named is not None else t.data_default
     head = {"run": Path(run_dir).name, "checkpoint": loaded.source, "task": task, "data": data}
@@ -71,20 +82,26 @@ def record_eval(run_dir: str | Path, result: dict[str, Any]) -> None:
     if not (run.is_pretrain_run() or run.is_finetune_run()):
         return
     keep = ("run", "checkpoint", "task", "data")
-    scores = {k: v for k, v in result.items() if k not in keep and isinstance(v, (int, float, str, bool))}
+    scores = {
+        k: v for k, v in result.items() if k not in keep and isinstance(v, (int, float, str, bool))
+    }
     record = {**{k: result[k] for k in keep}, "scores": scores,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
-        append_text(run.path / EVALS_JSONL, json.dumps(record) + "\n")  # never through a link or a hard link
+        # never through a link or a hard link
+        append_text(run.path / EVALS_JSONL, json.dumps(record) + "\n")
     except OSError as e:  # a read-only folder (someone else's run): the result is still returned
-        warnings.warn(f"the result was not recorded in {run.path / EVALS_JSONL}: {e.strerror or e}", stacklevel=2)
+        warnings.warn(
+            f"the result was not recorded in {run.path / EVALS_JSONL}: {e.strerror or e}",
+            stacklevel=2,
+        )
 
 
 def evaluate(opts: EvalOptions, say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """`tinygpt eval`: `opts.task` on `opts.run_dir` (`run_eval`), with a bar unless the result is wanted as
-    JSON. A task that runs generated code is refused where no kernel boundary exists (unless
-    `unsafe_exec`) and says where the code runs, through `say`, before anything runs; SIGTERM then ends
-    the sandboxes as Ctrl-C does."""
+    """`tinygpt eval`: `opts.task` on `opts.run_dir` (`run_eval`), with a bar unless the result is
+    wanted as JSON. A task that runs generated code is refused where no kernel boundary exists
+    (unless `unsafe_exec`) and says where the code runs, through `say`, before anything runs;
+    SIGTERM then ends the sandboxes as Ctrl-C does."""
     task = get_task(opts.task)
     if task.runs_code:
         b = sandbox.boundary()
@@ -95,11 +112,17 @@ def evaluate(opts: EvalOptions, say: Callable[[str], None] | None = None) -> dic
     if is_hub(opts.data):
         check_source(opts.data)  # offline: one line at once, not the datasets library's retries
     request = {f.name: getattr(opts, f.name) for f in dataclasses.fields(Request)}
-    # a bar where one is drawn (a terminal, a notebook's widget); a log file gets no carriage returns
+    # a bar where one is drawn (a terminal, a notebook's
+    # widget); a log file gets no carriage returns
     bar = not opts.as_json and (sys.stderr.isatty() or "ipykernel" in sys.modules)
     with sandbox.sigterm_as_interrupt():
-        return run_eval(opts.run_dir, opts.task, which=opts.which, device=str(resolve_device(opts.device)),
-                        **{**request, "progress": bar, "say": say})
+        return run_eval(
+            opts.run_dir,
+            opts.task,
+            which=opts.which,
+            device=str(resolve_device(opts.device)),
+            **{**request, "progress": bar, "say": say},
+        )
 
 
 def _jsonable(v):
@@ -117,8 +140,9 @@ def _fmt(v) -> str:
 
 
 def report(task: str, result: dict[str, Any], as_json: bool = False) -> str:
-    """What `tinygpt eval` prints: the whole result as JSON, or its figures one per line (but those the
-    task hides) followed by the task's own lines (`Task.more`: HellaSwag's reference table, ...)."""
+    """What `tinygpt eval` prints: the whole result as JSON, or its
+    figures one per line (but those the task hides) followed by the
+    task's own lines (`Task.more`: HellaSwag's reference table, ...)."""
     if as_json:
         return json.dumps(_jsonable(result), indent=1, default=str)
     t = get_task(task)

@@ -18,26 +18,37 @@ from tinygpt.model.gpt import meta_model
 def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path]:
     """The run folders (those with a run.json) under `root`, by name; only `names` when given."""
     root = Path(root)
-    found = {p.name: p for p in sorted(root.iterdir()) if RunDir(p).is_pretrain_run()} if root.is_dir() else {}
+    found = (
+        {p.name: p for p in sorted(root.iterdir()) if RunDir(p).is_pretrain_run()}
+        if root.is_dir()
+        else {}
+    )
     if not names:
         if not found:
-            raise FileNotFoundError(f"no run folders (with a run.json) under {root}; train one with "
-                                    f"`tinygpt pretrain --run-dir {root / 'NAME'}` or the 01_pretrain notebook")
+            raise FileNotFoundError(
+                f"no run folders (with a run.json) under {root}; train one with "
+                f"`tinygpt pretrain --run-dir {root / 'NAME'}` or the 01_pretrain notebook"
+            )
         return list(found.values())
     missing = [n for n in names if n not in found]
     if missing:
-        raise FileNotFoundError(f"no run {', '.join(missing)} under {root}; there are: {', '.join(found) or 'none'}")
+        raise FileNotFoundError(
+            f"no run {', '.join(missing)} under {root}; there are: {', '.join(found) or 'none'}"
+        )
     return [found[n] for n in names]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl (a cut-off last line, from a run killed mid-write, is skipped)."""
+    """The records of a run's metrics.jsonl (a cut-off last
+    line, from a run killed mid-write, is skipped)."""
     run = RunDir(run_dir)
     if not run.path.exists():
         raise FileNotFoundError(missing_run_message(run.path))
     if not run.metrics_path.is_file():
-        raise FileNotFoundError(f"{run.metrics_path} does not exist; is {run_dir} a run folder that has trained "
-                                "and logged?")
+        raise FileNotFoundError(
+            f"{run.metrics_path} does not exist; is {run_dir} a run folder that has trained "
+            "and logged?"
+        )
     return run.metrics()
 
 
@@ -56,23 +67,32 @@ def _diagnose(train: list[dict], val: list[dict]) -> list[str]:
     notes = []
     bad = [m for m in train if not math.isfinite(m["loss"])]
     if bad:
-        notes.append(f"the loss became {bad[0]['loss']} at step {bad[0]['step']}: lower the learning rate or use "
-                     "bf16/fp32 instead of fp16, and resume from the last checkpoint before it")
+        notes.append(
+            f"the loss became {bad[0]['loss']} at step {bad[0]['step']}: lower the learning rate "
+            "or use bf16/fp32 instead of fp16, and resume from the last checkpoint before it"
+        )
     good = [m["loss"] for m in train if math.isfinite(m["loss"])]
     if len(good) >= 3 and min(good[-3:]) >= good[0]:
-        notes.append("the training loss has not decreased: check the learning rate (too high or too low) and the data")
+        notes.append(
+            "the training loss has not decreased: check the learning rate (too high or too low) "
+            "and the data"
+        )
     if len(val) >= 3:
         best = min(val, key=lambda m: m["val_loss"])
         if best is not val[-1] and val[-1]["val_loss"] > 1.02 * best["val_loss"]:
-            notes.append(f"validation loss has risen since step {best['step']} ({best['val_loss']:.4g} -> "
-                         f"{val[-1]['val_loss']:.4g}): overfitting; use best/, more data or fewer steps")
+            notes.append(
+                f"validation loss has risen since step {best['step']} ({best['val_loss']:.4g} -> "
+                f"{val[-1]['val_loss']:.4g}): overfitting; use best/, more data or fewer steps"
+            )
     norms = [(m["grad_norm"], m["step"]) for m in train if m.get("grad_norm") is not None]
     if len(norms) >= 5:
         med = statistics.median(n for n, _ in norms)
         top = max(norms)
         if med > 0 and top[0] > 10 * med:
-            notes.append(f"gradient norm spike of {top[0]:.3g} at step {top[1]} (median {med:.3g}): "
-                         "a lower learning rate or longer warmup may help")
+            notes.append(
+                f"gradient norm spike of {top[0]:.3g} at step {top[1]} (median {med:.3g}): "
+                "a lower learning rate or longer warmup may help"
+            )
     if len(good) >= 10:
         q = len(good) // 5
         if good[-1] < good[-q - 1] * 0.97:
@@ -81,7 +101,8 @@ def _diagnose(train: list[dict], val: list[dict]) -> list[str]:
 
 
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
-    """The numbers of a run from metrics.jsonl and run.json, with a diagnosis (a list of findings)."""
+    """The numbers of a run from metrics.jsonl and
+    run.json, with a diagnosis (a list of findings)."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     info = RunDir(run_dir).info_or_empty()
@@ -100,13 +121,24 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     best = min(val, key=lambda m: m["val_loss"]) if val else None
     mem = [m["memory_gb"] for m in records if m.get("memory_gb") is not None]
     return {
-        "run": run_dir.name, "recipe": info.get("recipe", {}).get("name"), "steps": train[-1]["step"],
-        "tokens_seen": _tokens(train[-1], per_step), "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"],
-        "loss_min": min(m["loss"] for m in train), "val_loss_last": val[-1]["val_loss"] if val else None,
-        "val_loss_best": best["val_loss"] if best else None, "val_loss_best_step": best["step"] if best else None,
-        "val_bits_per_token": best["val_loss"] / math.log(2) if best else None, "lr_last": train[-1].get("lr"),
-        "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "memory_gb_max": max(mem) if mem else None,
-        "grad_norm_max": max((m["grad_norm"] for m in train if m.get("grad_norm") is not None), default=None),
+        "run": run_dir.name,
+        "recipe": info.get("recipe", {}).get("name"),
+        "steps": train[-1]["step"],
+        "tokens_seen": _tokens(train[-1], per_step),
+        "loss_first": train[0]["loss"],
+        "loss_last": train[-1]["loss"],
+        "loss_min": min(m["loss"] for m in train),
+        "val_loss_last": val[-1]["val_loss"] if val else None,
+        "val_loss_best": best["val_loss"] if best else None,
+        "val_loss_best_step": best["step"] if best else None,
+        "val_bits_per_token": best["val_loss"] / math.log(2) if best else None,
+        "lr_last": train[-1].get("lr"),
+        "tokens_per_s": med("tokens_per_s"),
+        "mfu": med("mfu"),
+        "memory_gb_max": max(mem) if mem else None,
+        "grad_norm_max": max(
+            (m["grad_norm"] for m in train if m.get("grad_norm") is not None), default=None
+        ),
         "diagnosis": _diagnose(train, val) or ["no problems found"],
     }
 
@@ -119,7 +151,8 @@ def read_samples(run_dir: str | Path) -> str:
 def _num_params(info: dict[str, Any]) -> int | None:
     if "recipe" not in info:
         return None
-    return meta_model(Recipe.from_dict(info["recipe"]).model).num_params()  # shapes only, nothing allocated
+    # shapes only, nothing allocated
+    return meta_model(Recipe.from_dict(info["recipe"]).model).num_params()
 
 
 def compare_runs(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
@@ -127,9 +160,25 @@ def compare_runs(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
     rows = []
     for d in run_dirs:
         s = summarize_run(d)
-        rows.append({"run": s["run"], "recipe": s["recipe"], "params": _num_params(RunDir(d).info_or_empty()),
-                     **{k: s[k] for k in ("steps", "tokens_seen", "loss_last", "val_loss_best", "tokens_per_s",
-                                          "mfu", "memory_gb_max")}})
+        rows.append(
+            {
+                "run": s["run"],
+                "recipe": s["recipe"],
+                "params": _num_params(RunDir(d).info_or_empty()),
+                **{
+                    k: s[k]
+                    for k in (
+                        "steps",
+                        "tokens_seen",
+                        "loss_last",
+                        "val_loss_best",
+                        "tokens_per_s",
+                        "mfu",
+                        "memory_gb_max",
+                    )
+                },
+            }
+        )
     return rows
 
 
@@ -145,10 +194,14 @@ def plot_runs(run_dirs: Sequence[str | Path], ax: Any = None, log_x: bool = Fals
         d = Path(d)
         per_step, records = _tokens_per_step(RunDir(d).info_or_empty()), read_metrics(d)
         if per_step is None and not any("tokens" in m for m in records):
-            raise DataFormatError(f"{d} has no run.json with a recipe and its metrics have no token counts; "
-                                  "cannot put it on a tokens axis")
+            raise DataFormatError(
+                f"{d} has no run.json with a recipe and its metrics have no token counts; "
+                "cannot put it on a tokens axis"
+            )
         train = [(_tokens(m, per_step), m["loss"]) for m in records if m.get("loss") is not None]
-        val = [(_tokens(m, per_step), m["val_loss"]) for m in records if m.get("val_loss") is not None]
+        val = [
+            (_tokens(m, per_step), m["val_loss"]) for m in records if m.get("val_loss") is not None
+        ]
         (line,) = ax.plot(*zip(*train), label=f"{d.name} train") if train else ax.plot([], [])
         if val:
             ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{d.name} val")

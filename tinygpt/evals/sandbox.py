@@ -83,9 +83,9 @@ class SandboxUnavailable(RuntimeError):
 @dataclass
 class ExecResult:
     """status: passed, failed (an exception or a non-zero exit), timeout (wall clock), cpu_limit,
-    out_of_memory, output_limit (wrote more than max_output_mb to a file or its output), exited_early
-    (exit status 0 before the end of the tests, or the solution's process exiting before it was
-    called), killed (another signal). boundary: the kind of sandbox it ran in."""
+    out_of_memory, output_limit (wrote more than max_output_mb to a file or its output),
+    exited_early (exit status 0 before the end of the tests, or the solution's process exiting
+    before it was called), killed (another signal). boundary: the kind of sandbox it ran in."""
 
     status: str
     returncode: int | None
@@ -109,14 +109,19 @@ class Boundary:
     why_not: str = ""    # for none: what was tried and why it failed
 
     def describe(self) -> str:
-        return {"root": "a kernel boundary as root: own PID, mount and network namespaces, a size-capped "
-                        "tmpfs as the only writable folder, an unprivileged uid per process",
-                "userns": "a kernel boundary in a user namespace: own PID, mount and network namespaces, a "
-                          "size-capped tmpfs as the only writable folder, no capabilities",
-                "uid": "a kernel boundary as root without namespaces: an unprivileged uid per process, a private "
-                       "folder, no new processes; world-readable files are visible and only each file's size "
-                       "is capped",
-                "none": "no kernel boundary (rlimits only)"}[self.kind]
+        return {
+            "root": "a kernel boundary as root: own PID, mount and network namespaces, a "
+            "size-capped "
+            "tmpfs as the only writable folder, an unprivileged uid per process",
+            "userns": "a kernel boundary in a user namespace: own PID, mount and network "
+            "namespaces, a "
+            "size-capped tmpfs as the only writable folder, no capabilities",
+            "uid": "a kernel boundary as root without namespaces: an unprivileged uid per process, "
+            "a private "
+            "folder, no new processes; world-readable files are visible and only each file's size "
+            "is capped",
+            "none": "no kernel boundary (rlimits only)",
+        }[self.kind]
 
 
 def _python() -> str:
@@ -127,9 +132,12 @@ def _python() -> str:
 
 
 def _read_only_paths() -> list[str]:
-    """What the jail shows, read-only: the system's programs and libraries and the Python install."""
+    """What the jail shows, read-only: the system's
+    programs and libraries and the Python install."""
     py = Path(_python())
-    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)} | {str(py.parent.parent)}
+    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)} | {
+        str(py.parent.parent)
+    }
     return ["/usr", "/bin", "/lib", "/lib64", "/lib32", "/libx32", *sorted(prefixes)]
 
 
@@ -142,7 +150,18 @@ def _prefix(kind: str) -> tuple[str, ...] | None:
     if unshare is None:
         return None
     user = ("--user", "--map-root-user") if kind == "userns" else ()
-    return (*head, unshare, *user, "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts")
+    return (
+        *head,
+        unshare,
+        *user,
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount",
+        "--net",
+        "--ipc",
+        "--uts",
+    )
 
 
 def boundary(kind: str | None = None) -> Boundary:
@@ -169,13 +188,26 @@ def _probe(wanted: str | None, python: str) -> Boundary:
             continue
         b = Boundary(k, prefix)
         try:
-            r = _run(b, None, "import os\nprint(os.getuid(), os.listdir('/'))\n", "", None, False, timeout_s=20,
-                     memory_mb=512, cpu_s=10, max_output_mb=1, max_write_mb=4, max_processes=1)
+            r = _run(
+                b,
+                None,
+                "import os\nprint(os.getuid(), os.listdir('/'))\n",
+                "",
+                None,
+                False,
+                timeout_s=20,
+                memory_mb=512,
+                cpu_s=10,
+                max_output_mb=1,
+                max_write_mb=4,
+                max_processes=1,
+            )
         except (OSError, ValueError, subprocess.SubprocessError) as e:
             tried.append(f"{k}: {e}")
             continue
         jailed = "'usr'" in r.stdout or k == "uid"  # the jail's / lists usr (and little else)
-        if r.passed and jailed and (k == "userns" or not r.stdout.startswith("0 ")):  # root modes: not uid 0
+        # root modes: not uid 0
+        if r.passed and jailed and (k == "userns" or not r.stdout.startswith("0 ")):
             return b
         tried.append(f"{k}: {(r.stderr.strip().splitlines() or [r.status])[-1]}")
     why = "; ".join(tried) or f"TINYGPT_SANDBOX={wanted}"
@@ -201,8 +233,8 @@ def resume() -> None:
 
 
 def _namespaces() -> dict[str, tuple[int, int] | None]:
-    """This process's IPC and user namespaces (device, inode; None where /proc cannot tell): the supervisor
-    checks that its own are others before it changes their limits."""
+    """This process's IPC and user namespaces (device, inode; None where /proc cannot tell): the
+    supervisor checks that its own are others before it changes their limits."""
     out: dict[str, tuple[int, int] | None] = {}
     for name in ("ipc", "user"):
         try:
@@ -213,22 +245,53 @@ def _namespaces() -> dict[str, tuple[int, int] | None]:
     return out
 
 
-def _run(b: Boundary, solution: str | None, test: str, context: str, names: Sequence[str] | None, handles: bool,
-         *, timeout_s: float, memory_mb: int, cpu_s: int, max_output_mb: int, max_write_mb: int,
-         max_processes: int) -> ExecResult:
-    slot = secrets.randbelow(500_000_000)  # distinct from any other sandbox's, in this process or another
-    job = {"mode": b.kind, "solution": solution, "test": test, "context": context,
-           "names": None if names is None else list(names), "handles": handles, "python": _python(),
-           "read_only": _read_only_paths(), "timeout_s": timeout_s, "memory_bytes": memory_mb * 2**20,
-           "cpu_s": cpu_s, "max_output_bytes": max_output_mb * 2**20, "max_write_bytes": max_write_mb * 2**20,
-           "max_processes": max_processes, "uids": [_UID_BASE + 2 * slot, _UID_BASE + 2 * slot + 1],
-           "caller_ns": _namespaces()}
+def _run(
+    b: Boundary,
+    solution: str | None,
+    test: str,
+    context: str,
+    names: Sequence[str] | None,
+    handles: bool,
+    *,
+    timeout_s: float,
+    memory_mb: int,
+    cpu_s: int,
+    max_output_mb: int,
+    max_write_mb: int,
+    max_processes: int,
+) -> ExecResult:
+    # distinct from any other sandbox's, in this process or another
+    slot = secrets.randbelow(500_000_000)
+    job = {
+        "mode": b.kind,
+        "solution": solution,
+        "test": test,
+        "context": context,
+        "names": None if names is None else list(names),
+        "handles": handles,
+        "python": _python(),
+        "read_only": _read_only_paths(),
+        "timeout_s": timeout_s,
+        "memory_bytes": memory_mb * 2**20,
+        "cpu_s": cpu_s,
+        "max_output_bytes": max_output_mb * 2**20,
+        "max_write_bytes": max_write_mb * 2**20,
+        "max_processes": max_processes,
+        "uids": [_UID_BASE + 2 * slot, _UID_BASE + 2 * slot + 1],
+        "caller_ns": _namespaces(),
+    }
     folder = tempfile.mkdtemp(prefix="tinygpt-exec-") if b.kind in ("uid", "none") else None
     t0 = time.monotonic()
     try:
-        proc = subprocess.Popen([*b.prefix, _python(), "-I", "-S", str(INIT), "supervise"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=folder or "/",
-                                env={"PATH": os.defpath, "LANG": "C.UTF-8"}, start_new_session=True)
+        proc = subprocess.Popen(
+            [*b.prefix, _python(), "-I", "-S", str(INIT), "supervise"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=folder or "/",
+            env={"PATH": os.defpath, "LANG": "C.UTF-8"},
+            start_new_session=True,
+        )
         with _live_lock:
             _live.add(proc)
             if _stopping.is_set():
@@ -248,36 +311,64 @@ def _run(b: Boundary, solution: str | None, test: str, context: str, names: Sequ
             shutil.rmtree(folder, ignore_errors=True)
     duration = time.monotonic() - t0
     try:
-        res = ast.literal_eval(out.decode("utf-8", "surrogateescape"))  # the supervisor's plain dict
+        # the supervisor's plain dict
+        res = ast.literal_eval(out.decode("utf-8", "surrogateescape"))
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         msg = err.decode("utf-8", "replace").strip().splitlines()
-        return ExecResult("failed", proc.returncode, duration, "",
-                          "sandbox: " + (msg[-1] if msg else f"supervisor exited {proc.returncode}"), b.kind)
-    return ExecResult(res["status"], res["returncode"], duration, res["stdout"], res["stderr"], b.kind)
+        return ExecResult(
+            "failed",
+            proc.returncode,
+            duration,
+            "",
+            "sandbox: " + (msg[-1] if msg else f"supervisor exited {proc.returncode}"),
+            b.kind,
+        )
+    return ExecResult(
+        res["status"], res["returncode"], duration, res["stdout"], res["stderr"], b.kind
+    )
 
 
-def run(program: str, test: str | None = None, *, context: str = "", names: Sequence[str] | None = None,
-        handles: bool = True, timeout_s: float = 10.0, memory_mb: int = 1024, cpu_s: int | None = None,
-        max_output_mb: int = 16, max_write_mb: int = 64, max_processes: int = 1,
-        unsafe: bool = False) -> ExecResult:
+def run(
+    program: str,
+    test: str | None = None,
+    *,
+    context: str = "",
+    names: Sequence[str] | None = None,
+    handles: bool = True,
+    timeout_s: float = 10.0,
+    memory_mb: int = 1024,
+    cpu_s: int | None = None,
+    max_output_mb: int = 16,
+    max_write_mb: int = 64,
+    max_processes: int = 1,
+    unsafe: bool = False,
+) -> ExecResult:
     """Run `program` (the solution) and, when given, `test` against it in a second process.
 
     With `test`: the test process runs `context` (e.g. HumanEval's prompt, for its helpers), then
-    binds the solution's names (`names`: only these, e.g. the entry point; None: every top-level name
-    the solution defines, as MBPP's asserts need) to proxies, then runs `test`; `handles=False`
-    refuses any answer that is not a plain value. Without `test`, `program` runs alone.
-    Limits: wall clock `timeout_s`; per process address space `memory_mb`, CPU `cpu_s` (default the
-    timeout + 1 s), `max_output_mb` per file or output stream, `max_processes` (1: none started;
-    threads are allowed, 32 beyond it, where the system call filter is);
-    `max_write_mb` in all (the jail's tmpfs; with no boundary only the per-file cap holds)."""
+    binds the solution's names (`names`: only these, e.g. the entry point; None: every top-level
+    name the solution defines, as MBPP's asserts need) to proxies, then runs `test`; `handles=False`
+    refuses any answer that is not a plain value. Without `test`, `program` runs alone. Limits: wall
+    clock `timeout_s`; per process address space `memory_mb`, CPU `cpu_s` (default the timeout + 1
+    s), `max_output_mb` per file or output stream, `max_processes` (1: none started; threads are
+    allowed, 32 beyond it, where the system call filter is); `max_write_mb` in all (the jail's
+    tmpfs; with no boundary only the per-file cap holds)."""
     if timeout_s <= 0 or memory_mb <= 0 or max_write_mb <= 0 or max_processes < 1:
-        raise ValueError("timeout_s, memory_mb and max_write_mb must be positive, max_processes at least 1")
+        raise ValueError(
+            "timeout_s, memory_mb and max_write_mb must be positive, max_processes at least 1"
+        )
     b = boundary()
     if b.kind == "none" and not unsafe:
         raise SandboxUnavailable(unavailable_message(b))
     cpu_s = cpu_s if cpu_s is not None else int(timeout_s) + 1
-    limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_output_mb=max_output_mb,
-                  max_write_mb=max_write_mb, max_processes=max_processes)
+    limits = dict(
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        cpu_s=cpu_s,
+        max_output_mb=max_output_mb,
+        max_write_mb=max_write_mb,
+        max_processes=max_processes,
+    )
     if test is None:
         return _run(b, None, program, "", None, handles, **limits)
     return _run(b, program, test, context, names, handles, **limits)
@@ -285,9 +376,11 @@ def run(program: str, test: str | None = None, *, context: str = "", names: Sequ
 
 def unavailable_message(b: Boundary | None = None) -> str:
     b = b or boundary()
-    return (f"no kernel boundary to run generated code behind on this machine ({b.why_not}); run as root or where "
-            "user namespaces are allowed (Colab does both), or pass --unsafe-exec to run it with rlimits only, "
-            "in a throwaway VM")
+    return (
+        f"no kernel boundary to run generated code behind on this machine ({b.why_not}); run as "
+        "root or where user namespaces are allowed (Colab does both), or pass --unsafe-exec to "
+        "run it with rlimits only, in a throwaway VM"
+    )
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""Instruction data as training batches: records (`finetune.records`) tokenized, with the loss on the
-response only, packed or padded, and batched.
+"""Instruction data as training batches: records (`finetune.records`) tokenized, with the loss on
+the response only, packed or padded, and batched.
 
 Every example becomes token ids plus a flag per token saying whether it carries loss: prompt tokens
 and padding get the target IGNORE_INDEX (-100), response tokens and the closing end-of-text get
@@ -25,19 +25,26 @@ from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.model.prompts import Codec
 from tinygpt.train.data import DataError
 
-SHORTEST_BUCKET = 64  # unpacked batches are padded to a length bucket: a power of two from this up to seq_len
+# unpacked batches are padded to a length bucket: a power of two from this up to seq_len
+SHORTEST_BUCKET = 64
 
 
 def bucket_length(n: int, seq_len: int) -> int:
-    """The padded width of a batch whose longest row has n tokens: the smallest power of two >= n (at least
-    SHORTEST_BUCKET), or seq_len. A few widths only, so a compiled step compiles once per bucket, not per length."""
+    """The padded width of a batch whose longest row has n tokens: the smallest power of two >= n
+    (at least SHORTEST_BUCKET), or seq_len. A few widths only, so a compiled step compiles once per
+    bucket, not per length."""
     width = max(SHORTEST_BUCKET, 1 << max(0, n - 1).bit_length())
     return min(width, seq_len)
 
 
 def length_buckets(seq_len: int) -> list[int]:
     """Every width `bucket_length` can give for this seq_len."""
-    return sorted({bucket_length(n, seq_len) for n in [1, seq_len] + [2**k for k in range(seq_len.bit_length())]})
+    return sorted(
+        {
+            bucket_length(n, seq_len)
+            for n in [1, seq_len] + [2**k for k in range(seq_len.bit_length())]
+        }
+    )
 
 
 # ----- tokens ------------------------------------------------------------------------------------
@@ -50,7 +57,8 @@ class DataReport:
     excluded: int  # MBPP evaluation ids left out
     train_examples: int
     val_examples: int
-    truncated: int  # longer than seq_len + 1 tokens: the end of the response was cut (dropped ones included)
+    # longer than seq_len + 1 tokens: the end of the response was cut (dropped ones included)
+    truncated: int
     dropped: int  # nothing of the response left after truncation
     sequences: int  # training rows after packing (= train_examples without packing)
     longest: int
@@ -87,19 +95,21 @@ def _to_rows(examples: list[tuple[list[int], list[bool]]], seq_len: int,
 
 
 def record_positions(lengths: np.ndarray, width: int) -> np.ndarray:
-    """Position ids of a packed row `width` wide: 0, 1, ... within each example, and the padding after
-    the last one counted as one more (it starts at 0 too, so it is a record of its own)."""
-    pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])[:width]  # x drops the last token
+    """Position ids of a packed row `width` wide: 0, 1, ... within each example, and the padding
+    after the last one counted as one more (it starts at 0 too, so it is a record of its own)."""
+    # x drops the last token
+    pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])[:width]
     used = min(len(pos), int(lengths.sum()) - 1)
     return np.concatenate([pos[:used], np.arange(width - used, dtype=np.int64)])
 
 
 def _collate(rows: Sequence[Row], pad_id: int, seq_len: int,
              lengths: Sequence[np.ndarray] | None = None) -> tuple[torch.Tensor, ...]:
-    """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks right, so padding
-    changes nothing for the real tokens and needs no attention mask. Packed rows (`lengths` given) are
-    padded to seq_len, one shape for every batch (one compiled graph), and come with their position ids;
-    other rows to their length bucket (`bucket_length`: one compiled graph per bucket)."""
+    """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks
+    right, so padding changes nothing for the real tokens and needs no attention
+    mask. Packed rows (`lengths` given) are padded to seq_len, one shape for every
+    batch (one compiled graph), and come with their position ids; other rows to
+    their length bucket (`bucket_length`: one compiled graph per bucket)."""
     T = seq_len if lengths is not None else bucket_length(max(len(x) for x, _ in rows), seq_len)
     x = np.full((len(rows), T), pad_id, dtype=np.int64)
     y = np.full((len(rows), T), IGNORE_INDEX, dtype=np.int64)
@@ -123,7 +133,8 @@ class InstructSource:
             raise DataError("no training examples are left")
         self.rows, self.seq_len, self.pad_id, self.seed = rows, seq_len, pad_id, seed
         self.lengths = lengths
-        self.served_tokens = 0  # real (not padding) input tokens of the batches served: a statistic, not state
+        # real (not padding) input tokens of the batches served: a statistic, not state
+        self.served_tokens = 0
         h = hashlib.sha256()
         for x, y in rows:
             h.update(x.tobytes() + y.tobytes())
@@ -138,7 +149,9 @@ class InstructSource:
         out: list[int] = []
         while len(out) < n:
             if self._perm_epoch != self.epoch:
-                self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+                self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(
+                    len(self.rows)
+                )
                 self._perm_epoch = self.epoch
             k = min(n - len(out), len(self.rows) - self.index)
             out += self._perm[self.index:self.index + k].tolist()
@@ -151,7 +164,9 @@ class InstructSource:
     def packed(self) -> bool:
         return self.lengths is not None
 
-    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, ...]:
+    def next_batch(
+        self, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> tuple[torch.Tensor, ...]:
         picked = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
         lengths = [self.lengths[i] for i in picked] if self.lengths is not None else None
         self.served_tokens += sum(len(self.rows[i][0]) for i in picked)
@@ -162,11 +177,17 @@ class InstructSource:
                 "fingerprint": self.fingerprint}
 
     def load_state_dict(self, s: dict) -> None:
-        if (s["seed"], s["rows"], s["fingerprint"]) != (self.seed, len(self.rows), self.fingerprint):
-            raise DataError(f"the checkpoint's data position is for {s['rows']} rows (fingerprint "
-                            f"{s['fingerprint']}, seed {s['seed']}), this data gives {len(self.rows)} rows "
-                            f"({self.fingerprint}, seed {self.seed}): resume with the same data, tokenizer and "
-                            "recipe, or start a new run folder")
+        if (s["seed"], s["rows"], s["fingerprint"]) != (
+            self.seed,
+            len(self.rows),
+            self.fingerprint,
+        ):
+            raise DataError(
+                f"the checkpoint's data position is for {s['rows']} rows (fingerprint "
+                f"{s['fingerprint']}, seed {s['seed']}), this data gives {len(self.rows)} rows "
+                f"({self.fingerprint}, seed {self.seed}): resume with the same data, tokenizer and "
+                "recipe, or start a new run folder"
+            )
         self.epoch, self.index = s["epoch"], s["index"]
 
 
@@ -178,12 +199,24 @@ class InstructData:
     template: str = "alpaca"
 
 
-def build_instruct_data(records: Sequence[dict] | str, tokenizer: Any, seq_len: int, *, template: str = "alpaca",
-                        fmt: str | None = None, pack: bool = False, val_fraction: float = 0.05, seed: int = 1337,
-                        val_batch_size: int = 8, eval_batches: int = 8, split: str = "train") -> InstructData:
-    """Records (or a source for `load_records`) to a training source and fixed validation batches.
-    A record is split off for validation by a seeded shuffle. `pack` packs the training rows only: the
-    validation batches are the same padded ones either way, so validation losses compare across runs."""
+def build_instruct_data(
+    records: Sequence[dict] | str,
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    template: str = "alpaca",
+    fmt: str | None = None,
+    pack: bool = False,
+    val_fraction: float = 0.05,
+    seed: int = 1337,
+    val_batch_size: int = 8,
+    eval_batches: int = 8,
+    split: str = "train",
+) -> InstructData:
+    """Records (or a source for `load_records`) to a training source and fixed
+    validation batches. A record is split off for validation by a seeded
+    shuffle. `pack` packs the training rows only: the validation batches are the
+    same padded ones either way, so validation losses compare across runs."""
     if isinstance(records, str):
         records = load_records(records, split)
     if not 0 <= val_fraction < 0.5:
@@ -191,13 +224,17 @@ def build_instruct_data(records: Sequence[dict] | str, tokenizer: Any, seq_len: 
     codec = Codec(tokenizer)
     segments, fmt, excluded = record_segments(records, fmt, template, codec.chat_template)
     if not segments:
-        raise DataError(f"no records are left of {len(records)} ({excluded} were MBPP evaluation ids)")
+        raise DataError(
+            f"no records are left of {len(records)} ({excluded} were MBPP evaluation ids)"
+        )
     examples = codec.encode_examples(segments)
     lengths = [len(ids) for ids, _ in examples]
     too_long = [n > seq_len + 1 for n in lengths]
     if all(too_long):
-        raise DataError(f"every one of the {len(examples)} examples is longer than seq_len {seq_len} "
-                        f"(the shortest has {min(lengths)} tokens, the longest {max(lengths)}): raise seq_len")
+        raise DataError(
+            f"every one of the {len(examples)} examples is longer than seq_len {seq_len} "
+            f"(the shortest has {min(lengths)} tokens, the longest {max(lengths)}): raise seq_len"
+        )
     kept, dropped = [], 0
     for (ids, flags), long in zip(examples, too_long):
         if long:
@@ -217,7 +254,22 @@ def build_instruct_data(records: Sequence[dict] | str, tokenizer: Any, seq_len: 
                    for i in range(0, len(val_rows), val_batch_size)]
     n_target = sum(len(x) for x, _ in train_rows)
     n_loss = sum(int((y != IGNORE_INDEX).sum()) for _, y in train_rows)
-    report = DataReport(fmt, len(records), excluded, len(train_ex), len(val_ex), sum(too_long), dropped,
-                        len(train_rows), max(lengths), float(np.mean(lengths)), n_loss / max(n_target, 1))
-    return InstructData(InstructSource(train_rows, seq_len, codec.pad_id, seed, train_lengths if pack else None),
-                        val_batches, report, template)
+    report = DataReport(
+        fmt,
+        len(records),
+        excluded,
+        len(train_ex),
+        len(val_ex),
+        sum(too_long),
+        dropped,
+        len(train_rows),
+        max(lengths),
+        float(np.mean(lengths)),
+        n_loss / max(n_target, 1),
+    )
+    return InstructData(
+        InstructSource(train_rows, seq_len, codec.pad_id, seed, train_lengths if pack else None),
+        val_batches,
+        report,
+        template,
+    )

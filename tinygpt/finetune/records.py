@@ -106,11 +106,12 @@ def _read_json_records(p: Path) -> Records:
 
 
 def load_records(source: str, split: str = "train") -> list[dict]:
-    """Records from a local .json / .jsonl file, a folder written by `datasets.save_to_disk`, or the
-    Hugging Face Hub as ``hf:NAME[:CONFIG][@SPLIT]`` (a bare ``org/name`` that is not a path works
-    too). A local file's records come as `Records`, so that every error about one names the file
-    (and line). ``sample:mbpp`` is the MBPP sample that ships with the package; ``builtin`` the standard
-    library's short functions as instructions (`stdlib_instructions`: every machine has them)."""
+    """Records from a local .json / .jsonl file, a folder written by
+    `datasets.save_to_disk`, or the Hugging Face Hub as ``hf:NAME[:CONFIG][@SPLIT]`` (a
+    bare ``org/name`` that is not a path works too). A local file's records come as
+    `Records`, so that every error about one names the file (and line). ``sample:mbpp``
+    is the MBPP sample that ships with the package; ``builtin`` the standard library's
+    short functions as instructions (`stdlib_instructions`: every machine has them)."""
     if source in ("builtin", "stdlib"):
         path = cache_root("data") / "stdlib_instructions.json"
         source = str(path if path.is_file() else write_stdlib_instructions(path))

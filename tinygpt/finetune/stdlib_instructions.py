@@ -15,24 +15,31 @@ from pathlib import Path
 from tinygpt.core.files import write_text_atomic
 from tinygpt.train.data import builtin_files
 
-MAX_SOURCE_CHARS = 220  # short functions (like Code Alpaca's answers): a small model can learn to write them
+# short functions (like Code Alpaca's answers): a small model can learn to write them
+MAX_SOURCE_CHARS = 220
 MAX_INSTRUCTION_CHARS = 110
 
 
 def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
-    """Up to `limit` records {"instruction", "input", "output"}: a public stdlib function's (or method's) docstring
-    (first paragraph) asks for it, its source (docstring removed) answers."""
+    """Up to `limit` records {"instruction", "input", "output"}: a public stdlib function's (or
+    method's) docstring (first paragraph) asks for it, its source (docstring removed) answers."""
     records: list[dict[str, str]] = []
     seen: set[tuple[str, str]] = set()
     for path in builtin_files():
         try:
-            source = path.read_text(encoding="utf-8")  # outside run folders: the standard library's sources
+            # outside run folders: the standard library's sources
+            source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
-            file_lines = io.StringIO(source, newline="").readlines()  # split once per file, as ast does
+            # split once per file, as ast does
+            file_lines = io.StringIO(source, newline="").readlines()
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
         # module-level functions and the methods of module-level classes
-        nodes = [n for top in tree.body for n in ([top] if not isinstance(top, ast.ClassDef) else top.body)]
+        nodes = [
+            n
+            for top in tree.body
+            for n in ([top] if not isinstance(top, ast.ClassDef) else top.body)
+        ]
         for node in nodes:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
@@ -43,7 +50,8 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
             if not body:
                 continue
             code = _segment(file_lines, node)
-            if code is not None:  # a method: its body keeps the class's indentation, its first line not
+            # a method: its body keeps the class's indentation, its first line not
+            if code is not None:
                 code = textwrap.dedent(" " * node.col_offset + code)
             if code is None or len(code) > MAX_SOURCE_CHARS:
                 continue
@@ -55,9 +63,13 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
             instruction = doc.split("\n\n")[0].replace("\n", " ").strip().split(". ")[0].rstrip(".")
             if len(instruction) > MAX_INSTRUCTION_CHARS or len(output.strip()) < 20:
                 continue
-            record = {"instruction": f"Write a Python function `{node.name}`: {instruction}", "input": "",
-                      "output": output}
-            if (record["instruction"], output) in seen:  # the same helper defined in several modules
+            record = {
+                "instruction": f"Write a Python function `{node.name}`: {instruction}",
+                "input": "",
+                "output": output,
+            }
+            # the same helper defined in several modules
+            if (record["instruction"], output) in seen:
                 continue
             seen.add((record["instruction"], output))
             records.append(record)
@@ -67,8 +79,8 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
 
 
 def _segment(lines: list[str], node: ast.AST) -> str | None:
-    """`ast.get_source_segment(source, node)` from the file's lines split once: that function splits the
-    whole file again for every node (most of the time this data set took)."""
+    """`ast.get_source_segment(source, node)` from the file's lines split once: that function splits
+    the whole file again for every node (most of the time this data set took)."""
     if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
         return None
     first, last = node.lineno - 1, node.end_lineno - 1

@@ -1,7 +1,7 @@
-"""The evaluation tasks, one module each (its data sources, help, default sizes, scorer and how its result
-prints, in one `TASK`). The import below is the registry: `TASKS` holds the `TASK` of every module it names,
-in its order, and `tinygpt eval --task`, `run_eval`, the model card and the notebooks read it. A new task is a
-module here and one line in that import."""
+"""The evaluation tasks, one module each (its data sources, help, default sizes, scorer and how its
+result prints, in one `TASK`). The import below is the registry: `TASKS` holds the `TASK` of every
+module it names, in its order, and `tinygpt eval --task`, `run_eval`, the model card and the
+notebooks read it. A new task is a module here and one line in that import."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,8 +18,11 @@ from tinygpt.evals.tasks import (  # noqa: F401  (TASKS reads them)
     summary,
 )
 
-TASKS: dict[str, Task] = {m.TASK.name: m.TASK for m in list(globals().values())
-                          if isinstance(m, ModuleType) and isinstance(getattr(m, "TASK", None), Task)}
+TASKS: dict[str, Task] = {
+    m.TASK.name: m.TASK
+    for m in list(globals().values())
+    if isinstance(m, ModuleType) and isinstance(getattr(m, "TASK", None), Task)
+}
 
 
 def get_task(name: str) -> Task:
@@ -31,6 +34,6 @@ def get_task(name: str) -> Task:
 
 def eval_data(task: str, data_dir: str | Path | None = None, sample: bool = False) -> str:
     """Where a task's standard data set is, for `run_eval`: the offline file in `data_dir` (default
-    `shared_data_dir()`) when it is there, else its Hugging Face Hub name; with `sample`, the sample that
-    ships with the package (``sample:NAME``)."""
+    `shared_data_dir()`) when it is there, else its Hugging Face Hub name; with `sample`, the sample
+    that ships with the package (``sample:NAME``)."""
     return default_data(get_task(task), data_dir, sample)

@@ -1,5 +1,6 @@
-"""HumanEval (Chen et al. 2021): 164 functions to complete from their signature and docstring; pass@k of the
-completions run against each problem's tests (in the sandbox), with syntax accuracy and BLEU."""
+"""HumanEval (Chen et al. 2021): 164 functions to complete from their
+signature and docstring; pass@k of the completions run against each
+problem's tests (in the sandbox), with syntax accuracy and BLEU."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +8,8 @@ from pathlib import Path
 from tinygpt.evals.code import CodeProblem, need_keys, read_jsonl
 from tinygpt.evals.harness import code_task
 
-HUMANEVAL_STOPS = ("\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(")  # a base model writes on past the function
+# a base model writes on past the function
+HUMANEVAL_STOPS = ("\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(")
 
 
 def load_humaneval(path: str | Path) -> list[CodeProblem]:
@@ -17,10 +19,20 @@ def load_humaneval(path: str | Path) -> list[CodeProblem]:
     out = []
     for r in read_jsonl(path):
         need_keys(r, keys, path, "HumanEval")
-        out.append(CodeProblem(str(r["task_id"]), r["prompt"], r["prompt"],
-                               f"{r['test']}\n\ncheck({r['entry_point']})\n", r["canonical_solution"],
-                               r["entry_point"], HUMANEVAL_STOPS, context=r["prompt"], names=(r["entry_point"],),
-                               handles=False))
+        out.append(
+            CodeProblem(
+                str(r["task_id"]),
+                r["prompt"],
+                r["prompt"],
+                f"{r['test']}\n\ncheck({r['entry_point']})\n",
+                r["canonical_solution"],
+                r["entry_point"],
+                HUMANEVAL_STOPS,
+                context=r["prompt"],
+                names=(r["entry_point"],),
+                handles=False,
+            )
+        )
     return out
 
 

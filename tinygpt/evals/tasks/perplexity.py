@@ -1,6 +1,6 @@
-"""Perplexity and bits per byte of a text (`lm.perplexity`): by default the run's own validation split (text
-it never trained on), `builtin` the built-in corpus's, else a file or a Hub data set; WikiText-2's test set
-is the standard one."""
+"""Perplexity and bits per byte of a text (`lm.perplexity`): by default the run's own validation
+split (text it never trained on), `builtin` the built-in corpus's, else a file or a Hub data set;
+WikiText-2's test set is the standard one."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +11,10 @@ from tinygpt.evals.harness import Loaded, Request, Task
 from tinygpt.train.data import validation_text
 
 WIKITEXT2_TEST_HUB = "hf:wikitext:wikitext-2-raw-v1@test"
-OFFLINE = ("a text file, e.g. the WikiText-2 test file wikitext2_test.txt, or sample:wikitext2 (its first 77 KB, "
-           "which ship with tinygpt)")
+OFFLINE = (
+    "a text file, e.g. the WikiText-2 test file wikitext2_test.txt, or sample:wikitext2 (its first "
+    "77 KB, which ship with tinygpt)"
+)
 
 
 def score(m: Loaded, r: Request) -> dict[str, Any]:
@@ -21,23 +23,38 @@ def score(m: Loaded, r: Request) -> dict[str, Any]:
     if r.data is None or str(r.data) in TASK.keywords:
         if m.recipe is None:
             raise ValueError(f"perplexity of {m.source} needs --data: {TASK.data_help}")
-        cfg = m.recipe.data if r.data is None else dataclasses.replace(m.recipe.data, source="builtin",
-                                                                       max_chars=None)
+        cfg = (
+            m.recipe.data
+            if r.data is None
+            else dataclasses.replace(m.recipe.data, source="builtin", max_chars=None)
+        )
         text = validation_text(cfg, r.max_chars)
     else:
         text = lm.load_eval_text(r.data, r.max_chars, OFFLINE)
     trained = m.recipe.train.seq_len if m.recipe is not None else None
     if r.window and trained and r.window > trained and r.say is not None:
-        r.say(f"--window {r.window} is beyond the context this model was trained at ({trained} tokens): positions "
-              f"past {trained} were never trained, so the perplexity will be worse than the model's; --window "
-              f"{trained} measures the model as trained")
+        r.say(
+            f"--window {r.window} is beyond the context this model was trained at ({trained} "
+            f"tokens): positions past {trained} were never trained, so the perplexity will be "
+            f"worse than the model's; --window {trained} measures the model as trained"
+        )
     window = r.window or trained
-    return lm.perplexity(m.model, m.tokenizer, text, window, r.stride, r.batch_size, r.progress, r.say)
+    return lm.perplexity(
+        m.model, m.tokenizer, text, window, r.stride, r.batch_size, r.progress, r.say
+    )
 
 
-TASK = Task("perplexity", "perplexity and bits per byte of a text (default: the run's own validation split)", score,
-            data_help=f"{OFFLINE}, or {WIKITEXT2_TEST_HUB} to read it from the Hugging Face Hub (needs datasets)",
-            offline_file="wikitext2_test.txt", hub=WIKITEXT2_TEST_HUB, sample="wikitext2",
-            data_default="the run's validation split",
-            keywords=("builtin", "stdlib"), defaults={"batch_size": 4},
-            headline=("perplexity", "bits_per_byte", "tokens"))
+TASK = Task(
+    "perplexity",
+    "perplexity and bits per byte of a text (default: the run's own validation split)",
+    score,
+    data_help=f"{OFFLINE}, or {WIKITEXT2_TEST_HUB} to read it from the Hugging Face Hub (needs "
+    "datasets)",
+    offline_file="wikitext2_test.txt",
+    hub=WIKITEXT2_TEST_HUB,
+    sample="wikitext2",
+    data_default="the run's validation split",
+    keywords=("builtin", "stdlib"),
+    defaults={"batch_size": 4},
+    headline=("perplexity", "bits_per_byte", "tokens"),
+)

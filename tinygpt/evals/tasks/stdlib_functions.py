@@ -1,12 +1,13 @@
 """stdlib-functions: write a function of Python's standard library from its signature and docstring.
 
-Every machine has the data (the standard library's sources: the built-in corpus) and nothing the model
-writes is run: the scores are syntax accuracy (the body parses and adds a statement to the function, as
-`CodeProblem.valid_syntax` judges HumanEval's), exact matches, and corpus BLEU against the real body. The
-functions and methods come from the validation split of `builtin` (every 20th document, the rule training
-uses), whole in their document, with a body of at most `MAX_BODY_CHARS`; one whose text is also in the
-training split (a helper defined in two modules) is left out. So a model pretrained on `builtin` never saw
-them. They depend on the Python version, which the result names.
+Every machine has the data (the standard library's sources: the built-in corpus) and
+nothing the model writes is run: the scores are syntax accuracy (the body parses and adds
+a statement to the function, as `CodeProblem.valid_syntax` judges HumanEval's), exact
+matches, and corpus BLEU against the real body. The functions and methods come from the
+validation split of `builtin` (every 20th document, the rule training uses), whole in
+their document, with a body of at most `MAX_BODY_CHARS`; one whose text is also in the
+training split (a helper defined in two modules) is left out. So a model pretrained on
+`builtin` never saw them. They depend on the Python version, which the result names.
 """
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ _DEF = re.compile(r"([ \t]*)def \w")
 
 
 def _normal(text: str) -> str:
-    """Text with its indentation and blank lines gone: a method matches the same code as a function."""
+    """Text with its indentation and blank lines gone:
+    a method matches the same code as a function."""
     return "\n".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def _functions(doc: str) -> Iterator[CodeProblem]:
-    """The functions and methods that lie whole in a document and have a docstring and a body: the prompt
-    is the header and docstring (dedented), the reference the body."""
+    """The functions and methods that lie whole in a document and have a docstring and a body: the
+    prompt is the header and docstring (dedented), the reference the body."""
     lines = doc.splitlines(keepends=True)
     for start, line in enumerate(lines):
         if (m := _DEF.match(line)) is None:
@@ -44,7 +46,8 @@ def _functions(doc: str) -> Iterator[CodeProblem]:
         end = next((j for j in range(start + 1, len(lines))
                     if lines[j].strip() and len(lines[j]) - len(lines[j].lstrip()) <= indent), None)
         if end is None or lines[end].lstrip().startswith("#"):
-            continue  # it runs on past the document, or a comment at its level may still be inside it
+            # it runs on past the document, or a comment at its level may still be inside it
+            continue
         source = textwrap.dedent("".join(lines[start:end]))
         try:
             fn = ast.parse(source).body[0]
@@ -59,7 +62,8 @@ def _functions(doc: str) -> Iterator[CodeProblem]:
 
 
 def held_out_functions(limit: int | None = None) -> list[CodeProblem]:
-    """The first `limit` functions (all by default) of the built-in corpus's validation split, in its order."""
+    """The first `limit` functions (all by default) of the
+    built-in corpus's validation split, in its order."""
     cfg = DataConfig(source="builtin")
     train, val = [], []
     for i, doc in enumerate(iter_documents(cfg)):
@@ -74,7 +78,9 @@ def held_out_functions(limit: int | None = None) -> list[CodeProblem]:
         if limit is not None and len(out) >= limit:
             break
     if not out:
-        raise FileNotFoundError("this Python has no standard-library sources to take functions from")
+        raise FileNotFoundError(
+            "this Python has no standard-library sources to take functions from"
+        )
     return out
 
 
@@ -85,7 +91,8 @@ def body(completion: str) -> str:
 
 
 def ended(completion: str) -> bool:
-    """Whether a completion has left the function: a line at column 0 after its first (`body` ends there)."""
+    """Whether a completion has left the function: a line
+    at column 0 after its first (`body` ends there)."""
     return body(completion) != completion and bool(completion.strip())
 
 
@@ -93,9 +100,17 @@ def grade(problems: list[CodeProblem], bodies: list[str]) -> dict[str, Any]:
     """Syntax accuracy, exact matches and corpus BLEU of the bodies written for `problems`."""
     n = len(problems)
     bleu, signature = bleu_with_signature(bodies, [p.canonical_solution for p in problems])
-    return {"problems": n, "syntax_accuracy": sum(p.valid_syntax(b) for p, b in zip(problems, bodies)) / n,
-            "exact_match": sum(_normal(b) == _normal(p.canonical_solution) for p, b in zip(problems, bodies)) / n,
-            "empty_answers": empty_share(bodies), "bleu": bleu, "bleu_signature": signature}
+    return {
+        "problems": n,
+        "syntax_accuracy": sum(p.valid_syntax(b) for p, b in zip(problems, bodies)) / n,
+        "exact_match": sum(
+            _normal(b) == _normal(p.canonical_solution) for p, b in zip(problems, bodies)
+        )
+        / n,
+        "empty_answers": empty_share(bodies),
+        "bleu": bleu,
+        "bleu_signature": signature,
+    }
 
 
 def score(m: Loaded, r: Request) -> dict[str, Any]:
@@ -108,15 +123,26 @@ def score(m: Loaded, r: Request) -> dict[str, Any]:
 
     def describe(expected: float, per_batch: float) -> str:
         limit = lm.shorter(len(problems), expected)
-        return (f"stdlib-functions over {len(problems)} functions: about {duration(expected)}; --limit {limit} "
-                f"takes about {duration(expected * limit / len(problems))}")
+        return (
+            f"stdlib-functions over {len(problems)} functions: about {duration(expected)}; --limit "
+            f"{limit} takes about {duration(expected * limit / len(problems))}"
+        )
 
     lm.run_batches([[p] for p in problems], run, "stdlib-functions", r.progress, r.say, describe)
-    return {"python": platform.python_version(), "temperature": temperature, "prompts_cut": generate.cut,
-            **grade(problems, bodies)}
+    return {
+        "python": platform.python_version(),
+        "temperature": temperature,
+        "prompts_cut": generate.cut,
+        **grade(problems, bodies),
+    }
 
 
-TASK = Task("stdlib-functions", "held-out standard-library functions written from their docstrings: syntax accuracy "
-            "and BLEU (runs nothing; every machine has the data)", score,
-            data_default=f"Python {platform.python_version()}'s standard library (held-out functions)",
-            defaults={"max_new_tokens": 128}, headline=("syntax_accuracy", "bleu", "empty_answers", "problems"))
+TASK = Task(
+    "stdlib-functions",
+    "held-out standard-library functions written from their docstrings: syntax accuracy "
+    "and BLEU (runs nothing; every machine has the data)",
+    score,
+    data_default=f"Python {platform.python_version()}'s standard library (held-out functions)",
+    defaults={"max_new_tokens": 128},
+    headline=("syntax_accuracy", "bleu", "empty_answers", "problems"),
+)

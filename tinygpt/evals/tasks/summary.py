@@ -16,5 +16,11 @@ def diagnosis(res: dict[str, Any]) -> list[str]:
     return [f"- {note}" for note in res.get("diagnosis", [])]
 
 
-TASK = Task("summary", "a run's metrics.jsonl summarised, with a diagnosis (no model)", score, needs_model=False,
-            hidden=("diagnosis",), more=diagnosis)
+TASK = Task(
+    "summary",
+    "a run's metrics.jsonl summarised, with a diagnosis (no model)",
+    score,
+    needs_model=False,
+    hidden=("diagnosis",),
+    more=diagnosis,
+)
