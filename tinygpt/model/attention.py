@@ -1,15 +1,16 @@
-"""Which attention kernel serves grouped-query attention (GQA: fewer key/value heads than query heads) on a
-device, and keys/values repeated to the query heads where no fused kernel takes them grouped.
+"""Which attention kernel serves grouped-query attention (GQA: fewer
+key/value heads than query heads) on a device, and keys/values
+repeated to the query heads where no fused kernel takes them grouped.
 
-`F.scaled_dot_product_attention(..., enable_gqa=True)` has a fused kernel only in flash attention (CUDA
-compute capability 8.0+, fp16/bf16, head_dim <= 256) and, from torch 2.9, in the CPU's flash kernel
-(pytorch#157893). Everywhere else (a T4, fp32 on CUDA, MPS, torch before 2.9 on the CPU) it falls back to
-the math kernel, which builds the full T x T attention matrix per head; with keys and values repeated to the
-query heads first, the memory-efficient kernel (CUDA) or flash (CPU) serves instead. `attention_kernel` is
-that decision as a pure function of the device's description; `expand_kv` applies it to a live tensor; the
-memory estimate (`train.memory`) counts what it decides. For Hugging Face bases `EXPANDING_SDPA` is the same
-rule as a transformers attention implementation (`use_expanding_sdpa`); `hf_attention` picks a
-base's.
+`F.scaled_dot_product_attention(..., enable_gqa=True)` has a fused kernel only in flash attention
+(CUDA compute capability 8.0+, fp16/bf16, head_dim <= 256) and, from torch 2.9, in the CPU's flash
+kernel (pytorch#157893). Everywhere else (a T4, fp32 on CUDA, MPS, torch before 2.9 on the CPU) it
+falls back to the math kernel, which builds the full T x T attention matrix per head; with keys and
+values repeated to the query heads first, the memory-efficient kernel (CUDA) or flash (CPU) serves
+instead. `attention_kernel` is that decision as a pure function of the device's description;
+`expand_kv` applies it to a live tensor; the memory estimate (`train.memory`) counts what it
+decides. For Hugging Face bases `EXPANDING_SDPA` is the same rule as a transformers attention
+implementation (`use_expanding_sdpa`); `hf_attention` picks a base's.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ EXPANDING_SDPA = "tinygpt_sdpa"  # the transformers attention implementation reg
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
-    """(major, minor) of a torch version string ("2.9.0+cu128" -> (2, 9)); this torch's by default."""
+    """(major, minor) of a torch version string
+    ("2.9.0+cu128" -> (2, 9)); this torch's by default."""
     major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
@@ -32,17 +34,23 @@ def torch_version(version: str | None = None) -> tuple[int, int]:
 def attention_kernel(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype,
                      version: tuple[int, int], head_dim: int = 64) -> str:
     """How attention with fewer key/value heads than query heads runs on this device:
-    "fused": a fused kernel takes grouped keys/values as they are (pass enable_gqa=True);
-    "expand": only equal head counts have a fused kernel: repeat keys/values to the query heads first;
-    "math": only the math kernel serves either way (MPS), so a T x T matrix per head is built regardless.
-    `capability` is CUDA's compute capability (None elsewhere); `version` is torch's (major, minor)."""
+    "fused": a fused kernel takes grouped keys/values as they are (pass
+    enable_gqa=True); "expand": only equal head counts have a fused kernel: repeat
+    keys/values to the query heads first; "math": only the math kernel serves either
+    way (MPS), so a T x T matrix per head is built regardless. `capability` is CUDA's
+    compute capability (None elsewhere); `version` is torch's (major, minor)."""
     if device_type == "mps":
         return "math"
     if version < ENABLE_GQA_TORCH:
         return "expand"
     if device_type == "cuda":
-        flash = (capability is not None and capability >= (8, 0) and dtype in (torch.float16, torch.bfloat16)
-                 and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0)
+        flash = (
+            capability is not None
+            and capability >= (8, 0)
+            and dtype in (torch.float16, torch.bfloat16)
+            and head_dim <= FLASH_MAX_HEAD_DIM
+            and head_dim % 8 == 0
+        )
         return "fused" if flash else "expand"
     if device_type == "cpu":
         return "fused" if version >= CPU_FUSED_GQA_TORCH else "expand"
@@ -50,41 +58,46 @@ def attention_kernel(device_type: str, capability: tuple[int, int] | None, dtype
 
 
 def device_profile(device: torch.device) -> tuple[str, tuple[int, int] | None]:
-    """(device type, CUDA compute capability or None): what `attention_kernel` needs to know of a device."""
+    """(device type, CUDA compute capability or None):
+    what `attention_kernel` needs to know of a device."""
     cap = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
     return device.type, cap  # type: ignore[return-value]
 
 
 def assume_constant_result(fn):
-    """`torch.compiler.assume_constant_result` without importing the compiler: that decorator imports
-    torch._dynamo (sympy, fx: about 2 CPU-seconds) only to set this one attribute, which the compiler reads
-    when it traces a call of `fn`; applied at import, it made every command (`--help`, generate, CPU training
-    with compile off) pay for a compiler it never ran. tests/test_imports.py checks that the attribute is still
-    all the decorator sets."""
+    """`torch.compiler.assume_constant_result` without importing the compiler: that decorator
+    imports torch._dynamo (sympy, fx: about 2 CPU-seconds) only to set this one attribute, which the
+    compiler reads when it traces a call of `fn`; applied at import, it made every command
+    (`--help`, generate, CPU training with compile off) pay for a compiler it never ran.
+    tests/test_imports.py checks that the attribute is still all the decorator sets."""
     fn._dynamo_marked_constant = True
     return fn
 
 
 @assume_constant_result
 def _expands(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    # A constant for the compiler: the graph is already specialised on the device and dtype of its inputs.
+    # A constant for the compiler: the graph is already
+    # specialised on the device and dtype of its inputs.
     device_type, capability = device_profile(device)
     return attention_kernel(device_type, capability, dtype, torch_version(), head_dim) != "fused"
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, H_kv, T, D) -> (B, H_kv * n_rep, T, D), each key/value head repeated for its group of query heads
-    (the layout `enable_gqa` and transformers' `repeat_kv` use)."""
+    """(B, H_kv, T, D) -> (B, H_kv * n_rep, T, D), each key/value head repeated for its group of
+    query heads (the layout `enable_gqa` and transformers' `repeat_kv` use)."""
     if n_rep == 1:
         return x
     B, H, T, D = x.shape
     return x[:, :, None].expand(B, H, n_rep, T, D).reshape(B, H * n_rep, T, D)
 
 
-def expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(k, v, enable_gqa) for `F.scaled_dot_product_attention(q, k, v, ...)`: keys and values repeated to the
-    query heads where no fused kernel takes them grouped, else as they are with enable_gqa. A single query
-    (decoding) is left grouped: its attention row is 1 x T, and repeating the cache would copy all of it."""
+def expand_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(k, v, enable_gqa) for `F.scaled_dot_product_attention(q, k, v, ...)`: keys and values
+    repeated to the query heads where no fused kernel takes them grouped, else as they are with
+    enable_gqa. A single query (decoding) is left grouped: its attention row is 1 x T, and repeating
+    the cache would copy all of it."""
     n_rep = q.shape[1] // k.shape[1]
     if n_rep == 1:
         return k, v, False
@@ -94,8 +107,9 @@ def expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
 
 
 class _Ungrouped:
-    """What transformers' SDPA function reads of an attention module once keys and values are expanded: no
-    `num_key_value_groups` (so it neither repeats them again nor passes enable_gqa), the same `is_causal`."""
+    """What transformers' SDPA function reads of an attention module once keys and values are
+    expanded: no `num_key_value_groups` (so it neither repeats them again nor passes enable_gqa),
+    the same `is_causal`."""
 
     def __init__(self, is_causal: bool):
         self.is_causal = is_causal
@@ -107,13 +121,15 @@ def _expanding_sdpa(module, query, key, value, attention_mask, **kwargs):
     k, v, grouped = expand_kv(query, key, value)
     if k is key or grouped:  # nothing to expand here: transformers' own SDPA path
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return sdpa_attention_forward(_Ungrouped(getattr(module, "is_causal", True)), query, k, v, attention_mask,
-                                  **kwargs)
+    return sdpa_attention_forward(
+        _Ungrouped(getattr(module, "is_causal", True)), query, k, v, attention_mask, **kwargs
+    )
 
 
 def use_expanding_sdpa() -> str:
-    """Register `EXPANDING_SDPA` with transformers (its attention function, and sdpa's mask builder, which
-    keeps packed records apart) and return the name, for `from_pretrained(attn_implementation=...)`."""
+    """Register `EXPANDING_SDPA` with transformers (its attention function, and sdpa's mask builder,
+    which keeps packed records apart) and return the name, for
+    `from_pretrained(attn_implementation=...)`."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 

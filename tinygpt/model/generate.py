@@ -19,23 +19,38 @@ from tinygpt.model.prompts import Codec, format_prompt
 @dataclass(kw_only=True)
 class GenerateOptions:
     """What `tinygpt generate` samples: each field is one of its options (core/options.py)."""
-    run_dir: str | None = option(None, flag="RUN_DIR", alias="--run-dir", deprecated=True,
-                                 help="a run folder: a pretraining run, or a finetuning run (then the prompt is "
-                                      "an instruction, as with --adapter)")
+    run_dir: str | None = option(
+        None,
+        flag="RUN_DIR",
+        alias="--run-dir",
+        deprecated=True,
+        help="a run folder: a pretraining run, or a finetuning run (then the prompt is "
+        "an instruction, as with --adapter)",
+    )
     prompt: str = option(help="the text to continue (with --adapter: the instruction to answer)")
     checkpoint: str = option("latest", help="latest, best, or a checkpoint folder")
     max_new_tokens: int = option(200, help="tokens to generate")
     temperature: float = option(0.8, help="0 is greedy; higher is more varied")
     top_k: int | None = option(50, help="sample only from the k likeliest tokens")
-    top_p: float | None = option(None, help="sample only from the likeliest tokens that cover this probability")
+    top_p: float | None = option(
+        None, help="sample only from the likeliest tokens that cover this probability"
+    )
     num_samples: int = option(1, help="how many samples, each from its own seed")
     seed: int | None = option(None, help="the random seed of the first sample (sample i: seed + i)")
-    adapter: str | None = option(None, help="a finetuning run or adapter folder: the prompt is an instruction "
-                                 "answered by base + adapter")
+    adapter: str | None = option(
+        None,
+        help="a finetuning run or adapter folder: the prompt is an instruction "
+        "answered by base + adapter",
+    )
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """One token id per row of logits (B, V). temperature 0 means greedy."""
     if temperature == 0:
         return logits.argmax(-1)
@@ -98,9 +113,17 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     return torch.cat(out, dim=1)
 
 
-def generate_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int | None = 50, top_p: float | None = None, seed: int | None = None,
-                  stop_at_eot: bool = True) -> str:
+def generate_text(
+    model: GPT,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_at_eot: bool = True,
+) -> str:
     """The prompt followed by its continuation, as text."""
     if not prompt:
         raise ValueError("the prompt is empty: give some text to continue, e.g. --prompt 'def '")

@@ -1,26 +1,32 @@
-"""GGUF export (llama.cpp, Ollama): a tinygpt model and its byte-level BPE as one `.gguf` file, written
-with `gguf`, llama.cpp's own Python writer.
+"""GGUF export (llama.cpp, Ollama): a tinygpt model and its byte-level BPE as one `.gguf` file,
+written with `gguf`, llama.cpp's own Python writer.
 
 Invariants:
-- The architecture is llama.cpp's `llama`, or `qwen3` for a model with QK-norm (`ModelConfig.family`, the
-  same two that `model.hf` exports to transformers); tensor names come from gguf's own `TensorNameMap`, the
-  metadata from the config's fields (`ModelConfig.to_gguf`). An option llama.cpp's architecture cannot load
-  (declared on its field: `ModelConfig.export_gaps`) is refused before anything is written.
-- llama.cpp's `llama` applies RoPE to adjacent pairs, tinygpt (like transformers) to the two halves of
-  each head; q_proj and k_proj rows (and biases) are permuted here exactly as llama.cpp's `convert_hf_to_gguf.py`
-  does, so the attention scores are the same. `qwen3` uses the halves itself: nothing is permuted.
-- The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with unused `[PAD<i>]`
-  entries up to the model's vocabulary, which llama.cpp requires), the merges in rank order, and the
-  pre-tokenizer `gpt-2`, whose split pattern is the one `tokenizers`' ByteLevel pre-tokenizer uses (`smollm`
-  for SmolLM's single digits before it, so that runs continued from SmolLM export too).
-  `check_tokenizer` refuses a tokenizer llama.cpp would split differently (another pre-tokenizer, a
+- The architecture is llama.cpp's `llama`, or `qwen3` for a model with QK-norm
+  (`ModelConfig.family`, the same two that `model.hf` exports to transformers); tensor names come
+  from gguf's own `TensorNameMap`, the metadata from the config's fields (`ModelConfig.to_gguf`). An
+  option llama.cpp's architecture cannot load (declared on its field: `ModelConfig.export_gaps`) is
+  refused before anything is written.
+- llama.cpp's `llama` applies RoPE to adjacent pairs, tinygpt (like transformers) to the two halves
+  of each head; q_proj and k_proj rows (and biases) are permuted here exactly as llama.cpp's
+  `convert_hf_to_gguf.py` does, so the attention scores are the same. `qwen3` uses the halves
+  itself: nothing is permuted.
+- The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with
+  unused `[PAD<i>]` entries up to the model's vocabulary, which llama.cpp requires),
+  the merges in rank order, and the pre-tokenizer `gpt-2`, whose split pattern is the
+  one `tokenizers`' ByteLevel pre-tokenizer uses (`smollm` for SmolLM's single digits
+  before it, so that runs continued from SmolLM export too). `check_tokenizer`
+  refuses a tokenizer llama.cpp would split differently (another pre-tokenizer, a
   normalizer, byte fallback...) rather than writing a file that tokenizes otherwise.
-- End-of-text is eos, and llama.cpp stops on it. A pretrained run's GGUF adds no beginning-of-sequence token
-  (`tinygpt generate` continues a prompt as it is); a finetune's adds the one its training prompts began with
-  (`bos_id`, `add_bos`: end-of-text for a tinygpt base), so llama.cpp and Ollama start a prompt as training did.
-- `context_length` is the context the run was trained at (`context`), not the size of its position tables.
-- Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0. Like llama.cpp's converter,
-  1-D tensors (norms, biases) stay f32 and a matrix whose rows are not a whole number of blocks stays f16.
+- End-of-text is eos, and llama.cpp stops on it. A pretrained run's GGUF adds no
+  beginning-of-sequence token (`tinygpt generate` continues a prompt as it is); a finetune's adds
+  the one its training prompts began with (`bos_id`, `add_bos`: end-of-text for a tinygpt base), so
+  llama.cpp and Ollama start a prompt as training did.
+- `context_length` is the context the run was trained
+  at (`context`), not the size of its position tables.
+- Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0.
+  Like llama.cpp's converter, 1-D tensors (norms, biases) stay f32
+  and a matrix whose rows are not a whole number of blocks stays f16.
 """
 from __future__ import annotations
 
@@ -48,19 +54,24 @@ def _gguf():
         import gguf
     except ImportError as e:
         raise ImportError(
-            "GGUF export needs the gguf package: pip install 'tinygpt[export]' (or pip install gguf)") from e
+            "GGUF export needs the gguf package: pip install 'tinygpt[export]' (or pip install "
+            "gguf)"
+        ) from e
     return gguf
 
 
 def check_quant(quant: str) -> str:
     if quant not in QUANTS:
-        raise ValueError(f"unknown GGUF quantization {quant!r}; choose one of {', '.join(QUANTS)} (for q4/q5/k-quants, "
-                         "run llama.cpp's llama-quantize on the f16 file)")
+        raise ValueError(
+            f"unknown GGUF quantization {quant!r}; choose one of {', '.join(QUANTS)} (for "
+            "q4/q5/k-quants, run llama.cpp's llama-quantize on the f16 file)"
+        )
     return quant
 
 
 def check_architecture(config: ModelConfig) -> ModelConfig:
-    """`config`, after checking that llama.cpp's architecture of its family loads every option it has on."""
+    """`config`, after checking that llama.cpp's architecture
+    of its family loads every option it has on."""
     config.check_exports("gguf")
     return config
 
@@ -68,25 +79,35 @@ def check_architecture(config: ModelConfig) -> ModelConfig:
 # --- tokenizer --------------------------------------------------------------------------------
 
 def _byte_level(pre: dict[str, Any]) -> bool:
-    return pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space") and pre.get("use_regex", True)
+    return (
+        pre.get("type") == "ByteLevel"
+        and not pre.get("add_prefix_space")
+        and pre.get("use_regex", True)
+    )
 
 
 def pre_tokenizer_name(pre: dict[str, Any] | None) -> str | None:
-    """llama.cpp's name for a `tokenizers` pre-tokenizer it splits identically: `gpt-2` for the ByteLevel
-    pre-tokenizer (tinygpt's, GPT-2's), `smollm` for single digits first, then ByteLevel (SmolLM's); else None."""
+    """llama.cpp's name for a `tokenizers` pre-tokenizer it splits identically: `gpt-2` for the
+    ByteLevel pre-tokenizer (tinygpt's, GPT-2's), `smollm` for single digits first, then ByteLevel
+    (SmolLM's); else None."""
     pre = pre or {}
     if _byte_level(pre):
         return PRE_TOKENIZER
     parts = pre.get("pretokenizers") or []
-    if (pre.get("type") == "Sequence" and len(parts) == 2
-            and parts[0] == {"type": "Digits", "individual_digits": True} and _byte_level(parts[1])):
+    if (
+        pre.get("type") == "Sequence"
+        and len(parts) == 2
+        and parts[0] == {"type": "Digits", "individual_digits": True}
+        and _byte_level(parts[1])
+    ):
         return "smollm"
     return None
 
 
 def check_tokenizer(tokenizer: Tokenizer) -> dict[str, Any]:
-    """The tokenizer's JSON, after checking that llama.cpp's `gpt2` BPE with the pre-tokenizer
-    `pre_tokenizer_name` gives splits and merges exactly as it does; otherwise a ValueError naming what differs."""
+    """The tokenizer's JSON, after checking that llama.cpp's `gpt2` BPE
+    with the pre-tokenizer `pre_tokenizer_name` gives splits and merges
+    exactly as it does; otherwise a ValueError naming what differs."""
     spec = json.loads(tokenizer.to_json())
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
     problems = []
@@ -96,30 +117,45 @@ def check_tokenizer(tokenizer: Tokenizer) -> dict[str, Any]:
         problems.append(f"a {spec['normalizer'].get('type')} normalizer")
     if pre_tokenizer_name(pre) is None:
         problems.append(f"pre-tokenizer {json.dumps(pre, sort_keys=True)}")
-    for key in ("byte_fallback", "ignore_merges", "dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+    for key in (
+        "byte_fallback",
+        "ignore_merges",
+        "dropout",
+        "continuing_subword_prefix",
+        "end_of_word_suffix",
+    ):
         if model.get(key):
             problems.append(f"BPE {key}={model[key]!r}")
     if problems:
-        raise ValueError(f"this tokenizer does not tokenize as llama.cpp's GPT-2 BPE ({'; '.join(problems)}); "
-                         "export to Hugging Face format instead (tinygpt export RUN OUT) and convert it with "
-                         "llama.cpp's convert_hf_to_gguf.py")
+        raise ValueError(
+            f"this tokenizer does not tokenize as llama.cpp's GPT-2 BPE ({'; '.join(problems)}); "
+            "export to Hugging Face format instead (tinygpt export RUN OUT) and convert it with "
+            "llama.cpp's convert_hf_to_gguf.py"
+        )
     return spec
 
 
 def tokenizer_tables(tokenizer: Tokenizer, n_vocab: int) -> tuple[list[str], list[int], list[str]]:
-    """(tokens in id order padded to `n_vocab`, their llama.cpp token types, merges as "a b" in rank order)."""
+    """(tokens in id order padded to `n_vocab`, their
+    llama.cpp token types, merges as "a b" in rank order)."""
     gguf = _gguf()
     spec = check_tokenizer(tokenizer)
     vocab = tokenizer.tok.get_vocab(with_added_tokens=True)
     if len(vocab) > n_vocab or sorted(vocab.values()) != list(range(len(vocab))):
-        raise ValueError(f"the tokenizer's {len(vocab)} ids are not 0..{len(vocab) - 1} within the model's "
-                         f"vocabulary of {n_vocab}")
+        raise ValueError(
+            f"the tokenizer's {len(vocab)} ids are not 0..{len(vocab) - 1} within the model's "
+            f"vocabulary of {n_vocab}"
+        )
     tokens = [""] * len(vocab)
     for text, i in vocab.items():
         tokens[i] = text
     added = {t["id"]: t for t in spec.get("added_tokens", [])}
-    types = [(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED) if i in added
-             else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    types = [
+        (gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
+        if i in added
+        else gguf.TokenType.NORMAL
+        for i in range(len(tokens))
+    ]
     pad = n_vocab - len(tokens)  # the model's rows past the tokenizer (vocabulary padded for speed)
     tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
     types += [gguf.TokenType.UNUSED] * pad
@@ -130,32 +166,43 @@ def tokenizer_tables(tokenizer: Tokenizer, n_vocab: int) -> tuple[list[str], lis
 # --- weights ----------------------------------------------------------------------------------
 
 def _rope_pairs(w: np.ndarray, n_head: int) -> np.ndarray:
-    """q/k rows from rotate-half order (transformers, tinygpt) to llama.cpp's adjacent pairs; the same
-    permutation as convert_hf_to_gguf.py's LlamaModel.permute."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """q/k rows from rotate-half order (transformers, tinygpt) to llama.cpp's adjacent pairs; the
+    same permutation as convert_hf_to_gguf.py's LlamaModel.permute."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
-    """The model's weights (and biases) under llama.cpp's names, as float32 arrays (q/k rows permuted where
-    the family's llama.cpp architecture rotates adjacent pairs)."""
+    """The model's weights (and biases) under llama.cpp's names, as float32 arrays (q/k rows
+    permuted where the family's llama.cpp architecture rotates adjacent pairs)."""
     gguf = _gguf()
     config, family = model.config, model.config.family
     arch = family.model_type  # llama.cpp's architecture of the same name
-    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.n_layer)
+    names = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.n_layer
+    )
     out = {}
     for key, t in model_state(model).items():
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no llama.cpp tensor for {key!r} in architecture {arch}")
         w = t.to(torch.float32).numpy()
-        if family.rope_pairs and key.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
-            w = _rope_pairs(w, config.n_head if "q_proj" in key else config.n_kv_head or config.n_head)
+        if family.rope_pairs and key.endswith(
+            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+        ):
+            w = _rope_pairs(
+                w, config.n_head if "q_proj" in key else config.n_kv_head or config.n_head
+            )
         out[name] = w
     return out
 
 
 def _encode(gguf: Any, name: str, w: np.ndarray, quant: str) -> tuple[np.ndarray, Any]:
-    """(data, ggml type) of one tensor in `quant`, with the converter's exceptions (norms f32, odd rows f16)."""
+    """(data, ggml type) of one tensor in `quant`, with the
+    converter's exceptions (norms f32, odd rows f16)."""
     Q = gguf.GGMLQuantizationType
     if quant == "f32" or w.ndim == 1:
         return w.astype(np.float32), Q.F32
@@ -171,19 +218,30 @@ def _encode(gguf: Any, name: str, w: np.ndarray, quant: str) -> tuple[np.ndarray
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 
 
-def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = "f16", *, name: str = "tinygpt",
-               chat_template: str | None = None, context: int | None = None, bos_id: int | None = None,
-               add_bos: bool = False) -> Path:
-    """Write `model` and `tokenizer` as one GGUF file at `path` (written beside it and renamed into place).
-    chat_template: a Jinja template for llama.cpp's chat mode (a finetuned run's prompt format). context: the
-    `context_length` clients read (the trained context; the model's max_seq_len when None). bos_id / add_bos:
-    the token a prompt starts with, and whether llama.cpp adds it (end-of-text, not added, by default)."""
+def write_gguf(
+    model: GPT,
+    tokenizer: Tokenizer,
+    path: str | Path,
+    quant: str = "f16",
+    *,
+    name: str = "tinygpt",
+    chat_template: str | None = None,
+    context: int | None = None,
+    bos_id: int | None = None,
+    add_bos: bool = False,
+) -> Path:
+    """Write `model` and `tokenizer` as one GGUF file at `path` (written beside it and renamed into
+    place). chat_template: a Jinja template for llama.cpp's chat mode (a finetuned run's prompt
+    format). context: the `context_length` clients read (the trained context; the model's
+    max_seq_len when None). bos_id / add_bos: the token a prompt starts with, and whether llama.cpp
+    adds it (end-of-text, not added, by default)."""
     gguf = _gguf()
     check_quant(quant)
     config = check_architecture(model.config)
     if context is not None and context < 1:
         raise ValueError(f"context must be a positive number of tokens, got {context}")
-    tokens, types, merges = tokenizer_tables(tokenizer, config.vocab_size)  # refused before anything is written
+    # refused before anything is written
+    tokens, types, merges = tokenizer_tables(tokenizer, config.vocab_size)
     tensors = gguf_tensors(model)
     path = Path(path)
     with atomic_output(path) as tmp:
@@ -196,7 +254,9 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = 
         for name, value in meta.items():  # gguf's own writer knows llama.cpp's key and type
             getattr(w, f"add_{name}")(value)
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(pre_tokenizer_name(json.loads(tokenizer.to_json()).get("pre_tokenizer")))
+        w.add_tokenizer_pre(
+            pre_tokenizer_name(json.loads(tokenizer.to_json()).get("pre_tokenizer"))
+        )
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)
@@ -220,15 +280,17 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | Path, quant: str = 
 # --- reading back -----------------------------------------------------------------------------
 
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(metadata {key: value}, tensors {name: float32 array in numpy (torch) order, dequantized}) of a GGUF
-    file, through gguf's own reader: what llama.cpp will find there."""
+    """(metadata {key: value}, tensors {name: float32 array in numpy (torch) order, dequantized}) of
+    a GGUF file, through gguf's own reader: what llama.cpp will find there."""
     gguf = _gguf()
     reader = gguf.GGUFReader(str(path))
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     tensors = {}
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensors[t.name] = np.asarray(data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        tensors[t.name] = np.asarray(data, dtype=np.float32).reshape(
+            tuple(int(d) for d in reversed(t.shape))
+        )
     return meta, tensors
 
 
@@ -236,16 +298,21 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 def modelfile(gguf_name: str, tokenizer: Tokenizer, context: int, *, template: str | None = None,
               stops: tuple[str, ...] = (), temperature: float = 0.8, top_k: int = 50) -> str:
-    """An Ollama Modelfile for the GGUF beside it. template: Ollama's Go template of the prompt (a finetuned
-    run's instruction format); without one the prompt is continued as it is, as `tinygpt generate` does.
-    The context is the model's own (Ollama's default is longer than a small model was trained on), and
-    the repeat penalty is off, as in tinygpt's sampling."""
+    """An Ollama Modelfile for the GGUF beside it. template: Ollama's Go template of the prompt (a
+    finetuned run's instruction format); without one the prompt is continued as it is, as `tinygpt
+    generate` does. The context is the model's own (Ollama's default is longer than a small model
+    was trained on), and the repeat penalty is off, as in tinygpt's sampling."""
     def q(s: str) -> str:
         return json.dumps(s)  # a Go-style quoted string: newlines and quotes escaped
 
     lines = [f"FROM ./{gguf_name}", "", f'TEMPLATE """{template or "{{ .Prompt }}"}"""', ""]
     for s in (tokenizer.eot, *stops):
         lines.append(f"PARAMETER stop {q(s)}")
-    lines += [f"PARAMETER num_ctx {context}", f"PARAMETER temperature {temperature:g}", f"PARAMETER top_k {top_k}",
-              "PARAMETER repeat_penalty 1", ""]
+    lines += [
+        f"PARAMETER num_ctx {context}",
+        f"PARAMETER temperature {temperature:g}",
+        f"PARAMETER top_k {top_k}",
+        "PARAMETER repeat_penalty 1",
+        "",
+    ]
     return "\n".join(lines)

@@ -1,11 +1,13 @@
-"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA, tied embeddings, QK-norm and attention biases).
+"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU,
+optional GQA, tied embeddings, QK-norm and attention biases).
 
 Parameter names are those of Hugging Face `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm), so a
-state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side). With
-`ModelConfig.fused_proj` the q/k/v and gate/up projections are one matrix each (`qkv_proj`, `gate_up_proj`),
-but `state_dict` and `load_state_dict` still speak the Hugging Face names (`_fuse_in_state_dict`). Attention is
-`F.scaled_dot_product_attention`, which picks flash / memory-efficient kernels on CUDA; with GQA, keys and
-values are repeated to the query heads where no fused kernel takes them grouped (`model.attention`).
+state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side).
+With `ModelConfig.fused_proj` the q/k/v and gate/up projections are one matrix each (`qkv_proj`,
+`gate_up_proj`), but `state_dict` and `load_state_dict` still speak the Hugging Face names
+(`_fuse_in_state_dict`). Attention is `F.scaled_dot_product_attention`, which picks flash /
+memory-efficient kernels on CUDA; with GQA, keys and values are repeated to the query heads where no
+fused kernel takes them grouped (`model.attention`).
 """
 from __future__ import annotations
 
@@ -40,15 +42,18 @@ class RMSNorm(nn.Module):
 
 
 def norm_class(config: ModelConfig) -> Callable[[int], nn.Module]:
-    """The model's norm, built from its width (litgpt's `Config.norm_class`): every norm of the GPT (before
-    attention and the MLP, the final one, QK-norm's per head) comes from here, so a new norm is chosen here."""
+    """The model's norm, built from its width (litgpt's `Config.norm_class`):
+    every norm of the GPT (before attention and the MLP, the final one,
+    QK-norm's per head) comes from here, so a new norm is chosen here."""
     return partial(RMSNorm, eps=config.norm_eps)
 
 
 def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, shape (max_seq_len, head_dim), in the half-split layout Llama uses."""
     head_dim, theta = config.head_dim, config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
     t = torch.arange(config.max_seq_len, dtype=torch.int64, device=device).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -82,18 +87,19 @@ class KVCache:
 
 
 def _fuse_in_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, int], ...]) -> None:
-    """Make `module.<fused>` (a Linear whose output rows are `parts`, (name, rows) in order) save as the
-    separate `module.<name>.weight` matrices (and `.bias` vectors, where it has a bias) and load from them, so
-    that files keep the Hugging Face names.
+    """Make `module.<fused>` (a Linear whose output rows are `parts`, (name, rows) in order) save as
+    the separate `module.<name>.weight` matrices (and `.bias` vectors, where it has a bias) and load
+    from them, so that files keep the Hugging Face names.
 
-    On `module` itself, not on the fused Linear: `load_state_dict` checks each module's keys for unexpected
-    names before its children load, and hands each child only the keys under its own prefix."""
+    On `module` itself, not on the fused Linear: `load_state_dict`
+    checks each module's keys for unexpected names before its children
+    load, and hands each child only the keys under its own prefix."""
     names, sizes = [n for n, _ in parts], [r for _, r in parts]
 
     def split(mod, state_dict, prefix, local_metadata):
-        # This module's keys are the last ones in the dict (it is filled depth first): re-insert them in
-        # order with the fused matrix replaced by its parts, as copies (safetensors refuses shared storage).
-        # Each part's bias right after its weight, the order of the unfused module.
+        # This module's keys are the last ones in the dict (it is filled depth first): re-insert
+        # them in order with the fused matrix replaced by its parts, as copies (safetensors refuses
+        # shared storage). Each part's bias right after its weight, the order of the unfused module.
         mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
         weight, bias = f"{prefix}{fused}.weight", f"{prefix}{fused}.bias"
         for k, v in mine.items():
@@ -109,8 +115,11 @@ def _fuse_in_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, i
     def join(mod, state_dict, prefix, *args):
         for kind in ("weight", "bias"):
             keys = [f"{prefix}{name}.{kind}" for name in names]
-            if all(k in state_dict for k in keys):  # else leave it: a missing key is reported as usual
-                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+            # else leave it: a missing key is reported as usual
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat(
+                    [state_dict.pop(k) for k in keys], dim=0
+                )
 
     module.fused_parts = {**getattr(module, "fused_parts", {}), fused: parts}
     module.register_state_dict_post_hook(split)
@@ -120,20 +129,29 @@ def _fuse_in_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, i
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = (
+            config.n_head,
+            config.n_kv_head,
+            config.head_dim,
+        )
         q_dim, kv_dim = config.n_head * self.head_dim, config.n_kv_head * self.head_dim
         self.split_sizes = (q_dim, kv_dim, kv_dim)
         self.fused, bias = config.fused_proj, config.attention_bias
         if self.fused:  # one matmul for queries, keys and values, split after
             self.qkv_proj = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=bias)
-            _fuse_in_state_dict(self, "qkv_proj", (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)))
+            _fuse_in_state_dict(
+                self, "qkv_proj", (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim))
+            )
         else:
             self.q_proj = nn.Linear(config.d_model, q_dim, bias=bias)
             self.k_proj = nn.Linear(config.d_model, kv_dim, bias=bias)
             self.v_proj = nn.Linear(config.d_model, kv_dim, bias=bias)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=bias)
         if config.qk_norm:  # Qwen3's names and place: per head, before RoPE
-            self.q_norm, self.k_norm = norm_class(config)(self.head_dim), norm_class(config)(self.head_dim)
+            self.q_norm, self.k_norm = (
+                norm_class(config)(self.head_dim),
+                norm_class(config)(self.head_dim),
+            )
         self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
@@ -155,7 +173,8 @@ class Attention(nn.Module):
             cache.k[layer][:, :, start:start + T] = k
             cache.v[layer][:, :, start:start + T] = v
             k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
-        k, v, gqa = expand_kv(q, k, v)  # grouped only where a fused kernel takes them so (model.attention)
+        # grouped only where a fused kernel takes them so (model.attention)
+        k, v, gqa = expand_kv(q, k, v)
         if start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif T == 1:  # one new token attends to everything cached: no mask needed
@@ -172,7 +191,9 @@ class MLP(nn.Module):
         self.fused = config.fused_proj
         if self.fused:  # one matmul for the gate and the up projection, split after
             self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
-            _fuse_in_state_dict(self, "gate_up_proj", (("gate_proj", config.d_ff), ("up_proj", config.d_ff)))
+            _fuse_in_state_dict(
+                self, "gate_up_proj", (("gate_proj", config.d_ff), ("up_proj", config.d_ff))
+            )
         else:
             self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
             self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
@@ -224,13 +245,16 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std), biases zero; the projections into the residual stream scaled by 1/sqrt(2 n_layer)
-        (GPT-2's scaled init) so that the residual variance does not grow with depth, or zero with
-        `zero_init_proj`. A fused matrix is drawn part by part, under each part's own name and in the
-        unfused order, so that `fused_proj` starts from bit-identical weights (one draw over the whole
-        matrix would give other numbers)."""
-        fused = {f"{mod_name}.{name}.weight".lstrip("."): parts for mod_name, m in self.named_modules()
-                 for name, parts in getattr(m, "fused_parts", {}).items()}
+        """Normal(0, init_std), biases zero; the projections into the residual stream scaled by
+        1/sqrt(2 n_layer) (GPT-2's scaled init) so that the residual variance does not grow with
+        depth, or zero with `zero_init_proj`. A fused matrix is drawn part by part, under each
+        part's own name and in the unfused order, so that `fused_proj` starts from bit-identical
+        weights (one draw over the whole matrix would give other numbers)."""
+        fused = {
+            f"{mod_name}.{name}.weight".lstrip("."): parts
+            for mod_name, m in self.named_modules()
+            for name, parts in getattr(m, "fused_parts", {}).items()
+        }
         for name, p in self.named_parameters():
             if name in fused:
                 prefix = name.rsplit(".", 2)[0]
@@ -270,8 +294,8 @@ class GPT(nn.Module):
         attention's QK^T and AV: 6 * 2 * n_layer * seq_len * d_model (PaLM appendix B, causal
         attention counted at full length as PaLM and nanoGPT do)."""
         c = self.config
-        # matrices only (norm weights are elementwise); the embedding is a lookup, but lm_head (tied or
-        # not) is a matmul
+        # matrices only (norm weights are elementwise); the embedding
+        # is a lookup, but lm_head (tied or not) is a matmul
         matmul_params = sum(p.numel() for n, p in self.named_parameters()
                             if p.dim() >= 2 and n != "model.embed_tokens.weight")
         if c.tie_embeddings:  # named_parameters lists the shared matrix once, under the embedding
@@ -280,8 +304,10 @@ class GPT(nn.Module):
 
     def _rope(self, start: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         if start + T > self.config.max_seq_len:
-            raise ValueError(f"sequence of {start + T} tokens is longer than the model's max_seq_len "
-                             f"{self.config.max_seq_len}; shorten the input or use a model with a longer context")
+            raise ValueError(
+                f"sequence of {start + T} tokens is longer than the model's max_seq_len "
+                f"{self.config.max_seq_len}; shorten the input or use a model with a longer context"
+            )
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         return cos.to(device), sin.to(device)
 
@@ -312,10 +338,11 @@ class GPT(nn.Module):
 
 
 class _ShapesOnly(torch.overrides.TorchFunctionMode):
-    """What `meta_model` needs of the GPT's construction, its shapes, without the two things that would run
-    torch's Python meta kernels, which import the compiler (torch._dynamo, sympy: about 2 CPU-seconds) on
-    first use: `torch.nn.init` calls are left out (a meta tensor has no values to draw) and the RoPE tables
-    are computed on the CPU (`torch.arange` there), to be replaced by meta tensors of their shape."""
+    """What `meta_model` needs of the GPT's construction, its shapes, without the two things that
+    would run torch's Python meta kernels, which import the compiler (torch._dynamo, sympy: about 2
+    CPU-seconds) on first use: `torch.nn.init` calls are left out (a meta tensor has no values to
+    draw) and the RoPE tables are computed on the CPU (`torch.arange` there), to be replaced by meta
+    tensors of their shape."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -327,8 +354,9 @@ class _ShapesOnly(torch.overrides.TorchFunctionMode):
 
 
 def meta_model(config: ModelConfig) -> GPT:
-    """The model on the meta device: no memory, instant even at 760M, for counting parameters and FLOPs
-    from the model itself (so no formula elsewhere can drift from it). Nothing is initialised (`_ShapesOnly`)."""
+    """The model on the meta device: no memory, instant even at 760M, for
+    counting parameters and FLOPs from the model itself (so no formula
+    elsewhere can drift from it). Nothing is initialised (`_ShapesOnly`)."""
     with torch.device("meta"), _ShapesOnly():
         model = GPT(config)
     for name in ("rope_cos", "rope_sin"):
@@ -340,12 +368,14 @@ def cross_entropy(head: nn.Linear, x: torch.Tensor, targets: torch.Tensor, reduc
                   mode: str = "auto") -> torch.Tensor:
     """Cross-entropy of head(x) against targets, in fp32, ignoring IGNORE_INDEX.
 
-    Large vocabularies go through `tinygpt.model.losses` in chunks of rows, so the full logits are never
-    held for the backward pass; small problems use the plain F.cross_entropy."""
+    Large vocabularies go through `tinygpt.model.losses` in chunks of rows, so the full logits are
+    never held for the backward pass; small problems use the plain F.cross_entropy."""
 
     if type(head) is not nn.Linear or head.bias is not None:
         # A wrapped head (LoRA, 4-bit) is not just its .weight: run it and take the plain loss.
         logits = head(x).float()
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction=reduction)
-    return linear_cross_entropy(x, head.weight, targets, reduction=reduction, ignore_index=IGNORE_INDEX, mode=mode)
+    return linear_cross_entropy(
+        x, head.weight, targets, reduction=reduction, ignore_index=IGNORE_INDEX, mode=mode
+    )

@@ -1,11 +1,11 @@
-"""Hugging Face format: export a tinygpt run to a `LlamaForCausalLM` folder (`Qwen3ForCausalLM` for a model
-with QK-norm), import a Llama or Qwen3 folder.
+"""Hugging Face format: export a tinygpt run to a `LlamaForCausalLM` folder (`Qwen3ForCausalLM` for
+a model with QK-norm), import a Llama or Qwen3 folder.
 
 tinygpt's parameter names are those of `LlamaForCausalLM`, so the weights move as they are; only
 config.json and the tokenizer files are written here, config.json from the Hugging Face names that
-`ModelConfig`'s fields carry (`to_hf_llama`, `from_hf_llama`, `family`). An exported folder loads with
-``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` and gives the same
-logits and token ids as the run it came from.
+`ModelConfig`'s fields carry (`to_hf_llama`, `from_hf_llama`, `family`). An exported folder loads
+with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` and gives the
+same logits and token ids as the run it came from.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import Any, Callable
 import torch
 
 from tinygpt.core.checkpoint import CheckpointError, load_model_state, load_safetensors, model_state
-from tinygpt.core.config import FAMILIES, ModelConfig
+from tinygpt.core.config import ModelConfig
+from tinygpt.core.families import FAMILIES
 from tinygpt.core.files import atomic_output, read_json_safe, safe_name, write_json_atomic
 from tinygpt.core.paths import hub_spec
 from tinygpt.model.gpt import GPT, rope_tables
@@ -36,40 +37,54 @@ def _transformers():
 
 
 # --- what tinygpt loads of a Hugging Face folder ------------------------------------------------
-# A model folder is data: transformers runs its own code for it, never the folder's. The model types tinygpt
-# loads through transformers (a finetuning base, `tinygpt eval` of a model folder): its own families (FAMILIES,
-# which it exports and imports) and those finetuning trains (finetune.plan's PLAIN_HEAD_TYPES and
-# SOFTCAP_HEAD_TYPES, and GPT-2); each must also be one the installed transformers ships.
+# A model folder is data: transformers runs its own code for it, never the folder's.
+# The model types tinygpt loads through transformers (a finetuning base, `tinygpt eval`
+# of a model folder): its own families (FAMILIES, which it exports and imports) and
+# those finetuning trains (finetune.plan's PLAIN_HEAD_TYPES and SOFTCAP_HEAD_TYPES, and
+# GPT-2); each must also be one the installed transformers ships.
 HF_MODEL_TYPES = frozenset(FAMILIES) | {"qwen2", "mistral", "gemma", "gemma2", "phi3", "gpt2"}
 
 
 class UntrustedModel(ValueError):
-    """A Hugging Face folder (or Hub model) tinygpt will not load: it names code of its own, or a model type
-    tinygpt does not load. The message names the file and what to do."""
+    """A Hugging Face folder (or Hub model) tinygpt will not load: it names code of its own, or a
+    model type tinygpt does not load. The message names the file and what to do."""
 
 
 def _as_dict(cfg: Any) -> dict[str, Any]:
-    return cfg if isinstance(cfg, dict) else {**cfg.to_dict(), "auto_map": getattr(cfg, "auto_map", None)}
+    return (
+        cfg
+        if isinstance(cfg, dict)
+        else {**cfg.to_dict(), "auto_map": getattr(cfg, "auto_map", None)}
+    )
 
 
 def check_hf_config(cfg: Any, where: str | Path) -> None:
-    """Refuse (UntrustedModel, one line naming `where`) a config (config.json as read, or a transformers config)
-    that names custom code (`auto_map`) or a model_type that is not in HF_MODEL_TYPES and transformers' own."""
+    """Refuse (UntrustedModel, one line naming `where`) a config (config.json as read, or a
+    transformers config) that names custom code (`auto_map`) or a model_type that is not in
+    HF_MODEL_TYPES and transformers' own."""
     if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
         raise UntrustedModel(f"{where} is not a model config (a JSON object): refused")
     d = _as_dict(cfg)
     if d.get("auto_map"):
         raise UntrustedModel(
-            f"{where} names code of its own (auto_map: {_code_names(d['auto_map'])}): refused before anything was "
-            "loaded; tinygpt never runs a model folder's code, only the model code transformers ships: use a model "
-            f"whose model_type is one of {', '.join(sorted(HF_MODEL_TYPES))} without auto_map (if its model_type is "
-            "one of those, deleting auto_map from config.json and tokenizer_config.json is enough)")
+            f"{where} names code of its own (auto_map: {_code_names(d['auto_map'])}): refused "
+            "before anything was loaded; tinygpt never runs a model folder's code, only the model "
+            "code transformers ships: use a model whose model_type is one of "
+            f"{', '.join(sorted(HF_MODEL_TYPES))} without auto_map (if its model_type is one of "
+            "those, deleting auto_map from config.json and tokenizer_config.json is enough)"
+        )
     kind = d.get("model_type")
-    if not isinstance(kind, str) or kind not in HF_MODEL_TYPES or kind not in _transformers().CONFIG_MAPPING:
+    if (
+        not isinstance(kind, str)
+        or kind not in HF_MODEL_TYPES
+        or kind not in _transformers().CONFIG_MAPPING
+    ):
         what = f"model_type {kind!r}" if kind else "no model_type"
         raise UntrustedModel(
-            f"{where} has {what}, not one tinygpt loads through transformers ({', '.join(sorted(HF_MODEL_TYPES))}): "
-            "refused before anything was loaded; use a model of one of those families (or export it again)")
+            f"{where} has {what}, not one tinygpt loads through transformers "
+            f"({', '.join(sorted(HF_MODEL_TYPES))}): refused before anything was loaded; use a "
+            "model of one of those families (or export it again)"
+        )
 
 
 def _code_names(auto_map: Any) -> str:
@@ -80,9 +95,9 @@ def _code_names(auto_map: Any) -> str:
 
 
 def hf_file(folder: str | Path, name: str) -> Path:
-    """folder/name as tinygpt reads it: that path, or in huggingface_hub's cache (a snapshots/REVISION/ folder,
-    whose files link to ../../blobs/) the blob it links to. Any other link stays a link, which every reader
-    refuses (`core.files.read_bytes_safe`)."""
+    """folder/name as tinygpt reads it: that path, or in huggingface_hub's cache (a
+    snapshots/REVISION/ folder, whose files link to ../../blobs/) the blob it links to. Any other
+    link stays a link, which every reader refuses (`core.files.read_bytes_safe`)."""
     folder = Path(folder)
     p = folder / name
     if p.is_symlink() and folder.parent.name == "snapshots":
@@ -93,10 +108,11 @@ def hf_file(folder: str | Path, name: str) -> Path:
 
 
 def check_hf_folder(path: str | Path) -> None:
-    """A local Hugging Face folder, checked before transformers sees it (nothing where `path` is not a folder:
-    a Hub id is checked as its files arrive, `from_pretrained`): config.json (when there) by `check_hf_config`;
-    tokenizer_config.json naming no code; tokenizer.json's regexes known (`tokenizer.check_regexes`). Each is
-    read bounded and never through a link (`core.files.read_json_safe`); a refusal names the file."""
+    """A local Hugging Face folder, checked before transformers sees it (nothing where `path` is not
+    a folder: a Hub id is checked as its files arrive, `from_pretrained`): config.json (when there)
+    by `check_hf_config`; tokenizer_config.json naming no code; tokenizer.json's regexes known
+    (`tokenizer.check_regexes`). Each is read bounded and never through a link
+    (`core.files.read_json_safe`); a refusal names the file."""
     folder = Path(str(path)).expanduser()
     if not folder.is_dir():
         return
@@ -108,23 +124,31 @@ def check_hf_folder(path: str | Path) -> None:
         d = read_json_safe(hf_file(folder, "tokenizer_config.json"))
         if isinstance(d, dict) and d.get("auto_map"):
             raise UntrustedModel(
-                f"{tok_config} names code of its own (auto_map: {_code_names(d['auto_map'])}): refused before "
-                "anything was loaded; tinygpt never runs a model folder's code: delete auto_map there (the "
-                "tokenizer.json beside it is what tinygpt reads), or use another model")
+                f"{tok_config} names code of its own (auto_map: {_code_names(d['auto_map'])}): "
+                "refused before anything was loaded; tinygpt never runs a model folder's code: "
+                "delete auto_map there (the tokenizer.json beside it is what tinygpt reads), or "
+                "use another model"
+            )
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.json").is_symlink():
         read_tokenizer_json(hf_file(folder, "tokenizer.json"))
 
 
 def from_pretrained(auto_class: str, path: str | Path, **kw: Any) -> Any:
-    """`transformers.<auto_class>.from_pretrained(path, **kw)` (AutoConfig, AutoTokenizer, AutoModelForCausalLM),
-    the one way tinygpt calls it: a local folder is checked first (`check_hf_folder`), the folder's own code is
-    never run (trust_remote_code=False, so transformers neither asks nor imports it), a Hub model's config is
-    checked before its weights or tokenizer load, and a tokenizer's regexes before it encodes anything."""
+    """`transformers.<auto_class>.from_pretrained(path, **kw)` (AutoConfig, AutoTokenizer,
+    AutoModelForCausalLM), the one way tinygpt calls it: a local folder is checked first
+    (`check_hf_folder`), the folder's own code is never run (trust_remote_code=False, so
+    transformers neither asks nor imports it), a Hub model's config is checked before its weights or
+    tokenizer load, and a tokenizer's regexes before it encodes anything."""
     tf = _transformers()
     check_hf_folder(path)
     kw["trust_remote_code"] = False
-    if auto_class != "AutoConfig" and auto_class != "AutoTokenizer" and not Path(str(path)).expanduser().is_dir():
-        from_pretrained("AutoConfig", path)  # a Hub model: its config says what it is before any weights come
+    if (
+        auto_class != "AutoConfig"
+        and auto_class != "AutoTokenizer"
+        and not Path(str(path)).expanduser().is_dir()
+    ):
+        # a Hub model: its config says what it is before any weights come
+        from_pretrained("AutoConfig", path)
     loaded = getattr(tf, auto_class).from_pretrained(str(path), **kw)
     if auto_class == "AutoConfig":
         check_hf_config(loaded, f"{path}'s config.json")
@@ -135,27 +159,36 @@ def from_pretrained(auto_class: str, path: str | Path, **kw: Any) -> Any:
 
 
 def check_export_target(out_dir: str | Path) -> Path:
-    """The target as a Path; refuses one that exists and is not an empty folder (nothing is overwritten)."""
+    """The target as a Path; refuses one that exists and
+    is not an empty folder (nothing is overwritten)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"export target {out} already exists and is not empty; nothing was written. "
-                              "Choose a new folder, or delete this one first")
+        raise FileExistsError(
+            f"export target {out} already exists and is not empty; nothing was written. "
+            "Choose a new folder, or delete this one first"
+        )
     return out
 
 
 def hf_llama_config(config: ModelConfig, eot_id: int | None = None) -> Any:
-    """The `transformers` config of a tinygpt model config, of its family's class (`ModelConfig.family`:
-    a `LlamaConfig`, or with QK-norm a `Qwen3Config`)."""
+    """The `transformers` config of a tinygpt model config, of its family's class
+    (`ModelConfig.family`: a `LlamaConfig`, or with QK-norm a `Qwen3Config`)."""
     tf = _transformers()
     family = config.family
-    return getattr(tf, family.config_class)(**config.to_hf_llama(), architectures=[family.model_class],
-                                            bos_token_id=eot_id, eos_token_id=eot_id, torch_dtype="float32")
+    return getattr(tf, family.config_class)(
+        **config.to_hf_llama(),
+        architectures=[family.model_class],
+        bos_token_id=eot_id,
+        eos_token_id=eot_id,
+        torch_dtype="float32",
+    )
 
 
 def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
-    """A `PreTrainedTokenizerFast` around the same `tokenizers` object, with bos = eos = pad = end-of-text
-    (tinygpt documents are separated by it, so a prompt starts the way a document does; padding for
-    batched finetuning and generation needs a pad token, and end-of-text carries no loss there)."""
+    """A `PreTrainedTokenizerFast` around the same `tokenizers` object, with
+    bos = eos = pad = end-of-text (tinygpt documents are separated by it, so a
+    prompt starts the way a document does; padding for batched finetuning and
+    generation needs a pad token, and end-of-text carries no loss there)."""
     tf = _transformers()
     kw = {"model_max_length": max_seq_len} if max_seq_len else {}
     return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=tokenizer.eot,
@@ -179,17 +212,23 @@ def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path, *
     with atomic_output(out, folder=True) as tmp:  # a failure leaves nothing under the real name
         eot_id = tokenizer.eot_id if tokenizer is not None else None
         hf_llama_config(model.config, eot_id).save_pretrained(tmp)
-        # transformers 5 keeps rope_theta under rope_parameters; 4.x reads it at the top level and would
-        # silently fall back to 10000 without it. Both keys, so that either version loads the same model.
+        # transformers 5 keeps rope_theta under rope_parameters; 4.x reads
+        # it at the top level and would silently fall back to 10000 without
+        # it. Both keys, so that either version loads the same model.
         _update_json(tmp / "config.json", rope_theta=model.config.rope_theta,
                      max_position_embeddings=context or model.config.max_seq_len)
         save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             hf_tokenizer(tokenizer, context or model.config.max_seq_len).save_pretrained(tmp)
-            # transformers 5 writes its own class name; "PreTrainedTokenizerFast" loads in 4.x and 5.x.
+            # transformers 5 writes its own class name;
+            # "PreTrainedTokenizerFast" loads in 4.x and 5.x.
             _update_json(tmp / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast",
                          add_bos_token=False, add_eos_token=False)
-            gen = {"bos_token_id": eot_id, "eos_token_id": eot_id, "transformers_version": _transformers().__version__}
+            gen = {
+                "bos_token_id": eot_id,
+                "eos_token_id": eot_id,
+                "transformers_version": _transformers().__version__,
+            }
             write_json_atomic(tmp / "generation_config.json", gen)
         check_export_target(out)  # still free? (someone may have written there meanwhile)
     return out
@@ -197,12 +236,13 @@ def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path, *
 
 def set_prompt_format(folder: str | Path, *, bos_id: int | None, chat_template: str | None = None,
                       context: int | None = None) -> None:
-    """Make an exported Hugging Face folder (written by this process) start every prompt as its training
-    did: with token `bos_id` added by the tokenizer (tokenizer.json's post-processor, which transformers 4.x
-    and 5.x and `tokenizers` all apply; `add_bos_token` in tokenizer_config.json, which converters such as
-    llama.cpp's read; bos_token_id in config.json and generation_config.json), or with nothing added when
-    `bos_id` is None. chat_template: the prompt format for `apply_chat_template`; context: the trained
-    context (max_position_embeddings, model_max_length)."""
+    """Make an exported Hugging Face folder (written by this process) start every prompt
+    as its training did: with token `bos_id` added by the tokenizer (tokenizer.json's
+    post-processor, which transformers 4.x and 5.x and `tokenizers` all apply;
+    `add_bos_token` in tokenizer_config.json, which converters such as llama.cpp's read;
+    bos_token_id in config.json and generation_config.json), or with nothing added when
+    `bos_id` is None. chat_template: the prompt format for `apply_chat_template`;
+    context: the trained context (max_position_embeddings, model_max_length)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import processors
 
@@ -238,7 +278,8 @@ def set_prompt_format(folder: str | Path, *, bos_id: int | None, chat_template: 
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
-    """Export a run's checkpoint ("latest", "best" or a folder) and tokenizer to a Hugging Face folder."""
+    """Export a run's checkpoint ("latest", "best" or a
+    folder) and tokenizer to a Hugging Face folder."""
     check_export_target(out_dir)  # fail before loading anything
     model, tokenizer, _, _ = load_run(run_dir, which)
     return export_model(model, tokenizer, out_dir)
@@ -247,14 +288,20 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") 
 # --- import -----------------------------------------------------------------------------------
 
 # what a model family has that tinygpt's GPT lacks, said where its config.json names the family
-FAMILY_DIFFERENCES = {"qwen2": "biases on q/k/v", "mistral": "sliding-window attention", "gemma": "GeGLU and scaled "
-                      "embeddings", "gemma2": "soft-capped logits and sliding windows", "phi3": "fused projections",
-                      "gpt2": "learned positions, LayerNorm and GELU"}
+FAMILY_DIFFERENCES = {
+    "qwen2": "biases on q/k/v",
+    "mistral": "sliding-window attention",
+    "gemma": "GeGLU and scaled embeddings",
+    "gemma2": "soft-capped logits and sliding windows",
+    "phi3": "fused projections",
+    "gpt2": "learned positions, LayerNorm and GELU",
+}
 
 
 def representation_gaps(cfg: dict[str, Any]) -> list[str]:
-    """What in a Hugging Face `config.json` tinygpt's GPT cannot represent ([] when it can): another
-    architecture, or a Llama / Qwen3 feature the GPT lacks. Each item names the field and its value."""
+    """What in a Hugging Face `config.json` tinygpt's GPT cannot
+    represent ([] when it can): another architecture, or a Llama / Qwen3
+    feature the GPT lacks. Each item names the field and its value."""
     arch = cfg.get("architectures") or []
     kind = cfg.get("model_type")
     family = (FAMILIES.get(kind) if kind
@@ -262,9 +309,16 @@ def representation_gaps(cfg: dict[str, Any]) -> list[str]:
     if family is None:
         what = kind or (arch[0] if arch else "an unknown model type")
         why = FAMILY_DIFFERENCES.get(kind or "")
-        return [f"model_type {what!r}{f' ({why})' if why else ''}, not {' or '.join(map(repr, FAMILIES))}"]
-    gaps = [(f"{key}={json.dumps(cfg[key])}" if isinstance(value, bool) else f"{key} {cfg[key]!r}") + f" ({why})"
-            for key, (value, why) in family.hf_fixed.items() if cfg.get(key) is not None and cfg[key] != value]
+        return [
+            f"model_type {what!r}{f' ({why})' if why else ''}, not "
+            f"{' or '.join(map(repr, FAMILIES))}"
+        ]
+    gaps = [
+        (f"{key}={json.dumps(cfg[key])}" if isinstance(value, bool) else f"{key} {cfg[key]!r}")
+        + f" ({why})"
+        for key, (value, why) in family.hf_fixed.items()
+        if cfg.get(key) is not None and cfg[key] != value
+    ]
     rope = cfg.get("rope_scaling") or {}
     rope_type = (rope.get("rope_type") or rope.get("type")
                  or (cfg.get("rope_parameters") or {}).get("rope_type", "default"))
@@ -273,33 +327,44 @@ def representation_gaps(cfg: dict[str, Any]) -> list[str]:
     if family.model_type == "llama" and cfg.get("sliding_window"):
         gaps.append("sliding-window attention (tinygpt's attention is full)")
     if cfg.get("attention_dropout"):
-        gaps.append(f"attention_dropout {cfg['attention_dropout']} (tinygpt trains without dropout)")
+        gaps.append(
+            f"attention_dropout {cfg['attention_dropout']} (tinygpt trains without dropout)"
+        )
     heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
     head_dim = cfg.get("head_dim") or (hidden // heads if heads and hidden else None)
     if heads and hidden and head_dim * heads != hidden:
-        gaps.append(f"head_dim {head_dim} x {heads} heads = {head_dim * heads}, not hidden_size {hidden} "
-                    "(tinygpt's heads split the hidden size)")
+        gaps.append(
+            f"head_dim {head_dim} x {heads} heads = {head_dim * heads}, not hidden_size {hidden} "
+            "(tinygpt's heads split the hidden size)"
+        )
     return gaps
 
 
 def _check_llama(cfg: dict[str, Any], path: Path | str) -> None:
     gaps = representation_gaps(cfg)
     if gaps:
-        raise ValueError(f"{path} holds a model tinygpt's GPT cannot represent: {'; '.join(gaps)}. tinygpt imports "
-                         "Llama-architecture models (model_type 'llama', or 'qwen3') without these")
+        raise ValueError(
+            f"{path} holds a model tinygpt's GPT cannot represent: {'; '.join(gaps)}. tinygpt "
+            "imports Llama-architecture models (model_type 'llama', or 'qwen3') without these"
+        )
 
 
 # What continued pretraining needs of a Hub model: config and tokenizer first (checked before any
 # download of weights), then the weights.
-HUB_META_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "generation_config.json")
+HUB_META_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 HUB_WEIGHT_FILES = ("*.safetensors", SAFETENSORS_INDEX)
 
 
 def hub_model_folder(spec: str, weights: bool = True) -> Path:
-    """The local folder of a Hub model written ``hf:NAME[@REVISION]``: its files in the Hugging Face cache,
-    downloaded there once through `huggingface_hub` (offline, HF_HUB_OFFLINE=1, the cached copy serves).
-    weights=False fetches config and tokenizer only."""
+    """The local folder of a Hub model written ``hf:NAME[@REVISION]``: its files in the Hugging Face
+    cache, downloaded there once through `huggingface_hub` (offline, HF_HUB_OFFLINE=1, the cached
+    copy serves). weights=False fetches config and tokenizer only."""
     name, config, revision = hub_spec(spec)
     if config is not None:
         raise ValueError(f"{spec!r}: a model is written hf:NAME[@REVISION], with no :CONFIG")
@@ -309,15 +374,18 @@ def hub_model_folder(spec: str, weights: bool = True) -> Path:
         return Path(snapshot_download(name, revision=revision, allow_patterns=list(files)))
     except Exception as e:  # not found, gated, offline: the user's to fix, in one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"could not get model {name!r} from the Hugging Face Hub ({type(e).__name__}: {first}); "
-                         "check the name and the network (gated models need `hf auth login`), or give a local "
-                         "model folder") from None
+        raise ValueError(
+            f"could not get model {name!r} from the Hugging Face Hub ({type(e).__name__}: "
+            f"{first}); check the name and the network (gated models need `hf auth login`), or "
+            "give a local model folder"
+        ) from None
 
 
 def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a Hugging Face folder: model.safetensors or shards listed in its index, each header checked
-    before the library reads it (`load_safetensors`: a bad one is named), each shard's name a plain file name of
-    the folder (an index is anyone's: "../x" would read outside it)."""
+    """The tensors of a Hugging Face folder: model.safetensors or shards listed
+    in its index, each header checked before the library reads it
+    (`load_safetensors`: a bad one is named), each shard's name a plain file
+    name of the folder (an index is anyone's: "../x" would read outside it)."""
     path = Path(path)
     if (path / "model.safetensors").is_file():
         return load_safetensors(hf_file(path, "model.safetensors"))
@@ -328,18 +396,28 @@ def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         shards = sorted(set(map(str, index["weight_map"].values())))
         sd: dict[str, torch.Tensor] = {}
         for shard in shards:
-            sd.update(load_safetensors(hf_file(path, safe_name(shard, path / SAFETENSORS_INDEX, plain=True))))
+            sd.update(
+                load_safetensors(
+                    hf_file(path, safe_name(shard, path / SAFETENSORS_INDEX, plain=True))
+                )
+            )
         return sd
-    raise FileNotFoundError(f"{path} has no model.safetensors or {SAFETENSORS_INDEX}; if it holds "
-                            "pytorch_model.bin, load it with transformers and save_pretrained() it again "
-                            "(safetensors is the default)")
+    raise FileNotFoundError(
+        f"{path} has no model.safetensors or {SAFETENSORS_INDEX}; if it holds "
+        "pytorch_model.bin, load it with transformers and save_pretrained() it again "
+        "(safetensors is the default)"
+    )
 
 
-def import_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              max_seq_len: int | None = None) -> tuple[GPT, Tokenizer | None]:
-    """A tinygpt `GPT` (same logits) and its tokenizer (None without a tokenizer.json) from a Hugging
-    Face Llama folder, e.g. to continue training. `max_seq_len` caps the RoPE tables of a long-context
-    model to what you will train on."""
+def import_hf(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_seq_len: int | None = None,
+) -> tuple[GPT, Tokenizer | None]:
+    """A tinygpt `GPT` (same logits) and its tokenizer (None without a tokenizer.json) from a
+    Hugging Face Llama folder, e.g. to continue training. `max_seq_len` caps the RoPE tables of a
+    long-context model to what you will train on."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model folder?")
@@ -350,20 +428,33 @@ def import_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     config = ModelConfig.from_hf_llama(hf_cfg)
     if max_seq_len:
         config.max_seq_len = max_seq_len
-    model = gpt_from_state(config, {k: v for k, v in read_hf_state_dict(path).items()
-                                    if not k.endswith("rotary_emb.inv_freq")}, device, f"{path}'s config.json")
+    model = gpt_from_state(
+        config,
+        {
+            k: v
+            for k, v in read_hf_state_dict(path).items()
+            if not k.endswith("rotary_emb.inv_freq")
+        },
+        device,
+        f"{path}'s config.json",
+    )
     model = model.to(dtype=dtype).eval()
     return model, _import_tokenizer(path, hf_cfg)
 
 
-def gpt_from_state(config: ModelConfig, sd: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                   what: str = "the config") -> GPT:
+def gpt_from_state(
+    config: ModelConfig,
+    sd: dict[str, torch.Tensor],
+    device: str | torch.device = "cpu",
+    what: str = "the config",
+) -> GPT:
     """A GPT of `config` holding the weights `sd` (Hugging Face names), built without a random
     initialisation of weights that are about to be replaced; a ValueError when they do not fit."""
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
-    # the RoPE tables are buffers that no state dict holds: to_empty left them as uninitialised memory
+    # the RoPE tables are buffers that no state dict
+    # holds: to_empty left them as uninitialised memory
     model.rope_cos, model.rope_sin = rope_tables(config, device=device)
     try:
         load_model_state(model, sd)
@@ -375,9 +466,10 @@ def gpt_from_state(config: ModelConfig, sd: dict[str, torch.Tensor], device: str
 
 
 def import_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The tokenizer of a Hugging Face model folder (its tokenizer.json through `tokenizers`, end-of-text
-    = the model's eos token); None without a tokenizer.json. Every file is read bounded and never through a
-    link, and a tokenizer.json whose regexes are not known ones is refused (`tokenizer.read_tokenizer_json`)."""
+    """The tokenizer of a Hugging Face model folder (its tokenizer.json through `tokenizers`,
+    end-of-text = the model's eos token); None without a tokenizer.json. Every file is read bounded
+    and never through a link, and a tokenizer.json whose regexes are not known ones is refused
+    (`tokenizer.read_tokenizer_json`)."""
     path = Path(path)
     hf_cfg = read_json_safe(hf_file(path, "config.json"))
     if not isinstance(hf_cfg, dict):
@@ -408,8 +500,8 @@ def _import_tokenizer(path: Path, hf_cfg: dict[str, Any]) -> Tokenizer | None:
 def load_hf_causal_lm(path: str | Path, device: str | torch.device = "cpu",
                       **from_pretrained_kw: Any) -> tuple[Any, Any]:
     """A transformers causal LM (eval mode) and its tokenizer from a folder or Hub name, for
-    `tinygpt.evals` (an export, a merged finetune, any causal LM); the folder is checked first and its own
-    code never runs (`from_pretrained`)."""
+    `tinygpt.evals` (an export, a merged finetune, any causal LM); the folder is checked first and
+    its own code never runs (`from_pretrained`)."""
     check_hf_folder(path)  # the whole folder, tokenizer included, before any weights load
     model = from_pretrained("AutoModelForCausalLM", path, **from_pretrained_kw).to(device).eval()
     return model, from_pretrained("AutoTokenizer", path)
@@ -417,8 +509,11 @@ def load_hf_causal_lm(path: str | Path, device: str | torch.device = "cpu",
 
 def hf_generate_fn(model: Any, tokenizer: Any, max_new_tokens: int = 384,
                    temperature: float = 0.0) -> Callable[[str], str]:
-    """`generate(prompt) -> completion` (the new text only) through `model.generate`; greedy at temperature 0."""
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    """`generate(prompt) -> completion` (the new text only)
+    through `model.generate`; greedy at temperature 0."""
+    sampling = (
+        {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def generate(prompt: str) -> str:

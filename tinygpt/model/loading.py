@@ -1,4 +1,5 @@
-"""Build a model and its tokenizer from a tinygpt run folder (storage knows files; this knows models)."""
+"""Build a model and its tokenizer from a tinygpt run
+folder (storage knows files; this knows models)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +22,8 @@ def load_run(run_dir: str | Path, which: str = "latest", device: str | torch.dev
     """(model in eval mode, tokenizer, recipe, checkpoint folder) of a tinygpt run folder;
     `which` is "latest" (newest valid step), "best", or a checkpoint folder."""
     run = RunDir(run_dir)
-    if run.path.is_dir() and not run.is_pretrain_run():  # a finetuning run, an export: what opens it
+    # a finetuning run, an export: what opens it
+    if run.path.is_dir() and not run.is_pretrain_run():
         raise RunDirError(not_a_run_message(run.path))
     recipe = run.recipe()  # every value checked before anything is built from it
     ckpt = find_run_checkpoint(run.path, which)
@@ -34,13 +36,16 @@ def load_run(run_dir: str | Path, which: str = "latest", device: str | torch.dev
 
 
 def check_matches(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: Path, ckpt: Path) -> None:
-    """The configuration must describe the checkpoint's weights (layers, width, vocabulary) before a model
-    is built from it: a run.json edited to a million layers would otherwise allocate for minutes."""
+    """The configuration must describe the checkpoint's weights (layers,
+    width, vocabulary) before a model is built from it: a run.json
+    edited to a million layers would otherwise allocate for minutes."""
     layers = {k.split(".")[2] for k in sd if k.startswith("model.layers.")}
     emb = sd.get("model.embed_tokens.weight")
     have = (len(layers), *(tuple(emb.shape) if emb is not None else (None, None)))
     want = (cfg.n_layer, cfg.vocab_size, cfg.d_model)
     if have != want:
-        raise RunDirError(f"{where} says n_layer {want[0]}, vocab_size {want[1]}, d_model {want[2]} but checkpoint "
-                          f"{ckpt} holds {have[0]} layers and embeddings of {have[1]} x {have[2]}: restore run.json "
-                          "from the mirror, or start a new run folder")
+        raise RunDirError(
+            f"{where} says n_layer {want[0]}, vocab_size {want[1]}, d_model {want[2]} but "
+            f"checkpoint {ckpt} holds {have[0]} layers and embeddings of {have[1]} x {have[2]}: "
+            "restore run.json from the mirror, or start a new run folder"
+        )

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100  # targets with this value carry no loss (prompt tokens, padding); the one definition
+# targets with this value carry no loss (prompt tokens, padding); the one definition
+IGNORE_INDEX = -100
 
 # Below this many logits (rows x vocab) the plain loss is used: its logits are small and one
 # fused kernel beats a Python loop. 2**24 fp32 logits are 64 MB.
@@ -35,9 +36,10 @@ PLAIN_MAX_LOGITS = 2**24
 CHUNK_LOGITS = 2**25
 
 
-# `mode` is `TrainConfig.loss` (`core.config.LossMode`): "auto" chunks by size (below), "full" always
-# keeps the full logits (the fastest where they fit: one fused kernel, no loop), "chunked" always
-# chunks. On a GPU the probe times "full" against "chunked" and keeps the faster one that fits.
+# `mode` is `TrainConfig.loss` (`core.config.LossMode`): "auto" chunks by
+# size (below), "full" always keeps the full logits (the fastest where they
+# fit: one fused kernel, no loop), "chunked" always chunks. On a GPU the
+# probe times "full" against "chunked" and keeps the faster one that fits.
 
 
 def default_chunk_rows(n_rows: int, vocab_size: int, mode: str = "auto") -> int:
@@ -62,15 +64,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed token loss of `x @ weight.T` against `targets`; the gradients are made in forward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
-                ignore_index: int, compute_dtype: torch.dtype, grad_x_needed: bool, grad_w_needed: bool):
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_rows: int,
+        ignore_index: int,
+        compute_dtype: torch.dtype,
+        grad_x_needed: bool,
+        grad_w_needed: bool,
+    ):
         n_rows = x.shape[0]
         w = weight.to(compute_dtype)
         acc_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         loss = torch.zeros((), dtype=acc_dtype, device=x.device)
         grad_x = torch.empty_like(x) if grad_x_needed else None
         # fp32 accumulator: a bf16 sum over many chunks would lose the small contributions.
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if grad_w_needed else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+            if grad_w_needed
+            else None
+        )
         for start in range(0, n_rows, chunk_rows):
             end = min(start + chunk_rows, n_rows)
             xc = x[start:end].to(compute_dtype)
@@ -101,7 +116,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_x, grad_w = ctx.saved_tensors
         gx = grad_x * grad_loss.to(grad_x.dtype) if grad_x is not None else None
-        gw = (grad_w * grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype) if grad_w is not None else None
+        gw = (
+            (grad_w * grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
+            if grad_w is not None
+            else None
+        )
         return gx, gw, None, None, None, None, None, None
 
 

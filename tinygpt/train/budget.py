@@ -1,11 +1,12 @@
 """A time budget: the number of steps that fit in H hours, measured once, kept with the run.
 
-`tinygpt pretrain --hours H` trains with the warmup-stable-decay schedule, whose learning rate does
-not depend on the step count until the decay begins. After a few steady steps the trainer measures
-the time of a step, of an evaluation and of a checkpoint, fixes `max_steps` so that training (start-up
-not counted) ends within the budget, and writes ``budget.json`` in the run folder: a resumed run keeps
-that step count, so it ends with its schedule complete however often it was interrupted. Resumed with
-more hours while still in the stable phase, it goes on longer; once the decay has begun, it cannot.
+`tinygpt pretrain --hours H` trains with the warmup-stable-decay schedule, whose learning
+rate does not depend on the step count until the decay begins. After a few steady steps
+the trainer measures the time of a step, of an evaluation and of a checkpoint, fixes
+`max_steps` so that training (start-up not counted) ends within the budget, and writes
+``budget.json`` in the run folder: a resumed run keeps that step count, so it ends with
+its schedule complete however often it was interrupted. Resumed with more hours while
+still in the stable phase, it goes on longer; once the decay has begun, it cannot.
 `finished_run` tells a run that already reached its last step (budgeted, or the recipe's).
 """
 from __future__ import annotations
@@ -22,8 +23,10 @@ from tinygpt.core.files import write_json_atomic
 from tinygpt.core.rundir import BUDGET_JSON, RunDir, RunDirError, read_json, recipe_name_of
 
 MEASURE_STEPS = 8  # steady steps (after the compile) timed before the step count is fixed
-MAX_HOURS = 24 * 30  # a month of GPU time: far past any Colab session, and a bound on what budget.json may say
-MIN_STEP_S = 1e-4  # no optimizer step of any recipe takes less (the smallest CPU recipe takes milliseconds)
+# a month of GPU time: far past any Colab session, and a bound on what budget.json may say
+MAX_HOURS = 24 * 30
+# no optimizer step of any recipe takes less (the smallest CPU recipe takes milliseconds)
+MIN_STEP_S = 1e-4
 MAX_BUDGET_STEPS = 10**8  # the most steps a budget may fix, whatever its hours and step time say
 
 
@@ -48,23 +51,38 @@ class Budget:
             kinds = (int,) if whole else (int, float)
             return isinstance(v, kinds) and not isinstance(v, bool) and math.isfinite(v) and v > 0
         if not isinstance(d, dict):
-            raise RunDirError(f"{path} does not hold a time budget (a JSON object with hours and max_steps){fix}")
+            raise RunDirError(
+                f"{path} does not hold a time budget (a JSON object with hours and max_steps){fix}"
+            )
         if not number(d.get("hours")):
-            raise RunDirError(f"{path}: hours must be a positive, finite number, got {d.get('hours')!r}{fix}")
-        for name, whole in (("max_steps", True), ("decided_at_step", True), ("step_s", False), ("decided_at", False)):
+            raise RunDirError(
+                f"{path}: hours must be a positive, finite number, got {d.get('hours')!r}{fix}"
+            )
+        for name, whole in (
+            ("max_steps", True),
+            ("decided_at_step", True),
+            ("step_s", False),
+            ("decided_at", False),
+        ):
             if d.get(name) is not None and not number(d[name], whole):
                 kind = "a positive whole number" if whole else "a positive number"
                 raise RunDirError(f"{path}: {name} must be {kind} or null, got {d[name]!r}{fix}")
-        budget = cls(**{k: d.get(k) for k in ("hours", "max_steps", "decided_at_step", "step_s", "decided_at")})
+        budget = cls(
+            **{
+                k: d.get(k)
+                for k in ("hours", "max_steps", "decided_at_step", "step_s", "decided_at")
+            }
+        )
         if (why := budget.out_of_bounds()) is not None:
             raise RunDirError(f"{path}: {why}: not a budget tinygpt decided{fix}")
         return budget
 
     def out_of_bounds(self) -> str | None:
-        """Why these figures cannot be a budget tinygpt decided (None when they can): budget.json comes back from a
-        shared mirror, so it must not set a run that never ends. Hours at most MAX_HOURS, a step time of at least
-        MIN_STEP_S, and a step count no larger than the hours buy at that step time (`steps_for`, `extend`: at most
-        hours * 3600 / step_s steps after the step it was decided at) nor MAX_BUDGET_STEPS."""
+        """Why these figures cannot be a budget tinygpt decided (None when they can): budget.json
+        comes back from a shared mirror, so it must not set a run that never ends. Hours at most
+        MAX_HOURS, a step time of at least MIN_STEP_S, and a step count no larger than the hours buy
+        at that step time (`steps_for`, `extend`: at most hours * 3600 / step_s steps after the step
+        it was decided at) nor MAX_BUDGET_STEPS."""
         if self.hours > MAX_HOURS:
             return f"hours {self.hours:g} is more than {MAX_HOURS}"
         if self.step_s is not None and self.step_s < MIN_STEP_S:
@@ -76,8 +94,10 @@ class Budget:
         if self.step_s is not None:
             bought = (self.decided_at_step or 0) + math.ceil(self.hours * 3600 / self.step_s) + 1
             if self.max_steps > bought:
-                return (f"max_steps {self.max_steps} is more than {self.hours:g} h buy at {self.step_s:g} s a step "
-                        f"({bought})")
+                return (
+                    f"max_steps {self.max_steps} is more than {self.hours:g} h buy at "
+                    f"{self.step_s:g} s a step ({bought})"
+                )
         return None
 
     def save(self, run_dir: Path) -> None:
@@ -96,15 +116,22 @@ def decay_start(max_steps: int, decay_fraction: float) -> int:
     return max_steps - max(1, round(decay_fraction * max_steps))
 
 
-def extend(budget: Budget, hours: float, step: int, decay_fraction: float) -> tuple[Budget, str | None]:
-    """A resumed run asked for other hours: more (or fewer) steps while the decay has not begun; a note."""
+def extend(
+    budget: Budget, hours: float, step: int, decay_fraction: float
+) -> tuple[Budget, str | None]:
+    """A resumed run asked for other hours: more (or
+    fewer) steps while the decay has not begun; a note."""
     if budget.max_steps is None or budget.step_s is None or math.isclose(hours, budget.hours):
         return budget, None
     start = decay_start(budget.max_steps, decay_fraction)
     if step >= start:
-        return budget, (f"the learning rate began its decay at step {start}: this run ends at step "
-                        f"{budget.max_steps} as budgeted for {budget.hours:g} h; for more, start a new run")
-    steps = max(step + 1, budget.max_steps + math.floor((hours - budget.hours) * 3600 / budget.step_s))
+        return budget, (
+            f"the learning rate began its decay at step {start}: this run ends at step "
+            f"{budget.max_steps} as budgeted for {budget.hours:g} h; for more, start a new run"
+        )
+    steps = max(
+        step + 1, budget.max_steps + math.floor((hours - budget.hours) * 3600 / budget.step_s)
+    )
     new = Budget(hours, steps, budget.decided_at_step, budget.step_s, budget.decided_at)
     return new, f"budget {budget.hours:g} h -> {hours:g} h: {budget.max_steps} -> {steps} steps"
 
@@ -113,7 +140,11 @@ def expected_final_loss(history: list[dict], max_steps: int, warmup_steps: int) 
     """The loss the run is heading for: L(s) = a + b / sqrt(s), least squares on the logged losses
     after warm-up, read at max_steps (the stable phase; a decay usually ends lower). None with fewer
     than 5 points or a curve that does not fall."""
-    pts = [(m["step"], m["loss"]) for m in history if m.get("loss") is not None and m["step"] > warmup_steps]
+    pts = [
+        (m["step"], m["loss"])
+        for m in history
+        if m.get("loss") is not None and m["step"] > warmup_steps
+    ]
     if len(pts) < 5:
         return None
     s, loss = np.array(pts, dtype=np.float64).T
@@ -124,17 +155,21 @@ def expected_final_loss(history: list[dict], max_steps: int, warmup_steps: int) 
     return float(a + b / math.sqrt(max_steps))
 
 
-def end_time(step: int, max_steps: int, step_s: float | None, now: float | None = None) -> str | None:
+def end_time(
+    step: int, max_steps: int, step_s: float | None, now: float | None = None
+) -> str | None:
     """When the run should end, as local HH:MM (for the progress bar)."""
     if not step_s:
         return None
-    return time.strftime("%H:%M", time.localtime((now or time.time()) + (max_steps - step) * step_s))
+    return time.strftime(
+        "%H:%M", time.localtime((now or time.time()) + (max_steps - step) * step_s)
+    )
 
 
 def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = None) -> str | None:
-    """For a pretraining run of `recipe_name` that already reached its last step (`max_steps`, else its
-    budget's, else its recipe's), what to say instead of training nothing: that it is complete, its final
-    figures, and how to train longer; None otherwise."""
+    """For a pretraining run of `recipe_name` that already reached its last step (`max_steps`, else
+    its budget's, else its recipe's), what to say instead of training nothing: that it is complete,
+    its final figures, and how to train longer; None otherwise."""
     run = RunDir(run_dir)
     if not run.is_pretrain_run() or recipe_name_of(run_dir) != recipe_name:
         return None
@@ -148,7 +183,13 @@ def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = 
     records = run.metrics()
     loss = next((m["loss"] for m in reversed(records) if m.get("loss") is not None), None)
     val = next((m["val_loss"] for m in reversed(records) if m.get("val_loss") is not None), None)
-    figures = ", ".join(f"{k} {v:.4g}" for k, v in (("loss", loss), ("val_loss", val)) if v is not None)
-    return (f"run {run_dir} is complete: step {step} of {max_steps}" + (f", {figures}" if figures else "")
-            + f"; checkpoint {last}. To train longer: the same command with --max-steps {2 * max_steps} "
-            "(the learning-rate schedule is recomputed for the new end)")
+    figures = ", ".join(
+        f"{k} {v:.4g}" for k, v in (("loss", loss), ("val_loss", val)) if v is not None
+    )
+    return (
+        f"run {run_dir} is complete: step {step} of {max_steps}"
+        + (f", {figures}" if figures else "")
+        + f"; checkpoint {last}. To train longer: the same command with --max-steps "
+        f"{2 * max_steps} "
+        "(the learning-rate schedule is recomputed for the new end)"
+    )

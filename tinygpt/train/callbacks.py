@@ -1,6 +1,6 @@
 """The side concerns of a run, each a `Callback` that decides its own timing: the progress display,
-the start-up record with the compile cache, a time budget, MFU, TensorBoard; and the samples a run writes.
-(The Drive `Mirror` in tinygpt.sync and the notebooks' plots are callbacks too.)
+the start-up record with the compile cache, a time budget, MFU, TensorBoard; and the samples a run
+writes. (The Drive `Mirror` in tinygpt.sync and the notebooks' plots are callbacks too.)
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from tinygpt.train.trainer import TrainingError
 
 
 class TensorBoardLogger(Callback):
-    """Trainer callback: every logged metric as a TensorBoard scalar, x axis = step. The writer (its event
-    file) is made when training starts, so a run that fails before it leaves none."""
+    """Trainer callback: every logged metric as a TensorBoard scalar, x axis = step. The writer (its
+    event file) is made when training starts, so a run that fails before it leaves none."""
 
     def __init__(self, log_dir: Path, summary_writer: Any):
         self.log_dir, self.summary_writer, self.writer = Path(log_dir), summary_writer, None
@@ -52,7 +52,12 @@ class TensorBoardLogger(Callback):
     def on_log(self, metrics: dict) -> None:
         step = metrics["step"]
         for k, v in metrics.items():
-            if self.writer is not None and k != "step" and isinstance(v, (int, float)) and v is not None:
+            if (
+                self.writer is not None
+                and k != "step"
+                and isinstance(v, (int, float))
+                and v is not None
+            ):
                 self.writer.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, step)
 
     def close(self) -> None:
@@ -60,29 +65,49 @@ class TensorBoardLogger(Callback):
             self.writer.close()
 
 
-def write_sample(model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, prompt: str | None = None) -> str:
+def write_sample(
+    model: GPT, tokenizer: Tokenizer, run_dir: Path, step: int, prompt: str | None = None
+) -> str:
     """Append a generated sample to samples.txt and return it. Generated eagerly: under
     train.compile=regional the model's own blocks are compiled, and sampling with a KV cache would
     compile a graph per layer and length for a few hundred tokens."""
     model.eval()
     with eager():
-        text = generate_text(model, tokenizer, prompt or "def ", max_new_tokens=120, temperature=0.8, top_k=50,
-                             seed=0)
+        text = generate_text(
+            model,
+            tokenizer,
+            prompt or "def ",
+            max_new_tokens=120,
+            temperature=0.8,
+            top_k=50,
+            seed=0,
+        )
     RunDir(run_dir).append_sample(step, text)
     model.train()
     return text
 
 
 class Samples(Callback):
-    """What the model writes, appended to samples.txt on rank 0: every `every` steps (train.sample_every; 0:
-    none on the way, as nanochat's "once in a while" sample) and once when the run reaches its last step,
-    from that step's checkpoint (a run stopped by a signal writes none). Under FSDP rank 0 holds only a
-    shard: `whole` (the model's config) rebuilds the model from that checkpoint, and only the end is
-    sampled (`pretrain` refuses sample_every there)."""
+    """What the model writes, appended to samples.txt on rank 0: every `every` steps
+    (train.sample_every; 0: none on the way, as nanochat's "once in a while" sample) and once when
+    the run reaches its last step, from that step's checkpoint (a run stopped by a signal writes
+    none). Under FSDP rank 0 holds only a shard: `whole` (the model's config) rebuilds the model
+    from that checkpoint, and only the end is sampled (`pretrain` refuses sample_every there)."""
 
-    def __init__(self, tokenizer: Tokenizer, run_dir: Path, every: int = 0, prompt: str | None = None,
-                 whole: ModelConfig | None = None):
-        self.tokenizer, self.run_dir, self.every, self.prompt = tokenizer, Path(run_dir), every, prompt
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        run_dir: Path,
+        every: int = 0,
+        prompt: str | None = None,
+        whole: ModelConfig | None = None,
+    ):
+        self.tokenizer, self.run_dir, self.every, self.prompt = (
+            tokenizer,
+            Path(run_dir),
+            every,
+            prompt,
+        )
         self.whole = whole
         self.trainer: Any = None
 
@@ -92,7 +117,12 @@ class Samples(Callback):
             RunDir(self.run_dir).keep_samples_through(resumed_from or 0)
 
     def on_step(self, trainer: Any) -> None:
-        if self.every and trainer.step % self.every == 0 and trainer.step != trainer.max_steps and trainer.is_main:
+        if (
+            self.every
+            and trainer.step % self.every == 0
+            and trainer.step != trainer.max_steps
+            and trainer.is_main
+        ):
             write_sample(trainer.model, self.tokenizer, self.run_dir, trainer.step, self.prompt)
 
     def on_checkpoint(self, path: str | Path, step: int) -> None:
@@ -108,8 +138,8 @@ class Samples(Callback):
 
 
 def sample_prompt(asked: str | None, source: str, tokenizer: Tokenizer, tokens: Any) -> str | None:
-    """The samples' prompt: the one asked for or, on a corpus other than the built-in one (whose held-out
-    code would make an odd prompt), how a held-out document begins (its first 8 tokens)."""
+    """The samples' prompt: the one asked for or, on a corpus other than the built-in one (whose
+    held-out code would make an odd prompt), how a held-out document begins (its first 8 tokens)."""
     val = tokens.validation(8)
     if asked is None and source not in ("builtin", "stdlib") and len(val) >= 8:
         return tokenizer.decode(val[:8].tolist())
@@ -117,9 +147,9 @@ def sample_prompt(asked: str | None, source: str, tokenizer: Tokenizer, tokens: 
 
 
 class Progress(Callback):
-    """The training bar: tqdm's in a terminal, a widget in a notebook that ends as its final line, and
-    where output goes to a file (CI, nohup, a Colab %%capture), no carriage-return bar but one plain line
-    per logged step, at most one every `min_interval_s` (the last step's always)."""
+    """The training bar: tqdm's in a terminal, a widget in a notebook that ends as its final line,
+    and where output goes to a file (CI, nohup, a Colab %%capture), no carriage-return bar but one
+    plain line per logged step, at most one every `min_interval_s` (the last step's always)."""
 
     def __init__(self, min_interval_s: float = 10.0, stream: Any = None):
         self.min_interval_s, self.stream = min_interval_s, stream
@@ -133,8 +163,14 @@ class Progress(Callback):
             return
         stream = self.stream or sys.stderr
         if _in_notebook() or _is_terminal(stream):
-            self.bar = progress_bar(total=trainer.max_steps, initial=trainer.step, desc="training", unit="step",
-                                    dynamic_ncols=True, file=self.stream)
+            self.bar = progress_bar(
+                total=trainer.max_steps,
+                initial=trainer.step,
+                desc="training",
+                unit="step",
+                dynamic_ncols=True,
+                file=self.stream,
+            )
 
     def on_step(self, trainer: Any) -> None:
         if self.bar is not None:
@@ -156,11 +192,14 @@ class Progress(Callback):
         if self.bar is not None:
             self.bar.set_postfix(post, refresh=False)
             return
-        now = time.monotonic()  # a file: one line per logged step, not more often than min_interval_s
+        # a file: one line per logged step, not more often than min_interval_s
+        now = time.monotonic()
         if now - self._last_line >= self.min_interval_s or m["step"] == t.max_steps:
             self._last_line = now
             of = f"/{t.max_steps}" if t.max_steps else ""
-            self.on_message(f"training step {m['step']}{of}: " + ", ".join(f"{k} {v}" for k, v in post.items()))
+            self.on_message(
+                f"training step {m['step']}{of}: " + ", ".join(f"{k} {v}" for k, v in post.items())
+            )
 
     def on_message(self, text: str) -> None:
         if self.bar is not None:
@@ -191,8 +230,9 @@ def _in_notebook() -> bool:
 
 
 class StartupReport(Callback):
-    """After the first step of this process: keep the compiler's work for the next VM (the compile cache,
-    loaded before the first step), record where start-up went in metrics.jsonl, and say it."""
+    """After the first step of this process: keep the compiler's work
+    for the next VM (the compile cache, loaded before the first step),
+    record where start-up went in metrics.jsonl, and say it."""
 
     def __init__(self, clock: StartupClock | None, compile_cache: CompileCache | None = None):
         self.clock, self.compile_cache, self.done = clock, compile_cache, False
@@ -216,7 +256,8 @@ class StartupReport(Callback):
         if self.clock is not None and trainer.is_main:
             record = self.clock.record()
             RunDir(trainer.run_dir).append_metrics({"step": trainer.step, "startup": record})
-            if not any(cb.shows_startup for cb in trainer.callbacks):  # a notebook's table replaces the line
+            # a notebook's table replaces the line
+            if not any(cb.shows_startup for cb in trainer.callbacks):
                 trainer.say(self.clock.summary())
             for cb in trainer.callbacks:
                 cb.on_startup(record)
@@ -225,19 +266,22 @@ class StartupReport(Callback):
 
 class TimeBudget(Callback):
     """`--hours H`: the run's budget.json (a resume keeps its step count), or a budget still to be
-    measured: until then the schedule's stable phase runs on (wsd: its rate does not depend on the step
-    count). After MEASURE_STEPS steady steps it times an evaluation and a checkpoint too, fixes the step
-    count so that training ends within the budget, and keeps it in budget.json."""
+    measured: until then the schedule's stable phase runs on (wsd: its rate does not depend on the
+    step count). After MEASURE_STEPS steady steps it times an evaluation and a checkpoint too, fixes
+    the step count so that training ends within the budget, and keeps it in budget.json."""
 
     def __init__(self, hours: float):
         self.hours = hours
         self.budget: Budget | None = None
-        self.t_from: float | None = None  # after the first step of this process: the budget counts from here
+        # after the first step of this process: the budget counts from here
+        self.t_from: float | None = None
         self.steps_timed = 0
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         if trainer.cfg.schedule != "wsd":
-            raise TrainingError("a time budget needs the warmup-stable-decay schedule (train.schedule=wsd)")
+            raise TrainingError(
+                "a time budget needs the warmup-stable-decay schedule (train.schedule=wsd)"
+            )
         budget = Budget.load(trainer.run_dir) if trainer.is_main else None
         if trainer.world_size > 1:  # rank 0 read it: the others take its step count
             steps = dist_.agree_sum([budget.max_steps or 0 if budget else 0])[0]
@@ -282,25 +326,33 @@ class TimeBudget(Callback):
         trainer.max_steps, trainer.step_s = steps, per_step
         if trainer.is_main:
             self.budget.save(trainer.run_dir)
-        trainer.say(f"time budget {self.hours:g} h: {steps} steps of {per_step:.3g} s (evaluations and "
-                    f"checkpoints included); training ends about {end_time(trainer.step, steps, per_step)}")
+        trainer.say(
+            f"time budget {self.hours:g} h: {steps} steps of {per_step:.3g} s (evaluations and "
+            f"checkpoints included); training ends about {end_time(trainer.step, steps, per_step)}"
+        )
 
 
 class MFU(Callback):
-    """Model FLOPs utilisation in each logged record: tokens/s x FLOPs per token (the trained model's, at its
-    context, read when training starts) over the peak of the GPUs."""
+    """Model FLOPs utilisation in each logged record: tokens/s x FLOPs per token (the trained
+    model's, at its context, read when training starts) over the peak of the GPUs."""
 
     def __init__(self, peak_tflops: float | None):
         self.peak_tflops, self.flops_per_token, self.world_size = peak_tflops, None, 1
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         self.world_size = trainer.world_size
-        if isinstance(trainer.model, GPT):  # (also when FSDP2 has sharded it: its class derives from GPT)
+        # (also when FSDP2 has sharded it: its class derives from GPT)
+        if isinstance(trainer.model, GPT):
             self.flops_per_token = trainer.model.flops_per_token(trainer.cfg.seq_len)
 
     def on_metrics(self, m: dict) -> None:
         if m.get("tokens_per_s") and self.peak_tflops and self.flops_per_token:  # peak is one GPU's
-            m["mfu"] = round(m["tokens_per_s"] * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size), 4)
+            m["mfu"] = round(
+                m["tokens_per_s"]
+                * self.flops_per_token
+                / (self.peak_tflops * 1e12 * self.world_size),
+                4,
+            )
 
 
 def progress_bar(**kwargs):
@@ -315,9 +367,11 @@ def progress_bar(**kwargs):
     close = bar.close
 
     def close_and_keep_last_state() -> None:
-        text = str(bar)  # the final line, e.g. "training: 100%|##########| 300/300 [01:49<00:00, ...]"
+        # the final line, e.g. "training: 100%|##########| 300/300 [01:49<00:00, ...]"
+        text = str(bar)
         close()
-        if handle is not None:  # the widget becomes that line: in the live view and in the saved output
+        # the widget becomes that line: in the live view and in the saved output
+        if handle is not None:
             handle.update({"text/plain": text}, raw=True)
 
     bar.close = close_and_keep_last_state
@@ -325,9 +379,10 @@ def progress_bar(**kwargs):
 
 
 def _widget_bundle(widget) -> dict:
-    """The widget's display data, published by us. ipywidgets 7 (Colab's) displays a widget through its
-    own `_ipython_display_`, which drops the display id: the closing update then matched no output, and
-    the saved notebook kept the bar at 0%. The same bundle under our display id updates in any front end."""
+    """The widget's display data, published by us. ipywidgets 7 (Colab's) displays
+    a widget through its own `_ipython_display_`, which drops the display id: the
+    closing update then matched no output, and the saved notebook kept the bar at
+    0%. The same bundle under our display id updates in any front end."""
     text = repr(widget)
     return {"text/plain": text[:110] + "…" if len(text) > 110 else text,
             "application/vnd.jupyter.widget-view+json": widget.get_view_spec()}

@@ -1,9 +1,10 @@
-"""The compiler's cache kept in the run folder, so a new VM on the same GPU skips most of the compile.
+"""The compiler's cache kept in the run folder, so
+a new VM on the same GPU skips most of the compile.
 
-After the first compiled step the trainer saves `torch.compiler.save_cache_artifacts()` to
-``run_dir/compile_cache.bin`` (mirrored to Drive with the run's files); a resumed run loads it before
-its first step. A cache for another GPU, torch version or model shape is ignored with a
-one-line note.
+After the first compiled step the trainer saves
+`torch.compiler.save_cache_artifacts()` to ``run_dir/compile_cache.bin`` (mirrored
+to Drive with the run's files); a resumed run loads it before its first step. A
+cache for another GPU, torch version or model shape is ignored with a one-line note.
 
 Trust: the artifacts hold generated code that runs, and a mirror is a shared folder anyone with
 access may write. So the file is signed (HMAC-SHA256) with a key only this user holds, and the key
@@ -35,8 +36,10 @@ from tinygpt.core.rundir import COMPILE_CACHE, COMPILE_CACHE_LIMIT
 
 KEY_FILE = "compile-signing.key"
 KEY_ENV = "TINYGPT_COMPILE_KEY"  # also the name of the Colab secret
-NEW_VM_HINT = (f"to reuse a compile cache from Drive on a new VM, give the same key on each: set ${KEY_ENV} or add a "
-               f"Colab secret {KEY_ENV} (any long random text)")
+NEW_VM_HINT = (
+    f"to reuse a compile cache from Drive on a new VM, give the same key on each: set ${KEY_ENV} "
+    f"or add a Colab secret {KEY_ENV} (any long random text)"
+)
 
 
 def _colab_secret() -> str | None:
@@ -61,7 +64,8 @@ def _new_key_file(path: Path) -> bytes | None:
             os.link(tmp, path)
         except FileExistsError:
             return None
-        except OSError:  # a file system without hard links: made in place, alone (O_EXCL) though not whole at once
+        # a file system without hard links: made in place, alone (O_EXCL) though not whole at once
+        except OSError:
             try:
                 _write_private(path, key)
             except FileExistsError:
@@ -72,7 +76,8 @@ def _new_key_file(path: Path) -> bytes | None:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """`data` in a new file only this user may read (never through a link); removed again if the write fails."""
+    """`data` in a new file only this user may read (never
+    through a link); removed again if the write fails."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -83,9 +88,10 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def signing_key() -> tuple[bytes | None, str | None]:
-    """(this user's key, a note). The key is derived from $TINYGPT_COMPILE_KEY or Colab's secret of
-    that name, else read from (or first made in) the local key file; never from a mirror. (None, why)
-    when the local key file is not this user's alone: the cache is then neither loaded nor saved."""
+    """(this user's key, a note). The key is derived from $TINYGPT_COMPILE_KEY
+    or Colab's secret of that name, else read from (or first made in) the
+    local key file; never from a mirror. (None, why) when the local key file
+    is not this user's alone: the cache is then neither loaded nor saved."""
     given = os.environ.get(KEY_ENV) or _colab_secret()
     if given:
         return hashlib.sha256(b"tinygpt-compile-cache\0" + given.encode()).digest(), None
@@ -112,9 +118,12 @@ def signing_key() -> tuple[bytes | None, str | None]:
     elif st.st_size != 32:
         why = f"holds {st.st_size} bytes, not 32"
     if why:
-        return None, (f"the compile cache key file {path} {why}: refused, the compile cache is not used; delete it "
-                      f"(a new one is made) or set ${KEY_ENV}")
-    return path.read_bytes(), None  # outside run folders: the user's key file, checked above (plain, own, 0600)
+        return None, (
+            f"the compile cache key file {path} {why}: refused, the compile cache is not used; "
+            f"delete it (a new one is made) or set ${KEY_ENV}"
+        )
+    # outside run folders: the user's key file, checked above (plain, own, 0600)
+    return path.read_bytes(), None
 
 
 def _inside(path: str, root: str) -> bool:
@@ -137,7 +146,10 @@ def _destination(kind: str, key: str) -> str | None:
         return AOTAutogradCache._get_tmp_dir_for_key(key)
     if kind == "pgo":
         from torch._dynamo.pgo import PGOCacheArtifact, code_state_path
-        return code_state_path(PGOCacheArtifact._rewrite_cache_key_for_mega_cache(key)) or cache_dir()
+
+        return (
+            code_state_path(PGOCacheArtifact._rewrite_cache_key_for_mega_cache(key)) or cache_dir()
+        )
     if kind == "precompile":
         from torch._dynamo.package import DynamoCache
         return os.path.join(DynamoCache.path_prefix(), key)
@@ -161,22 +173,34 @@ def checked_artifacts(payload: bytes):
                 raise ValueError(f"it holds a {kind!r} artifact, a kind not checked here")
             if ("\0" in a.key or os.path.isabs(a.key) or ".." in a.key.replace("\\", "/").split("/")
                     or not _inside(dest, root)):
-                raise ValueError(f"its {kind} artifact {a.key[:80]!r} would be written outside torch's cache folder "
-                                 f"{root}")
+                raise ValueError(
+                    f"its {kind} artifact {a.key[:80]!r} would be written outside torch's cache "
+                    f"folder {root}"
+                )
     return artifacts
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        return (
+            f"{torch.cuda.get_device_name(device)} "
+            f"sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        )
     return f"{device.type}-{platform.machine()}"
 
 
-def describe(model: torch.nn.Module, device: torch.device, precision: str, micro_batch: int, seq_len: int,
-             mode: str) -> dict:
+def describe(
+    model: torch.nn.Module,
+    device: torch.device,
+    precision: str,
+    micro_batch: int,
+    seq_len: int,
+    mode: str,
+) -> dict:
     """What a compiled graph depends on: the cache is reused only when all of it is the same."""
-    shapes = hashlib.sha256(repr([(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()])
-                            .encode()).hexdigest()[:16]
+    shapes = hashlib.sha256(
+        repr([(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]).encode()
+    ).hexdigest()[:16]
     return {"torch": torch.__version__, "device": device_name(device), "precision": precision,
             "batch": [micro_batch, seq_len], "model": shapes, "mode": mode}
 
@@ -186,13 +210,21 @@ class CompileCache:
     key (`signing_key` refused the key file) nothing is loaded or saved and `load` says why."""
 
     def __init__(self, run_dir: Path, key: bytes | None, what: dict, key_note: str | None = None):
-        self.path, self.key, self.what, self.key_note = Path(run_dir) / COMPILE_CACHE, key, what, key_note
+        self.path, self.key, self.what, self.key_note = (
+            Path(run_dir) / COMPILE_CACHE,
+            key,
+            what,
+            key_note,
+        )
 
     def _sign(self, payload: bytes) -> str:
-        return hmac.new(self.key, json.dumps(self.what, sort_keys=True).encode() + payload, "sha256").hexdigest()
+        return hmac.new(
+            self.key, json.dumps(self.what, sort_keys=True).encode() + payload, "sha256"
+        ).hexdigest()
 
     def load(self) -> str | None:
-        """Load the artifacts if they are ours and for this setup; a one-line note of what happened."""
+        """Load the artifacts if they are ours and for
+        this setup; a one-line note of what happened."""
         if self.key is None:
             return self.key_note
         if not self.path.is_file() or self.path.is_symlink():
@@ -203,27 +235,45 @@ class CompileCache:
         except (OSError, ValueError):  # FileTooLarge and UnsafePathError are ValueErrors
             return f"{self.path.name} is unreadable: ignored, compiling from scratch"
         if header.get("what") != self.what:
-            diff = ", ".join(f"{k} {header.get('what', {}).get(k)} vs {v}" for k, v in self.what.items()
-                             if header.get("what", {}).get(k) != v)
-            return f"the compile cache is for another setup ({diff}): ignored, compiling from scratch"
+            diff = ", ".join(
+                f"{k} {header.get('what', {}).get(k)} vs {v}"
+                for k, v in self.what.items()
+                if header.get("what", {}).get(k) != v
+            )
+            return (
+                f"the compile cache is for another setup ({diff}): ignored, compiling from scratch"
+            )
         if not hmac.compare_digest(str(header.get("hmac", "")), self._sign(payload)):
-            return ("the compile cache is not signed with this user's key (another VM's or another person's): "
-                    f"ignored, compiling from scratch; {NEW_VM_HINT}")
+            return (
+                "the compile cache is not signed with this user's key (another VM's or another "
+                f"person's): ignored, compiling from scratch; {NEW_VM_HINT}"
+            )
         try:
             artifacts = checked_artifacts(payload)
         except ValueError as e:
-            return f"the compile cache is refused, nothing of it was written: {e}; compiling from scratch"
-        except Exception as e:  # a torch whose cache classes differ: no checked load, so none at all
-            return f"the compile cache could not be checked ({type(e).__name__}: {e}): compiling from scratch"
+            return (
+                f"the compile cache is refused, nothing of it was written: {e}; compiling from "
+                "scratch"
+            )
+        # a torch whose cache classes differ: no checked load, so none at all
+        except Exception as e:
+            return (
+                f"the compile cache could not be checked ({type(e).__name__}: {e}): compiling "
+                "from scratch"
+            )
         try:
             from torch.compiler._cache import CacheArtifactManager
             CacheArtifactManager.populate_caches(artifacts)
         except Exception as e:
-            return f"the compile cache could not be loaded ({type(e).__name__}): compiling from scratch"
+            return (
+                f"the compile cache could not be loaded ({type(e).__name__}): compiling from "
+                "scratch"
+            )
         return f"compile cache loaded ({len(payload) / 1e6:.1f} MB)"
 
     def save(self) -> int:
-        """Write this process's artifacts; their size in bytes (0 if there were none or it failed)."""
+        """Write this process's artifacts; their size in
+        bytes (0 if there were none or it failed)."""
         if self.key is None:
             return 0
         try:

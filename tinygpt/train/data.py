@@ -24,10 +24,42 @@ from tinygpt.train.token_files import DataError, detect_token_folder  # noqa: F4
 
 _SKIP_WORDS = {"latin-1": "not UTF-8, read as latin-1", "binary": "binary (NUL bytes), skipped",
                "unreadable": "unreadable, skipped"}
-TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".csv", ".html", ".c", ".h", ".js", ".ts",
-                 ".java", ".go", ".rs", ".cpp", ".tex", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".sh"}
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib", "lib2to3",
-              "turtledemo", ".git"}
+TEXT_SUFFIXES = {
+    ".txt",
+    ".md",
+    ".py",
+    ".rst",
+    ".json",
+    ".jsonl",
+    ".csv",
+    ".html",
+    ".c",
+    ".h",
+    ".js",
+    ".ts",
+    ".java",
+    ".go",
+    ".rs",
+    ".cpp",
+    ".tex",
+    ".yaml",
+    ".yml",
+    ".toml",
+    ".cfg",
+    ".ini",
+    ".sh",
+}
+_SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "turtledemo",
+    ".git",
+}
 CHUNK_CHARS = 4_096  # long files become documents of about this size, so the split has many parts
 
 
@@ -43,8 +75,8 @@ def builtin_files() -> list[Path]:
 
 
 def is_validation_document(index: int, val_fraction: float) -> bool:
-    """The train/validation split, by document: every `1/val_fraction`-th document, from the second on.
-    The one rule for the token cache and for the held-out text evaluation reads."""
+    """The train/validation split, by document: every `1/val_fraction`-th document, from the second
+    on. The one rule for the token cache and for the held-out text evaluation reads."""
     return index % max(2, round(1 / val_fraction)) == 1
 
 
@@ -68,14 +100,16 @@ def _local_files(path: Path) -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(path):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        out += [Path(dirpath) / f for f in sorted(filenames) if Path(f).suffix.lower() in TEXT_SUFFIXES]
+        out += [
+            Path(dirpath) / f for f in sorted(filenames) if Path(f).suffix.lower() in TEXT_SUFFIXES
+        ]
     return out
 
 
 def _cut(text: str, start: int, size: int) -> int:
-    """Where the piece of `text` that begins at `start` ends (`_chunks`): at the first line end `size` or more
-    characters on, unless that is over 4 * size away (or there is none): then at a space in the second half
-    of the next `size` characters, or after `size` characters."""
+    """Where the piece of `text` that begins at `start` ends (`_chunks`): at the first line end
+    `size` or more characters on, unless that is over 4 * size away (or there is none): then at a
+    space in the second half of the next `size` characters, or after `size` characters."""
     end = text.find("\n", start + size)
     if end == -1 or end - start > 4 * size:
         end = start + size
@@ -88,8 +122,8 @@ def _cut(text: str, start: int, size: int) -> int:
 
 def _chunks(text: str, size: int = CHUNK_CHARS) -> Iterator[str]:
     """Split at line ends into pieces of about `size` characters. A line much longer than that (a
-    minified file, a 50 MB one-line dump) is cut at a space, or anywhere, so that it still makes many
-    documents and the train/validation split has some of it on both sides."""
+    minified file, a 50 MB one-line dump) is cut at a space, or anywhere, so that it still makes
+    many documents and the train/validation split has some of it on both sides."""
     start = 0
     while start < len(text):
         end = _cut(text, start, size)
@@ -98,9 +132,9 @@ def _chunks(text: str, size: int = CHUNK_CHARS) -> Iterator[str]:
 
 
 def _chunks_streamed(parts: Iterator[str], size: int = CHUNK_CHARS) -> Iterator[str]:
-    """`_chunks` of the text `parts` make when joined, holding only a few pieces of it at a time: a piece is cut
-    once more than 4 * size characters past its start are known (all `_cut` ever looks at) or the text ended,
-    so the pieces are the same as `_chunks("".join(parts))`'s."""
+    """`_chunks` of the text `parts` make when joined, holding only a few pieces of it at a time: a
+    piece is cut once more than 4 * size characters past its start are known (all `_cut` ever looks
+    at) or the text ended, so the pieces are the same as `_chunks("".join(parts))`'s."""
     buf, start = "", 0
     for part in parts:
         buf = buf[start:] + part
@@ -113,7 +147,8 @@ def _chunks_streamed(parts: Iterator[str], size: int = CHUNK_CHARS) -> Iterator[
     yield from _chunks(buf, size)
 
 
-READ_BYTES = 1 << 20  # a local text file is read this much at a time: never whole (a 10 GB file is 10 GB of RAM)
+# a local text file is read this much at a time: never whole (a 10 GB file is 10 GB of RAM)
+READ_BYTES = 1 << 20
 _SNIFF_BYTES = 8192  # a file with a NUL byte among its first bytes is binary
 # the encoding is decided on a file's first MB: a run's first step waits for the first shard, not
 # for a pass over a 10 GB file (issue 37; tests/test_first_shard.py counts the bytes read)
@@ -126,8 +161,8 @@ def _count(skipped: dict[str, int] | None, what: str) -> None:
 
 
 def _utf8_upto(f, limit: float) -> bool:
-    """Whether the first `limit` bytes of the open binary file `f` are UTF-8 (read in pieces, kept nowhere);
-    a character cut at `limit` counts as UTF-8."""
+    """Whether the first `limit` bytes of the open binary file `f` are UTF-8 (read in pieces, kept
+    nowhere); a character cut at `limit` counts as UTF-8."""
     decoder, seen = codecs.getincrementaldecoder("utf-8")(), 0
     while seen < limit and (block := f.read(int(min(READ_BYTES, limit - seen)))):
         seen += len(block)
@@ -145,13 +180,13 @@ def _utf8_upto(f, limit: float) -> bool:
 
 def stream_text_file(path: Path, skipped: dict[str, int] | None = None,
                      max_chars: float = float("inf")) -> Iterator[str]:
-    """A local text file as str pieces, read READ_BYTES at a time (never whole): UTF-8, else latin-1 (which
-    reads any byte: the stated fallback for the old encodings of Western text); nothing for a binary file
-    (a NUL byte among its first 8192 bytes, looked at before anything else is read), an unreadable one, or
-    anything but a plain file (a FIFO).
-    The encoding is decided on the bytes that can make the first `max_chars` characters, at most the
-    first UTF8_CHECK_BYTES (past them a bad byte is replaced); the pieces stop once `max_chars`
-    characters are given; `skipped` counts what happened, for one warning at the end."""
+    """A local text file as str pieces, read READ_BYTES at a time (never whole): UTF-8, else latin-1
+    (which reads any byte: the stated fallback for the old encodings of Western text); nothing for a
+    binary file (a NUL byte among its first 8192 bytes, looked at before anything else is read), an
+    unreadable one, or anything but a plain file (a FIFO). The encoding is decided on the bytes that
+    can make the first `max_chars` characters, at most the first UTF8_CHECK_BYTES (past them a bad
+    byte is replaced); the pieces stop once `max_chars` characters are given; `skipped` counts what
+    happened, for one warning at the end."""
     try:  # non-blocking, then checked: a FIFO named like a text file is skipped, never waited on
         # outside run folders: a text file of the source the user named
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -176,13 +211,15 @@ def stream_text_file(path: Path, skipped: dict[str, int] | None = None,
             return
         if not utf8:
             _count(skipped, "latin-1")
-        # past the checked bytes (only when max_chars stops the reading) a bad byte is replaced, never raised
+        # past the checked bytes (only when max_chars stops
+        # the reading) a bad byte is replaced, never raised
         decoder = codecs.getincrementaldecoder("utf-8" if utf8 else "latin-1")(errors="replace")
         given = 0
         while given < max_chars:
             try:
                 block = f.read(READ_BYTES)
-            except OSError:  # a disk error midway: what was read stays, the rest is skipped and counted
+            # a disk error midway: what was read stays, the rest is skipped and counted
+            except OSError:
                 _count(skipped, "unreadable")
                 return
             text = decoder.decode(block, final=not block)
@@ -194,8 +231,9 @@ def stream_text_file(path: Path, skipped: dict[str, int] | None = None,
 
 
 def read_text_file(path: Path, skipped: dict[str, int] | None = None) -> str | None:
-    """A local text file as str (`stream_text_file` joined): UTF-8, else latin-1; None for a binary file
-    (NUL bytes) or an unreadable one. `skipped` counts what happened, for one warning at the end."""
+    """A local text file as str (`stream_text_file` joined): UTF-8,
+    else latin-1; None for a binary file (NUL bytes) or an unreadable
+    one. `skipped` counts what happened, for one warning at the end."""
     counts: dict[str, int] = {}
     text = "".join(stream_text_file(path, counts))
     if skipped is not None:
@@ -205,8 +243,8 @@ def read_text_file(path: Path, skipped: dict[str, int] | None = None) -> str | N
 
 
 def hub_dataset(source: str, split: str) -> tuple[str, str | None, str | None]:
-    """(name, config, split) of a Hub data set written ``hf:NAME[:CONFIG][@SPLIT]`` (the prefix optional),
-    `split` when it names none; a DataError for an empty name."""
+    """(name, config, split) of a Hub data set written ``hf:NAME[:CONFIG][@SPLIT]`` (the prefix
+    optional), `split` when it names none; a DataError for an empty name."""
     try:
         return hub_spec(source, split)
     except ValueError as e:
@@ -214,8 +252,8 @@ def hub_dataset(source: str, split: str) -> tuple[str, str | None, str | None]:
 
 
 def resolve_source(source: str) -> tuple[str, object]:
-    """("builtin", None) | ("local", Path) | ("tokens", Path) | ("hf", (name, config, split)); a clear
-    error otherwise."""
+    """("builtin", None) | ("local", Path) | ("tokens", Path) | ("hf", (name, config, split)); a
+    clear error otherwise."""
     if source in ("builtin", "stdlib"):
         return "builtin", None
     if is_sample(source):  # a sample that ships with the package (sample:wikitext2)
@@ -231,29 +269,38 @@ def resolve_source(source: str) -> tuple[str, object]:
     if p.exists():
         if (p.is_dir() and not _local_files(p) and not (p / "dataset_info.json").exists()
                 and not (p / "dataset_dict.json").exists()):
-            raise DataError(f"folder {p} holds no text files ({', '.join(sorted(TEXT_SUFFIXES)[:6])}, ...)")
-        if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+            raise DataError(
+                f"folder {p} holds no text files ({', '.join(sorted(TEXT_SUFFIXES)[:6])}, ...)"
+            )
+        if p.is_dir() and (
+            (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()
+        ):
             return "hf", (str(p), None, "train")  # a dataset saved with save_to_disk
         return "local", p
-    raise DataError(f"data source {source!r} is neither 'builtin', an existing file or folder, nor a Hugging "
-                    "Face dataset written as hf:NAME[:CONFIG][@SPLIT] (e.g. hf:roneneldan/TinyStories)")
+    raise DataError(
+        f"data source {source!r} is neither 'builtin', an existing file or folder, nor a Hugging "
+        "Face dataset written as hf:NAME[:CONFIG][@SPLIT] (e.g. hf:roneneldan/TinyStories)"
+    )
 
 
 HUB_HOST = ("huggingface.co", 443)
 
 
 def check_source(source: str, timeout_s: float = 5.0) -> str:
-    """The source's kind (`resolve_source`), checked before any work: an unknown source fails here, and for
-    a Hub dataset one quick connection to the Hub is made, so that offline the error is one line at once
-    instead of the datasets library's retries ending in a ConnectionError minutes later."""
+    """The source's kind (`resolve_source`), checked before any work: an unknown
+    source fails here, and for a Hub dataset one quick connection to the Hub is
+    made, so that offline the error is one line at once instead of the datasets
+    library's retries ending in a ConnectionError minutes later."""
     kind, spec = resolve_source(source)
     if kind != "hf" or Path(spec[0]).exists() or os.environ.get("HF_HUB_OFFLINE") == "1":
         return kind  # not the Hub, a local save_to_disk folder, or the Hub cache only
     try:
         socket.create_connection(HUB_HOST, timeout=timeout_s).close()
     except OSError as e:
-        raise DataError(f"cannot reach the Hugging Face Hub to read {source} ({e.strerror or e}); with no network use "
-                        "a local file or folder (--data PATH) or --data builtin") from None
+        raise DataError(
+            f"cannot reach the Hugging Face Hub to read {source} ({e.strerror or e}); with no "
+            "network use a local file or folder (--data PATH) or --data builtin"
+        ) from None
     return kind
 
 
@@ -266,23 +313,35 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
         if kind == "builtin":  # our own corpus: the stdlib's UTF-8 sources, as they are
             for f in builtin_files():
                 try:
-                    text = f.read_text(encoding="utf-8")  # outside run folders: the standard library's sources
+                    # outside run folders: the standard library's sources
+                    text = f.read_text(encoding="utf-8")
                 except (UnicodeDecodeError, OSError):
                     continue
                 yield from _chunks(text)
         elif kind == "local":
             skipped: dict[str, int] = {}
             for f in _local_files(arg):  # type: ignore[arg-type]
-                # streamed: a file is read a piece at a time, as far as the budget left needs (and the
-                # look-ahead `_cut` takes past it, so the documents are cut as from the whole file)
-                yield from _chunks_streamed(stream_text_file(f, skipped, budget + 4 * CHUNK_CHARS + 1))
+                # streamed: a file is read a piece at a time, as far as the
+                # budget left needs (and the look-ahead `_cut` takes past
+                # it, so the documents are cut as from the whole file)
+                yield from _chunks_streamed(
+                    stream_text_file(f, skipped, budget + 4 * CHUNK_CHARS + 1)
+                )
             if skipped:
-                warnings.warn(f"{cfg.source}: " + ", ".join(
-                    f"{n} {'file' if n == 1 else 'files'} {_SKIP_WORDS[k]}" for k, n in sorted(skipped.items())),
-                    stacklevel=2)
+                warnings.warn(
+                    f"{cfg.source}: "
+                    + ", ".join(
+                        f"{n} {'file' if n == 1 else 'files'} {_SKIP_WORDS[k]}"
+                        for k, n in sorted(skipped.items())
+                    ),
+                    stacklevel=2,
+                )
         elif kind == "tokens":
-            raise DataError(f"{cfg.source} holds token ids, not text: there is nothing to train a tokenizer on or "
-                            "to read as text; use data.tokenizer=gpt2 (its tokens) and evaluate on a text source")
+            raise DataError(
+                f"{cfg.source} holds token ids, not text: there is nothing to train a tokenizer on "
+                "or to read as text; use data.tokenizer=gpt2 (its tokens) and evaluate on a text "
+                "source"
+            )
         else:
             yield from _hf_texts(*arg, text_field=cfg.text_field)  # type: ignore[misc]
 
@@ -309,8 +368,10 @@ def _hf_texts(name: str, config: str | None, split: str, text_field: str) -> Ite
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
     for i, rec in enumerate(ds):
         if text_field not in rec:
-            raise DataError(f"record {i} of {name} has no field {text_field!r} (fields: {sorted(rec)}); "
-                            "set DataConfig.text_field")
+            raise DataError(
+                f"record {i} of {name} has no field {text_field!r} (fields: {sorted(rec)}); "
+                "set DataConfig.text_field"
+            )
         yield from _chunks(rec[text_field])
 
 

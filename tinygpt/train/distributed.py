@@ -64,12 +64,18 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
     if "WORLD_SIZE" not in env or "RANK" not in env:
         return None
     try:
-        return TorchrunEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])))
+        return TorchrunEnv(
+            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
+        )
     except ValueError as e:
-        raise ConfigError(f"RANK / WORLD_SIZE / LOCAL_RANK must be integers (as torchrun sets them): {e}") from e
+        raise ConfigError(
+            f"RANK / WORLD_SIZE / LOCAL_RANK must be integers (as torchrun sets them): {e}"
+        ) from e
 
 
-def split_global_batch(micro_batch_size: int, grad_accum_steps: int, world_size: int) -> tuple[int, int]:
+def split_global_batch(
+    micro_batch_size: int, grad_accum_steps: int, world_size: int
+) -> tuple[int, int]:
     """(micro_batch_size, grad_accum_steps) of one rank so that W ranks together make the recipe's
     global batch. Fewer accumulation steps first (the micro-batch the probe sized stays), else a
     smaller micro-batch."""
@@ -79,10 +85,12 @@ def split_global_batch(micro_batch_size: int, grad_accum_steps: int, world_size:
         return micro_batch_size, grad_accum_steps // world_size
     if micro_batch_size % world_size == 0:
         return micro_batch_size // world_size, grad_accum_steps
-    raise ConfigError(f"the global batch of {micro_batch_size} sequences x {grad_accum_steps} accumulation steps "
-                      f"cannot be split over {world_size} processes: neither grad_accum_steps nor "
-                      f"micro_batch_size is a multiple of {world_size}. Use a number of processes that divides "
-                      "one of them, or a recipe whose grad_accum_steps is a multiple of it")
+    raise ConfigError(
+        f"the global batch of {micro_batch_size} sequences x {grad_accum_steps} accumulation steps "
+        f"cannot be split over {world_size} processes: neither grad_accum_steps nor "
+        f"micro_batch_size is a multiple of {world_size}. Use a number of processes that divides "
+        "one of them, or a recipe whose grad_accum_steps is a multiple of it"
+    )
 
 
 def rank_device(requested: str, local_rank: int) -> torch.device:
@@ -90,19 +98,29 @@ def rank_device(requested: str, local_rank: int) -> torch.device:
     if requested in ("auto", "cuda") or requested.startswith("cuda"):
         if torch.cuda.is_available():
             if local_rank >= torch.cuda.device_count():
-                raise ConfigError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
-                                  "start at most that many processes per node (--nproc_per_node)")
+                raise ConfigError(
+                    f"local rank {local_rank} has no GPU: this machine has "
+                    f"{torch.cuda.device_count()}; start at most that many processes per node "
+                    "(--nproc_per_node)"
+                )
             return torch.device("cuda", local_rank)
         if requested != "auto":
-            raise ConfigError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+            raise ConfigError(
+                "device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu"
+            )
     if requested not in ("auto", "cpu"):
-        raise ConfigError(f"device {requested!r} cannot be used with several processes: use cuda or cpu")
+        raise ConfigError(
+            f"device {requested!r} cannot be used with several processes: use cuda or cpu"
+        )
     return torch.device("cpu")
 
 
 @contextlib.contextmanager
-def process_group(env: TorchrunEnv, device: torch.device, timeout_s: float = TIMEOUT_S) -> Iterator[None]:
-    """Join the job's process group (NCCL for GPU tensors, gloo for CPU ones) and leave it at the end."""
+def process_group(
+    env: TorchrunEnv, device: torch.device, timeout_s: float = TIMEOUT_S
+) -> Iterator[None]:
+    """Join the job's process group (NCCL for GPU tensors,
+    gloo for CPU ones) and leave it at the end."""
     if _active():  # the caller set it up: leave it as it is
         yield
         return
@@ -124,8 +142,8 @@ def process_group(env: TorchrunEnv, device: torch.device, timeout_s: float = TIM
 @contextlib.contextmanager
 def joined(requested: str, parallel: str = "ddp") -> Iterator[tuple[torch.device, Ranks]]:
     """This process's device and place in the job, for the block: started by torchrun with several
-    processes, its own GPU inside the job's process group (`rank_device`, `process_group`); otherwise
-    one process on the device asked for ("auto": the best present)."""
+    processes, its own GPU inside the job's process group (`rank_device`, `process_group`);
+    otherwise one process on the device asked for ("auto": the best present)."""
     env = torchrun_env()
     if env is not None and env.world_size > 1:
         dev = rank_device(requested, env.local_rank)
@@ -136,7 +154,9 @@ def joined(requested: str, parallel: str = "ddp") -> Iterator[tuple[torch.device
 
 
 @contextlib.contextmanager
-def main_process_first(rank: int, world_size: int, timeout_s: float = PREP_TIMEOUT_S) -> Iterator[None]:
+def main_process_first(
+    rank: int, world_size: int, timeout_s: float = PREP_TIMEOUT_S
+) -> Iterator[None]:
     """Rank 0 runs the body first (tokenizer, token cache, run.json); the others wait, then run it
     and find everything made. If rank 0 fails, torchrun ends the waiting ones."""
     if world_size == 1:
@@ -165,8 +185,10 @@ def wrap_model(model: torch.nn.Module, parallel: str, device: torch.device,
     DDP, so it needs no collective. FSDP2 shards each transformer block and the root in place
     (`model` itself becomes the sharded module); blocks are compiled one by one before sharding."""
     if not _active():
-        raise RuntimeError("training with world_size > 1 needs a process group: start under torchrun "
-                           "(`pretrain` joins it itself) or use tinygpt.train.distributed.process_group")
+        raise RuntimeError(
+            "training with world_size > 1 needs a process group: start under torchrun "
+            "(`pretrain` joins it itself) or use tinygpt.train.distributed.process_group"
+        )
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -181,10 +203,12 @@ def wrap_model(model: torch.nn.Module, parallel: str, device: torch.device,
         return ddp, compiled
     if parallel == "fsdp":
         if getattr(getattr(model, "config", None), "fused_proj", False):
-            # Distributed checkpointing gathers the state under the parameters' own names, not the Hugging
-            # Face names a fused model saves.
-            raise ConfigError("fused_proj=True does not work with parallel='fsdp' yet: set fused_proj=False, "
-                              "or use parallel='ddp'")
+            # Distributed checkpointing gathers the state under the parameters' own names, not the
+            # Hugging Face names a fused model saves.
+            raise ConfigError(
+                "fused_proj=True does not work with parallel='fsdp' yet: set fused_proj=False, "
+                "or use parallel='ddp'"
+            )
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -193,13 +217,15 @@ def wrap_model(model: torch.nn.Module, parallel: str, device: torch.device,
             if use_compile:
                 block.compile()
             fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # embeddings, final norm and lm_head (tied or not) at the root
+        # embeddings, final norm and lm_head (tied or not) at the root
+        fully_shard(model, mesh=mesh)
         return model, model
     raise ConfigError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
 
 
 def gradient_sync(forward_model: torch.nn.Module, model: torch.nn.Module, sync: bool):
-    """A context for one micro-step: gradients are reduced across ranks only when `sync` (the last one)."""
+    """A context for one micro-step: gradients are reduced
+    across ranks only when `sync` (the last one)."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a flag, not a context
         model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
@@ -209,7 +235,8 @@ def gradient_sync(forward_model: torch.nn.Module, model: torch.nn.Module, sync: 
 
 
 def grad_scaler(precision, model: torch.nn.Module) -> torch.amp.GradScaler:
-    """The precision's GradScaler; under FSDP2 one that agrees across ranks on inf/NaN in sharded gradients."""
+    """The precision's GradScaler; under FSDP2 one that
+    agrees across ranks on inf/NaN in sharded gradients."""
     if precision.use_scaler and _active() and is_fsdp(model):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         return ShardedGradScaler(precision.device_type)
@@ -245,7 +272,8 @@ def _full_options(**kw):
 
 
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """For each optimizer group, the parameter names in order (a tied matrix under its first name)."""
+    """For each optimizer group, the parameter names
+    in order (a tied matrix under its first name)."""
     names = {}
     for n, p in model.named_parameters():
         names.setdefault(id(p), n)
@@ -254,10 +282,12 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
 
 def gather_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state_fn: Callable,
                  rank: int) -> tuple[dict | None, dict | None]:
-    """(model state, optimizer state) in the single-process format on rank 0, (None, None) elsewhere.
+    """(model state, optimizer state) in the single-process
+    format on rank 0, (None, None) elsewhere.
 
-    Under FSDP2 this is a collective (every rank calls it; full tensors land on rank 0's CPU) and
-    the optimizer state is re-keyed from parameter names to the indices `Optimizer.state_dict` uses."""
+    Under FSDP2 this is a collective (every rank calls it; full tensors
+    land on rank 0's CPU) and the optimizer state is re-keyed from
+    parameter names to the indices `Optimizer.state_dict` uses."""
     if not (_active() and is_fsdp(model)):
         return (state_fn(model), optimizer.state_dict()) if rank == 0 else (None, None)
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -303,16 +333,28 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd: dic
             if i in osd["state"]:
                 state[n] = osd["state"][i]
         groups.append({**g, "params": group_names})
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=_full_options())
-    for live, saved in zip(optimizer.param_groups, osd["param_groups"]):  # it turns tuples (betas) into lists
+    set_optimizer_state_dict(
+        model, optimizer, {"state": state, "param_groups": groups}, options=_full_options()
+    )
+    # it turns tuples (betas) into lists
+    for live, saved in zip(optimizer.param_groups, osd["param_groups"]):
         live.update({k: v for k, v in saved.items() if k != "params"})
 
 
-_PEER_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "nccl", "gloo")
+_PEER_HINTS = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "nccl",
+    "gloo",
+)
 
 
 def is_peer_failure(e: BaseException) -> bool:
-    """Whether an exception looks like a collective that lost its peers (dead, hung, unreachable)."""
+    """Whether an exception looks like a collective
+    that lost its peers (dead, hung, unreachable)."""
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _PEER_HINTS)
@@ -324,11 +366,17 @@ def check_parallel(parallel: str, optimizer: str, world_size: int, custom_state:
     if parallel not in PARALLEL_MODES:
         raise ConfigError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {parallel!r}")
     if parallel == "fsdp" and custom_state and world_size > 1:
-        raise ConfigError("FSDP2 checkpoints hold the whole model; saving a part of it (LoRA adapters) "
-                          "works with --parallel ddp")
+        raise ConfigError(
+            "FSDP2 checkpoints hold the whole model; saving a part of it (LoRA adapters) "
+            "works with --parallel ddp"
+        )
     if parallel == "fsdp" and sample_every and world_size > 1:
-        raise ConfigError("train.sample_every needs the whole model on rank 0 and FSDP shards it: set "
-                          "train.sample_every=0 (a sample is still written at the end) or use --parallel ddp")
+        raise ConfigError(
+            "train.sample_every needs the whole model on rank 0 and FSDP shards it: set "
+            "train.sample_every=0 (a sample is still written at the end) or use --parallel ddp"
+        )
     if parallel == "fsdp" and optimizer == "muon" and world_size > 1:
-        raise ConfigError("the muon optimizer orthogonalises whole matrices and FSDP2 holds only shards of them: "
-                          "use --parallel ddp, or the adamw optimizer")
+        raise ConfigError(
+            "the muon optimizer orthogonalises whole matrices and FSDP2 holds only shards of them: "
+            "use --parallel ddp, or the adamw optimizer"
+        )

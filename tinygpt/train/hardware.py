@@ -1,6 +1,7 @@
-"""What this machine is: the GPU table (peak TFLOP/s, hardware class), RAM and cores, and the one
-rule that puts a device into a hardware class. The probe, the recipes' defaults, MFU and the
-finetuning recipes all ask here. "GB" is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
+"""What this machine is: the GPU table (peak TFLOP/s, hardware class), RAM
+and cores, and the one rule that puts a device into a hardware class. The
+probe, the recipes' defaults, MFU and the finetuning recipes all ask here.
+"GB" is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
 """
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.precision import choose_precision, native_bf16, resolve_device
 from tinygpt.train.memory import GB, estimate_memory
 
-# (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class), every
-# class's GPUs, longest name first: "H100 PCIe" is tried before "H100". A name matches as a whole word.
+# (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16
+# tensor TFLOP/s, hardware class), every class's GPUs, longest name first:
+# "H100 PCIe" is tried before "H100". A name matches as a whole word.
 GPU_TABLE: list[tuple[str, float, str]] = sorted(
-    ((gpu, tflops, c.name) for c in HARDWARE.values() for gpu, tflops in c.gpus), key=lambda row: -len(row[0]))
+    ((gpu, tflops, c.name) for c in HARDWARE.values() for gpu, tflops in c.gpus),
+    key=lambda row: -len(row[0]),
+)
 
 
 def gpu_spec(name: str) -> tuple[float | None, str | None]:
-    """(peak dense bf16/fp16 TFLOP/s, hardware class) for a CUDA device name, or (None, None) if unknown."""
+    """(peak dense bf16/fp16 TFLOP/s, hardware class) for
+    a CUDA device name, or (None, None) if unknown."""
     for key, tflops, hw in GPU_TABLE:
         if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.IGNORECASE):
             return tflops, hw
@@ -87,7 +92,8 @@ def ram_gb() -> tuple[float | None, float | None]:
 
 def cpu_name() -> str:
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():  # outside run folders: the kernel's
+        # outside run folders: the kernel's
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "cpu"
@@ -95,7 +101,9 @@ def cpu_name() -> str:
 
 def cpu_cores() -> int:
     # The cores this process may use: a Colab or container CPU quota is smaller than os.cpu_count().
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
 
 
 def hardware_report(device: str | torch.device = "auto") -> HardwareReport:
@@ -113,8 +121,21 @@ def hardware_report(device: str | torch.device = "auto") -> HardwareReport:
     elif dev.type == "mps":
         name = f"Apple MPS ({platform.machine()})"  # unified memory: the RAM figures stand
     prec, default = choose_precision(dev), HARDWARE[hw].default_recipe if hw in HARDWARE else "cpu"
-    return HardwareReport(dev.type, name, total, free, cap, native_bf16(dev), peak, cpu_cores(), hw, default,
-                          prec.name, prec.reason, torch.__version__)
+    return HardwareReport(
+        dev.type,
+        name,
+        total,
+        free,
+        cap,
+        native_bf16(dev),
+        peak,
+        cpu_cores(),
+        hw,
+        default,
+        prec.name,
+        prec.reason,
+        torch.__version__,
+    )
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
@@ -128,12 +149,22 @@ def gpu_class(name: str, major: int, total_gb: float) -> str:
     hw = gpu_spec(name)[1]
     if hw is not None:
         return hw
-    return ("t4" if major < 8 else "h200" if total_gb >= 120 else "h100" if total_gb >= 70 and major >= 9
-            else "a100" if total_gb >= 38 else "l4")
+    return (
+        "t4"
+        if major < 8
+        else "h200"
+        if total_gb >= 120
+        else "h100"
+        if total_gb >= 70 and major >= 9
+        else "a100"
+        if total_gb >= 38
+        else "l4"
+    )
 
 
 def device_class(device: str | torch.device = "auto") -> str:
-    """The hardware class of a device: "cpu", "mps" or a GPU class (a key of `core.hardware.HARDWARE`)."""
+    """The hardware class of a device: "cpu", "mps" or a GPU class (a key of
+    `core.hardware.HARDWARE`)."""
     dev = resolve_device(str(device))
     if dev.type != "cuda":
         return dev.type
@@ -145,40 +176,66 @@ def check_device(dev: torch.device) -> None:
     """Refuse a device this machine does not have, in one line, before anything is written."""
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) is not None
                                   and torch.backends.mps.is_available()):
-        raise ConfigError("device 'mps' was asked for but torch sees no Apple GPU (MPS) here; use --device cpu, "
-                          "or leave --device out to take the best device present")
+        raise ConfigError(
+            "device 'mps' was asked for but torch sees no Apple GPU (MPS) here; use --device cpu, "
+            "or leave --device out to take the best device present"
+        )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"device {dev} was asked for but torch sees {torch.cuda.device_count()} CUDA GPU(s); "
-                          "use --device cuda:0, or leave --device out")
+        raise ConfigError(
+            f"device {dev} was asked for but torch sees {torch.cuda.device_count()} CUDA GPU(s); "
+            "use --device cuda:0, or leave --device out"
+        )
 
 
 def device_memory_gb(dev: torch.device) -> tuple[float | None, str]:
     """What a device has to train with, in GB, and what that is: the GPU's memory, or the RAM."""
     if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev).total_memory / GB, f"the GPU ({torch.cuda.get_device_name(dev)})"
+        return torch.cuda.get_device_properties(
+            dev
+        ).total_memory / GB, f"the GPU ({torch.cuda.get_device_name(dev)})"
     return ram_gb()[0], "RAM"
 
 
-def check_fits(model: ModelConfig, micro_batch_size: int, seq_len: int, precision: str, dev: torch.device,
-               loss: str = "auto", what: str = "this model") -> None:
-    """Refuse, in one line that says what fits, a training run whose estimated memory (train.memory) is
-    more than the device has: a model the kernel's OOM killer would end after minutes, without a word.
-    The estimate grows linearly with n_layer, so it is read at 1 and 2 layers (no model is built)."""
+def check_fits(
+    model: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    dev: torch.device,
+    loss: str = "auto",
+    what: str = "this model",
+) -> None:
+    """Refuse, in one line that says what fits, a training run whose estimated
+    memory (train.memory) is more than the device has: a model the kernel's OOM
+    killer would end after minutes, without a word. The estimate grows linearly
+    with n_layer, so it is read at 1 and 2 layers (no model is built)."""
     have, where = device_memory_gb(dev)
     if have is None:
         return
 
     def est(n_layer: int) -> float:
-        return estimate_memory(dataclasses.replace(model, n_layer=n_layer), micro_batch_size, seq_len, precision,
-                               device_type=dev.type, loss=loss).total_gb
+        return estimate_memory(
+            dataclasses.replace(model, n_layer=n_layer),
+            micro_batch_size,
+            seq_len,
+            precision,
+            device_type=dev.type,
+            loss=loss,
+        ).total_gb
     one, per_layer = est(1), est(2) - est(1)
     need = one + (model.n_layer - 1) * per_layer
     if need <= have:
         return
     most = int((have - one) // per_layer) + 1 if per_layer > 0 and have >= one else 0
-    fits = (f"at this width (d_model {model.d_model}, vocab {model.vocab_size}) at most about {most} layers fit"
-            if most >= 1 else f"not even one layer of this width (d_model {model.d_model}, vocab "
-            f"{model.vocab_size}) fits; lower d_model or vocab_size")
-    raise ConfigError(f"{what} needs about {need:,.1f} GB to train (n_layer {model.n_layer}, micro-batch "
-                      f"{micro_batch_size}, context {seq_len}, {precision}) but {where} has {have:.1f} GB: {fits}; "
-                      "lower model.n_layer or model.d_model (or train.micro_batch_size)")
+    fits = (
+        f"at this width (d_model {model.d_model}, vocab {model.vocab_size}) at most about {most} "
+        "layers fit"
+        if most >= 1
+        else f"not even one layer of this width (d_model {model.d_model}, vocab "
+        f"{model.vocab_size}) fits; lower d_model or vocab_size"
+    )
+    raise ConfigError(
+        f"{what} needs about {need:,.1f} GB to train (n_layer {model.n_layer}, micro-batch "
+        f"{micro_batch_size}, context {seq_len}, {precision}) but {where} has {have:.1f} GB: "
+        f"{fits}; lower model.n_layer or model.d_model (or train.micro_batch_size)"
+    )

@@ -1,31 +1,34 @@
-"""What a Drive mirror may tell a pretraining run: nothing that chooses the run. Its run.json is compared
-with the command, and the run files a restore would copy home are read as a start reads them, before a
-byte is copied from or to it (`check_mirror_run`, called by `train.pretrain.train_run`)."""
+"""What a Drive mirror may tell a pretraining run: nothing that chooses the run. Its run.json is
+compared with the command, and the run files a restore would copy home are read as a start reads
+them, before a byte is copied from or to it (`check_mirror_run`, called by
+`train.pretrain.train_run`)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from tinygpt.core.config import ConfigError, Recipe, config_differences
+from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import link_problem, read_json_safe
 from tinygpt.core.rundir import BUDGET_JSON, METRICS, RUN_JSON, SAMPLES, RunDir
+from tinygpt.core.same_settings import config_differences
 from tinygpt.train.budget import Budget
 from tinygpt.train.plan import PLANNED_FIELDS
 from tinygpt.train.probe import PROBED_TRAIN_FIELDS
 from tinygpt.train.trainer import RESUMABLE_CHANGES
 
-# what a run's run.json may hold otherwise than the command that resumes it: what a resume may change, and what the
-# probe chose on the GPU it began on (kept from run.json by `fit_to_device`)
+# what a run's run.json may hold otherwise than the command that resumes it: what a resume may
+# change, and what the probe chose on the GPU it began on (kept from run.json by `fit_to_device`)
 MIRROR_MAY_DIFFER = RESUMABLE_CHANGES | set(PROBED_TRAIN_FIELDS) | {"activation_checkpointing"}
 
 
 def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = False) -> None:
-    """A mirror is a shared folder: its run.json is evidence, never a source. What a run trains (the recipe, its
-    base, data and tokenizer) comes from the command and the local run folder; a mirror whose run.json records
-    another run is refused in one line naming the fields, before anything is copied from or to it (so nothing it
-    names, a base folder or a data folder, is read, and nothing is uploaded). An unreachable mirror is left to the
-    restore, which says so. `sized` (--size auto): the model's ladder fields and learning rates are the plan's,
-    which the restored run.json keeps (`plan.kept_plan` then checks it names a rung of the ladder)."""
+    """A mirror is a shared folder: its run.json is evidence, never a source. What a run trains (the
+    recipe, its base, data and tokenizer) comes from the command and the local run folder; a mirror
+    whose run.json records another run is refused in one line naming the fields, before anything is
+    copied from or to it (so nothing it names, a base folder or a data folder, is read, and nothing
+    is uploaded). An unreachable mirror is left to the restore, which says so. `sized` (--size
+    auto): the model's ladder fields and learning rates are the plan's, which the restored run.json
+    keeps (`plan.kept_plan` then checks it names a rung of the ladder)."""
     if mirror is None:
         return
     path = Path(mirror) / RUN_JSON
@@ -37,8 +40,10 @@ def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = Fa
     except OSError:
         return
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"the mirror's {RUN_JSON} cannot be read as a run's ({str(e).splitlines()[0]}); nothing "
-                          f"was copied from or to {mirror}: use another --mirror folder") from None
+        raise ConfigError(
+            f"the mirror's {RUN_JSON} cannot be read as a run's ({str(e).splitlines()[0]}); "
+            f"nothing was copied from or to {mirror}: use another --mirror folder"
+        ) from None
     check_mirror_files(mirror)
     ours = recipe.to_dict()
     diffs = config_differences({k: theirs.get(k) for k in ("model", "train", "data")},
@@ -47,24 +52,31 @@ def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = Fa
     if theirs.get("name") != recipe.name:
         diffs.insert(0, f"recipe: {theirs.get('name')!r} in the run, {recipe.name!r} now")
     if diffs:
-        raise ConfigError(f"the mirror {mirror} holds another run than this command's ({'; '.join(diffs)}): nothing "
-                          "was copied from or to it, and nothing it names was read. Give the command that run was "
-                          "started with (its --recipe, --init, --data, --set), or use another --mirror folder")
+        raise ConfigError(
+            f"the mirror {mirror} holds another run than this command's ({'; '.join(diffs)}): "
+            "nothing was copied from or to it, and nothing it names was read. Give the command "
+            "that run was started with (its --recipe, --init, --data, --set), or use another "
+            "--mirror folder"
+        )
 
 
 def check_mirror_files(mirror: str | Path) -> None:
-    """The run files a restore would copy home and a later start parses (budget.json, metrics.jsonl, samples.txt),
-    read as a start reads them: one that tinygpt could not have written is refused here, naming it, before it is
+    """The run files a restore would copy home and a later start parses
+    (budget.json, metrics.jsonl, samples.txt), read as a start reads them: one
+    that tinygpt could not have written is refused here, naming it, before it is
     copied into the local folder (where it would stop every later start too)."""
     run = RunDir(mirror)
     reads = {BUDGET_JSON: lambda: Budget.load(run.path), METRICS: run.metrics, SAMPLES: run.samples}
     try:
         for name, read in reads.items():
-            if link_problem(run.path / name) is None:  # a link is not copied: the restore says so, and goes on
+            # a link is not copied: the restore says so, and goes on
+            if link_problem(run.path / name) is None:
                 read()
     except OSError:
         return  # an unreachable mirror: the restore says so
     except ValueError as e:  # RunDirError, UnsafePathError, FileTooLarge: each names its file
-        raise ConfigError(f"the mirror holds a file tinygpt did not write: {str(e).splitlines()[0]}; nothing was "
-                          f"copied from or to {mirror}: delete that file there, or use another --mirror "
-                          "folder") from None
+        raise ConfigError(
+            f"the mirror holds a file tinygpt did not write: {str(e).splitlines()[0]}; nothing was "
+            f"copied from or to {mirror}: delete that file there, or use another --mirror "
+            "folder"
+        ) from None

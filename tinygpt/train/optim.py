@@ -31,11 +31,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         seen.add(id(p))
         (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
-def split_muon_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter],
-                                                        list[torch.nn.Parameter]]:
+def split_muon_params(
+    model: torch.nn.Module,
+) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """(hidden 2-D matrices for Muon, other 2-D weights for AdamW with decay, the rest without).
 
     A tied embedding / lm_head matrix is met twice under two names; it is counted once, on AdamW.
@@ -56,11 +60,12 @@ def split_muon_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter],
 
 
 class EagerOptimizer(torch.optim.Optimizer):
-    """torch's Optimizer without the compiler's import, for a process that never compiles. torch wraps
-    `add_param_group`, `zero_grad`, `state_dict` and `load_state_dict` in `torch._disable_dynamo`,
-    and AdamW's step in `_use_grad_for_differentiable`: each imports torch._dynamo on its first call
-    (about 1.5 CPU-seconds, as much as `import torch`) only to keep the compiler from tracing into
-    it. These are the functions they wrap (`__wrapped__`; where a torch has none, its own method)."""
+    """torch's Optimizer without the compiler's import, for a process that never compiles. torch
+    wraps `add_param_group`, `zero_grad`, `state_dict` and `load_state_dict` in
+    `torch._disable_dynamo`, and AdamW's step in `_use_grad_for_differentiable`: each imports
+    torch._dynamo on its first call (about 1.5 CPU-seconds, as much as `import torch`) only to keep
+    the compiler from tracing into it. These are the functions they wrap (`__wrapped__`; where a
+    torch has none, its own method)."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
@@ -115,9 +120,10 @@ class MuonAdamW(torch.optim.Optimizer):
             inner.param_groups = [g for g in self.param_groups if g["kind"] == kind]
             inner.state = self.state
 
-    # torch.amp.GradScaler hands fp16 steps to this optimizer with `grad_scale` (None once unscale_ ran) and
-    # `found_inf` (a device tensor) set on it, instead of reading found_inf back to the host to decide
-    # whether to step: no host-device sync per step. The step then unscales and skips by itself.
+    # torch.amp.GradScaler hands fp16 steps to this optimizer with `grad_scale`
+    # (None once unscale_ ran) and `found_inf` (a device tensor) set on it,
+    # instead of reading found_inf back to the host to decide whether to step:
+    # no host-device sync per step. The step then unscales and skips by itself.
     _step_supports_amp_scaling = True
     inner_muon: type[torch.optim.Optimizer] = torch.optim.Muon
     inner_adamw: type[torch.optim.Optimizer] = torch.optim.AdamW
@@ -129,7 +135,8 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        if grad_scale is None and found_inf is None:  # no GradScaler (bf16, fp32): the inner optimizers as they are
+        # no GradScaler (bf16, fp32): the inner optimizers as they are
+        if grad_scale is None and found_inf is None:
             if self._muon.param_groups:
                 self._muon.step()
             if self._adamw.param_groups:
@@ -145,7 +152,8 @@ class MuonAdamW(torch.optim.Optimizer):
                     self._adamw.step()
                 finally:
                     del self._adamw.grad_scale, self._adamw.found_inf
-            elif found_inf is None or not found_inf.item():  # unfused (the CPU): the sync costs nothing there
+            # unfused (the CPU): the sync costs nothing there
+            elif found_inf is None or not found_inf.item():
                 if grad_scale is not None:
                     for g in self._adamw.param_groups:
                         for p in g["params"]:
@@ -154,9 +162,12 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._adamw.step()
         return loss
 
-    def _muon_step_scaled(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-        """torch.optim.Muon's update (`torch.optim._muon`), unscaled by `grad_scale` and made a no-op on the
-        device when `found_inf` is set (gradients zeroed, the momentum's, the decay's and the update's weights
+    def _muon_step_scaled(
+        self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
+    ) -> None:
+        """torch.optim.Muon's update (`torch.optim._muon`), unscaled by
+        `grad_scale` and made a no-op on the device when `found_inf` is set
+        (gradients zeroed, the momentum's, the decay's and the update's weights
         chosen by a device-side `where`), so no value is read back to the host."""
         from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
@@ -171,12 +182,17 @@ class MuonAdamW(torch.optim.Optimizer):
                 grad = torch.where(skip, 0.0, grad)  # inf * 0 would be nan
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                    state["momentum_buffer"] = torch.zeros_like(
+                        grad, memory_format=torch.preserve_format
+                    )
                 buf = state["momentum_buffer"]
-                # the factors in fp32, rounded as torch rounds the Python numbers Muon passes: the same steps
+                # the factors in fp32, rounded as torch rounds
+                # the Python numbers Muon passes: the same steps
                 buf.lerp_(grad, torch.where(skip, 0.0, 1 - momentum))
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                update = _zeropower_via_newtonschulz(
+                    update, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                )
                 p.mul_(torch.where(skip, 1.0, 1 - lr * wd))
                 keep = torch.where(skip, 0.0, 1.0)
                 p.add_(update * keep, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
@@ -210,8 +226,10 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str, 
         # Muon decays by lr * weight_decay per step, as AdamW: keep that product equal to AdamW's.
         muon_groups = [{"params": muon, "lr": cfg.lr * muon_lr_scale, "lr_scale": muon_lr_scale,
                         "weight_decay": cfg.weight_decay / muon_lr_scale}]
-        adamw_groups = [{"params": decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
-                        {"params": no_decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0}]
+        adamw_groups = [
+            {"params": decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0},
+        ]
         muon_adamw = MuonAdamW if compiled else EagerMuonAdamW
         return muon_adamw(muon_groups, adamw_groups, lr=cfg.lr, betas=betas, fused=fused)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose adamw or muon")

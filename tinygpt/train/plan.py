@@ -1,17 +1,20 @@
-"""The size planner: the model a time budget should train, chosen from a ladder of sizes by a scaling law.
+"""The size planner: the model a time budget should
+train, chosen from a ladder of sizes by a scaling law.
 
-For `pretrain --size auto --hours H` (and `probe --hours H`): each rung of the recipe's ladder (one family:
-depth with the width, heads and learning rate derived from it) gets this machine's tokens/s (a few rungs
-timed with the trainer's own step, the rest scaled from them by training FLOPs per token, and said so), the
-tokens the hours buy at that speed, and a predicted final loss L(N, D) = E + A/N^alpha + B/D^beta, with N the
-non-embedding parameters and D the tokens seen (fewer than seen where the source is smaller than the budget
-and would be read again: Muennighoff et al. 2023's effective data). The lowest predicted loss is chosen;
-tokens per parameter is a result, not an input.
+For `pretrain --size auto --hours H` (and `probe --hours H`): each rung of the recipe's
+ladder (one family: depth with the width, heads and learning rate derived from it) gets
+this machine's tokens/s (a few rungs timed with the trainer's own step, the rest scaled
+from them by training FLOPs per token, and said so), the tokens the hours buy at that
+speed, and a predicted final loss L(N, D) = E + A/N^alpha + B/D^beta, with N the
+non-embedding parameters and D the tokens seen (fewer than seen where the source is smaller
+than the budget and would be read again: Muennighoff et al. 2023's effective data). The
+lowest predicted loss is chosen; tokens per parameter is a result, not an input.
 
-Invariants: the plan is decided once, before anything is written, and kept in run.json ("plan"); a resumed
-run takes its size from there (on another GPU too), never plans again. A rung is the recipe's model with
-only the ladder's fields (n_layer, d_model, n_head, n_kv_head, d_ff) changed, and its train config with only
-lr and min_lr scaled by width: everything else (vocabulary, context, data, schedule) is the recipe's.
+Invariants: the plan is decided once, before anything is written, and kept in run.json ("plan"); a
+resumed run takes its size from there (on another GPU too), never plans again. A rung is the
+recipe's model with only the ladder's fields (n_layer, d_model, n_head, n_kv_head, d_ff) changed,
+and its train config with only lr and min_lr scaled by width: everything else (vocabulary, context,
+data, schedule) is the recipe's.
 """
 from __future__ import annotations
 
@@ -32,19 +35,26 @@ from tinygpt.train.probe import trainer_speed
 
 HEAD_DIM = 64  # each rung's width is depth * HEAD_DIM, in heads of 64 (nanochat's aspect ratio)
 LADDER_DEPTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
-LADDER_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")  # what a rung changes in a model
+# what a rung changes in a model
+LADDER_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
 PLANNED_FIELDS = frozenset(LADDER_FIELDS) | {"lr", "min_lr"}  # what a plan changes in a recipe
-TIMED_RUNGS = 3  # rungs whose speed is measured; the others are scaled by FLOPs per token from the nearest
-BUDGET_OVERHEAD = 0.1  # the share of a budget that evaluations, checkpoints and samples take (not training)
-PLAN_SPEED_STEPS = 4  # optimizer steps timed per timed rung (after 2 of warm-up): the planner stays short
-MIN_STEPS = 50  # a rung the hours buy fewer optimizer steps for is not a candidate (its warmup alone is most)
-REPEAT_HALF_LIFE = 15.4  # R*_D of Muennighoff et al. (2023): how fast repeated epochs lose their value
+# rungs whose speed is measured; the others are scaled by FLOPs per token from the nearest
+TIMED_RUNGS = 3
+# the share of a budget that evaluations, checkpoints and samples take (not training)
+BUDGET_OVERHEAD = 0.1
+# optimizer steps timed per timed rung (after 2 of warm-up): the planner stays short
+PLAN_SPEED_STEPS = 4
+# a rung the hours buy fewer optimizer steps for is not a candidate (its warmup alone is most)
+MIN_STEPS = 50
+# R*_D of Muennighoff et al. (2023): how fast repeated epochs lose their value
+REPEAT_HALF_LIFE = 15.4
 
 
 def rung(recipe: Recipe, depth: int) -> Recipe:
-    """The recipe at ladder depth `depth`: width depth*HEAD_DIM, heads of HEAD_DIM (grouped as the recipe
-    groups them), an MLP of 8/3 the width (a multiple of 64, SwiGLU's usual), and the learning rates scaled
-    inversely with width from the recipe's own (GPT-3's table: 6e-4 at 768, 3e-4 at 1536)."""
+    """The recipe at ladder depth `depth`: width depth*HEAD_DIM, heads of
+    HEAD_DIM (grouped as the recipe groups them), an MLP of 8/3 the width (a
+    multiple of 64, SwiGLU's usual), and the learning rates scaled inversely with
+    width from the recipe's own (GPT-3's table: 6e-4 at 768, 3e-4 at 1536)."""
     m, t = recipe.model, recipe.train
     d_model = depth * HEAD_DIM
     n_head = d_model // HEAD_DIM
@@ -52,8 +62,10 @@ def rung(recipe: Recipe, depth: int) -> Recipe:
     n_kv = n_head // group if group > 1 and n_head % group == 0 else None
     d_ff = 64 * max(1, round(8 * d_model / 3 / 64))
     scale = m.d_model / d_model
-    return recipe.replace(model=dict(n_layer=depth, d_model=d_model, n_head=n_head, n_kv_head=n_kv, d_ff=d_ff),
-                          train=dict(lr=t.lr * scale, min_lr=t.min_lr * scale))
+    return recipe.replace(
+        model=dict(n_layer=depth, d_model=d_model, n_head=n_head, n_kv_head=n_kv, d_ff=d_ff),
+        train=dict(lr=t.lr * scale, min_lr=t.min_lr * scale),
+    )
 
 
 def rung_name(depth: int) -> str:
@@ -74,17 +86,25 @@ class ScalingLaw:
         return self.E + self.A / n_params ** self.alpha + self.B / tokens ** self.beta
 
 
-# The prior: Chinchilla's parametric fit (Hoffmann et al. 2022, approach 3) as re-fitted on its own data by
-# Besiroglu et al. (2024, "Chinchilla Scaling: A replication attempt"), whose optimum agrees with Chinchilla's
-# approaches 1 and 2 (~20 tokens per parameter); the constants as published (E 1.69, A 406.4, B 410.7, 0.34,
-# 0.28) put it at 3-10 here. Fitted on 70M to 16B parameters: the law for GPU-scale rungs.
-CHINCHILLA = ScalingLaw(1.8172, 482.01, 2085.43, 0.3478, 0.3658,
-                        "Chinchilla's fit (Hoffmann et al. 2022, as re-fitted by Besiroglu et al. 2024)")
+# The prior: Chinchilla's parametric fit (Hoffmann et al. 2022, approach 3) as re-fitted
+# on its own data by Besiroglu et al. (2024, "Chinchilla Scaling: A replication
+# attempt"), whose optimum agrees with Chinchilla's approaches 1 and 2 (~20 tokens per
+# parameter); the constants as published (E 1.69, A 406.4, B 410.7, 0.34, 0.28) put it
+# at 3-10 here. Fitted on 70M to 16B parameters: the law for GPU-scale rungs.
+CHINCHILLA = ScalingLaw(
+    1.8172,
+    482.01,
+    2085.43,
+    0.3478,
+    0.3658,
+    "Chinchilla's fit (Hoffmann et al. 2022, as re-fitted by Besiroglu et al. 2024)",
+)
 LAWS_FILE = "scaling_laws.json"  # beside this module, written by benchmarks/fit_scaling.py
 
 
 def fitted_laws() -> dict[str, ScalingLaw]:
-    """The laws benchmarks/fit_scaling.py fitted on tinygpt's own runs, by the recipe they ladder."""
+    """The laws benchmarks/fit_scaling.py fitted on
+    tinygpt's own runs, by the recipe they ladder."""
     with resources.as_file(resources.files("tinygpt.train") / LAWS_FILE) as path:
         if not path.is_file():
             return {}
@@ -94,14 +114,15 @@ def fitted_laws() -> dict[str, ScalingLaw]:
 
 
 def law_for(recipe: Recipe) -> ScalingLaw:
-    """The law fitted on this recipe's own ladder (same corpus and tokenizer) where there is one, else
-    Chinchilla's."""
+    """The law fitted on this recipe's own ladder (same corpus
+    and tokenizer) where there is one, else Chinchilla's."""
     return fitted_laws().get(recipe.name, CHINCHILLA)
 
 
 def effective_tokens(tokens: float, unique: float | None) -> float:
-    """Tokens seen, counted as Muennighoff et al.'s effective data when a source of `unique` tokens is
-    read more than once: each repeat is worth less, and never more than REPEAT_HALF_LIFE epochs of it."""
+    """Tokens seen, counted as Muennighoff et al.'s effective data when
+    a source of `unique` tokens is read more than once: each repeat is
+    worth less, and never more than REPEAT_HALF_LIFE epochs of it."""
     if unique is None or tokens <= unique:
         return tokens
     repeats = tokens / unique - 1
@@ -150,10 +171,11 @@ def ladder(recipe: Recipe, fits: Callable[[Recipe], bool]) -> list[tuple[int, Re
 def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
               fits: Callable[[Recipe], bool] = lambda r: True, unique_tokens: float | None = None,
               law: ScalingLaw | None = None, timed: int = TIMED_RUNGS) -> SizePlan:
-    """Choose the rung with the lowest predicted loss after `hours`. `speed(recipe)` measures tokens/s (the
-    probe's `trainer_speed`): the smallest rung first; the rungs that speed, scaled by FLOPs per token, buys
-    fewer than MIN_STEPS steps in the hours are dropped (never timed); then the largest left and rungs between,
-    `timed` in all; every other rung is scaled by FLOPs per token from the nearest timed one."""
+    """Choose the rung with the lowest predicted loss after `hours`. `speed(recipe)` measures
+    tokens/s (the probe's `trainer_speed`): the smallest rung first; the rungs that speed, scaled by
+    FLOPs per token, buys fewer than MIN_STEPS steps in the hours are dropped (never timed); then
+    the largest left and rungs between, `timed` in all; every other rung is scaled by FLOPs per
+    token from the nearest timed one."""
     start = time.perf_counter()
     law = law or law_for(recipe)
     rungs = ladder(recipe, fits)
@@ -195,22 +217,30 @@ def apply_plan(recipe: Recipe, plan: SizePlan | dict) -> Recipe:
 
 
 def depth_of(size: str) -> int:
-    """A rung's depth from its name ("d6"), refusing any name that is not on the ladder (run.json's plan
-    comes back from a mirror: it may choose only among the ladder's rungs)."""
-    if not (isinstance(size, str) and size[:1] == "d" and size[1:].isdigit() and int(size[1:]) in LADDER_DEPTHS):
-        raise ConfigError(f"size {size!r} is not on the ladder ({', '.join(map(rung_name, LADDER_DEPTHS))})")
+    """A rung's depth from its name ("d6"), refusing any name that is not on the ladder (run.json's
+    plan comes back from a mirror: it may choose only among the ladder's rungs)."""
+    if not (
+        isinstance(size, str)
+        and size[:1] == "d"
+        and size[1:].isdigit()
+        and int(size[1:]) in LADDER_DEPTHS
+    ):
+        raise ConfigError(
+            f"size {size!r} is not on the ladder ({', '.join(map(rung_name, LADDER_DEPTHS))})"
+        )
     return int(size[1:])
 
 
-# Characters per token of a source, before its tokenizer exists (the plan comes first): measured on the
-# builtin corpus with the cpu recipe's trained 4096-token BPE, and GPT-2's on English text. An estimate: the
-# planner says "epochs ~"; only data-limited sources depend on it.
+# Characters per token of a source, before its tokenizer exists (the plan comes first): measured on
+# the builtin corpus with the cpu recipe's trained 4096-token BPE, and GPT-2's on English text. An
+# estimate: the planner says "epochs ~"; only data-limited sources depend on it.
 CHARS_PER_TOKEN = {"gpt2": 4.2, "train": 3.2}
 
 
 def unique_tokens(recipe: Recipe) -> float | None:
-    """About how many tokens the source holds (its character cap, `data.max_chars`, read at
-    CHARS_PER_TOKEN); None where the recipe sets no cap (a Hub corpus: more than any budget here reads)."""
+    """About how many tokens the source holds (its character cap,
+    `data.max_chars`, read at CHARS_PER_TOKEN); None where the recipe
+    sets no cap (a Hub corpus: more than any budget here reads)."""
     d = recipe.data
     if d.max_chars is None:
         return None
@@ -218,13 +248,16 @@ def unique_tokens(recipe: Recipe) -> float | None:
 
 
 def kept_plan(info: dict | None) -> dict | None:
-    """The plan a run folder's run.json keeps (a resumed run's size), checked to name a ladder rung."""
+    """The plan a run folder's run.json keeps (a resumed
+    run's size), checked to name a ladder rung."""
     plan = (info or {}).get("plan")
     if plan is None:
         return None
     if not isinstance(plan, dict):
-        raise ConfigError("run.json's plan is not a plan tinygpt wrote; delete the run folder's run.json plan "
-                          "or start a new run")
+        raise ConfigError(
+            "run.json's plan is not a plan tinygpt wrote; delete the run folder's run.json plan "
+            "or start a new run"
+        )
     depth_of(plan.get("size"))
     return plan
 
@@ -233,22 +266,33 @@ def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
     """Whether a rung trains in this device's memory at its recipe's micro-batch (`check_fits`)."""
     def fits(r: Recipe) -> bool:
         try:
-            check_fits(r.model, r.train.micro_batch_size, r.train.seq_len, precision, dev, r.train.loss)
+            check_fits(
+                r.model, r.train.micro_batch_size, r.train.seq_len, precision, dev, r.train.loss
+            )
         except ConfigError:
             return False
         return True
     return fits
 
 
-def choose_size(recipe: Recipe, hours: float, dev: torch.device, kept: dict | None) -> tuple[Recipe, SizePlan | dict]:
-    """`--size auto`: the run's kept plan (a resumed run keeps its size), else a new plan on this device,
-    timing rungs with the trainer's own step (`trainer_speed`, a short measurement)."""
+def choose_size(
+    recipe: Recipe, hours: float, dev: torch.device, kept: dict | None
+) -> tuple[Recipe, SizePlan | dict]:
+    """`--size auto`: the run's kept plan (a resumed run keeps its size), else a new plan on this
+    device, timing rungs with the trainer's own step (`trainer_speed`, a short measurement)."""
     if kept is not None:
         return apply_plan(recipe, kept), kept
     if recipe.model.init is not None:
-        raise ConfigError("--size auto chooses a new model's size; a continued base (--init) keeps its own: "
-                          "leave out --size")
+        raise ConfigError(
+            "--size auto chooses a new model's size; a continued base (--init) keeps its own: "
+            "leave out --size"
+        )
     precision = choose_precision(dev, recipe.train.precision).name
-    plan = plan_size(recipe, hours, lambda r: trainer_speed(r, dev, steps=PLAN_SPEED_STEPS, warmup=2),
-                     fits=fits_in(dev, precision), unique_tokens=unique_tokens(recipe))
+    plan = plan_size(
+        recipe,
+        hours,
+        lambda r: trainer_speed(r, dev, steps=PLAN_SPEED_STEPS, warmup=2),
+        fits=fits_in(dev, precision),
+        unique_tokens=unique_tokens(recipe),
+    )
     return apply_plan(recipe, plan), plan

@@ -27,7 +27,6 @@ from tinygpt.core.config import (
     ConfigError,
     Recipe,
     TrainConfig,
-    check_same_settings,
 )
 from tinygpt.core.fields import field_problem
 from tinygpt.core.files import refuse_links_in
@@ -36,6 +35,8 @@ from tinygpt.core.options import option, targets
 from tinygpt.core.precision import Precision, choose_precision
 from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import BUDGET_JSON, RUN_JSON, TENSORBOARD, TOKENIZER_JSON, RunDir
+from tinygpt.core.runlock import lock, undo_if_first_try_fails
+from tinygpt.core.same_settings import check_same_settings
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.sync.mirrored import RunMirror, mirrored
@@ -63,7 +64,8 @@ from tinygpt.train.startup import StartupClock
 from tinygpt.train.tokens import RunData, open_tokens
 from tinygpt.train.trainer import RESUMABLE_CHANGES, TrainData, Trainer, TrainResult
 
-TOKENIZER_TRAIN_CHARS = 3_000_000  # BPE merges settle long before this; training on more only costs time
+# BPE merges settle long before this; training on more only costs time
+TOKENIZER_TRAIN_CHARS = 3_000_000
 
 
 def versions() -> dict[str, str]:
@@ -71,87 +73,126 @@ def versions() -> dict[str, str]:
 
 
 def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
-    """Refuse a run folder that holds another configuration, or checkpoints when resume is 'never'."""
+    """Refuse a run folder that holds another configuration,
+    or checkpoints when resume is 'never'."""
     run = RunDir(run_dir)
     if run.is_pretrain_run():
         # read back through Recipe: a field added since the run began compares as its default
         old, new = Recipe.from_dict(run.recipe_dict()).to_dict(), recipe.to_dict()
-        check_same_settings(f"run folder {run_dir}", {k: old.get(k) for k in ("model", "train", "data")},
-                            {k: new[k] for k in ("model", "train", "data")}, allowed=RESUMABLE_CHANGES)
+        check_same_settings(
+            f"run folder {run_dir}",
+            {k: old.get(k) for k in ("model", "train", "data")},
+            {k: new[k] for k in ("model", "train", "data")},
+            allowed=RESUMABLE_CHANGES,
+        )
     if resume == "never" and ckpt.list_checkpoints(RunDir(run_dir).checkpoints):
-        raise ConfigError(f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
-                          "them: use --resume auto to continue, or another run folder (a new --run-dir or RUN_NAME)")
+        raise ConfigError(
+            f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
+            "them: use --resume auto to continue, or another run folder (a new --run-dir or "
+            "RUN_NAME)"
+        )
 
 
 def check_tokenizer(recipe: Recipe, token_ids: bool) -> None:
-    """A source of token ids (`token_ids`, as `check_source` resolved it) comes with the tokenizer that made
-    them: none can be trained on it, and a base's own would read them as other tokens. Before any work (the
-    recipe itself refuses a tokenizer its model is too small for, or a base's without a base)."""
+    """A source of token ids (`token_ids`, as `check_source` resolved it) comes
+    with the tokenizer that made them: none can be trained on it, and a base's own
+    would read them as other tokens. Before any work (the recipe itself refuses a
+    tokenizer its model is too small for, or a base's without a base)."""
     d = recipe.data
     if token_ids and d.tokenizer == "train":
-        raise ConfigError(f"{d.source} holds token ids, not text, so no tokenizer can be trained on it: for GPT-2's "
-                          f"(nanoGPT's .bin, llm.c's GPT-2 shards) add --set data.tokenizer=gpt2 "
-                          f"model.vocab_size={GPT2_VOCAB_PADDED}, or use a recipe made for them (e.g. a100-124m)")
+        raise ConfigError(
+            f"{d.source} holds token ids, not text, so no tokenizer can be trained on it: for "
+            "GPT-2's (nanoGPT's .bin, llm.c's GPT-2 shards) add --set data.tokenizer=gpt2 "
+            f"model.vocab_size={GPT2_VOCAB_PADDED}, or use a recipe made for them (e.g. a100-124m)"
+        )
     if token_ids and d.tokenizer == INIT_TOKENIZER:
-        raise ConfigError(f"{d.source} holds token ids of another tokenizer, not the base's: continue a base on "
-                          "text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes")
+        raise ConfigError(
+            f"{d.source} holds token ids of another tokenizer, not the base's: continue a base on "
+            "text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes"
+        )
 
 
 def get_tokenizer(recipe: Recipe, run_dir: Path, base: Base | None = None) -> Tokenizer:
-    """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe says
-    (`check_tokenizer` has refused one that cannot read the source; `base`: a continued run's base, whose
-    tokenizer it takes)."""
+    """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe
+    says (`check_tokenizer` has refused one that cannot read the source; `base`: a continued run's
+    base, whose tokenizer it takes)."""
     saved = run_dir / TOKENIZER_JSON
     if saved.is_file():
         return Tokenizer.load(saved)
     d = recipe.data
     if d.tokenizer == "train":
-        budget = TOKENIZER_TRAIN_CHARS if d.max_chars is None else min(d.max_chars, TOKENIZER_TRAIN_CHARS)
+        budget = (
+            TOKENIZER_TRAIN_CHARS
+            if d.max_chars is None
+            else min(d.max_chars, TOKENIZER_TRAIN_CHARS)
+        )
         sample = iter_documents(type(d)(**{**d.to_dict(), "max_chars": budget}))
         tok = train_bpe(sample, d.vocab_size)
     elif d.tokenizer == "gpt2":
         tok = load_gpt2()
-    elif d.tokenizer == INIT_TOKENIZER:  # continued pretraining: the base's own (read for a run without one)
+    # continued pretraining: the base's own (read for a run without one)
+    elif d.tokenizer == INIT_TOKENIZER:
         tok = base.tokenizer
     else:
         tok = Tokenizer.load(d.tokenizer)
     if tok.vocab_size > recipe.model.vocab_size:
-        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {recipe.model.vocab_size}: "
-                          "raise the model's vocab_size")
+        raise ConfigError(
+            f"the tokenizer has {tok.vocab_size} tokens but the model only "
+            f"{recipe.model.vocab_size}: raise the model's vocab_size"
+        )
     return tok
 
 
 @dataclass
 class PretrainOptions:
     """How to run a recipe (the recipe says what to train). Every field has the CLI's default; each with
-    help is a `tinygpt pretrain` option (core/options.py), and each that "sets" a recipe field overrides
-    it when given."""
+    help is a `tinygpt pretrain` option (core/options.py), and each that "sets" a recipe field
+    overrides it when given."""
     run_dir: str | Path = option("runs/default", flag="RUN_DIR", alias="--run-dir",
                                  help="the run folder: made, or resumed when it holds this run")
-    data: str | None = option(None, help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT] (default: "
-                              "the recipe's)", sets="data.source")
-    max_steps: int | None = option(None, help="train to this step (default: the recipe's)", sets="train.max_steps")
-    hours: float | None = option(None, help="a time budget: the steps that fit are measured after warm-up and "
-                                 "fixed, with the warmup-stable-decay schedule ending on time (start-up not counted)")
+    data: str | None = option(
+        None,
+        help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT] (default: the recipe's)",
+        sets="data.source",
+    )
+    max_steps: int | None = option(
+        None, help="train to this step (default: the recipe's)", sets="train.max_steps"
+    )
+    hours: float | None = option(
+        None,
+        help="a time budget: the steps that fit are measured after warm-up and "
+        "fixed, with the warmup-stable-decay schedule ending on time (start-up not counted)",
+    )
     size: Literal["auto"] | None = option(
-        None, help="auto (with --hours): the model size the hours buy, chosen from the recipe's ladder of "
-        "sizes by a scaling law and this machine's speed (docs/PLANNER.md); default: the recipe's")
-    save_every: int | None = option(None, help="save a checkpoint every N steps (default: the recipe's)",
-                                    sets="train.save_every")
+        None,
+        help="auto (with --hours): the model size the hours buy, chosen from the recipe's ladder "
+        "of "
+        "sizes by a scaling law and this machine's speed (docs/PLANNER.md); default: the recipe's",
+    )
+    save_every: int | None = option(
+        None,
+        help="save a checkpoint every N steps (default: the recipe's)",
+        sets="train.save_every",
+    )
     eval_every: int | None = option(None, help="evaluate every N steps (default: the recipe's)",
                                     sets="train.eval_every")
     resume: Literal["auto", "never"] = option(
         "auto", help="auto: from the newest valid checkpoint (local or mirror); never: refuse a "
         "folder that has checkpoints")
-    mirror: str | Path | None = option(None, help="a folder (e.g. on Google Drive) that mirrors the run's "
-                                       "checkpoints")
+    mirror: str | Path | None = option(
+        None, help="a folder (e.g. on Google Drive) that mirrors the run's checkpoints"
+    )
     device: str | None = option(None, help="cpu, cuda, cuda:1, mps (default: the best available)",
                                 sets="train.device")
-    compile: CompileMode | None = option(None, sets="train.compile",
-                                 help="torch.compile the whole model (on), each block (regional), or not (off); "
-                                      "default: the recipe's (auto: on for CUDA)")
+    compile: CompileMode | None = option(
+        None,
+        sets="train.compile",
+        help="torch.compile the whole model (on), each block (regional), or not (off); "
+        "default: the recipe's (auto: on for CUDA)",
+    )
     cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
-    callbacks: list | tuple = ()             # extra trainer callbacks (tinygpt.core.callback.Callback)
+    # extra trainer callbacks (tinygpt.core.callback.Callback)
+    callbacks: list | tuple = ()
     progress: bool = option(True, flag="--quiet", help="no progress bar")
     sample_prompt: str | None = None         # default: how a held-out document begins
     peak_tflops: float | None = None         # for MFU; default from the GPU table
@@ -165,14 +206,27 @@ class PretrainOptions:
     def __post_init__(self):
         if (problem := field_problem(self)) is not None:  # resume, probe, parallel: their Literals
             raise ConfigError(problem)
-        if self.hours is not None and not (isinstance(self.hours, (int, float)) and math.isfinite(self.hours)
-                                           and 0 < self.hours <= MAX_HOURS):
-            raise ConfigError(f"hours must be a positive, finite number of hours up to {MAX_HOURS} (e.g. 1.5), got "
-                              f"{self.hours!r}")
+        if self.hours is not None and not (
+            isinstance(self.hours, (int, float))
+            and math.isfinite(self.hours)
+            and 0 < self.hours <= MAX_HOURS
+        ):
+            raise ConfigError(
+                f"hours must be a positive, finite number of hours up to {MAX_HOURS} (e.g. 1.5), "
+                f"got {self.hours!r}"
+            )
         if self.hours is not None and self.max_steps is not None:
-            raise ConfigError("give --hours or --max-steps, not both: a time budget sets the step count itself")
-        if self.size == "auto" and self.hours is None and not (Path(self.run_dir) / BUDGET_JSON).is_file():
-            raise ConfigError("--size auto chooses the size that --hours buys: give --hours too (e.g. --hours 1)")
+            raise ConfigError(
+                "give --hours or --max-steps, not both: a time budget sets the step count itself"
+            )
+        if (
+            self.size == "auto"
+            and self.hours is None
+            and not (Path(self.run_dir) / BUDGET_JSON).is_file()
+        ):
+            raise ConfigError(
+                "--size auto chooses the size that --hours buys: give --hours too (e.g. --hours 1)"
+            )
         self.run_dir = Path(self.run_dir)
         if self.hours is None and (budget := Budget.load(self.run_dir)) is not None:
             self.hours = budget.hours  # a budgeted run resumes with its budget
@@ -211,13 +265,13 @@ def check_budget_overrides(changes: dict[str, dict[str, Any]], hours: float | No
 def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
              options: PretrainOptions | None = None, **option_fields: Any) -> TrainResult:
     """Train a recipe into `run_dir`, resuming from its newest valid checkpoint (or the mirror's).
-    Pass a `PretrainOptions`, or its fields as keywords (`pretrain("cpu", "runs/x", max_steps=100)`).
-    Started by torchrun with several processes, each joins the process group (`distributed.joined`) and
-    trains its share of the recipe's global batch.
+    Pass a `PretrainOptions`, or its fields as keywords (`pretrain("cpu", "runs/x",
+    max_steps=100)`). Started by torchrun with several processes, each joins the process group
+    (`distributed.joined`) and trains its share of the recipe's global batch.
 
-    The recipe flows down once: resolved here (overrides, then this process's device), checked before any
-    work (`check_recipe`), fitted to the machine by `plan_run` once the run folder is held and restored
-    (`train_run`), and from then on read from the `Plan`."""
+    The recipe flows down once: resolved here (overrides, then this process's device), checked
+    before any work (`check_recipe`), fitted to the machine by `plan_run` once the run folder is
+    held and restored (`train_run`), and from then on read from the `Plan`."""
     opts = options or PretrainOptions(run_dir=run_dir, **option_fields)
     given = get_recipe(recipe) if isinstance(recipe, str) else recipe
     recipe = opts.apply(given)
@@ -229,46 +283,65 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
 
 
 def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks) -> bool:
-    """What can be checked before any work, before a byte is copied from the mirror: the data source and the
-    tokenizer that reads it, the parallel mode (and samples under FSDP), the device, and that the model fits its
-    memory. Returns whether the source holds token ids (nothing to tokenize), as resolved here."""
-    token_ids = check_source(recipe.data.source) == "tokens"  # an unknown or unreachable source fails here
+    """What can be checked before any work, before a byte is copied from the mirror: the data source
+    and the tokenizer that reads it, the parallel mode (and samples under FSDP), the device, and
+    that the model fits its memory. Returns whether the source holds token ids (nothing to
+    tokenize), as resolved here."""
+    # an unknown or unreachable source fails here
+    token_ids = check_source(recipe.data.source) == "tokens"
     check_tokenizer(recipe, token_ids)
-    check_parallel(opts.parallel, recipe.train.optimizer, ranks.world_size, sample_every=recipe.train.sample_every)
+    check_parallel(
+        opts.parallel,
+        recipe.train.optimizer,
+        ranks.world_size,
+        sample_every=recipe.train.sample_every,
+    )
     check_device(dev)
     t = recipe.train
-    # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least must fit
+    # on a GPU the probe may lower the micro-batch to 1
+    # (and checkpoint activations): only the least must fit
     check_fits(recipe.model, 1 if dev.type == "cuda" else t.micro_batch_size, t.seq_len,
                choose_precision(dev, t.precision).name, dev, t.loss, what=f"recipe {recipe.name}")
     return token_ids
 
 
-def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks, clock: StartupClock,
-              token_ids: bool) -> TrainResult:
-    """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves nothing
-    behind), restored from the mirror, planned, and prepared by rank 0 first (the other ranks then find
-    run.json, tokenizer and token cache made); then training. The restore comes before the plan: on a new
-    VM, a run that the probe fitted to its GPU finds its choices in the restored run.json and keeps them
-    (probed again, it could choose otherwise and be refused as another configuration). The trainer closes
-    its callbacks when training ends (the mirror last: it finishes its copies); then the token shards and
-    the lock are let go, whatever ended the run (`mirrored` closes a mirror that training never reached)."""
-    refuse_links_in(opts.run_dir)  # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
-    refuse_other_kind(opts.run_dir, "pretraining run", "pretrain")  # a finetuning run, an export: untouched
+def train_run(
+    recipe: Recipe,
+    opts: PretrainOptions,
+    dev: torch.device,
+    ranks: Ranks,
+    clock: StartupClock,
+    token_ids: bool,
+) -> TrainResult:
+    """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves
+    nothing behind), restored from the mirror, planned, and prepared by rank 0 first (the other
+    ranks then find run.json, tokenizer and token cache made); then training. The restore comes
+    before the plan: on a new VM, a run that the probe fitted to its GPU finds its choices in the
+    restored run.json and keeps them (probed again, it could choose otherwise and be refused as
+    another configuration). The trainer closes its callbacks when training ends (the mirror last: it
+    finishes its copies); then the token shards and the lock are let go, whatever ended the run
+    (`mirrored` closes a mirror that training never reached)."""
+    # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
+    refuse_links_in(opts.run_dir)
+    # a finetuning run, an export: untouched
+    refuse_other_kind(opts.run_dir, "pretraining run", "pretrain")
     # another run's mirror: refused before any copy
     check_mirror_run(recipe, opts.mirror if ranks.is_main else None, sized=opts.size == "auto")
     with contextlib.ExitStack() as held:
         if ranks.is_main:
             folder = RunDir(opts.run_dir)
-            held.enter_context(folder.lock())
-            held.enter_context(folder.undo_if_first_try_fails(RUN_JSON))
+            held.enter_context(lock(folder))
+            held.enter_context(undo_if_first_try_fails(folder, RUN_JSON))
         with main_process_first(ranks.rank, ranks.world_size):
-            # a mirror that another run owns is refused here, before anything is copied or written; the
-            # identity leaves out what the probe chooses, so it is known before the probe runs
-            mirror = held.enter_context(mirrored(opts.run_dir, opts.mirror if ranks.is_main else None,
-                                                 recipe.identity()))
+            # a mirror that another run owns is refused here, before anything is copied or written;
+            # the identity leaves out what the probe chooses, so it is known before the probe runs
+            mirror = held.enter_context(
+                mirrored(opts.run_dir, opts.mirror if ranks.is_main else None, recipe.identity())
+            )
             clock.mark("restore")
             plan = plan_run(recipe, opts, dev, ranks, clock, token_ids)
-            # held before anything else can fail: a failed write below still stops the tokenizing process
+            # held before anything else can fail: a failed
+            # write below still stops the tokenizing process
             data = held.enter_context(prepare_run(plan, opts))
             if ranks.is_main:
                 _write_run_files(opts.run_dir, plan, data.tokenizer, data.meta)
@@ -283,10 +356,14 @@ class Plan:
     precision: Precision
     ranks: Ranks
     probe: dict | None       # the probe's result, kept in run.json; None where it did not run
-    size: SizePlan | dict | None  # --size auto: the plan (a dict when kept from run.json); else None
-    token_ids: bool          # the data source is a folder of token ids (nanoGPT's, llm.c's): nothing to tokenize
-    base: Base | None        # a continued run's base where this start needs it (`starting_base`), read once
-    clock: StartupClock      # where the start-up time goes, from the moment the process joined the job
+    # --size auto: the plan (a dict when kept from run.json); else None
+    size: SizePlan | dict | None
+    # the data source is a folder of token ids (nanoGPT's, llm.c's): nothing to tokenize
+    token_ids: bool
+    # a continued run's base where this start needs it (`starting_base`), read once
+    base: Base | None
+    # where the start-up time goes, from the moment the process joined the job
+    clock: StartupClock
 
     @property
     def is_main(self) -> bool:
@@ -297,54 +374,80 @@ class Plan:
         return replace(self.recipe.train, device=str(self.device))
 
 
-def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks, clock: StartupClock,
-             token_ids: bool) -> Plan:
-    """Read a continued run's base (at its first start: another network is refused here, before any work),
-    let the probe fit the recipe to the GPU (a resumed run keeps the choices it began with), then split the
-    global batch over the ranks and settle the precision."""
+def plan_run(
+    recipe: Recipe,
+    opts: PretrainOptions,
+    dev: torch.device,
+    ranks: Ranks,
+    clock: StartupClock,
+    token_ids: bool,
+) -> Plan:
+    """Read a continued run's base (at its first start: another network is refused here, before any
+    work), let the probe fit the recipe to the GPU (a resumed run keeps the choices it began with),
+    then split the global batch over the ranks and settle the precision."""
     base = starting_base(recipe, opts.run_dir, opts.resume)
     size = None
     kept = kept_plan(RunDir(opts.run_dir).info_or_empty())
-    if opts.size == "auto" or kept is not None:  # a planned run resumes at its size, --size given or not
+    # a planned run resumes at its size, --size given or not
+    if opts.size == "auto" or kept is not None:
         recipe, size = choose_size(recipe, opts.hours, dev, kept)
         clock.mark("plan")
     probe_info = None
     if opts.probe == "auto":
         recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, ranks.world_size)
     clock.mark("probe")
-    split_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, ranks.world_size)
+    split_global_batch(
+        recipe.train.micro_batch_size, recipe.train.grad_accum_steps, ranks.world_size
+    )
     precision = choose_precision(dev, recipe.train.precision)
     return Plan(recipe, dev, precision, ranks, probe_info, size, token_ids, base, clock)
 
 
 def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
-    """Check the run folder (on rank 0), get the tokenizer, open the tokens (on rank 0, a background process
-    starts tokenizing: the caller closes what this returns)."""
+    """Check the run folder (on rank 0), get the tokenizer, open the tokens (on rank 0, a background
+    process starts tokenizing: the caller closes what this returns)."""
     if plan.is_main:
         check_run_dir(opts.run_dir, plan.recipe, opts.resume)
     tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.base)
     plan.clock.mark("tokenizer")
-    return open_tokens(plan.recipe, tokenizer, plan.token_ids, writer=plan.is_main, cache_dir=opts.cache_dir,
-                       mirror=opts.mirror)
+    return open_tokens(
+        plan.recipe,
+        tokenizer,
+        plan.token_ids,
+        writer=plan.is_main,
+        cache_dir=opts.cache_dir,
+        mirror=opts.mirror,
+    )
 
 
 def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -> TrainResult:
-    """The sampler (waiting for the first shard), the validation batches, the model, its callbacks (the
-    mirror last), the trainer, which closes them all when it ends."""
+    """The sampler (waiting for the first shard), the validation batches, the model, its callbacks
+    (the mirror last), the trainer, which closes them all when it ends."""
     t = plan.recipe.train
     sampler = WindowSampler(data.tokens, t.seq_len, t.seed)
-    val = fixed_batches(data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1), t.seq_len,
-                        t.micro_batch_size, t.eval_batches)
+    val = fixed_batches(
+        data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1),
+        t.seq_len,
+        t.micro_batch_size,
+        t.eval_batches,
+    )
     plan.clock.mark("data")
     torch.manual_seed(t.seed)
     model = initial_model(plan.recipe.model, plan.base)  # random, or a base's weights (model.init)
-    # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the trainer's
-    # train_config) and the tokenizer
+    # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
+    # trainer's train_config) and the tokenizer
     run_info = {"recipe": {k: v for k, v in plan.recipe.to_dict().items() if k != "train"},
                 "tokenizer": data.tokenizer.to_json()}
     callbacks = [*run_callbacks(plan, opts, model, data), *([mirror] if plan.is_main else [])]
-    trainer = Trainer(model, plan.train_config(), TrainData(sampler, val), opts.run_dir, ranks=plan.ranks,
-                      callbacks=callbacks, run_info=run_info)
+    trainer = Trainer(
+        model,
+        plan.train_config(),
+        TrainData(sampler, val),
+        opts.run_dir,
+        ranks=plan.ranks,
+        callbacks=callbacks,
+        run_info=run_info,
+    )
     plan.clock.mark("model")
     return trainer.fit(opts.resume)
 
@@ -353,14 +456,19 @@ def compile_cache_for(plan: Plan, opts: PretrainOptions, model: GPT) -> CompileC
     """The run's compile cache, signed with this user's key (never kept on the mirror)."""
     t = plan.recipe.train
     key, note = signing_key()
-    return CompileCache(opts.run_dir, key, describe(model, plan.device, plan.precision.name, t.micro_batch_size,
-                                                    t.seq_len, t.compile), note)
+    return CompileCache(
+        opts.run_dir,
+        key,
+        describe(model, plan.device, plan.precision.name, t.micro_batch_size, t.seq_len, t.compile),
+        note,
+    )
 
 
 def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) -> list[Callback]:
-    """A pretraining run's side concerns, in the order they act: the start-up record and compile cache,
-    the time budget (which fixes the step count the bar shows), MFU, the bar, the samples; the caller's
-    callbacks; then, on rank 0, TensorBoard (when wanted and installed). The mirror comes after all of them."""
+    """A pretraining run's side concerns, in the order they act: the start-up record and compile
+    cache, the time budget (which fixes the step count the bar shows), MFU, the bar, the samples;
+    the caller's callbacks; then, on rank 0, TensorBoard (when wanted and installed). The mirror
+    comes after all of them."""
     cache = compile_cache_for(plan, opts, model) if plan.ranks.world_size == 1 else None
     peak = opts.peak_tflops or gpu_peak_tflops(plan.device, plan.precision.name)
     out: list[Callback] = [StartupReport(plan.clock, cache)]
@@ -371,7 +479,8 @@ def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) 
         out.append(Progress())
     if plan.size is not None:  # after the bar: it prints what is said
         out.append(PlanReport(plan.size))
-    sharded = plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp"  # rank 0 alone cannot run the model
+    # rank 0 alone cannot run the model
+    sharded = plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp"
     prompt = sample_prompt(opts.sample_prompt, plan.recipe.data.source, data.tokenizer, data.tokens)
     out.append(Samples(data.tokenizer, opts.run_dir, plan.recipe.train.sample_every, prompt,
                        whole=plan.recipe.model if sharded else None))
@@ -388,8 +497,18 @@ def _write_run_files(run_dir: Path, plan: Plan, tokenizer: Tokenizer, data_meta:
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / TOKENIZER_JSON).is_file():
         tokenizer.save(run_dir / TOKENIZER_JSON)
-    info = {"recipe": plan.recipe.to_dict(), "precision": plan.precision.to_dict(), "device": str(plan.device),
-            "data": data_meta, "probe": plan.probe,
-            **({"plan": plan.size if isinstance(plan.size, dict) else plan.size.to_dict()} if plan.size else {}),
-            "versions": versions(), "command": " ".join(sys.argv)}
+    info = {
+        "recipe": plan.recipe.to_dict(),
+        "precision": plan.precision.to_dict(),
+        "device": str(plan.device),
+        "data": data_meta,
+        "probe": plan.probe,
+        **(
+            {"plan": plan.size if isinstance(plan.size, dict) else plan.size.to_dict()}
+            if plan.size
+            else {}
+        ),
+        "versions": versions(),
+        "command": " ".join(sys.argv),
+    }
     RunDir(run_dir).write_info(info)

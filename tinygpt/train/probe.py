@@ -109,7 +109,9 @@ class RandomBatches:
         self.generator = torch.Generator().manual_seed(seed)
         self.served_tokens = 0
 
-    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(
+        self, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randint(self.vocab_size, (batch_size, self.seq_len + 1), generator=self.generator)
         self.served_tokens += batch_size * self.seq_len
         return x[:, :-1].contiguous(), x[:, 1:].contiguous()
@@ -158,12 +160,16 @@ def forget_compiled() -> None:
         torch._dynamo.reset()
 
 
-def requested_precision(recipe: Recipe, device_type: str, has_native_bf16: bool) -> tuple[str, str | None]:
+def requested_precision(
+    recipe: Recipe, device_type: str, has_native_bf16: bool
+) -> tuple[str, str | None]:
     """A recipe's bf16 on a GPU that only emulates it (T4, V100) would be slow: let the probe
     decide."""
     if recipe.train.precision == "bf16" and device_type == "cuda" and not has_native_bf16:
-        return "auto", (f"recipe {recipe.name!r} asks for bf16, which this GPU only emulates: precision chosen by "
-                        "the probe")
+        return "auto", (
+            f"recipe {recipe.name!r} asks for bf16, which this GPU only emulates: precision chosen "
+            "by the probe"
+        )
     return recipe.train.precision, None
 
 
@@ -171,12 +177,21 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-")
 
 
-def probe(recipe: Recipe, device: str | torch.device = "auto", *, precision: str | None = None,
-          memory_limit_gb: float | None = None, margin: float = 0.1,
-          measure: Callable[[int, int, bool], float] | None = None, max_micro_batch: int | None = None,
-          min_seq_len: int = 128, time_limit_s: float | None = PROBE_TIME_LIMIT_S,
-          cache_dir: str | Path | None = "default", run_dir: str | Path | None = None,
-          speed: Callable[[Recipe, torch.device], float] | None = trainer_speed) -> ProbeResult:
+def probe(
+    recipe: Recipe,
+    device: str | torch.device = "auto",
+    *,
+    precision: str | None = None,
+    memory_limit_gb: float | None = None,
+    margin: float = 0.1,
+    measure: Callable[[int, int, bool], float] | None = None,
+    max_micro_batch: int | None = None,
+    min_seq_len: int = 128,
+    time_limit_s: float | None = PROBE_TIME_LIMIT_S,
+    cache_dir: str | Path | None = "default",
+    run_dir: str | Path | None = None,
+    speed: Callable[[Recipe, torch.device], float] | None = trainer_speed,
+) -> ProbeResult:
     """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits
     in (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per
     step.
@@ -196,14 +211,28 @@ def probe(recipe: Recipe, device: str | torch.device = "auto", *, precision: str
     prec = choose_precision(dev, precision or requested)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} {cpu_name()}"
     if memory_limit_gb is None:
-        memory_limit_gb = (torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB if dev.type == "cuda"
-                           else ram_gb()[1] or math.inf)
+        memory_limit_gb = (
+            torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB
+            if dev.type == "cuda"
+            else ram_gb()[1] or math.inf
+        )
     train = recipe.train
-    key = dict(device=name, recipe=recipe.name, torch=torch.__version__, model=recipe.model.to_dict(),
-               seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, tokens_per_step=train.tokens_per_step,
-               precision=prec.name, memory_limit_gb=round(memory_limit_gb, 2), margin=margin,
-               max_micro_batch=max_micro_batch, min_seq_len=min_seq_len, injected_measure=measure is not None,
-               timed=getattr(speed, "__name__", None))
+    key = dict(
+        device=name,
+        recipe=recipe.name,
+        torch=torch.__version__,
+        model=recipe.model.to_dict(),
+        seq_len=train.seq_len,
+        micro_batch_size=train.micro_batch_size,
+        tokens_per_step=train.tokens_per_step,
+        precision=prec.name,
+        memory_limit_gb=round(memory_limit_gb, 2),
+        margin=margin,
+        max_micro_batch=max_micro_batch,
+        min_seq_len=min_seq_len,
+        injected_measure=measure is not None,
+        timed=getattr(speed, "__name__", None),
+    )
     paths = [Path(run_dir) / PROBE_JSON] if run_dir is not None else []
     if cache_dir is not None:
         folder = cache_root("probe") if cache_dir == "default" else Path(cache_dir)
@@ -213,14 +242,23 @@ def probe(recipe: Recipe, device: str | torch.device = "auto", *, precision: str
         return kept
 
     search = _Search(recipe, dev, prec, memory_limit_gb, margin, measure, time_limit_s)
-    t, ckpt, largest = search.largest_fit(max_micro_batch or 4 * train.micro_batch_size, min_seq_len)
+    t, ckpt, largest = search.largest_fit(
+        max_micro_batch or 4 * train.micro_batch_size, min_seq_len
+    )
     search.notes += [n for n in [prec_note] if n]
     if ckpt and not recipe.model.activation_checkpointing:
-        search.notes.append(f"activation checkpointing turned on: micro-batch 1 did not fit without it at context {t}")
+        search.notes.append(
+            "activation checkpointing turned on: micro-batch 1 did not fit without it at context "
+            f"{t}"
+        )
     if t < train.seq_len:
-        search.notes.append(f"context shortened from {train.seq_len} to {t}: micro-batch 1 did not fit at longer "
-                            "contexts even with activation checkpointing")
-    limit, loss = search.fastest(speed, largest, t, ckpt) if speed is not None else (largest, train.loss)
+        search.notes.append(
+            f"context shortened from {train.seq_len} to {t}: micro-batch 1 did not fit at longer "
+            "contexts even with activation checkpointing"
+        )
+    limit, loss = (
+        search.fastest(speed, largest, t, ckpt) if speed is not None else (largest, train.loss)
+    )
     result = search.confirm(limit, loss, largest, t, ckpt, name, key)
     for path in paths:
         _keep(path, result)
@@ -260,8 +298,16 @@ class _Search:
     """One probe's search: memory trials, then timings of the trainer's step, within one time
     limit."""
 
-    def __init__(self, recipe: Recipe, dev: torch.device, prec: Precision, limit_gb: float, margin: float,
-                 measure: Callable | None, time_limit_s: float | None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        dev: torch.device,
+        prec: Precision,
+        limit_gb: float,
+        margin: float,
+        measure: Callable | None,
+        time_limit_s: float | None,
+    ):
         self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure = (
             recipe, dev, prec, limit_gb, margin, measure)
         self.time_limit_s, self.t0 = time_limit_s, time.perf_counter()
@@ -288,13 +334,18 @@ class _Search:
         ckpts = [True] if self.recipe.model.activation_checkpointing else [False, True]
         for t in lengths:
             for ckpt in ckpts:
-                largest = largest_fit(lambda b: self.fits(b, t, ckpt),
-                                       max(1, min(cap0, train.tokens_per_step // t)), self.out_of_time)
+                largest = largest_fit(
+                    lambda b: self.fits(b, t, ckpt),
+                    max(1, min(cap0, train.tokens_per_step // t)),
+                    self.out_of_time,
+                )
                 if largest:
                     return t, ckpt, largest
-        raise ProbeError(f"recipe {self.recipe.name!r} does not fit in {self.limit_gb:.1f} GB (margin "
-                         f"{self.margin:.0%}) even at micro-batch 1, context {lengths[-1]}, with activation "
-                         "checkpointing: pick a smaller recipe")
+        raise ProbeError(
+            f"recipe {self.recipe.name!r} does not fit in {self.limit_gb:.1f} GB (margin "
+            f"{self.margin:.0%}) even at micro-batch 1, context {lengths[-1]}, with activation "
+            "checkpointing: pick a smaller recipe"
+        )
 
     def fastest(self, speed: Callable, largest: int, t: int, ckpt: bool) -> tuple[int, str]:
         """The fastest of the micro-batches that fit, as the trainer runs them (compiled, its loss
@@ -322,15 +373,25 @@ class _Search:
             if self.speeds and self.out_of_time():
                 break
             self._time(speed, micro, accum, mode, t, ckpt)
-        self.runner = TrialRunner(self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure)
+        self.runner = TrialRunner(
+            self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure
+        )
         # every timing ran out of memory: the smallest candidate, whose memory trial passed
-        limit, loss = max(self.speeds, key=self.speeds.__getitem__) if self.speeds else (timings[-1][0], train.loss)
+        limit, loss = (
+            max(self.speeds, key=self.speeds.__getitem__)
+            if self.speeds
+            else (timings[-1][0], train.loss)
+        )
         self.runner.loss = loss
         if len(self.speeds) > 1:
-            self.notes.append(f"micro-batch {limit}{' with the full logits' if loss == 'full' else ''} is the "
-                              "fastest of those timed as the trainer runs them (" +
-                              ", ".join(f"{_speed_key(*k)}: {v:,.0f} tokens/s" for k, v in sorted(self.speeds.items()))
-                              + ")")
+            self.notes.append(
+                f"micro-batch {limit}{' with the full logits' if loss == 'full' else ''} is the "
+                "fastest of those timed as the trainer runs them ("
+                + ", ".join(
+                    f"{_speed_key(*k)}: {v:,.0f} tokens/s" for k, v in sorted(self.speeds.items())
+                )
+                + ")"
+            )
         return limit, loss
 
     def _time(self, speed: Callable, micro: int, accum: int, mode: str, t: int, ckpt: bool) -> None:
@@ -343,10 +404,14 @@ class _Search:
         except Exception as e:
             if not is_allocation_failure(e):
                 raise
-            self.notes.append(f"micro-batch {_speed_key(micro, mode)} dropped: the trainer's step ran out of memory "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+            self.notes.append(
+                f"micro-batch {_speed_key(micro, mode)} dropped: the trainer's step ran out of "
+                f"memory ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+            )
 
-    def confirm(self, limit: int, loss: str, largest: int, t: int, ckpt: bool, name: str, key: dict) -> ProbeResult:
+    def confirm(
+        self, limit: int, loss: str, largest: int, t: int, ckpt: bool, name: str, key: dict
+    ) -> ProbeResult:
         """The chosen geometry confirmed by one more (warm) trial, whose peak is the one
         reported."""
         tokens_per_step = self.recipe.train.tokens_per_step
@@ -358,21 +423,46 @@ class _Search:
         if geometry_note:
             self.notes.append(geometry_note)
         if micro < largest and not geometry_note:
-            self.notes.append(f"micro-batch {micro} (up to {largest} fits) so that {micro} x {accum} steps x {t} "
-                              f"tokens is exactly the recipe's {tokens_per_step} tokens per step")
+            self.notes.append(
+                f"micro-batch {micro} (up to {largest} fits) so that {micro} x {accum} steps x {t} "
+                f"tokens is exactly the recipe's {tokens_per_step} tokens per step"
+            )
         if self.out_of_time():
-            self.notes.append(f"the search stopped at its time limit of {self.time_limit_s:.0f} s: a larger "
-                              "micro-batch may fit")
+            self.notes.append(
+                f"the search stopped at its time limit of {self.time_limit_s:.0f} s: a larger "
+                "micro-batch may fit"
+            )
         self.notes.append("memory measured in eager mode; torch.compile usually needs less")
         final = self.trials[-1]
         tps, source = final.tokens_per_s, "measured by trial (eager, one micro-batch)"
         if (micro, loss) in self.speeds:
-            tps, source = self.speeds[(micro, loss)], f"measured: the trainer's step, median of {SPEED_STEPS}"
-        return ProbeResult(self.recipe.name, name, micro, t, accum, ckpt, self.prec.name, self.prec.reason,
-                           final.peak_gb if final.peak_gb is not None else math.nan, self.limit_gb, self.margin,
-                           largest, tps, time.perf_counter() - self.t0, self.notes, self.trials, key,
-                           speeds={_speed_key(*k): v for k, v in self.speeds.items()}, tokens_per_s_source=source,
-                           loss=loss, time_limit_s=self.time_limit_s)
+            tps, source = (
+                self.speeds[(micro, loss)],
+                f"measured: the trainer's step, median of {SPEED_STEPS}",
+            )
+        return ProbeResult(
+            self.recipe.name,
+            name,
+            micro,
+            t,
+            accum,
+            ckpt,
+            self.prec.name,
+            self.prec.reason,
+            final.peak_gb if final.peak_gb is not None else math.nan,
+            self.limit_gb,
+            self.margin,
+            largest,
+            tps,
+            time.perf_counter() - self.t0,
+            self.notes,
+            self.trials,
+            key,
+            speeds={_speed_key(*k): v for k, v in self.speeds.items()},
+            tokens_per_s_source=source,
+            loss=loss,
+            time_limit_s=self.time_limit_s,
+        )
 
 
 def _speed_key(micro: int, loss: str) -> str:
@@ -386,7 +476,9 @@ def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
                           train={k: getattr(result, k) for k in PROBED_TRAIN_FIELDS})
 
 
-def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1) -> tuple[Recipe, dict | None]:
+def fit_to_device(
+    recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1
+) -> tuple[Recipe, dict | None]:
     """The probe decides micro-batch, accumulation, context, precision and activation checkpointing
     on a GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it
     started with (they are part of its configuration); on a CPU the recipe stands as written."""
@@ -397,14 +489,22 @@ def fit_to_device(recipe: Recipe, run_dir: Path, dev: torch.device, world_size: 
             r = old["recipe"]
             # (a CUDA device with no CUDA runtime is only a test's: there is no name to compare)
             on_gpu = dev.type == "cuda" and torch.cuda.is_available()
-            was, now = old["probe"].get("device_name"), torch.cuda.get_device_name(dev) if on_gpu else None
+            was, now = (
+                old["probe"].get("device_name"),
+                torch.cuda.get_device_name(dev) if on_gpu else None,
+            )
             if now is not None and was != now:
-                warnings.warn(f"this run was probed on a {was} and resumes on a {now}: it keeps micro-batch "
-                              f"{r['train']['micro_batch_size']}, context {r['train']['seq_len']} and precision "
-                              f"{r['train']['precision']}; if it runs out of memory, start a new run folder",
-                              stacklevel=2)
-            kept = recipe.replace(train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS if k in r["train"]},
-                                  model={"activation_checkpointing": r["model"]["activation_checkpointing"]})
+                warnings.warn(
+                    f"this run was probed on a {was} and resumes on a {now}: it keeps micro-batch "
+                    f"{r['train']['micro_batch_size']}, context {r['train']['seq_len']} and "
+                    f"precision {r['train']['precision']}; if it runs out of memory, start a new "
+                    "run folder",
+                    stacklevel=2,
+                )
+            kept = recipe.replace(
+                train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS if k in r["train"]},
+                model={"activation_checkpointing": r["model"]["activation_checkpointing"]},
+            )
             return kept, old["probe"]
         return recipe, None
     if dev.type != "cuda" or world_size > 1:

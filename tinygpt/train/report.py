@@ -138,7 +138,9 @@ def probe_report(recipe: str | None = None, as_json: bool = False, hours: float 
         if rec.hardware == "cpu":
             speed = trainer_speed(rec, report.device)
     exp = expectations(rec, report, result, speed)
-    plan = None if hours is None else choose_size(rec, hours, resolve_device(report.device), None)[1]
+    plan = (
+        None if hours is None else choose_size(rec, hours, resolve_device(report.device), None)[1]
+    )
     if as_json:
         return json.dumps({"hardware": report.to_dict(), "recipe": rec.name,
                            "memory_estimate": est.to_dict(), "search": result and result.to_dict(),
@@ -181,10 +183,12 @@ def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:
 
 def plan_note(plan: SizePlan) -> str:
     c = plan.choice
-    return (f"size auto: {c.size} ({count(c.params)} non-embedding parameters, {count(c.tokens)} "
-            f"tokens in {plan.hours:g} h, {c.tokens_per_param:.0f} tokens per parameter), the lowest "
-            f"predicted loss ({c.predicted_loss:.3f}) by {plan.law['source']}; ~ marks a speed scaled "
-            "by FLOPs from a timed size")
+    return (
+        f"size auto: {c.size} ({count(c.params)} non-embedding parameters, {count(c.tokens)} "
+        f"tokens in {plan.hours:g} h, {c.tokens_per_param:.0f} tokens per parameter), the lowest "
+        f"predicted loss ({c.predicted_loss:.3f}) by {plan.law['source']}; ~ marks a speed scaled "
+        "by FLOPs from a timed size"
+    )
 
 
 class PlanReport(Callback):
@@ -196,7 +200,9 @@ class PlanReport(Callback):
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         if isinstance(self.plan, dict):
-            trainer.say(f"size auto: {self.plan['size']}, as planned when the run began (kept in run.json)")
+            trainer.say(
+                f"size auto: {self.plan['size']}, as planned when the run began (kept in run.json)"
+            )
             return
         for line in format_table(plan_table(self.plan)).splitlines():
             trainer.say(line)

@@ -29,8 +29,10 @@ class WindowSampler:
         first = self.shards.shard(0)  # waits for the first shard of a stream
         if first is None or self._n_windows(first) < 1:
             n = 0 if first is None else len(first)
-            raise DataError(f"the training split has {n} tokens, fewer than one window of {seq_len + 1}: use more "
-                            "text or a shorter seq_len")
+            raise DataError(
+                f"the training split has {n} tokens, fewer than one window of {seq_len + 1}: use "
+                "more text or a shorter seq_len"
+            )
         self.epoch, self.shard, self.index = 0, 0, 0
         self._perm_key: tuple[int, int] | None = None
         self._perm = np.empty(0, dtype=np.int64)
@@ -39,10 +41,11 @@ class WindowSampler:
         return (len(arr) - 1) // self.seq_len
 
     def _order(self, n_windows: int) -> np.ndarray:
-        # Each (epoch, shard) has its own generator, seeded by (seed, epoch, shard), instead of one RNG that
-        # runs on through the run: the order of a shard never depends on what was drawn before it, so the
-        # position (epoch, shard, index) alone brings the order back on resume (no RNG state to save), and a
-        # shard the tokenizer writes later is ordered the same as if it had been there from the start.
+        # Each (epoch, shard) has its own generator, seeded by (seed, epoch, shard), instead of one
+        # RNG that runs on through the run: the order of a shard never depends on what was drawn
+        # before it, so the position (epoch, shard, index) alone brings the order back on resume (no
+        # RNG state to save), and a shard the tokenizer writes later is ordered the same as if it
+        # had been there from the start.
         if self._perm_key != (self.epoch, self.shard):
             rng = np.random.default_rng([self.seed, self.epoch, self.shard])
             self._perm, self._perm_key = rng.permutation(n_windows), (self.epoch, self.shard)
@@ -61,17 +64,25 @@ class WindowSampler:
                 self.shard, self.index = self.shard + 1, 0
                 continue
             k = min(n - len(out), n_windows - self.index)
-            out += [(arr, int(w) * self.seq_len) for w in self._order(n_windows)[self.index:self.index + k]]
+            out += [
+                (arr, int(w) * self.seq_len)
+                for w in self._order(n_windows)[self.index : self.index + k]
+            ]
             self.index += k
         return out
 
-    def next_batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        # every rank takes the whole global batch's windows and keeps its slice: all ranks stay at the same
-        # position, which is why one saved position resumes at any world size
+    def next_batch(
+        self, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # every rank takes the whole global batch's windows and keeps its slice: all ranks stay at
+        # the same position, which is why one saved position resumes at any world size
         windows = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
         T = self.seq_len
-        w = torch.from_numpy(np.stack([np.asarray(a[s:s + T + 1], dtype=np.int64) for a, s in windows]))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # views would be pinned and copied strided
+        w = torch.from_numpy(
+            np.stack([np.asarray(a[s : s + T + 1], dtype=np.int64) for a, s in windows])
+        )
+        # views would be pinned and copied strided
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "shard": self.shard, "index": self.index, "seed": self.seed,
@@ -79,13 +90,17 @@ class WindowSampler:
 
     def load_state_dict(self, s: dict) -> None:
         if "shard" not in s:
-            raise DataError("this checkpoint's data position was written by an older tinygpt (one token file, not "
-                            "shards) and cannot continue the same data order: start a new run folder")
+            raise DataError(
+                "this checkpoint's data position was written by an older tinygpt (one token file, "
+                "not shards) and cannot continue the same data order: start a new run folder"
+            )
         mine = (self.seq_len, self.seed, self.shards.fingerprint)
         if (s["seq_len"], s["seed"], s["data"]) != mine:
-            raise DataError(f"sampler state is for seq_len={s['seq_len']}, seed {s['seed']}, data {s['data']}; this "
-                            f"run has seq_len={mine[0]}, seed {mine[1]}, data {mine[2]}: resume with the same data "
-                            "and recipe, or start a new run")
+            raise DataError(
+                f"sampler state is for seq_len={s['seq_len']}, seed {s['seed']}, data {s['data']}; "
+                f"this run has seq_len={mine[0]}, seed {mine[1]}, data {mine[2]}: resume with the "
+                "same data and recipe, or start a new run"
+            )
         self.epoch, self.shard, self.index = s["epoch"], s["shard"], s["index"]
 
 
@@ -96,11 +111,15 @@ def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     batch); padding rows have IGNORE_INDEX targets, so they count for nothing."""
     n_windows = (len(tokens) - 1) // seq_len
     if n_windows < 1:
-        raise DataError(f"the validation split has {len(tokens)} tokens, fewer than one window of {seq_len + 1}: "
-                        "use more text, a larger val_fraction or a shorter seq_len")
+        raise DataError(
+            f"the validation split has {len(tokens)} tokens, fewer than one window of "
+            f"{seq_len + 1}: use more text, a larger val_fraction or a shorter seq_len"
+        )
     total = min(n_windows, batch_size * n_batches)
     starts = np.linspace(0, n_windows - 1, total).astype(np.int64) * seq_len
-    w = torch.from_numpy(np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts]))
+    w = torch.from_numpy(
+        np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
+    )
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
     pad = -total % batch_size
     if pad:
@@ -109,24 +128,28 @@ def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
 
 
-def pinned_batch(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """A batch ready for an asynchronous copy to a GPU: each tensor contiguous, then in pinned memory (where CUDA
-    exists). A pinned strided view (`w[:, :-1]`) would still go through a pageable temporary, and a copy from
-    pageable memory does not overlap compute."""
+def pinned_batch(
+    tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """A batch ready for an asynchronous copy to a GPU: each tensor contiguous, then in pinned
+    memory (where CUDA exists). A pinned strided view (`w[:, :-1]`) would still go through a
+    pageable temporary, and a copy from pageable memory does not overlap compute."""
     out = tuple(t.contiguous() for t in tensors)
     return tuple(t.pin_memory() for t in out) if torch.cuda.is_available() else out
 
 
 def batch_to_device(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
                     device: torch.device) -> tuple[torch.Tensor, ...]:
-    """A batch on `device`; to a GPU through pinned memory, without waiting for the copy. Every dimension is
-    marked static for the compiler: a batch of another shape (a finetuning length bucket, a probe's micro-batch)
-    gets a graph of its own instead of turning the first graph into a dynamic-shape one."""
+    """A batch on `device`; to a GPU through pinned memory, without waiting for
+    the copy. Every dimension is marked static for the compiler: a batch of
+    another shape (a finetuning length bucket, a probe's micro-batch) gets a graph
+    of its own instead of turning the first graph into a dynamic-shape one."""
     if device.type == "cuda":
         out = tuple(t.to(device, non_blocking=True) for t in pinned_batch(tensors))
     else:
         out = tuple(t.to(device) for t in tensors)
-    if "torch._dynamo" in sys.modules:  # torch.compile imports it: a process that never does needs no mark
+    # torch.compile imports it: a process that never does needs no mark
+    if "torch._dynamo" in sys.modules:
         for t in out:
             torch._dynamo.mark_static(t)
     return out

@@ -1,4 +1,5 @@
-"""Where start-up time goes: the seconds from the start of a run to its first training step, by phase.
+"""Where start-up time goes: the seconds from the
+start of a run to its first training step, by phase.
 
 Every pretraining run prints the breakdown once its first step is done and records it in
 metrics.jsonl as {"step": N, "startup": {...}} (a resumed run records its own start-up at its own
@@ -14,7 +15,8 @@ import torch
 
 def compile_seconds() -> float:
     """Seconds torch's compiler has spent in this process so far (0 when it was never used)."""
-    if "torch._dynamo" not in sys.modules:  # never imported: nothing compiled (and importing it costs ~1 s)
+    # never imported: nothing compiled (and importing it costs ~1 s)
+    if "torch._dynamo" not in sys.modules:
         return 0.0
     try:
         metrics = torch._dynamo.utils.compilation_time_metrics  # a private table: read defensively
@@ -24,8 +26,8 @@ def compile_seconds() -> float:
 
 
 class StartupClock:
-    """Phases of a start-up, in the order marked: restore (from the mirror), probe, tokenizer, data, model,
-    first step."""
+    """Phases of a start-up, in the order marked: restore (from
+    the mirror), probe, tokenizer, data, model, first step."""
 
     def __init__(self) -> None:
         self.t0 = self.last = time.perf_counter()

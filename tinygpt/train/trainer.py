@@ -23,9 +23,10 @@ import torch
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import TrainConfig, config_differences
+from tinygpt.core.config import TrainConfig
 from tinygpt.core.files import clean_leftovers
 from tinygpt.core.rundir import BEST, RunDir
+from tinygpt.core.same_settings import config_differences
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import expected_final_loss
