@@ -42,8 +42,9 @@ setup(
     long_description=(here / "README.md").read_text(encoding="utf-8") if (here / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tinygpt", "tinygpt.*"]),
-    # the GPT-2 BPE files (MIT); small data samples for offline examples (tinygpt/samples/README.md: licences)
-    package_data={"tinygpt.model": ["assets/*.json", "assets/*.txt"],
+    # the GPT-2 BPE files (MIT); small data samples for offline examples (tinygpt/samples/README.md: licences);
+    # the size planner's fitted scaling laws (benchmarks/fit_scaling.py writes them)
+    package_data={"tinygpt.model": ["assets/*.json", "assets/*.txt"], "tinygpt.train": ["scaling_laws.json"],
                   "tinygpt": ["samples/*.md", "samples/*.txt", "samples/*.bz2", "samples/*.jsonl",
                               "samples/*.gz"]},
     # 3.11: typing.Self (core/config.py) and this machine's python3, CI's newest suite; 3.13: Colab's, CI's Colab suite
