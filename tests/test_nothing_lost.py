@@ -23,6 +23,7 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.files import TMP_PREFIX, atomic_output
 from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import LOCK, RunDir, RunDirError, RunDirReplaced
+from tinygpt.core.runlock import lock
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.sync.copy import copy_checkpoint
 from tinygpt.train.pretrain import pretrain
@@ -207,7 +208,7 @@ def test_the_lock_is_never_followed_through_a_symlink(tmp_path):
     target.write_text("keep me")
     (run / LOCK).symlink_to(target)
     with pytest.raises(RunDirError, match="cannot open the lock .* symlink"):
-        with RunDir(run).lock():
+        with lock(RunDir(run)):
             pass
     assert target.read_text() == "keep me"
 
@@ -228,12 +229,12 @@ def test_a_ctrl_c_while_the_lock_is_taken_leaves_no_folder_and_no_handler_behind
     monkeypatch.setattr(socket, "gethostname", hostname_then_ctrl_c)
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
-        with RunDir(run).lock():
+        with lock(RunDir(run)):
             pytest.fail("the Ctrl-C must stop the run before its body starts")
     assert not run.exists()
     assert signal.getsignal(signal.SIGINT) is handler
     monkeypatch.undo()
-    with RunDir(run).lock():  # the folder is free again
+    with lock(RunDir(run)):  # the folder is free again
         assert (run / LOCK).exists()
 
 

@@ -143,7 +143,8 @@ def test_one_writer_per_run_folder_and_a_killed_one_leaves_no_lock(small_run, tm
     # a second process holds the run folder (as a training run does), then is killed with SIGKILL
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\nfrom tinygpt.core.rundir import RunDir\n"
-        "with RunDir(sys.argv[1]).lock():\n    print('held', flush=True)\n    time.sleep(600)\n"), str(run)],
+        "from tinygpt.core.runlock import lock\n"
+        "with lock(RunDir(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(600)\n"), str(run)],
         stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -159,7 +160,8 @@ def test_one_writer_per_run_folder_and_a_killed_one_leaves_no_lock(small_run, tm
 
 def test_the_cli_refuses_a_busy_run_folder_in_one_line(small_run, tmp_path, capsys):
     from tinygpt.core.rundir import RunDir
-    with RunDir(tmp_path / "busy").lock():
+    from tinygpt.core.runlock import lock
+    with lock(RunDir(tmp_path / "busy")):
         code = main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(tmp_path / "busy"), "--max-steps", "1",
                      "--quiet"])
     err = capsys.readouterr().err.strip()

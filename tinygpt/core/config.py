@@ -12,44 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Self
 
+from tinygpt.core.families import FAMILIES, Family
 from tinygpt.core.fields import bounded, field_problem
-
-
-def config_differences(old: dict, new: dict, allowed: set[str] | frozenset = frozenset(),
-                       prefix: str = "") -> list[str]:
-    """Human-readable differences between two config dicts (nested), ignoring the `allowed` keys."""
-    out = []
-    for k in sorted(set(old) | set(new)):
-        if k in allowed:
-            continue
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_differences(a, b, allowed, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a!r} in the run, {b!r} now")
-    return out
-
-
-def check_same_settings(
-    where: str | Path,
-    old: dict | None,
-    new: dict,
-    what: str = "a different configuration",
-    allowed: set[str] | frozenset = frozenset(),
-) -> None:
-    """The one "is this the same run?" check of pretraining, finetuning and the trainer: refuse to
-    continue `where` when `old` (what it was started with) and `new` differ beyond `allowed`."""
-    diffs = config_differences(old, new, allowed) if old is not None else []
-    if diffs:
-        raise ConfigError(
-            f"{where} holds {what}:\n  "
-            + "\n  ".join(diffs)
-            + "\nuse another run folder (a new --run-dir or RUN_NAME), or the same settings to "
-            "resume"
-        )
 
 
 class ConfigError(ValueError):
@@ -108,59 +74,6 @@ def _hf(key: str, missing: Any = REQUIRED, network: bool = True, gguf: str | Non
         **({"gguf": gguf} if gguf else {}),
         **rules,
     }
-
-
-# What the GPT always is, as a transformers config says it: key -> (the GPT's
-# value, why another value is not this GPT). `to_hf_llama` writes these;
-# `tinygpt.model.hf.representation_gaps` refuses a config.json that differs. A
-# new option that makes one of them a choice moves it from here into a field.
-HF_FIXED: dict[str, tuple[Any, str]] = {
-    "hidden_act": ("silu", "tinygpt's MLP is SwiGLU with SiLU"),
-}
-
-
-@dataclass(frozen=True)
-class Family:
-    """A transformers architecture with exactly the GPT's layers and parameter names (and the llama.cpp
-    architecture of the same name): the one place an export, an import, a GGUF file and a model card
-    look up what the model is called."""
-
-    model_type: str  # config.json's model_type, and llama.cpp's architecture
-    title: str  # `{title}Config` and `{title}ForCausalLM` in transformers; the model card's name
-    qk_norm: bool  # the ModelConfig.qk_norm of this family's models
-    hf_fixed: dict[str, tuple[Any, str]]  # HF_FIXED and this family's own keys the GPT fixes
-    rope_pairs: bool  # llama.cpp rotates adjacent pairs (not halves): GGUF q/k rows are permuted
-
-    @property
-    def config_class(self) -> str:
-        return f"{self.title}Config"
-
-    @property
-    def model_class(self) -> str:
-        return f"{self.title}ForCausalLM"
-
-
-FAMILIES = {
-    f.model_type: f
-    for f in (
-        Family(
-            "llama",
-            "Llama",
-            False,
-            {**HF_FIXED, "mlp_bias": (False, "tinygpt's MLP has no biases")},
-            rope_pairs=True,
-        ),
-        # Qwen3: Llama's layers plus an RMSNorm on each head's
-        # queries and keys; full attention, no sliding window.
-        Family(
-            "qwen3",
-            "Qwen3",
-            True,
-            {**HF_FIXED, "use_sliding_window": (False, "tinygpt's attention is full")},
-            rope_pairs=False,
-        ),
-    )
-}
 
 
 class _Section:

@@ -19,23 +19,14 @@ one-line error everywhere, naming the file and what to do.
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import json
 import os
 import re
-import shutil
-import socket
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; one writer is then the user's care
-    fcntl = None
+from typing import Any
 
 from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import (
@@ -46,7 +37,6 @@ from tinygpt.core.files import (
     write_json_atomic,
     write_text_atomic,
 )
-from tinygpt.core.signals import signals_deferred
 
 RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = (
     "run.json",
@@ -282,91 +272,6 @@ class RunDir:
         return self.path / METRICS
 
     # -- one writer
-    @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        """Hold the run folder for this process: a second writer (another tab, a
-        double-run cell) is refused with a RunDirError naming the holder. The lock is the
-        kernel's (flock): a process that dies, even by kill -9, releases it, so it never
-        stays stuck. A folder this call made is removed again when nothing but the lock
-        was written in it, even when a Ctrl-C or SIGTERM arrives while the lock is being
-        taken (it is delivered once the lock is held, so the release always runs)."""
-        created = not self.path.exists()
-        made_lock = not os.path.lexists(self.path / LOCK)
-        key = os.path.abspath(self.path)
-        fd = None
-        try:
-            with signals_deferred():
-                self.path.mkdir(parents=True, exist_ok=True)
-                # (Windows: no advisory locks; one writer is then the user's care)
-                if fcntl is not None:
-                    fd = self._take_lock(key)
-            yield
-        finally:
-            with _HELD_LOCK:
-                held = _HELD.pop(key, None)
-            if fd is not None:
-                if (
-                    made_lock
-                    and not created
-                    and held == _identity(self.path)
-                    and not self._holds_a_run()
-                ):
-                    # a folder that existed, left as found (still held here)
-                    with contextlib.suppress(OSError):
-                        (self.path / LOCK).unlink()
-                os.close(fd)  # releases the lock
-            if created:
-                self._remove_if_unwritten(held)
-
-    def _holds_a_run(self) -> bool:
-        """Whether the folder holds a run's files (a failed
-        first try in a folder that existed removed its own)."""
-        return self.checkpoints.exists() or any(
-            (self.path / n).exists() for n in (RUN_JSON, FINETUNE_JSON, ADAPTER_CONFIG, IDENTITY)
-        )
-
-    def _remove_if_unwritten(self, held: tuple[int, int] | None) -> None:
-        """A folder `lock` made, refused or stopped before anything was written
-        in it (bad input, a Ctrl-C): no trace is left. A folder replaced
-        meanwhile is another run's: its .lock is not ours to remove."""
-        names = [p.name for p in self.path.iterdir()] if self.path.is_dir() else None
-        if held is not None and held == _identity(self.path) and names == [LOCK]:
-            (self.path / LOCK).unlink(missing_ok=True)
-        elif not (held is None and names == []):  # no lock taken: only an empty folder is removed
-            return
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
-
-    def _take_lock(self, key: str) -> int:
-        """Open .lock, take the kernel's lock on it, write who holds it and record the folder as
-        held: the open descriptor (closing it lets the lock go). A RunDirError, with nothing held,
-        when another process holds it or .lock cannot be opened."""
-        # O_NOFOLLOW: a .lock planted as a symlink (a shared folder) is refused, never followed
-        try:
-            fd = os.open(
-                self.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644
-            )
-        except OSError as e:
-            raise RunDirError(
-                f"cannot open the lock {self.path / LOCK} ({e.strerror}); if it is a symlink, "
-                "remove it"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
-            os.close(fd)
-            raise RunDirError(
-                f"run folder {self.path} is in use by {holder}; wait for it to finish or stop it, "
-                "or use another run folder"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since "
-                      f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(), 0)
-        with _HELD_LOCK:
-            _HELD[key] = _identity(self.path)  # type: ignore[assignment]
-        return fd
-
     def check_held(self) -> None:
         """Before a write: when this process holds the folder's lock, the folder at the path must
         still be the one it locked (same device and inode). A folder deleted or recreated under a
@@ -391,36 +296,6 @@ class RunDir:
                 "from there (a --mirror keeps the checkpoints it copied); run the command again "
                 "to start or resume there"
             )
-
-    @contextlib.contextmanager
-    def undo_if_first_try_fails(self, marker: str) -> Iterator[None]:
-        """Around a run's start: when `marker` (run.json, finetune.json) did not exist before and
-        the block raises before it adds a checkpoint, everything the block added to the folder is
-        removed, so a failed first try (bad data, no such device, a bad value) leaves no run.json,
-        tokenizer or base/ that a corrected try would pick up. A run that has a marker or a new
-        checkpoint keeps all it has."""
-        first = not (self.path / marker).exists()
-        before = set(os.listdir(self.path)) if first and self.path.is_dir() else set()
-        # a folder's own (e.g. a finetuning run's) are not ours
-        steps = set(self.checkpoints.glob("step_*"))
-        try:
-            yield
-        except BaseException:
-            if (
-                first
-                and self.path.is_dir()
-                and not set(self.checkpoints.glob("step_*")) - steps
-                and _identity(self.path)
-                == _HELD.get(os.path.abspath(self.path), _identity(self.path))
-            ):
-                for name in set(os.listdir(self.path)) - before - {LOCK}:
-                    p = self.path / name
-                    if p.is_dir() and not p.is_symlink():
-                        shutil.rmtree(p, ignore_errors=True)
-                    else:
-                        with contextlib.suppress(OSError):
-                            p.unlink()
-            raise
 
     # -- run.json
     def recipe(self) -> Recipe:

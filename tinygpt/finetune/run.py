@@ -32,11 +32,13 @@ from typing import Any
 import torch
 
 from tinygpt.core.checkpoint import MODEL_FILE, find_run_checkpoint, list_checkpoints
-from tinygpt.core.config import TrainConfig, check_same_settings
+from tinygpt.core.config import TrainConfig
 from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
 from tinygpt.core.folders import refuse_other_kind
 from tinygpt.core.precision import choose_precision, resolve_device
 from tinygpt.core.rundir import ADAPTER_INFO, BASE_DIR, FINETUNE_JSON, FULL_MODEL_DIR, RunDir
+from tinygpt.core.runlock import lock, undo_if_first_try_fails
+from tinygpt.core.same_settings import check_same_settings
 from tinygpt.finetune.instruct import DataReport, build_instruct_data
 from tinygpt.finetune.lora import (
     adapter_state,
@@ -113,7 +115,7 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     run = RunDir(run_dir)
     # one writer per run folder; a failed first try (bad data, no device) leaves no base/ nor
     # finetune.json
-    with run.lock(), run.undo_if_first_try_fails(FINETUNE_JSON):
+    with lock(run), undo_if_first_try_fails(run, FINETUNE_JSON):
         return _finetune(recipe, base, data, run_dir, max_steps, hardware, resume, callbacks,
                          train=train, device=device, progress=progress, mirror=mirror)
 
