@@ -11,23 +11,18 @@ made the batch dimension symbolic).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import json
 import math
-import re
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from tinygpt.core.config import Recipe
-from tinygpt.core.files import read_json_safe, write_json_atomic
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import (
     Precision,
@@ -40,6 +35,7 @@ from tinygpt.model.gpt import GPT
 from tinygpt.model.losses import default_chunk_rows
 from tinygpt.train.hardware import cpu_name, ram_gb
 from tinygpt.train.memory import CUDA_CONTEXT_GB, GB
+from tinygpt.train.probe_cache import ProbeResult, cache_name, keep, read_kept
 from tinygpt.train.step import TrainStep
 from tinygpt.train.trials import (
     Trial,
@@ -62,41 +58,6 @@ SPEED_STEPS, SPEED_WARMUP = 8, 4
 class ProbeError(RuntimeError):
     """Nothing fits, not even micro-batch 1 at the shortest context with activation
     checkpointing."""
-
-
-@dataclass
-class ProbeResult:
-    recipe: str
-    device_name: str
-    micro_batch_size: int
-    seq_len: int
-    grad_accum_steps: int
-    activation_checkpointing: bool
-    precision: str
-    precision_reason: str
-    peak_gb: float
-    memory_limit_gb: float
-    margin: float
-    largest_micro_batch: int  # before rounding to a divisor of the global batch
-    tokens_per_s: float | None
-    search_s: float
-    notes: list[str] = field(default_factory=list)
-    trials: list[Trial] = field(default_factory=list)
-    key: dict = field(default_factory=dict)
-    from_cache: bool = False
-    # "micro-batch" or "micro-batch full" -> tokens/s of the trainer's step
-    speeds: dict = field(default_factory=dict)
-    tokens_per_s_source: str = "measured by trial (eager, one micro-batch)"
-    # the loss the trainer takes: "full" logits where they fit and measured faster
-    loss: str = "auto"
-    time_limit_s: float | None = None  # the search's time limit
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ProbeResult":
-        return cls(**{**d, "trials": [Trial(**t) for t in d.get("trials", [])]})
 
 
 class RandomBatches:
@@ -173,10 +134,6 @@ def requested_precision(
     return recipe.train.precision, None
 
 
-def _slug(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-")
-
-
 def probe(
     recipe: Recipe,
     device: str | torch.device = "auto",
@@ -236,8 +193,8 @@ def probe(
     paths = [Path(run_dir) / PROBE_JSON] if run_dir is not None else []
     if cache_dir is not None:
         folder = cache_root("probe") if cache_dir == "default" else Path(cache_dir)
-        paths.append(folder / _cache_name(key))
-    kept = _read_kept(paths, key)
+        paths.append(folder / cache_name(key))
+    kept = read_kept(paths, key)
     if kept is not None:
         return kept
 
@@ -261,37 +218,8 @@ def probe(
     )
     result = search.confirm(limit, loss, largest, t, ckpt, name, key)
     for path in paths:
-        _keep(path, result)
+        keep(path, result)
     return result
-
-
-def _cache_name(key: dict) -> str:
-    """The user cache's file for a key: named by its device, recipe and torch version; the rest
-    of the key is compared inside (a result kept for other settings is searched again)."""
-    return f"{_slug(key['device'])}__{_slug(key['recipe'])}__torch-{_slug(key['torch'])}.json"
-
-
-def _read_kept(paths: list[Path], key: dict) -> ProbeResult | None:
-    """The first kept result for exactly this key (the run folder's, then the user's cache); it is
-    copied to where it was missing (the run keeps what the user's cache had, and the other way
-    round)."""
-    for path in paths:
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            # probe.json comes back from a mirror too
-            cached = ProbeResult.from_dict(read_json_safe(path))
-            if cached.key == json.loads(json.dumps(key)):
-                cached.from_cache = True
-                for other in paths:
-                    if not other.is_file():
-                        _keep(other, cached)
-                return cached
-    return None
-
-
-def _keep(path: Path, result: ProbeResult) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # a disconnect never leaves half a file
-    write_json_atomic(path, {**result.to_dict(), "from_cache": False})
 
 
 class _Search:

@@ -22,12 +22,12 @@ from tinygpt.train.plan import SizePlan, choose_size
 from tinygpt.train.probe import (
     SPEED_STEPS,
     ProbeError,
-    ProbeResult,
     apply_probe,
     probe,
     requested_precision,
     trainer_speed,
 )
+from tinygpt.train.probe_cache import ProbeResult
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
 # a rough guess of what PyTorch gets from one core in fp32; for expectations only
