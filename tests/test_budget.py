@@ -19,7 +19,8 @@ import pytest
 from tinygpt.cli import main
 from tinygpt.core.config import ConfigError, TrainConfig
 from tinygpt.train.budget import Budget, decay_start, expected_final_loss, extend, steps_for
-from tinygpt.train.pretrain import PretrainOptions, pretrain
+from tinygpt.train.pretrain import pretrain
+from tinygpt.train.pretrain_options import PretrainOptions
 from tinygpt.train.step import lr_at
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from tinygpt.finetune.options import FinetuneOptions
 from tinygpt.model.generate import GenerateOptions
 from tinygpt.publish.export import ExportOptions
 from tinygpt.publish.hub import PushOptions
-from tinygpt.train.pretrain import PretrainOptions
+from tinygpt.train.pretrain_options import PretrainOptions
 from tinygpt.train.report import ProbeOptions
 
 

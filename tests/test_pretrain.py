@@ -84,7 +84,8 @@ def test_samples_come_every_sample_every_steps_and_once_at_the_end(tmp_path, sha
     """train.sample_every=4 over 10 steps: steps 4 and 8 on the way, 10 at the end (nothing twice); a resume
     to 12 adds only its own end; under FSDP, where rank 0 holds a shard, the option is refused before any work."""
     from tinygpt.train.distributed import Ranks
-    from tinygpt.train.pretrain import PretrainOptions, check_recipe
+    from tinygpt.train.pretrain import check_recipe
+    from tinygpt.train.pretrain_options import PretrainOptions
 
     recipe = get_recipe("cpu-smoke").replace(train={"sample_every": 4})
     kw = dict(data=str(shared_data / "tinyshakespeare.txt"), save_every=5, eval_every=5, progress=False,

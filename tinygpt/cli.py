@@ -118,7 +118,8 @@ def _pretrain(args) -> int:
     from tinygpt.train.budget import finished_run
     from tinygpt.train.distributed import torchrun_env
     from tinygpt.train.init import pretrain_recipe
-    from tinygpt.train.pretrain import PretrainOptions, check_budget_overrides, pretrain
+    from tinygpt.train.pretrain import pretrain
+    from tinygpt.train.pretrain_options import PretrainOptions, check_budget_overrides
 
     env = torchrun_env()
     main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
@@ -412,7 +413,7 @@ COMMANDS = {
         _pretrain,
         "pretrain a GPT from scratch or from a base (resumes automatically)",
         Groups((RecipeChoice, "what to train"),
-               ("tinygpt.train.pretrain:PretrainOptions", "how to run it")),
+               ("tinygpt.train.pretrain_options:PretrainOptions", "how to run it")),
     ),
     "finetune": (
         _finetune,
