@@ -10,7 +10,7 @@ import torch
 
 from tinygpt.core.config import ModelConfig
 from tinygpt.core.recipes import get_recipe
-from tinygpt.model import hf
+from tinygpt.model import hf, hf_import
 from tinygpt.model.gpt import GPT
 from tinygpt.model.loading import load_run
 from tinygpt.train.memory import GB, estimate_memory
@@ -36,12 +36,12 @@ def test_a_run_with_attention_biases_trains_on_text_and_exports_with_the_same_lo
     out = hf.export_run(tmp_path / "run", tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [arch] and cfg["attention_bias"] is True
-    assert ModelConfig.from_hf_llama(cfg).attention_bias and hf.representation_gaps(cfg) == []
+    assert ModelConfig.from_hf_llama(cfg).attention_bias and hf_import.representation_gaps(cfg) == []
     ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     x = torch.tensor([tok.encode(text.read_text(encoding="utf-8")[5000:7000])[:model.config.max_seq_len]])
     with torch.no_grad():
         torch.testing.assert_close(ref(x).logits, model(x), atol=1e-4, rtol=0)
-    back, _ = hf.import_hf(out)
+    back, _ = hf_import.import_hf(out)
     assert all(torch.equal(back.state_dict()[n], p) for n, p in biases.items())
 
 

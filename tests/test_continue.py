@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError
-from tinygpt.model import hf
+from tinygpt.model import hf, hf_import
 from tinygpt.model.tokenizer import Tokenizer, train_bpe
 from tinygpt.train.init import CONTINUE_MAX_LR, continued_recipe, initial_model, read_base, starting_base
 from tinygpt.train.pretrain import pretrain
@@ -131,7 +131,7 @@ def test_bases_the_gpt_cannot_represent_are_refused_naming_what_differs(base, tm
     assert "model_type 'qwen2' (biases on q/k/v)" in _refused(tmp_path, {**llama, "model_type": "qwen2",
                                                                           "architectures": ["Qwen2ForCausalLM"]})
     assert "mlp_bias=true" in _refused(tmp_path, {**llama, "mlp_bias": True})
-    assert hf.representation_gaps({**llama, "attention_bias": True}) == []  # ModelConfig.attention_bias
+    assert hf_import.representation_gaps({**llama, "attention_bias": True}) == []  # ModelConfig.attention_bias
     assert "RoPE scaling 'llama3'" in _refused(tmp_path, {**llama, "rope_scaling": {"rope_type": "llama3",
                                                                                    "factor": 8.0}})
     assert "hidden_act 'gelu'" in _refused(tmp_path, {**llama, "hidden_act": "gelu"})

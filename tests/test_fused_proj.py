@@ -13,7 +13,7 @@ import torch
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError, ModelConfig, TrainConfig
 from tinygpt.core.recipes import get_recipe, model_config
-from tinygpt.model import hf
+from tinygpt.model import hf, hf_import
 from tinygpt.model.gpt import GPT, KVCache
 from tinygpt.model.tokenizer import train_bpe
 from tinygpt.train.optim import build_optimizer
@@ -157,7 +157,7 @@ def test_export_and_import_through_transformers(tmp_path, shakespeare, qk_norm, 
     out = hf.export_run(run, tmp_path / "export")
     assert json.loads((out / "config.json").read_text())["architectures"] == [arch]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    imported, _ = hf.import_hf(out)
+    imported, _ = hf_import.import_hf(out)
     x = torch.tensor([tok.encode(shakespeare[:300])[:128]])
     with torch.no_grad():
         want = model(x)

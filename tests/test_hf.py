@@ -11,7 +11,7 @@ import torch
 from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
 from tinygpt.core.config import ModelConfig
 from tinygpt.core.recipes import get_recipe
-from tinygpt.model import hf
+from tinygpt.model import hf, hf_import
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import EOT, Tokenizer, train_bpe
 
@@ -128,8 +128,8 @@ def test_import_of_a_transformers_llama(tmp_path, tok, shakespeare, tied, shard)
     ref.save_pretrained(tmp_path / "llama", **({"max_shard_size": "100KB"} if shard else {}))
     hf.hf_tokenizer(tok).save_pretrained(tmp_path / "llama")
     if shard:
-        assert (tmp_path / "llama" / hf.SAFETENSORS_INDEX).is_file()
-    model, imported_tok = hf.import_hf(tmp_path / "llama")
+        assert (tmp_path / "llama" / hf_import.SAFETENSORS_INDEX).is_file()
+    model, imported_tok = hf_import.import_hf(tmp_path / "llama")
     assert model.config.n_kv_head == 2 and model.config.rope_theta == 5000.0 and model.config.tie_embeddings == tied
     assert imported_tok is not None and imported_tok.eot_id == tok.eot_id
     for text in _texts(shakespeare)[:3]:
@@ -146,7 +146,7 @@ def test_import_of_a_transformers_llama(tmp_path, tok, shakespeare, tied, shard)
 def test_export_then_import_gives_the_same_weights(tmp_path, tok, qk_norm):
     model = _perturbed(dataclasses.replace(get_recipe("cpu-smoke").model, qk_norm=qk_norm), seed=3)
     out = hf.export_model(model, tok, tmp_path / "exported")
-    back, back_tok = hf.import_hf(out)
+    back, back_tok = hf_import.import_hf(out)
     a, b = model_state(model), model_state(back)
     assert back.config.qk_norm == qk_norm and any("q_norm" in k for k in a) == qk_norm
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -155,17 +155,17 @@ def test_export_then_import_gives_the_same_weights(tmp_path, tok, qk_norm):
 
 def test_import_refuses_what_it_cannot_load(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        hf.import_hf(tmp_path)
+        hf_import.import_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="Llama"):
-        hf.import_hf(tmp_path)
+        hf_import.import_hf(tmp_path)
     llama = {**get_recipe("cpu-smoke").model.to_hf_llama(), "model_type": "llama"}
     (tmp_path / "config.json").write_text(json.dumps({**llama, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
     with pytest.raises(ValueError, match="RoPE scaling"):
-        hf.import_hf(tmp_path)
+        hf_import.import_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(llama))
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
-        hf.import_hf(tmp_path)
+        hf_import.import_hf(tmp_path)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=1, tie_embeddings=True, rope_theta=5e5), dict(qk_norm=True)])
@@ -176,7 +176,7 @@ def test_every_network_field_goes_through_a_transformers_config_and_back(tmp_pat
     hf.hf_llama_config(config).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     back = ModelConfig.from_hf_llama(saved)
-    assert saved["model_type"] == config.family.model_type and hf.representation_gaps(saved) == []
+    assert saved["model_type"] == config.family.model_type and hf_import.representation_gaps(saved) == []
     assert {k: getattr(back, k) for k in ModelConfig.network_fields()} == \
         {k: getattr(config, k) for k in ModelConfig.network_fields()}
     assert (back.max_seq_len, back.init_std) == (config.max_seq_len, config.init_std)

@@ -17,7 +17,8 @@ NAMES = {v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str
 # A file name (with a dot) and `checkpoints` count wherever they are spelled.
 ANYWHERE = {n for n in NAMES if "." in n} | {rundir.CHECKPOINTS}
 # the same spelling for another format's file, not the run folder's
-ELSEWHERE = {("model/hf.py", rundir.TOKENIZER_JSON): "a Hugging Face model folder's file, named by transformers"}
+ELSEWHERE = {(module, rundir.TOKENIZER_JSON): "a Hugging Face model folder's file, named by transformers"
+             for module in ("model/hf.py", "model/hf_import.py")}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

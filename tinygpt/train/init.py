@@ -27,10 +27,10 @@ from tinygpt.core.recipes import RECIPES, get_recipe
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.core.same_settings import config_differences
 from tinygpt.model.gpt import GPT
-from tinygpt.model.hf import (
+from tinygpt.model.hf import hf_file
+from tinygpt.model.hf_import import (
     SAFETENSORS_INDEX,
     gpt_from_state,
-    hf_file,
     hub_model_folder,
     import_tokenizer,
     read_hf_state_dict,
