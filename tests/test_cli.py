@@ -88,7 +88,7 @@ def test_an_option_without_a_hugging_face_equivalent_is_declared_once_and_every_
     suggest no export, and both export formats refuse in one line before writing anything."""
     from types import MappingProxyType
 
-    from tinygpt.cli import next_steps
+    from tinygpt.cli_report import next_steps
     from tinygpt.core.config import ModelConfig
     from tinygpt.core.rundir import RunDir
 

@@ -142,7 +142,7 @@ def test_a_mirror_that_vanishes_mid_run_is_never_recreated_on_the_vms_disk(tmp_p
     and the run exited 0 with no word."""
     import warnings
 
-    from tinygpt.cli import _report_pretrain
+    from tinygpt.cli_report import report_pretrain
     from tinygpt.train.pretrain import pretrain as run_pretrain
 
     monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "cache"))
@@ -161,7 +161,7 @@ def test_a_mirror_that_vanishes_mid_run_is_never_recreated_on_the_vms_disk(tmp_p
     gone = [str(w.message) for w in seen if "is gone" in str(w.message)]
     assert gone and f"local checkpoints are safe in {tmp_path / 'vm'}" in gone[0], [str(w.message) for w in seen]
     capsys.readouterr()
-    assert _report_pretrain(res, tmp_path / "vm", str(mirror)) == 0
+    assert report_pretrain(res, tmp_path / "vm", str(mirror)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(f"the mirror {mirror} is behind: the folder is gone") and "remount" in last, last
     assert "same command again" not in last
@@ -309,7 +309,7 @@ def test_the_loser_of_two_runs_on_one_mirror_is_told_to_use_another(tmp_path):
     """Item 10: two runs started at once on one new mirror: the first claims it, the second's copies stop; its last
     line used to say "the same command again copies the rest", which the mirror then refused. It now names the run
     that holds the mirror and says to use another --mirror folder."""
-    from tinygpt.cli import mirror_line
+    from tinygpt.cli_report import mirror_line
     from tinygpt.core.checkpoint import write_manifest
     from tinygpt.sync.catchup import mirror_lag
     from tinygpt.sync.identity import write_identity

@@ -10,13 +10,19 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import shlex
 import signal
 import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tinygpt.cli_report import (
+    figures_line,
+    finetune_next_steps,
+    mirror_line,
+    report_pretrain,
+    say_complete,
+)
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError
 from tinygpt.core.hardware import HARDWARE
@@ -134,7 +140,7 @@ def _pretrain(args) -> int:
     )
     if plain_rerun and (done := finished_run(opts.run_dir, name, opts.max_steps)) is not None:
         if main_rank:
-            _say_complete(done, opts.run_dir, opts.mirror)
+            say_complete(done, opts.run_dir, opts.mirror)
         return 0
     # with a base: sized for it (never the mirror's)
     recipe = pretrain_recipe(name, choice.init, opts.run_dir)
@@ -149,92 +155,7 @@ def _pretrain(args) -> int:
     res = pretrain(recipe.replace(**changes), options=opts)
     if not main_rank:
         return 130 if res.interrupted else 0
-    return _report_pretrain(res, opts.run_dir, opts.mirror)
-
-
-def _say_complete(done: str, run_dir: Path, mirror: str | None) -> None:
-    """A finished run's line; "complete" means complete
-    on the mirror too: what it lacks goes there now."""
-    from tinygpt.sync.catchup import catch_up
-    from tinygpt.sync.identity import run_identity
-
-    print(done)
-    if mirror:
-        recipe = RunDir(run_dir).recipe()
-        lag = catch_up(run_dir, mirror, identity=run_identity(run_dir, mirror, recipe.identity()))
-        print(mirror_line(mirror, lag) or f"the mirror {mirror} has all of it")
-
-
-def _report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
-    """What a pretraining run ends with: its figures,
-    a sample, what to run next, the mirror's lag."""
-    from tinygpt.sync.catchup import mirror_lag
-
-    print(
-        f"step {res.step}: "
-        + _figures(loss=res.loss, val_loss=res.val_loss, checkpoint=res.checkpoint)
-    )
-    samples = RunDir(run_dir).samples()
-    if samples and not res.interrupted:
-        print("sample:\n" + samples.split("===\n")[-1].strip())
-    behind = mirror_line(mirror, mirror_lag(run_dir, mirror)) if mirror else None
-    if res.interrupted:
-        print("stopped by a signal; run the same command again to resume")
-        if behind:
-            print(behind)
-        return 130  # like an interrupted shell command: a script can tell the run did not finish
-    print(next_steps(run_dir))
-    if behind:
-        print(behind)  # the last line: the run is done here, not yet on the mirror
-    return 0
-
-
-def _figures(**figures) -> str:
-    """"loss 2.1234, val_loss 2.3456, ...": the figures
-    that were measured (a short run may have none)."""
-    said = [
-        f"{k} {round(v, 4) if isinstance(v, float) else v}"
-        for k, v in figures.items()
-        if v is not None
-    ]
-    return ", ".join(said) or "no loss measured yet"
-
-
-def next_steps(run_dir: str | Path) -> str:
-    """What to run after a finished pretraining run: sample, evaluate, export (the README's order;
-    no export where the model has options transformers has no equivalent of: `export_gaps`)."""
-    d = shlex.quote(str(run_dir))
-    if gaps := RunDir(run_dir).recipe().model.export_gaps("hf"):
-        export = f"  (no export: transformers has no equivalent of {', '.join(gaps)})"
-    else:
-        export = (f"  tinygpt export {d} hf-model/              # a Hugging Face folder "
-                  "(transformers, llama.cpp)")
-    return (
-        "next:\n"
-        f'  tinygpt generate {d} --prompt "def main(" --max-new-tokens 100   # text from the '
-        "model\n"
-        f"  tinygpt eval {d} --task perplexity        # loss, perplexity, bits per byte on its "
-        "validation text\n" + export
-    )
-
-
-def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:
-    """The line a command ends with when the mirror
-    is behind the local run (None when it is not)."""
-    from tinygpt.sync.catchup import NOTHING_MORE
-
-    if not lag:
-        return None
-    if lag[0].startswith(NOTHING_MORE):  # gone, or another run's: the line says what to do instead
-        return (
-            f"the mirror {mirror} is behind: {lag[0][len(NOTHING_MORE) :]}; the local run "
-            "folder has everything"
-        )
-    return (
-        f"the mirror {mirror} is behind: it lacks {'; '.join(lag)}; the local run folder has "
-        "everything, and the same command again (with --mirror) copies the rest once the mirror "
-        "has room and is reachable"
-    )
+    return report_pretrain(res, opts.run_dir, opts.mirror)
 
 
 class SayResumed(Callback):
@@ -258,7 +179,7 @@ def _finetune(args) -> int:
         f"examples, {d.truncated} truncated, {d.dropped} dropped"
     )
     t = res.train
-    print(f"step {t.step}: {_figures(loss=t.loss, val_loss=t.val_loss)}; "
+    print(f"step {t.step}: {figures_line(loss=t.loss, val_loss=t.val_loss)}; "
           f"{res.trainable_params:,} trainable of {res.total_params:,} parameters")
     if t.interrupted:
         print("stopped by a signal; run the same command again to resume")
@@ -273,19 +194,6 @@ def _finetune(args) -> int:
     if opts.mirror and (behind := mirror_line(opts.mirror, mirror_lag(opts.run_dir, opts.mirror))):
         print(behind)
     return 130 if t.interrupted else 0
-
-
-def finetune_next_steps(run_dir: str | Path) -> str:
-    """What to run after a finished finetuning run: ask it, evaluate it, export it (merged)."""
-    d = shlex.quote(str(run_dir))
-    return (
-        "next:\n"
-        f'  tinygpt generate {d} --prompt "Write a function that reverses a string."   # its '
-        "answer\n"
-        f"  tinygpt eval {d} --task stdlib-functions   # writes functions from their docstrings\n"
-        f"  tinygpt export {d} hf-model/               # base + adapter merged, as a Hugging Face "
-        "folder"
-    )
 
 
 def _generate(args) -> int:
