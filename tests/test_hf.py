@@ -37,8 +37,11 @@ def _perturbed(config: ModelConfig, seed: int = 0) -> GPT:
     return m.eval()
 
 
-def _make_run(path: Path, tok: Tokenizer, model: GPT) -> Path:
-    recipe = get_recipe("cpu-smoke").replace(model=dataclasses.asdict(model.config), data={"vocab_size": tok.vocab_size})
+def _make_run(path: Path, tok: Tokenizer, model: GPT, seq_len: int | None = None) -> Path:
+    """A run folder of `model`, its recipe trained at `seq_len` tokens (None: cpu-smoke's 64)."""
+    recipe = get_recipe("cpu-smoke").replace(model=dataclasses.asdict(model.config),
+                                             data={"vocab_size": tok.vocab_size},
+                                             train={"seq_len": seq_len} if seq_len else None)
     path.mkdir(parents=True)
     (path / "run.json").write_text(json.dumps({"recipe": recipe.to_dict()}))
     tok.save(path / "tokenizer.json")
@@ -69,10 +72,15 @@ def test_export_round_trip_through_transformers(tmp_path, tok, shakespeare, tied
 
 
 def test_evaluation_of_an_export_matches_the_run(tmp_path, tok, shared_data):
+    """A run and its export give the same scores and the same greedy tokens when they read the same
+    context: a run trained at its whole position table (512), which `hf.export_run` advertises; and
+    a run trained at 64 of its 512 positions, which `tinygpt export` advertises (issue 39) and to
+    which both cut a long prompt from the left (issue 38)."""
     from tinygpt.evals import run_eval
+    from tinygpt.publish.export import export
 
     model = _perturbed(dataclasses.replace(get_recipe("cpu-smoke").model, max_seq_len=512), seed=2)
-    run = _make_run(tmp_path / "run", tok, model)
+    run = _make_run(tmp_path / "run", tok, model, seq_len=512)
     out = hf.export_run(run, tmp_path / "export")
     for task, data, opts in [("perplexity", "wikitext2_test.txt", {"max_chars": 1500, "window": 128, "stride": 64}),
                              ("hellaswag", "hellaswag_val.txt.bz2", {"limit": 2}),
@@ -85,6 +93,14 @@ def test_evaluation_of_an_export_matches_the_run(tmp_path, tok, shared_data):
             assert (b["acc"], b["acc_norm"]) == (a["acc"], a["acc_norm"])
         else:  # greedy decoding through transformers' generate gives the same completion
             assert b["per_problem"][0]["completions"] == a["per_problem"][0]["completions"]
+            assert a["prompts_cut"] == b["prompts_cut"] == 0
+    short = _make_run(tmp_path / "short", tok, model)  # trained at cpu-smoke's 64 tokens
+    shipped = export(short, tmp_path / "shipped")
+    humaneval = {"data": shared_data / "HumanEval.jsonl.gz", "limit": 1, "max_new_tokens": 8}
+    a, b = run_eval(short, "humaneval", **humaneval), run_eval(shipped, "humaneval", **humaneval)
+    assert json.loads((shipped / "config.json").read_text())["max_position_embeddings"] == 64
+    assert b["per_problem"][0]["completions"] == a["per_problem"][0]["completions"]
+    assert a["prompts_cut"] == b["prompts_cut"] == 1  # HumanEval/0's 261 tokens, cut to 56
 
 
 def test_export_refuses_a_target_that_exists(tmp_path, tok):
