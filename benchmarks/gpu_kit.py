@@ -168,7 +168,7 @@ _RUN = """
 import json, sys
 from torch._dynamo.utils import counters
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import apply_overrides, get_recipe
+from tinygpt.core.recipes import apply_overrides, get_recipe
 from tinygpt.train.pretrain import pretrain
 recipe_name, run, steps, sets = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 

@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import apply_overrides
 from tinygpt.core.paths import shared_data_dir
-from tinygpt.core.recipes import get_recipe
+from tinygpt.core.recipes import apply_overrides, get_recipe
 from tinygpt.train.pretrain import pretrain
 
 REPO = Path(__file__).resolve().parents[1]
