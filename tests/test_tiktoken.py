@@ -15,7 +15,15 @@ import pytest
 from tinygpt.core.checkpoint import MANIFEST
 from tinygpt.core.config import DataConfig
 from tinygpt.core.rundir import read_json
-from tinygpt.model.tokenizer import EOT, Tokenizer, find_gpt2_files, gpt2_ranks, load_gpt2, tiktoken_gpt2, train_bpe
+from tinygpt.model.tokenizer import (
+    EOT,
+    Tokenizer,
+    find_gpt2_files,
+    gpt2_ranks,
+    load_gpt2,
+    tiktoken_gpt2,
+    train_bpe,
+)
 from tinygpt.train.data import is_validation_document, iter_documents
 from tinygpt.train.shard_writer import encode_documents, token_dtype, write_shards
 

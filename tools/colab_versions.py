@@ -2,12 +2,12 @@
 
     python tools/colab_versions.py FREEZE [OS_INFO]
 
-FREEZE is a copy of pip-freeze.gpu.txt from googlecolab/backend-info (or `pip list --format=freeze` run in a
-Colab runtime), OS_INFO the same commit's os-info-gpu.txt (its `Python 3.13.15` line is checked against
-colab.txt's `# python` line). Exit status 0 when every pinned package has Colab's version, 1 otherwise, each
-package that differs printed with both versions. With no arguments it reads the copies kept in
-tests/fixtures (which tests/test_colab_versions.py checks the same way). The README ("When Colab moves") says how to
-refresh both files from the repository's newest commit.
+FREEZE is a copy of pip-freeze.gpu.txt from googlecolab/backend-info (or `pip list --format=freeze`
+run in a Colab runtime), OS_INFO the same commit's os-info-gpu.txt (its `Python 3.13.15` line is
+checked against colab.txt's `# python` line). Exit status 0 when every pinned package has Colab's
+version, 1 otherwise, each package that differs printed with both versions. With no arguments it
+reads the copies kept in tests/fixtures (which tests/test_colab_versions.py checks the same way).
+The README ("When Colab moves") says how to refresh both files from the repository's newest commit.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ OS_INFO = FIXTURES / "colab-os-info-gpu.txt"
 
 
 def _version(text: str) -> Version | str:
-    """A version without its local label (2.11.0+cu128 -> 2.11.0); the text itself if it is no version."""
+    """A version without its local label (2.11.0+cu128
+    -> 2.11.0); the text itself if it is no version."""
     try:
         return Version(Version(text).public)
     except InvalidVersion:
@@ -34,7 +35,8 @@ def _version(text: str) -> Version | str:
 
 
 def pins(text: str) -> dict[str, Version | str]:
-    """{canonical name: version} of a constraints file (`name==version`, comments and blank lines skipped)."""
+    """{canonical name: version} of a constraints file
+    (`name==version`, comments and blank lines skipped)."""
     out = {}
     for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
@@ -45,7 +47,8 @@ def pins(text: str) -> dict[str, Version | str]:
 
 
 def freeze(text: str) -> dict[str, Version | str]:
-    """{canonical name: version} of `pip freeze` output; `name @ URL` lines keep their URL as the version."""
+    """{canonical name: version} of `pip freeze` output;
+    `name @ URL` lines keep their URL as the version."""
     out = {}
     for line in text.splitlines():
         line = line.strip()
@@ -72,13 +75,16 @@ def os_info_python(text: str) -> str | None:
 
 
 def differences(colab_txt: str, freeze_txt: str, os_info_txt: str | None = None) -> list[str]:
-    """One line per pinned package whose version differs from Colab's list or that the list lacks, and one for
-    Python when an os-info file is given and disagrees. Empty: constraints/colab.txt is Colab as listed."""
+    """One line per pinned package whose version differs from Colab's list
+    or that the list lacks, and one for Python when an os-info file is given
+    and disagrees. Empty: constraints/colab.txt is Colab as listed."""
     have, colab = pins(colab_txt), freeze(freeze_txt)
     out = []
     for name, version in have.items():
         if name not in colab:
-            out.append(f"{name}: constraints/colab.txt {version}, not in Colab's list (removed or renamed)")
+            out.append(
+                f"{name}: constraints/colab.txt {version}, not in Colab's list (removed or renamed)"
+            )
         elif colab[name] != version:
             out.append(f"{name}: constraints/colab.txt {version}, Colab {colab[name]}")
     if os_info_txt is not None:
@@ -94,7 +100,9 @@ def main(argv: list[str]) -> int:
         return 2
     freeze_file = Path(argv[0]) if argv else FREEZE
     os_info = Path(argv[1]) if len(argv) > 1 else (OS_INFO if not argv else None)
-    found = differences(COLAB.read_text(), freeze_file.read_text(), os_info.read_text() if os_info else None)
+    found = differences(
+        COLAB.read_text(), freeze_file.read_text(), os_info.read_text() if os_info else None
+    )
     for line in found:
         print(line)
     what = f"{freeze_file}" + (f" and {os_info}" if os_info else "")

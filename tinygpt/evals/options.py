@@ -13,8 +13,9 @@ from tinygpt.evals.tasks import TASKS
 
 @dataclass(kw_only=True)
 class EvalOptions(Request, RunCheckpoint):
-    """A `Request` with the model it is for and the task; every field has the CLI's default. `run_dir` may also
-    be a Hugging Face model folder."""
+    """What `tinygpt eval` runs: a `Request` with its model and task.
+
+    Every field has the CLI's default; `run_dir` may also be a Hugging Face model folder."""
 
     task: str = option(
         choices=tuple(TASKS), help="; ".join(f"{t.name}: {t.help}" for t in TASKS.values())

@@ -5,7 +5,8 @@
     mirror.py    the background `Mirror` (a trainer callback); a finetune's adapter copied once
     watch.py     whether the mirror folder is still this run's (Drive mounted, device, identity)
     catchup.py   what the mirror lacks (`mirror_lag`), and copying it (`catch_up`)
-    mirrored.py  the wiring both trainings call: identity, restore, the `Mirror` from the first step, its close
+    mirrored.py  the wiring both trainings call: identity, restore, the `Mirror` from the first step,
+                 its close
     restore.py   the newest valid checkpoint back onto a new VM
     shards.py    the token cache's shards to and from the mirror
 """

@@ -15,7 +15,13 @@ import warnings
 from pathlib import Path
 
 from tinygpt.core.checkpoint import MANIFEST
-from tinygpt.core.files import UnsafePathError, clean_leftovers, read_bytes_safe, safe_name, write_bytes_atomic
+from tinygpt.core.files import (
+    UnsafePathError,
+    clean_leftovers,
+    read_bytes_safe,
+    safe_name,
+    write_bytes_atomic,
+)
 from tinygpt.core.rundir import TOKEN_CACHE
 from tinygpt.sync.copy import (
     Backoff,
