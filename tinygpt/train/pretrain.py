@@ -188,14 +188,8 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     return token_ids
 
 
-def train_run(
-    recipe: Recipe,
-    opts: PretrainOptions,
-    dev: torch.device,
-    ranks: Ranks,
-    clock: StartupClock,
-    token_ids: bool,
-) -> TrainResult:
+def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks,
+              clock: StartupClock, token_ids: bool) -> TrainResult:
     """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves
     nothing behind), restored from the mirror, planned, and prepared by rank 0 first (the other
     ranks then find run.json, tokenizer and token cache made); then training. The restore comes
@@ -257,14 +251,8 @@ class Plan:
         return replace(self.recipe.train, device=str(self.device))
 
 
-def plan_run(
-    recipe: Recipe,
-    opts: PretrainOptions,
-    dev: torch.device,
-    ranks: Ranks,
-    clock: StartupClock,
-    token_ids: bool,
-) -> Plan:
+def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks,
+             clock: StartupClock, token_ids: bool) -> Plan:
     """Read a continued run's base (at its first start: another network is refused here, before any
     work), let the probe fit the recipe to the GPU (a resumed run keeps the choices it began with),
     then split the global batch over the ranks and settle the precision."""
