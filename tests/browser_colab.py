@@ -8,9 +8,9 @@ tests/test_browser.py) and photographed (docs/images/, shown in the README).
 (tests/test_browser.py checks what each picture must show, then copies them there; `python
 tests/browser_colab.py --images DIR` takes the pictures without the checks.) The finetuning notebook starts
 from a base that has learned something: `cpu-smoke` pretrained for 400 steps (about a CPU minute) in
-the stand-in Drive, where smoke mode looks for its base (smoke mode's own base has 20 steps). Its answers
-before and after 6 finetuning steps are still empty or nearly so: tests/test_browser.py marks that check as
-expected to fail until a larger base (e.g. cpu-fast, 300 steps) is tried on a machine with CPU to spare.
+the stand-in Drive, where smoke mode looks for its base (smoke mode's own base has 20 steps). Before
+finetuning it answers with blank lines; after 6 finetuning steps it begins a Python function, not yet a
+working one (tests/test_browser.py checks that the answers changed).
 
 The front end lives in a private environment (.cache/browser-venv-X.Y, one per Python: the classic notebook,
 ipywidgets 7.7.1, selenium) that sees this environment's packages (torch, transformers...) behind its own, so the kernel runs
@@ -268,6 +268,11 @@ def pretrain(nb: Notebook, out: Path) -> dict:
     select = dropdown(nb, "recipe")
     seen["default"] = Select(select).first_selected_option.text
     seen["options"] = [o.text for o in Select(select).options]
+    # what each of the cell's dropdowns shows (recipe, time, size, base): "" for one drawn empty
+    # (ipywidgets 7 writes the labels' spaces as no-break spaces)
+    seen["shown"] = [nb.js("const s = arguments[0]; return s.selectedIndex < 0 ? '' : s.options[s.selectedIndex].text",
+                           s).replace("\xa0", " ")
+                     for s in nb.output("recipe").find_elements("css selector", ".widget-dropdown select")]
     seen["plot"] = nb.watched_images()
     seen["progress_bars"] = nb.watched_bars()
     seen["train"], seen["samples"] = nb.text("train"), nb.text("samples")

@@ -37,6 +37,8 @@ def test_the_recipe_dropdown_renders_with_its_default_and_picks_what_trains(brow
     seen, _, vm = browser
     nb = seen["01_pretrain.ipynb"]
     assert nb["default"].split()[0] == "cpu-smoke", nb["default"]  # TINYGPT_SMOKE's recipe, as Run all trains
+    # every dropdown shows its choice, those whose value is None too ("the recipe's steps", "from scratch")
+    assert nb["shown"][1:] == ["the recipe's steps", "auto (what the time buys)", "from scratch"], nb["shown"]
     assert {o.split()[0] for o in nb["options"]} >= {"cpu-smoke", "cpu", "a100-124m", "h100-760m"}
     runs = vm / "content" / "runs"
     assert json.loads((runs / "my-first-gpt" / "run.json").read_text())["recipe"]["name"] == "cpu-smoke"

@@ -83,6 +83,15 @@ def default_hours(
     )
 
 
+def dropdown(widgets: Any, options: list, value: Any, description: str) -> Any:
+    """A dropdown that shows `value`'s label. Chosen by position: to ipywidgets a value of None means
+    no selection, and the box is drawn empty although an option ("the recipe's steps", "from
+    scratch") has that value."""
+    index = [v for _, v in options].index(value)
+    return widgets.Dropdown(options=options, index=index, description=description,
+                            layout=widgets.Layout(width="max-content"))
+
+
 # the size dropdown: auto (the planner, tinygpt.train.plan) or the recipe's model as written
 SIZE_CHOICES = [("auto (what the time buys)", "auto"), ("the recipe's", None)]
 
@@ -110,18 +119,8 @@ class RecipePicker:
         self.dropdown.observe(lambda change: self._show_summary(), names="value")
         choices = (HOURS_CHOICES if self.default_hours in [h for _, h in HOURS_CHOICES]
                    else HOURS_CHOICES + [(f"{self.default_hours:g} h", self.default_hours)])
-        self.hours_dropdown = widgets.Dropdown(
-            options=choices,
-            value=self.default_hours,
-            description="time",
-            layout=widgets.Layout(width="max-content"),
-        )
-        self.size_dropdown = widgets.Dropdown(
-            options=SIZE_CHOICES,
-            value="auto",
-            description="size",
-            layout=widgets.Layout(width="max-content"),
-        )
+        self.hours_dropdown = dropdown(widgets, choices, self.default_hours, "time")
+        self.size_dropdown = dropdown(widgets, SIZE_CHOICES, "auto", "size")
 
     @property
     def value(self) -> str:
@@ -263,12 +262,7 @@ class BasePicker:
         self.dropdown = None
         widgets = load_ipywidgets()
         if widgets is not None:
-            self.dropdown = widgets.Dropdown(
-                options=options,
-                value=self.default,
-                description="base",
-                layout=widgets.Layout(width="max-content"),
-            )
+            self.dropdown = dropdown(widgets, options, self.default, "base")
 
     @property
     def value(self) -> str | None:
