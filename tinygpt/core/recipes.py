@@ -72,8 +72,8 @@ CPU_SMOKE = Recipe(
                 precision="fp32"),
     DataConfig(source="builtin", vocab_size=512, max_chars=400_000))
 CPU = Recipe(
-    "cpu", "The default on a CPU: a 3M-parameter model on the standard library's source, ~3 min on "
-    "2 cores.",
+    "cpu", "The default on a CPU: a 3M-parameter model on the standard library's source, ~2 min on "
+    "2 idle cores.",
     "cpu", model_config("cpu", vocab_size=4096),
     TrainConfig(micro_batch_size=16, seq_len=128, max_steps=300, lr=2e-3, min_lr=2e-4,
                 warmup_steps=30, eval_every=100, eval_batches=8, log_every=10, save_every=100,
