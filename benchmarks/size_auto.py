@@ -3,13 +3,17 @@
     python benchmarks/size_auto.py --hours 0.1667 --out /tmp/size_auto                 # builtin, 10 minutes
     python benchmarks/size_auto.py --hours 0.6667 --data ../shared/data/wikitext2_test.txt \\
         --heldout ../shared/data/wikitext2_valid.txt --out /tmp/size_auto_ts     # another corpus, 40 min
+    ... --side-by-side --threads 1          # the four runs at once, one thread each
 
-Runs, one after another (never side by side: each budget is this machine's time): `cpu --size auto`, then
-`cpu`, `cpu-fast` and `cpu-smoke` as they are, each with `--hours H` (and `--data` when given). The evaluator
-is the same for all: bits per byte (tokenizer-independent: the recipes have 512- and 4096-token vocabularies)
-on a held-out text none of them trained on (--heldout; by default Python sources outside the standard library,
-numpy's, for the builtin corpus). Runs already in --out are resumed, so a finished one is only evaluated.
-Prints a markdown table for docs/BENCHMARKS.md.
+The runs: `--size auto` on the ladder `tinygpt pretrain --size auto` plans on a CPU (cpu-fast's; --auto-recipe
+to choose another), then `cpu`, `cpu-fast` and `cpu-smoke` as they are, each with `--hours H` (and `--data`
+when given). One after another by default (each budget is then this machine's time); with --side-by-side all at
+once, as processes of --threads threads, so that every run, the planner's timing included, sees the same
+machine (each run's steps are fixed from its own speed when it starts: a load that comes later slows all of
+them alike and changes no run's steps). The evaluator is the same for all: bits per byte (tokenizer-independent:
+the recipes have 512- and 4096-token vocabularies) on a held-out text none of them trained on (--heldout; by
+default Python sources outside the standard library, numpy's, for the builtin corpus). Runs already in --out
+are resumed, so a finished one is only evaluated. Prints a markdown table for docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,11 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+from tinygpt.core.hardware import size_auto_recipe  # noqa: E402
 from tinygpt.evals.lm import perplexity  # noqa: E402
 from tinygpt.model.loading import load_run  # noqa: E402
 from tinygpt.train.pretrain import pretrain  # noqa: E402
 
-RUNS = [("cpu", "auto"), ("cpu", None), ("cpu-fast", None), ("cpu-smoke", None)]
+FIXED = ("cpu", "cpu-fast", "cpu-smoke")
 HELDOUT_CHARS = 200_000
 
 
@@ -44,32 +52,65 @@ def default_heldout() -> str:
     return text[:HELDOUT_CHARS]
 
 
+def run_one(recipe: str, size: str | None, args: argparse.Namespace, heldout: str) -> dict:
+    """Train one run for the hours (resumed if --out has it), evaluate it on the held-out text: its row."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_dir = args.out / f"{recipe}{'-auto' if size else ''}"
+    t0, c0 = time.time(), time.process_time()
+    result = pretrain(recipe, run_dir, hours=args.hours, size=size, data=args.data, device="cpu",
+                      progress=False, tensorboard=False)
+    train_wall, train_cpu = time.time() - t0, time.process_time() - c0
+    model, tokenizer = load_run(run_dir, "latest", "cpu")[:2]
+    score = perplexity(model, tokenizer, heldout)
+    info = json.loads((run_dir / "run.json").read_text())
+    m = info["recipe"]["model"]
+    return {"run": f"{recipe}{' --size auto' if size else ''}", "size": (info.get("plan") or {}).get("size"),
+            "layers x width": f"{m['n_layer']} x {m['d_model']}", "steps": result.step,
+            "val_loss (own tokens)": result.val_loss, "bits_per_byte": score["bits_per_byte"],
+            "train_wall_s": round(train_wall), "train_cpu_s": round(train_cpu)}
+
+
+def side_by_side(runs: list[tuple[str, str | None]], argv: list[str]) -> list[dict]:
+    """Each run in its own process, all started at once; their rows, in the order of `runs`."""
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--only", str(i)], stdout=subprocess.PIPE,
+                              text=True) for i in range(len(runs))]
+    rows = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"a run failed (exit {proc.returncode})")
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hours", type=float, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--data", default=None, help="the corpus (default: each recipe's, builtin)")
     ap.add_argument("--heldout", type=Path, default=None, help="held-out text (default: numpy's sources)")
+    ap.add_argument("--auto-recipe", default=size_auto_recipe("cpu", "cpu"), help="the ladder --size auto plans")
+    ap.add_argument("--side-by-side", action="store_true", help="all runs at once, one process each")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
+    ap.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)  # one run, in its own process
     args = ap.parse_args(argv)
+    runs = [(args.auto_recipe, "auto")] + [(name, None) for name in FIXED]
     heldout = args.heldout.read_text()[:HELDOUT_CHARS] if args.heldout else default_heldout()
-    rows = []
-    for recipe, size in RUNS:
-        run_dir = args.out / f"{recipe}{'-auto' if size else ''}"
-        t0, c0 = time.time(), time.process_time()
-        result = pretrain(recipe, run_dir, hours=args.hours, size=size, data=args.data, device="cpu",
-                          progress=False, tensorboard=False)
-        train_wall, train_cpu = time.time() - t0, time.process_time() - c0
-        model, tokenizer = load_run(run_dir, "latest", "cpu")[:2]
-        score = perplexity(model, tokenizer, heldout)
-        info = json.loads((run_dir / "run.json").read_text())
-        m = info["recipe"]["model"]
-        rows.append({"run": f"{recipe}{' --size auto' if size else ''}", "size": (info.get("plan") or {}).get("size"),
-                     "layers x width": f"{m['n_layer']} x {m['d_model']}", "steps": result.step,
-                     "val_loss (own tokens)": result.val_loss, "bits_per_byte": score["bits_per_byte"],
-                     "train_wall_s": round(train_wall), "train_cpu_s": round(train_cpu)})
-        print(json.dumps(rows[-1]), flush=True)
+    if args.only is not None:
+        print(json.dumps(run_one(*runs[args.only], args, heldout)), flush=True)
+        return 0
+    if args.side_by_side:
+        rows = side_by_side(runs, [a for a in argv if a != "--side-by-side"])
+    else:
+        rows = []
+        for recipe, size in runs:
+            rows.append(run_one(recipe, size, args, heldout))
+            print(json.dumps(rows[-1]), flush=True)
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"load {os.getloadavg()[0]:.1f}; --hours {args.hours:g}, data {args.data or 'builtin'}\n")
+          f"load {os.getloadavg()[0]:.1f}; --hours {args.hours:g}, data {args.data or 'builtin'}"
+          f"{', side by side' if args.side_by_side else ''}, threads {args.threads or torch.get_num_threads()}\n")
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))

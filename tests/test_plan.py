@@ -22,8 +22,10 @@ from tinygpt.train.plan import (
     effective_tokens,
     fitted_laws,
     kept_plan,
+    law_for,
     plan_size,
     rung,
+    unique_tokens,
 )
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.report import plan_table
@@ -76,9 +78,27 @@ def test_the_planner_times_a_few_rungs_and_never_one_the_hours_cannot_train():
     step_tokens = recipe.train.tokens_per_step
     for c in plan.candidates[1:]:
         assert c.tokens >= MIN_STEPS * step_tokens  # a rung with fewer steps than its warm-up is no candidate
-    assert max(calls) == max(depth_of(c.size) for c in plan.candidates)  # the largest left is timed
+    steps = plan_mod.PLAN_SPEED_STEPS + plan_mod.PLAN_WARMUP_STEPS
+    timeable = [depth_of(c.size) for c in plan.candidates
+                if steps * step_tokens / c.tokens_per_s <= plan_mod.MAX_TIMING_S]
+    assert max(calls) == max(timeable)  # the largest left that times in MAX_TIMING_S is timed
     assert [r[0] for r in plan_table(plan)][1:] == [c.size for c in plan.candidates]
     assert sum("chosen" in r[-1] for r in plan_table(plan)) == 1
+
+
+def test_a_long_budget_on_a_cpu_never_times_a_rung_whose_steps_take_minutes():
+    """12 hours on a CPU keep rungs of hundreds of millions of parameters as candidates; timing one would
+    take minutes, so the planner times only rungs whose few steps fit MAX_TIMING_S and scales the rest."""
+    calls: list[int] = []
+    recipe = get_recipe("cpu-fast")
+    speed = machine(2e10, calls)
+    plan = plan_size(recipe, 12, speed)
+    steps = plan_mod.PLAN_SPEED_STEPS + plan_mod.PLAN_WARMUP_STEPS
+    cost = {c.size: steps * recipe.train.tokens_per_step / c.tokens_per_s for c in plan.candidates}
+    assert max(depth_of(c.size) for c in plan.candidates) >= 12  # large rungs are candidates...
+    assert all(cost[f"d{d}"] <= plan_mod.MAX_TIMING_S for d in calls), cost  # ...but never timed
+    assert any(not c.timed and cost[c.size] > plan_mod.MAX_TIMING_S for c in plan.candidates)
+    assert 2 <= len(calls) <= TIMED_RUNGS
 
 
 def test_a_source_smaller_than_the_budget_counts_its_repeats_and_favours_a_larger_model():
@@ -103,15 +123,50 @@ def test_a_plan_read_back_may_name_only_a_rung_of_the_ladder():
     assert all(depth_of(f"d{d}") == d for d in LADDER_DEPTHS)
 
 
-def test_the_shipped_fitted_law_predicts_its_held_out_runs_within_5_percent():
+@pytest.mark.parametrize("name", ["cpu", "cpu-fast"])
+def test_the_shipped_fitted_law_predicts_its_held_out_runs_within_5_percent(name):
     laws = fitted_laws()
-    if "cpu" not in laws:
-        pytest.skip("no fitted law shipped (benchmarks/fit_scaling.py --write writes it)")
-    data = json.loads((plan_mod.resources.files("tinygpt.train") / plan_mod.LAWS_FILE).read_text())["laws"]["cpu"]
-    law = laws["cpu"]
+    if name not in laws:
+        pytest.skip(f"no law fitted on the {name} ladder shipped (benchmarks/fit_scaling.py --write writes it)")
+    data = json.loads((plan_mod.resources.files("tinygpt.train") / plan_mod.LAWS_FILE).read_text())["laws"][name]
+    law, unique = laws[name], unique_tokens(get_recipe(name))
+    assert law_for(get_recipe(name)) == law
     assert data["held_out_max_error"] is not None and data["held_out_max_error"] <= 0.05
-    for run in data["runs"]:  # the constants are the ones the runs beside them gave
-        assert abs(law.loss(run["params"], run["tokens"]) - run["val_loss"]) / run["val_loss"] < 0.1
+    for run in data["runs"]:  # the constants are the ones the runs beside them gave (D counted as planned)
+        predicted = law.loss(run["params"], effective_tokens(run["tokens"], unique))
+        assert abs(predicted - run["val_loss"]) / run["val_loss"] < 0.1
+
+
+def test_a_local_source_counts_the_tokens_its_files_hold_without_reading_them(tmp_path):
+    """A small corpus is data-limited at a budget its recipe's cap would not be: the planner counts the
+    file's size (at most the cap), so a 40-minute plan on a 1 MB file knows it reads it many times."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 4000)
+    size = text.stat().st_size
+    cpu = get_recipe("cpu")  # a 4M-character cap
+    on_file = cpu.replace(data=dict(source=str(text)))
+    per_token = plan_mod.CHARS_PER_TOKEN["train"]
+    assert unique_tokens(on_file) == pytest.approx(size / per_token)
+    assert unique_tokens(on_file.replace(data=dict(max_chars=1000))) == pytest.approx(1000 / per_token)
+    assert unique_tokens(cpu) == pytest.approx(cpu.data.max_chars / per_token)  # the stdlib is larger
+    hub = cpu.replace(data=dict(source="hf:roneneldan/TinyStories", max_chars=None))
+    assert unique_tokens(hub) is None  # no network asked: a Hub corpus counts as larger than any budget
+    assert unique_tokens(cpu.replace(data=dict(source=str(tmp_path / "gone.txt")))) == \
+        pytest.approx(cpu.data.max_chars / per_token)  # refused later, by the data's own check
+
+
+def test_size_auto_without_a_recipe_climbs_the_cpu_fast_ladder_on_a_cpu(tmp_path):
+    """On a CPU `--size auto` plans cpu-fast's family (it reaches a lower loss than cpu's in the same time,
+    docs/BENCHMARKS.md section 13); without --size, and on a GPU, the default recipe is unchanged."""
+    from tinygpt.core.hardware import HARDWARE, size_auto_recipe
+    from tinygpt.train.hardware import hardware_report
+    from tinygpt.train.init import default_recipe
+    report = hardware_report("cpu")
+    assert default_recipe(tmp_path / "new")[0] == report.default_recipe == "cpu"
+    name, why = default_recipe(tmp_path / "new", sized=True)
+    assert name == "cpu-fast" and "--size auto" in why
+    assert size_auto_recipe("t4", "x") == HARDWARE["t4"].default_recipe
+    assert size_auto_recipe("unlisted", "cpu") == "cpu"
 
 
 def test_size_auto_needs_hours_and_says_so_before_any_work(tmp_path):

@@ -106,12 +106,12 @@ def _recipes(args) -> int:
     return 0
 
 
-def default_pretrain_recipe(run_dir: str | Path, say: bool = True) -> str:
+def default_pretrain_recipe(run_dir: str | Path, say: bool = True, sized: bool = False) -> str:
     """The recipe `tinygpt pretrain` uses without --recipe
-    (`train.init.default_recipe`), said in one line."""
+    (`train.init.default_recipe`; `sized`: --size auto), said in one line."""
     from tinygpt.train.init import default_recipe
 
-    name, why = default_recipe(run_dir)
+    name, why = default_recipe(run_dir, sized)
     if say:
         print(
             f"recipe {name}: {why} (--recipe NAME to choose; `tinygpt recipes` lists them)",
@@ -131,7 +131,9 @@ def _pretrain(args) -> int:
     main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
     choice = from_args(RecipeChoice, args)
     opts = from_args(PretrainOptions, args, callbacks=[SayResumed()] if main_rank else [])
-    name = choice.recipe or default_pretrain_recipe(opts.run_dir, say=main_rank)
+    name = choice.recipe or default_pretrain_recipe(
+        opts.run_dir, say=main_rank, sized=opts.size == "auto"
+    )
     # as typed: PretrainOptions takes a budgeted run's hours from its folder
     plain_rerun = (
         opts.resume == "auto"

@@ -39,6 +39,13 @@ class HardwareClass:
     # denominator). A name matches as a whole word, so "L4" is not found in "L40S" nor "A10" in
     # "A100"; the longest match wins.
     gpus: tuple[tuple[str, float], ...] = ()
+    # the recipe whose ladder `--size auto` plans here without --recipe, where not `default_recipe`
+    # (on a CPU: cpu-fast's family reaches a lower loss than cpu's in the same time, docs/PLANNER.md)
+    ladder_recipe: str | None = None
+
+    def sized_recipe(self) -> str:
+        """The recipe `pretrain --size auto` (and `probe --hours`) ladders here without --recipe."""
+        return self.ladder_recipe or self.default_recipe
 
     @property
     def precision(self) -> str:
@@ -52,8 +59,8 @@ class HardwareClass:
 # Session hours: Colab's free T4 and its L4 last about 3 h before a
 # disconnect is likely; an A100 or H100 costs compute units by the hour, so
 # a session is planned at 2 h. A CPU trains the recipe's steps (no budget).
-CPU = HardwareClass("cpu", "cpu", None, "cpu", "cpu", None)
-MPS = HardwareClass("mps", "mps", None, "cpu", "cpu", None)
+CPU = HardwareClass("cpu", "cpu", None, "cpu", "cpu", None, ladder_recipe="cpu-fast")
+MPS = HardwareClass("mps", "mps", None, "cpu", "cpu", None, ladder_recipe="cpu-fast")
 T4 = HardwareClass("t4", "cuda", (7, 5), "t4-50m", "t4", 3.0,
                    (("V100", 125.0), ("T4", 65.0), ("P100", 19.0)))
 L4 = HardwareClass(
@@ -81,3 +88,9 @@ H200 = HardwareClass("h200", "cuda", (9, 0), "a100-124m", "a100", 2.0,
 G4 = HardwareClass("g4", "cuda", (12, 0), "a100-124m", "a100", 2.0, (("RTX PRO 6000", 500.0),))
 
 HARDWARE: dict[str, HardwareClass] = {c.name: c for c in (CPU, MPS, T4, L4, A100, H100, H200, G4)}
+
+
+def size_auto_recipe(hardware_class: str, default: str) -> str:
+    """The recipe `--size auto` ladders on this class without --recipe (`default` for an unlisted class)."""
+    hw = HARDWARE.get(hardware_class)
+    return hw.sized_recipe() if hw is not None else default

@@ -375,6 +375,21 @@ def _hf_texts(name: str, config: str | None, split: str, text_field: str) -> Ite
         yield from _chunks(rec[text_field])
 
 
+def source_chars(cfg: DataConfig) -> int | None:
+    """About how many characters training can read from the source (file sizes, capped by
+    cfg.max_chars), from the file system alone: nothing is read. None for a Hub data set or token
+    ids (their size is not known before reading them); the cap itself where one is set."""
+    kind, arg = resolve_source(cfg.source)
+    if kind == "builtin":
+        files = builtin_files()
+    elif kind == "local":
+        files = _local_files(arg)  # type: ignore[arg-type]
+    else:
+        return cfg.max_chars
+    size = sum(f.stat().st_size for f in files)
+    return size if cfg.max_chars is None else min(size, cfg.max_chars)
+
+
 def source_fingerprint(cfg: DataConfig) -> str:
     """Changes when the source's content may have changed (file sizes and times, or the name)."""
     kind, arg = resolve_source(cfg.source)

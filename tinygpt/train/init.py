@@ -22,6 +22,7 @@ from pathlib import Path
 from tinygpt.core.checkpoint import latest_valid, load_checkpoint
 from tinygpt.core.config import INIT_TOKENIZER, ConfigError, ModelConfig, Recipe
 from tinygpt.core.files import read_json_safe
+from tinygpt.core.hardware import size_auto_recipe
 from tinygpt.core.paths import is_hub
 from tinygpt.core.recipes import RECIPES, get_recipe
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
@@ -218,13 +219,17 @@ def pretrain_recipe(name: str, init: str | None, run_dir: str | Path | None = No
     return continued_recipe(name, init)
 
 
-def default_recipe(run_dir: str | Path) -> tuple[str, str]:
+def default_recipe(run_dir: str | Path, sized: bool = False) -> tuple[str, str]:
     """The recipe `tinygpt pretrain` trains without --recipe, and why: the run folder's own (a
-    resume), else this hardware's default (the probe's choice)."""
+    resume), else this hardware's default (the probe's choice), or with `sized` (--size auto) the
+    recipe whose ladder the planner climbs here."""
     name = recipe_name_of(run_dir)
     if name in RECIPES:
         return name, f"the recipe of the run in {run_dir}"
     report = hardware_report()
+    if sized:
+        name = size_auto_recipe(report.hardware_class, report.default_recipe)
+        return name, f"the ladder --size auto plans on this {report.hardware_class} machine"
     return report.default_recipe, f"the default for this {report.hardware_class} machine"
 
 

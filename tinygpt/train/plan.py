@@ -30,6 +30,7 @@ from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import read_json_safe
 from tinygpt.core.precision import choose_precision
 from tinygpt.model.gpt import meta_model
+from tinygpt.train.data import DataError, source_chars
 from tinygpt.train.hardware import check_fits
 from tinygpt.train.probe import trainer_speed
 
@@ -44,6 +45,10 @@ TIMED_RUNGS = 3
 BUDGET_OVERHEAD = 0.1
 # optimizer steps timed per timed rung (after 2 of warm-up): the planner stays short
 PLAN_SPEED_STEPS = 4
+PLAN_WARMUP_STEPS = 2
+# the longest a rung's timing may take, by its FLOP-scaled speed: a larger rung is scaled, never timed
+# (on a CPU a 12-hour budget keeps rungs of hundreds of millions of parameters, minutes per step)
+MAX_TIMING_S = 20.0
 # a rung the hours buy fewer optimizer steps for is not a candidate (its warmup alone is most)
 MIN_STEPS = 50
 # R*_D of Muennighoff et al. (2023): how fast repeated epochs lose their value
@@ -174,8 +179,9 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     """Choose the rung with the lowest predicted loss after `hours`. `speed(recipe)` measures
     tokens/s (the probe's `trainer_speed`): the smallest rung first; the rungs that speed, scaled by
     FLOPs per token, buys fewer than MIN_STEPS steps in the hours are dropped (never timed); then
-    the largest left and rungs between, `timed` in all; every other rung is scaled by FLOPs per
-    token from the nearest timed one."""
+    the largest left whose timing takes at most MAX_TIMING_S (by that scaled speed) and rungs
+    between, `timed` in all; every other rung is scaled by FLOPs per token from the nearest timed
+    one."""
     start = time.perf_counter()
     law = law or law_for(recipe)
     rungs = ladder(recipe, fits)
@@ -191,9 +197,12 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
 
     rungs = [(d, r) for i, (d, r) in enumerate(rungs)
              if i == 0 or tokens_per_s(d) * seconds >= MIN_STEPS * r.train.tokens_per_step]
-    picks = sorted({round(i * (len(rungs) - 1) / max(1, timed - 1)) for i in range(timed)})
+    steps = PLAN_SPEED_STEPS + PLAN_WARMUP_STEPS
+    timeable = [(d, r) for d, r in rungs
+                if steps * r.train.tokens_per_step / tokens_per_s(d) <= MAX_TIMING_S]
+    picks = sorted({round(i * (len(timeable) - 1) / max(1, timed - 1)) for i in range(timed)})
     for i in reversed(picks):  # the largest first: what it measures scales the others best
-        d, r = rungs[i]
+        d, r = timeable[i]
         if d not in measured:
             measured[d] = speed(r)
     out = []
@@ -238,13 +247,16 @@ CHARS_PER_TOKEN = {"gpt2": 4.2, "train": 3.2}
 
 
 def unique_tokens(recipe: Recipe) -> float | None:
-    """About how many tokens the source holds (its character cap,
-    `data.max_chars`, read at CHARS_PER_TOKEN); None where the recipe
-    sets no cap (a Hub corpus: more than any budget here reads)."""
-    d = recipe.data
-    if d.max_chars is None:
+    """About how many tokens the source holds: its characters (`source_chars`: the files' sizes, at
+    most `data.max_chars`) at CHARS_PER_TOKEN; None for a Hub corpus with no cap (more than any
+    budget here reads)."""
+    try:
+        chars = source_chars(recipe.data)
+    except DataError:
+        chars = recipe.data.max_chars  # the source is refused later, with its own message
+    if chars is None:
         return None
-    return d.max_chars / CHARS_PER_TOKEN.get(d.tokenizer, CHARS_PER_TOKEN["train"])
+    return chars / CHARS_PER_TOKEN.get(recipe.data.tokenizer, CHARS_PER_TOKEN["train"])
 
 
 def kept_plan(info: dict | None) -> dict | None:
@@ -291,7 +303,7 @@ def choose_size(
     plan = plan_size(
         recipe,
         hours,
-        lambda r: trainer_speed(r, dev, steps=PLAN_SPEED_STEPS, warmup=2),
+        lambda r: trainer_speed(r, dev, steps=PLAN_SPEED_STEPS, warmup=PLAN_WARMUP_STEPS),
         fits=fits_in(dev, precision),
         unique_tokens=unique_tokens(recipe),
     )

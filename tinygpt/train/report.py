@@ -11,6 +11,7 @@ from typing import Any
 
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import Recipe
+from tinygpt.core.hardware import size_auto_recipe
 from tinygpt.core.options import option
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.recipes import get_recipe
@@ -120,7 +121,9 @@ def probe_report(recipe: str | None = None, as_json: bool = False, hours: float 
     """What `tinygpt probe [--recipe NAME] [--json] [--hours H]` prints. The trial search runs on a
     CUDA GPU; elsewhere the estimate stands in for it. With `hours`, the size planner's plan too."""
     report = hardware_report()
-    rec = get_recipe(recipe or report.default_recipe)
+    # with hours, the recipe whose ladder --size auto plans here (on a CPU: cpu-fast's)
+    rec = get_recipe(recipe or (size_auto_recipe(report.hardware_class, report.default_recipe)
+                                if hours else report.default_recipe))
     requested, _ = requested_precision(rec, report.device, report.native_bf16)
     prec = report.precision if requested == "auto" else requested
     est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec,
