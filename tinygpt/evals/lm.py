@@ -314,10 +314,13 @@ def loglikelihoods(
             if start is None:
                 raise ValueError("an empty context needs a tokenizer with a BOS or EOS token")
             ctx_ids = [start]
-        if not 1 <= len(cont_ids) <= lm.max_seq_len:
+        if not cont_ids:
+            raise ValueError(f"continuation {cont[:40]!r} has no tokens of its own")
+        if len(cont_ids) > lm.max_seq_len:
             raise ValueError(
-                f"continuation {cont[:40]!r} has {len(cont_ids)} tokens; it needs 1 to "
-                f"{lm.max_seq_len}"
+                f"continuation {cont[:40]!r} is {len(cont_ids)} tokens, more than this model's "
+                f"context ({lm.max_seq_len}): score it with a model of a longer context "
+                "(model.max_seq_len)"
             )
         seqs.append(((ctx_ids + cont_ids)[-(lm.max_seq_len + 1):], len(cont_ids)))
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))  # similar lengths pad less

@@ -48,7 +48,7 @@ PLAN_SPEED_STEPS = 4
 PLAN_WARMUP_STEPS = 2
 # the longest a rung's timing may take, by its FLOP-scaled speed: a larger rung is scaled, never timed
 # (on a CPU a 12-hour budget keeps rungs of hundreds of millions of parameters, minutes per step)
-MAX_TIMING_S = 20.0
+MAX_TIMING_S = 10.0
 # a rung the hours buy fewer optimizer steps for is not a candidate (its warmup alone is most)
 MIN_STEPS = 50
 # R*_D of Muennighoff et al. (2023): how fast repeated epochs lose their value
