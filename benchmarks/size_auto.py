@@ -65,7 +65,7 @@ def run_one(recipe: str, size: str | None, args: argparse.Namespace, heldout: st
     score = perplexity(model, tokenizer, heldout)
     info = json.loads((run_dir / "run.json").read_text())
     m = info["recipe"]["model"]
-    return {"run": f"{recipe}{' --size auto' if size else ''}", "size": (info.get("plan") or {}).get("size"),
+    return {"run": f"{recipe}{' --size auto' if size else ''}", "size": (info.get("plan") or {}).get("size") or "",
             "layers x width": f"{m['n_layer']} x {m['d_model']}", "steps": result.step,
             "val_loss (own tokens)": result.val_loss, "bits_per_byte": score["bits_per_byte"],
             "train_wall_s": round(train_wall), "train_cpu_s": round(train_cpu)}
