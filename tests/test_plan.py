@@ -175,6 +175,15 @@ def test_size_auto_needs_hours_and_says_so_before_any_work(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_size_auto_with_a_base_is_refused_before_the_base_is_read(tmp_path, capsys):
+    from tinygpt.cli import main
+    gone = tmp_path / "no-such-base"  # read, it would fail with another message
+    assert main(["pretrain", str(tmp_path / "r"), "--init", str(gone), "--hours", "0.1", "--size", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "a continued base (--init) keeps its own: leave out --size" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_planned_run_trains_the_chosen_rung_and_resumes_at_its_size_without_planning(tmp_path, monkeypatch):
     run = tmp_path / "r"
     result = pretrain("cpu-smoke", run, size="auto", hours=0.002, device="cpu", progress=False,

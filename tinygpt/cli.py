@@ -124,6 +124,7 @@ def _pretrain(args) -> int:
     from tinygpt.train.budget import finished_run
     from tinygpt.train.distributed import torchrun_env
     from tinygpt.train.init import pretrain_recipe
+    from tinygpt.train.plan import refuse_sized_base
     from tinygpt.train.pretrain import pretrain
     from tinygpt.train.pretrain_options import PretrainOptions, check_budget_overrides
 
@@ -144,6 +145,7 @@ def _pretrain(args) -> int:
         if main_rank:
             say_complete(done, opts.run_dir, opts.mirror)
         return 0
+    refuse_sized_base(choice.init if opts.size == "auto" else None)  # before the base is read
     # with a base: sized for it (never the mirror's)
     recipe = pretrain_recipe(name, choice.init, opts.run_dir)
     changes = parse_overrides(recipe, choice.overrides)

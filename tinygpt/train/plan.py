@@ -287,6 +287,16 @@ def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
     return fits
 
 
+def refuse_sized_base(init: str | None) -> None:
+    """`--size auto` with a base to continue (`--init`): refused in one line (the CLI asks before
+    reading the base)."""
+    if init:
+        raise ConfigError(
+            "--size auto chooses a new model's size; a continued base (--init) keeps its own: "
+            "leave out --size"
+        )
+
+
 def choose_size(
     recipe: Recipe, hours: float, dev: torch.device, kept: dict | None
 ) -> tuple[Recipe, SizePlan | dict]:
@@ -294,11 +304,7 @@ def choose_size(
     device, timing rungs with the trainer's own step (`trainer_speed`, a short measurement)."""
     if kept is not None:
         return apply_plan(recipe, kept), kept
-    if recipe.model.init is not None:
-        raise ConfigError(
-            "--size auto chooses a new model's size; a continued base (--init) keeps its own: "
-            "leave out --size"
-        )
+    refuse_sized_base(recipe.model.init)
     precision = choose_precision(dev, recipe.train.precision).name
     plan = plan_size(
         recipe,
