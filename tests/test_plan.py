@@ -120,6 +120,11 @@ def test_a_plan_read_back_may_name_only_a_rung_of_the_ladder():
             kept_plan({"plan": {"size": bad}})
     with pytest.raises(ConfigError):
         kept_plan({"plan": "d4"})
+    row = {"size": "d4", "params": 4e6, "tokens": 1e6, "tokens_per_s": 900.0, "predicted_loss": 3.5, "chosen": True}
+    assert kept_plan({"plan": {"size": "d4", "candidates": [row]}})["candidates"] == [row]
+    for bad in ({"params": "4e6"}, {"predicted_loss": float("nan")}, {"tokens": -1}, {"chosen": "yes"}):
+        with pytest.raises(ConfigError, match="not a plan tinygpt wrote"):  # what the notebook's plot would draw
+            kept_plan({"plan": {"size": "d4", "candidates": [row | bad]}})
     assert all(depth_of(f"d{d}") == d for d in LADDER_DEPTHS)
 
 

@@ -265,13 +265,23 @@ def kept_plan(info: dict | None) -> dict | None:
     plan = (info or {}).get("plan")
     if plan is None:
         return None
-    if not isinstance(plan, dict):
+    cands = plan.get("candidates", []) if isinstance(plan, dict) else None
+    if not isinstance(cands, list) or not all(map(_is_candidate, cands)):
         raise ConfigError(
             "run.json's plan is not a plan tinygpt wrote; delete the run folder's run.json plan "
             "or start a new run"
         )
     depth_of(plan.get("size"))
     return plan
+
+
+def _is_candidate(c: object) -> bool:
+    """A row of a plan read back as tinygpt writes it (what the notebook's plot draws)."""
+    def number(x: object) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return (isinstance(c, dict) and isinstance(c.get("size"), str) and isinstance(c.get("chosen"), bool)
+            and all(number(c.get(k)) and c[k] > 0 for k in ("params", "tokens", "tokens_per_s"))
+            and number(c.get("predicted_loss")))
 
 
 def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
