@@ -61,7 +61,7 @@ def test_the_readme_shows_the_main_commands_and_only_flags_that_exist():
             build_parser().parse_args(shlex.split(command)[1:])  # argparse exits (a failure) on a bad one
 
 
-@pytest.mark.slow  # trains, finetunes and evaluates: about a CPU minute and a half
+@pytest.mark.slow  # the README's commands in turn (trains, finetunes, evaluates): about 90 CPU-seconds
 def test_every_concrete_readme_command_runs_as_written_on_a_fresh_clone(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("TINYGPT_SHARED_DATA", raising=False)
