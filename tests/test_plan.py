@@ -112,6 +112,23 @@ def test_a_source_smaller_than_the_budget_counts_its_repeats_and_favours_a_large
     assert depth_of(small.size) >= depth_of(free.size)
 
 
+def test_a_rung_that_would_read_its_source_more_than_max_epochs_times_is_not_chosen():
+    """The law alone would train the smallest rung on ~20 epochs of a tiny source (its repeats still count a
+    little): the planner takes the best rung that reads it at most MAX_EPOCHS times, and says the epochs."""
+    recipe = get_recipe("cpu-fast")
+    speed = machine(2e10)
+    free = plan_size(recipe, 0.67, speed)
+    tiny = free.candidates[0].tokens / 20  # the smallest rung would read this source 20 times
+    plan = plan_size(recipe, 0.67, speed, unique_tokens=tiny)
+    assert plan.candidates[0].epochs > plan_mod.MAX_EPOCHS
+    assert plan.choice.epochs <= plan_mod.MAX_EPOCHS
+    allowed = [c for c in plan.candidates if c.epochs <= plan_mod.MAX_EPOCHS]
+    assert plan.choice.predicted_loss == min(c.predicted_loss for c in allowed)
+    # with no rung under the cap, the lowest predicted loss of all is still chosen
+    none_fit = plan_size(recipe, 0.67, speed, unique_tokens=1000)
+    assert none_fit.choice.predicted_loss == min(c.predicted_loss for c in none_fit.candidates)
+
+
 def test_a_plan_read_back_may_name_only_a_rung_of_the_ladder():
     assert kept_plan({}) is None
     assert kept_plan({"plan": {"size": "d4"}}) == {"size": "d4"}

@@ -8,7 +8,8 @@ from them by training FLOPs per token, and said so), the tokens the hours buy at
 speed, and a predicted final loss L(N, D) = E + A/N^alpha + B/D^beta, with N the
 non-embedding parameters and D the tokens seen (fewer than seen where the source is smaller
 than the budget and would be read again: Muennighoff et al. 2023's effective data). The
-lowest predicted loss is chosen; tokens per parameter is a result, not an input.
+lowest predicted loss is chosen among the rungs that read the source at most MAX_EPOCHS times;
+tokens per parameter is a result, not an input.
 
 Invariants: the plan is decided once, before anything is written, and kept in run.json ("plan"); a
 resumed run takes its size from there (on another GPU too), never plans again. A rung is the
@@ -53,6 +54,11 @@ MAX_TIMING_S = 10.0
 MIN_STEPS = 50
 # R*_D of Muennighoff et al. (2023): how fast repeated epochs lose their value
 REPEAT_HALF_LIFE = 15.4
+# a rung that would read its source more often than this is not chosen while another is left: past
+# ~4 epochs repeats stop paying (Muennighoff et al.), and on the CPU ladder they cost: d2 on ~12
+# epochs of WikiText-2 memorised it (training loss 1.97, validation 4.35, rising in the decay;
+# docs/BENCHMARKS.md section 13), a loss R*_D = 15.4 does not predict
+MAX_EPOCHS = 4.0
 
 
 def rung(recipe: Recipe, depth: int) -> Recipe:
@@ -213,7 +219,8 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
         out.append(Candidate(rung_name(d), n, tps, d in measured, tokens,
                              tokens / unique_tokens if unique_tokens else None,
                              law.loss(n, effective_tokens(tokens, unique_tokens))))
-    best = min(out, key=lambda c: c.predicted_loss)
+    eligible = [c for c in out if c.epochs is None or c.epochs <= MAX_EPOCHS] or out
+    best = min(eligible, key=lambda c: c.predicted_loss)
     best.chosen = True
     return SizePlan(hours, best.size, asdict(law), out, time.perf_counter() - start)
 
