@@ -4,6 +4,7 @@
     python benchmarks/size_auto.py --hours 0.6667 --data ../shared/data/wikitext2_test.txt \\
         --heldout ../shared/data/wikitext2_valid.txt --out /tmp/size_auto_ts     # another corpus, 40 min
     ... --side-by-side --threads 1          # the four runs at once, one thread each
+    ... --validation                        # also on the source's own validation split
 
 The runs: `--size auto` on the ladder `tinygpt pretrain --size auto` plans on a CPU (cpu-fast's; --auto-recipe
 to choose another), then `cpu`, `cpu-fast` and `cpu-smoke` as they are, each with `--hours H` (and `--data`
@@ -31,9 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from tinygpt.core.config import DataConfig  # noqa: E402
 from tinygpt.core.hardware import size_auto_recipe  # noqa: E402
 from tinygpt.evals.lm import perplexity  # noqa: E402
 from tinygpt.model.loading import load_run  # noqa: E402
+from tinygpt.train.data import validation_text  # noqa: E402
 from tinygpt.train.pretrain import pretrain  # noqa: E402
 
 FIXED = ("cpu", "cpu-fast", "cpu-smoke")
@@ -63,12 +66,16 @@ def run_one(recipe: str, size: str | None, args: argparse.Namespace, heldout: st
     train_wall, train_cpu = time.time() - t0, time.process_time() - c0
     model, tokenizer = load_run(run_dir, "latest", "cpu")[:2]
     score = perplexity(model, tokenizer, heldout)
+    extra = {}
+    if args.validation:  # the source's own validation split, the same text for every run
+        split = validation_text(DataConfig(source=args.data or "builtin", max_chars=4_000_000))[:HELDOUT_CHARS]
+        extra["bits_per_byte_validation"] = perplexity(model, tokenizer, split)["bits_per_byte"]
     info = json.loads((run_dir / "run.json").read_text())
     m = info["recipe"]["model"]
     return {"run": f"{recipe}{' --size auto' if size else ''}", "size": (info.get("plan") or {}).get("size") or "",
             "layers x width": f"{m['n_layer']} x {m['d_model']}", "steps": result.step,
             "val_loss (own tokens)": result.val_loss, "bits_per_byte": score["bits_per_byte"],
-            "train_wall_s": round(train_wall), "train_cpu_s": round(train_cpu)}
+            "train_wall_s": round(train_wall), "train_cpu_s": round(train_cpu), **extra}
 
 
 def side_by_side(runs: list[tuple[str, str | None]], argv: list[str]) -> list[dict]:
@@ -94,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auto-recipe", default=size_auto_recipe("cpu", "cpu"), help="the ladder --size auto plans")
     ap.add_argument("--side-by-side", action="store_true", help="all runs at once, one process each")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
+    ap.add_argument("--validation", action="store_true",
+                    help="also bits per byte on the source's own validation split (4M-character cap)")
     ap.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)  # one run, in its own process
     args = ap.parse_args(argv)
     runs = [(args.auto_recipe, "auto")] + [(name, None) for name in FIXED]

@@ -178,7 +178,7 @@ def test_a_local_source_counts_the_tokens_its_files_hold_without_reading_them(tm
 
 
 def test_size_auto_without_a_recipe_climbs_the_cpu_fast_ladder_on_a_cpu(tmp_path):
-    """On a CPU `--size auto` plans cpu-fast's family (it reaches a lower loss than cpu's in the same time,
+    """On a CPU `--size auto` plans cpu-fast's family (it beat cpu's ladder at 10 minutes,
     docs/BENCHMARKS.md section 13); without --size, and on a GPU, the default recipe is unchanged."""
     from tinygpt.core.hardware import HARDWARE, size_auto_recipe
     from tinygpt.train.hardware import hardware_report

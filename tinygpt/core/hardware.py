@@ -40,7 +40,7 @@ class HardwareClass:
     # "A100"; the longest match wins.
     gpus: tuple[tuple[str, float], ...] = ()
     # the recipe whose ladder `--size auto` plans here without --recipe, where not `default_recipe`
-    # (on a CPU: cpu-fast's family reaches a lower loss than cpu's in the same time, docs/PLANNER.md)
+    # (on a CPU: cpu-fast's family, which beat cpu's ladder at 10 minutes, docs/BENCHMARKS.md section 13)
     ladder_recipe: str | None = None
 
     def sized_recipe(self) -> str:
