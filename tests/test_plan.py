@@ -99,6 +99,11 @@ def test_a_long_budget_on_a_cpu_never_times_a_rung_whose_steps_take_minutes():
     assert all(cost[f"d{d}"] <= plan_mod.MAX_TIMING_S for d in calls), cost  # ...but never timed
     assert any(not c.timed and cost[c.size] > plan_mod.MAX_TIMING_S for c in plan.candidates)
     assert 2 <= len(calls) <= TIMED_RUNGS
+    # a machine on which even the smallest rung's timing is long (a GPU recipe's 0.5M-token steps on a CPU):
+    # it alone is timed, once, and the plan is made
+    slow: list[int] = []
+    gpu_on_cpu = plan_size(get_recipe("a100-124m"), 12, machine(2e10, slow))
+    assert slow == [2] and gpu_on_cpu.size in {c.size for c in gpu_on_cpu.candidates}
 
 
 def test_a_source_smaller_than_the_budget_counts_its_repeats_and_favours_a_larger_model():
@@ -142,6 +147,9 @@ def test_a_plan_read_back_may_name_only_a_rung_of_the_ladder():
     for bad in ({"params": "4e6"}, {"predicted_loss": float("nan")}, {"tokens": -1}, {"chosen": "yes"}):
         with pytest.raises(ConfigError, match="not a plan tinygpt wrote"):  # what the notebook's plot would draw
             kept_plan({"plan": {"size": "d4", "candidates": [row | bad]}})
+    for hours in ("1", 0, float("inf")):  # the plot's title reads the hours
+        with pytest.raises(ConfigError, match="not a plan tinygpt wrote"):
+            kept_plan({"plan": {"size": "d4", "hours": hours, "candidates": [row]}})
     assert all(depth_of(f"d{d}") == d for d in LADDER_DEPTHS)
 
 

@@ -43,10 +43,6 @@ class HardwareClass:
     # (on a CPU: cpu-fast's family, which beat cpu's ladder at 10 minutes, docs/BENCHMARKS.md section 13)
     ladder_recipe: str | None = None
 
-    def sized_recipe(self) -> str:
-        """The recipe `pretrain --size auto` (and `probe --hours`) ladders here without --recipe."""
-        return self.ladder_recipe or self.default_recipe
-
     @property
     def precision(self) -> str:
         """What `core.precision.choose_precision` gives on this class's GPU: bf16, fp16 (+
@@ -93,4 +89,4 @@ HARDWARE: dict[str, HardwareClass] = {c.name: c for c in (CPU, MPS, T4, L4, A100
 def size_auto_recipe(hardware_class: str, default: str) -> str:
     """The recipe `--size auto` ladders on this class without --recipe (`default` for an unlisted class)."""
     hw = HARDWARE.get(hardware_class)
-    return hw.sized_recipe() if hw is not None else default
+    return (hw.ladder_recipe or hw.default_recipe) if hw is not None else default

@@ -204,8 +204,8 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     rungs = [(d, r) for i, (d, r) in enumerate(rungs)
              if i == 0 or tokens_per_s(d) * seconds >= MIN_STEPS * r.train.tokens_per_step]
     steps = PLAN_SPEED_STEPS + PLAN_WARMUP_STEPS
-    timeable = [(d, r) for d, r in rungs
-                if steps * r.train.tokens_per_step / tokens_per_s(d) <= MAX_TIMING_S]
+    timeable = [(d, r) for d, r in rungs  # the smallest is timed already, whatever it cost
+                if d in measured or steps * r.train.tokens_per_step / tokens_per_s(d) <= MAX_TIMING_S]
     picks = sorted({round(i * (len(timeable) - 1) / max(1, timed - 1)) for i in range(timed)})
     for i in reversed(picks):  # the largest first: what it measures scales the others best
         d, r = timeable[i]
@@ -273,7 +273,8 @@ def kept_plan(info: dict | None) -> dict | None:
     if plan is None:
         return None
     cands = plan.get("candidates", []) if isinstance(plan, dict) else None
-    if not isinstance(cands, list) or not all(map(_is_candidate, cands)):
+    if (not isinstance(cands, list) or not all(map(_is_candidate, cands))
+            or not _number(plan.get("hours", 1)) or plan.get("hours", 1) <= 0):
         raise ConfigError(
             "run.json's plan is not a plan tinygpt wrote; delete the run folder's run.json plan "
             "or start a new run"
@@ -282,13 +283,15 @@ def kept_plan(info: dict | None) -> dict | None:
     return plan
 
 
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _is_candidate(c: object) -> bool:
     """A row of a plan read back as tinygpt writes it (what the notebook's plot draws)."""
-    def number(x: object) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     return (isinstance(c, dict) and isinstance(c.get("size"), str) and isinstance(c.get("chosen"), bool)
-            and all(number(c.get(k)) and c[k] > 0 for k in ("params", "tokens", "tokens_per_s"))
-            and number(c.get("predicted_loss")))
+            and all(_number(c.get(k)) and c[k] > 0 for k in ("params", "tokens", "tokens_per_s"))
+            and _number(c.get("predicted_loss")))
 
 
 def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
