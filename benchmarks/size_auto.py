@@ -4,7 +4,9 @@
     python benchmarks/size_auto.py --hours 0.6667 --data ../shared/data/wikitext2_test.txt \\
         --heldout ../shared/data/wikitext2_valid.txt --out /tmp/size_auto_ts     # another corpus, 40 min
     ... --side-by-side --threads 1          # the four runs at once, one thread each
+    ... --start-at $(($(date +%s) + 90))    # two side-by-side commands, one start
     ... --validation                        # also on the source's own validation split
+    ... --score-only                        # evaluate the finished runs in --out again, train nothing
 
 The runs: `--size auto` on the ladder `tinygpt pretrain --size auto` plans on a CPU (cpu-fast's; --auto-recipe
 to choose another), then `cpu`, `cpu-fast` and `cpu-smoke` as they are, each with `--hours H` (and `--data`
@@ -12,9 +14,10 @@ when given). One after another by default (each budget is then this machine's ti
 once, as processes of --threads threads, so that every run, the planner's timing included, sees the same
 machine (each run's steps are fixed from its own speed when it starts: a load that comes later slows all of
 them alike and changes no run's steps). The evaluator is the same for all: bits per byte (tokenizer-independent:
-the recipes have 512- and 4096-token vocabularies) on a held-out text none of them trained on (--heldout; by
-default Python sources outside the standard library, numpy's, for the builtin corpus). Runs already in --out
-are resumed, so a finished one is only evaluated. Prints a markdown table for docs/BENCHMARKS.md.
+the recipes have 512- and 4096-token vocabularies), in windows of the context each run trained at (as `tinygpt
+eval perplexity` scores), on a held-out text none of them trained on (--heldout; by default Python sources
+outside the standard library, numpy's, for the builtin corpus). Runs already in --out are resumed, so a
+finished one is only evaluated. Prints a markdown table for docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ from tinygpt.train.pretrain import pretrain  # noqa: E402
 
 FIXED = ("cpu", "cpu-fast", "cpu-smoke")
 HELDOUT_CHARS = 200_000
+# side by side, the runs wait this long after launch: eight processes importing torch at once would
+# otherwise slow the planner's timing (the fixed recipes measure their speed later, on their own steps)
+START_DELAY_S = 60.0
 
 
 def default_heldout() -> str:
@@ -61,27 +67,45 @@ def run_one(recipe: str, size: str | None, args: argparse.Namespace, heldout: st
         torch.set_num_threads(args.threads)
     run_dir = args.out / f"{recipe}{'-auto' if size else ''}"
     t0, c0 = time.time(), time.process_time()
-    result = pretrain(recipe, run_dir, hours=args.hours, size=size, data=args.data, device="cpu",
-                      progress=False, tensorboard=False)
+    val_loss = None
+    if not args.score_only:
+        val_loss = pretrain(recipe, run_dir, hours=args.hours, size=size, data=args.data, device="cpu",
+                            progress=False, tensorboard=False).val_loss
     train_wall, train_cpu = time.time() - t0, time.process_time() - c0
-    model, tokenizer = load_run(run_dir, "latest", "cpu")[:2]
-    score = perplexity(model, tokenizer, heldout)
+    model, tokenizer, trained, ckpt = load_run(run_dir, "latest", "cpu")
+    # windows of the context the run trained at, as `tinygpt eval perplexity` scores: the recipes keep a
+    # position table twice their training context, and positions never trained are not the model's
+    window = trained.train.seq_len
+    score = perplexity(model, tokenizer, heldout, window)
     extra = {}
     if args.validation:  # the source's own validation split, the same text for every run
         split = validation_text(DataConfig(source=args.data or "builtin", max_chars=4_000_000))[:HELDOUT_CHARS]
-        extra["bits_per_byte_validation"] = perplexity(model, tokenizer, split)["bits_per_byte"]
+        extra["bits_per_byte_validation"] = perplexity(model, tokenizer, split, window)["bits_per_byte"]
     info = json.loads((run_dir / "run.json").read_text())
     m = info["recipe"]["model"]
     return {"run": f"{recipe}{' --size auto' if size else ''}", "size": (info.get("plan") or {}).get("size") or "",
-            "layers x width": f"{m['n_layer']} x {m['d_model']}", "steps": result.step,
-            "val_loss (own tokens)": result.val_loss, "bits_per_byte": score["bits_per_byte"],
+            "layers x width": f"{m['n_layer']} x {m['d_model']}", "steps": int(ckpt.name.split("_")[-1]),
+            "val_loss (own tokens)": val_loss, "window": window, "bits_per_byte": score["bits_per_byte"],
             "train_wall_s": round(train_wall), "train_cpu_s": round(train_cpu), **extra}
 
 
-def side_by_side(runs: list[tuple[str, str | None]], argv: list[str]) -> list[dict]:
+def strip_start_at(argv: list[str]) -> list[str]:
+    """argv without --start-at and its value (side_by_side passes its own)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--start-at":
+            skip = True
+        elif not a.startswith("--start-at="):
+            out.append(a)
+    return out
+
+
+def side_by_side(runs: list[tuple[str, str | None]], argv: list[str], start_at: float) -> list[dict]:
     """Each run in its own process, all started at once; their rows, in the order of `runs`."""
-    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--only", str(i)], stdout=subprocess.PIPE,
-                              text=True) for i in range(len(runs))]
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--only", str(i), "--start-at", str(start_at)],
+                              stdout=subprocess.PIPE, text=True) for i in range(len(runs))]
     rows = []
     for proc in procs:
         out, _ = proc.communicate()
@@ -103,15 +127,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     ap.add_argument("--validation", action="store_true",
                     help="also bits per byte on the source's own validation split (4M-character cap)")
+    ap.add_argument("--score-only", action="store_true",
+                    help="evaluate the runs --out holds as they are, train nothing (no val_loss, no times)")
+    ap.add_argument("--start-at", type=float, default=None,
+                    help="with --side-by-side: when the runs start (seconds since the epoch; default: in "
+                         f"{START_DELAY_S:.0f} s), shared by two commands started together")
     ap.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)  # one run, in its own process
     args = ap.parse_args(argv)
     runs = [(args.auto_recipe, "auto")] + [(name, None) for name in FIXED]
     heldout = args.heldout.read_text()[:HELDOUT_CHARS] if args.heldout else default_heldout()
     if args.only is not None:
+        # every process has imported and read its texts: the planner's timing sees the runs, not start-ups
+        time.sleep(max(0.0, (args.start_at or 0) - time.time()))
         print(json.dumps(run_one(*runs[args.only], args, heldout)), flush=True)
         return 0
     if args.side_by_side:
-        rows = side_by_side(runs, [a for a in argv if a != "--side-by-side"])
+        start_at = args.start_at or time.time() + START_DELAY_S
+        rows = side_by_side(runs, [a for a in strip_start_at(argv) if a != "--side-by-side"], start_at)
     else:
         rows = []
         for recipe, size in runs:
