@@ -3,8 +3,9 @@ train, chosen from a ladder of sizes by a scaling law.
 
 For `pretrain --size auto --hours H` (and `probe --hours H`): each rung of the recipe's
 ladder (one family: depth with the width, heads and learning rate derived from it) gets
-this machine's tokens/s (a few rungs timed with the trainer's own step, the rest scaled
-from them by training FLOPs per token, and said so), the tokens the hours buy at that
+this machine's tokens/s (a few rungs timed with the trainer's own step, the chosen one
+among them wherever its timing fits, the rest scaled from them by training FLOPs per
+token, and said so), the tokens the hours buy at that
 speed, and a predicted final loss L(N, D) = E + A/N^alpha + B/D^beta, with N the
 non-embedding parameters and D the tokens seen (fewer than seen where the source is smaller
 than the budget and would be read again: Muennighoff et al. 2023's effective data). The
@@ -47,9 +48,16 @@ BUDGET_OVERHEAD = 0.1
 # optimizer steps timed per timed rung (after 2 of warm-up): the planner stays short
 PLAN_SPEED_STEPS = 4
 PLAN_WARMUP_STEPS = 2
-# the longest a rung's timing may take, by its FLOP-scaled speed: a larger rung is scaled, never timed
-# (on a CPU a 12-hour budget keeps rungs of hundreds of millions of parameters, minutes per step)
+# the longest a rung's timing may take, by its FLOP-scaled speed: MAX_TIMING_S, or TIMING_SHARE of a
+# longer budget up to MAX_TIMING_CAP_S; a larger rung is scaled, never timed (on a CPU a 12-hour budget
+# keeps rungs of hundreds of millions of parameters, minutes per step)
 MAX_TIMING_S = 10.0
+TIMING_SHARE = 0.01
+MAX_TIMING_CAP_S = 60.0
+# the choice is timed before it is kept: FLOP scaling misjudges a CPU's speed (a small model is bound
+# by overheads, not FLOPs: on 2 cores d3 ran 855 tokens/s where d2's speed scaled said 598), and a
+# rung that reads more than it seemed can cross MAX_EPOCHS; at most this many rungs more are timed
+CONFIRM_RUNGS = 3
 # a rung the hours buy fewer optimizer steps for is not a candidate (its warmup alone is most)
 MIN_STEPS = 50
 # R*_D of Muennighoff et al. (2023): how fast repeated epochs lose their value
@@ -185,9 +193,11 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     """Choose the rung with the lowest predicted loss after `hours`. `speed(recipe)` measures
     tokens/s (the probe's `trainer_speed`): the smallest rung first; the rungs that speed, scaled by
     FLOPs per token, buys fewer than MIN_STEPS steps in the hours are dropped (never timed); then
-    the largest left whose timing takes at most MAX_TIMING_S (by that scaled speed) and rungs
-    between, `timed` in all; every other rung is scaled by FLOPs per token from the nearest timed
-    one."""
+    the largest left whose timing takes at most MAX_TIMING_S (or TIMING_SHARE of a longer budget;
+    by that scaled speed) and rungs between, `timed` in all; every other rung is scaled by FLOPs per
+    token from the nearest timed one. A choice that was scaled is then timed (when its timing fits)
+    and the choice made again, at most CONFIRM_RUNGS times: the chosen rung's speed is measured
+    wherever it can be."""
     start = time.perf_counter()
     law = law or law_for(recipe)
     rungs = ladder(recipe, fits)
@@ -204,13 +214,33 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     rungs = [(d, r) for i, (d, r) in enumerate(rungs)
              if i == 0 or tokens_per_s(d) * seconds >= MIN_STEPS * r.train.tokens_per_step]
     steps = PLAN_SPEED_STEPS + PLAN_WARMUP_STEPS
-    timeable = [(d, r) for d, r in rungs  # the smallest is timed already, whatever it cost
-                if d in measured or steps * r.train.tokens_per_step / tokens_per_s(d) <= MAX_TIMING_S]
-    picks = sorted({round(i * (len(timeable) - 1) / max(1, timed - 1)) for i in range(timed)})
-    for i in reversed(picks):  # the largest first: what it measures scales the others best
-        d, r = timeable[i]
+    timeable = {d: r for d, r in rungs  # the smallest is timed already, whatever it cost
+                if d in measured or steps * r.train.tokens_per_step / tokens_per_s(d) <= timing_limit(hours)}
+    spread = list(timeable)
+    picks = sorted({round(i * (len(spread) - 1) / max(1, timed - 1)) for i in range(timed)})
+    for d in reversed([spread[i] for i in picks]):  # the largest first: it scales the others best
         if d not in measured:
-            measured[d] = speed(r)
+            measured[d] = speed(timeable[d])
+    out, best = candidates(rungs, tokens_per_s, measured, seconds, unique_tokens, law)
+    for _ in range(CONFIRM_RUNGS):  # until the choice is a timed rung (or cannot be timed)
+        d = depth_of(best.size)
+        if d in measured or d not in timeable:
+            break
+        measured[d] = speed(timeable[d])
+        out, best = candidates(rungs, tokens_per_s, measured, seconds, unique_tokens, law)
+    return SizePlan(hours, best.size, asdict(law), out, time.perf_counter() - start)
+
+
+def timing_limit(hours: float) -> float:
+    """The longest one rung's timing may take (by its FLOP-scaled speed) when planning `hours`."""
+    return min(max(MAX_TIMING_S, TIMING_SHARE * hours * 3600), MAX_TIMING_CAP_S)
+
+
+def candidates(rungs: list[tuple[int, Recipe]], tokens_per_s: Callable[[int], float], measured: dict,
+               seconds: float, unique_tokens: float | None,
+               law: ScalingLaw) -> tuple[list[Candidate], Candidate]:
+    """Each rung as a row of the table, and the one with the lowest predicted loss among those that
+    read the source at most MAX_EPOCHS times (among all when none does), marked chosen."""
     out = []
     for d, r in rungs:
         tps = tokens_per_s(d)
@@ -222,7 +252,7 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     eligible = [c for c in out if c.epochs is None or c.epochs <= MAX_EPOCHS] or out
     best = min(eligible, key=lambda c: c.predicted_loss)
     best.chosen = True
-    return SizePlan(hours, best.size, asdict(law), out, time.perf_counter() - start)
+    return out, best
 
 
 def apply_plan(recipe: Recipe, plan: SizePlan | dict) -> Recipe:
@@ -247,23 +277,26 @@ def depth_of(size: str) -> int:
     return int(size[1:])
 
 
-# Characters per token of a source, before its tokenizer exists (the plan comes first): measured on
-# the builtin corpus with the cpu recipe's trained 4096-token BPE, and GPT-2's on English text. An
-# estimate: the planner says "epochs ~"; only data-limited sources depend on it.
-CHARS_PER_TOKEN = {"gpt2": 4.2, "train": 3.2}
+# Characters per token of a source, before its tokenizer exists (the plan comes first): a 4096-token
+# BPE trained on the source (the CPU recipes') reads 3.61 on the built-in corpus and 3.66 on
+# WikiText-2's test file (their token caches: 4.00M characters, 1.109M tokens; 1.255M, 343k); GPT-2's
+# on English text. An estimate: the planner says "epochs ~"; only data-limited sources depend on it.
+CHARS_PER_TOKEN = {"gpt2": 4.2, "train": 3.6}
 
 
 def unique_tokens(recipe: Recipe) -> float | None:
-    """About how many tokens the source holds: its characters (`source_chars`: the files' sizes, at
-    most `data.max_chars`) at CHARS_PER_TOKEN; None for a Hub corpus with no cap (more than any
-    budget here reads)."""
+    """About how many tokens training reads from the source before it repeats: its characters
+    (`source_chars`: the files' sizes, at most `data.max_chars`) at CHARS_PER_TOKEN, less the
+    validation split (`data.val_fraction`); None for a Hub corpus with no cap (more than any budget
+    here reads)."""
     try:
         chars = source_chars(recipe.data)
     except DataError:
         chars = recipe.data.max_chars  # the source is refused later, with its own message
     if chars is None:
         return None
-    return chars / CHARS_PER_TOKEN.get(recipe.data.tokenizer, CHARS_PER_TOKEN["train"])
+    per_token = CHARS_PER_TOKEN.get(recipe.data.tokenizer, CHARS_PER_TOKEN["train"])
+    return chars * (1 - recipe.data.val_fraction) / per_token
 
 
 def kept_plan(info: dict | None) -> dict | None:
