@@ -86,6 +86,15 @@ def test_the_planner_times_a_few_rungs_and_never_one_the_hours_cannot_train():
     assert sum("chosen" in r[-1] for r in plan_table(plan)) == 1
 
 
+def test_the_plan_note_says_a_choice_under_one_token_per_parameter_as_it_is():
+    """A short CPU budget chooses a rung trained on fewer tokens than it has parameters: the note says 0.5,
+    not 0 (the table's figure), and names the law."""
+    from tinygpt.train.report import plan_note
+    c = plan_mod.Candidate("d4", 4_262_656, 1_282.0, True, 2.08e6, 2.0, 3.474, chosen=True)
+    note = plan_note(plan_mod.SizePlan(0.5, "d4", {"source": "fitted on 10 tinygpt runs"}, [c], 1.0))
+    assert "0.5 tokens per parameter" in note and "(3.474; law: fitted on 10 tinygpt runs)" in note, note
+
+
 def test_a_long_budget_on_a_cpu_never_times_a_rung_whose_steps_take_minutes():
     """12 hours on a CPU keep rungs of hundreds of millions of parameters as candidates; timing one would
     take minutes, so the planner times only rungs whose few steps fit its limit (MAX_TIMING_S, or a share of a

@@ -158,7 +158,7 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
         ms=12,
         mfc="none",
         color="tab:red",
-        label=f"chosen: {best['size']}, {best['tokens'] / best['params']:.0f} tokens per parameter",
+        label=f"chosen: {best['size']}, {best['tokens'] / best['params']:.1f} tokens per parameter",
     )
     ax.set_xscale("log")
     ax.set_xlabel("non-embedding parameters")

@@ -188,9 +188,9 @@ def plan_note(plan: SizePlan) -> str:
     c = plan.choice
     return (
         f"size auto: {c.size} ({count(c.params)} non-embedding parameters, {count(c.tokens)} "
-        f"tokens in {plan.hours:g} h, {c.tokens_per_param:.0f} tokens per parameter), the lowest "
-        f"predicted loss ({c.predicted_loss:.3f}) by {plan.law['source']}; ~ marks a speed scaled "
-        "by FLOPs from a timed size"
+        f"tokens in {plan.hours:g} h, {c.tokens_per_param:.1f} tokens per parameter), the lowest "
+        f"predicted loss ({c.predicted_loss:.3f}; law: {plan.law['source']}); ~ marks a speed "
+        "scaled by FLOPs from a timed size"
     )
 
 
