@@ -517,10 +517,7 @@ def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, 
     # the solution sleeps whatever the model writes: its one token goes into the prompt's last comment (an
     # untrained model's two tokens were once "iz context", a syntax error that ended every program at once)
     slow = {"prompt": "import time\ntime.sleep(60)\ndef f():\n    return 1\n# ", "test": "def check(c):\n    pass\n"}
-    # each program is stopped by the 10 s timeout: 40 of them, two at a time, keep the command running for
-    # ~200 s, so that the signal comes mid-run however slowly a loaded machine lets this test look (with 6,
-    # ~30 s of programs, a machine under load 12 once saw the command end, exit 0, before the signal came)
-    data = _humaneval_file(tmp_path / "slow.jsonl.gz", [slow] * 40)
+    data = _humaneval_file(tmp_path / "slow.jsonl.gz", [slow] * 6)
     folders = tmp_path / "tmp"
     folders.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TINYGPT_SANDBOX": mode, "TMPDIR": str(folders)}
