@@ -507,6 +507,13 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
+def _sigint_as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT back to its default. pytest-xdist's workers ignore SIGINT, a child
+    inherits an ignored signal, and Python then raises no KeyboardInterrupt (as for a background job): the
+    command would run on and exit 0 (the suite failed so three times in a row, alone it passed)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow  # real processes stopped
 @pytest.mark.parametrize("mode,sig", [("root", signal.SIGTERM), ("uid", signal.SIGTERM), ("none", signal.SIGINT)])
 def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, sig):
@@ -523,7 +530,8 @@ def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, 
     env = {**os.environ, "PYTHONPATH": str(REPO), "TINYGPT_SANDBOX": mode, "TMPDIR": str(folders)}
     proc = subprocess.Popen([sys.executable, "-m", "tinygpt", "eval", str(run), "--task", "humaneval", "--data",
                              str(data), "--max-new-tokens", "1", "--device", "cpu", "--unsafe-exec"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_sigint_as_from_a_terminal)
     deadline, seen = time.monotonic() + 120, set()
     while time.monotonic() < deadline and proc.poll() is None:
         seen = _descendants(proc.pid)
