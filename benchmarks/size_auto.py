@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from tinygpt.core.checkpoint import step_of  # noqa: E402
 from tinygpt.core.config import DataConfig  # noqa: E402
 from tinygpt.core.hardware import size_auto_recipe  # noqa: E402
 from tinygpt.evals.lm import perplexity  # noqa: E402
@@ -84,26 +85,14 @@ def run_one(recipe: str, size: str | None, args: argparse.Namespace, heldout: st
     info = json.loads((run_dir / "run.json").read_text())
     m = info["recipe"]["model"]
     return {"run": f"{recipe}{' --size auto' if size else ''}", "size": (info.get("plan") or {}).get("size") or "",
-            "layers x width": f"{m['n_layer']} x {m['d_model']}", "steps": int(ckpt.name.split("_")[-1]),
+            "layers x width": f"{m['n_layer']} x {m['d_model']}", "steps": step_of(ckpt),
             "val_loss (own tokens)": val_loss, "window": window, "bits_per_byte": score["bits_per_byte"],
             "train_wall_s": round(train_wall), "train_cpu_s": round(train_cpu), **extra}
 
 
-def strip_start_at(argv: list[str]) -> list[str]:
-    """argv without --start-at and its value (side_by_side passes its own)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--start-at":
-            skip = True
-        elif not a.startswith("--start-at="):
-            out.append(a)
-    return out
-
-
 def side_by_side(runs: list[tuple[str, str | None]], argv: list[str], start_at: float) -> list[dict]:
-    """Each run in its own process, all started at once; their rows, in the order of `runs`."""
+    """Each run in its own process, all started at once; their rows, in the order of `runs` (`--start-at`
+    goes last: argparse keeps the last of a repeated option, so a --start-at in `argv` is overridden)."""
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--only", str(i), "--start-at", str(start_at)],
                               stdout=subprocess.PIPE, text=True) for i in range(len(runs))]
     rows = []
@@ -143,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.side_by_side:
         start_at = args.start_at or time.time() + START_DELAY_S
-        rows = side_by_side(runs, [a for a in strip_start_at(argv) if a != "--side-by-side"], start_at)
+        rows = side_by_side(runs, [a for a in argv if a != "--side-by-side"], start_at)
     else:
         rows = []
         for recipe, size in runs:
