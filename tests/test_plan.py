@@ -55,6 +55,13 @@ def test_a_rung_changes_only_the_ladder_fields_and_the_learning_rates():
     assert rung(base, 12).model.d_model == base.model.d_model  # GPT-2 small is a point on the ladder
 
 
+def test_small_rungs_keep_four_heads_and_cpu_fast_is_its_ladders_d3():
+    fast = get_recipe("cpu-fast")
+    assert [(rung(fast, d).model.n_head, rung(fast, d).model.d_model) for d in (2, 3, 4, 5)] == \
+        [(4, 128), (4, 192), (4, 256), (5, 320)]
+    assert rung(fast, 3).model == fast.model and rung(fast, 3).train == fast.train
+
+
 def test_more_hours_choose_a_larger_model_and_the_lowest_predicted_loss():
     recipe = get_recipe("a100-124m")
     sizes, ratios = [], []
@@ -334,3 +341,25 @@ def test_colab_summary_with_hours_shows_the_same_plan():
     plan = tables[-1]
     assert plan.title == "Size plan for 0.01 h" and plan.rows[0][0] == "size"
     assert sum("chosen" in r[-1] for r in plan.rows) == 1 and plan.notes[0].startswith("size auto: d")
+
+
+def test_a_run_planned_on_an_older_ladder_resumes_as_it_began(tmp_path, monkeypatch):
+    """A ladder changed between two tinygpt versions (here: its heads): a run planned on the older resumes
+    at the model it began with, not refused as another configuration."""
+    run = tmp_path / "r"
+    with monkeypatch.context() as old:  # the ladder before its rungs kept 4 heads
+        old.setattr(plan_mod, "rung", lambda recipe, depth, min_heads=1: rung(recipe, depth, min_heads=1))
+        first = pretrain("cpu-smoke", run, size="auto", hours=0.002, device="cpu", progress=False,
+                         tensorboard=False)
+    began = json.loads((run / "run.json").read_text())["recipe"]
+    assert began["model"]["n_head"] == began["model"]["d_model"] // 64 < 4
+    again = pretrain("cpu-smoke", run, size="auto", hours=0.003, device="cpu", progress=False, tensorboard=False)
+    now = json.loads((run / "run.json").read_text())["recipe"]
+    assert again.step >= first.step  # resumed (its budget was fixed at the start), not refused
+    assert (now["model"], now["train"]["lr"]) == (began["model"], began["train"]["lr"])
+    # heads neither ladder has are not taken from run.json (a mirror's could say them): refused, as another run
+    info = json.loads((run / "run.json").read_text())
+    info["recipe"]["model"].update(n_head=8, n_kv_head=8)
+    (run / "run.json").write_text(json.dumps(info))
+    with pytest.raises(ConfigError, match="model.n_head: 8 in the run, 4 now"):
+        pretrain("cpu-smoke", run, size="auto", hours=0.003, device="cpu", progress=False, tensorboard=False)

@@ -36,7 +36,11 @@ from tinygpt.train.data import DataError, source_chars
 from tinygpt.train.hardware import check_fits
 from tinygpt.train.probe import trainer_speed
 
-HEAD_DIM = 64  # each rung's width is depth * HEAD_DIM, in heads of 64 (nanochat's aspect ratio)
+HEAD_DIM = 64  # each rung's width is depth * HEAD_DIM (nanochat's aspect ratio), in heads of 64 ...
+# ... but never fewer than MIN_HEADS (Pythia-14M's 4 heads of 32 at width 128): on the built-in corpus, 2,235
+# equal steps of d3 in 4 heads of 48 ended 1.5% below 3 of 64 (1.212 bits per byte against 1.231; 6 of 32:
+# 1.238; docs/BENCHMARKS.md section 13), and the ladder's d3 is then cpu-fast itself
+MIN_HEADS = 4
 LADDER_DEPTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 # what a rung changes in a model
 LADDER_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
@@ -69,14 +73,15 @@ REPEAT_HALF_LIFE = 15.4
 MAX_EPOCHS = 4.0
 
 
-def rung(recipe: Recipe, depth: int) -> Recipe:
+def rung(recipe: Recipe, depth: int, min_heads: int = MIN_HEADS) -> Recipe:
     """The recipe at ladder depth `depth`: width depth*HEAD_DIM, heads of
-    HEAD_DIM (grouped as the recipe groups them), an MLP of 8/3 the width (a
-    multiple of 64, SwiGLU's usual), and the learning rates scaled inversely with
-    width from the recipe's own (GPT-3's table: 6e-4 at 768, 3e-4 at 1536)."""
+    HEAD_DIM but at least MIN_HEADS (grouped as the recipe groups them), an MLP
+    of 8/3 the width (a multiple of 64, SwiGLU's usual), and the learning rates
+    scaled inversely with width from the recipe's own (GPT-3's table: 6e-4 at
+    768, 3e-4 at 1536). `min_heads` 1: the ladder as it was before MIN_HEADS."""
     m, t = recipe.model, recipe.train
     d_model = depth * HEAD_DIM
-    n_head = d_model // HEAD_DIM
+    n_head = max(min_heads, d_model // HEAD_DIM)
     group = (m.n_head // m.n_kv_head) if m.n_kv_head else 1
     n_kv = n_head // group if group > 1 and n_head % group == 0 else None
     d_ff = 64 * max(1, round(8 * d_model / 3 / 64))
@@ -258,8 +263,25 @@ def candidates(rungs: list[tuple[int, Recipe]], tokens_per_s: Callable[[int], fl
 def apply_plan(recipe: Recipe, plan: SizePlan | dict) -> Recipe:
     """The recipe at the plan's chosen size."""
     size = plan.size if isinstance(plan, SizePlan) else plan["size"]
-    depth = depth_of(size)
+    return rung(recipe, depth_of(size))
+
+
+def resumed_at(recipe: Recipe, plan: dict, began: dict | None) -> Recipe:
+    """The plan's rung as a resumed run trains it: the rung of the ladder the run `began` on
+    (run.json's recipe), this one or the one before its small rungs kept MIN_HEADS. Only those
+    two: a run.json (a mirror's too) may not choose the model."""
+    depth = depth_of(plan["size"])
+    before = rung(recipe, depth, min_heads=1)
+    try:
+        if began and ladder_fields(Recipe.from_dict(began)) == ladder_fields(before):
+            return before
+    except (ConfigError, KeyError, TypeError, ValueError):
+        pass  # the run folder's check says what is wrong with it
     return rung(recipe, depth)
+
+
+def ladder_fields(recipe: Recipe) -> dict:
+    return {k: getattr(recipe.model, k) for k in LADDER_FIELDS}
 
 
 def depth_of(size: str) -> int:
@@ -351,12 +373,13 @@ def refuse_sized_base(init: str | None) -> None:
 
 
 def choose_size(
-    recipe: Recipe, hours: float, dev: torch.device, kept: dict | None
+    recipe: Recipe, hours: float, dev: torch.device, kept: dict | None, began: dict | None = None
 ) -> tuple[Recipe, SizePlan | dict]:
     """`--size auto`: the run's kept plan (a resumed run keeps its size), else a new plan on this
-    device, timing rungs with the trainer's own step (`trainer_speed`, a short measurement)."""
+    device, timing rungs with the trainer's own step (`trainer_speed`, a short measurement).
+    `began` is the recipe the run began with (run.json's; `resumed_at` says what it may keep)."""
     if kept is not None:
-        return apply_plan(recipe, kept), kept
+        return resumed_at(recipe, kept, began), kept
     refuse_sized_base(recipe.model.init)
     precision = choose_precision(dev, recipe.train.precision).name
     plan = plan_size(

@@ -258,10 +258,11 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
     then split the global batch over the ranks and settle the precision."""
     base = starting_base(recipe, opts.run_dir, opts.resume)
     size = None
-    kept = kept_plan(RunDir(opts.run_dir).info_or_empty())
+    info = RunDir(opts.run_dir).info_or_empty()
+    kept = kept_plan(info)
     # a planned run resumes at its size, --size given or not
     if opts.size == "auto" or kept is not None:
-        recipe, size = choose_size(recipe, opts.hours, dev, kept)
+        recipe, size = choose_size(recipe, opts.hours, dev, kept, info.get("recipe"))
         clock.mark("plan")
     probe_info = None
     if opts.probe == "auto":
