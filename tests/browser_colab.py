@@ -246,7 +246,7 @@ def chromium(work: Path):
             print(f"Chromium did not start ({str(e).splitlines()[0][:200]}); starting it again", flush=True)
 
 
-def dropdown(nb: Notebook, cell_id: str, wait_s: float = 180.0):
+def dropdown(nb: Notebook, cell_id: str, wait_s: float = 600.0):
     """The cell's dropdown, once the front end has drawn it (after its cell ran: later on a busy machine)."""
     deadline = time.monotonic() + wait_s
     while not (found := nb.output(cell_id).find_elements("css selector", ".widget-dropdown select")):

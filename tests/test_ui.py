@@ -73,6 +73,27 @@ def test_picker_offers_a_time_budget_with_a_session_default(report, tmp_path, mo
     assert colab.recipe_picker(gpu).hours is None
 
 
+def test_picker_default_follows_size_auto_as_the_cli_does_until_the_user_picks(report, tmp_path):
+    from tinygpt.train.init import default_recipe as cli_default
+    picker = colab.recipe_picker(report)  # a CPU: the recipe's steps, so the probe's cpu
+    assert picker.value == "cpu" and picker.size is None
+    picker.hours_dropdown.value = 0.5  # a time, size auto: the ladder the CLI climbs here
+    ladder, why = cli_default(tmp_path / "new", sized=True)
+    assert picker.value == ladder == "cpu-fast" and "ladder" in picker.reason_line.value
+    assert "Memory of cpu-fast" in picker.summary.value and "recipe: cpu-fast" in repr(picker)
+    picker.size_dropdown.value = None  # the recipe's size: the probe's default again
+    assert picker.value == "cpu" and "probe&#x27;s choice" in picker.reason_line.value
+    picker.dropdown.value = "cpu-smoke"  # the user's pick is kept whatever the time and size
+    picker.size_dropdown.value = "auto"
+    picker.hours_dropdown.value = 1.0
+    assert picker.value == "cpu-smoke" and picker.user_chose
+    run = colab.run_folders("r", tmp_path / "MyDrive")
+    write_run_json(run.mirror, "cpu")  # a resumed run keeps its recipe under size auto too
+    resumed = colab.recipe_picker(report, resume_from=run)
+    resumed.hours_dropdown.value = 0.5
+    assert resumed.value == "cpu" and not resumed.user_chose
+
+
 def test_picker_value_is_read_when_the_training_cell_runs(report):
     picker = colab.recipe_picker(report)
     picker.dropdown.value = "cpu-smoke"  # the user changes it after the cell ran

@@ -12,7 +12,7 @@ from tinygpt.colab.notebook import display, load_ipywidgets
 from tinygpt.colab.runs import RunFolders
 from tinygpt.colab.smoke import SMOKE_RECIPE, smoke_mode
 from tinygpt.colab.tables import Table, Tables, finetune_recipe_rows, recipes_table, summary
-from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.hardware import HARDWARE, size_auto_recipe
 from tinygpt.core.recipes import RECIPES
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.finetune.plan import default_finetune_recipe
@@ -32,6 +32,9 @@ def _homes(resume_from: RunFolders | str | Path | None) -> tuple:
     )
 
 
+PROBES_CHOICE = "the probe's choice"  # default_recipe's reason when no run or smoke mode decided
+
+
 def default_recipe(
     report: Any = None, resume_from: RunFolders | str | Path | None = None
 ) -> tuple[str, str]:
@@ -43,7 +46,7 @@ def default_recipe(
         return SMOKE_RECIPE, "TINYGPT_SMOKE is set"
     if report is None:
         report = hardware_report()
-    return report.default_recipe, f"the probe's choice for this {report.hardware_class} runtime"
+    return report.default_recipe, f"{PROBES_CHOICE} for this {report.hardware_class} runtime"
 
 
 # The time budget dropdown's choices (a resumed run's own budget is added when it is none of them).
@@ -99,13 +102,22 @@ SIZE_CHOICES = [("auto (what the time buys)", "auto"), ("the recipe's", None)]
 class RecipePicker:
     """A dropdown of the recipes with the right default and, under it, every recipe's memory and
     time on this runtime, then the chosen recipe's memory breakdown and expectations (updated on
-    change). The training cell reads `value` when it runs, so Run all trains the default."""
+    change). The training cell reads `value` when it runs, so Run all trains the default.
+
+    Until the user picks a recipe, the default follows the time and size dropdowns as `tinygpt
+    pretrain` does: with a time and size auto, the recipe whose ladder the planner climbs here (on
+    a CPU, cpu-fast's); a resumed run and smoke mode keep theirs."""
 
     def __init__(self, report: Any, resume_from: RunFolders | str | Path | None = None):
         self.report = report
         self.default, self.reason = default_recipe(report, resume_from)
+        # the probe's choice gives way to the ladder's under --size auto; a run's own or smoke's never
+        self.sized_default = (size_auto_recipe(report.hardware_class, self.default)
+                              if self.reason.startswith(PROBES_CHOICE) else self.default)
         self.default_hours, self.hours_reason = default_hours(report, resume_from)
         self.dropdown = self._output = self.hours_dropdown = self.size_dropdown = None
+        self.user_chose = False  # the recipe dropdown was changed by the user, not by following
+        self._following = False
         widgets = load_ipywidgets()
         if widgets is None:
             return  # a script: `value` is the default
@@ -116,15 +128,42 @@ class RecipePicker:
         # same in Colab (ipywidgets 7), classic Jupyter and JupyterLab
         # (8), where capturing into an Output widget differs between them
         self.summary = widgets.HTML()
-        self.dropdown.observe(lambda change: self._show_summary(), names="value")
+        self.reason_line = widgets.HTML()
+        self.dropdown.observe(self._recipe_changed, names="value")
         choices = (HOURS_CHOICES if self.default_hours in [h for _, h in HOURS_CHOICES]
                    else HOURS_CHOICES + [(f"{self.default_hours:g} h", self.default_hours)])
         self.hours_dropdown = dropdown(widgets, choices, self.default_hours, "time")
         self.size_dropdown = dropdown(widgets, SIZE_CHOICES, "auto", "size")
+        for follows in (self.hours_dropdown, self.size_dropdown):
+            follows.observe(lambda change: self._follow_size(), names="value")
+        self._follow_size()
+
+    def current_default(self) -> tuple[str, str]:
+        """(recipe, why) that the time and size chosen now make the default."""
+        if self.size == "auto" and self.sized_default != self.default:
+            hardware = self.report.hardware_class
+            return self.sized_default, f"the ladder size auto plans on this {hardware} runtime"
+        return self.default, self.reason
+
+    def _recipe_changed(self, change: Any) -> None:
+        self.user_chose = self.user_chose or not self._following
+        self._show_summary()
+
+    def _follow_size(self) -> None:
+        """Set the recipe dropdown to `current_default()`, unless the user picked one."""
+        name, why = self.current_default()
+        self.reason_line.value = f"<i>default: {html.escape(why)}</i>"
+        if self.user_chose or self.dropdown.value == name:
+            return
+        self._following = True
+        try:
+            self.dropdown.value = name
+        finally:
+            self._following = False
 
     @property
     def value(self) -> str:
-        return self.dropdown.value if self.dropdown is not None else self.default
+        return self.dropdown.value if self.dropdown is not None else self.current_default()[0]
 
     @property
     def hours(self) -> float | None:
@@ -155,7 +194,7 @@ class RecipePicker:
             widgets.VBox(
                 [
                     self.dropdown,
-                    widgets.HTML(f"<i>default: {html.escape(self.reason)}</i>"),
+                    self.reason_line,
                     self.hours_dropdown,
                     widgets.HTML(
                         f"<i>time available for training: {html.escape(self.hours_reason)}; the "
@@ -175,8 +214,8 @@ class RecipePicker:
         budget = "the recipe's steps" if self.hours is None else f"{self.hours:g} h"
         size = "the recipe's" if self.size is None else self.size
         return (
-            f"recipe: {self.value} (default: {self.default}, {self.reason}); time: {budget}; "
-            f"size: {size}"
+            "recipe: {} (default: {}, {}); time: {}; size: {}".format(self.value, *self.current_default(),
+                                                                    budget, size)
         )
 
 
