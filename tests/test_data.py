@@ -128,3 +128,16 @@ def test_bad_data_gets_clear_errors(tmp_path):
         s.load_state_dict({**s.state_dict(), "seq_len": 20})
     with pytest.raises(DataError, match="older tinygpt"):
         s.load_state_dict({"seq_len": 10, "n_windows": 99, "seed": 0, "epoch": 0, "index": 0})
+
+
+def test_same_path_source_resolves_our_spelling_and_only_reads_theirs_as_words(tmp_path, monkeypatch):
+    from tinygpt.train.data import same_path_source
+    text = tmp_path / "text.txt"
+    text.write_text("some words\n" * 10)
+    (tmp_path / "link.txt").symlink_to(text)
+    monkeypatch.chdir(tmp_path)
+    assert same_path_source("text.txt", str(text)) and same_path_source(str(text), "text.txt")
+    assert same_path_source("link.txt", str(text))  # our side is resolved, links and all
+    assert not same_path_source(str(text), "link.txt")  # theirs is never looked up: a link it names is not followed
+    assert not same_path_source(str(text), str(tmp_path / "other.txt"))
+    assert not same_path_source("builtin", "builtin") and not same_path_source(str(text), "hf:user/text.txt")

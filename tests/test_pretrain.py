@@ -116,3 +116,27 @@ def test_samples_txt_is_cut_back_to_the_checkpoint_a_run_resumes_from(tmp_path, 
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000008")  # the kill came before this checkpoint
     assert pretrain(recipe, tmp_path / "run", **kw).resumed_from == 4
     assert samples.read_text() == unbroken
+
+
+def test_a_run_resumes_with_its_data_file_spelled_otherwise_and_another_file_is_refused(tmp_path, monkeypatch):
+    """`--data /abs/text.txt` at the start, `--data text.txt` (the same file, relative) at the resume: the same
+    run, which keeps its own spelling in run.json; the same name in another folder is another file, refused."""
+    import inspect as some_module
+    import shutil
+
+    text = tmp_path / "data" / "text.txt"
+    text.parent.mkdir()
+    shutil.copy(some_module.__file__, text)  # real text every machine has: a standard library module
+    kw = dict(save_every=3, eval_every=3, progress=False, device="cpu", cache_dir=tmp_path / "cache")
+    run = tmp_path / "run"
+    pretrain("cpu-smoke", run, data=str(text), max_steps=3, **kw)
+    monkeypatch.chdir(text.parent)
+    resumed = pretrain("cpu-smoke", run, data="text.txt", max_steps=6, **kw)
+    assert resumed.resumed_from == 3 and resumed.step == 6
+    assert json.loads((run / "run.json").read_text())["recipe"]["data"]["source"] == str(text)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(text, other / "text.txt")
+    monkeypatch.chdir(other)
+    with pytest.raises(ConfigError, match=r"data.source: .* in the run, 'text.txt' now"):
+        pretrain("cpu-smoke", run, data="text.txt", max_steps=9, **kw)

@@ -283,6 +283,20 @@ def resolve_source(source: str) -> tuple[str, object]:
     )
 
 
+def same_path_source(ours: str, theirs: str) -> bool:
+    """Whether `theirs` (a run's recorded data.source) names the file or folder `ours` names, spelled
+    otherwise: relative, absolute, with ~ or through a link on our side. `theirs` is compared as a
+    string made absolute, never looked up (a run folder's words choose no path to read)."""
+    try:
+        kind, path = resolve_source(ours)
+    except DataError:
+        return False
+    if kind not in ("local", "tokens") or is_sample(ours) or is_sample(theirs) or is_hub(theirs):
+        return False
+    spelled = os.path.abspath(os.path.expanduser(theirs))
+    return spelled in (os.path.abspath(path), os.path.realpath(path))  # type: ignore[arg-type]
+
+
 HUB_HOST = ("huggingface.co", 443)
 
 

@@ -8,6 +8,7 @@ prepares the tokenizer, the token cache and the run folder while the others wait
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import sys
 from dataclasses import dataclass, replace
@@ -26,7 +27,7 @@ from tinygpt.core.config import (
     Recipe,
     TrainConfig,
 )
-from tinygpt.core.files import refuse_links_in
+from tinygpt.core.files import read_json_safe, refuse_links_in
 from tinygpt.core.folders import refuse_other_kind
 from tinygpt.core.precision import Precision, choose_precision
 from tinygpt.core.recipes import get_recipe
@@ -46,7 +47,7 @@ from tinygpt.train.callbacks import (
     sample_prompt,
 )
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
-from tinygpt.train.data import check_source, iter_documents
+from tinygpt.train.data import check_source, iter_documents, same_path_source
 from tinygpt.train.distributed import (
     Ranks,
     check_parallel,
@@ -157,12 +158,32 @@ def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
     held and restored (`train_run`), and from then on read from the `Plan`."""
     opts = options or PretrainOptions(run_dir=run_dir, **option_fields)
     given = get_recipe(recipe) if isinstance(recipe, str) else recipe
-    recipe = opts.apply(given)
+    recipe = source_as_the_run_spells_it(opts.apply(given), opts.run_dir, opts.mirror)
     with joined(recipe.train.device, opts.parallel) as (dev, ranks):
         clock = StartupClock()
         clock.notes += [note] if (note := opts.budget_note(given)) else []
         token_ids = check_recipe(recipe, opts, dev, ranks)
         return train_run(recipe, opts, dev, ranks, clock, token_ids)
+
+
+def source_as_the_run_spells_it(recipe: Recipe, *folders: str | Path | None) -> Recipe:
+    """The recipe with data.source as the run being resumed recorded it (the first of `folders`
+    with a run.json: the run folder, then its mirror), where both name the same file or folder
+    (`same_path_source`): `--data ../wiki.txt` resumes a run begun with `--data /work/wiki.txt`
+    instead of being refused as another configuration. Anything else is left to the checks."""
+    for folder in folders:
+        path = Path(folder) / RUN_JSON if folder is not None else None
+        if path is None or not os.path.lexists(path):
+            continue
+        try:
+            theirs = read_json_safe(path)["recipe"]["data"]["source"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return recipe  # unreadable: the run folder's and the mirror's checks say so
+        if isinstance(theirs, str) and theirs != recipe.data.source and same_path_source(
+                recipe.data.source, theirs):
+            return recipe.replace(data={"source": theirs})
+        return recipe
+    return recipe
 
 
 def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks) -> bool:
