@@ -238,3 +238,33 @@ def test_stdlib_functions_on_a_tiny_run_of_the_builtin_corpus(tmp_path, capsys):
     assert code == 0 and "syntax_accuracy" in out and "bleu_signature" in out
     code, _, err = _cli(capsys, "eval", run, "--task", "stdlib-functions", "--data", tmp_path / "x.txt")
     assert code == 2 and "reads no data file" in err
+
+
+def test_hellaswag_reads_no_position_past_the_trained_context(run, tmp_path, monkeypatch):
+    """cpu-smoke trains at 64 tokens in a 128-position table: an item longer than 64 loses its left (as
+    lm-evaluation-harness cuts one longer than the context) instead of reaching positions 64-127; only an
+    ending longer than 64 tokens is scored past it (its own tokens need the room)."""
+    import bz2
+
+    from tinygpt.core.paths import sample_path
+    from tinygpt.evals.run import run_eval
+    from tinygpt.model.gpt import GPT
+
+    _, tok, recipe, _ = load_run(run)
+    trained = recipe.train.seq_len
+    lines = bz2.open(sample_path("sample:hellaswag"), "rt", encoding="utf-8").read().splitlines()
+    items = [lines[i:i + 6] for i in range(0, len(lines) - 5, 6)]
+    fit = [it for it in items if max(len(tok.encode(" " + e)) for e in it[2:]) < trained][:20]
+    longest = max(len(tok.encode(it[0] + " " + e)) for it in fit for e in it[2:])
+    assert len(fit) == 20 and trained == 64 < recipe.model.max_seq_len < longest  # the test tells the two apart
+    data = tmp_path / "hellaswag_fit.txt"
+    data.write_text("\n".join(line for it in fit for line in it) + "\n", encoding="utf-8")
+    lengths = []
+    forward = GPT.forward
+    monkeypatch.setattr(GPT, "forward", lambda self, idx, *a, **k: lengths.append(idx.shape[1]) or forward(
+        self, idx, *a, **k))
+    assert run_eval(run, "hellaswag", data=str(data))["n"] == 20
+    assert max(lengths) == trained
+    lengths.clear()  # the shipped sample's first 20 hold an ending of 70 tokens: scored, in the table's room
+    assert run_eval(run, "hellaswag", data="sample:hellaswag", limit=20)["n"] == 20
+    assert trained < max(lengths) <= recipe.model.max_seq_len

@@ -144,7 +144,7 @@ def load_for_eval(path: str | Path, which: str = "latest", device: str = "cpu") 
 
 # --- generation -----------------------------------------------------------------------------------
 
-def _context_length(m: Loaded) -> int | None:
+def context_length(m: Loaded) -> int | None:
     """The context the model can read: the one a tinygpt run trained at (its position table may be
     longer), else the model config's."""
     if not m.is_hf:
@@ -201,7 +201,7 @@ class Generator:
             temperature,
             done,
         )
-        self.context, self.cut, self.seed, self.calls = _context_length(m), 0, seed, 0
+        self.context, self.cut, self.seed, self.calls = context_length(m), 0, seed, 0
         self.say, self.body, self.texts = say or _note, body, None
 
     def encode(self, prompt: str) -> list[int]:

@@ -30,10 +30,13 @@ from tinygpt.train.data import iter_documents
 
 @dataclass
 class CausalLM:
-    """What evaluation needs of a model: logits for token ids, the longest context, the device."""
+    """What evaluation needs of a model: logits for token ids, the longest context, the device.
+    `trained`: the context a run trained at where its position table is longer; scoring keeps
+    within it wherever the text scored fits, and reaches past it only for a longer continuation."""
 
     module: torch.nn.Module
     max_seq_len: int
+    trained: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -299,7 +302,8 @@ def loglikelihoods(
     """log P(continuation | context) in nats for each (context, continuation), summed over the
     continuation's tokens only. Tokenized as lm-evaluation-harness does: the continuation's tokens
     are those of context + continuation after the context's, and context trailing spaces move to
-    the continuation; an empty context becomes the start token; too long inputs lose their left.
+    the continuation; an empty context becomes the start token; too long inputs lose their left (past
+    the trained context, `CausalLM.trained`, where the continuation fits in it).
     `say` and `describe`: as in `run_batches` (a long run says its expected time first)."""
     lm, encode, start = as_causal_lm(model), encoder(tokenizer), start_token(tokenizer)
     seqs = []
@@ -322,7 +326,8 @@ def loglikelihoods(
                 f"context ({lm.max_seq_len}): score it with a model of a longer context "
                 "(model.max_seq_len)"
             )
-        seqs.append(((ctx_ids + cont_ids)[-(lm.max_seq_len + 1):], len(cont_ids)))
+        fits = lm.trained is not None and len(cont_ids) < lm.trained
+        seqs.append(((ctx_ids + cont_ids)[-((lm.trained if fits else lm.max_seq_len) + 1):], len(cont_ids)))
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))  # similar lengths pad less
     out = [0.0] * len(seqs)
 

@@ -4,6 +4,7 @@ query text), beside its published figures. The data: the six-line offline
 file (klosax/hellaswag_text_data), rowanz/hellaswag's JSONL, or the Hub."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -13,8 +14,8 @@ from typing import Any, Callable, Sequence
 from tinygpt.core.datafiles import DataFormatError, json_object
 from tinygpt.core.files import safe_name, write_text_atomic
 from tinygpt.core.paths import cache_root, hub_spec, is_hub
-from tinygpt.evals.harness import Loaded, Request, Task, default_data
-from tinygpt.evals.lm import ChoiceItem, from_hub, multiple_choice, open_text
+from tinygpt.evals.harness import Loaded, Request, Task, context_length, default_data
+from tinygpt.evals.lm import ChoiceItem, as_causal_lm, from_hub, multiple_choice, open_text
 
 HELLASWAG_HUB = "hf:Rowan/hellaswag@validation"
 OFFLINE = (
@@ -252,9 +253,11 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
 
 
 def score(m: Loaded, r: Request) -> dict[str, Any]:
-    return hellaswag(
-        m.model, m.tokenizer, hellaswag_path(r.data), r.limit, r.batch_size, r.progress, r.say
-    )
+    """Scored within the context the run trained at (`context_length`): a longer item loses its
+    left, as lm-evaluation-harness cuts one longer than a model's context, rather than reaching
+    positions of the table that training never used (only an ending longer than that context does)."""
+    lm = dataclasses.replace(as_causal_lm(m.model), trained=context_length(m))
+    return hellaswag(lm, m.tokenizer, hellaswag_path(r.data), r.limit, r.batch_size, r.progress, r.say)
 
 
 def reference_table(res: dict[str, Any]) -> list[str]:
