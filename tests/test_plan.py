@@ -363,3 +363,59 @@ def test_a_run_planned_on_an_older_ladder_resumes_as_it_began(tmp_path, monkeypa
     (run / "run.json").write_text(json.dumps(info))
     with pytest.raises(ConfigError, match="model.n_head: 8 in the run, 4 now"):
         pretrain("cpu-smoke", run, size="auto", hours=0.003, device="cpu", progress=False, tensorboard=False)
+
+
+def test_a_plan_lifts_a_recipes_cap_on_its_source_to_what_its_tokens_need(tmp_path):
+    """cpu-fast reads 4M characters of the built-in corpus (about 11M): enough for its own minute, not for
+    40 minutes of d2, which would read the slice ~5 times while the rest of the corpus is there."""
+    from tinygpt.train.data import source_chars
+    from tinygpt.train.plan import READ_MARGIN, planned_chars, read_as_planned
+    fast = get_recipe("cpu-fast")
+    whole = source_chars(fast.replace(data=dict(max_chars=None)).data)
+    assert whole > 2 * fast.data.max_chars
+    assert planned_chars(fast, 300 * fast.train.tokens_per_step) == fast.data.max_chars  # its own minute fits
+    lifted = planned_chars(fast, 2e6)  # 2M tokens at ~3.6 characters each, and the margin
+    assert fast.data.max_chars < 2e6 * 3.6 * READ_MARGIN <= lifted < whole and lifted % 100_000 == 0
+    assert planned_chars(fast, 1e8) is None  # more than the whole source: all of it
+    small = tmp_path / "small.txt"  # a source smaller than the cap: nothing to lift
+    small.write_text(json.__doc__ * 20)
+    assert planned_chars(fast.replace(data=dict(source=str(small))), 1e8) == fast.data.max_chars
+    uncapped = fast.replace(data=dict(max_chars=None))
+    assert planned_chars(uncapped, 1e8) is None
+    # read back from run.json: a plan may lift the cap, never lower it; a plan written before plans set it
+    # keeps the recipe's
+    assert read_as_planned(fast, {"size": "d2"}) == fast
+    assert read_as_planned(fast, {"max_chars": lifted}).data.max_chars == lifted
+    assert read_as_planned(fast, {"max_chars": None}).data.max_chars is None
+    assert read_as_planned(uncapped, {"max_chars": None}) == uncapped
+    for bad in (1000, "9e9", True, 4.5e6 + 0.5, float("nan")):
+        with pytest.raises(ConfigError, match="a plan may only lift the recipe's cap"):
+            read_as_planned(fast, {"max_chars": bad})
+
+
+def test_a_planned_run_reads_the_source_its_plan_lifted_and_resumes_with_it(tmp_path, monkeypatch):
+    """cpu-smoke caps its source at 400k characters; a plan that buys more tokens than that reads the
+    whole of a 1.2M-character file (epochs counted against all of it), and its resume keeps that."""
+    import inspect
+    import typing
+    text = tmp_path / "stdlib.txt"  # real text: standard library sources
+    from pathlib import Path
+    src = "".join(Path(m.__file__).read_text(encoding="utf-8") for m in (inspect, typing, json.decoder))
+    text.write_text(src * math.ceil(1_200_000 / len(src)))
+    fast = machine(4e11)  # a modelled machine: the plan's tokens do not depend on this one's speed
+    monkeypatch.setattr(plan_mod, "trainer_speed", lambda r, *a, **k: fast(r))
+    run = tmp_path / "r"
+    kw = dict(size="auto", hours=0.002, data=str(text), device="cpu", progress=False, tensorboard=False)
+    pretrain("cpu-smoke", run, **kw)
+    info = json.loads((run / "run.json").read_text())
+    plan, cap = info["plan"], get_recipe("cpu-smoke").data.max_chars
+    assert plan["max_chars"] is None and info["recipe"]["data"]["max_chars"] is None  # the whole file
+    chosen = next(c for c in plan["candidates"] if c["chosen"])
+    assert chosen["tokens"] * 3.6 > cap  # what it buys needs more than the cap
+    assert chosen["epochs"] == pytest.approx(chosen["tokens"] / unique_tokens(
+        get_recipe("cpu-smoke").replace(data=dict(source=str(text), max_chars=None))))
+    assert text.stat().st_size > cap
+    monkeypatch.setattr(plan_mod, "trainer_speed", lambda *a, **k: pytest.fail("a resumed run planned again"))
+    again = pretrain("cpu-smoke", run, **{**kw, "hours": 0.003})  # the same command, resumed: not refused
+    assert json.loads((run / "run.json").read_text())["recipe"]["data"]["max_chars"] is None
+    assert again.resumed_from is not None
