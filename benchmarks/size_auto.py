@@ -62,15 +62,6 @@ def default_heldout() -> str:
     return text[:HELDOUT_CHARS]
 
 
-def spread_validation(source: str) -> str:
-    """About HELDOUT_CHARS of the source's whole validation split: every k-th of its documents."""
-    from tinygpt.train.data import is_validation_document, iter_documents
-    cfg = DataConfig(source=source, max_chars=None)
-    docs = [d for i, d in enumerate(iter_documents(cfg)) if is_validation_document(i, cfg.val_fraction)]
-    k = max(1, round(sum(map(len, docs)) / HELDOUT_CHARS))
-    return "".join(docs[::k])[:HELDOUT_CHARS]
-
-
 def run_one(recipe: str, size: str | None, args: argparse.Namespace, heldout: str) -> dict:
     """Train one run for the hours (resumed if --out has it), evaluate it on the held-out text: its row."""
     if args.threads:
@@ -91,10 +82,6 @@ def run_one(recipe: str, size: str | None, args: argparse.Namespace, heldout: st
     if args.validation:  # the source's own validation split, the same text for every run
         split = validation_text(DataConfig(source=args.data or "builtin", max_chars=4_000_000))[:HELDOUT_CHARS]
         extra["bits_per_byte_validation"] = perplexity(model, tokenizer, split, window)["bits_per_byte"]
-        # the validation split of the whole source, spread over all of it (the line above reads the
-        # first 4M characters' split, what a recipe capped there trains beside)
-        extra["bits_per_byte_validation_whole"] = perplexity(
-            model, tokenizer, spread_validation(args.data or "builtin"), window)["bits_per_byte"]
     info = json.loads((run_dir / "run.json").read_text())
     m = info["recipe"]["model"]
     return {"run": f"{recipe}{' --size auto' if size else ''}", "size": (info.get("plan") or {}).get("size") or "",

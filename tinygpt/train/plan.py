@@ -16,11 +16,7 @@ Invariants: the plan is decided once, before anything is written, and kept in ru
 resumed run takes its size from there (on another GPU too), never plans again. A rung is the
 recipe's model with only the ladder's fields (n_layer, d_model, n_head, n_kv_head, d_ff) changed,
 and its train config with only lr and min_lr scaled by width: everything else (vocabulary, context,
-data, schedule) is the recipe's, but for how much of the source it reads: where the recipe caps the
-source (data.max_chars) below what the chosen rung's tokens need and the source holds more, the
-plan lifts the cap to what they need (`planned_chars`; kept in the plan as "max_chars"), so the
-hours buy fresh text rather than repeats of a short recipe's slice. Epochs are counted against the
-source so read.
+data, schedule) is the recipe's.
 """
 from __future__ import annotations
 
@@ -48,7 +44,7 @@ MIN_HEADS = 4
 LADDER_DEPTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 # what a rung changes in a model
 LADDER_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
-PLANNED_FIELDS = frozenset(LADDER_FIELDS) | {"lr", "min_lr", "max_chars"}  # what a plan changes in a recipe
+PLANNED_FIELDS = frozenset(LADDER_FIELDS) | {"lr", "min_lr"}  # what a plan changes in a recipe
 # rungs whose speed is measured; the others are scaled by FLOPs per token from the nearest
 TIMED_RUNGS = 3
 # the share of a budget that evaluations, checkpoints and samples take (not training)
@@ -75,10 +71,6 @@ REPEAT_HALF_LIFE = 15.4
 # epochs of WikiText-2 memorised it (training loss 1.97, validation 4.35, rising in the decay;
 # docs/BENCHMARKS.md section 13), a loss R*_D = 15.4 does not predict
 MAX_EPOCHS = 4.0
-# a plan reads this much more of a capped source than its tokens need (its speed is a short
-# timing's, the run's own may be faster), rounded up to READ_ROUNDING characters
-READ_MARGIN = 1.25
-READ_ROUNDING = 100_000
 
 
 def rung(recipe: Recipe, depth: int, min_heads: int = MIN_HEADS) -> Recipe:
@@ -186,7 +178,6 @@ class SizePlan:
     law: dict
     candidates: list[Candidate]
     seconds: float  # the planner's own time
-    max_chars: int | None = None  # data.max_chars the run reads (`planned_chars`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -270,46 +261,9 @@ def candidates(rungs: list[tuple[int, Recipe]], tokens_per_s: Callable[[int], fl
 
 
 def apply_plan(recipe: Recipe, plan: SizePlan | dict) -> Recipe:
-    """The recipe at the plan's chosen size, reading the source as far as it planned."""
-    plan = plan.to_dict() if isinstance(plan, SizePlan) else plan
-    return read_as_planned(rung(recipe, depth_of(plan["size"])), plan)
-
-
-def read_as_planned(recipe: Recipe, plan: dict) -> Recipe:
-    """The recipe with data.max_chars as the plan set it (a plan written before plans set it keeps
-    the recipe's own). A plan read back may only lift the recipe's cap, never lower it."""
-    if "max_chars" not in plan:
-        return recipe
-    chars, cap = plan["max_chars"], recipe.data.max_chars
-    if cap is not None and (chars is None or (_number(chars) and chars == int(chars) >= cap)):
-        return recipe.replace(data=dict(max_chars=None if chars is None else int(chars)))
-    if chars == cap:
-        return recipe
-    raise ConfigError(
-        f"run.json's plan reads {chars!r} characters of the source where the recipe reads {cap!r}: "
-        "a plan may only lift the recipe's cap; delete the run folder's run.json plan or start a "
-        "new run"
-    )
-
-
-def planned_chars(recipe: Recipe, tokens: float) -> int | None:
-    """data.max_chars for a run that reads `tokens` (with READ_MARGIN): the recipe's own where it
-    is no cap (None) or holds them, else lifted to what they need, at most the whole source."""
-    cap = recipe.data.max_chars
-    if cap is None:
-        return None
-    per_token = CHARS_PER_TOKEN.get(recipe.data.tokenizer, CHARS_PER_TOKEN["train"])
-    need = tokens * per_token * READ_MARGIN / (1 - recipe.data.val_fraction)
-    need = READ_ROUNDING * math.ceil(need / READ_ROUNDING)
-    if need <= cap:
-        return cap
-    try:
-        whole = source_chars(recipe.replace(data=dict(max_chars=None)).data)
-    except DataError:
-        return cap  # the source is refused later, with its own message
-    if whole is None:
-        return need  # a Hub corpus: as much as the tokens need
-    return cap if whole <= cap else (None if need >= whole else need)
+    """The recipe at the plan's chosen size."""
+    size = plan.size if isinstance(plan, SizePlan) else plan["size"]
+    return rung(recipe, depth_of(size))
 
 
 def resumed_at(recipe: Recipe, plan: dict, began: dict | None) -> Recipe:
@@ -425,7 +379,7 @@ def choose_size(
     device, timing rungs with the trainer's own step (`trainer_speed`, a short measurement).
     `began` is the recipe the run began with (run.json's; `resumed_at` says what it may keep)."""
     if kept is not None:
-        return read_as_planned(resumed_at(recipe, kept, began), kept), kept
+        return resumed_at(recipe, kept, began), kept
     refuse_sized_base(recipe.model.init)
     precision = choose_precision(dev, recipe.train.precision).name
     plan = plan_size(
@@ -433,8 +387,6 @@ def choose_size(
         hours,
         lambda r: trainer_speed(r, dev, steps=PLAN_SPEED_STEPS, warmup=PLAN_WARMUP_STEPS),
         fits=fits_in(dev, precision),
-        # the whole source: a rung that needs more than the recipe's cap reads more (`planned_chars`)
-        unique_tokens=unique_tokens(recipe.replace(data=dict(max_chars=None))),
+        unique_tokens=unique_tokens(recipe),
     )
-    plan.max_chars = planned_chars(recipe, plan.choice.tokens)
     return apply_plan(recipe, plan), plan

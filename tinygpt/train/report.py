@@ -189,9 +189,8 @@ def plan_note(plan: SizePlan) -> str:
     return (
         f"size auto: {c.size} ({count(c.params)} non-embedding parameters, {count(c.tokens)} "
         f"tokens in {plan.hours:g} h, {c.tokens_per_param:.1f} tokens per parameter), the lowest "
-        f"predicted loss ({c.predicted_loss:.3f}; law: {plan.law['source']}); reads "
-        f"{'the whole source' if plan.max_chars is None else count(plan.max_chars) + ' characters of it'}; "
-        "~ marks a speed scaled by FLOPs from a timed size"
+        f"predicted loss ({c.predicted_loss:.3f}; law: {plan.law['source']}); ~ marks a speed "
+        "scaled by FLOPs from a timed size"
     )
 
 
