@@ -363,3 +363,35 @@ def test_a_run_planned_on_an_older_ladder_resumes_as_it_began(tmp_path, monkeypa
     (run / "run.json").write_text(json.dumps(info))
     with pytest.raises(ConfigError, match="model.n_head: 8 in the run, 4 now"):
         pretrain("cpu-smoke", run, size="auto", hours=0.003, device="cpu", progress=False, tensorboard=False)
+
+
+def test_the_planners_own_time_is_bounded_compiles_included():
+    """On a GPU each timing compiles its rung first (tens of seconds; on an H100 a 1-hour plan ran past
+    200 s). A modelled machine whose every timing takes 40 s: a 1-hour plan (90 s for planning) begins a
+    second timing (40 + 40 <= 90) but not a third, and says the rest are scaled; a 12-hour one (300 s) times
+    as many rungs as it would with instant timings. The first timing is always taken."""
+    from tinygpt.train.plan import PLAN_TIME_MAX_S, may_time, planning_limit
+    assert planning_limit(1) == 90 and planning_limit(12) == PLAN_TIME_MAX_S == 300
+    recipe = get_recipe("a100-124m")
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def slow(calls):
+        fast = machine(2e14, calls)
+
+        def speed(r):
+            now[0] += 40.0  # the compile and the timed steps
+            return fast(r)
+        return speed
+
+    short, instant, long_ = [], [], []
+    plan = plan_size(recipe, 1.0, slow(short), clock=clock)
+    assert len(short) == 2 and plan.seconds == 80.0 <= planning_limit(1)
+    assert sum(c.timed for c in plan.candidates) == 2 and sum(c.chosen for c in plan.candidates) == 1
+    plan_size(recipe, 12.0, machine(2e14, instant))  # timings that take no time: not limited
+    now[0] = 0.0
+    plan = plan_size(recipe, 12.0, slow(long_), clock=clock)
+    assert len(long_) == len(instant) >= TIMED_RUNGS and plan.seconds <= planning_limit(12)
+    assert may_time(0.0, [], 1.0) and not may_time(60.0, [40.0], 90.0) and may_time(50.0, [40.0], 90.0)

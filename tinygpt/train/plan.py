@@ -58,6 +58,14 @@ PLAN_WARMUP_STEPS = 2
 MAX_TIMING_S = 10.0
 TIMING_SHARE = 0.01
 MAX_TIMING_CAP_S = 60.0
+# the planner's whole time, timings and the compiles before them: PLAN_TIME_SHARE of the budget, at least
+# PLAN_TIME_MIN_S, at most PLAN_TIME_MAX_S. A timing is begun only while the time spent plus the longest
+# timing so far fits; the rungs left untimed are scaled (~). MAX_TIMING_S bounds the timed steps, not the
+# compile before them, which on a GPU is most of a timing: on an H100 a 1-hour plan ran past 200 s
+# (docs/BENCHMARKS.md section 5)
+PLAN_TIME_SHARE = 0.02
+PLAN_TIME_MIN_S = 90.0
+PLAN_TIME_MAX_S = 300.0
 # the choice is timed before it is kept: FLOP scaling misjudges a CPU's speed (a small model is bound
 # by overheads, not FLOPs: on 2 cores d3 ran 855 tokens/s where d2's speed scaled said 598), and a
 # rung that reads more than it seemed can cross MAX_EPOCHS; at most this many rungs more are timed
@@ -194,7 +202,8 @@ def ladder(recipe: Recipe, fits: Callable[[Recipe], bool]) -> list[tuple[int, Re
 
 def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
               fits: Callable[[Recipe], bool] = lambda r: True, unique_tokens: float | None = None,
-              law: ScalingLaw | None = None, timed: int = TIMED_RUNGS) -> SizePlan:
+              law: ScalingLaw | None = None, timed: int = TIMED_RUNGS,
+              clock: Callable[[], float] = time.perf_counter) -> SizePlan:
     """Choose the rung with the lowest predicted loss after `hours`. `speed(recipe)` measures
     tokens/s (the probe's `trainer_speed`): the smallest rung first; the rungs that speed, scaled by
     FLOPs per token, buys fewer than MIN_STEPS steps in the hours are dropped (never timed); then
@@ -202,15 +211,25 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     by that scaled speed) and rungs between, `timed` in all; every other rung is scaled by FLOPs per
     token from the nearest timed one. A choice that was scaled is then timed (when its timing fits)
     and the choice made again, at most CONFIRM_RUNGS times: the chosen rung's speed is measured
-    wherever it can be."""
-    start = time.perf_counter()
+    wherever it can be. Every timing but the first is begun only if it fits `planning_limit(hours)`
+    by `clock` (`may_time`): the planner's own time is bounded, compiles included."""
+    start = clock()
     law = law or law_for(recipe)
     rungs = ladder(recipe, fits)
     if not rungs:
         raise ConfigError(f"no size of recipe {recipe.name}'s ladder fits this device's memory")
     seq, seconds = recipe.train.seq_len, hours * 3600 * (1 - BUDGET_OVERHEAD)
     flops = {d: meta_model(r.model).flops_per_token(seq) for d, r in rungs}
-    measured = {rungs[0][0]: speed(rungs[0][1])}
+    measured: dict[int, float] = {}
+    costs: list[float] = []  # each timing's wall time, its compile included
+
+    def time_rung(d: int, r: Recipe) -> None:
+        if may_time(clock() - start, costs, planning_limit(hours)):
+            began = clock()
+            measured[d] = speed(r)
+            costs.append(clock() - began)
+
+    time_rung(*rungs[0])
 
     def tokens_per_s(d: int) -> float:
         near = min(measured, key=lambda m: abs(math.log(flops[m] / flops[d])))
@@ -225,15 +244,28 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     picks = sorted({round(i * (len(spread) - 1) / max(1, timed - 1)) for i in range(timed)})
     for d in reversed([spread[i] for i in picks]):  # the largest first: it scales the others best
         if d not in measured:
-            measured[d] = speed(timeable[d])
+            time_rung(d, timeable[d])
     out, best = candidates(rungs, tokens_per_s, measured, seconds, unique_tokens, law)
     for _ in range(CONFIRM_RUNGS):  # until the choice is a timed rung (or cannot be timed)
         d = depth_of(best.size)
         if d in measured or d not in timeable:
             break
-        measured[d] = speed(timeable[d])
+        time_rung(d, timeable[d])
+        if d not in measured:
+            break  # the planner's time is spent
         out, best = candidates(rungs, tokens_per_s, measured, seconds, unique_tokens, law)
-    return SizePlan(hours, best.size, asdict(law), out, time.perf_counter() - start)
+    return SizePlan(hours, best.size, asdict(law), out, clock() - start)
+
+
+def planning_limit(hours: float) -> float:
+    """The planner's whole time for a budget of `hours`, compiles included (PLAN_TIME_SHARE)."""
+    return min(max(PLAN_TIME_MIN_S, PLAN_TIME_SHARE * hours * 3600), PLAN_TIME_MAX_S)
+
+
+def may_time(spent: float, costs: list[float], limit: float) -> bool:
+    """Whether another timing may begin: the first always; later ones while the time `spent` plus
+    the longest timing so far (`costs`) stays within `limit`."""
+    return not costs or spent + max(costs) <= limit
 
 
 def timing_limit(hours: float) -> float:
