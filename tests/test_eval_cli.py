@@ -252,7 +252,8 @@ def test_hellaswag_reads_no_position_past_the_trained_context(run, tmp_path, mon
 
     _, tok, recipe, _ = load_run(run)
     trained = recipe.train.seq_len
-    lines = bz2.open(sample_path("sample:hellaswag"), "rt", encoding="utf-8").read().splitlines()
+    with bz2.open(sample_path("sample:hellaswag"), "rt", encoding="utf-8") as f:
+        lines = f.read().splitlines()
     items = [lines[i:i + 6] for i in range(0, len(lines) - 5, 6)]
     fit = [it for it in items if max(len(tok.encode(" " + e)) for e in it[2:]) < trained][:20]
     longest = max(len(tok.encode(it[0] + " " + e)) for it in fit for e in it[2:])

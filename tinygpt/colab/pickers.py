@@ -32,13 +32,12 @@ def _homes(resume_from: RunFolders | str | Path | None) -> tuple:
     )
 
 
-PROBES_CHOICE = "the probe's choice"  # default_recipe's reason when no run or smoke mode decided
-
-
 def default_recipe(
-    report: Any = None, resume_from: RunFolders | str | Path | None = None
+    report: Any = None, resume_from: RunFolders | str | Path | None = None, sized: bool = False
 ) -> tuple[str, str]:
-    """(recipe name, why): the run being resumed decides first, then smoke mode, then the probe."""
+    """(recipe name, why): the run being resumed decides first, then smoke mode, then the probe;
+    with `sized` (a time and size auto) the probe's choice gives way to the recipe whose ladder the
+    planner climbs here, as `tinygpt pretrain --size auto` chooses it."""
     resumed = recipe_name_of(*_homes(resume_from))
     if resumed in RECIPES:
         return resumed, "the recipe of the run on Drive (it continues where it stopped)"
@@ -46,7 +45,10 @@ def default_recipe(
         return SMOKE_RECIPE, "TINYGPT_SMOKE is set"
     if report is None:
         report = hardware_report()
-    return report.default_recipe, f"{PROBES_CHOICE} for this {report.hardware_class} runtime"
+    if sized:
+        return (size_auto_recipe(report.hardware_class, report.default_recipe),
+                f"the ladder size auto plans on this {report.hardware_class} runtime")
+    return report.default_recipe, f"the probe's choice for this {report.hardware_class} runtime"
 
 
 # The time budget dropdown's choices (a resumed run's own budget is added when it is none of them).
@@ -111,9 +113,7 @@ class RecipePicker:
     def __init__(self, report: Any, resume_from: RunFolders | str | Path | None = None):
         self.report = report
         self.default, self.reason = default_recipe(report, resume_from)
-        # the probe's choice gives way to the ladder's under --size auto; a run's own or smoke's never
-        self.sized_default = (size_auto_recipe(report.hardware_class, self.default)
-                              if self.reason.startswith(PROBES_CHOICE) else self.default)
+        self.sized_default = default_recipe(report, resume_from, sized=True)  # (name, why)
         self.default_hours, self.hours_reason = default_hours(report, resume_from)
         self.dropdown = self._output = self.hours_dropdown = self.size_dropdown = None
         self.user_chose = False  # the recipe dropdown was changed by the user, not by following
@@ -140,9 +140,8 @@ class RecipePicker:
 
     def current_default(self) -> tuple[str, str]:
         """(recipe, why) that the time and size chosen now make the default."""
-        if self.size == "auto" and self.sized_default != self.default:
-            hardware = self.report.hardware_class
-            return self.sized_default, f"the ladder size auto plans on this {hardware} runtime"
+        if self.size == "auto" and self.sized_default[0] != self.default:
+            return self.sized_default
         return self.default, self.reason
 
     def _recipe_changed(self, change: Any) -> None:
