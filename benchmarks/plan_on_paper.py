@@ -1,16 +1,21 @@
 """What `--size auto` would choose on each Colab GPU, on paper: no GPU needed.
 
     python benchmarks/plan_on_paper.py          # markdown table for docs/BENCHMARKS.md
+    python benchmarks/plan_on_paper.py --text-tokens 250000    # on a text of that many tokens (--data FILE)
 
 For each GPU class (T4, L4, A100, H100) and budget (1, 3, 12 hours), the planner (`tinygpt.train.plan`) runs
 on the class's default recipe (the H100 on h100-760m's ladder, context 2048) with tokens/s assumed, not
 measured: the GPU's peak dense bf16/fp16 TFLOP/s (core/hardware.py) times an MFU of 0.4, divided by each
 rung's training FLOPs per token. The rungs must fit the class's memory at micro-batch 1 (the probe lowers the
 micro-batch; activation checkpointing is not assumed). To be replaced by measured rows when a GPU is lent:
-`tinygpt probe --hours H` there prints the same table from timed steps.
+`tinygpt probe --hours H` there prints the same table from timed steps. With --text-tokens, the source is a
+user's own text of that many tokens (Tiny Shakespeare is ~250k GPT-2 tokens), read again where the hours buy
+more: the epochs column counts them, and "own size" marks a plan where every rung would read it more than
+MAX_EPOCHS times (the recipe's own size is kept).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -29,7 +34,14 @@ GPUS = {"t4": ("T4", 15.0, "t4-50m"), "l4": ("L4", 22.0, "l4-124m"), "a100": ("A
         "h100": ("H100", 80.0, "h100-760m")}
 
 
+def per_param(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--text-tokens", type=float, default=None, help="a source of this many tokens")
+    args = ap.parse_args()
     print("| GPU | recipe ladder | hours | assumed tokens/s (chosen) | chosen | non-emb. params | tokens "
           "| tokens/param | epochs | law |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -46,11 +58,13 @@ def main() -> int:
             return estimate_memory(r.model, 1, r.train.seq_len, prec, device_type="cuda").total_gb <= mem_gb
 
         for hours in (1, 3, 12):
-            plan = plan_size(recipe, hours, speed, fits=fits, unique_tokens=unique_tokens(recipe))
+            unique = args.text_tokens or unique_tokens(recipe)
+            plan = plan_size(recipe, hours, speed, fits=fits, unique_tokens=unique)
             c = plan.choice
-            epochs = "-" if c.epochs is None else f"{c.epochs:.2f}"
-            print(f"| {gpu} | {recipe_name} | {hours} | {c.tokens_per_s:,.0f} | {c.size} | {count(c.params)} | "
-                  f"{count(c.tokens)} | {c.tokens_per_param:.0f} | {epochs} | {law_for(recipe).source} |")
+            epochs = "-" if c.epochs is None else f"{c.epochs:,.2f}"
+            size = f"{c.size} (own size)" if plan.outside_law else c.size
+            print(f"| {gpu} | {recipe_name} | {hours} | {c.tokens_per_s:,.0f} | {size} | {count(c.params)} | "
+                  f"{count(c.tokens)} | {per_param(c.tokens_per_param)} | {epochs} | {law_for(recipe).source} |")
     return 0
 
 

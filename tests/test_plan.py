@@ -3,6 +3,7 @@ its size when it resumes. Speeds in the choice tests come from a modelled machin
 that the choice is a function of the hours alone); the end-to-end runs time the real trainer step."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -18,6 +19,7 @@ from tinygpt.train.plan import (
     LADDER_FIELDS,
     MIN_STEPS,
     TIMED_RUNGS,
+    apply_plan,
     depth_of,
     effective_tokens,
     fitted_laws,
@@ -28,7 +30,7 @@ from tinygpt.train.plan import (
     unique_tokens,
 )
 from tinygpt.train.pretrain import pretrain
-from tinygpt.train.report import plan_table
+from tinygpt.train.report import plan_note, plan_table
 
 
 def machine(flops_per_s: float, calls: list | None = None):
@@ -182,9 +184,57 @@ def test_a_rung_that_would_read_its_source_more_than_max_epochs_times_is_not_cho
     assert plan.choice.epochs <= plan_mod.MAX_EPOCHS
     allowed = [c for c in plan.candidates if c.epochs <= plan_mod.MAX_EPOCHS]
     assert plan.choice.predicted_loss == min(c.predicted_loss for c in allowed)
-    # with no rung under the cap, the lowest predicted loss of all is still chosen
-    none_fit = plan_size(recipe, 0.67, speed, unique_tokens=1000)
-    assert none_fit.choice.predicted_loss == min(c.predicted_loss for c in none_fit.candidates)
+    assert not plan.outside_law
+
+
+def test_where_every_rung_reads_a_small_text_too_often_the_recipe_keeps_its_own_size():
+    """A T4 with a Tiny-Shakespeare-sized text (250k tokens) for an hour: every rung would read it hundreds of
+    times. The law, fitted at a few epochs, discounts the repeats but never the parameters, so it would
+    choose the largest rung that fits; the planner keeps the rung nearest the recipe's own model and says
+    why in the plan's note."""
+    t4 = get_recipe("t4-50m")
+    speed = machine(0.4 * 65e12)  # the T4's fp16 peak at an MFU of 0.4, as benchmarks/plan_on_paper.py
+    plan = plan_size(t4, 1, speed, unique_tokens=2.5e5)
+    assert all(c.epochs > plan_mod.MAX_EPOCHS for c in plan.candidates)
+    assert len(plan.candidates) > 4
+    own = meta_model(t4.model).num_params(non_embedding=True)
+    assert plan.size == "d8" and plan.choice.params == pytest.approx(own, rel=0.05)  # t4-50m is 8 x 512
+    lowest = min(plan.candidates, key=lambda c: c.predicted_loss)
+    assert depth_of(lowest.size) > 8  # what the law alone would have trained
+    assert plan.outside_law and apply_plan(t4, plan).model.n_layer == 8
+    note = plan_note(plan)
+    assert "recipe's own size" in note and "more than 4 times" in note and "\n" not in note
+    assert "0.31 tokens per parameter" in note
+    # on the CPU ladder too: cpu-fast's own model is its d3
+    fast = get_recipe("cpu-fast")
+    none_fit = plan_size(fast, 0.67, machine(2e10), unique_tokens=1000)
+    assert none_fit.outside_law and none_fit.size == "d3"
+    # one rung within the law is enough for the law to choose
+    d8 = next(c for c in plan.candidates if c.size == "d8")
+    some = plan_size(t4, 1, speed, unique_tokens=d8.tokens / 3)
+    assert not some.outside_law and some.choice.epochs <= plan_mod.MAX_EPOCHS
+
+
+def test_a_rung_that_would_see_fewer_tokens_per_parameter_than_the_laws_runs_is_not_chosen():
+    """A 12M-token text on an A100 for an hour: every rung up to d24 would read it more than MAX_EPOCHS times,
+    and the law would take d32, 1.6B parameters on 0.02 tokens each, far below any run Chinchilla's fit was
+    made on (5B tokens at 16B parameters at the fewest). No rung is left within the law: the recipe's own
+    size is kept, as it is with 3 hours. A fitted law's floor is its own runs' fewest."""
+    a100 = get_recipe("a100-124m")
+    speed = machine(0.4 * 312e12)
+    assert CHINCHILLA.min_tokens_per_param == pytest.approx(5 / 16)
+    plan = plan_size(a100, 1, speed, law=CHINCHILLA, unique_tokens=12e6)
+    unbounded = plan_size(a100, 1, speed, law=dataclasses.replace(CHINCHILLA, min_tokens_per_param=0.0),
+                          unique_tokens=12e6)
+    assert unbounded.choice.tokens_per_param < 0.1 and not unbounded.outside_law  # what it was before
+    assert plan.outside_law and plan.size == "d12" and rung(a100, 12).model == a100.model
+    assert plan_size(a100, 3, speed, law=CHINCHILLA, unique_tokens=12e6).size == "d12"
+    # with data to spare the floor changes nothing: Chinchilla's ~20 tokens per parameter is far above it
+    free = plan_size(a100, 1, speed, law=CHINCHILLA)
+    assert not free.outside_law and free.choice.tokens_per_param > 5
+    for name, law in fitted_laws().items():
+        runs = json.loads((plan_mod.resources.files("tinygpt.train") / plan_mod.LAWS_FILE).read_text())
+        assert law.min_tokens_per_param == min(r["tokens"] / r["params"] for r in runs["laws"][name]["runs"])
 
 
 def test_a_plan_read_back_may_name_only_a_rung_of_the_ladder():
@@ -305,6 +355,24 @@ def test_a_planned_run_trains_the_chosen_rung_and_resumes_at_its_size_without_pl
                          tensorboard=False)
         assert json.loads((run / "run.json").read_text())["plan"]["size"] == plan["size"]
         assert again.step >= result.step
+
+
+def test_a_planned_run_on_a_text_every_rung_would_read_too_often_trains_the_recipes_size(tmp_path, capsys):
+    """End to end through the CLI: a 5 KB text, 40% of it held out (~1k tokens to train on) for 10 seconds:
+    even at a few hundred tokens/s the smallest rung would read it more than MAX_EPOCHS times. The run trains the recipe's own size, keeps why in run.json, and says it."""
+    from tinygpt.cli import main
+    text = tmp_path / "poem.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(100)))
+    run = tmp_path / "r"
+    assert main(["pretrain", str(run), "--recipe", "cpu-smoke", "--data", str(text), "--hours", "0.003",
+                 "--size", "auto", "--device", "cpu", "--set", "data.val_fraction=0.4"]) == 0
+    plan = json.loads((run / "run.json").read_text())["plan"]
+    assert plan["outside_law"] is True and all(c["epochs"] > plan_mod.MAX_EPOCHS for c in plan["candidates"])
+    own = meta_model(get_recipe("cpu-smoke").model).num_params(non_embedding=True)
+    nearest = min(plan["candidates"], key=lambda c: abs(math.log(c["params"] / own)))
+    assert plan["size"] == nearest["size"]
+    out = capsys.readouterr()
+    assert "the recipe's own size" in out.out + out.err
 
 
 def test_the_notebook_shows_the_plan_and_its_picker_plans_only_with_a_time(tmp_path):

@@ -9,8 +9,10 @@ token, and said so), the tokens the hours buy at that
 speed, and a predicted final loss L(N, D) = E + A/N^alpha + B/D^beta, with N the
 non-embedding parameters and D the tokens seen (fewer than seen where the source is smaller
 than the budget and would be read again: Muennighoff et al. 2023's effective data). The
-lowest predicted loss is chosen among the rungs that read the source at most MAX_EPOCHS times;
-tokens per parameter is a result, not an input.
+lowest predicted loss is chosen among the rungs the law can speak for: those that read the source
+at most MAX_EPOCHS times and see at least the tokens per parameter of the runs the law was fitted on;
+tokens per parameter is a result, not an input. Where no rung is left (a small text on a fast GPU),
+the recipe's own size is kept (the rung nearest it), said so.
 
 Invariants: the plan is decided once, before anything is written, and kept in run.json ("plan"); a
 resumed run takes its size from there (on another GPU too), never plans again. A rung is the
@@ -106,13 +108,15 @@ def rung_name(depth: int) -> str:
 
 @dataclass(frozen=True)
 class ScalingLaw:
-    """L(N, D) = E + A / N**alpha + B / D**beta (nats per token), with where its constants came from."""
+    """L(N, D) = E + A / N**alpha + B / D**beta (nats per token), with where its constants came from and
+    the fewest tokens per parameter among the runs they were fitted on (below it the law extrapolates)."""
     E: float
     A: float
     B: float
     alpha: float
     beta: float
     source: str
+    min_tokens_per_param: float = 0.0
 
     def loss(self, n_params: float, tokens: float) -> float:
         return self.E + self.A / n_params ** self.alpha + self.B / tokens ** self.beta
@@ -130,6 +134,8 @@ CHINCHILLA = ScalingLaw(
     0.3478,
     0.3658,
     "Chinchilla's fit (Hoffmann et al. 2022, as re-fitted by Besiroglu et al. 2024)",
+    # its runs: 70M to 16B parameters on 5B to 500B tokens, so none saw fewer than 5B/16B per parameter
+    5e9 / 16e9,
 )
 LAWS_FILE = "scaling_laws.json"  # beside this module, written by benchmarks/fit_scaling.py
 
@@ -141,7 +147,8 @@ def fitted_laws() -> dict[str, ScalingLaw]:
         if not path.is_file():
             return {}
         laws = read_json_safe(path, limit=1 << 20)["laws"]
-    return {name: ScalingLaw(**{k: law[k] for k in ("E", "A", "B", "alpha", "beta", "source")})
+    return {name: ScalingLaw(**{k: law[k] for k in ("E", "A", "B", "alpha", "beta", "source")},
+                             min_tokens_per_param=min(r["tokens"] / r["params"] for r in law["runs"]))
             for name, law in laws.items()}
 
 
@@ -186,6 +193,8 @@ class SizePlan:
     law: dict
     candidates: list[Candidate]
     seconds: float  # the planner's own time
+    # no rung is within the law (`within_law`) in the hours: the recipe's own size is kept
+    outside_law: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -245,7 +254,8 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     for d in reversed([spread[i] for i in picks]):  # the largest first: it scales the others best
         if d not in measured:
             time_rung(d, timeable[d])
-    out, best = candidates(rungs, tokens_per_s, measured, seconds, unique_tokens, law)
+    own = meta_model(recipe.model).num_params(non_embedding=True)
+    out, best = candidates(rungs, tokens_per_s, measured, seconds, unique_tokens, law, own)
     for _ in range(CONFIRM_RUNGS):  # until the choice is a timed rung (or cannot be timed)
         d = depth_of(best.size)
         if d in measured or d not in timeable:
@@ -253,8 +263,8 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
         time_rung(d, timeable[d])
         if d not in measured:
             break  # the planner's time is spent
-        out, best = candidates(rungs, tokens_per_s, measured, seconds, unique_tokens, law)
-    return SizePlan(hours, best.size, asdict(law), out, clock() - start)
+        out, best = candidates(rungs, tokens_per_s, measured, seconds, unique_tokens, law, own)
+    return SizePlan(hours, best.size, asdict(law), out, clock() - start, not within_law(best, law))
 
 
 def planning_limit(hours: float) -> float:
@@ -274,10 +284,13 @@ def timing_limit(hours: float) -> float:
 
 
 def candidates(rungs: list[tuple[int, Recipe]], tokens_per_s: Callable[[int], float], measured: dict,
-               seconds: float, unique_tokens: float | None,
-               law: ScalingLaw) -> tuple[list[Candidate], Candidate]:
-    """Each rung as a row of the table, and the one with the lowest predicted loss among those that
-    read the source at most MAX_EPOCHS times (among all when none does), marked chosen."""
+               seconds: float, unique_tokens: float | None, law: ScalingLaw,
+               own_params: int) -> tuple[list[Candidate], Candidate]:
+    """Each rung as a row of the table, and the one with the lowest predicted loss among those the law
+    speaks for (`within_law`), marked chosen. When none is, the rung nearest the recipe's own size
+    (`own_params`, non-embedding): the law alone would choose the largest rung that fits (repeats are
+    discounted, parameters never are), which on a GPU with a small text is hundreds of millions of
+    parameters read hundreds of times."""
     out = []
     for d, r in rungs:
         tps = tokens_per_s(d)
@@ -286,10 +299,21 @@ def candidates(rungs: list[tuple[int, Recipe]], tokens_per_s: Callable[[int], fl
         out.append(Candidate(rung_name(d), n, tps, d in measured, tokens,
                              tokens / unique_tokens if unique_tokens else None,
                              law.loss(n, effective_tokens(tokens, unique_tokens))))
-    eligible = [c for c in out if c.epochs is None or c.epochs <= MAX_EPOCHS] or out
-    best = min(eligible, key=lambda c: c.predicted_loss)
+    eligible = [c for c in out if within_law(c, law)]
+    if eligible:
+        best = min(eligible, key=lambda c: c.predicted_loss)
+    else:
+        best = min(out, key=lambda c: abs(math.log(c.params / own_params)))
     best.chosen = True
     return out, best
+
+
+def within_law(c: Candidate, law: ScalingLaw) -> bool:
+    """Whether the law's prediction for this rung may choose it: it reads the source at most MAX_EPOCHS
+    times (past that, repeats cost more than the law discounts) and sees at least the tokens per
+    parameter of the law's own runs (fewer is extrapolation: a 12M-token text on an A100 for an hour
+    would otherwise train 1.6B parameters on 0.02 tokens each)."""
+    return (c.epochs is None or c.epochs <= MAX_EPOCHS) and c.tokens_per_param >= law.min_tokens_per_param
 
 
 def apply_plan(recipe: Recipe, plan: SizePlan | dict) -> Recipe:

@@ -19,7 +19,7 @@ from tinygpt.core.units import count, duration, size_gb
 from tinygpt.model.gpt import meta_model
 from tinygpt.train.hardware import HardwareReport, hardware_report, mfu
 from tinygpt.train.memory import CUDA_CONTEXT_GB, estimate_memory
-from tinygpt.train.plan import SizePlan, choose_size
+from tinygpt.train.plan import MAX_EPOCHS, SizePlan, choose_size
 from tinygpt.train.probe import (
     SPEED_STEPS,
     ProbeError,
@@ -186,6 +186,14 @@ def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:
 
 def plan_note(plan: SizePlan) -> str:
     c = plan.choice
+    if plan.outside_law:
+        fewest = plan.law.get("min_tokens_per_param", 0.0)
+        return (
+            f"size auto: {c.size}, the recipe's own size: in {plan.hours:g} h every size would read the "
+            f"source more than {MAX_EPOCHS:g} times or see fewer than {fewest:.2g} tokens per parameter "
+            "(the law's own runs' fewest), where the law does not hold; give more text, or finetune a "
+            "pretrained model (tinygpt finetune)"
+        )
     return (
         f"size auto: {c.size} ({count(c.params)} non-embedding parameters, {count(c.tokens)} "
         f"tokens in {plan.hours:g} h, {c.tokens_per_param:.1f} tokens per parameter), the lowest "
