@@ -247,7 +247,8 @@ def test_a_plan_read_back_may_name_only_a_rung_of_the_ladder():
         kept_plan({"plan": "d4"})
     row = {"size": "d4", "params": 4e6, "tokens": 1e6, "tokens_per_s": 900.0, "predicted_loss": 3.5, "chosen": True}
     assert kept_plan({"plan": {"size": "d4", "candidates": [row]}})["candidates"] == [row]
-    for bad in ({"params": "4e6"}, {"predicted_loss": float("nan")}, {"tokens": -1}, {"chosen": "yes"}):
+    for bad in ({"params": "4e6"}, {"predicted_loss": float("nan")}, {"tokens": -1}, {"chosen": "yes"},
+                {"epochs": "3"}, {"epochs": -1.0}):
         with pytest.raises(ConfigError, match="not a plan tinygpt wrote"):  # what the notebook's plot would draw
             kept_plan({"plan": {"size": "d4", "candidates": [row | bad]}})
     for hours in ("1", 0, float("inf")):  # the plot's title reads the hours
@@ -359,7 +360,9 @@ def test_a_planned_run_trains_the_chosen_rung_and_resumes_at_its_size_without_pl
 
 def test_a_planned_run_on_a_text_every_rung_would_read_too_often_trains_the_recipes_size(tmp_path, capsys):
     """End to end through the CLI: a 5 KB text, 40% of it held out (~1k tokens to train on) for 10 seconds:
-    even at a few hundred tokens/s the smallest rung would read it more than MAX_EPOCHS times. The run trains the recipe's own size, keeps why in run.json, and says it."""
+    even at a few hundred tokens/s the smallest rung would read it more than MAX_EPOCHS times. The run trains
+    the recipe's own size, keeps why in run.json, says it, and the notebook's plot marks every rung outside
+    the law."""
     from tinygpt.cli import main
     text = tmp_path / "poem.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(100)))
@@ -373,6 +376,12 @@ def test_a_planned_run_on_a_text_every_rung_would_read_too_often_trains_the_reci
     assert plan["size"] == nearest["size"]
     out = capsys.readouterr()
     assert "the recipe's own size" in out.out + out.err
+    pytest.importorskip("matplotlib")
+    from tinygpt.colab import plan_plot
+    ax = plan_plot(run, show=False).axes[0]
+    crossed = next(line for line in ax.lines if line.get_label().startswith("outside the law"))
+    assert len(crossed.get_xdata()) == len(plan["candidates"])
+    assert "the recipe's own size" in ax.lines[-1].get_label()
 
 
 def test_the_notebook_shows_the_plan_and_its_picker_plans_only_with_a_time(tmp_path):

@@ -13,7 +13,7 @@ from tinygpt.colab.notebook import INSTALL_HINT, display, in_notebook
 from tinygpt.colab.tables import startup_table
 from tinygpt.core.callback import Callback
 from tinygpt.core.rundir import PLOTS, RunDir
-from tinygpt.train.plan import kept_plan
+from tinygpt.train.plan import MAX_EPOCHS, kept_plan, row_within_law
 
 
 class LossPlot(Callback):
@@ -150,7 +150,13 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
             ha="center",
             fontsize=8,
         )
+    outside = [c for c in cands if not row_within_law(plan, c)]
+    if outside:  # the law's prediction did not choose these
+        label = f"outside the law: over {MAX_EPOCHS:g} epochs, or too few tokens per parameter"
+        ax.plot([c["params"] for c in outside], [c["predicted_loss"] for c in outside], "x", ms=9,
+                color="tab:gray", label=label)
     best = next(c for c in cands if c["chosen"])
+    why = ", the recipe's own size" if plan.get("outside_law") is True else ""
     ax.plot(
         [best["params"]],
         [best["predicted_loss"]],
@@ -158,7 +164,7 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
         ms=12,
         mfc="none",
         color="tab:red",
-        label=f"chosen: {best['size']}, {best['tokens'] / best['params']:.1f} tokens per parameter",
+        label=f"chosen: {best['size']}{why}, {best['tokens'] / best['params']:.1f} tokens per parameter",
     )
     ax.set_xscale("log")
     ax.set_xlabel("non-embedding parameters")

@@ -264,7 +264,8 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
         if d not in measured:
             break  # the planner's time is spent
         out, best = candidates(rungs, tokens_per_s, measured, seconds, unique_tokens, law, own)
-    return SizePlan(hours, best.size, asdict(law), out, clock() - start, not within_law(best, law))
+    outside = not within_law(best.epochs, best.tokens_per_param, law.min_tokens_per_param)
+    return SizePlan(hours, best.size, asdict(law), out, clock() - start, outside)
 
 
 def planning_limit(hours: float) -> float:
@@ -299,7 +300,7 @@ def candidates(rungs: list[tuple[int, Recipe]], tokens_per_s: Callable[[int], fl
         out.append(Candidate(rung_name(d), n, tps, d in measured, tokens,
                              tokens / unique_tokens if unique_tokens else None,
                              law.loss(n, effective_tokens(tokens, unique_tokens))))
-    eligible = [c for c in out if within_law(c, law)]
+    eligible = [c for c in out if within_law(c.epochs, c.tokens_per_param, law.min_tokens_per_param)]
     if eligible:
         best = min(eligible, key=lambda c: c.predicted_loss)
     else:
@@ -308,12 +309,20 @@ def candidates(rungs: list[tuple[int, Recipe]], tokens_per_s: Callable[[int], fl
     return out, best
 
 
-def within_law(c: Candidate, law: ScalingLaw) -> bool:
-    """Whether the law's prediction for this rung may choose it: it reads the source at most MAX_EPOCHS
-    times (past that, repeats cost more than the law discounts) and sees at least the tokens per
-    parameter of the law's own runs (fewer is extrapolation: a 12M-token text on an A100 for an hour
-    would otherwise train 1.6B parameters on 0.02 tokens each)."""
-    return (c.epochs is None or c.epochs <= MAX_EPOCHS) and c.tokens_per_param >= law.min_tokens_per_param
+def within_law(epochs: float | None, tokens_per_param: float, min_tokens_per_param: float) -> bool:
+    """Whether the law's prediction for a rung may choose it: it reads the source at most MAX_EPOCHS
+    times (`epochs`; past that, repeats cost more than the law discounts) and sees at least the tokens
+    per parameter of the law's own runs (fewer is extrapolation: a 12M-token text on an A100 for an
+    hour would otherwise train 1.6B parameters on 0.02 tokens each)."""
+    return (epochs is None or epochs <= MAX_EPOCHS) and tokens_per_param >= min_tokens_per_param
+
+
+def row_within_law(plan: dict, row: dict) -> bool:
+    """`within_law` for a row of a plan read back from run.json (`kept_plan` checked its numbers); a plan
+    written before the law kept its runs' fewest tokens per parameter is judged by epochs alone."""
+    law = plan.get("law")
+    floor = law.get("min_tokens_per_param", 0.0) if isinstance(law, dict) else 0.0
+    return within_law(row.get("epochs"), row["tokens"] / row["params"], floor if _number(floor) else 0.0)
 
 
 def apply_plan(recipe: Recipe, plan: SizePlan | dict) -> Recipe:
@@ -402,7 +411,8 @@ def _is_candidate(c: object) -> bool:
     """A row of a plan read back as tinygpt writes it (what the notebook's plot draws)."""
     return (isinstance(c, dict) and isinstance(c.get("size"), str) and isinstance(c.get("chosen"), bool)
             and all(_number(c.get(k)) and c[k] > 0 for k in ("params", "tokens", "tokens_per_s"))
-            and _number(c.get("predicted_loss")))
+            and _number(c.get("predicted_loss"))
+            and (c.get("epochs") is None or _number(c["epochs"]) and c["epochs"] > 0))
 
 
 def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
