@@ -10,8 +10,8 @@ rung's training FLOPs per token. The rungs must fit the class's memory at micro-
 micro-batch; activation checkpointing is not assumed). To be replaced by measured rows when a GPU is lent:
 `tinygpt probe --hours H` there prints the same table from timed steps. With --text-tokens, the source is a
 user's own text of that many tokens (Tiny Shakespeare is ~250k GPT-2 tokens), read again where the hours buy
-more: the epochs column counts them, and "own size" marks a plan where every rung would read it more than
-MAX_EPOCHS times (the recipe's own size is kept).
+more: the epochs column counts them, and "own size" marks a plan with no rung within the law (each would read
+it more than MAX_EPOCHS times or see too few tokens per parameter: the recipe's own size is kept).
 """
 from __future__ import annotations
 

@@ -156,7 +156,7 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
         ax.plot([c["params"] for c in outside], [c["predicted_loss"] for c in outside], "x", ms=9,
                 color="tab:gray", label=label)
     best = next(c for c in cands if c["chosen"])
-    why = ", the recipe's own size" if plan.get("outside_law") is True else ""
+    why = "" if row_within_law(plan, best) else ", the recipe's own size"
     ax.plot(
         [best["params"]],
         [best["predicted_loss"]],
