@@ -1,5 +1,6 @@
-"""A time budget (`--hours`): the warmup-stable-decay schedule, the step count measured once and kept
-in budget.json, a resume that keeps it, and more hours for a run still in its stable phase.
+"""A time budget (`--hours`): the warmup-stable-decay schedule, the step count measured and kept in
+budget.json, fixed again at each checkpoint of the stable phase from the steps' mean time, a resume that
+keeps it, and more hours for a run still in its stable phase.
 
 No assertion on how long anything took (timings are for benchmarks/): step counts, learning rates
 and files are checked."""
@@ -17,8 +18,17 @@ from pathlib import Path
 import pytest
 
 from tinygpt.cli import main
+from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError, TrainConfig
-from tinygpt.train.budget import Budget, decay_start, expected_final_loss, extend, steps_for
+from tinygpt.train.budget import (
+    Budget,
+    decay_start,
+    expected_final_loss,
+    extend,
+    least_stable_steps,
+    refix,
+    steps_for,
+)
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.pretrain_options import PretrainOptions
 from tinygpt.train.step import lr_at
@@ -47,6 +57,60 @@ def test_steps_fit_the_hours_and_more_hours_extend_only_the_stable_phase():
     assert more.max_steps == 1595 + 1800 and more.hours == 2.0 and "1595 -> 3395" in note
     same, note = extend(b, 2.0, 1400, decay_fraction=0.2)  # the decay began at step 1276
     assert same is b and "began its decay at step 1276" in note
+
+
+def test_a_budget_fixed_again_follows_the_mean_step_time_but_never_jumps_into_the_decay():
+    b = Budget(hours=1.0, max_steps=1595, decided_at_step=100, step_s=2.0, decided_at=0.0)
+    # at step 500, 1,500 s gone (3 s a step on average, not 2): (3600 - 1510) / 3 = 696 more
+    slower = refix(b, 500, 1500, 3.0, 10, decay_fraction=0.2, now=1.0)
+    assert (slower.max_steps, slower.decided_at_step, slower.step_s) == (1196, 500, 3.0)
+    faster = refix(b, 500, 500, 1.0, 10, decay_fraction=0.2, now=1.0)
+    assert faster.max_steps == 500 + 3090 and faster.out_of_bounds() is None
+    # at step 1200 with 90 s left the hours buy 31 steps, but a count that ends at 1231 began its decay
+    # at step 985: the rate would jump down. The decay begins at the next step instead (1501: decay at 1201)
+    late = refix(b, 1200, 3500, 2.9, 10, decay_fraction=0.2, now=1.0)
+    assert late.max_steps == 1501 and decay_start(1501, 0.2) == 1201 and late.out_of_bounds() is None
+    assert refix(b, 1300, 3500, 2.9, 10, decay_fraction=0.2, now=1.0) is b  # the decay began at 1276
+    for f in (0.1, 0.2, 0.4):
+        for step in range(0, 5000, 37):
+            n = least_stable_steps(step, f)
+            assert decay_start(n, f) > step >= decay_start(n - 1, f)
+
+
+class SlowAfterTheBudget(Callback):
+    """After the budget first fixes the step count, each step takes `factor` times longer than the step
+    time it measured (as a machine that another job starts on would); every message is kept."""
+
+    def __init__(self, factor: float):
+        self.factor, self.first = factor, None
+        self.said: list[str] = []
+
+    def on_step(self, trainer):
+        if self.first is None and trainer.step_s:
+            self.first = (trainer.max_steps, trainer.step_s)
+        elif self.first is not None:
+            time.sleep(self.factor * self.first[1])
+
+    def on_message(self, text):
+        self.said.append(text)
+
+
+def test_a_budgeted_run_that_slows_down_fixes_fewer_steps_and_still_ends_its_schedule(tmp_path):
+    slow = SlowAfterTheBudget(3.0)
+    res = pretrain("cpu-smoke", tmp_path / "run", hours=0.002, device="cpu", progress=False,
+                   cache_dir=tmp_path / "c", callbacks=[slow])
+    budget = json.loads((tmp_path / "run" / "budget.json").read_text())
+    decided, _ = slow.first
+    # each step after the decision took four times the measured time: the count falls
+    assert res.step == budget["max_steps"] < 0.75 * decided
+    assert budget["decided_at_step"] > 9 and budget["decided_at_step"] % 10 == 0  # cpu-smoke saves every 10
+    assert any(f"steps, not {decided}" in m for m in slow.said), slow.said
+    logged = [m for m in res.metrics if "lr" in m]
+    assert logged[-1]["step"] == res.step and logged[-1]["lr"] == pytest.approx(3e-4)  # the decay ended
+    # the rate held until the last count's decay began: no count fixed again cut into it
+    f = json.loads((tmp_path / "run" / "run.json").read_text())["recipe"]["train"]["decay_fraction"]
+    stable = [m["lr"] for m in logged if 5 < m["step"] <= decay_start(res.step, f)]
+    assert len(stable) > 3 and set(stable) == {3e-3}
 
 
 def test_expected_final_loss_reads_the_curve_so_far():

@@ -30,7 +30,7 @@ from tinygpt.train.plan import (
     unique_tokens,
 )
 from tinygpt.train.pretrain import pretrain
-from tinygpt.train.report import plan_note, plan_table
+from tinygpt.train.report import plan_note, plan_table, shortfall_note
 
 
 def machine(flops_per_s: float, calls: list | None = None):
@@ -102,6 +102,27 @@ def test_the_plan_note_says_a_choice_under_one_token_per_parameter_as_it_is():
     c = plan_mod.Candidate("d4", 4_262_656, 1_282.0, True, 2.08e6, 2.0, 3.474, chosen=True)
     note = plan_note(plan_mod.SizePlan(0.5, "d4", {"source": "fitted on 10 tinygpt runs"}, [c], 1.0))
     assert "0.5 tokens per parameter" in note and "(3.474; law: fitted on 10 tinygpt runs)" in note, note
+
+
+def test_a_run_whose_budget_buys_far_fewer_tokens_than_its_plan_is_told_so():
+    """The plan timed d4 at 1,282 tokens/s; a run that trains at 800 buys 62% of the tokens: said, with
+    what to do. At 1,000 (78%) nothing is said."""
+    c = plan_mod.Candidate("d4", 4_262_656, 1_282.0, True, 2.08e6, 2.0, 3.474, chosen=True)
+    plan = plan_mod.SizePlan(0.5, "d4", {"source": "fitted"}, [c], 1.0)
+    note = shortfall_note(plan, 2.08e6 * 800 / 1282, 800.0)
+    assert "d4 trains at 800 tokens/s here now, not the 1,282 the plan measured" in note, note
+    assert "62% of the" in note and "tinygpt probe --hours" in note
+    assert shortfall_note(plan, 2.08e6 * 1000 / 1282, 1000.0) is None
+
+
+def test_a_planned_run_that_slows_down_says_its_size_gets_fewer_tokens_than_planned(tmp_path):
+    from test_budget import SlowAfterTheBudget
+    slow = SlowAfterTheBudget(3.0)
+    pretrain("cpu-smoke", tmp_path / "r", size="auto", hours=0.002, device="cpu", progress=False,
+             tensorboard=False, callbacks=[slow])
+    plan = json.loads((tmp_path / "r" / "run.json").read_text())["plan"]
+    told = [m for m in slow.said if "the plan measured" in m]
+    assert len(told) == 1 and told[0].startswith(f"size auto: {plan['size']} trains at "), slow.said
 
 
 def test_a_long_budget_on_a_cpu_never_times_a_rung_whose_steps_take_minutes():

@@ -4,7 +4,10 @@
 rate does not depend on the step count until the decay begins. After a few steady steps
 the trainer measures the time of a step, of an evaluation and of a checkpoint, fixes
 `max_steps` so that training (start-up not counted) ends within the budget, and writes
-``budget.json`` in the run folder: a resumed run keeps that step count, so it ends with
+``budget.json`` in the run folder. Until the decay begins it fixes the count again at each
+checkpoint (`refix`) from the mean time of every step so far, evaluations and saves included:
+a machine that slows down (a shared CPU, a GPU that throttles) or a first measurement that was
+lucky no longer moves the end. A resumed run keeps budget.json's step count, so it ends with
 its schedule complete however often it was interrupted. Resumed with more hours while
 still in the stable phase, it goes on longer; once the decay has begun, it cannot.
 `finished_run` tells a run that already reached its last step (budgeted, or the recipe's).
@@ -23,6 +26,8 @@ from tinygpt.core.files import write_json_atomic
 from tinygpt.core.rundir import BUDGET_JSON, RunDir, RunDirError, read_json, recipe_name_of
 
 MEASURE_STEPS = 8  # steady steps (after the compile) timed before the step count is fixed
+# a count fixed again is told when it moved this much since last told (smaller moves are noise)
+REFIX_NOTE = 0.1
 # a month of GPU time: far past any Colab session, and a bound on what budget.json may say
 MAX_HOURS = 24 * 30
 # no optimizer step of any recipe takes less (the smallest CPU recipe takes milliseconds)
@@ -114,6 +119,32 @@ def steps_for(hours: float, spent_s: float, step: int, step_s: float, final_s: f
 def decay_start(max_steps: int, decay_fraction: float) -> int:
     """The first step of the warmup-stable-decay schedule's decay."""
     return max_steps - max(1, round(decay_fraction * max_steps))
+
+
+def least_stable_steps(step: int, decay_fraction: float) -> int:
+    """The fewest steps a run can have whose decay has not begun by `step` (`decay_start` is after it)."""
+    n = max(step + 2, math.floor((step + 1) / (1 - decay_fraction)) - 2)
+    while decay_start(n, decay_fraction) <= step:
+        n += 1
+    return n
+
+
+def refix(budget: Budget, step: int, spent_s: float, step_s: float, final_s: float,
+          decay_fraction: float, now: float) -> Budget:
+    """The budget fixed again at `step` from `step_s`, the mean time of the steps since training began
+    (`spent_s` ago), evaluations and saves included: the count that ends within the hours
+    (`steps_for`). Only in the stable phase, and never a count whose decay would already have begun
+    (the rate would jump down): a run too slow for that starts its decay at the next step. Unchanged
+    once the decay has begun. The figures stay within `Budget.out_of_bounds`."""
+    if budget.max_steps is None or step >= decay_start(budget.max_steps, decay_fraction):
+        return budget
+    steps = steps_for(budget.hours, spent_s, step, step_s, final_s)
+    least = least_stable_steps(step, decay_fraction)
+    if steps >= least:
+        return Budget(budget.hours, steps, step, step_s, now)
+    if least < budget.max_steps:  # fewer steps than decided: within its bounds
+        return Budget(budget.hours, least, budget.decided_at_step, budget.step_s, budget.decided_at)
+    return budget
 
 
 def extend(

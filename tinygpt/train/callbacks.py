@@ -21,7 +21,7 @@ from tinygpt.model.generate import generate_text
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train import distributed as dist_
-from tinygpt.train.budget import MEASURE_STEPS, Budget, end_time, extend, steps_for
+from tinygpt.train.budget import MEASURE_STEPS, REFIX_NOTE, Budget, end_time, extend, refix, steps_for
 from tinygpt.train.compile_cache import CompileCache
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.step import eager
@@ -268,14 +268,19 @@ class TimeBudget(Callback):
     """`--hours H`: the run's budget.json (a resume keeps its step count), or a budget still to be
     measured: until then the schedule's stable phase runs on (wsd: its rate does not depend on the
     step count). After MEASURE_STEPS steady steps it times an evaluation and a checkpoint too, fixes
-    the step count so that training ends within the budget, and keeps it in budget.json."""
+    the step count so that training ends within the budget, and keeps it in budget.json. The process
+    that fixed it fixes it again at each checkpoint of the stable phase (`refix`), from the mean time
+    of every step since; it says so when the count moves by REFIX_NOTE or more."""
 
     def __init__(self, hours: float):
         self.hours = hours
         self.budget: Budget | None = None
         # after the first step of this process: the budget counts from here
         self.t_from: float | None = None
+        self.step_from = 0
         self.steps_timed = 0
+        self.final_s = 0.0  # the end's last evaluation and checkpoint, as measured
+        self.said_steps, self.said_step_s = 0, 0.0  # the count last told, and its step time
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         if trainer.cfg.schedule != "wsd":
@@ -298,10 +303,15 @@ class TimeBudget(Callback):
         self.budget, trainer.max_steps = budget, budget.max_steps
 
     def on_step(self, trainer: Any) -> None:
-        if self.budget is None or self.budget.max_steps is not None:
+        if self.budget is None:
+            return
+        if self.budget.max_steps is not None:
+            every = trainer.cfg.save_every
+            if self.t_from is not None and every and trainer.step % every == 0:
+                self._refix(trainer)  # this process measured it: the same clock
             return
         if self.t_from is None:  # the first step (its compile) is start-up, not training
-            self.t_from = time.perf_counter()
+            self.t_from, self.step_from = time.perf_counter(), trainer.step
             return
         self.steps_timed += 1
         if self.steps_timed >= MEASURE_STEPS:
@@ -323,6 +333,7 @@ class TimeBudget(Callback):
         if trainer.world_size > 1:
             steps = dist_.agree_sum([steps if trainer.is_main else 0])[0]
         self.budget = Budget(self.hours, steps, trainer.step, per_step, time.time())
+        self.final_s, self.said_steps, self.said_step_s = eval_s + save_s, steps, per_step
         trainer.max_steps, trainer.step_s = steps, per_step
         if trainer.is_main:
             self.budget.save(trainer.run_dir)
@@ -330,6 +341,29 @@ class TimeBudget(Callback):
             f"time budget {self.hours:g} h: {steps} steps of {per_step:.3g} s (evaluations and "
             f"checkpoints included); training ends about {end_time(trainer.step, steps, per_step)}"
         )
+
+    def _refix(self, trainer: Any) -> None:
+        spent = time.perf_counter() - self.t_from
+        step_s = spent / max(1, trainer.step - self.step_from)
+        old = self.budget
+        assert old is not None
+        new = refix(old, trainer.step, spent, step_s, self.final_s, trainer.cfg.decay_fraction,
+                    time.time())
+        if trainer.world_size > 1:  # rank 0's clock decides for all
+            steps = dist_.agree_sum([new.max_steps if trainer.is_main else 0])[0]
+            new = Budget(new.hours, steps, new.decided_at_step, new.step_s, new.decided_at)
+        if new.max_steps == old.max_steps:
+            return
+        self.budget, trainer.max_steps, trainer.step_s = new, new.max_steps, step_s
+        if trainer.is_main:
+            new.save(trainer.run_dir)
+        if abs(new.max_steps - self.said_steps) >= REFIX_NOTE * self.said_steps:
+            trainer.say(
+                f"time budget {self.hours:g} h: a step has taken {step_s:.3g} s on average, not "
+                f"{self.said_step_s:.3g} s: {new.max_steps} steps, not {self.said_steps}; training "
+                f"ends about {end_time(trainer.step, new.max_steps, step_s)}"
+            )
+            self.said_steps, self.said_step_s = new.max_steps, step_s
 
 
 class MFU(Callback):

@@ -202,12 +202,42 @@ def plan_note(plan: SizePlan) -> str:
     )
 
 
+# a run whose time budget buys fewer than this share of the tokens its plan counted on is told so:
+# the machine is slower than when the plan timed it, and the plan's choice may be too large
+PLAN_SHORTFALL = 0.7
+
+
+def shortfall_note(plan: SizePlan, tokens: float, tokens_per_s: float) -> str | None:
+    """What to say when the run's budget buys `tokens` (at `tokens_per_s`, evaluations and saves
+    included) and that is under PLAN_SHORTFALL of what the plan's choice counted on; else None."""
+    c = plan.choice
+    if tokens >= PLAN_SHORTFALL * c.tokens:
+        return None
+    return (
+        f"size auto: {c.size} trains at {tokens_per_s:,.0f} tokens/s here now, not the "
+        f"{c.tokens_per_s:,.0f} the plan measured: {count(tokens)} tokens in the hours, "
+        f"{tokens / c.tokens:.0%} of the {count(c.tokens)} it counted on, so a smaller size may "
+        "do better; `tinygpt probe --hours` plans again on the machine as it is"
+    )
+
+
 class PlanReport(Callback):
     """Says the plan (the table, then the choice) when training starts; a resumed run says its kept
-    size."""
+    size. Once the time budget has fixed the run's steps, says (once) when they buy fewer than
+    PLAN_SHORTFALL of the tokens the plan counted on (`shortfall_note`)."""
 
     def __init__(self, plan: SizePlan | dict):
         self.plan = plan
+        self.told = False
+
+    def on_step(self, trainer: Any) -> None:
+        if self.told or isinstance(self.plan, dict) or not trainer.step_s or not trainer.max_steps:
+            return
+        note = shortfall_note(self.plan, trainer.max_steps * trainer.cfg.tokens_per_step,
+                              trainer.cfg.tokens_per_step / trainer.step_s)
+        if note:
+            trainer.say(note)
+            self.told = True
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         if isinstance(self.plan, dict):
