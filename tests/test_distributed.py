@@ -204,3 +204,22 @@ def test_one_process_checkpoint_resumes_in_two_stops_on_sigterm_and_finishes_wit
     script.write_text(FSDP_SCRIPT)
     _run(run, shared_data, reference / "cache", nproc=2, script=script)
     _assert_same_run(run, reference / "ref")
+
+
+@pytest.mark.slow  # torchrun processes
+def test_two_ranks_fix_a_time_budget_again_together_and_end_at_the_same_step(tmp_path):
+    """Under --hours rank 0's clock fixes the step count, at step 9 and again at each checkpoint of the
+    stable phase; every rank takes it there (a rank that did not would wait for the others' next step
+    forever). The built-in corpus: no shared data needed."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "tinygpt", "pretrain", "--run-dir", str(run), "--recipe", "cpu-smoke", "--hours", "0.003",
+           "--save-every", "4", "--device", "cpu", "--quiet",
+           "--set", "train.micro_batch_size=4", "train.grad_accum_steps=2"]
+    out = subprocess.run(cmd, env=_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    budget = json.loads((run / "budget.json").read_text())
+    assert budget["decided_at_step"] > 9 and budget["decided_at_step"] % 4 == 0  # fixed again later
+    steps = [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    assert steps[-1] == budget["max_steps"] == max(s for s, _ in ckpt.list_checkpoints(run / "checkpoints"))
