@@ -75,6 +75,8 @@ def test_a_budget_fixed_again_follows_the_mean_step_time_but_never_jumps_into_th
         for step in range(0, 5000, 37):
             n = least_stable_steps(step, f)
             assert decay_start(n, f) > step >= decay_start(n - 1, f)
+    whole = Budget(hours=1.0, max_steps=1595, decided_at_step=100, step_s=2.0, decided_at=0.0)
+    assert refix(whole, 500, 1500, 3.0, 10, decay_fraction=1.0, now=1.0) is whole  # all decay: nothing to fix
 
 
 class SlowAfterTheBudget(Callback):

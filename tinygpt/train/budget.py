@@ -122,7 +122,10 @@ def decay_start(max_steps: int, decay_fraction: float) -> int:
 
 
 def least_stable_steps(step: int, decay_fraction: float) -> int:
-    """The fewest steps a run can have whose decay has not begun by `step` (`decay_start` is after it)."""
+    """The fewest steps a run can have whose decay has not begun by `step` (`decay_start` is after it);
+    none when the decay is the whole run (`decay_fraction` 1)."""
+    if not 0 <= decay_fraction < 1:
+        raise ValueError(f"no run with decay_fraction {decay_fraction} has a stable phase")
     n = max(step + 2, math.floor((step + 1) / (1 - decay_fraction)) - 2)
     while decay_start(n, decay_fraction) <= step:
         n += 1
