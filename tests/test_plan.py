@@ -113,6 +113,8 @@ def test_a_run_whose_budget_buys_far_fewer_tokens_than_its_plan_is_told_so():
     assert "d4 trains at 800 tokens/s here now, not the 1,282 the plan measured" in note, note
     assert "62% of the" in note and "tinygpt probe --hours" in note
     assert shortfall_note(plan, 2.08e6 * 1000 / 1282, 1000.0) is None
+    scaled = plan_mod.SizePlan(0.5, "d4", {"source": "fitted"}, [dataclasses.replace(c, timed=False)], 1.0)
+    assert "not the 1,282 the plan scaled from a timed size" in shortfall_note(scaled, 1e6, 800.0)
 
 
 def test_a_planned_run_that_slows_down_says_its_size_gets_fewer_tokens_than_planned(tmp_path):

@@ -215,7 +215,8 @@ def shortfall_note(plan: SizePlan, tokens: float, tokens_per_s: float) -> str | 
         return None
     return (
         f"size auto: {c.size} trains at {tokens_per_s:,.0f} tokens/s here now, not the "
-        f"{c.tokens_per_s:,.0f} the plan measured: {count(tokens)} tokens in the hours, "
+        f"{c.tokens_per_s:,.0f} the plan {'measured' if c.timed else 'scaled from a timed size'}: "
+        f"{count(tokens)} tokens in the hours, "
         f"{tokens / c.tokens:.0%} of the {count(c.tokens)} it counted on, so a smaller size may "
         "do better; `tinygpt probe --hours` plans again on the machine as it is"
     )
