@@ -82,7 +82,7 @@ setup(
     # licences); the size planner's fitted scaling laws (benchmarks/fit_scaling.py writes them)
     package_data={
         "tinygpt.model": ["assets/*.json", "assets/*.txt"],
-        "tinygpt.train": ["scaling_laws.json"],
+        "tinygpt.fit": ["scaling_laws.json"],
         "tinygpt": [
             "samples/*.md",
             "samples/*.txt",

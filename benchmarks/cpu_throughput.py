@@ -23,13 +23,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tinygpt.core.recipes import get_recipe  # noqa: E402
+from tinygpt.data.sampler import WindowSampler  # noqa: E402
+from tinygpt.data.shards import build_token_cache  # noqa: E402
+from tinygpt.data.sources import iter_documents  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
-from tinygpt.train.data import iter_documents  # noqa: E402
+from tinygpt.pretrain.run_pretrain import TOKENIZER_TRAIN_CHARS  # noqa: E402
 from tinygpt.train.optim import build_optimizer  # noqa: E402
-from tinygpt.train.pretrain import TOKENIZER_TRAIN_CHARS  # noqa: E402
-from tinygpt.train.sampler import WindowSampler  # noqa: E402
-from tinygpt.train.shards import build_token_cache  # noqa: E402
 
 
 def main() -> None:

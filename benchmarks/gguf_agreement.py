@@ -117,9 +117,9 @@ KINDS = {  # name: recipe overrides of cpu-smoke
 
 
 def train_runs(root: Path, steps: int, finetune_steps: int) -> dict[str, Path]:
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
     from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
-    from tinygpt.train.pretrain import pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain
 
     runs = {}
     for i, (name, over) in enumerate(KINDS.items()):

@@ -53,14 +53,14 @@ from tinygpt.core.recipes import MODEL_SIZES, model_config  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
 from tinygpt.finetune.lora import attach_lora, load_base, load_tokenizer  # noqa: E402
 from tinygpt.finetune.loss import FinetuneLoss, module_loss  # noqa: E402
-from tinygpt.finetune.plan import base_config, memory_gb_of, plan_finetune  # noqa: E402
-from tinygpt.finetune.recipes import check_qlora, detect_hardware, get_finetune_recipe  # noqa: E402
+from tinygpt.finetune.memory_plan import base_config, memory_gb_of, plan_finetune  # noqa: E402
+from tinygpt.finetune.presets import check_qlora, detect_hardware, get_finetune_recipe  # noqa: E402
 from tinygpt.finetune.stdlib_instructions import stdlib_instructions  # noqa: E402
+from tinygpt.fit.probe import RandomBatches  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.hf import export_model  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402
 from tinygpt.model.tokenizer import load_gpt2, train_bpe  # noqa: E402
-from tinygpt.train.probe import RandomBatches  # noqa: E402
 from tinygpt.train.step import ModelIO, TrainStep  # noqa: E402
 
 

@@ -169,7 +169,7 @@ import json, sys
 from torch._dynamo.utils import counters
 from tinygpt.core.callback import Callback
 from tinygpt.core.recipes import apply_overrides, get_recipe
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 recipe_name, run, steps, sets = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 
 def count():
@@ -278,7 +278,7 @@ def step_probe(ctx: Ctx) -> dict:
                "peak_gb": r["peak_gb"], "speeds": r.get("speeds"), "notes": r.get("notes"),
                "predicted_tokens_per_s": r["tokens_per_s"], "predicted_source": r.get("tokens_per_s_source")}
     else:
-        from tinygpt.train.report import probe_report
+        from tinygpt.fit.report import probe_report
         t0 = time.perf_counter()
         rep = json.loads(probe_report(start["figures"]["recipe"], as_json=True, cache_dir=None))
         exp = rep["expectations"]
@@ -460,13 +460,13 @@ def step_pretrain(ctx: Ctx) -> dict:
     for r in rows:
         if tiny is not None and r is not tiny and "tokens_per_s" in r:
             r["tinygpt_x"] = tiny["tokens_per_s"] / r["tokens_per_s"]
-    # the trainer's own step (tinygpt.train.probe.trainer_speed) as a user's run takes it: the recipe's loss,
+    # the trainer's own step (tinygpt.fit.probe.trainer_speed) as a user's run takes it: the recipe's loss,
     # accumulation and optimizer at the probe's micro-batch
     trainer = None
     if not ctx.smoke and ctx.left() > 25:
         from tinygpt.core.recipes import get_recipe
+        from tinygpt.fit.probe import trainer_speed
         from tinygpt.model.gpt import meta_model
-        from tinygpt.train.probe import trainer_speed
         probe = ctx.results.get("probe", {}).get("figures") or {}
         recipe = get_recipe("a100-124m").replace(train={"micro_batch_size": shape.micro_batch, "grad_accum_steps": 1,
                                                         "precision": "bf16", "loss": probe.get("loss") or "auto"})
@@ -665,7 +665,7 @@ def step_time_to_loss(ctx: Ctx) -> dict:
     from time_to_loss import Clock  # benchmarks/time_to_loss.py: (seconds after step 1, step, val loss)
 
     from tinygpt.core.recipes import get_recipe
-    from tinygpt.train.pretrain import pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain
 
     if ctx.smoke:  # the CPU pair, at a smaller shape
         pair, secs = ("cpu", "cpu-fast"), 2.0

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinygpt.core.config import GPT2_VOCAB_PADDED, TrainConfig  # noqa: E402
 from tinygpt.core.precision import Precision, choose_precision, enable_tf32, resolve_device  # noqa: E402
 from tinygpt.core.recipes import MODEL_SIZES, model_config  # noqa: E402
+from tinygpt.fit.hardware import peak_tflops as probe_peak_tflops  # noqa: E402
 from tinygpt.model import losses  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
-from tinygpt.train.hardware import peak_tflops as probe_peak_tflops  # noqa: E402
 from tinygpt.train.optim import build_optimizer, param_groups  # noqa: E402
 
 
@@ -50,8 +50,8 @@ def peak_tflops(device: torch.device, precision: str) -> tuple[float | None, str
     name = torch.cuda.get_device_name(device)
     peak = probe_peak_tflops(name, precision)
     if peak is None:
-        return None, f"none (tinygpt.train.hardware has no {precision} peak for {name!r})"
-    return peak, "tinygpt.train.hardware.GPU_TABLE"
+        return None, f"none (tinygpt.fit.hardware has no {precision} peak for {name!r})"
+    return peak, "tinygpt.fit.hardware.GPU_TABLE"
 
 
 class TinyGPTLoss(torch.nn.Module):
@@ -204,7 +204,7 @@ def measure(name: str, model: torch.nn.Module, loss_mod: torch.nn.Module, opt: t
     times = time_steps(step, batches, args.warmup, args.steps, device)
     median_s = statistics.median(times)
     tok_s = args.micro_batch * args.seq_len / median_s
-    # GB here is GiB (2**30 bytes), as tinygpt.train.probe, Colab and nvidia-smi count GPU memory.
+    # GB here is GiB (2**30 bytes), as tinygpt.fit.probe, Colab and nvidia-smi count GPU memory.
     row = {"impl": name, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
            "micro_batch": args.micro_batch, "seq_len": args.seq_len, "step_ms": median_s * 1e3,
            "step_ms_min": min(times) * 1e3, "tokens_per_s": tok_s,

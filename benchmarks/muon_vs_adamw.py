@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tinygpt.core.config import TrainConfig  # noqa: E402
 from tinygpt.core.recipes import model_config  # noqa: E402
+from tinygpt.data.sampler import fixed_batches  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
 from tinygpt.train.optim import build_optimizer  # noqa: E402
-from tinygpt.train.sampler import fixed_batches  # noqa: E402
 from tinygpt.train.step import lr_at  # noqa: E402
 
 DATA = Path(os.environ.get("TINYGPT_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))

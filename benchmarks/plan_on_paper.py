@@ -3,9 +3,9 @@
     python benchmarks/plan_on_paper.py          # markdown table for docs/BENCHMARKS.md
     python benchmarks/plan_on_paper.py --text-tokens 250000    # on a text of that many tokens (--data FILE)
 
-For each GPU class (T4, L4, A100, H100) and budget (1, 3, 12 hours), the planner (`tinygpt.train.plan`) runs
+For each GPU class (T4, L4, A100, H100) and budget (1, 3, 12 hours), the planner (`tinygpt.fit.plan`) runs
 on the class's default recipe (the H100 on h100-760m's ladder, context 2048) with tokens/s assumed, not
-measured: the GPU's peak dense bf16/fp16 TFLOP/s (core/hardware.py) times an MFU of 0.4, divided by each
+measured: the GPU's peak dense bf16/fp16 TFLOP/s (core/gpu_classes.py) times an MFU of 0.4, divided by each
 rung's training FLOPs per token. The rungs must fit the class's memory at micro-batch 1 (the probe lowers the
 micro-batch; activation checkpointing is not assumed). To be replaced by measured rows when a GPU is lent:
 `tinygpt probe --hours H` there prints the same table from timed steps. With --text-tokens, the source is a
@@ -22,12 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tinygpt.core.hardware import HARDWARE  # noqa: E402
+from tinygpt.core.gpu_classes import HARDWARE  # noqa: E402
 from tinygpt.core.recipes import get_recipe  # noqa: E402
 from tinygpt.core.units import count  # noqa: E402
+from tinygpt.fit.memory import estimate_memory  # noqa: E402
+from tinygpt.fit.plan import law_for, plan_size, unique_tokens  # noqa: E402
 from tinygpt.model.gpt import meta_model  # noqa: E402
-from tinygpt.train.memory import estimate_memory  # noqa: E402
-from tinygpt.train.plan import law_for, plan_size, unique_tokens  # noqa: E402
 
 MFU = 0.4
 GPUS = {"t4": ("T4", 15.0, "t4-50m"), "l4": ("L4", 22.0, "l4-124m"), "a100": ("A100", 40.0, "a100-124m"),

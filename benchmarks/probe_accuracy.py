@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from tinygpt.core.recipes import get_recipe
-from tinygpt.train.pretrain import pretrain
-from tinygpt.train.report import probe_report
+from tinygpt.fit.report import probe_report
+from tinygpt.pretrain.run_pretrain import pretrain
 
 
 def main() -> None:

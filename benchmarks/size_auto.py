@@ -37,11 +37,11 @@ import torch  # noqa: E402
 
 from tinygpt.core.checkpoint import step_of  # noqa: E402
 from tinygpt.core.config import DataConfig  # noqa: E402
-from tinygpt.core.hardware import size_auto_recipe  # noqa: E402
+from tinygpt.core.gpu_classes import size_auto_recipe  # noqa: E402
+from tinygpt.data.sources import validation_text  # noqa: E402
 from tinygpt.evals.lm import perplexity  # noqa: E402
 from tinygpt.model.loading import load_run  # noqa: E402
-from tinygpt.train.data import validation_text  # noqa: E402
-from tinygpt.train.pretrain import pretrain  # noqa: E402
+from tinygpt.pretrain.run_pretrain import pretrain  # noqa: E402
 
 FIXED = ("cpu", "cpu-fast", "cpu-smoke")
 HELDOUT_CHARS = 200_000

@@ -93,7 +93,7 @@ _COUNT = """
 import json, sys
 from torch._dynamo.utils import counters
 from tinygpt.core.recipes import get_recipe
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 mode, run, cache = sys.argv[1:4]
 recipe = get_recipe("cpu").replace(train={"compile": mode, "eval_every": 10, "max_steps": 30, "eval_batches": 3,
                                           "save_every": 30}, data={"max_chars": 300_000})
@@ -154,7 +154,7 @@ _WRITER = """
 import json, resource, sys, tempfile
 from tinygpt.core.config import DataConfig
 from tinygpt.model.tokenizer import load_gpt2
-from tinygpt.train.shards import build_token_cache
+from tinygpt.data.shards import build_token_cache
 cfg = DataConfig(source=sys.argv[1], tokenizer="gpt2", max_chars=int(sys.argv[2]))
 tok = load_gpt2()
 with tempfile.TemporaryDirectory() as tmp:
@@ -169,8 +169,8 @@ _TIKTOKEN = """
 import json, resource, sys
 from tinygpt.core.config import DataConfig
 from tinygpt.model.tokenizer import tiktoken_gpt2
-from tinygpt.train.data import iter_documents
-from tinygpt.train.shard_writer import BATCH_DOCS
+from tinygpt.data.sources import iter_documents
+from tinygpt.data.shard_writer import BATCH_DOCS
 docs = list(iter_documents(DataConfig(source=sys.argv[1], tokenizer="gpt2", max_chars=int(sys.argv[2]))))
 enc = tiktoken_gpt2()
 r0 = resource.getrusage(resource.RUSAGE_SELF)

@@ -26,7 +26,7 @@ import torch
 from tinygpt.core.callback import Callback
 from tinygpt.core.paths import shared_data_dir
 from tinygpt.core.recipes import apply_overrides, get_recipe
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ def _stdlib_prose(chars: int) -> str:
     """English prose every machine has: the standard library's docstrings, in a fixed order."""
     import ast
 
-    from tinygpt.train.data import builtin_files
+    from tinygpt.data.sources import builtin_files
     out, n = [], 0
     for path in builtin_files():
         try:
@@ -38,9 +38,9 @@ def build_stand_in(folder: Path) -> Path:
     """The stand-in data folder: same names as ../shared/data, content every machine can make."""
     from tinygpt.core.config import DataConfig
     from tinygpt.core.paths import sample_path
+    from tinygpt.data.sources import validation_text
     from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
     from tinygpt.model.tokenizer import find_gpt2_files
-    from tinygpt.train.data import validation_text
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tinyshakespeare.txt").write_text(_stdlib_prose(1_100_000), encoding="utf-8")
     (folder / "wikitext2_test.txt").write_text(validation_text(DataConfig(source="builtin"), 400_000), encoding="utf-8")
@@ -73,8 +73,8 @@ def shakespeare(shared_data) -> str:
 def tokens(shared_data, tmp_path_factory):
     """Tiny Shakespeare's first 300k characters as token shards (a 512-token BPE), for trainer tests."""
     from tinygpt.core.config import DataConfig
+    from tinygpt.data.shards import build_token_cache
     from tinygpt.model.tokenizer import train_bpe
-    from tinygpt.train.shards import build_token_cache
 
     text = (shared_data / "tinyshakespeare.txt").read_text()
     tok = train_bpe([text[:200_000]], 512)

@@ -12,11 +12,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tests.test_probe import saved_bytes
 from tinygpt.core.config import ModelConfig
 from tinygpt.core.recipes import model_config
-from tinygpt.finetune.plan import memory_table
+from tinygpt.finetune.memory_plan import memory_table
+from tinygpt.fit.memory import GB, estimate_memory
 from tinygpt.model import attention
 from tinygpt.model.attention import attention_kernel, torch_version
 from tinygpt.model.gpt import GPT, KVCache
-from tinygpt.train.memory import GB, estimate_memory
 
 CFG = ModelConfig(vocab_size=320, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=176, max_seq_len=64)
 
@@ -203,7 +203,7 @@ def test_a_finetuned_base_on_a_t4_compiles_as_one_graph(monkeypatch, tmp_path):
     pytest.importorskip("peft")
     from tinygpt.finetune.lora import attach_lora, load_base  # needs transformers
     from tinygpt.finetune.loss import FinetuneLoss
-    from tinygpt.finetune.recipes import LoraSettings
+    from tinygpt.finetune.presets import LoraSettings
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2)).save_pretrained(tmp_path)

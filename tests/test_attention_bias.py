@@ -10,11 +10,11 @@ import torch
 
 from tinygpt.core.config import ModelConfig
 from tinygpt.core.recipes import get_recipe
+from tinygpt.fit.memory import GB, estimate_memory
 from tinygpt.model import hf, hf_import
 from tinygpt.model.gpt import GPT
 from tinygpt.model.loading import load_run
-from tinygpt.train.memory import GB, estimate_memory
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 
 transformers = pytest.importorskip("transformers")
 

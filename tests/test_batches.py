@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tinygpt.data.sampler import WindowSampler, batch_to_device, fixed_batches, pinned_batch
 from tinygpt.finetune.instruct import build_instruct_data
 from tinygpt.finetune.stdlib_instructions import stdlib_instructions
 from tinygpt.model.tokenizer import train_bpe
-from tinygpt.train.sampler import WindowSampler, batch_to_device, fixed_batches, pinned_batch
 
 
 def test_training_and_evaluation_batches_are_contiguous(shakespeare):

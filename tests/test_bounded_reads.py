@@ -26,10 +26,10 @@ from tinygpt.cli import main
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.checkpoint import CheckpointError
 from tinygpt.core.rundir import RunDir, RunDirError
+from tinygpt.data.sources import DataError
 from tinygpt.evals import code
 from tinygpt.finetune.records import load_records, record_segments
-from tinygpt.train.data import DataError
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(max_steps=4, save_every=2, eval_every=2, progress=False, device="cpu")
@@ -326,7 +326,7 @@ def test_a_huge_text_file_is_read_only_as_far_as_max_chars_and_cut_as_before(tmp
     """A 10 GB file of text (sparse: text, then NUL bytes past the first 8 KB, as the old reader took them):
     the documents of its first max_chars characters come out as they did when the file was read whole, the
     reading stops there. (No torch in that process: the address space is capped at 1 GB.)"""
-    from tinygpt.train.data import CHUNK_CHARS, _chunks
+    from tinygpt.data.sources import CHUNK_CHARS, _chunks
     text = "".join(f"line {i}: " + "word " * (i % 97) + ("\n" if i % 5 else " ") for i in range(20_000))
     text += "x" * 50_000 + "é€ " * 30_000  # one long line, and characters of 2 and 3 bytes
     head = text.encode("utf-8")
@@ -345,7 +345,7 @@ def test_a_huge_text_file_is_read_only_as_far_as_max_chars_and_cut_as_before(tmp
         expected.append(piece)
     res = _bounded(tmp_path, f"""
         from tinygpt.core.config import DataConfig
-        from tinygpt.train.data import iter_documents
+        from tinygpt.data.sources import iter_documents
         out["docs"] = list(iter_documents(DataConfig(source={str(big)!r}, max_chars={max_chars})))
     """, address_space=GB)
     assert "docs" in res, res["stderr"][-3000:]

@@ -19,7 +19,7 @@ pytest.importorskip("peft")
 
 from tinygpt.finetune.lora import attach_lora  # noqa: E402
 from tinygpt.finetune.loss import FinetuneLoss, module_loss  # noqa: E402
-from tinygpt.finetune.recipes import LoraSettings, get_finetune_recipe  # noqa: E402
+from tinygpt.finetune.presets import LoraSettings, get_finetune_recipe  # noqa: E402
 from tinygpt.train.step import ModelIO  # noqa: E402
 from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
 
@@ -88,7 +88,7 @@ def test_twenty_steps_of_mixed_lengths_compile_once_per_bucket(tmp_path, monkeyp
 
 
 def test_qlora_compiles_only_from_bitsandbytes_046_with_torch_28():
-    from tinygpt.finetune.recipes import qlora_compile
+    from tinygpt.finetune.presets import qlora_compile
     assert qlora_compile("auto", "cuda", "0.46.0", "2.9.0+cu128") == ("auto", None)  # Colab's pins: compiled
     mode, note = qlora_compile("auto", "cuda", "0.45.5", "2.9.0+cu128")
     assert mode == "off" and note == ("QLoRA runs eagerly: compiling its 4-bit layers needs bitsandbytes >= 0.46 "
@@ -102,7 +102,7 @@ def test_an_old_bitsandbytes_trains_qlora_eagerly_and_says_so(tmp_path, monkeypa
 
     import bitsandbytes
 
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
     records = stdlib_instructions(60)
     (tmp_path / "data.json").write_text(json.dumps(records))
     tok = train_bpe([r["instruction"] + "\n" + r["output"] for r in records], vocab_size=512)

@@ -20,6 +20,8 @@ import pytest
 from tinygpt.cli import main
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError, TrainConfig
+from tinygpt.pretrain.pretrain_options import PretrainOptions
+from tinygpt.pretrain.run_pretrain import pretrain
 from tinygpt.train.budget import (
     Budget,
     decay_start,
@@ -29,8 +31,6 @@ from tinygpt.train.budget import (
     refix,
     steps_for,
 )
-from tinygpt.train.pretrain import pretrain
-from tinygpt.train.pretrain_options import PretrainOptions
 from tinygpt.train.step import lr_at
 
 REPO = Path(__file__).resolve().parents[1]

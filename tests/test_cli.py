@@ -176,8 +176,8 @@ def test_console_script_and_module_entry_point():
 def test_pretrain_without_recipe_says_which_and_a_finished_run_says_it_is_complete(tmp_path, capsys):
     """No --recipe: the hardware's default (the probe's choice), said in one line before training; a run
     folder brings its own. Run again once finished: 'complete', its figures, and how to go on."""
-    from tinygpt.train.hardware import hardware_report
-    from tinygpt.train.pretrain import pretrain
+    from tinygpt.fit.hardware import hardware_report
+    from tinygpt.pretrain.run_pretrain import pretrain
     run = tmp_path / "run"
     pretrain("cpu-smoke", run, max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu",
              cache_dir=tmp_path / "cache")
@@ -207,7 +207,7 @@ def test_a_signal_that_comes_while_a_failed_run_closes_does_not_hide_the_failure
     SIGTERM, which may land while the failure unwinds through the callbacks' close: the failure is what
     the command says (exit 2), not "interrupted"; a Ctrl-C on its own is still an interruption (130)."""
     from tinygpt.core.callback import Callback
-    from tinygpt.train import pretrain as real  # the command imports `pretrain` from here as it runs
+    from tinygpt.pretrain import run_pretrain as real  # the command imports `pretrain` from here as it runs
     from tinygpt.train.trainer import TrainingError
 
     pretrain = real.pretrain

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError
+from tinygpt.data.sampler import WindowSampler
+from tinygpt.data.shards import StreamedShards
 from tinygpt.model import hf, hf_import
 from tinygpt.model.tokenizer import Tokenizer, train_bpe
-from tinygpt.train.init import CONTINUE_MAX_LR, continued_recipe, initial_model, read_base, starting_base
-from tinygpt.train.pretrain import pretrain
-from tinygpt.train.sampler import WindowSampler
-from tinygpt.train.shards import StreamedShards
+from tinygpt.pretrain.init import CONTINUE_MAX_LR, continued_recipe, initial_model, read_base, starting_base
+from tinygpt.pretrain.run_pretrain import pretrain
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]

@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from tinygpt.core.config import ConfigError, DataConfig
-from tinygpt.model.tokenizer import train_bpe
-from tinygpt.train.data import (
+from tinygpt.data.sampler import WindowSampler, fixed_batches
+from tinygpt.data.shard_writer import token_dtype
+from tinygpt.data.shards import build_token_cache
+from tinygpt.data.sources import (
     DataError,
     builtin_files,
     iter_documents,
     resolve_source,
 )
-from tinygpt.train.sampler import WindowSampler, fixed_batches
-from tinygpt.train.shard_writer import token_dtype
-from tinygpt.train.shards import build_token_cache
+from tinygpt.model.tokenizer import train_bpe
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_bad_data_gets_clear_errors(tmp_path):
 
 
 def test_same_path_source_resolves_our_spelling_and_only_reads_theirs_as_words(tmp_path, monkeypatch):
-    from tinygpt.train.data import same_path_source
+    from tinygpt.data.sources import same_path_source
     text = tmp_path / "text.txt"
     text.write_text("some words\n" * 10)
     (tmp_path / "link.txt").symlink_to(text)

@@ -19,9 +19,9 @@ from filelock import FileLock  # a dependency of torch
 from safetensors.torch import load_file
 
 from tinygpt.core.checkpoint import MODEL_FILE, list_checkpoints, step_name, verify_checkpoint
+from tinygpt.pretrain.run_pretrain import pretrain
 from tinygpt.sync.copy import Backoff
 from tinygpt.sync.mirror import Mirror
-from tinygpt.train.pretrain import pretrain
 
 pytestmark = pytest.mark.slow  # real runs killed, mirrors filled (short form: test_fast_recipe.py's resume)
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ STEPS, SAVE_EVERY = 40, 4
 
 RESUME = """
 import json, sys
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 run_dir, data, mirror = sys.argv[1:4]
 r = pretrain("cpu-smoke", run_dir, data=data, mirror=mirror, max_steps=%d, save_every=%d, device="cpu",
              progress=False)

@@ -15,8 +15,8 @@ import torch
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError
+from tinygpt.data.sampler import WindowSampler
 from tinygpt.train.distributed import check_parallel, split_global_batch, torchrun_env
-from tinygpt.train.sampler import WindowSampler
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24  # steps are cheap (process start-up is not): room to stop a run half way
@@ -28,7 +28,7 @@ COMMON = ["--recipe", "cpu-smoke", "--max-steps", str(STEPS), "--save-every", "4
 FSDP_SCRIPT = """
 import sys
 from tinygpt.core.recipes import get_recipe
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 
 recipe = get_recipe("cpu-smoke").replace(train=dict(micro_batch_size=4, grad_accum_steps=2, log_every=1, keep_last=10))
 pretrain(recipe, sys.argv[1], data=sys.argv[2], max_steps=%d, save_every=4, eval_every=4, device="cpu",

@@ -28,7 +28,7 @@ from tinygpt.core.checkpoint import (
 from tinygpt.sync.copy import Backoff
 from tinygpt.sync.mirror import Mirror, prune_mirror
 from tinygpt.sync.restore import restore_latest
-from tinygpt.sync.shards import restore_shards, sync_shards
+from tinygpt.sync.token_cache import restore_shards, sync_shards
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
@@ -328,7 +328,7 @@ def test_kill_9_during_a_copy_leaves_the_mirror_usable(tmp_path):
 # ---- token cache ---------------------------------------------------------------------------------
 
 def make_shards(folder: Path, n: int, done: bool) -> Path:
-    """A shard folder as tinygpt.train.shards writes it: files, then the manifest listing them."""
+    """A shard folder as tinygpt.data.shards writes it: files, then the manifest listing them."""
     folder.mkdir(parents=True, exist_ok=True)
     shards = []
     for i in range(n):

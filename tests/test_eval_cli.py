@@ -13,14 +13,14 @@ import pytest
 from tinygpt.cli import build_parser, main
 from tinygpt.core.config import DataConfig
 from tinygpt.core.options import from_args
+from tinygpt.data.sources import validation_text
 from tinygpt.evals import lm as ev
-from tinygpt.evals.options import EvalOptions
-from tinygpt.evals.run import evaluate
+from tinygpt.evals.eval_options import EvalOptions
+from tinygpt.evals.evaluate import evaluate
 from tinygpt.evals.tasks import TASKS, stdlib_functions
 from tinygpt.model.loading import load_run
+from tinygpt.pretrain.run_pretrain import pretrain
 from tinygpt.publish.card import model_card
-from tinygpt.train.data import validation_text
-from tinygpt.train.pretrain import pretrain
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_hub_data_without_a_network_says_what_works_offline(run):
 def test_a_finetuning_run_is_evaluated_with_its_adapter(run, shared_data, tmp_path, capsys):
     pytest.importorskip("peft")
     from tinygpt.finetune.lora import load_finetuned
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
 
     ft = tmp_path / "ft"
     finetune("lora-r8", str(run), str(shared_data / "code_alpaca_2k.json"), ft, max_steps=2, hardware="cpu",
@@ -176,7 +176,7 @@ def test_a_finetuning_run_is_evaluated_with_its_adapter(run, shared_data, tmp_pa
 def test_perplexity_defaults_to_the_runs_validation_split_and_its_context(tmp_path, capsys):
     """A newcomer's `tinygpt eval RUN --task perplexity` needs no file: the run's own held-out text,
     scored with the window it trained with; `--data builtin` is the built-in corpus's split."""
-    from tinygpt.train.pretrain import pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain
     run = tmp_path / "run"
     pretrain("cpu-smoke", run, max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu",
              cache_dir=tmp_path / "cache")
@@ -247,7 +247,7 @@ def test_hellaswag_reads_no_position_past_the_trained_context(run, tmp_path, mon
     import bz2
 
     from tinygpt.core.paths import sample_path
-    from tinygpt.evals.run import run_eval
+    from tinygpt.evals.evaluate import run_eval
     from tinygpt.model.gpt import GPT
 
     _, tok, recipe, _ = load_run(run)

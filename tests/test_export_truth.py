@@ -16,10 +16,10 @@ import torch
 from tinygpt.cli import main
 from tinygpt.core.recipes import get_recipe
 from tinygpt.model.prompts import Codec, format_prompt
+from tinygpt.pretrain.run_pretrain import pretrain
 from tinygpt.publish.card import AMX_NOTE
 from tinygpt.publish.export import export
 from tinygpt.publish.source import trained_context
-from tinygpt.train.pretrain import pretrain
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
@@ -41,7 +41,7 @@ def run(tmp_path_factory, shared_data) -> Path:
 
 @pytest.fixture(scope="module")
 def lora_run(run, shared_data, tmp_path_factory) -> Path:
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
 
     ft = tmp_path_factory.mktemp("truth-ft") / "ft"
     finetune("lora-r8", str(run), str(shared_data / "code_alpaca_2k.json"), ft, hardware="cpu", progress=False,
@@ -287,7 +287,7 @@ def test_llama_cpp_greedy_tokens_of_a_full_finetune_at_f16_equal_its_hf_exports(
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
     import transformers
 
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
 
     finetune("full", str(run), str(shared_data / "code_alpaca_2k.json"), tmp_path / "full", hardware="cpu",
              progress=False, train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=3,

@@ -13,7 +13,7 @@ from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.recipes import get_recipe
 from tinygpt.model import hf
 from tinygpt.model.loading import load_run
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 
 transformers = pytest.importorskip("transformers")
 

@@ -28,6 +28,7 @@ from tinygpt.colab.tables import finetune_recipe_rows  # noqa: E402
 from tinygpt.core.callback import Callback  # noqa: E402
 from tinygpt.core.config import ConfigError, DataConfig, Recipe, TrainConfig  # noqa: E402
 from tinygpt.core.recipes import model_config  # noqa: E402
+from tinygpt.data.sampler import WindowSampler, fixed_batches  # noqa: E402
 from tinygpt.finetune.lora import (  # noqa: E402
     attach_lora,
     export_adapter,
@@ -38,23 +39,22 @@ from tinygpt.finetune.lora import (  # noqa: E402
     merge_adapter,
 )
 from tinygpt.finetune.loss import causal_lm_loss  # noqa: E402
-from tinygpt.finetune.plan import (  # noqa: E402
+from tinygpt.finetune.memory_plan import (  # noqa: E402
     base_config_dict,
     default_finetune_recipe,
     memory_table,
 )
-from tinygpt.finetune.recipes import (  # noqa: E402
+from tinygpt.finetune.presets import (  # noqa: E402
     FINETUNE_RECIPES,
     FinetuneError,
     LoraSettings,
     check_qlora,
     get_finetune_recipe,
 )
-from tinygpt.finetune.run import finetune  # noqa: E402
+from tinygpt.finetune.run_finetune import finetune  # noqa: E402
 from tinygpt.model.generate import compare_generations, generate_response  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
-from tinygpt.train.sampler import WindowSampler, fixed_batches  # noqa: E402
 from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -464,7 +464,7 @@ def test_bad_bases_and_settings_fail_clearly(tmp_path, tiny_run, shared_data, mo
 def test_bad_data_fails_before_training(tmp_path, tiny_run):
     records = [{"instruction": "a", "input": "", "output": "b"}, {"instruction": "c"}]
     (tmp_path / "d.json").write_text(json.dumps(records))
-    from tinygpt.train.data import DataError
+    from tinygpt.data.sources import DataError
     with pytest.raises(DataError, match="record 1 has no field 'output'"):
         finetune("lora-r8", str(tiny_run), str(tmp_path / "d.json"), tmp_path / "ft", hardware="cpu")
     assert not (tmp_path / "ft" / "checkpoints").exists()
@@ -520,7 +520,7 @@ KILL_TRAIN = dict(seq_len=128, micro_batch_size=2, grad_accum_steps=2, max_steps
                   eval_every=4, save_every=2, eval_batches=1, log_every=1)
 KILLER = textwrap.dedent(f"""
     import os, signal, sys
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
     kill_at = int(sys.argv[4])
     from tinygpt.core.callback import Callback
     class Killer(Callback):
@@ -592,7 +592,7 @@ def test_mirror_gets_verified_checkpoints_and_the_adapter_and_a_new_vm_resumes_f
 
     shutil.rmtree(tmp_path / "vm")  # a new VM: nothing local, Drive is still there
     # It may be another GPU: the run keeps the hardware class it started with (finetune.json, from Drive).
-    monkeypatch.setattr("tinygpt.finetune.run.detect_hardware", lambda device: "t4")
+    monkeypatch.setattr("tinygpt.finetune.run_finetune.detect_hardware", lambda device: "t4")
     resumed = finetune("lora-r8", str(tiny_run), data, vm, train=MIRROR_TRAIN, progress=False, mirror=drive)
     assert resumed.train.resumed_from == 2 and resumed.train.step == 6 and resumed.hardware == "cpu"
     on_drive = [s for s, _ in list_checkpoints(drive / "checkpoints")]

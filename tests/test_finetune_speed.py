@@ -21,9 +21,9 @@ from tinygpt.core.recipes import model_config  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
 from tinygpt.finetune.lora import attach_lora, load_base  # noqa: E402
 from tinygpt.finetune.loss import FinetuneLoss, causal_lm_loss, module_loss  # noqa: E402
-from tinygpt.finetune.plan import device_need_gb, memory_table, plan_finetune  # noqa: E402
-from tinygpt.finetune.recipes import LoraSettings, get_finetune_recipe  # noqa: E402
-from tinygpt.finetune.run import finetune  # noqa: E402
+from tinygpt.finetune.memory_plan import device_need_gb, memory_table, plan_finetune  # noqa: E402
+from tinygpt.finetune.presets import LoraSettings, get_finetune_recipe  # noqa: E402
+from tinygpt.finetune.run_finetune import finetune  # noqa: E402
 from tinygpt.finetune.stdlib_instructions import stdlib_instructions  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402

@@ -11,10 +11,10 @@ import pytest
 
 from tinygpt.core.config import DataConfig
 from tinygpt.core.recipes import get_recipe
+from tinygpt.data.sampler import WindowSampler
+from tinygpt.data.shard_writer import FIRST_SHARD_TOKENS, SHARD_TOKENS, write_shards
+from tinygpt.data.shards import MANIFEST, StreamedShards
 from tinygpt.model.tokenizer import load_gpt2
-from tinygpt.train.sampler import WindowSampler
-from tinygpt.train.shard_writer import FIRST_SHARD_TOKENS, SHARD_TOKENS, write_shards
-from tinygpt.train.shards import MANIFEST, StreamedShards
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/io").is_file(), reason="needs Linux's /proc")
 

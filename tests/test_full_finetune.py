@@ -23,9 +23,9 @@ from tinygpt.colab.runs import run_status  # noqa: E402
 from tinygpt.colab.tables import finetune_recipe_rows  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
 from tinygpt.finetune.lora import load_base, load_finetuned  # noqa: E402
-from tinygpt.finetune.plan import memory_table  # noqa: E402
-from tinygpt.finetune.recipes import get_finetune_recipe  # noqa: E402
-from tinygpt.finetune.run import finetune  # noqa: E402
+from tinygpt.finetune.memory_plan import memory_table  # noqa: E402
+from tinygpt.finetune.presets import get_finetune_recipe  # noqa: E402
+from tinygpt.finetune.run_finetune import finetune  # noqa: E402
 from tinygpt.model import hf  # noqa: E402
 from tinygpt.model.generate import compare_generations, generate_response  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
@@ -139,7 +139,7 @@ def test_memory_table_counts_weights_gradients_and_adamw_for_every_weight(base):
 KILLER = textwrap.dedent(f"""
     import os, signal, sys
     from tinygpt.core.callback import Callback
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
     class Killer(Callback):
         def on_log(self, m):
             if m.get("step") == 5:

@@ -13,11 +13,11 @@ import torch
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError, ModelConfig, TrainConfig
 from tinygpt.core.recipes import get_recipe, model_config
+from tinygpt.data.sampler import WindowSampler, fixed_batches
 from tinygpt.model import hf, hf_import
 from tinygpt.model.gpt import GPT, KVCache
 from tinygpt.model.tokenizer import train_bpe
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.trainer import TrainData, Trainer
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

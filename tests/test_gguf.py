@@ -16,14 +16,14 @@ import torch
 from tinygpt.cli import main
 from tinygpt.core.checkpoint import model_state
 from tinygpt.core.recipes import get_recipe
-from tinygpt.evals.runs import summarize_run
+from tinygpt.evals.compare_runs import summarize_run
 from tinygpt.model import gguf as gg
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import EOT, Tokenizer, find_gpt2_files, load_gpt2, train_bpe
+from tinygpt.pretrain.run_pretrain import pretrain
 from tinygpt.publish.card import card_facts, read_evals
 from tinygpt.publish.export import upload_folder
 from tinygpt.publish.hub import hub_token
-from tinygpt.train.pretrain import pretrain
 
 gguf = pytest.importorskip("gguf")
 REPO = Path(__file__).resolve().parents[1]
@@ -277,7 +277,7 @@ def test_the_token_comes_from_colabs_secrets(monkeypatch):
 
 @pytest.fixture(scope="module")
 def lora_run(run, shared_data, tmp_path_factory) -> Path:
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
 
     ft = tmp_path_factory.mktemp("gguf-ft") / "ft"
     finetune("lora-r8", str(run), str(shared_data / "code_alpaca_2k.json"), ft, hardware="cpu", progress=False,
@@ -366,7 +366,7 @@ def test_llama_cpp_runs_a_trained_run_and_a_merged_finetune_as_tinygpt(run, lora
 def test_a_full_finetune_exports_its_whole_model(run, shared_data, tmp_path):
     from safetensors.numpy import load_file
 
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
 
     finetune("full", str(run), str(shared_data / "code_alpaca_2k.json"), tmp_path / "full", hardware="cpu",
              progress=False, train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=3,

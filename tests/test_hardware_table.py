@@ -1,15 +1,15 @@
-"""The one hardware table (`core.hardware.HARDWARE`): every class's entry is what the rest of tinygpt reads, and
+"""The one hardware table (`core.gpu_classes.HARDWARE`): every class's entry is what the rest of tinygpt reads, and
 every name in it points at something that exists."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.precision import choose_precision
 from tinygpt.core.recipes import RECIPES
-from tinygpt.finetune.recipes import FINETUNE_RECIPES, finetune_device
-from tinygpt.train.hardware import GPU_TABLE, gpu_class, gpu_spec
+from tinygpt.finetune.presets import FINETUNE_RECIPES, finetune_device
+from tinygpt.fit.hardware import GPU_TABLE, gpu_class, gpu_spec
 
 
 @pytest.mark.parametrize("name", list(HARDWARE))
@@ -53,7 +53,7 @@ def test_colab_g4_is_its_own_class_that_the_probe_reports_and_the_picker_serves(
     from dataclasses import replace
 
     from tinygpt import colab
-    from tinygpt.train.hardware import hardware_report
+    from tinygpt.fit.hardware import hardware_report
 
     name = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
     assert gpu_spec(name) == (500.0, "g4") and gpu_class(name, 12, 95.0) == "g4"

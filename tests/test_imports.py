@@ -35,7 +35,7 @@ def test_help_imports_no_torch_and_recipes_no_compiler_and_no_hugging_face():
     modules = imported("--help")
     assert "tinygpt.cli" in modules and "argparse" in modules  # the list is read
     assert not {m for m in modules if m.split(".")[0] == "torch"}  # nor the modules of any command
-    assert not {m for m in modules if m.startswith(("tinygpt.train", "tinygpt.evals", "tinygpt.model"))}
+    assert not {m for m in modules if m.startswith(("tinygpt.train", "tinygpt.data", "tinygpt.fit", "tinygpt.pretrain", "tinygpt.evals", "tinygpt.model"))}
     modules = imported("recipes")
     assert "torch" in modules and unused(modules) == []
 
@@ -64,7 +64,7 @@ def test_cpu_pretraining_and_generate_import_no_compiler_and_no_hugging_face(tmp
     modules = imported("pretrain", "--recipe", "cpu-smoke", "--data", str(text), "--run-dir", str(run),
                        "--max-steps", "3", "--quiet", "--device", "cpu", "--set", "train.compile=off",
                        "--set", "train.eval_every=0", "--set", "train.save_every=3")
-    assert "tinygpt.train.trainer" in modules and "tinygpt.train.shards" in modules  # it trained and tokenized
+    assert "tinygpt.train.trainer" in modules and "tinygpt.data.shards" in modules  # it trained and tokenized
     assert unused(modules) == []
     modules = imported("generate", "--run-dir", str(run), "--prompt", "def main(", "--max-new-tokens", "5")
     assert "tinygpt.model.generate" in modules

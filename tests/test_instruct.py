@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
+from tinygpt.data.sources import DataError
 from tinygpt.finetune.instruct import InstructSource, build_instruct_data
 from tinygpt.finetune.records import load_records, mbpp_instruction, record_segments
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.model.prompts import format_prompt
 from tinygpt.model.tokenizer import train_bpe
-from tinygpt.train.data import DataError
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ def test_a_mirror_that_vanishes_mid_run_is_never_recreated_on_the_vms_disk(tmp_p
     import warnings
 
     from tinygpt.cli_report import report_pretrain
-    from tinygpt.train.pretrain import pretrain as run_pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain as run_pretrain
 
     monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("TINYGPT_MIRROR_WAIT_S", "30")
@@ -257,7 +257,7 @@ def test_evals_jsonl_is_never_written_or_read_through_a_link(tmp_path, capsys):
     link to a file of the user's: `tinygpt eval` appends nothing to that file, `tinygpt export` copies nothing of it
     into the model card; each says which file it refused. A plain evals.jsonl is appended and carried as before."""
     from tinygpt.cli import main
-    from tinygpt.train.pretrain import pretrain as run_pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain as run_pretrain
 
     data = text_folder(tmp_path / "data", 1)
     run = tmp_path / "run"

@@ -24,10 +24,10 @@ from tinygpt.core.files import TMP_PREFIX, atomic_output
 from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import LOCK, RunDir, RunDirError, RunDirReplaced
 from tinygpt.core.runlock import lock
+from tinygpt.data.shard_writer import SHARD_TOKENS
 from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.pretrain.run_pretrain import pretrain
 from tinygpt.sync.copy import copy_checkpoint
-from tinygpt.train.pretrain import pretrain
-from tinygpt.train.shard_writer import SHARD_TOKENS
 from tinygpt.train.stopping import closing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,7 +310,7 @@ def test_a_failed_write_of_run_json_stops_the_tokenizing_process(tmp_path, monke
     leaving it tokenizing on in the notebook's kernel after the run has failed."""
     import errno
 
-    import tinygpt.train.tokens as tokens_module
+    import tinygpt.data.tokens as tokens_module
     real, streams = tokens_module.stream_token_cache, []
 
     def recording(*args, **kw):  # the real stream, kept to look at its process afterwards
@@ -332,7 +332,7 @@ def test_a_failed_write_of_run_json_stops_the_tokenizing_process(tmp_path, monke
 
 
 def test_a_failed_first_finetuning_try_leaves_no_base_and_the_fixed_one_runs(small_run, tmp_path, shared_data):
-    from tinygpt.finetune.run import finetune
+    from tinygpt.finetune.run_finetune import finetune
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"no": "fields a record has"}] * 20))
     ft = tmp_path / "ft"

@@ -14,12 +14,12 @@ from tinygpt.core.config import CompileMode, ConfigError, TrainConfig
 from tinygpt.core.fields import field_problem
 from tinygpt.core.options import add_options, from_args, option, option_fields
 from tinygpt.core.recipes import RecipeChoice, get_recipe
-from tinygpt.finetune.options import FinetuneOptions
+from tinygpt.finetune.finetune_options import FinetuneOptions
+from tinygpt.fit.report import ProbeOptions
 from tinygpt.model.generate import GenerateOptions
+from tinygpt.pretrain.pretrain_options import PretrainOptions
 from tinygpt.publish.export import ExportOptions
 from tinygpt.publish.hub import PushOptions
-from tinygpt.train.pretrain_options import PretrainOptions
-from tinygpt.train.report import ProbeOptions
 
 
 @dataclass(kw_only=True)

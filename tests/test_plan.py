@@ -9,11 +9,10 @@ import math
 
 import pytest
 
-import tinygpt.train.plan as plan_mod
+import tinygpt.fit.plan as plan_mod
 from tinygpt.core.config import ConfigError
 from tinygpt.core.recipes import get_recipe
-from tinygpt.model.gpt import meta_model
-from tinygpt.train.plan import (
+from tinygpt.fit.plan import (
     CHINCHILLA,
     LADDER_DEPTHS,
     LADDER_FIELDS,
@@ -29,8 +28,9 @@ from tinygpt.train.plan import (
     rung,
     unique_tokens,
 )
-from tinygpt.train.pretrain import pretrain
-from tinygpt.train.report import plan_note, plan_table, shortfall_note
+from tinygpt.fit.report import plan_note, plan_table, shortfall_note
+from tinygpt.model.gpt import meta_model
+from tinygpt.pretrain.run_pretrain import pretrain
 
 
 def machine(flops_per_s: float, calls: list | None = None):
@@ -98,7 +98,7 @@ def test_the_planner_times_a_few_rungs_and_never_one_the_hours_cannot_train():
 def test_the_plan_note_says_a_choice_under_one_token_per_parameter_as_it_is():
     """A short CPU budget chooses a rung trained on fewer tokens than it has parameters: the note says 0.5,
     not 0 (the table's figure), and names the law."""
-    from tinygpt.train.report import plan_note
+    from tinygpt.fit.report import plan_note
     c = plan_mod.Candidate("d4", 4_262_656, 1_282.0, True, 2.08e6, 2.0, 3.474, chosen=True)
     note = plan_note(plan_mod.SizePlan(0.5, "d4", {"source": "fitted on 10 tinygpt runs"}, [c], 1.0))
     assert "0.5 tokens per parameter" in note and "(3.474; law: fitted on 10 tinygpt runs)" in note, note
@@ -256,7 +256,7 @@ def test_a_rung_that_would_see_fewer_tokens_per_parameter_than_the_laws_runs_is_
     free = plan_size(a100, 1, speed, law=CHINCHILLA)
     assert not free.outside_law and free.choice.tokens_per_param > 5
     for name, law in fitted_laws().items():
-        runs = json.loads((plan_mod.resources.files("tinygpt.train") / plan_mod.LAWS_FILE).read_text())
+        runs = json.loads((plan_mod.resources.files("tinygpt.fit") / plan_mod.LAWS_FILE).read_text())
         assert law.min_tokens_per_param == min(r["tokens"] / r["params"] for r in runs["laws"][name]["runs"])
 
 
@@ -285,7 +285,7 @@ def test_the_shipped_fitted_law_predicts_its_held_out_runs_within_5_percent(name
     laws = fitted_laws()
     if name not in laws:
         pytest.skip(f"no law fitted on the {name} ladder shipped (benchmarks/fit_scaling.py --write writes it)")
-    data = json.loads((plan_mod.resources.files("tinygpt.train") / plan_mod.LAWS_FILE).read_text())["laws"][name]
+    data = json.loads((plan_mod.resources.files("tinygpt.fit") / plan_mod.LAWS_FILE).read_text())["laws"][name]
     law, unique = laws[name], unique_tokens(get_recipe(name))
     assert law_for(get_recipe(name)) == law
     assert data["held_out_max_error"] is not None and data["held_out_max_error"] <= 0.05
@@ -316,8 +316,8 @@ def test_the_characters_per_token_the_planner_assumes_are_what_a_trained_tokeniz
     """The epochs a plan counts rest on CHARS_PER_TOKEN (the tokenizer does not exist yet when the plan is
     made): a 4096-token BPE trained on the built-in corpus, as the CPU recipes train theirs, reads within 10%
     of it on 2M characters of that corpus."""
+    from tinygpt.data.sources import iter_documents
     from tinygpt.model.tokenizer import train_bpe
-    from tinygpt.train.data import iter_documents
     d = get_recipe("cpu-fast").data
     sample = type(d)(**{**d.to_dict(), "max_chars": 2_000_000})
     tokenizer = train_bpe(iter_documents(sample), d.vocab_size)
@@ -329,9 +329,9 @@ def test_the_characters_per_token_the_planner_assumes_are_what_a_trained_tokeniz
 def test_size_auto_without_a_recipe_climbs_the_cpu_fast_ladder_on_a_cpu(tmp_path):
     """On a CPU `--size auto` plans cpu-fast's family (it beat cpu's ladder at 10 minutes,
     docs/BENCHMARKS.md section 13); without --size, and on a GPU, the default recipe is unchanged."""
-    from tinygpt.core.hardware import HARDWARE, size_auto_recipe
-    from tinygpt.train.hardware import hardware_report
-    from tinygpt.train.init import default_recipe
+    from tinygpt.core.gpu_classes import HARDWARE, size_auto_recipe
+    from tinygpt.fit.hardware import hardware_report
+    from tinygpt.pretrain.init import default_recipe
     report = hardware_report("cpu")
     assert default_recipe(tmp_path / "new")[0] == report.default_recipe == "cpu"
     name, why = default_recipe(tmp_path / "new", sized=True)
@@ -410,7 +410,7 @@ def test_a_planned_run_on_a_text_every_rung_would_read_too_often_trains_the_reci
 def test_the_notebook_shows_the_plan_and_its_picker_plans_only_with_a_time(tmp_path):
     from tinygpt.colab import plan_plot
     from tinygpt.colab.pickers import RecipePicker
-    from tinygpt.train.hardware import hardware_report
+    from tinygpt.fit.hardware import hardware_report
     run = tmp_path / "r"
     pretrain("cpu-smoke", run, size="auto", hours=0.001, device="cpu", progress=False, tensorboard=False)
     pytest.importorskip("matplotlib")
@@ -436,7 +436,7 @@ def test_probe_with_hours_prints_the_plan_it_would_train(capsys):
 
 def test_colab_summary_with_hours_shows_the_same_plan():
     from tinygpt.colab import summary
-    from tinygpt.train.hardware import hardware_report
+    from tinygpt.fit.hardware import hardware_report
     tables = summary("cpu-smoke", hardware_report("cpu"), hardware=False, hours=0.01)
     plan = tables[-1]
     assert plan.title == "Size plan for 0.01 h" and plan.rows[0][0] == "size"
@@ -470,7 +470,7 @@ def test_the_planners_own_time_is_bounded_compiles_included():
     200 s). A modelled machine whose every timing takes 40 s: a 1-hour plan (90 s for planning) begins a
     second timing (40 + 40 <= 90) but not a third, and says the rest are scaled; a 12-hour one (300 s) times
     as many rungs as it would with instant timings. The first timing is always taken."""
-    from tinygpt.train.plan import PLAN_TIME_MAX_S, may_time, planning_limit
+    from tinygpt.fit.plan import PLAN_TIME_MAX_S, may_time, planning_limit
     assert planning_limit(1) == 90 and planning_limit(12) == PLAN_TIME_MAX_S == 300
     recipe = get_recipe("a100-124m")
     now = [0.0]

@@ -7,12 +7,12 @@ import torch
 
 from tinygpt.core.config import ConfigError
 from tinygpt.core.recipes import get_recipe
-from tinygpt.train.pretrain import pretrain
-from tinygpt.train.probe import fit_to_device
+from tinygpt.fit.probe import fit_to_device
+from tinygpt.pretrain.run_pretrain import pretrain
 
 
 def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkeypatch):
-    import tinygpt.train.probe as probe_mod
+    import tinygpt.fit.probe as probe_mod
 
     calls = []
 
@@ -45,8 +45,8 @@ def test_a_probed_run_resumes_on_a_new_vm_from_the_mirror_with_its_own_choices(t
     probe, or the run is probed again (a minute on a GPU), may choose otherwise, and is refused as another
     configuration. The first VM's probe is played by its recorded result: micro-batch 4 with 2 accumulation
     steps where the recipe says 8 and 1, as a probe on a smaller GPU would."""
-    import tinygpt.train.pretrain as pretrain_mod
-    import tinygpt.train.probe as probe_mod
+    import tinygpt.fit.probe as probe_mod
+    import tinygpt.pretrain.run_pretrain as pretrain_mod
 
     real_fit = pretrain_mod.fit_to_device
     probed = {"micro_batch_size": 4, "grad_accum_steps": 2, "device_name": "NVIDIA T4"}
@@ -83,9 +83,9 @@ def test_metrics_reach_tensorboard(tmp_path, shared_data):
 def test_samples_come_every_sample_every_steps_and_once_at_the_end(tmp_path, shared_data):
     """train.sample_every=4 over 10 steps: steps 4 and 8 on the way, 10 at the end (nothing twice); a resume
     to 12 adds only its own end; under FSDP, where rank 0 holds a shard, the option is refused before any work."""
+    from tinygpt.pretrain.pretrain_options import PretrainOptions
+    from tinygpt.pretrain.run_pretrain import check_recipe
     from tinygpt.train.distributed import Ranks
-    from tinygpt.train.pretrain import check_recipe
-    from tinygpt.train.pretrain_options import PretrainOptions
 
     recipe = get_recipe("cpu-smoke").replace(train={"sample_every": 4})
     kw = dict(data=str(shared_data / "tinyshakespeare.txt"), save_every=5, eval_every=5, progress=False,

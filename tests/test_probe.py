@@ -11,13 +11,13 @@ import torch
 
 from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig
 from tinygpt.core.recipes import get_recipe
+from tinygpt.fit.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops
+from tinygpt.fit.memory import GB, TensorMemoryTracker, estimate_memory
+from tinygpt.fit.probe import ProbeError, apply_probe, probe, trainer_speed
+from tinygpt.fit.report import expectations, probe_report
 from tinygpt.model import losses
 from tinygpt.model.gpt import GPT
-from tinygpt.train.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops
-from tinygpt.train.memory import GB, TensorMemoryTracker, estimate_memory
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.probe import ProbeError, apply_probe, probe, trainer_speed
-from tinygpt.train.report import expectations, probe_report
 
 
 def tiny_recipe(micro: int = 8, seq_len: int = 32, accum: int = 8, ckpt: bool = False) -> Recipe:
@@ -366,7 +366,7 @@ def test_a_probe_leaves_no_compiled_shapes_behind(tmp_path):
     another size would need a new graph (a symbolic batch dimension would have served it)."""
     from torch._dynamo.utils import counters
 
-    from tinygpt.train.probe import RandomBatches
+    from tinygpt.fit.probe import RandomBatches
     from tinygpt.train.step import TrainStep
     recipe = tiny_recipe(micro=4, seq_len=32, accum=4).replace(train={"compile": "on", "device": "cpu"})
     torch._dynamo.reset()

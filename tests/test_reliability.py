@@ -20,7 +20,7 @@ import torch
 from tinygpt.cli import main
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.checkpoint import CheckpointError
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(max_steps=4, save_every=2, eval_every=2, progress=False, device="cpu")
@@ -258,7 +258,7 @@ def _stdlib_text(chars: int) -> str:
 
 def test_latin1_files_are_read_and_counted_not_dropped(tmp_path):
     from tinygpt.core.config import DataConfig
-    from tinygpt.train.data import iter_documents
+    from tinygpt.data.sources import iter_documents
     folder = tmp_path / "texts"
     folder.mkdir()
     text = _stdlib_text(200_000).replace("e", "é")  # real prose and code, in an old Western encoding
@@ -273,8 +273,8 @@ def test_latin1_files_are_read_and_counted_not_dropped(tmp_path):
 
 def test_a_single_huge_line_still_splits_into_train_and_validation(tmp_path):
     from tinygpt.core.config import DataConfig
+    from tinygpt.data.shards import build_token_cache
     from tinygpt.model.tokenizer import train_bpe
-    from tinygpt.train.shards import build_token_cache
     one_line = tmp_path / "dump.txt"
     one_line.write_text(_stdlib_text(400_000).replace("\n", " "), encoding="utf-8")
     assert one_line.read_text().count("\n") == 0

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from tinygpt.core.paths import SAMPLES, SAMPLES_DIR, is_sample, sample_path
+from tinygpt.data.sources import DataError, resolve_source
 from tinygpt.evals.tasks import TASKS, eval_data
 from tinygpt.evals.tasks.hellaswag import load_hellaswag
 from tinygpt.evals.tasks.humaneval import load_humaneval
 from tinygpt.evals.tasks.mbpp import load_mbpp
 from tinygpt.finetune.records import load_records, record_segments
-from tinygpt.train.data import DataError, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 

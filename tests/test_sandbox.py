@@ -28,7 +28,7 @@ from tinygpt.cli import main
 from tinygpt.evals import code, sandbox, sandbox_seccomp
 from tinygpt.evals.tasks.humaneval import load_humaneval
 from tinygpt.evals.tasks.mbpp import load_mbpp
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-import tinygpt.train.shards as shards_mod
+import tinygpt.data.shards as shards_mod
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError, DataConfig
+from tinygpt.data.sampler import WindowSampler
+from tinygpt.data.shard_writer import ShardWriter, write_shards
+from tinygpt.data.shards import MANIFEST, StreamedShards, build_token_cache
+from tinygpt.data.sources import DataError, iter_documents
+from tinygpt.data.token_files import write_llmc_shard
+from tinygpt.data.tokens import open_token_shards
 from tinygpt.model.tokenizer import load_gpt2, train_bpe
-from tinygpt.train.data import DataError, iter_documents
-from tinygpt.train.pretrain import pretrain
-from tinygpt.train.sampler import WindowSampler
-from tinygpt.train.shard_writer import ShardWriter, write_shards
-from tinygpt.train.shards import MANIFEST, StreamedShards, build_token_cache
-from tinygpt.train.token_files import write_llmc_shard
-from tinygpt.train.tokens import open_token_shards
+from tinygpt.pretrain.run_pretrain import pretrain
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_SHARDS = 20_000  # tokens: a few hundred kB of text makes many shards
@@ -180,9 +180,9 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 from tinygpt.core.recipes import get_recipe
-from tinygpt.train.pretrain import pretrain
-from tinygpt.train.tokens import open_token_shards
-from tinygpt.train.shards import StreamedShards
+from tinygpt.pretrain.run_pretrain import pretrain
+from tinygpt.data.tokens import open_token_shards
+from tinygpt.data.shards import StreamedShards
 run, cache = sys.argv[1:3]
 # 3 evaluations; micro-batch 8, eval_batches 3: the validation split has fewer windows than 24 and
 # not a multiple of 8, so the last evaluation batch is a partial one
@@ -263,7 +263,7 @@ def test_a_tokenizer_that_cannot_read_the_source_is_refused_before_the_probe(tmp
     """Token ids with a tokenizer to train, or a base's: refused with the recipe's checks, before the mirror is
     read and the probe runs (on a GPU a minute of trials, for a run that then fails); a GPT-2 tokenizer too
     large for the model, or a base's tokenizer with no base, is refused by the recipe itself."""
-    import tinygpt.train.pretrain as pretrain_mod
+    import tinygpt.pretrain.run_pretrain as pretrain_mod
     from tinygpt.core.recipes import get_recipe
     folder = _llmc_folder(tmp_path / "fineweb")
     probed = []

@@ -15,6 +15,8 @@ import pytest
 from tinygpt.core.checkpoint import MANIFEST
 from tinygpt.core.config import DataConfig
 from tinygpt.core.rundir import read_json
+from tinygpt.data.shard_writer import encode_documents, token_dtype, write_shards
+from tinygpt.data.sources import is_validation_document, iter_documents
 from tinygpt.model.tokenizer import (
     EOT,
     Tokenizer,
@@ -24,8 +26,6 @@ from tinygpt.model.tokenizer import (
     tiktoken_gpt2,
     train_bpe,
 )
-from tinygpt.train.data import is_validation_document, iter_documents
-from tinygpt.train.shard_writer import encode_documents, token_dtype, write_shards
 
 tiktoken = pytest.importorskip("tiktoken")
 

@@ -6,14 +6,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinygpt.model.tokenizer import load_gpt2
-from tinygpt.train.data import DataError
-from tinygpt.train.token_files import (
+from tinygpt.data.sources import DataError
+from tinygpt.data.token_files import (
     check_shard_ids,
     detect_token_folder,
     open_token_folder,
     write_llmc_shard,
 )
+from tinygpt.model.tokenizer import load_gpt2
 
 GPT2_PADDED = 50304
 

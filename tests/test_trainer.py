@@ -13,8 +13,8 @@ import torch
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.recipes import model_config
+from tinygpt.data.sampler import WindowSampler, fixed_batches
 from tinygpt.model.gpt import GPT
-from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.step import lr_at
 from tinygpt.train.trainer import TrainData, Trainer, TrainingError
 
@@ -195,7 +195,7 @@ def test_a_full_disk_stops_training_with_the_last_checkpoint_intact(tokens, tmp_
 
 def test_checkpoint_carries_the_recipe_and_tokenizer(shared_data, tmp_path):
     from tinygpt.model.tokenizer import Tokenizer
-    from tinygpt.train.pretrain import pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain
 
     res = pretrain("cpu-smoke", tmp_path / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=5,
                    progress=False, cache_dir=tmp_path / "cache", device="cpu", tensorboard=False)

@@ -308,7 +308,7 @@ def test_a_mirror_manifest_that_climbs_out_or_lies_about_its_step_is_skipped(mir
 
 
 def test_a_shard_list_on_the_mirror_naming_a_path_outside_is_refused(tmp_path):
-    from tinygpt.sync.shards import restore_shards
+    from tinygpt.sync.token_cache import restore_shards
 
     mirror, local = tmp_path / "a" / "b" / "mirror", tmp_path / "local"
     mirror.mkdir(parents=True)
@@ -404,7 +404,7 @@ def test_a_poisoned_token_shard_from_the_mirror_is_named_removed_and_tokenized_a
 def test_a_linked_token_folder_on_the_mirror_is_never_written_through(tmp_path):
     """The shard copy to the mirror (and back) does not follow a link planted where the shard
     folder belongs: it would write manifest.json and shards into any folder of this VM."""
-    from tinygpt.sync.shards import sync_shards
+    from tinygpt.sync.token_cache import sync_shards
 
     local, users = tmp_path / "local", tmp_path / "users-folder"
     local.mkdir()

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tinygpt.data import shard_writer
 from tinygpt.model import hf
 from tinygpt.model.tokenizer import KNOWN_REGEXES, Tokenizer, UnsafeTokenizer, train_bpe
-from tinygpt.train import shard_writer
-from tinygpt.train.init import read_base
+from tinygpt.pretrain.init import read_base
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]

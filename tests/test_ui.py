@@ -15,9 +15,9 @@ from tinygpt import colab
 from tinygpt.colab import notebook
 from tinygpt.core import units
 from tinygpt.core.checkpoint import save_checkpoint, verify_checkpoint
-from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.recipes import RECIPES, get_recipe
-from tinygpt.train.hardware import hardware_report
+from tinygpt.fit.hardware import hardware_report
 
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
 
@@ -64,7 +64,7 @@ def test_picker_offers_a_time_budget_with_a_session_default(report, tmp_path, mo
     assert picker.hours == HARDWARE["a100"].session_hours == 2.0 and "time: 2 h" in repr(picker)
     picker.hours_dropdown.value = 0.5  # the user picks half an hour
     assert picker.hours == 0.5
-    from tinygpt.train.pretrain import pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain
     run = colab.run_folders("budgeted", tmp_path / "drive")
     pretrain("cpu-smoke", run.local, hours=0.001, progress=False, device="cpu", cache_dir=tmp_path / "c")
     assert colab.recipe_picker(gpu, resume_from=run).hours == 0.001  # a resumed run keeps its own budget
@@ -74,7 +74,7 @@ def test_picker_offers_a_time_budget_with_a_session_default(report, tmp_path, mo
 
 
 def test_picker_default_follows_size_auto_as_the_cli_does_until_the_user_picks(report, tmp_path):
-    from tinygpt.train.init import default_recipe as cli_default
+    from tinygpt.pretrain.init import default_recipe as cli_default
     picker = colab.recipe_picker(report)  # a CPU: the recipe's steps, so the probe's cpu
     assert picker.value == "cpu" and picker.size is None
     picker.hours_dropdown.value = 0.5  # a time, size auto: the ladder the CLI climbs here
@@ -186,7 +186,7 @@ def test_loss_plot_of_a_resumed_run_starts_with_the_curve_so_far(tmp_path):
 
 
 def test_loss_plot_is_a_trainer_callback(shared_data, tmp_path):
-    from tinygpt.train.pretrain import pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain
 
     plot = colab.LossPlot(tmp_path / "run", min_interval_s=0.0)
     pretrain("cpu-smoke", tmp_path / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=10,
@@ -302,7 +302,7 @@ def test_zip_run_holds_what_a_user_keeps_and_on_request_the_resumable_checkpoint
 
 def test_samples_take_a_prompt_that_suits_the_runs_data(tmp_path, shared_data):
     """Not `def ` for a model trained on prose: the opening words of one of its held-out documents."""
-    from tinygpt.train.pretrain import pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain
     prose = tmp_path / "prose.txt"
     prose.write_text((shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:200_000], encoding="utf-8")
     run = tmp_path / "run"
@@ -316,7 +316,7 @@ def test_samples_take_a_prompt_that_suits_the_runs_data(tmp_path, shared_data):
 
 def test_a_notebook_shows_the_start_up_once(shared_data, tmp_path, capsys):
     """With the loss plot shown, its start-up table replaces the trainer's line; without it, the line stays."""
-    from tinygpt.train.pretrain import pretrain
+    from tinygpt.pretrain.run_pretrain import pretrain
 
     kw = dict(data=str(shared_data / "tinyshakespeare.txt"), max_steps=2, eval_every=2, save_every=2, device="cpu",
               progress=True, cache_dir=tmp_path / "c")

@@ -25,7 +25,7 @@ from tinygpt.cli_report import (
 )
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError
-from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.options import add_options, from_args, option
 from tinygpt.core.recipes import RECIPES, RecipeChoice, parse_overrides
 from tinygpt.core.rundir import FINETUNE_JSON, RunDir
@@ -36,7 +36,7 @@ from tinygpt.core.units import count
 
 
 def _probe(args) -> int:
-    from tinygpt.train.report import ProbeOptions, probe_report
+    from tinygpt.fit.report import ProbeOptions, probe_report
 
     print(probe_report(**asdict(from_args(ProbeOptions, args))))
     return 0
@@ -108,8 +108,8 @@ def _recipes(args) -> int:
 
 def default_pretrain_recipe(run_dir: str | Path, say: bool = True, sized: bool = False) -> str:
     """The recipe `tinygpt pretrain` uses without --recipe
-    (`train.init.default_recipe`; `sized`: --size auto), said in one line."""
-    from tinygpt.train.init import default_recipe
+    (`pretrain.init.default_recipe`; `sized`: --size auto), said in one line."""
+    from tinygpt.pretrain.init import default_recipe
 
     name, why = default_recipe(run_dir, sized)
     if say:
@@ -121,12 +121,12 @@ def default_pretrain_recipe(run_dir: str | Path, say: bool = True, sized: bool =
 
 
 def _pretrain(args) -> int:
+    from tinygpt.fit.plan import refuse_sized_base
+    from tinygpt.pretrain.init import pretrain_recipe
+    from tinygpt.pretrain.pretrain_options import PretrainOptions, check_budget_overrides
+    from tinygpt.pretrain.run_pretrain import pretrain
     from tinygpt.train.budget import finished_run
     from tinygpt.train.distributed import torchrun_env
-    from tinygpt.train.init import pretrain_recipe
-    from tinygpt.train.plan import refuse_sized_base
-    from tinygpt.train.pretrain import pretrain
-    from tinygpt.train.pretrain_options import PretrainOptions, check_budget_overrides
 
     env = torchrun_env()
     main_rank = env is None or env.rank == 0  # under torchrun rank 0 reports for the job
@@ -171,8 +171,8 @@ class SayResumed(Callback):
 
 
 def _finetune(args) -> int:
+    from tinygpt.finetune.finetune_options import FinetuneOptions
     from tinygpt.finetune.lora import merge_adapter
-    from tinygpt.finetune.options import FinetuneOptions
     from tinygpt.sync.catchup import mirror_lag
 
     opts = from_args(FinetuneOptions, args)
@@ -254,8 +254,8 @@ def is_finetuning_run(path: str | Path) -> bool:
 
 
 def _eval(args) -> int:
-    from tinygpt.evals.options import EvalOptions
-    from tinygpt.evals.run import evaluate, report
+    from tinygpt.evals.eval_options import EvalOptions
+    from tinygpt.evals.evaluate import evaluate, report
 
     o = from_args(EvalOptions, args)
     print(
@@ -318,26 +318,26 @@ COMMANDS = {
     "probe": (
         _probe,
         "what this machine is, and what it can train (micro-batch, context, precision)",
-        Groups(("tinygpt.train.report:ProbeOptions", "probe")),
+        Groups(("tinygpt.fit.report:ProbeOptions", "probe")),
     ),
     "recipes": (_recipes, "list the named recipes", [(RecipesOptions, "list")]),
     "pretrain": (
         _pretrain,
         "pretrain a GPT from scratch or from a base (resumes automatically)",
         Groups((RecipeChoice, "what to train"),
-               ("tinygpt.train.pretrain_options:PretrainOptions", "how to run it")),
+               ("tinygpt.pretrain.pretrain_options:PretrainOptions", "how to run it")),
     ),
     "finetune": (
         _finetune,
         "LoRA / QLoRA / full finetuning of a tinygpt run or a Hugging Face model",
-        Groups(("tinygpt.finetune.options:FinetuneOptions", "finetuning")),
+        Groups(("tinygpt.finetune.finetune_options:FinetuneOptions", "finetuning")),
     ),
     "generate": (_generate, "sample text from a trained run",
                  Groups(("tinygpt.model.generate:GenerateOptions", "sampling"))),
     "eval": (
         _eval,
         "evaluate a run (or a Hugging Face model folder) on one task",
-        Groups(("tinygpt.evals.options:EvalOptions", "evaluation")),
+        Groups(("tinygpt.evals.eval_options:EvalOptions", "evaluation")),
     ),
     "export": (
         _export,

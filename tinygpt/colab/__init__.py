@@ -42,7 +42,7 @@ from tinygpt.colab.tables import (
     summary,
     trial_search,
 )
-from tinygpt.train.init import pretrain_recipe  # sized for the base picked (01_pretrain)
+from tinygpt.pretrain.init import pretrain_recipe  # sized for the base picked (01_pretrain)
 
 __all__ = [
     "DRIVE_RUNS",

@@ -12,14 +12,14 @@ from tinygpt.colab.notebook import display, load_ipywidgets
 from tinygpt.colab.runs import RunFolders
 from tinygpt.colab.smoke import SMOKE_RECIPE, smoke_mode
 from tinygpt.colab.tables import Table, Tables, finetune_recipe_rows, recipes_table, summary
-from tinygpt.core.hardware import HARDWARE, size_auto_recipe
+from tinygpt.core.gpu_classes import HARDWARE, size_auto_recipe
 from tinygpt.core.recipes import RECIPES
 from tinygpt.core.rundir import RunDir, recipe_name_of
-from tinygpt.finetune.plan import default_finetune_recipe
-from tinygpt.finetune.recipes import FINETUNE_RECIPES, this_hardware
+from tinygpt.finetune.memory_plan import default_finetune_recipe
+from tinygpt.finetune.presets import FINETUNE_RECIPES, this_hardware
+from tinygpt.fit.hardware import hardware_report
+from tinygpt.pretrain.init import run_init
 from tinygpt.train.budget import Budget
-from tinygpt.train.hardware import hardware_report
-from tinygpt.train.init import run_init
 
 
 def _homes(resume_from: RunFolders | str | Path | None) -> tuple:
@@ -97,7 +97,7 @@ def dropdown(widgets: Any, options: list, value: Any, description: str) -> Any:
                             layout=widgets.Layout(width="max-content"))
 
 
-# the size dropdown: auto (the planner, tinygpt.train.plan) or the recipe's model as written
+# the size dropdown: auto (the planner, tinygpt.fit.plan) or the recipe's model as written
 SIZE_CHOICES = [("auto (what the time buys)", "auto"), ("the recipe's", None)]
 
 

@@ -13,7 +13,7 @@ from tinygpt.colab.notebook import INSTALL_HINT, display, in_notebook
 from tinygpt.colab.tables import startup_table
 from tinygpt.core.callback import Callback
 from tinygpt.core.rundir import PLOTS, RunDir
-from tinygpt.train.plan import MAX_EPOCHS, kept_plan, row_within_law
+from tinygpt.fit.plan import MAX_EPOCHS, kept_plan, row_within_law
 
 
 class LossPlot(Callback):

@@ -7,9 +7,9 @@ from pathlib import Path
 from tinygpt.core.config import Recipe
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import RunDir
+from tinygpt.data.sources import validation_text
 from tinygpt.model.generate import generate_text
 from tinygpt.model.loading import load_run
-from tinygpt.train.data import validation_text
 
 
 def sample_prompt(run_dir: str | Path) -> str:

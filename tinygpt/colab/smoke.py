@@ -12,7 +12,7 @@ from tinygpt.core.paths import cache_root, shared_data_dir
 from tinygpt.core.rundir import RunDir
 from tinygpt.evals.tasks import eval_data as standard_eval_data
 from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
-from tinygpt.train.pretrain import pretrain
+from tinygpt.pretrain.run_pretrain import pretrain
 
 SMOKE_RECIPE = "cpu-smoke"
 SMOKE_SETTINGS: dict[str, int] = {"max_steps": 12, "save_every": 4, "eval_every": 4}

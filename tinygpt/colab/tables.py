@@ -12,12 +12,12 @@ from tinygpt.core.config import Recipe
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.recipes import RECIPES, get_recipe
 from tinygpt.core.units import count, duration, size_gb
-from tinygpt.finetune.plan import device_need_gb, memory_table
-from tinygpt.finetune.recipes import FINETUNE_RECIPES
-from tinygpt.train.memory import estimate_memory
-from tinygpt.train.plan import choose_size
-from tinygpt.train.probe import ProbeError, probe, requested_precision
-from tinygpt.train.report import expectations, plan_note, plan_table
+from tinygpt.finetune.memory_plan import device_need_gb, memory_table
+from tinygpt.finetune.presets import FINETUNE_RECIPES
+from tinygpt.fit.memory import estimate_memory
+from tinygpt.fit.plan import choose_size
+from tinygpt.fit.probe import ProbeError, probe, requested_precision
+from tinygpt.fit.report import expectations, plan_note, plan_table
 
 
 @dataclass

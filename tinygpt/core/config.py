@@ -137,7 +137,7 @@ class ModelConfig(_Section):
     # speed, not the run; saved files keep the separate Hugging Face names. Off until measured
     # faster (docs/BENCHMARKS.md).
     fused_proj: bool = field(default=False, metadata={"identity": "never"})
-    # Where the weights start (continued pretraining, `tinygpt.train.init`): None,
+    # Where the weights start (continued pretraining, `tinygpt.pretrain.init`): None,
     # a seeded random initialisation; else hf:NAME[@REVISION], a Hugging Face
     # model folder or a tinygpt run folder, whose architecture the fields above
     # then repeat. Read once, at a run's first step; a resume does not read it.
@@ -357,7 +357,7 @@ class Recipe:
 
     name: str
     description: str
-    hardware: str  # the class it is made for: a key of `core.hardware.HARDWARE`
+    hardware: str  # the class it is made for: a key of `core.gpu_classes.HARDWARE`
     model: ModelConfig
     train: TrainConfig
     data: DataConfig = field(default_factory=DataConfig)

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tinygpt.core.hardware import BF16_CAPABILITY
+from tinygpt.core.gpu_classes import BF16_CAPABILITY
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -1,6 +1,6 @@
 """What every evaluation task is made of: the `Task` record a task module declares,
 the `Request` a caller makes (its fields are also `tinygpt eval`'s options, see
-`tinygpt.evals.options`), the model loaded once for it (`load_for_eval`), text
+`tinygpt.evals.eval_options`), the model loaded once for it (`load_for_eval`), text
 generation within the model's context, and the parts the code tasks share.
 
 A task module (`tinygpt/evals/tasks/<name>.py`) holds its data sources,

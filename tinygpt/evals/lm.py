@@ -1,7 +1,7 @@
 """Language-model scoring every task shares: perplexity and bits per byte of a text, log-likelihoods
 and multiple choice, batching that says a long run's time first, and reading an evaluation text (a
 file or a Hub data set). The tasks that use them are in `tinygpt.evals.tasks` (one module each);
-code metrics are in `tinygpt.evals.code`, run summaries in `tinygpt.evals.runs`.
+code metrics are in `tinygpt.evals.code`, run summaries in `tinygpt.evals.compare_runs`.
 
 Every model function takes a tinygpt `GPT` or a Hugging Face causal LM (through `as_causal_lm`),
 and a tinygpt `Tokenizer` or a Hugging Face tokenizer. Wrap a call in `Precision.autocast()` to
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from tinygpt.core.config import DataConfig
 from tinygpt.core.paths import is_hub
 from tinygpt.core.units import duration
+from tinygpt.data.sources import iter_documents
 from tinygpt.evals.code import DataFile, DataFormatError
 from tinygpt.model.losses import IGNORE_INDEX
-from tinygpt.train.data import iter_documents
 
 # --- models and tokenizers --------------------------------------------------------------------
 

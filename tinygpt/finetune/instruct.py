@@ -20,10 +20,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from tinygpt.data.sources import DataError
 from tinygpt.finetune.records import load_records, record_segments
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.model.prompts import Codec
-from tinygpt.train.data import DataError
 
 # unpacked batches are padded to a length bucket: a power of two from this up to seq_len
 SHORTEST_BUCKET = 64

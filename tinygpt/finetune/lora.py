@@ -8,7 +8,7 @@ state_dict moves over unchanged and the logits are identical): one code path the
 Hub models alike, QLoRA loads it through `BitsAndBytesConfig`, and the adapter that comes out is a
 plain PEFT adapter whose `base_model_name_or_path` is a folder any `transformers` user can load.
 
-The run that trains the adapters, and full finetuning, are `finetune.run`'s.
+The run that trains the adapters, and full finetuning, are `finetune.run_finetune`'s.
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ from tinygpt.core.rundir import (
     read_json,
 )
 from tinygpt.finetune.loss import inner_model
-from tinygpt.finetune.plan import base_config, is_tinygpt_run
-from tinygpt.finetune.recipes import FinetuneError, LoraSettings, require_package
+from tinygpt.finetune.memory_plan import base_config, is_tinygpt_run
+from tinygpt.finetune.presets import FinetuneError, LoraSettings, require_package
 from tinygpt.model.attention import hf_attention
 from tinygpt.model.hf import UntrustedModel, export_model, from_pretrained
 from tinygpt.model.loading import load_run

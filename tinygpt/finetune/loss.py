@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinygpt.finetune.plan import SOFTCAP_HEAD_TYPES, chunked_loss
+from tinygpt.finetune.memory_plan import SOFTCAP_HEAD_TYPES, chunked_loss
 from tinygpt.model.losses import IGNORE_INDEX, linear_cross_entropy, softcapped_loss
 
 

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 from tinygpt.core.datafiles import DataFile, DataFormatError
 from tinygpt.core.paths import cache_root, is_sample, sample_path
+from tinygpt.data.sources import DataError, hub_dataset
 from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
 from tinygpt.model.prompts import TEMPLATES, Segments, format_prompt
-from tinygpt.train.data import DataError, hub_dataset
 
 FORMATS = {"alpaca": ("instruction", "output"), "mbpp": ("code", "test_list"),
            "chat": ("messages",)}

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 from tinygpt.core.files import write_text_atomic
-from tinygpt.train.data import builtin_files
+from tinygpt.data.sources import builtin_files
 
 # short functions (like Code Alpaca's answers): a small model can learn to write them
 MAX_SOURCE_CHARS = 220

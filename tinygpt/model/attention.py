@@ -8,7 +8,7 @@ kernel (pytorch#157893). Everywhere else (a T4, fp32 on CUDA, MPS, torch before 
 falls back to the math kernel, which builds the full T x T attention matrix per head; with keys and
 values repeated to the query heads first, the memory-efficient kernel (CUDA) or flash (CPU) serves
 instead. `attention_kernel` is that decision as a pure function of the device's description;
-`expand_kv` applies it to a live tensor; the memory estimate (`train.memory`) counts what it
+`expand_kv` applies it to a live tensor; the memory estimate (`fit.memory`) counts what it
 decides. For Hugging Face bases `EXPANDING_SDPA` is the same rule as a transformers attention
 implementation (`use_expanding_sdpa`); `hf_attention` picks a base's.
 """

@@ -38,7 +38,7 @@ def _transformers():
 # A model folder is data: transformers runs its own code for it, never the folder's.
 # The model types tinygpt loads through transformers (a finetuning base, `tinygpt eval`
 # of a model folder): its own families (FAMILIES, which it exports and imports) and
-# those finetuning trains (finetune.plan's PLAIN_HEAD_TYPES and SOFTCAP_HEAD_TYPES, and
+# those finetuning trains (finetune.memory_plan's PLAIN_HEAD_TYPES and SOFTCAP_HEAD_TYPES, and
 # GPT-2); each must also be one the installed transformers ships.
 HF_MODEL_TYPES = frozenset(FAMILIES) | {"qwen2", "mistral", "gemma", "gemma2", "phi3", "gpt2"}
 

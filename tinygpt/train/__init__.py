@@ -1,2 +1,2 @@
-"""Training: data and token caches, optimizers, several GPUs, memory, the probe, the one Trainer,
-pretraining end to end."""
+"""The training engine: the one Trainer, its step, optimizers, several GPUs, callbacks, time
+budgets, stopping, start-up and the compile cache."""

@@ -19,13 +19,13 @@ import torch
 
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
+from tinygpt.data.sampler import batch_to_device
 from tinygpt.model.gpt import GPT
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import decay_start
 from tinygpt.train.distributed import Ranks
 from tinygpt.train.optim import build_optimizer
-from tinygpt.train.sampler import batch_to_device
 
 
 def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:

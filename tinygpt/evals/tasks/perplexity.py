@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tinygpt.data.sources import validation_text
 from tinygpt.evals import lm
 from tinygpt.evals.harness import Loaded, Request, Task
-from tinygpt.train.data import validation_text
 
 WIKITEXT2_TEST_HUB = "hf:wikitext:wikitext-2-raw-v1@test"
 OFFLINE = (

@@ -20,10 +20,10 @@ from typing import Any, Iterator
 
 from tinygpt.core.config import DataConfig
 from tinygpt.core.units import duration
+from tinygpt.data.sources import is_validation_document, iter_documents
 from tinygpt.evals import lm
 from tinygpt.evals.code import CodeProblem, bleu_with_signature, empty_share
 from tinygpt.evals.harness import Loaded, Request, Task, generator
-from tinygpt.train.data import is_validation_document, iter_documents
 
 MAX_BODY_CHARS = 400  # bodies a small model can write within its default 128 new tokens
 _DEF = re.compile(r"([ \t]*)def \w")

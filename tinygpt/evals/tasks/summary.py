@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tinygpt.evals.compare_runs import summarize_run
 from tinygpt.evals.harness import Request, Task
-from tinygpt.evals.runs import summarize_run
 
 
 def score(run_dir: str | Path, r: Request) -> dict[str, Any]:

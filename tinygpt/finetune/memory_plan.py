@@ -16,7 +16,7 @@ import torch
 from tinygpt.core.config import Recipe
 from tinygpt.core.files import FileTooLarge, UnsafePathError
 from tinygpt.core.rundir import RunDir, recipe_name_of
-from tinygpt.finetune.recipes import (
+from tinygpt.finetune.presets import (
     FINETUNE_RECIPES,
     FinetuneError,
     FinetuneRecipe,
@@ -24,10 +24,10 @@ from tinygpt.finetune.recipes import (
     get_finetune_recipe,
     require_package,
 )
+from tinygpt.fit.memory import overhead_gb
 from tinygpt.model.attention import attention_kernel, torch_version
 from tinygpt.model.hf import UntrustedModel, from_pretrained
 from tinygpt.model.tokenizer import UnsafeTokenizer
-from tinygpt.train.memory import overhead_gb
 
 # Families whose logits are exactly lm_head(hidden): their loss goes through the chunked
 # `losses.linear_cross_entropy` (no full (tokens, vocab) logits).
@@ -173,7 +173,7 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
 
 
 def device_need_gb(table: list[dict[str, Any]], hardware: str) -> float:
-    """The memory a device must have for a `memory_table`: its tensors plus `train.memory`'s
+    """The memory a device must have for a `memory_table`: its tensors plus `fit.memory`'s
     overhead."""
     tensors = table[-1]["gb"]
     return tensors + overhead_gb(tensors, "cpu" if hardware == "cpu" else "cuda")

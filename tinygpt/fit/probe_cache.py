@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tinygpt.core.files import read_json_safe, write_json_atomic
-from tinygpt.train.trials import Trial
+from tinygpt.fit.trials import Trial
 
 
 @dataclass

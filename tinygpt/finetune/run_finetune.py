@@ -53,7 +53,7 @@ from tinygpt.finetune.lora import (
     load_tokenizer,
 )
 from tinygpt.finetune.loss import FinetuneLoss, inner_model, module_loss
-from tinygpt.finetune.plan import (
+from tinygpt.finetune.memory_plan import (
     FinetunePlan,
     base_config,
     base_config_dict,
@@ -63,7 +63,7 @@ from tinygpt.finetune.plan import (
     plan_finetune,
     resumed_plan,
 )
-from tinygpt.finetune.recipes import (
+from tinygpt.finetune.presets import (
     FinetuneError,
     FinetuneRecipe,
     check_qlora,
@@ -72,10 +72,10 @@ from tinygpt.finetune.recipes import (
     qlora_compile,
 )
 from tinygpt.finetune.records import load_records
+from tinygpt.fit.hardware import check_device
 from tinygpt.sync.mirror import mirror_adapter
 from tinygpt.sync.mirrored import mirrored
 from tinygpt.train.callbacks import Progress
-from tinygpt.train.hardware import check_device
 from tinygpt.train.step import ModelIO
 from tinygpt.train.trainer import TrainData, Trainer
 

@@ -1,7 +1,7 @@
 """The finetuning recipes and the hardware they run on: LoRA settings, a train setting per
 finetuning class (cpu, t4, a100), the class of this machine, and whether QLoRA's 4-bit kernels run
 (and compile) here. Nothing in this module loads a model; what a recipe needs of memory with a given
-base is `finetune.plan`'s. """
+base is `finetune.memory_plan`'s. """
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from tinygpt.core.config import TrainConfig
-from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.precision import DTYPES, resolve_device
+from tinygpt.fit.hardware import device_class
 from tinygpt.model.attention import torch_version
-from tinygpt.train.hardware import device_class
 
 
 class FinetuneError(RuntimeError):
@@ -49,7 +49,7 @@ class LoraSettings:
 @dataclass
 class FinetuneRecipe:
     """LoRA settings (None: full finetuning, every weight trains) plus a TrainConfig per finetuning
-    class ("cpu", "t4", "a100": the `finetune` entries of `core.hardware.HARDWARE`, coarser groups
+    class ("cpu", "t4", "a100": the `finetune` entries of `core.gpu_classes.HARDWARE`, coarser groups
     of the hardware classes)."""
 
     name: str
@@ -130,7 +130,7 @@ def get_finetune_recipe(name: str) -> FinetuneRecipe:
 # ----- hardware -----------------------------------------------------------------------------------
 def finetune_device(hardware: str) -> tuple[str, tuple[int, int] | None, torch.dtype]:
     """What a finetuning class runs on, as `model.attention.attention_kernel` needs it: device type,
-    compute capability, dtype (the class's entry in `core.hardware.HARDWARE`)."""
+    compute capability, dtype (the class's entry in `core.gpu_classes.HARDWARE`)."""
     c = HARDWARE[hardware]
     return c.device_type, c.capability, DTYPES[c.precision]
 

@@ -6,7 +6,7 @@ lists the complete groups in order, each file with its size and sha256: a group 
 manifest only once both its files are whole, so a process killed at any moment leaves a prefix of
 complete shards, and the next writer tokenizes on from the first group missing (it skips the
 documents of the complete ones without tokenizing them). Shard i's content depends only on the
-source, the tokenizer and the split, never on timing (the readers: `tinygpt.train.shards`).
+source, the tokenizer and the split, never on timing (the readers: `tinygpt.data.shards`).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from tinygpt.core.checkpoint import MANIFEST  # a shard folder lists its files a
 from tinygpt.core.config import DataConfig
 from tinygpt.core.files import clean_leftovers, open_nofollow, write_bytes_atomic, write_json_atomic
 from tinygpt.core.rundir import read_json
+from tinygpt.data.sources import DataError, is_validation_document, iter_documents
 from tinygpt.model.tokenizer import Tokenizer
-from tinygpt.train.data import DataError, is_validation_document, iter_documents
 
 SHARD_FORMAT = 3
 # ~2M training tokens (4 MB as uint16) per shard: the first one is ready in seconds
@@ -219,7 +219,7 @@ def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: 
 
 
 def _writer_main() -> None:
-    """The background process (`python -m tinygpt.train.shard_writer`, its request as JSON on
+    """The background process (`python -m tinygpt.data.shard_writer`, its request as JSON on
     stdin): tokenizes until done, or until its parent is gone (a killed run)."""
     req = json.loads(sys.stdin.read())
     parent = req["parent"]
@@ -271,7 +271,7 @@ class ShardWriter:
         # no Rust backtrace from `tokenizers` reaches the run's output (RUST_BACKTRACE is set on
         # some machines)
         env = {k: v for k, v in os.environ.items() if k != "RUST_BACKTRACE"}
-        self.process = subprocess.Popen([sys.executable, "-m", "tinygpt.train.shard_writer"],
+        self.process = subprocess.Popen([sys.executable, "-m", "tinygpt.data.shard_writer"],
                                         stdin=subprocess.PIPE, env=env)
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(req).encode())

@@ -11,16 +11,15 @@ from typing import Any
 
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import Recipe
-from tinygpt.core.hardware import size_auto_recipe
+from tinygpt.core.gpu_classes import size_auto_recipe
 from tinygpt.core.options import option
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.recipes import get_recipe
 from tinygpt.core.units import count, duration, size_gb
-from tinygpt.model.gpt import meta_model
-from tinygpt.train.hardware import HardwareReport, hardware_report, mfu
-from tinygpt.train.memory import CUDA_CONTEXT_GB, estimate_memory
-from tinygpt.train.plan import MAX_EPOCHS, SizePlan, choose_size
-from tinygpt.train.probe import (
+from tinygpt.fit.hardware import HardwareReport, hardware_report, mfu
+from tinygpt.fit.memory import CUDA_CONTEXT_GB, estimate_memory
+from tinygpt.fit.plan import MAX_EPOCHS, SizePlan, choose_size
+from tinygpt.fit.probe import (
     SPEED_STEPS,
     ProbeError,
     apply_probe,
@@ -28,7 +27,8 @@ from tinygpt.train.probe import (
     requested_precision,
     trainer_speed,
 )
-from tinygpt.train.probe_cache import ProbeResult
+from tinygpt.fit.probe_cache import ProbeResult
+from tinygpt.model.gpt import meta_model
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
 # a rough guess of what PyTorch gets from one core in fp32; for expectations only

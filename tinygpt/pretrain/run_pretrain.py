@@ -34,8 +34,18 @@ from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKENIZER_JSON, RunDir
 from tinygpt.core.runlock import lock, undo_if_first_try_fails
 from tinygpt.core.same_settings import check_same_settings
+from tinygpt.data.sampler import WindowSampler, fixed_batches
+from tinygpt.data.sources import check_source, iter_documents, same_path_source
+from tinygpt.data.tokens import RunData, open_tokens
+from tinygpt.fit.hardware import check_device, check_fits, gpu_peak_tflops
+from tinygpt.fit.plan import SizePlan, choose_size, kept_plan
+from tinygpt.fit.probe import fit_to_device
+from tinygpt.fit.report import PlanReport
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
+from tinygpt.pretrain.init import Base, initial_model, starting_base
+from tinygpt.pretrain.mirror_trust import check_mirror_run
+from tinygpt.pretrain.pretrain_options import PretrainOptions
 from tinygpt.sync.mirrored import RunMirror, mirrored
 from tinygpt.train.callbacks import (
     MFU,
@@ -47,7 +57,6 @@ from tinygpt.train.callbacks import (
     sample_prompt,
 )
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
-from tinygpt.train.data import check_source, iter_documents, same_path_source
 from tinygpt.train.distributed import (
     Ranks,
     check_parallel,
@@ -55,16 +64,7 @@ from tinygpt.train.distributed import (
     main_process_first,
     split_global_batch,
 )
-from tinygpt.train.hardware import check_device, check_fits, gpu_peak_tflops
-from tinygpt.train.init import Base, initial_model, starting_base
-from tinygpt.train.mirror_trust import check_mirror_run
-from tinygpt.train.plan import SizePlan, choose_size, kept_plan
-from tinygpt.train.pretrain_options import PretrainOptions
-from tinygpt.train.probe import fit_to_device
-from tinygpt.train.report import PlanReport
-from tinygpt.train.sampler import WindowSampler, fixed_batches
 from tinygpt.train.startup import StartupClock
-from tinygpt.train.tokens import RunData, open_tokens
 from tinygpt.train.trainer import RESUMABLE_CHANGES, TrainData, Trainer, TrainResult
 
 # BPE merges settle long before this; training on more only costs time

@@ -1,7 +1,7 @@
 """What a Drive mirror may tell a pretraining run: nothing that chooses the run. Its run.json is
 compared with the command, and the run files a restore would copy home are read as a start reads
 them, before a byte is copied from or to it (`check_mirror_run`, called by
-`train.pretrain.train_run`)."""
+`pretrain.run_pretrain.train_run`)."""
 from __future__ import annotations
 
 import os
@@ -11,9 +11,9 @@ from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import link_problem, read_json_safe
 from tinygpt.core.rundir import BUDGET_JSON, METRICS, RUN_JSON, SAMPLES, RunDir
 from tinygpt.core.same_settings import config_differences
+from tinygpt.fit.plan import PLANNED_FIELDS
+from tinygpt.fit.probe import PROBED_TRAIN_FIELDS
 from tinygpt.train.budget import Budget
-from tinygpt.train.plan import PLANNED_FIELDS
-from tinygpt.train.probe import PROBED_TRAIN_FIELDS
 from tinygpt.train.trainer import RESUMABLE_CHANGES
 
 # what a run's run.json may hold otherwise than the command that resumes it: what a resume may

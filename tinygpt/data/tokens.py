@@ -15,10 +15,7 @@ from typing import Any
 from tinygpt.core.config import DataConfig, Recipe
 from tinygpt.core.paths import cache_root
 from tinygpt.core.rundir import TOKEN_CACHE
-from tinygpt.model.tokenizer import Tokenizer
-from tinygpt.sync.shards import ShardMirror, restore_shards
-from tinygpt.train.data import source_fingerprint
-from tinygpt.train.shards import (
+from tinygpt.data.shards import (
     ShardStream,
     StreamedShards,
     TokenShards,
@@ -26,7 +23,10 @@ from tinygpt.train.shards import (
     check_token_cache,
     stream_token_cache,
 )
-from tinygpt.train.token_files import check_shard_ids, open_token_folder
+from tinygpt.data.sources import source_fingerprint
+from tinygpt.data.token_files import check_shard_ids, open_token_folder
+from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.sync.token_cache import ShardMirror, restore_shards
 
 
 @dataclass

@@ -22,11 +22,12 @@ from pathlib import Path
 from tinygpt.core.checkpoint import latest_valid, load_checkpoint
 from tinygpt.core.config import INIT_TOKENIZER, ConfigError, ModelConfig, Recipe
 from tinygpt.core.files import read_json_safe
-from tinygpt.core.hardware import size_auto_recipe
+from tinygpt.core.gpu_classes import size_auto_recipe
 from tinygpt.core.paths import is_hub
 from tinygpt.core.recipes import RECIPES, get_recipe
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.core.same_settings import config_differences
+from tinygpt.fit.hardware import hardware_report
 from tinygpt.model.gpt import GPT
 from tinygpt.model.hf import hf_file
 from tinygpt.model.hf_import import (
@@ -38,7 +39,6 @@ from tinygpt.model.hf_import import (
     representation_gaps,
 )
 from tinygpt.model.tokenizer import Tokenizer
-from tinygpt.train.hardware import hardware_report
 
 # The base is trained already: a from-scratch learning rate would undo much of what it knows. At
 # most this peak rate, a tenth of it at the end, and a warmup over at least 5% of the steps.
@@ -206,7 +206,7 @@ def pretrain_recipe(name: str, init: str | None, run_dir: str | Path | None = No
     else the one the local run folder continues) that recipe sized for it. A local run folder that
     already continues the same base with the same recipe keeps the recipe it recorded: a resume
     reads nothing of the base. Only the run folder the user made is read, never the mirror: a shared
-    folder's run.json is evidence to compare against (`train.mirror_trust.check_mirror_run`), it
+    folder's run.json is evidence to compare against (`pretrain.mirror_trust.check_mirror_run`), it
     never chooses the base, the data or the tokenizer."""
     run = RunDir(run_dir) if run_dir is not None else None
     old = Recipe.from_dict(run.recipe_dict()) if run is not None and run.is_pretrain_run() else None

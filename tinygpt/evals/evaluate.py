@@ -15,12 +15,12 @@ from tinygpt.core.files import append_text, refuse_link
 from tinygpt.core.paths import is_hub, is_sample, sample_path
 from tinygpt.core.precision import resolve_device
 from tinygpt.core.rundir import EVALS_JSONL, RunDir
+from tinygpt.data.sources import check_source
 from tinygpt.evals import sandbox
 from tinygpt.evals.code import SANDBOX_NOTE
+from tinygpt.evals.eval_options import EvalOptions
 from tinygpt.evals.harness import Request, Task, load_for_eval
-from tinygpt.evals.options import EvalOptions
 from tinygpt.evals.tasks import get_task
-from tinygpt.train.data import check_source
 
 
 def check_request(task: Task, r: Request) -> None:

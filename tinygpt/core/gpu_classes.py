@@ -2,11 +2,11 @@
 machine, holding everything tinygpt decides per class.
 
 A class is a group of devices that train alike: "cpu", "mps", and the GPU classes named for the
-GPU each stands for (t4, l4, a100, h100, ...). `train.hardware` puts a device into a class (by
+GPU each stands for (t4, l4, a100, h100, ...). `fit.hardware` puts a device into a class (by
 the GPU names listed here, else by generation and memory); the probe's default recipe, the
 precision a table shows for a class, the finetuning settings and the notebooks' default time budget
 are read from its entry. Elsewhere classes are named only by the rule for unlisted GPUs
-(`train.hardware.gpu_class`) and by finetuning's settings, kept for three of them (cpu, t4, a100).
+(`fit.hardware.gpu_class`) and by finetuning's settings, kept for three of them (cpu, t4, a100).
 
 Adding a class is one `HardwareClass` entry and its name in `HARDWARE`. No torch here: this is data.
 """

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.options import option
-from tinygpt.finetune.run import FinetuneResult, finetune
+from tinygpt.finetune.run_finetune import FinetuneResult, finetune
 
 
 @dataclass(kw_only=True)

@@ -31,13 +31,10 @@ from tinygpt.core.precision import (
     resolve_device,
 )
 from tinygpt.core.rundir import PROBE_JSON, RunDir
-from tinygpt.model.gpt import GPT
-from tinygpt.model.losses import default_chunk_rows
-from tinygpt.train.hardware import cpu_name, ram_gb
-from tinygpt.train.memory import CUDA_CONTEXT_GB, GB
-from tinygpt.train.probe_cache import ProbeResult, cache_name, keep, read_kept
-from tinygpt.train.step import TrainStep
-from tinygpt.train.trials import (
+from tinygpt.fit.hardware import cpu_name, ram_gb
+from tinygpt.fit.memory import CUDA_CONTEXT_GB, GB
+from tinygpt.fit.probe_cache import ProbeResult, cache_name, keep, read_kept
+from tinygpt.fit.trials import (
     Trial,
     TrialRunner,
     batch_geometry,
@@ -46,6 +43,9 @@ from tinygpt.train.trials import (
     speed_candidates,
     sync,
 )
+from tinygpt.model.gpt import GPT
+from tinygpt.model.losses import default_chunk_rows
+from tinygpt.train.step import TrainStep
 
 # the search and the timings stop here (the choice so far is kept, and said)
 PROBE_TIME_LIMIT_S = 60.0

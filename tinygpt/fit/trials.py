@@ -1,7 +1,7 @@
 """Memory trials: one model and optimizer stepped at a micro-batch and context, the step's peak
 measured (or injected), an out-of-memory error in any of its forms caught; the search for the
 largest micro-batch that fits, and the batch geometry that keeps a recipe's tokens per step. The
-probe (`tinygpt.train.probe`) runs them."""
+probe (`tinygpt.fit.probe`) runs them."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +15,8 @@ import torch
 
 from tinygpt.core.config import Recipe
 from tinygpt.core.precision import Precision
+from tinygpt.fit.memory import GB, TensorMemoryTracker
 from tinygpt.model.gpt import GPT
-from tinygpt.train.memory import GB, TensorMemoryTracker
 from tinygpt.train.optim import build_optimizer
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from tinygpt.core.config import ConfigError, ModelConfig
-from tinygpt.core.hardware import HARDWARE
+from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.precision import choose_precision, native_bf16, resolve_device
-from tinygpt.train.memory import GB, estimate_memory
+from tinygpt.fit.memory import GB, estimate_memory
 
 # (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16
 # tensor TFLOP/s, hardware class), every class's GPUs, longest name first:
@@ -64,7 +64,7 @@ class HardwareReport:
     native_bf16: bool
     peak_tflops: float | None
     cpu_cores: int
-    hardware_class: str  # a key of core.hardware.HARDWARE (or the device type of an unlisted one)
+    hardware_class: str  # a key of core.gpu_classes.HARDWARE (or the device type of an unlisted one)
     default_recipe: str
     precision: str
     precision_reason: str
@@ -164,7 +164,7 @@ def gpu_class(name: str, major: int, total_gb: float) -> str:
 
 def device_class(device: str | torch.device = "auto") -> str:
     """The hardware class of a device: "cpu", "mps" or a GPU class (a key of
-    `core.hardware.HARDWARE`)."""
+    `core.gpu_classes.HARDWARE`)."""
     dev = resolve_device(str(device))
     if dev.type != "cuda":
         return dev.type
@@ -206,7 +206,7 @@ def check_fits(
     what: str = "this model",
 ) -> None:
     """Refuse, in one line that says what fits, a training run whose estimated
-    memory (train.memory) is more than the device has: a model the kernel's OOM
+    memory (fit.memory) is more than the device has: a model the kernel's OOM
     killer would end after minutes, without a word. The estimate grows linearly
     with n_layer, so it is read at 1 and 2 layers (no model is built)."""
     have, where = device_memory_gb(dev)

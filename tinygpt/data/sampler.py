@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import torch
 
+from tinygpt.data.shards import TokenShards
+from tinygpt.data.sources import DataError
 from tinygpt.model.losses import IGNORE_INDEX
-from tinygpt.train.data import DataError
-from tinygpt.train.shards import TokenShards
 
 
 class WindowSampler:

@@ -33,10 +33,10 @@ import torch
 from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import read_json_safe
 from tinygpt.core.precision import choose_precision
+from tinygpt.data.sources import DataError, source_chars
+from tinygpt.fit.hardware import check_fits
+from tinygpt.fit.probe import trainer_speed
 from tinygpt.model.gpt import meta_model
-from tinygpt.train.data import DataError, source_chars
-from tinygpt.train.hardware import check_fits
-from tinygpt.train.probe import trainer_speed
 
 HEAD_DIM = 64  # each rung's width is depth * HEAD_DIM (nanochat's aspect ratio), in heads of 64 ...
 # ... but never fewer than MIN_HEADS (Pythia-14M's 4 heads of 32 at width 128): on the built-in corpus, 2,235
@@ -143,7 +143,7 @@ LAWS_FILE = "scaling_laws.json"  # beside this module, written by benchmarks/fit
 def fitted_laws() -> dict[str, ScalingLaw]:
     """The laws benchmarks/fit_scaling.py fitted on
     tinygpt's own runs, by the recipe they ladder."""
-    with resources.as_file(resources.files("tinygpt.train") / LAWS_FILE) as path:
+    with resources.as_file(resources.files("tinygpt.fit") / LAWS_FILE) as path:
         if not path.is_file():
             return {}
         laws = read_json_safe(path, limit=1 << 20)["laws"]

@@ -1,5 +1,5 @@
 """Reading the token cache: its folder name, shards in memory or mapped from a folder that a writer
-(`tinygpt.train.shard_writer`, in a background process) may still be filling, and the check of
+(`tinygpt.data.shard_writer`, in a background process) may still be filling, and the check of
 every shard before it is used.
 
 Invariants the sampler relies on: shard i's content depends only on the source, the tokenizer and
@@ -22,9 +22,7 @@ from tinygpt.core.checkpoint import MANIFEST  # a shard folder lists its files a
 from tinygpt.core.config import DataConfig
 from tinygpt.core.files import UnsafePathError, inside, refuse_link, write_json_atomic
 from tinygpt.core.rundir import read_json
-from tinygpt.model.tokenizer import Tokenizer
-from tinygpt.train.data import DataError, source_fingerprint
-from tinygpt.train.shard_writer import (
+from tinygpt.data.shard_writer import (
     SHARD_TOKENS,
     WRITER_DISK_FULL,
     ShardWriter,
@@ -32,6 +30,8 @@ from tinygpt.train.shard_writer import (
     write_shards,
     writer_lock,
 )
+from tinygpt.data.sources import DataError, source_fingerprint
+from tinygpt.model.tokenizer import Tokenizer
 
 # in the cache's folder name; 3: shards (2: one file, latin-1 fallback and long lines cut)
 CACHE_FORMAT = 3

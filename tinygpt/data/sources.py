@@ -2,7 +2,7 @@
 
 Documents come out in a fixed order, each long file cut into pieces of about CHUNK_CHARS, and every
 k-th document is held out for validation. `source_fingerprint` changes when a source's content may
-have; the token cache (`tinygpt.train.shards`) names its folders with it. This module imports no
+have; the token cache (`tinygpt.data.shards`) names its folders with it. This module imports no
 torch: the tokenizing process starts without it.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Iterator
 
 from tinygpt.core.config import DataConfig
 from tinygpt.core.paths import hub_spec, is_hub, is_sample, sample_path
-from tinygpt.train.token_files import DataError, detect_token_folder  # noqa: F401  (DataError: handed on)
+from tinygpt.data.token_files import DataError, detect_token_folder  # noqa: F401  (DataError: handed on)
 
 _SKIP_WORDS = {"latin-1": "not UTF-8, read as latin-1", "binary": "binary (NUL bytes), skipped",
                "unreadable": "unreadable, skipped"}
