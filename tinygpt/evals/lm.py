@@ -7,6 +7,7 @@ Every model function takes a tinygpt `GPT` or a Hugging Face causal LM (through 
 and a tinygpt `Tokenizer` or a Hugging Face tokenizer. Wrap a call in `Precision.autocast()` to
 evaluate in bf16/fp16; log-probabilities are always taken in fp32.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +28,7 @@ from tinygpt.evals.code import DataFile, DataFormatError
 from tinygpt.model.losses import IGNORE_INDEX
 
 # --- models and tokenizers --------------------------------------------------------------------
+
 
 @dataclass
 class CausalLM:
@@ -102,7 +104,7 @@ def _nll_sum(lm: CausalLM, inputs: list[list[int]], targets: list[list[int]]) ->
     x = torch.zeros(len(inputs), T, dtype=torch.long)
     y = torch.full((len(inputs), T), IGNORE_INDEX, dtype=torch.long)
     for i, (a, b) in enumerate(zip(inputs, targets)):
-        x[i, :len(a)], y[i, :len(b)] = torch.tensor(a), torch.tensor(b)
+        x[i, : len(a)], y[i, : len(b)] = torch.tensor(a), torch.tensor(b)
     logits = lm.logits(x.to(lm.device))
     y = y.to(logits.device)
     return sum(
@@ -135,9 +137,15 @@ def _round_down(x: float) -> int:
     return int(x // scale * scale)
 
 
-def run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: bool,
-                say: Callable[[str], None] | None, describe: Callable[[float, float], str],
-                cost: Sequence[float] | None = None) -> None:
+def run_batches(
+    batches: list,
+    run: Callable[[Any], None],
+    desc: str,
+    progress: bool,
+    say: Callable[[str], None] | None,
+    describe: Callable[[float, float], str],
+    cost: Sequence[float] | None = None,
+) -> None:
     """``run(batch)`` for every batch. The first two are timed before any bar is shown; when the
     whole is expected to take more than `LONG_SECONDS`, ``say(describe(expected_total_s,
     s_per_batch))`` comes first. The first batch warms up, so the rate is the second's, per unit of
@@ -159,6 +167,7 @@ def run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: 
     if progress and rest:
         try:
             from tqdm.auto import tqdm
+
             # gone when done: the result says it
             bar = tqdm(total=n, initial=done, desc=desc, leave=False)
         except ImportError:
@@ -172,6 +181,20 @@ def run_batches(batches: list, run: Callable[[Any], None], desc: str, progress: 
 
 
 # --- perplexity and bits per byte -------------------------------------------------------------
+
+
+def _windows(n_pred: int, window: int, step: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored target) of each window: inputs ids[begin:end], targets
+    ids[begin+1:end+1], of which those before the first scored target were scored by an earlier one."""
+    spans, prev_end = [], 0
+    for begin in range(0, n_pred, step):
+        end = min(begin + window, n_pred)
+        spans.append((begin, end, prev_end))
+        prev_end = end
+        if end == n_pred:
+            break
+    return spans
+
 
 def perplexity(
     model: Any,
@@ -199,9 +222,7 @@ def perplexity(
     lm = as_causal_lm(model)
     window = window or lm.max_seq_len
     if not 1 <= window <= lm.max_seq_len:
-        raise ValueError(
-            f"window must be between 1 and the model's context {lm.max_seq_len}, got {window}"
-        )
+        raise ValueError(f"window must be between 1 and the model's context {lm.max_seq_len}, got {window}")
     if stride is not None and not 1 <= stride <= window:
         raise ValueError(f"stride must be between 1 and window ({window}), got {stride}")
     step = stride or window
@@ -210,21 +231,14 @@ def perplexity(
     n_pred = len(ids) - 1  # ids[1:] are predicted; without a start token the first one is not
     if n_pred < 1:
         raise ValueError("the text is too short to score; give at least one token of text")
-    # (begin, end, first scored target): inputs ids[begin:end], targets ids[begin+1:end+1]
-    spans, prev_end = [], 0
-    for begin in range(0, n_pred, step):
-        end = min(begin + window, n_pred)
-        spans.append((begin, end, prev_end))
-        prev_end = end
-        if end == n_pred:
-            break
+    spans = _windows(n_pred, window, step)
     total = 0.0
     n_bytes = len(text.encode("utf-8"))
 
     def run(batch) -> None:
         nonlocal total
         inputs = [ids[b:e] for b, e, _ in batch]
-        targets = [[IGNORE_INDEX] * (s - b) + ids[s + 1:e + 1] for b, e, s in batch]
+        targets = [[IGNORE_INDEX] * (s - b) + ids[s + 1 : e + 1] for b, e, s in batch]
         total += _nll_sum(lm, inputs, targets)
 
     def describe(expected: float, per_batch: float) -> str:
@@ -237,7 +251,7 @@ def perplexity(
         )
 
     with _evaluating(lm.module):
-        batches = [spans[i:i + batch_size] for i in range(0, len(spans), batch_size)]
+        batches = [spans[i : i + batch_size] for i in range(0, len(spans), batch_size)]
         run_batches(batches, run, "perplexity", progress, say, describe)
     return {
         "mode": "non-overlapping" if stride in (None, window) else "sliding",
@@ -282,12 +296,40 @@ def read_text(path: str | Path, max_chars: int | None = None) -> str:
 
 # --- log-likelihoods and multiple choice (HellaSwag: tasks/hellaswag.py) ---------------------
 
+
 @dataclass
 class ChoiceItem:
     """One multiple-choice item: endings scored after the context; `label` is the right one's index."""
+
     context: str
     endings: list[str]
     label: int
+
+
+def _request_ids(
+    lm: CausalLM, encode: Callable, start: int | None, ctx: str, cont: str
+) -> tuple[list[int], int]:
+    """One request's ids (context + continuation, cut on the left to fit) and its continuation's length."""
+    n_space = len(ctx) - len(ctx.rstrip(" "))
+    if n_space:
+        ctx, cont = ctx[:-n_space], ctx[-n_space:] + cont
+    whole = encode(ctx + cont)
+    ctx_ids = encode(ctx) if ctx else []
+    cont_ids = whole[len(ctx_ids) :]
+    if not ctx_ids:
+        if start is None:
+            raise ValueError("an empty context needs a tokenizer with a BOS or EOS token")
+        ctx_ids = [start]
+    if not cont_ids:
+        raise ValueError(f"continuation {cont[:40]!r} has no tokens of its own")
+    if len(cont_ids) > lm.max_seq_len:
+        raise ValueError(
+            f"continuation {cont[:40]!r} is {len(cont_ids)} tokens, more than this model's "
+            f"context ({lm.max_seq_len}): score it with a model of a longer context "
+            "(model.max_seq_len)"
+        )
+    fits = lm.trained is not None and len(cont_ids) < lm.trained
+    return (ctx_ids + cont_ids)[-((lm.trained if fits else lm.max_seq_len) + 1) :], len(cont_ids)
 
 
 def loglikelihoods(
@@ -306,28 +348,7 @@ def loglikelihoods(
     the trained context, `CausalLM.trained`, where the continuation fits in it).
     `say` and `describe`: as in `run_batches` (a long run says its expected time first)."""
     lm, encode, start = as_causal_lm(model), encoder(tokenizer), start_token(tokenizer)
-    seqs = []
-    for ctx, cont in requests:
-        n_space = len(ctx) - len(ctx.rstrip(" "))
-        if n_space:
-            ctx, cont = ctx[:-n_space], ctx[-n_space:] + cont
-        whole = encode(ctx + cont)
-        ctx_ids = encode(ctx) if ctx else []
-        cont_ids = whole[len(ctx_ids):]
-        if not ctx_ids:
-            if start is None:
-                raise ValueError("an empty context needs a tokenizer with a BOS or EOS token")
-            ctx_ids = [start]
-        if not cont_ids:
-            raise ValueError(f"continuation {cont[:40]!r} has no tokens of its own")
-        if len(cont_ids) > lm.max_seq_len:
-            raise ValueError(
-                f"continuation {cont[:40]!r} is {len(cont_ids)} tokens, more than this model's "
-                f"context ({lm.max_seq_len}): score it with a model of a longer context "
-                "(model.max_seq_len)"
-            )
-        fits = lm.trained is not None and len(cont_ids) < lm.trained
-        seqs.append(((ctx_ids + cont_ids)[-((lm.trained if fits else lm.max_seq_len) + 1):], len(cont_ids)))
+    seqs = [_request_ids(lm, encode, start, ctx, cont) for ctx, cont in requests]
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))  # similar lengths pad less
     out = [0.0] * len(seqs)
 
@@ -335,7 +356,7 @@ def loglikelihoods(
         T = max(len(seqs[j][0]) for j in batch) - 1
         x = torch.zeros(len(batch), T, dtype=torch.long)
         for r, j in enumerate(batch):
-            x[r, :len(seqs[j][0]) - 1] = torch.tensor(seqs[j][0][:-1])
+            x[r, : len(seqs[j][0]) - 1] = torch.tensor(seqs[j][0][:-1])
         logits = lm.logits(x.to(lm.device))
         for r, j in enumerate(batch):
             seq, n = seqs[j]
@@ -345,20 +366,29 @@ def loglikelihoods(
             out[j] = float(logp.gather(1, tgt[:, None]).sum())
 
     if describe is None:
+
         def describe(expected: float, per_batch: float) -> str:
-            return (f"{len(seqs):,} log-likelihoods: about {duration(expected)} on this "
-                    f"{lm.device.type.upper()}")
+            return (
+                f"{len(seqs):,} log-likelihoods: about {duration(expected)} on this {lm.device.type.upper()}"
+            )
+
     with _evaluating(lm.module):
-        batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         # padded tokens: longest first
         cost = [len(b) * max(len(seqs[j][0]) for j in b) for b in batches]
         run_batches(batches, run, "loglikelihood", progress, say, describe, cost)
     return out
 
 
-def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], batch_size: int = 16,
-                    progress: bool = False, say: Callable[[str], None] | None = None,
-                    name: str = "multiple choice") -> dict[str, Any]:
+def multiple_choice(
+    model: Any,
+    tokenizer: Any,
+    items: Sequence[ChoiceItem],
+    batch_size: int = 16,
+    progress: bool = False,
+    say: Callable[[str], None] | None = None,
+    name: str = "multiple choice",
+) -> dict[str, Any]:
     """acc (highest log-likelihood) and acc_norm (log-likelihood / characters of the ending, as
     lm-evaluation-harness defines it); each ending is scored as " " + ending after the context."""
     if not items:
@@ -367,21 +397,22 @@ def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], bat
 
     def describe(expected: float, per_batch: float) -> str:
         limit = shorter(len(items), expected)
-        return (f"{name} over {len(items):,} items: about {duration(expected)} on this "
-                f"{as_causal_lm(model).device.type.upper()}; --limit {limit} takes about "
-                f"{duration(expected * limit / len(items))}")
+        return (
+            f"{name} over {len(items):,} items: about {duration(expected)} on this "
+            f"{as_causal_lm(model).device.type.upper()}; --limit {limit} takes about "
+            f"{duration(expected * limit / len(items))}"
+        )
 
     lls = loglikelihoods(model, tokenizer, requests, batch_size, progress, say, describe)
     correct = correct_norm = i = 0
     for it in items:
-        ll = lls[i:i + len(it.endings)]
+        ll = lls[i : i + len(it.endings)]
         i += len(it.endings)
         correct += max(range(len(ll)), key=lambda j: ll[j]) == it.label
-        correct_norm += (
-            max(range(len(ll)), key=lambda j: ll[j] / max(len(it.endings[j]), 1)) == it.label
-        )
+        correct_norm += max(range(len(ll)), key=lambda j: ll[j] / max(len(it.endings[j]), 1)) == it.label
     n = len(items)
     acc, acc_norm = correct / n, correct_norm / n
+
     def se(p: float) -> float:  # the standard error of a proportion over n items
         return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
 
@@ -396,9 +427,8 @@ def multiple_choice(model: Any, tokenizer: Any, items: Sequence[ChoiceItem], bat
 
 # --- evaluation text: a file, or a Hugging Face data set ----------------------------------------
 
-def load_eval_text(
-    data: str | Path, max_chars: int | None = None, offline: str = "a text file"
-) -> str:
+
+def load_eval_text(data: str | Path, max_chars: int | None = None, offline: str = "a text file") -> str:
     """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset
     (hf:NAME[:CONFIG][@SPLIT], or a save_to_disk folder) whose records are
     joined as they are (WikiText's records are its lines). `offline`: what

@@ -3,6 +3,7 @@
 chunked logits, packed rows), and the recipe to start from (`default_finetune_recipe`). Nothing here
 loads weights: a base's `config.json` (`base_config`, `base_config_dict`) is all it reads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,20 +65,26 @@ def base_config(path: str):
 
     p = Path(path).expanduser()
     if p.exists() and not (p / "config.json").is_file():
-        raise FinetuneError(f"base {path!r} is a folder with neither run.json (a tinygpt run) nor "
-                            "config.json (a Hugging Face model)")
+        raise FinetuneError(
+            f"base {path!r} is a folder with neither run.json (a tinygpt run) nor "
+            "config.json (a Hugging Face model)"
+        )
     if not p.exists() and (path.startswith(("/", ".", "~")) or path.count("/") > 1):
-        raise FinetuneError(f"base {path!r} does not exist: give a tinygpt run folder, a model "
-                            "folder or a Hub id such as google/gemma-2-2b")
+        raise FinetuneError(
+            f"base {path!r} does not exist: give a tinygpt run folder, a model "
+            "folder or a Hub id such as google/gemma-2-2b"
+        )
     try:
         return from_pretrained("AutoConfig", path)
     except (UntrustedModel, UnsafeTokenizer, UnsafePathError, FileTooLarge):
         raise  # one line that names the file already
     except Exception as e:
-        raise FinetuneError(f"could not load base model {path!r}: {type(e).__name__}: {e}\nCheck "
-                            "the folder or the Hub id and the network; gated models (Gemma, Llama) "
-                            "need their licence accepted on the Hub and `hf auth login` (or "
-                            "HF_TOKEN set)") from e
+        raise FinetuneError(
+            f"could not load base model {path!r}: {type(e).__name__}: {e}\nCheck "
+            "the folder or the Hub id and the network; gated models (Gemma, Llama) "
+            "need their licence accepted on the Hub and `hf auth login` (or "
+            "HF_TOKEN set)"
+        ) from e
 
 
 def base_config_dict(base: str | Path) -> dict[str, Any]:
@@ -102,9 +109,55 @@ def checkpointing_rule(recipe: FinetuneRecipe, hardware: str) -> bool | None:
     return hardware in rule
 
 
-def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[str, Any], *,
-                 activation_checkpointing: bool | None = None,
-                 full_logits: bool | None = None) -> list[dict[str, Any]]:
+def _shapes(c: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear of one Llama-like layer of a `config.json` dict."""
+    h = c.get("hidden_size") or c["n_embd"]
+    nh = c.get("num_attention_heads") or c["n_head"]
+    hd = c.get("head_dim") or h // nh
+    nkv = c.get("num_key_value_heads") or nh
+    ff = c.get("intermediate_size") or c.get("n_inner") or 4 * h
+    return {
+        "q_proj": (h, nh * hd),
+        "k_proj": (h, nkv * hd),
+        "v_proj": (h, nkv * hd),
+        "o_proj": (nh * hd, h),
+        "gate_proj": (h, ff),
+        "up_proj": (h, ff),
+        "down_proj": (ff, h),
+    }
+
+
+def _layer_activations(c: dict[str, Any], hardware: str, tokens: int, seq_len: int, half: int) -> int:
+    """Bytes of activations one layer holds for backward: 2 x tokens x (17 d_model + 5 d_ff), and
+    beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where no
+    fused kernel takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T
+    scores: fp32 softmax + a copy."""
+    shapes = _shapes(c)
+    h, ff = shapes["q_proj"][0], shapes["up_proj"][1]
+    nh = c.get("num_attention_heads") or c["n_head"]
+    hd = shapes["q_proj"][1] // nh
+    nkv = shapes["k_proj"][1] // hd
+    layer_act = 2 * tokens * (17 * h + 5 * ff)
+    kernel = (
+        "math"
+        if c.get("final_logit_softcapping")
+        else attention_kernel(*finetune_device(hardware), torch_version(), hd)
+    )
+    if nkv < nh and kernel != "fused":
+        layer_act += 2 * tokens * 2 * (nh - nkv) * hd
+    if kernel == "math":
+        layer_act += tokens * nh * seq_len * (4 + half)
+    return layer_act
+
+
+def memory_table(
+    recipe: FinetuneRecipe | str,
+    hardware: str,
+    base_config: dict[str, Any],
+    *,
+    activation_checkpointing: bool | None = None,
+    full_logits: bool | None = None,
+) -> list[dict[str, Any]]:
     """Estimated GPU memory (GB) of finetuning a base with a Llama-like `config.json` dict.
     Activations: 2 bytes x tokens x (17 d_model + 5 d_ff) per layer (a layer with LoRA dropout and
     flash attention); with activation checkpointing only the layer inputs plus one layer are held.
@@ -113,18 +166,9 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     can need."""
     recipe = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     c, cfg = base_config, recipe.train_config(hardware)
-    h = c.get("hidden_size") or c["n_embd"]
-    L = c.get("num_hidden_layers") or c["n_layer"]
-    nh = c.get("num_attention_heads") or c["n_head"]
-    hd = c.get("head_dim") or h // nh
-    nkv = c.get("num_key_value_heads") or nh
-    ff = c.get("intermediate_size") or c.get("n_inner") or 4 * h
-    V = c["vocab_size"]
-    shapes = {"q_proj": (h, nh * hd), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd),
-              "o_proj": (nh * hd, h), "gate_proj": (h, ff), "up_proj": (h, ff),
-              "down_proj": (ff, h)}
+    h, L, shapes = c.get("hidden_size") or c["n_embd"], c.get("num_hidden_layers") or c["n_layer"], _shapes(c)
     linear = L * sum(a * b for a, b in shapes.values())
-    emb = V * h * (1 if c.get("tie_word_embeddings", True) else 2)
+    emb = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings", True) else 2)
     if recipe.lora is None:  # full finetuning: every weight is trained
         lora = linear + emb
     else:
@@ -134,42 +178,54 @@ def memory_table(recipe: FinetuneRecipe | str, hardware: str, base_config: dict[
     half = 4 if hardware == "cpu" or recipe.lora is None else 2
     nf4 = recipe.quantize == "nf4"
     tokens = cfg.micro_batch_size * cfg.seq_len
-    layer_act = 2 * tokens * (17 * h + 5 * ff)
-    # Beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where
-    # no fused kernel takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T
-    # scores: fp32 softmax + a copy.
-    kernel = ("math" if c.get("final_logit_softcapping")
-              else attention_kernel(*finetune_device(hardware), torch_version(), hd))
-    if nkv < nh and kernel != "fused":
-        layer_act += 2 * tokens * 2 * (nh - nkv) * hd
-    if kernel == "math":
-        layer_act += tokens * nh * cfg.seq_len * (4 + half)
+    layer_act = _layer_activations(c, hardware, tokens, cfg.seq_len, half)
     rule = checkpointing_rule(recipe, hardware)
-    ckpt = (activation_checkpointing if activation_checkpointing is not None
-            else rule if rule is not None else hardware != "cpu")
+    ckpt = (
+        activation_checkpointing
+        if activation_checkpointing is not None
+        else rule
+        if rule is not None
+        else hardware != "cpu"
+    )
     act = (L * 2 * tokens * h + layer_act) if ckpt else L * layer_act
     chunked = chunked_loss(c) and not full_logits
     # chunked: one chunk's logits; else fp16 logits + fp32 copy + fp32 log-softmax/grad
-    logits = (2**25 * 8) if chunked else tokens * V * 12
+    logits = (2**25 * 8) if chunked else tokens * c["vocab_size"] * 12
     gb = 1e9
     adapted = recipe.lora is not None
     rows = [
-        ("base weights", (linear * (0.516 if nf4 else half) + emb * half) / gb,
-         "NF4: 4 bits + double-quantized scales (0.127 bits) per linear weight; embeddings stay "
-         "16-bit" if nf4 else f"{half} bytes per weight"),
-        ("adapters", lora * 4 / gb, f"{lora / 1e6:.1f}M LoRA weights in fp32") if adapted
+        (
+            "base weights",
+            (linear * (0.516 if nf4 else half) + emb * half) / gb,
+            "NF4: 4 bits + double-quantized scales (0.127 bits) per linear weight; embeddings stay 16-bit"
+            if nf4
+            else f"{half} bytes per weight",
+        ),
+        ("adapters", lora * 4 / gb, f"{lora / 1e6:.1f}M LoRA weights in fp32")
+        if adapted
         else ("adapters", 0.0, "none: full finetuning trains the base weights themselves"),
-        ("gradients + AdamW", lora * 12 / gb, "fp32 gradient and two moments per "
-         + ("adapter weight" if adapted else f"weight ({lora / 1e6:.1f}M)")),
-        ("activations", act / gb, f"micro-batch {cfg.micro_batch_size} x {cfg.seq_len}, "
-         f"{'with' if ckpt else 'without'} activation checkpointing"),
-        ("logits + loss", logits / gb,
-         "chunked cross-entropy" if chunked else "full (tokens, vocab) logits"),
+        (
+            "gradients + AdamW",
+            lora * 12 / gb,
+            "fp32 gradient and two moments per "
+            + ("adapter weight" if adapted else f"weight ({lora / 1e6:.1f}M)"),
+        ),
+        (
+            "activations",
+            act / gb,
+            f"micro-batch {cfg.micro_batch_size} x {cfg.seq_len}, "
+            f"{'with' if ckpt else 'without'} activation checkpointing",
+        ),
+        ("logits + loss", logits / gb, "chunked cross-entropy" if chunked else "full (tokens, vocab) logits"),
     ]
     out = [{"part": p, "gb": round(v, 3), "how": how} for p, v, how in rows]
-    return out + [{"part": "total", "gb": round(sum(r["gb"] for r in out), 3),
-                   "how": "tensors only; `device_need_gb` adds the CUDA context and allocator "
-                          "slack"}]
+    return out + [
+        {
+            "part": "total",
+            "gb": round(sum(r["gb"] for r in out), 3),
+            "how": "tensors only; `device_need_gb` adds the CUDA context and allocator slack",
+        }
+    ]
 
 
 def device_need_gb(table: list[dict[str, Any]], hardware: str) -> float:
@@ -225,8 +281,9 @@ class FinetunePlan:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
-def plan_finetune(recipe: FinetuneRecipe, hardware: str, base_config: dict[str, Any],
-                  memory_gb: float | None) -> FinetunePlan:
+def plan_finetune(
+    recipe: FinetuneRecipe, hardware: str, base_config: dict[str, Any], memory_gb: float | None
+) -> FinetunePlan:
     """The fastest plan whose estimate fits FIT_FRACTION of `memory_gb` (None: any fits). Tried
     fastest first: no recomputation and the full logits; then chunked logits (a loop over row
     chunks, no extra matmul); then activation checkpointing (one more forward per step); the leanest
@@ -237,22 +294,26 @@ def plan_finetune(recipe: FinetuneRecipe, hardware: str, base_config: dict[str, 
     options = [(c, f) for c in ckpts for f in logits]
     pack = recipe.pack and packing_supported(base_config)
     for c, f in options:
-        table = memory_table(recipe, hardware, base_config, activation_checkpointing=c,
-                             full_logits=f)
+        table = memory_table(recipe, hardware, base_config, activation_checkpointing=c, full_logits=f)
         need = device_need_gb(table, hardware)
         if memory_gb is None or need <= FIT_FRACTION * memory_gb:
             break
     where = f"of {memory_gb:.1f} GB" if memory_gb is not None else "(device memory unknown)"
     fits = memory_gb is None or need <= FIT_FRACTION * memory_gb
-    why = (f"about {need:.1f} GB {where}: activation checkpointing {'on' if c else 'off'}, "
-           f"{'full' if f else 'chunked'} logits"
-           + ("" if fits else "; the leanest plan, and it may not fit"))
-    return FinetunePlan(c, f, pack, round(need, 3),
-                        None if memory_gb is None else round(memory_gb, 3), why)
+    why = (
+        f"about {need:.1f} GB {where}: activation checkpointing {'on' if c else 'off'}, "
+        f"{'full' if f else 'chunked'} logits" + ("" if fits else "; the leanest plan, and it may not fit")
+    )
+    return FinetunePlan(c, f, pack, round(need, 3), None if memory_gb is None else round(memory_gb, 3), why)
 
 
-def resumed_plan(old: dict[str, Any], recipe: FinetuneRecipe, hardware: str,
-                 base_config: dict[str, Any], memory_gb: float | None) -> FinetunePlan:
+def resumed_plan(
+    old: dict[str, Any],
+    recipe: FinetuneRecipe,
+    hardware: str,
+    base_config: dict[str, Any],
+    memory_gb: float | None,
+) -> FinetunePlan:
     """The plan of the run being resumed (from its finetune.json). Its packing is always kept (the
     rows must be the same); its memory choices too, unless this device is too small for them. A run
     from before plans were recorded had the old rules: padded rows, checkpointing per hardware
@@ -262,25 +323,37 @@ def resumed_plan(old: dict[str, Any], recipe: FinetuneRecipe, hardware: str,
     else:
         r = old.get("recipe", {})
         rule = r.get("activation_checkpointing", ["t4", "a100"])
-        ckpt = (hardware in rule if isinstance(rule, list)
-                else rule == "on" or (rule == "auto" and hardware != "cpu"))
-        plan = FinetunePlan(ckpt, False, bool(r.get("pack", False)), 0.0, None,
-                            "a run from before plans were kept")
-    table = memory_table(recipe, hardware, base_config,
-                         activation_checkpointing=plan.activation_checkpointing,
-                         full_logits=plan.full_logits)
+        ckpt = (
+            hardware in rule
+            if isinstance(rule, list)
+            else rule == "on" or (rule == "auto" and hardware != "cpu")
+        )
+        plan = FinetunePlan(
+            ckpt, False, bool(r.get("pack", False)), 0.0, None, "a run from before plans were kept"
+        )
+    table = memory_table(
+        recipe,
+        hardware,
+        base_config,
+        activation_checkpointing=plan.activation_checkpointing,
+        full_logits=plan.full_logits,
+    )
     need = device_need_gb(table, hardware)
     if memory_gb is not None and need > FIT_FRACTION * memory_gb:
         lean = plan_finetune(recipe, hardware, base_config, memory_gb)
-        return dataclasses.replace(lean, pack=plan.pack, why=lean.why + " (re-planned: the run's "
-                                   "plan does not fit this device)")
+        return dataclasses.replace(
+            lean, pack=plan.pack, why=lean.why + " (re-planned: the run's plan does not fit this device)"
+        )
     return dataclasses.replace(plan, need_gb=round(need, 3))
 
 
 # ----- the default --------------------------------------------------------------------------------
-def default_finetune_recipe(base_config: dict[str, Any], hardware: str,
-                            memory_gb: float | None = None,
-                            resume_from: Iterable[str | Path | None] = ()) -> tuple[str, str]:
+def default_finetune_recipe(
+    base_config: dict[str, Any],
+    hardware: str,
+    memory_gb: float | None = None,
+    resume_from: Iterable[str | Path | None] = (),
+) -> tuple[str, str]:
     """(recipe name, why): the run being resumed decides first; on a GPU lora-r16 when its estimate
     fits `memory_gb` with 10% to spare, else qlora-r16; on a CPU lora-r8 (4-bit kernels are slow
     there)."""
@@ -288,11 +361,16 @@ def default_finetune_recipe(base_config: dict[str, Any], hardware: str,
     if resumed in FINETUNE_RECIPES:
         return resumed, "the recipe of the run on Drive (it continues where it stopped)"
     if hardware == "cpu":
-        return "lora-r8", ("on a CPU: the smallest adapter, base weights in fp32 (4-bit kernels "
-                           "are slow here)")
+        return "lora-r8", (
+            "on a CPU: the smallest adapter, base weights in fp32 (4-bit kernels are slow here)"
+        )
     need = device_need_gb(memory_table("lora-r16", hardware, base_config), hardware)
     if memory_gb is None or need <= 0.9 * memory_gb:
-        return "lora-r16", (f"lora-r16 needs about {need:.1f} GB"
-                            + (f" of this GPU's {memory_gb:.0f} GB" if memory_gb else ""))
-    return "qlora-r16", (f"lora-r16 would need about {need:.1f} GB, more than this GPU's "
-                         f"{memory_gb:.0f} GB: the base goes in 4-bit")
+        return "lora-r16", (
+            f"lora-r16 needs about {need:.1f} GB"
+            + (f" of this GPU's {memory_gb:.0f} GB" if memory_gb else "")
+        )
+    return "qlora-r16", (
+        f"lora-r16 would need about {need:.1f} GB, more than this GPU's "
+        f"{memory_gb:.0f} GB: the base goes in 4-bit"
+    )

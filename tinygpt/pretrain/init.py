@@ -13,6 +13,7 @@ pretraining's plan: at the run's first start, for its weights and tokenizer);
 run.json records the base, and a resumed run loads its own checkpoint and
 tokenizer without reading the base again (it may be gone from the cache by then).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,6 +53,7 @@ GPU_CONTEXT = 2048
 @dataclass
 class Base:
     """A base to continue from, as far as it can be known without reading its weights."""
+
     spec: str  # as recorded in ModelConfig.init: hf:NAME[@REVISION], or an absolute folder
     kind: str  # "hub", "folder" (a Hugging Face model folder) or "run" (a tinygpt run folder)
     path: Path  # the local folder (for the Hub: config and tokenizer in the Hugging Face cache)
@@ -75,74 +77,17 @@ def read_base(spec: str) -> Base:
     (or, from the Hub, downloaded). A base the GPT cannot represent, or that lacks what continued
     pretraining needs, fails here in one line that says what differs or what to do."""
     spec = normalise_init(spec)
-    if is_hub(spec):
-        try:
-            kind, path = "hub", hub_model_folder(spec, weights=False)
-        except ValueError as e:
-            raise ConfigError(f"--init {spec}: {e}") from None
-    else:
-        path = Path(spec)
-        kind = (
-            "run"
-            if (path / RUN_JSON).is_file()
-            else "folder"
-            if (path / "config.json").is_file()
-            else None
-        )
-        if kind is None:
-            raise ConfigError(
-                f"--init {spec}: "
-                + (
-                    "the folder has neither run.json (a tinygpt run) nor config.json "
-                    "(a Hugging Face model)"
-                    if path.exists()
-                    else "no such folder; give hf:NAME for a Hub model (e.g. "
-                    "hf:HuggingFaceTB/SmolLM2-135M), a model folder or a run folder"
-                )
-            )
+    kind, path = _base_kind(spec)
     if kind == "run":
         run = RunDir(path)
         if latest_valid(run.checkpoints) is None:
-            raise ConfigError(
-                f"--init {spec}: the run has no valid checkpoint to start from; train it first"
-            )
+            raise ConfigError(f"--init {spec}: the run has no valid checkpoint to start from; train it first")
         model, tokenizer = (
             Recipe.from_dict(run.recipe_dict()).model,
             Tokenizer.load(path / TOKENIZER_JSON),
         )
     else:
-        # bounded, never through a link (but the Hub cache's)
-        cfg = read_json_safe(hf_file(path, "config.json"))
-        if not isinstance(cfg, dict):
-            raise ConfigError(
-                f"--init {spec}: its config.json is not a model config (a JSON object)"
-            )
-        gaps = representation_gaps(cfg)
-        if gaps:
-            raise ConfigError(
-                f"--init {spec}: tinygpt's GPT cannot represent this model: {'; '.join(gaps)}"
-            )
-        try:
-            model = ModelConfig.from_hf_llama(cfg)
-        except (ConfigError, KeyError) as e:
-            raise ConfigError(
-                f"--init {spec}: its config.json does not describe a model tinygpt can build ({e})"
-            ) from None
-        # its regexes checked: a crafted one is refused, never run
-        tokenizer = import_tokenizer(path)
-        if tokenizer is None:
-            raise ConfigError(
-                f"--init {spec}: no tokenizer.json with an end-of-text token beside the model (the "
-                "corpus is tokenized with the base's own tokenizer); save it there with "
-                "tokenizer.save_pretrained"
-            )
-        if kind == "folder" and not (
-            (path / "model.safetensors").is_file() or (path / SAFETENSORS_INDEX).is_file()
-        ):
-            raise ConfigError(
-                f"--init {spec}: no model.safetensors; load the model with transformers and "
-                "save_pretrained() it again (safetensors is the default)"
-            )
+        model, tokenizer = _read_hf_base(spec, kind, path)
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(
             f"--init {spec}: its tokenizer has {tokenizer.vocab_size} tokens, its model only "
@@ -155,6 +100,62 @@ def read_base(spec: str) -> Base:
         dataclasses.replace(model, init=spec, activation_checkpointing=False),
         tokenizer,
     )
+
+
+def _base_kind(spec: str) -> tuple[str, Path]:
+    """("hub" | "run" | "folder", its folder) of a normalised --init, or the one line that says why none."""
+    if is_hub(spec):
+        try:
+            return "hub", hub_model_folder(spec, weights=False)
+        except ValueError as e:
+            raise ConfigError(f"--init {spec}: {e}") from None
+    path = Path(spec)
+    if (path / RUN_JSON).is_file():
+        return "run", path
+    if (path / "config.json").is_file():
+        return "folder", path
+    raise ConfigError(
+        f"--init {spec}: "
+        + (
+            "the folder has neither run.json (a tinygpt run) nor config.json (a Hugging Face model)"
+            if path.exists()
+            else "no such folder; give hf:NAME for a Hub model (e.g. "
+            "hf:HuggingFaceTB/SmolLM2-135M), a model folder or a run folder"
+        )
+    )
+
+
+def _read_hf_base(spec: str, kind: str, path: Path) -> tuple[ModelConfig, Tokenizer]:
+    """A Hugging Face model's architecture and tokenizer (from the Hub's cache or a folder), checked."""
+    # bounded, never through a link (but the Hub cache's)
+    cfg = read_json_safe(hf_file(path, "config.json"))
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--init {spec}: its config.json is not a model config (a JSON object)")
+    gaps = representation_gaps(cfg)
+    if gaps:
+        raise ConfigError(f"--init {spec}: tinygpt's GPT cannot represent this model: {'; '.join(gaps)}")
+    try:
+        model = ModelConfig.from_hf_llama(cfg)
+    except (ConfigError, KeyError) as e:
+        raise ConfigError(
+            f"--init {spec}: its config.json does not describe a model tinygpt can build ({e})"
+        ) from None
+    # its regexes checked: a crafted one is refused, never run
+    tokenizer = import_tokenizer(path)
+    if tokenizer is None:
+        raise ConfigError(
+            f"--init {spec}: no tokenizer.json with an end-of-text token beside the model (the "
+            "corpus is tokenized with the base's own tokenizer); save it there with "
+            "tokenizer.save_pretrained"
+        )
+    if kind == "folder" and not (
+        (path / "model.safetensors").is_file() or (path / SAFETENSORS_INDEX).is_file()
+    ):
+        raise ConfigError(
+            f"--init {spec}: no model.safetensors; load the model with transformers and "
+            "save_pretrained() it again (safetensors is the default)"
+        )
+    return model, tokenizer
 
 
 def continued_recipe(template: Recipe | str, init: str) -> Recipe:
@@ -179,9 +180,7 @@ def continued_recipe(template: Recipe | str, init: str) -> Recipe:
         warmup_steps=max(t.warmup_steps, round(CONTINUE_WARMUP_FRACTION * t.max_steps)),
         optimizer="adamw",
     )
-    data = dataclasses.replace(
-        template.data, tokenizer=INIT_TOKENIZER, vocab_size=base.tokenizer.vocab_size
-    )
+    data = dataclasses.replace(template.data, tokenizer=INIT_TOKENIZER, vocab_size=base.tokenizer.vocab_size)
     return Recipe(
         template.name,
         f"{template.description} Continued from {base.spec}.",
@@ -242,20 +241,18 @@ def starting_base(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> 
         return None
     run = RunDir(run_dir)
     resumes = resume == "auto" and latest_valid(run.checkpoints) is not None
-    if resumes and (
-        recipe.data.tokenizer != INIT_TOKENIZER or (run.path / TOKENIZER_JSON).is_file()
-    ):
+    if resumes and (recipe.data.tokenizer != INIT_TOKENIZER or (run.path / TOKENIZER_JSON).is_file()):
         return None
     base = read_base(recipe.model.init)
     network = ModelConfig.network_fields()
-    diffs = config_differences({k: getattr(base.model, k) for k in network},
-                               {k: getattr(recipe.model, k) for k in network})
+    diffs = config_differences(
+        {k: getattr(base.model, k) for k in network}, {k: getattr(recipe.model, k) for k in network}
+    )
     if diffs:
         raise ConfigError(
             f"the base {base.spec} is another network than the recipe's model (base first): "
             + "; ".join(
-                d.replace("in the run", "in the base").replace(" now", " in the recipe")
-                for d in diffs
+                d.replace("in the run", "in the base").replace(" now", " in the recipe") for d in diffs
             )
             + "; use continued_recipe (tinygpt pretrain --init) to size it"
         )
@@ -278,6 +275,4 @@ def base_weights(base: Base) -> dict:
         newest = latest_valid(RunDir(base.path).checkpoints)
         return load_checkpoint(newest, with_state=False)[0]
     folder = hub_model_folder(base.spec) if base.kind == "hub" else base.path
-    return {
-        k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")
-    }
+    return {k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")}
