@@ -1,7 +1,7 @@
 """Fit the size planner's scaling law on tinygpt's own runs: the ladder's lower rungs, trained on the CPU.
 
     python benchmarks/fit_scaling.py --out /tmp/scaling         # train the grid (resumable), fit, report
-    python benchmarks/fit_scaling.py --out /tmp/scaling --write # ... and write tinygpt/train/scaling_laws.json
+    python benchmarks/fit_scaling.py --out /tmp/scaling --write # ... and write tinygpt/fit/scaling_laws.json
     python benchmarks/fit_scaling.py --recipe cpu-fast --jobs 2 --out /tmp/scaling --write   # the cpu-fast ladder
 
 Each run is `pretrain` of the recipe at one rung (`tinygpt.fit.plan.rung`) for one token budget, with the

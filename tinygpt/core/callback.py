@@ -14,7 +14,7 @@ from typing import Any
 
 class Callback:
     """Subclass and override the hooks you need. `trainer` is the running
-    `tinygpt.train.Trainer`."""
+    `tinygpt.train.trainer.Trainer`."""
 
     # True for a callback that shows the start-up breakdown itself (a notebook's table): the
     # start-up line is then not printed as well
