@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--recipe", default="cpu")
-    ap.add_argument("--write", action="store_true", help=f"write tinygpt/train/{LAWS_FILE}")
+    ap.add_argument("--write", action="store_true", help=f"write tinygpt/fit/{LAWS_FILE}")
     ap.add_argument("--fit-only", action="store_true", help="fit the runs already in --out, train nothing")
     ap.add_argument("--jobs", type=int, default=1, help="runs trained at once")
     args = ap.parse_args(argv)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if errors:
         print(f"\nheld-out runs: largest error {max(errors):.1%}")
     if args.write:
-        path = ROOT / "tinygpt" / "train" / LAWS_FILE
+        path = ROOT / "tinygpt" / "fit" / LAWS_FILE
         laws = json.loads(path.read_text())["laws"] if path.is_file() else {}
         laws[args.recipe] = {**law, "held_out_max_error": max(errors) if errors else None,
                              "source": f"fitted on {len(runs) - len(errors)} tinygpt runs of the {args.recipe} "
