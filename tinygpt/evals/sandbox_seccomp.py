@@ -10,10 +10,11 @@ import os
 # and whatever the next kernel adds are refused, and a C library takes its fallback). ALLOWED is
 # what the sandbox's processes were seen to make (strace -f of the test and solution processes on
 # HumanEval's and MBPP's canonical solutions and a program using most of the standard library:
-# files, threads, asyncio, sqlite3, subprocess, signals, sockets; Python 3.11, glibc 2.36, in each
-# mode), with the variants other C libraries and Pythons use for the same work (statx, faccessat2,
-# ppoll, epoll_pwait2...). Sockets are allowed: the network namespace, not the filter, keeps the
-# network out (asyncio needs a socketpair). Named in REFUSED, with EPERM:
+# files, threads, asyncio, sqlite3, subprocess, signals, sockets; Pythons 3.10 to 3.13, glibc
+# 2.36, in each mode), with the variants other C libraries and Pythons use for the same work
+# (statx, faccessat2, fchmodat2, ppoll, epoll_pwait2...). Sockets are allowed: the network
+# namespace, not the filter, keeps the network out (asyncio needs a socketpair). Named in REFUSED,
+# with EPERM:
 # - SysV IPC and POSIX message queues: shared memory held outside RLIMIT_AS (3 GB past a 1 GB
 #   limit) and, in the uid mode, in the host's namespace, kept after the sandbox ends;
 # - memfd_create, memfd_secret: memory files outside the jail's size-capped tmpfs (~1 GB past the
@@ -50,9 +51,10 @@ ALLOWED = {  # name: (x86_64, aarch64); None: that architecture has no such call
     "rmdir": (84, None), "unlink": (87, None), "unlinkat": (263, 35), "rename": (82, None),
     "renameat": (264, 38), "renameat2": (316, 276), "link": (86, None), "linkat": (265, 37),
     "symlink": (88, None), "symlinkat": (266, 36), "chmod": (90, None), "fchmod": (91, 52),
-    "fchmodat": (268, 53), "chown": (92, None), "fchown": (93, 55), "lchown": (94, None),
-    "fchownat": (260, 54), "utime": (132, None), "utimes": (235, None), "utimensat": (280, 88),
-    "futimesat": (261, None), "getxattr": (191, 8), "lgetxattr": (192, 9), "fgetxattr": (193, 10),
+    "fchmodat": (268, 53), "fchmodat2": (452, 452), "chown": (92, None), "fchown": (93, 55),
+    "lchown": (94, None), "fchownat": (260, 54), "utime": (132, None), "utimes": (235, None),
+    "utimensat": (280, 88), "futimesat": (261, None), "getxattr": (191, 8), "lgetxattr": (192, 9),
+    "fgetxattr": (193, 10),
     "listxattr": (194, 11), "llistxattr": (195, 12), "flistxattr": (196, 13), "setxattr": (188, 5),
     "lsetxattr": (189, 6), "fsetxattr": (190, 7), "removexattr": (197, 14),
     "lremovexattr": (198, 15), "fremovexattr": (199, 16),
