@@ -94,6 +94,24 @@ def test_chat_template_of_a_transformers_tokenizer(tok):
     assert tok.decode(trained(y[0])) == "print('hi')\n" + "print('hi again')\n" + "<|endoftext|>"
 
 
+
+def test_a_chat_template_the_sandbox_refuses_names_its_file(tok, tmp_path):
+    """A base's chat template that jinja2's sandbox refuses (issue 48: the refusal named no file) fails in
+    one line naming the base's chat_template.jinja."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|endoftext|>")
+    hf.chat_template = "{{ messages.__class__.__mro__ }}"
+    hf.save_pretrained(tmp_path / "base")
+    base = transformers.AutoTokenizer.from_pretrained(tmp_path / "base")
+    msgs = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+    with pytest.raises(ValueError) as e:
+        build_instruct_data([{"messages": msgs}], base, 64, val_fraction=0.0)
+    file = tmp_path / "base" / ("chat_template.jinja" if (tmp_path / "base" / "chat_template.jinja").is_file()
+                                else "tokenizer_config.json")
+    assert str(e.value).startswith(f"{file}: the base's chat template cannot render a conversation (access to "
+                                   "attribute '__class__' of 'list' object is unsafe")
+    assert "\n" not in str(e.value) and "SecurityError" not in str(e.value)
+
 def test_packing_keeps_every_target_and_fits_seq_len(alpaca, tok):
     plain = build_instruct_data(alpaca[:300], tok, 512, val_fraction=0.0, template="short")
     packed = build_instruct_data(alpaca[:300], tok, 512, val_fraction=0.0, template="short", pack=True)

@@ -211,6 +211,98 @@ def test_loss_plot_without_matplotlib(monkeypatch):
         colab.LossPlot(show=True)  # a notebook: say how to get it
 
 
+
+# ---- plots never through links, and only what a plan may hold (issue 48) -------------------------
+
+PNG = b"\x89PNG\r\n"
+
+
+def planned_run(run_dir: Path, **change) -> Path:
+    """A run folder whose run.json keeps a plan of three sizes (d4 chosen), with `change` applied to the
+    plan (rows=...: the rows instead)."""
+    rows = [{"size": f"d{d}", "params": 2e4 * d**3, "tokens": 4e6 / d, "tokens_per_s": 1e4, "predicted_loss": 5 - d / 4,
+             "chosen": d == 4, "epochs": 0.5} for d in (2, 4, 6)]
+    plan = {"size": "d4", "hours": 0.01, "candidates": change.pop("rows", rows), **change}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.json").write_text(json.dumps({"recipe": get_recipe("cpu-smoke").to_dict(), "plan": plan}))
+    return run_dir
+
+
+def test_plots_replace_a_link_at_their_file_and_refuse_a_linked_folder(tmp_path):
+    """plots/loss.png and plots/plan.png were written through a symbolic link (a user's file overwritten with a
+    PNG) and into another folder through a linked plots/: now the file link is replaced by the PNG, never
+    followed, a hard link is not written through, and a linked plots/ folder is refused in one line."""
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    from tinygpt.core.files import UnsafePathError
+    victim = tmp_path / "users_file.txt"
+    victim.write_bytes(b"keep me")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def loss_plot(run: Path) -> None:
+        plot = colab.LossPlot(run)
+        log(plot, 5)
+        plot.close()
+
+    for name, draw in (("loss.png", loss_plot), ("plan.png", lambda run: colab.plan_plot(run, show=False))):
+        for link in (os.symlink, os.link):
+            run = planned_run(tmp_path / f"{name}-{link.__name__}")
+            (run / "plots").mkdir()
+            link(victim, run / "plots" / name)
+            draw(run)
+            assert victim.read_bytes() == b"keep me", (name, link)
+            png = run / "plots" / name
+            assert not png.is_symlink() and png.stat().st_nlink == 1 and png.read_bytes().startswith(PNG)
+            assert sorted(p.name for p in (run / "plots").iterdir()) == [name]  # no temporary file left
+        run = planned_run(tmp_path / f"{name}-folder")
+        (run / "plots").symlink_to(elsewhere, target_is_directory=True)
+        with pytest.raises(UnsafePathError, match=r"plots is a symbolic link .*elsewhere.*never follows") as e:
+            draw(run)
+        assert "\n" not in str(e.value) and list(elsewhere.iterdir()) == []
+    assert victim.read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize("hostile,refusal", [
+    (dict(rows=[{"size": "d2", "params": 1e5, "tokens": 1e6, "tokens_per_s": 1e4, "predicted_loss": 4.0,
+                 "chosen": False}]), "marks 0 sizes as chosen"),  # was StopIteration
+    (dict(rows=[{"size": "d2", "params": 1e308, "tokens": 1e6, "tokens_per_s": 1e4, "predicted_loss": 4.0,
+                 "chosen": True}]), r"gives size d2 params 1e\+308"),  # was an arange error
+    (dict(rows=[{"size": "d2", "params": 1e5, "tokens": 1e6, "tokens_per_s": 1e4, "predicted_loss": 1e200,
+                 "chosen": True}]), r"predicted_loss 1e\+200"),
+    (dict(rows=[{"size": f"d{i}", "params": 1e5 + i, "tokens": 1e6, "tokens_per_s": 1e4, "predicted_loss": 4.0,
+                 "chosen": i == 0} for i in range(100_000)]), "has 100000 sizes"),  # was 286 s
+    (dict(hours=1e300), r"asks 1e\+300 hours"),
+])
+def test_plan_plot_refuses_a_plan_it_cannot_draw_in_one_line(tmp_path, hostile, refusal):
+    from tinygpt.core.config import ConfigError
+    run = planned_run(tmp_path / "r", **hostile)
+    with pytest.raises(ConfigError, match=refusal) as e:
+        colab.plan_plot(run, show=False)
+    message = str(e.value)
+    assert message.startswith(f"{run / 'run.json'}'s plan ") and "\n" not in message and len(message) < 300
+    assert not (run / "plots").exists()  # refused before any work
+
+
+def test_plan_plot_draws_labels_as_plain_text_of_bounded_length(tmp_path):
+    """A size named in mathtext ($\\frac{...}$ nested: a RecursionError) or in 2M characters (245 s, 1.5 GB, a
+    FreeType error) is drawn as its first characters, as written: no mathtext, no TeX."""
+    import matplotlib
+    matplotlib.use("Agg")
+    nested = "$" + "\\frac{1}{" * 200 + "x" + "}" * 200 + "$"
+    rows = [{"size": size, "params": 1e5 * (i + 1), "tokens": 1e6, "tokens_per_s": 1e4, "predicted_loss": 4.0 - i,
+             "chosen": i == 0} for i, size in enumerate([nested, "x" * 2_000_000, "d\x1b[2Jx"])]
+    fig = colab.plan_plot(planned_run(tmp_path / "r", rows=rows), show=False)
+    labels = [t for t in fig.axes[0].texts]
+    assert [t.get_text() for t in labels] == [nested[:23] + "…", "x" * 23 + "…", "d[2Jx"]
+    assert all(not t.get_parse_math() and not t.get_usetex() for t in labels)
+    legend = fig.axes[0].get_legend().get_texts()
+    assert legend[-1].get_text().startswith("chosen: " + nested[:23] + "…") and not legend[-1].get_parse_math()
+    assert (tmp_path / "r" / "plots" / "plan.png").read_bytes().startswith(PNG)
+
+
 # ---- tables --------------------------------------------------------------------------------------
 
 def test_summary_renders_hardware_memory_and_expectations(report):

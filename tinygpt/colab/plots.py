@@ -12,7 +12,9 @@ from typing import Any, Callable
 from tinygpt.colab.notebook import INSTALL_HINT, display, in_notebook
 from tinygpt.colab.tables import startup_table
 from tinygpt.core.callback import Callback
-from tinygpt.core.rundir import PLOTS, RunDir
+from tinygpt.core.config import ConfigError
+from tinygpt.core.files import refuse_link, write_bytes_atomic
+from tinygpt.core.rundir import PLOTS, RUN_JSON, RunDir
 from tinygpt.fit.plan import MAX_EPOCHS, kept_plan, row_within_law
 
 
@@ -119,8 +121,63 @@ class LossPlot(Callback):
             return
         fig = self.draw()
         if self.run_dir is not None:
-            (self.run_dir / PLOTS).mkdir(parents=True, exist_ok=True)
-            fig.savefig(self.run_dir / PLOTS / "loss.png")
+            save_plot(fig, self.run_dir, "loss.png")
+
+
+def save_plot(fig: Any, run_dir: str | Path, name: str) -> bytes:
+    """`fig` as <run_dir>/plots/<name>, a PNG written as every run file is (`write_bytes_atomic`: a
+    link at that name is replaced, never written through); a plots/ folder that is a link is
+    refused in one line. The PNG's bytes."""
+    plots = Path(run_dir) / PLOTS
+    refuse_link(plots)
+    plots.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    write_bytes_atomic(plots / name, buf.getvalue())
+    return buf.getvalue()
+
+
+# what a plan read back from run.json may hold to be drawn: a ladder has a few dozen rungs, each
+# named in a few characters, with numbers no run reaches past these
+MAX_ROWS, MAX_LABEL = 200, 24
+_BOUNDS = {"params": (1, 1e13), "tokens": (1, 1e16), "predicted_loss": (1e-6, 100)}
+
+
+def _plain_label(text: Any) -> str:
+    """A size's name as drawn: printable characters only, at most MAX_LABEL of them (drawn with
+    mathtext and TeX off)."""
+    s = "".join(ch for ch in str(text)[: MAX_LABEL + 1] if ch.isprintable())
+    return s if len(s) <= MAX_LABEL else s[: MAX_LABEL - 1] + "…"
+
+
+def _plan_problem(plan: dict) -> str | None:
+    """Why run.json's plan cannot be drawn (too many rows, not one chosen row, a number out of
+    bounds), in words; None when it can."""
+    cands = plan["candidates"]
+    if len(cands) > MAX_ROWS:
+        return f"has {len(cands)} sizes (at most {MAX_ROWS})"
+    chosen = sum(c.get("chosen") is True for c in cands)
+    if chosen != 1:
+        return f"marks {chosen} sizes as chosen (one)"
+    hours = plan.get("hours", 1)
+    if not (isinstance(hours, (int, float)) and 0 < hours <= 1e6):
+        return f"asks {str(hours)[:20]} hours"
+    for c in cands:
+        for key, (low, high) in _BOUNDS.items():
+            v = c.get(key)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and low <= v <= high):
+                return f"gives size {_plain_label(c.get('size'))} {key} {str(v)[:20]}"
+        epochs = c.get("epochs")
+        if epochs is not None and not (isinstance(epochs, (int, float)) and 0 <= epochs <= 1e9):
+            return f"gives size {_plain_label(c.get('size'))} {str(epochs)[:20]} epochs"
+    return None
+
+
+def _plain_text(texts: Any) -> None:
+    """Draw these texts as they are written: no mathtext (`$...$`), no TeX."""
+    for t in texts:
+        t.set_parse_math(False)
+        t.set_usetex(False)
 
 
 def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
@@ -131,31 +188,39 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
     plan = kept_plan(RunDir(run_dir).info_or_empty())
     if plan is None or not plan.get("candidates"):
         return None
+    if (why := _plan_problem(plan)) is not None:
+        raise ConfigError(f"{Path(run_dir) / RUN_JSON}'s plan {why}: it was not written by tinygpt; "
+                          "delete the plan from run.json or start a new run folder")
     try:
-        from matplotlib.figure import Figure
+        __import__("matplotlib")
     except ImportError:
         return None
+    fig = _draw_plan(plan)
+    png = save_plot(fig, run_dir, "plan.png")
+    if in_notebook() if show is None else show:
+        from IPython.display import Image
+        display(Image(data=png, format="png"))
+    return fig
+
+
+def _draw_plan(plan: dict) -> Any:
+    """The plan's figure (`_plan_problem` found nothing wrong with it)."""
+    from matplotlib.figure import Figure
     cands = plan["candidates"]
     fig = Figure(figsize=(7, 3.5), layout="constrained")
     ax = fig.add_subplot()
     ax.plot(
         [c["params"] for c in cands], [c["predicted_loss"] for c in cands], "o-", color="tab:blue"
     )
-    for c in cands:
-        ax.annotate(
-            c["size"],
-            (c["params"], c["predicted_loss"]),
-            textcoords="offset points",
-            xytext=(0, 6),
-            ha="center",
-            fontsize=8,
-        )
+    _plain_text(ax.annotate(_plain_label(c["size"]), (c["params"], c["predicted_loss"]),
+                            textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+                for c in cands)
     outside = [c for c in cands if not row_within_law(plan, c)]
     if outside:  # the law's prediction did not choose these
         label = f"outside the law: over {MAX_EPOCHS:g} epochs, or too few tokens per parameter"
         ax.plot([c["params"] for c in outside], [c["predicted_loss"] for c in outside], "x", ms=9,
                 color="tab:gray", label=label)
-    best = next(c for c in cands if c["chosen"])
+    best = next(c for c in cands if c["chosen"] is True)
     why = "" if row_within_law(plan, best) else ", the recipe's own size"
     ax.plot(
         [best["params"]],
@@ -164,18 +229,12 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
         ms=12,
         mfc="none",
         color="tab:red",
-        label=f"chosen: {best['size']}{why}, {best['tokens'] / best['params']:.1f} tokens per parameter",
+        label=f"chosen: {_plain_label(best['size'])}{why}, "
+        f"{best['tokens'] / best['params']:.1f} tokens per parameter",
     )
     ax.set_xscale("log")
     ax.set_xlabel("non-embedding parameters")
     ax.set_ylabel("predicted loss")
     ax.set_title(f"the sizes {plan['hours']:g} h buy here", fontsize=10)
-    ax.legend(fontsize=8)
-    (Path(run_dir) / PLOTS).mkdir(parents=True, exist_ok=True)
-    fig.savefig(Path(run_dir) / PLOTS / "plan.png")
-    if in_notebook() if show is None else show:
-        from IPython.display import Image
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        display(Image(data=buf.getvalue(), format="png"))
+    _plain_text(ax.legend(fontsize=8).get_texts())
     return fig

@@ -19,10 +19,11 @@ by running a program through it; `TINYGPT_SANDBOX=root|userns|uid|none` restrict
   not exist in there) and is the only writable place, so the total written is capped; each process
   runs under its own unprivileged uid/gid with no supplementary groups, no-new-privs, no network,
   rlimits on address space, CPU time, file size, open files and processes, and a system call
-  filter (seccomp): no new process (the default; threads are allowed, up to 32), no SysV IPC,
-  POSIX message queue or memfd (memory outside the address-space limit), no new namespace (a
-  user namespace would give back every capability); the IPC namespace is checked to be its own
-  and allows no SysV object. PID 1 of the namespace is the supervisor: when it ends, the kernel
+  filter (seccomp, an allowlist: a call it does not name answers ENOSYS): no new process (the
+  default; threads are allowed, up to 32), no SysV IPC, POSIX message queue or memfd (memory
+  outside the address-space limit), no new namespace (a user namespace would give back every
+  capability); the IPC namespace is checked to be its own and allows no SysV object. PID 1 of the
+  namespace is the supervisor: when it ends, the kernel
   kills everything else in it, so nothing outlives a program.
 - ``userns`` (no root, unprivileged user namespaces): the same, but the two processes share the
   caller's uid, with every capability dropped and the test process non-dumpable (started before

@@ -4,9 +4,9 @@ stdin, builds the jail (in namespace modes it is PID 1 of a new PID namespace an
 mount namespace: a size-capped tmpfs becomes ``/``, with ``/usr``, the Python install and five
 device files bound read-only, so nothing else of the machine exists in there; sandbox_jail.py),
 starts the test process and the solution process (sandbox_child.py's source, under the rlimits and
-a system call filter: no new process, SysV IPC, memfd or namespace; sandbox_seccomp.py), waits,
-kills everything, and prints one result (a dict literal) on stdout. Its stdout is the only channel
-to the caller, and no child holds it.
+a system call allowlist: no new process, SysV IPC, memfd or namespace, nothing it does not
+name; sandbox_seccomp.py), waits, kills everything, and prints one result (a dict literal) on
+stdout. Its stdout is the only channel to the caller, and no child holds it.
 
 It is a script, never imported: with ``-I`` neither tinygpt nor this folder is on sys.path, so
 its three siblings (standard library only) are found through the folder appended after the

@@ -7,6 +7,7 @@ Finetuning (`finetune.instruct`) trains on these prompts, `model.generate.genera
 with them, and `publish` writes them into an exported model's chat template. """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 TEMPLATES: dict[str, tuple[str, str]] = {
@@ -58,9 +59,22 @@ class Codec:
             # truncates to its seq_len and reports the truncated examples itself
             self.encode_batch = lambda texts: tokenizer(list(texts), add_special_tokens=False,
                                                         verbose=False)["input_ids"]
-            self.chat_template = (tokenizer.apply_chat_template
+            self.chat_template = (self._render_chat
                                   if getattr(tokenizer, "chat_template", None) else None)
         self.pad_id = self.eos_id
+
+    def _render_chat(self, messages: list, **kwargs: Any) -> Any:
+        """The tokenizer's `apply_chat_template`; a template that cannot render (jinja2's sandbox
+        refusing an attribute, an error raised in it) fails in one line naming its file."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, **kwargs)
+        except Exception as e:  # noqa: BLE001 (whatever the base's template raised)
+            base = Path(str(getattr(self.tokenizer, "name_or_path", "") or "."))
+            file = base / "chat_template.jinja"  # transformers reads it before tokenizer_config.json
+            file = file if file.is_file() else base / "tokenizer_config.json"
+            why = " ".join(str(e).split())[:200] or "it raised an error"
+            raise ValueError(f"{file}: the base's chat template cannot render a conversation "
+                             f"({why}); use a base whose chat template renders") from None
 
     def encode_examples(self, segments: list[Segments]) -> list[tuple[list[int], list[bool]]]:
         """(ids, trained flags) per example: [bos] + segments, a None segment being the eos
