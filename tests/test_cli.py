@@ -207,7 +207,9 @@ def test_a_signal_that_comes_while_a_failed_run_closes_does_not_hide_the_failure
     SIGTERM, which may land while the failure unwinds through the callbacks' close: the failure is what
     the command says (exit 2), not "interrupted"; a Ctrl-C on its own is still an interruption (130)."""
     from tinygpt.core.callback import Callback
-    from tinygpt.train import pretrain as real  # the command imports `pretrain` from here as it runs
+    from tinygpt.train import (
+        pretrain as real,  # the command imports `pretrain` from here as it runs
+    )
     from tinygpt.train.trainer import TrainingError
 
     pretrain = real.pretrain

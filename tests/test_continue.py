@@ -21,7 +21,13 @@ from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError
 from tinygpt.model import hf, hf_import
 from tinygpt.model.tokenizer import Tokenizer, train_bpe
-from tinygpt.train.init import CONTINUE_MAX_LR, continued_recipe, initial_model, read_base, starting_base
+from tinygpt.train.init import (
+    CONTINUE_MAX_LR,
+    continued_recipe,
+    initial_model,
+    read_base,
+    starting_base,
+)
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.sampler import WindowSampler
 from tinygpt.train.shards import StreamedShards

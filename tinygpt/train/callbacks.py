@@ -21,7 +21,15 @@ from tinygpt.model.generate import generate_text
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train import distributed as dist_
-from tinygpt.train.budget import MEASURE_STEPS, REFIX_NOTE, Budget, end_time, extend, refix, steps_for
+from tinygpt.train.budget import (
+    MEASURE_STEPS,
+    REFIX_NOTE,
+    Budget,
+    end_time,
+    extend,
+    refix,
+    steps_for,
+)
 from tinygpt.train.compile_cache import CompileCache
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.step import eager
