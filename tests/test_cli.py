@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import INVALID
 
 from tinygpt.cli import main
 from tinygpt.core.config import ConfigError
@@ -170,7 +171,7 @@ def test_console_script_and_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "tinygpt", "recipes"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and "a100-124m" in out.stdout
     with pytest.raises(ConfigError):
-        get_recipe("nope")
+        get_recipe(INVALID)
 
 
 def test_pretrain_without_recipe_says_which_and_a_finished_run_says_it_is_complete(tmp_path, capsys):
