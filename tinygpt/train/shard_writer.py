@@ -26,9 +26,14 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from tinygpt.core.checkpoint import MANIFEST  # a shard folder lists its files as a checkpoint does
 from tinygpt.core.config import DataConfig
-from tinygpt.core.files import clean_leftovers, open_nofollow, write_bytes_atomic, write_json_atomic
+from tinygpt.core.files import (
+    MANIFEST,
+    clean_leftovers,
+    open_nofollow,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from tinygpt.core.rundir import read_json
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train.data import DataError, is_validation_document, iter_documents
