@@ -98,6 +98,7 @@ class SlowAfterTheBudget(Callback):
         self.said.append(text)
 
 
+@pytest.mark.slow  # times real steps: a 7-second budgeted run slowed down (short form: the re-fix test above)
 def test_a_budgeted_run_that_slows_down_fixes_fewer_steps_and_still_ends_its_schedule(tmp_path):
     slow = SlowAfterTheBudget(3.0)
     res = pretrain("cpu-smoke", tmp_path / "run", hours=0.002, device="cpu", progress=False,
