@@ -35,7 +35,7 @@ from tinygpt.core.files import (
     write_json_atomic,
 )
 from tinygpt.core.rundir import read_json
-from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.model.tokenizer import TiktokenGPT2, Tokenizer
 from tinygpt.train.data import DataError, is_validation_document, iter_documents
 
 SHARD_FORMAT = 3
@@ -237,8 +237,9 @@ def _writer_main() -> None:
     # stays behind
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        tokenizer = Tokenizer.from_json(req["tokenizer"])
-        tokenizer.gpt2 = bool(req.get("gpt2"))
+        # GPT-2 (its parent chose tiktoken for it): tiktoken alone, no tokenizer.json to parse
+        tokenizer = (TiktokenGPT2(req["fingerprint"]) if req.get("gpt2")
+                     else Tokenizer.from_json(req["tokenizer"]))
         write_shards(DataConfig.from_dict(req["data"]), tokenizer, req["folder"],
                      req["shard_tokens"], should_stop=lambda: os.getppid() != parent,
                      max_shards=req["max_shards"])
@@ -269,10 +270,11 @@ class ShardWriter:
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, folder: Path,
                  shard_tokens: int = SHARD_TOKENS, max_shards: int | None = None):
-        req = {"data": cfg.to_dict(), "tokenizer": tokenizer.to_json(), "folder": str(folder),
-               "shard_tokens": shard_tokens, "parent": os.getpid(), "max_shards": max_shards,
-               # checked here once: the writer need not again
-               "gpt2": tokenizer.tiktoken() is not None}
+        # GPT-2 on tiktoken (decided here once): the writer needs only the fingerprint
+        gpt2 = tokenizer.tiktoken() is not None
+        req = {"data": cfg.to_dict(), "folder": str(folder), "shard_tokens": shard_tokens,
+               "parent": os.getpid(), "max_shards": max_shards, "gpt2": gpt2,
+               **({"fingerprint": tokenizer.fingerprint()} if gpt2 else {"tokenizer": tokenizer.to_json()})}
         # no Rust backtrace from `tokenizers` reaches the run's output (RUST_BACKTRACE is set on
         # some machines)
         env = {k: v for k, v in os.environ.items() if k != "RUST_BACKTRACE"}
