@@ -4,7 +4,7 @@
     python benchmarks/eval_cpu.py --run-dir runs/cpu --window 256 --stride 128 --hellaswag-limit 500
 
 Every figure comes from the `tinygpt` command itself, run as a subprocess with --json, so the commands printed
-with the results are exactly what was measured. The output is a Markdown section for docs/BENCHMARKS.md.
+with the results are exactly what was measured. The output is a Markdown section for a dated file in benchmarks/results/.
 A uniform guess over the vocabulary (perplexity = vocab size) and random HellaSwag answers (25%) are the floors.
 """
 from __future__ import annotations

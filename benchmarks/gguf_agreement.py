@@ -10,7 +10,7 @@ llama.cpp (through llama-cpp-python) and compares on the same held-out text:
     pip install gguf llama-cpp-python     # llama-cpp-python builds llama.cpp with CMake (minutes)
     python benchmarks/gguf_agreement.py --steps 60 --quant f16 [--json out.json]
 
-The figures go to docs/BENCHMARKS.md (section 11); tests/test_gguf.py runs the same comparison on tiny models.
+The figures go to benchmarks/results/ (docs/BENCHMARKS.md section 11 indexes them); tests/test_gguf.py runs the same comparison on tiny models.
 """
 from __future__ import annotations
 

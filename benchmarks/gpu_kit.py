@@ -235,7 +235,9 @@ def startup_settings(ctx: Ctx) -> tuple[str, int, list[str]]:
 
 
 def step_startup(ctx: Ctx) -> dict:
-    from startup import fresh_env  # benchmarks/startup.py: empty tinygpt and inductor caches under a folder
+    from startup import (
+        fresh_env,  # benchmarks/startup.py: empty tinygpt and inductor caches under a folder
+    )
 
     recipe, steps, sets = startup_settings(ctx)
     root = ctx.work / "startup"
@@ -662,7 +664,9 @@ def step_t4_gqa(ctx: Ctx) -> dict:
 # ------------------------------------------------------------------------------------------------ time to a loss
 
 def step_time_to_loss(ctx: Ctx) -> dict:
-    from time_to_loss import Clock  # benchmarks/time_to_loss.py: (seconds after step 1, step, val loss)
+    from time_to_loss import (
+        Clock,  # benchmarks/time_to_loss.py: (seconds after step 1, step, val loss)
+    )
 
     from tinygpt.core.recipes import get_recipe
     from tinygpt.pretrain.run_pretrain import pretrain

@@ -1,6 +1,6 @@
 """What `--size auto` would choose on each Colab GPU, on paper: no GPU needed.
 
-    python benchmarks/plan_on_paper.py          # markdown table for docs/BENCHMARKS.md
+    python benchmarks/plan_on_paper.py          # markdown table for benchmarks/results/
     python benchmarks/plan_on_paper.py --text-tokens 250000    # on a text of that many tokens (--data FILE)
 
 For each GPU class (T4, L4, A100, H100) and budget (1, 3, 12 hours), the planner (`tinygpt.fit.plan`) runs

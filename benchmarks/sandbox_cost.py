@@ -6,7 +6,7 @@ machine offers, and HumanEval's canonical solutions end to end.
 
 Each program is one problem in the sandbox as `tinygpt eval` runs it: the solution's and the test's
 processes behind the boundary, one call across the pipe. The output is a Markdown section for
-docs/BENCHMARKS.md (with the machine's load average: the figures scale with it).
+a dated file in benchmarks/results/ (with the machine's load average: the figures scale with it).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ them alike and changes no run's steps). The evaluator is the same for all: bits 
 the recipes have 512- and 4096-token vocabularies), in windows of the context each run trained at (as `tinygpt
 eval perplexity` scores), on a held-out text none of them trained on (--heldout; by default Python sources
 outside the standard library, numpy's, for the builtin corpus). Runs already in --out are resumed, so a
-finished one is only evaluated. Prints a markdown table for docs/BENCHMARKS.md.
+finished one is only evaluated. Prints a markdown table for benchmarks/results/.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ GPU (an H100 or A100; `--data builtin` needs no network):
 
 Each run is a real `tinygpt pretrain` process. "first step" is the wall time from launching the process to
 its start-up record in metrics.jsonl (imports included); the record's own breakdown is printed beside it.
-Results go to docs/BENCHMARKS.md by hand, with the date and the machine.
+Results go to a dated file in benchmarks/results/, with the machine.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ validation losses are in the same units, on the same held-out batches), each in 
 one after the other in this process. Every `--eval-every` steps both are evaluated (the same cost for
 both); the wall time at each evaluation is counted from the end of the first step (start-up, which
 the second run gets cheaper from the token shards the first one wrote, is printed separately). The goal (issue 14): the fast recipe reaches the `cpu` recipe's final validation
-loss in at most half of the `cpu` recipe's wall time. The table goes to docs/BENCHMARKS.md by hand, the
+loss in at most half of the `cpu` recipe's wall time. The table goes to a dated file in benchmarks/results/, the
 plot to docs/images/time_to_loss.png.
 """
 from __future__ import annotations

@@ -12,6 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("TINYGPT_SHARED_DATA", REPO.parent / "shared" / "data"))
+# A value no option, recipe or template will ever take: the one example of bad input (`from conftest import
+# INVALID`), so that adding a schedule, a precision or a recipe never turns a test's bad value into a good one.
+INVALID = "no-such-value"
 
 
 def _stdlib_prose(chars: int) -> str:

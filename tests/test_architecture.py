@@ -1,5 +1,6 @@
 """The house rules that a reader relies on: imports point down the layers (import-linter's contract
-in .importlinter), the code passes ruff, and no tinygpt module imports another inside a function."""
+in .importlinter), the code passes `ruff check` and is laid out by `ruff format`, and no tinygpt module
+imports another inside a function."""
 from __future__ import annotations
 
 import ast
@@ -30,6 +31,14 @@ def test_ruff_passes():
     if "No module named ruff" in r.stderr:
         pytest.skip("ruff is not installed (pip install -e '.[dev]')")
     assert r.returncode == 0, r.stdout[-3000:]
+
+
+def test_ruff_format_owns_the_layout():
+    """`ruff format` (ruff.toml's [format]) lays out the code; a file it would change fails here."""
+    r = _run(sys.executable, "-m", "ruff", "format", "--check", ".")
+    if "No module named ruff" in r.stderr:
+        pytest.skip("ruff is not installed (pip install -e '.[dev]')")
+    assert r.returncode == 0, "run `ruff format .`:\n" + r.stdout[-3000:]
 
 
 # The command line imports each command's modules inside that command (issue 37: `tinygpt --help`

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import INVALID
 
 from tinygpt.cli import main
 from tinygpt.core.callback import Callback
@@ -45,7 +46,7 @@ def test_wsd_holds_the_rate_then_decays_to_min_lr_at_the_last_step():
     longer = TrainConfig(**{**cfg.to_dict(), "max_steps": 10_000})
     assert [lr_at(s, longer) for s in range(80)] == lrs[:80]  # until the decay, the count does not matter
     with pytest.raises(ConfigError, match="schedule"):
-        TrainConfig(schedule="linear")
+        TrainConfig(schedule=INVALID)
 
 
 def test_steps_fit_the_hours_and_more_hours_extend_only_the_stable_phase():
@@ -97,6 +98,7 @@ class SlowAfterTheBudget(Callback):
         self.said.append(text)
 
 
+@pytest.mark.slow  # times real steps: a 7-second budgeted run slowed down (short form: the re-fix test above)
 def test_a_budgeted_run_that_slows_down_fixes_fewer_steps_and_still_ends_its_schedule(tmp_path):
     slow = SlowAfterTheBudget(3.0)
     res = pretrain("cpu-smoke", tmp_path / "run", hours=0.002, device="cpu", progress=False,

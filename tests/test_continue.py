@@ -23,7 +23,13 @@ from tinygpt.data.sampler import WindowSampler
 from tinygpt.data.shards import StreamedShards
 from tinygpt.model import hf, hf_import
 from tinygpt.model.tokenizer import Tokenizer, train_bpe
-from tinygpt.pretrain.init import CONTINUE_MAX_LR, continued_recipe, initial_model, read_base, starting_base
+from tinygpt.pretrain.init import (
+    CONTINUE_MAX_LR,
+    continued_recipe,
+    initial_model,
+    read_base,
+    starting_base,
+)
 from tinygpt.pretrain.run_pretrain import pretrain
 
 transformers = pytest.importorskip("transformers")

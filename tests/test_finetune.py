@@ -577,7 +577,12 @@ def test_mirror_gets_verified_checkpoints_and_the_adapter_and_a_new_vm_resumes_f
                                                                                       shared_data, monkeypatch):
     from safetensors.torch import load_file
 
-    from tinygpt.core.checkpoint import list_checkpoints, read_manifest, sha256_file, verify_checkpoint
+    from tinygpt.core.checkpoint import (
+        list_checkpoints,
+        read_manifest,
+        sha256_file,
+        verify_checkpoint,
+    )
     data = str(shared_data / "code_alpaca_2k.json")
     vm, drive = tmp_path / "vm" / "ft", tmp_path / "drive" / "ft"
     with pytest.raises(Disconnect):

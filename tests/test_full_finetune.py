@@ -60,7 +60,7 @@ def _lr(step: int) -> float:
     lr, min_lr, warmup, steps = TRAIN["lr"], TRAIN["min_lr"], TRAIN["warmup_steps"], TRAIN["max_steps"]
     if step < warmup:
         return lr * (step + 1) / warmup
-    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * (step - warmup) / (steps - 1 - warmup)))
 
 
 def test_full_finetuning_equals_a_plain_transformers_loop(full, base, shared_data):

@@ -248,7 +248,10 @@ def _push(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
                           env=env, timeout=300)
 
 
-def test_push_stops_with_one_line_without_a_token_or_the_hub(run, tmp_path):
+def test_push_stops_with_one_line_without_a_token_or_the_hub(run, tmp_path, capsys):
+    assert main(["push", str(run), "not-a-repo-id"]) == 2  # in process: checked before the token is looked for
+    assert "is not USER/NAME" in capsys.readouterr().err
+    # where the token is looked for is read when huggingface_hub is imported: a process of its own for each
     home = {"HF_HOME": str(tmp_path / "hf-home")}  # no token saved by `huggingface-cli login` either
     p = _push([str(run), "alice/tiny"], home)
     assert p.returncode == 2 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1
@@ -258,8 +261,6 @@ def test_push_stops_with_one_line_without_a_token_or_the_hub(run, tmp_path):
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert "could not sign in to the Hugging Face Hub" in p.stderr and "HF_TOKEN" in p.stderr
     assert not list(tmp_path.glob("tinygpt-push-*"))
-    p = _push([str(run), "not-a-repo-id"], home)
-    assert p.returncode == 2 and "is not USER/NAME" in p.stderr
 
 
 def test_the_token_comes_from_colabs_secrets(monkeypatch):

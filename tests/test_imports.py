@@ -69,3 +69,23 @@ def test_cpu_pretraining_and_generate_import_no_compiler_and_no_hugging_face(tmp
     modules = imported("generate", "--run-dir", str(run), "--prompt", "def main(", "--max-new-tokens", "5")
     assert "tinygpt.model.generate" in modules
     assert unused(modules) == []
+
+
+def test_the_shard_writer_tokenizes_gpt2_without_torch(tmp_path, monkeypatch, capfd):
+    """The background process that turns text into GPT-2 token shards (`python -m tinygpt.data.shard_writer`)
+    imports tiktoken and numpy, never torch: its start-up is part of every tokenizing run's cost."""
+    from tinygpt.core.config import DataConfig
+    from tinygpt.data.shard_writer import ShardWriter
+    from tinygpt.model.tokenizer import load_gpt2
+
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(2000)), encoding="utf-8")
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    capfd.readouterr()
+    writer = ShardWriter(DataConfig(source=str(text), tokenizer="gpt2", vocab_size=50304), load_gpt2(),
+                         tmp_path / "shards")
+    assert writer.process.wait(300) == 0
+    modules = set(re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", capfd.readouterr().err, re.M))
+    assert "tinygpt.data.sources" in modules and "tiktoken" in modules  # it ran, on tiktoken
+    assert not {m for m in modules if m.split(".")[0] == "torch"}
+    assert (tmp_path / "shards" / "manifest.json").is_file()

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import INVALID
 
 from tinygpt.data.sources import DataError
 from tinygpt.finetune.instruct import InstructSource, build_instruct_data
@@ -144,7 +145,7 @@ def test_bad_records_name_the_record_and_field(tok):
     with pytest.raises(DataError, match=r"record 0 has fields \['prompt'\]; expected Alpaca"):
         build_instruct_data([{"prompt": "a"}], tok, 64)
     with pytest.raises(DataError, match="unknown prompt template"):
-        build_instruct_data([good], tok, 64, template="nope")
+        build_instruct_data([good], tok, 64, template=INVALID)
 
 
 def test_order_is_seeded_and_resume_is_exact(alpaca, tok):

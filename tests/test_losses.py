@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import INVALID
 
 from tinygpt.core.config import ConfigError, TrainConfig
 from tinygpt.core.recipes import model_config
@@ -163,7 +164,7 @@ def test_loss_modes_give_the_same_loss_and_gradients_through_the_model():
     assert default_chunk_rows(8 * 32, 1000, "full") == 0 and default_chunk_rows(8 * 32, 1000, "chunked") > 0
     assert default_chunk_rows(8 * 32, 1000, "auto") == 0
     with pytest.raises(ConfigError, match="loss must be one of"):
-        TrainConfig(loss="fast")
+        TrainConfig(loss=INVALID)
     torch.manual_seed(0)
     model = GPT(model_config("tiny", vocab_size=1000))
     x, y = torch.randint(1000, (8, 32)), torch.randint(1000, (8, 32))

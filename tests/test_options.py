@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import pytest
+from conftest import INVALID
 
 from tinygpt.cli import COMMANDS, build_parser
-from tinygpt.core.config import CompileMode, ConfigError, TrainConfig
+from tinygpt.core.config import CompileMode, ConfigError, PrecisionName, Schedule, TrainConfig
 from tinygpt.core.fields import field_problem
 from tinygpt.core.options import add_options, from_args, option, option_fields
 from tinygpt.core.recipes import RecipeChoice, get_recipe
@@ -125,43 +126,47 @@ def test_every_generated_option_has_its_help():
                 assert flags[f.name].help and f.metadata["help"].split("(")[0] in flags[f.name].help, (name, f.name)
 
 
+SCHEDULES_AND_ONE_MORE = (*get_args(Schedule), "made-up")  # read where the annotation is (as a string)
+
+
 def test_a_literals_values_are_the_options_choices_and_a_new_entry_is_one_more_choice(capsys):
     """A fixed set of values is stated once, as the field's `Literal`: the command line's choices are read
-    from it (here a subclass adds "linear" to the schedules), and the one validator refuses anything else
-    in one line that says what to choose."""
+    from it (here a subclass adds one more schedule), and the one validator refuses anything else in one
+    line that says what to choose."""
     compile_flag = next(a for a in _parser(PretrainOptions)._actions if a.dest == "compile")
     assert tuple(compile_flag.choices) == get_args(CompileMode) == ("auto", "on", "regional", "off")
+    today = get_args(Schedule)
 
     @dataclass
     class Train(TrainConfig):
-        schedule: Literal["cosine", "wsd", "linear"] = option("cosine", help="the learning-rate schedule")
+        schedule: Literal[SCHEDULES_AND_ONE_MORE] = option("cosine", help="the learning-rate schedule")
 
     p = _parser(Train)
-    assert "{cosine,wsd,linear}" in p.format_help()
-    assert from_args(Train, p.parse_args(["--schedule", "linear"])).schedule == "linear"
+    assert "{" + ",".join((*today, "made-up")) + "}" in p.format_help()
+    assert from_args(Train, p.parse_args(["--schedule", "made-up"])).schedule == "made-up"
     with pytest.raises(SystemExit):
-        p.parse_args(["--schedule", "step"])
+        p.parse_args(["--schedule", INVALID])
     assert "invalid choice" in capsys.readouterr().err
-    assert field_problem(Train(schedule="linear"), "train.") is None
+    assert field_problem(Train(schedule="made-up"), "train.") is None
     with pytest.raises(ConfigError) as e:
-        Train(schedule="step")
-    assert str(e.value) == "train.schedule must be one of cosine, wsd, linear, got 'step'"
+        Train(schedule=INVALID)
+    assert str(e.value) == f"train.schedule must be one of {', '.join(today)}, made-up, got '{INVALID}'"
     with pytest.raises(ConfigError) as e:
-        TrainConfig(schedule="linear")
-    assert str(e.value) == "train.schedule must be one of cosine, wsd, got 'linear'"
+        TrainConfig(schedule="made-up")
+    assert str(e.value) == f"train.schedule must be one of {', '.join(today)}, got 'made-up'"
 
 
 def test_a_bad_value_on_the_command_line_is_one_line_before_any_work(tmp_path, capsys):
     from tinygpt.cli import main
 
-    for sets, said in ((["train.schedule=linear"], "train.schedule must be one of cosine, wsd, got 'linear'"),
-                       (["train.precision=fp8"], "train.precision must be one of auto, bf16, fp16, fp32, got 'fp8'"),
+    for sets, said in (([f"train.schedule={INVALID}"], f"train.schedule must be one of {', '.join(get_args(Schedule))}, got '{INVALID}'"),
+                       ([f"train.precision={INVALID}"], f"train.precision must be one of {', '.join(get_args(PrecisionName))}, got '{INVALID}'"),
                        (["train.eval_every=-1"], "train.eval_every must be 0 or a positive whole number, got -1")):
         assert main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(tmp_path / "r"), "--quiet",
                      "--set", *sets]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and said in err, err
     with pytest.raises(SystemExit) as e:  # argparse's own refusal, with the choices read from the Literal
-        main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(tmp_path / "r"), "--compile", "fast"])
-    assert e.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
+        main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(tmp_path / "r"), "--compile", INVALID])
+    assert e.value.code == 2 and f"invalid choice: '{INVALID}'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

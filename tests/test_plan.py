@@ -117,6 +117,7 @@ def test_a_run_whose_budget_buys_far_fewer_tokens_than_its_plan_is_told_so():
     assert "not the 1,282 the plan scaled from a timed size" in shortfall_note(scaled, 1e6, 800.0)
 
 
+@pytest.mark.slow  # times real steps: a 7-second budgeted run (the re-fix in short form: test_budget.py)
 def test_a_planned_run_that_slows_down_says_its_size_gets_fewer_tokens_than_planned(tmp_path):
     from test_budget import SlowAfterTheBudget
     slow = SlowAfterTheBudget(3.0)
@@ -381,6 +382,7 @@ def test_a_planned_run_trains_the_chosen_rung_and_resumes_at_its_size_without_pl
         assert again.step >= result.step
 
 
+@pytest.mark.slow  # times real steps: an 11-second budgeted CLI run (short form: test_where_every_rung_...)
 def test_a_planned_run_on_a_text_every_rung_would_read_too_often_trains_the_recipes_size(tmp_path, capsys):
     """End to end through the CLI: a 5 KB text, 40% of it held out (~1k tokens to train on) for 10 seconds:
     even at a few hundred tokens/s the smallest rung would read it more than MAX_EPOCHS times. The run trains
@@ -424,6 +426,7 @@ def test_the_notebook_shows_the_plan_and_its_picker_plans_only_with_a_time(tmp_p
     assert picker.hours is None and picker.size is None and "size: the recipe's" in repr(picker)
 
 
+@pytest.mark.slow  # times real steps: plans twice (short form: test_colab_summary_with_hours_shows_the_same_plan)
 def test_probe_with_hours_prints_the_plan_it_would_train(capsys):
     from tinygpt.cli import main
     assert main(["probe", "--recipe", "cpu-smoke", "--hours", "0.01"]) == 0
@@ -443,6 +446,7 @@ def test_colab_summary_with_hours_shows_the_same_plan():
     assert sum("chosen" in r[-1] for r in plan.rows) == 1 and plan.notes[0].startswith("size auto: d")
 
 
+@pytest.mark.slow  # times real steps: three budgeted runs (short form: test_a_planned_run_trains_the_chosen_rung...)
 def test_a_run_planned_on_an_older_ladder_resumes_as_it_began(tmp_path, monkeypatch):
     """A ladder changed between two tinygpt versions (here: its heads): a run planned on the older resumes
     at the model it began with, not refused as another configuration."""

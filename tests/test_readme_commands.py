@@ -81,3 +81,17 @@ def test_every_concrete_readme_command_runs_as_written_on_a_fresh_clone(tmp_path
         ran.append(argv[0])
     assert (tmp_path / "runs" / "default" / "run.json").is_file()
     assert {"pretrain", "generate", "eval", "finetune", "recipes", "probe"} <= set(ran), ran
+
+
+def test_the_readmes_choices_are_the_commands_choices_and_every_command_is_shown():
+    """The command-line block lists each command, and where it spells a flag's values (`--task a|b|c`), it
+    spells all of them, the ones argparse takes, so that a value added to a Literal shows here or fails."""
+    commands = readme_commands()
+    sub = build_parser()._subparsers._group_actions[0].choices
+    assert set(sub) <= {c.split()[1] for c in commands}, set(sub)
+    for command in commands:
+        name = command.split()[1]
+        for flag, values in re.findall(r"(?<![\w-])(--[a-z][a-z-]*) ([\w-]+(?:\|[\w-]+)+)", command):
+            action = sub[name]._option_string_actions[flag]
+            assert set(values.split("|")) == set(action.choices), \
+                f"README: `{command}` gives {flag} {values}; `tinygpt {name}` takes {'|'.join(action.choices)}"

@@ -6,12 +6,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
 
 from tinygpt.core import checkpoint as ckpt
-from tinygpt.core.config import TrainConfig
+from tinygpt.core.config import Schedule, TrainConfig
 from tinygpt.core.recipes import model_config
 from tinygpt.data.sampler import WindowSampler, fixed_batches
 from tinygpt.model.gpt import GPT
@@ -56,11 +57,24 @@ def test_gradient_accumulation_equals_one_big_batch(tokens, tmp_path):
     assert a == pytest.approx(b, abs=2e-5)
 
 
-def test_lr_schedule_warms_up_then_decays_to_min_lr():
-    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
-    assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
+@pytest.mark.parametrize("schedule", get_args(Schedule))
+@pytest.mark.parametrize("steps", [110, 12, 3])
+def test_every_schedule_warms_up_then_trains_its_last_step_at_min_lr(schedule, steps):
+    """One convention for where a schedule ends: the last step run (max_steps - 1) trains at min_lr, the
+    step before it above; warmup first, and never a rise after it."""
+    cfg = TrainConfig(schedule=schedule, lr=1e-3, min_lr=1e-4, warmup_steps=min(10, steps - 1), max_steps=steps,
+                      decay_fraction=0.2)
+    lrs = [lr_at(s, cfg) for s in range(steps)]
+    assert lrs[0] == pytest.approx(1e-3 / cfg.warmup_steps) and lrs[cfg.warmup_steps - 1] == pytest.approx(1e-3)
+    assert lrs[-1] == pytest.approx(1e-4) and lrs[-2] > 1e-4 + 1e-9
+    assert all(a >= b for a, b in zip(lrs[cfg.warmup_steps - 1:], lrs[cfg.warmup_steps:]))
+    assert lr_at(steps, cfg) == pytest.approx(1e-4)  # past the end (a resume of a finished run) stays there
+
+
+def test_cosine_is_halfway_down_halfway_from_warmup_to_the_last_step():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=111)
     assert lr_at(60, cfg) == pytest.approx(5.5e-4) and lr_at(110, cfg) == pytest.approx(1e-4)
-    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 110))
+    assert lr_at(109, cfg) > lr_at(110, cfg)
 
 
 def test_corrupt_and_incomplete_checkpoints_fall_back_to_the_previous(tokens, tmp_path):

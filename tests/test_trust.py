@@ -83,7 +83,11 @@ def test_a_mirrored_run_leaves_no_signing_key_on_the_mirror(mirrored):
 
 def _forged_cache(run_dir: Path, key: bytes, what: dict, artifacts: list[tuple[str, str, bytes]]) -> None:
     """compile_cache.bin holding `artifacts` (kind, key, content), signed with `key` as the attacker did."""
-    from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, _serialize_single_cache
+    from torch.compiler._cache import (
+        CacheArtifactFactory,
+        CacheArtifactManager,
+        _serialize_single_cache,
+    )
     from torch.utils._appending_byte_serializer import AppendingByteSerializer
 
     from tinygpt.train.compile_cache import CompileCache

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tinygpt.core.files import (
+    MANIFEST,
     UnsafePathError,
     atomic_output,
     clean_leftovers,
@@ -37,7 +38,6 @@ from tinygpt.core.files import (
 from tinygpt.core.options import option
 from tinygpt.core.rundir import BEST, RunDir
 
-MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 FORMAT_VERSION = 1

@@ -264,7 +264,8 @@ def _hf_value(hf: dict[str, Any], key: str, missing: Any) -> Any:
 # The words a TrainConfig field takes (each one Literal:
 # the command line's choices are read from it).
 Optimizer = Literal["adamw", "muon"]  # muon: Muon for the hidden matrices, AdamW for the rest
-# cosine: to min_lr at max_steps; wsd: warmup, stable, then a linear decay over decay_fraction
+# both reach min_lr at the last step run (max_steps - 1, `lr_at`): cosine from the end of the warmup;
+# wsd: warmup, stable, then a linear decay over decay_fraction
 Schedule = Literal["cosine", "wsd"]
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # auto: the device's best (core.precision)
 # auto: on for CUDA; on: the whole model; regional: each transformer block; off

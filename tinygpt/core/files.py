@@ -139,6 +139,8 @@ def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
 
 
 # the largest run file read back (run.json, tokenizer.json, metrics.jsonl, ...): 64 MB
+# the file a folder written here lists its files in, written last (checkpoints, token shards, adapters)
+MANIFEST = "manifest.json"
 RUN_FILE_LIMIT = 64 << 20
 
 

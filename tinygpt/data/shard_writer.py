@@ -26,12 +26,17 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from tinygpt.core.checkpoint import MANIFEST  # a shard folder lists its files as a checkpoint does
 from tinygpt.core.config import DataConfig
-from tinygpt.core.files import clean_leftovers, open_nofollow, write_bytes_atomic, write_json_atomic
+from tinygpt.core.files import (
+    MANIFEST,
+    clean_leftovers,
+    open_nofollow,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from tinygpt.core.rundir import read_json
 from tinygpt.data.sources import DataError, is_validation_document, iter_documents
-from tinygpt.model.tokenizer import Tokenizer
+from tinygpt.model.tokenizer import TiktokenGPT2, Tokenizer
 
 SHARD_FORMAT = 3
 # ~2M training tokens (4 MB as uint16) per shard: the first one is ready in seconds
@@ -232,8 +237,9 @@ def _writer_main() -> None:
     # stays behind
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        tokenizer = Tokenizer.from_json(req["tokenizer"])
-        tokenizer.gpt2 = bool(req.get("gpt2"))
+        # GPT-2 (its parent chose tiktoken for it): tiktoken alone, no tokenizer.json to parse
+        tokenizer = (TiktokenGPT2(req["fingerprint"]) if req.get("gpt2")
+                     else Tokenizer.from_json(req["tokenizer"]))
         write_shards(DataConfig.from_dict(req["data"]), tokenizer, req["folder"],
                      req["shard_tokens"], should_stop=lambda: os.getppid() != parent,
                      max_shards=req["max_shards"])
@@ -264,10 +270,11 @@ class ShardWriter:
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, folder: Path,
                  shard_tokens: int = SHARD_TOKENS, max_shards: int | None = None):
-        req = {"data": cfg.to_dict(), "tokenizer": tokenizer.to_json(), "folder": str(folder),
-               "shard_tokens": shard_tokens, "parent": os.getpid(), "max_shards": max_shards,
-               # checked here once: the writer need not again
-               "gpt2": tokenizer.tiktoken() is not None}
+        # GPT-2 on tiktoken (decided here once): the writer needs only the fingerprint
+        gpt2 = tokenizer.tiktoken() is not None
+        req = {"data": cfg.to_dict(), "folder": str(folder), "shard_tokens": shard_tokens,
+               "parent": os.getpid(), "max_shards": max_shards, "gpt2": gpt2,
+               **({"fingerprint": tokenizer.fingerprint()} if gpt2 else {"tokenizer": tokenizer.to_json()})}
         # no Rust backtrace from `tokenizers` reaches the run's output (RUST_BACKTRACE is set on
         # some machines)
         env = {k: v for k, v in os.environ.items() if k != "RUST_BACKTRACE"}

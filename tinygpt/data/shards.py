@@ -18,9 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from tinygpt.core.checkpoint import MANIFEST  # a shard folder lists its files as a checkpoint does
 from tinygpt.core.config import DataConfig
-from tinygpt.core.files import UnsafePathError, inside, refuse_link, write_json_atomic
+from tinygpt.core.files import MANIFEST, UnsafePathError, inside, refuse_link, write_json_atomic
 from tinygpt.core.rundir import read_json
 from tinygpt.data.shard_writer import (
     SHARD_TOKENS,

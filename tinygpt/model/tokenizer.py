@@ -307,6 +307,31 @@ def tiktoken_gpt2() -> Any:
                              special_tokens={EOT: len(ranks)}, explicit_n_vocab=len(ranks) + 1)
 
 
+class TiktokenGPT2:
+    """The GPT-2 tokenizer as the shard writer's process uses it (ids, end-of-text, vocabulary size,
+    fingerprint) on tiktoken alone: its parent built and checked the `Tokenizer` and sends the
+    fingerprint, so the writer parses no tokenizer.json and builds no `tokenizers` object."""
+
+    gpt2 = True
+    eot_id = GPT2_VOCAB - 1
+    vocab_size = GPT2_VOCAB
+
+    def __init__(self, fingerprint: str):
+        self.enc = tiktoken_gpt2()
+        if self.enc is None:
+            raise ValueError("tiktoken cannot build the GPT-2 tokenizer here")
+        self._fingerprint = fingerprint
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def tiktoken(self) -> Any:
+        return self.enc
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.enc.encode_batch(texts, allowed_special="all")
+
+
 @functools.lru_cache(maxsize=1)
 def _gpt2_fingerprint() -> str:
     return load_gpt2().fingerprint()

@@ -12,7 +12,7 @@ from tinygpt.core.config import CompileMode, ConfigError, Recipe
 from tinygpt.core.fields import field_problem
 from tinygpt.core.options import option, targets
 from tinygpt.core.rundir import BUDGET_JSON
-from tinygpt.train.budget import MAX_HOURS, Budget
+from tinygpt.train.budget import BUDGET_SCHEDULE, BUDGET_SCHEDULE_WHY, MAX_HOURS, Budget
 
 
 @dataclass
@@ -104,30 +104,29 @@ class PretrainOptions:
             self.hours = budget.hours  # a budgeted run resumes with its budget
 
     def apply(self, recipe: Recipe) -> Recipe:
-        """The recipe with this run's overrides. A time budget trains with the warmup-stable-decay
-        schedule, whose rate does not depend on the step count the budget fixes later: it replaces
-        the recipe's own (`budget_note` says so at start-up; `check_budget_overrides` refuses a
-        --set of another)."""
+        """The recipe with this run's overrides. A time budget trains with BUDGET_SCHEDULE: it
+        replaces the recipe's own (`budget_note` says so at start-up)."""
         changes = targets(self)
         if self.hours is not None:
-            changes.setdefault("train", {})["schedule"] = "wsd"
+            changes.setdefault("train", {})["schedule"] = BUDGET_SCHEDULE
         return recipe.replace(**changes)
 
     def budget_note(self, recipe: Recipe) -> str | None:
         """What the time budget changes in `recipe`, for the start-up line (None: nothing)."""
-        if self.hours is None or recipe.train.schedule == "wsd":
+        if self.hours is None or recipe.train.schedule == BUDGET_SCHEDULE:
             return None
-        return f"--hours trains with schedule wsd, not the recipe's {recipe.train.schedule}"
+        return f"--hours trains with schedule {BUDGET_SCHEDULE}, not the recipe's {recipe.train.schedule}"
 
 
 def check_budget_overrides(changes: dict[str, dict[str, Any]], hours: float | None) -> None:
     """Refuse, in one line before any work, a `--set` (`changes`: `parse_overrides`) that a time
-    budget cannot honour: a schedule other than wsd, or a step count (the budget decides both)."""
+    budget cannot honour: a schedule other than BUDGET_SCHEDULE, or a step count (the budget decides
+    both)."""
     train = changes.get("train", {}) if hours is not None else {}
-    if train.get("schedule", "wsd") != "wsd":
+    if train.get("schedule", BUDGET_SCHEDULE) != BUDGET_SCHEDULE:
         raise ConfigError(f"--set train.schedule={train['schedule']} cannot be honoured with "
-                          "--hours: a time budget trains with schedule wsd (its rate does not "
-                          "depend on the step count, fixed after warm-up); drop the --set, or give "
+                          f"--hours: a time budget trains with schedule {BUDGET_SCHEDULE} "
+                          f"({BUDGET_SCHEDULE_WHY}); drop the --set, or give "
                           "--max-steps instead of --hours")
     if "max_steps" in train:
         raise ConfigError(f"--set train.max_steps={train['max_steps']} and --hours both set the "

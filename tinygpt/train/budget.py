@@ -25,6 +25,11 @@ from tinygpt.core.checkpoint import latest_valid, step_of
 from tinygpt.core.files import write_json_atomic
 from tinygpt.core.rundir import BUDGET_JSON, RunDir, RunDirError, read_json, recipe_name_of
 
+# The rule, stated here once: a time budget trains with the warmup-stable-decay schedule, whose rate
+# does not depend on the step count until its decay, so the budget may fix the count after warm-up
+# (PretrainOptions.apply sets it, check_budget_overrides refuses a --set of another, TimeBudget checks).
+BUDGET_SCHEDULE = "wsd"
+BUDGET_SCHEDULE_WHY = "its rate does not depend on the step count, fixed after warm-up"
 MEASURE_STEPS = 8  # steady steps (after the compile) timed before the step count is fixed
 # a count fixed again is told when it moved this much since last told (smaller moves are noise)
 REFIX_NOTE = 0.1

@@ -21,7 +21,17 @@ from tinygpt.model.generate import generate_text
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.train import distributed as dist_
-from tinygpt.train.budget import MEASURE_STEPS, REFIX_NOTE, Budget, end_time, extend, refix, steps_for
+from tinygpt.train.budget import (
+    BUDGET_SCHEDULE,
+    BUDGET_SCHEDULE_WHY,
+    MEASURE_STEPS,
+    REFIX_NOTE,
+    Budget,
+    end_time,
+    extend,
+    refix,
+    steps_for,
+)
 from tinygpt.train.compile_cache import CompileCache
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.step import eager
@@ -266,9 +276,9 @@ class StartupReport(Callback):
 
 class TimeBudget(Callback):
     """`--hours H`: the run's budget.json (a resume keeps its step count), or a budget still to be
-    measured: until then the schedule's stable phase runs on (wsd: its rate does not depend on the
-    step count). After MEASURE_STEPS steady steps it times an evaluation and a checkpoint too, fixes
-    the step count so that training ends within the budget, and keeps it in budget.json. The process
+    measured: until then the stable phase of BUDGET_SCHEDULE runs on. After MEASURE_STEPS steady
+    steps it times an evaluation and a checkpoint too, fixes the step count so that training ends
+    within the budget, and keeps it in budget.json. The process
     that fixed it fixes it again at each checkpoint of the stable phase (`refix`), from the mean time
     of every step since; it says so when the count moves by REFIX_NOTE or more."""
 
@@ -283,10 +293,9 @@ class TimeBudget(Callback):
         self.said_steps, self.said_step_s = 0, 0.0  # the count last told, and its step time
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
-        if trainer.cfg.schedule != "wsd":
-            raise TrainingError(
-                "a time budget needs the warmup-stable-decay schedule (train.schedule=wsd)"
-            )
+        if trainer.cfg.schedule != BUDGET_SCHEDULE:
+            raise TrainingError(f"a time budget trains with train.schedule={BUDGET_SCHEDULE} "
+                                f"({BUDGET_SCHEDULE_WHY})")
         budget = Budget.load(trainer.run_dir) if trainer.is_main else None
         if trainer.world_size > 1:  # rank 0 read it: the others take its step count
             steps = dist_.agree_sum([budget.max_steps or 0 if budget else 0])[0]

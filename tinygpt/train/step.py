@@ -188,22 +188,23 @@ class TrainStep:
 
 
 def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> float:
-    """Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps; or, "wsd", lr
-    held until the last decay_fraction of the steps, then a straight line to min_lr at the last
-    step. `max_steps`: the run's length where it is not the recipe's (a time budget decides it),
-    None while undecided: until the decay, wsd's rate does not depend on it, so a budget may decide
-    it late."""
+    """Linear warmup over warmup_steps, then, for every schedule, a way down to min_lr that the
+    last step run (max_steps - 1) takes at min_lr: "cosine" a half cosine from the end of the
+    warmup, "wsd" lr held until the last decay_fraction of the steps, then a straight line.
+    `max_steps`: the run's length where it is not the recipe's (a time budget decides it), None
+    while undecided: until the decay, wsd's rate does not depend on it, so a budget may decide it
+    late."""
     n = cfg.max_steps if max_steps == "recipe" else max_steps
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    start = cfg.warmup_steps
     if cfg.schedule == "wsd":
         start = decay_start(n, cfg.decay_fraction) if n is not None else None
         if start is None or step < start:
             return cfg.lr
-        progress = min(1.0, (step - start) / max(1, n - 1 - start))
+    progress = 1.0 if step >= n - 1 else (step - start) / (n - 1 - start)
+    if cfg.schedule == "wsd":
         return cfg.lr + (cfg.min_lr - cfg.lr) * progress
-    span = max(1, n - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
