@@ -18,6 +18,7 @@ from tinygpt.evals import lm as ev
 from tinygpt.evals.eval_options import EvalOptions
 from tinygpt.evals.evaluate import evaluate
 from tinygpt.evals.tasks import TASKS, stdlib_functions
+from tinygpt.evals.texts import read_text
 from tinygpt.model.loading import load_run
 from tinygpt.pretrain.run_pretrain import pretrain
 from tinygpt.publish.card import model_card
@@ -47,7 +48,7 @@ def test_perplexity_table_and_json_match_the_library(run, shared_data, capsys):
                         "--window", 32, "--stride", 16, "--device", "cpu", "--json")
     res = json.loads(out)
     model, tok, _, _ = load_run(run)
-    direct = ev.perplexity(model, tok, ev.read_text(wikitext, 3000), window=32, stride=16)
+    direct = ev.perplexity(model, tok, read_text(wikitext, 3000), window=32, stride=16)
     assert code == 0 and res["mode"] == "sliding" and res["tokens"] == direct["tokens"]
     assert res["bits_per_byte"] == pytest.approx(direct["bits_per_byte"], rel=1e-6)
     assert 1 < res["perplexity"] < 512  # trained a little: better than uniform over the 512 tokens
@@ -169,7 +170,7 @@ def test_a_finetuning_run_is_evaluated_with_its_adapter(run, shared_data, tmp_pa
                         "--window", 32, "--device", "cpu", "--json")
     assert code == 0
     model, tok = load_finetuned(ft, merge=True)
-    direct = ev.perplexity(model, tok, ev.read_text(wikitext, 2000), window=32)
+    direct = ev.perplexity(model, tok, read_text(wikitext, 2000), window=32)
     assert json.loads(out)["bits_per_byte"] == pytest.approx(direct["bits_per_byte"], rel=1e-6)
 
 

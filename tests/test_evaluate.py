@@ -30,6 +30,7 @@ from tinygpt.evals.tasks import hellaswag as hsw
 from tinygpt.evals.tasks import perplexity
 from tinygpt.evals.tasks.humaneval import HUMANEVAL_STOPS, load_humaneval
 from tinygpt.evals.tasks.mbpp import load_mbpp
+from tinygpt.evals.texts import load_eval_text, read_text
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import train_bpe
 
@@ -55,7 +56,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def wikitext(shared_data):
-    return ev.read_text(shared_data / "wikitext2_test.txt", max_chars=2500)
+    return read_text(shared_data / "wikitext2_test.txt", max_chars=2500)
 
 
 # --- perplexity ---------------------------------------------------------------------------------
@@ -395,7 +396,7 @@ def test_run_eval_on_a_run_folder(tmp_path, tok, shared_data):
     model = _model(max_seq_len=512, seed=1)
     run = _hand_made_run(tmp_path / "run", tok, model)
     r = evals.run_eval(run, "perplexity", data=shared_data / "wikitext2_test.txt", max_chars=1500, window=128)
-    direct = ev.perplexity(model, tok, ev.read_text(shared_data / "wikitext2_test.txt", 1500), window=128)
+    direct = ev.perplexity(model, tok, read_text(shared_data / "wikitext2_test.txt", 1500), window=128)
     assert r["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-6) and r["run"] == "run"
     assert evals.run_eval(run, "hellaswag", data=shared_data / "hellaswag_val.txt.bz2", limit=2)["n"] == 2
     code = evals.run_eval(run, "humaneval", data=shared_data / "HumanEval.jsonl.gz", limit=1, max_new_tokens=8,
@@ -426,12 +427,12 @@ def test_eval_data_prefers_the_offline_copy_else_names_the_hub(tmp_path, shared_
 
 def test_a_datasets_text_is_joined_as_it_is(tmp_path, shared_data):
     datasets = pytest.importorskip("datasets")
-    lines = ev.read_text(shared_data / "wikitext2_test.txt", 5000).splitlines(keepends=True)
+    lines = read_text(shared_data / "wikitext2_test.txt", 5000).splitlines(keepends=True)
     # WikiText on the Hub: one record per line, blank lines as empty records
     datasets.Dataset.from_dict({"text": [ln if ln.strip() else "" for ln in lines]}).save_to_disk(tmp_path / "wt")
     text = "".join(ln if ln.strip() else "" for ln in lines)
-    assert ev.load_eval_text(tmp_path / "wt") == text
-    assert ev.load_eval_text(tmp_path / "wt", max_chars=700) == text[:700]
+    assert load_eval_text(tmp_path / "wt") == text
+    assert load_eval_text(tmp_path / "wt", max_chars=700) == text[:700]
 
 
 FIXTURES = Path(__file__).parent / "fixtures"

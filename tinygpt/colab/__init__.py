@@ -9,6 +9,7 @@ package (`from tinygpt import colab`, then `colab.recipe_picker(...)`):
 - `download`: a run as a zip; `sampling`: text from a run
 - `smoke`: smoke mode (`TINYGPT_SMOKE=1`); `notebook`: the kernel, display, ipywidgets on demand
 """
+
 from tinygpt.colab.download import zip_run
 from tinygpt.colab.mount import DRIVE_RUNS, in_colab, mount_drive
 from tinygpt.colab.notebook import in_notebook

@@ -1,5 +1,6 @@
 """The download: a run packed as a zip that Colab hands
 to the browser (what a user keeps off the VM)."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,12 @@ def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool
     # a link is never followed into the download (it could
     # point at any file of this VM): left out, said once
     links = [why for p in [plots, *files] if (why := link_problem(p, writes=True)) is not None]
-    files = [f for f in files if link_problem(f, writes=True) is None
-             and (f.parent == run_dir or link_problem(f.parent) is None)]
+    files = [
+        f
+        for f in files
+        if link_problem(f, writes=True) is None
+        and (f.parent == run_dir or link_problem(f.parent) is None)
+    ]
     if links:
         print(f"left out of the zip, never followed: {'; '.join(links)}")
     dest = Path(dest) if dest is not None else run_dir.parent / f"{run_dir.name}.zip"

@@ -3,6 +3,7 @@
 Only the notebooks and `tinygpt.colab.runs` use this; the mirror itself (`tinygpt.sync`) works
 with any folder, so nothing below the Colab layer needs to know about Drive.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +26,10 @@ def mount_drive(
     try:
         from google.colab import drive
     except ImportError:
-        raise RuntimeError("mount_drive needs Google Colab; elsewhere any folder can be the mirror "
-                           "(`tinygpt pretrain --mirror DIR`)") from None
+        raise RuntimeError(
+            "mount_drive needs Google Colab; elsewhere any folder can be the mirror "
+            "(`tinygpt pretrain --mirror DIR`)"
+        ) from None
     drive.mount(str(mountpoint), force_remount=force_remount, **kwargs)
     mydrive = Path(mountpoint) / "MyDrive"
     if not mydrive.is_dir():

@@ -5,6 +5,7 @@ ipywidgets and matplotlib are imported only where they are used (``pip install
 "tinygpt[notebooks]"``); outside a notebook every piece still works without them (tables print as
 text, a picker's `value` is its default).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,6 +26,7 @@ def in_notebook() -> bool:
 def display(obj: Any, **kwargs: Any) -> Any:
     """IPython's `display` (imported here, so that a script never needs IPython)."""
     from IPython.display import display
+
     return display(obj, **kwargs)
 
 

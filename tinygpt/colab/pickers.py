@@ -2,6 +2,7 @@
 run, and the finetuning recipe. Each defaults to the run being resumed, then smoke mode, then what
 suits this hardware; the training cell reads `value` when it runs, so Run all trains the default.
 Without ipywidgets (a script) a picker is its default."""
+
 from __future__ import annotations
 
 import html
@@ -46,8 +47,10 @@ def default_recipe(
     if report is None:
         report = hardware_report()
     if sized:
-        return (size_auto_recipe(report.hardware_class, report.default_recipe),
-                f"the ladder size auto plans on this {report.hardware_class} runtime")
+        return (
+            size_auto_recipe(report.hardware_class, report.default_recipe),
+            f"the ladder size auto plans on this {report.hardware_class} runtime",
+        )
     return report.default_recipe, f"the probe's choice for this {report.hardware_class} runtime"
 
 
@@ -93,8 +96,12 @@ def dropdown(widgets: Any, options: list, value: Any, description: str) -> Any:
     no selection, and the box is drawn empty although an option ("the recipe's steps", "from
     scratch") has that value."""
     index = [v for _, v in options].index(value)
-    return widgets.Dropdown(options=options, index=index, description=description,
-                            layout=widgets.Layout(width="max-content"))
+    return widgets.Dropdown(
+        options=options,
+        index=index,
+        description=description,
+        layout=widgets.Layout(width="max-content"),
+    )
 
 
 # the size dropdown: auto (the planner, tinygpt.fit.plan) or the recipe's model as written
@@ -122,16 +129,23 @@ class RecipePicker:
         if widgets is None:
             return  # a script: `value` is the default
         options = [(f"{name}  ({RECIPES[name].hardware})", name) for name in RECIPES]
-        self.dropdown = widgets.Dropdown(options=options, value=self.default, description="recipe",
-                                         layout=widgets.Layout(width="max-content"))
+        self.dropdown = widgets.Dropdown(
+            options=options,
+            value=self.default,
+            description="recipe",
+            layout=widgets.Layout(width="max-content"),
+        )
         # the summary is an HTML widget, not an Output one: it renders the
         # same in Colab (ipywidgets 7), classic Jupyter and JupyterLab
         # (8), where capturing into an Output widget differs between them
         self.summary = widgets.HTML()
         self.reason_line = widgets.HTML()
         self.dropdown.observe(self._recipe_changed, names="value")
-        choices = (HOURS_CHOICES if self.default_hours in [h for _, h in HOURS_CHOICES]
-                   else HOURS_CHOICES + [(f"{self.default_hours:g} h", self.default_hours)])
+        choices = (
+            HOURS_CHOICES
+            if self.default_hours in [h for _, h in HOURS_CHOICES]
+            else HOURS_CHOICES + [(f"{self.default_hours:g} h", self.default_hours)]
+        )
         self.hours_dropdown = dropdown(widgets, choices, self.default_hours, "time")
         self.size_dropdown = dropdown(widgets, SIZE_CHOICES, "auto", "size")
         for follows in (self.hours_dropdown, self.size_dropdown):
@@ -172,7 +186,7 @@ class RecipePicker:
 
     @property
     def size(self) -> str | None:
-        """"auto" (the size the time buys: `pretrain(..., size=picker.size)`), or None: the recipe's
+        """ "auto" (the size the time buys: `pretrain(..., size=picker.size)`), or None: the recipe's
         own size, and always without a time budget (the planner needs hours)."""
         if self.hours is None:
             return None
@@ -212,9 +226,8 @@ class RecipePicker:
     def __repr__(self) -> str:
         budget = "the recipe's steps" if self.hours is None else f"{self.hours:g} h"
         size = "the recipe's" if self.size is None else self.size
-        return (
-            "recipe: {} (default: {}, {}); time: {}; size: {}".format(self.value, *self.current_default(),
-                                                                    budget, size)
+        return "recipe: {} (default: {}, {}); time: {}; size: {}".format(
+            self.value, *self.current_default(), budget, size
         )
 
 
@@ -235,10 +248,14 @@ class FinetunePicker:
     def __init__(self, base_config: dict[str, Any], run: RunFolders | None = None):
         self.hardware, self.gpu_gb = this_hardware()
         resume = [run.mirror, run.local] if run is not None else []
-        self.default, self.reason = default_finetune_recipe(base_config, self.hardware, self.gpu_gb,
-                                                            resume_from=resume)
-        self.table = Table(finetune_recipe_rows(base_config, self.hardware, self.gpu_gb),
-                           f"Recipes on this {self.hardware} runtime", notes=(self.reason,))
+        self.default, self.reason = default_finetune_recipe(
+            base_config, self.hardware, self.gpu_gb, resume_from=resume
+        )
+        self.table = Table(
+            finetune_recipe_rows(base_config, self.hardware, self.gpu_gb),
+            f"Recipes on this {self.hardware} runtime",
+            notes=(self.reason,),
+        )
         self.dropdown = None
         widgets = load_ipywidgets()
         if widgets is None:
@@ -267,10 +284,12 @@ def finetune_picker(base_config: dict[str, Any], run: RunFolders | None = None) 
 
 # 01_pretrain's base dropdown: small Hub models whose
 # architecture tinygpt's GPT is (Llama's layers, no biases).
-HUB_BASES = (("from scratch", None),
-             ("SmolLM2-135M (Hub, 135M, any GPU)", "hf:HuggingFaceTB/SmolLM2-135M"),
-             ("SmolLM2-360M (Hub, 362M, L4 / A100)", "hf:HuggingFaceTB/SmolLM2-360M"),
-             ("TinyLlama 1.1B v1.1 (Hub, A100)", "hf:TinyLlama/TinyLlama_v1.1"))
+HUB_BASES = (
+    ("from scratch", None),
+    ("SmolLM2-135M (Hub, 135M, any GPU)", "hf:HuggingFaceTB/SmolLM2-135M"),
+    ("SmolLM2-360M (Hub, 362M, L4 / A100)", "hf:HuggingFaceTB/SmolLM2-360M"),
+    ("TinyLlama 1.1B v1.1 (Hub, A100)", "hf:TinyLlama/TinyLlama_v1.1"),
+)
 
 
 class BasePicker:

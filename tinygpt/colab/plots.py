@@ -1,6 +1,7 @@
 """The live loss plot: a trainer callback that draws loss and val_loss
 in the notebook as training goes (one picture, updated in place), shows
 the start-up table after the first step, and saves plots/loss.png."""
+
 from __future__ import annotations
 
 import io
@@ -23,8 +24,14 @@ class LossPlot(Callback):
     every `min_interval_s` in the notebook and saved to <run_dir>/plots/loss.png at the end.
     In a kernel it needs matplotlib; elsewhere, without matplotlib, it does nothing."""
 
-    def __init__(self, run_dir: str | Path | None = None, *, min_interval_s: float = 2.0,
-                 show: bool | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        run_dir: str | Path | None = None,
+        *,
+        min_interval_s: float = 2.0,
+        show: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.show = in_notebook() if show is None else show
         self.min_interval_s, self.clock = min_interval_s, clock
@@ -92,8 +99,10 @@ class LossPlot(Callback):
             )
             top.xaxis.set_major_formatter(EngFormatter())
             top.set_xlabel("tokens")
-        latest = {k: next((m[k] for m in reversed(self.history) if m.get(k) is not None), None)
-                  for k in ("step", "loss", "val_loss", "expected_final_loss")}
+        latest = {
+            k: next((m[k] for m in reversed(self.history) if m.get(k) is not None), None)
+            for k in ("step", "loss", "val_loss", "expected_final_loss")
+        }
         ax.set_title(
             ", ".join(
                 f"{k.replace('_', ' ').replace('expected final loss', 'heading for')} {v:.4g}"
@@ -106,6 +115,7 @@ class LossPlot(Callback):
         self.draws += 1
         if self.show:
             from IPython.display import Image
+
             buf = io.BytesIO()
             fig.savefig(buf, format="png")
             image = Image(data=buf.getvalue(), format="png")
@@ -189,8 +199,10 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
     if plan is None or not plan.get("candidates"):
         return None
     if (why := _plan_problem(plan)) is not None:
-        raise ConfigError(f"{Path(run_dir) / RUN_JSON}'s plan {why}: it was not written by tinygpt; "
-                          "delete the plan from run.json or start a new run folder")
+        raise ConfigError(
+            f"{Path(run_dir) / RUN_JSON}'s plan {why}: it was not written by tinygpt; "
+            "delete the plan from run.json or start a new run folder"
+        )
     try:
         __import__("matplotlib")
     except ImportError:
@@ -199,6 +211,7 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
     png = save_plot(fig, run_dir, "plan.png")
     if in_notebook() if show is None else show:
         from IPython.display import Image
+
         display(Image(data=png, format="png"))
     return fig
 
@@ -206,20 +219,35 @@ def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
 def _draw_plan(plan: dict) -> Any:
     """The plan's figure (`_plan_problem` found nothing wrong with it)."""
     from matplotlib.figure import Figure
+
     cands = plan["candidates"]
     fig = Figure(figsize=(7, 3.5), layout="constrained")
     ax = fig.add_subplot()
     ax.plot(
         [c["params"] for c in cands], [c["predicted_loss"] for c in cands], "o-", color="tab:blue"
     )
-    _plain_text(ax.annotate(_plain_label(c["size"]), (c["params"], c["predicted_loss"]),
-                            textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-                for c in cands)
+    _plain_text(
+        ax.annotate(
+            _plain_label(c["size"]),
+            (c["params"], c["predicted_loss"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=8,
+        )
+        for c in cands
+    )
     outside = [c for c in cands if not row_within_law(plan, c)]
     if outside:  # the law's prediction did not choose these
         label = f"outside the law: over {MAX_EPOCHS:g} epochs, or too few tokens per parameter"
-        ax.plot([c["params"] for c in outside], [c["predicted_loss"] for c in outside], "x", ms=9,
-                color="tab:gray", label=label)
+        ax.plot(
+            [c["params"] for c in outside],
+            [c["predicted_loss"] for c in outside],
+            "x",
+            ms=9,
+            color="tab:gray",
+            label=label,
+        )
     best = next(c for c in cands if c["chosen"] is True)
     why = "" if row_within_law(plan, best) else ", the recipe's own size"
     ax.plot(

@@ -1,6 +1,7 @@
 """Run folders in a notebook: where runs live on this machine, Drive
 (mounted in Colab, a local stand-in elsewhere), a run's two homes
 (fast local disk and its mirror on Drive) and where a run stands."""
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ def connect_drive(root: str | Path | None = None) -> Path:
 @dataclass
 class RunFolders:
     """A run's two homes: `local` (fast disk, lost with the VM) and `mirror` (on Drive, kept)."""
+
     name: str
     local: Path
     mirror: Path
@@ -65,6 +67,7 @@ def run_folders(name: str, mydrive: str | Path) -> RunFolders:
 @dataclass
 class FinetuneStatus:
     """Where a finetuning run stands: its local folder and, when given, its mirror on Drive."""
+
     local: Path
     mirror: Path | None = None
 

@@ -1,5 +1,6 @@
 """Text from a run: a few samples from one of its
 checkpoints, from a prompt that suits what it trained on."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,14 @@ def sample_prompt(run_dir: str | Path) -> str:
     return " ".join(words[:6]) + " " if words else "The "
 
 
-def samples(run_dir: str | Path, n: int = 3, which: str = "latest", prompt: str | None = None,
-            max_new_tokens: int = 150, device: str = "auto") -> list[str]:
+def samples(
+    run_dir: str | Path,
+    n: int = 3,
+    which: str = "latest",
+    prompt: str | None = None,
+    max_new_tokens: int = 150,
+    device: str = "auto",
+) -> list[str]:
     """`n` samples (seeds 0..n-1) from a run's checkpoint,
     from `prompt` or one that suits its data."""
     model, tokenizer, _, _ = load_run(run_dir, which, resolve_device(device))

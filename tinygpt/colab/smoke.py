@@ -1,6 +1,7 @@
 """Notebook smoke mode: `TINYGPT_SMOKE=1` turns every notebook into a seconds-long test on a CPU (CI
 runs them that way): the tiny recipe and a few steps for pretraining; a tiny base, offline data and
 a few steps for finetuning; the samples that ship with the package for evaluation."""
+
 from __future__ import annotations
 
 import os

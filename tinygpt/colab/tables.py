@@ -2,6 +2,7 @@
 the notebooks show (hardware, recipes with their memory and time here, one recipe's summary,
 start-up, a run's result, a finetuning base and its recipes). They arrange what the library
 computes; nothing here decides."""
+
 from __future__ import annotations
 
 import html
@@ -23,6 +24,7 @@ from tinygpt.fit.report import expectations, plan_note, plan_table
 @dataclass
 class Table:
     """Rows of cells, shown as an HTML table in a notebook and as aligned text elsewhere."""
+
     rows: list[tuple]
     title: str = ""
     header: bool = True  # the first row names the columns
@@ -60,6 +62,7 @@ class Table:
 
 class Tables(list):
     """Several tables shown one after the other."""
+
     def __str__(self) -> str:
         return "\n\n".join(map(str, self))
 
@@ -96,8 +99,13 @@ def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) 
         return None
 
 
-def summary(recipe: Recipe | str, report: Any, search: Any = None, hardware: bool = True,
-            hours: float | None = None) -> Tables:
+def summary(
+    recipe: Recipe | str,
+    report: Any,
+    search: Any = None,
+    hardware: bool = True,
+    hours: float | None = None,
+) -> Tables:
     """Hardware (unless not `hardware`), the recipe's memory breakdown, the trial search (if given)
     and the expected memory, tokens/s and time to finish, for one recipe on this runtime; with
     `hours`, the size planner's table for that budget (what `pretrain(..., hours=hours,
@@ -185,8 +193,11 @@ def recipes_table(report: Any) -> Table:
 def startup_table(record: dict[str, Any]) -> Table:
     """A run's start-up breakdown (its metrics.jsonl "startup" record) as a table of phases."""
     rows: list[tuple] = [("phase", "seconds")]
-    rows += [(k[:-2].replace("_", " "), f"{v:.1f}") for k, v in record.items()
-             if k.endswith("_s") and k not in ("total_s", "compile_s")]
+    rows += [
+        (k[:-2].replace("_", " "), f"{v:.1f}")
+        for k, v in record.items()
+        if k.endswith("_s") and k not in ("total_s", "compile_s")
+    ]
     if record.get("compile_s"):
         rows.append(("  of which compile", f"{record['compile_s']:.1f}"))
     rows.append(("to the first step", f"{record.get('total_s', 0):.1f}"))
@@ -195,6 +206,7 @@ def startup_table(record: dict[str, Any]) -> Table:
 
 def result_table(result: Any) -> Table:
     """What `pretrain` returned, as a table."""
+
     def num(v: float | None) -> str:
         return "-" if v is None else f"{v:.4f}"
 
@@ -220,6 +232,7 @@ def result_table(result: Any) -> Table:
 
 # ---- finetuning ----------------------------------------------------------------------------------
 
+
 def finetune_recipe_rows(
     base_config: dict[str, Any], hardware: str, memory_gb: float | None = None
 ) -> list[tuple]:
@@ -235,6 +248,11 @@ def finetune_recipe_rows(
 
 def base_rows(base_config: dict[str, Any]) -> list[tuple]:
     """A base's shape at a glance (for `Table`)."""
-    keys = {"model type": "model_type", "layers": "num_hidden_layers", "hidden size": "hidden_size",
-            "vocabulary": "vocab_size", "context": "max_position_embeddings"}
+    keys = {
+        "model type": "model_type",
+        "layers": "num_hidden_layers",
+        "hidden size": "hidden_size",
+        "vocabulary": "vocab_size",
+        "context": "max_position_embeddings",
+    }
     return [(name, base_config.get(k, "-")) for name, k in keys.items()]

@@ -2,6 +2,7 @@
 share (`harness`: the task record, loading, generation; `lm`: language-model scoring; `code`: code
 metrics and the sandbox), `run` (`run_eval`, and `evaluate` from `EvalOptions` for `tinygpt eval`),
 and run summaries, tables and plots (`runs`). The names a notebook uses are handed on here."""
+
 from tinygpt.evals.compare_runs import (  # noqa: F401
     compare_runs,
     list_runs,

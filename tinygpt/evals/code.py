@@ -7,6 +7,7 @@ Each code task (tinygpt/evals/tasks/humaneval.py, mbpp.py) loads its problems in
 (HumanEval's prompt, for its helpers), then ``test`` against the solution's names (HumanEval: the
 entry point; MBPP: every name the solution defines).
 """
+
 from __future__ import annotations
 
 import ast
@@ -115,6 +116,7 @@ def _parse(code: str) -> ast.AST | None:
 
 # --- BLEU and pass@k --------------------------------------------------------------------------
 
+
 def _bleu_metric(**sacrebleu_options: Any):
     from sacrebleu.metrics import BLEU
 
@@ -156,8 +158,11 @@ def bleu_with_signature(
     return score, str(metric.get_signature())
 
 
-def bleu(hypotheses: Sequence[str], references: Sequence[str] | Sequence[Sequence[str]],
-         **sacrebleu_options: Any) -> float:
+def bleu(
+    hypotheses: Sequence[str],
+    references: Sequence[str] | Sequence[Sequence[str]],
+    **sacrebleu_options: Any,
+) -> float:
     """Corpus BLEU (0-100), exactly `sacrebleu.corpus_bleu(hypotheses, [references]).score`."""
     return bleu_with_signature(hypotheses, references, **sacrebleu_options)[0]
 
@@ -170,8 +175,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n < 1 or not 0 <= c <= n:
         raise ValueError(f"need n >= 1 and 0 <= c <= n, got n={n}, c={c}")
     if not 1 <= k <= n:
-        raise ValueError(f"pass@{k} needs at least k={k} samples per problem but n={n}: "
-                         f"generate n >= {k} samples or ask for a smaller k")
+        raise ValueError(
+            f"pass@{k} needs at least k={k} samples per problem but n={n}: "
+            f"generate n >= {k} samples or ask for a smaller k"
+        )
     if n - c < k:
         return 1.0
     prod = 1.0
@@ -181,6 +188,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 # --- problems: each code task's loader (tinygpt/evals/tasks/) reads its file into this form ---
+
 
 @dataclass
 class CodeProblem:
@@ -278,9 +286,15 @@ def check_completions(
         pool.shutdown(wait=True)
 
 
-def evaluate_code(problems: Sequence[CodeProblem], generate: Callable[[str], str], n: int = 1,
-                  ks: Sequence[int] = (1,), workers: int | None = None, progress: bool = False,
-                  **limits: Any) -> dict[str, Any]:
+def evaluate_code(
+    problems: Sequence[CodeProblem],
+    generate: Callable[[str], str],
+    n: int = 1,
+    ks: Sequence[int] = (1,),
+    workers: int | None = None,
+    progress: bool = False,
+    **limits: Any,
+) -> dict[str, Any]:
     """Generate `n` completions per problem with `generate(prompt) -> completion`, clean them
     (`CodeProblem.clean`), run them against the tests, and report pass@k for each k, syntax
     accuracy and BLEU against the canonical solutions, with the outcome of every problem."""
@@ -298,9 +312,16 @@ def evaluate_code(problems: Sequence[CodeProblem], generate: Callable[[str], str
     results = check_completions(flat_problems, flat_codes, workers, **limits)
     per_problem, i = [], 0
     for p in problems:
-        rs = results[i:i + n]
-        per_problem.append({"task_id": p.task_id, "n": n, "passed": sum(r.passed for r in rs),
-                            "statuses": [r.status for r in rs], "completions": flat_codes[i:i + n]})
+        rs = results[i : i + n]
+        per_problem.append(
+            {
+                "task_id": p.task_id,
+                "n": n,
+                "passed": sum(r.passed for r in rs),
+                "statuses": [r.status for r in rs],
+                "completions": flat_codes[i : i + n],
+            }
+        )
         i += n
     out: dict[str, Any] = {"problems": len(problems), "n": n, "sandbox": results[0].boundary}
     for k in ks:

@@ -2,6 +2,7 @@
 
 A run folder's files are read through `tinygpt.core.rundir.RunDir` (see docs/ARCHITECTURE.md).
 """
+
 from __future__ import annotations
 
 import math

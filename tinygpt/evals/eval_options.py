@@ -1,6 +1,7 @@
 """`EvalOptions`: what `tinygpt eval` takes; the command's options are its fields with help
 (core/options.py): a run folder and its checkpoint, one task of the registry, and the `Request`
 fields every task reads."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """Running one task of the registry on a model: `run_eval` (the library's call, which records each
 result in the run's `evals.jsonl`), `evaluate` (what `tinygpt eval` runs from its `EvalOptions`) and
 `report` (what it prints)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,9 @@ def check_request(task: Task, r: Request) -> None:
         task.check(r)
 
 
-def run_eval(run_dir: str | Path, task: str, *, which: str = "latest", device: str = "cpu",
-             **request: Any) -> dict[str, Any]:
+def run_eval(
+    run_dir: str | Path, task: str, *, which: str = "latest", device: str = "cpu", **request: Any
+) -> dict[str, Any]:
     """Evaluate a run folder (see `load_for_eval`) on one task of `TASKS`; `request` holds the
     fields of `Request` (data, limit, window, stride, max_chars, batch_size, n, k, max_new_tokens,
     temperature, progress, unsafe_exec, say: a function given one-line notes before long work, e.g.
@@ -85,8 +87,11 @@ def record_eval(run_dir: str | Path, result: dict[str, Any]) -> None:
     scores = {
         k: v for k, v in result.items() if k not in keep and isinstance(v, (int, float, str, bool))
     }
-    record = {**{k: result[k] for k in keep}, "scores": scores,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    record = {
+        **{k: result[k] for k in keep},
+        "scores": scores,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     try:
         # never through a link or a hard link
         append_text(run.path / EVALS_JSONL, json.dumps(record) + "\n")

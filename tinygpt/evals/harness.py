@@ -7,6 +7,7 @@ A task module (`tinygpt/evals/tasks/<name>.py`) holds its data sources,
 help, default sizes, scorer and how its result prints, in one `TASK =
 Task(...)`; the registry (`tinygpt.evals.tasks.TASKS`) lists the modules.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,6 +34,7 @@ class Request:
     """What a caller asked for, the same for every task (each task reads the fields it uses). A field
     left None takes the task's default (`Task.defaults`).
     The fields with help are `tinygpt eval`'s options."""
+
     data: str | Path | None = option(
         None,
         help="the task's data file, sample:NAME (a sample that ships with "
@@ -65,6 +67,7 @@ class Request:
 @dataclass
 class Loaded:
     """A model loaded for evaluation and where it came from."""
+
     model: Any
     tokenizer: Any
     source: str
@@ -85,8 +88,9 @@ class Task:
     fields it sets when the caller leaves them None (its sizes). Printing: the result's scalars as a
     table but `hidden`, then `more(result)`. `headline`: the scores a model card shows (fnmatch
     patterns; none: every number)."""
+
     name: str
-    help: str                                            # one line for `tinygpt eval --help`
+    help: str  # one line for `tinygpt eval --help`
     score: Callable[[Any, Request], dict[str, Any]]
     data_help: str | None = None
     offline_file: str | None = None
@@ -143,6 +147,7 @@ def load_for_eval(path: str | Path, which: str = "latest", device: str = "cpu") 
 
 
 # --- generation -----------------------------------------------------------------------------------
+
 
 def context_length(m: Loaded) -> int | None:
     """The context the model can read: the one a tinygpt run trained at (its position table may be
@@ -313,10 +318,16 @@ class Generator:
                 eos = tok.eos_token_id
             else:
                 eos = m.tokenizer.eot_id
-                out = generate(m.model, x, n, temperature=1.0 if greedy else self.temperature,
-                               top_k=1 if greedy else None, eot_id=eos)[0, len(ids):].tolist()
+                out = generate(
+                    m.model,
+                    x,
+                    n,
+                    temperature=1.0 if greedy else self.temperature,
+                    top_k=1 if greedy else None,
+                    eot_id=eos,
+                )[0, len(ids) :].tolist()
         if eos in out:
-            return out[:out.index(eos)], True
+            return out[: out.index(eos)], True
         return out, False
 
     def decode(self, ids: list[int]) -> str:
@@ -349,6 +360,7 @@ def generator(
 
 # --- the code tasks (HumanEval, MBPP): generated code run against each problem's tests ------------
 
+
 def _check_code(r: Request) -> None:
     for k in r.k:
         code.pass_at_k(r.n, 0, k)  # raises for k > n, saying what to do
@@ -357,8 +369,10 @@ def _check_code(r: Request) -> None:
 
 
 def _per_problem(res: dict[str, Any]) -> list[str]:
-    return [f"  {p['task_id']:<14} {p['passed']}/{p['n']} passed  {', '.join(p['statuses'])}"
-            for p in res["per_problem"]]
+    return [
+        f"  {p['task_id']:<14} {p['passed']}/{p['n']} passed  {', '.join(p['statuses'])}"
+        for p in res["per_problem"]
+    ]
 
 
 def code_task(
@@ -372,8 +386,9 @@ def code_task(
     """A task that generates `n` completions per problem and runs
     them against its tests (`code.evaluate_code`): pass@k, syntax
     accuracy, BLEU; greedy for n == 1, temperature 0.8 above."""
+
     def score(m: Loaded, r: Request) -> dict[str, Any]:
-        problems = load(r.data)[:r.limit]
+        problems = load(r.data)[: r.limit]
         temperature = (0.0 if r.n == 1 else 0.8) if r.temperature is None else r.temperature
         stops = problems[0].stops if problems else ()
         # HumanEval: the answer is a body

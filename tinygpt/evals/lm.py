@@ -1,7 +1,8 @@
 """Language-model scoring every task shares: perplexity and bits per byte of a text, log-likelihoods
-and multiple choice, batching that says a long run's time first, and reading an evaluation text (a
-file or a Hub data set). The tasks that use them are in `tinygpt.evals.tasks` (one module each);
-code metrics are in `tinygpt.evals.code`, run summaries in `tinygpt.evals.compare_runs`.
+and multiple choice, and batching that says a long run's time first; reading an evaluation text (a
+file or a Hub data set) is `tinygpt.evals.texts`'s. The tasks that use them are in
+`tinygpt.evals.tasks` (one module each); code metrics are in `tinygpt.evals.code`, run
+summaries in `tinygpt.evals.compare_runs`.
 
 Every model function takes a tinygpt `GPT` or a Hugging Face causal LM (through `as_causal_lm`),
 and a tinygpt `Tokenizer` or a Hugging Face tokenizer. Wrap a call in `Precision.autocast()` to
@@ -14,17 +15,12 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from tinygpt.core.config import DataConfig
-from tinygpt.core.paths import is_hub
 from tinygpt.core.units import duration
-from tinygpt.data.sources import iter_documents
-from tinygpt.evals.code import DataFile, DataFormatError
 from tinygpt.model.losses import IGNORE_INDEX
 
 # --- models and tokenizers --------------------------------------------------------------------
@@ -196,6 +192,28 @@ def _windows(n_pred: int, window: int, step: int) -> list[tuple[int, int, int]]:
     return spans
 
 
+def _window_and_step(lm: CausalLM, window: int | None, stride: int | None) -> tuple[int, int]:
+    """The window (default: the model's context) and the step between windows, checked."""
+    window = window or lm.max_seq_len
+    if not 1 <= window <= lm.max_seq_len:
+        raise ValueError(
+            f"window must be between 1 and the model's context {lm.max_seq_len}, got {window}"
+        )
+    if stride is not None and not 1 <= stride <= window:
+        raise ValueError(f"stride must be between 1 and window ({window}), got {stride}")
+    return window, stride or window
+
+
+def _scores(nll: float, tokens: int, n_bytes: int) -> dict[str, float]:
+    """Mean loss, perplexity and bits per byte of `nll` nats over `tokens` tokens and `n_bytes`."""
+    return {
+        "nll_nats": nll,
+        "loss": nll / tokens,
+        "perplexity": math.exp(nll / tokens),
+        "bits_per_byte": nll / (math.log(2) * n_bytes),
+    }
+
+
 def perplexity(
     model: Any,
     tokenizer: Any,
@@ -215,17 +233,10 @@ def perplexity(
     ``window / stride`` times the compute. ``stride == window`` is the non-overlapping case. Bits
     per byte = total nats / (ln 2 * UTF-8 bytes of the text): comparable across tokenizers. The text
     starts after the start token (`start_token`) so that its first token is scored too. Logits are
-    (batch_size, window, vocab): lower both for a large vocabulary on a small GPU. A text expected
-    to take over `LONG_SECONDS` is first said with its time and a shorter ``--max-chars``
-    (`shorter`), through `say` (measured on the first batches; see `run_batches`).
-    """
+    (batch_size, window, vocab): lower both for a large vocabulary on a small GPU. A long text is
+    first said through `say` with its time and a shorter ``--max-chars`` (`run_batches`)."""
     lm = as_causal_lm(model)
-    window = window or lm.max_seq_len
-    if not 1 <= window <= lm.max_seq_len:
-        raise ValueError(f"window must be between 1 and the model's context {lm.max_seq_len}, got {window}")
-    if stride is not None and not 1 <= stride <= window:
-        raise ValueError(f"stride must be between 1 and window ({window}), got {stride}")
-    step = stride or window
+    window, step = _window_and_step(lm, window, stride)
     start = start_token(tokenizer)
     ids = ([start] if start is not None else []) + encoder(tokenizer)(text)
     n_pred = len(ids) - 1  # ids[1:] are predicted; without a start token the first one is not
@@ -254,44 +265,15 @@ def perplexity(
         batches = [spans[i : i + batch_size] for i in range(0, len(spans), batch_size)]
         run_batches(batches, run, "perplexity", progress, say, describe)
     return {
-        "mode": "non-overlapping" if stride in (None, window) else "sliding",
+        "mode": "non-overlapping" if step == window else "sliding",
         "window": window,
         "stride": step,
         "windows": len(spans),
         "tokens": n_pred,
         "bytes": n_bytes,
         "first_token_scored": start is not None,
-        "nll_nats": total,
-        "loss": total / n_pred,
-        "perplexity": math.exp(total / n_pred),
-        "bits_per_byte": total / (math.log(2) * n_bytes),
+        **_scores(total, n_pred, n_bytes),
     }
-
-
-def open_text(path: str | Path) -> DataFile:
-    """A UTF-8 text file for reading, decompressed as it is read when it ends in .gz or .bz2, in
-    bounded pieces: its lines are at most 16 MB (`code.DataFile`; a longer one, bytes that are not
-    UTF-8 or a damaged archive are one line naming the file and the line)."""
-    return DataFile(path)
-
-
-EVAL_TEXT_CHARS = 64 << 20  # the most characters of an evaluation text read without --max-chars
-
-
-def read_text(path: str | Path, max_chars: int | None = None) -> str:
-    """A UTF-8 text file (.txt, .gz or .bz2), at most `max_chars` characters of it, read a piece at
-    a time (never more than that in memory). Without `max_chars` a text over EVAL_TEXT_CHARS
-    characters (a small archive can hold gigabytes) is refused in one line naming the file."""
-    with open_text(path) as f:
-        if max_chars:
-            return f.read(max_chars)
-        text = f.read(EVAL_TEXT_CHARS + 1)
-    if len(text) > EVAL_TEXT_CHARS:
-        raise DataFormatError(
-            f"{path} holds more than {EVAL_TEXT_CHARS:,} characters of text: refused, the rest was "
-            f"not read; pass --max-chars N to score its first N characters"
-        )
-    return text
 
 
 # --- log-likelihoods and multiple choice (HellaSwag: tasks/hellaswag.py) ---------------------
@@ -368,9 +350,8 @@ def loglikelihoods(
     if describe is None:
 
         def describe(expected: float, per_batch: float) -> str:
-            return (
-                f"{len(seqs):,} log-likelihoods: about {duration(expected)} on this {lm.device.type.upper()}"
-            )
+            on = lm.device.type.upper()
+            return f"{len(seqs):,} log-likelihoods: about {duration(expected)} on this {on}"
 
     with _evaluating(lm.module):
         batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -409,7 +390,9 @@ def multiple_choice(
         ll = lls[i : i + len(it.endings)]
         i += len(it.endings)
         correct += max(range(len(ll)), key=lambda j: ll[j]) == it.label
-        correct_norm += max(range(len(ll)), key=lambda j: ll[j] / max(len(it.endings[j]), 1)) == it.label
+        correct_norm += (
+            max(range(len(ll)), key=lambda j: ll[j] / max(len(it.endings[j]), 1)) == it.label
+        )
     n = len(items)
     acc, acc_norm = correct / n, correct_norm / n
 
@@ -426,29 +409,3 @@ def multiple_choice(
 
 
 # --- evaluation text: a file, or a Hugging Face data set ----------------------------------------
-
-
-def load_eval_text(data: str | Path, max_chars: int | None = None, offline: str = "a text file") -> str:
-    """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset
-    (hf:NAME[:CONFIG][@SPLIT], or a save_to_disk folder) whose records are
-    joined as they are (WikiText's records are its lines). `offline`: what
-    to pass instead, said when the Hub cannot be reached."""
-    if is_hub(data) or Path(data).is_dir():
-        with from_hub(str(data), offline):
-            return "".join(iter_documents(DataConfig(source=str(data), max_chars=max_chars)))
-    return read_text(data, max_chars)
-
-
-@contextlib.contextmanager
-def from_hub(spec: str, offline: str):
-    """Reading `spec` from the Hub: a network error
-    becomes one line that says what works offline."""
-    try:
-        yield
-    except OSError as e:  # ConnectionError and the Hub client's HTTP errors: say what works offline
-        if not is_hub(spec):
-            raise
-        raise RuntimeError(
-            f"could not read {spec} from the Hugging Face Hub ({e}); with no network, "
-            f"pass a local file instead: {offline}"
-        ) from e

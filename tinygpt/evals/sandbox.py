@@ -50,6 +50,7 @@ A caller interrupted (SIGTERM or Ctrl-C raised as KeyboardInterrupt) kills every
 running (`stop_all`); a caller killed outright takes them with it (the parent-death signal of
 `setpriv --pdeathsig`, then `unshare --kill-child` ends the namespace).
 """
+
 from __future__ import annotations
 
 import ast
@@ -71,7 +72,7 @@ from typing import Any, Sequence
 
 INIT = Path(__file__).with_name("sandbox_init.py")
 KINDS = ("root", "userns", "uid", "none")
-_UID_BASE = 1_200_000_000   # far above any uid a system or its users own
+_UID_BASE = 1_200_000_000  # far above any uid a system or its users own
 _live: set[subprocess.Popen] = set()
 _live_lock = threading.Lock()
 _stopping = threading.Event()  # set by stop_all: a sandbox starting meanwhile is killed at once
@@ -105,9 +106,9 @@ class ExecResult:
 
 @dataclass(frozen=True)
 class Boundary:
-    kind: str            # root | userns | uid | none
+    kind: str  # root | userns | uid | none
     prefix: tuple[str, ...]
-    why_not: str = ""    # for none: what was tried and why it failed
+    why_not: str = ""  # for none: what was tried and why it failed
 
     def describe(self) -> str:
         return {
@@ -246,6 +247,40 @@ def _namespaces() -> dict[str, tuple[int, int] | None]:
     return out
 
 
+def _supervise(b: Boundary, job: dict, timeout_s: float) -> tuple[subprocess.Popen, bytes, bytes]:
+    """The supervisor process started behind boundary `b` with `job`, waited for (at most
+    `timeout_s` + 30 s), its whole process group killed after, and its private folder removed."""
+    folder = tempfile.mkdtemp(prefix="tinygpt-exec-") if b.kind in ("uid", "none") else None
+    try:
+        proc = subprocess.Popen(
+            [*b.prefix, _python(), "-I", "-S", str(INIT), "supervise"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=folder or "/",
+            env={"PATH": os.defpath, "LANG": "C.UTF-8"},
+            start_new_session=True,
+        )
+        with _live_lock:
+            _live.add(proc)
+            if _stopping.is_set():
+                os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(marshal.dumps(job), timeout=timeout_s + 30)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            proc.wait()
+            with _live_lock:
+                _live.discard(proc)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return proc, out, err
+
+
 def _run(
     b: Boundary,
     solution: str | None,
@@ -281,35 +316,8 @@ def _run(
         "uids": [_UID_BASE + 2 * slot, _UID_BASE + 2 * slot + 1],
         "caller_ns": _namespaces(),
     }
-    folder = tempfile.mkdtemp(prefix="tinygpt-exec-") if b.kind in ("uid", "none") else None
     t0 = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            [*b.prefix, _python(), "-I", "-S", str(INIT), "supervise"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=folder or "/",
-            env={"PATH": os.defpath, "LANG": "C.UTF-8"},
-            start_new_session=True,
-        )
-        with _live_lock:
-            _live.add(proc)
-            if _stopping.is_set():
-                os.killpg(proc.pid, signal.SIGKILL)
-        try:
-            out, err = proc.communicate(marshal.dumps(job), timeout=timeout_s + 30)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            proc.wait()
-            with _live_lock:
-                _live.discard(proc)
-    finally:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+    proc, out, err = _supervise(b, job, timeout_s)
     duration = time.monotonic() - t0
     try:
         # the supervisor's plain dict

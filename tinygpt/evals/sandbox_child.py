@@ -20,6 +20,7 @@ calls, iteration and indexing go to the solution, comparisons are by identity, s
 never equals an expected value. The test process starts first and makes itself non-dumpable
 before the solution process exists.
 """
+
 from __future__ import annotations
 
 import ast
@@ -27,14 +28,15 @@ import builtins
 import os
 import sys
 
-MAX_MESSAGE = 8 * 2**20      # bytes in one call or answer
-MAX_DEPTH = 200              # nesting of one value
+MAX_MESSAGE = 8 * 2**20  # bytes in one call or answer
+MAX_DEPTH = 200  # nesting of one value
 RESULT_READY, RESULT_PASSED = b"R", b"P"
 # the test process's exit code when the solution process stopped answering
 LINK_BROKEN = 3
 
 
 # --- values across the pipe -------------------------------------------------------------------
+
 
 class Handle:
     """An object of the solution's that is not a plain value: only its number crosses."""
@@ -71,11 +73,18 @@ def encode(v, handle=None, depth: int = 0):
         if isinstance(v, base):
             return (tag, [encode(x, handle, depth + 1) for x in base(v)])
     if isinstance(v, dict):
-        return ("d", [(encode(k, handle, depth + 1), encode(x, handle, depth + 1))
-                      for k, x in dict(v).items()])
+        return (
+            "d",
+            [
+                (encode(k, handle, depth + 1), encode(x, handle, depth + 1))
+                for k, x in dict(v).items()
+            ],
+        )
     if handle is None:
-        raise TypeError(f"a {type(v).__name__} is not a plain value (int, float, str, bytes, bool, "
-                        "None, or a list, tuple, set or dict of them)")
+        raise TypeError(
+            f"a {type(v).__name__} is not a plain value (int, float, str, bytes, bool, "
+            "None, or a list, tuple, set or dict of them)"
+        )
     return ("h", handle(v))
 
 
@@ -111,7 +120,7 @@ def send(fd: int, msg) -> None:
         raise ValueError(f"a value of {len(data)} bytes is over the {MAX_MESSAGE}-byte limit")
     data = len(data).to_bytes(4, "big") + data
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def _read_exact(fd: int, n: int) -> bytes:
@@ -133,10 +142,17 @@ def receive(fd: int):
 
 # --- the solution process ---------------------------------------------------------------------
 
-OPS = {"__len__": len, "__iter__": iter, "__next__": next, "__getitem__": lambda o, k: o[k],
-       "__setitem__": lambda o, k, v: o.__setitem__(k, v),
-       "__delitem__": lambda o, k: o.__delitem__(k),
-       "__contains__": lambda o, k: k in o, "__str__": str, "__repr__": repr}
+OPS = {
+    "__len__": len,
+    "__iter__": iter,
+    "__next__": next,
+    "__getitem__": lambda o, k: o[k],
+    "__setitem__": lambda o, k, v: o.__setitem__(k, v),
+    "__delitem__": lambda o, k: o.__delitem__(k),
+    "__contains__": lambda o, k: k in o,
+    "__str__": str,
+    "__repr__": repr,
+}
 
 
 def serve(job: dict, requests: int, answers: int) -> None:
@@ -153,8 +169,11 @@ def serve(job: dict, requests: int, answers: int) -> None:
         objects[num] = v
         return num
 
-    names = [(k, v.__name__ if type(v) is type(sys) else None) for k, v in env.items()
-             if isinstance(k, str) and k.isidentifier() and not k.startswith("__")]
+    names = [
+        (k, v.__name__ if type(v) is type(sys) else None)
+        for k, v in env.items()
+        if isinstance(k, str) and k.isidentifier() and not k.startswith("__")
+    ]
     send(answers, ("names", names))
     while True:
         try:
@@ -165,8 +184,9 @@ def serve(job: dict, requests: int, answers: int) -> None:
             kind, target = req[0], req[1]
             obj = objects[target[1]] if target[0] == "h" else env[target[1]]
             if kind == "call":
-                res = obj(*decode(req[2], objects.__getitem__),
-                          **decode(req[3], objects.__getitem__))
+                res = obj(
+                    *decode(req[2], objects.__getitem__), **decode(req[3], objects.__getitem__)
+                )
             elif kind == "get" and type(req[2]) is str:
                 res = getattr(obj, req[2])
             elif kind == "set" and type(req[2]) is str:
@@ -186,6 +206,7 @@ def serve(job: dict, requests: int, answers: int) -> None:
 
 
 # --- the test process -------------------------------------------------------------------------
+
 
 class LinkBroken(Exception):
     """The solution process stopped answering (it exited, crashed or was killed)."""
@@ -263,8 +284,10 @@ class Link:
             tag = {list: "l", tuple: "t", set: "S", frozenset: "F"}[type(v)]
             return (tag, [self._encode(x, depth + 1) for x in v])
         if type(v) is dict and depth < MAX_DEPTH:
-            return ("d", [(self._encode(k, depth + 1), self._encode(x, depth + 1))
-                          for k, x in v.items()])
+            return (
+                "d",
+                [(self._encode(k, depth + 1), self._encode(x, depth + 1)) for k, x in v.items()],
+            )
         return encode(v)
 
     def receive(self):
@@ -300,6 +323,7 @@ def _set_dumpable(flag: int) -> None:
     """Nobody without CAP_SYS_PTRACE may ptrace this process or open its /proc files."""
     try:
         import ctypes
+
         ctypes.CDLL(None, use_errno=True).prctl(4, flag, 0, 0, 0)  # PR_SET_DUMPABLE
     except (OSError, AttributeError):
         pass
@@ -341,6 +365,7 @@ def test(job: dict, result: int, requests: int | None, answers: int | None) -> N
         os._exit(code)
     except LinkBroken:
         import traceback
+
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(LINK_BROKEN)
@@ -354,6 +379,7 @@ def child_main(role: str) -> None:
     """The entry point of a child (run with -c): the job on stdin, descriptors in the
     environment."""
     import marshal
+
     job = marshal.loads(sys.stdin.buffer.read())  # from the supervisor
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -13,6 +13,7 @@ its three siblings (standard library only) are found through the folder appended
 standard library, whose modules none of them shadows. Everything is imported and read before the
 jail is built: inside it this folder does not exist.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,12 +55,12 @@ def _limits(job: dict, libc, drop_capabilities, seccomp: bytes | None) -> None:
         install_filter(libc, seccomp)
 
 
-
 def _host_libc():
     """The C library outside a jail (uid and none modes build none), for prctl; None where ctypes
     fails."""
     try:
         import ctypes
+
         return ctypes.CDLL(None, use_errno=True)
     except (ImportError, OSError):
         return None
@@ -74,6 +75,7 @@ def _tail(path: str, n: int = 2000) -> tuple[str, int]:
 
 def _status(rc: int | None, err: str, flooded: bool) -> str:
     import signal
+
     if rc == -signal.SIGXCPU:
         return "cpu_limit"
     if flooded or rc == -signal.SIGXFSZ:
@@ -85,21 +87,42 @@ def _status(rc: int | None, err: str, flooded: bool) -> str:
     return "failed"
 
 
-def _spawn(job: dict, role: str, source: str, cwd: str, fds: list[int], out: str, err: str,
-           uid: int | None, jail: Jail | None, drop: bool) -> tuple[int, int]:
+def _child_env(cwd: str, n_fds: int) -> dict[str, str]:
+    """A child's whole environment: nothing of the caller's."""
+    return {
+        "PATH": "/usr/bin:/bin",
+        "HOME": cwd,
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        # threads share the heap: a 64 MB arena each would leave room for few of them
+        "MALLOC_ARENA_MAX": "1",
+        "TINYGPT_SANDBOX_FDS": ",".join(str(3 + i) for i in range(n_fds)),
+    }
+
+
+def _spawn(
+    job: dict,
+    role: str,
+    source: str,
+    cwd: str,
+    fds: list[int],
+    out: str,
+    err: str,
+    uid: int | None,
+    jail: Jail | None,
+    drop: bool,
+) -> tuple[int, int]:
     """fork + exec of a child: its job on a pipe as stdin, output to files, `fds` as 3, 4, 5; in the
     child, before exec: its own session, setgroups([]) / setgid / setuid (root mode), the limits,
     no-new-privs. Returns (pid, the write end of its stdin). Plain os calls: no subprocess
     import."""
     import fcntl
+
     r, w = os.pipe()
     o = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     e = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-           "LC_ALL": "C.UTF-8",
-           # threads share the heap: a 64 MB arena each would leave room for few of them
-           "MALLOC_ARENA_MAX": "1",
-           "TINYGPT_SANDBOX_FDS": ",".join(str(3 + i) for i in range(len(fds)))}
+    env = _child_env(cwd, len(fds))
     libc = jail.libc if jail is not None else _host_libc()
     seccomp = seccomp_filter(job["max_processes"] > 1) if libc is not None else None
     parent = os.getpid()
@@ -139,6 +162,7 @@ def _wait(pid: int, timeout: float) -> int | None:
     """The exit status (negative: the signal) or None after `timeout` seconds."""
     import select
     import time
+
     deadline = time.monotonic() + timeout
     try:
         pidfd = os.pidfd_open(pid)
@@ -183,7 +207,6 @@ def supervise() -> None:
     sys.stdout.flush()
 
 
-
 def _prepare(job: dict) -> tuple[Jail | None, str, str, dict[str, int]]:
     """The jail (root and userns modes: built, this process its PID 1) and each role's folder, owned
     by the role's uid where it has one: (jail or None, the work folder, the output folder, uid by
@@ -220,9 +243,17 @@ class _Sandbox:
     their starts, the wait, the kill, and the verdict read from the result pipe, the exit codes and
     the output files."""
 
-    def __init__(self, job: dict, source: str, jail: Jail | None, work: str, out_dir: str,
-                 uids: dict[str, int]) -> None:
+    def __init__(
+        self,
+        job: dict,
+        source: str,
+        jail: Jail | None,
+        work: str,
+        out_dir: str,
+        uids: dict[str, int],
+    ) -> None:
         import time
+
         self.job, self.source, self.jail = job, source, jail
         self.work, self.out_dir, self.uids = work, out_dir, uids
         self.jailed = job["mode"] in ("root", "userns")
@@ -230,8 +261,10 @@ class _Sandbox:
         self.result_r, self.result_w = os.pipe()
         links = (*os.pipe(), *os.pipe()) if self.two else ()  # requests r/w, answers r/w
         self.links = links
-        self.fds = {"test": [self.result_w, *((links[1], links[2]) if self.two else ())],
-                    "serve": [links[0], links[3]] if self.two else []}
+        self.fds = {
+            "test": [self.result_w, *((links[1], links[2]) if self.two else ())],
+            "serve": [links[0], links[3]] if self.two else [],
+        }
         self.pids: dict[str, int] = {}
         self.codes: dict[str, int | None] = {}
         self.deadline = time.monotonic() + job["timeout_s"]
@@ -240,14 +273,23 @@ class _Sandbox:
 
     def start(self, role: str, payload: dict) -> None:
         import marshal
+
         self.pids[role], stdin = _spawn(
-            self.job, role, self.source, f"{self.work}/{role}", self.fds[role],
-            f"{self.out_dir}/{role}.out", f"{self.out_dir}/{role}.err", self.uids.get(role),
-            self.jail, self.job["mode"] == "userns")
+            self.job,
+            role,
+            self.source,
+            f"{self.work}/{role}",
+            self.fds[role],
+            f"{self.out_dir}/{role}.out",
+            f"{self.out_dir}/{role}.err",
+            self.uids.get(role),
+            self.jail,
+            self.job["mode"] == "userns",
+        )
         try:
             data = marshal.dumps(payload)
             while data:
-                data = data[os.write(stdin, data):]
+                data = data[os.write(stdin, data) :]
         except OSError:
             pass
         os.close(stdin)
@@ -257,6 +299,7 @@ class _Sandbox:
         the solution's; then wait for the test process until the deadline."""
         import select
         import time
+
         job = self.job
         self.start("test", {"context": job["context"], "test": job["test"], "names": job["names"]})
         os.close(self.result_w)
@@ -275,6 +318,7 @@ class _Sandbox:
     def kill_all(self) -> None:
         """Kill every process of the sandbox, wherever it went, and reap the children."""
         import signal
+
         for pid in self.pids.values():
             try:
                 os.killpg(pid, signal.SIGKILL)  # the process and its group
@@ -321,16 +365,21 @@ class _Sandbox:
             status = "passed" if RESULT_PASSED in said else "exited_early"
         elif test_rc == LINK_BROKEN and "serve" in self.pids:
             s_rc = self.codes["serve"]
-            status = ("exited_early" if s_rc == 0
-                      else _status(s_rc, tails["serve"][1], tails["serve"][2]))
+            status = (
+                "exited_early" if s_rc == 0 else _status(s_rc, tails["serve"][1], tails["serve"][2])
+            )
         else:
             status = _status(test_rc, t_err, t_flood)
         if "serve" in tails:
             s_out, s_err, _ = tails["serve"]
             t_out = s_out + t_out
             t_err = t_err + (f"\n--- the solution's process ---\n{s_err}" if s_err.strip() else "")
-        return {"status": status, "returncode": None if self.timed_out else test_rc,
-                "stdout": t_out, "stderr": t_err}
+        return {
+            "status": status,
+            "returncode": None if self.timed_out else test_rc,
+            "stdout": t_out,
+            "stderr": t_err,
+        }
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["supervise"]:

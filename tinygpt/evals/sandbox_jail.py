@@ -2,13 +2,21 @@
 before it starts any process: standard library only (run inside the sandbox's supervisor, which
 never imports tinygpt).
 """
+
 from __future__ import annotations
 
 import os
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
-_KEPT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
-               "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+_KEPT_FLAGS = {
+    "ro": MS_RDONLY,
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": 1024,
+    "nodiratime": 2048,
+    "relatime": 1 << 21,
+}
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 DEVICES = ("null", "zero", "full", "random", "urandom")
 
@@ -19,6 +27,7 @@ class Jail:
 
     def __init__(self) -> None:
         import ctypes
+
         self.ctypes = ctypes
         self.libc = ctypes.CDLL(None, use_errno=True)
 
@@ -27,13 +36,18 @@ class Jail:
             err = self.ctypes.get_errno()
             raise OSError(err, f"sandbox: {what}: {os.strerror(err)}")
 
-    def mount(self, src: str | None, target: str, fstype: str | None, flags: int,
-              data: str | None = None) -> None:
+    def mount(
+        self, src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+    ) -> None:
         def enc(s: str | None) -> bytes | None:
             return None if s is None else s.encode()
 
-        self._check(self.libc.mount(enc(src), enc(target), enc(fstype), self.ctypes.c_ulong(flags),
-                                    enc(data)), f"mount {target}")
+        self._check(
+            self.libc.mount(
+                enc(src), enc(target), enc(fstype), self.ctypes.c_ulong(flags), enc(data)
+            ),
+            f"mount {target}",
+        )
 
     @staticmethod
     def mounts_under(path: str) -> list[tuple[str, int]]:
@@ -59,12 +73,18 @@ class Jail:
     def build(self, job: dict, root: str = "/tmp") -> None:
         """Mount the new root at `root` (a private mount of this namespace: the host's folder is
         untouched), fill it, pivot into it and drop the old root."""
-        self.mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                   f"size={job['max_write_bytes']},nr_inodes=16384,mode=755")
+        self.mount(
+            "tmpfs",
+            root,
+            "tmpfs",
+            MS_NOSUID | MS_NODEV | MS_NOEXEC,
+            f"size={job['max_write_bytes']},nr_inodes=16384,mode=755",
+        )
         bound: list[str] = []
         for path in job["read_only"]:
-            if (any(path == b or path.startswith(b + "/") for b in bound)
-                    or not os.path.lexists(path)):
+            if any(path == b or path.startswith(b + "/") for b in bound) or not os.path.lexists(
+                path
+            ):
                 continue
             inside = root + path
             os.makedirs(os.path.dirname(inside), exist_ok=True)
@@ -79,14 +99,23 @@ class Jail:
             open(f"{root}/dev/{name}", "w").close()
             self.mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
             flags = self.mounts_under(f"{root}/dev/{name}")[-1][1]
-            self.mount(None, f"{root}/dev/{name}", None,
-                       MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC | flags)
+            self.mount(
+                None,
+                f"{root}/dev/{name}",
+                None,
+                MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC | flags,
+            )
         os.mkdir(root + "/tmp")
         os.chmod(root + "/tmp", 0o1777)
         # the outputs: their own tmpfs, so that a full jail still shows why
         os.mkdir(root + "/.out")
-        self.mount("tmpfs", root + "/.out", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                   f"size={4 * job['max_output_bytes'] + 2**20},mode=700")
+        self.mount(
+            "tmpfs",
+            root + "/.out",
+            "tmpfs",
+            MS_NOSUID | MS_NODEV | MS_NOEXEC,
+            f"size={4 * job['max_output_bytes'] + 2**20},mode=700",
+        )
         os.chdir(root)
         number = _PIVOT_ROOT.get(os.uname().machine)
         if number is not None:
@@ -112,19 +141,24 @@ def no_ipc_nor_user_namespaces(job: dict) -> None:
     stop), and allows no SysV segment, queue or semaphore set; in userns mode no user namespace can
     be made below this one. The filter refuses those calls already: this holds where it cannot be
     installed. /proc/sys can be read-only (a container): then the filter alone."""
+
     def ns(name: str) -> tuple[int, int]:
         st = os.stat(f"/proc/self/ns/{name}")
         return st.st_dev, st.st_ino
 
     caller = job.get("caller_ns") or {}
     if caller.get("ipc") is None:
-        raise OSError("sandbox: cannot tell this IPC namespace from the caller's "
-                      "(no /proc/self/ns/ipc)")
+        raise OSError(
+            "sandbox: cannot tell this IPC namespace from the caller's (no /proc/self/ns/ipc)"
+        )
     if tuple(caller["ipc"]) == ns("ipc"):
         raise OSError("sandbox: no IPC namespace of its own")
     sysctls = [("kernel/shmmni", "0"), ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0")]
-    if (job["mode"] == "userns" and caller.get("user") is not None
-            and tuple(caller["user"]) != ns("user")):
+    if (
+        job["mode"] == "userns"
+        and caller.get("user") is not None
+        and tuple(caller["user"]) != ns("user")
+    ):
         sysctls.append(("user/max_user_namespaces", "0"))  # a limit of this user namespace only
     for name, value in sysctls:
         try:

@@ -2,6 +2,7 @@
 mirror does not (at every start, and after training), `catch_up` copies it with a `Mirror` that
 runs once (a run that ended with the mirror full or offline).
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,10 @@ from tinygpt.sync.mirror import Mirror
 
 def _same_folder(local: Path, there: Path) -> bool:
     try:
-        return (read_bytes_safe(there / MANIFEST) == read_bytes_safe(local / MANIFEST)
-                and verify_checkpoint(there, deep=False)[0])
+        return (
+            read_bytes_safe(there / MANIFEST) == read_bytes_safe(local / MANIFEST)
+            and verify_checkpoint(there, deep=False)[0]
+        )
     except (OSError, ValueError):  # a link or an oversized manifest on the mirror: not the same
         return False
 
@@ -46,31 +49,50 @@ def mirror_lag(local_run_dir: str | Path, mirror_run_dir: str | Path) -> list[st
     local, mirror = Path(local_run_dir), Path(mirror_run_dir)
     out: list[str] = []
     if _missing(mirror) and list_checkpoints(local / CHECKPOINTS):
-        return [f"{NOTHING_MORE}the folder is gone (Drive unmounted, or the folder deleted); "
-                "remount Drive and run again to copy it"]
+        return [
+            f"{NOTHING_MORE}the folder is gone (Drive unmounted, or the folder deleted); "
+            "remount Drive and run again to copy it"
+        ]
     try:
         mine, theirs = read_identity(local), read_identity(mirror)
     except (OSError, ValueError):
         mine = theirs = None
     if mine is not None and theirs is not None and mine["run_id"] != theirs["run_id"]:
-        return [f"{NOTHING_MORE}it belongs to run {theirs['run_id']} (another VM or tab claimed it "
-                f"first), so this run copies nothing there: use another --mirror folder for it"]
+        return [
+            f"{NOTHING_MORE}it belongs to run {theirs['run_id']} (another VM or tab claimed it "
+            f"first), so this run copies nothing there: use another --mirror folder for it"
+        ]
     try:
-        newest = next((p for _, p in reversed(list_checkpoints(local / CHECKPOINTS))
-                       if verify_checkpoint(p, deep=False)[0]), None)
+        newest = next(
+            (
+                p
+                for _, p in reversed(list_checkpoints(local / CHECKPOINTS))
+                if verify_checkpoint(p, deep=False)[0]
+            ),
+            None,
+        )
         if newest is not None and not _same_folder(newest, mirror / CHECKPOINTS / newest.name):
-            there = [s for s, p in list_checkpoints(mirror / CHECKPOINTS)
-                     if verify_checkpoint(p, deep=False)[0]]
-            out.append(f"checkpoint step {manifest_step(newest)} (the mirror's newest: "
-                       f"{f'step {max(there)}' if there else 'none'})")
+            there = [
+                s
+                for s, p in list_checkpoints(mirror / CHECKPOINTS)
+                if verify_checkpoint(p, deep=False)[0]
+            ]
+            out.append(
+                f"checkpoint step {manifest_step(newest)} (the mirror's newest: "
+                f"{f'step {max(there)}' if there else 'none'})"
+            )
         for name in (BEST, ADAPTER_DIR):
-            if ((local / name / MANIFEST).is_file()
-                    and not _same_folder(local / name, mirror / name)):
+            if (local / name / MANIFEST).is_file() and not _same_folder(
+                local / name, mirror / name
+            ):
                 out.append(f"{name}/")
         if (local / METRICS).is_file():
             ours = whole_lines(local / METRICS)
-            theirs = (read_bytes_safe(mirror / METRICS, run_file_limit(METRICS))
-                      if (mirror / METRICS).is_file() else b"")
+            theirs = (
+                read_bytes_safe(mirror / METRICS, run_file_limit(METRICS))
+                if (mirror / METRICS).is_file()
+                else b""
+            )
             if not theirs.startswith(ours):
                 out.append(METRICS)
     except OSError as e:
@@ -78,15 +100,25 @@ def mirror_lag(local_run_dir: str | Path, mirror_run_dir: str | Path) -> list[st
     return out
 
 
-def catch_up(local_run_dir: str | Path, mirror_run_dir: str | Path, *,
-             identity: dict | None = None, timeout: float | None = None,
-             backoff: Backoff | None = None) -> list[str]:
+def catch_up(
+    local_run_dir: str | Path,
+    mirror_run_dir: str | Path,
+    *,
+    identity: dict | None = None,
+    timeout: float | None = None,
+    backoff: Backoff | None = None,
+) -> list[str]:
     """Copy to the mirror what the local run holds and it lacks (a run that ended with the mirror
     full or offline), within `timeout`; what it still lacks afterwards ([] when nothing)."""
     with warnings.catch_warnings():
         # the answer is the list returned: one line, said by the caller
         warnings.simplefilter("ignore")
-        m = Mirror(local_run_dir, mirror_run_dir, identity=identity, backoff=backoff,
-                   close_timeout_s=timeout)
+        m = Mirror(
+            local_run_dir,
+            mirror_run_dir,
+            identity=identity,
+            backoff=backoff,
+            close_timeout_s=timeout,
+        )
         m.close()
     return mirror_lag(local_run_dir, mirror_run_dir)

@@ -7,6 +7,7 @@ complete by construction. A name that leaves its folder, or a link, is refused f
 is retried with exponential backoff (`Backoff`); one it cannot (`is_permanent`: a read-only file
 system, the mirror a file) is not. This module knows files and folders, never models.
 """
+
 from __future__ import annotations
 
 import errno
@@ -78,8 +79,11 @@ def _fuse_mount(path: Path) -> bool:
     except OSError:
         return False
     target = os.path.abspath(path)
-    best = max((m for m in mounts if target == m[0] or target.startswith(m[0].rstrip("/") + "/")),
-               key=lambda m: len(m[0]), default=None)
+    best = max(
+        (m for m in mounts if target == m[0] or target.startswith(m[0].rstrip("/") + "/")),
+        key=lambda m: len(m[0]),
+        default=None,
+    )
     return best is not None and best[1].startswith("fuse")
 
 
@@ -112,6 +116,7 @@ class Backoff:
     starts and a wait ends at once (SyncAborted). `wait(stop, seconds)` is the
     wait itself: the event's own (cut short when it is set) unless another is
     passed (one that returns at once, to test the policy without waiting)."""
+
     max_attempts: int = 8
     base_delay_s: float = 2.0
     max_delay_s: float = 60.0
@@ -150,6 +155,7 @@ class Backoff:
 
 # ---- folder copies -------------------------------------------------------------------------------
 
+
 def check_copy(path: Path, info: dict[str, Any]) -> None:
     """A SyncError unless the file at `path` has the
     size and sha256 its manifest entry `info` gives."""
@@ -180,8 +186,14 @@ def check_not_link(path: Path) -> None:
         raise SyncRefused(f"{why}: not followed")
 
 
-def _copy_folder(src: Path, dst: Path, files: dict[str, dict[str, Any]], last: dict[str, bytes],
-                 copy_file: CopyFile, tag: str) -> None:
+def _copy_folder(
+    src: Path,
+    dst: Path,
+    files: dict[str, dict[str, Any]],
+    last: dict[str, bytes],
+    copy_file: CopyFile,
+    tag: str,
+) -> None:
     """Copy `files` (name -> size, sha256) into a temp folder, verifying each, then write `last`
     (name -> bytes) in order and rename the folder into place."""
     for p in (src, *(d for d in (src.parent, dst.parent) if d.name == CHECKPOINTS)):

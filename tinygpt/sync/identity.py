@@ -1,6 +1,7 @@
 """One run per mirror: a run's identity (its id and configuration hash) in identity.json, in the run
 folder and in its mirror. A mirror that holds another run's identity is refused before anything is
 written there (MirrorTaken), so two runs never mix their checkpoints on one Drive folder."""
+
 from __future__ import annotations
 
 import hashlib

@@ -7,6 +7,7 @@ retried with backoff and only reported in `Mirror.status`: the training thread n
 and never sees its errors. After training, `close` gives the copies `mirror_wait_s()` to finish.
 Whether the mirror folder is still this run's is watch.py's to say; what it lacks, catchup.py's.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,13 +51,15 @@ def mirror_wait_s() -> float:
     except ValueError:
         value = -1.0
     if not (value >= 0 and value != float("inf")):
-        raise ValueError(f"TINYGPT_MIRROR_WAIT_S must be a number of seconds, 0 or more; "
-                         f"got {raw!r}")
+        raise ValueError(
+            f"TINYGPT_MIRROR_WAIT_S must be a number of seconds, 0 or more; got {raw!r}"
+        )
     return value
 
 
-def prune_mirror(ckpt_root: str | Path, keep_last: int,
-                 known_valid: set[str] | None = None) -> list[Path]:
+def prune_mirror(
+    ckpt_root: str | Path, keep_last: int, known_valid: set[str] | None = None
+) -> list[Path]:
     """Keep the newest `keep_last` checkpoints that pass the FULL check (sha256 of every file) and
     delete older step folders; never delete the newest verified one, and with none verified delete
     nothing. A size check is not enough: a corrupt folder of the right size at a higher step would
@@ -84,9 +87,11 @@ def prune_mirror(ckpt_root: str | Path, keep_last: int,
 
 # ---- the background mirror -----------------------------------------------------------------------
 
+
 @dataclass
 class MirrorStatus:
     """What a notebook shows about the mirror (a snapshot; times come from the mirror's clock)."""
+
     last_synced_step: int | None = None
     last_synced_at: float | None = None
     best_step: int | None = None
@@ -97,8 +102,11 @@ class MirrorStatus:
     superseded: int = 0
 
     def __str__(self) -> str:
-        s = (f"mirror: step {self.last_synced_step} synced" if self.last_synced_step is not None
-             else "mirror: no checkpoint synced yet") + f", {self.pending} pending"
+        s = (
+            f"mirror: step {self.last_synced_step} synced"
+            if self.last_synced_step is not None
+            else "mirror: no checkpoint synced yet"
+        ) + f", {self.pending} pending"
         if self.last_error:
             s += f", {self.errors} errors, last: {self.last_error}"
         return s
@@ -111,15 +119,25 @@ class Mirror(Callback):
     best/), `on_log(metrics)` after each logged step, `close()` at the end. None of them blocks on
     Drive or raises."""
 
-    def __init__(self, local_run_dir: str | Path, mirror_run_dir: str | Path, keep_last: int = 2,
-                 *, files_every_s: float = 30.0, backoff: Backoff | None = None,
-                 copy_file: CopyFile = plain_copy, clock: Callable[[], float] = time.time,
-                 close_timeout_s: float | None = None, identity: dict | None = None,
-                 catch_up: bool = True):
+    def __init__(
+        self,
+        local_run_dir: str | Path,
+        mirror_run_dir: str | Path,
+        keep_last: int = 2,
+        *,
+        files_every_s: float = 30.0,
+        backoff: Backoff | None = None,
+        copy_file: CopyFile = plain_copy,
+        clock: Callable[[], float] = time.time,
+        close_timeout_s: float | None = None,
+        identity: dict | None = None,
+        catch_up: bool = True,
+    ):
         self.local, self.mirror = Path(local_run_dir), Path(mirror_run_dir)
         if os.path.abspath(self.mirror) == os.path.abspath(self.local):  # no stat: Drive may hang
-            raise ValueError(f"the mirror {self.mirror} is the run folder itself; pick another "
-                             "folder")
+            raise ValueError(
+                f"the mirror {self.mirror} is the run folder itself; pick another folder"
+            )
         self.keep_last, self.files_every_s = keep_last, files_every_s
         self._give_up = threading.Event()
         # retries stop on the give-up event: close() cuts a backoff's wait short instead of
@@ -184,7 +202,8 @@ class Mirror(Callback):
         timeout."""
         with self._cond:
             done = self._cond.wait_for(
-                lambda: (not self._pending and not self._busy) or self._dead is not None, timeout)
+                lambda: (not self._pending and not self._busy) or self._dead is not None, timeout
+            )
             # a mirror turned off by a permanent error synced nothing more
             return done and self._dead is None
 
@@ -207,17 +226,23 @@ class Mirror(Callback):
             st = self._status
             self.not_synced = [f"checkpoint {k} (step {self._pending[k][1]})" for k in pending]
             if self._current is not None:
-                self.not_synced.append(f"checkpoint {self._current[0]} (being copied when time "
-                                       "ran out)")
+                self.not_synced.append(
+                    f"checkpoint {self._current[0]} (being copied when time ran out)"
+                )
             if self._files_dirty:
                 self.not_synced.append("the latest run files (metrics.jsonl, samples.txt, ...)")
         last = f"step {st.last_synced_step}" if st.last_synced_step is not None else "no checkpoint"
-        how = ("after the wait" if self._dead is None
-               else f"at once ({type(self._dead).__name__}: {self._dead}: waiting would not help)")
-        warnings.warn(f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
-                      f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
-                      f"{st.last_error}. The local run folder {self.local} has everything",
-                      stacklevel=2)
+        how = (
+            "after the wait"
+            if self._dead is None
+            else f"at once ({type(self._dead).__name__}: {self._dead}: waiting would not help)"
+        )
+        warnings.warn(
+            f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
+            f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
+            f"{st.last_error}. The local run folder {self.local} has everything",
+            stacklevel=2,
+        )
         return False
 
     def __enter__(self) -> Mirror:
@@ -246,8 +271,11 @@ class Mirror(Callback):
             self._status.last_error = f"{type(e).__name__}: {e}"
             self._status.last_error_at = self.clock()
         if first:  # say so at once; the retries go on behind training
-            warnings.warn(f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; training goes on "
-                          "and the copy is retried", stacklevel=2)
+            warnings.warn(
+                f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; training goes on "
+                "and the copy is retried",
+                stacklevel=2,
+            )
 
     def _catch_up_items(self) -> None:
         """What the local run holds that the mirror may lack (its newest checkpoint, best/, the
@@ -267,8 +295,13 @@ class Mirror(Callback):
                     self._pending[key] = item
 
     def _run(self) -> None:
-        self._guarded(lambda: [clean_leftovers(d, self._tag)
-                               for d in (self.mirror, self.mirror / CHECKPOINTS) if d.is_dir()])
+        self._guarded(
+            lambda: [
+                clean_leftovers(d, self._tag)
+                for d in (self.mirror, self.mirror / CHECKPOINTS)
+                if d.is_dir()
+            ]
+        )
         if self._catch_up:
             self._guarded(self._catch_up_items)
         while True:
@@ -280,8 +313,10 @@ class Mirror(Callback):
             with self._cond:
                 while True:
                     if self._pending:  # newest step first, then best/
-                        key = max(self._pending, key=lambda k: (k.startswith(CHECKPOINTS + "/"),
-                                                                self._pending[k][1]))
+                        key = max(
+                            self._pending,
+                            key=lambda k: (k.startswith(CHECKPOINTS + "/"), self._pending[k][1]),
+                        )
                         item = (key, *self._pending.pop(key))
                         break
                     wait_s = self._files_synced_at + self.files_every_s - self.clock()
@@ -294,8 +329,11 @@ class Mirror(Callback):
                 self._busy = item is not None
             try:
                 # run files first: a restored checkpoint is useless without the run's tokenizer.json
-                self._guarded(lambda: self.backoff.run(self._sync_files, self._note_error,
-                                                       permanent=self._permanent))
+                self._guarded(
+                    lambda: self.backoff.run(
+                        self._sync_files, self._note_error, permanent=self._permanent
+                    )
+                )
                 if item is not None and self._dead is None:
                     self._current = item[:2]
                     if self._guarded(lambda: self._sync_checkpoint(*item)):
@@ -321,15 +359,21 @@ class Mirror(Callback):
                     self._status.errors += 1
                     self._status.last_error = f"{type(e).__name__}: {e}"
                     self._status.last_error_at = self.clock()
-                warnings.warn(f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; waiting would "
-                              "not help, so the mirror is off for this run (training goes on; the "
-                              "local run folder has everything, and the next run copies what the "
-                              "mirror lacks once this is fixed)", stacklevel=2)
+                warnings.warn(
+                    f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; waiting would "
+                    "not help, so the mirror is off for this run (training goes on; the "
+                    "local run folder has everything, and the next run copies what the "
+                    "mirror lacks once this is fixed)",
+                    stacklevel=2,
+                )
                 return False
             if e is not self._last_exc:  # a retried one is counted already
                 self._note_error(e)
-            warnings.warn(f"Drive mirror: {type(e).__name__}: {e}; training goes on, "
-                          f"the next checkpoint tries again", stacklevel=2)
+            warnings.warn(
+                f"Drive mirror: {type(e).__name__}: {e}; training goes on, "
+                f"the next checkpoint tries again",
+                stacklevel=2,
+            )
             return False
 
     def _sync_files(self) -> None:
@@ -372,8 +416,11 @@ class Mirror(Callback):
                 return False  # pruned or being replaced locally: the next checkpoint will come
             self._check_root()  # a vanished Drive: nothing is made in its place
             raw = read_bytes_safe(src / MANIFEST)
-            if ((dst / MANIFEST).is_file() and read_bytes_safe(dst / MANIFEST) == raw
-                    and verify_checkpoint(dst, deep=False)[0]):
+            if (
+                (dst / MANIFEST).is_file()
+                and read_bytes_safe(dst / MANIFEST) == raw
+                and verify_checkpoint(dst, deep=False)[0]
+            ):
                 return True  # already there (e.g. the checkpoint a restore came from)
             try:
                 copy_checkpoint(src, dst, self.copy_file, self._tag)
@@ -384,8 +431,9 @@ class Mirror(Callback):
             return True
 
         # a link on the mirror stays one (SyncRefused), like any error waiting cannot cure
-        if not self.backoff.run(attempt, self._note_error, fatal=(SyncRefused,),
-                                permanent=self._permanent):
+        if not self.backoff.run(
+            attempt, self._note_error, fatal=(SyncRefused,), permanent=self._permanent
+        ):
             return
         with self._cond:
             if group == CHECKPOINTS:
@@ -400,6 +448,7 @@ class Mirror(Callback):
 
 # ---- one-off folders (a finetuning run's adapter) ------------------------------------------------
 
+
 def _mirror_copy(what: str, fn, where: Path) -> bool:
     """Run a copy to or from the mirror with a few retries (none for a permanent error); a Drive
     failure warns, it never stops a run."""
@@ -407,8 +456,11 @@ def _mirror_copy(what: str, fn, where: Path) -> bool:
         Backoff(max_attempts=4).run(fn, permanent=lambda e: is_permanent(e, where))
         return True
     except OSError as e:
-        warnings.warn(f"Drive mirror: could not copy {what} ({type(e).__name__}: {e}); the local "
-                      "run folder has it", stacklevel=3)
+        warnings.warn(
+            f"Drive mirror: could not copy {what} ({type(e).__name__}: {e}); the local "
+            "run folder has it",
+            stacklevel=3,
+        )
         return False
 
 
@@ -417,6 +469,7 @@ def mirror_adapter(adapter_dir: Path, mirror: Path, step: int) -> Path | None:
     first."""
     write_manifest(adapter_dir, {"step": int(step), "kind": "adapter"})
     dst = mirror / ADAPTER_DIR
-    copied = _mirror_copy(f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst),
-                          mirror)
+    copied = _mirror_copy(
+        f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst), mirror
+    )
     return dst if copied else None

@@ -8,6 +8,7 @@ starts it writes identity.json and starts the `Mirror`, which copies each checkp
 saved), and when the block ends, however it ends, the mirror finishes its copies (or gives up and
 says what the mirror lacks: a dead Drive never blocks the run; the local run folder has everything).
 """
+
 from __future__ import annotations
 
 import contextlib

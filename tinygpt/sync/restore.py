@@ -2,6 +2,7 @@
 (with best/ and the run files the local folder lacks), each copy verified by `sync.copy`. A corrupt
 or cut-short checkpoint is skipped with a warning; a mirror that holds another run's tokenizer is
 refused before anything is copied."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,13 @@ from tinygpt.sync.copy import (
 )
 
 
-def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None, *,
-                   backoff: Backoff | None = None, copy_file: CopyFile = plain_copy) -> Path | None:
+def restore_latest(
+    local_run_dir: str | Path,
+    mirror_run_dir: str | Path | None,
+    *,
+    backoff: Backoff | None = None,
+    copy_file: CopyFile = plain_copy,
+) -> Path | None:
     """The newest valid checkpoint among local and mirror, copied locally when it is on the mirror
     (with best/ and the run files the local folder lacks or has older). None if there is none.
     Corrupt or truncated ones are skipped with a warning; ties go to the local one."""
@@ -38,8 +44,10 @@ def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None,
         _check_defining_files(local, mirror)
         try:
             # no wait where it cannot help
-            listed = backoff.run(lambda: list_checkpoints(RunDir(mirror).checkpoints),
-                                 permanent=lambda e: is_permanent(e, mirror))
+            listed = backoff.run(
+                lambda: list_checkpoints(RunDir(mirror).checkpoints),
+                permanent=lambda e: is_permanent(e, mirror),
+            )
             candidates += [(s, 0, p) for s, p in listed]
         except OSError as e:
             warnings.warn(
@@ -63,6 +71,7 @@ def restore_latest(local_run_dir: str | Path, mirror_run_dir: str | Path | None,
                 if not ok:
                     raise SyncError(why)
                 copy_checkpoint(p, dst, copy_file, tag)
+
             try:
                 backoff.run(fetch, fatal=(SyncError,))
                 chosen = dst
@@ -118,8 +127,14 @@ def _check_defining_files(local: Path, mirror: Path) -> None:
             )
 
 
-def _restore_run_files(local: Path, mirror: Path, backoff: Backoff, copy_file: CopyFile, tag: str,
-                       mirror_ahead: bool = True) -> None:
+def _restore_run_files(
+    local: Path,
+    mirror: Path,
+    backoff: Backoff,
+    copy_file: CopyFile,
+    tag: str,
+    mirror_ahead: bool = True,
+) -> None:
     """best/ when the mirror's is newer; a run file the local folder lacks, or holds a shorter copy
     of (metrics.jsonl the mirror has more of); when the mirror's checkpoint was newer than every
     local one (`mirror_ahead`), its newer files too. A local file that differs is never overwritten

@@ -6,6 +6,7 @@ A shard folder's manifest.json lists its complete shards in order, each as
 is all there. A copy holds a prefix of those shards and a manifest that
 lists exactly that prefix (written after the files), so it is always usable.
 """
+
 from __future__ import annotations
 
 import json
@@ -87,8 +88,13 @@ def _copy_shards(
     return n - start
 
 
-def sync_shards(local_dir: str | Path, mirror_dir: str | Path, *, backoff: Backoff | None = None,
-                copy_file: CopyFile = plain_copy) -> int:
+def sync_shards(
+    local_dir: str | Path,
+    mirror_dir: str | Path,
+    *,
+    backoff: Backoff | None = None,
+    copy_file: CopyFile = plain_copy,
+) -> int:
     """Copy the complete shards the mirror lacks; the number copied (0 when Drive failed, with a
     warning: the shards are only a cache, and the next call tries again; -1 when waiting would not
     help: the mirror's parent is a file, a read-only file system, ...)."""
@@ -107,15 +113,21 @@ def sync_shards(local_dir: str | Path, mirror_dir: str | Path, *, backoff: Backo
 
     try:
         # a link or a bad name stays so (SyncRefused); so does an error waiting cannot cure
-        return (backoff or Backoff()).run(attempt, fatal=(SyncRefused,),
-                                          permanent=lambda e: is_permanent(e, mirror))
+        return (backoff or Backoff()).run(
+            attempt, fatal=(SyncRefused,), permanent=lambda e: is_permanent(e, mirror)
+        )
     except OSError as e:
         warnings.warn(f"could not copy token shards to {mirror}: {e}", stacklevel=2)
         return -1 if is_permanent(e, mirror) else 0
 
 
-def restore_shards(mirror_dir: str | Path, local_dir: str | Path, *, backoff: Backoff | None = None,
-                   copy_file: CopyFile = plain_copy) -> int:
+def restore_shards(
+    mirror_dir: str | Path,
+    local_dir: str | Path,
+    *,
+    backoff: Backoff | None = None,
+    copy_file: CopyFile = plain_copy,
+) -> int:
     """Bring the mirror's complete shards that this VM lacks (a new VM then tokenizes on from the
     first missing one); the number copied. A shard that fails its check ends the copy there."""
     mirror, local = Path(mirror_dir), Path(local_dir)
@@ -164,8 +176,16 @@ class ShardMirror:
 
     def _run(self) -> None:
         while True:
-            if self._gone() or sync_shards(self.local, self.mirror, backoff=Backoff(max_attempts=3),
-                                           copy_file=self.copy_file) < 0:
+            if (
+                self._gone()
+                or sync_shards(
+                    self.local,
+                    self.mirror,
+                    backoff=Backoff(max_attempts=3),
+                    copy_file=self.copy_file,
+                )
+                < 0
+            ):
                 return  # a permanent error: said once; the shards are only a cache
             there = _shard_manifest(self.mirror)
             if there is not None and there.get("done"):

@@ -3,6 +3,7 @@ its first copy the folder is made, unless it lies under a Drive mount point wher
 mounted (its parents would be made on the VM's own disk), and its device noted; before each copy
 the folder is on that device with this run's identity.json in it, else `MirrorGone`.
 """
+
 from __future__ import annotations
 
 import errno
@@ -47,11 +48,13 @@ def check_root(mirror: Path, local: Path, root: int | None, identity: dict | Non
     try:
         st = os.stat(mirror)
     except FileNotFoundError:
-        raise MirrorGone(mirror, local, "the folder no longer exists: Drive unmounted, or the "
-                                        "folder deleted") from None
+        raise MirrorGone(
+            mirror, local, "the folder no longer exists: Drive unmounted, or the folder deleted"
+        ) from None
     if st.st_dev != root:
-        raise MirrorGone(mirror, local, "it now lies on another file system: Drive unmounted or "
-                                        "remounted")
+        raise MirrorGone(
+            mirror, local, "it now lies on another file system: Drive unmounted or remounted"
+        )
     if identity is not None:
         theirs = read_identity(mirror)
         if theirs is None or theirs["run_id"] != identity["run_id"]:

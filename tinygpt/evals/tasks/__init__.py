@@ -2,6 +2,7 @@
 result prints, in one `TASK`). The import below is the registry: `TASKS` holds the `TASK` of every
 module it names, in its order, and `tinygpt eval --task`, `run_eval`, the model card and the
 notebooks read it. A new task is a module here and one line in that import."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,8 +28,9 @@ TASKS: dict[str, Task] = {
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}{did_you_mean(name, TASKS)}; choose one of "
-                         f"{', '.join(TASKS)}")
+        raise ValueError(
+            f"unknown task {name!r}{did_you_mean(name, TASKS)}; choose one of {', '.join(TASKS)}"
+        )
     return TASKS[name]
 
 

@@ -2,6 +2,7 @@
 of four, scored as lm-evaluation-harness scores it (acc and acc_norm on its
 query text), beside its published figures. The data: the six-line offline
 file (klosax/hellaswag_text_data), rowanz/hellaswag's JSONL, or the Hub."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,10 @@ from typing import Any, Callable, Sequence
 from tinygpt.core.datafiles import DataFormatError, json_object
 from tinygpt.core.files import safe_name, write_text_atomic
 from tinygpt.core.paths import cache_root, hub_spec, is_hub
+from tinygpt.evals.code import DataFile
 from tinygpt.evals.harness import Loaded, Request, Task, context_length, default_data
-from tinygpt.evals.lm import ChoiceItem, as_causal_lm, from_hub, multiple_choice, open_text
+from tinygpt.evals.lm import ChoiceItem, as_causal_lm, multiple_choice
+from tinygpt.evals.texts import from_hub
 
 HELLASWAG_HUB = "hf:Rowan/hellaswag@validation"
 OFFLINE = (
@@ -27,8 +30,10 @@ OFFLINE = (
 # Published zero-shot numbers to put beside a model's own: GPT-2 124M through lm-evaluation-harness
 # on all 10,042 validation items, so on the query text `hellaswag_query` builds (lm-eval's), scored
 # as `multiple_choice` does.
-HELLASWAG_REFERENCE = {"random": {"acc": 0.25, "acc_norm": 0.25},
-                       "gpt2-124m": {"acc": 0.2892, "acc_norm": 0.3114}}
+HELLASWAG_REFERENCE = {
+    "random": {"acc": 0.25, "acc_norm": 0.25},
+    "gpt2-124m": {"acc": 0.2892, "acc_norm": 0.3114},
+}
 HELLASWAG_REFERENCE_SOURCE = "lm-evaluation-harness, zero-shot, all 10,042 validation items"
 
 
@@ -113,7 +118,7 @@ def _six_line_query(line: str) -> str:
     label, sep, ctx = hellaswag_preprocess(line).partition(": ")
     ends = [m.end() for m in _SENTENCE_END.finditer(ctx)]
     if sep and ends and label not in WIKIHOW_LABELS:
-        ctx = ctx[:ends[-1]] + ctx[ends[-1]:].capitalize()
+        ctx = ctx[: ends[-1]] + ctx[ends[-1] :].capitalize()
     return label + sep + ctx
 
 
@@ -131,7 +136,7 @@ def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceIte
     path = Path(path)
     items: list[ChoiceItem] = []
     if _is_jsonl(path):
-        with open_text(path) as f:
+        with DataFile(path) as f:
             for n, line in enumerate(f, 1):
                 if limit is not None and len(items) >= limit:
                     break
@@ -146,9 +151,11 @@ def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceIte
                 )
                 items.append(hellaswag_item(record))
         return items
-    hint = ("expected six lines per item: the context, the gold index (0-3), then the four endings "
-            "(the format of klosax/hellaswag_text_data), or a .jsonl file of HellaSwag records")
-    with open_text(path) as f:
+    hint = (
+        "expected six lines per item: the context, the gold index (0-3), then the four endings "
+        "(the format of klosax/hellaswag_text_data), or a .jsonl file of HellaSwag records"
+    )
+    with DataFile(path) as f:
         lines = (line.rstrip("\n") for line in f)
         # streamed: a small limit reads only what it needs
         while limit is None or len(items) < limit:
@@ -257,7 +264,9 @@ def score(m: Loaded, r: Request) -> dict[str, Any]:
     left, as lm-evaluation-harness cuts one longer than a model's context, rather than reaching
     positions of the table that training never used (only an ending longer than that context does)."""
     lm = dataclasses.replace(as_causal_lm(m.model), trained=context_length(m))
-    return hellaswag(lm, m.tokenizer, hellaswag_path(r.data), r.limit, r.batch_size, r.progress, r.say)
+    return hellaswag(
+        lm, m.tokenizer, hellaswag_path(r.data), r.limit, r.batch_size, r.progress, r.say
+    )
 
 
 def reference_table(res: dict[str, Any]) -> list[str]:

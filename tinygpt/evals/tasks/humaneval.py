@@ -1,6 +1,7 @@
 """HumanEval (Chen et al. 2021): 164 functions to complete from their
 signature and docstring; pass@k of the completions run against each
 problem's tests (in the sandbox), with syntax accuracy and BLEU."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,6 +37,11 @@ def load_humaneval(path: str | Path) -> list[CodeProblem]:
     return out
 
 
-TASK = code_task("humaneval", "HumanEval pass@k (runs generated code)", load_humaneval,
-                 "HumanEval.jsonl[.gz] (github.com/openai/human-eval, data/)", "HumanEval.jsonl.gz",
-                 "humaneval")
+TASK = code_task(
+    "humaneval",
+    "HumanEval pass@k (runs generated code)",
+    load_humaneval,
+    "HumanEval.jsonl[.gz] (github.com/openai/human-eval, data/)",
+    "HumanEval.jsonl.gz",
+    "humaneval",
+)

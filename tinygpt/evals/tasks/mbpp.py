@@ -1,6 +1,7 @@
 """MBPP (Austin et al. 2021): short Python problems stated in words with three asserts; pass@k on
 the test split (task ids 11-510) of the completions run against the asserts (in the sandbox), with
 syntax accuracy and BLEU."""
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,10 @@ MBPP_STOPS = ("\nassert ", "\nprint(", "\nif __name__", "\n```")
 
 def mbpp_prompt(text: str, tests: Sequence[str]) -> str:
     """The MBPP prompt of Austin et al. (2021): the task and its tests."""
-    return (f"You are an expert Python programmer, and here is your task: {text} "
-            f"Your code should pass these tests:\n\n" + "\n".join(tests) + "\n")
+    return (
+        f"You are an expert Python programmer, and here is your task: {text} "
+        f"Your code should pass these tests:\n\n" + "\n".join(tests) + "\n"
+    )
 
 
 def load_mbpp(

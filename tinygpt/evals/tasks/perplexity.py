@@ -1,13 +1,14 @@
 """Perplexity and bits per byte of a text (`lm.perplexity`): by default the run's own validation
 split (text it never trained on), `builtin` the built-in corpus's, else a file or a Hub data set;
 WikiText-2's test set is the standard one."""
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
 from tinygpt.data.sources import validation_text
-from tinygpt.evals import lm
+from tinygpt.evals import lm, texts
 from tinygpt.evals.harness import Loaded, Request, Task
 
 WIKITEXT2_TEST_HUB = "hf:wikitext:wikitext-2-raw-v1@test"
@@ -30,7 +31,7 @@ def score(m: Loaded, r: Request) -> dict[str, Any]:
         )
         text = validation_text(cfg, r.max_chars)
     else:
-        text = lm.load_eval_text(r.data, r.max_chars, OFFLINE)
+        text = texts.load_eval_text(r.data, r.max_chars, OFFLINE)
     trained = m.recipe.train.seq_len if m.recipe is not None else None
     if r.window and trained and r.window > trained and r.say is not None:
         r.say(

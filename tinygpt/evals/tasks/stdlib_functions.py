@@ -9,6 +9,7 @@ their document, with a body of at most `MAX_BODY_CHARS`; one whose text is also 
 training split (a helper defined in two modules) is left out. So a model pretrained on
 `builtin` never saw them. They depend on the Python version, which the result names.
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,8 +44,14 @@ def _functions(doc: str) -> Iterator[CodeProblem]:
         if (m := _DEF.match(line)) is None:
             continue
         indent = len(m.group(1))
-        end = next((j for j in range(start + 1, len(lines))
-                    if lines[j].strip() and len(lines[j]) - len(lines[j].lstrip()) <= indent), None)
+        end = next(
+            (
+                j
+                for j in range(start + 1, len(lines))
+                if lines[j].strip() and len(lines[j]) - len(lines[j].lstrip()) <= indent
+            ),
+            None,
+        )
         if end is None or lines[end].lstrip().startswith("#"):
             # it runs on past the document, or a comment at its level may still be inside it
             continue
@@ -56,7 +63,10 @@ def _functions(doc: str) -> Iterator[CodeProblem]:
         if not isinstance(fn, ast.FunctionDef) or ast.get_docstring(fn) is None or len(fn.body) < 2:
             continue
         head = source.splitlines(keepends=True)
-        prompt, body = "".join(head[:fn.body[0].end_lineno]), "".join(head[fn.body[0].end_lineno:])
+        prompt, body = (
+            "".join(head[: fn.body[0].end_lineno]),
+            "".join(head[fn.body[0].end_lineno :]),
+        )
         if len(body.strip()) <= MAX_BODY_CHARS:
             yield CodeProblem(fn.name, prompt, prompt, "", body.rstrip() + "\n", fn.name)
 
@@ -86,8 +96,11 @@ def held_out_functions(limit: int | None = None) -> list[CodeProblem]:
 
 def body(completion: str) -> str:
     """What of a completion belongs to the function: its lines up to the first one at column 0."""
-    return "".join(itertools.takewhile(lambda line: not line.strip() or line[0] in " \t",
-                                       completion.splitlines(keepends=True)))
+    return "".join(
+        itertools.takewhile(
+            lambda line: not line.strip() or line[0] in " \t", completion.splitlines(keepends=True)
+        )
+    )
 
 
 def ended(completion: str) -> bool:

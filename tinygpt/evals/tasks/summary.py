@@ -1,4 +1,5 @@
 """A run's metrics.jsonl summarised, with a diagnosis (`runs.summarize_run`): no model, no data."""
+
 from __future__ import annotations
 
 from pathlib import Path
