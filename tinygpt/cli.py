@@ -194,7 +194,7 @@ def _finetune(args) -> int:
         if opts.merge:
             print(f"merged model: {merge_adapter(res.adapter_dir)}")
     if not t.interrupted:
-        print(finetune_next_steps(opts.run_dir))
+        print(finetune_next_steps(opts.run_dir, full=res.model_dir is not None))
     if opts.mirror and (behind := mirror_line(opts.mirror, mirror_lag(opts.run_dir, opts.mirror))):
         print(behind)
     return 130 if t.interrupted else 0
