@@ -29,6 +29,7 @@ from tinygpt.core.hardware import HARDWARE
 from tinygpt.core.options import add_options, from_args, option
 from tinygpt.core.recipes import RECIPES, RecipeChoice, parse_overrides
 from tinygpt.core.rundir import FINETUNE_JSON, RunDir
+from tinygpt.core.signals import interrupted_at_start
 from tinygpt.core.units import count
 
 # Each command imports what it runs when it runs (`tinygpt --help` imports none of it: not torch,
@@ -376,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
     args = parser.parse_args([a for a in argv if a != "--debug"])
     args.debug = debug
+    if signal.getsignal(signal.SIGINT) is interrupted_at_start:  # `tinygpt` started: from here on
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C unwinds and cleans up
     # SIGTERM (a notebook's stop button, `kill`, a closing terminal) unwinds like Ctrl-C, so every
     # temporary (an export's .tmp-<out>-<pid>/, a first try's run folder) is removed on the way out;
     # training installs its own handler, which saves a checkpoint first
