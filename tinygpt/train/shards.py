@@ -23,7 +23,7 @@ from tinygpt.core.config import DataConfig
 from tinygpt.core.files import UnsafePathError, inside, refuse_link, write_json_atomic
 from tinygpt.core.rundir import read_json
 from tinygpt.model.tokenizer import Tokenizer
-from tinygpt.train.data import DataError, source_fingerprint
+from tinygpt.train.data import SAID, DataError, source_fingerprint
 from tinygpt.train.shard_writer import (
     SHARD_TOKENS,
     WRITER_DISK_FULL,
@@ -79,6 +79,15 @@ class TokenShards:
         return True
 
 
+def say_once(texts: object) -> None:
+    """The warnings the writer process kept in a manifest (it cannot say them as this process's own
+    one line), each once in this process, however often the manifest is read."""
+    for text in texts if isinstance(texts, list) else ():
+        if isinstance(text, str) and text not in SAID:
+            SAID.add(text)
+            warnings.warn(text, stacklevel=2)
+
+
 class StreamedShards(TokenShards):
     """The shards of a folder that a writer may still be filling. `shard(i)` waits for shard i while
     the writer is alive; `alive` says whether one is (a dead writer with an unfinished manifest is
@@ -96,6 +105,7 @@ class StreamedShards(TokenShards):
         if path.is_file():
             self._manifest = read_json(path)
             self.meta = self._manifest
+            say_once(self._manifest.get("warnings"))
 
     @property
     def complete(self) -> bool:
