@@ -149,34 +149,42 @@ def _messages(instruction: str, input: str) -> list[dict]:
     return [{"role": "user", "content": t} for t in (instruction, input) if t]
 
 
+_GO_FUNCS = {"len": len, "index": lambda s, i: s[i], "not": lambda a: not a, "slice": lambda s, a, b=None: s[a:b],
+             "eq": lambda a, *b: a in b, "and": lambda a, b: a and b, "lt": lambda a, b: a < b,
+             "ge": lambda a, b: a >= b}
+
+
+def _go_call(tokens: list, env: dict, data: dict) -> object:
+    """One Go template pipeline (a function and its arguments, or one value), consumed from `tokens`."""
+    if tokens[0] in _GO_FUNCS:
+        name, args = tokens.pop(0), []
+        while tokens and tokens[0] != ")":
+            args.append(_go_value(tokens, env, data))
+        return _GO_FUNCS[name](*args)
+    return _go_value(tokens, env, data)
+
+
+def _go_value(tokens: list, env: dict, data: dict) -> object:
+    head = tokens.pop(0)
+    if head == "(":
+        v = _go_call(tokens, env, data)
+        assert tokens.pop(0) == ")"
+        return v
+    if head.startswith("$"):
+        return env[head]
+    if head.startswith("."):
+        return data[head[1:]].encode()  # Go's strings are bytes
+    return {"true": True, "false": False}[head] if head in ("true", "false") else int(head)
+
+
 def _go_template(template: str, data: dict) -> str:
     """Go's text/template, the subset Ollama's TEMPLATE uses here: variables (:= and =), if/else, range over an
     integer, and len, index (of a string: a byte), slice, eq (any of), not, and, lt, ge, with Go's truth."""
     parts = re.split(r"{{(.*?)}}", template, flags=re.S)
     env: dict = {}
 
-    def value(tokens: list) -> object:
-        head = tokens.pop(0)
-        if head == "(":
-            v = call(tokens)
-            assert tokens.pop(0) == ")"
-            return v
-        if head.startswith("$"):
-            return env[head]
-        if head.startswith("."):
-            return data[head[1:]].encode()  # Go's strings are bytes
-        return {"true": True, "false": False}.get(head) if head in ("true", "false") else int(head)
-
     def call(tokens: list) -> object:
-        fns = {"len": len, "index": lambda s, i: s[i], "not": lambda a: not a,
-               "slice": lambda s, a, b=None: s[a:b], "eq": lambda a, *b: a in b,
-               "and": lambda a, b: a and b, "lt": lambda a, b: a < b, "ge": lambda a, b: a >= b}
-        if tokens[0] in fns:
-            name, args = tokens.pop(0), []
-            while tokens and tokens[0] != ")":
-                args.append(value(tokens))
-            return fns[name](*args)
-        return value(tokens)
+        return _go_call(tokens, env, data)
 
     def run(i: int, out: list, live: bool) -> tuple[int, str]:
         """Renders parts from i up to an unmatched else or end: (the index after it, which one)."""
