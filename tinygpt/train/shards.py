@@ -81,9 +81,11 @@ class TokenShards:
 
 def say_once(texts: object) -> None:
     """The warnings the writer process kept in a manifest (it cannot say them as this process's own
-    one line), each once in this process, however often the manifest is read."""
-    for text in texts if isinstance(texts, list) else ():
-        if isinstance(text, str) and text not in SAID:
+    one line), each once in this process, however often the manifest is read. A manifest may come
+    from a mirror: a few lines of printable text only."""
+    for text in texts[:8] if isinstance(texts, list) else ():
+        text = "".join(c for c in text[:1000] if c.isprintable()) if isinstance(text, str) else ""
+        if text and text not in SAID:
             SAID.add(text)
             warnings.warn(text, stacklevel=2)
 
