@@ -102,5 +102,5 @@ setup(
     ],
     install_requires=install_requires,
     extras_require=extras,
-    entry_points={"console_scripts": ["tinygpt=tinygpt.cli:main"]},
+    entry_points={"console_scripts": ["tinygpt=tinygpt.__main__:run"]},
 )

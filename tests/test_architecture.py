@@ -44,7 +44,7 @@ def test_ruff_format_owns_the_layout():
 # The command line imports each command's modules inside that command (issue 37: `tinygpt --help`
 # loads no torch, a command only what it runs), and what a command ends with (cli_report.py) the
 # sync modules, which import torch; tests/test_imports.py counts what each one loads.
-IMPORTS_AS_USED = {"tinygpt/cli.py", "tinygpt/cli_report.py"}
+IMPORTS_AS_USED = {"tinygpt/cli.py", "tinygpt/cli_report.py", "tinygpt/__main__.py"}  # __main__: SIGINT first
 
 
 def test_package_imports_stand_at_the_top_of_files():

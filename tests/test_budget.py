@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,23 +99,29 @@ class SlowAfterTheBudget(Callback):
         self.said.append(text)
 
 
-@pytest.mark.slow  # times real steps: a 7-second budgeted run slowed down (short form: the re-fix test above)
-def test_a_budgeted_run_that_slows_down_fixes_fewer_steps_and_still_ends_its_schedule(tmp_path):
+@pytest.mark.slow  # a 7-second budgeted run slowed down (short form: the re-fix test above)
+def test_a_budgeted_run_that_slows_down_trains_the_count_it_fixed_with_its_schedule_whole(tmp_path):
+    """Steps slow down once the budget has fixed the count (another job on the machine). Nothing here depends on
+    how fast the machine is (how far the count falls is refix's arithmetic, checked above on given times): the run
+    trains exactly the count in budget.json, each count it says it fixed again follows the one said before, and
+    the schedule ends whole: the peak rate until the final count's decay began, then down to min_lr at its last
+    step."""
     slow = SlowAfterTheBudget(3.0)
     res = pretrain("cpu-smoke", tmp_path / "run", hours=0.002, device="cpu", progress=False,
                    cache_dir=tmp_path / "c", callbacks=[slow])
     budget = json.loads((tmp_path / "run" / "budget.json").read_text())
     decided, _ = slow.first
-    # each step after the decision took four times the measured time: the count falls
-    assert res.step == budget["max_steps"] < 0.75 * decided
-    assert budget["decided_at_step"] > 9 and budget["decided_at_step"] % 10 == 0  # cpu-smoke saves every 10
-    assert any(f"steps, not {decided}" in m for m in slow.said), slow.said
+    assert res.step == budget["max_steps"]
+    said = [tuple(map(int, m.groups())) for m in (re.search(r"(\d+) steps, not (\d+)", t) for t in slow.said) if m]
+    assert [old for _, old in said] == [decided] + [new for new, _ in said[:-1]], slow.said
     logged = [m for m in res.metrics if "lr" in m]
     assert logged[-1]["step"] == res.step and logged[-1]["lr"] == pytest.approx(3e-4)  # the decay ended
-    # the rate held until the last count's decay began: no count fixed again cut into it
+    # the rate held until the last count's decay began: no count fixed again cut into it; then it only fell
     f = json.loads((tmp_path / "run" / "run.json").read_text())["recipe"]["train"]["decay_fraction"]
-    stable = [m["lr"] for m in logged if 5 < m["step"] <= decay_start(res.step, f)]
-    assert len(stable) > 3 and set(stable) == {3e-3}
+    start = decay_start(res.step, f)
+    assert {m["lr"] for m in logged if 5 < m["step"] <= start} <= {3e-3}
+    decay = [m["lr"] for m in logged if m["step"] > start]
+    assert all(a > b for a, b in zip(decay, decay[1:])), decay
 
 
 def test_expected_final_loss_reads_the_curve_so_far():

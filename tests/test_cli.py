@@ -137,6 +137,24 @@ def test_bad_input_fails_before_any_work(argv, message, tmp_path, capsys):
     assert not run.exists()  # nothing was started
 
 
+@pytest.mark.parametrize("typed,meant", [("--max-step", "--max-steps"), ("--hour", "--hours"), ("--temp", "--temperature")])
+def test_a_flag_is_spelled_out_or_refused_with_the_one_meant(typed, meant, tmp_path, capsys):
+    """argparse would take `--max-step 10` as `--max-steps 10` (an abbreviation): a typo of one flag would silently
+    become another. Every parser refuses it instead, exit 2 before any work, naming the flag meant."""
+    from tinygpt.cli import build_parser
+
+    root = build_parser()
+    assert not root.allow_abbrev and not any(p.allow_abbrev for p in root._subparsers._group_actions[0].choices.values())
+    command = "generate" if meant == "--temperature" else "pretrain"
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main([command, str(run), typed, "10", "--quiet"] + (["--prompt", "x"] if command == "generate" else []))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {typed}" in err and f"(did you mean '{meant}'?)" in err, err
+    assert not run.exists()
+
+
 def test_refusals_leave_an_existing_run_untouched(trained, shared_data, tmp_path, capsys):
     before = _tree_hash(trained)
     # a different configuration in the same folder

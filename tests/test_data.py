@@ -1,10 +1,15 @@
 """Text sources, the token cache and the sampler, on real text."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tinygpt.cli import main
 from tinygpt.core.config import ConfigError, DataConfig
 from tinygpt.data.sampler import WindowSampler, fixed_batches
 from tinygpt.data.shard_writer import token_dtype
@@ -16,6 +21,8 @@ from tinygpt.data.sources import (
     resolve_source,
 )
 from tinygpt.model.tokenizer import train_bpe
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +148,45 @@ def test_same_path_source_resolves_our_spelling_and_only_reads_theirs_as_words(t
     assert not same_path_source(str(text), "link.txt")  # theirs is never looked up: a link it names is not followed
     assert not same_path_source(str(text), str(tmp_path / "other.txt"))
     assert not same_path_source("builtin", "builtin") and not same_path_source(str(text), "hf:user/text.txt")
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda p: p.write_bytes(b""), "is empty"),
+    (lambda p: p.write_bytes(b"\0" * 1000), "holds only NUL bytes"),
+    (lambda p: p.write_bytes(b"text, then a NUL\0" * 100), "is a binary file (it has NUL bytes)"),
+])
+def test_a_source_without_text_says_why_in_one_line_without_a_class_name(make, why, tmp_path, capsys):
+    data = tmp_path / "data.txt"
+    make(data)
+    assert main(["pretrain", str(tmp_path / "run"), "--recipe", "cpu-smoke", "--data", str(data), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"data source {data} {why}" in err, err
+    assert "Error:" not in err and "Warning" not in err and not (tmp_path / "run").exists()
+    # a folder of such files (named as text)
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for name in ("a.txt", "b.py"):
+        make(folder / name)
+    assert main(["pretrain", str(tmp_path / "run"), "--recipe", "cpu-smoke", "--data", str(folder), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    words = "holds only empty files" if why == "is empty" else "holds only binary files (NUL bytes)"
+    assert err.count("\n") == 1 and f"data source {folder} {words}" in err, err
+
+
+def test_a_binary_file_beside_text_is_warned_once_as_tinygpts_line(tmp_path):
+    """The tokenizer's pass over the source and the token cache's writer process both meet the binary file: one
+    warning, tinygpt's line, not a second from the writer as Python's UserWarning with a source line."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"\0\1\2" * 1000)
+    (folder / "b.txt").write_text(("To be, or not to be: that is the question. " * 40 + "\n\n") * 60)
+    for tokenizer in ("train", "gpt2"):  # gpt2: only the writer process reads the source
+        sets = ["--set", "data.tokenizer=gpt2", "model.vocab_size=50304"] if tokenizer == "gpt2" else []
+        out = subprocess.run([sys.executable, "-m", "tinygpt", "pretrain", str(tmp_path / tokenizer), "--recipe",
+                              "cpu-smoke", "--data", str(folder), "--max-steps", "1", "--quiet", "--device", "cpu",
+                              *sets], capture_output=True, text=True, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        warned = [line for line in out.stderr.splitlines() if "binary" in line]
+        assert warned == [f"tinygpt: warning: {folder}: 1 file binary (NUL bytes), skipped"], out.stderr[-3000:]
+        assert "UserWarning" not in out.stderr and "data.py" not in out.stderr

@@ -85,12 +85,12 @@ def test_every_client_reads_the_context_the_model_was_trained_at(run, tmp_path, 
 
 # --- 2. one prompt format ---------------------------------------------------------------------
 
-def _training_prompt(lora_run: Path, instruction: str) -> list[int]:
+def _training_prompt(lora_run: Path, instruction: str, input: str = "") -> list[int]:
     """The ids a finetune's training put before an answer (and `generate --adapter` gives the model)."""
     from tinygpt.finetune.lora import load_finetuned
 
     _, tok = load_finetuned(lora_run)
-    return Codec(tok).encode_examples([[(format_prompt(instruction), False)]])[0][0]
+    return Codec(tok).encode_examples([[(format_prompt(instruction, input), False)]])[0][0]
 
 
 def test_a_finetunes_prompt_format_is_the_same_in_training_transformers_the_gguf_and_ollama(lora_run, run, tmp_path):
@@ -128,7 +128,7 @@ def test_a_finetunes_prompt_format_is_the_same_in_training_transformers_the_gguf
                                            return_dict=True)["input_ids"]) == ids
     # Ollama: the Modelfile's TEMPLATE around the prompt, with the GGUF's BOS added by Ollama
     template = _modelfile_template((gf / "Modelfile").read_text())
-    assert eot + template.replace("{{ .Prompt }}", instruction.strip()) == text
+    assert eot + _go_template(template, {"Prompt": instruction}) == text  # trimmed as training trims it
     # a whole conversation: each answer closed by end-of-text, as training closes it
     chat = [*messages, {"role": "assistant", "content": "return x * x"}, {"role": "user", "content": "And cubes?"}]
     assert hf_tok.apply_chat_template(chat, tokenize=False) == jinja2.Environment().from_string(
@@ -137,6 +137,146 @@ def test_a_finetunes_prompt_format_is_the_same_in_training_transformers_the_gguf
     # the context: the longer of the base's (64) and the finetune's (128)
     assert config["max_position_embeddings"] == tcfg["model_max_length"] == meta["llama.context_length"] == 128
     assert "PARAMETER num_ctx 128\n" in (gf / "Modelfile").read_text()
+
+
+# (instruction, input): Alpaca's two record forms, with newlines, accents, emoji and surrounding spaces
+FORMS = [("  Sum a list.  ", ""), ("Sum a list.", "[1, 2, 3]"),
+         (" Écris une fonction\nqui ajoute 🎉 \t", "  x = 1\ny = 2 \n"), ("Reverse it.\n", "   ")]
+
+
+def _messages(instruction: str, input: str) -> list[dict]:
+    """The chat convention (docs/FINETUNING.md): a record's input is a second user message."""
+    return [{"role": "user", "content": t} for t in (instruction, input) if t]
+
+
+_GO_FUNCS = {"len": len, "index": lambda s, i: s[i], "not": lambda a: not a, "slice": lambda s, a, b=None: s[a:b],
+             "eq": lambda a, *b: a in b, "and": lambda a, b: a and b, "lt": lambda a, b: a < b,
+             "ge": lambda a, b: a >= b}
+
+
+def _go_call(tokens: list, env: dict, data: dict) -> object:
+    """One Go template pipeline (a function and its arguments, or one value), consumed from `tokens`."""
+    if tokens[0] in _GO_FUNCS:
+        name, args = tokens.pop(0), []
+        while tokens and tokens[0] != ")":
+            args.append(_go_value(tokens, env, data))
+        return _GO_FUNCS[name](*args)
+    return _go_value(tokens, env, data)
+
+
+def _go_value(tokens: list, env: dict, data: dict) -> object:
+    head = tokens.pop(0)
+    if head == "(":
+        v = _go_call(tokens, env, data)
+        assert tokens.pop(0) == ")"
+        return v
+    if head.startswith("$"):
+        return env[head]
+    if head.startswith("."):
+        return data[head[1:]].encode()  # Go's strings are bytes
+    return {"true": True, "false": False}[head] if head in ("true", "false") else int(head)
+
+
+def _go_template(template: str, data: dict) -> str:
+    """Go's text/template, the subset Ollama's TEMPLATE uses here: variables (:= and =), if/else, range over an
+    integer, and len, index (of a string: a byte), slice, eq (any of), not, and, lt, ge, with Go's truth."""
+    parts = re.split(r"{{(.*?)}}", template, flags=re.S)
+    env: dict = {}
+
+    def call(tokens: list) -> object:
+        return _go_call(tokens, env, data)
+
+    def run(i: int, out: list, live: bool) -> tuple[int, str]:
+        """Renders parts from i up to an unmatched else or end: (the index after it, which one)."""
+        while i < len(parts):
+            if i % 2 == 0:
+                out.append(parts[i] if live else "")  # text
+                i += 1
+                continue
+            tokens = re.findall(r"\(|\)|[^\s()]+", parts[i])
+            i += 1
+            if tokens[0] in ("end", "else"):
+                return i, tokens[0]
+            if tokens[0] == "if":
+                cond = live and bool(call(tokens[1:]))
+                i, closed = run(i, out, cond)
+                if closed == "else":
+                    i, _ = run(i, out, live and not cond)
+            elif tokens[0] == "range":
+                assert tokens[1:3] == ["$i", ":="]
+                n, start = (call(tokens[3:]) if live else 0), i
+                i, _ = run(start, out, False)  # to its end
+                for k in range(n):
+                    env["$i"] = k
+                    run(start, out, True)
+            elif len(tokens) > 1 and tokens[1] in (":=", "="):
+                if live:
+                    env[tokens[0]] = call(tokens[2:])
+            elif live:
+                out.append(call(tokens).decode())
+        return i, ""
+
+    out: list = []
+    run(0, out, True)
+    return "".join(out)
+
+
+def test_both_alpaca_record_forms_are_the_same_in_training_transformers_llama_cpp_and_ollama(lora_run, tmp_path):
+    """Half of code_alpaca's records have an input and train with the "### Input:" form: the exported chat template
+    (a second user message is the input) and the Modelfile (where Ollama joins the two with a blank line) render both
+    forms as training does, each part trimmed."""
+    import jinja2.sandbox
+    from transformers import AutoTokenizer
+
+    from tinygpt.finetune.lora import load_finetuned
+    from tinygpt.finetune.records import record_segments
+
+    _, tok = load_finetuned(lora_run)
+    eot = tok.eos_token
+    hf = AutoTokenizer.from_pretrained(export(lora_run, tmp_path / "hf"))
+    gf = export(lora_run, tmp_path / "gguf", "gguf", "f32")
+    meta, _ = gg.read_gguf(gf / "model-F32.gguf")
+    ollama = _modelfile_template((gf / "Modelfile").read_text(encoding="utf-8"))
+    # llama-cpp-python's environment for a GGUF's chat template
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    segments, _, _ = record_segments([{"instruction": i, "input": x, "output": "o"} for i, x in FORMS])
+    for (instruction, input), segs in zip(FORMS, segments):
+        ids = Codec(tok).encode_examples([segs[:1]])[0][0]  # training's prompt, as it trained
+        text = tok.decode(ids)
+        assert ("### Input:" in text) == bool(input.strip())
+        messages = _messages(instruction, input)
+        assert list(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]) == ids, (instruction, input)
+        rendered = env.from_string(meta["tokenizer.chat_template"]).render(
+            messages=messages, bos_token=eot, eos_token=eot, add_generation_prompt=True)
+        assert rendered == text
+        # Ollama: consecutive user messages joined by a blank line, the GGUF's BOS added before the template's text
+        prompt = "\n\n".join(m["content"] for m in messages)
+        assert [tok.eos_token_id] + hf(_go_template(ollama, {"Prompt": prompt}), add_special_tokens=False)[
+            "input_ids"] == ids, (instruction, input)
+    # a conversation: an answer ends its turn; the next instruction starts a prompt of its own
+    chat = [*_messages(*FORMS[1]), {"role": "assistant", "content": "return sum(x)"}, {"role": "user", "content": "x"}]
+    assert hf.apply_chat_template(chat, tokenize=False) == (
+        eot + format_prompt(*FORMS[1]) + "return sum(x)" + eot + format_prompt("x"))
+
+
+def test_llama_cpp_renders_both_alpaca_record_forms_as_training_did(lora_run, tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from tinygpt.finetune.lora import load_finetuned
+
+    _, tok = load_finetuned(lora_run)
+    path = next(export(lora_run, tmp_path / "g", "gguf", "f32").glob("*.gguf"))
+    llm = _llama(path, 128)
+    formatter = Jinja2ChatFormatter(llm.metadata["tokenizer.chat_template"], eos_token=tok.eos_token,
+                                    bos_token=tok.eos_token)
+    for instruction, input in FORMS:
+        ids = _training_prompt(lora_run, instruction, input)
+        got = formatter(messages=_messages(instruction, input))
+        # as its chat handler tokenizes the prompt: the template put the BOS in (added_special)
+        added = getattr(got, "added_special", True)
+        assert llm.tokenize(got.prompt.encode(), add_bos=not added, special=True) == ids, (instruction, input)
 
 
 def test_a_pretrained_export_adds_no_token_before_a_prompt(run, tmp_path):

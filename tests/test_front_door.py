@@ -16,12 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_readmes_cpu_install_names_pytorchs_cpu_index():
     """From the public index, `pip install torch==X` fetches the CUDA build (527 MB and nvidia-* packages): the
-    README's CPU advice must name PyTorch's CPU index."""
+    README's CPU advice must name PyTorch's CPU index, before command 1."""
     readme = (ROOT / "README.md").read_text()
     installs = re.findall(r"pip install torch[^`\n]*", readme)
     assert installs, "the README no longer says how to install torch on a CPU machine"
     for line in installs:
         assert "--index-url https://download.pytorch.org/whl/cpu" in line, line
+    # and it stands before command 1, which a user runs as soon as they read it
+    assert readme.index(installs[0]) < readme.index('pip install -e ".[dev]" && tinygpt pretrain')
 
 
 def test_the_main_commands_print_no_none_and_no_broken_joins(tmp_path, capsys):

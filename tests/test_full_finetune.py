@@ -167,3 +167,15 @@ def test_kill_9_and_resume_gives_the_same_model_bit_for_bit(base, shared_data, t
     log = lambda d: [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}  # noqa: E731
                      for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert log(tmp_path / "broken") == log(tmp_path / "whole")
+
+
+def test_a_full_finetunes_closing_lines_export_a_finetuned_model_not_a_merge(base, shared_data, tmp_path, capsys):
+    from tinygpt.cli import main
+
+    run = tmp_path / "ft"
+    assert main(["finetune", str(run), "--recipe", "full", "--base", str(base), "--data",
+                 str(shared_data / "code_alpaca_2k.json"), "--max-steps", "1", "--hardware", "cpu", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"model (transformers format): {run / 'model'}" in out
+    assert f"tinygpt export {run} hf-model/" in out and "# the finetuned model, as a Hugging Face folder" in out
+    assert "adapter" not in out  # a full finetune has none to merge

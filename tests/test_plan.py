@@ -100,8 +100,25 @@ def test_the_plan_note_says_a_choice_under_one_token_per_parameter_as_it_is():
     not 0 (the table's figure), and names the law."""
     from tinygpt.fit.report import plan_note
     c = plan_mod.Candidate("d4", 4_262_656, 1_282.0, True, 2.08e6, 2.0, 3.474, chosen=True)
-    note = plan_note(plan_mod.SizePlan(0.5, "d4", {"source": "fitted on 10 tinygpt runs"}, [c], 1.0))
+    d2 = plan_mod.Candidate("d2", 901_760, 4_100.0, True, 6.6e6, 6.0, 3.61)
+    note = plan_note(plan_mod.SizePlan(0.5, "d4", {"source": "fitted on 10 tinygpt runs"}, [d2, c], 1.0))
     assert "0.5 tokens per parameter" in note and "(3.474; law: fitted on 10 tinygpt runs)" in note, note
+    assert "~" not in note  # every row was timed
+
+
+def test_a_budget_below_the_plans_range_says_so_in_one_line_with_what_it_measured(capsys):
+    """0.05 h on 2 CPU cores: every size above the smallest would train fewer than MIN_STEPS steps, so the plan
+    is one row of a fraction of a token per parameter. The note says the budget is below the plan's range and
+    shows the measured figures, with no "~" that no row carries; the table shows the fraction, not 0.0."""
+    from tinygpt.fit.report import plan_note
+    c = plan_mod.Candidate("d2", 901_888, 75.0, True, 12_150.0, 0.01, 6.41, chosen=True)
+    plan = plan_mod.SizePlan(0.05, "d2", {"source": "fitted on 10 tinygpt runs", "min_tokens_per_param": 0.0},
+                             [c], 1.0)
+    note = plan_note(plan)
+    assert "\n" not in note and "0.05 h is below the range the plan chooses in" in note, note
+    assert f"fewer than {plan_mod.MIN_STEPS} steps" in note and "75 tokens/s" in note, note
+    assert "0.013 tokens per parameter" in note and "~" not in note, note
+    assert plan_table(plan)[1][4] == "0.013"
 
 
 def test_a_run_whose_budget_buys_far_fewer_tokens_than_its_plan_is_told_so():

@@ -26,9 +26,10 @@ from tinygpt.cli_report import (
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError
 from tinygpt.core.gpu_classes import HARDWARE
-from tinygpt.core.options import add_options, from_args, option
+from tinygpt.core.options import add_options, did_you_mean, from_args, option
 from tinygpt.core.recipes import RECIPES, RecipeChoice, parse_overrides
 from tinygpt.core.rundir import FINETUNE_JSON, RunDir
+from tinygpt.core.signals import interrupted_at_start
 from tinygpt.core.units import count
 
 # Each command imports what it runs when it runs (`tinygpt --help` imports none of it: not torch,
@@ -194,7 +195,7 @@ def _finetune(args) -> int:
         if opts.merge:
             print(f"merged model: {merge_adapter(res.adapter_dir)}")
     if not t.interrupted:
-        print(finetune_next_steps(opts.run_dir))
+        print(finetune_next_steps(opts.run_dir, full=res.model_dir is not None))
     if opts.mirror and (behind := mirror_line(opts.mirror, mirror_lag(opts.run_dir, opts.mirror))):
         print(behind)
     return 130 if t.interrupted else 0
@@ -357,13 +358,15 @@ COMMANDS = {
 def build_parser(commands: set[str] | None = None) -> argparse.ArgumentParser:
     """The command line, with the options of `commands` only (of all commands without it, whose
     modules it then imports)."""
-    p = argparse.ArgumentParser(prog="tinygpt", description=__doc__.split("\n\n")[0])
+    # allow_abbrev=False: a flag is spelled out or refused (`--max-step` is no `--max-steps`)
+    p = argparse.ArgumentParser(prog="tinygpt", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument(
         "--debug", action="store_true", help="on an error, show the full traceback, not one line"
     )
     sub = p.add_subparsers(dest="command", required=True)
     for name, (func, help_line, groups) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_line, description=help_line)
+        command = sub.add_parser(name, help=help_line, description=help_line, allow_abbrev=False)
         for options, title in groups if commands is None or name in commands else ():
             add_options(command, options, title)
         command.set_defaults(func=func)
@@ -374,8 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser({a for a in argv if not a.startswith("-")})  # the command's options only
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
-    args = parser.parse_args([a for a in argv if a != "--debug"])
+    args, unknown = parser.parse_known_args([a for a in argv if a != "--debug"])
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     args.debug = debug
+    if signal.getsignal(signal.SIGINT) is interrupted_at_start:  # `tinygpt` started: from here on
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C unwinds and cleans up
     # SIGTERM (a notebook's stop button, `kill`, a closing terminal) unwinds like Ctrl-C, so every
     # temporary (an export's .tmp-<out>-<pid>/, a first try's run folder) is removed on the way out;
     # training installs its own handler, which saves a checkpoint first
@@ -398,6 +405,17 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = old_show
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """argparse's error for words the command does not take (exit 2), naming the flag closest to the
+    first unknown one."""
+    sub = parser._subparsers._group_actions[0].choices[command]
+    word = next((a for a in unknown if a.startswith("--")), "").split("=")[0]
+    flags = [f for f in sub._option_string_actions if f.startswith("--")]
+    # an abbreviation (`--temp`) names the flags it begins, before any merely similar one
+    hint = did_you_mean(word, [f for f in flags if f.startswith(word)] or flags) if word else ""
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:

@@ -97,14 +97,15 @@ def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:
     )
 
 
-def finetune_next_steps(run_dir: str | Path) -> str:
-    """What to run after a finished finetuning run: ask it, evaluate it, export it (merged)."""
+def finetune_next_steps(run_dir: str | Path, full: bool = False) -> str:
+    """What to run after a finished finetuning run: ask it, evaluate it, export it (a LoRA's
+    adapter merged into its base; a full finetune is a whole model already)."""
     d = shlex.quote(str(run_dir))
+    what = "the finetuned model" if full else "base + adapter merged"
     return (
         "next:\n"
         f'  tinygpt generate {d} --prompt "Write a function that reverses a string."   # its '
         "answer\n"
         f"  tinygpt eval {d} --task stdlib-functions   # writes functions from their docstrings\n"
-        f"  tinygpt export {d} hf-model/               # base + adapter merged, as a Hugging Face "
-        "folder"
+        f"  tinygpt export {d} hf-model/               # {what}, as a Hugging Face folder"
     )

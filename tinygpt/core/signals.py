@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from typing import Iterator
+
+
+def interrupted_at_start(signum, frame) -> None:
+    """SIGINT while the `tinygpt` command starts (`tinygpt.__main__`), before it has made anything:
+    one line and exit 130, with no traceback from whatever import it came in."""
+    os.write(2, b"interrupted\n")
+    os._exit(130)
 
 
 @contextlib.contextmanager

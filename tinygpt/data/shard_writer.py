@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -105,11 +106,12 @@ def new_manifest(cfg: DataConfig, tokenizer: Tokenizer, shard_tokens: int) -> di
 
 def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path,
                  shard_tokens: int = SHARD_TOKENS, should_stop: Callable[[], bool] = lambda: False,
-                 max_shards: int | None = None) -> dict:
+                 max_shards: int | None = None, warnings_to_manifest: bool = False) -> dict:
     """Tokenize the source into `folder`, going on from the shards already there; returns the
     manifest. Stops early (the manifest not done) when `should_stop()` or once there are
     `max_shards`. One writer per folder at a time (a file lock: a second one waits for the
-    first)."""
+    first). warnings_to_manifest: the source's warnings go into the manifest's "warnings" (the
+    writer process's parent says them, once, as its own), not to this process's stderr."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with writer_lock(folder):
@@ -119,14 +121,27 @@ def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path,
         if manifest.get("done"):
             return manifest
         try:
-            _tokenize_on(cfg, tokenizer, folder, manifest,
-                         lambda: should_stop() or (max_shards is not None
-                                                   and len(manifest["shards"]) >= max_shards))
-        except Exception as e:
-            manifest["error"] = f"tokenizing {cfg.source} failed: {type(e).__name__}: {e}"
+            with (_warnings_into(manifest) if warnings_to_manifest else contextlib.nullcontext()):
+                _tokenize_on(cfg, tokenizer, folder, manifest,
+                             lambda: should_stop() or (max_shards is not None
+                                                       and len(manifest["shards"]) >= max_shards))
+        except Exception as e:  # a DataError says what is wrong itself; others, where
+            manifest["error"] = (str(e) if isinstance(e, DataError)
+                                 else f"tokenizing {cfg.source} failed: {e}")
             write_json_atomic(folder / MANIFEST, manifest)
             raise
     return manifest
+
+
+@contextlib.contextmanager
+def _warnings_into(manifest: dict) -> Iterator[None]:
+    """Each warning given inside the block, once, in manifest["warnings"] (written with it)."""
+    said = manifest.setdefault("warnings", [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *_, **__: (
+            None if str(message) in said else said.append(str(message)))
+        yield
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str],
@@ -242,7 +257,7 @@ def _writer_main() -> None:
                      else Tokenizer.from_json(req["tokenizer"]))
         write_shards(DataConfig.from_dict(req["data"]), tokenizer, req["folder"],
                      req["shard_tokens"], should_stop=lambda: os.getppid() != parent,
-                     max_shards=req["max_shards"])
+                     max_shards=req["max_shards"], warnings_to_manifest=True)
     except KeyboardInterrupt:
         sys.exit(0)
     except OSError as e:  # a full disk may not even let the manifest say so: the exit status does

@@ -29,7 +29,7 @@ from tinygpt.data.shard_writer import (
     write_shards,
     writer_lock,
 )
-from tinygpt.data.sources import DataError, source_fingerprint
+from tinygpt.data.sources import SAID, DataError, source_fingerprint
 from tinygpt.model.tokenizer import Tokenizer
 
 # in the cache's folder name; 3: shards (2: one file, latin-1 fallback and long lines cut)
@@ -78,6 +78,17 @@ class TokenShards:
         return True
 
 
+def say_once(texts: object) -> None:
+    """The warnings the writer process kept in a manifest (it cannot say them as this process's own
+    one line), each once in this process, however often the manifest is read. A manifest may come
+    from a mirror: a few lines of printable text only."""
+    for text in texts[:8] if isinstance(texts, list) else ():
+        text = "".join(c for c in text[:1000] if c.isprintable()) if isinstance(text, str) else ""
+        if text and text not in SAID:
+            SAID.add(text)
+            warnings.warn(text, stacklevel=2)
+
+
 class StreamedShards(TokenShards):
     """The shards of a folder that a writer may still be filling. `shard(i)` waits for shard i while
     the writer is alive; `alive` says whether one is (a dead writer with an unfinished manifest is
@@ -95,6 +106,7 @@ class StreamedShards(TokenShards):
         if path.is_file():
             self._manifest = read_json(path)
             self.meta = self._manifest
+            say_once(self._manifest.get("warnings"))
 
     @property
     def complete(self) -> bool:

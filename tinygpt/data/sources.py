@@ -24,6 +24,8 @@ from tinygpt.data.token_files import DataError, detect_token_folder  # noqa: F40
 
 _SKIP_WORDS = {"latin-1": "not UTF-8, read as latin-1", "binary": "binary (NUL bytes), skipped",
                "unreadable": "unreadable, skipped"}
+# the source warnings this process gave; shards.say_once gives none of them again
+SAID: set[str] = set()
 TEXT_SUFFIXES = {
     ".txt",
     ".md",
@@ -322,6 +324,7 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
     """The documents of a source, in a fixed order, up to cfg.max_chars characters in total."""
     kind, arg = resolve_source(cfg.source)
     budget = cfg.max_chars if cfg.max_chars is not None else float("inf")
+    skipped: dict[str, int] = {}  # local files: what was skipped or read as latin-1
 
     def raw() -> Iterator[str]:
         if kind == "builtin":  # our own corpus: the stdlib's UTF-8 sources, as they are
@@ -333,22 +336,12 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
                     continue
                 yield from _chunks(text)
         elif kind == "local":
-            skipped: dict[str, int] = {}
             for f in _local_files(arg):  # type: ignore[arg-type]
                 # streamed: a file is read a piece at a time, as far as the
                 # budget left needs (and the look-ahead `_cut` takes past
                 # it, so the documents are cut as from the whole file)
                 yield from _chunks_streamed(
                     stream_text_file(f, skipped, budget + 4 * CHUNK_CHARS + 1)
-                )
-            if skipped:
-                warnings.warn(
-                    f"{cfg.source}: "
-                    + ", ".join(
-                        f"{n} {'file' if n == 1 else 'files'} {_SKIP_WORDS[k]}"
-                        for k, n in sorted(skipped.items())
-                    ),
-                    stacklevel=2,
                 )
         elif kind == "tokens":
             raise DataError(
@@ -359,6 +352,7 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
         else:
             yield from _hf_texts(*arg, text_field=cfg.text_field)  # type: ignore[misc]
 
+    given = False
     for text in raw():
         if budget <= 0:
             return
@@ -366,7 +360,34 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
             text = text[: int(budget)]
         budget -= len(text)
         if text:
+            given = True
             yield text
+    if not given and cfg.max_chars != 0:  # read to its end and nothing in it: say why
+        why = _no_text(arg, skipped) if kind == "local" else "holds no text"
+        raise DataError(f"data source {cfg.source} {why}; give text to train on")
+    if skipped:  # read to its end: one warning for every file skipped
+        said = f"{cfg.source}: " + ", ".join(
+            f"{n} {'file' if n == 1 else 'files'} {_SKIP_WORDS[k]}" for k, n in sorted(skipped.items()))
+        SAID.add(said)
+        warnings.warn(said, stacklevel=2)
+
+
+def _no_text(path: Path, skipped: dict[str, int]) -> str:
+    """Why a local source that was read to its end gave no text, as words after its name."""
+    if path.is_file():
+        if skipped.get("binary"):
+            size = path.stat().st_size
+            # outside run folders: the file the user named, at most 1 MB of it
+            only_nul = size <= 1 << 20 and not path.read_bytes().strip(b"\0")
+            return "holds only NUL bytes" if only_nul else "is a binary file (it has NUL bytes)"
+        if skipped.get("unreadable"):
+            return "could not be read"
+        return "is empty" if path.stat().st_size == 0 else "holds no text"
+    if skipped.get("binary") and not skipped.get("unreadable"):
+        return "holds only binary files (NUL bytes)"
+    if skipped.get("binary") or skipped.get("unreadable"):
+        return "holds only binary or unreadable files"
+    return "holds only empty files"
 
 
 def _hf_texts(name: str, config: str | None, split: str, text_field: str) -> Iterator[str]:

@@ -18,7 +18,7 @@ from tinygpt.core.recipes import get_recipe
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.fit.hardware import HardwareReport, hardware_report, mfu
 from tinygpt.fit.memory import CUDA_CONTEXT_GB, estimate_memory
-from tinygpt.fit.plan import MAX_EPOCHS, SizePlan, choose_size
+from tinygpt.fit.plan import MAX_EPOCHS, MIN_STEPS, SizePlan, choose_size
 from tinygpt.fit.probe import (
     SPEED_STEPS,
     ProbeError,
@@ -178,7 +178,7 @@ def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:
     rows = [("size", "params", "tokens/s", "tokens", "tokens/param", "epochs", "pred. loss", "")]
     for c in plan.candidates:
         rows.append((c.size, count(c.params), f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
-                     count(c.tokens), f"{c.tokens_per_param:.1f}",
+                     count(c.tokens), _per_param(c.tokens_per_param),
                      "-" if c.epochs is None else f"{c.epochs:.1f}", f"{c.predicted_loss:.3f}",
                      "<- chosen" if c.chosen else ""))
     return rows
@@ -194,12 +194,22 @@ def plan_note(plan: SizePlan) -> str:
             "(the law's own runs' fewest), where the law does not hold; give more text, or finetune a "
             "pretrained model (tinygpt finetune)"
         )
-    return (
-        f"size auto: {c.size} ({count(c.params)} non-embedding parameters, {count(c.tokens)} "
-        f"tokens in {plan.hours:g} h, {c.tokens_per_param:.1f} tokens per parameter), the lowest "
-        f"predicted loss ({c.predicted_loss:.3f}; law: {plan.law['source']}); ~ marks a speed "
-        "scaled by FLOPs from a timed size"
-    )
+    measured = (f"{count(c.params)} non-embedding parameters, {c.tokens_per_s:,.0f} tokens/s"
+                f"{'' if c.timed else ' ~'}, {count(c.tokens)} tokens in {plan.hours:g} h, "
+                f"{_per_param(c.tokens_per_param)} tokens per parameter")
+    scaled = ("; ~ marks a speed scaled by FLOPs from a timed size"
+              if any(not x.timed for x in plan.candidates) else "")
+    if len(plan.candidates) == 1:  # no larger rung left: each would train fewer than MIN_STEPS steps
+        return (f"size auto: {c.size}, the smallest size and the only one left: {plan.hours:g} h is "
+                f"below the range the plan chooses in (every larger size would train fewer than "
+                f"{MIN_STEPS} steps, or does not fit); measured: {measured}{scaled}")
+    return (f"size auto: {c.size} ({measured}), the lowest predicted loss "
+            f"({c.predicted_loss:.3f}; law: {plan.law['source']}){scaled}")
+
+
+def _per_param(x: float) -> str:
+    """Tokens per parameter as a figure that is never 0.0 for a short budget's fraction."""
+    return f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
 
 
 # a run whose time budget buys fewer than this share of the tokens its plan counted on is told so:

@@ -33,6 +33,11 @@ AMX_NOTE = ("q8_0 on a CPU with AMX (Intel Xeon 4th generation and later): llama
             "--no-repack, or export f16")
 
 
+INPUT_NOTE = ("An instruction with an input (Alpaca's `### Input:` form) is two user messages in "
+              "chat: the instruction, then the input. Ollama joins them with a blank line, so there "
+              "the first blank line of a prompt ends the instruction.")
+
+
 def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
     """The evaluations `run_eval` recorded in the run folder (evals.jsonl), oldest first; [] when
     none."""
@@ -228,7 +233,7 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None,
                   "Prompts use the instruction format it was trained on:", "",
                   "```",
                   TEMPLATES[f["template"]][1].format(instruction="<your instruction>") + "<answer>",
-                  "```", ""]
+                  "```", "", INPUT_NOTE, ""]
     if f["kind"] != "pretrain" and f["context"]:
         lines += [f"Context: {_context_words(f, None)}.", ""]
     rows = [("recipe", card_text(f["recipe"])), ("data", card_text(f["data"])),

@@ -117,10 +117,41 @@ def load_for_export(run_dir: Path, which: str):
 
 # --- prompt formats ---------------------------------------------------------------------------
 
+# ASCII whitespace as Python's str.strip() (so format_prompt) sees it, as byte values
+_GO_SPACE = "9 10 11 12 13 28 29 30 31 32"
+
+
+def _go_trim(src: str, dst: str, n: str) -> str:
+    """Go template actions that set $dst to $src without leading and trailing ASCII whitespace:
+    Ollama's templates have no trim function, so a loop over the bytes (range over an integer:
+    Ollama 0.5.13 or later) finds the first and the end of the last non-space byte."""
+    s, e, c = f"$s{n}", f"$e{n}", f"$c{n}"
+    return (f"{{{{{s} := -1}}}}{{{{{e} := 0}}}}{{{{{c} := false}}}}{{{{range $i := len {src}}}}}"
+            f"{{{{if {c}}}}}{{{{{e} = $i}}}}{{{{end}}}}"
+            f"{{{{{c} = not (eq (index {src} $i) {_GO_SPACE})}}}}"
+            f"{{{{if and {c} (lt {s} 0)}}}}{{{{{s} = $i}}}}{{{{end}}}}{{{{end}}}}"
+            f"{{{{if {c}}}}}{{{{{e} = len {src}}}}}{{{{end}}}}"
+            f"{{{{{dst} := slice {src} 0 0}}}}{{{{if ge {s} 0}}}}{{{{{dst} = slice {src} {s} {e}}}}}"
+            "{{end}}")
+
+
 def ollama_template(template: str) -> str:
-    """A finetuned run's instruction prompt (no input) as an Ollama Go template. The token training
-    put before the prompt is not in it: Ollama adds it, as the GGUF's add_bos_token says."""
-    return TEMPLATES[template][1].replace("{instruction}", "{{ .Prompt }}")
+    """A finetuned run's instruction prompt as an Ollama Go template, both record forms. Ollama
+    joins consecutive user messages with a blank line before its template sees them, so the first
+    blank line of the prompt separates the instruction from the input (the chat convention: the
+    input is a second user message); each is trimmed as `format_prompt` trims it, and an input
+    that is empty after trimming gives the form without one. The token training put before the
+    prompt is not in it: Ollama adds it, as the GGUF's add_bos_token says."""
+    with_input, without = TEMPLATES[template]
+    # $a: the prompt up to its first blank line, $b: from there on (the whole prompt and "")
+    split = ("{{$p := .Prompt}}{{$a := $p}}{{$b := slice $p 0 0}}{{$nl := -1}}{{$cut := false}}"
+             "{{range $i := len $p}}{{if not $cut}}{{if eq (index $p $i) 10}}"
+             "{{if ge $nl 0}}{{$cut = true}}{{$a = slice $p 0 $nl}}{{$b = slice $p $i}}"
+             "{{else}}{{$nl = $i}}{{end}}{{else}}{{$nl = -1}}{{end}}{{end}}{{end}}")
+    fill = {"instruction": "{{$inst}}", "input": "{{$input}}"}
+    return (split + _go_trim("$a", "$inst", "1") + _go_trim("$b", "$input", "2")
+            + "{{if $input}}" + with_input.format(**fill) + "{{else}}"
+            + without.format(instruction=fill["instruction"]) + "{{end}}")
 
 
 def jinja_template(template: str, eot: str, bos: bool = False) -> str:
@@ -128,10 +159,17 @@ def jinja_template(template: str, eot: str, bos: bool = False) -> str:
     `--jinja` chat mode): `bos_token` first when training put one before the prompt (`bos`;
     llama.cpp drops it from the text when it adds the token itself), each user turn in the
     instruction format with its content as `format_prompt` puts it (trimmed), each answer followed
-    by end-of-text, as the run was trained."""
-    pre, post = TEMPLATES[template][1].split("{instruction}")
+    by end-of-text, as the run was trained. A user message right after another one is the first
+    one's input (Alpaca's "### Input:" form; an input empty after trimming gives the form without
+    one)."""
+    with_input, without = TEMPLATES[template]
+    fill = {"instruction": "{{ message['content'] | trim }}", "input": "{{ inp }}"}
     return (("{{ bos_token }}" if bos else "")
-            + "{% for message in messages %}{% if message['role'] == 'user' %}" + pre
-            + "{{ message['content'] | trim }}"
-            + post + "{% elif message['role'] == 'assistant' %}{{ message['content'] }}" + eot
+            + "{% for message in messages %}{% if message['role'] == 'user' %}"
+            + "{% if loop.first or messages[loop.index0 - 1]['role'] != 'user' %}"
+            + "{% set inp = '' %}{% if not loop.last and messages[loop.index0 + 1]['role'] == "
+            + "'user' %}{% set inp = messages[loop.index0 + 1]['content'] | trim %}{% endif %}"
+            + "{% if inp %}" + with_input.format(**fill) + "{% else %}"
+            + without.format(instruction=fill["instruction"]) + "{% endif %}{% endif %}"
+            + "{% elif message['role'] == 'assistant' %}{{ message['content'] }}" + eot
             + "{% endif %}{% endfor %}")
