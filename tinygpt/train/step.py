@@ -20,7 +20,7 @@ import torch
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
 from tinygpt.model.gpt import GPT
-from tinygpt.model.losses import IGNORE_INDEX
+from tinygpt.model.losses import IGNORE_INDEX, resolve_loss
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import decay_start
 from tinygpt.train.distributed import Ranks
@@ -115,10 +115,14 @@ class TrainStep:
         self.device = resolve_device(cfg.device)
         self.precision = choose_precision(self.device, cfg.precision)
         self.model = model.to(self.device)
-        self.loss_fn = io.loss_fn or functools.partial(default_loss, loss=cfg.loss)
         # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
         self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
             cfg.micro_batch_size, cfg.grad_accum_steps, ranks.world_size)
+        # on a GPU, "auto" is the full logits where they fit this micro-batch in the free memory
+        self.loss_mode = resolve_loss(cfg.loss, self.micro_batch_size * cfg.seq_len,
+                                      getattr(getattr(model, "config", None), "vocab_size", 0),
+                                      self.device)
+        self.loss_fn = io.loss_fn or functools.partial(default_loss, loss=self.loss_mode)
         self.step = 0
         self.max_steps: int | None = cfg.max_steps  # None while a time budget has not decided it
         if self.device.type == "cuda":
