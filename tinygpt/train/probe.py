@@ -85,13 +85,14 @@ class RandomBatches:
 
 
 def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: int = SPEED_STEPS,
-                  warmup: int = SPEED_WARMUP) -> float:
+                  warmup: int = SPEED_WARMUP, compiled: bool = False) -> float:
     """Tokens/s of the trainer's own optimizer step for this recipe (its micro-batch, accumulation,
     precision, loss, optimizer), run eagerly: nothing is compiled (a compile per timing cost more
-    than the timings, and its graphs were thrown away). The median of `steps` after `warmup`.
-    Nothing is written: the trainer is built and stepped, never fitted."""
+    than the timings, and its graphs were thrown away); `compiled`: as the recipe compiles (the
+    benchmarks). The median of `steps` after `warmup`. Nothing is written: the trainer is built and
+    stepped, never fitted."""
     dev = resolve_device(str(device))
-    t = dataclasses.replace(recipe.train, device=str(dev), compile="off")
+    t = dataclasses.replace(recipe.train, device=str(dev), **({} if compiled else {"compile": "off"}))
     times = []
     try:
         # the caller's RNG stays as it was
