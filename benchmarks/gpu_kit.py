@@ -19,7 +19,8 @@ Steps, in order (each a row of results.md; docs/BENCHMARKS.md section 5 says wha
                AdamW, torch.compile): tokens/s, MFU and peak memory over one timed window after warm-up
                (benchmarks/gpu_pretrain.py's step and timing)
   speed_steps  tinygpt with each speed step changed in turn (unfused AdamW, the other loss, fused projections
-               on, regional compile, compile off: rows sharing the baseline's graph first): what each is worth
+               on, the whole model compiled as one graph instead of by regions, compile off: rows sharing the
+               baseline's graphs first): what each is worth
   finetune     LoRA r16 and QLoRA NF4 r16 on a locally made Llama-architecture 124M base, tinygpt's step beside a
                plain transformers + PEFT loop (benchmarks/gpu_finetune.py)
   t4_fp16      fp16 with the GradScaler for 200 steps (no NaN, no inf) beside bf16 on the same batches
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib.metadata
 import io
@@ -345,13 +347,16 @@ def timed_row(name: str, model, loss_mod, opt, prec, device, compile_mode: str, 
     import torch
     from gpu_pretrain import make_step, random_batches, time_steps
 
-    from tinygpt.train.step import compiled
+    from tinygpt.train.step import compiled, regional, regional_loss
 
     if compile_mode == "on":
         loss_fn = torch.compile(loss_mod)
-    elif compile_mode == "regional":
-        compiled(model, "regional")  # each block compiled in place, as the trainer does it
-        loss_fn = loss_mod
+    elif compile_mode == "auto" and regional(model, "auto"):  # the trainer's default: blocks, then head and loss
+        compiled(model, "auto")
+        mode = {"off": "full", "on": "chunked"}.get(loss_mod.chunked, "auto")
+        loss_fn = functools.partial(regional_loss, model, loss=mode, reduction="mean")
+    elif compile_mode == "auto":
+        loss_fn = torch.compile(loss_mod)
     else:
         loss_fn = loss_mod
     step = make_step(loss_fn, model, opt, prec, accum=shape.accum)
@@ -485,7 +490,7 @@ def step_pretrain(ctx: Ctx) -> dict:
     from gpu_pretrain import peak_tflops
     shape = pretrain_shape(ctx)
     device, prec = kit_device(ctx)
-    variants = [("tinygpt", tinygpt_parts, "on"), ("hf-gpt2", gpt2_parts, "on")]
+    variants = [("tinygpt", tinygpt_parts, "auto"), ("hf-gpt2", gpt2_parts, "on")]
     if ctx.llama:
         variants.append(("hf-llama", llama_parts, "on"))
     rows = run_rows(ctx, variants, shape, reserve_s=0 if ctx.smoke else 20)
@@ -502,7 +507,7 @@ def step_pretrain(ctx: Ctx) -> dict:
         from tinygpt.train.probe import trainer_speed
         probe = ctx.results.get("probe", {}).get("figures") or {}
         recipe = get_recipe("a100-124m").replace(train={"micro_batch_size": shape.micro_batch,
-                                                        "grad_accum_steps": shape.accum, "compile": "on",
+                                                        "grad_accum_steps": shape.accum,
                                                         "precision": "bf16", "loss": probe.get("loss") or "auto"})
         try:
             torch.cuda.reset_peak_memory_stats(device)
@@ -536,11 +541,11 @@ def step_speed_steps(ctx: Ctx) -> dict:
     full = taken == "off" or (taken == "auto" and not default_chunk_rows(shape.micro_batch * shape.seq_len, shape.vocab))
     other = "on" if full else "off"  # the loss the trainer does not take
     # rows sharing the baseline's graph first (the optimizer is not compiled), compile off last
-    variants = [("AdamW unfused", lambda s, d: tinygpt_parts(s, d, fused_adamw=False), "on"),
+    variants = [("AdamW unfused", lambda s, d: tinygpt_parts(s, d, fused_adamw=False), "auto"),
                 ("chunked loss (full logits off)" if other == "on" else "full logits (chunked loss off)",
-                 lambda s, d: tinygpt_parts(s, d, chunked=other), "on"),
-                ("fused projections on", lambda s, d: tinygpt_parts(s, d, fused_proj=True), "on"),
-                ("regional compile", tinygpt_parts, "regional"),
+                 lambda s, d: tinygpt_parts(s, d, chunked=other), "auto"),
+                ("fused projections on", lambda s, d: tinygpt_parts(s, d, fused_proj=True), "auto"),
+                ("whole-model compile", tinygpt_parts, "on"),
                 ("compile off", tinygpt_parts, "off")]
     if base is None:  # pretrain did not run at this shape: measure the baseline here
         variants.insert(0, ("all on (as in pretrain)", tinygpt_parts, "on"))
@@ -1044,6 +1049,15 @@ def run_child(args) -> dict:
     return res
 
 
+def step_cap(name: str, args) -> float:
+    """A step's cap in seconds, before the kit's total bounds it."""
+    gpu_cap, smoke_cap = next((g, c) for n, g, c in STEPS if n == name)
+    cap = (smoke_cap if args.smoke else gpu_cap) * args.cap_scale
+    if name == "time_to_loss" and not args.smoke:
+        cap = max(cap, (2 * args.ttl_seconds + 50) * args.cap_scale)
+    return cap
+
+
 def default_steps(smoke: bool) -> list[str]:
     """The steps run without --only: all in --smoke; on a GPU all but OPTIONAL_STEPS."""
     return [n for n, _, _ in STEPS if smoke or n not in OPTIONAL_STEPS]
@@ -1106,13 +1120,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         write_results(out, results, meta)
         for unit in units(chosen, isolate):
-            group = []
-            for name in unit:
-                gpu_cap, smoke_cap = next((g, c) for n, g, c in STEPS if n == name)
-                cap = (smoke_cap if args.smoke else gpu_cap) * args.cap_scale
-                if name == "time_to_loss" and not args.smoke:
-                    cap = max(cap, (2 * args.ttl_seconds + 50) * args.cap_scale)
-                group.append((name, cap))
+            group = [(name, step_cap(name, args)) for name in unit]
             left = total - (time.monotonic() - t0) - GRACE_S
             if left < MIN_STEP_S:
                 for name, cap in group:

@@ -58,7 +58,7 @@ def test_smoke_runs_every_step_with_figures_or_a_reasoned_skip(tmp_path):
     # rows sharing the baseline's graph first; tiny logits: the trainer's loss is the full one, so the chunked row
     assert [r["impl"] for r in f["speed_steps"]["rows"]] == [
         "all on (as in pretrain)", "AdamW unfused", "chunked loss (full logits off)", "fused projections on",
-        "regional compile", "compile off"]
+        "whole-model compile", "compile off"]
     assert all("x_baseline" in r for r in f["speed_steps"]["rows"][1:])
     # at the recipe's accumulation: the optimizer once per step of 2 micro-batches
     assert all(r["grad_accum"] == 2 for r in f["pretrain"]["rows"] + f["speed_steps"]["rows"])
