@@ -152,8 +152,10 @@ def _causal_sdpa_mask(**kwargs):
     rules FlashAttention out.)"""
     from transformers.masking_utils import sdpa_mask
 
+    positions = kwargs.get("cache_position")  # transformers before q_length was passed
+    q_length = kwargs.get("q_length", None if positions is None else positions.shape[0])
     if (WholeRows.on and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
-            and kwargs["q_length"] == kwargs["kv_length"]
+            and q_length == kwargs.get("kv_length")
             and type(kwargs.get("q_offset", 0)) is int and kwargs.get("q_offset", 0) == 0
             and type(kwargs.get("kv_offset", 0)) is int and kwargs.get("kv_offset", 0) == 0):
         return None
