@@ -94,7 +94,7 @@ ARTIFACTS_LIMIT = 64 * 2**20
 ARTIFACTS = "compile_artifacts"
 GRACE_S = 10.0  # past its cap, an isolated step's process is killed
 MIN_STEP_S = 5.0  # a step is not started with less than this left of the kit's total
-GOALS = "issue 34's goals"
+GOALS = "issue 49's goals"
 
 
 # ------------------------------------------------------------------------------------------------ the context
@@ -936,11 +936,12 @@ def goals(results: dict) -> list[tuple[str, str, str]]:
         x = tiny["tokens_per_s"] / gpt2["tokens_per_s"]
         out.append(("pretraining >= 1.15x GPT2LMHeadModel's tokens/s", f"{x:.2f}x", str(x >= 1.15).lower()))
     if tiny and tiny.get("mfu") is not None:
-        out.append(("pretraining MFU >= 50%", f"{tiny['mfu']:.1%}", str(tiny["mfu"] >= 0.5).lower()))
-    for name in ("lora_r16", "qlora_nf4_r16"):
+        out.append(("pretraining MFU >= 45% (at the recipe's accumulation)", f"{tiny['mfu']:.1%}",
+                    str(tiny["mfu"] >= 0.45).lower()))
+    for name, bound in (("lora_r16", 1.3), ("qlora_nf4_r16", 1.2)):
         r = fig("finetune", name, "ratio", "tokens_per_s")
         if r is not None:
-            out.append((f"{name} >= 1.3x the PEFT loop", f"{r:.2f}x", str(r >= 1.3).lower()))
+            out.append((f"{name} >= {bound}x the PEFT loop", f"{r:.2f}x", str(r >= bound).lower()))
     for key, bound in (("cold_s", 45), ("warm_s", 15)):
         v = fig("startup", key)
         if v is not None:
