@@ -62,6 +62,7 @@ def test_smoke_runs_every_step_with_figures_or_a_reasoned_skip(tmp_path):
     assert all("x_baseline" in r for r in f["speed_steps"]["rows"][1:])
     # at the recipe's accumulation: the optimizer once per step of 2 micro-batches
     assert all(r["grad_accum"] == 2 for r in f["pretrain"]["rows"] + f["speed_steps"]["rows"])
+    assert all(r["compiles_in_timed_window"] == 0 for r in f["pretrain"]["rows"] + f["speed_steps"]["rows"][1:])
     lora = f["finetune"]["lora_r16"]
     assert [r["impl"] for r in lora["rows"]] == ["tinygpt", "hf+peft"] and lora["ratio"]["tokens_per_s"] > 0
     assert "CUDA" in f["finetune"]["qlora_nf4_r16"]["skipped"]  # QLoRA: skipped off a GPU, with the reason
@@ -129,3 +130,32 @@ def test_the_default_kit_fits_one_540_s_command_and_leaves_time_to_loss_out():
     assert gpu_kit.TOTAL_S + gpu_kit.GRACE_S + 30 <= 540  # 30 s for the interpreter, torch's import and the report
     assert ["pretrain", "speed_steps"] in gpu_kit.units(gpu, isolate=True)
     assert ["pretrain"] in gpu_kit.units(gpu, isolate=False)
+
+
+@pytest.mark.slow  # an Inductor compile on the CPU
+def test_compile_artifacts_saved_beside_the_results_make_the_next_run_hit(tmp_path, monkeypatch):
+    """What one kit run compiled is saved into --out/compile_artifacts (within its byte limit); a later run that
+    loads them into a fresh Inductor cache folder compiles the same graph from the cache: its hits are counted."""
+    import torch
+
+    def compile_once():
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x: (x.sin() * 2).sum(), dynamic=False)
+        return fn(torch.ones(8))
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-1"))
+    torch.compiler.reset()
+    before = gpu_kit.cache_counts()
+    compile_once()
+    assert gpu_kit.cache_counts()["misses"] > before["misses"]
+    assert gpu_kit.save_artifacts(tmp_path / "out", "kit", limit=1)["saved_bytes"] == 0  # over its limit: kept out
+    saved = gpu_kit.save_artifacts(tmp_path / "out", "kit")
+    assert saved["saved_bytes"] == (tmp_path / "out" / gpu_kit.ARTIFACTS / "kit.bin").stat().st_size > 0
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-2"))  # a new machine's empty cache
+    torch.compiler.reset()
+    assert gpu_kit.load_artifacts(tmp_path / "out" / gpu_kit.ARTIFACTS)["loaded_files"] == 1
+    before = gpu_kit.cache_counts()
+    compile_once()
+    assert gpu_kit.cache_counts()["hits"] > before["hits"]
+    torch._dynamo.reset()
