@@ -67,6 +67,8 @@ class TinyGPTLoss(torch.nn.Module):
             rows = None
         elif self.chunked == "off":
             rows = 0
+        elif idx.is_cuda:  # sized by the free memory, as the trainer's chunked loss is
+            rows = -1
         else:  # the automatic chunk size, and one chunk where the automatic choice is the plain loss
             rows = losses.default_chunk_rows(idx.numel(), self.model.config.vocab_size) or idx.numel()
         return losses.linear_cross_entropy(h, self.model.lm_head.weight, targets, chunk_rows=rows)
@@ -101,15 +103,17 @@ def hf_llama(model: GPT) -> torch.nn.Module:
 
 
 def make_step(loss_fn: Callable, model: torch.nn.Module, opt: torch.optim.Optimizer,
-              prec: Precision) -> Callable:
-    """One training step as the trainer does it."""
+              prec: Precision, accum: int = 1) -> Callable:
+    """One training step as the trainer does it: `accum` micro-batches (the same one, here: a
+    step's speed does not depend on the tokens), then the optimizer once."""
     scaler = prec.grad_scaler()
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        with prec.autocast():
-            loss = loss_fn(x, y)
-        scaler.scale(loss).backward()
+        for _ in range(accum):
+            with prec.autocast():
+                loss = loss_fn(x, y)
+            scaler.scale(loss / accum).backward()
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         scaler.step(opt)

@@ -193,6 +193,37 @@ def test_loss_module_compiles_as_one_graph_with_the_eager_loss_and_gradients(qua
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # torch.compile
+def test_a_compiled_lora_step_on_an_unpadded_batch_reaches_sdpa_causal_without_a_mask(base_dirs, monkeypatch):
+    """Compiled, an unpadded batch calls SDPA with no mask and is_causal=True, as eager does: the kernels that
+    take no mask (FlashAttention) stay open. transformers built a (B, 1, T, T) mask while compiling. The loss
+    and gradients are the eager ones; a packed batch (position ids) still gets its document mask."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    pm = lora_model(base_dirs["llama"])
+    module = FinetuneLoss(pm)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(512, (2, 64), generator=g), torch.randint(512, (2, 64), generator=g)
+    eager = loss_and_grads(pm, lambda: module(x, y))
+    assert calls and set(calls) == {(True, True)}
+    calls.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    assert_same(loss_and_grads(pm, lambda: module_loss(compiled, x, y)), eager, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 and set(calls) == {(True, True)}  # both layers, traced once
+    calls.clear()
+    pos = torch.cat([torch.arange(40), torch.arange(24)]).expand(2, 64)
+    module_loss(compiled, x, y, pos)
+    assert calls and set(calls) == {(False, False)}  # two records in a row: kept apart by a mask
+    torch._dynamo.reset()
+
+
 class Source:
     """A fixed list of batches, in order (the Trainer's BatchSource)."""
 

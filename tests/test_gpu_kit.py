@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,10 +55,14 @@ def test_smoke_runs_every_step_with_figures_or_a_reasoned_skip(tmp_path):
     # the rows the issue asks for, each measured or with its one-line error
     assert [r["impl"] for r in f["pretrain"]["rows"]] == ["tinygpt", "hf-gpt2", "hf-llama"]
     assert all(r["tokens_per_s"] > 0 for r in f["pretrain"]["rows"])
+    # rows sharing the baseline's graph first; tiny logits: the trainer's loss is the full one, so the chunked row
     assert [r["impl"] for r in f["speed_steps"]["rows"]] == [
-        "all on (as in pretrain)", "compile off", "full logits (chunked loss off)", "AdamW unfused",
-        "fused projections on", "regional compile"]
+        "all on (as in pretrain)", "AdamW unfused", "chunked loss (full logits off)", "fused projections on",
+        "whole-model compile", "compile off"]
     assert all("x_baseline" in r for r in f["speed_steps"]["rows"][1:])
+    # at the recipe's accumulation: the optimizer once per step of 2 micro-batches
+    assert all(r["grad_accum"] == 2 for r in f["pretrain"]["rows"] + f["speed_steps"]["rows"])
+    assert all(r["compiles_in_timed_window"] == 0 for r in f["pretrain"]["rows"] + f["speed_steps"]["rows"][1:])
     lora = f["finetune"]["lora_r16"]
     assert [r["impl"] for r in lora["rows"]] == ["tinygpt", "hf+peft"] and lora["ratio"]["tokens_per_s"] > 0
     assert "CUDA" in f["finetune"]["qlora_nf4_r16"]["skipped"]  # QLoRA: skipped off a GPU, with the reason
@@ -90,3 +95,67 @@ def test_steps_past_the_kits_total_are_skipped_with_the_reason(tmp_path):
     doc, _ = run_kit(tmp_path / "out", "--total", "1", "--only", "env,t4_gqa")
     for e in doc["steps"].values():
         assert e["status"] == "skipped" and "spent" in e["figures"]["skipped"]
+
+
+def test_results_are_on_disk_after_each_step_while_the_kit_runs(tmp_path):
+    """A kit cut off by its command's limit still returns the steps it finished: results.json and results.md are
+    written after every step, so the first step's row is on disk while the second still runs."""
+    out = tmp_path / "out"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, str(KIT), "--smoke", "--out", str(out), "--only", "env,t4_fp16"], cwd=REPO,
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen = []  # the steps results.json held at each look while the kit was still running
+    try:
+        while p.poll() is None:
+            if (out / "results.json").exists():
+                seen.append(list(json.loads((out / "results.json").read_text())["steps"]))
+            time.sleep(0.05)
+    finally:
+        p.kill() if p.poll() is None else None
+    assert p.returncode == 0
+    assert ["env"] in seen  # the first step's row, before the kit ended
+    doc = json.loads((out / "results.json").read_text())
+    assert list(doc["steps"]) == ["env", "t4_fp16"] and doc["steps"]["env"]["status"] == "ok"
+    assert all(e["compile_cache"] == {"hits": 0, "misses": 0} for e in doc["steps"].values())  # nothing compiled
+    assert "| env | ok |" in (out / "results.md").read_text()
+
+
+def test_the_default_kit_fits_one_540_s_command_and_leaves_time_to_loss_out():
+    """On a GPU the default steps' caps add up within the kit's total, which ends it inside 540 s (one command
+    of a short GPU loan); time_to_loss runs only when asked, and --smoke still runs every step. Pretrain and
+    speed rows share one process when each step is isolated."""
+    gpu = gpu_kit.default_steps(smoke=False)
+    assert "time_to_loss" not in gpu and gpu_kit.default_steps(smoke=True) == STEPS
+    assert sum(cap for name, cap, _ in gpu_kit.STEPS if name in gpu) <= gpu_kit.TOTAL_S
+    assert gpu_kit.TOTAL_S + gpu_kit.GRACE_S + 30 <= 540  # 30 s for the interpreter, torch's import and the report
+    assert ["pretrain", "speed_steps"] in gpu_kit.units(gpu, isolate=True)
+    assert ["pretrain"] in gpu_kit.units(gpu, isolate=False)
+
+
+@pytest.mark.slow  # an Inductor compile on the CPU
+def test_compile_artifacts_saved_beside_the_results_make_the_next_run_hit(tmp_path, monkeypatch):
+    """What one kit run compiled is saved into --out/compile_artifacts (within its byte limit); a later run that
+    loads them into a fresh Inductor cache folder compiles the same graph from the cache: its hits are counted."""
+    import torch
+
+    def compile_once():
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x: (x.sin() * 2).sum(), dynamic=False)
+        return fn(torch.ones(8))
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-1"))
+    torch.compiler.reset()
+    before = gpu_kit.cache_counts()
+    compile_once()
+    assert gpu_kit.cache_counts()["misses"] > before["misses"]
+    assert gpu_kit.save_artifacts(tmp_path / "out", "kit", limit=1)["saved_bytes"] == 0  # over its limit: kept out
+    saved = gpu_kit.save_artifacts(tmp_path / "out", "kit")
+    assert saved["saved_bytes"] == (tmp_path / "out" / gpu_kit.ARTIFACTS / "kit.bin").stat().st_size > 0
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-2"))  # a new machine's empty cache
+    torch.compiler.reset()
+    assert gpu_kit.load_artifacts(tmp_path / "out" / gpu_kit.ARTIFACTS)["loaded_files"] == 1
+    before = gpu_kit.cache_counts()
+    compile_once()
+    assert gpu_kit.cache_counts()["hits"] > before["hits"]
+    torch._dynamo.reset()

@@ -178,3 +178,56 @@ def test_loss_modes_give_the_same_loss_and_gradients_through_the_model():
     torch.testing.assert_close(out["full"][0], out["chunked"][0], rtol=1e-5, atol=1e-4)
     for a, b in zip(out["full"][1], out["chunked"][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_default_chunk_rows_by_free_memory():
+    """Where the free memory is known (a GPU), "auto" keeps the full logits while they take at most half of it,
+    and a chunk's rows grow with it: 124M's 16 x 1024 tokens of a 50,304 vocabulary keep their 9.9 GB of full
+    logits on an 80 GB GPU with 70 GB free, not on a T4 with 12 GB free."""
+    n, vocab = 16 * 1024, 50304
+    assert default_chunk_rows(n, vocab, "auto", free_bytes=70 * 2**30) == 0
+    t4 = default_chunk_rows(n, vocab, "auto", free_bytes=12 * 2**30)
+    assert t4 > 0 and t4 % 64 == 0
+    assert default_chunk_rows(n, vocab, "chunked", free_bytes=70 * 2**30) > t4
+    assert default_chunk_rows(n, vocab, "chunked", free_bytes=70 * 2**30) * vocab * 8 <= 70 * 2**30 / 8
+    assert losses.resolve_loss("auto", n, vocab, torch.device("cpu")) == "auto"  # by size, per call
+
+
+def _graph_nodes(fn, *args) -> tuple[int, int]:
+    """(FX nodes of the graph dynamo traces, of the forward graph AOTAutograd hands to a compiler) for `fn`
+    compiled, counted by a backend that records them and runs the graphs as they are."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = {"dynamo": 0, "aot": 0}
+
+    def count_aot(gm, _inputs):
+        seen["aot"] += len(gm.graph.nodes)
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, inputs):
+        # a higher-order op (an autograd.Function traced by dynamo) keeps its body in a submodule: counted too
+        seen["dynamo"] += sum(len(m.graph.nodes) for m in gm.modules() if hasattr(m, "graph"))
+        return aot_autograd(fw_compiler=count_aot, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))(gm, inputs)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    out.backward()
+    torch._dynamo.reset()
+    return seen["dynamo"], seen["aot"]
+
+
+def test_compiled_chunked_loss_does_not_grow_with_the_micro_batch():
+    """The chunk loop never unrolls into the compiled graph: 4x the tokens (4x the chunks) gives the compiler as
+    many graph nodes as 1x (within 25%), a tied embedding and a tinygpt GPT included."""
+    torch.manual_seed(0)
+    model = GPT(model_config("tiny", vocab_size=1000, max_seq_len=32, tie_embeddings=True))
+    counts = {}
+    for micro in (2, 8):  # 64 and 256 rows: 2 and 8 chunks of 32 rows
+        x, y = torch.randint(1000, (micro, 32)), torch.randint(1000, (micro, 32))
+        counts[micro] = _graph_nodes(
+            lambda x, y: losses.linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y,
+                                                     chunk_rows=32), x, y)
+    (d1, a1), (d4, a4) = counts[2], counts[8]
+    assert d1 > 0 and a1 > 0
+    assert d4 <= 1.25 * d1 and a4 <= 1.25 * a1, counts

@@ -291,7 +291,7 @@ def test_trainer_speed_times_the_trainers_own_step_on_cpu(tmp_path, monkeypatch)
     assert not list(tmp_path.iterdir())
     assert set(result.speeds) == {"8", "4", "2"} and all(v > 0 for v in result.speeds.values())
     assert result.tokens_per_s == result.speeds[str(result.micro_batch_size)]
-    assert result.tokens_per_s_source.startswith("measured: the trainer's step")
+    assert result.tokens_per_s_source.startswith("measured: the trainer's step (eager)")
 
 
 @pytest.mark.slow  # real timings
@@ -359,26 +359,49 @@ def test_the_result_is_kept_in_the_run_folder_and_a_new_vm_reads_it_without_timi
     assert "probe.json" in RUN_FILES  # what the mirror copies to Drive and restores
 
 
-@pytest.mark.slow  # torch.compile
-def test_a_probe_leaves_no_compiled_shapes_behind(tmp_path):
-    """The probe times 3 micro-batches with the trainer's compiled step; the training step that follows
-    compiles once, for its own micro-batch, with static shapes: 0 recompiles after step 1, and a batch of
-    another size would need a new graph (a symbolic batch dimension would have served it)."""
+@contextlib.contextmanager
+def graphs_compiled():
+    """Counts the graphs torch.compile makes inside the block (dynamo's own counters): {"graphs": n}."""
+    from torch._dynamo.utils import counters
+    out = {"graphs": 0}
+    before = counters["stats"]["unique_graphs"]
+    try:
+        yield out
+    finally:
+        out["graphs"] = counters["stats"]["unique_graphs"] - before
+
+
+@pytest.mark.slow  # real timings, one compile
+def test_the_probe_and_the_size_planner_compile_nothing(monkeypatch):
+    """For a recipe that compiles, the probe (3 micro-batches timed) and the size planner (rungs timed) run
+    eagerly: 0 graphs compiled inside either. The training step that follows compiles once, for its own
+    micro-batch, with static shapes: 0 recompiles after step 1, and a batch of another size needs a new
+    graph (a symbolic batch dimension would have served it)."""
     from torch._dynamo.utils import counters
 
+    import tinygpt.fit.plan as plan_mod
     from tinygpt.fit.probe import RandomBatches
     from tinygpt.train.step import TrainStep
     recipe = tiny_recipe(micro=4, seq_len=32, accum=4).replace(train={"compile": "on", "device": "cpu"})
     torch._dynamo.reset()
-    result = probe(recipe, "cpu", memory_limit_gb=1.0, margin=0.0, cache_dir=None, max_micro_batch=8,
-                   time_limit_s=None)
-    assert set(result.speeds) == {"8", "4", "2"}
+    with graphs_compiled() as in_probe:
+        result = probe(recipe, "cpu", memory_limit_gb=1.0, margin=0.0, cache_dir=None, max_micro_batch=8,
+                       time_limit_s=None, speed=lambda r, d: trainer_speed(r, d, steps=1, warmup=0))
+    assert set(result.speeds) == {"8", "4", "2"} and in_probe["graphs"] == 0
+    monkeypatch.setattr(plan_mod, "PLAN_SPEED_STEPS", 1)
+    monkeypatch.setattr(plan_mod, "PLAN_WARMUP_STEPS", 0)
+    planned = get_recipe("cpu-fast").replace(train={"compile": "on", "micro_batch_size": 1, "seq_len": 32,
+                                                    "grad_accum_steps": 1})
+    with graphs_compiled() as in_planner:
+        plan = plan_mod.choose_size(planned, 0.05, torch.device("cpu"), None)[1]
+    assert sum(c.timed for c in plan.candidates) >= 1 and in_planner["graphs"] == 0
     counters.clear()
     torch.manual_seed(0)
     step = TrainStep(GPT(recipe.model), recipe.train, RandomBatches(recipe.model.vocab_size, 32))
-    for _ in range(3):
-        step.optimizer_step()
-    assert counters["frames"]["total"] == 1 and not counters["recompiles"]
+    with graphs_compiled() as in_training:
+        for _ in range(3):
+            step.optimizer_step()
+    assert in_training["graphs"] >= 1 and counters["frames"]["total"] == 1 and not counters["recompiles"]
     x = torch.randint(260, (5, 32))
     with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(Exception, match="(?i)recompil"):
         step.forward_model(x, x)

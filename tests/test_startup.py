@@ -361,3 +361,34 @@ def test_regional_compile_compiles_the_blocks_and_on_compiles_the_whole_model():
     # one graph, plus at most one more once dynamo sees the layers' differing `layer_idx` and makes it dynamic
     assert 1 <= layer <= 2 and whole == 0
     torch._dynamo.reset()
+
+
+@pytest.mark.slow  # torch.compile
+def test_by_regions_the_head_and_the_loss_are_a_second_compiled_region():
+    """"regional" (and on a GPU "auto", for a tinygpt GPT): the trainer's step compiles the blocks (one graph,
+    shared, fullgraph and static shapes) and the head with the loss as a second region, the model's own forward
+    never; its losses are the eager step's. A Hugging Face model under "auto" stays compiled whole."""
+    import dataclasses
+
+    from tinygpt.core.recipes import get_recipe, model_config
+    from tinygpt.finetune.loss import FinetuneLoss
+    from tinygpt.fit.probe import RandomBatches
+    from tinygpt.model.gpt import GPT, Block, cross_entropy
+    from tinygpt.train.step import TrainStep, regional
+
+    recipe = get_recipe("cpu-smoke")
+    model_cfg = model_config("tiny", vocab_size=256)
+    assert regional(GPT(model_cfg), "auto") and regional(GPT(model_cfg), "regional")
+    assert not regional(GPT(model_cfg), "on") and not regional(FinetuneLoss(torch.nn.Linear(2, 2)), "auto")
+    losses = {}
+    for mode in ("regional", "off"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        cfg = dataclasses.replace(recipe.train, compile=mode, device="cpu", micro_batch_size=2, seq_len=16,
+                                  grad_accum_steps=2, precision="fp32")
+        step = TrainStep(GPT(model_cfg), cfg, RandomBatches(256, 16))
+        losses[mode] = [float(step.optimizer_step().loss_sum) for _ in range(2)]
+        if mode == "regional":
+            assert _compiled_code_objects(Block.forward, cross_entropy, GPT.forward) == [1, 1, 0]
+    assert losses["regional"] == pytest.approx(losses["off"], rel=1e-4)
+    torch._dynamo.reset()

@@ -268,7 +268,8 @@ Optimizer = Literal["adamw", "muon"]  # muon: Muon for the hidden matrices, Adam
 # wsd: warmup, stable, then a linear decay over decay_fraction
 Schedule = Literal["cosine", "wsd"]
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # auto: the device's best (core.precision)
-# auto: on for CUDA; on: the whole model; regional: each transformer block; off
+# auto: on CUDA, by regions for a tinygpt GPT (each block, then the head and the loss), else the whole
+# model; on: the whole model; regional: by regions; off
 CompileMode = Literal["auto", "on", "regional", "off"]
 # How the loss is taken (`tinygpt.model.losses`): auto chunks by size (on a GPU the probe times
 # both), full: the whole logits, chunked: always in chunks.

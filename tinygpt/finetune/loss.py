@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tinygpt.finetune.memory_plan import SOFTCAP_HEAD_TYPES, chunked_loss
+from tinygpt.model.attention import whole_rows
 from tinygpt.model.losses import IGNORE_INDEX, linear_cross_entropy, softcapped_loss
 
 
@@ -58,8 +59,10 @@ class FinetuneLoss(torch.nn.Module):
 def module_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                 *extra: torch.Tensor) -> torch.Tensor:
     """The Trainer's loss_fn for a `FinetuneLoss` (or its compiled wrapper): the module computes
-    it."""
-    return model(x, y, *extra)
+    it. Rows without position ids are whole sequences: attention runs causal with no mask, compiled
+    too (`whole_rows`), so FlashAttention can take it; packed rows keep their records' mask."""
+    with whole_rows(not extra):
+        return model(x, y, *extra)
 
 
 def inner_model(model: torch.nn.Module) -> torch.nn.Module:

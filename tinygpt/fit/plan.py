@@ -60,11 +60,10 @@ PLAN_WARMUP_STEPS = 2
 MAX_TIMING_S = 10.0
 TIMING_SHARE = 0.01
 MAX_TIMING_CAP_S = 60.0
-# the planner's whole time, timings and the compiles before them: PLAN_TIME_SHARE of the budget, at least
-# PLAN_TIME_MIN_S, at most PLAN_TIME_MAX_S. A timing is begun only while the time spent plus the longest
-# timing so far fits; the rungs left untimed are scaled (~). MAX_TIMING_S bounds the timed steps, not the
-# compile before them, which on a GPU is most of a timing: on an H100 a 1-hour plan ran past 200 s
-# (docs/BENCHMARKS.md section 5)
+# the planner's whole time: PLAN_TIME_SHARE of the budget, at least PLAN_TIME_MIN_S, at most
+# PLAN_TIME_MAX_S. A timing is begun only while the time spent plus the longest timing so far fits; the
+# rungs left untimed are scaled (~). The timings run eagerly (`trainer_speed`) and compile nothing: when
+# each compiled its rung, on an H100 a 1-hour plan ran past 200 s (docs/BENCHMARKS.md section 5)
 PLAN_TIME_SHARE = 0.02
 PLAN_TIME_MIN_S = 90.0
 PLAN_TIME_MAX_S = 300.0
@@ -221,7 +220,7 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     token from the nearest timed one. A choice that was scaled is then timed (when its timing fits)
     and the choice made again, at most CONFIRM_RUNGS times: the chosen rung's speed is measured
     wherever it can be. Every timing but the first is begun only if it fits `planning_limit(hours)`
-    by `clock` (`may_time`): the planner's own time is bounded, compiles included."""
+    by `clock` (`may_time`): the planner's own time is bounded."""
     start = clock()
     law = law or law_for(recipe)
     rungs = ladder(recipe, fits)
@@ -230,7 +229,7 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
     seq, seconds = recipe.train.seq_len, hours * 3600 * (1 - BUDGET_OVERHEAD)
     flops = {d: meta_model(r.model).flops_per_token(seq) for d, r in rungs}
     measured: dict[int, float] = {}
-    costs: list[float] = []  # each timing's wall time, its compile included
+    costs: list[float] = []  # each timing's wall time
 
     def time_rung(d: int, r: Recipe) -> None:
         if may_time(clock() - start, costs, planning_limit(hours)):
@@ -269,7 +268,7 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
 
 
 def planning_limit(hours: float) -> float:
-    """The planner's whole time for a budget of `hours`, compiles included (PLAN_TIME_SHARE)."""
+    """The planner's whole time for a budget of `hours` (PLAN_TIME_SHARE)."""
     return min(max(PLAN_TIME_MIN_S, PLAN_TIME_SHARE * hours * 3600), PLAN_TIME_MAX_S)
 
 
@@ -442,7 +441,7 @@ def choose_size(
     recipe: Recipe, hours: float, dev: torch.device, kept: dict | None, began: dict | None = None
 ) -> tuple[Recipe, SizePlan | dict]:
     """`--size auto`: the run's kept plan (a resumed run keeps its size), else a new plan on this
-    device, timing rungs with the trainer's own step (`trainer_speed`, a short measurement).
+    device, timing rungs with the trainer's own step (`trainer_speed`: eager, a short measurement).
     `began` is the recipe the run began with (run.json's; `resumed_at` says what it may keep)."""
     if kept is not None:
         return resumed_at(recipe, kept, began), kept

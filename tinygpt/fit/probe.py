@@ -4,17 +4,17 @@ and torch version, and kept in the run folder (probe.json, mirrored with the run
 on the same GPU and torch reads it instead of probing again. "GB" here is GiB (2**30 bytes), as
 Colab and nvidia-smi count GPU memory.
 
-The probe leaves the process as it found it: its compiled timings are forgotten
-(`torch._dynamo.reset()`), so the training step that follows compiles its own graph, for its own
-micro-batch, with static shapes (after timing a second micro-batch size, dynamo would otherwise have
-made the batch dimension symbolic).
+The probe compiles nothing: its memory trials and its timings run the trainer's step eagerly, so the
+training step that follows compiles once, for its own micro-batch, with static shapes (and the run's
+compile cache, loaded when training starts, is the first thing the compiler sees). Compiling each
+timing, and throwing the graphs away, kept `tinygpt probe --hours 1` silent for over 200 s on an
+H100.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import math
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -51,7 +51,7 @@ from tinygpt.train.step import TrainStep
 PROBE_TIME_LIMIT_S = 60.0
 # what the probe chooses (with model.activation_checkpointing); a run keeps them when it resumes
 PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "precision", "loss")
-# optimizer steps timed (median) after warm-up ones (the compile among them)
+# optimizer steps timed (median) after warm-up ones
 SPEED_STEPS, SPEED_WARMUP = 8, 4
 
 
@@ -85,12 +85,14 @@ class RandomBatches:
 
 
 def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: int = SPEED_STEPS,
-                  warmup: int = SPEED_WARMUP) -> float:
+                  warmup: int = SPEED_WARMUP, compiled: bool = False) -> float:
     """Tokens/s of the trainer's own optimizer step for this recipe (its micro-batch, accumulation,
-    precision, loss, optimizer, and compile where the trainer compiles): the median of `steps` after
-    `warmup`. Nothing is written: the trainer is built and stepped, never fitted."""
+    precision, loss, optimizer), run eagerly: nothing is compiled (a compile per timing cost more
+    than the timings, and its graphs were thrown away); `compiled`: as the recipe compiles (the
+    benchmarks). The median of `steps` after `warmup`. Nothing is written: the trainer is built and
+    stepped, never fitted."""
     dev = resolve_device(str(device))
-    t = dataclasses.replace(recipe.train, device=str(dev))
+    t = dataclasses.replace(recipe.train, device=str(dev), **({} if compiled else {"compile": "off"}))
     times = []
     try:
         # the caller's RNG stays as it was
@@ -105,20 +107,11 @@ def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: in
                 sync(dev)
                 times.append(time.perf_counter() - t0)
             del step
-    finally:  # an out-of-memory error included: the memory and the compiled graphs go
-        forget_compiled()
+    finally:  # an out-of-memory error included: the memory goes
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return t.tokens_per_step / sorted(times[warmup:])[len(times[warmup:]) // 2]
-
-
-def forget_compiled() -> None:
-    """Drop what torch's compiler learnt in this process (graphs, and which dimensions it made
-    dynamic), as if it had just started: the training step compiles afresh, for its own shapes."""
-    # never imported: nothing to forget (and importing it costs ~1 s)
-    if "torch._dynamo" in sys.modules:
-        torch._dynamo.reset()
 
 
 def requested_precision(
@@ -159,7 +152,7 @@ def probe(
     raises torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off;
     `run_dir`: the result is also kept there (probe.json) and read from there first (a new VM with
     the run restored). Among the micro-batches that fit, `speed(recipe, device) -> tokens/s`
-    (default: the trainer's own step, compiled where it compiles) picks the fastest; None keeps the
+    (default: the trainer's own step, eagerly) picks the fastest; None keeps the
     largest. A candidate whose timing runs out of memory (in any of its forms:
     `is_allocation_failure`) is dropped with a note. After `time_limit_s` (None: no limit) the
     search and the timings stop and the best found so far is taken."""
@@ -276,11 +269,11 @@ class _Search:
         )
 
     def fastest(self, speed: Callable, largest: int, t: int, ckpt: bool) -> tuple[int, str]:
-        """The fastest of the micro-batches that fit, as the trainer runs them (compiled, its loss
-        and optimizer): on an H100 the largest micro-batch was not the fastest, and eager trials
-        said 0.42x. Where the recipe's loss would chunk the logits, the full logits are timed too if
-        they fit: the chunked loss cost 12-13% on an H100 where the full logits fitted.
-        (micro-batch, loss)."""
+        """The fastest of the micro-batches that fit, as the trainer runs them (its loss and
+        optimizer), eagerly: the timings rank the candidates, nothing is compiled. On an H100 the
+        largest micro-batch was not the fastest. Where the recipe's loss would chunk the logits, the
+        full logits are timed too if they fit: the chunked loss cost 12-13% on an H100 where the
+        full logits fitted. (micro-batch, loss)."""
         train = self.recipe.train
         # (micro-batch, accumulation, loss) to time, in this order
         timings: list[tuple[int, int, str]] = []
@@ -366,7 +359,7 @@ class _Search:
         if (micro, loss) in self.speeds:
             tps, source = (
                 self.speeds[(micro, loss)],
-                f"measured: the trainer's step, median of {SPEED_STEPS}",
+                f"measured: the trainer's step (eager), median of {SPEED_STEPS}",
             )
         return ProbeResult(
             self.recipe.name,

@@ -17,6 +17,7 @@ from tinygpt.core.config import Recipe
 from tinygpt.core.precision import Precision
 from tinygpt.fit.memory import GB, TensorMemoryTracker
 from tinygpt.model.gpt import GPT
+from tinygpt.model.losses import resolve_loss
 from tinygpt.train.optim import build_optimizer
 
 
@@ -76,11 +77,12 @@ class TrialRunner:
         seconds."""
         m, v = self.model, self.model.config.vocab_size
         x, y = (torch.randint(v, (b, t), device=self.device) for _ in range(2))
+        loss_mode = resolve_loss(self.loss, b * t, v, self.device)
         m.train()
         sync(self.device)
         t0 = time.perf_counter()
         with self.precision.autocast():
-            loss = m(x, y, loss=self.loss)
+            loss = m(x, y, loss=loss_mode)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
@@ -89,7 +91,7 @@ class TrialRunner:
         seconds = time.perf_counter() - t0
         m.eval()
         with torch.no_grad(), self.precision.autocast():
-            m(x, y, loss=self.loss)
+            m(x, y, loss=loss_mode)
         return seconds
 
     def trial(self, b: int, t: int, ckpt: bool) -> Trial:

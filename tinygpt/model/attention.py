@@ -14,6 +14,7 @@ implementation (`use_expanding_sdpa`); `hf_attention` picks a base's.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -126,15 +127,50 @@ def _expanding_sdpa(module, query, key, value, attention_mask, **kwargs):
     )
 
 
+class WholeRows:
+    """Set (`whole_rows`) while a batch's rows are each one sequence (no padding mask, no packed
+    records): transformers' mask builder cannot see that under `torch.compile`, where it takes the
+    position ids for possible packing and builds a (B, 1, T, T) mask."""
+    on = False
+
+
+@contextlib.contextmanager
+def whole_rows(on: bool = True):
+    """Rows are whole sequences inside this block: SDPA gets no mask and is_causal=True (read when a
+    graph is traced, and guarded on: a packed batch outside traces its own)."""
+    was, WholeRows.on = WholeRows.on, on
+    try:
+        yield
+    finally:
+        WholeRows.on = was
+
+
+def _causal_sdpa_mask(**kwargs):
+    """transformers' sdpa mask builder, except that whole rows (`whole_rows`) whose queries are their
+    keys (training, no cache) get no mask, compiled too: SDPA then runs with is_causal=True, which
+    FlashAttention takes. (While dynamo traces, transformers builds the (B, 1, T, T) mask, which
+    rules FlashAttention out.)"""
+    from transformers.masking_utils import sdpa_mask
+
+    positions = kwargs.get("cache_position")  # transformers before q_length was passed
+    q_length = kwargs.get("q_length", None if positions is None else positions.shape[0])
+    if (WholeRows.on and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
+            and q_length == kwargs.get("kv_length")
+            and type(kwargs.get("q_offset", 0)) is int and kwargs.get("q_offset", 0) == 0
+            and type(kwargs.get("kv_offset", 0)) is int and kwargs.get("kv_offset", 0) == 0):
+        return None
+    return sdpa_mask(**kwargs)
+
+
 def use_expanding_sdpa() -> str:
     """Register `EXPANDING_SDPA` with transformers (its attention function, and sdpa's mask builder,
     which keeps packed records apart) and return the name, for
     `from_pretrained(attn_implementation=...)`."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(EXPANDING_SDPA, _expanding_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(EXPANDING_SDPA, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(EXPANDING_SDPA, _causal_sdpa_mask)
     return EXPANDING_SDPA
 
 

@@ -59,8 +59,8 @@ class PretrainOptions:
     compile: CompileMode | None = option(
         None,
         sets="train.compile",
-        help="torch.compile the whole model (on), each block (regional), or not (off); "
-        "default: the recipe's (auto: on for CUDA)",
+        help="torch.compile the whole model (on), by regions: each block, then the head and the "
+        "loss (regional), or not (off); default: the recipe's (auto: regional on CUDA)",
     )
     cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
     # extra trainer callbacks (tinygpt.core.callback.Callback)

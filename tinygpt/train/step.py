@@ -20,8 +20,8 @@ import torch
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
 from tinygpt.data.sampler import batch_to_device
-from tinygpt.model.gpt import GPT
-from tinygpt.model.losses import IGNORE_INDEX
+from tinygpt.model.gpt import GPT, cross_entropy
+from tinygpt.model.losses import IGNORE_INDEX, resolve_loss
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import decay_start
 from tinygpt.train.distributed import Ranks
@@ -45,16 +45,35 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return None
 
 
+def regional(model: torch.nn.Module, mode: str) -> bool:
+    """Whether `compiled` compiles `model` by regions: asked ("regional"), or the default ("auto")
+    for a tinygpt GPT, as torchtitan compiles: each block, then the head and the loss."""
+    return mode == "regional" or (mode == "auto" and isinstance(model, GPT))
+
+
 def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """The model to run steps with. "regional": each transformer block compiled in place (identical
-    blocks share one compiled graph, so compile time does not grow with depth; the embedding, the
-    head and the loss run eagerly); otherwise the whole model, as one graph."""
-    blocks = transformer_blocks(model) if mode == "regional" else None
+    """The model to run steps with. By regions (`regional`): each transformer block compiled in
+    place (identical blocks share one compiled graph, so compile time does not grow with depth; a
+    tinygpt GPT's with fullgraph and static shapes: a graph break is an error), the head and the
+    loss a second region (`regional_loss`); otherwise the whole model, as one graph."""
+    blocks = transformer_blocks(model) if regional(model, mode) else None
     if blocks is not None:
         for block in blocks:
-            block.compile()
+            block.compile(**({"fullgraph": True, "dynamic": False} if isinstance(model, GPT) else {}))
         return model
     return torch.compile(model)
+
+
+@functools.cache
+def _head_and_loss() -> Callable:
+    return torch.compile(cross_entropy, fullgraph=True, dynamic=False)
+
+
+def regional_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, loss: str = "auto",
+                  reduction: str = "sum") -> torch.Tensor:
+    """A tinygpt GPT's token loss (summed, as `default_loss`) with the head and the loss compiled as
+    one region of their own; the embedding and the blocks as `compiled` left them."""
+    return _head_and_loss()(model.lm_head, model.hidden_states(x), y, reduction, loss)
 
 
 def eager():
@@ -115,16 +134,23 @@ class TrainStep:
         self.device = resolve_device(cfg.device)
         self.precision = choose_precision(self.device, cfg.precision)
         self.model = model.to(self.device)
-        self.loss_fn = io.loss_fn or functools.partial(default_loss, loss=cfg.loss)
         # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
         self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
             cfg.micro_batch_size, cfg.grad_accum_steps, ranks.world_size)
+        # on a GPU, "auto" is the full logits where they fit this micro-batch in the free memory
+        self.loss_mode = resolve_loss(cfg.loss, self.micro_batch_size * cfg.seq_len,
+                                      getattr(getattr(model, "config", None), "vocab_size", 0),
+                                      self.device)
         self.step = 0
         self.max_steps: int | None = cfg.max_steps  # None while a time budget has not decided it
         if self.device.type == "cuda":
             enable_tf32()
         self.use_compile = cfg.compile in ("on", "regional") or (
             cfg.compile == "auto" and self.device.type == "cuda")
+        by_region = (io.loss_fn is None and ranks.world_size == 1 and isinstance(model, GPT)
+                     and self.use_compile and regional(model, cfg.compile))
+        self.loss_fn = io.loss_fn or functools.partial(
+            regional_loss if by_region else default_loss, loss=self.loss_mode)
         # The compiled wrapper runs the steps; self.model (uncompiled, same parameters) is what
         # is saved, so checkpoint keys never carry `_orig_mod.`.
         if ranks.world_size > 1:  # before the optimizer: FSDP2 replaces the parameters by shards
