@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinygpt.core.callback import Callback
-from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint, write_manifest
+from tinygpt.core.checkpoint import (
+    MANIFEST,
+    list_checkpoints,
+    step_name,
+    verify_checkpoint,
+    write_manifest,
+)
 from tinygpt.core.files import clean_leftovers, read_bytes_safe, write_bytes_atomic
 from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, RUN_FILES, RunDir
 from tinygpt.sync.copy import (
@@ -211,14 +217,25 @@ class Mirror(Callback):
                                        "ran out)")
             if self._files_dirty:
                 self.not_synced.append("the latest run files (metrics.jsonl, samples.txt, ...)")
-        last = f"step {st.last_synced_step}" if st.last_synced_step is not None else "no checkpoint"
+        last = self._holds(st.last_synced_step)
         how = ("after the wait" if self._dead is None
-               else f"at once ({type(self._dead).__name__}: {self._dead}: waiting would not help)")
+               else f"at once ({self._dead}: waiting would not help)")
         warnings.warn(f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
                       f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
                       f"{st.last_error}. The local run folder {self.local} has everything",
                       stacklevel=2)
         return False
+
+    def _holds(self, step: int | None) -> str:
+        """What the mirror holds now, looked at (it may have been deleted since the copy)."""
+        try:
+            if not self.mirror.is_dir():
+                return "nothing (the folder is gone)"
+            if step is not None and (self.mirror / CHECKPOINTS / step_name(step)).is_dir():
+                return f"step {step}"
+        except OSError:
+            return "unknown (the folder cannot be read)"
+        return "no checkpoint"
 
     def __enter__(self) -> Mirror:
         return self

@@ -118,7 +118,9 @@ def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path,
                          lambda: should_stop() or (max_shards is not None
                                                    and len(manifest["shards"]) >= max_shards))
         except Exception as e:
-            manifest["error"] = f"tokenizing {cfg.source} failed: {type(e).__name__}: {e}"
+            # a DataError says why in words; another's kind is part of what happened
+            why = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
+            manifest["error"] = f"tokenizing {cfg.source} failed: {why}"
             write_json_atomic(folder / MANIFEST, manifest)
             raise
     return manifest
@@ -206,7 +208,8 @@ def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: 
     if group.train or group.val:
         _write_group(folder, manifest, group, n_docs)
     if n_docs == 0:
-        raise DataError(f"data source {cfg.source!r} yielded no text")
+        raise DataError(f"data source {cfg.source!r} holds no text: it is empty, or holds only "
+                        "binary (NUL) bytes; give a file or folder of text")
     manifest["done"] = True
     manifest["documents"] = n_docs
     manifest["chars"] = sum(s["chars"] for s in manifest["shards"])
