@@ -88,6 +88,11 @@ def prune_mirror(ckpt_root: str | Path, keep_last: int,
     return removed
 
 
+def said(e: BaseException) -> str:
+    """An error in words for a message: what it says (its class only when it says nothing)."""
+    return str(e) or type(e).__name__
+
+
 # ---- the background mirror -----------------------------------------------------------------------
 
 @dataclass
@@ -260,10 +265,10 @@ class Mirror(Callback):
             first = self._status.errors == 0
             self._last_exc = e
             self._status.errors += 1
-            self._status.last_error = f"{type(e).__name__}: {e}"
+            self._status.last_error = said(e)
             self._status.last_error_at = self.clock()
         if first:  # say so at once; the retries go on behind training
-            warnings.warn(f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; training goes on "
+            warnings.warn(f"Drive mirror {self.mirror}: {said(e)}; training goes on "
                           "and the copy is retried", stacklevel=2)
 
     def _catch_up_items(self) -> None:
@@ -336,16 +341,16 @@ class Mirror(Callback):
                 with self._cond:
                     self._dead = e
                     self._status.errors += 1
-                    self._status.last_error = f"{type(e).__name__}: {e}"
+                    self._status.last_error = said(e)
                     self._status.last_error_at = self.clock()
-                warnings.warn(f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; waiting would "
+                warnings.warn(f"Drive mirror {self.mirror}: {said(e)}; waiting would "
                               "not help, so the mirror is off for this run (training goes on; the "
                               "local run folder has everything, and the next run copies what the "
                               "mirror lacks once this is fixed)", stacklevel=2)
                 return False
             if e is not self._last_exc:  # a retried one is counted already
                 self._note_error(e)
-            warnings.warn(f"Drive mirror: {type(e).__name__}: {e}; training goes on, "
+            warnings.warn(f"Drive mirror: {said(e)}; training goes on, "
                           f"the next checkpoint tries again", stacklevel=2)
             return False
 
@@ -424,7 +429,7 @@ def _mirror_copy(what: str, fn, where: Path) -> bool:
         Backoff(max_attempts=4).run(fn, permanent=lambda e: is_permanent(e, where))
         return True
     except OSError as e:
-        warnings.warn(f"Drive mirror: could not copy {what} ({type(e).__name__}: {e}); the local "
+        warnings.warn(f"Drive mirror: could not copy {what} ({said(e)}); the local "
                       "run folder has it", stacklevel=3)
         return False
 
