@@ -35,6 +35,7 @@ from tinygpt.core.checkpoint import MODEL_FILE, CheckpointError, check_safetenso
 from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import read_json_safe
 from tinygpt.core.precision import choose_precision
+from tinygpt.core.rundir import RUN_JSON
 from tinygpt.model.gpt import meta_model
 from tinygpt.train.data import DataError, source_chars
 from tinygpt.train.hardware import check_fits
@@ -388,7 +389,7 @@ def unique_tokens(recipe: Recipe) -> float | None:
     return chars * (1 - recipe.data.val_fraction) / per_token
 
 
-def kept_plan(info: dict | None, where: str = "run.json") -> dict | None:
+def kept_plan(info: dict | None, where: str = RUN_JSON) -> dict | None:
     """The plan a run folder's run.json keeps (a resumed run's size), checked to name a ladder rung
     (`where`: the file, named in the refusal)."""
     plan = (info or {}).get("plan")

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tinygpt.core.files import read_json_safe, write_json_atomic
+from tinygpt.core.rundir import PROBE_JSON
 from tinygpt.train.decisions import own_signature, sign
 from tinygpt.train.trials import Trial
 
@@ -55,7 +56,7 @@ class ProbeResult:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "probe.json") -> "ProbeResult":
+    def from_dict(cls, d: dict, where: str = PROBE_JSON) -> "ProbeResult":
         """A kept result, its values checked: anything tinygpt could not have written (a type, a
         count out of range, an unknown precision or loss) is a ValueError in one line naming
         `where`, the file it came from."""
