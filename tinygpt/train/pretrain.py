@@ -88,7 +88,7 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str, sized: bool = Fals
         # read back through Recipe: a field added since the run began compares as its default
         old, new = Recipe.from_dict(info["recipe"]).to_dict(), recipe.to_dict()
         check_same_settings(
-            f"run folder {run_dir}",
+            f"run folder {run_dir} (its {RUN_JSON})",
             {k: old.get(k) for k in ("model", "train", "data")},
             {k: new[k] for k in ("model", "train", "data")},
             what="a different configuration" + (
