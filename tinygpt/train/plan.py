@@ -443,10 +443,11 @@ def planned_here(recipe: Recipe, hours: float, dev: torch.device, info: dict, ow
     size = kept.get("size") if kept is not None else None
     if depth is None or size != rung_name(depth):
         held = f"a {rung_name(depth)} model" if depth is not None else "no rung of the ladder"
+        says = f"the plan in {where} says {size}" if kept is not None else f"{where} keeps no plan"
         raise ConfigError(
-            f"checkpoint {saved[-1][1]} holds {held}, but the plan in {where} says {size}: the "
-            "size comes from the checkpoint and the plan must agree; use another --mirror folder "
-            "or a new run folder"
+            f"checkpoint {saved[-1][1]} holds {held}, but {says}: the size comes from the "
+            "checkpoint and the plan must agree; use another --mirror folder or a new run folder "
+            "(or leave out --size auto)"
         )
     return resumed_at(recipe, kept, info.get("recipe")), kept
 
