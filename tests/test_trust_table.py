@@ -139,6 +139,12 @@ def attack_plan(tmp_path, honest, capsys):
     edit(mirror / "run.json", lambda d: d.update(plan={"size": "d12", "hours": 0.01, "candidates": [row]}))
     assert pretrain(tmp_path / "vm2", mirror, data, "--max-steps", "2") == 0, capsys.readouterr().err
     trained_as_asked(tmp_path / "vm2", first)
+    # under --size auto, a size off the ladder: refused in one line, nothing left behind
+    edit(mirror / "run.json", lambda d: (d["recipe"]["train"].update(schedule="wsd"),
+                                         d.update(plan={"size": "d7", "hours": 0.01, "candidates": [row]})))
+    code = pretrain(tmp_path / "vm3", mirror, data, "--hours", "0.001", "--size", "auto")
+    assert "not on the ladder" in refused(capsys, code, mirror, "run.json")
+    assert not (tmp_path / "vm3").exists()
 
 
 def hostile_probe(d: dict) -> None:

@@ -12,7 +12,7 @@ from tinygpt.core.files import link_problem, read_json_safe
 from tinygpt.core.rundir import BUDGET_JSON, METRICS, RUN_JSON, SAMPLES, RunDir
 from tinygpt.core.same_settings import config_differences
 from tinygpt.train.budget import Budget
-from tinygpt.train.plan import PLANNED_FIELDS
+from tinygpt.train.plan import PLANNED_FIELDS, kept_plan
 from tinygpt.train.probe import PROBED_TRAIN_FIELDS
 from tinygpt.train.trainer import RESUMABLE_CHANGES
 
@@ -46,6 +46,8 @@ def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = Fa
             f"nothing was copied from or to {mirror}: use another --mirror folder"
         ) from None
     check_mirror_files(mirror)
+    if sized:  # a plan tinygpt could not have written: refused before anything is copied
+        kept_plan(info, f"{path} (nothing was copied from or to the mirror)")
     ours = recipe.to_dict()
     diffs = config_differences({k: theirs.get(k) for k in ("model", "train", "data")},
                                {k: ours[k] for k in ("model", "train", "data")},

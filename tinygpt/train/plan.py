@@ -389,6 +389,9 @@ def unique_tokens(recipe: Recipe) -> float | None:
     return chars * (1 - recipe.data.val_fraction) / per_token
 
 
+FIX_PLAN = "; delete its \"plan\" entry, or use a new run folder (or another --mirror folder)"
+
+
 def kept_plan(info: dict | None, where: str = RUN_JSON) -> dict | None:
     """The plan a run folder's run.json keeps (a resumed run's size), checked to name a ladder rung
     (`where`: the file, named in the refusal)."""
@@ -398,14 +401,11 @@ def kept_plan(info: dict | None, where: str = RUN_JSON) -> dict | None:
     cands = plan.get("candidates", []) if isinstance(plan, dict) else None
     if (not isinstance(cands, list) or not all(map(_is_candidate, cands))
             or not _number(plan.get("hours", 1)) or plan.get("hours", 1) <= 0):
-        raise ConfigError(
-            f"the plan in {where} is not a plan tinygpt wrote; delete its \"plan\" entry or start "
-            "a new run"
-        )
+        raise ConfigError(f"the plan in {where} is not a plan tinygpt wrote{FIX_PLAN}")
     try:
         depth_of(plan.get("size"))
     except ConfigError as e:
-        raise ConfigError(f"the plan in {where}: {e}") from None
+        raise ConfigError(f"the plan in {where}: {e}{FIX_PLAN}") from None
     return plan
 
 
