@@ -76,6 +76,9 @@ def test_a_mirrors_run_json_never_chooses_the_base_or_the_data(tmp_path):
     assert out.returncode != 0, out.stdout
     assert "holds another run than this command's" in out.stdout, out.stdout
     assert "model.init" in out.stdout and "data.source" in out.stdout, out.stdout
+    # the fields, never the other run's values (its private paths), nor advice to type them
+    assert str(private_text) not in out.stdout and "use another --mirror folder" in out.stdout, out.stdout
+    assert "Give the command" not in out.stdout, out.stdout
     assert "base " not in out.stdout  # the old "base .../private_run: its weights and tokenizer" line
     assert listing(drive) == before  # no token cache, no checkpoint, no identity written to the shared folder
     assert not (tmp_path / "victim" / "run.json").exists()
@@ -226,6 +229,7 @@ def test_a_mirrors_run_files_that_tinygpt_never_wrote_are_refused_before_any_cop
         assert out.returncode != 0, out.stdout
         assert str(drive / name) in out.stdout, out.stdout
         assert "did not write" in out.stdout or "not written by tinygpt" in out.stdout, out.stdout
+        assert "restore it from the mirror" not in out.stdout, out.stdout
         assert out.stdout.strip().count("\n") == 0, out.stdout  # one line
         assert not (tmp_path / "vm2" / name).exists() and not (tmp_path / "vm2" / "checkpoints").exists()
         (drive / name).unlink()
@@ -361,3 +365,94 @@ def test_an_export_killed_with_9_leaves_no_temporary_for_ever(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_mirrors_plan_sizes_nothing_here(tmp_path, monkeypatch):
+    """Issue 48: a `--size auto` run's mirror whose run.json says d12 (plan and ladder fields), its checkpoints
+    deleted: a new VM (another cache, so another key) plans here and trains what its own plan chose, not an
+    85M-parameter d12. With the checkpoints kept, the size is the checkpoint's: a plan that says otherwise is
+    refused in one line naming the file and the mirror."""
+    import shutil
+
+    from tinygpt.core.config import ConfigError
+    from tinygpt.fit.plan import rung
+    from tinygpt.pretrain.run_pretrain import pretrain as run_pretrain
+
+    data = text_folder(tmp_path / "data", 1)
+    drive = tmp_path / "drive" / "run"
+    kw = dict(data=str(data), size="auto", hours=0.002, device="cpu", progress=False, tensorboard=False,
+              mirror=drive)
+    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "vm1cache"))
+    run_pretrain("cpu-smoke", tmp_path / "vm1", **kw)
+    planned = json.loads((tmp_path / "vm1" / "run.json").read_text())["plan"]["size"]
+    assert planned != "d12"
+    info = json.loads((drive / "run.json").read_text())
+    big = rung(get_recipe("cpu-smoke"), 12)
+    info["recipe"]["model"].update({k: getattr(big.model, k) for k in ("n_layer", "d_model", "n_head", "n_kv_head",
+                                                                       "d_ff")})
+    info["plan"]["size"] = "d12"
+    for row in info["plan"]["candidates"]:
+        row["chosen"] = row["size"] == "d12"
+    (drive / "run.json").write_text(json.dumps(info))
+
+    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "vm2cache"))
+    with pytest.raises(ConfigError, match=r"holds a d\d+ model, but the plan in .*run\.json \(from the mirror "):
+        run_pretrain("cpu-smoke", tmp_path / "vm2", **kw)
+    shutil.rmtree(drive / "checkpoints")
+    shutil.rmtree(drive / "best", ignore_errors=True)
+    run_pretrain("cpu-smoke", tmp_path / "vm3", **kw)
+    now = json.loads((tmp_path / "vm3" / "run.json").read_text())
+    assert now["plan"]["size"] != "d12" and now["recipe"]["model"]["n_layer"] < 12
+    assert now["recipe"]["model"]["n_layer"] == int(now["plan"]["size"][1:])
+
+
+def test_a_resumed_budget_measures_its_own_steps(tmp_path):
+    """Issue 48: budget.json says 0.002 h buy 72,000 steps (0.1 ms each, within its own bounds) for a run that
+    resumes from its checkpoint: the resumed process measures its steps and fixes the count from them, so the
+    hours asked are the hours its steps take (their count times the step time it measured), and it ends."""
+    from tinygpt.pretrain.run_pretrain import pretrain as run_pretrain
+
+    data = text_folder(tmp_path / "data", 1)
+    run = tmp_path / "run"
+    kw = dict(data=str(data), device="cpu", progress=False, tensorboard=False, cache_dir=tmp_path / "cache")
+    first = run_pretrain("cpu-smoke", run, hours=0.001, **kw)
+    forged = {"hours": 0.002, "max_steps": 72_000, "step_s": 1e-4, "decided_at_step": 1, "decided_at": 1.0}
+    (run / "budget.json").write_text(json.dumps(forged))
+    again = run_pretrain("cpu-smoke", run, hours=0.002, **kw)
+    kept = json.loads((run / "budget.json").read_text())
+    assert again.resumed_from == first.step and again.step == kept["max_steps"] < 72_000
+    assert kept["step_s"] != 1e-4 and kept["decided_at_step"] > first.step
+    assert abs(kept["max_steps"] * kept["step_s"] - 0.002 * 3600) <= 0.1 * 0.002 * 3600, kept
+
+
+def test_a_deleted_mirror_is_not_said_to_hold_a_step(tmp_path):
+    """Issue 48: after `rm -rf` of the mirror, the give-up warning said "on the mirror: step 2"; it now says what
+    is there now, and names no class."""
+    import shutil
+    import warnings
+
+    from tinygpt.core.checkpoint import write_manifest
+    from tinygpt.sync.mirror import Mirror
+
+    local, mirror = tmp_path / "vm", tmp_path / "drive" / "run"
+
+    def checkpoint(step: int) -> Path:
+        p = local / "checkpoints" / f"step_{step:06d}"
+        p.mkdir(parents=True)
+        (p / "model.bin").write_bytes(os.urandom(1000))
+        write_manifest(p, {"step": step})
+        return p
+
+    local.mkdir()
+    (local / "run.json").write_text("{}")
+    m = Mirror(local, mirror, identity={"run_id": "r1", "config": "c1"})
+    m.on_checkpoint(checkpoint(2), 2)
+    assert m.flush(timeout=300)
+    shutil.rmtree(mirror)
+    m.on_checkpoint(checkpoint(4), 4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert not m.close(timeout=60)
+    said = " ".join(str(w.message) for w in seen)
+    assert "on the mirror: nothing (the folder is gone)" in said and "step 2" not in said, said
+    assert "Error:" not in said and "MirrorGone" not in said, said

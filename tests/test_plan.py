@@ -390,13 +390,14 @@ def test_a_planned_run_trains_the_chosen_rung_and_resumes_at_its_size_without_pl
     def no_timing(*a, **k):
         raise AssertionError("a resumed planned run planned again")
     monkeypatch.setattr(plan_mod, "trainer_speed", no_timing)
-    # resumed with more hours (another machine would time other speeds): the size is the one in run.json,
-    # with --size auto or without it
-    for size in ("auto", None):
-        again = pretrain("cpu-smoke", run, size=size, hours=0.003, device="cpu", progress=False,
-                         tensorboard=False)
-        assert json.loads((run / "run.json").read_text())["plan"]["size"] == plan["size"]
-        assert again.step >= result.step
+    # resumed with more hours (another machine would time other speeds): the size is the one in run.json
+    again = pretrain("cpu-smoke", run, size="auto", hours=0.003, device="cpu", progress=False,
+                     tensorboard=False)
+    assert json.loads((run / "run.json").read_text())["plan"]["size"] == plan["size"]
+    assert again.step >= result.step
+    # a kept plan applies only under --size auto: without it, the refusal says to add it
+    with pytest.raises(ConfigError, match="add --size auto to resume it"):
+        pretrain("cpu-smoke", run, hours=0.003, device="cpu", progress=False, tensorboard=False)
 
 
 @pytest.mark.slow  # times real steps: an 11-second budgeted CLI run (short form: test_where_every_rung_...)

@@ -9,6 +9,7 @@ from tinygpt.core.config import ConfigError
 from tinygpt.core.recipes import get_recipe
 from tinygpt.fit.probe import fit_to_device
 from tinygpt.pretrain.run_pretrain import pretrain
+from tinygpt.train.decisions import sign
 
 
 def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkeypatch):
@@ -34,10 +35,17 @@ def test_probe_decides_on_a_gpu_and_the_run_keeps_its_decisions(tmp_path, monkey
     assert fitted.train.loss == "full"
     # the CPU keeps the recipe as written
     assert fit_to_device(recipe, tmp_path, torch.device("cpu")) == (recipe, None)
-    # a resumed run keeps the decisions recorded in run.json, whatever GPU it lands on now
-    (tmp_path / "run.json").write_text(json.dumps({"recipe": fitted.to_dict(), "probe": info}))
+    # a resumed run keeps the decisions recorded in its own (signed) run.json, whatever GPU it lands on now
+    (tmp_path / "run.json").write_text(json.dumps(sign({"recipe": fitted.to_dict(), "probe": info})))
     again, info2 = fit_to_device(recipe, tmp_path, torch.device("cuda"))
     assert calls == ["a100-124m"] and again.to_dict() == fitted.to_dict() and info2 == info
+    # a run.json this user did not sign (a shared mirror's) decides nothing: this machine probes, and on a
+    # CPU the recipe stands as written, whatever its "probe" says
+    forged = fitted.replace(train={"micro_batch_size": 1, "grad_accum_steps": 64 * 8, "seq_len": 8}).to_dict()
+    (tmp_path / "run.json").write_text(json.dumps({"recipe": forged, "probe": {"device_name": "NVIDIA H100"}}))
+    again, _ = fit_to_device(recipe, tmp_path, torch.device("cuda"))
+    assert calls == ["a100-124m"] * 2 and again.to_dict() == fitted.to_dict()
+    assert fit_to_device(recipe, tmp_path, torch.device("cpu")) == (recipe, None)
 
 
 def test_a_probed_run_resumes_on_a_new_vm_from_the_mirror_with_its_own_choices(tmp_path, shared_data, monkeypatch):

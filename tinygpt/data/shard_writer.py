@@ -226,7 +226,8 @@ def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: 
     if group.train or group.val:
         _write_group(folder, manifest, group, n_docs)
     if n_docs == 0:
-        raise DataError(f"data source {cfg.source!r} yielded no text")
+        raise DataError(f"data source {cfg.source!r} holds no text: it is empty, or holds only "
+                        "binary (NUL) bytes; give a file or folder of text")
     manifest["done"] = True
     manifest["documents"] = n_docs
     manifest["chars"] = sum(s["chars"] for s in manifest["shards"])

@@ -76,6 +76,7 @@ from tinygpt.fit.hardware import check_device
 from tinygpt.sync.mirror import mirror_adapter
 from tinygpt.sync.mirrored import mirrored
 from tinygpt.train.callbacks import Progress
+from tinygpt.train.decisions import FINETUNE_DOMAIN, own_signature, sign
 from tinygpt.train.step import ModelIO
 from tinygpt.train.trainer import TrainData, Trainer
 
@@ -190,7 +191,8 @@ def _settle(rec: FinetuneRecipe, base: str, base_id: str, data: str, run_dir: Pa
     Refuses, before anything is written, a base that cannot be loaded, a folder holding another run,
     and checkpoints that resume 'never' would overwrite."""
     old = RunDir(run_dir).finetune_info()
-    hardware = hardware or (old or {}).get("hardware") or detect_hardware(dev)
+    kept = kept_decisions(run_dir, old)
+    hardware = hardware or (kept or {}).get("hardware") or detect_hardware(dev)
     cfg = rec.train_config(hardware, **overrides)
     if rec.quantize == "nf4":
         check_qlora(dev)
@@ -205,7 +207,7 @@ def _settle(rec: FinetuneRecipe, base: str, base_id: str, data: str, run_dir: Pa
     # the estimate sees the overrides
     planned = dataclasses.replace(rec, train={**rec.train, hardware: cfg})
     config_dict, memory_gb = base_config_dict(base), memory_gb_of(dev)
-    plan = (resumed_plan(old, planned, hardware, config_dict, memory_gb) if old
+    plan = (resumed_plan(kept, planned, hardware, config_dict, memory_gb) if kept
             else plan_finetune(planned, hardware, config_dict, memory_gb))
     info = {"recipe": rec.to_dict(), "base": base_id, "data": data, "hardware": hardware,
             "plan": plan.to_dict()}
@@ -215,6 +217,17 @@ def _settle(rec: FinetuneRecipe, base: str, base_id: str, data: str, run_dir: Pa
         raise FinetuneError(f"run folder {run_dir} already has checkpoints; resume='never' would "
                             "overwrite them")
     return _Settled(rec, hardware, cfg, overrides, planned, plan, info, resuming)
+
+
+def kept_decisions(run_dir: Path, old: dict[str, Any] | None) -> dict[str, Any] | None:
+    """finetune.json (`old`) where its hardware class and plan stand: this user wrote it
+    (`decisions.own_signature`), or checkpoints trained with them are resumed. A shared mirror's
+    alone decides nothing: None, and they are decided here."""
+    if old is None:
+        return None
+    if own_signature(old, FINETUNE_DOMAIN) or list_checkpoints(RunDir(run_dir).checkpoints):
+        return old
+    return None
 
 
 def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any]) -> None:
@@ -233,7 +246,7 @@ def _base_folder(run: _Settled, base: str, run_dir: Path) -> str:
     else the base as given. A recipe's context longer than the base knows is cut to it (one asked
     for is refused)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir / FINETUNE_JSON, run.info)
+    write_json_atomic(run_dir / FINETUNE_JSON, sign(run.info, FINETUNE_DOMAIN))
     base_path = base
     if is_tinygpt_run(base):
         base_path = str((run_dir / BASE_DIR).resolve())

@@ -26,13 +26,16 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from tinygpt.core.checkpoint import MODEL_FILE, CheckpointError, check_safetensors, list_checkpoints
 from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import read_json_safe
 from tinygpt.core.precision import choose_precision
+from tinygpt.core.rundir import RUN_JSON
 from tinygpt.data.sources import DataError, source_chars
 from tinygpt.fit.hardware import check_fits
 from tinygpt.fit.probe import trainer_speed
@@ -385,21 +388,67 @@ def unique_tokens(recipe: Recipe) -> float | None:
     return chars * (1 - recipe.data.val_fraction) / per_token
 
 
-def kept_plan(info: dict | None) -> dict | None:
-    """The plan a run folder's run.json keeps (a resumed
-    run's size), checked to name a ladder rung."""
+FIX_PLAN = "; delete its \"plan\" entry, or use a new run folder (or another --mirror folder)"
+
+
+def kept_plan(info: dict | None, where: str = RUN_JSON) -> dict | None:
+    """The plan a run folder's run.json keeps (a resumed run's size), checked to name a ladder rung
+    (`where`: the file, named in the refusal)."""
     plan = (info or {}).get("plan")
     if plan is None:
         return None
     cands = plan.get("candidates", []) if isinstance(plan, dict) else None
     if (not isinstance(cands, list) or not all(map(_is_candidate, cands))
             or not _number(plan.get("hours", 1)) or plan.get("hours", 1) <= 0):
-        raise ConfigError(
-            "run.json's plan is not a plan tinygpt wrote; delete the run folder's run.json plan "
-            "or start a new run"
-        )
-    depth_of(plan.get("size"))
+        raise ConfigError(f"the plan in {where} is not a plan tinygpt wrote{FIX_PLAN}")
+    try:
+        depth_of(plan.get("size"))
+    except ConfigError as e:
+        raise ConfigError(f"the plan in {where}: {e}{FIX_PLAN}") from None
     return plan
+
+
+def checkpoint_depth(folder: Path) -> int | None:
+    """The ladder depth of the model a checkpoint folder holds (its layers, when their width is
+    depth * HEAD_DIM), read from its weights' header; None when it holds no ladder rung or cannot be
+    read (the trainer then says what is wrong with it)."""
+    from safetensors import safe_open
+
+    path = folder / MODEL_FILE
+    try:
+        check_safetensors(path)
+        with safe_open(str(path), "pt") as f:
+            keys = list(f.keys())
+            width = f.get_slice("model.embed_tokens.weight").get_shape()[1]
+    except (CheckpointError, OSError, ValueError, KeyError, IndexError):
+        return None
+    layers = {k.split(".")[2] for k in keys if k.startswith("model.layers.")}
+    return len(layers) if width == len(layers) * HEAD_DIM else None
+
+
+def planned_here(recipe: Recipe, hours: float, dev: torch.device, info: dict, own: bool,
+                 checkpoints: Path, where: str) -> tuple[Recipe, SizePlan | dict]:
+    """`--size auto` for a run folder whose run.json is `info`: its kept plan where this user signed
+    it (`own`); else that plan is no evidence: with no checkpoint in `checkpoints` this machine plans,
+    and with one the size is the checkpoint's, which must be the plan's rung of the ladder (refused
+    in one line naming `where`, the file, otherwise)."""
+    kept = kept_plan(info, where)
+    if own and kept is not None:
+        return choose_size(recipe, hours, dev, kept, info.get("recipe"))
+    saved = list_checkpoints(checkpoints)
+    if not saved:
+        return choose_size(recipe, hours, dev, None)
+    depth = checkpoint_depth(saved[-1][1])
+    size = kept.get("size") if kept is not None else None
+    if depth is None or size != rung_name(depth):
+        held = f"a {rung_name(depth)} model" if depth is not None else "no rung of the ladder"
+        says = f"the plan in {where} says {size}" if kept is not None else f"{where} keeps no plan"
+        raise ConfigError(
+            f"checkpoint {saved[-1][1]} holds {held}, but {says}: the size comes from the "
+            "checkpoint and the plan must agree; use another --mirror folder or a new run folder "
+            "(or leave out --size auto)"
+        )
+    return resumed_at(recipe, kept, info.get("recipe")), kept
 
 
 def _number(x: object) -> bool:

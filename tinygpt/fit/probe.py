@@ -1,8 +1,8 @@
 """The probe: what this machine is, how much memory a recipe needs (estimated, with a breakdown),
 and the largest micro-batch and context that really fit (found by trial), cached per device, recipe
-and torch version, and kept in the run folder (probe.json, mirrored with the run) so that a new VM
-on the same GPU and torch reads it instead of probing again. "GB" here is GiB (2**30 bytes), as
-Colab and nvidia-smi count GPU memory.
+and torch version, and kept in the run folder (probe.json, mirrored with the run, signed) so that a
+new VM of the same user on the same GPU and torch reads it instead of probing again. "GB" here is
+GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
 
 The probe compiles nothing: its memory trials and its timings run the trainer's step eagerly, so the
 training step that follows compiles once, for its own micro-batch, with static shapes (and the run's
@@ -45,6 +45,7 @@ from tinygpt.fit.trials import (
 )
 from tinygpt.model.gpt import GPT
 from tinygpt.model.losses import default_chunk_rows
+from tinygpt.train.decisions import own_signature
 from tinygpt.train.step import TrainStep
 
 # the search and the timings stop here (the choice so far is kept, and said)
@@ -150,12 +151,13 @@ def probe(
     the real measurement (torch.cuda.max_memory_allocated on CUDA, TensorMemoryTracker elsewhere); a
     trial over `memory_limit_gb` (default: the GPU's memory less its context, or the free RAM)
     raises torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off;
-    `run_dir`: the result is also kept there (probe.json) and read from there first (a new VM with
-    the run restored). Among the micro-batches that fit, `speed(recipe, device) -> tokens/s`
-    (default: the trainer's own step, eagerly) picks the fastest; None keeps the
-    largest. A candidate whose timing runs out of memory (in any of its forms:
-    `is_allocation_failure`) is dropped with a note. After `time_limit_s` (None: no limit) the
-    search and the timings stop and the best found so far is taken."""
+    `run_dir`: the result is also kept there (probe.json), and read from there after the cache
+    where this user signed it (`probe_cache.read_kept`: a new VM with the run restored). Among the
+    micro-batches that fit, `speed(recipe, device) -> tokens/s` (default: the trainer's own step,
+    eagerly) picks the fastest; None keeps the largest. A candidate whose
+    timing runs out of memory (in any of its forms: `is_allocation_failure`) is dropped with a
+    note. After `time_limit_s` (None: no limit) the search and the timings stop and the best found
+    so far is taken."""
     dev = resolve_device(str(device))
     requested, prec_note = requested_precision(recipe, dev.type, native_bf16(dev))
     prec = choose_precision(dev, precision or requested)
@@ -183,11 +185,12 @@ def probe(
         injected_measure=measure is not None,
         timed=getattr(speed, "__name__", None),
     )
-    paths = [Path(run_dir) / PROBE_JSON] if run_dir is not None else []
+    run_file = Path(run_dir) / PROBE_JSON if run_dir is not None else None
+    paths = []
     if cache_dir is not None:
         folder = cache_root("probe") if cache_dir == "default" else Path(cache_dir)
         paths.append(folder / cache_name(key))
-    kept = read_kept(paths, key)
+    kept = read_kept(paths, key, run_file)
     if kept is not None:
         return kept
 
@@ -210,7 +213,7 @@ def probe(
         search.fastest(speed, largest, t, ckpt) if speed is not None else (largest, train.loss)
     )
     result = search.confirm(limit, loss, largest, t, ckpt, name, key)
-    for path in paths:
+    for path in [*paths, *([run_file] if run_file is not None else [])]:
         keep(path, result)
     return result
 
@@ -398,38 +401,41 @@ def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
 
 
 def fit_to_device(
-    recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1
+    recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1, trusted: bool = False
 ) -> tuple[Recipe, dict | None]:
     """The probe decides micro-batch, accumulation, context, precision and activation checkpointing
     on a GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it
-    started with (they are part of its configuration); on a CPU the recipe stands as written."""
+    started with where this user signed its run.json (`decisions.own_signature`; `trusted`: rank 0
+    wrote it for this job): they are part of its configuration. Any other run.json (a shared
+    mirror's) decides none of them: this machine probes (its own cache, keyed by its own device),
+    and on a CPU the recipe stands as written."""
     run = RunDir(run_dir)
-    if run.is_pretrain_run():
-        old = run.info()
-        if old.get("probe"):  # the probe is not run again: its choices are part of the run
-            r = old["recipe"]
-            # (a CUDA device with no CUDA runtime is only a test's: there is no name to compare)
-            on_gpu = dev.type == "cuda" and torch.cuda.is_available()
-            was, now = (
-                old["probe"].get("device_name"),
-                torch.cuda.get_device_name(dev) if on_gpu else None,
-            )
-            if now is not None and was != now:
-                warnings.warn(
-                    f"this run was probed on a {was} and resumes on a {now}: it keeps micro-batch "
-                    f"{r['train']['micro_batch_size']}, context {r['train']['seq_len']} and "
-                    f"precision {r['train']['precision']}; if it runs out of memory, start a new "
-                    "run folder",
-                    stacklevel=2,
-                )
-            kept = recipe.replace(
-                train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS if k in r["train"]},
-                model={"activation_checkpointing": r["model"]["activation_checkpointing"]},
-            )
-            return kept, old["probe"]
-        return recipe, None
+    old = run.info() if run.is_pretrain_run() else {}
+    if old.get("probe") and (trusted or own_signature(old)):
+        return _kept_choices(recipe, old, dev), old["probe"]
     if dev.type != "cuda" or world_size > 1:
         return recipe, None
 
     result = probe(recipe, device=dev, run_dir=run_dir)
     return apply_probe(recipe, result), result.to_dict()
+
+
+def _kept_choices(recipe: Recipe, old: dict, dev: torch.device) -> Recipe:
+    """`recipe` with the probed fields of the run's own run.json (`old`); a warning when it resumes on
+    another GPU than it was probed on."""
+    r = old["recipe"]
+    # (a CUDA device with no CUDA runtime is only a test's: there is no name to compare)
+    on_gpu = dev.type == "cuda" and torch.cuda.is_available()
+    was, now = old["probe"].get("device_name"), torch.cuda.get_device_name(dev) if on_gpu else None
+    if now is not None and was != now:
+        warnings.warn(
+            f"this run was probed on a {was} and resumes on a {now}: it keeps micro-batch "
+            f"{r['train']['micro_batch_size']}, context {r['train']['seq_len']} and "
+            f"precision {r['train']['precision']}; if it runs out of memory, start a new "
+            "run folder",
+            stacklevel=3,
+        )
+    return recipe.replace(
+        train={k: r["train"][k] for k in PROBED_TRAIN_FIELDS if k in r["train"]},
+        model={"activation_checkpointing": r["model"]["activation_checkpointing"]},
+    )

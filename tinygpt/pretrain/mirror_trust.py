@@ -11,13 +11,14 @@ from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import link_problem, read_json_safe
 from tinygpt.core.rundir import BUDGET_JSON, METRICS, RUN_JSON, SAMPLES, RunDir
 from tinygpt.core.same_settings import config_differences
-from tinygpt.fit.plan import PLANNED_FIELDS
+from tinygpt.fit.plan import PLANNED_FIELDS, kept_plan
 from tinygpt.fit.probe import PROBED_TRAIN_FIELDS
 from tinygpt.train.budget import Budget
 from tinygpt.train.trainer import RESUMABLE_CHANGES
 
 # what a run's run.json may hold otherwise than the command that resumes it: what a resume may
-# change, and what the probe chose on the GPU it began on (kept from run.json by `fit_to_device`)
+# change, and what the probe chose on the GPU it began on (decided again here unless this user
+# signed run.json: `probe.fit_to_device`)
 MIRROR_MAY_DIFFER = RESUMABLE_CHANGES | set(PROBED_TRAIN_FIELDS) | {"activation_checkpointing"}
 
 
@@ -26,9 +27,9 @@ def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = Fa
     recipe, its base, data and tokenizer) comes from the command and the local run folder; a mirror
     whose run.json records another run is refused in one line naming the fields, before anything is
     copied from or to it (so nothing it names, a base folder or a data folder, is read, and nothing
-    is uploaded). An unreachable mirror is left to the restore, which says so. `sized` (--size
-    auto): the model's ladder fields and learning rates are the plan's, which the restored run.json
-    keeps (`plan.kept_plan` then checks it names a rung of the ladder)."""
+    is uploaded); the refusal names the fields that differ, never the other run's values (its
+    private paths). An unreachable mirror is left to the restore, which says so. `sized` (--size
+    auto): the model's ladder fields and learning rates are decided here (`plan.planned_here`)."""
     if mirror is None:
         return
     path = Path(mirror) / RUN_JSON
@@ -41,22 +42,24 @@ def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = Fa
         return
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(
-            f"the mirror's {RUN_JSON} cannot be read as a run's ({str(e).splitlines()[0]}); "
+            f"{path} on the mirror cannot be read as a run's ({str(e).splitlines()[0]}); "
             f"nothing was copied from or to {mirror}: use another --mirror folder"
         ) from None
     check_mirror_files(mirror)
+    if sized:  # a plan tinygpt could not have written: refused before anything is copied
+        kept_plan(info, f"{path} (nothing was copied from or to the mirror)")
     ours = recipe.to_dict()
     diffs = config_differences({k: theirs.get(k) for k in ("model", "train", "data")},
                                {k: ours[k] for k in ("model", "train", "data")},
                                MIRROR_MAY_DIFFER | (PLANNED_FIELDS if sized else set()))
+    fields = [d.split(":", 1)[0] for d in diffs]  # the names only: its values may be private paths
     if theirs.get("name") != recipe.name:
-        diffs.insert(0, f"recipe: {theirs.get('name')!r} in the run, {recipe.name!r} now")
-    if diffs:
+        fields.insert(0, "recipe")
+    if fields:
         raise ConfigError(
-            f"the mirror {mirror} holds another run than this command's ({'; '.join(diffs)}): "
-            "nothing was copied from or to it, and nothing it names was read. Give the command "
-            "that run was started with (its --recipe, --init, --data, --set), or use another "
-            "--mirror folder"
+            f"the mirror {mirror} holds another run than this command's ({path} differs in "
+            f"{', '.join(fields)}): nothing was copied from or to it, and nothing it names was "
+            "read; use another --mirror folder"
         )
 
 

@@ -38,13 +38,13 @@ from tinygpt.data.sampler import WindowSampler, fixed_batches
 from tinygpt.data.sources import check_source, iter_documents, same_path_source
 from tinygpt.data.tokens import RunData, open_tokens
 from tinygpt.fit.hardware import check_device, check_fits, gpu_peak_tflops
-from tinygpt.fit.plan import SizePlan, choose_size, kept_plan
+from tinygpt.fit.plan import PLANNED_FIELDS, SizePlan, planned_here
 from tinygpt.fit.probe import fit_to_device
 from tinygpt.fit.report import PlanReport
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
 from tinygpt.pretrain.init import Base, initial_model, starting_base
-from tinygpt.pretrain.mirror_trust import check_mirror_run
+from tinygpt.pretrain.mirror_trust import MIRROR_MAY_DIFFER, check_mirror_run
 from tinygpt.pretrain.pretrain_options import PretrainOptions
 from tinygpt.sync.mirrored import RunMirror, mirrored
 from tinygpt.train.callbacks import (
@@ -57,6 +57,7 @@ from tinygpt.train.callbacks import (
     sample_prompt,
 )
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
+from tinygpt.train.decisions import own_signature, sign
 from tinygpt.train.distributed import (
     Ranks,
     check_parallel,
@@ -65,7 +66,7 @@ from tinygpt.train.distributed import (
     split_global_batch,
 )
 from tinygpt.train.startup import StartupClock
-from tinygpt.train.trainer import RESUMABLE_CHANGES, TrainData, Trainer, TrainResult
+from tinygpt.train.trainer import TrainData, Trainer, TrainResult
 
 # BPE merges settle long before this; training on more only costs time
 TOKENIZER_TRAIN_CHARS = 3_000_000
@@ -75,20 +76,27 @@ def versions() -> dict[str, str]:
     return {"tinygpt": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
-def check_run_dir(run_dir: Path, recipe: Recipe, resume: str) -> None:
-    """Refuse a run folder that holds another configuration,
-    or checkpoints when resume is 'never'."""
+def check_run_dir(run_dir: Path, recipe: Recipe, resume: str, sized: bool = False) -> None:
+    """Refuse a run folder that holds another configuration, or checkpoints when resume is 'never'.
+    What this machine decides may differ from run.json, which is then rewritten: the probe's fields
+    (the trainer compares a checkpoint's own), and under --size auto with no checkpoint the size
+    (`plan_run`; with one, the checkpoint's size and run.json's model must agree)."""
     run = RunDir(run_dir)
+    saved = ckpt.list_checkpoints(run.checkpoints)
     if run.is_pretrain_run():
+        info = run.info()
         # read back through Recipe: a field added since the run began compares as its default
-        old, new = Recipe.from_dict(run.recipe_dict()).to_dict(), recipe.to_dict()
+        old, new = Recipe.from_dict(info["recipe"]).to_dict(), recipe.to_dict()
         check_same_settings(
-            f"run folder {run_dir}",
+            f"run folder {run_dir} (its {RUN_JSON})",
             {k: old.get(k) for k in ("model", "train", "data")},
             {k: new[k] for k in ("model", "train", "data")},
-            allowed=RESUMABLE_CHANGES,
+            what="a different configuration" + (
+                " (its size was planned by --size auto: add --size auto to resume it)"
+                if "plan" in info and not sized else ""),
+            allowed=MIRROR_MAY_DIFFER | (PLANNED_FIELDS if sized and not saved else set()),
         )
-    if resume == "never" and ckpt.list_checkpoints(RunDir(run_dir).checkpoints):
+    if resume == "never" and saved:
         raise ConfigError(
             f"run folder {run_dir} already has checkpoints and --resume never would overwrite "
             "them: use --resume auto to continue, or another run folder (a new --run-dir or "
@@ -115,13 +123,26 @@ def check_tokenizer(recipe: Recipe, token_ids: bool) -> None:
         )
 
 
-def get_tokenizer(recipe: Recipe, run_dir: Path, base: Base | None = None) -> Tokenizer:
+def get_tokenizer(recipe: Recipe, run_dir: Path, base: Base | None = None,
+                  kept: bool = True) -> Tokenizer:
     """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe
     says (`check_tokenizer` has refused one that cannot read the source; `base`: a continued run's
-    base, whose tokenizer it takes)."""
+    base, whose tokenizer it takes). `kept` False (no checkpoint, and run.json not this user's: a
+    mirror's tokenizer.json alone): it is made here and must be the one found, else refused."""
     saved = run_dir / TOKENIZER_JSON
-    if saved.is_file():
+    if saved.is_file() and kept:
         return Tokenizer.load(saved)
+    tok = _new_tokenizer(recipe, base)
+    if saved.is_file() and Tokenizer.load(saved).to_json() != tok.to_json():
+        raise ConfigError(
+            f"{saved} (from the mirror) is not the tokenizer this command makes and no checkpoint "
+            "was trained with it: delete it, or use another --mirror folder"
+        )
+    return tok
+
+
+def _new_tokenizer(recipe: Recipe, base: Base | None) -> Tokenizer:
+    """The tokenizer trained or loaded as the recipe says."""
     d = recipe.data
     if d.tokenizer == "train":
         budget = (
@@ -275,19 +296,23 @@ class Plan:
 def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks,
              clock: StartupClock, token_ids: bool) -> Plan:
     """Read a continued run's base (at its first start: another network is refused here, before any
-    work), let the probe fit the recipe to the GPU (a resumed run keeps the choices it began with),
-    then split the global batch over the ranks and settle the precision."""
+    work), size it (`--size auto`), let the probe fit the recipe to the GPU, then split the global
+    batch over the ranks and settle the precision. A resumed run keeps the size and the probe's
+    choices it began with where its run.json is this user's (`decisions.own_signature`); any other
+    (a shared mirror's) is state only, and this machine decides them again."""
     base = starting_base(recipe, opts.run_dir, opts.resume)
     size = None
-    info = RunDir(opts.run_dir).info_or_empty()
-    kept = kept_plan(info)
-    # a planned run resumes at its size, --size given or not
-    if opts.size == "auto" or kept is not None:
-        recipe, size = choose_size(recipe, opts.hours, dev, kept, info.get("recipe"))
+    run = RunDir(opts.run_dir)
+    info = run.info_or_empty()
+    # this user's run.json, or the one rank 0 wrote for this job: its decisions stand
+    own = not ranks.is_main or own_signature(info)
+    if opts.size == "auto":  # a kept plan applies only here
+        where = f"{run.path / RUN_JSON}" + (f" (from the mirror {opts.mirror})" if opts.mirror else "")
+        recipe, size = planned_here(recipe, opts.hours, dev, info, own, run.checkpoints, where)
         clock.mark("plan")
     probe_info = None
     if opts.probe == "auto":
-        recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, ranks.world_size)
+        recipe, probe_info = fit_to_device(recipe, opts.run_dir, dev, ranks.world_size, own)
     clock.mark("probe")
     split_global_batch(
         recipe.train.micro_batch_size, recipe.train.grad_accum_steps, ranks.world_size
@@ -299,9 +324,12 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
 def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
     """Check the run folder (on rank 0), get the tokenizer, open the tokens (on rank 0, a background
     process starts tokenizing: the caller closes what this returns)."""
+    run = RunDir(opts.run_dir)
+    kept = not plan.is_main or bool(ckpt.list_checkpoints(run.checkpoints)) or own_signature(
+        run.info_or_empty())
     if plan.is_main:
-        check_run_dir(opts.run_dir, plan.recipe, opts.resume)
-    tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.base)
+        check_run_dir(opts.run_dir, plan.recipe, opts.resume, sized=opts.size == "auto")
+    tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.base, kept)
     plan.clock.mark("tokenizer")
     return open_tokens(
         plan.recipe,
@@ -404,4 +432,4 @@ def _write_run_files(run_dir: Path, plan: Plan, tokenizer: Tokenizer, data_meta:
         "versions": versions(),
         "command": " ".join(sys.argv),
     }
-    RunDir(run_dir).write_info(info)
+    RunDir(run_dir).write_info(sign(info))  # this user's decisions (`decisions`)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -31,6 +32,8 @@ def read_identity(folder: Path) -> dict | None:
         isinstance(d, dict)
         and isinstance(d.get("run_id"), str)
         and isinstance(d.get("config"), str)
+        # what `run_identity` makes: shown in messages, so one short word
+        and re.fullmatch(r"[0-9A-Za-z_-]{1,64}", d["run_id"]) is not None
     ):
         raise RunDirError(
             f"{p} is not a run identity (run_id, config); delete it only if {folder} holds one run"
@@ -57,14 +60,15 @@ def run_identity(local: str | Path, mirror: str | Path | None, config: dict) -> 
     if theirs is not None:
         if theirs["config"] != digest:
             raise MirrorTaken(
-                f"the mirror {mirror} belongs to another run (run {theirs['run_id']}, with another "
-                "configuration or data): this run would mix its files with that run's; nothing "
-                "was written. Use another --mirror folder (one per run), or the same settings as "
-                "that run"
+                f"the mirror {mirror} belongs to another run (its {IDENTITY}: run "
+                f"{theirs['run_id']}, with another configuration or data): this run would mix its "
+                "files with that run's; nothing was written. Use another --mirror folder (one per "
+                "run)"
             )
         if mine is not None and mine["run_id"] != theirs["run_id"]:
             raise MirrorTaken(
-                f"the mirror {mirror} belongs to run {theirs['run_id']} and run folder {local} is "
+                f"the mirror {mirror} belongs to run {theirs['run_id']} (its {IDENTITY}) and run "
+                f"folder {local} is "
                 f"run {mine['run_id']}: two runs would mix their checkpoints; nothing was written. "
                 "Use another --mirror folder (one per run)"
             )

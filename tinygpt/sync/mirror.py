@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinygpt.core.callback import Callback
-from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint, write_manifest
+from tinygpt.core.checkpoint import (
+    MANIFEST,
+    list_checkpoints,
+    step_name,
+    verify_checkpoint,
+    write_manifest,
+)
 from tinygpt.core.files import clean_leftovers, read_bytes_safe, write_bytes_atomic
 from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, RUN_FILES, RunDir
 from tinygpt.sync.copy import (
@@ -83,6 +89,11 @@ def prune_mirror(
         shutil.rmtree(p, ignore_errors=True)
         known.discard(p.name)
     return removed
+
+
+def said(e: BaseException) -> str:
+    """An error in words for a message: what it says (its class only when it says nothing)."""
+    return str(e) or type(e).__name__
 
 
 # ---- the background mirror -----------------------------------------------------------------------
@@ -231,19 +242,25 @@ class Mirror(Callback):
                 )
             if self._files_dirty:
                 self.not_synced.append("the latest run files (metrics.jsonl, samples.txt, ...)")
-        last = f"step {st.last_synced_step}" if st.last_synced_step is not None else "no checkpoint"
-        how = (
-            "after the wait"
-            if self._dead is None
-            else f"at once ({type(self._dead).__name__}: {self._dead}: waiting would not help)"
-        )
-        warnings.warn(
-            f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
-            f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
-            f"{st.last_error}. The local run folder {self.local} has everything",
-            stacklevel=2,
-        )
+        last = self._holds(st.last_synced_step)
+        how = ("after the wait" if self._dead is None
+               else f"at once ({self._dead}: waiting would not help)")
+        warnings.warn(f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
+                      f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
+                      f"{st.last_error}. The local run folder {self.local} has everything",
+                      stacklevel=2)
         return False
+
+    def _holds(self, step: int | None) -> str:
+        """What the mirror holds now, looked at (it may have been deleted since the copy)."""
+        try:
+            if not self.mirror.is_dir():
+                return "nothing (the folder is gone)"
+            if step is not None and (self.mirror / CHECKPOINTS / step_name(step)).is_dir():
+                return f"step {step}"
+        except OSError:
+            return "unknown (the folder cannot be read)"
+        return "no checkpoint"
 
     def __enter__(self) -> Mirror:
         return self
@@ -268,14 +285,11 @@ class Mirror(Callback):
             first = self._status.errors == 0
             self._last_exc = e
             self._status.errors += 1
-            self._status.last_error = f"{type(e).__name__}: {e}"
+            self._status.last_error = said(e)
             self._status.last_error_at = self.clock()
         if first:  # say so at once; the retries go on behind training
-            warnings.warn(
-                f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; training goes on "
-                "and the copy is retried",
-                stacklevel=2,
-            )
+            warnings.warn(f"Drive mirror {self.mirror}: {said(e)}; training goes on "
+                          "and the copy is retried", stacklevel=2)
 
     def _catch_up_items(self) -> None:
         """What the local run holds that the mirror may lack (its newest checkpoint, best/, the
@@ -357,23 +371,17 @@ class Mirror(Callback):
                 with self._cond:
                     self._dead = e
                     self._status.errors += 1
-                    self._status.last_error = f"{type(e).__name__}: {e}"
+                    self._status.last_error = said(e)
                     self._status.last_error_at = self.clock()
-                warnings.warn(
-                    f"Drive mirror {self.mirror}: {type(e).__name__}: {e}; waiting would "
-                    "not help, so the mirror is off for this run (training goes on; the "
-                    "local run folder has everything, and the next run copies what the "
-                    "mirror lacks once this is fixed)",
-                    stacklevel=2,
-                )
+                warnings.warn(f"Drive mirror {self.mirror}: {said(e)}; waiting would "
+                              "not help, so the mirror is off for this run (training goes on; the "
+                              "local run folder has everything, and the next run copies what the "
+                              "mirror lacks once this is fixed)", stacklevel=2)
                 return False
             if e is not self._last_exc:  # a retried one is counted already
                 self._note_error(e)
-            warnings.warn(
-                f"Drive mirror: {type(e).__name__}: {e}; training goes on, "
-                f"the next checkpoint tries again",
-                stacklevel=2,
-            )
+            warnings.warn(f"Drive mirror: {said(e)}; training goes on, "
+                          f"the next checkpoint tries again", stacklevel=2)
             return False
 
     def _sync_files(self) -> None:
@@ -456,11 +464,8 @@ def _mirror_copy(what: str, fn, where: Path) -> bool:
         Backoff(max_attempts=4).run(fn, permanent=lambda e: is_permanent(e, where))
         return True
     except OSError as e:
-        warnings.warn(
-            f"Drive mirror: could not copy {what} ({type(e).__name__}: {e}); the local "
-            "run folder has it",
-            stacklevel=3,
-        )
+        warnings.warn(f"Drive mirror: could not copy {what} ({said(e)}); the local "
+                      "run folder has it", stacklevel=3)
         return False
 
 

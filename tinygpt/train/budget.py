@@ -7,9 +7,13 @@ the trainer measures the time of a step, of an evaluation and of a checkpoint, f
 ``budget.json`` in the run folder. Until the decay begins it fixes the count again at each
 checkpoint (`refix`) from the mean time of every step so far, evaluations and saves included:
 a machine that slows down (a shared CPU, a GPU that throttles) or a first measurement that was
-lucky no longer moves the end. A resumed run keeps budget.json's step count, so it ends with
-its schedule complete however often it was interrupted. Resumed with more hours while
-still in the stable phase, it goes on longer; once the decay has begun, it cannot.
+lucky no longer moves the end. A resumed run keeps budget.json's step count until it has measured
+its own steps, then fixes it again from that step time (its earlier steps counted at it): the
+steps always come from a step time the training process measured, never from budget.json's
+(which a shared mirror brings back); once the decay has begun the count holds, so it ends with
+its schedule complete however often it was interrupted. Resumed with more hours while still in
+the stable phase, it goes on longer; once the decay has begun, it cannot. A run with no
+checkpoint measures its budget anew, whatever budget.json says.
 `finished_run` tells a run that already reached its last step (budgeted, or the recipe's).
 """
 from __future__ import annotations
@@ -55,7 +59,7 @@ class Budget:
         if not path.is_file():
             return None
         d = read_json(path)
-        fix = f"; delete {path} to measure the budget again, or restore it from the mirror"
+        fix = f"; delete {path}: the budget is measured again"
 
         def number(v, whole: bool = False) -> bool:
             kinds = (int,) if whole else (int, float)

@@ -275,12 +275,15 @@ class StartupReport(Callback):
 
 
 class TimeBudget(Callback):
-    """`--hours H`: the run's budget.json (a resume keeps its step count), or a budget still to be
-    measured: until then the stable phase of BUDGET_SCHEDULE runs on. After MEASURE_STEPS steady
-    steps it times an evaluation and a checkpoint too, fixes the step count so that training ends
-    within the budget, and keeps it in budget.json. The process
-    that fixed it fixes it again at each checkpoint of the stable phase (`refix`), from the mean time
-    of every step since; it says so when the count moves by REFIX_NOTE or more."""
+    """`--hours H`: a budget still to be measured (a run with no checkpoint: a budget.json there, a
+    mirror's, decides nothing), or a resumed run's budget.json, whose step count holds until this
+    process has measured its own steps. Until measured the schedule's stable phase runs on (wsd: its
+    rate does not depend on the step count). After MEASURE_STEPS steady steps a new run times an
+    evaluation and a checkpoint too, fixes the step count so that training ends within the budget,
+    and keeps it in budget.json; a resumed run fixes it again from its own step time, counting the
+    steps before it at that time. Every process fixes it again at each checkpoint of the stable
+    phase (`refix`), from the mean time of its steps; it says so when the count moves by REFIX_NOTE
+    or more. So the steps come from a step time this process measured, never from budget.json's."""
 
     def __init__(self, hours: float):
         self.hours = hours
@@ -291,12 +294,15 @@ class TimeBudget(Callback):
         self.steps_timed = 0
         self.final_s = 0.0  # the end's last evaluation and checkpoint, as measured
         self.said_steps, self.said_step_s = 0, 0.0  # the count last told, and its step time
+        self.before = 0  # the steps a resumed run made before this process, costed at its step time
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         if trainer.cfg.schedule != BUDGET_SCHEDULE:
             raise TrainingError(f"a time budget trains with train.schedule={BUDGET_SCHEDULE} "
                                 f"({BUDGET_SCHEDULE_WHY})")
-        budget = Budget.load(trainer.run_dir) if trainer.is_main else None
+        # with no checkpoint there is nothing to resume: the budget is measured here
+        budget = Budget.load(trainer.run_dir) if trainer.is_main and resumed_from else None
+        self.before = resumed_from or 0
         if trainer.world_size > 1:  # rank 0 read it: the others take its step count
             steps = dist_.agree_sum([budget.max_steps or 0 if budget else 0])[0]
             budget = Budget(self.hours, steps or None)
@@ -314,17 +320,18 @@ class TimeBudget(Callback):
     def on_step(self, trainer: Any) -> None:
         if self.budget is None:
             return
-        if self.budget.max_steps is not None:
-            every = trainer.cfg.save_every
-            if self.t_from is not None and every and trainer.step % every == 0:
-                self._refix(trainer)  # this process measured it: the same clock
-            return
         if self.t_from is None:  # the first step (its compile) is start-up, not training
             self.t_from, self.step_from = time.perf_counter(), trainer.step
             return
         self.steps_timed += 1
-        if self.steps_timed >= MEASURE_STEPS:
-            self._decide(trainer)
+        if self.budget.max_steps is None:
+            if self.steps_timed >= MEASURE_STEPS:
+                self._decide(trainer)
+            return
+        every = trainer.cfg.save_every
+        # a resumed run's count is fixed again once this process has measured its steps
+        if self.steps_timed == MEASURE_STEPS or every and trainer.step % every == 0:
+            self._refix(trainer)  # this process measured it: the same clock
 
     def _decide(self, trainer: Any) -> None:
         cfg = trainer.cfg
@@ -352,8 +359,11 @@ class TimeBudget(Callback):
         )
 
     def _refix(self, trainer: Any) -> None:
+        if self.steps_timed < MEASURE_STEPS:
+            return  # too few steps of this process to go by
         spent = time.perf_counter() - self.t_from
         step_s = spent / max(1, trainer.step - self.step_from)
+        spent += self.before * step_s  # a resumed run's earlier steps, at this process's step time
         old = self.budget
         assert old is not None
         new = refix(old, trainer.step, spent, step_s, self.final_s, trainer.cfg.decay_fraction,
