@@ -406,6 +406,7 @@ def test_a_mirrors_plan_sizes_nothing_here(tmp_path, monkeypatch):
     assert now["recipe"]["model"]["n_layer"] == int(now["plan"]["size"][1:])
 
 
+@pytest.mark.slow  # times real steps: two budgeted runs (short form: test_budget's refix tests on given times)
 def test_a_resumed_budget_measures_its_own_steps(tmp_path):
     """Issue 48: budget.json says 0.002 h buy 72,000 steps (0.1 ms each, within its own bounds) for a run that
     resumes from its checkpoint: the resumed process measures its steps and fixes the count from them, so the
