@@ -3,6 +3,7 @@ gradients, optimizer states, activations, loss, overhead), and a tracker that me
 peak of the tensors a step creates on any device (the CPU's stand-in for max_memory_allocated).
 "GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -107,8 +108,15 @@ class MemoryEstimate:
         ]
 
 
-def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointing: bool,
-                               chunk_rows: int, seq_len: int, kernel: str) -> tuple[int, int]:
+def _activation_and_loss_bytes(
+    c: ModelConfig,
+    tokens: int,
+    e: int,
+    checkpointing: bool,
+    chunk_rows: int,
+    seq_len: int,
+    kernel: str,
+) -> tuple[int, int]:
     """(activations, loss) bytes at the peak, counted tensor by tensor (tests check them against
     saved-tensor hooks and a tracked step). The residual stream and RMSNorm are fp32 under
     autocast; e is the matmul dtype's size. kernel: `attention_kernel`'s answer for this device."""
@@ -196,8 +204,12 @@ def estimate_memory(
     n = meta.num_params()
     # Autocast caches one copy of each Linear's parameters (weight, and bias where the config gives
     # one) per forward; the chunked loss copies lm_head itself.
-    matmul = sum(p.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear)
-                 and not (chunk_rows and m is meta.lm_head) for p in m.parameters(recurse=False))
+    matmul = sum(
+        p.numel()
+        for m in meta.modules()
+        if isinstance(m, torch.nn.Linear) and not (chunk_rows and m is meta.lm_head)
+        for p in m.parameters(recurse=False)
+    )
     copies = 0 if e == 4 else e * matmul
     return MemoryEstimate(
         4 * n / GB,
