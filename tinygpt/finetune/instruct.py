@@ -213,6 +213,60 @@ class InstructData:
     template: str = "alpaca"
 
 
+def _truncate_examples(
+    examples: list[tuple[list[int], list[bool]]], seq_len: int
+) -> tuple[list[tuple[list[int], list[bool]]], int, int]:
+    """The examples cut to seq_len + 1 tokens, in their order, the number cut and the number
+    dropped. An example whose cut leaves no response token carrying loss (no flag after the first
+    token) is dropped: it would train on nothing. Raises DataError when every example is too long."""
+    lengths = [len(ids) for ids, _ in examples]
+    too_long = [n > seq_len + 1 for n in lengths]
+    if all(too_long):
+        raise DataError(
+            f"every one of the {len(examples)} examples is longer than seq_len {seq_len} "
+            f"(the shortest has {min(lengths)} tokens, the longest {max(lengths)}): raise seq_len"
+        )
+    kept, dropped = [], 0
+    for (ids, flags), long in zip(examples, too_long):
+        if long:
+            ids, flags = ids[: seq_len + 1], flags[: seq_len + 1]
+            if not any(flags[1:]):
+                dropped += 1
+                continue
+        kept.append((ids, flags))
+    return kept, sum(too_long), dropped
+
+
+def _split_validation(
+    kept: list[tuple[list[int], list[bool]]], val_fraction: float, seed: int
+) -> tuple[list[tuple[list[int], list[bool]]], list[tuple[list[int], list[bool]]]]:
+    """(train, validation) examples by a shuffle seeded with (seed, 7). Validation gets
+    round(len * val_fraction) examples, at least one when val_fraction > 0, and training keeps at
+    least one; both keep the examples' original order."""
+    order = np.random.default_rng([seed, 7]).permutation(len(kept))
+    n_val = int(round(len(kept) * val_fraction)) if val_fraction > 0 else 0
+    n_val = min(max(n_val, 1 if val_fraction > 0 else 0), len(kept) - 1)
+    val_ex = [kept[i] for i in sorted(order[:n_val])]
+    train_ex = [kept[i] for i in sorted(order[n_val:])]
+    return train_ex, val_ex
+
+
+def _val_batches(
+    val_ex: list[tuple[list[int], list[bool]]],
+    seq_len: int,
+    pad_id: int,
+    val_batch_size: int,
+    eval_batches: int,
+) -> list[tuple[torch.Tensor, ...]]:
+    """At most eval_batches padded, unpacked batches of val_batch_size rows: the same batches
+    whether training packs or not, so validation losses compare across runs."""
+    val_rows = _to_rows(val_ex, seq_len, False)[0][: val_batch_size * eval_batches]
+    return [
+        _collate(val_rows[i : i + val_batch_size], pad_id, seq_len)
+        for i in range(0, len(val_rows), val_batch_size)
+    ]
+
+
 def build_instruct_data(
     records: Sequence[dict] | str,
     tokenizer: Any,
@@ -243,31 +297,10 @@ def build_instruct_data(
         )
     examples = codec.encode_examples(segments)
     lengths = [len(ids) for ids, _ in examples]
-    too_long = [n > seq_len + 1 for n in lengths]
-    if all(too_long):
-        raise DataError(
-            f"every one of the {len(examples)} examples is longer than seq_len {seq_len} "
-            f"(the shortest has {min(lengths)} tokens, the longest {max(lengths)}): raise seq_len"
-        )
-    kept, dropped = [], 0
-    for (ids, flags), long in zip(examples, too_long):
-        if long:
-            ids, flags = ids[: seq_len + 1], flags[: seq_len + 1]
-            if not any(flags[1:]):
-                dropped += 1
-                continue
-        kept.append((ids, flags))
-    order = np.random.default_rng([seed, 7]).permutation(len(kept))
-    n_val = int(round(len(kept) * val_fraction)) if val_fraction > 0 else 0
-    n_val = min(max(n_val, 1 if val_fraction > 0 else 0), len(kept) - 1)
-    val_ex = [kept[i] for i in sorted(order[:n_val])]
-    train_ex = [kept[i] for i in sorted(order[n_val:])]
+    kept, truncated, dropped = _truncate_examples(examples, seq_len)
+    train_ex, val_ex = _split_validation(kept, val_fraction, seed)
     train_rows, train_lengths = _to_rows(train_ex, seq_len, pack)
-    val_rows = _to_rows(val_ex, seq_len, False)[0][: val_batch_size * eval_batches]
-    val_batches = [
-        _collate(val_rows[i : i + val_batch_size], codec.pad_id, seq_len)
-        for i in range(0, len(val_rows), val_batch_size)
-    ]
+    val_batches = _val_batches(val_ex, seq_len, codec.pad_id, val_batch_size, eval_batches)
     n_target = sum(len(x) for x, _ in train_rows)
     n_loss = sum(int((y != IGNORE_INDEX).sum()) for _, y in train_rows)
     report = DataReport(
@@ -276,7 +309,7 @@ def build_instruct_data(
         excluded,
         len(train_ex),
         len(val_ex),
-        sum(too_long),
+        truncated,
         dropped,
         len(train_rows),
         max(lengths),
