@@ -64,8 +64,9 @@ from tinygpt.train.distributed import (
     main_process_first,
     split_global_batch,
 )
+from tinygpt.train.exact_resume import RESUMABLE_CHANGES
 from tinygpt.train.startup import StartupClock
-from tinygpt.train.trainer import RESUMABLE_CHANGES, TrainData, Trainer, TrainResult
+from tinygpt.train.trainer import TrainData, Trainer, TrainResult
 
 # BPE merges settle long before this; training on more only costs time
 TOKENIZER_TRAIN_CHARS = 3_000_000

@@ -12,14 +12,12 @@ import contextlib
 import errno
 import math
 import os
-import random
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tinygpt.core import checkpoint as ckpt
@@ -27,30 +25,13 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.files import clean_leftovers
 from tinygpt.core.rundir import BEST, RunDir
-from tinygpt.core.same_settings import config_differences
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import expected_final_loss
 from tinygpt.train.distributed import Ranks
+from tinygpt.train.exact_resume import load_train_state, resume_refusal, train_state_of
 from tinygpt.train.step import BatchSource, ModelIO, StepResult, TrainStep, eager
 from tinygpt.train.stopping import StopOnSignal, closing
-
-# Fields that may change between a run and its resumption; any other difference is refused.
-RESUMABLE_CHANGES = frozenset(
-    {
-        "max_steps",
-        "eval_every",
-        "save_every",
-        "log_every",
-        "keep_last",
-        "sample_every",
-        "compile",
-        "device",
-        "eval_batches",
-        "loss",
-    }
-)
-
 
 # how torch.save (zip writer) and safetensors say "the disk is full"
 _DISK_FULL = ("unexpected pos", "No space left on device", "os error 28")
@@ -168,42 +149,7 @@ class Trainer(TrainStep):
                 self.model.train()
                 self.throughput.restart()
                 while (self.max_steps is None or self.step < self.max_steps) and not stopping:
-                    step = self.optimizer_step()
-                    self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
-                    # e.g. the start-up record, a time budget's measurement
-                    for cb in self.callbacks:
-                        cb.on_step(self)
-                    stopping = self._agree_to_stop()
-                    last = self.step == self.max_steps
-                    log = self.step % self.cfg.log_every == 0 or last
-                    evaluate = bool(self.cfg.eval_every) and (
-                        self.step % self.cfg.eval_every == 0 or last
-                    )
-                    save = (
-                        bool(self.cfg.save_every and self.step % self.cfg.save_every == 0)
-                        or last
-                        or stopping
-                    )
-                    # the global sum: logged, and checked alike on all ranks
-                    if self.world_size > 1 and (log or save):
-                        dist_.all_reduce_sum_(step.loss_sum)
-                    if log:
-                        self._log_step(step, evaluate)  # evaluates too, when due
-                    elif evaluate:
-                        self.val_loss = self.evaluate()
-                        self._log({"step": self.step, "val_loss": self.val_loss})
-                    if (
-                        evaluate
-                        and self.val_loss is not None
-                        and (self.best_val_loss is None or self.val_loss < self.best_val_loss)
-                    ):
-                        self.best_val_loss = self.val_loss
-                        self.save(best=True)
-                    if save:
-                        # never write a checkpoint from weights that a NaN may have reached
-                        self._check_finite(float(step.loss_sum))
-                        self._check_finite(float(step.grad_norm), what="gradient norm")
-                        self.save()
+                    stopping = self._train_step()
                 if self.step > 0 and self.saved_step != self.step:
                     self.save()  # training always ends with a checkpoint
             except OSError as e:  # metrics.jsonl or samples on a full disk: the same one-line story
@@ -228,6 +174,50 @@ class Trainer(TrainStep):
             stopping,
             self.history,
         )
+
+    def _train_step(self) -> bool:
+        """One turn of the loop: the optimizer step, the callbacks' turn, then what is due at the
+        new step (log, evaluate, keep the best, save). Whether to stop, agreed by every rank; a
+        stopping step is saved. Every rank takes the same branches (the flags depend on the step
+        and the agreed stop only), so collectives (the loss sum, evaluation, gathering for a save)
+        stay matched."""
+        step = self.optimizer_step()
+        self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
+        # e.g. the start-up record, a time budget's measurement
+        for cb in self.callbacks:
+            cb.on_step(self)
+        stopping = self._agree_to_stop()
+        last = self.step == self.max_steps
+        log = self.step % self.cfg.log_every == 0 or last
+        evaluate = bool(self.cfg.eval_every) and (self.step % self.cfg.eval_every == 0 or last)
+        save = (
+            bool(self.cfg.save_every and self.step % self.cfg.save_every == 0) or last or stopping
+        )
+        # the global sum: logged, and checked alike on all ranks
+        if self.world_size > 1 and (log or save):
+            dist_.all_reduce_sum_(step.loss_sum)
+        if log:
+            self._log_step(step, evaluate)  # evaluates too, when due
+        elif evaluate:
+            self.val_loss = self.evaluate()
+            self._log({"step": self.step, "val_loss": self.val_loss})
+        if evaluate:
+            self._keep_best()
+        if save:
+            # never write a checkpoint from weights that a NaN may have reached
+            self._check_finite(float(step.loss_sum))
+            self._check_finite(float(step.grad_norm), what="gradient norm")
+            self.save()
+        return stopping
+
+    def _keep_best(self) -> None:
+        """Save best/ when the validation loss just measured is the lowest yet (none measured: no
+        validation batches, nothing to keep)."""
+        if self.val_loss is not None and (
+            self.best_val_loss is None or self.val_loss < self.best_val_loss
+        ):
+            self.best_val_loss = self.val_loss
+            self.save(best=True)
 
     def restore(self, resume: str) -> int | None:
         """Exact resume: the newest valid checkpoint (or the one named) brings back the weights, the
@@ -308,17 +298,7 @@ class Trainer(TrainStep):
     def train_state(self, optimizer_state: dict | None = None) -> dict[str, Any]:
         if optimizer_state is None:
             optimizer_state = self.optimizer.state_dict()
-        return {
-            "step": self.step,
-            "optimizer": optimizer_state,
-            "scaler": self.scaler.state_dict(),
-            "sampler": self.train_source.state_dict(),
-            "rng": rng_state(),
-            "best_val_loss": self.best_val_loss,
-            "train_config": self.cfg.to_dict(),
-            "world_size": self.world_size,
-            "run_info": self.run_info,
-        }
+        return train_state_of(self, optimizer_state, self.best_val_loss, self.run_info)
 
     def save(self, best: bool = False) -> Path | None:
         """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is
@@ -353,32 +333,9 @@ class Trainer(TrainStep):
 
     def resume(self, path: Path, verified: bool = False) -> None:
         sd, state, _ = ckpt.load_checkpoint(path, verify=not verified)
-        if "optimizer" not in state:
-            raise TrainingError(
-                f"checkpoint {path} holds the weights only (a download, without "
-                "state.pt): training cannot resume from it; copy the whole "
-                "checkpoint from Drive, or use a new run folder"
-            )
-        diffs = config_differences(
-            state.get("train_config", {}), self.cfg.to_dict(), RESUMABLE_CHANGES
-        )
-        if diffs:
-            raise TrainingError(
-                f"checkpoint {path} was written with a different training "
-                "configuration:\n  "
-                + "\n  ".join(diffs)
-                + "\nresume with the same settings, or use a new run folder"
-            )
-        # What exact resume needs, each for its reason: the weights and the optimizer's moments (the
-        # next update), the fp16 scaler's scale (the next step's overflow check), the sampler's
-        # position (the next batch: the order itself follows from the seed, see WindowSampler), and
-        # every RNG (dropout, sampling). The learning rate needs nothing of its own: lr_at sets it
-        # from the step before every update.
-        dist_.load_state(self.model, self.optimizer, sd, state["optimizer"], self.load_state_fn)
-        self.scaler.load_state_dict(state["scaler"])
-        self.train_source.load_state_dict(state["sampler"])  # the sampler's order goes on from here
-        set_rng_state(state["rng"])
-        self.step = state["step"]
+        if (refusal := resume_refusal(path, state, self.cfg)) is not None:
+            raise TrainingError(refusal)
+        load_train_state(self, sd, state, self.load_state_fn)
         self.best_val_loss = state.get("best_val_loss")
 
     # ----- logging -----------------------------------------------------------------------------
@@ -487,45 +444,3 @@ class Trainer(TrainStep):
             "a new run folder (--run-dir): this one keeps the settings it began "
             "with"
         )
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG's state in a weights-only form (tensors, numbers, strings, lists), so a checkpoint
-    loads with `torch.load(weights_only=True)` and can never run code."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    s = {
-        "python": {
-            "version": version,
-            "state": torch.tensor(internal, dtype=torch.int64),
-            "gauss": gauss,
-        },
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached": float(cached),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
-
-
-def set_rng_state(s: dict[str, Any]) -> None:
-    py, npy = s["python"], s["numpy"]
-    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    np.random.set_state(
-        (
-            npy["kind"],
-            npy["keys"].numpy().astype(np.uint32),
-            npy["pos"],
-            npy["has_gauss"],
-            npy["cached"],
-        )
-    )
-    torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
