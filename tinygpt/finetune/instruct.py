@@ -11,6 +11,7 @@ start again at 0 at every example: a transformers model (4.53 and later) reads t
 record boundaries and keeps each example's attention inside itself, so a packed row gives the same
 loss as its examples run one by one, without the padding.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,8 +73,9 @@ class DataReport:
 Row = tuple[np.ndarray, np.ndarray]  # (x, y) of one training sequence
 
 
-def _to_rows(examples: list[tuple[list[int], list[bool]]], seq_len: int,
-             pack: bool) -> tuple[list[Row], list[np.ndarray]]:
+def _to_rows(
+    examples: list[tuple[list[int], list[bool]]], seq_len: int, pack: bool
+) -> tuple[list[Row], list[np.ndarray]]:
     """(x, y) rows of at most seq_len positions, and each row's example lengths (in tokens); packing
     concatenates whole examples greedily."""
     groups: list[list[tuple[list[int], list[bool]]]] = []
@@ -103,8 +105,9 @@ def record_positions(lengths: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate([pos[:used], np.arange(width - used, dtype=np.int64)])
 
 
-def _collate(rows: Sequence[Row], pad_id: int, seq_len: int,
-             lengths: Sequence[np.ndarray] | None = None) -> tuple[torch.Tensor, ...]:
+def _collate(
+    rows: Sequence[Row], pad_id: int, seq_len: int, lengths: Sequence[np.ndarray] | None = None
+) -> tuple[torch.Tensor, ...]:
     """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks
     right, so padding changes nothing for the real tokens and needs no attention
     mask. Packed rows (`lengths` given) are padded to seq_len, one shape for every
@@ -114,7 +117,7 @@ def _collate(rows: Sequence[Row], pad_id: int, seq_len: int,
     x = np.full((len(rows), T), pad_id, dtype=np.int64)
     y = np.full((len(rows), T), IGNORE_INDEX, dtype=np.int64)
     for i, (a, b) in enumerate(rows):
-        x[i, :len(a)], y[i, :len(b)] = a, b
+        x[i, : len(a)], y[i, : len(b)] = a, b
     if lengths is None:
         return torch.from_numpy(x), torch.from_numpy(y)
     pos = np.stack([record_positions(n, T) for n in lengths])
@@ -127,8 +130,14 @@ class InstructSource:
     share, so the order is the same at any world size with the same global batch. With `lengths`
     (packed rows: each row's example lengths) a batch is (x, y, position ids), else (x, y)."""
 
-    def __init__(self, rows: list[Row], seq_len: int, pad_id: int, seed: int,
-                 lengths: list[np.ndarray] | None = None):
+    def __init__(
+        self,
+        rows: list[Row],
+        seq_len: int,
+        pad_id: int,
+        seed: int,
+        lengths: list[np.ndarray] | None = None,
+    ):
         if not rows:
             raise DataError("no training examples are left")
         self.rows, self.seq_len, self.pad_id, self.seed = rows, seq_len, pad_id, seed
@@ -154,7 +163,7 @@ class InstructSource:
                 )
                 self._perm_epoch = self.epoch
             k = min(n - len(out), len(self.rows) - self.index)
-            out += self._perm[self.index:self.index + k].tolist()
+            out += self._perm[self.index : self.index + k].tolist()
             self.index += k
             if self.index == len(self.rows):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -167,14 +176,19 @@ class InstructSource:
     def next_batch(
         self, batch_size: int, rank: int = 0, world_size: int = 1
     ) -> tuple[torch.Tensor, ...]:
-        picked = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
+        picked = self._take(batch_size * world_size)[rank * batch_size : (rank + 1) * batch_size]
         lengths = [self.lengths[i] for i in picked] if self.lengths is not None else None
         self.served_tokens += sum(len(self.rows[i][0]) for i in picked)
         return _collate([self.rows[i] for i in picked], self.pad_id, self.seq_len, lengths)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "rows": len(self.rows),
-                "fingerprint": self.fingerprint}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "rows": len(self.rows),
+            "fingerprint": self.fingerprint,
+        }
 
     def load_state_dict(self, s: dict) -> None:
         if (s["seed"], s["rows"], s["fingerprint"]) != (
@@ -197,6 +211,60 @@ class InstructData:
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     report: DataReport
     template: str = "alpaca"
+
+
+def _truncate_examples(
+    examples: list[tuple[list[int], list[bool]]], seq_len: int
+) -> tuple[list[tuple[list[int], list[bool]]], int, int]:
+    """The examples cut to seq_len + 1 tokens, in their order, the number cut and the number
+    dropped. An example whose cut leaves no response token carrying loss (no flag after the first
+    token) is dropped: it would train on nothing. Raises DataError when every example is too long."""
+    lengths = [len(ids) for ids, _ in examples]
+    too_long = [n > seq_len + 1 for n in lengths]
+    if all(too_long):
+        raise DataError(
+            f"every one of the {len(examples)} examples is longer than seq_len {seq_len} "
+            f"(the shortest has {min(lengths)} tokens, the longest {max(lengths)}): raise seq_len"
+        )
+    kept, dropped = [], 0
+    for (ids, flags), long in zip(examples, too_long):
+        if long:
+            ids, flags = ids[: seq_len + 1], flags[: seq_len + 1]
+            if not any(flags[1:]):
+                dropped += 1
+                continue
+        kept.append((ids, flags))
+    return kept, sum(too_long), dropped
+
+
+def _split_validation(
+    kept: list[tuple[list[int], list[bool]]], val_fraction: float, seed: int
+) -> tuple[list[tuple[list[int], list[bool]]], list[tuple[list[int], list[bool]]]]:
+    """(train, validation) examples by a shuffle seeded with (seed, 7). Validation gets
+    round(len * val_fraction) examples, at least one when val_fraction > 0, and training keeps at
+    least one; both keep the examples' original order."""
+    order = np.random.default_rng([seed, 7]).permutation(len(kept))
+    n_val = int(round(len(kept) * val_fraction)) if val_fraction > 0 else 0
+    n_val = min(max(n_val, 1 if val_fraction > 0 else 0), len(kept) - 1)
+    val_ex = [kept[i] for i in sorted(order[:n_val])]
+    train_ex = [kept[i] for i in sorted(order[n_val:])]
+    return train_ex, val_ex
+
+
+def _val_batches(
+    val_ex: list[tuple[list[int], list[bool]]],
+    seq_len: int,
+    pad_id: int,
+    val_batch_size: int,
+    eval_batches: int,
+) -> list[tuple[torch.Tensor, ...]]:
+    """At most eval_batches padded, unpacked batches of val_batch_size rows: the same batches
+    whether training packs or not, so validation losses compare across runs."""
+    val_rows = _to_rows(val_ex, seq_len, False)[0][: val_batch_size * eval_batches]
+    return [
+        _collate(val_rows[i : i + val_batch_size], pad_id, seq_len)
+        for i in range(0, len(val_rows), val_batch_size)
+    ]
 
 
 def build_instruct_data(
@@ -229,29 +297,10 @@ def build_instruct_data(
         )
     examples = codec.encode_examples(segments)
     lengths = [len(ids) for ids, _ in examples]
-    too_long = [n > seq_len + 1 for n in lengths]
-    if all(too_long):
-        raise DataError(
-            f"every one of the {len(examples)} examples is longer than seq_len {seq_len} "
-            f"(the shortest has {min(lengths)} tokens, the longest {max(lengths)}): raise seq_len"
-        )
-    kept, dropped = [], 0
-    for (ids, flags), long in zip(examples, too_long):
-        if long:
-            ids, flags = ids[:seq_len + 1], flags[:seq_len + 1]
-            if not any(flags[1:]):
-                dropped += 1
-                continue
-        kept.append((ids, flags))
-    order = np.random.default_rng([seed, 7]).permutation(len(kept))
-    n_val = int(round(len(kept) * val_fraction)) if val_fraction > 0 else 0
-    n_val = min(max(n_val, 1 if val_fraction > 0 else 0), len(kept) - 1)
-    val_ex = [kept[i] for i in sorted(order[:n_val])]
-    train_ex = [kept[i] for i in sorted(order[n_val:])]
+    kept, truncated, dropped = _truncate_examples(examples, seq_len)
+    train_ex, val_ex = _split_validation(kept, val_fraction, seed)
     train_rows, train_lengths = _to_rows(train_ex, seq_len, pack)
-    val_rows = _to_rows(val_ex, seq_len, False)[0][: val_batch_size * eval_batches]
-    val_batches = [_collate(val_rows[i:i + val_batch_size], codec.pad_id, seq_len)
-                   for i in range(0, len(val_rows), val_batch_size)]
+    val_batches = _val_batches(val_ex, seq_len, codec.pad_id, val_batch_size, eval_batches)
     n_target = sum(len(x) for x, _ in train_rows)
     n_loss = sum(int((y != IGNORE_INDEX).sum()) for _, y in train_rows)
     report = DataReport(
@@ -260,7 +309,7 @@ def build_instruct_data(
         excluded,
         len(train_ex),
         len(val_ex),
-        sum(too_long),
+        truncated,
         dropped,
         len(train_rows),
         max(lengths),

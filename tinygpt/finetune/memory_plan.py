@@ -127,7 +127,9 @@ def _shapes(c: dict[str, Any]) -> dict[str, tuple[int, int]]:
     }
 
 
-def _layer_activations(c: dict[str, Any], hardware: str, tokens: int, seq_len: int, half: int) -> int:
+def _layer_activations(
+    c: dict[str, Any], hardware: str, tokens: int, seq_len: int, half: int
+) -> int:
     """Bytes of activations one layer holds for backward: 2 x tokens x (17 d_model + 5 d_ff), and
     beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where no
     fused kernel takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T
@@ -150,50 +152,45 @@ def _layer_activations(c: dict[str, Any], hardware: str, tokens: int, seq_len: i
     return layer_act
 
 
-def memory_table(
-    recipe: FinetuneRecipe | str,
-    hardware: str,
-    base_config: dict[str, Any],
-    *,
-    activation_checkpointing: bool | None = None,
-    full_logits: bool | None = None,
-) -> list[dict[str, Any]]:
-    """Estimated GPU memory (GB) of finetuning a base with a Llama-like `config.json` dict.
-    Activations: 2 bytes x tokens x (17 d_model + 5 d_ff) per layer (a layer with LoRA dropout and
-    flash attention); with activation checkpointing only the layer inputs plus one layer are held.
-    activation_checkpointing / full_logits: None gives the leanest the recipe allows (checkpointing
-    on a GPU unless the recipe says "off"; chunked logits where the family allows), the least a run
-    can need."""
-    recipe = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
-    c, cfg = base_config, recipe.train_config(hardware)
-    h, L, shapes = c.get("hidden_size") or c["n_embd"], c.get("num_hidden_layers") or c["n_layer"], _shapes(c)
+def _weight_counts(recipe: FinetuneRecipe, c: dict[str, Any]) -> tuple[int, int, int]:
+    """(linear, embedding, trained) weight counts of a base with config dict c. Embeddings count
+    twice when the head is untied. Trained is every weight for full finetuning (`recipe.lora` None),
+    else r x (in + out) per targeted linear per layer (its LoRA A and B)."""
+    h, L, shapes = (
+        c.get("hidden_size") or c["n_embd"],
+        c.get("num_hidden_layers") or c["n_layer"],
+        _shapes(c),
+    )
     linear = L * sum(a * b for a, b in shapes.values())
     emb = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings", True) else 2)
     if recipe.lora is None:  # full finetuning: every weight is trained
-        lora = linear + emb
-    else:
-        targets = recipe.lora.target_modules or tuple(shapes)
-        lora = L * sum(recipe.lora.r * sum(shapes[t]) for t in targets if t in shapes)
-    # full finetuning: fp32 weights (the optimizer updates them)
-    half = 4 if hardware == "cpu" or recipe.lora is None else 2
-    nf4 = recipe.quantize == "nf4"
-    tokens = cfg.micro_batch_size * cfg.seq_len
-    layer_act = _layer_activations(c, hardware, tokens, cfg.seq_len, half)
-    rule = checkpointing_rule(recipe, hardware)
-    ckpt = (
-        activation_checkpointing
-        if activation_checkpointing is not None
-        else rule
-        if rule is not None
-        else hardware != "cpu"
-    )
-    act = (L * 2 * tokens * h + layer_act) if ckpt else L * layer_act
-    chunked = chunked_loss(c) and not full_logits
-    # chunked: one chunk's logits; else fp16 logits + fp32 copy + fp32 log-softmax/grad
-    logits = (2**25 * 8) if chunked else tokens * c["vocab_size"] * 12
+        return linear, emb, linear + emb
+    targets = recipe.lora.target_modules or tuple(shapes)
+    lora = L * sum(recipe.lora.r * sum(shapes[t]) for t in targets if t in shapes)
+    return linear, emb, lora
+
+
+def _uses_checkpointing(
+    recipe: FinetuneRecipe, hardware: str, activation_checkpointing: bool | None
+) -> bool:
+    """Whether the estimate recomputes activations: the caller's choice when given, else the
+    recipe's rule on this hardware, else (rule "auto") on any GPU and not on a CPU."""
+    rule = checkpointing_rule(recipe, hardware)  # first: it rejects a bad rule even when overridden
+    if activation_checkpointing is not None:
+        return activation_checkpointing
+    return rule if rule is not None else hardware != "cpu"
+
+
+def _weight_rows(
+    recipe: FinetuneRecipe, linear: int, emb: int, lora: int, half: int
+) -> list[tuple[str, float, str]]:
+    """The table's (part, GB, how) rows of the weights: the base, the adapters (0 without LoRA) and
+    the trained weights' fp32 gradient + two AdamW moments (12 bytes each). half is the bytes of a
+    base weight that is not NF4-quantized."""
     gb = 1e9
+    nf4 = recipe.quantize == "nf4"
     adapted = recipe.lora is not None
-    rows = [
+    return [
         (
             "base weights",
             (linear * (0.516 if nf4 else half) + emb * half) / gb,
@@ -210,13 +207,49 @@ def memory_table(
             "fp32 gradient and two moments per "
             + ("adapter weight" if adapted else f"weight ({lora / 1e6:.1f}M)"),
         ),
+    ]
+
+
+def memory_table(
+    recipe: FinetuneRecipe | str,
+    hardware: str,
+    base_config: dict[str, Any],
+    *,
+    activation_checkpointing: bool | None = None,
+    full_logits: bool | None = None,
+) -> list[dict[str, Any]]:
+    """Estimated GPU memory (GB) of finetuning a base with a Llama-like `config.json` dict.
+    Activations: 2 bytes x tokens x (17 d_model + 5 d_ff) per layer (a layer with LoRA dropout and
+    flash attention); with activation checkpointing only the layer inputs plus one layer are held.
+    activation_checkpointing / full_logits: None gives the leanest the recipe allows (checkpointing
+    on a GPU unless the recipe says "off"; chunked logits where the family allows), the least a run
+    can need."""
+    recipe = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
+    c, cfg = base_config, recipe.train_config(hardware)
+    h, L = c.get("hidden_size") or c["n_embd"], c.get("num_hidden_layers") or c["n_layer"]
+    linear, emb, lora = _weight_counts(recipe, c)
+    # full finetuning: fp32 weights (the optimizer updates them)
+    half = 4 if hardware == "cpu" or recipe.lora is None else 2
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    layer_act = _layer_activations(c, hardware, tokens, cfg.seq_len, half)
+    ckpt = _uses_checkpointing(recipe, hardware, activation_checkpointing)
+    act = (L * 2 * tokens * h + layer_act) if ckpt else L * layer_act
+    chunked = chunked_loss(c) and not full_logits
+    # chunked: one chunk's logits; else fp16 logits + fp32 copy + fp32 log-softmax/grad
+    logits = (2**25 * 8) if chunked else tokens * c["vocab_size"] * 12
+    gb = 1e9
+    rows = _weight_rows(recipe, linear, emb, lora, half) + [
         (
             "activations",
             act / gb,
             f"micro-batch {cfg.micro_batch_size} x {cfg.seq_len}, "
             f"{'with' if ckpt else 'without'} activation checkpointing",
         ),
-        ("logits + loss", logits / gb, "chunked cross-entropy" if chunked else "full (tokens, vocab) logits"),
+        (
+            "logits + loss",
+            logits / gb,
+            "chunked cross-entropy" if chunked else "full (tokens, vocab) logits",
+        ),
     ]
     out = [{"part": p, "gb": round(v, 3), "how": how} for p, v, how in rows]
     return out + [
@@ -294,7 +327,9 @@ def plan_finetune(
     options = [(c, f) for c in ckpts for f in logits]
     pack = recipe.pack and packing_supported(base_config)
     for c, f in options:
-        table = memory_table(recipe, hardware, base_config, activation_checkpointing=c, full_logits=f)
+        table = memory_table(
+            recipe, hardware, base_config, activation_checkpointing=c, full_logits=f
+        )
         need = device_need_gb(table, hardware)
         if memory_gb is None or need <= FIT_FRACTION * memory_gb:
             break
@@ -302,9 +337,12 @@ def plan_finetune(
     fits = memory_gb is None or need <= FIT_FRACTION * memory_gb
     why = (
         f"about {need:.1f} GB {where}: activation checkpointing {'on' if c else 'off'}, "
-        f"{'full' if f else 'chunked'} logits" + ("" if fits else "; the leanest plan, and it may not fit")
+        f"{'full' if f else 'chunked'} logits"
+        + ("" if fits else "; the leanest plan, and it may not fit")
     )
-    return FinetunePlan(c, f, pack, round(need, 3), None if memory_gb is None else round(memory_gb, 3), why)
+    return FinetunePlan(
+        c, f, pack, round(need, 3), None if memory_gb is None else round(memory_gb, 3), why
+    )
 
 
 def resumed_plan(
@@ -342,7 +380,9 @@ def resumed_plan(
     if memory_gb is not None and need > FIT_FRACTION * memory_gb:
         lean = plan_finetune(recipe, hardware, base_config, memory_gb)
         return dataclasses.replace(
-            lean, pack=plan.pack, why=lean.why + " (re-planned: the run's plan does not fit this device)"
+            lean,
+            pack=plan.pack,
+            why=lean.why + " (re-planned: the run's plan does not fit this device)",
         )
     return dataclasses.replace(plan, need_gb=round(need, 3))
 

@@ -3,6 +3,7 @@ gradients, optimizer states, activations, loss, overhead), and a tracker that me
 peak of the tensors a step creates on any device (the CPU's stand-in for max_memory_allocated).
 "GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -107,8 +108,15 @@ class MemoryEstimate:
         ]
 
 
-def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointing: bool,
-                               chunk_rows: int, seq_len: int, kernel: str) -> tuple[int, int]:
+def _activation_and_loss_bytes(
+    c: ModelConfig,
+    tokens: int,
+    e: int,
+    checkpointing: bool,
+    chunk_rows: int,
+    seq_len: int,
+    kernel: str,
+) -> tuple[int, int]:
     """(activations, loss) bytes at the peak, counted tensor by tensor (tests check them against
     saved-tensor hooks and a tracked step). The residual stream and RMSNorm are fp32 under
     autocast; e is the matmul dtype's size. kernel: `attention_kernel`'s answer for this device."""
@@ -154,6 +162,39 @@ def _activation_and_loss_bytes(c: ModelConfig, tokens: int, e: int, checkpointin
     return (c.n_layer * layer + head) * tokens, loss_bytes
 
 
+def _estimated_kernel(
+    model: ModelConfig, precision: str, device_type: str, capability: tuple[int, int] | None
+) -> str:
+    """The attention kernel `model.attention` would run on this device: "fused" whenever keys and
+    values are not grouped (and not on MPS), else `attention_kernel`'s answer. A CUDA GPU of unknown
+    capability is taken to be one that picks this precision by default (fp16: a T4, sm75; else
+    sm80)."""
+    if device_type == "cuda" and capability is None:
+        capability = (7, 5) if precision == "fp16" else (8, 0)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    # (MPS: the math kernel either way)
+    grouped = model.n_kv_head != model.n_head or device_type == "mps"
+    if not grouped:
+        return "fused"
+    return attention_kernel(device_type, capability, dtype, torch_version(), model.head_dim)
+
+
+def _params_and_copies(model: ModelConfig, e: int, chunk_rows: int) -> tuple[int, int]:
+    """(parameters, bytes of autocast's weight copies) of the model, counted on the meta device.
+    e is the matmul dtype's size: fp32 (e == 4) makes no copies."""
+    meta = meta_model(model)
+    n = meta.num_params()
+    # Autocast caches one copy of each Linear's parameters (weight, and bias where the config gives
+    # one) per forward; the chunked loss copies lm_head itself.
+    matmul = sum(
+        p.numel()
+        for m in meta.modules()
+        if isinstance(m, torch.nn.Linear) and not (chunk_rows and m is meta.lm_head)
+        for p in m.parameters(recurse=False)
+    )
+    return n, 0 if e == 4 else e * matmul
+
+
 def estimate_memory(
     model: ModelConfig,
     micro_batch_size: int,
@@ -176,29 +217,14 @@ def estimate_memory(
         else activation_checkpointing
     )
     if attention is None:
-        if device_type == "cuda" and capability is None:
-            capability = (7, 5) if precision == "fp16" else (8, 0)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-        # (MPS: the math kernel either way)
-        grouped = model.n_kv_head != model.n_head or device_type == "mps"
-        attention = (
-            attention_kernel(device_type, capability, dtype, torch_version(), model.head_dim)
-            if grouped
-            else "fused"
-        )
+        attention = _estimated_kernel(model, precision, device_type, capability)
     tokens, e = micro_batch_size * seq_len, 4 if precision == "fp32" else 2
     # what model.cross_entropy will do
     chunk_rows = default_chunk_rows(tokens, model.vocab_size, loss)
     activations, loss_bytes = _activation_and_loss_bytes(
         model, tokens, e, ckpt, chunk_rows, seq_len, attention
     )
-    meta = meta_model(model)
-    n = meta.num_params()
-    # Autocast caches one copy of each Linear's parameters (weight, and bias where the config gives
-    # one) per forward; the chunked loss copies lm_head itself.
-    matmul = sum(p.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear)
-                 and not (chunk_rows and m is meta.lm_head) for p in m.parameters(recurse=False))
-    copies = 0 if e == 4 else e * matmul
+    n, copies = _params_and_copies(model, e, chunk_rows)
     return MemoryEstimate(
         4 * n / GB,
         4 * n / GB,

@@ -14,7 +14,7 @@ from tinygpt.core.same_settings import config_differences
 from tinygpt.fit.plan import PLANNED_FIELDS, kept_plan
 from tinygpt.fit.probe import PROBED_TRAIN_FIELDS
 from tinygpt.train.budget import Budget
-from tinygpt.train.trainer import RESUMABLE_CHANGES
+from tinygpt.train.exact_resume import RESUMABLE_CHANGES
 
 # what a run's run.json may hold otherwise than the command that resumes it: what a resume may
 # change, and what the probe chose on the GPU it began on (decided again here unless this user

@@ -42,47 +42,12 @@ def restore_latest(
     if mirror is not None:
         # another run's tokenizer: refused before anything is copied
         _check_defining_files(local, mirror)
-        try:
-            # no wait where it cannot help
-            listed = backoff.run(
-                lambda: list_checkpoints(RunDir(mirror).checkpoints),
-                permanent=lambda e: is_permanent(e, mirror),
-            )
-            candidates += [(s, 0, p) for s, p in listed]
-        except OSError as e:
-            warnings.warn(
-                f"cannot read the mirror {mirror} ({e}); resuming from local checkpoints only",
-                stacklevel=2,
-            )
+        listed = _list_mirror(mirror, backoff)
+        if listed is None:
             mirror = None
-    chosen = None
-    for _, is_local, p in sorted(candidates, key=lambda c: c[:2], reverse=True):
-        if is_local:
-            ok, why = verify_checkpoint(p)
-            if ok:
-                chosen = p
-                break
-        elif mirror is not None:
-            dst = RunDir(local).checkpoints / p.name
-
-            def fetch(p: Path = p, dst: Path = dst) -> None:
-                # cheap; the sha256 is checked on the copy
-                ok, why = verify_checkpoint(p, deep=False)
-                if not ok:
-                    raise SyncError(why)
-                copy_checkpoint(p, dst, copy_file, tag)
-
-            try:
-                backoff.run(fetch, fatal=(SyncError,))
-                chosen = dst
-                break
-            except SyncError as e:
-                why = str(e)
-            except OSError as e:
-                why, mirror = f"{e}; not using the mirror", None
         else:
-            continue  # the mirror went away during this restore
-        warnings.warn(f"skipping checkpoint {p}: {why}", stacklevel=2)
+            candidates += [(s, 0, p) for s, p in listed]
+    chosen, mirror = _first_valid(candidates, local, mirror, backoff, copy_file, tag)
     if chosen is None and candidates:
         warnings.warn(
             f"none of the {len(candidates)} checkpoints here or on the mirror passed verification: "
@@ -97,6 +62,63 @@ def restore_latest(
         except OSError as e:
             warnings.warn(f"could not restore best/ or run files from {mirror}: {e}", stacklevel=2)
     return chosen
+
+
+def _list_mirror(mirror: Path, backoff: Backoff) -> list[tuple[int, Path]] | None:
+    """The mirror's checkpoints as (step, folder), or None when the mirror cannot be read: a warning
+    says the restore goes on with local checkpoints only. A permanent error is not retried."""
+    try:
+        # no wait where it cannot help
+        return backoff.run(
+            lambda: list_checkpoints(RunDir(mirror).checkpoints),
+            permanent=lambda e: is_permanent(e, mirror),
+        )
+    except OSError as e:
+        warnings.warn(
+            f"cannot read the mirror {mirror} ({e}); resuming from local checkpoints only",
+            stacklevel=3,  # restore_latest's caller
+        )
+        return None
+
+
+def _first_valid(
+    candidates: list[tuple[int, int, Path]],
+    local: Path,
+    mirror: Path | None,
+    backoff: Backoff,
+    copy_file: CopyFile,
+    tag: str,
+) -> tuple[Path | None, Path | None]:
+    """(chosen, mirror): the newest candidate (step, is_local, folder) that verifies, local first on
+    a tie, copied into the local run folder when it is the mirror's (None if none verifies); and the
+    mirror, None once it fails with an OSError (its other checkpoints are then skipped). Every
+    candidate passed over gets a warning saying why."""
+    for _, is_local, p in sorted(candidates, key=lambda c: c[:2], reverse=True):
+        if is_local:
+            ok, why = verify_checkpoint(p)
+            if ok:
+                return p, mirror
+        elif mirror is not None:
+            dst = RunDir(local).checkpoints / p.name
+
+            def fetch(p: Path = p, dst: Path = dst) -> None:
+                # cheap; the sha256 is checked on the copy
+                ok, why = verify_checkpoint(p, deep=False)
+                if not ok:
+                    raise SyncError(why)
+                copy_checkpoint(p, dst, copy_file, tag)
+
+            try:
+                backoff.run(fetch, fatal=(SyncError,))
+                return dst, mirror
+            except SyncError as e:
+                why = str(e)
+            except OSError as e:
+                why, mirror = f"{e}; not using the mirror", None
+        else:
+            continue  # the mirror went away during this restore
+        warnings.warn(f"skipping checkpoint {p}: {why}", stacklevel=3)  # restore_latest's caller
+    return None, mirror
 
 
 ON_MIRROR = " (on the mirror)"  # added to a refused file's name in messages

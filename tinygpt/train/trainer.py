@@ -5,20 +5,19 @@ while" (log, evaluate, keep the best, save). The loss is read back from the devi
 steps: everything else queues on the GPU without a host-device sync. Progress, the start-up record,
 a time budget and the mirror are `Callback`s (tinygpt.core.callback); the loop knows none of them.
 """
+
 from __future__ import annotations
 
 import contextlib
 import errno
 import math
 import os
-import random
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tinygpt.core import checkpoint as ckpt
@@ -26,22 +25,16 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.files import clean_leftovers
 from tinygpt.core.rundir import BEST, RunDir
-from tinygpt.core.same_settings import config_differences
 from tinygpt.model.losses import IGNORE_INDEX
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import expected_final_loss
 from tinygpt.train.distributed import Ranks
+from tinygpt.train.exact_resume import load_train_state, resume_refusal, train_state_of
 from tinygpt.train.step import BatchSource, ModelIO, StepResult, TrainStep, eager
 from tinygpt.train.stopping import StopOnSignal, closing
 
-# Fields that may change between a run and its resumption; any other difference is refused.
-RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "log_every", "keep_last",
-                               "sample_every", "compile", "device", "eval_batches", "loss"})
-
-
 # how torch.save (zip writer) and safetensors say "the disk is full"
 _DISK_FULL = ("unexpected pos", "No space left on device", "os error 28")
-
 
 
 class TrainingError(RuntimeError):
@@ -52,6 +45,7 @@ class TrainingError(RuntimeError):
 class TrainData:
     """What a run trains on: an endless, resumable source of batches, and fixed validation
     batches."""
+
     train: BatchSource
     val: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
 
@@ -94,9 +88,18 @@ class Trainer(TrainStep):
     closes every callback when it ends, however it ends, in that order (`closing`).
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, data: TrainData,
-                 run_dir: str | Path, *, callbacks: tuple | list = (), io: ModelIO | None = None,
-                 ranks: Ranks | None = None, run_info: dict | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        data: TrainData,
+        run_dir: str | Path,
+        *,
+        callbacks: tuple | list = (),
+        io: ModelIO | None = None,
+        ranks: Ranks | None = None,
+        run_info: dict | None = None,
+    ):
         super().__init__(model, cfg, data.train, io, ranks)
         io = io or ModelIO()
         self.val_batches = data.val
@@ -106,8 +109,9 @@ class Trainer(TrainStep):
         self.signals = StopOnSignal()
         for cb in callbacks:
             if not isinstance(cb, Callback):
-                raise TypeError(f"{cb!r} is not a trainer callback: subclass "
-                                "tinygpt.core.callback.Callback")
+                raise TypeError(
+                    f"{cb!r} is not a trainer callback: subclass tinygpt.core.callback.Callback"
+                )
         self.callbacks: list[Callback] = [self.signals, *callbacks]
         self.run_info = run_info or {}
         self.is_main = self.rank == 0
@@ -145,35 +149,7 @@ class Trainer(TrainStep):
                 self.model.train()
                 self.throughput.restart()
                 while (self.max_steps is None or self.step < self.max_steps) and not stopping:
-                    step = self.optimizer_step()
-                    self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
-                    # e.g. the start-up record, a time budget's measurement
-                    for cb in self.callbacks:
-                        cb.on_step(self)
-                    stopping = self._agree_to_stop()
-                    last = self.step == self.max_steps
-                    log = self.step % self.cfg.log_every == 0 or last
-                    evaluate = bool(self.cfg.eval_every) and (
-                        self.step % self.cfg.eval_every == 0 or last)
-                    save = (bool(self.cfg.save_every and self.step % self.cfg.save_every == 0)
-                            or last or stopping)
-                    # the global sum: logged, and checked alike on all ranks
-                    if self.world_size > 1 and (log or save):
-                        dist_.all_reduce_sum_(step.loss_sum)
-                    if log:
-                        self._log_step(step, evaluate)  # evaluates too, when due
-                    elif evaluate:
-                        self.val_loss = self.evaluate()
-                        self._log({"step": self.step, "val_loss": self.val_loss})
-                    if evaluate and self.val_loss is not None and (
-                            self.best_val_loss is None or self.val_loss < self.best_val_loss):
-                        self.best_val_loss = self.val_loss
-                        self.save(best=True)
-                    if save:
-                        # never write a checkpoint from weights that a NaN may have reached
-                        self._check_finite(float(step.loss_sum))
-                        self._check_finite(float(step.grad_norm), what="gradient norm")
-                        self.save()
+                    stopping = self._train_step()
                 if self.step > 0 and self.saved_step != self.step:
                     self.save()  # training always ends with a checkpoint
             except OSError as e:  # metrics.jsonl or samples on a full disk: the same one-line story
@@ -186,9 +162,62 @@ class Trainer(TrainStep):
                     RunDir(self.run_dir).check_held()
                 self._raise_peer_failure(e)
                 raise
-        return TrainResult(self.run_dir, self.step, self.last_loss, self.val_loss,
-                           self.best_val_loss, self.last_saved, self.tokens_per_s, resumed_from,
-                           stopping, self.history)
+        return TrainResult(
+            self.run_dir,
+            self.step,
+            self.last_loss,
+            self.val_loss,
+            self.best_val_loss,
+            self.last_saved,
+            self.tokens_per_s,
+            resumed_from,
+            stopping,
+            self.history,
+        )
+
+    def _train_step(self) -> bool:
+        """One turn of the loop: the optimizer step, the callbacks' turn, then what is due at the
+        new step (log, evaluate, keep the best, save). Whether to stop, agreed by every rank; a
+        stopping step is saved. Every rank takes the same branches (the flags depend on the step
+        and the agreed stop only), so collectives (the loss sum, evaluation, gathering for a save)
+        stay matched."""
+        step = self.optimizer_step()
+        self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
+        # e.g. the start-up record, a time budget's measurement
+        for cb in self.callbacks:
+            cb.on_step(self)
+        stopping = self._agree_to_stop()
+        last = self.step == self.max_steps
+        log = self.step % self.cfg.log_every == 0 or last
+        evaluate = bool(self.cfg.eval_every) and (self.step % self.cfg.eval_every == 0 or last)
+        save = (
+            bool(self.cfg.save_every and self.step % self.cfg.save_every == 0) or last or stopping
+        )
+        # the global sum: logged, and checked alike on all ranks
+        if self.world_size > 1 and (log or save):
+            dist_.all_reduce_sum_(step.loss_sum)
+        if log:
+            self._log_step(step, evaluate)  # evaluates too, when due
+        elif evaluate:
+            self.val_loss = self.evaluate()
+            self._log({"step": self.step, "val_loss": self.val_loss})
+        if evaluate:
+            self._keep_best()
+        if save:
+            # never write a checkpoint from weights that a NaN may have reached
+            self._check_finite(float(step.loss_sum))
+            self._check_finite(float(step.grad_norm), what="gradient norm")
+            self.save()
+        return stopping
+
+    def _keep_best(self) -> None:
+        """Save best/ when the validation loss just measured is the lowest yet (none measured: no
+        validation batches, nothing to keep)."""
+        if self.val_loss is not None and (
+            self.best_val_loss is None or self.val_loss < self.best_val_loss
+        ):
+            self.best_val_loss = self.val_loss
+            self.save(best=True)
 
     def restore(self, resume: str) -> int | None:
         """Exact resume: the newest valid checkpoint (or the one named) brings back the weights, the
@@ -201,8 +230,11 @@ class Trainer(TrainStep):
             if self.last_saved is not None:
                 self.resume(self.last_saved, verified=True)
             elif self.is_main and ckpt.list_checkpoints(self.ckpt_root):
-                warnings.warn(f"no checkpoint in {self.ckpt_root} passes verification: training "
-                              "starts from step 0 (the folders are kept)", stacklevel=3)
+                warnings.warn(
+                    f"no checkpoint in {self.ckpt_root} passes verification: training "
+                    "starts from step 0 (the folders are kept)",
+                    stacklevel=3,
+                )
         elif resume != "never":
             self.last_saved = Path(resume)
             self.resume(self.last_saved)
@@ -239,12 +271,17 @@ class Trainer(TrainStep):
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         with eager() if self.use_compile else contextlib.nullcontext():
             self._evaluate_batches(range(self.rank, end, W), total)
-        count = sum(int((self.val_batches[i][1] != IGNORE_INDEX).sum())
-                    for i in range(self.rank, min(end, n), W))
+        count = sum(
+            int((self.val_batches[i][1] != IGNORE_INDEX).sum())
+            for i in range(self.rank, min(end, n), W)
+        )
         self.model.train()
         if W > 1:
-            both = dist_.all_reduce_sum_(torch.stack([
-                total, torch.tensor(float(count), device=self.device, dtype=torch.float64)]))
+            both = dist_.all_reduce_sum_(
+                torch.stack(
+                    [total, torch.tensor(float(count), device=self.device, dtype=torch.float64)]
+                )
+            )
             total, count = both[0], int(both[1])
         return float(total) / max(count, 1)
 
@@ -261,16 +298,14 @@ class Trainer(TrainStep):
     def train_state(self, optimizer_state: dict | None = None) -> dict[str, Any]:
         if optimizer_state is None:
             optimizer_state = self.optimizer.state_dict()
-        return {"step": self.step, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
-                "sampler": self.train_source.state_dict(), "rng": rng_state(),
-                "best_val_loss": self.best_val_loss, "train_config": self.cfg.to_dict(),
-                "world_size": self.world_size, "run_info": self.run_info}
+        return train_state_of(self, optimizer_state, self.best_val_loss, self.run_info)
 
     def save(self, best: bool = False) -> Path | None:
         """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is
         collective)."""
-        model_sd, optimizer_sd = dist_.gather_state(self.model, self.optimizer, self.state_fn,
-                                                    self.rank)
+        model_sd, optimizer_sd = dist_.gather_state(
+            self.model, self.optimizer, self.state_fn, self.rank
+        )
         if not best:
             self.saved_step = self.step
         if not self.is_main:
@@ -279,8 +314,12 @@ class Trainer(TrainStep):
         RunDir(self.run_dir).check_held()
         path = RunDir(self.run_dir).best if best else self.ckpt_root / ckpt.step_name(self.step)
         try:
-            ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd),
-                                 {"kind": BEST if best else "step", "val_loss": self.best_val_loss})
+            ckpt.save_checkpoint(
+                path,
+                model_sd,
+                self.train_state(optimizer_sd),
+                {"kind": BEST if best else "step", "val_loss": self.best_val_loss},
+            )
         # torch.save and safetensors report a full disk as their own errors, not OSError
         except Exception as e:
             # a full disk or a lost mount: the half-written folder is gone already (atomic_output)
@@ -294,26 +333,9 @@ class Trainer(TrainStep):
 
     def resume(self, path: Path, verified: bool = False) -> None:
         sd, state, _ = ckpt.load_checkpoint(path, verify=not verified)
-        if "optimizer" not in state:
-            raise TrainingError(f"checkpoint {path} holds the weights only (a download, without "
-                                "state.pt): training cannot resume from it; copy the whole "
-                                "checkpoint from Drive, or use a new run folder")
-        diffs = config_differences(state.get("train_config", {}), self.cfg.to_dict(),
-                                   RESUMABLE_CHANGES)
-        if diffs:
-            raise TrainingError(f"checkpoint {path} was written with a different training "
-                                "configuration:\n  " + "\n  ".join(diffs)
-                                + "\nresume with the same settings, or use a new run folder")
-        # What exact resume needs, each for its reason: the weights and the optimizer's moments (the
-        # next update), the fp16 scaler's scale (the next step's overflow check), the sampler's
-        # position (the next batch: the order itself follows from the seed, see WindowSampler), and
-        # every RNG (dropout, sampling). The learning rate needs nothing of its own: lr_at sets it
-        # from the step before every update.
-        dist_.load_state(self.model, self.optimizer, sd, state["optimizer"], self.load_state_fn)
-        self.scaler.load_state_dict(state["scaler"])
-        self.train_source.load_state_dict(state["sampler"])  # the sampler's order goes on from here
-        set_rng_state(state["rng"])
-        self.step = state["step"]
+        if (refusal := resume_refusal(path, state, self.cfg)) is not None:
+            raise TrainingError(refusal)
+        load_train_state(self, sd, state, self.load_state_fn)
         self.best_val_loss = state.get("best_val_loss")
 
     # ----- logging -----------------------------------------------------------------------------
@@ -322,16 +344,23 @@ class Trainer(TrainStep):
         self.last_loss = step.loss_sum.item() / max(step.n_targets, 1)
         self._check_finite(self.last_loss)
         self.tokens_per_s = self.throughput.rate()
-        m = {"step": self.step, "loss": round(self.last_loss, 6), "lr": step.lr,
-             "grad_norm": float(step.grad_norm),
-             "tokens": self.step * self.cfg.tokens_per_step,
-             "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None}
+        m = {
+            "step": self.step,
+            "loss": round(self.last_loss, 6),
+            "lr": step.lr,
+            "grad_norm": float(step.grad_norm),
+            "tokens": self.step * self.cfg.tokens_per_step,
+            "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
+        }
         if self.device.type == "cuda":
             m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
         if evaluated:
             self.val_loss = m["val_loss"] = self.evaluate()
-        expected = (expected_final_loss(self.history + [m], self.max_steps, self.cfg.warmup_steps)
-                    if self.max_steps is not None else None)
+        expected = (
+            expected_final_loss(self.history + [m], self.max_steps, self.cfg.warmup_steps)
+            if self.max_steps is not None
+            else None
+        )
         if expected is not None:
             m["expected_final_loss"] = round(expected, 4)
         for cb in self.callbacks:
@@ -360,20 +389,26 @@ class Trainer(TrainStep):
     def _raise_peer_failure(self, e: Exception) -> None:
         """Under torchrun, a dead or hung peer becomes one message that says how to resume."""
         if self.world_size > 1 and not isinstance(e, TrainingError) and dist_.is_peer_failure(e):
-            raise TrainingError(f"process {self.rank} of {self.world_size} lost its peers at step "
-                                f"{self.step} ({type(e).__name__}: {str(e)[:160]}...): another "
-                                "process of this job died or hung (torchrun's report names it). "
-                                + self._where_to_resume("run the same command again, with any "
-                                                        "number of processes")) from e
+            raise TrainingError(
+                f"process {self.rank} of {self.world_size} lost its peers at step "
+                f"{self.step} ({type(e).__name__}: {str(e)[:160]}...): another "
+                "process of this job died or hung (torchrun's report names it). "
+                + self._where_to_resume("run the same command again, with any number of processes")
+            ) from e
 
     def _write_failed(self, what: str, e: BaseException) -> TrainingError:
-        disk_full = (getattr(e, "errno", None) == errno.ENOSPC
-                     or any(m in str(e) for m in _DISK_FULL))
-        why = (f"the disk is full ({os.strerror(errno.ENOSPC)})" if disk_full
-               else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return TrainingError(f"could not write {what} at step {self.step}: {why}. "
-                             + self._where_to_resume("free some disk space and run the same "
-                                                     "command again"))
+        disk_full = getattr(e, "errno", None) == errno.ENOSPC or any(
+            m in str(e) for m in _DISK_FULL
+        )
+        why = (
+            f"the disk is full ({os.strerror(errno.ENOSPC)})"
+            if disk_full
+            else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        )
+        return TrainingError(
+            f"could not write {what} at step {self.step}: {why}. "
+            + self._where_to_resume("free some disk space and run the same command again")
+        )
 
     def _where_to_resume(self, then: str) -> str:
         """The end of a failure's message: the last good checkpoint and `then` (what to do) to
@@ -392,43 +427,20 @@ class Trainer(TrainStep):
             return
         last = self.last_saved or ckpt.latest_valid(self.ckpt_root)
         change = "a lower learning rate (--set train.lr=...)" + (
-            " or precision bf16/fp32 instead of fp16" if self.precision.use_scaler else "")
+            " or precision bf16/fp32 instead of fp16" if self.precision.use_scaler else ""
+        )
         # a first try that saved nothing leaves nothing behind: the same folder takes new settings
         if last is None:
-            raise TrainingError(f"the {what} became {value} at step {self.step}, before any "
-                                f"checkpoint was saved: run again with {change}; it starts from "
-                                "step 0")
+            raise TrainingError(
+                f"the {what} became {value} at step {self.step}, before any "
+                f"checkpoint was saved: run again with {change}; it starts from "
+                "step 0"
+            )
         # the rate and the precision are part of a run's configuration: a run folder with
         # checkpoints keeps its own
-        raise TrainingError(f"the {what} became {value} at step {self.step}; nothing was saved "
-                            f"after it. The last good checkpoint is {last}. Train with {change} in "
-                            "a new run folder (--run-dir): this one keeps the settings it began "
-                            "with")
-
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG's state in a weights-only form (tensors, numbers, strings, lists), so a checkpoint
-    loads with `torch.load(weights_only=True)` and can never run code."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    s = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                    "gauss": gauss},
-         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "cached": float(cached)},
-         "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
-
-
-def set_rng_state(s: dict[str, Any]) -> None:
-    py, npy = s["python"], s["numpy"]
-    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached"]))
-    torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
+        raise TrainingError(
+            f"the {what} became {value} at step {self.step}; nothing was saved "
+            f"after it. The last good checkpoint is {last}. Train with {change} in "
+            "a new run folder (--run-dir): this one keeps the settings it began "
+            "with"
+        )
