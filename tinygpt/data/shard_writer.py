@@ -8,6 +8,7 @@ complete shards, and the next writer tokenizes on from the first group missing (
 documents of the complete ones without tokenizing them). Shard i's content depends only on the
 source, the tokenizer and the split, never on timing (the readers: `tinygpt.data.shards`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,6 +66,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 @dataclass
 class _Group:
     """The group being tokenized: its tokens so far and where in the document stream it ends."""
+
     train: list[np.ndarray] = field(default_factory=list)
     val: list[np.ndarray] = field(default_factory=list)
     n_train: int = 0
@@ -90,23 +92,40 @@ def _write_group(folder: Path, manifest: dict, group: _Group, documents_end: int
         data = np.concatenate(parts).tobytes() if parts else b""
         name = shard_name(split, i)
         write_bytes_atomic(folder / name, data)
-        entry[split] = {"name": name, "bytes": len(data),
-                        "sha256": hashlib.sha256(data).hexdigest()}
+        entry[split] = {
+            "name": name,
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
     manifest["shards"].append(entry)
     write_json_atomic(folder / MANIFEST, manifest)
 
 
 def new_manifest(cfg: DataConfig, tokenizer: Tokenizer, shard_tokens: int) -> dict:
-    return {"format": SHARD_FORMAT, "source": cfg.source,
-            "dtype": token_dtype(tokenizer.vocab_size).name, "vocab_size": tokenizer.vocab_size,
-            "tokenizer": tokenizer.fingerprint(), "shard_tokens": shard_tokens,
-            "first_shard_tokens": min(shard_tokens, FIRST_SHARD_TOKENS),
-            "val_fraction": cfg.val_fraction, "shards": [], "done": False, "error": None}
+    return {
+        "format": SHARD_FORMAT,
+        "source": cfg.source,
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer": tokenizer.fingerprint(),
+        "shard_tokens": shard_tokens,
+        "first_shard_tokens": min(shard_tokens, FIRST_SHARD_TOKENS),
+        "val_fraction": cfg.val_fraction,
+        "shards": [],
+        "done": False,
+        "error": None,
+    }
 
 
-def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path,
-                 shard_tokens: int = SHARD_TOKENS, should_stop: Callable[[], bool] = lambda: False,
-                 max_shards: int | None = None, warnings_to_manifest: bool = False) -> dict:
+def write_shards(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    folder: str | Path,
+    shard_tokens: int = SHARD_TOKENS,
+    should_stop: Callable[[], bool] = lambda: False,
+    max_shards: int | None = None,
+    warnings_to_manifest: bool = False,
+) -> dict:
     """Tokenize the source into `folder`, going on from the shards already there; returns the
     manifest. Stops early (the manifest not done) when `should_stop()` or once there are
     `max_shards`. One writer per folder at a time (a file lock: a second one waits for the
@@ -116,18 +135,29 @@ def write_shards(cfg: DataConfig, tokenizer: Tokenizer, folder: str | Path,
     folder.mkdir(parents=True, exist_ok=True)
     with writer_lock(folder):
         clean_leftovers(folder)  # half-written files of a writer that was killed
-        manifest = (read_json(folder / MANIFEST) if (folder / MANIFEST).is_file()
-                    else new_manifest(cfg, tokenizer, shard_tokens))
+        manifest = (
+            read_json(folder / MANIFEST)
+            if (folder / MANIFEST).is_file()
+            else new_manifest(cfg, tokenizer, shard_tokens)
+        )
         if manifest.get("done"):
             return manifest
         try:
-            with (_warnings_into(manifest) if warnings_to_manifest else contextlib.nullcontext()):
-                _tokenize_on(cfg, tokenizer, folder, manifest,
-                             lambda: should_stop() or (max_shards is not None
-                                                       and len(manifest["shards"]) >= max_shards))
+            with _warnings_into(manifest) if warnings_to_manifest else contextlib.nullcontext():
+                _tokenize_on(
+                    cfg,
+                    tokenizer,
+                    folder,
+                    manifest,
+                    lambda: (
+                        should_stop()
+                        or (max_shards is not None and len(manifest["shards"]) >= max_shards)
+                    ),
+                )
         except Exception as e:  # a DataError says what is wrong itself; others, where
-            manifest["error"] = (str(e) if isinstance(e, DataError)
-                                 else f"tokenizing {cfg.source} failed: {e}")
+            manifest["error"] = (
+                str(e) if isinstance(e, DataError) else f"tokenizing {cfg.source} failed: {e}"
+            )
             write_json_atomic(folder / MANIFEST, manifest)
             raise
     return manifest
@@ -140,12 +170,14 @@ def _warnings_into(manifest: dict) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = lambda message, *_, **__: (
-            None if str(message) in said else said.append(str(message)))
+            None if str(message) in said else said.append(str(message))
+        )
         yield
 
 
-def encode_documents(tokenizer: Tokenizer, texts: list[str],
-                     dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def encode_documents(
+    tokenizer: Tokenizer, texts: list[str], dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
     """The ids of each text followed by end-of-text, all in one array of `dtype` (one conversion per
     batch, none per document), and where each text's ids end in it."""
     eot = tokenizer.eot_id
@@ -155,18 +187,20 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str],
     flat[ends - 1] = eot
     body = np.ones(len(flat), dtype=bool)
     body[ends - 1] = False
-    flat[body] = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype,
-                             count=len(flat) - len(ids))
+    flat[body] = np.fromiter(
+        itertools.chain.from_iterable(ids), dtype=dtype, count=len(flat) - len(ids)
+    )
     return flat, ends
 
 
-def _add_documents(group: _Group, flat: np.ndarray, ends: np.ndarray, val: np.ndarray, k: int,
-                   end: int) -> None:
+def _add_documents(
+    group: _Group, flat: np.ndarray, ends: np.ndarray, val: np.ndarray, k: int, end: int
+) -> None:
     """Documents k .. end-1 of a batch into the group: each run of consecutive training (or
     validation) documents as one slice of the batch's array."""
-    cuts = [k, *(k + 1 + np.flatnonzero(val[k + 1:end] != val[k:end - 1])).tolist(), end]
+    cuts = [k, *(k + 1 + np.flatnonzero(val[k + 1 : end] != val[k : end - 1])).tolist(), end]
     for a, b in zip(cuts, cuts[1:]):
-        part = flat[(ends[a - 1] if a else 0):ends[b - 1]]
+        part = flat[(ends[a - 1] if a else 0) : ends[b - 1]]
         if val[a]:
             group.val.append(part)
         else:
@@ -174,8 +208,40 @@ def _add_documents(group: _Group, flat: np.ndarray, ends: np.ndarray, val: np.nd
             group.n_train += len(part)
 
 
-def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: dict,
-                 should_stop: Callable[[], bool]) -> None:
+def _validation_mask(first: int, n: int, val_fraction: float) -> np.ndarray:
+    """Which of documents first .. first + n - 1 are validation documents."""
+    return np.fromiter(
+        (is_validation_document(first + k, val_fraction) for k in range(n)), dtype=bool, count=n
+    )
+
+
+def _finish(folder: Path, manifest: dict, n_docs: int) -> None:
+    """The manifest of a source tokenized to its end: done, with its totals, written; a source
+    that yielded no document is refused."""
+    if n_docs == 0:
+        raise DataError(
+            f"data source {manifest['source']!r} holds no text: it is empty, or holds only "
+            "binary (NUL) bytes; give a file or folder of text"
+        )
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    manifest["done"] = True
+    manifest["documents"] = n_docs
+    manifest["chars"] = sum(s["chars"] for s in manifest["shards"])
+    for split in ("train", "val"):
+        manifest[f"{split}_tokens"] = sum(s[split]["bytes"] for s in manifest["shards"]) // itemsize
+    manifest["chars_per_token"] = manifest["chars"] / max(
+        1, manifest["train_tokens"] + manifest["val_tokens"]
+    )
+    write_json_atomic(folder / MANIFEST, manifest)
+
+
+def _tokenize_on(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    folder: Path,
+    manifest: dict,
+    should_stop: Callable[[], bool],
+) -> None:
     dtype = np.dtype(manifest["dtype"])
     first_tokens = manifest.get("first_shard_tokens", manifest["shard_tokens"])
 
@@ -192,8 +258,7 @@ def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: 
         first = n_docs - len(batch)
         flat, ends = encode_documents(tokenizer, batch, dtype)
         lengths = np.diff(ends, prepend=0)
-        val = np.fromiter((is_validation_document(first + k, cfg.val_fraction)
-                           for k in range(len(batch))), dtype=bool, count=len(batch))
+        val = _validation_mask(first, len(batch), cfg.val_fraction)
         train_lengths = np.where(val, 0, lengths)
         chars = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
         k = 0
@@ -225,18 +290,7 @@ def _tokenize_on(cfg: DataConfig, tokenizer: Tokenizer, folder: Path, manifest: 
         return
     if group.train or group.val:
         _write_group(folder, manifest, group, n_docs)
-    if n_docs == 0:
-        raise DataError(f"data source {cfg.source!r} holds no text: it is empty, or holds only "
-                        "binary (NUL) bytes; give a file or folder of text")
-    manifest["done"] = True
-    manifest["documents"] = n_docs
-    manifest["chars"] = sum(s["chars"] for s in manifest["shards"])
-    for split in ("train", "val"):
-        manifest[f"{split}_tokens"] = (sum(s[split]["bytes"] for s in manifest["shards"])
-                                       // dtype.itemsize)
-    manifest["chars_per_token"] = manifest["chars"] / max(1, manifest["train_tokens"]
-                                                          + manifest["val_tokens"])
-    write_json_atomic(folder / MANIFEST, manifest)
+    _finish(folder, manifest, n_docs)
 
 
 def _writer_main() -> None:
@@ -254,11 +308,20 @@ def _writer_main() -> None:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         # GPT-2 (its parent chose tiktoken for it): tiktoken alone, no tokenizer.json to parse
-        tokenizer = (TiktokenGPT2(req["fingerprint"]) if req.get("gpt2")
-                     else Tokenizer.from_json(req["tokenizer"]))
-        write_shards(DataConfig.from_dict(req["data"]), tokenizer, req["folder"],
-                     req["shard_tokens"], should_stop=lambda: os.getppid() != parent,
-                     max_shards=req["max_shards"], warnings_to_manifest=True)
+        tokenizer = (
+            TiktokenGPT2(req["fingerprint"])
+            if req.get("gpt2")
+            else Tokenizer.from_json(req["tokenizer"])
+        )
+        write_shards(
+            DataConfig.from_dict(req["data"]),
+            tokenizer,
+            req["folder"],
+            req["shard_tokens"],
+            should_stop=lambda: os.getppid() != parent,
+            max_shards=req["max_shards"],
+            warnings_to_manifest=True,
+        )
     except KeyboardInterrupt:
         sys.exit(0)
     except OSError as e:  # a full disk may not even let the manifest say so: the exit status does
@@ -284,18 +347,35 @@ class ShardWriter:
     lock. A fresh interpreter (not multiprocessing: its spawn re-runs the user's script, its fork
     copies torch's threads), which stops by itself when its parent dies."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, folder: Path,
-                 shard_tokens: int = SHARD_TOKENS, max_shards: int | None = None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        folder: Path,
+        shard_tokens: int = SHARD_TOKENS,
+        max_shards: int | None = None,
+    ):
         # GPT-2 on tiktoken (decided here once): the writer needs only the fingerprint
         gpt2 = tokenizer.tiktoken() is not None
-        req = {"data": cfg.to_dict(), "folder": str(folder), "shard_tokens": shard_tokens,
-               "parent": os.getpid(), "max_shards": max_shards, "gpt2": gpt2,
-               **({"fingerprint": tokenizer.fingerprint()} if gpt2 else {"tokenizer": tokenizer.to_json()})}
+        req = {
+            "data": cfg.to_dict(),
+            "folder": str(folder),
+            "shard_tokens": shard_tokens,
+            "parent": os.getpid(),
+            "max_shards": max_shards,
+            "gpt2": gpt2,
+            **(
+                {"fingerprint": tokenizer.fingerprint()}
+                if gpt2
+                else {"tokenizer": tokenizer.to_json()}
+            ),
+        }
         # no Rust backtrace from `tokenizers` reaches the run's output (RUST_BACKTRACE is set on
         # some machines)
         env = {k: v for k, v in os.environ.items() if k != "RUST_BACKTRACE"}
-        self.process = subprocess.Popen([sys.executable, "-m", "tinygpt.data.shard_writer"],
-                                        stdin=subprocess.PIPE, env=env)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tinygpt.data.shard_writer"], stdin=subprocess.PIPE, env=env
+        )
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(req).encode())
         self.process.stdin.close()
