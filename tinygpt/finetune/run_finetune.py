@@ -73,7 +73,7 @@ from tinygpt.finetune.presets import (
 )
 from tinygpt.finetune.records import load_records
 from tinygpt.fit.hardware import check_device
-from tinygpt.sync.mirror import mirror_adapter
+from tinygpt.sync.copy import mirror_adapter
 from tinygpt.sync.mirrored import mirrored
 from tinygpt.train.callbacks import Progress
 from tinygpt.train.decisions import FINETUNE_DOMAIN, own_signature, sign
