@@ -31,41 +31,12 @@ _SKIP_WORDS = {
 # the source warnings this process gave; shards.say_once gives none of them again
 SAID: set[str] = set()
 TEXT_SUFFIXES = {
-    ".txt",
-    ".md",
-    ".py",
-    ".rst",
-    ".json",
-    ".jsonl",
-    ".csv",
-    ".html",
-    ".c",
-    ".h",
-    ".js",
-    ".ts",
-    ".java",
-    ".go",
-    ".rs",
-    ".cpp",
-    ".tex",
-    ".yaml",
-    ".yml",
-    ".toml",
-    ".cfg",
-    ".ini",
-    ".sh",
+    f".{s}"
+    for s in "txt md py rst json jsonl csv html c h js ts java go rs cpp tex yaml yml toml cfg ini sh".split()
 }
-_SKIP_DIRS = {
-    "site-packages",
-    "dist-packages",
-    "__pycache__",
-    "test",
-    "tests",
-    "idlelib",
-    "lib2to3",
-    "turtledemo",
-    ".git",
-}
+_SKIP_DIRS = set(
+    "site-packages dist-packages __pycache__ test tests idlelib lib2to3 turtledemo .git".split()
+)
 CHUNK_CHARS = 4_096  # long files become documents of about this size, so the split has many parts
 
 
