@@ -11,6 +11,7 @@ start again at 0 at every example: a transformers model (4.53 and later) reads t
 record boundaries and keeps each example's attention inside itself, so a packed row gives the same
 loss as its examples run one by one, without the padding.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,8 +73,9 @@ class DataReport:
 Row = tuple[np.ndarray, np.ndarray]  # (x, y) of one training sequence
 
 
-def _to_rows(examples: list[tuple[list[int], list[bool]]], seq_len: int,
-             pack: bool) -> tuple[list[Row], list[np.ndarray]]:
+def _to_rows(
+    examples: list[tuple[list[int], list[bool]]], seq_len: int, pack: bool
+) -> tuple[list[Row], list[np.ndarray]]:
     """(x, y) rows of at most seq_len positions, and each row's example lengths (in tokens); packing
     concatenates whole examples greedily."""
     groups: list[list[tuple[list[int], list[bool]]]] = []
@@ -103,8 +105,9 @@ def record_positions(lengths: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate([pos[:used], np.arange(width - used, dtype=np.int64)])
 
 
-def _collate(rows: Sequence[Row], pad_id: int, seq_len: int,
-             lengths: Sequence[np.ndarray] | None = None) -> tuple[torch.Tensor, ...]:
+def _collate(
+    rows: Sequence[Row], pad_id: int, seq_len: int, lengths: Sequence[np.ndarray] | None = None
+) -> tuple[torch.Tensor, ...]:
     """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks
     right, so padding changes nothing for the real tokens and needs no attention
     mask. Packed rows (`lengths` given) are padded to seq_len, one shape for every
@@ -114,7 +117,7 @@ def _collate(rows: Sequence[Row], pad_id: int, seq_len: int,
     x = np.full((len(rows), T), pad_id, dtype=np.int64)
     y = np.full((len(rows), T), IGNORE_INDEX, dtype=np.int64)
     for i, (a, b) in enumerate(rows):
-        x[i, :len(a)], y[i, :len(b)] = a, b
+        x[i, : len(a)], y[i, : len(b)] = a, b
     if lengths is None:
         return torch.from_numpy(x), torch.from_numpy(y)
     pos = np.stack([record_positions(n, T) for n in lengths])
@@ -127,8 +130,14 @@ class InstructSource:
     share, so the order is the same at any world size with the same global batch. With `lengths`
     (packed rows: each row's example lengths) a batch is (x, y, position ids), else (x, y)."""
 
-    def __init__(self, rows: list[Row], seq_len: int, pad_id: int, seed: int,
-                 lengths: list[np.ndarray] | None = None):
+    def __init__(
+        self,
+        rows: list[Row],
+        seq_len: int,
+        pad_id: int,
+        seed: int,
+        lengths: list[np.ndarray] | None = None,
+    ):
         if not rows:
             raise DataError("no training examples are left")
         self.rows, self.seq_len, self.pad_id, self.seed = rows, seq_len, pad_id, seed
@@ -154,7 +163,7 @@ class InstructSource:
                 )
                 self._perm_epoch = self.epoch
             k = min(n - len(out), len(self.rows) - self.index)
-            out += self._perm[self.index:self.index + k].tolist()
+            out += self._perm[self.index : self.index + k].tolist()
             self.index += k
             if self.index == len(self.rows):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -167,14 +176,19 @@ class InstructSource:
     def next_batch(
         self, batch_size: int, rank: int = 0, world_size: int = 1
     ) -> tuple[torch.Tensor, ...]:
-        picked = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
+        picked = self._take(batch_size * world_size)[rank * batch_size : (rank + 1) * batch_size]
         lengths = [self.lengths[i] for i in picked] if self.lengths is not None else None
         self.served_tokens += sum(len(self.rows[i][0]) for i in picked)
         return _collate([self.rows[i] for i in picked], self.pad_id, self.seq_len, lengths)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "rows": len(self.rows),
-                "fingerprint": self.fingerprint}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "rows": len(self.rows),
+            "fingerprint": self.fingerprint,
+        }
 
     def load_state_dict(self, s: dict) -> None:
         if (s["seed"], s["rows"], s["fingerprint"]) != (
@@ -238,7 +252,7 @@ def build_instruct_data(
     kept, dropped = [], 0
     for (ids, flags), long in zip(examples, too_long):
         if long:
-            ids, flags = ids[:seq_len + 1], flags[:seq_len + 1]
+            ids, flags = ids[: seq_len + 1], flags[: seq_len + 1]
             if not any(flags[1:]):
                 dropped += 1
                 continue
@@ -250,8 +264,10 @@ def build_instruct_data(
     train_ex = [kept[i] for i in sorted(order[n_val:])]
     train_rows, train_lengths = _to_rows(train_ex, seq_len, pack)
     val_rows = _to_rows(val_ex, seq_len, False)[0][: val_batch_size * eval_batches]
-    val_batches = [_collate(val_rows[i:i + val_batch_size], codec.pad_id, seq_len)
-                   for i in range(0, len(val_rows), val_batch_size)]
+    val_batches = [
+        _collate(val_rows[i : i + val_batch_size], codec.pad_id, seq_len)
+        for i in range(0, len(val_rows), val_batch_size)
+    ]
     n_target = sum(len(x) for x, _ in train_rows)
     n_loss = sum(int((y != IGNORE_INDEX).sum()) for _, y in train_rows)
     report = DataReport(

@@ -127,7 +127,9 @@ def _shapes(c: dict[str, Any]) -> dict[str, tuple[int, int]]:
     }
 
 
-def _layer_activations(c: dict[str, Any], hardware: str, tokens: int, seq_len: int, half: int) -> int:
+def _layer_activations(
+    c: dict[str, Any], hardware: str, tokens: int, seq_len: int, half: int
+) -> int:
     """Bytes of activations one layer holds for backward: 2 x tokens x (17 d_model + 5 d_ff), and
     beyond flash attention (`model.attention`): GQA keys/values repeated to the query heads where no
     fused kernel takes them grouped (a T4), and an eager base's (Gemma-2's soft-capping) T x T
@@ -166,7 +168,11 @@ def memory_table(
     can need."""
     recipe = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     c, cfg = base_config, recipe.train_config(hardware)
-    h, L, shapes = c.get("hidden_size") or c["n_embd"], c.get("num_hidden_layers") or c["n_layer"], _shapes(c)
+    h, L, shapes = (
+        c.get("hidden_size") or c["n_embd"],
+        c.get("num_hidden_layers") or c["n_layer"],
+        _shapes(c),
+    )
     linear = L * sum(a * b for a, b in shapes.values())
     emb = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings", True) else 2)
     if recipe.lora is None:  # full finetuning: every weight is trained
@@ -216,7 +222,11 @@ def memory_table(
             f"micro-batch {cfg.micro_batch_size} x {cfg.seq_len}, "
             f"{'with' if ckpt else 'without'} activation checkpointing",
         ),
-        ("logits + loss", logits / gb, "chunked cross-entropy" if chunked else "full (tokens, vocab) logits"),
+        (
+            "logits + loss",
+            logits / gb,
+            "chunked cross-entropy" if chunked else "full (tokens, vocab) logits",
+        ),
     ]
     out = [{"part": p, "gb": round(v, 3), "how": how} for p, v, how in rows]
     return out + [
@@ -294,7 +304,9 @@ def plan_finetune(
     options = [(c, f) for c in ckpts for f in logits]
     pack = recipe.pack and packing_supported(base_config)
     for c, f in options:
-        table = memory_table(recipe, hardware, base_config, activation_checkpointing=c, full_logits=f)
+        table = memory_table(
+            recipe, hardware, base_config, activation_checkpointing=c, full_logits=f
+        )
         need = device_need_gb(table, hardware)
         if memory_gb is None or need <= FIT_FRACTION * memory_gb:
             break
@@ -302,9 +314,12 @@ def plan_finetune(
     fits = memory_gb is None or need <= FIT_FRACTION * memory_gb
     why = (
         f"about {need:.1f} GB {where}: activation checkpointing {'on' if c else 'off'}, "
-        f"{'full' if f else 'chunked'} logits" + ("" if fits else "; the leanest plan, and it may not fit")
+        f"{'full' if f else 'chunked'} logits"
+        + ("" if fits else "; the leanest plan, and it may not fit")
     )
-    return FinetunePlan(c, f, pack, round(need, 3), None if memory_gb is None else round(memory_gb, 3), why)
+    return FinetunePlan(
+        c, f, pack, round(need, 3), None if memory_gb is None else round(memory_gb, 3), why
+    )
 
 
 def resumed_plan(
@@ -342,7 +357,9 @@ def resumed_plan(
     if memory_gb is not None and need > FIT_FRACTION * memory_gb:
         lean = plan_finetune(recipe, hardware, base_config, memory_gb)
         return dataclasses.replace(
-            lean, pack=plan.pack, why=lean.why + " (re-planned: the run's plan does not fit this device)"
+            lean,
+            pack=plan.pack,
+            why=lean.why + " (re-planned: the run's plan does not fit this device)",
         )
     return dataclasses.replace(plan, need_gb=round(need, 3))
 
