@@ -25,8 +25,8 @@ from tinygpt.core.checkpoint import (
     step_name,
     verify_checkpoint,
 )
-from tinygpt.sync.copy import Backoff
-from tinygpt.sync.mirror import Mirror, prune_mirror
+from tinygpt.sync.copy import Backoff, prune_mirror
+from tinygpt.sync.mirror import Mirror
 from tinygpt.sync.restore import restore_latest
 from tinygpt.sync.token_cache import restore_shards, sync_shards
 

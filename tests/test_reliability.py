@@ -89,7 +89,7 @@ def _corrupt_copy(src: Path, dst: Path) -> None:
 
 def test_mirror_pruning_keeps_the_good_checkpoints_under_corrupt_newer_ones(small_run, tmp_path):
 
-    from tinygpt.sync.mirror import prune_mirror
+    from tinygpt.sync.copy import prune_mirror
     from tinygpt.sync.restore import restore_latest
     mirror = tmp_path / "drive" / "r"
     shutil.copytree(small_run, mirror)

@@ -5,6 +5,7 @@ Each command's options are the fields of an options dataclass in the library mod
 options from the fields and the dataclass from what was parsed, so an option is stated once, on its
 field. What is here is the terminal: what each command prints, and its exit status.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,60 +47,37 @@ def _probe(args) -> int:
 @dataclass
 class RecipesOptions:
     """What `tinygpt recipes` prints."""
+
     as_json: bool = option(False, flag="--json", help="print the recipes as JSON")
 
 
 def _recipes(args) -> int:
     from tinygpt.model.gpt import meta_model
 
-    as_json = from_args(RecipesOptions, args).as_json
-    rows = []
-    for r in RECIPES.values():
-        prec = HARDWARE[r.hardware].precision if r.train.precision == "auto" else r.train.precision
-        rows.append(
-            (
-                r.name,
-                r.hardware,
-                meta_model(r.model).num_params(),
-                r.train.seq_len,
-                r.train.tokens_per_step,
-                r.token_budget,
-                prec,
-                r.data.source,
-                r.description,
-            )
-        )
-    if as_json:
-        print(
-            json.dumps(
-                [
-                    dict(
-                        zip(
-                            (
-                                "name",
-                                "hardware",
-                                "params",
-                                "context",
-                                "tokens_per_step",
-                                "token_budget",
-                                "precision",
-                                "data",
-                                "description",
-                            ),
-                            row,
-                        )
-                    )
-                    for row in rows
-                ],
-                indent=1,
-            )
-        )
+    rows = [
+        {
+            "name": r.name,
+            "hardware": r.hardware,
+            "params": meta_model(r.model).num_params(),
+            "context": r.train.seq_len,
+            "tokens_per_step": r.train.tokens_per_step,
+            "token_budget": r.token_budget,
+            "precision": HARDWARE[r.hardware].precision
+            if r.train.precision == "auto"
+            else r.train.precision,
+            "data": r.data.source,
+            "description": r.description,
+        }
+        for r in RECIPES.values()
+    ]
+    if from_args(RecipesOptions, args).as_json:
+        print(json.dumps(rows, indent=1))
         return 0
     print(
         f"{'recipe':<14} {'hw':<5} {'params':>8} {'ctx':>5} {'tok/step':>9} {'budget':>7} "
         f"{'prec':<5} {'data':<40} description"
     )
-    for name, hw, p, ctx, tps, budget, prec, data, desc in rows:
+    for name, hw, p, ctx, tps, budget, prec, data, desc in (row.values() for row in rows):
         print(
             f"{name:<14} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {count(budget):>7} {prec:<5} "
             f"{data:<40} {desc}"
@@ -184,8 +162,10 @@ def _finetune(args) -> int:
         f"examples, {d.truncated} truncated, {d.dropped} dropped"
     )
     t = res.train
-    print(f"step {t.step}: {figures_line(loss=t.loss, val_loss=t.val_loss)}; "
-          f"{res.trainable_params:,} trainable of {res.total_params:,} parameters")
+    print(
+        f"step {t.step}: {figures_line(loss=t.loss, val_loss=t.val_loss)}; "
+        f"{res.trainable_params:,} trainable of {res.total_params:,} parameters"
+    )
     if t.interrupted:
         print("stopped by a signal; run the same command again to resume")
     elif res.model_dir is not None:  # full finetuning
@@ -230,18 +210,9 @@ def _generate(args) -> int:
     model, tok, _, _ = load_run(
         o.run_dir, o.checkpoint, device="cuda" if torch.cuda.is_available() else "cpu"
     )
+    sampling = (o.prompt, o.max_new_tokens, o.temperature, o.top_k, o.top_p)
     for i in range(o.num_samples):
-        text = generate_text(
-            model,
-            tok,
-            o.prompt,
-            o.max_new_tokens,
-            o.temperature,
-            o.top_k,
-            o.top_p,
-            seed=None if o.seed is None else o.seed + i,
-        )
-        print(text)
+        print(generate_text(model, tok, *sampling, seed=None if o.seed is None else o.seed + i))
         if i + 1 < o.num_samples:
             print("-" * 40)
     return 0
@@ -325,16 +296,21 @@ COMMANDS = {
     "pretrain": (
         _pretrain,
         "pretrain a GPT from scratch or from a base (resumes automatically)",
-        Groups((RecipeChoice, "what to train"),
-               ("tinygpt.pretrain.pretrain_options:PretrainOptions", "how to run it")),
+        Groups(
+            (RecipeChoice, "what to train"),
+            ("tinygpt.pretrain.pretrain_options:PretrainOptions", "how to run it"),
+        ),
     ),
     "finetune": (
         _finetune,
         "LoRA / QLoRA / full finetuning of a tinygpt run or a Hugging Face model",
         Groups(("tinygpt.finetune.finetune_options:FinetuneOptions", "finetuning")),
     ),
-    "generate": (_generate, "sample text from a trained run",
-                 Groups(("tinygpt.model.generate:GenerateOptions", "sampling"))),
+    "generate": (
+        _generate,
+        "sample text from a trained run",
+        Groups(("tinygpt.model.generate:GenerateOptions", "sampling")),
+    ),
     "eval": (
         _eval,
         "evaluate a run (or a Hugging Face model folder) on one task",
@@ -359,8 +335,9 @@ def build_parser(commands: set[str] | None = None) -> argparse.ArgumentParser:
     """The command line, with the options of `commands` only (of all commands without it, whose
     modules it then imports)."""
     # allow_abbrev=False: a flag is spelled out or refused (`--max-step` is no `--max-steps`)
-    p = argparse.ArgumentParser(prog="tinygpt", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="tinygpt", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     p.add_argument(
         "--debug", action="store_true", help="on an error, show the full traceback, not one line"
     )

@@ -208,6 +208,33 @@ def _add_documents(
             group.n_train += len(part)
 
 
+def _validation_mask(first: int, n: int, val_fraction: float) -> np.ndarray:
+    """Which of documents first .. first + n - 1 are validation documents."""
+    return np.fromiter(
+        (is_validation_document(first + k, val_fraction) for k in range(n)), dtype=bool, count=n
+    )
+
+
+def _finish(folder: Path, manifest: dict, n_docs: int) -> None:
+    """The manifest of a source tokenized to its end: done, with its totals, written; a source
+    that yielded no document is refused."""
+    if n_docs == 0:
+        raise DataError(
+            f"data source {manifest['source']!r} holds no text: it is empty, or holds only "
+            "binary (NUL) bytes; give a file or folder of text"
+        )
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    manifest["done"] = True
+    manifest["documents"] = n_docs
+    manifest["chars"] = sum(s["chars"] for s in manifest["shards"])
+    for split in ("train", "val"):
+        manifest[f"{split}_tokens"] = sum(s[split]["bytes"] for s in manifest["shards"]) // itemsize
+    manifest["chars_per_token"] = manifest["chars"] / max(
+        1, manifest["train_tokens"] + manifest["val_tokens"]
+    )
+    write_json_atomic(folder / MANIFEST, manifest)
+
+
 def _tokenize_on(
     cfg: DataConfig,
     tokenizer: Tokenizer,
@@ -231,11 +258,7 @@ def _tokenize_on(
         first = n_docs - len(batch)
         flat, ends = encode_documents(tokenizer, batch, dtype)
         lengths = np.diff(ends, prepend=0)
-        val = np.fromiter(
-            (is_validation_document(first + k, cfg.val_fraction) for k in range(len(batch))),
-            dtype=bool,
-            count=len(batch),
-        )
+        val = _validation_mask(first, len(batch), cfg.val_fraction)
         train_lengths = np.where(val, 0, lengths)
         chars = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
         k = 0
@@ -267,22 +290,7 @@ def _tokenize_on(
         return
     if group.train or group.val:
         _write_group(folder, manifest, group, n_docs)
-    if n_docs == 0:
-        raise DataError(
-            f"data source {cfg.source!r} holds no text: it is empty, or holds only "
-            "binary (NUL) bytes; give a file or folder of text"
-        )
-    manifest["done"] = True
-    manifest["documents"] = n_docs
-    manifest["chars"] = sum(s["chars"] for s in manifest["shards"])
-    for split in ("train", "val"):
-        manifest[f"{split}_tokens"] = (
-            sum(s[split]["bytes"] for s in manifest["shards"]) // dtype.itemsize
-        )
-    manifest["chars_per_token"] = manifest["chars"] / max(
-        1, manifest["train_tokens"] + manifest["val_tokens"]
-    )
-    write_json_atomic(folder / MANIFEST, manifest)
+    _finish(folder, manifest, n_docs)
 
 
 def _writer_main() -> None:

@@ -5,6 +5,7 @@ k-th document is held out for validation. `source_fingerprint` changes when a so
 have; the token cache (`tinygpt.data.shards`) names its folders with it. This module imports no
 torch: the tokenizing process starts without it.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -22,46 +23,20 @@ from tinygpt.core.config import DataConfig
 from tinygpt.core.paths import hub_spec, is_hub, is_sample, sample_path
 from tinygpt.data.token_files import DataError, detect_token_folder  # noqa: F401  (DataError: handed on)
 
-_SKIP_WORDS = {"latin-1": "not UTF-8, read as latin-1", "binary": "binary (NUL bytes), skipped",
-               "unreadable": "unreadable, skipped"}
+_SKIP_WORDS = {
+    "latin-1": "not UTF-8, read as latin-1",
+    "binary": "binary (NUL bytes), skipped",
+    "unreadable": "unreadable, skipped",
+}
 # the source warnings this process gave; shards.say_once gives none of them again
 SAID: set[str] = set()
 TEXT_SUFFIXES = {
-    ".txt",
-    ".md",
-    ".py",
-    ".rst",
-    ".json",
-    ".jsonl",
-    ".csv",
-    ".html",
-    ".c",
-    ".h",
-    ".js",
-    ".ts",
-    ".java",
-    ".go",
-    ".rs",
-    ".cpp",
-    ".tex",
-    ".yaml",
-    ".yml",
-    ".toml",
-    ".cfg",
-    ".ini",
-    ".sh",
+    f".{s}"
+    for s in "txt md py rst json jsonl csv html c h js ts java go rs cpp tex yaml yml toml cfg ini sh".split()
 }
-_SKIP_DIRS = {
-    "site-packages",
-    "dist-packages",
-    "__pycache__",
-    "test",
-    "tests",
-    "idlelib",
-    "lib2to3",
-    "turtledemo",
-    ".git",
-}
+_SKIP_DIRS = set(
+    "site-packages dist-packages __pycache__ test tests idlelib lib2to3 turtledemo .git".split()
+)
 CHUNK_CHARS = 4_096  # long files become documents of about this size, so the split has many parts
 
 
@@ -180,8 +155,9 @@ def _utf8_upto(f, limit: float) -> bool:
     return True
 
 
-def stream_text_file(path: Path, skipped: dict[str, int] | None = None,
-                     max_chars: float = float("inf")) -> Iterator[str]:
+def stream_text_file(
+    path: Path, skipped: dict[str, int] | None = None, max_chars: float = float("inf")
+) -> Iterator[str]:
     """A local text file as str pieces, read READ_BYTES at a time (never whole): UTF-8, else latin-1
     (which reads any byte: the stated fallback for the old encodings of Western text); nothing for a
     binary file (a NUL byte among its first 8192 bytes, looked at before anything else is read), an
@@ -269,8 +245,12 @@ def resolve_source(source: str) -> tuple[str, object]:
     if p.is_dir() and detect_token_folder(p):
         return "tokens", p  # token ids already (nanoGPT / llm.c): trained on as they are
     if p.exists():
-        if (p.is_dir() and not _local_files(p) and not (p / "dataset_info.json").exists()
-                and not (p / "dataset_dict.json").exists()):
+        if (
+            p.is_dir()
+            and not _local_files(p)
+            and not (p / "dataset_info.json").exists()
+            and not (p / "dataset_dict.json").exists()
+        ):
             raise DataError(
                 f"folder {p} holds no text files ({', '.join(sorted(TEXT_SUFFIXES)[:6])}, ...)"
             )
@@ -367,7 +347,9 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
         raise DataError(f"data source {cfg.source} {why}; give text to train on")
     if skipped:  # read to its end: one warning for every file skipped
         said = f"{cfg.source}: " + ", ".join(
-            f"{n} {'file' if n == 1 else 'files'} {_SKIP_WORDS[k]}" for k, n in sorted(skipped.items()))
+            f"{n} {'file' if n == 1 else 'files'} {_SKIP_WORDS[k]}"
+            for k, n in sorted(skipped.items())
+        )
         SAID.add(said)
         warnings.warn(said, stacklevel=2)
 

@@ -1,5 +1,6 @@
 """Finetuning with LoRA and QLoRA (peft, bitsandbytes) on
 the shared Trainer: instruction data, recipes, the run."""
+
 import logging
 
 
@@ -26,6 +27,7 @@ class _NoGpuNote(logging.Filter):
         ):
             return True
         import torch  # already imported by bitsandbytes, which is loading
+
         return torch.cuda.is_available()
 
 

@@ -1,5 +1,6 @@
 """`tinygpt finetune`'s options: each field is one option (core/options.py) and, but `merge`, a
 keyword of `run.finetune` of the same name, so a new option is a field here and a keyword there."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -28,8 +29,11 @@ class FinetuneOptions:
         help="the finetuning run's folder: made, or resumed when it holds this run",
     )
     max_steps: int | None = option(None, help="train to this step (default: the recipe's)")
-    hardware: str | None = option(None, choices=sorted({c.finetune for c in HARDWARE.values()}),
-                                  help="which of the recipe's settings to use (default: detected)")
+    hardware: str | None = option(
+        None,
+        choices=sorted({c.finetune for c in HARDWARE.values()}),
+        help="which of the recipe's settings to use (default: detected)",
+    )
     resume: str = option(
         "auto",
         choices=("auto", "never"),

@@ -10,6 +10,7 @@ plain PEFT adapter whose `base_model_name_or_path` is a folder any `transformers
 
 The run that trains the adapters, and full finetuning, are `finetune.run_finetune`'s.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,9 @@ def _peft_on_transformers_5():
     FutureWarning on every finetune; the user can do nothing about it, so that one warning is not
     shown."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
         yield
 
 
@@ -69,15 +71,22 @@ def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "
     checkpoint."""
     model, tok, _, ckpt = load_run(run_dir, which)
     out = export_model(model, tok, out_dir)
-    write_json_atomic(out / "tinygpt_source.json",
-                      {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(ckpt)})
+    write_json_atomic(
+        out / "tinygpt_source.json",
+        {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(ckpt)},
+    )
     return out
 
 
 def _bnb_config(compute_dtype: torch.dtype):
     from transformers import BitsAndBytesConfig
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                              bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype)
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
 
 
 def _cpu_safe_4bit(model: torch.nn.Module) -> None:
@@ -101,8 +110,13 @@ def load_tokenizer(path: str):
         raise FinetuneError(f"could not load the tokenizer of base {path!r}: {e}") from e
 
 
-def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu"):
+def load_base(
+    path: str,
+    *,
+    quantize: str = "none",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+):
     """A Hugging Face causal LM from a local folder or a Hub id, optionally in 4-bit NF4; its folder
     checked first and its own code never run (`base_config`, `model.hf.from_pretrained`)."""
     config = base_config(path)
@@ -110,8 +124,11 @@ def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.f
         kw: dict[str, Any] = {"dtype": dtype, "attn_implementation": hf_attention(config)}
         if quantize == "nf4":
             dev = torch.device(device)
-            on = (torch.cuda.current_device() if dev.type == "cuda" and dev.index is None
-                  else (dev.index if dev.type == "cuda" else dev.type))
+            on = (
+                torch.cuda.current_device()
+                if dev.type == "cuda" and dev.index is None
+                else (dev.index if dev.type == "cuda" else dev.type)
+            )
             # quantized as it loads, straight onto the device
             kw.update(quantization_config=_bnb_config(dtype), device_map={"": on})
         model = from_pretrained("AutoModelForCausalLM", path, **kw)
@@ -128,8 +145,15 @@ def load_base(path: str, *, quantize: str = "none", dtype: torch.dtype = torch.f
 def base_signature(model: torch.nn.Module) -> dict[str, Any]:
     """Shape fields and a few embedding values: enough to tell one base from another cheaply."""
     c = model.config.to_dict()
-    keys = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
-            "intermediate_size")
+    keys = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "n_embd",
+        "num_hidden_layers",
+        "n_layer",
+        "intermediate_size",
+    )
     probe = model.get_input_embeddings().weight[:4, :8].detach().float().cpu()
     return {"config": {k: c[k] for k in keys if k in c}, "embed_probe": probe.flatten().tolist()}
 
@@ -137,29 +161,41 @@ def base_signature(model: torch.nn.Module) -> dict[str, Any]:
 def check_signature(expected: dict[str, Any], model: torch.nn.Module, what: str) -> None:
     got = base_signature(model)
     if got["config"] != expected["config"]:
-        diffs = [f"{k}: {expected['config'].get(k)} vs {got['config'].get(k)}"
-                 for k in sorted(set(expected["config"]) | set(got["config"]))
-                 if expected["config"].get(k) != got["config"].get(k)]
-        raise FinetuneError(f"{what} was trained on a different base (adapter's base vs this one: "
-                            f"{'; '.join(diffs)})")
+        diffs = [
+            f"{k}: {expected['config'].get(k)} vs {got['config'].get(k)}"
+            for k in sorted(set(expected["config"]) | set(got["config"]))
+            if expected["config"].get(k) != got["config"].get(k)
+        ]
+        raise FinetuneError(
+            f"{what} was trained on a different base (adapter's base vs this one: "
+            f"{'; '.join(diffs)})"
+        )
     a, b = torch.tensor(expected["embed_probe"]), torch.tensor(got["embed_probe"])
     if not torch.allclose(a, b, rtol=1e-2, atol=1e-6):  # loose enough for fp32 vs bf16 loads
-        raise FinetuneError(f"{what} was trained on a different base: same shapes, different "
-                            "weights")
+        raise FinetuneError(
+            f"{what} was trained on a different base: same shapes, different weights"
+        )
 
 
 # ----- adapters -----------------------------------------------------------------------------------
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
     """Names (last component) of the linear layers LoRA can adapt; the output head is left out."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-             if (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
-             and m is not head and n}
+    names = {
+        n.rsplit(".", 1)[-1]
+        for n, m in model.named_modules()
+        if (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D") and m is not head and n
+    }
     return sorted(names - {"lm_head"})
 
 
-def attach_lora(model: torch.nn.Module, lora: LoraSettings, *,
-                activation_checkpointing: bool = False, seed: int = 0):
+def attach_lora(
+    model: torch.nn.Module,
+    lora: LoraSettings,
+    *,
+    activation_checkpointing: bool = False,
+    seed: int = 0,
+):
     """Freeze the base and wrap it in a `peft` LoRA model with fp32 adapters."""
     require_package("peft", "LoRA finetuning")
     from peft import LoraConfig, get_peft_model
@@ -169,9 +205,11 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *,
     full = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in available]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in full)]
     if missing:
-        raise FinetuneError(f"LoRA target module(s) {missing} match no linear layer of this model; "
-                            f"its linear layers are: {', '.join(available)} (the output head is "
-                            "never adapted)")
+        raise FinetuneError(
+            f"LoRA target module(s) {missing} match no linear layer of this model; "
+            f"its linear layers are: {', '.join(available)} (the output head is "
+            "never adapted)"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     if activation_checkpointing:
@@ -179,9 +217,16 @@ def attach_lora(model: torch.nn.Module, lora: LoraSettings, *,
         # Without this, checkpointed blocks whose inputs do not require grad give the adapters none.
         model.enable_input_require_grads()
         model.config.use_cache = False
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=targets, use_rslora=lora.use_rslora, use_dora=lora.use_dora,
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        use_rslora=lora.use_rslora,
+        use_dora=lora.use_dora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     torch.manual_seed(seed)  # lora_A's initialisation draws from torch's RNG: same seed, same start
     with _peft_on_transformers_5():
         pm = get_peft_model(model, config)
@@ -205,17 +250,23 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Only the adapter weights, with PEFT's key names: what goes into a checkpoint."""
     from peft import get_peft_model_state_dict
-    return {k: v.detach().to("cpu").contiguous()
-            for k, v in get_peft_model_state_dict(inner_model(model)).items()}
+
+    return {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in get_peft_model_state_dict(inner_model(model)).items()
+    }
 
 
 def load_adapter_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
     from peft import set_peft_model_state_dict
+
     res = set_peft_model_state_dict(inner_model(model), sd)
     missing = [k for k in res.missing_keys if "lora_" in k]
     if res.unexpected_keys or missing:
-        raise FinetuneError(f"checkpoint does not fit the adapters: missing {missing[:4]}, "
-                            f"unexpected {list(res.unexpected_keys)[:4]}")
+        raise FinetuneError(
+            f"checkpoint does not fit the adapters: missing {missing[:4]}, "
+            f"unexpected {list(res.unexpected_keys)[:4]}"
+        )
 
 
 # ----- adapter folders ----------------------------------------------------------------------------
@@ -225,8 +276,10 @@ def adapter_folder(path: str | Path) -> Path:
     p = Path(path)
     p = p / ADAPTER_DIR if (p / ADAPTER_DIR).is_dir() else p
     if not (p / ADAPTER_WEIGHTS).is_file():
-        raise FinetuneError(f"{path} holds no adapter (no adapter_model.safetensors); finetune "
-                            "first, or export_adapter(run_dir) to make one from a checkpoint")
+        raise FinetuneError(
+            f"{path} holds no adapter (no adapter_model.safetensors); finetune "
+            "first, or export_adapter(run_dir) to make one from a checkpoint"
+        )
     return p
 
 
@@ -244,13 +297,16 @@ def verify_adapter(adapter_dir: Path) -> None:
             first = str(e).splitlines()[0][:120]
             ok, why = False, f"{ADAPTER_WEIGHTS} does not read back ({first})"
     if not ok:
-        raise FinetuneError(f"adapter {adapter_dir} is damaged: {why}; export it again from the "
-                            "run's checkpoints (export_adapter(run_dir)) or copy it again from "
-                            "Drive")
+        raise FinetuneError(
+            f"adapter {adapter_dir} is damaged: {why}; export it again from the "
+            "run's checkpoints (export_adapter(run_dir)) or copy it again from "
+            "Drive"
+        )
 
 
-def export_adapter(run_dir: str | Path, which: str = "latest",
-                   out_dir: str | Path | None = None) -> Path:
+def export_adapter(
+    run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None
+) -> Path:
     """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the
     checkpoint's model.safetensors already holds exactly PEFT's adapter weights under PEFT's
     names."""
@@ -294,8 +350,14 @@ def full_model_dir(path: str | Path) -> Path | None:
     return None
 
 
-def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = False,
-                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+def load_finetuned(
+    path: str | Path,
+    *,
+    base: str | None = None,
+    merge: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+):
     """(model in eval mode, tokenizer) of a finetuning run folder or adapter folder. merge=True
     folds the adapter into the base; for QLoRA it folds into the dequantized 4-bit base, the weights
     it was trained on (folding into 4-bit weights would round the sum back to 4 bits)."""
@@ -321,16 +383,19 @@ def load_finetuned(path: str | Path, *, base: str | None = None, merge: bool = F
             model = PeftModel.from_pretrained(model, str(adir))
     except RuntimeError as e:
         lines = str(e).splitlines()
-        raise FinetuneError(f"adapter {adir} does not fit base {base!r}; it was trained on another "
-                            f"model: {lines[1] if len(lines) > 1 else e}") from e
+        raise FinetuneError(
+            f"adapter {adir} does not fit base {base!r}; it was trained on another "
+            f"model: {lines[1] if len(lines) > 1 else e}"
+        ) from e
     if merge:
         model = model.merge_and_unload()
     tok = load_tokenizer(str(adir) if (adir / "tokenizer_config.json").is_file() else base)
     return model.to(device).eval(), tok
 
 
-def merge_adapter(path: str | Path, out_dir: str | Path | None = None, *,
-                  dtype: torch.dtype = torch.float32) -> Path:
+def merge_adapter(
+    path: str | Path, out_dir: str | Path | None = None, *, dtype: torch.dtype = torch.float32
+) -> Path:
     """Fold the adapter into its base and save a standalone model (config.json + safetensors +
     tokenizer)."""
     model, tok = load_finetuned(path, merge=True, dtype=dtype)

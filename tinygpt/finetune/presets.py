@@ -1,7 +1,8 @@
 """The finetuning recipes and the hardware they run on: LoRA settings, a train setting per
 finetuning class (cpu, t4, a100), the class of this machine, and whether QLoRA's 4-bit kernels run
 (and compile) here. Nothing in this module loads a model; what a recipe needs of memory with a given
-base is `finetune.memory_plan`'s. """
+base is `finetune.memory_plan`'s."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,10 @@ class LoraSettings:
 
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:
-            raise FinetuneError(f"LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got "
-                                f"r={self.r}, alpha={self.alpha}, dropout={self.dropout}")
+            raise FinetuneError(
+                f"LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got "
+                f"r={self.r}, alpha={self.alpha}, dropout={self.dropout}"
+            )
         if self.target_modules is not None:
             self.target_modules = tuple(self.target_modules)
 
@@ -66,65 +69,116 @@ class FinetuneRecipe:
 
     def train_config(self, hardware: str, **overrides: Any) -> TrainConfig:
         if hardware not in self.train:
-            raise FinetuneError(f"recipe {self.name!r} has no setting for hardware {hardware!r}; "
-                                f"choose one of {', '.join(self.train)}")
+            raise FinetuneError(
+                f"recipe {self.name!r} has no setting for hardware {hardware!r}; "
+                f"choose one of {', '.join(self.train)}"
+            )
         return dataclasses.replace(self.train[hardware], **overrides)
 
     def to_dict(self) -> dict[str, Any]:
         ckpt = self.activation_checkpointing
         plain = ("name", "description", "quantize", "template", "pack")
-        return {**{k: getattr(self, k) for k in plain},
-                "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
-                "activation_checkpointing": ckpt if isinstance(ckpt, str) else list(ckpt),
-                "train": {k: v.to_dict() for k, v in self.train.items()}}
+        return {
+            **{k: getattr(self, k) for k in plain},
+            "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
+            "activation_checkpointing": ckpt if isinstance(ckpt, str) else list(ckpt),
+            "train": {k: v.to_dict() for k, v in self.train.items()},
+        }
 
 
 def _settings() -> dict[str, TrainConfig]:
     # compile "auto": the whole step (forward and loss, `loss.FinetuneLoss`) compiled on CUDA, eager
     # elsewhere
-    common = dict(weight_decay=0.0, grad_clip=1.0, compile="auto", eval_batches=8, log_every=10,
-                  keep_last=3)
+    common = dict(
+        weight_decay=0.0, grad_clip=1.0, compile="auto", eval_batches=8, log_every=10, keep_last=3
+    )
     return {  # effective batch 16 sequences on both GPUs
-        "t4": TrainConfig(micro_batch_size=4, grad_accum_steps=4, seq_len=512, lr=2e-4, min_lr=2e-5,
-                          warmup_steps=100, max_steps=1000, eval_every=100, save_every=50,
-                          precision="auto", **common),
-        "a100": TrainConfig(micro_batch_size=8, grad_accum_steps=2, seq_len=768, lr=2.5e-4,
-                            min_lr=2.5e-5, warmup_steps=150, max_steps=1000, eval_every=100,
-                            save_every=50, precision="auto", **common),
-        "cpu": TrainConfig(micro_batch_size=4, grad_accum_steps=2, seq_len=256, lr=2e-3,
-                           min_lr=2e-4, warmup_steps=3, max_steps=30, eval_every=10, save_every=10,
-                           precision="fp32",
-                           **{**common, "eval_batches": 2, "log_every": 5, "keep_last": 2}),
+        "t4": TrainConfig(
+            micro_batch_size=4,
+            grad_accum_steps=4,
+            seq_len=512,
+            lr=2e-4,
+            min_lr=2e-5,
+            warmup_steps=100,
+            max_steps=1000,
+            eval_every=100,
+            save_every=50,
+            precision="auto",
+            **common,
+        ),
+        "a100": TrainConfig(
+            micro_batch_size=8,
+            grad_accum_steps=2,
+            seq_len=768,
+            lr=2.5e-4,
+            min_lr=2.5e-5,
+            warmup_steps=150,
+            max_steps=1000,
+            eval_every=100,
+            save_every=50,
+            precision="auto",
+            **common,
+        ),
+        "cpu": TrainConfig(
+            micro_batch_size=4,
+            grad_accum_steps=2,
+            seq_len=256,
+            lr=2e-3,
+            min_lr=2e-4,
+            warmup_steps=3,
+            max_steps=30,
+            eval_every=10,
+            save_every=10,
+            precision="fp32",
+            **{**common, "eval_batches": 2, "log_every": 5, "keep_last": 2},
+        ),
     }
 
 
 FINETUNE_RECIPES: dict[str, FinetuneRecipe] = {
     f"lora-r{r}": FinetuneRecipe(
-        f"lora-r{r}", f"LoRA rank {r} (alpha {2 * r}) on every linear layer of attention and MLP; "
-        "base weights in fp16 (T4) or bf16 (A100)", LoraSettings(r=r, alpha=2 * r), _settings())
-    for r in (8, 16, 32)}
+        f"lora-r{r}",
+        f"LoRA rank {r} (alpha {2 * r}) on every linear layer of attention and MLP; "
+        "base weights in fp16 (T4) or bf16 (A100)",
+        LoraSettings(r=r, alpha=2 * r),
+        _settings(),
+    )
+    for r in (8, 16, 32)
+}
 FINETUNE_RECIPES["qlora-r16"] = FinetuneRecipe(
-    "qlora-r16", "QLoRA: the base in 4-bit NF4 with double quantization, LoRA rank 16 in fp32; the "
-    "one that fits a 2B model on a T4", LoraSettings(r=16, alpha=32), _settings(), quantize="nf4")
+    "qlora-r16",
+    "QLoRA: the base in 4-bit NF4 with double quantization, LoRA rank 16 in fp32; the "
+    "one that fits a 2B model on a T4",
+    LoraSettings(r=16, alpha=32),
+    _settings(),
+    quantize="nf4",
+)
 # Full finetuning moves every weight, so it takes a tenth of LoRA's learning rate (adapters start at
 # zero and need the larger steps); weights, gradients and both AdamW moments in fp32 are 16 bytes
 # per parameter.
 FULL_LR_FACTOR = 0.1
 FINETUNE_RECIPES["full"] = FinetuneRecipe(
-    "full", "Full finetuning: every weight trains (fp32 weights, gradients and AdamW states, 16 "
+    "full",
+    "Full finetuning: every weight trains (fp32 weights, gradients and AdamW states, 16 "
     "bytes per parameter; half-precision compute); for small bases, the result a whole model "
-    "folder", None,
-    {hw: dataclasses.replace(c, lr=c.lr * FULL_LR_FACTOR, min_lr=c.min_lr * FULL_LR_FACTOR)
-     for hw, c in _settings().items()})
+    "folder",
+    None,
+    {
+        hw: dataclasses.replace(c, lr=c.lr * FULL_LR_FACTOR, min_lr=c.min_lr * FULL_LR_FACTOR)
+        for hw, c in _settings().items()
+    },
+)
 
 
 def get_finetune_recipe(name: str) -> FinetuneRecipe:
     if name not in FINETUNE_RECIPES:
-        raise FinetuneError(f"unknown finetune recipe {name!r}; choose one of "
-                            f"{', '.join(FINETUNE_RECIPES)}")
+        raise FinetuneError(
+            f"unknown finetune recipe {name!r}; choose one of {', '.join(FINETUNE_RECIPES)}"
+        )
     r = FINETUNE_RECIPES[name]
-    return dataclasses.replace(r, lora=dataclasses.replace(r.lora) if r.lora is not None else None,
-                               train=dict(r.train))
+    return dataclasses.replace(
+        r, lora=dataclasses.replace(r.lora) if r.lora is not None else None, train=dict(r.train)
+    )
 
 
 # ----- hardware -----------------------------------------------------------------------------------
@@ -144,8 +198,9 @@ def detect_hardware(device: torch.device | str) -> str:
 def this_hardware(device: str = "auto") -> tuple[str, float | None]:
     """(hardware class, GPU memory in GB or None) of this machine."""
     dev = resolve_device(device)
-    gpu_gb = (torch.cuda.get_device_properties(dev).total_memory / 1e9 if dev.type == "cuda"
-              else None)
+    gpu_gb = (
+        torch.cuda.get_device_properties(dev).total_memory / 1e9 if dev.type == "cuda" else None
+    )
     return detect_hardware(dev), gpu_gb
 
 
@@ -155,38 +210,49 @@ def check_qlora(device: torch.device) -> None:
     try:
         import bitsandbytes as bnb
     except Exception as e:  # ImportError, or a broken CUDA setup raising at import
-        raise FinetuneError(f"QLoRA needs bitsandbytes, which cannot be imported ({e}): `pip "
-                            "install bitsandbytes`, or choose a LoRA recipe such as "
-                            "lora-r16") from e
+        raise FinetuneError(
+            f"QLoRA needs bitsandbytes, which cannot be imported ({e}): `pip "
+            "install bitsandbytes`, or choose a LoRA recipe such as "
+            "lora-r16"
+        ) from e
     if device.type not in ("cuda", "cpu", "xpu"):
-        raise FinetuneError(f"QLoRA: bitsandbytes has no 4-bit kernels for {device.type}; "
-                            "use a LoRA recipe (lora-r16) or a CUDA GPU")
+        raise FinetuneError(
+            f"QLoRA: bitsandbytes has no 4-bit kernels for {device.type}; "
+            "use a LoRA recipe (lora-r16) or a CUDA GPU"
+        )
     try:
-        layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32,
-                                  quant_type="nf4").to(device)
+        layer = bnb.nn.Linear4bit(
+            64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4"
+        ).to(device)
         x = torch.randn(2, 64, device=device, requires_grad=True)
         layer(x).sum().backward()
     except Exception as e:
-        raise FinetuneError(f"QLoRA: bitsandbytes {bnb.__version__} cannot run a 4-bit NF4 layer "
-                            f"on {device}: {type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) "
-                            "instead") from e
+        raise FinetuneError(
+            f"QLoRA: bitsandbytes {bnb.__version__} cannot run a 4-bit NF4 layer "
+            f"on {device}: {type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) "
+            "instead"
+        ) from e
 
 
 # bitsandbytes' 4-bit layers compile without graph breaks only from these versions on (together).
 QLORA_COMPILE_FLOOR = {"bitsandbytes": (0, 46), "torch": (2, 8)}
 
 
-def qlora_compile(compile: str, device_type: str, bnb_version: str,
-                  torch_version_: str) -> tuple[str, str | None]:
+def qlora_compile(
+    compile: str, device_type: str, bnb_version: str, torch_version_: str
+) -> tuple[str, str | None]:
     """(the compile setting QLoRA trains with, a one-line note or None). Below QLORA_COMPILE_FLOOR a
     compiled 4-bit step breaks into many graphs (slower than eager, and slow to compile): QLoRA then
     runs eagerly."""
     compiling = compile in ("on", "regional") or (compile == "auto" and device_type == "cuda")
     have = {"bitsandbytes": torch_version(bnb_version), "torch": torch_version(torch_version_)}
-    short = [f"{k} >= {'.'.join(map(str, v))}" for k, v in QLORA_COMPILE_FLOOR.items()
-             if have[k] < v]
+    short = [
+        f"{k} >= {'.'.join(map(str, v))}" for k, v in QLORA_COMPILE_FLOOR.items() if have[k] < v
+    ]
     if not compiling or not short:
         return compile, None
-    return "off", (f"QLoRA runs eagerly: compiling its 4-bit layers needs {' and '.join(short)} "
-                   f"(this runtime has bitsandbytes {bnb_version}, torch "
-                   f"{torch_version_.split('+')[0]})")
+    return "off", (
+        f"QLoRA runs eagerly: compiling its 4-bit layers needs {' and '.join(short)} "
+        f"(this runtime has bitsandbytes {bnb_version}, torch "
+        f"{torch_version_.split('+')[0]})"
+    )

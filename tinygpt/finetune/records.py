@@ -7,6 +7,7 @@ Alpaca or MBPP record is `model.prompts.format_prompt`'s; a chat turns every ass
 loss. An error about a record names it: its index, and for a local file the file and line.
 `finetune.instruct` tokenizes the segments into training rows.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,17 @@ from tinygpt.data.sources import DataError, hub_dataset
 from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
 from tinygpt.model.prompts import TEMPLATES, Segments, format_prompt
 
-FORMATS = {"alpaca": ("instruction", "output"), "mbpp": ("code", "test_list"),
-           "chat": ("messages",)}
+FORMATS = {
+    "alpaca": ("instruction", "output"),
+    "mbpp": ("code", "test_list"),
+    "chat": ("messages",),
+}
 # Names a notebook dropdown can offer; MBPP's training ids are 1-10 (prompt) and 511-1000
 # (validation, train).
-DATASETS = {"code-alpaca-20k": "hf:sahil2801/CodeAlpaca-20k",
-            "mbpp": "hf:google-research-datasets/mbpp:full@train+validation+prompt"}
+DATASETS = {
+    "code-alpaca-20k": "hf:sahil2801/CodeAlpaca-20k",
+    "mbpp": "hf:google-research-datasets/mbpp:full@train+validation+prompt",
+}
 # MBPP's evaluation split: never trained on, so evaluation stays clean
 MBPP_TEST_IDS = range(11, 511)
 # the largest .json file of records read whole (a .jsonl file is read a line at a time)
@@ -41,8 +47,9 @@ class Records(list):
     """Records read from a local file, knowing where each came from (the file, and the line of a
     .jsonl file), so that an error about one names them."""
 
-    def __init__(self, items: Sequence[dict], source: str | Path,
-                 lines: Sequence[int] | None = None):
+    def __init__(
+        self, items: Sequence[dict], source: str | Path, lines: Sequence[int] | None = None
+    ):
         super().__init__(items)
         self.source, self.lines = str(source), list(lines) if lines is not None else None
 
@@ -70,8 +77,9 @@ def _read_jsonl_records(p: Path) -> Records:
                 except ValueError as e:
                     raise DataError(f"{p} is not valid JSON lines: line {i}: {e}") from None
                 except RecursionError:
-                    raise DataError(f"{p} is not valid JSON lines: line {i} nests too deep to "
-                                    "read") from None
+                    raise DataError(
+                        f"{p} is not valid JSON lines: line {i} nests too deep to read"
+                    ) from None
                 lines.append(i)
     except DataFormatError as e:
         raise DataError(str(e)) from None
@@ -83,17 +91,20 @@ def _read_json_records(p: Path) -> Records:
     is not UTF-8 JSON, nests too deep or holds something else is a DataError naming it."""
     size = p.stat().st_size
     if size > JSON_FILE_LIMIT:
-        raise DataError(f"{p} holds {size:,} bytes, more than the {JSON_FILE_LIMIT:,} read of a "
-                        ".json file: write the records one per line as a .jsonl file, which is "
-                        "read a line at a time")
+        raise DataError(
+            f"{p} holds {size:,} bytes, more than the {JSON_FILE_LIMIT:,} read of a "
+            ".json file: write the records one per line as a .jsonl file, which is "
+            "read a line at a time"
+        )
     # outside run folders: the data file the user named, its size checked above
     data = p.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{p} is not UTF-8 text (line {line}, byte {e.start}): is it a JSON file "
-                        "of records?") from None
+        raise DataError(
+            f"{p} is not UTF-8 text (line {line}, byte {e.start}): is it a JSON file of records?"
+        ) from None
     try:
         data = json.loads(text)
     except ValueError as e:
@@ -139,8 +150,11 @@ def _hf_records(name: str, config: str | None, split: str, local: bool) -> list[
     except ImportError as e:
         raise DataError("Hugging Face datasets need `pip install datasets`") from e
     try:
-        ds = (datasets.load_from_disk(name) if local
-              else datasets.load_dataset(name, config, split=split))
+        ds = (
+            datasets.load_from_disk(name)
+            if local
+            else datasets.load_dataset(name, config, split=split)
+        )
     except Exception as e:  # network, unknown name, wrong split: all are the user's to fix
         where = "folder" if local else "Hub dataset"
         raise DataError(f"could not load {where} {name!r}: {e}") from e
@@ -153,30 +167,42 @@ def _hf_records(name: str, config: str | None, split: str, local: bool) -> list[
 
 # ----- segments -----------------------------------------------------------------------------------
 def detect_format(records: Sequence[dict]) -> str:
-    """"alpaca", "mbpp" or "chat", from the fields of the first record."""
+    """ "alpaca", "mbpp" or "chat", from the fields of the first record."""
     if not records:
         raise DataError("the data set has no records")
     first = records[0]
     if not isinstance(first, dict):
-        raise DataError(f"{_where(records, 0)} is a {type(first).__name__}, not an object with "
-                        "fields")
-    for fmt, needed in (("chat", ("messages",)), ("mbpp", ("text", "code")),
-                        ("mbpp", ("prompt", "code")), ("alpaca", ("instruction",))):
+        raise DataError(
+            f"{_where(records, 0)} is a {type(first).__name__}, not an object with fields"
+        )
+    for fmt, needed in (
+        ("chat", ("messages",)),
+        ("mbpp", ("text", "code")),
+        ("mbpp", ("prompt", "code")),
+        ("alpaca", ("instruction",)),
+    ):
         if all(k in first for k in needed):
             return fmt
-    raise DataError(f"{_where(records, 0)} has fields {sorted(first)}; expected Alpaca "
-                    "(instruction, input, output), MBPP (text, code, test_list) or chat (messages: "
-                    "[{role, content}])")
+    raise DataError(
+        f"{_where(records, 0)} has fields {sorted(first)}; expected Alpaca "
+        "(instruction, input, output), MBPP (text, code, test_list) or chat (messages: "
+        "[{role, content}])"
+    )
 
 
-def record_segments(records: Sequence[dict], fmt: str | None = None, template: str = "alpaca",
-                    chat_template: Any = None) -> tuple[list[Segments], str, int]:
+def record_segments(
+    records: Sequence[dict],
+    fmt: str | None = None,
+    template: str = "alpaca",
+    chat_template: Any = None,
+) -> tuple[list[Segments], str, int]:
     """(segments per kept record, format, records excluded). Each record is checked: a missing or
     mistyped field fails naming the record's index and the field. MBPP evaluation ids are
     excluded."""
     if template not in TEMPLATES:
-        raise DataError(f"unknown prompt template {template!r}; choose one of "
-                        f"{', '.join(TEMPLATES)}")
+        raise DataError(
+            f"unknown prompt template {template!r}; choose one of {', '.join(TEMPLATES)}"
+        )
     fmt = fmt or detect_format(records)
     if fmt not in FORMATS:
         raise DataError(f"unknown record format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -187,8 +213,10 @@ def record_segments(records: Sequence[dict], fmt: str | None = None, template: s
             raise DataError(f"{at} is a {type(r).__name__}, not an object with fields")
         for k in FORMATS[fmt]:
             if r.get(k) is None:
-                raise DataError(f"{at} has no field {k!r} (its fields: {sorted(r)}); every {fmt} "
-                                f"record needs {', '.join(FORMATS[fmt])}")
+                raise DataError(
+                    f"{at} has no field {k!r} (its fields: {sorted(r)}); every {fmt} "
+                    f"record needs {', '.join(FORMATS[fmt])}"
+                )
         if fmt == "alpaca":
             _need_str(r, at, "instruction", "output", "input")
             prompt = format_prompt(r["instruction"], r.get("input") or "", template)
@@ -199,8 +227,10 @@ def record_segments(records: Sequence[dict], fmt: str | None = None, template: s
                 continue
             text = r.get("text", r.get("prompt"))  # "prompt" in MBPP's sanitized config
             if text is None:
-                raise DataError(f"{at} has no field 'text' (its fields: {sorted(r)}); MBPP records "
-                                "need text (or prompt), code, test_list")
+                raise DataError(
+                    f"{at} has no field 'text' (its fields: {sorted(r)}); MBPP records "
+                    "need text (or prompt), code, test_list"
+                )
             _need_str(r, at, "text", "prompt", "code")
             tests = r["test_list"]
             if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
@@ -228,8 +258,10 @@ def _chat_segments(messages: Any, at: str, chat_template: Any) -> Segments:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataError(f"{at}: message {j} needs the fields 'role' and 'content'")
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
-            raise DataError(f"{at}: message {j}'s role and content must be text, got "
-                            f"{type(m['role']).__name__} and {type(m['content']).__name__}")
+            raise DataError(
+                f"{at}: message {j}'s role and content must be text, got "
+                f"{type(m['role']).__name__} and {type(m['content']).__name__}"
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{at}: no message has role 'assistant', so nothing would be learned")
     segs: Segments = []
@@ -239,12 +271,14 @@ def _chat_segments(messages: Any, at: str, chat_template: Any) -> Segments:
             if m["role"] != "assistant":
                 continue
             prompt = chat_template(messages[:j], add_generation_prompt=True, tokenize=False)
-            full = chat_template(messages[:j + 1], tokenize=False)
+            full = chat_template(messages[: j + 1], tokenize=False)
             if not (prompt.startswith(done) and full.startswith(prompt)):
-                raise DataError(f"{at}: the tokenizer's chat template does not render turns as "
-                                "prefixes of the conversation, so prompts cannot be masked; use a "
-                                "plain tokenizer")
-            segs += [(prompt[len(done):], False), (full[len(prompt):], True)]
+                raise DataError(
+                    f"{at}: the tokenizer's chat template does not render turns as "
+                    "prefixes of the conversation, so prompts cannot be masked; use a "
+                    "plain tokenizer"
+                )
+            segs += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
             done = full
         return segs + [(None, True)]
     pending = ""

@@ -16,14 +16,12 @@ tokenizer). With a mirror (Drive) all of it but ``base/`` is copied there, the a
 file by file.
 
 Full finetuning (recipe ``full``, `FinetuneRecipe.lora` None) trains the base itself in fp32 through
-the same `FinetuneLoss` and Trainer: its checkpoints hold the whole model under transformers' names
-(`full_state`), and the result is ``model/``, a folder `from_pretrained` loads (`export_full`),
-instead of an adapter.
+the same `FinetuneLoss` and Trainer (`finetune.full`).
 """
+
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,28 +29,28 @@ from typing import Any
 
 import torch
 
-from tinygpt.core.checkpoint import MODEL_FILE, find_run_checkpoint, list_checkpoints
+from tinygpt.core.checkpoint import list_checkpoints
 from tinygpt.core.config import TrainConfig
-from tinygpt.core.files import atomic_output, refuse_links_in, write_json_atomic
+from tinygpt.core.files import refuse_links_in, write_json_atomic
 from tinygpt.core.folders import refuse_other_kind
 from tinygpt.core.precision import choose_precision, resolve_device
-from tinygpt.core.rundir import ADAPTER_INFO, BASE_DIR, FINETUNE_JSON, FULL_MODEL_DIR, RunDir
+from tinygpt.core.rundir import ADAPTER_INFO, BASE_DIR, FINETUNE_JSON, RunDir
 from tinygpt.core.runlock import lock, undo_if_first_try_fails
 from tinygpt.core.same_settings import check_same_settings
+from tinygpt.finetune.full import export_full, full_state, load_full_state, prepare_full
 from tinygpt.finetune.instruct import DataReport, build_instruct_data
 from tinygpt.finetune.lora import (
     adapter_state,
     attach_lora,
     base_signature,
     check_signature,
-    checkpoint_activations,
     export_adapter,
     export_tinygpt_base,
     load_adapter_state,
     load_base,
     load_tokenizer,
 )
-from tinygpt.finetune.loss import FinetuneLoss, inner_model, module_loss
+from tinygpt.finetune.loss import FinetuneLoss, module_loss
 from tinygpt.finetune.memory_plan import (
     FinetunePlan,
     base_config,
@@ -73,7 +71,7 @@ from tinygpt.finetune.presets import (
 )
 from tinygpt.finetune.records import load_records
 from tinygpt.fit.hardware import check_device
-from tinygpt.sync.mirror import mirror_adapter
+from tinygpt.sync.copy import mirror_adapter
 from tinygpt.sync.mirrored import mirrored
 from tinygpt.train.callbacks import Progress
 from tinygpt.train.decisions import FINETUNE_DOMAIN, own_signature, sign
@@ -100,10 +98,21 @@ class FinetuneResult:
     base_path: str | None = None  # the base as it was loaded (a Hub id or a folder)
 
 
-def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | Path,
-             max_steps: int | None = None, hardware: str | None = None, resume: str = "auto",
-             callbacks=(), *, train: dict | None = None, device: str | None = None,
-             progress: bool = True, mirror: str | Path | None = None) -> FinetuneResult:
+def finetune(
+    recipe: str | FinetuneRecipe,
+    base: str,
+    data: str,
+    run_dir: str | Path,
+    max_steps: int | None = None,
+    hardware: str | None = None,
+    resume: str = "auto",
+    callbacks=(),
+    *,
+    train: dict | None = None,
+    device: str | None = None,
+    progress: bool = True,
+    mirror: str | Path | None = None,
+) -> FinetuneResult:
     """LoRA / QLoRA / full finetune `base` (tinygpt run folder, model folder or Hub id) on
     instruction `data` into `run_dir`, resuming from its newest valid checkpoint; the adapter lands
     in run_dir/adapter (recipe full: the whole model in run_dir/model). With `mirror` (a folder on
@@ -117,14 +126,37 @@ def finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | 
     # one writer per run folder; a failed first try (bad data, no device) leaves no base/ nor
     # finetune.json
     with lock(run), undo_if_first_try_fails(run, FINETUNE_JSON):
-        return _finetune(recipe, base, data, run_dir, max_steps, hardware, resume, callbacks,
-                         train=train, device=device, progress=progress, mirror=mirror)
+        return _finetune(
+            recipe,
+            base,
+            data,
+            run_dir,
+            max_steps,
+            hardware,
+            resume,
+            callbacks,
+            train=train,
+            device=device,
+            progress=progress,
+            mirror=mirror,
+        )
 
 
-def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str | Path,
-              max_steps: int | None = None, hardware: str | None = None, resume: str = "auto",
-              callbacks=(), *, train: dict | None = None, device: str | None = None,
-              progress: bool = True, mirror: str | Path | None = None) -> FinetuneResult:
+def _finetune(
+    recipe: str | FinetuneRecipe,
+    base: str,
+    data: str,
+    run_dir: str | Path,
+    max_steps: int | None = None,
+    hardware: str | None = None,
+    resume: str = "auto",
+    callbacks=(),
+    *,
+    train: dict | None = None,
+    device: str | None = None,
+    progress: bool = True,
+    mirror: str | Path | None = None,
+) -> FinetuneResult:
     """The finetuning run itself; `finetune` holds the run folder's lock around it: the data read
     first (a missing or bad file fails in seconds, before anything of the base is read), the
     settings decided once (`_settle`), the base exported and the records tokenized (a bad record
@@ -147,44 +179,94 @@ def _finetune(recipe: str | FinetuneRecipe, base: str, data: str, run_dir: str |
         run = _settle(rec, base, base_id, data, run_dir, dev, hardware, overrides, resume)
         base_path = _base_folder(run, base, run_dir)
         tok = load_tokenizer(base_path)
-        dataset = build_instruct_data(records, tok, run.cfg.seq_len, template=rec.template,
-                                      pack=run.plan.pack, seed=run.cfg.seed,
-                                      val_batch_size=run.cfg.micro_batch_size,
-                                      eval_batches=run.cfg.eval_batches)
+        dataset = _tokenized(records, tok, run, rec.template)
         model, pm, io = _trainable_model(run, base_path, dev, run_dir)
         callbacks = [*([Progress()] if progress else []), *callbacks]
         # The Trainer compiles the loss module as a whole (compile "auto": on CUDA): forward and
         # loss in one graph.
-        trainer = Trainer(FinetuneLoss(pm, full_logits=run.plan.full_logits),
-                          dataclasses.replace(run.cfg, device=str(dev)),
-                          TrainData(dataset.train, dataset.val_batches), run_dir, run_info=run.info,
-                          io=io, callbacks=[*callbacks, run_mirror])  # the mirror acts, closes last
+        trainer = Trainer(
+            FinetuneLoss(pm, full_logits=run.plan.full_logits),
+            dataclasses.replace(run.cfg, device=str(dev)),
+            TrainData(dataset.train, dataset.val_batches),
+            run_dir,
+            run_info=run.info,
+            io=io,
+            callbacks=[*callbacks, run_mirror],
+        )  # the mirror acts, closes last
         result = trainer.fit(resume)
-    adapter_dir, mirrored_adapter, model_dir = _write_result(run, run_dir, result, tok, mirror)
-    mem = memory_table(run.planned, run.hardware, model.config.to_dict(),
-                       activation_checkpointing=run.plan.activation_checkpointing,
-                       full_logits=run.plan.full_logits)
+    written = _write_result(run, run_dir, result, tok, mirror)
+    return _result(run, run_dir, result, dataset, (model, pm, tok), written, base_path)
+
+
+def _tokenized(records, tok, run: _Settled, template: str):
+    """The records tokenized in the run's prompt format, at its context, packed where planned."""
+    return build_instruct_data(
+        records,
+        tok,
+        run.cfg.seq_len,
+        template=template,
+        pack=run.plan.pack,
+        seed=run.cfg.seed,
+        val_batch_size=run.cfg.micro_batch_size,
+        eval_batches=run.cfg.eval_batches,
+    )
+
+
+def _result(run, run_dir, result, dataset, models, written, base_path) -> FinetuneResult:
+    """What a finetuning run returns: its figures, its memory estimate, the model ready to use.
+    models: (the model, the trained module, the tokenizer); written: `_write_result`'s."""
+    (model, pm, tok), (adapter_dir, mirrored_adapter, model_dir) = models, written
+    mem = memory_table(
+        run.planned,
+        run.hardware,
+        model.config.to_dict(),
+        activation_checkpointing=run.plan.activation_checkpointing,
+        full_logits=run.plan.full_logits,
+    )
     n_train = sum(p.numel() for p in pm.parameters() if p.requires_grad)
-    return FinetuneResult(run_dir, adapter_dir, result, dataset.report, run.hardware, n_train,
-                          sum(p.numel() for p in pm.parameters()), mem, pm.eval(), tok,
-                          mirrored_adapter, run.plan, model_dir, base_path)
+    return FinetuneResult(
+        run_dir,
+        adapter_dir,
+        result,
+        dataset.report,
+        run.hardware,
+        n_train,
+        sum(p.numel() for p in pm.parameters()),
+        mem,
+        pm.eval(),
+        tok,
+        mirrored_adapter,
+        run.plan,
+        model_dir,
+        base_path,
+    )
 
 
 @dataclass
 class _Settled:
     """A finetuning run's settings, decided once before anything is written (`_settle`)."""
+
     rec: FinetuneRecipe
-    hardware: str               # the hardware class whose settings the run trains with
-    cfg: TrainConfig            # the recipe's train settings for it, with the caller's overrides
+    hardware: str  # the hardware class whose settings the run trains with
+    cfg: TrainConfig  # the recipe's train settings for it, with the caller's overrides
     overrides: dict
-    planned: FinetuneRecipe     # the recipe as the memory estimate sees it (the overrides included)
-    plan: FinetunePlan          # checkpointing, full logits, packing
-    info: dict                  # finetune.json
-    resuming: bool              # the run folder has checkpoints
+    planned: FinetuneRecipe  # the recipe as the memory estimate sees it (the overrides included)
+    plan: FinetunePlan  # checkpointing, full logits, packing
+    info: dict  # finetune.json
+    resuming: bool  # the run folder has checkpoints
 
 
-def _settle(rec: FinetuneRecipe, base: str, base_id: str, data: str, run_dir: Path,
-            dev: torch.device, hardware: str | None, overrides: dict, resume: str) -> _Settled:
+def _settle(
+    rec: FinetuneRecipe,
+    base: str,
+    base_id: str,
+    data: str,
+    run_dir: Path,
+    dev: torch.device,
+    hardware: str | None,
+    overrides: dict,
+    resume: str,
+) -> _Settled:
     """The hardware class (Colab may hand a resumed run another GPU: it keeps the settings it
     started with, so the same data rows), the train settings, QLoRA's compile, and the plan from the
     memory estimate against this device, once (a resumed run keeps its own, from finetune.json).
@@ -197,8 +279,10 @@ def _settle(rec: FinetuneRecipe, base: str, base_id: str, data: str, run_dir: Pa
     if rec.quantize == "nf4":
         check_qlora(dev)
         import bitsandbytes
-        compile_, note = qlora_compile(cfg.compile, dev.type, bitsandbytes.__version__,
-                                       torch.__version__)
+
+        compile_, note = qlora_compile(
+            cfg.compile, dev.type, bitsandbytes.__version__, torch.__version__
+        )
         if note:
             warnings.warn(note, stacklevel=4)
             cfg = dataclasses.replace(cfg, compile=compile_)
@@ -207,15 +291,24 @@ def _settle(rec: FinetuneRecipe, base: str, base_id: str, data: str, run_dir: Pa
     # the estimate sees the overrides
     planned = dataclasses.replace(rec, train={**rec.train, hardware: cfg})
     config_dict, memory_gb = base_config_dict(base), memory_gb_of(dev)
-    plan = (resumed_plan(kept, planned, hardware, config_dict, memory_gb) if kept
-            else plan_finetune(planned, hardware, config_dict, memory_gb))
-    info = {"recipe": rec.to_dict(), "base": base_id, "data": data, "hardware": hardware,
-            "plan": plan.to_dict()}
+    plan = (
+        resumed_plan(kept, planned, hardware, config_dict, memory_gb)
+        if kept
+        else plan_finetune(planned, hardware, config_dict, memory_gb)
+    )
+    info = {
+        "recipe": rec.to_dict(),
+        "base": base_id,
+        "data": data,
+        "hardware": hardware,
+        "plan": plan.to_dict(),
+    }
     check_same_run(run_dir, old, info)
     resuming = bool(list_checkpoints(RunDir(run_dir).checkpoints))
     if resume == "never" and resuming:
-        raise FinetuneError(f"run folder {run_dir} already has checkpoints; resume='never' would "
-                            "overwrite them")
+        raise FinetuneError(
+            f"run folder {run_dir} already has checkpoints; resume='never' would overwrite them"
+        )
     return _Settled(rec, hardware, cfg, overrides, planned, plan, info, resuming)
 
 
@@ -236,9 +329,15 @@ def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any
 
     def identity(i: dict) -> dict:  # packing is part of the run's plan, which a resumed run keeps
         return {k: i.get(k) for k in ("base", "data", "hardware")} | {
-            k: i["recipe"].get(k) for k in ("lora", "quantize", "template")}
-    check_same_settings(f"run folder {run_dir}", identity(old) if old is not None else None,
-                        identity(new), "another finetuning run")
+            k: i["recipe"].get(k) for k in ("lora", "quantize", "template")
+        }
+
+    check_same_settings(
+        f"run folder {run_dir}",
+        identity(old) if old is not None else None,
+        identity(new),
+        "another finetuning run",
+    )
 
 
 def _base_folder(run: _Settled, base: str, run_dir: Path) -> str:
@@ -253,12 +352,14 @@ def _base_folder(run: _Settled, base: str, run_dir: Path) -> str:
         if not (run_dir / BASE_DIR / "config.json").is_file():
             export_tinygpt_base(base, base_path)
     config = base_config(base_path)
-    max_pos = (getattr(config, "max_position_embeddings", None)
-               or getattr(config, "n_positions", None))
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
     if max_pos and run.cfg.seq_len > max_pos:
         if "seq_len" in run.overrides:
-            raise FinetuneError(f"seq_len {run.cfg.seq_len} is longer than the base's context of "
-                                f"{max_pos} tokens")
+            raise FinetuneError(
+                f"seq_len {run.cfg.seq_len} is longer than the base's context of {max_pos} tokens"
+            )
         # the recipe's default, cut to what the base knows
         run.cfg = dataclasses.replace(run.cfg, seq_len=max_pos)
     return base_path
@@ -272,8 +373,11 @@ def _trainable_model(run: _Settled, base_path: str, dev: torch.device, run_dir: 
     old_adapter = RunDir(run_dir).adapter_info()
     # full finetuning keeps fp32 weights (the optimizer's updates would vanish in half precision);
     # autocast computes
-    dtype = (choose_precision(dev, run.cfg.precision).dtype
-             if dev.type == "cuda" and rec.lora is not None else torch.float32)
+    dtype = (
+        choose_precision(dev, run.cfg.precision).dtype
+        if dev.type == "cuda" and rec.lora is not None
+        else torch.float32
+    )
     model = load_base(base_path, quantize=rec.quantize, dtype=dtype, device=dev)
     # e.g. a tinygpt base that trained on since, exported anew
     if run.resuming and "signature" in old_adapter:
@@ -289,14 +393,22 @@ def _trainable_model(run: _Settled, base_path: str, dev: torch.device, run_dir: 
         # adapter_config.json + any checkpoint = an adapter (export_adapter)
         peft_config.save_pretrained(str(run_dir))
         io = ModelIO(loss_fn=module_loss, state_fn=adapter_state, load_state_fn=load_adapter_state)
-    write_json_atomic(run_dir / ADAPTER_INFO, {"base": run.info["base"], "base_path": base_path,
-                                               "quantize": rec.quantize, "template": rec.template,
-                                               "signature": base_signature(model)})
+    write_json_atomic(
+        run_dir / ADAPTER_INFO,
+        {
+            "base": run.info["base"],
+            "base_path": base_path,
+            "quantize": rec.quantize,
+            "template": rec.template,
+            "signature": base_signature(model),
+        },
+    )
     return model, pm, io
 
 
-def _write_result(run: _Settled, run_dir: Path, result: Any, tok: Any,
-                  mirror: str | Path | None) -> tuple[Path | None, Path | None, Path | None]:
+def _write_result(
+    run: _Settled, run_dir: Path, result: Any, tok: Any, mirror: str | Path | None
+) -> tuple[Path | None, Path | None, Path | None]:
     """(adapter folder, its copy on the mirror, whole-model folder) of a run that was not
     interrupted: the adapter with the tokenizer (copied to the mirror), or, recipe full, a whole
     model folder (the mirrored checkpoints hold it already); Nones for an interrupted one."""
@@ -307,79 +419,7 @@ def _write_result(run: _Settled, run_dir: Path, result: Any, tok: Any,
         return None, None, export_full(run_dir, which)
     adapter_dir = export_adapter(run_dir, which)
     tok.save_pretrained(adapter_dir)
-    mirrored_adapter = (mirror_adapter(adapter_dir, Path(mirror), result.step) if mirror is not None
-                        else None)
+    mirrored_adapter = (
+        mirror_adapter(adapter_dir, Path(mirror), result.step) if mirror is not None else None
+    )
     return adapter_dir, mirrored_adapter, None
-
-
-# ----- full finetuning ----------------------------------------------------------------------------
-def prepare_full(model: torch.nn.Module, *,
-                 activation_checkpointing: bool = False) -> torch.nn.Module:
-    """Every weight of `model` trainable, in fp32: the optimizer's master copy (autocast computes in
-    half precision on a GPU, and the fp16 GradScaler needs fp32 parameters)."""
-    model = model.float()
-    for p in model.parameters():
-        p.requires_grad_(True)
-    if activation_checkpointing:
-        checkpoint_activations(model)
-        model.config.use_cache = False
-    return model
-
-
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights under transformers' names (what `from_pretrained` reads); of tied
-    weights (one tensor under two names, e.g. embeddings and head) only the first name, as
-    `save_pretrained` does."""
-    out, seen = {}, set()
-    for k, v in inner_model(model).state_dict().items():
-        if v.data_ptr() in seen:
-            continue
-        seen.add(v.data_ptr())
-        out[k] = v.detach().to("cpu").contiguous()
-    return out
-
-
-def load_full_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    hf = inner_model(model)
-    res = hf.load_state_dict(sd, strict=False)
-    # tied names come back tied
-    missing = set(res.missing_keys) - (set(hf.state_dict()) - set(full_state(hf)))
-    if res.unexpected_keys or missing:
-        raise FinetuneError(f"checkpoint does not fit the model: missing {sorted(missing)[:4]}, "
-                            f"unexpected {list(res.unexpected_keys)[:4]}")
-
-
-def is_full_finetune(run_dir: str | Path) -> bool:
-    """Whether a folder is a full finetuning run's (its finetune.json's recipe has no LoRA
-    settings)."""
-    recipe = (RunDir(run_dir).finetune_info() or {}).get("recipe") or {}
-    return "lora" in recipe and recipe["lora"] is None
-
-
-def export_full(run_dir: str | Path, which: str = "latest",
-                out_dir: str | Path | None = None) -> Path:
-    """A full finetuning run's checkpoint ("latest", "best" or a folder) as a standalone
-    transformers model folder (config.json, model.safetensors, tokenizer; run_dir/model by default):
-    the checkpoint's weights already carry transformers' names, so they are copied as they are. An
-    existing folder is replaced whole."""
-    run_dir = Path(run_dir)
-    info = RunDir(run_dir).adapter_info()
-    if not is_full_finetune(run_dir) or not info:
-        raise FinetuneError(f"{run_dir} is not a full finetuning run folder (finetune.json with "
-                            "recipe full)")
-    ckpt = find_run_checkpoint(run_dir, which)
-    base = info["base_path"]
-    # a Hub id; or a new VM, where a tinygpt base is exported again
-    if not (Path(base) / "config.json").is_file():
-        base = (str(export_tinygpt_base(info["base"], run_dir / BASE_DIR))
-                if is_tinygpt_run(info["base"]) else info["base"])
-    config = base_config(base)  # checked: no code of its own, a model type tinygpt loads
-    config.torch_dtype = torch.float32
-    out = Path(out_dir) if out_dir is not None else run_dir / FULL_MODEL_DIR
-    with atomic_output(out, folder=True) as tmp:
-        config.save_pretrained(tmp)
-        # named as transformers reads it
-        shutil.copyfile(ckpt / MODEL_FILE, tmp / "model.safetensors")
-        load_tokenizer(base).save_pretrained(tmp)
-        write_json_atomic(tmp / ADAPTER_INFO, {**info, "checkpoint": str(ckpt)})
-    return out

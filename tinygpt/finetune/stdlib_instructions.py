@@ -4,6 +4,7 @@ with its docstring as the instruction and its source as the response (Alpaca for
 It is what the notebooks' smoke mode and the tests finetune on when the larger offline sets (Code
 Alpaca, MBPP) are not at hand. Deterministic: the same Python gives the same records, in order.
 """
+
 from __future__ import annotations
 
 import ast
@@ -85,10 +86,10 @@ def _segment(lines: list[str], node: ast.AST) -> str | None:
         return None
     first, last = node.lineno - 1, node.end_lineno - 1
     if first == last:
-        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
-    head = lines[first].encode()[node.col_offset:].decode()
-    tail = lines[last].encode()[:node.end_col_offset].decode()
-    return "".join([head, *lines[first + 1:last], tail])
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset :].decode()
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return "".join([head, *lines[first + 1 : last], tail])
 
 
 def write_stdlib_instructions(path: str | Path, limit: int = 2_000) -> Path:

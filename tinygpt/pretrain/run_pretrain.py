@@ -65,7 +65,6 @@ from tinygpt.train.distributed import (
     main_process_first,
     split_global_batch,
 )
-from tinygpt.train.exact_resume import RESUMABLE_CHANGES
 from tinygpt.train.startup import StartupClock
 from tinygpt.train.trainer import TrainData, Trainer, TrainResult
 

@@ -8,6 +8,7 @@ Invariants:
   score names) goes through `card_text`: one line, inert (no heading, HTML, link or emphasis comes
   from it).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,14 +29,18 @@ from tinygpt.model.prompts import TEMPLATES
 from tinygpt.publish.source import run_kind, run_template, trained_context
 
 CARD = "README.md"
-AMX_NOTE = ("q8_0 on a CPU with AMX (Intel Xeon 4th generation and later): llama.cpp's CPU weight "
-            "repacking crashes on q8_0 files (any q8_0, llama-quantize's too); run llama.cpp with "
-            "--no-repack, or export f16")
+AMX_NOTE = (
+    "q8_0 on a CPU with AMX (Intel Xeon 4th generation and later): llama.cpp's CPU weight "
+    "repacking crashes on q8_0 files (any q8_0, llama-quantize's too); run llama.cpp with "
+    "--no-repack, or export f16"
+)
 
 
-INPUT_NOTE = ("An instruction with an input (Alpaca's `### Input:` form) is two user messages in "
-              "chat: the instruction, then the input. Ollama joins them with a blank line, so there "
-              "the first blank line of a prompt ends the instruction.")
+INPUT_NOTE = (
+    "An instruction with an input (Alpaca's `### Input:` form) is two user messages in "
+    "chat: the instruction, then the input. Ollama joins them with a blank line, so there "
+    "the first blank line of a prompt ends the instruction."
+)
 
 
 def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -55,11 +60,12 @@ def _scores(e: dict[str, Any]) -> str:
     (`Task.headline`), else every number."""
     s = e.get("scores") if isinstance(e.get("scores"), dict) else {}
     task = TASKS.get(e["task"]) if isinstance(e.get("task"), str) else None
-    keys = [k for pattern in (task.headline if task else ()) for k in s
-            if fnmatchcase(str(k), pattern)]
-    return (", ".join(f"{card_text(k, code=False)} {_num(s[k])}" for k in keys)
-            or ", ".join(f"{card_text(k, code=False)} {_num(v)}" for k, v in s.items()
-                         if isinstance(v, (int, float))))
+    keys = [
+        k for pattern in (task.headline if task else ()) for k in s if fnmatchcase(str(k), pattern)
+    ]
+    return ", ".join(f"{card_text(k, code=False)} {_num(s[k])}" for k in keys) or ", ".join(
+        f"{card_text(k, code=False)} {_num(v)}" for k, v in s.items() if isinstance(v, (int, float))
+    )
 
 
 def _num(v: Any) -> str:
@@ -86,11 +92,12 @@ def card_text(value: Any, code: bool = True) -> str:
     fenced by more backticks than it holds, `|` escaped (a table cell); else text with every
     markdown character backslash-escaped and & < > as entities, an underscore inside a word
     (`bits_per_byte`) left as it is. No heading, HTML, link or emphasis comes from it either way."""
-    text = "".join(" " if unicodedata.category(c)[0] in "CZ" and c != " " else c
-                   for c in str(value))
+    text = "".join(
+        " " if unicodedata.category(c)[0] in "CZ" and c != " " else c for c in str(value)
+    )
     text = " ".join(text.split())
     if len(text) > CARD_TEXT_LIMIT:
-        text = text[:CARD_TEXT_LIMIT - 1] + "…"
+        text = text[: CARD_TEXT_LIMIT - 1] + "…"
     if code:
         text = text.replace("|", "\\|")
         fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
@@ -98,7 +105,7 @@ def card_text(value: Any, code: bool = True) -> str:
         return f"{fence}{pad}{text}{pad}{fence}" if text else ""
     out = []
     for i, c in enumerate(text):
-        inner = c == "_" and text[i - 1:i].isalnum() and text[i + 1:i + 2].isalnum()
+        inner = c == "_" and text[i - 1 : i].isalnum() and text[i + 1 : i + 2].isalnum()
         escaped = c in string.punctuation and c not in _PLAIN and not inner
         out.append(_ENTITIES.get(c) or (f"\\{c}" if escaped else c))
     return "".join(out)
@@ -129,8 +136,9 @@ def checkpoint_step(run_dir: str | Path, which: str = "latest") -> int | None:
     return step if isinstance(step, int) else step_of(ckpt)
 
 
-def card_facts(run_dir: str | Path, which: str = "latest",
-               context: int | None = None) -> dict[str, Any]:
+def card_facts(
+    run_dir: str | Path, which: str = "latest", context: int | None = None
+) -> dict[str, Any]:
     """The figures a card states, all read from the run folder, of the exported checkpoint
     (`which`): recipe, data, model shape, its step, the tokens seen and the last training and
     validation losses up to that step, the context the export advertises, and the recorded
@@ -140,34 +148,45 @@ def card_facts(run_dir: str | Path, which: str = "latest",
     kind = run_kind(run_dir)
     metrics = RunDir(run_dir).metrics()
     step = checkpoint_step(run_dir, which)
-    upto = [m for m in metrics
-            if isinstance(m.get("step"), int) and (step is None or m["step"] <= step)]
+    upto = [
+        m for m in metrics if isinstance(m.get("step"), int) and (step is None or m["step"] <= step)
+    ]
     train = [m for m in upto if m.get("loss") is not None]
     val = [m for m in upto if m.get("val_loss") is not None]
     at = next((m for m in reversed(train) if m["step"] == step), None)
-    facts: dict[str, Any] = {"kind": kind, "run": run_dir.resolve().name,
-                             "evals": read_evals(run_dir),
-                             "steps": (step if step is not None
-                                       else (train[-1]["step"] if train else None)),
-                             "train_loss": train[-1]["loss"] if train else None,
-                             "train_loss_step": train[-1]["step"] if train else None,
-                             "val_loss": val[-1]["val_loss"] if val else None,
-                             "val_loss_step": val[-1]["step"] if val else None,
-                             "tokens": (at or {}).get("tokens"),
-                             "trained_context": trained_context(run_dir)}
+    facts: dict[str, Any] = {
+        "kind": kind,
+        "run": run_dir.resolve().name,
+        "evals": read_evals(run_dir),
+        "steps": (step if step is not None else (train[-1]["step"] if train else None)),
+        "train_loss": train[-1]["loss"] if train else None,
+        "train_loss_step": train[-1]["step"] if train else None,
+        "val_loss": val[-1]["val_loss"] if val else None,
+        "val_loss_step": val[-1]["step"] if val else None,
+        "tokens": (at or {}).get("tokens"),
+        "trained_context": trained_context(run_dir),
+    }
     facts["context"] = context or facts["trained_context"]
     if kind == "pretrain":
         recipe = Recipe.from_dict(RunDir(run_dir).recipe_dict())
         if facts["tokens"] is None and facts["steps"] is not None:
             facts["tokens"] = facts["steps"] * recipe.train.tokens_per_step
-        facts.update(recipe=recipe.name, data=_shown(recipe.data.source),
-                     tokenizer=recipe.data.tokenizer, model=recipe.model,
-                     max_steps=recipe.train.max_steps)
+        facts.update(
+            recipe=recipe.name,
+            data=_shown(recipe.data.source),
+            tokenizer=recipe.data.tokenizer,
+            model=recipe.model,
+            max_steps=recipe.train.max_steps,
+        )
     else:
         info = RunDir(run_dir).finetune_info() or {}
-        facts.update(recipe=info.get("recipe", {}).get("name"), data=_shown(info.get("data")),
-                     base=_shown(info.get("base")), hub_base=not _is_local(info.get("base")),
-                     template=run_template(run_dir))
+        facts.update(
+            recipe=info.get("recipe", {}).get("name"),
+            data=_shown(info.get("data")),
+            base=_shown(info.get("base")),
+            hub_base=not _is_local(info.get("base")),
+            template=run_template(run_dir),
+        )
     return facts
 
 
@@ -178,7 +197,7 @@ def _tokenizer_words(tokenizer: str, m: Any) -> str:
 
 
 def _at(f: dict[str, Any], key: str) -> str:
-    """" (step N)" when a loss was logged before the exported checkpoint's step, else ""."""
+    """ " (step N)" when a loss was logged before the exported checkpoint's step, else ""."""
     return f" (step {f[key]:,})" if f.get(key) is not None and f[key] != f.get("steps") else ""
 
 
@@ -192,14 +211,23 @@ def _context_words(f: dict[str, Any], max_seq_len: int | None) -> str:
     ctx, trained = f.get("context") or max_seq_len, f.get("trained_context")
     if trained and ctx != trained:
         return f"{ctx:,} tokens as exported (`--context`; it was trained at {trained:,})"
-    more = (f" (its position tables reach {max_seq_len:,}; positions past {ctx:,} were never "
-            "trained)" if max_seq_len and max_seq_len > ctx else "")
+    more = (
+        f" (its position tables reach {max_seq_len:,}; positions past {ctx:,} were never trained)"
+        if max_seq_len and max_seq_len > ctx
+        else ""
+    )
     return f"{ctx:,} tokens, the length it was trained at{more}"
 
 
-def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None,
-               repo_id: str | None = None, which: str = "latest",
-               context: int | None = None) -> str:
+def model_card(
+    run_dir: str | Path,
+    *,
+    hf: bool,
+    gguf_file: str | None,
+    repo_id: str | None = None,
+    which: str = "latest",
+    context: int | None = None,
+) -> str:
     """The README.md of an export: what the model is, how it was trained (figures from the run
     folder, of the exported checkpoint `which`), its evaluations, and how to load it (transformers
     when `hf`, Ollama and llama.cpp when `gguf_file`). context: the context the export advertises
@@ -207,88 +235,187 @@ def model_card(run_dir: str | Path, *, hf: bool, gguf_file: str | None,
     f = card_facts(run_dir, which, context)
     # a Hub repository's name, or none
     repo_id = repo_id if repo_id and _HUB_ID.fullmatch(repo_id) else None
-    where = repo_id or "PATH/TO/THIS/FOLDER"
+    lines = [
+        *_front_matter(f, hf, gguf_file),
+        "---",
+        "",
+        f"# {card_text(f['run'], code=False)}",
+        "",
+    ]
+    lines += _what_it_is(f) + _training(f) + _evaluations(f) + ["", "## Use it", ""]
+    if hf:
+        lines += _use_in_transformers(f, repo_id or "PATH/TO/THIS/FOLDER")
+    if gguf_file:
+        lines += _use_gguf(f, gguf_file, repo_id)
+    return "\n".join(lines)
+
+
+def _front_matter(f: dict[str, Any], hf: bool, gguf_file: str | None) -> list[str]:
+    """The card's YAML header, but its closing line: library, tags, the base's Hub id."""
     tags = ["tinygpt", "text-generation"] + (["gguf"] if gguf_file else [])
-    front = ["---", "library_name: transformers" if hf else "library_name: gguf",
-             "pipeline_tag: text-generation", "tags:", *[f"- {t}" for t in tags]]
-    if (f["kind"] != "pretrain" and isinstance(f.get("base"), str) and f["hub_base"]
-            and _HUB_ID.fullmatch(f["base"])):
+    front = [
+        "---",
+        "library_name: transformers" if hf else "library_name: gguf",
+        "pipeline_tag: text-generation",
+        "tags:",
+        *[f"- {t}" for t in tags],
+    ]
+    if (
+        f["kind"] != "pretrain"
+        and isinstance(f.get("base"), str)
+        and f["hub_base"]
+        and _HUB_ID.fullmatch(f["base"])
+    ):
         front.append(f"base_model: {f['base']}")  # a Hub id (a local base has no page to link)
-    lines = [*front, "---", "", f"# {card_text(f['run'], code=False)}", ""]
+    return front
+
+
+def _what_it_is(f: dict[str, Any]) -> list[str]:
+    """A pretrained model's architecture, or a finetune's base and prompt format."""
+    lines = []
     if f["kind"] == "pretrain":
         m = f["model"]
-        start = (f"continued from {card_text(_shown(m.init))}" if getattr(m, "init", None)
-                 else "from scratch")
-        lines += [f"A {m.family.title}-architecture language model pretrained {start} with "
-                  f"[tinygpt](https://github.com/tinygpt/tinygpt): {m.n_layer} layers, "
-                  f"width {m.d_model}, "
-                  f"{m.n_head} heads ({m.n_kv_head or m.n_head} key/value), "
-                  f"context {_context_words(f, m.max_seq_len)}, "
-                  f"vocabulary {m.vocab_size:,} "
-                  f"({_tokenizer_words(f['tokenizer'], m)}).", ""]
+        start = (
+            f"continued from {card_text(_shown(m.init))}"
+            if getattr(m, "init", None)
+            else "from scratch"
+        )
+        lines += [
+            f"A {m.family.title}-architecture language model pretrained {start} with "
+            f"[tinygpt](https://github.com/tinygpt/tinygpt): {m.n_layer} layers, "
+            f"width {m.d_model}, "
+            f"{m.n_head} heads ({m.n_kv_head or m.n_head} key/value), "
+            f"context {_context_words(f, m.max_seq_len)}, "
+            f"vocabulary {m.vocab_size:,} "
+            f"({_tokenizer_words(f['tokenizer'], m)}).",
+            "",
+        ]
     else:
         how = "every weight trained" if f["kind"] == "full" else "the adapter folded into the base"
-        lines += [f"[tinygpt](https://github.com/tinygpt/tinygpt)'s {card_text(f['recipe'])} "
-                  f"finetune of {card_text(f['base'])}, {how}. "
-                  "Prompts use the instruction format it was trained on:", "",
-                  "```",
-                  TEMPLATES[f["template"]][1].format(instruction="<your instruction>") + "<answer>",
-                  "```", "", INPUT_NOTE, ""]
+        lines += [
+            f"[tinygpt](https://github.com/tinygpt/tinygpt)'s {card_text(f['recipe'])} "
+            f"finetune of {card_text(f['base'])}, {how}. "
+            "Prompts use the instruction format it was trained on:",
+            "",
+            "```",
+            TEMPLATES[f["template"]][1].format(instruction="<your instruction>") + "<answer>",
+            "```",
+            "",
+            INPUT_NOTE,
+            "",
+        ]
     if f["kind"] != "pretrain" and f["context"]:
         lines += [f"Context: {_context_words(f, None)}.", ""]
-    rows = [("recipe", card_text(f["recipe"])), ("data", card_text(f["data"])),
-            ("steps", _num(f["steps"]) if f["steps"] is not None else None),
-            ("tokens seen", _num(f["tokens"]) if f["tokens"] is not None else None),
-            ("training loss" + _at(f, "train_loss_step"),
-             _num(f["train_loss"]) if f["train_loss"] is not None else None),
-            ("validation loss" + _at(f, "val_loss_step"),
-             _num(f["val_loss"]) if f["val_loss"] is not None else "not evaluated")]
-    lines += ["## Training", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows if v],
-              "", f"Figures of the exported checkpoint{_step_words(f)}; losses are mean "
-              f"cross-entropy per token in nats, from the run's `{METRICS}`.", "",
-              "## Evaluations", ""]
+    return lines
+
+
+def _training(f: dict[str, Any]) -> list[str]:
+    """The training table: recipe, data, steps, tokens and losses of the exported checkpoint."""
+    rows = [
+        ("recipe", card_text(f["recipe"])),
+        ("data", card_text(f["data"])),
+        ("steps", _num(f["steps"]) if f["steps"] is not None else None),
+        ("tokens seen", _num(f["tokens"]) if f["tokens"] is not None else None),
+        (
+            "training loss" + _at(f, "train_loss_step"),
+            _num(f["train_loss"]) if f["train_loss"] is not None else None,
+        ),
+        (
+            "validation loss" + _at(f, "val_loss_step"),
+            _num(f["val_loss"]) if f["val_loss"] is not None else "not evaluated",
+        ),
+    ]
+    return [
+        "## Training",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in rows if v],
+        "",
+        f"Figures of the exported checkpoint{_step_words(f)}; losses are mean "
+        f"cross-entropy per token in nats, from the run's `{METRICS}`.",
+        "",
+    ]
+
+
+def _evaluations(f: dict[str, Any]) -> list[str]:
+    """The run's recorded evaluations as a table, or how to record one."""
+    lines = ["## Evaluations", ""]
     if f["evals"]:
         lines += ["| task | data | scores |", "|---|---|---|"]
-        lines += [f"| {card_text(e.get('task'), code=False)} | "
-                  f"{card_text(_shown(e.get('data')))} | {_scores(e)} |"
-                  for e in f["evals"]]
+        lines += [
+            f"| {card_text(e.get('task'), code=False)} | "
+            f"{card_text(_shown(e.get('data')))} | {_scores(e)} |"
+            for e in f["evals"]
+        ]
     else:
-        lines.append("No evaluation recorded in the run folder (`tinygpt eval RUN --task ...` "
-                     "records each one).")
-    lines += ["", "## Use it", ""]
-    if hf:
-        lines += ["With transformers:", "", "```python",
-                  "from transformers import AutoModelForCausalLM, AutoTokenizer",
-                  f'model = AutoModelForCausalLM.from_pretrained("{where}")',
-                  f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
-                  *(['ids = tokenizer("def main(", return_tensors="pt").input_ids',
-                     "print(tokenizer.decode(model.generate(ids, max_new_tokens=64, "
-                     "do_sample=True)[0]))"]
-                    if f["kind"] == "pretrain" else
-                    ['messages = [{"role": "user", "content": '
-                     '"Write a function that adds two numbers."}]',
-                     "prompt = tokenizer.apply_chat_template(messages, tokenize=False)  "
-                     "# the format it learned",
-                     'ids = tokenizer(prompt, add_special_tokens=False, '
-                     'return_tensors="pt").input_ids',
-                     "print(tokenizer.decode(model.generate(ids, max_new_tokens=128)"
-                     "[0, ids.shape[1]:], "
-                     "skip_special_tokens=True))"]),
-                  "```", ""]
-    if gguf_file:
-        ollama = (f"ollama run hf.co/{repo_id}:"
-                  f"{gguf_file.split('-', 1)[1].removesuffix('.gguf')}" if repo_id
-                  else "ollama create mymodel -f Modelfile && ollama run mymodel")
-        lines += [f"With Ollama (`{gguf_file}` and the `Modelfile` beside it, which sets the "
-                  "prompt format, the stop token and the model's context):", "", "```bash", ollama,
-                  "```",
-                  "",
-                  "With llama.cpp:", "", "```bash",
-                  f'llama-cli -m {gguf_file} -p "def main(" -n 64 --temp 0.8',
-                  "```", ""]
-        if f["kind"] != "pretrain":
-            lines += ["In llama.cpp's chat mode, `--jinja` applies the instruction format stored "
-                      "in the file.", ""]
-        if "Q8_0" in gguf_file:
-            lines += [f"Note: {AMX_NOTE}.", ""]
-    return "\n".join(lines)
+        lines.append(
+            "No evaluation recorded in the run folder (`tinygpt eval RUN --task ...` "
+            "records each one)."
+        )
+    return lines
+
+
+def _use_in_transformers(f: dict[str, Any], where: str) -> list[str]:
+    """Loading the export with transformers: a prompt to complete, or a chat message."""
+    return [
+        "With transformers:",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{where}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+        *(
+            [
+                'ids = tokenizer("def main(", return_tensors="pt").input_ids',
+                "print(tokenizer.decode(model.generate(ids, max_new_tokens=64, "
+                "do_sample=True)[0]))",
+            ]
+            if f["kind"] == "pretrain"
+            else [
+                'messages = [{"role": "user", "content": '
+                '"Write a function that adds two numbers."}]',
+                "prompt = tokenizer.apply_chat_template(messages, tokenize=False)  "
+                "# the format it learned",
+                'ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids',
+                "print(tokenizer.decode(model.generate(ids, max_new_tokens=128)"
+                "[0, ids.shape[1]:], "
+                "skip_special_tokens=True))",
+            ]
+        ),
+        "```",
+        "",
+    ]
+
+
+def _use_gguf(f: dict[str, Any], gguf_file: str, repo_id: str | None) -> list[str]:
+    """Running the GGUF file with Ollama and llama.cpp."""
+    ollama = (
+        f"ollama run hf.co/{repo_id}:{gguf_file.split('-', 1)[1].removesuffix('.gguf')}"
+        if repo_id
+        else "ollama create mymodel -f Modelfile && ollama run mymodel"
+    )
+    lines = [
+        f"With Ollama (`{gguf_file}` and the `Modelfile` beside it, which sets the "
+        "prompt format, the stop token and the model's context):",
+        "",
+        "```bash",
+        ollama,
+        "```",
+        "",
+        "With llama.cpp:",
+        "",
+        "```bash",
+        f'llama-cli -m {gguf_file} -p "def main(" -n 64 --temp 0.8',
+        "```",
+        "",
+    ]
+    if f["kind"] != "pretrain":
+        lines += [
+            "In llama.cpp's chat mode, `--jinja` applies the instruction format stored "
+            "in the file.",
+            "",
+        ]
+    if "Q8_0" in gguf_file:
+        lines += [f"Note: {AMX_NOTE}.", ""]
+    return lines

@@ -24,8 +24,8 @@ from tinygpt.core.checkpoint import RunCheckpoint
 from tinygpt.core.files import atomic_output
 from tinygpt.core.options import option
 from tinygpt.core.rundir import ADAPTER_INFO, FULL_MODEL_DIR
+from tinygpt.finetune.full import export_full
 from tinygpt.finetune.lora import adapter_folder, merge_adapter
-from tinygpt.finetune.run_finetune import export_full
 from tinygpt.model import gguf as gg
 from tinygpt.model.hf import check_export_target, export_model, from_pretrained, set_prompt_format
 from tinygpt.publish.card import AMX_NOTE, CARD, model_card

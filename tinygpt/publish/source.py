@@ -17,9 +17,9 @@ from tinygpt.core.checkpoint import STATE_FILE, find_run_checkpoint
 from tinygpt.core.config import Recipe
 from tinygpt.core.paths import is_hub
 from tinygpt.core.rundir import FULL_MODEL_DIR, MERGED_DIR, RunDir, missing_run_message
+from tinygpt.finetune.full import export_full, is_full_finetune
 from tinygpt.finetune.lora import merge_adapter
 from tinygpt.finetune.presets import FinetuneError
-from tinygpt.finetune.run_finetune import export_full, is_full_finetune
 from tinygpt.model.hf import from_pretrained
 from tinygpt.model.hf_import import import_hf
 from tinygpt.model.loading import load_run

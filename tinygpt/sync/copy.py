@@ -5,7 +5,9 @@ manifest.json last, then the folder is renamed into place: a `step_*` folder on 
 complete by construction. A name that leaves its folder, or a link, is refused for good
 (SyncRefused). An error waiting can cure (a dropped FUSE mount says ENOTCONN, a full quota ENOSPC)
 is retried with exponential backoff (`Backoff`); one it cannot (`is_permanent`: a read-only file
-system, the mirror a file) is not. This module knows files and folders, never models.
+system, the mirror a file) is not. The mirror's old checkpoints are pruned here (`prune_mirror`:
+only what the full check verified counts), and a finetune's adapter is copied once (`mirror_adapter`).
+This module knows files and folders, never models.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import os
 import shutil
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tinygpt.core.checkpoint import MANIFEST
+from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint, write_manifest
 from tinygpt.core.files import (
     UnsafePathError,
     fresh_tmp_dir,
@@ -32,7 +35,7 @@ from tinygpt.core.files import (
     tmp_sibling,
     try_fsync,
 )
-from tinygpt.core.rundir import CHECKPOINTS, RunDirError, run_file_limit
+from tinygpt.core.rundir import ADAPTER_DIR, CHECKPOINTS, RunDirError, run_file_limit
 
 CopyFile = Callable[[Path, Path], Any]
 
@@ -251,3 +254,64 @@ def manifest_step(folder: Path) -> int:
         return int(json.loads(read_bytes_safe(folder / MANIFEST)).get("step", -1))
     except (OSError, ValueError, AttributeError, TypeError):
         return -1
+
+
+def said(e: BaseException) -> str:
+    """An error in words for a message: what it says (its class only when it says nothing)."""
+    return str(e) or type(e).__name__
+
+
+def prune_mirror(
+    ckpt_root: str | Path, keep_last: int, known_valid: set[str] | None = None
+) -> list[Path]:
+    """Keep the newest `keep_last` checkpoints that pass the FULL check (sha256 of every file) and
+    delete older step folders; never delete the newest verified one, and with none verified delete
+    nothing. A size check is not enough: a corrupt folder of the right size at a higher step would
+    push every good one out. `known_valid` holds names verified already (by the copy that wrote
+    them, or an earlier prune); names verified here are added to it, so each folder is hashed
+    once."""
+    known = known_valid if known_valid is not None else set()
+    ckpts = list_checkpoints(ckpt_root)
+    kept: list[int] = []
+    for s, p in reversed(ckpts):  # newest first: stop hashing once enough are verified
+        if len(kept) >= max(keep_last, 1):
+            break
+        if p.name in known or verify_checkpoint(p, deep=True)[0]:
+            known.add(p.name)
+            kept.append(s)
+    if not kept:
+        return []
+    oldest_kept = min(kept)
+    removed = [p for s, p in ckpts if s < oldest_kept]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+        known.discard(p.name)
+    return removed
+
+
+# ---- one-off folders (a finetuning run's adapter) ------------------------------------------------
+
+
+def _mirror_copy(what: str, fn, where: Path) -> bool:
+    """Run a copy to or from the mirror with a few retries (none for a permanent error); a Drive
+    failure warns, it never stops a run."""
+    try:
+        Backoff(max_attempts=4).run(fn, permanent=lambda e: is_permanent(e, where))
+        return True
+    except OSError as e:
+        warnings.warn(
+            f"Drive mirror: could not copy {what} ({said(e)}); the local run folder has it",
+            stacklevel=3,
+        )
+        return False
+
+
+def mirror_adapter(adapter_dir: Path, mirror: Path, step: int) -> Path | None:
+    """Copy an adapter folder to mirror/adapter, each file checked against a manifest written here
+    first."""
+    write_manifest(adapter_dir, {"step": int(step), "kind": "adapter"})
+    dst = mirror / ADAPTER_DIR
+    copied = _mirror_copy(
+        f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst), mirror
+    )
+    return dst if copied else None

@@ -11,7 +11,6 @@ Whether the mirror folder is still this run's is watch.py's to say; what it lack
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 import warnings
@@ -25,7 +24,6 @@ from tinygpt.core.checkpoint import (
     list_checkpoints,
     step_name,
     verify_checkpoint,
-    write_manifest,
 )
 from tinygpt.core.files import clean_leftovers, read_bytes_safe, write_bytes_atomic
 from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, RUN_FILES, RunDir
@@ -39,6 +37,8 @@ from tinygpt.sync.copy import (
     manifest_step,
     new_tag,
     plain_copy,
+    prune_mirror,
+    said,
     whole_lines,
 )
 from tinygpt.sync.identity import claim_mirror
@@ -61,39 +61,6 @@ def mirror_wait_s() -> float:
             f"TINYGPT_MIRROR_WAIT_S must be a number of seconds, 0 or more; got {raw!r}"
         )
     return value
-
-
-def prune_mirror(
-    ckpt_root: str | Path, keep_last: int, known_valid: set[str] | None = None
-) -> list[Path]:
-    """Keep the newest `keep_last` checkpoints that pass the FULL check (sha256 of every file) and
-    delete older step folders; never delete the newest verified one, and with none verified delete
-    nothing. A size check is not enough: a corrupt folder of the right size at a higher step would
-    push every good one out. `known_valid` holds names verified already (by the copy that wrote
-    them, or an earlier prune); names verified here are added to it, so each folder is hashed
-    once."""
-    known = known_valid if known_valid is not None else set()
-    ckpts = list_checkpoints(ckpt_root)
-    kept: list[int] = []
-    for s, p in reversed(ckpts):  # newest first: stop hashing once enough are verified
-        if len(kept) >= max(keep_last, 1):
-            break
-        if p.name in known or verify_checkpoint(p, deep=True)[0]:
-            known.add(p.name)
-            kept.append(s)
-    if not kept:
-        return []
-    oldest_kept = min(kept)
-    removed = [p for s, p in ckpts if s < oldest_kept]
-    for p in removed:
-        shutil.rmtree(p, ignore_errors=True)
-        known.discard(p.name)
-    return removed
-
-
-def said(e: BaseException) -> str:
-    """An error in words for a message: what it says (its class only when it says nothing)."""
-    return str(e) or type(e).__name__
 
 
 # ---- the background mirror -----------------------------------------------------------------------
@@ -243,12 +210,17 @@ class Mirror(Callback):
             if self._files_dirty:
                 self.not_synced.append("the latest run files (metrics.jsonl, samples.txt, ...)")
         last = self._holds(st.last_synced_step)
-        how = ("after the wait" if self._dead is None
-               else f"at once ({self._dead}: waiting would not help)")
-        warnings.warn(f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
-                      f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
-                      f"{st.last_error}. The local run folder {self.local} has everything",
-                      stacklevel=2)
+        how = (
+            "after the wait"
+            if self._dead is None
+            else f"at once ({self._dead}: waiting would not help)"
+        )
+        warnings.warn(
+            f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
+            f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
+            f"{st.last_error}. The local run folder {self.local} has everything",
+            stacklevel=2,
+        )
         return False
 
     def _holds(self, step: int | None) -> str:
@@ -288,8 +260,10 @@ class Mirror(Callback):
             self._status.last_error = said(e)
             self._status.last_error_at = self.clock()
         if first:  # say so at once; the retries go on behind training
-            warnings.warn(f"Drive mirror {self.mirror}: {said(e)}; training goes on "
-                          "and the copy is retried", stacklevel=2)
+            warnings.warn(
+                f"Drive mirror {self.mirror}: {said(e)}; training goes on and the copy is retried",
+                stacklevel=2,
+            )
 
     def _catch_up_items(self) -> None:
         """What the local run holds that the mirror may lack (its newest checkpoint, best/, the
@@ -373,15 +347,20 @@ class Mirror(Callback):
                     self._status.errors += 1
                     self._status.last_error = said(e)
                     self._status.last_error_at = self.clock()
-                warnings.warn(f"Drive mirror {self.mirror}: {said(e)}; waiting would "
-                              "not help, so the mirror is off for this run (training goes on; the "
-                              "local run folder has everything, and the next run copies what the "
-                              "mirror lacks once this is fixed)", stacklevel=2)
+                warnings.warn(
+                    f"Drive mirror {self.mirror}: {said(e)}; waiting would "
+                    "not help, so the mirror is off for this run (training goes on; the "
+                    "local run folder has everything, and the next run copies what the "
+                    "mirror lacks once this is fixed)",
+                    stacklevel=2,
+                )
                 return False
             if e is not self._last_exc:  # a retried one is counted already
                 self._note_error(e)
-            warnings.warn(f"Drive mirror: {said(e)}; training goes on, "
-                          f"the next checkpoint tries again", stacklevel=2)
+            warnings.warn(
+                f"Drive mirror: {said(e)}; training goes on, the next checkpoint tries again",
+                stacklevel=2,
+            )
             return False
 
     def _sync_files(self) -> None:
@@ -452,29 +431,3 @@ class Mirror(Callback):
         if dst.name.startswith("step_"):
             self._verified.add(dst.name)
             prune_mirror(dst.parent, self.keep_last, self._verified)
-
-
-# ---- one-off folders (a finetuning run's adapter) ------------------------------------------------
-
-
-def _mirror_copy(what: str, fn, where: Path) -> bool:
-    """Run a copy to or from the mirror with a few retries (none for a permanent error); a Drive
-    failure warns, it never stops a run."""
-    try:
-        Backoff(max_attempts=4).run(fn, permanent=lambda e: is_permanent(e, where))
-        return True
-    except OSError as e:
-        warnings.warn(f"Drive mirror: could not copy {what} ({said(e)}); the local "
-                      "run folder has it", stacklevel=3)
-        return False
-
-
-def mirror_adapter(adapter_dir: Path, mirror: Path, step: int) -> Path | None:
-    """Copy an adapter folder to mirror/adapter, each file checked against a manifest written here
-    first."""
-    write_manifest(adapter_dir, {"step": int(step), "kind": "adapter"})
-    dst = mirror / ADAPTER_DIR
-    copied = _mirror_copy(
-        f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst), mirror
-    )
-    return dst if copied else None
