@@ -208,18 +208,6 @@ def stream_text_file(
                 return
 
 
-def read_text_file(path: Path, skipped: dict[str, int] | None = None) -> str | None:
-    """A local text file as str (`stream_text_file` joined): UTF-8,
-    else latin-1; None for a binary file (NUL bytes) or an unreadable
-    one. `skipped` counts what happened, for one warning at the end."""
-    counts: dict[str, int] = {}
-    text = "".join(stream_text_file(path, counts))
-    if skipped is not None:
-        for k, n in counts.items():
-            skipped[k] = skipped.get(k, 0) + n
-    return None if counts.get("binary") or counts.get("unreadable") else text
-
-
 def hub_dataset(source: str, split: str) -> tuple[str, str | None, str | None]:
     """(name, config, split) of a Hub data set written ``hf:NAME[:CONFIG][@SPLIT]`` (the prefix
     optional), `split` when it names none; a DataError for an empty name."""

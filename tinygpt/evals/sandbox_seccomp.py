@@ -34,228 +34,74 @@ CLONE_NEW = 0x7E020080
 MACHINES = {"x86_64": 0, "aarch64": 1}  # the column of each table below
 AUDIT_ARCH = (0xC000003E, 0xC00000B7)
 CLONE, FORKS = (56, 220), ((57, 58), ())  # clone; fork and vfork (aarch64 has neither)
-ALLOWED = {  # name: (x86_64, aarch64); None: that architecture has no such call
+
+
+def _calls(table: str) -> dict[str, tuple[int | None, int | None]]:
+    """{name: (x86_64 number, aarch64 number)} from "name x86_64 aarch64" triples ("-": none)."""
+    w = table.split()
+    return {
+        w[i]: tuple(None if n == "-" else int(n) for n in w[i + 1 : i + 3])
+        for i in range(0, len(w), 3)
+    }
+
+
+ALLOWED = _calls(  # name x86_64 aarch64 ("-": that architecture has no such call)
     # files
-    "read": (0, 63),
-    "write": (1, 64),
-    "readv": (19, 65),
-    "writev": (20, 66),
-    "pread64": (17, 67),
-    "pwrite64": (18, 68),
-    "preadv": (295, 69),
-    "pwritev": (296, 70),
-    "preadv2": (327, 286),
-    "pwritev2": (328, 287),
-    "open": (2, None),
-    "openat": (257, 56),
-    "creat": (85, None),
-    "close": (3, 57),
-    "close_range": (436, 436),
-    "lseek": (8, 62),
-    "dup": (32, 23),
-    "dup2": (33, None),
-    "dup3": (292, 24),
-    "pipe": (22, None),
-    "pipe2": (293, 59),
-    "fcntl": (72, 25),
-    "ioctl": (16, 29),
-    "flock": (73, 32),
-    "fsync": (74, 82),
-    "fdatasync": (75, 83),
-    "truncate": (76, 45),
-    "ftruncate": (77, 46),
-    "fallocate": (285, 47),
-    "fadvise64": (221, 223),
-    "sendfile": (40, 71),
-    "copy_file_range": (326, 285),
-    "stat": (4, None),
-    "fstat": (5, 80),
-    "lstat": (6, None),
-    "newfstatat": (262, 79),
-    "statx": (332, 291),
-    "statfs": (137, 43),
-    "fstatfs": (138, 44),
-    "access": (21, None),
-    "faccessat": (269, 48),
-    "faccessat2": (439, 439),
-    "readlink": (89, None),
-    "readlinkat": (267, 78),
-    "getdents": (78, None),
-    "getdents64": (217, 61),
-    "getcwd": (79, 17),
-    "chdir": (80, 49),
-    "fchdir": (81, 50),
-    "umask": (95, 166),
-    "mkdir": (83, None),
-    "mkdirat": (258, 34),
-    "rmdir": (84, None),
-    "unlink": (87, None),
-    "unlinkat": (263, 35),
-    "rename": (82, None),
-    "renameat": (264, 38),
-    "renameat2": (316, 276),
-    "link": (86, None),
-    "linkat": (265, 37),
-    "symlink": (88, None),
-    "symlinkat": (266, 36),
-    "chmod": (90, None),
-    "fchmod": (91, 52),
-    "fchmodat": (268, 53),
-    "fchmodat2": (452, 452),
-    "chown": (92, None),
-    "fchown": (93, 55),
-    "lchown": (94, None),
-    "fchownat": (260, 54),
-    "utime": (132, None),
-    "utimes": (235, None),
-    "utimensat": (280, 88),
-    "futimesat": (261, None),
-    "getxattr": (191, 8),
-    "lgetxattr": (192, 9),
-    "fgetxattr": (193, 10),
-    "listxattr": (194, 11),
-    "llistxattr": (195, 12),
-    "flistxattr": (196, 13),
-    "setxattr": (188, 5),
-    "lsetxattr": (189, 6),
-    "fsetxattr": (190, 7),
-    "removexattr": (197, 14),
-    "lremovexattr": (198, 15),
-    "fremovexattr": (199, 16),
+    "read 0 63  write 1 64  readv 19 65  writev 20 66  pread64 17 67  pwrite64 18 68 "
+    "preadv 295 69  pwritev 296 70  preadv2 327 286  pwritev2 328 287  open 2 -  openat 257 56 "
+    "creat 85 -  close 3 57  close_range 436 436  lseek 8 62  dup 32 23  dup2 33 -  dup3 292 24 "
+    "pipe 22 -  pipe2 293 59  fcntl 72 25  ioctl 16 29  flock 73 32  fsync 74 82 "
+    "fdatasync 75 83  truncate 76 45  ftruncate 77 46  fallocate 285 47  fadvise64 221 223 "
+    "sendfile 40 71  copy_file_range 326 285  stat 4 -  fstat 5 80  lstat 6 - "
+    "newfstatat 262 79  statx 332 291  statfs 137 43  fstatfs 138 44  access 21 - "
+    "faccessat 269 48  faccessat2 439 439  readlink 89 -  readlinkat 267 78  getdents 78 - "
+    "getdents64 217 61  getcwd 79 17  chdir 80 49  fchdir 81 50  umask 95 166  mkdir 83 - "
+    "mkdirat 258 34  rmdir 84 -  unlink 87 -  unlinkat 263 35  rename 82 -  renameat 264 38 "
+    "renameat2 316 276  link 86 -  linkat 265 37  symlink 88 -  symlinkat 266 36  chmod 90 - "
+    "fchmod 91 52  fchmodat 268 53  fchmodat2 452 452  chown 92 -  fchown 93 55  lchown 94 - "
+    "fchownat 260 54  utime 132 -  utimes 235 -  utimensat 280 88  futimesat 261 - "
+    "getxattr 191 8  lgetxattr 192 9  fgetxattr 193 10  listxattr 194 11  llistxattr 195 12 "
+    "flistxattr 196 13  setxattr 188 5  lsetxattr 189 6  fsetxattr 190 7  removexattr 197 14 "
+    "lremovexattr 198 15  fremovexattr 199 16 "
     # memory
-    "brk": (12, 214),
-    "mmap": (9, 222),
-    "munmap": (11, 215),
-    "mremap": (25, 216),
-    "mprotect": (10, 226),
-    "madvise": (28, 233),
-    "msync": (26, 227),
-    "mincore": (27, 232),
+    "brk 12 214  mmap 9 222  munmap 11 215  mremap 25 216  mprotect 10 226  madvise 28 233 "
+    "msync 26 227  mincore 27 232 "
     # process
-    "execve": (59, 221),
-    "exit": (60, 93),
-    "exit_group": (231, 94),
-    "wait4": (61, 260),
-    "waitid": (247, 95),
-    "set_tid_address": (218, 96),
-    "set_robust_list": (273, 99),
-    "rseq": (334, 293),
-    "futex": (202, 98),
-    "arch_prctl": (158, None),
-    "prctl": (157, 167),
-    "sched_yield": (24, 124),
-    "sched_getaffinity": (204, 123),
-    "sched_getparam": (143, 121),
-    "sched_getscheduler": (145, 120),
-    "sched_get_priority_max": (146, 125),
-    "sched_get_priority_min": (147, 126),
-    "getpid": (39, 172),
-    "getppid": (110, 173),
-    "gettid": (186, 178),
-    "getuid": (102, 174),
-    "geteuid": (107, 175),
-    "getgid": (104, 176),
-    "getegid": (108, 177),
-    "getgroups": (115, 158),
-    "getresuid": (118, 148),
-    "getresgid": (120, 150),
-    "getpgid": (121, 155),
-    "getpgrp": (111, None),
-    "getsid": (124, 156),
-    "setpgid": (109, 154),
-    "setsid": (112, 157),
-    "getrlimit": (97, 163),
-    "setrlimit": (160, 164),
-    "prlimit64": (302, 261),
-    "getrusage": (98, 165),
-    "times": (100, 153),
-    "uname": (63, 160),
-    "sysinfo": (99, 179),
-    "getcpu": (309, 168),
-    "getpriority": (140, 141),
-    "kill": (62, 129),
-    "tkill": (200, 130),
-    "tgkill": (234, 131),
-    "pidfd_open": (434, 434),
-    "pidfd_send_signal": (424, 424),
+    "execve 59 221  exit 60 93  exit_group 231 94  wait4 61 260  waitid 247 95 "
+    "set_tid_address 218 96  set_robust_list 273 99  rseq 334 293  futex 202 98 "
+    "arch_prctl 158 -  prctl 157 167  sched_yield 24 124  sched_getaffinity 204 123 "
+    "sched_getparam 143 121  sched_getscheduler 145 120  sched_get_priority_max 146 125 "
+    "sched_get_priority_min 147 126  getpid 39 172  getppid 110 173  gettid 186 178 "
+    "getuid 102 174  geteuid 107 175  getgid 104 176  getegid 108 177  getgroups 115 158 "
+    "getresuid 118 148  getresgid 120 150  getpgid 121 155  getpgrp 111 -  getsid 124 156 "
+    "setpgid 109 154  setsid 112 157  getrlimit 97 163  setrlimit 160 164  prlimit64 302 261 "
+    "getrusage 98 165  times 100 153  uname 63 160  sysinfo 99 179  getcpu 309 168 "
+    "getpriority 140 141  kill 62 129  tkill 200 130  tgkill 234 131  pidfd_open 434 434 "
+    "pidfd_send_signal 424 424 "
     # signals
-    "rt_sigaction": (13, 134),
-    "rt_sigprocmask": (14, 135),
-    "rt_sigreturn": (15, 139),
-    "rt_sigpending": (127, 136),
-    "rt_sigtimedwait": (128, 137),
-    "rt_sigsuspend": (130, 133),
-    "sigaltstack": (131, 132),
-    "pause": (34, None),
-    "alarm": (37, None),
-    "setitimer": (38, 103),
-    "getitimer": (36, 102),
-    "restart_syscall": (219, 128),
+    "rt_sigaction 13 134  rt_sigprocmask 14 135  rt_sigreturn 15 139  rt_sigpending 127 136 "
+    "rt_sigtimedwait 128 137  rt_sigsuspend 130 133  sigaltstack 131 132  pause 34 - "
+    "alarm 37 -  setitimer 38 103  getitimer 36 102  restart_syscall 219 128 "
     # time
-    "clock_gettime": (228, 113),
-    "clock_getres": (229, 114),
-    "clock_nanosleep": (230, 115),
-    "nanosleep": (35, 101),
-    "gettimeofday": (96, 169),
-    "time": (201, None),
+    "clock_gettime 228 113  clock_getres 229 114  clock_nanosleep 230 115  nanosleep 35 101 "
+    "gettimeofday 96 169  time 201 - "
     # events
-    "poll": (7, None),
-    "ppoll": (271, 73),
-    "select": (23, None),
-    "pselect6": (270, 72),
-    "epoll_create": (213, None),
-    "epoll_create1": (291, 20),
-    "epoll_ctl": (233, 21),
-    "epoll_wait": (232, None),
-    "epoll_pwait": (281, 22),
-    "epoll_pwait2": (441, 441),
-    "eventfd": (284, None),
-    "eventfd2": (290, 19),
-    "getrandom": (318, 278),
+    "poll 7 -  ppoll 271 73  select 23 -  pselect6 270 72  epoll_create 213 - "
+    "epoll_create1 291 20  epoll_ctl 233 21  epoll_wait 232 -  epoll_pwait 281 22 "
+    "epoll_pwait2 441 441  eventfd 284 -  eventfd2 290 19  getrandom 318 278 "
     # sockets
-    "socket": (41, 198),
-    "socketpair": (53, 199),
-    "connect": (42, 203),
-    "bind": (49, 200),
-    "listen": (50, 201),
-    "accept": (43, 202),
-    "accept4": (288, 242),
-    "sendto": (44, 206),
-    "recvfrom": (45, 207),
-    "sendmsg": (46, 211),
-    "recvmsg": (47, 212),
-    "sendmmsg": (307, 269),
-    "recvmmsg": (299, 243),
-    "shutdown": (48, 210),
-    "getsockname": (51, 204),
-    "getpeername": (52, 205),
-    "setsockopt": (54, 208),
-    "getsockopt": (55, 209),
-}
-REFUSED = {  # name: (x86_64, aarch64), each answered EPERM
-    "shmget": (29, 194),
-    "shmat": (30, 196),
-    "shmctl": (31, 195),
-    "shmdt": (67, 197),
-    "semget": (64, 190),
-    "semop": (65, 193),
-    "semctl": (66, 191),
-    "semtimedop": (220, 192),
-    "msgget": (68, 186),
-    "msgsnd": (69, 189),
-    "msgrcv": (70, 188),
-    "msgctl": (71, 187),
-    "mq_open": (240, 180),
-    "mq_unlink": (241, 181),
-    "mq_timedsend": (242, 182),
-    "mq_timedreceive": (243, 183),
-    "mq_notify": (244, 184),
-    "mq_getsetattr": (245, 185),
-    "memfd_create": (319, 279),
-    "memfd_secret": (447, 447),
-    "unshare": (272, 97),
-    "setns": (308, 268),
-}
+    "socket 41 198  socketpair 53 199  connect 42 203  bind 49 200  listen 50 201 "
+    "accept 43 202  accept4 288 242  sendto 44 206  recvfrom 45 207  sendmsg 46 211 "
+    "recvmsg 47 212  sendmmsg 307 269  recvmmsg 299 243  shutdown 48 210  getsockname 51 204 "
+    "getpeername 52 205  setsockopt 54 208  getsockopt 55 209 "
+)
+REFUSED = _calls(  # name x86_64 aarch64, each answered EPERM
+    "shmget 29 194  shmat 30 196  shmctl 31 195  shmdt 67 197  semget 64 190  semop 65 193 "
+    "semctl 66 191  semtimedop 220 192  msgget 68 186  msgsnd 69 189  msgrcv 70 188 "
+    "msgctl 71 187  mq_open 240 180  mq_unlink 241 181  mq_timedsend 242 182 "
+    "mq_timedreceive 243 183  mq_notify 244 184  mq_getsetattr 245 185  memfd_create 319 279 "
+    "memfd_secret 447 447  unshare 272 97  setns 308 268 "
+)
 
 
 def _allow(numbers: list[int]) -> list[tuple]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -293,21 +293,3 @@ def load_hf_causal_lm(path: str | Path, device: str | torch.device = "cpu",
     check_hf_folder(path)  # the whole folder, tokenizer included, before any weights load
     model = from_pretrained("AutoModelForCausalLM", path, **from_pretrained_kw).to(device).eval()
     return model, from_pretrained("AutoTokenizer", path)
-
-
-def hf_generate_fn(model: Any, tokenizer: Any, max_new_tokens: int = 384,
-                   temperature: float = 0.0) -> Callable[[str], str]:
-    """`generate(prompt) -> completion` (the new text only)
-    through `model.generate`; greedy at temperature 0."""
-    sampling = (
-        {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def generate(prompt: str) -> str:
-        enc = tokenizer(prompt, return_tensors="pt").to(model.device)
-        with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
-        return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-
-    return generate
