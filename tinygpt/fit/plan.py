@@ -20,6 +20,7 @@ recipe's model with only the ladder's fields (n_layer, d_model, n_head, n_kv_hea
 and its train config with only lr and min_lr scaled by width: everything else (vocabulary, context,
 data, schedule) is the recipe's.
 """
+
 from __future__ import annotations
 
 import math
@@ -112,6 +113,7 @@ def rung_name(depth: int) -> str:
 class ScalingLaw:
     """L(N, D) = E + A / N**alpha + B / D**beta (nats per token), with where its constants came from and
     the fewest tokens per parameter among the runs they were fitted on (below it the law extrapolates)."""
+
     E: float
     A: float
     B: float
@@ -121,7 +123,7 @@ class ScalingLaw:
     min_tokens_per_param: float = 0.0
 
     def loss(self, n_params: float, tokens: float) -> float:
-        return self.E + self.A / n_params ** self.alpha + self.B / tokens ** self.beta
+        return self.E + self.A / n_params**self.alpha + self.B / tokens**self.beta
 
 
 # The prior: Chinchilla's parametric fit (Hoffmann et al. 2022, approach 3) as re-fitted
@@ -149,9 +151,13 @@ def fitted_laws() -> dict[str, ScalingLaw]:
         if not path.is_file():
             return {}
         laws = read_json_safe(path, limit=1 << 20)["laws"]
-    return {name: ScalingLaw(**{k: law[k] for k in ("E", "A", "B", "alpha", "beta", "source")},
-                             min_tokens_per_param=min(r["tokens"] / r["params"] for r in law["runs"]))
-            for name, law in laws.items()}
+    return {
+        name: ScalingLaw(
+            **{k: law[k] for k in ("E", "A", "B", "alpha", "beta", "source")},
+            min_tokens_per_param=min(r["tokens"] / r["params"] for r in law["runs"]),
+        )
+        for name, law in laws.items()
+    }
 
 
 def law_for(recipe: Recipe) -> ScalingLaw:
@@ -173,6 +179,7 @@ def effective_tokens(tokens: float, unique: float | None) -> float:
 @dataclass
 class Candidate:
     """One rung as the planner sees it (a row of the table)."""
+
     size: str
     params: int  # non-embedding
     tokens_per_s: float
@@ -190,6 +197,7 @@ class Candidate:
 @dataclass
 class SizePlan:
     """What run.json keeps as "plan": the hours, the law, every candidate, the chosen size."""
+
     hours: float
     size: str
     law: dict
@@ -211,10 +219,17 @@ def ladder(recipe: Recipe, fits: Callable[[Recipe], bool]) -> list[tuple[int, Re
     return [(d, r) for d in LADDER_DEPTHS if fits(r := rung(recipe, d))]
 
 
-def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
-              fits: Callable[[Recipe], bool] = lambda r: True, unique_tokens: float | None = None,
-              law: ScalingLaw | None = None, timed: int = TIMED_RUNGS,
-              clock: Callable[[], float] = time.perf_counter) -> SizePlan:
+def plan_size(
+    recipe: Recipe,
+    hours: float,
+    speed: Callable[[Recipe], float],
+    *,
+    fits: Callable[[Recipe], bool] = lambda r: True,
+    unique_tokens: float | None = None,
+    law: ScalingLaw | None = None,
+    timed: int = TIMED_RUNGS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> SizePlan:
     """Choose the rung with the lowest predicted loss after `hours`. `speed(recipe)` measures
     tokens/s (the probe's `trainer_speed`): the smallest rung first; the rungs that speed, scaled by
     FLOPs per token, buys fewer than MIN_STEPS steps in the hours are dropped (never timed); then
@@ -246,11 +261,17 @@ def plan_size(recipe: Recipe, hours: float, speed: Callable[[Recipe], float], *,
         near = min(measured, key=lambda m: abs(math.log(flops[m] / flops[d])))
         return measured.get(d, measured[near] * flops[near] / flops[d])
 
-    rungs = [(d, r) for i, (d, r) in enumerate(rungs)
-             if i == 0 or tokens_per_s(d) * seconds >= MIN_STEPS * r.train.tokens_per_step]
+    rungs = [
+        (d, r)
+        for i, (d, r) in enumerate(rungs)
+        if i == 0 or tokens_per_s(d) * seconds >= MIN_STEPS * r.train.tokens_per_step
+    ]
     steps = PLAN_SPEED_STEPS + PLAN_WARMUP_STEPS
-    timeable = {d: r for d, r in rungs  # the smallest is timed already, whatever it cost
-                if d in measured or steps * r.train.tokens_per_step / tokens_per_s(d) <= timing_limit(hours)}
+    timeable = {
+        d: r
+        for d, r in rungs  # the smallest is timed already, whatever it cost
+        if d in measured or steps * r.train.tokens_per_step / tokens_per_s(d) <= timing_limit(hours)
+    }
     spread = list(timeable)
     picks = sorted({round(i * (len(spread) - 1) / max(1, timed - 1)) for i in range(timed)})
     for d in reversed([spread[i] for i in picks]):  # the largest first: it scales the others best
@@ -286,9 +307,15 @@ def timing_limit(hours: float) -> float:
     return min(max(MAX_TIMING_S, TIMING_SHARE * hours * 3600), MAX_TIMING_CAP_S)
 
 
-def candidates(rungs: list[tuple[int, Recipe]], tokens_per_s: Callable[[int], float], measured: dict,
-               seconds: float, unique_tokens: float | None, law: ScalingLaw,
-               own_params: int) -> tuple[list[Candidate], Candidate]:
+def candidates(
+    rungs: list[tuple[int, Recipe]],
+    tokens_per_s: Callable[[int], float],
+    measured: dict,
+    seconds: float,
+    unique_tokens: float | None,
+    law: ScalingLaw,
+    own_params: int,
+) -> tuple[list[Candidate], Candidate]:
     """Each rung as a row of the table, and the one with the lowest predicted loss among those the law
     speaks for (`within_law`), marked chosen. When none is, the rung nearest the recipe's own size
     (`own_params`, non-embedding): the law alone would choose the largest rung that fits (repeats are
@@ -299,10 +326,20 @@ def candidates(rungs: list[tuple[int, Recipe]], tokens_per_s: Callable[[int], fl
         tps = tokens_per_s(d)
         tokens = tps * seconds
         n = meta_model(r.model).num_params(non_embedding=True)
-        out.append(Candidate(rung_name(d), n, tps, d in measured, tokens,
-                             tokens / unique_tokens if unique_tokens else None,
-                             law.loss(n, effective_tokens(tokens, unique_tokens))))
-    eligible = [c for c in out if within_law(c.epochs, c.tokens_per_param, law.min_tokens_per_param)]
+        out.append(
+            Candidate(
+                rung_name(d),
+                n,
+                tps,
+                d in measured,
+                tokens,
+                tokens / unique_tokens if unique_tokens else None,
+                law.loss(n, effective_tokens(tokens, unique_tokens)),
+            )
+        )
+    eligible = [
+        c for c in out if within_law(c.epochs, c.tokens_per_param, law.min_tokens_per_param)
+    ]
     if eligible:
         best = min(eligible, key=lambda c: c.predicted_loss)
     else:
@@ -324,7 +361,9 @@ def row_within_law(plan: dict, row: dict) -> bool:
     written before the law kept its runs' fewest tokens per parameter is judged by epochs alone."""
     law = plan.get("law")
     floor = law.get("min_tokens_per_param", 0.0) if isinstance(law, dict) else 0.0
-    return within_law(row.get("epochs"), row["tokens"] / row["params"], floor if _number(floor) else 0.0)
+    return within_law(
+        row.get("epochs"), row["tokens"] / row["params"], floor if _number(floor) else 0.0
+    )
 
 
 def apply_plan(recipe: Recipe, plan: SizePlan | dict) -> Recipe:
@@ -388,7 +427,7 @@ def unique_tokens(recipe: Recipe) -> float | None:
     return chars * (1 - recipe.data.val_fraction) / per_token
 
 
-FIX_PLAN = "; delete its \"plan\" entry, or use a new run folder (or another --mirror folder)"
+FIX_PLAN = '; delete its "plan" entry, or use a new run folder (or another --mirror folder)'
 
 
 def kept_plan(info: dict | None, where: str = RUN_JSON) -> dict | None:
@@ -398,8 +437,12 @@ def kept_plan(info: dict | None, where: str = RUN_JSON) -> dict | None:
     if plan is None:
         return None
     cands = plan.get("candidates", []) if isinstance(plan, dict) else None
-    if (not isinstance(cands, list) or not all(map(_is_candidate, cands))
-            or not _number(plan.get("hours", 1)) or plan.get("hours", 1) <= 0):
+    if (
+        not isinstance(cands, list)
+        or not all(map(_is_candidate, cands))
+        or not _number(plan.get("hours", 1))
+        or plan.get("hours", 1) <= 0
+    ):
         raise ConfigError(f"the plan in {where} is not a plan tinygpt wrote{FIX_PLAN}")
     try:
         depth_of(plan.get("size"))
@@ -426,8 +469,15 @@ def checkpoint_depth(folder: Path) -> int | None:
     return len(layers) if width == len(layers) * HEAD_DIM else None
 
 
-def planned_here(recipe: Recipe, hours: float, dev: torch.device, info: dict, own: bool,
-                 checkpoints: Path, where: str) -> tuple[Recipe, SizePlan | dict]:
+def planned_here(
+    recipe: Recipe,
+    hours: float,
+    dev: torch.device,
+    info: dict,
+    own: bool,
+    checkpoints: Path,
+    where: str,
+) -> tuple[Recipe, SizePlan | dict]:
     """`--size auto` for a run folder whose run.json is `info`: its kept plan where this user signed
     it (`own`); else that plan is no evidence: with no checkpoint in `checkpoints` this machine plans,
     and with one the size is the checkpoint's, which must be the plan's rung of the ladder (refused
@@ -457,14 +507,19 @@ def _number(x: object) -> bool:
 
 def _is_candidate(c: object) -> bool:
     """A row of a plan read back as tinygpt writes it (what the notebook's plot draws)."""
-    return (isinstance(c, dict) and isinstance(c.get("size"), str) and isinstance(c.get("chosen"), bool)
-            and all(_number(c.get(k)) and c[k] > 0 for k in ("params", "tokens", "tokens_per_s"))
-            and _number(c.get("predicted_loss"))
-            and (c.get("epochs") is None or _number(c["epochs"]) and c["epochs"] > 0))
+    return (
+        isinstance(c, dict)
+        and isinstance(c.get("size"), str)
+        and isinstance(c.get("chosen"), bool)
+        and all(_number(c.get(k)) and c[k] > 0 for k in ("params", "tokens", "tokens_per_s"))
+        and _number(c.get("predicted_loss"))
+        and (c.get("epochs") is None or _number(c["epochs"]) and c["epochs"] > 0)
+    )
 
 
 def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
     """Whether a rung trains in this device's memory at its recipe's micro-batch (`check_fits`)."""
+
     def fits(r: Recipe) -> bool:
         try:
             check_fits(
@@ -473,6 +528,7 @@ def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
         except ConfigError:
             return False
         return True
+
     return fits
 
 

@@ -10,6 +10,7 @@ compile cache, loaded when training starts, is the first thing the compiler sees
 timing, and throwing the graphs away, kept `tinygpt probe --hours 1` silent for over 200 s on an
 H100.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,22 +86,32 @@ class RandomBatches:
         pass
 
 
-def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: int = SPEED_STEPS,
-                  warmup: int = SPEED_WARMUP, compiled: bool = False) -> float:
+def trainer_speed(
+    recipe: Recipe,
+    device: str | torch.device = "auto",
+    steps: int = SPEED_STEPS,
+    warmup: int = SPEED_WARMUP,
+    compiled: bool = False,
+) -> float:
     """Tokens/s of the trainer's own optimizer step for this recipe (its micro-batch, accumulation,
     precision, loss, optimizer), run eagerly: nothing is compiled (a compile per timing cost more
     than the timings, and its graphs were thrown away); `compiled`: as the recipe compiles (the
     benchmarks). The median of `steps` after `warmup`. Nothing is written: the trainer is built and
     stepped, never fitted."""
     dev = resolve_device(str(device))
-    t = dataclasses.replace(recipe.train, device=str(dev), **({} if compiled else {"compile": "off"}))
+    t = dataclasses.replace(
+        recipe.train, device=str(dev), **({} if compiled else {"compile": "off"})
+    )
     times = []
     try:
         # the caller's RNG stays as it was
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(0)
-            step = TrainStep(GPT(dataclasses.replace(recipe.model)), t,
-                             RandomBatches(recipe.model.vocab_size, t.seq_len))
+            step = TrainStep(
+                GPT(dataclasses.replace(recipe.model)),
+                t,
+                RandomBatches(recipe.model.vocab_size, t.seq_len),
+            )
             for _ in range(warmup + steps):
                 sync(dev)
                 t0 = time.perf_counter()
@@ -233,7 +244,13 @@ class _Search:
         time_limit_s: float | None,
     ):
         self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure = (
-            recipe, dev, prec, limit_gb, margin, measure)
+            recipe,
+            dev,
+            prec,
+            limit_gb,
+            margin,
+            measure,
+        )
         self.time_limit_s, self.t0 = time_limit_s, time.perf_counter()
         self.runner = TrialRunner(recipe, dev, prec, limit_gb, margin, measure)
         self.trials: list[Trial] = []
@@ -282,8 +299,11 @@ class _Search:
         timings: list[tuple[int, int, str]] = []
         for micro, accum in speed_candidates(largest, t, train.tokens_per_step):
             timings.append((micro, accum, train.loss))
-            if (train.loss == "auto" and default_chunk_rows(micro * t, self.recipe.model.vocab_size)
-                    and not self.out_of_time()):
+            if (
+                train.loss == "auto"
+                and default_chunk_rows(micro * t, self.recipe.model.vocab_size)
+                and not self.out_of_time()
+            ):
                 self.runner.loss = "full"
                 full_fits = self.fits(micro, t, ckpt)
                 self.runner.loss = train.loss
@@ -320,11 +340,19 @@ class _Search:
 
     def _time(self, speed: Callable, micro: int, accum: int, mode: str, t: int, ckpt: bool) -> None:
         try:
-            self.speeds[(micro, mode)] = speed(self.recipe.replace(
-                model={"activation_checkpointing": ckpt},
-                train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum,
-                       "precision": self.prec.name, "loss": mode}),
-                self.dev)
+            self.speeds[(micro, mode)] = speed(
+                self.recipe.replace(
+                    model={"activation_checkpointing": ckpt},
+                    train={
+                        "micro_batch_size": micro,
+                        "seq_len": t,
+                        "grad_accum_steps": accum,
+                        "precision": self.prec.name,
+                        "loss": mode,
+                    },
+                ),
+                self.dev,
+            )
         except Exception as e:
             if not is_allocation_failure(e):
                 raise
@@ -396,8 +424,10 @@ def _speed_key(micro: int, loss: str) -> str:
 def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
     """The recipe with the probe's micro-batch, context, accumulation, checkpointing, precision and
     loss."""
-    return recipe.replace(model={"activation_checkpointing": result.activation_checkpointing},
-                          train={k: getattr(result, k) for k in PROBED_TRAIN_FIELDS})
+    return recipe.replace(
+        model={"activation_checkpointing": result.activation_checkpointing},
+        train={k: getattr(result, k) for k in PROBED_TRAIN_FIELDS},
+    )
 
 
 def fit_to_device(

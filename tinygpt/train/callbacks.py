@@ -2,6 +2,7 @@
 the start-up record with the compile cache, a time budget, MFU, TensorBoard; and the samples a run
 writes. (The Drive `Mirror` in tinygpt.sync and the notebooks' plots are callbacks too.)
 """
+
 from __future__ import annotations
 
 import sys
@@ -298,8 +299,10 @@ class TimeBudget(Callback):
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
         if trainer.cfg.schedule != BUDGET_SCHEDULE:
-            raise TrainingError(f"a time budget trains with train.schedule={BUDGET_SCHEDULE} "
-                                f"({BUDGET_SCHEDULE_WHY})")
+            raise TrainingError(
+                f"a time budget trains with train.schedule={BUDGET_SCHEDULE} "
+                f"({BUDGET_SCHEDULE_WHY})"
+            )
         # with no checkpoint there is nothing to resume: the budget is measured here
         budget = Budget.load(trainer.run_dir) if trainer.is_main and resumed_from else None
         self.before = resumed_from or 0
@@ -342,8 +345,11 @@ class TimeBudget(Callback):
         t = time.perf_counter()
         trainer.save()
         save_s = time.perf_counter() - t
-        per_step = (step_s + (eval_s / cfg.eval_every if cfg.eval_every else 0)
-                    + (save_s / cfg.save_every if cfg.save_every else 0))
+        per_step = (
+            step_s
+            + (eval_s / cfg.eval_every if cfg.eval_every else 0)
+            + (save_s / cfg.save_every if cfg.save_every else 0)
+        )
         spent = time.perf_counter() - self.t_from
         steps = steps_for(self.hours, spent, trainer.step, per_step, eval_s + save_s)
         if trainer.world_size > 1:
@@ -366,8 +372,9 @@ class TimeBudget(Callback):
         spent += self.before * step_s  # a resumed run's earlier steps, at this process's step time
         old = self.budget
         assert old is not None
-        new = refix(old, trainer.step, spent, step_s, self.final_s, trainer.cfg.decay_fraction,
-                    time.time())
+        new = refix(
+            old, trainer.step, spent, step_s, self.final_s, trainer.cfg.decay_fraction, time.time()
+        )
         if trainer.world_size > 1:  # rank 0's clock decides for all
             steps = dist_.agree_sum([new.max_steps if trainer.is_main else 0])[0]
             new = Budget(new.hours, steps, new.decided_at_step, new.step_s, new.decided_at)
@@ -437,8 +444,10 @@ def _widget_bundle(widget) -> dict:
     closing update then matched no output, and the saved notebook kept the bar at
     0%. The same bundle under our display id updates in any front end."""
     text = repr(widget)
-    return {"text/plain": text[:110] + "…" if len(text) > 110 else text,
-            "application/vnd.jupyter.widget-view+json": widget.get_view_spec()}
+    return {
+        "text/plain": text[:110] + "…" if len(text) > 110 else text,
+        "application/vnd.jupyter.widget-view+json": widget.get_view_spec(),
+    }
 
 
 def _display(obj, display_id: bool):
