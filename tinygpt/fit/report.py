@@ -18,17 +18,12 @@ from tinygpt.core.precision import resolve_device
 from tinygpt.core.recipes import get_recipe
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.fit.hardware import HardwareReport, hardware_report, mfu
+from tinygpt.fit.ladder import MAX_EPOCHS
 from tinygpt.fit.memory import CUDA_CONTEXT_GB, estimate_memory
-from tinygpt.fit.plan import MAX_EPOCHS, MIN_STEPS, SizePlan, choose_size
-from tinygpt.fit.probe import (
-    SPEED_STEPS,
-    ProbeError,
-    apply_probe,
-    probe,
-    requested_precision,
-    trainer_speed,
-)
+from tinygpt.fit.plan import MIN_STEPS, SizePlan, choose_size
+from tinygpt.fit.probe import ProbeError, apply_probe, probe, requested_precision
 from tinygpt.fit.probe_cache import ProbeResult
+from tinygpt.fit.step_speed import SPEED_STEPS, trainer_speed
 from tinygpt.model.gpt import meta_model
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
@@ -157,15 +152,7 @@ def probe_report(
     """What `tinygpt probe [--recipe NAME] [--json] [--hours H]` prints. The trial search runs on a
     CUDA GPU; elsewhere the estimate stands in for it. With `hours`, the size planner's plan too."""
     report = hardware_report()
-    # with hours, the recipe whose ladder --size auto plans here (on a CPU: cpu-fast's)
-    rec = get_recipe(
-        recipe
-        or (
-            size_auto_recipe(report.hardware_class, report.default_recipe)
-            if hours
-            else report.default_recipe
-        )
-    )
+    rec = get_recipe(recipe or _default_recipe(report, hours))
     requested, _ = requested_precision(rec, report.device, report.native_bf16)
     prec = report.precision if requested == "auto" else requested
     est = estimate_memory(
@@ -176,20 +163,7 @@ def probe_report(
         device_type=report.device,
         loss=rec.train.loss,
     )
-    result, note, speed = None, None, None
-    if report.device == "cuda":
-        try:
-            result = probe(rec, cache_dir=cache_dir)
-        except ProbeError as e:
-            note = str(e)
-    else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
-        note = (
-            f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch "
-            "is used as is and the estimate above stands in for a measurement"
-        )
-        # a CPU recipe's step takes a second: time it (a GPU recipe's would take minutes)
-        if rec.hardware == "cpu":
-            speed = trainer_speed(rec, report.device)
+    result, note, speed = _search_here(rec, report, cache_dir)
     exp = expectations(rec, report, result, speed)
     plan = (
         None if hours is None else choose_size(rec, hours, resolve_device(report.device), None)[1]
@@ -216,20 +190,7 @@ def probe_report(
         format_table(est.rows()),
     ]
     if result is not None:
-        limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
-        cached = (
-            " (cached)"
-            if result.from_cache
-            else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
-        )
-        out += [
-            f"\nSearch{cached}: micro-batch {result.micro_batch_size} x "
-            f"{result.grad_accum_steps} accumulation steps"
-            f" x context {result.seq_len}, checkpointing "
-            f"{'on' if result.activation_checkpointing else 'off'}, "
-            f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"
-        ]
-        out += [f"  - {n}" for n in result.notes]
+        out += _search_lines(result)
     if note:
         out.append(f"\n{note}")
     out += ["\nExpectations", format_table(exp.rows())]
@@ -240,6 +201,53 @@ def probe_report(
             plan_note(plan),
         ]
     return "\n".join(out)
+
+
+def _default_recipe(report: HardwareReport, hours: float | None) -> str:
+    """The recipe `probe` reports on when none is named: this machine's default; with hours, the
+    recipe whose ladder --size auto plans here (on a CPU: cpu-fast's)."""
+    if hours:
+        return size_auto_recipe(report.hardware_class, report.default_recipe)
+    return report.default_recipe
+
+
+def _search_here(
+    rec: Recipe, report: HardwareReport, cache_dir: str | Path | None
+) -> tuple[ProbeResult | None, str | None, float | None]:
+    """(the probe's result, a note, the trainer's tokens/s): the trial search on a CUDA GPU; on a CPU
+    a CPU recipe's step timed instead."""
+    result, note, speed = None, None, None
+    if report.device == "cuda":
+        try:
+            result = probe(rec, cache_dir=cache_dir)
+        except ProbeError as e:
+            note = str(e)
+    else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
+        note = (
+            f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch "
+            "is used as is and the estimate above stands in for a measurement"
+        )
+        # a CPU recipe's step takes a second: time it (a GPU recipe's would take minutes)
+        if rec.hardware == "cpu":
+            speed = trainer_speed(rec, report.device)
+    return result, note, speed
+
+
+def _search_lines(result: ProbeResult) -> list[str]:
+    """The trial search's result and notes, as `probe_report` prints them."""
+    limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
+    cached = (
+        " (cached)"
+        if result.from_cache
+        else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
+    )
+    return [
+        f"\nSearch{cached}: micro-batch {result.micro_batch_size} x "
+        f"{result.grad_accum_steps} accumulation steps"
+        f" x context {result.seq_len}, checkpointing "
+        f"{'on' if result.activation_checkpointing else 'off'}, "
+        f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"
+    ] + [f"  - {n}" for n in result.notes]
 
 
 def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:

@@ -39,7 +39,8 @@ from tinygpt.data.sampler import WindowSampler, fixed_batches
 from tinygpt.data.sources import check_source, iter_documents, same_path_source
 from tinygpt.data.tokens import RunData, open_tokens
 from tinygpt.fit.hardware import check_device, check_fits, gpu_peak_tflops
-from tinygpt.fit.plan import PLANNED_FIELDS, SizePlan, planned_here
+from tinygpt.fit.ladder import PLANNED_FIELDS
+from tinygpt.fit.plan import SizePlan, planned_here
 from tinygpt.fit.probe import fit_to_device
 from tinygpt.fit.report import PlanReport
 from tinygpt.model.gpt import GPT
