@@ -22,8 +22,6 @@ from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import (
-    GPT2_VOCAB_PADDED,
-    INIT_TOKENIZER,
     ConfigError,
     Recipe,
     TrainConfig,
@@ -36,7 +34,7 @@ from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKENIZER_JSON, RunDir
 from tinygpt.core.runlock import lock, undo_if_first_try_fails
 from tinygpt.core.same_settings import check_same_settings
 from tinygpt.data.sampler import WindowSampler, fixed_batches
-from tinygpt.data.sources import check_source, iter_documents, same_path_source
+from tinygpt.data.sources import check_source, same_path_source
 from tinygpt.data.tokens import RunData, open_tokens
 from tinygpt.fit.hardware import check_device, check_fits, gpu_peak_tflops
 from tinygpt.fit.ladder import PLANNED_FIELDS
@@ -44,10 +42,11 @@ from tinygpt.fit.plan import SizePlan, planned_here
 from tinygpt.fit.probe import fit_to_device
 from tinygpt.fit.report import PlanReport
 from tinygpt.model.gpt import GPT
-from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
+from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.pretrain.init import Base, initial_model, starting_base
 from tinygpt.pretrain.mirror_trust import MIRROR_MAY_DIFFER, check_mirror_run
 from tinygpt.pretrain.pretrain_options import PretrainOptions
+from tinygpt.pretrain.run_tokenizer import check_tokenizer, get_tokenizer
 from tinygpt.sync.mirrored import RunMirror, mirrored
 from tinygpt.train.callbacks import (
     MFU,
@@ -55,7 +54,6 @@ from tinygpt.train.callbacks import (
     Samples,
     StartupReport,
     TensorBoardLogger,
-    TimeBudget,
     sample_prompt,
 )
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
@@ -68,10 +66,8 @@ from tinygpt.train.distributed import (
     split_global_batch,
 )
 from tinygpt.train.startup import StartupClock
+from tinygpt.train.time_budget import TimeBudget
 from tinygpt.train.trainer import TrainData, Trainer, TrainResult
-
-# BPE merges settle long before this; training on more only costs time
-TOKENIZER_TRAIN_CHARS = 3_000_000
 
 
 def versions() -> dict[str, str]:
@@ -107,70 +103,6 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str, sized: bool = Fals
             "them: use --resume auto to continue, or another run folder (a new --run-dir or "
             "RUN_NAME)"
         )
-
-
-def check_tokenizer(recipe: Recipe, token_ids: bool) -> None:
-    """A source of token ids (`token_ids`, as `check_source` resolved it) comes
-    with the tokenizer that made them: none can be trained on it, and a base's own
-    would read them as other tokens. Before any work (the recipe itself refuses a
-    tokenizer its model is too small for, or a base's without a base)."""
-    d = recipe.data
-    if token_ids and d.tokenizer == "train":
-        raise ConfigError(
-            f"{d.source} holds token ids, not text, so no tokenizer can be trained on it: for "
-            "GPT-2's (nanoGPT's .bin, llm.c's GPT-2 shards) add --set data.tokenizer=gpt2 "
-            f"model.vocab_size={GPT2_VOCAB_PADDED}, or use a recipe made for them (e.g. a100-124m)"
-        )
-    if token_ids and d.tokenizer == INIT_TOKENIZER:
-        raise ConfigError(
-            f"{d.source} holds token ids of another tokenizer, not the base's: continue a base on "
-            "text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes"
-        )
-
-
-def get_tokenizer(
-    recipe: Recipe, run_dir: Path, base: Base | None = None, kept: bool = True
-) -> Tokenizer:
-    """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe
-    says (`check_tokenizer` has refused one that cannot read the source; `base`: a continued run's
-    base, whose tokenizer it takes). `kept` False (no checkpoint, and run.json not this user's: a
-    mirror's tokenizer.json alone): it is made here and must be the one found, else refused."""
-    saved = run_dir / TOKENIZER_JSON
-    if saved.is_file() and kept:
-        return Tokenizer.load(saved)
-    tok = _new_tokenizer(recipe, base)
-    if saved.is_file() and Tokenizer.load(saved).to_json() != tok.to_json():
-        raise ConfigError(
-            f"{saved} (from the mirror) is not the tokenizer this command makes and no checkpoint "
-            "was trained with it: delete it, or use another --mirror folder"
-        )
-    return tok
-
-
-def _new_tokenizer(recipe: Recipe, base: Base | None) -> Tokenizer:
-    """The tokenizer trained or loaded as the recipe says."""
-    d = recipe.data
-    if d.tokenizer == "train":
-        budget = (
-            TOKENIZER_TRAIN_CHARS
-            if d.max_chars is None
-            else min(d.max_chars, TOKENIZER_TRAIN_CHARS)
-        )
-        sample = iter_documents(type(d)(**{**d.to_dict(), "max_chars": budget}))
-        tok = train_bpe(sample, d.vocab_size)
-    elif d.tokenizer == "gpt2":
-        tok = load_gpt2()
-    # continued pretraining: the base's own (read for a run without one)
-    elif d.tokenizer == INIT_TOKENIZER:
-        tok = base.tokenizer
-    else:
-        tok = Tokenizer.load(d.tokenizer)
-    if tok.vocab_size > recipe.model.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tok.vocab_size} tokens but the model only "
-            f"{recipe.model.vocab_size}: raise the model's vocab_size"
-        )
-    return tok
 
 
 def pretrain(
