@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from tinygpt.core.recipes import get_recipe  # noqa: E402
-from tinygpt.fit.probe import RandomBatches, TrainStep  # noqa: E402
+from tinygpt.fit.step_speed import RandomBatches  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
+from tinygpt.train.step import TrainStep  # noqa: E402
 
 ROUNDS, WARMUP, STEPS = 4, 3, 8
 

@@ -28,7 +28,7 @@ from tinygpt.data.shards import build_token_cache  # noqa: E402
 from tinygpt.data.sources import iter_documents  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.tokenizer import train_bpe  # noqa: E402
-from tinygpt.pretrain.run_pretrain import TOKENIZER_TRAIN_CHARS  # noqa: E402
+from tinygpt.pretrain.run_tokenizer import TOKENIZER_TRAIN_CHARS  # noqa: E402
 from tinygpt.train.optim import build_optimizer  # noqa: E402
 
 

@@ -4,7 +4,7 @@
     python benchmarks/fit_scaling.py --out /tmp/scaling --write # ... and write tinygpt/fit/scaling_laws.json
     python benchmarks/fit_scaling.py --recipe cpu-fast --jobs 2 --out /tmp/scaling --write   # the cpu-fast ladder
 
-Each run is `pretrain` of the recipe at one rung (`tinygpt.fit.plan.rung`) for one token budget, with the
+Each run is `pretrain` of the recipe at one rung (`tinygpt.fit.ladder.rung`) for one token budget, with the
 schedule `--hours` uses (warmup-stable-decay), evaluated once at its end on 32 fixed validation batches; runs
 already in --out/runs.jsonl are not trained again. The fit: L(N, D) = E + A/N^alpha + B/D^beta, N the
 non-embedding parameters, D the tokens trained; alpha and beta on a grid (0.05 steps), E, A, B by
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tinygpt.core.recipes import get_recipe  # noqa: E402
-from tinygpt.fit.plan import (  # noqa: E402
+from tinygpt.fit.ladder import (  # noqa: E402
     CHINCHILLA,
     LAWS_FILE,
     effective_tokens,

@@ -56,7 +56,7 @@ from tinygpt.finetune.loss import FinetuneLoss, module_loss  # noqa: E402
 from tinygpt.finetune.memory_plan import base_config, memory_gb_of, plan_finetune  # noqa: E402
 from tinygpt.finetune.presets import check_qlora, detect_hardware, get_finetune_recipe  # noqa: E402
 from tinygpt.finetune.stdlib_instructions import stdlib_instructions  # noqa: E402
-from tinygpt.fit.probe import RandomBatches  # noqa: E402
+from tinygpt.fit.step_speed import RandomBatches  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.model.hf import export_model  # noqa: E402
 from tinygpt.model.losses import IGNORE_INDEX  # noqa: E402

@@ -509,12 +509,12 @@ def step_pretrain(ctx: Ctx) -> dict:
     for r in rows:
         if tiny is not None and r is not tiny and "tokens_per_s" in r:
             r["tinygpt_x"] = tiny["tokens_per_s"] / r["tokens_per_s"]
-    # the trainer's own step (tinygpt.fit.probe.trainer_speed) as a user's run takes it: the recipe's loss,
+    # the trainer's own step (tinygpt.fit.step_speed.trainer_speed) as a user's run takes it: the recipe's loss,
     # accumulation and optimizer at the probe's micro-batch
     trainer = None
     if not ctx.smoke and ctx.left() > 25:
         from tinygpt.core.recipes import get_recipe
-        from tinygpt.fit.probe import trainer_speed
+        from tinygpt.fit.step_speed import trainer_speed
         from tinygpt.model.gpt import meta_model
         probe = ctx.results.get("probe", {}).get("figures") or {}
         recipe = get_recipe("a100-124m").replace(train={"micro_batch_size": shape.micro_batch,

@@ -25,8 +25,9 @@ sys.path.insert(0, str(ROOT))
 from tinygpt.core.gpu_classes import HARDWARE  # noqa: E402
 from tinygpt.core.recipes import get_recipe  # noqa: E402
 from tinygpt.core.units import count  # noqa: E402
+from tinygpt.fit.ladder import law_for, unique_tokens  # noqa: E402
 from tinygpt.fit.memory import estimate_memory  # noqa: E402
-from tinygpt.fit.plan import law_for, plan_size, unique_tokens  # noqa: E402
+from tinygpt.fit.plan import plan_size  # noqa: E402
 from tinygpt.model.gpt import meta_model  # noqa: E402
 
 MFU = 0.4

@@ -375,7 +375,7 @@ def test_a_mirrors_plan_sizes_nothing_here(tmp_path, monkeypatch):
     import shutil
 
     from tinygpt.core.config import ConfigError
-    from tinygpt.fit.plan import rung
+    from tinygpt.fit.ladder import rung
     from tinygpt.pretrain.run_pretrain import pretrain as run_pretrain
 
     data = text_folder(tmp_path / "data", 1)

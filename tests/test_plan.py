@@ -9,25 +9,23 @@ import math
 
 import pytest
 
+import tinygpt.fit.ladder as ladder_mod
 import tinygpt.fit.plan as plan_mod
 from tinygpt.core.config import ConfigError
 from tinygpt.core.recipes import get_recipe
-from tinygpt.fit.plan import (
+from tinygpt.fit.ladder import (
     CHINCHILLA,
     LADDER_DEPTHS,
     LADDER_FIELDS,
-    MIN_STEPS,
-    TIMED_RUNGS,
     apply_plan,
     depth_of,
     effective_tokens,
     fitted_laws,
-    kept_plan,
     law_for,
-    plan_size,
     rung,
     unique_tokens,
 )
+from tinygpt.fit.plan import MIN_STEPS, TIMED_RUNGS, kept_plan, plan_size
 from tinygpt.fit.report import plan_note, plan_table, shortfall_note
 from tinygpt.model.gpt import meta_model
 from tinygpt.pretrain.run_pretrain import pretrain
@@ -193,19 +191,19 @@ def test_the_chosen_rung_is_timed_and_a_rung_that_reads_its_source_too_often_onc
         c = plan.choice
         assert c.timed and len(calls) <= 1 + plan_mod.CONFIRM_RUNGS, calls
         assert c.tokens_per_s == pytest.approx(speed(rung(recipe, depth_of(c.size))))
-        assert c.epochs <= plan_mod.MAX_EPOCHS
+        assert c.epochs <= ladder_mod.MAX_EPOCHS
     monkeypatch.setattr(plan_mod, "CONFIRM_RUNGS", 0)  # the choice as FLOP scaling from d2 alone makes it
     scaled = {u: plan_size(recipe, 0.67, speed, timed=1, unique_tokens=u) for u in plans}
     moved = [u for u in plans if scaled[u].size != plans[u].size]
     assert moved, {u: (scaled[u].size, plans[u].size) for u in plans}
-    assert any(scaled[u].choice.epochs <= plan_mod.MAX_EPOCHS < next(
+    assert any(scaled[u].choice.epochs <= ladder_mod.MAX_EPOCHS < next(
         x.epochs for x in plans[u].candidates if x.size == scaled[u].size) for u in moved)
 
 
 def test_a_source_smaller_than_the_budget_counts_its_repeats_and_favours_a_larger_model():
     assert effective_tokens(1e6, None) == effective_tokens(1e6, 2e6) == 1e6
     assert 1e6 < effective_tokens(4e6, 1e6) < 4e6
-    assert effective_tokens(1e12, 1e6) <= 1e6 * (1 + plan_mod.REPEAT_HALF_LIFE) + 1
+    assert effective_tokens(1e12, 1e6) <= 1e6 * (1 + ladder_mod.REPEAT_HALF_LIFE) + 1
     recipe = get_recipe("a100-124m")
     free = plan_size(recipe, 12, machine(150e12), law=CHINCHILLA)
     small = plan_size(recipe, 12, machine(150e12), law=CHINCHILLA, unique_tokens=free.choice.tokens / 20)
@@ -221,9 +219,9 @@ def test_a_rung_that_would_read_its_source_more_than_max_epochs_times_is_not_cho
     free = plan_size(recipe, 0.67, speed)
     tiny = free.candidates[0].tokens / 20  # the smallest rung would read this source 20 times
     plan = plan_size(recipe, 0.67, speed, unique_tokens=tiny)
-    assert plan.candidates[0].epochs > plan_mod.MAX_EPOCHS
-    assert plan.choice.epochs <= plan_mod.MAX_EPOCHS
-    allowed = [c for c in plan.candidates if c.epochs <= plan_mod.MAX_EPOCHS]
+    assert plan.candidates[0].epochs > ladder_mod.MAX_EPOCHS
+    assert plan.choice.epochs <= ladder_mod.MAX_EPOCHS
+    allowed = [c for c in plan.candidates if c.epochs <= ladder_mod.MAX_EPOCHS]
     assert plan.choice.predicted_loss == min(c.predicted_loss for c in allowed)
     assert not plan.outside_law
 
@@ -236,7 +234,7 @@ def test_where_every_rung_reads_a_small_text_too_often_the_recipe_keeps_its_own_
     t4 = get_recipe("t4-50m")
     speed = machine(0.4 * 65e12)  # the T4's fp16 peak at an MFU of 0.4, as benchmarks/plan_on_paper.py
     plan = plan_size(t4, 1, speed, unique_tokens=2.5e5)
-    assert all(c.epochs > plan_mod.MAX_EPOCHS for c in plan.candidates)
+    assert all(c.epochs > ladder_mod.MAX_EPOCHS for c in plan.candidates)
     assert len(plan.candidates) > 4
     own = meta_model(t4.model).num_params(non_embedding=True)
     assert plan.size == "d8" and plan.choice.params == pytest.approx(own, rel=0.05)  # t4-50m is 8 x 512
@@ -253,7 +251,7 @@ def test_where_every_rung_reads_a_small_text_too_often_the_recipe_keeps_its_own_
     # one rung within the law is enough for the law to choose
     d8 = next(c for c in plan.candidates if c.size == "d8")
     some = plan_size(t4, 1, speed, unique_tokens=d8.tokens / 3)
-    assert not some.outside_law and some.choice.epochs <= plan_mod.MAX_EPOCHS
+    assert not some.outside_law and some.choice.epochs <= ladder_mod.MAX_EPOCHS
 
 
 def test_a_rung_that_would_see_fewer_tokens_per_parameter_than_the_laws_runs_is_not_chosen():
@@ -274,7 +272,7 @@ def test_a_rung_that_would_see_fewer_tokens_per_parameter_than_the_laws_runs_is_
     free = plan_size(a100, 1, speed, law=CHINCHILLA)
     assert not free.outside_law and free.choice.tokens_per_param > 5
     for name, law in fitted_laws().items():
-        runs = json.loads((plan_mod.resources.files("tinygpt.fit") / plan_mod.LAWS_FILE).read_text())
+        runs = json.loads((ladder_mod.resources.files("tinygpt.fit") / ladder_mod.LAWS_FILE).read_text())
         assert law.min_tokens_per_param == min(r["tokens"] / r["params"] for r in runs["laws"][name]["runs"])
 
 
@@ -303,7 +301,7 @@ def test_the_shipped_fitted_law_predicts_its_held_out_runs_within_5_percent(name
     laws = fitted_laws()
     if name not in laws:
         pytest.skip(f"no law fitted on the {name} ladder shipped (benchmarks/fit_scaling.py --write writes it)")
-    data = json.loads((plan_mod.resources.files("tinygpt.fit") / plan_mod.LAWS_FILE).read_text())["laws"][name]
+    data = json.loads((ladder_mod.resources.files("tinygpt.fit") / ladder_mod.LAWS_FILE).read_text())["laws"][name]
     law, unique = laws[name], unique_tokens(get_recipe(name))
     assert law_for(get_recipe(name)) == law
     assert data["held_out_max_error"] is not None and data["held_out_max_error"] <= 0.05
@@ -320,7 +318,7 @@ def test_a_local_source_counts_the_tokens_its_files_hold_without_reading_them(tm
     size = text.stat().st_size
     cpu = get_recipe("cpu")  # a 4M-character cap
     on_file = cpu.replace(data=dict(source=str(text)))
-    per_token = plan_mod.CHARS_PER_TOKEN["train"] / (1 - cpu.data.val_fraction)  # the training split's
+    per_token = ladder_mod.CHARS_PER_TOKEN["train"] / (1 - cpu.data.val_fraction)  # the training split's
     assert unique_tokens(on_file) == pytest.approx(size / per_token)
     assert unique_tokens(on_file.replace(data=dict(max_chars=1000))) == pytest.approx(1000 / per_token)
     assert unique_tokens(cpu) == pytest.approx(cpu.data.max_chars / per_token)  # the stdlib is larger
@@ -341,7 +339,7 @@ def test_the_characters_per_token_the_planner_assumes_are_what_a_trained_tokeniz
     tokenizer = train_bpe(iter_documents(sample), d.vocab_size)
     text = "".join(iter_documents(sample))
     per_token = len(text) / len(tokenizer.encode(text))
-    assert per_token == pytest.approx(plan_mod.CHARS_PER_TOKEN["train"], rel=0.1), per_token
+    assert per_token == pytest.approx(ladder_mod.CHARS_PER_TOKEN["train"], rel=0.1), per_token
 
 
 def test_size_auto_without_a_recipe_climbs_the_cpu_fast_ladder_on_a_cpu(tmp_path):
@@ -413,7 +411,7 @@ def test_a_planned_run_on_a_text_every_rung_would_read_too_often_trains_the_reci
     assert main(["pretrain", str(run), "--recipe", "cpu-smoke", "--data", str(text), "--hours", "0.003",
                  "--size", "auto", "--device", "cpu", "--set", "data.val_fraction=0.4"]) == 0
     plan = json.loads((run / "run.json").read_text())["plan"]
-    assert plan["outside_law"] is True and all(c["epochs"] > plan_mod.MAX_EPOCHS for c in plan["candidates"])
+    assert plan["outside_law"] is True and all(c["epochs"] > ladder_mod.MAX_EPOCHS for c in plan["candidates"])
     own = meta_model(get_recipe("cpu-smoke").model).num_params(non_embedding=True)
     nearest = min(plan["candidates"], key=lambda c: abs(math.log(c["params"] / own)))
     assert plan["size"] == nearest["size"]
@@ -470,7 +468,7 @@ def test_a_run_planned_on_an_older_ladder_resumes_as_it_began(tmp_path, monkeypa
     at the model it began with, not refused as another configuration."""
     run = tmp_path / "r"
     with monkeypatch.context() as old:  # the ladder before its rungs kept 4 heads
-        old.setattr(plan_mod, "rung", lambda recipe, depth, min_heads=1: rung(recipe, depth, min_heads=1))
+        old.setattr(ladder_mod, "rung", lambda recipe, depth, min_heads=1: rung(recipe, depth, min_heads=1))
         first = pretrain("cpu-smoke", run, size="auto", hours=0.002, device="cpu", progress=False,
                          tensorboard=False)
     began = json.loads((run / "run.json").read_text())["recipe"]

@@ -13,8 +13,9 @@ from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig
 from tinygpt.core.recipes import get_recipe
 from tinygpt.fit.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops
 from tinygpt.fit.memory import GB, TensorMemoryTracker, estimate_memory
-from tinygpt.fit.probe import ProbeError, apply_probe, probe, trainer_speed
+from tinygpt.fit.probe import ProbeError, apply_probe, probe
 from tinygpt.fit.report import expectations, probe_report
+from tinygpt.fit.step_speed import trainer_speed
 from tinygpt.model import losses
 from tinygpt.model.gpt import GPT
 from tinygpt.train.optim import build_optimizer
@@ -380,7 +381,7 @@ def test_the_probe_and_the_size_planner_compile_nothing(monkeypatch):
     from torch._dynamo.utils import counters
 
     import tinygpt.fit.plan as plan_mod
-    from tinygpt.fit.probe import RandomBatches
+    from tinygpt.fit.step_speed import RandomBatches
     from tinygpt.train.step import TrainStep
     recipe = tiny_recipe(micro=4, seq_len=32, accum=4).replace(train={"compile": "on", "device": "cpu"})
     torch._dynamo.reset()

@@ -372,7 +372,7 @@ def test_by_regions_the_head_and_the_loss_are_a_second_compiled_region():
 
     from tinygpt.core.recipes import get_recipe, model_config
     from tinygpt.finetune.loss import FinetuneLoss
-    from tinygpt.fit.probe import RandomBatches
+    from tinygpt.fit.step_speed import RandomBatches
     from tinygpt.model.gpt import GPT, Block, cross_entropy
     from tinygpt.train.step import TrainStep, regional
 

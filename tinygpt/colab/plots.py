@@ -16,7 +16,8 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError
 from tinygpt.core.files import refuse_link, write_bytes_atomic
 from tinygpt.core.rundir import PLOTS, RUN_JSON, RunDir
-from tinygpt.fit.plan import MAX_EPOCHS, kept_plan, row_within_law
+from tinygpt.fit.ladder import MAX_EPOCHS
+from tinygpt.fit.plan import kept_plan, row_within_law
 
 
 class LossPlot(Callback):

@@ -10,9 +10,9 @@ compile cache, loaded when training starts, is the first thing the compiler sees
 timing, and throwing the graphs away, kept `tinygpt probe --hours 1` silent for over 200 s on an
 H100.
 """
+
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import time
@@ -34,6 +34,7 @@ from tinygpt.core.rundir import PROBE_JSON, RunDir
 from tinygpt.fit.hardware import cpu_name, ram_gb
 from tinygpt.fit.memory import CUDA_CONTEXT_GB, GB
 from tinygpt.fit.probe_cache import ProbeResult, cache_name, keep, read_kept
+from tinygpt.fit.step_speed import SPEED_STEPS, trainer_speed
 from tinygpt.fit.trials import (
     Trial,
     TrialRunner,
@@ -41,78 +42,19 @@ from tinygpt.fit.trials import (
     is_allocation_failure,
     largest_fit,
     speed_candidates,
-    sync,
 )
-from tinygpt.model.gpt import GPT
 from tinygpt.model.losses import default_chunk_rows
 from tinygpt.train.decisions import own_signature
-from tinygpt.train.step import TrainStep
 
 # the search and the timings stop here (the choice so far is kept, and said)
 PROBE_TIME_LIMIT_S = 60.0
 # what the probe chooses (with model.activation_checkpointing); a run keeps them when it resumes
 PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "precision", "loss")
-# optimizer steps timed (median) after warm-up ones
-SPEED_STEPS, SPEED_WARMUP = 8, 4
 
 
 class ProbeError(RuntimeError):
     """Nothing fits, not even micro-batch 1 at the shortest context with activation
     checkpointing."""
-
-
-class RandomBatches:
-    """A `BatchSource` of full rows of random tokens, for timing (the speed of a step does not
-    depend on which tokens); its own generator leaves the caller's random state alone.
-    `served_tokens` counts what it served."""
-
-    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0):
-        self.vocab_size, self.seq_len = vocab_size, seq_len
-        self.generator = torch.Generator().manual_seed(seed)
-        self.served_tokens = 0
-
-    def next_batch(
-        self, batch_size: int, rank: int = 0, world_size: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randint(self.vocab_size, (batch_size, self.seq_len + 1), generator=self.generator)
-        self.served_tokens += batch_size * self.seq_len
-        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-def trainer_speed(recipe: Recipe, device: str | torch.device = "auto", steps: int = SPEED_STEPS,
-                  warmup: int = SPEED_WARMUP, compiled: bool = False) -> float:
-    """Tokens/s of the trainer's own optimizer step for this recipe (its micro-batch, accumulation,
-    precision, loss, optimizer), run eagerly: nothing is compiled (a compile per timing cost more
-    than the timings, and its graphs were thrown away); `compiled`: as the recipe compiles (the
-    benchmarks). The median of `steps` after `warmup`. Nothing is written: the trainer is built and
-    stepped, never fitted."""
-    dev = resolve_device(str(device))
-    t = dataclasses.replace(recipe.train, device=str(dev), **({} if compiled else {"compile": "off"}))
-    times = []
-    try:
-        # the caller's RNG stays as it was
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            torch.manual_seed(0)
-            step = TrainStep(GPT(dataclasses.replace(recipe.model)), t,
-                             RandomBatches(recipe.model.vocab_size, t.seq_len))
-            for _ in range(warmup + steps):
-                sync(dev)
-                t0 = time.perf_counter()
-                step.optimizer_step()
-                sync(dev)
-                times.append(time.perf_counter() - t0)
-            del step
-    finally:  # an out-of-memory error included: the memory goes
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    return t.tokens_per_step / sorted(times[warmup:])[len(times[warmup:]) // 2]
 
 
 def requested_precision(
@@ -163,59 +105,92 @@ def probe(
     prec = choose_precision(dev, precision or requested)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} {cpu_name()}"
     if memory_limit_gb is None:
-        memory_limit_gb = (
-            torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB
-            if dev.type == "cuda"
-            else ram_gb()[1] or math.inf
-        )
+        memory_limit_gb = _memory_limit(dev)
+    key = _cache_key(
+        recipe,
+        name,
+        prec.name,
+        memory_limit_gb,
+        margin,
+        max_micro_batch,
+        min_seq_len,
+        measure is not None,
+        getattr(speed, "__name__", None),
+    )
+    run_file = Path(run_dir) / PROBE_JSON if run_dir is not None else None
+    paths = _cache_paths(cache_dir, key)
+    kept = read_kept(paths, key, run_file)
+    if kept is not None:
+        return kept
+
+    search = _Search(recipe, dev, prec, memory_limit_gb, margin, measure, time_limit_s)
+    cap = max_micro_batch or 4 * recipe.train.micro_batch_size
+    result = search.run(cap, min_seq_len, speed, prec_note, name, key)
+    for path in [*paths, *([run_file] if run_file is not None else [])]:
+        keep(path, result)
+    return result
+
+
+def _cache_paths(cache_dir: str | Path | None, key: dict) -> list[Path]:
+    """The probe cache's file for `key`: none when `cache_dir` is None."""
+    if cache_dir is None:
+        return []
+    folder = cache_root("probe") if cache_dir == "default" else Path(cache_dir)
+    return [folder / cache_name(key)]
+
+
+def _memory_limit(dev: torch.device) -> float:
+    """The memory a probe may fill by default: the GPU's less its context, or the free RAM."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB
+    return ram_gb()[1] or math.inf
+
+
+def _cache_key(
+    recipe: Recipe,
+    device_name: str,
+    precision: str,
+    memory_limit_gb: float,
+    margin: float,
+    max_micro_batch: int | None,
+    min_seq_len: int,
+    injected_measure: bool,
+    timed: str | None,
+) -> dict:
+    """What a kept probe result must have been found for (its cache file's name is a hash of it)."""
     train = recipe.train
-    key = dict(
-        device=name,
+    return dict(
+        device=device_name,
         recipe=recipe.name,
         torch=torch.__version__,
         model=recipe.model.to_dict(),
         seq_len=train.seq_len,
         micro_batch_size=train.micro_batch_size,
         tokens_per_step=train.tokens_per_step,
-        precision=prec.name,
+        precision=precision,
         memory_limit_gb=round(memory_limit_gb, 2),
         margin=margin,
         max_micro_batch=max_micro_batch,
         min_seq_len=min_seq_len,
-        injected_measure=measure is not None,
-        timed=getattr(speed, "__name__", None),
+        injected_measure=injected_measure,
+        timed=timed,
     )
-    run_file = Path(run_dir) / PROBE_JSON if run_dir is not None else None
-    paths = []
-    if cache_dir is not None:
-        folder = cache_root("probe") if cache_dir == "default" else Path(cache_dir)
-        paths.append(folder / cache_name(key))
-    kept = read_kept(paths, key, run_file)
-    if kept is not None:
-        return kept
 
-    search = _Search(recipe, dev, prec, memory_limit_gb, margin, measure, time_limit_s)
-    t, ckpt, largest = search.largest_fit(
-        max_micro_batch or 4 * train.micro_batch_size, min_seq_len
-    )
-    search.notes += [n for n in [prec_note] if n]
+
+def _fit_notes(recipe: Recipe, t: int, ckpt: bool, prec_note: str | None) -> list[str]:
+    """What the search changed to fit (context `t`, checkpointing `ckpt`) and the precision's note."""
+    notes = [n for n in [prec_note] if n]
     if ckpt and not recipe.model.activation_checkpointing:
-        search.notes.append(
+        notes.append(
             "activation checkpointing turned on: micro-batch 1 did not fit without it at context "
             f"{t}"
         )
-    if t < train.seq_len:
-        search.notes.append(
-            f"context shortened from {train.seq_len} to {t}: micro-batch 1 did not fit at longer "
-            "contexts even with activation checkpointing"
+    if t < recipe.train.seq_len:
+        notes.append(
+            f"context shortened from {recipe.train.seq_len} to {t}: micro-batch 1 did not fit at "
+            "longer contexts even with activation checkpointing"
         )
-    limit, loss = (
-        search.fastest(speed, largest, t, ckpt) if speed is not None else (largest, train.loss)
-    )
-    result = search.confirm(limit, loss, largest, t, ckpt, name, key)
-    for path in [*paths, *([run_file] if run_file is not None else [])]:
-        keep(path, result)
-    return result
+    return notes
 
 
 class _Search:
@@ -232,13 +207,33 @@ class _Search:
         measure: Callable | None,
         time_limit_s: float | None,
     ):
-        self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure = (
-            recipe, dev, prec, limit_gb, margin, measure)
+        self.recipe, self.dev, self.prec = recipe, dev, prec
+        self.limit_gb, self.margin, self.measure = limit_gb, margin, measure
         self.time_limit_s, self.t0 = time_limit_s, time.perf_counter()
         self.runner = TrialRunner(recipe, dev, prec, limit_gb, margin, measure)
         self.trials: list[Trial] = []
         self.notes: list[str] = []
         self.speeds: dict[tuple[int, str], float] = {}
+
+    def run(
+        self,
+        cap: int,
+        min_seq_len: int,
+        speed: Callable | None,
+        prec_note: str | None,
+        name: str,
+        key: dict,
+    ) -> ProbeResult:
+        """The largest fit (micro-batches up to `cap`), the fastest of them by `speed` (None: the
+        largest), confirmed by one more trial."""
+        t, ckpt, largest = self.largest_fit(cap, min_seq_len)
+        self.notes += _fit_notes(self.recipe, t, ckpt, prec_note)
+        limit, loss = (
+            self.fastest(speed, largest, t, ckpt)
+            if speed is not None
+            else (largest, self.recipe.train.loss)
+        )
+        return self.confirm(limit, loss, largest, t, ckpt, name, key)
 
     def out_of_time(self) -> bool:
         return self.time_limit_s is not None and time.perf_counter() - self.t0 > self.time_limit_s
@@ -282,8 +277,11 @@ class _Search:
         timings: list[tuple[int, int, str]] = []
         for micro, accum in speed_candidates(largest, t, train.tokens_per_step):
             timings.append((micro, accum, train.loss))
-            if (train.loss == "auto" and default_chunk_rows(micro * t, self.recipe.model.vocab_size)
-                    and not self.out_of_time()):
+            if (
+                train.loss == "auto"
+                and default_chunk_rows(micro * t, self.recipe.model.vocab_size)
+                and not self.out_of_time()
+            ):
                 self.runner.loss = "full"
                 full_fits = self.fits(micro, t, ckpt)
                 self.runner.loss = train.loss
@@ -320,11 +318,19 @@ class _Search:
 
     def _time(self, speed: Callable, micro: int, accum: int, mode: str, t: int, ckpt: bool) -> None:
         try:
-            self.speeds[(micro, mode)] = speed(self.recipe.replace(
-                model={"activation_checkpointing": ckpt},
-                train={"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum,
-                       "precision": self.prec.name, "loss": mode}),
-                self.dev)
+            self.speeds[(micro, mode)] = speed(
+                self.recipe.replace(
+                    model={"activation_checkpointing": ckpt},
+                    train={
+                        "micro_batch_size": micro,
+                        "seq_len": t,
+                        "grad_accum_steps": accum,
+                        "precision": self.prec.name,
+                        "loss": mode,
+                    },
+                ),
+                self.dev,
+            )
         except Exception as e:
             if not is_allocation_failure(e):
                 raise
@@ -396,8 +402,10 @@ def _speed_key(micro: int, loss: str) -> str:
 def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
     """The recipe with the probe's micro-batch, context, accumulation, checkpointing, precision and
     loss."""
-    return recipe.replace(model={"activation_checkpointing": result.activation_checkpointing},
-                          train={k: getattr(result, k) for k in PROBED_TRAIN_FIELDS})
+    return recipe.replace(
+        model={"activation_checkpointing": result.activation_checkpointing},
+        train={k: getattr(result, k) for k in PROBED_TRAIN_FIELDS},
+    )
 
 
 def fit_to_device(

@@ -1,6 +1,7 @@
 """What `tinygpt probe` and the notebooks show of a probe: expected peak memory, tokens/s and time
 to finish (`expectations`), and the report as text or JSON (`probe_report`). Formatting only: the
 caller prints."""
+
 from __future__ import annotations
 
 import json
@@ -17,17 +18,12 @@ from tinygpt.core.precision import resolve_device
 from tinygpt.core.recipes import get_recipe
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.fit.hardware import HardwareReport, hardware_report, mfu
+from tinygpt.fit.ladder import MAX_EPOCHS
 from tinygpt.fit.memory import CUDA_CONTEXT_GB, estimate_memory
-from tinygpt.fit.plan import MAX_EPOCHS, MIN_STEPS, SizePlan, choose_size
-from tinygpt.fit.probe import (
-    SPEED_STEPS,
-    ProbeError,
-    apply_probe,
-    probe,
-    requested_precision,
-    trainer_speed,
-)
+from tinygpt.fit.plan import MIN_STEPS, SizePlan, choose_size
+from tinygpt.fit.probe import ProbeError, apply_probe, probe, requested_precision
 from tinygpt.fit.probe_cache import ProbeResult
+from tinygpt.fit.step_speed import SPEED_STEPS, trainer_speed
 from tinygpt.model.gpt import meta_model
 
 ASSUMED_MFU = 0.4  # what a well-tuned small GPT reaches on one GPU (nanoGPT: ~40-50% on an A100)
@@ -51,17 +47,27 @@ class Expectations:
         return asdict(self)
 
     def rows(self) -> list[tuple[str, str]]:
-        return [("peak memory", f"{size_gb(self.peak_memory_gb)} ({self.memory_source})"),
-                ("fits", "-" if self.fits is None else "yes" if self.fits else "no"),
-                ("tokens/s", "-" if self.tokens_per_s is None
-                 else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})"),
-                ("MFU", "-" if self.mfu is None else f"{self.mfu:.0%}"),
-                ("token budget", f"{self.token_budget:,}"),
-                ("time to finish", duration(self.time_to_finish_s))]
+        return [
+            ("peak memory", f"{size_gb(self.peak_memory_gb)} ({self.memory_source})"),
+            ("fits", "-" if self.fits is None else "yes" if self.fits else "no"),
+            (
+                "tokens/s",
+                "-"
+                if self.tokens_per_s is None
+                else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})",
+            ),
+            ("MFU", "-" if self.mfu is None else f"{self.mfu:.0%}"),
+            ("token budget", f"{self.token_budget:,}"),
+            ("time to finish", duration(self.time_to_finish_s)),
+        ]
 
 
-def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResult | None = None,
-                 measured_tokens_per_s: float | None = None) -> Expectations:
+def expectations(
+    recipe: Recipe,
+    report: HardwareReport,
+    probe_result: ProbeResult | None = None,
+    measured_tokens_per_s: float | None = None,
+) -> Expectations:
     """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware.
     `measured_tokens_per_s`: the trainer's own step timed as the recipe stands (`trainer_speed`),
     where no probe searched (the CPU)."""
@@ -76,8 +82,14 @@ def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResu
     else:
         requested, _ = requested_precision(recipe, report.device, report.native_bf16)
         prec = report.precision if requested == "auto" else requested
-        peak = estimate_memory(recipe.model, t.micro_batch_size, t.seq_len, prec,
-                               device_type=report.device, loss=t.loss).total_gb
+        peak = estimate_memory(
+            recipe.model,
+            t.micro_batch_size,
+            t.seq_len,
+            prec,
+            device_type=report.device,
+            loss=t.loss,
+        ).total_gb
         mem_src = "estimated"
     if probe_result is not None and probe_result.tokens_per_s:
         tps, tps_src = probe_result.tokens_per_s, probe_result.tokens_per_s_source
@@ -94,40 +106,116 @@ def expectations(recipe: Recipe, report: HardwareReport, probe_result: ProbeResu
         tps, tps_src = None, "unknown on this device"
     fits = None if report.total_memory_gb is None else peak <= report.total_memory_gb
     budget = recipe.token_budget
-    return Expectations(recipe.name, peak, mem_src, fits, tps, tps_src,
-                        tps and mfu(tps, fpt, report.peak_tflops), budget,
-                        budget / tps if tps else None)
+    return Expectations(
+        recipe.name,
+        peak,
+        mem_src,
+        fits,
+        tps,
+        tps_src,
+        tps and mfu(tps, fpt, report.peak_tflops),
+        budget,
+        budget / tps if tps else None,
+    )
 
 
 @dataclass
 class ProbeOptions:
     """What `tinygpt probe` reports on; each field is one of its options (core/options.py)."""
-    recipe: str | None = option(None, help="probe for this recipe (default: the one this hardware "
-                                           "suits)")
+
+    recipe: str | None = option(
+        None, help="probe for this recipe (default: the one this hardware suits)"
+    )
     as_json: bool = option(False, flag="--json", help="print the report as JSON")
-    hours: float | None = option(None, help="a time budget: the size planner's table for it (what "
-                                 "`pretrain --hours H --size auto` would train here)")
+    hours: float | None = option(
+        None,
+        help="a time budget: the size planner's table for it (what "
+        "`pretrain --hours H --size auto` would train here)",
+    )
 
 
 def format_table(rows: list[tuple]) -> str:
     """Rows as aligned text columns (the first row is not special)."""
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-                     for r in rows)
+    return "\n".join(
+        "  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows
+    )
 
 
-def probe_report(recipe: str | None = None, as_json: bool = False, hours: float | None = None, *,
-                 cache_dir: str | Path | None = "default") -> str:
+def probe_report(
+    recipe: str | None = None,
+    as_json: bool = False,
+    hours: float | None = None,
+    *,
+    cache_dir: str | Path | None = "default",
+) -> str:
     """What `tinygpt probe [--recipe NAME] [--json] [--hours H]` prints. The trial search runs on a
     CUDA GPU; elsewhere the estimate stands in for it. With `hours`, the size planner's plan too."""
     report = hardware_report()
-    # with hours, the recipe whose ladder --size auto plans here (on a CPU: cpu-fast's)
-    rec = get_recipe(recipe or (size_auto_recipe(report.hardware_class, report.default_recipe)
-                                if hours else report.default_recipe))
+    rec = get_recipe(recipe or _default_recipe(report, hours))
     requested, _ = requested_precision(rec, report.device, report.native_bf16)
     prec = report.precision if requested == "auto" else requested
-    est = estimate_memory(rec.model, rec.train.micro_batch_size, rec.train.seq_len, prec,
-                          device_type=report.device, loss=rec.train.loss)
+    est = estimate_memory(
+        rec.model,
+        rec.train.micro_batch_size,
+        rec.train.seq_len,
+        prec,
+        device_type=report.device,
+        loss=rec.train.loss,
+    )
+    result, note, speed = _search_here(rec, report, cache_dir)
+    exp = expectations(rec, report, result, speed)
+    plan = (
+        None if hours is None else choose_size(rec, hours, resolve_device(report.device), None)[1]
+    )
+    if as_json:
+        return json.dumps(
+            {
+                "hardware": report.to_dict(),
+                "recipe": rec.name,
+                "memory_estimate": est.to_dict(),
+                "search": result and result.to_dict(),
+                "expectations": exp.to_dict(),
+                "note": note,
+                **({"plan": plan.to_dict()} if plan else {}),
+            },
+            indent=2,
+        )
+    out = [
+        "Hardware",
+        format_table(report.rows()),
+        f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
+        f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context "
+        f"{rec.train.seq_len}, {prec}",
+        format_table(est.rows()),
+    ]
+    if result is not None:
+        out += _search_lines(result)
+    if note:
+        out.append(f"\n{note}")
+    out += ["\nExpectations", format_table(exp.rows())]
+    if plan is not None:
+        out += [
+            f"\nSize plan for {hours:g} h (pretrain --hours {hours:g} --size auto)",
+            format_table(plan_table(plan)),
+            plan_note(plan),
+        ]
+    return "\n".join(out)
+
+
+def _default_recipe(report: HardwareReport, hours: float | None) -> str:
+    """The recipe `probe` reports on when none is named: this machine's default; with hours, the
+    recipe whose ladder --size auto plans here (on a CPU: cpu-fast's)."""
+    if hours:
+        return size_auto_recipe(report.hardware_class, report.default_recipe)
+    return report.default_recipe
+
+
+def _search_here(
+    rec: Recipe, report: HardwareReport, cache_dir: str | Path | None
+) -> tuple[ProbeResult | None, str | None, float | None]:
+    """(the probe's result, a note, the trainer's tokens/s): the trial search on a CUDA GPU; on a CPU
+    a CPU recipe's step timed instead."""
     result, note, speed = None, None, None
     if report.device == "cuda":
         try:
@@ -135,52 +223,49 @@ def probe_report(recipe: str | None = None, as_json: bool = False, hours: float 
         except ProbeError as e:
             note = str(e)
     else:  # host memory is plentiful and trials on a CPU mostly measure its speed: keep the recipe
-        note = (f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch "
-                "is used as is and the estimate above stands in for a measurement")
+        note = (
+            f"the trial search runs on a CUDA GPU; on {report.device} the recipe's micro-batch "
+            "is used as is and the estimate above stands in for a measurement"
+        )
         # a CPU recipe's step takes a second: time it (a GPU recipe's would take minutes)
         if rec.hardware == "cpu":
             speed = trainer_speed(rec, report.device)
-    exp = expectations(rec, report, result, speed)
-    plan = (
-        None if hours is None else choose_size(rec, hours, resolve_device(report.device), None)[1]
+    return result, note, speed
+
+
+def _search_lines(result: ProbeResult) -> list[str]:
+    """The trial search's result and notes, as `probe_report` prints them."""
+    limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
+    cached = (
+        " (cached)"
+        if result.from_cache
+        else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
     )
-    if as_json:
-        return json.dumps({"hardware": report.to_dict(), "recipe": rec.name,
-                           "memory_estimate": est.to_dict(), "search": result and result.to_dict(),
-                           "expectations": exp.to_dict(), "note": note,
-                           **({"plan": plan.to_dict()} if plan else {})}, indent=2)
-    out = ["Hardware", format_table(report.rows()),
-           f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
-           f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context "
-           f"{rec.train.seq_len}, {prec}",
-           format_table(est.rows())]
-    if result is not None:
-        limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
-        cached = (" (cached)" if result.from_cache
-                  else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})")
-        out += [f"\nSearch{cached}: micro-batch {result.micro_batch_size} x "
-                f"{result.grad_accum_steps} accumulation steps"
-                f" x context {result.seq_len}, checkpointing "
-                f"{'on' if result.activation_checkpointing else 'off'}, "
-                f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"]
-        out += [f"  - {n}" for n in result.notes]
-    if note:
-        out.append(f"\n{note}")
-    out += ["\nExpectations", format_table(exp.rows())]
-    if plan is not None:
-        out += [f"\nSize plan for {hours:g} h (pretrain --hours {hours:g} --size auto)",
-                format_table(plan_table(plan)), plan_note(plan)]
-    return "\n".join(out)
+    return [
+        f"\nSearch{cached}: micro-batch {result.micro_batch_size} x "
+        f"{result.grad_accum_steps} accumulation steps"
+        f" x context {result.seq_len}, checkpointing "
+        f"{'on' if result.activation_checkpointing else 'off'}, "
+        f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"
+    ] + [f"  - {n}" for n in result.notes]
 
 
 def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:
     """The plan as rows: a header, then one per candidate, the choice marked."""
     rows = [("size", "params", "tokens/s", "tokens", "tokens/param", "epochs", "pred. loss", "")]
     for c in plan.candidates:
-        rows.append((c.size, count(c.params), f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
-                     count(c.tokens), _per_param(c.tokens_per_param),
-                     "-" if c.epochs is None else f"{c.epochs:.1f}", f"{c.predicted_loss:.3f}",
-                     "<- chosen" if c.chosen else ""))
+        rows.append(
+            (
+                c.size,
+                count(c.params),
+                f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
+                count(c.tokens),
+                _per_param(c.tokens_per_param),
+                "-" if c.epochs is None else f"{c.epochs:.1f}",
+                f"{c.predicted_loss:.3f}",
+                "<- chosen" if c.chosen else "",
+            )
+        )
     return rows
 
 
@@ -194,17 +279,28 @@ def plan_note(plan: SizePlan) -> str:
             "(the law's own runs' fewest), where the law does not hold; give more text, or finetune a "
             "pretrained model (tinygpt finetune)"
         )
-    measured = (f"{count(c.params)} non-embedding parameters, {c.tokens_per_s:,.0f} tokens/s"
-                f"{'' if c.timed else ' ~'}, {count(c.tokens)} tokens in {plan.hours:g} h, "
-                f"{_per_param(c.tokens_per_param)} tokens per parameter")
-    scaled = ("; ~ marks a speed scaled by FLOPs from a timed size"
-              if any(not x.timed for x in plan.candidates) else "")
-    if len(plan.candidates) == 1:  # no larger rung left: each would train fewer than MIN_STEPS steps
-        return (f"size auto: {c.size}, the smallest size and the only one left: {plan.hours:g} h is "
-                f"below the range the plan chooses in (every larger size would train fewer than "
-                f"{MIN_STEPS} steps, or does not fit); measured: {measured}{scaled}")
-    return (f"size auto: {c.size} ({measured}), the lowest predicted loss "
-            f"({c.predicted_loss:.3f}; law: {plan.law['source']}){scaled}")
+    measured = (
+        f"{count(c.params)} non-embedding parameters, {c.tokens_per_s:,.0f} tokens/s"
+        f"{'' if c.timed else ' ~'}, {count(c.tokens)} tokens in {plan.hours:g} h, "
+        f"{_per_param(c.tokens_per_param)} tokens per parameter"
+    )
+    scaled = (
+        "; ~ marks a speed scaled by FLOPs from a timed size"
+        if any(not x.timed for x in plan.candidates)
+        else ""
+    )
+    if (
+        len(plan.candidates) == 1
+    ):  # no larger rung left: each would train fewer than MIN_STEPS steps
+        return (
+            f"size auto: {c.size}, the smallest size and the only one left: {plan.hours:g} h is "
+            f"below the range the plan chooses in (every larger size would train fewer than "
+            f"{MIN_STEPS} steps, or does not fit); measured: {measured}{scaled}"
+        )
+    return (
+        f"size auto: {c.size} ({measured}), the lowest predicted loss "
+        f"({c.predicted_loss:.3f}; law: {plan.law['source']}){scaled}"
+    )
 
 
 def _per_param(x: float) -> str:
@@ -244,8 +340,11 @@ class PlanReport(Callback):
     def on_step(self, trainer: Any) -> None:
         if self.told or isinstance(self.plan, dict) or not trainer.step_s or not trainer.max_steps:
             return
-        note = shortfall_note(self.plan, trainer.max_steps * trainer.cfg.tokens_per_step,
-                              trainer.cfg.tokens_per_step / trainer.step_s)
+        note = shortfall_note(
+            self.plan,
+            trainer.max_steps * trainer.cfg.tokens_per_step,
+            trainer.cfg.tokens_per_step / trainer.step_s,
+        )
         if note:
             trainer.say(note)
             self.told = True

@@ -11,7 +11,8 @@ from tinygpt.core.config import ConfigError, Recipe
 from tinygpt.core.files import link_problem, read_json_safe
 from tinygpt.core.rundir import BUDGET_JSON, METRICS, RUN_JSON, SAMPLES, RunDir
 from tinygpt.core.same_settings import config_differences
-from tinygpt.fit.plan import PLANNED_FIELDS, kept_plan
+from tinygpt.fit.ladder import PLANNED_FIELDS
+from tinygpt.fit.plan import kept_plan
 from tinygpt.fit.probe import PROBED_TRAIN_FIELDS
 from tinygpt.train.budget import Budget
 from tinygpt.train.exact_resume import RESUMABLE_CHANGES

@@ -5,6 +5,7 @@ is checked before the first token is encoded, and a run folder that holds a diff
 configuration is refused rather than overwritten. Under torchrun every process calls it; rank 0
 prepares the tokenizer, the token cache and the run folder while the others wait.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,6 @@ from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import (
-    GPT2_VOCAB_PADDED,
-    INIT_TOKENIZER,
     ConfigError,
     Recipe,
     TrainConfig,
@@ -35,17 +34,19 @@ from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKENIZER_JSON, RunDir
 from tinygpt.core.runlock import lock, undo_if_first_try_fails
 from tinygpt.core.same_settings import check_same_settings
 from tinygpt.data.sampler import WindowSampler, fixed_batches
-from tinygpt.data.sources import check_source, iter_documents, same_path_source
+from tinygpt.data.sources import check_source, same_path_source
 from tinygpt.data.tokens import RunData, open_tokens
 from tinygpt.fit.hardware import check_device, check_fits, gpu_peak_tflops
-from tinygpt.fit.plan import PLANNED_FIELDS, SizePlan, planned_here
+from tinygpt.fit.ladder import PLANNED_FIELDS
+from tinygpt.fit.plan import SizePlan, planned_here
 from tinygpt.fit.probe import fit_to_device
 from tinygpt.fit.report import PlanReport
 from tinygpt.model.gpt import GPT
-from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe
+from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.pretrain.init import Base, initial_model, starting_base
 from tinygpt.pretrain.mirror_trust import MIRROR_MAY_DIFFER, check_mirror_run
 from tinygpt.pretrain.pretrain_options import PretrainOptions
+from tinygpt.pretrain.run_tokenizer import check_tokenizer, get_tokenizer
 from tinygpt.sync.mirrored import RunMirror, mirrored
 from tinygpt.train.callbacks import (
     MFU,
@@ -53,7 +54,6 @@ from tinygpt.train.callbacks import (
     Samples,
     StartupReport,
     TensorBoardLogger,
-    TimeBudget,
     sample_prompt,
 )
 from tinygpt.train.compile_cache import CompileCache, describe, signing_key
@@ -66,10 +66,8 @@ from tinygpt.train.distributed import (
     split_global_batch,
 )
 from tinygpt.train.startup import StartupClock
+from tinygpt.train.time_budget import TimeBudget
 from tinygpt.train.trainer import TrainData, Trainer, TrainResult
-
-# BPE merges settle long before this; training on more only costs time
-TOKENIZER_TRAIN_CHARS = 3_000_000
 
 
 def versions() -> dict[str, str]:
@@ -91,9 +89,12 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str, sized: bool = Fals
             f"run folder {run_dir} (its {RUN_JSON})",
             {k: old.get(k) for k in ("model", "train", "data")},
             {k: new[k] for k in ("model", "train", "data")},
-            what="a different configuration" + (
+            what="a different configuration"
+            + (
                 " (its size was planned by --size auto: add --size auto to resume it)"
-                if "plan" in info and not sized else ""),
+                if "plan" in info and not sized
+                else ""
+            ),
             allowed=MIRROR_MAY_DIFFER | (PLANNED_FIELDS if sized and not saved else set()),
         )
     if resume == "never" and saved:
@@ -104,71 +105,12 @@ def check_run_dir(run_dir: Path, recipe: Recipe, resume: str, sized: bool = Fals
         )
 
 
-def check_tokenizer(recipe: Recipe, token_ids: bool) -> None:
-    """A source of token ids (`token_ids`, as `check_source` resolved it) comes
-    with the tokenizer that made them: none can be trained on it, and a base's own
-    would read them as other tokens. Before any work (the recipe itself refuses a
-    tokenizer its model is too small for, or a base's without a base)."""
-    d = recipe.data
-    if token_ids and d.tokenizer == "train":
-        raise ConfigError(
-            f"{d.source} holds token ids, not text, so no tokenizer can be trained on it: for "
-            "GPT-2's (nanoGPT's .bin, llm.c's GPT-2 shards) add --set data.tokenizer=gpt2 "
-            f"model.vocab_size={GPT2_VOCAB_PADDED}, or use a recipe made for them (e.g. a100-124m)"
-        )
-    if token_ids and d.tokenizer == INIT_TOKENIZER:
-        raise ConfigError(
-            f"{d.source} holds token ids of another tokenizer, not the base's: continue a base on "
-            "text (a file, a folder, builtin or hf:NAME), which its own tokenizer encodes"
-        )
-
-
-def get_tokenizer(recipe: Recipe, run_dir: Path, base: Base | None = None,
-                  kept: bool = True) -> Tokenizer:
-    """The run's tokenizer.json if the run has one (resume), else trained or loaded as the recipe
-    says (`check_tokenizer` has refused one that cannot read the source; `base`: a continued run's
-    base, whose tokenizer it takes). `kept` False (no checkpoint, and run.json not this user's: a
-    mirror's tokenizer.json alone): it is made here and must be the one found, else refused."""
-    saved = run_dir / TOKENIZER_JSON
-    if saved.is_file() and kept:
-        return Tokenizer.load(saved)
-    tok = _new_tokenizer(recipe, base)
-    if saved.is_file() and Tokenizer.load(saved).to_json() != tok.to_json():
-        raise ConfigError(
-            f"{saved} (from the mirror) is not the tokenizer this command makes and no checkpoint "
-            "was trained with it: delete it, or use another --mirror folder"
-        )
-    return tok
-
-
-def _new_tokenizer(recipe: Recipe, base: Base | None) -> Tokenizer:
-    """The tokenizer trained or loaded as the recipe says."""
-    d = recipe.data
-    if d.tokenizer == "train":
-        budget = (
-            TOKENIZER_TRAIN_CHARS
-            if d.max_chars is None
-            else min(d.max_chars, TOKENIZER_TRAIN_CHARS)
-        )
-        sample = iter_documents(type(d)(**{**d.to_dict(), "max_chars": budget}))
-        tok = train_bpe(sample, d.vocab_size)
-    elif d.tokenizer == "gpt2":
-        tok = load_gpt2()
-    # continued pretraining: the base's own (read for a run without one)
-    elif d.tokenizer == INIT_TOKENIZER:
-        tok = base.tokenizer
-    else:
-        tok = Tokenizer.load(d.tokenizer)
-    if tok.vocab_size > recipe.model.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tok.vocab_size} tokens but the model only "
-            f"{recipe.model.vocab_size}: raise the model's vocab_size"
-        )
-    return tok
-
-
-def pretrain(recipe: Recipe | str = "cpu", run_dir: str | Path = "runs/default",
-             options: PretrainOptions | None = None, **option_fields: Any) -> TrainResult:
+def pretrain(
+    recipe: Recipe | str = "cpu",
+    run_dir: str | Path = "runs/default",
+    options: PretrainOptions | None = None,
+    **option_fields: Any,
+) -> TrainResult:
     """Train a recipe into `run_dir`, resuming from its newest valid checkpoint (or the mirror's).
     Pass a `PretrainOptions`, or its fields as keywords (`pretrain("cpu", "runs/x",
     max_steps=100)`). Started by torchrun with several processes, each joins the process group
@@ -200,8 +142,11 @@ def source_as_the_run_spells_it(recipe: Recipe, *folders: str | Path | None) -> 
             theirs = read_json_safe(path)["recipe"]["data"]["source"]
         except (OSError, ValueError, KeyError, TypeError):
             return recipe  # unreadable: the run folder's and the mirror's checks say so
-        if isinstance(theirs, str) and theirs != recipe.data.source and same_path_source(
-                recipe.data.source, theirs):
+        if (
+            isinstance(theirs, str)
+            and theirs != recipe.data.source
+            and same_path_source(recipe.data.source, theirs)
+        ):
             return recipe.replace(data={"source": theirs})
         return recipe
     return recipe
@@ -225,13 +170,26 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     t = recipe.train
     # on a GPU the probe may lower the micro-batch to 1
     # (and checkpoint activations): only the least must fit
-    check_fits(recipe.model, 1 if dev.type == "cuda" else t.micro_batch_size, t.seq_len,
-               choose_precision(dev, t.precision).name, dev, t.loss, what=f"recipe {recipe.name}")
+    check_fits(
+        recipe.model,
+        1 if dev.type == "cuda" else t.micro_batch_size,
+        t.seq_len,
+        choose_precision(dev, t.precision).name,
+        dev,
+        t.loss,
+        what=f"recipe {recipe.name}",
+    )
     return token_ids
 
 
-def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks,
-              clock: StartupClock, token_ids: bool) -> TrainResult:
+def train_run(
+    recipe: Recipe,
+    opts: PretrainOptions,
+    dev: torch.device,
+    ranks: Ranks,
+    clock: StartupClock,
+    token_ids: bool,
+) -> TrainResult:
     """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves
     nothing behind), restored from the mirror, planned, and prepared by rank 0 first (the other
     ranks then find run.json, tokenizer and token cache made); then training. The restore comes
@@ -270,11 +228,12 @@ def train_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: R
 @dataclass(frozen=True)
 class Plan:
     """A recipe as this process trains it, decided once before anything is written (`plan_run`)."""
-    recipe: Recipe           # with the probe's choices (or the run's own, when it resumes)
+
+    recipe: Recipe  # with the probe's choices (or the run's own, when it resumes)
     device: torch.device
     precision: Precision
     ranks: Ranks
-    probe: dict | None       # the probe's result, kept in run.json; None where it did not run
+    probe: dict | None  # the probe's result, kept in run.json; None where it did not run
     # --size auto: the plan (a dict when kept from run.json); else None
     size: SizePlan | dict | None
     # the data source is a folder of token ids (nanoGPT's, llm.c's): nothing to tokenize
@@ -293,8 +252,14 @@ class Plan:
         return replace(self.recipe.train, device=str(self.device))
 
 
-def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ranks,
-             clock: StartupClock, token_ids: bool) -> Plan:
+def plan_run(
+    recipe: Recipe,
+    opts: PretrainOptions,
+    dev: torch.device,
+    ranks: Ranks,
+    clock: StartupClock,
+    token_ids: bool,
+) -> Plan:
     """Read a continued run's base (at its first start: another network is refused here, before any
     work), size it (`--size auto`), let the probe fit the recipe to the GPU, then split the global
     batch over the ranks and settle the precision. A resumed run keeps the size and the probe's
@@ -307,7 +272,9 @@ def plan_run(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks: Ra
     # this user's run.json, or the one rank 0 wrote for this job: its decisions stand
     own = not ranks.is_main or own_signature(info)
     if opts.size == "auto":  # a kept plan applies only here
-        where = f"{run.path / RUN_JSON}" + (f" (from the mirror {opts.mirror})" if opts.mirror else "")
+        where = f"{run.path / RUN_JSON}" + (
+            f" (from the mirror {opts.mirror})" if opts.mirror else ""
+        )
         recipe, size = planned_here(recipe, opts.hours, dev, info, own, run.checkpoints, where)
         clock.mark("plan")
     probe_info = None
@@ -325,8 +292,11 @@ def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
     """Check the run folder (on rank 0), get the tokenizer, open the tokens (on rank 0, a background
     process starts tokenizing: the caller closes what this returns)."""
     run = RunDir(opts.run_dir)
-    kept = not plan.is_main or bool(ckpt.list_checkpoints(run.checkpoints)) or own_signature(
-        run.info_or_empty())
+    kept = (
+        not plan.is_main
+        or bool(ckpt.list_checkpoints(run.checkpoints))
+        or own_signature(run.info_or_empty())
+    )
     if plan.is_main:
         check_run_dir(opts.run_dir, plan.recipe, opts.resume, sized=opts.size == "auto")
     tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.base, kept)
@@ -357,8 +327,10 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
     model = initial_model(plan.recipe.model, plan.base)  # random, or a base's weights (model.init)
     # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
     # trainer's train_config) and the tokenizer
-    run_info = {"recipe": {k: v for k, v in plan.recipe.to_dict().items() if k != "train"},
-                "tokenizer": data.tokenizer.to_json()}
+    run_info = {
+        "recipe": {k: v for k, v in plan.recipe.to_dict().items() if k != "train"},
+        "tokenizer": data.tokenizer.to_json(),
+    }
     callbacks = [*run_callbacks(plan, opts, model, data), *([mirror] if plan.is_main else [])]
     trainer = Trainer(
         model,
@@ -403,8 +375,15 @@ def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) 
     # rank 0 alone cannot run the model
     sharded = plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp"
     prompt = sample_prompt(opts.sample_prompt, plan.recipe.data.source, data.tokenizer, data.tokens)
-    out.append(Samples(data.tokenizer, opts.run_dir, plan.recipe.train.sample_every, prompt,
-                       whole=plan.recipe.model if sharded else None))
+    out.append(
+        Samples(
+            data.tokenizer,
+            opts.run_dir,
+            plan.recipe.train.sample_every,
+            prompt,
+            whole=plan.recipe.model if sharded else None,
+        )
+    )
     out += list(opts.callbacks)
     if plan.is_main and opts.tensorboard is not False:
         tb = TensorBoardLogger.create(opts.run_dir / TENSORBOARD, required=bool(opts.tensorboard))
