@@ -114,7 +114,7 @@ def refused(capsys, code: int, mirror: Path, name: str) -> str:
 def trained_as_asked(run: Path, first: dict) -> dict:
     """The run's run.json: the model and the train settings the command asks for (the first VM's, which the
     same command made), whatever the mirror said."""
-    from tinygpt.train.trainer import RESUMABLE_CHANGES
+    from tinygpt.train.exact_resume import RESUMABLE_CHANGES
     info = json.loads((run / "run.json").read_text())
     for part in ("model", "train"):
         ours = {k: v for k, v in info["recipe"][part].items() if k not in RESUMABLE_CHANGES}
