@@ -6,6 +6,7 @@ its export through transformers with the same logits. How many tokens it saves i
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from tinygpt.core.config import ConfigError, TrainConfig
 from tinygpt.core.recipes import get_recipe
 from tinygpt.model import hf
 from tinygpt.model.loading import load_run
-from tinygpt.model.masks import document_ids, mask_rule, training_mask
+from tinygpt.model.masks import document_ids, mask_rule, masked_attention, training_mask
 from tinygpt.train.optim import build_optimizer, polar_express
 from tinygpt.train.pretrain import pretrain
 from tinygpt.train.sampler import WindowSampler
@@ -99,6 +100,23 @@ def test_the_cuda_block_mask_and_the_cpu_mask_are_one_rule():
     ref = flex.create_mask(mask_rule(docs, torch.tensor(3)), 2, 1, 12, 12, device="cpu")
     assert torch.equal(dense, ref.expand_as(dense))
     assert training_mask(None, 12, 2, 12, torch.device("cpu")) is None  # nothing beyond causal
+
+
+def test_flex_attention_under_the_block_mask_gives_what_sdpa_gives_under_the_dense_one():
+    """The CUDA path's attention (FlexAttention on a block mask, run eagerly here) against the CPU
+    path's (SDPA on the boolean mask): two documents' boundaries and a window of 40."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 50, (2, 256), generator=g)
+    x[0, 30] = x[0, 200] = x[1, 100] = 0
+    docs = document_ids(x, 0)
+    block = flex.create_block_mask(mask_rule(docs, torch.tensor(40)), 2, None, 256, 256, device="cpu")
+    dense = training_mask(docs, 40, 2, 256, torch.device("cpu"))
+    q, k, v = (torch.randn(2, 4, 256, 32, generator=g) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention says it is slow: it is the reference
+        torch.testing.assert_close(masked_attention(q, k, v, block, False),
+                                   masked_attention(q, k, v, dense, False), atol=1e-5, rtol=0)
 
 
 def test_the_window_grows_to_the_whole_context_by_the_cool_down_and_keeps_it():

@@ -69,4 +69,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: An
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     from torch.nn.attention.flex_attention import flex_attention
 
+    # autocast casts SDPA's inputs to its dtype but not FlexAttention's: do it here (QK-norm's
+    # weights would otherwise leave q and k in fp32 beside a bf16 v)
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     return flex_attention(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
