@@ -5,6 +5,7 @@ its export through transformers with the same logits. How many tokens it saves i
 (benchmarks/time_to_loss.py --tokens), not a test."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -140,6 +141,23 @@ def test_polar_express_orthogonalises():
     g = torch.randn(96, 48, generator=torch.Generator().manual_seed(0))
     s = torch.linalg.svdvals(polar_express(g).float())
     assert s.shape == (48,) and 0.6 < s.min() and s.max() < 1.3
+
+
+def test_a_polar_express_step_moves_a_hidden_matrix_by_an_orthogonal_update(speedrun, tokens):
+    """One Muon step with muon_coeffs=polar-express (no weight decay) on real tokens: the change of a
+    hidden matrix has near-equal singular values, as an orthogonalised update has; the other matrices
+    move by AdamW's rule."""
+    recipe, _, root = speedrun
+    model, _, _, _ = load_run(root / "run")
+    cfg = dataclasses.replace(recipe.train, muon_coeffs="polar-express", weight_decay=0.0)
+    opt = build_optimizer(model, cfg, "cpu", compiled=False)
+    x, y = WindowSampler(tokens, 64, seed=3).next_batch(8)
+    w = model.model.layers[0].mlp.up_proj.weight
+    before, embed = w.detach().clone(), model.model.embed_tokens.weight.detach().clone()
+    model(x, y).backward()
+    opt.step()
+    s = torch.linalg.svdvals(w.detach() - before)
+    assert s.max() / s.min() < 2.0 and not torch.equal(model.model.embed_tokens.weight, embed)
 
 
 def test_embedding_and_head_rates_are_their_own_groups_only_when_set(speedrun):

@@ -132,19 +132,18 @@ A100_124M_FAST = _gpu_recipe(
                      every=250, optimizer="muon", schedule="wsd", decay_fraction=0.4))
 # The fast recipe with what modded-nanogpt's records changed in training rather than in the network
 # (docs/RECIPES.md, benchmarks/results/2026-11-29-speedrun-ablation.md): the embedding's AdamW rate
-# 10x the head's and Polar Express for Muon, in 70% of the fast recipe's steps (at the ladder's
-# small shape it reached the fast recipe's final loss in 70% of its tokens). Document masking and
-# the growing window are flags (train.doc_mask, train.window_start) it leaves off: neither lowered
-# the loss at equal tokens there. The network is the fast recipe's, so it exports as Qwen3.
+# 10x the head's, in 70% of the fast recipe's steps (at the ladder's small shape it reached the fast
+# recipe's final loss in 70% of its tokens). Polar Express (train.muon_coeffs), document masking
+# (train.doc_mask) and the growing window (train.window_start) are options it leaves off: none
+# lowered the loss at equal tokens there. The network is the fast recipe's: it exports as Qwen3.
 A100_124M_SPEEDRUN = _gpu_recipe(
     "a100-124m-speedrun", "a100", "124m", max_chars=9_500_000_000, tie_embeddings=False,
     qk_norm=True, zero_init_proj=True, description=(
-        "The fast recipe in 70% of its tokens: the embedding's rate 10x the head's and Polar "
-        "Express for Muon (modded-nanogpt's training-time changes); the same network, exports as "
-        "Qwen3."),
+        "The fast recipe in 70% of its tokens: the embedding learns at 10x the head's rate "
+        "(modded-nanogpt's separate rates); the same network, exports as Qwen3."),
     train=_gpu_train(32, 1024, 16, max_steps=3500, lr=1.5e-3, min_lr=0.0, warmup_steps=175,
                      every=250, optimizer="muon", schedule="wsd", decay_fraction=0.4,
-                     muon_coeffs="polar-express", embed_lr_scale=10.0))
+                     embed_lr_scale=10.0))
 # Three times the flagship's parameters: half the micro-batch, twice the accumulation (the same
 # tokens per step), and a lower peak learning rate as the model grows (GPT-3's table: 6e-4, 3e-4,
 # 2.5e-4).
