@@ -127,7 +127,8 @@ def at_shape(spec: str, source: str, steps: int) -> tuple[str, object]:
         model=SHAPE, data={"source": source, "tokenizer": "train", "vocab_size": 4096, "max_chars": None},
         train={"micro_batch_size": 8, "seq_len": 256, "grad_accum_steps": 1, "max_steps": steps,
                "warmup_steps": max(1, round(steps * t.warmup_steps / t.max_steps)), "eval_batches": 8,
-               "save_every": 0, "sample_every": 0, "precision": "fp32", "compile": "off", "device": "cpu"})
+               "save_every": 0, "sample_every": 0, "precision": "fp32", "compile": "off", "device": "cpu",
+               "window_start": t.window_start * 256 // t.seq_len})  # the same fraction of the context
     recipe = apply_overrides(recipe, overrides)
     every = max(1, recipe.train.max_steps // 5)
     return label, recipe.replace(train={"eval_every": every})
@@ -139,7 +140,7 @@ def tokens_run(spec: str, source: str, steps: int, out: str, held_out: str | Non
     label, recipe = at_shape(spec, source, steps)
     run_dir = Path(out) / label
     clock = Clock()
-    pretrain(recipe, run_dir, progress=False, device="cpu", cache_dir=run_dir.with_suffix(".cache"),
+    pretrain(recipe, run_dir, progress=False, device="cpu", cache_dir=Path(out) / f"{label}.cache",
              callbacks=[clock])
     per_step = recipe.train.tokens_per_step
     result = {"label": label, "spec": spec, "points": [(s * per_step, v) for _, s, v in clock.points],
