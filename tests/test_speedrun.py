@@ -170,6 +170,8 @@ def test_embedding_and_head_rates_are_their_own_groups_only_when_set(speedrun):
     embed = next(g for g in split.param_groups if any(p is model.model.embed_tokens.weight for p in g["params"]))
     head = next(g for g in split.param_groups if any(p is model.lm_head.weight for p in g["params"]))
     assert embed["lr_scale"] == recipe.train.embed_lr_scale != 1.0 and head["lr_scale"] == recipe.train.head_lr_scale
+    # the decay per step (lr * weight_decay) stays what one AdamW group at lr would give
+    assert embed["lr"] * embed["weight_decay"] == pytest.approx(base.lr * base.weight_decay)
 
 
 def test_the_speedrun_learns_and_exports_as_qwen3_with_the_same_logits(speedrun, tmp_path):

@@ -246,7 +246,9 @@ def rate_groups(model: torch.nn.Module, params: list[torch.nn.Parameter],
                 cfg: TrainConfig) -> list[dict]:
     """AdamW's decayed matrices as groups: one at lr, or, where `embed_lr_scale` or `head_lr_scale`
     differ from 1, the input embedding and the head (untied; a tied matrix is the embedding) each in
-    a group of its own rate. Default rates keep the one group, so checkpoints keep their layout."""
+    a group of its own rate, its weight decay divided by the same factor (as Muon's: lr * weight_decay,
+    the decay per step, stays AdamW's). Default rates keep the one group, so checkpoints keep their
+    layout."""
     scales = {"embed": cfg.embed_lr_scale, "lm_head": cfg.head_lr_scale}
     first_name = {id(p): n for n, p in model.named_parameters()}
     kinds = {key: [p for p in params if key in first_name[id(p)]] for key in scales} if any(
@@ -254,7 +256,7 @@ def rate_groups(model: torch.nn.Module, params: list[torch.nn.Parameter],
     taken = {id(p) for ps in kinds.values() for p in ps}
     rest = [p for p in params if id(p) not in taken]
     groups = [{"params": ps, "lr": cfg.lr * scales[k], "lr_scale": scales[k],
-               "weight_decay": cfg.weight_decay} for k, ps in kinds.items() if ps]
+               "weight_decay": cfg.weight_decay / scales[k]} for k, ps in kinds.items() if ps]
     return [{"params": rest, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
             *groups]
 
