@@ -10,12 +10,27 @@ both); the wall time at each evaluation is counted from the end of the first ste
 the second run gets cheaper from the token shards the first one wrote, is printed separately). The goal (issue 14): the fast recipe reaches the `cpu` recipe's final validation
 loss in at most half of the `cpu` recipe's wall time. The table goes to a dated file in benchmarks/results/, the
 plot to docs/images/time_to_loss.png.
+
+Tokens to a loss (`--tokens`): each `--run LABEL=RECIPE [SECTION.FIELD=VALUE ...]` trained at one small
+ladder shape (4 layers of width 256, a BPE of 4,096 trained on the corpus, context 256, 2,048 tokens a
+step, fp32, warm-up the recipe's fraction of its steps) on one corpus, `--jobs` at a time, one thread
+each; then the tokens each needed to reach the first run's final validation loss, and each final model's
+bits per byte on held-out text (`tinygpt eval --task perplexity --data HELD_OUT`, the evaluator users run):
+
+    python benchmarks/time_to_loss.py --tokens --corpus ../shared/data/wikitext2_test.txt \
+        --held-out ../shared/data/wikitext2_valid.txt --steps 300 --jobs 2 \
+        --run fast=a100-124m-fast --run speedrun=a100-124m-speedrun \
+        --run "speedrun-70%=a100-124m-speedrun train.max_steps=210"
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import json
+import multiprocessing
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -96,6 +111,73 @@ def compare(source: str, label: str, fast: str, fast_overrides: list[str], eval_
     return {"label": label, "cpu": ref.points, fast: new.points, "ratio": ratio}
 
 
+# the ladder's small shape the tokens mode compares recipes at (the recipe keeps everything else)
+SHAPE = {"n_layer": 4, "n_head": 4, "n_kv_head": 4, "d_model": 256, "d_ff": 704, "max_seq_len": 256,
+         "vocab_size": 4096}
+
+
+def at_shape(spec: str, source: str, steps: int) -> tuple[str, object]:
+    """(label, recipe) of a `--run LABEL=RECIPE [SECTION.FIELD=VALUE ...]` at SHAPE on `source`; the
+    overrides come last (train.max_steps=210 shortens one run)."""
+    label, _, rest = spec.partition("=")
+    name, *overrides = rest.split()
+    recipe = get_recipe(name)
+    t = recipe.train
+    recipe = recipe.replace(
+        model=SHAPE, data={"source": source, "tokenizer": "train", "vocab_size": 4096, "max_chars": None},
+        train={"micro_batch_size": 8, "seq_len": 256, "grad_accum_steps": 1, "max_steps": steps,
+               "warmup_steps": max(1, round(steps * t.warmup_steps / t.max_steps)), "eval_batches": 8,
+               "save_every": 0, "sample_every": 0, "precision": "fp32", "compile": "off", "device": "cpu",
+               "window_start": t.window_start * 256 // t.seq_len})  # the same fraction of the context
+    recipe = apply_overrides(recipe, overrides)
+    every = max(1, recipe.train.max_steps // 5)
+    return label, recipe.replace(train={"eval_every": every})
+
+
+def tokens_run(spec: str, source: str, steps: int, out: str, held_out: str | None) -> dict:
+    """One run of the tokens mode, in a process of its own with one thread."""
+    torch.set_num_threads(1)
+    label, recipe = at_shape(spec, source, steps)
+    run_dir = Path(out) / label
+    clock = Clock()
+    pretrain(recipe, run_dir, progress=False, device="cpu", cache_dir=Path(out) / f"{label}.cache",
+             callbacks=[clock])
+    per_step = recipe.train.tokens_per_step
+    result = {"label": label, "spec": spec, "points": [(s * per_step, v) for _, s, v in clock.points],
+              "tokens": recipe.train.max_steps * per_step}
+    if held_out:
+        cmd = [sys.executable, "-m", "tinygpt", "eval", str(run_dir), "--task", "perplexity", "--data",
+               held_out, "--max-chars", "200000", "--device", "cpu", "--json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        result["held_out"] = json.loads(done.stdout) if done.returncode == 0 else done.stderr.strip()[-300:]
+    return result
+
+
+def tokens_to_loss(args: argparse.Namespace) -> None:
+    """The tokens mode: every run, then the table against the first run's final validation loss."""
+    source = args.corpus[0] if args.corpus else "builtin"
+    out = args.out or tempfile.mkdtemp(prefix="tokens_to_loss_")
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+        results = list(pool.map(tokens_run, args.run, [source] * len(args.run), [args.steps] * len(args.run),
+                                [out] * len(args.run), [args.held_out] * len(args.run)))
+    target = results[0]["points"][-1][1]
+    print(f"\n### tokens to {target:.3f} ({results[0]['label']}'s final validation loss), {Path(source).name}\n")
+    print("| run | tokens | final val loss | held-out bits/byte | tokens to the target | ratio |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        t = reached([(tok, None, v) for tok, v in r["points"]], target)
+        held = r.get("held_out")
+        bpb = f"{held['bits_per_byte']:.4f}" if isinstance(held, dict) else "-"
+        ratio = "-" if t is None else f"{t / results[0]['tokens']:.2f}"
+        print(f"| {r['label']} | {r['tokens']:,} | {r['points'][-1][1]:.4f} | {bpb} | "
+              f"{'not reached' if t is None else f'{t:,.0f}'} | {ratio} |")
+    for r in results:
+        print(f"- {r['label']} (`{r['spec']}`): " + ", ".join(f"{t // 1000}k: {v:.3f}" for t, v in r["points"]))
+    Path(out, "tokens_to_loss.json").write_text(json.dumps(results, indent=1))
+    print(f"\nruns and tokens_to_loss.json: {out}")
+
+
 def plot(results: list[dict], fast: str, out: Path) -> None:
     import matplotlib
 
@@ -123,7 +205,16 @@ def main() -> None:
     ap.add_argument("--fast-set", action="append", default=[], metavar="KEY=VALUE", help="override the fast recipe")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--plot", default=str(REPO / "docs" / "images" / "time_to_loss.png"))
+    ap.add_argument("--tokens", action="store_true", help="tokens to a loss at the ladder's small shape")
+    ap.add_argument("--run", action="append", default=[], metavar="LABEL=RECIPE [SECTION.FIELD=VALUE ...]",
+                    help="--tokens: a run; the first one's final validation loss is the target")
+    ap.add_argument("--steps", type=int, default=300, help="--tokens: steps of 2,048 tokens per run")
+    ap.add_argument("--jobs", type=int, default=1, help="--tokens: runs at once")
+    ap.add_argument("--held-out", help="--tokens: a text file for `tinygpt eval --task perplexity`")
+    ap.add_argument("--out", help="--tokens: keep the run folders here (default: a new temporary folder)")
     args = ap.parse_args()
+    if args.tokens:
+        return tokens_to_loss(args)
     corpora = args.corpus
     if not corpora:
         corpora = ["builtin"]

@@ -268,6 +268,9 @@ Optimizer = Literal["adamw", "muon"]  # muon: Muon for the hidden matrices, Adam
 # wsd: warmup, stable, then a linear decay over decay_fraction
 Schedule = Literal["cosine", "wsd"]
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # auto: the device's best (core.precision)
+# Muon's orthogonalisation: torch's quintic Newton-Schulz (one coefficient triple, 5 steps), or Polar
+# Express (Amsel et al. 2025: a tuned triple per step, modded-nanogpt's choice since 2025)
+MuonCoeffs = Literal["newton-schulz", "polar-express"]
 # auto: on CUDA, by regions for a tinygpt GPT (each block, then the head and the loss), else the whole
 # model; on: the whole model; regional: by regions; off
 CompileMode = Literal["auto", "on", "regional", "off"]
@@ -306,6 +309,17 @@ class TrainConfig(_Section):
     save_every: int = bounded(100, min=0)  # 0: off
     keep_last: int = bounded(3, min=1)
     sample_every: int = bounded(0, min=0)  # 0: one sample at the end only
+    # Training-time attention (`tinygpt.model.masks`; the saved model stays a plain causal LM and
+    # is evaluated as one): doc_mask keeps each training window's documents apart (no attention
+    # across an end-of-text token); window_start > 0 limits attention to that many tokens at the
+    # first step, growing linearly to seq_len when the decay begins (cosine: at the last step).
+    doc_mask: bool = False
+    window_start: int = bounded(0, min=0)  # 0: the full context throughout
+    # AdamW's rates for the input embedding and the untied head, relative to lr (modded-nanogpt
+    # gives the embedding a far larger rate than the head); Muon's orthogonalisation
+    embed_lr_scale: float = bounded(1.0, above=0)
+    head_lr_scale: float = bounded(1.0, above=0)
+    muon_coeffs: MuonCoeffs = "newton-schulz"
 
     def __post_init__(self) -> None:
         _check_fields(self, "train.")
@@ -313,6 +327,13 @@ class TrainConfig(_Section):
             self.min_lr <= self.lr,
             f"train.min_lr must be at most lr ({self.lr}), got {self.min_lr}",
         )
+        _require(self.optimizer == "muon" or (
+            self.embed_lr_scale == self.head_lr_scale == 1.0 and self.muon_coeffs == "newton-schulz"),
+            "train.embed_lr_scale, head_lr_scale and muon_coeffs apply to optimizer='muon': set "
+            "train.optimizer=muon or leave them at their defaults")
+        _require(self.window_start <= self.seq_len,
+                 f"train.window_start must be at most seq_len ({self.seq_len}), got "
+                 f"{self.window_start}; 0 keeps the full context throughout")
 
     @property
     def tokens_per_step(self) -> int:

@@ -15,17 +15,20 @@ import torch
 from tinygpt.data.shards import TokenShards
 from tinygpt.data.sources import DataError
 from tinygpt.model.losses import IGNORE_INDEX
+from tinygpt.model.masks import document_ids
 
 
 class WindowSampler:
     """Windows of seq_len + 1 tokens at multiples of seq_len inside each shard. Each call takes the
     next batch_size * world_size windows of the global order and returns one rank's share, so a
     checkpoint resumes with the same data order at any world size with the same global batch.
-    Asking for a shard that is still being tokenized waits for it."""
+    Asking for a shard that is still being tokenized waits for it. With `eot_id` (document masking,
+    `TrainConfig.doc_mask`) a batch also carries each token's document id (`document_ids`)."""
 
-    def __init__(self, tokens: TokenShards | np.ndarray, seq_len: int, seed: int):
+    def __init__(self, tokens: TokenShards | np.ndarray, seq_len: int, seed: int,
+                 eot_id: int | None = None):
         self.shards = TokenShards.from_array(tokens) if isinstance(tokens, np.ndarray) else tokens
-        self.seq_len, self.seed = seq_len, seed
+        self.seq_len, self.seed, self.eot_id = seq_len, seed, eot_id
         first = self.shards.shard(0)  # waits for the first shard of a stream
         if first is None or self._n_windows(first) < 1:
             n = 0 if first is None else len(first)
@@ -73,7 +76,7 @@ class WindowSampler:
 
     def next_batch(
         self, batch_size: int, rank: int = 0, world_size: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         # every rank takes the whole global batch's windows and keeps its slice: all ranks stay at
         # the same position, which is why one saved position resumes at any world size
         windows = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
@@ -82,7 +85,8 @@ class WindowSampler:
             np.stack([np.asarray(a[s : s + T + 1], dtype=np.int64) for a, s in windows])
         )
         # views would be pinned and copied strided
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        return (x, y) if self.eot_id is None else (x, y, document_ids(x, self.eot_id))
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "shard": self.shard, "index": self.index, "seed": self.seed,

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from tinygpt.core.config import ModelConfig
 from tinygpt.model.attention import expand_kv
 from tinygpt.model.losses import IGNORE_INDEX, linear_cross_entropy  # noqa: F401  (IGNORE_INDEX: handed on)
+from tinygpt.model.masks import masked_attention
 
 
 class RMSNorm(nn.Module):
@@ -154,7 +155,7 @@ class Attention(nn.Module):
             )
         self.qk_norm = config.qk_norm
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None):
         B, T, _ = x.shape
         if self.fused:
             q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
@@ -175,7 +176,9 @@ class Attention(nn.Module):
             k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
         # grouped only where a fused kernel takes them so (model.attention)
         k, v, gqa = expand_kv(q, k, v)
-        if start == 0:
+        if mask is not None:  # training only: documents apart, a window (`model.masks`)
+            y = masked_attention(q, k, v, mask, gqa)
+        elif start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif T == 1:  # one new token attends to everything cached: no mask needed
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
@@ -215,8 +218,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = norm_class(config)(config.d_model)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -311,27 +314,31 @@ class GPT(nn.Module):
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         return cos.to(device), sin.to(device)
 
-    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """The final normed hidden states (B, T, d_model)."""
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None,
+                      mask=None) -> torch.Tensor:
+        """The final normed hidden states (B, T, d_model); `mask`: a training-time attention mask
+        (`model.masks.training_mask`), None for plain causal attention."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         cos, sin = self._rope(start, T, idx.device)
         x = self.model.embed_tokens(idx)
         for i, block in enumerate(self.model.layers):
             if self.config.activation_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, None, i, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache, i)
+                x = block(x, cos, sin, cache, i, mask)
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                cache: KVCache | None = None, reduction: str = "mean", loss: str = "auto"):
+                cache: KVCache | None = None, reduction: str = "mean", loss: str = "auto",
+                mask=None):
         """Logits (B, T, vocab_size) without targets; with targets, the cross-entropy loss
         (mean over tokens whose target is not IGNORE_INDEX, or their sum with reduction="sum"),
-        over the full logits or in chunks as `loss` says (`TrainConfig.loss`)."""
-        x = self.hidden_states(idx, cache)
+        over the full logits or in chunks as `loss` says (`TrainConfig.loss`). `mask`: a training-time
+        attention mask (`hidden_states`)."""
+        x = self.hidden_states(idx, cache, mask)
         if targets is None:
             return self.lm_head(x)
         return cross_entropy(self.lm_head, x, targets, reduction=reduction, mode=loss)

@@ -22,6 +22,40 @@ MUON_MOMENTUM = 0.95
 # hidden layers (its authors and nanochat / modded-nanogpt keep these on AdamW).
 _NOT_HIDDEN = ("embed", "lm_head", "wte", "wpe")
 
+# Polar Express (Amsel et al. 2025, arXiv:2505.16932), five steps with modded-nanogpt's 2% safety
+# factor: a tuned (a, b, c) per step instead of Newton-Schulz's one triple
+# (`TrainConfig.muon_coeffs`).
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def polar_express(G: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The orthogonal factor of G (its polar decomposition's U V^T), approximated in bf16 as
+    torch's Newton-Schulz is, with Polar Express's per-step coefficients."""
+    X = G.bfloat16()
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + eps)
+    for a, b, c in POLAR_EXPRESS:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+def _orthogonalize(update: torch.Tensor, group: dict) -> torch.Tensor:
+    if group.get("coeffs") == "polar-express":
+        return polar_express(update)
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(
+        update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay 2-D weights (matmuls, embeddings); never norms or biases."""
@@ -136,7 +170,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         # no GradScaler (bf16, fp32): the inner optimizers as they are
-        if grad_scale is None and found_inf is None:
+        polar = any(g.get("coeffs") == "polar-express" for g in self._muon.param_groups)
+        if grad_scale is None and found_inf is None and not polar:
             if self._muon.param_groups:
                 self._muon.step()
             if self._adamw.param_groups:
@@ -169,7 +204,7 @@ class MuonAdamW(torch.optim.Optimizer):
         `grad_scale` and made a no-op on the device when `found_inf` is set
         (gradients zeroed, the momentum's, the decay's and the update's weights
         chosen by a device-side `where`), so no value is read back to the host."""
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+        from torch.optim._muon import _adjust_lr
 
         for group in self._muon.param_groups:
             lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
@@ -190,9 +225,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 # the Python numbers Muon passes: the same steps
                 buf.lerp_(grad, torch.where(skip, 0.0, 1 - momentum))
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = _zeropower_via_newtonschulz(
-                    update, group["ns_coefficients"], group["ns_steps"], group["eps"]
-                )
+                update = _orthogonalize(update, group)
                 p.mul_(torch.where(skip, 1.0, 1 - lr * wd))
                 keep = torch.where(skip, 0.0, 1.0)
                 p.add_(update * keep, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
@@ -207,6 +240,25 @@ class EagerMuonAdamW(MuonAdamW, EagerOptimizer):
     """MuonAdamW without the compiler's import (EagerOptimizer), inside and out."""
     inner_muon = eager(torch.optim.Muon)
     inner_adamw = EagerAdamW
+
+
+def rate_groups(model: torch.nn.Module, params: list[torch.nn.Parameter],
+                cfg: TrainConfig) -> list[dict]:
+    """AdamW's decayed matrices as groups: one at lr, or, where `embed_lr_scale` or `head_lr_scale`
+    differ from 1, the input embedding and the head (untied; a tied matrix is the embedding) each in
+    a group of its own rate, its weight decay divided by the same factor (as Muon's: lr * weight_decay,
+    the decay per step, stays AdamW's). Default rates keep the one group, so checkpoints keep their
+    layout."""
+    scales = {"embed": cfg.embed_lr_scale, "lm_head": cfg.head_lr_scale}
+    first_name = {id(p): n for n, p in model.named_parameters()}
+    kinds = {key: [p for p in params if key in first_name[id(p)]] for key in scales} if any(
+        s != 1.0 for s in scales.values()) else {}
+    taken = {id(p) for ps in kinds.values() for p in ps}
+    rest = [p for p in params if id(p) not in taken]
+    groups = [{"params": ps, "lr": cfg.lr * scales[k], "lr_scale": scales[k],
+               "weight_decay": cfg.weight_decay / scales[k]} for k, ps in kinds.items() if ps]
+    return [{"params": rest, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
+            *groups]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str, *,
@@ -225,9 +277,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str, 
         muon, decay, no_decay = split_muon_params(model)
         # Muon decays by lr * weight_decay per step, as AdamW: keep that product equal to AdamW's.
         muon_groups = [{"params": muon, "lr": cfg.lr * muon_lr_scale, "lr_scale": muon_lr_scale,
-                        "weight_decay": cfg.weight_decay / muon_lr_scale}]
+                        "weight_decay": cfg.weight_decay / muon_lr_scale,
+                        **({"coeffs": cfg.muon_coeffs}
+                           if cfg.muon_coeffs != "newton-schulz" else {})}]
         adamw_groups = [
-            {"params": decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
+            *rate_groups(model, decay, cfg),
             {"params": no_decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0},
         ]
         muon_adamw = MuonAdamW if compiled else EagerMuonAdamW

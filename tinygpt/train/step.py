@@ -17,11 +17,12 @@ from typing import Callable, Protocol
 
 import torch
 
-from tinygpt.core.config import TrainConfig
+from tinygpt.core.config import ConfigError, TrainConfig
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
 from tinygpt.data.sampler import batch_to_device
 from tinygpt.model.gpt import GPT, cross_entropy
 from tinygpt.model.losses import IGNORE_INDEX, resolve_loss
+from tinygpt.model.masks import training_mask
 from tinygpt.train import distributed as dist_
 from tinygpt.train.budget import decay_start
 from tinygpt.train.distributed import Ranks
@@ -70,10 +71,11 @@ def _head_and_loss() -> Callable:
 
 
 def regional_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, loss: str = "auto",
-                  reduction: str = "sum") -> torch.Tensor:
+                  reduction: str = "sum", mask=None) -> torch.Tensor:
     """A tinygpt GPT's token loss (summed, as `default_loss`) with the head and the loss compiled as
-    one region of their own; the embedding and the blocks as `compiled` left them."""
-    return _head_and_loss()(model.lm_head, model.hidden_states(x), y, reduction, loss)
+    one region of their own; the embedding and the blocks as `compiled` left them. `mask`: as
+    `default_loss`'s."""
+    return _head_and_loss()(model.lm_head, model.hidden_states(x, mask=mask), y, reduction, loss)
 
 
 def eager():
@@ -134,6 +136,11 @@ class TrainStep:
         self.device = resolve_device(cfg.device)
         self.precision = choose_precision(self.device, cfg.precision)
         self.model = model.to(self.device)
+        # training-time attention masks (`model.masks`): a tinygpt GPT's pretraining only
+        self.masked = cfg.doc_mask or cfg.window_start > 0
+        if self.masked and io.loss_fn is not None:
+            raise ConfigError("train.doc_mask and train.window_start are for pretraining a tinygpt "
+                              "model: set them to false and 0 here")
         # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
         self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
             cfg.micro_batch_size, cfg.grad_accum_steps, ranks.world_size)
@@ -192,11 +199,16 @@ class TrainStep:
         # The logged loss is this step's own (not an average since the last log), so a run
         # resumed between two logs writes the same numbers as one never stopped.
         self._loss_sum.zero_()
+        window = window_at(self.step, self.cfg, self.max_steps)
         for i, batch in enumerate(micro):
             x, y, *extra = self._batch_to_device(*batch)
+            kw = {}
+            if self.masked:  # the sampler's document ids (doc_mask) are for the mask only
+                docs = extra.pop(0) if self.cfg.doc_mask and extra else None
+                kw["mask"] = training_mask(docs, window, *x.shape, self.device)
             with (dist_.gradient_sync(self.forward_model, self.model, i == len(micro) - 1),
                   self.precision.autocast()):
-                loss_sum = self.loss_fn(self.forward_model, x, y, *extra)
+                loss_sum = self.loss_fn(self.forward_model, x, y, *extra, **kw)
                 self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
             self._loss_sum += loss_sum.detach().float()
         self.scaler.unscale_(self.optimizer)
@@ -234,10 +246,28 @@ def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def window_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> int | None:
+    """The attention window at `step` (`TrainConfig.window_start`): window_start tokens at step 0,
+    growing linearly to seq_len at the decay's first step (wsd; cosine: the last step) and seq_len
+    from there on, so that the run ends attending as the saved model does. None: no window.
+    `max_steps` as `lr_at` takes it (None: undecided, the recipe's count meanwhile)."""
+    if not cfg.window_start:
+        return None
+    n = cfg.max_steps if max_steps in ("recipe", None) else int(max_steps)
+    full = decay_start(n, cfg.decay_fraction) if cfg.schedule == "wsd" else n - 1
+    if step >= full:
+        return cfg.seq_len
+    grown = cfg.window_start + (cfg.seq_len - cfg.window_start) * step / max(1, full)
+    return min(cfg.seq_len, math.ceil(grown))
+
+
 def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 loss: str = "auto") -> torch.Tensor:
+                 loss: str = "auto", mask=None) -> torch.Tensor:
     """A tinygpt GPT's summed token loss: summed, not averaged, so that the step can divide by the
-    target tokens of all its micro-batches together (see `TrainStep.optimizer_step`)."""
-    return model(x, y, reduction="sum", loss=loss)
+    target tokens of all its micro-batches together (see `TrainStep.optimizer_step`); `mask`: a
+    training-time attention mask (`model.masks`), passed only where there is one."""
+    if mask is None:
+        return model(x, y, reduction="sum", loss=loss)
+    return model(x, y, reduction="sum", loss=loss, mask=mask)
 
 
