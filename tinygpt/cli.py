@@ -73,13 +73,14 @@ def _recipes(args) -> int:
     if from_args(RecipesOptions, args).as_json:
         print(json.dumps(rows, indent=1))
         return 0
+    w = max(len(row["name"]) for row in rows)
     print(
-        f"{'recipe':<14} {'hw':<5} {'params':>8} {'ctx':>5} {'tok/step':>9} {'budget':>7} "
+        f"{'recipe':<{w}} {'hw':<5} {'params':>8} {'ctx':>5} {'tok/step':>9} {'budget':>7} "
         f"{'prec':<5} {'data':<40} description"
     )
     for name, hw, p, ctx, tps, budget, prec, data, desc in (row.values() for row in rows):
         print(
-            f"{name:<14} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {count(budget):>7} {prec:<5} "
+            f"{name:<{w}} {hw:<5} {p / 1e6:>7.1f}M {ctx:>5} {tps:>9,} {count(budget):>7} {prec:<5} "
             f"{data:<40} {desc}"
         )
     return 0
