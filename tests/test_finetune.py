@@ -26,8 +26,8 @@ transformers = pytest.importorskip("transformers")
 from tinygpt.colab.runs import run_status  # noqa: E402
 from tinygpt.colab.tables import finetune_recipe_rows  # noqa: E402
 from tinygpt.core.callback import Callback  # noqa: E402
-from tinygpt.core.config import ConfigError, DataConfig, Recipe, TrainConfig  # noqa: E402
-from tinygpt.core.recipes import model_config  # noqa: E402
+from tinygpt.core.config import ConfigError, DataConfig, TrainConfig  # noqa: E402
+from tinygpt.core.recipes import Recipe, model_config  # noqa: E402
 from tinygpt.data.sampler import WindowSampler, fixed_batches  # noqa: E402
 from tinygpt.finetune.lora import (  # noqa: E402
     attach_lora,

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig
-from tinygpt.core.recipes import get_recipe
+from tinygpt.core.config import DataConfig, ModelConfig, TrainConfig
+from tinygpt.core.recipes import Recipe, get_recipe
 from tinygpt.fit.hardware import HardwareReport, gpu_spec, hardware_report, mfu, peak_tflops
 from tinygpt.fit.memory import GB, TensorMemoryTracker, estimate_memory
 from tinygpt.fit.probe import ProbeError, apply_probe, probe

@@ -196,7 +196,8 @@ def attack_step_s(tmp_path, honest, capsys):
 def attack_probe_json(tmp_path, honest, capsys):
     """A probe.json with this machine's key but another's values: never read, never enters the machine-wide
     cache; one that is no probe result is refused in one line naming the file."""
-    from tinygpt.core.config import DataConfig, ModelConfig, Recipe, TrainConfig
+    from tinygpt.core.config import DataConfig, ModelConfig, TrainConfig
+    from tinygpt.core.recipes import Recipe
     from tinygpt.fit.probe import probe
     from tinygpt.fit.probe_cache import ProbeResult
 

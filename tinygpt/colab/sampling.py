@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tinygpt.core.config import Recipe
 from tinygpt.core.precision import resolve_device
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import RunDir
 from tinygpt.data.sources import validation_text
 from tinygpt.model.generate import generate_text

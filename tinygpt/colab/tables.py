@@ -9,9 +9,8 @@ import html
 from dataclasses import dataclass
 from typing import Any
 
-from tinygpt.core.config import Recipe
 from tinygpt.core.precision import resolve_device
-from tinygpt.core.recipes import RECIPES, get_recipe
+from tinygpt.core.recipes import RECIPES, Recipe, get_recipe
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.finetune.memory_plan import device_need_gb, memory_table
 from tinygpt.finetune.presets import FINETUNE_RECIPES

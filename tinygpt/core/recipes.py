@@ -1,23 +1,26 @@
 """The named recipes and model sizes: what `tinygpt recipes` lists and `--recipe NAME` trains, and
 how a command chooses one (`RecipeChoice`: the name, a base, `--set` overrides).
 
-A recipe is one `Recipe` constant here plus its name in `RECIPES`; the dataclasses and their rules
-are `core.config`'s. `MODEL_SIZES` names the model shapes the recipes (and the benchmarks) build on.
+`Recipe` is a model, a training and a data section checked together (the sections' dataclasses
+and rules are `core.config`'s); a recipe is one `Recipe` constant here plus its name in `RECIPES`. `MODEL_SIZES` names the model shapes the recipes (and the benchmarks) build on.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tinygpt.core.config import (
+    FUSED_PROJ_MUON,
     GPT2_VOCAB,
     GPT2_VOCAB_PADDED,
+    INIT_TOKENIZER,
     ConfigError,
     DataConfig,
     ModelConfig,
-    Recipe,
     TrainConfig,
+    _require,
 )
 from tinygpt.core.options import did_you_mean, option
 
@@ -35,6 +38,82 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
     "760m": dict(n_layer=24, n_head=16, n_kv_head=8, d_model=1536, d_ff=4608, tie_embeddings=True,
                  max_seq_len=2048),
 }
+
+
+@dataclass
+class Recipe:
+    """A named, ready configuration for one class of hardware."""
+
+    name: str
+    description: str
+    hardware: str  # the class it is made for: a key of `core.gpu_classes.HARDWARE`
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.train.seq_len <= self.model.max_seq_len,
+                 f"recipe {self.name!r}: seq_len {self.train.seq_len} is longer than the model's "
+                 f"max_seq_len {self.model.max_seq_len}; lower seq_len or raise max_seq_len")
+        _require(
+            self.model.vocab_size >= self.data.vocab_size,
+            f"recipe {self.name!r}: the model's vocab_size {self.model.vocab_size} is smaller than "
+            f"the tokenizer's {self.data.vocab_size}",
+        )
+        _require(not (self.model.fused_proj and self.train.optimizer == "muon"),
+                 f"recipe {self.name!r}: {FUSED_PROJ_MUON}")
+        # the tokenizers this knows before one is read: GPT-2's size, and that a base's needs a base
+        _require(
+            self.data.tokenizer != "gpt2" or self.model.vocab_size >= GPT2_VOCAB,
+            f"recipe {self.name!r}: data.tokenizer=gpt2 has {GPT2_VOCAB} tokens but the model's "
+            f"vocab_size is {self.model.vocab_size}: add model.vocab_size={GPT2_VOCAB_PADDED}",
+        )
+        _require(
+            self.data.tokenizer != INIT_TOKENIZER or self.model.init is not None,
+            f"data.tokenizer={INIT_TOKENIZER} takes the tokenizer of the base, but model.init "
+            "names none: use --init BASE, or data.tokenizer=train",
+        )
+
+    @property
+    def token_budget(self) -> int:
+        return self.train.tokens_per_step * self.train.max_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "hardware": self.hardware,
+            "model": self.model.to_dict(),
+            "train": self.train.to_dict(),
+            "data": self.data.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Recipe":
+        return cls(
+            name=d["name"],
+            description=d.get("description", ""),
+            hardware=d.get("hardware", "cpu"),
+            model=ModelConfig.from_dict(d["model"]),
+            train=TrainConfig.from_dict(d["train"]),
+            data=DataConfig.from_dict(d.get("data", {})),
+        )
+
+    def identity(self) -> dict[str, Any]:
+        """What makes two runs the same run, for the mirror's identity: the
+        recipe's name, the model (less what the probe may choose otherwise on
+        another GPU: `ModelConfig.identity`) and the data. Training settings are
+        compared against run.json instead, where some may change on resume."""
+        return {"recipe": self.name, "model": self.model.identity(), "data": self.data.to_dict()}
+
+    def replace(
+        self, model: dict | None = None, train: dict | None = None, data: dict | None = None
+    ) -> "Recipe":
+        """A copy with some fields changed, validated again."""
+        return Recipe(name=self.name, description=self.description, hardware=self.hardware,
+                      model=dataclasses.replace(self.model, **(model or {})),
+                      train=dataclasses.replace(self.train, **(train or {})),
+                      data=dataclasses.replace(self.data, **(data or {})))
 
 
 def model_config(size: str, **overrides: Any) -> ModelConfig:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinygpt.core.config import ConfigError, Recipe
+from tinygpt.core.config import ConfigError
 from tinygpt.core.files import (
     RUN_FILE_LIMIT,
     append_text,
@@ -37,6 +37,7 @@ from tinygpt.core.files import (
     write_json_atomic,
     write_text_atomic,
 )
+from tinygpt.core.recipes import Recipe
 
 RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = (
     "run.json",

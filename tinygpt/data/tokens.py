@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinygpt.core.config import DataConfig, Recipe
+from tinygpt.core.config import DataConfig
 from tinygpt.core.paths import cache_root
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import TOKEN_CACHE
 from tinygpt.data.shards import (
     ShardStream,

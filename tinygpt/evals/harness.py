@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from tinygpt.core.config import Recipe
 from tinygpt.core.options import option
 from tinygpt.core.paths import SAMPLE_PREFIX, shared_data_dir
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import RunDir, RunDirError, read_json
 from tinygpt.evals import code, sandbox
 from tinygpt.finetune.lora import load_finetuned

@@ -14,8 +14,8 @@ from typing import Any, Iterable
 
 import torch
 
-from tinygpt.core.config import Recipe
 from tinygpt.core.files import FileTooLarge, UnsafePathError
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import RunDir, recipe_name_of
 from tinygpt.finetune.presets import (
     FINETUNE_RECIPES,

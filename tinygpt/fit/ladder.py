@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Callable
 
-from tinygpt.core.config import ConfigError, Recipe
+from tinygpt.core.config import ConfigError
 from tinygpt.core.files import read_json_safe
+from tinygpt.core.recipes import Recipe
 from tinygpt.data.sources import DataError, source_chars
 
 HEAD_DIM = 64  # each rung's width is depth * HEAD_DIM (nanochat's aspect ratio), in heads of 64 ...

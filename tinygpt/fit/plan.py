@@ -30,8 +30,9 @@ from typing import Callable
 import torch
 
 from tinygpt.core.checkpoint import MODEL_FILE, CheckpointError, check_safetensors, list_checkpoints
-from tinygpt.core.config import ConfigError, Recipe
+from tinygpt.core.config import ConfigError
 from tinygpt.core.precision import choose_precision
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import RUN_JSON
 from tinygpt.fit.hardware import check_fits
 from tinygpt.fit.ladder import (

@@ -22,7 +22,6 @@ from typing import Callable
 
 import torch
 
-from tinygpt.core.config import Recipe
 from tinygpt.core.paths import cache_root
 from tinygpt.core.precision import (
     Precision,
@@ -30,6 +29,7 @@ from tinygpt.core.precision import (
     native_bf16,
     resolve_device,
 )
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import PROBE_JSON, RunDir
 from tinygpt.fit.hardware import cpu_name, ram_gb
 from tinygpt.fit.memory import CUDA_CONTEXT_GB, GB

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import Recipe
 from tinygpt.core.gpu_classes import size_auto_recipe
 from tinygpt.core.options import option
 from tinygpt.core.precision import resolve_device
-from tinygpt.core.recipes import get_recipe
+from tinygpt.core.recipes import Recipe, get_recipe
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.fit.hardware import HardwareReport, hardware_report, mfu
 from tinygpt.fit.ladder import MAX_EPOCHS

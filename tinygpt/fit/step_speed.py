@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from tinygpt.core.config import Recipe
 from tinygpt.core.precision import resolve_device
+from tinygpt.core.recipes import Recipe
 from tinygpt.fit.trials import sync
 from tinygpt.model.gpt import GPT
 from tinygpt.train.step import TrainStep

@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from tinygpt.core.config import Recipe
 from tinygpt.core.precision import Precision
+from tinygpt.core.recipes import Recipe
 from tinygpt.fit.memory import GB, TensorMemoryTracker
 from tinygpt.model.gpt import GPT
 from tinygpt.model.losses import resolve_loss

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinygpt.core.checkpoint import latest_valid, load_checkpoint
-from tinygpt.core.config import INIT_TOKENIZER, ConfigError, ModelConfig, Recipe
+from tinygpt.core.config import INIT_TOKENIZER, ConfigError, ModelConfig
 from tinygpt.core.files import read_json_safe
 from tinygpt.core.gpu_classes import size_auto_recipe
 from tinygpt.core.paths import is_hub
-from tinygpt.core.recipes import RECIPES, get_recipe
+from tinygpt.core.recipes import RECIPES, Recipe, get_recipe
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, recipe_name_of
 from tinygpt.core.same_settings import config_differences
 from tinygpt.fit.hardware import hardware_report

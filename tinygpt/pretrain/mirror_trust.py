@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tinygpt.core.config import ConfigError, Recipe
+from tinygpt.core.config import ConfigError
 from tinygpt.core.files import link_problem, read_json_safe
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import BUDGET_JSON, METRICS, RUN_JSON, SAMPLES, RunDir
 from tinygpt.core.same_settings import config_differences
 from tinygpt.fit.ladder import PLANNED_FIELDS

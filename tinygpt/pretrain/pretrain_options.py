@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tinygpt.core.config import CompileMode, ConfigError, Recipe
+from tinygpt.core.config import CompileMode, ConfigError
 from tinygpt.core.fields import field_problem
 from tinygpt.core.options import option, targets
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import BUDGET_JSON
 from tinygpt.train.budget import BUDGET_SCHEDULE, BUDGET_SCHEDULE_WHY, MAX_HOURS, Budget
 

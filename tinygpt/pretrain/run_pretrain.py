@@ -21,15 +21,11 @@ import torch
 from tinygpt import __version__
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.callback import Callback
-from tinygpt.core.config import (
-    ConfigError,
-    Recipe,
-    TrainConfig,
-)
+from tinygpt.core.config import ConfigError, TrainConfig
 from tinygpt.core.files import read_json_safe, refuse_links_in
 from tinygpt.core.folders import refuse_other_kind
 from tinygpt.core.precision import Precision, choose_precision
-from tinygpt.core.recipes import get_recipe
+from tinygpt.core.recipes import Recipe, get_recipe
 from tinygpt.core.rundir import RUN_JSON, TENSORBOARD, TOKENIZER_JSON, RunDir
 from tinygpt.core.runlock import lock, undo_if_first_try_fails
 from tinygpt.core.same_settings import check_same_settings

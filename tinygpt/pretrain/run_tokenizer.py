@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tinygpt.core.config import GPT2_VOCAB_PADDED, INIT_TOKENIZER, ConfigError, Recipe
+from tinygpt.core.config import GPT2_VOCAB_PADDED, INIT_TOKENIZER, ConfigError
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import TOKENIZER_JSON
 from tinygpt.data.sources import iter_documents
 from tinygpt.model.tokenizer import Tokenizer, load_gpt2, train_bpe

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from tinygpt.core.checkpoint import find_run_checkpoint, read_manifest, step_of
-from tinygpt.core.config import Recipe
 from tinygpt.core.files import read_text_safe
 from tinygpt.core.paths import is_hub
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import EVALS_JSONL, METRICS, RunDir, parse_jsonl
 from tinygpt.evals.tasks import TASKS
 from tinygpt.model.prompts import TEMPLATES

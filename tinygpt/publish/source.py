@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from tinygpt.core.checkpoint import STATE_FILE, find_run_checkpoint
-from tinygpt.core.config import Recipe
 from tinygpt.core.paths import is_hub
+from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import FULL_MODEL_DIR, MERGED_DIR, RunDir, missing_run_message
 from tinygpt.finetune.full import export_full, is_full_finetune
 from tinygpt.finetune.lora import merge_adapter

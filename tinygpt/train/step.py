@@ -152,6 +152,17 @@ class TrainStep:
         self.max_steps: int | None = cfg.max_steps  # None while a time budget has not decided it
         if self.device.type == "cuda":
             enable_tf32()
+        self._compile_or_wrap(model, io, ranks)
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type,
+                                         compiled=self.use_compile)
+        self.scaler = dist_.grad_scaler(self.precision, self.model)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._loss_sum = torch.zeros((), device=self.device)
+
+    def _compile_or_wrap(self, model: torch.nn.Module, io: ModelIO, ranks: Ranks) -> None:
+        """The loss function and the model that runs the steps (compiled, whole or by regions, or
+        wrapped for several ranks) and the one evaluation runs (eager)."""
+        cfg = self.cfg
         self.use_compile = cfg.compile in ("on", "regional") or (
             cfg.compile == "auto" and self.device.type == "cuda")
         by_region = (io.loss_fn is None and ranks.world_size == 1 and isinstance(model, GPT)
@@ -172,11 +183,6 @@ class TrainStep:
             # an H100) for a few forward passes per eval_every steps, and under "regional" a
             # recompile.
             self.eval_model = self.model
-        self.optimizer = build_optimizer(self.model, cfg, self.device.type,
-                                         compiled=self.use_compile)
-        self.scaler = dist_.grad_scaler(self.precision, self.model)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._loss_sum = torch.zeros((), device=self.device)
 
     def optimizer_step(self) -> StepResult:
         """One optimizer step over `grad_accum_steps` micro-batches. Nothing is read back from the
