@@ -40,6 +40,7 @@ code run eagerly, QLoRA and the CUDA-only checks recorded as skipped with the re
 2 cores; tests/test_gpu_kit.py runs it. Writes results.json and results.md into --out after every step (a kit
 cut off still returns what it finished) and prints the table at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,14 +73,22 @@ sys.path[:0] = [str(HERE), str(REPO)]  # the sibling benchmarks, and tinygpt fro
 # default total (TOTAL_S)
 STEPS: list[tuple[str, float, float]] = [
     ("env", 10, 30),
-    ("startup", 150, 60),  # two processes: cold (probe, compile, 8 steps) and warm (to its first step)
-    ("probe", 5, 30),      # reads the cold run; on the CPU times the step itself
+    (
+        "startup",
+        150,
+        60,
+    ),  # two processes: cold (probe, compile, 8 steps) and warm (to its first step)
+    ("probe", 5, 30),  # reads the cold run; on the CPU times the step itself
     ("pretrain", 75, 60),
     ("speed_steps", 70, 60),
     ("finetune", 45, 60),
     ("t4_fp16", 20, 30),
     ("t4_gqa", 10, 30),
-    ("time_to_loss", 80, 60),  # 2 x --ttl-seconds of training, each run's start-up and evaluation beside them
+    (
+        "time_to_loss",
+        80,
+        60,
+    ),  # 2 x --ttl-seconds of training, each run's start-up and evaluation beside them
 ]
 KEY_STEP = {name: i for i, (name, _, _) in enumerate(STEPS)}
 # on a GPU by default: time_to_loss only when asked (--only time_to_loss); --smoke runs every step
@@ -99,14 +108,16 @@ GOALS = "issue 49's goals"
 
 # ------------------------------------------------------------------------------------------------ the context
 
+
 @dataclasses.dataclass
 class Ctx:
     """What a step gets: the mode, where to write, the results of the steps before it, its deadline."""
+
     smoke: bool
     device: str
-    work: Path          # scratch (run folders, caches); not --out, whose files come back from a lent GPU
-    results: dict       # step name -> entry, the steps run so far
-    deadline: float     # time.monotonic() by which the step should be done
+    work: Path  # scratch (run folders, caches); not --out, whose files come back from a lent GPU
+    results: dict  # step name -> entry, the steps run so far
+    deadline: float  # time.monotonic() by which the step should be done
     ttl_seconds: float
     llama: bool = True  # the transformers Llama row (optional on a GPU: --llama)
 
@@ -137,18 +148,21 @@ def compiled_code(ctx: Ctx):
     on 2 cores)."""
     if ctx.smoke:
         from tinygpt.train.step import eager
+
         return eager()
     return contextlib.nullcontext()
 
 
 def free(device) -> None:
     import torch
+
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------ env
+
 
 def version(dist: str) -> str | None:
     try:
@@ -159,14 +173,31 @@ def version(dist: str) -> str | None:
 
 def step_env(ctx: Ctx) -> dict:
     import torch
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(),
-           "machine": platform.machine(), "cpu_cores": os.cpu_count(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "transformers": version("transformers"), "peft": version("peft"),
-           "bitsandbytes": version("bitsandbytes"), "liger_kernel": version("liger-kernel"),
-           "triton": version("triton")}
+
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": version("transformers"),
+        "peft": version("peft"),
+        "bitsandbytes": version("bitsandbytes"),
+        "liger_kernel": version("liger-kernel"),
+        "triton": version("triton"),
+    }
     try:
-        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or None
+        out["commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         out["commit"] = None
     if torch.cuda.is_available():
@@ -174,8 +205,15 @@ def step_env(ctx: Ctx) -> dict:
         out["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         out["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
         try:
-            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=20).stdout.strip() or None
+            out["driver"] = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                ).stdout.strip()
+                or None
+            )
         except (OSError, subprocess.SubprocessError):
             out["driver"] = None
     else:
@@ -189,7 +227,8 @@ _RUN = """
 import json, sys
 from torch._dynamo.utils import counters
 from tinygpt.core.callback import Callback
-from tinygpt.core.recipes import apply_overrides, get_recipe
+from tinygpt.core.recipe_choice import apply_overrides
+from tinygpt.core.recipes import get_recipe
 from tinygpt.pretrain.run_pretrain import pretrain
 recipe_name, run, steps, sets = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 
@@ -212,20 +251,39 @@ print(json.dumps({"at_step1": at, "after_step1": {k: end[k] - at[k] for k in end
 """
 
 
-def launch_until_first_step(recipe: str, run_dir: Path, env: dict, steps: int, sets: list[str],
-                            timeout: float, finish: bool = True) -> dict:
+def launch_until_first_step(
+    recipe: str,
+    run_dir: Path,
+    env: dict,
+    steps: int,
+    sets: list[str],
+    timeout: float,
+    finish: bool = True,
+) -> dict:
     """Like benchmarks/startup.py's run_until_first_step (a fresh process, wall time from its launch to the
     start-up record in metrics.jsonl), through pretrain() so that dynamo's counters can be read at the end."""
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", _RUN, recipe, str(run_dir), str(steps), json.dumps(sets)],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _RUN, recipe, str(run_dir), str(steps), json.dumps(sets)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     metrics, record, wall = run_dir / "metrics.jsonl", None, None
     try:
         while p.poll() is None or record is None:
             if record is None and metrics.exists():
-                record = next((m["startup"] for m in map(json.loads, metrics.read_text().splitlines()[:3])
-                               if "startup" in m), None)
+                record = next(
+                    (
+                        m["startup"]
+                        for m in map(json.loads, metrics.read_text().splitlines()[:3])
+                        if "startup" in m
+                    ),
+                    None,
+                )
                 if record is not None:
                     wall = time.perf_counter() - t0
                     if not finish:  # the first step is what was asked for
@@ -244,7 +302,9 @@ def launch_until_first_step(recipe: str, run_dir: Path, env: dict, steps: int, s
             p.wait()
     if p.returncode != 0 or record is None:
         lines = [ln for ln in (err or out or "").splitlines() if ln.strip()]
-        raise RuntimeError(f"tinygpt pretrain failed: {lines[-1] if lines else f'exit {p.returncode}'}")
+        raise RuntimeError(
+            f"tinygpt pretrain failed: {lines[-1] if lines else f'exit {p.returncode}'}"
+        )
     counts = json.loads(out.strip().splitlines()[-1])
     return {"first_step_wall_s": round(wall, 2), "breakdown": record, **counts}
 
@@ -265,22 +325,38 @@ def step_startup(ctx: Ctx) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     cold_env = fresh_env(root / "a")
-    cold = launch_until_first_step(recipe, root / "cold", cold_env, steps, sets,
-                                   timeout=ctx.left() * (0.6 if ctx.smoke else 0.75))
+    cold = launch_until_first_step(
+        recipe,
+        root / "cold",
+        cold_env,
+        steps,
+        sets,
+        timeout=ctx.left() * (0.6 if ctx.smoke else 0.75),
+    )
     (root / "warm").mkdir()
     for f in ("compile_cache.bin", "run.json", "tokenizer.json"):
         if (root / "cold" / f).exists():
             shutil.copy(root / "cold" / f, root / "warm")
-    warm_env = fresh_env(root / "b", TINYGPT_CACHE=cold_env["TINYGPT_CACHE"])  # the same signing key, new compiler
-    warm = launch_until_first_step(recipe, root / "warm", warm_env, steps, sets, timeout=max(ctx.left(), 1),
-                                   finish=False)
-    return {"recipe": recipe, "steps": steps, "settings": sets,
-            "cold_s": cold["first_step_wall_s"], "warm_s": warm["first_step_wall_s"],
-            "cold_compile_s": cold["breakdown"].get("compile_s"), "warm_compile_s": warm["breakdown"].get("compile_s"),
-            "recompiles_after_step1": cold["after_step1"]["recompiles"],
-            "graphs_after_step1": cold["after_step1"]["graphs"],
-            "compile_cache_copied": (root / "warm" / "compile_cache.bin").exists(),
-            "cold": cold, "warm": warm}
+    warm_env = fresh_env(
+        root / "b", TINYGPT_CACHE=cold_env["TINYGPT_CACHE"]
+    )  # the same signing key, new compiler
+    warm = launch_until_first_step(
+        recipe, root / "warm", warm_env, steps, sets, timeout=max(ctx.left(), 1), finish=False
+    )
+    return {
+        "recipe": recipe,
+        "steps": steps,
+        "settings": sets,
+        "cold_s": cold["first_step_wall_s"],
+        "warm_s": warm["first_step_wall_s"],
+        "cold_compile_s": cold["breakdown"].get("compile_s"),
+        "warm_compile_s": warm["breakdown"].get("compile_s"),
+        "recompiles_after_step1": cold["after_step1"]["recompiles"],
+        "graphs_after_step1": cold["after_step1"]["graphs"],
+        "compile_cache_copied": (root / "warm" / "compile_cache.bin").exists(),
+        "cold": cold,
+        "warm": warm,
+    }
 
 
 def step_probe(ctx: Ctx) -> dict:
@@ -295,23 +371,43 @@ def step_probe(ctx: Ctx) -> dict:
     probe_json = run / "probe.json"
     if probe_json.exists():
         r = json.loads(probe_json.read_text())
-        out = {"source": "the cold run's probe.json", "search_s": r["search_s"], "micro_batch": r["micro_batch_size"],
-               "grad_accum": r["grad_accum_steps"], "seq_len": r["seq_len"], "precision": r["precision"],
-               "loss": r.get("loss"), "activation_checkpointing": r["activation_checkpointing"],
-               "peak_gb": r["peak_gb"], "speeds": r.get("speeds"), "notes": r.get("notes"),
-               "predicted_tokens_per_s": r["tokens_per_s"], "predicted_source": r.get("tokens_per_s_source")}
+        out = {
+            "source": "the cold run's probe.json",
+            "search_s": r["search_s"],
+            "micro_batch": r["micro_batch_size"],
+            "grad_accum": r["grad_accum_steps"],
+            "seq_len": r["seq_len"],
+            "precision": r["precision"],
+            "loss": r.get("loss"),
+            "activation_checkpointing": r["activation_checkpointing"],
+            "peak_gb": r["peak_gb"],
+            "speeds": r.get("speeds"),
+            "notes": r.get("notes"),
+            "predicted_tokens_per_s": r["tokens_per_s"],
+            "predicted_source": r.get("tokens_per_s_source"),
+        }
     else:
         from tinygpt.fit.report import probe_report
+
         t0 = time.perf_counter()
         rep = json.loads(probe_report(start["figures"]["recipe"], as_json=True, cache_dir=None))
         exp = rep["expectations"]
-        out = {"source": "tinygpt probe (no trial search off a GPU)", "search_s": round(time.perf_counter() - t0, 2),
-               "micro_batch": json.loads((run / "run.json").read_text())["recipe"]["train"]["micro_batch_size"]
-               if (run / "run.json").exists() else None,
-               "predicted_tokens_per_s": exp["tokens_per_s"], "predicted_source": exp["tokens_per_s_source"],
-               "search": skip("the trial search runs on a CUDA GPU")}
+        out = {
+            "source": "tinygpt probe (no trial search off a GPU)",
+            "search_s": round(time.perf_counter() - t0, 2),
+            "micro_batch": json.loads((run / "run.json").read_text())["recipe"]["train"][
+                "micro_batch_size"
+            ]
+            if (run / "run.json").exists()
+            else None,
+            "predicted_tokens_per_s": exp["tokens_per_s"],
+            "predicted_source": exp["tokens_per_s_source"],
+            "search": skip("the trial search runs on a CUDA GPU"),
+        }
     out["measured_tokens_per_s"] = measured
-    out["measured_source"] = f"median of the cold run's logged steps after step 1 ({len(cold['tokens_per_s'])})"
+    out["measured_source"] = (
+        f"median of the cold run's logged steps after step 1 ({len(cold['tokens_per_s'])})"
+    )
     pred = out["predicted_tokens_per_s"]
     out["predicted_over_measured"] = pred / measured if pred and measured else None
     return out
@@ -319,31 +415,46 @@ def step_probe(ctx: Ctx) -> dict:
 
 # ------------------------------------------------------------------------------------------------ pretraining
 
+
 @dataclasses.dataclass
 class Shape:
     size: str
     vocab: int
     seq_len: int
     micro_batch: int
-    warmup: int         # optimizer steps
+    warmup: int  # optimizer steps
     steps: int
-    accum: int = 1      # micro-batches per optimizer step: the recipe's
+    accum: int = 1  # micro-batches per optimizer step: the recipe's
 
 
 def pretrain_shape(ctx: Ctx) -> Shape:
     from tinygpt.core.config import GPT2_VOCAB_PADDED
     from tinygpt.core.recipes import get_recipe
+
     if ctx.smoke:
         return Shape("tiny", 512, 64, 4, 1, 3, accum=2)
     probe = ctx.results.get("probe", {})
-    mb = (probe.get("figures", {}).get("micro_batch") if probe.get("status") == "ok" else None) or 16
+    mb = (
+        probe.get("figures", {}).get("micro_batch") if probe.get("status") == "ok" else None
+    ) or 16
     # at the recipe's accumulation (a100-124m: 524,288 tokens a step), the optimizer once per step
     accum = max(1, get_recipe("a100-124m").train.tokens_per_step // (mb * 1024))
     return Shape("124m", GPT2_VOCAB_PADDED, 1024, mb, 1, 3, accum=accum)
 
 
-def timed_row(name: str, model, loss_mod, opt, prec, device, compile_mode: str, shape: Shape, flops: float,
-              peak: float | None, ctx: Ctx) -> dict:
+def timed_row(
+    name: str,
+    model,
+    loss_mod,
+    opt,
+    prec,
+    device,
+    compile_mode: str,
+    shape: Shape,
+    flops: float,
+    peak: float | None,
+    ctx: Ctx,
+) -> dict:
     """One row: benchmarks/gpu_pretrain.py's step (autocast, GradScaler, clip, optimizer) and timing, with the
     peak memory taken over the timed window only (reset after the warm-up)."""
     import torch
@@ -353,7 +464,9 @@ def timed_row(name: str, model, loss_mod, opt, prec, device, compile_mode: str, 
 
     if compile_mode == "on":
         loss_fn = torch.compile(loss_mod)
-    elif compile_mode == "auto" and regional(model, "auto"):  # the trainer's default: blocks, then head and loss
+    elif compile_mode == "auto" and regional(
+        model, "auto"
+    ):  # the trainer's default: blocks, then head and loss
         compiled(model, "auto")
         mode = {"off": "full", "on": "chunked"}.get(loss_mod.chunked, "auto")
         loss_fn = functools.partial(regional_loss, model, loss=mode, reduction="mean")
@@ -374,18 +487,30 @@ def timed_row(name: str, model, loss_mod, opt, prec, device, compile_mode: str, 
         in_window = compiles() - before
     med = statistics.median(times)
     tps = shape.accum * shape.micro_batch * shape.seq_len / med
-    return {"impl": name, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-            "compile": compile_mode, "micro_batch": shape.micro_batch, "grad_accum": shape.accum,
-            "seq_len": shape.seq_len, "loss": getattr(loss_mod, "chunked", None),
-            "step_ms": med * 1e3, "tokens_per_s": tps, "mfu": tps * flops / (peak * 1e12) if peak else None,
-            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-            "warmup_s": round(warm_s, 2), "compiles_in_timed_window": in_window}
+    return {
+        "impl": name,
+        "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        "compile": compile_mode,
+        "micro_batch": shape.micro_batch,
+        "grad_accum": shape.accum,
+        "seq_len": shape.seq_len,
+        "loss": getattr(loss_mod, "chunked", None),
+        "step_ms": med * 1e3,
+        "tokens_per_s": tps,
+        "mfu": tps * flops / (peak * 1e12) if peak else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda"
+        else None,
+        "warmup_s": round(warm_s, 2),
+        "compiles_in_timed_window": in_window,
+    }
 
 
 def compiles() -> int:
     """Graphs dynamo compiled so far in this process, recompiles and graph breaks' new frames included: a row
     whose timed window adds one timed a compile, and says so (compiles_in_timed_window)."""
     from torch._dynamo.utils import counters
+
     return counters["stats"]["unique_graphs"]
 
 
@@ -393,6 +518,7 @@ def kit_device(ctx: Ctx):
     import torch
 
     from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
+
     device = resolve_device("cpu" if ctx.smoke else ctx.device)
     if device.type == "cuda":
         enable_tf32()
@@ -401,7 +527,9 @@ def kit_device(ctx: Ctx):
     return device, prec
 
 
-def tinygpt_parts(shape: Shape, device, *, fused_proj=False, chunked="auto", fused_adamw=True, seed=0):
+def tinygpt_parts(
+    shape: Shape, device, *, fused_proj=False, chunked="auto", fused_adamw=True, seed=0
+):
     """(model, loss module, optimizer, FLOPs per token): what gpu_pretrain.py builds for tinygpt."""
     import torch
     from gpu_pretrain import TinyGPTLoss
@@ -409,14 +537,23 @@ def tinygpt_parts(shape: Shape, device, *, fused_proj=False, chunked="auto", fus
     from tinygpt.core.recipes import model_config
     from tinygpt.model.gpt import GPT
     from tinygpt.train.optim import param_groups
+
     cfg = model_config(shape.size, vocab_size=shape.vocab, fused_proj=fused_proj)
     cfg.max_seq_len = max(cfg.max_seq_len, shape.seq_len)
     torch.manual_seed(seed)
     model = GPT(cfg).to(device).train()
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95),
-                            fused=fused_adamw and device.type == "cuda")
-    return model, TinyGPTLoss(model, trainer_loss(shape, device) if chunked == "auto" else chunked), opt, \
-        model.flops_per_token(shape.seq_len)
+    opt = torch.optim.AdamW(
+        param_groups(model, 0.1),
+        lr=6e-4,
+        betas=(0.9, 0.95),
+        fused=fused_adamw and device.type == "cuda",
+    )
+    return (
+        model,
+        TinyGPTLoss(model, trainer_loss(shape, device) if chunked == "auto" else chunked),
+        opt,
+        model.flops_per_token(shape.seq_len),
+    )
 
 
 def trainer_loss(shape: Shape, device) -> str:
@@ -424,6 +561,7 @@ def trainer_loss(shape: Shape, device) -> str:
     full logits where they fit the free memory), as TinyGPTLoss names it: "off" (full logits), "on" (chunked), or
     "auto" (by size, per call: off a GPU)."""
     from tinygpt.model.losses import resolve_loss
+
     mode = resolve_loss("auto", shape.micro_batch * shape.seq_len, shape.vocab, device)
     return {"full": "off", "chunked": "on"}.get(mode, "auto")
 
@@ -438,13 +576,25 @@ def gpt2_parts(shape: Shape, device):
 
     from tinygpt.core.recipes import model_config
     from tinygpt.train.optim import param_groups
+
     m = model_config(shape.size)
-    cfg = GPT2Config(vocab_size=shape.vocab, n_positions=max(m.max_seq_len, shape.seq_len), n_embd=m.d_model,
-                     n_layer=m.n_layer, n_head=m.n_head, attn_implementation="sdpa", use_cache=False,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=shape.vocab,
+        n_positions=max(m.max_seq_len, shape.seq_len),
+        n_embd=m.d_model,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        attn_implementation="sdpa",
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg).to(device).train()
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda"
+    )
     n = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
     return model, HFLoss(model), opt, 6 * n + 12 * m.n_layer * m.d_model * shape.seq_len
 
@@ -456,30 +606,47 @@ def llama_parts(shape: Shape, device):
     from gpu_pretrain import HFLoss, hf_llama
 
     from tinygpt.train.optim import param_groups
+
     model, _, _, flops = tinygpt_parts(shape, torch.device("cpu"))
     hf = hf_llama(model).to(device).train()
-    opt = torch.optim.AdamW(param_groups(hf, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        param_groups(hf, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda"
+    )
     return hf, HFLoss(hf), opt, flops
 
 
-def run_rows(ctx: Ctx, variants: list[tuple[str, Callable, str]], shape: Shape, reserve_s: float) -> list[dict]:
+def run_rows(
+    ctx: Ctx, variants: list[tuple[str, Callable, str]], shape: Shape, reserve_s: float
+) -> list[dict]:
     """Each variant (name, build() -> parts, compile mode) timed in turn; a row that fails records its error,
     a row that would not fit the step's budget (about `reserve_s` each) is skipped with the reason."""
     from gpu_pretrain import peak_tflops
+
     device, prec = kit_device(ctx)
     peak, _ = peak_tflops(device, prec.name)
     rows = []
     for name, build, mode in variants:
         if ctx.left() < reserve_s:
-            rows.append({"impl": name, **skip(f"the step's budget was spent ({ctx.left():.0f} s left, a row "
-                                                f"needs about {reserve_s:.0f})")})
+            rows.append(
+                {
+                    "impl": name,
+                    **skip(
+                        f"the step's budget was spent ({ctx.left():.0f} s left, a row "
+                        f"needs about {reserve_s:.0f})"
+                    ),
+                }
+            )
             continue
         parts = None
         try:
             parts = build(shape, device)
             model, loss_mod, opt, flops = parts
             with quiet():
-                rows.append(timed_row(name, model, loss_mod, opt, prec, device, mode, shape, flops, peak, ctx))
+                rows.append(
+                    timed_row(
+                        name, model, loss_mod, opt, prec, device, mode, shape, flops, peak, ctx
+                    )
+                )
         except (Exception, SystemExit) as e:  # noqa: BLE001 - one row's failure is that row's result
             rows.append({"impl": name, "error": one_line(e)})
         finally:  # the compiled graphs stay: a later row of the same model and shapes reuses them
@@ -499,6 +666,7 @@ def with_ratios(rows: list[dict], base: str) -> list[dict]:
 def step_pretrain(ctx: Ctx) -> dict:
     import torch
     from gpu_pretrain import peak_tflops
+
     shape = pretrain_shape(ctx)
     device, prec = kit_device(ctx)
     variants = [("tinygpt", tinygpt_parts, "auto"), ("hf-gpt2", gpt2_parts, "on")]
@@ -516,73 +684,151 @@ def step_pretrain(ctx: Ctx) -> dict:
         from tinygpt.core.recipes import get_recipe
         from tinygpt.fit.step_speed import trainer_speed
         from tinygpt.model.gpt import meta_model
+
         probe = ctx.results.get("probe", {}).get("figures") or {}
-        recipe = get_recipe("a100-124m").replace(train={"micro_batch_size": shape.micro_batch,
-                                                        "grad_accum_steps": shape.accum,
-                                                        "precision": "bf16", "loss": probe.get("loss") or "auto"})
+        recipe = get_recipe("a100-124m").replace(
+            train={
+                "micro_batch_size": shape.micro_batch,
+                "grad_accum_steps": shape.accum,
+                "precision": "bf16",
+                "loss": probe.get("loss") or "auto",
+            }
+        )
         try:
             torch.cuda.reset_peak_memory_stats(device)
             tps = trainer_speed(recipe, device, steps=2, warmup=1, compiled=True)
             peak, _ = peak_tflops(device, prec.name)
             flops = meta_model(recipe.model).flops_per_token(recipe.train.seq_len)
-            trainer = {"impl": "tinygpt-trainer", "tokens_per_s": tps, "micro_batch": shape.micro_batch,
-                       "loss": recipe.train.loss,
-                       "peak_memory_gib_incl_warmup": torch.cuda.max_memory_allocated(device) / 2**30,
-                       "mfu": None if peak is None else tps * flops / (peak * 1e12)}
+            trainer = {
+                "impl": "tinygpt-trainer",
+                "tokens_per_s": tps,
+                "micro_batch": shape.micro_batch,
+                "loss": recipe.train.loss,
+                "peak_memory_gib_incl_warmup": torch.cuda.max_memory_allocated(device) / 2**30,
+                "mfu": None if peak is None else tps * flops / (peak * 1e12),
+            }
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the rows above stand
             trainer = {"impl": "tinygpt-trainer", "error": one_line(e)}
     elif ctx.smoke:
-        trainer = skip("the trainer's compiled step on a GPU recipe: GPU only (the rows above use its pieces)")
+        trainer = skip(
+            "the trainer's compiled step on a GPU recipe: GPU only (the rows above use its pieces)"
+        )
     else:
         trainer = skip("the step's budget was spent")
-    return {"shape": dataclasses.asdict(shape), "precision": prec.name, "rows": rows, "trainer_step": trainer}
+    return {
+        "shape": dataclasses.asdict(shape),
+        "precision": prec.name,
+        "rows": rows,
+        "trainer_step": trainer,
+    }
 
 
 def step_speed_steps(ctx: Ctx) -> dict:
     shape = pretrain_shape(ctx)
     pre = ctx.results.get("pretrain", {})
     same = pre.get("status") == "ok" and pre["figures"]["shape"] == dataclasses.asdict(shape)
-    base = next((r for r in pre["figures"]["rows"] if r["impl"] == "tinygpt" and "tokens_per_s" in r), None) \
-        if same else None
+    base = (
+        next(
+            (r for r in pre["figures"]["rows"] if r["impl"] == "tinygpt" and "tokens_per_s" in r),
+            None,
+        )
+        if same
+        else None
+    )
     import torch
-    device = torch.device("cpu" if ctx.smoke else ctx.device if ctx.device != "auto" else
-                          "cuda" if torch.cuda.is_available() else "cpu")
+
+    device = torch.device(
+        "cpu"
+        if ctx.smoke
+        else ctx.device
+        if ctx.device != "auto"
+        else "cuda"
+        if torch.cuda.is_available()
+        else "cpu"
+    )
     from tinygpt.model.losses import default_chunk_rows
+
     taken = trainer_loss(shape, device)
-    full = taken == "off" or (taken == "auto" and not default_chunk_rows(shape.micro_batch * shape.seq_len, shape.vocab))
+    full = taken == "off" or (
+        taken == "auto" and not default_chunk_rows(shape.micro_batch * shape.seq_len, shape.vocab)
+    )
     other = "on" if full else "off"  # the loss the trainer does not take
     # rows sharing the baseline's graph first (the optimizer is not compiled), compile off last
-    variants = [("AdamW unfused", lambda s, d: tinygpt_parts(s, d, fused_adamw=False), "auto"),
-                ("chunked loss (full logits off)" if other == "on" else "full logits (chunked loss off)",
-                 lambda s, d: tinygpt_parts(s, d, chunked=other), "auto"),
-                ("fused projections on", lambda s, d: tinygpt_parts(s, d, fused_proj=True), "auto"),
-                ("whole-model compile", tinygpt_parts, "on"),
-                ("compile off", tinygpt_parts, "off")]
+    variants = [
+        ("AdamW unfused", lambda s, d: tinygpt_parts(s, d, fused_adamw=False), "auto"),
+        (
+            "chunked loss (full logits off)" if other == "on" else "full logits (chunked loss off)",
+            lambda s, d: tinygpt_parts(s, d, chunked=other),
+            "auto",
+        ),
+        ("fused projections on", lambda s, d: tinygpt_parts(s, d, fused_proj=True), "auto"),
+        ("whole-model compile", tinygpt_parts, "on"),
+        ("compile off", tinygpt_parts, "off"),
+    ]
     if base is None:  # pretrain did not run at this shape: measure the baseline here
         variants.insert(0, ("all on (as in pretrain)", tinygpt_parts, "on"))
     rows = run_rows(ctx, variants, shape, reserve_s=0 if ctx.smoke else 12)
     if base is not None:
-        rows.insert(0, {**base, "impl": "all on (as in pretrain)", "from": "the pretrain step's tinygpt row"})
-    return {"shape": dataclasses.asdict(shape), "rows": with_ratios(rows, "all on (as in pretrain)")}
+        rows.insert(
+            0,
+            {**base, "impl": "all on (as in pretrain)", "from": "the pretrain step's tinygpt row"},
+        )
+    return {
+        "shape": dataclasses.asdict(shape),
+        "rows": with_ratios(rows, "all on (as in pretrain)"),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ finetuning
 
+
 def step_finetune(ctx: Ctx) -> dict:
     import gpu_finetune
     import torch
+
     if ctx.smoke:
-        common = ["--device", "cpu", "--size", "tiny", "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "1",
-                  "--steps", "2", "--warmup", "1", "--records", "40", "--threads", "1"]
+        common = [
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            "2",
+            "--grad-accum",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--records",
+            "40",
+            "--threads",
+            "1",
+        ]
     else:
-        common = ["--size", "124m", "--seq-len", "768", "--micro-batch", "8", "--grad-accum", "2", "--steps", "6"]
+        common = [
+            "--size",
+            "124m",
+            "--seq-len",
+            "768",
+            "--micro-batch",
+            "8",
+            "--grad-accum",
+            "2",
+            "--steps",
+            "6",
+        ]
     out = {}
     for name, extra in (("lora_r16", ["--r", "16"]), ("qlora_nf4_r16", ["--quantize", "nf4"])):
         if "--quantize" in extra and not torch.cuda.is_available():
             out[name] = skip("QLoRA needs CUDA and bitsandbytes' 4-bit kernels")
             continue
         if "--quantize" in extra and version("bitsandbytes") is None:
-            out[name] = skip("bitsandbytes is not installed (carry its wheel: benchmarks/README.md)")
+            out[name] = skip(
+                "bitsandbytes is not installed (carry its wheel: benchmarks/README.md)"
+            )
             continue
         if not ctx.smoke and ctx.left() < 20:
             out[name] = skip("the step's budget was spent")
@@ -590,8 +836,12 @@ def step_finetune(ctx: Ctx) -> dict:
         try:
             with quiet(), compiled_code(ctx):
                 r = gpu_finetune.main([*common, *extra, "--data", "random", "--reference", "peft"])
-            out[name] = {"plan": r["plan"], "rows": r["rows"], "ratio": r.get("ratio"),
-                         "same_batch_base_loss_diff": r.get("same_batch_base_loss_diff")}
+            out[name] = {
+                "plan": r["plan"],
+                "rows": r["rows"],
+                "ratio": r.get("ratio"),
+                "same_batch_base_loss_diff": r.get("same_batch_base_loss_diff"),
+            }
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the other recipe still runs
             out[name] = {"error": one_line(e)}
         finally:
@@ -602,12 +852,14 @@ def step_finetune(ctx: Ctx) -> dict:
 
 # ------------------------------------------------------------------------------------------------ T4 paths
 
+
 def train_losses(ctx: Ctx, precision: str, steps: int, shape: Shape) -> dict:
     """`steps` trainer-like steps (autocast, GradScaler, clip, AdamW) on 4 fixed batches: the losses."""
     import torch
     from gpu_pretrain import random_batches
 
     from tinygpt.core.precision import choose_precision
+
     device, _ = kit_device(ctx)
     prec = choose_precision(device, precision)
     model, loss_mod, opt, _ = tinygpt_parts(shape, device)
@@ -633,10 +885,17 @@ def train_losses(ctx: Ctx, precision: str, steps: int, shape: Shape) -> dict:
     del model, loss_mod, opt
     free(device)
     finite = [v for v in losses if math.isfinite(v)]
-    return {"precision": prec.name, "steps": steps, "seconds": round(time.perf_counter() - t0, 2),
-            "nan_or_inf_losses": len(losses) - len(finite), "scaler_skipped_steps": skipped,
-            "first_loss": losses[0], "last_loss": losses[-1], "min_loss": min(finite) if finite else None,
-            "final_scale": scaler.get_scale() if scaler.is_enabled() else None}
+    return {
+        "precision": prec.name,
+        "steps": steps,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "nan_or_inf_losses": len(losses) - len(finite),
+        "scaler_skipped_steps": skipped,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "min_loss": min(finite) if finite else None,
+        "final_scale": scaler.get_scale() if scaler.is_enabled() else None,
+    }
 
 
 def step_t4_fp16(ctx: Ctx) -> dict:
@@ -645,24 +904,38 @@ def step_t4_fp16(ctx: Ctx) -> dict:
     fp16 = train_losses(ctx, "fp16", steps, shape)
     other = "fp32" if ctx.smoke else "bf16"  # a CPU has no native bf16: fp32 beside fp16 there
     ref = train_losses(ctx, other, steps, shape)
-    return {"model": shape.size, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len, "fp16": fp16,
-            other: ref, "no_nan": fp16["nan_or_inf_losses"] == 0,
-            "last_loss_diff": abs(fp16["last_loss"] - ref["last_loss"])}
+    return {
+        "model": shape.size,
+        "micro_batch": shape.micro_batch,
+        "seq_len": shape.seq_len,
+        "fp16": fp16,
+        other: ref,
+        "no_nan": fp16["nan_or_inf_losses"] == 0,
+        "last_loss_diff": abs(fp16["last_loss"] - ref["last_loss"]),
+    }
 
 
-SDPA_OPS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
-            "cudnn": "_scaled_dot_product_cudnn_attention", "math": "_scaled_dot_product_attention_math",
-            "flash_cpu": "_scaled_dot_product_flash_attention_for_cpu"}
+SDPA_OPS = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
+    "math": "_scaled_dot_product_attention_math",
+    "flash_cpu": "_scaled_dot_product_flash_attention_for_cpu",
+}
 
 
 def sdpa_kernels(fn: Callable[[], None]) -> list[str]:
     """Which SDPA kernels ran in fn (forward and backward), from the profiler's aten ops."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     names = {e.key for e in prof.key_averages()}
-    return sorted(k for k, op in SDPA_OPS.items() if any(n.endswith(op) or n.endswith(op + "_backward")
-                                                        for n in names))
+    return sorted(
+        k
+        for k, op in SDPA_OPS.items()
+        if any(n.endswith(op) or n.endswith(op + "_backward") for n in names)
+    )
 
 
 def step_t4_gqa(ctx: Ctx) -> dict:
@@ -675,9 +948,14 @@ def step_t4_gqa(ctx: Ctx) -> dict:
     on_cuda = torch.cuda.is_available() and not ctx.smoke
     device = torch.device("cuda" if on_cuda else "cpu")
     dtype = torch.float16 if on_cuda else torch.float32
-    decision = attention.attention_kernel("cuda", (7, 5), torch.float16, attention.torch_version(), 64)
-    cfg = model_config("tiny", vocab_size=512, n_head=4, n_kv_head=1) if ctx.smoke else \
-        model_config("124m", vocab_size=50304, n_kv_head=4)
+    decision = attention.attention_kernel(
+        "cuda", (7, 5), torch.float16, attention.torch_version(), 64
+    )
+    cfg = (
+        model_config("tiny", vocab_size=512, n_head=4, n_kv_head=1)
+        if ctx.smoke
+        else model_config("124m", vocab_size=50304, n_kv_head=4)
+    )
     seq = 64 if ctx.smoke else 1024
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -689,18 +967,28 @@ def step_t4_gqa(ctx: Ctx) -> dict:
         if on_cuda:
             torch.cuda.synchronize()
 
-    out = {"n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "seq_len": seq, "dtype": str(dtype),
-           "decision_sm75_fp16": decision, "decision_ok": decision == "expand"}
+    out = {
+        "n_head": cfg.n_head,
+        "n_kv_head": cfg.n_kv_head,
+        "seq_len": seq,
+        "dtype": str(dtype),
+        "decision_sm75_fp16": decision,
+        "decision_ok": decision == "expand",
+    }
     real = attention.device_profile
     if on_cuda:
-        out["decision_this_gpu"] = attention.attention_kernel("cuda", real(device)[1], dtype,
-                                                              attention.torch_version(), cfg.d_model // cfg.n_head)
+        out["decision_this_gpu"] = attention.attention_kernel(
+            "cuda", real(device)[1], dtype, attention.torch_version(), cfg.d_model // cfg.n_head
+        )
         out["kernels_this_gpu"] = sdpa_kernels(fwd_bwd)
     t4 = contextlib.nullcontext()
     if on_cuda:  # the SDPA kernels a T4 has: no flash attention below sm80
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
         t4 = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):  # the control: grouped, as on sm80+
+        with sdpa_kernel(
+            [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        ):  # the control: grouped, as on sm80+
             out["kernels_t4_backends_unforced"] = sdpa_kernels(fwd_bwd)
     attention.device_profile = lambda dev: ("cuda", (7, 5)) if dev.type == "cuda" else real(dev)
     try:
@@ -709,16 +997,21 @@ def step_t4_gqa(ctx: Ctx) -> dict:
     finally:
         attention.device_profile = real
     if on_cuda:
-        out["kernels_forced_sm75"] = kernels  # with a T4's kernels only: the memory-efficient one, not math
+        out["kernels_forced_sm75"] = (
+            kernels  # with a T4's kernels only: the memory-efficient one, not math
+        )
         out["math_ran"] = "math" in kernels
     else:
         out["kernels_cpu"] = kernels
-        out["kernels_forced_sm75"] = skip("which CUDA SDPA kernel runs needs a CUDA GPU (the forced decision and "
-                                          "the profiler's reading of the kernels ran here on the CPU)")
+        out["kernels_forced_sm75"] = skip(
+            "which CUDA SDPA kernel runs needs a CUDA GPU (the forced decision and "
+            "the profiler's reading of the kernels ran here on the CPU)"
+        )
     return out
 
 
 # ------------------------------------------------------------------------------------------------ time to a loss
+
 
 def step_time_to_loss(ctx: Ctx) -> dict:
     from time_to_loss import (
@@ -740,31 +1033,52 @@ def step_time_to_loss(ctx: Ctx) -> dict:
     out = {"seconds_each": secs, "data": "builtin", "compile": train.get("compile", "off")}
     for name in pair:
         recipe = get_recipe(name)
-        recipe = recipe.replace(data=base_data, train={**train, "eval_every": 10**6, "save_every": 0,
-                                                       "log_every": 10})
+        recipe = recipe.replace(
+            data=base_data, train={**train, "eval_every": 10**6, "save_every": 0, "log_every": 10}
+        )
         clock = Clock()
         run = ctx.work / "ttl" / name
         shutil.rmtree(run, ignore_errors=True)
         with quiet():
-            res = pretrain(recipe, run, data="builtin", hours=secs / 3600, progress=False, probe="off",
-                           device="cpu" if ctx.smoke else None, cache_dir=ctx.work / "ttl-cache",
-                           callbacks=[clock])
-        out[name] = {"val_loss": res.val_loss, "steps": res.step, "tokens": res.step * recipe.train.tokens_per_step,
-                     "startup_s": round(clock.startup_s, 2),
-                     "wall_after_step1_s": round(clock.points[-1][0], 2) if clock.points else None,
-                     "tokens_per_s": res.tokens_per_s}
+            res = pretrain(
+                recipe,
+                run,
+                data="builtin",
+                hours=secs / 3600,
+                progress=False,
+                probe="off",
+                device="cpu" if ctx.smoke else None,
+                cache_dir=ctx.work / "ttl-cache",
+                callbacks=[clock],
+            )
+        out[name] = {
+            "val_loss": res.val_loss,
+            "steps": res.step,
+            "tokens": res.step * recipe.train.tokens_per_step,
+            "startup_s": round(clock.startup_s, 2),
+            "wall_after_step1_s": round(clock.points[-1][0], 2) if clock.points else None,
+            "tokens_per_s": res.tokens_per_s,
+        }
     a, b = (out[n]["val_loss"] for n in pair)
     out["fast_minus_base"] = b - a if a is not None and b is not None else None
     return out
 
 
 STEP_FUNCS: dict[str, Callable[[Ctx], dict]] = {
-    "env": step_env, "startup": step_startup, "probe": step_probe, "pretrain": step_pretrain,
-    "speed_steps": step_speed_steps, "finetune": step_finetune, "t4_fp16": step_t4_fp16, "t4_gqa": step_t4_gqa,
-    "time_to_loss": step_time_to_loss}
+    "env": step_env,
+    "startup": step_startup,
+    "probe": step_probe,
+    "pretrain": step_pretrain,
+    "speed_steps": step_speed_steps,
+    "finetune": step_finetune,
+    "t4_fp16": step_t4_fp16,
+    "t4_gqa": step_t4_gqa,
+    "time_to_loss": step_time_to_loss,
+}
 
 
 # ------------------------------------------------------------------------------------------------ the runner
+
 
 def has_figures(figures) -> bool:
     """Whether anything was measured (not only skipped or failed)."""
@@ -779,8 +1093,14 @@ def has_figures(figures) -> bool:
 
 def entry(name: str, cap: float, seconds: float, figures=None, error: str | None = None) -> dict:
     status = "error" if error else "ok" if has_figures(figures) else "skipped"
-    return {"step": name, "status": status, "seconds": round(seconds, 2), "cap_s": cap, "figures": figures,
-            "error": error}
+    return {
+        "step": name,
+        "status": status,
+        "seconds": round(seconds, 2),
+        "cap_s": cap,
+        "figures": figures,
+        "error": error,
+    }
 
 
 def cache_counts() -> dict[str, int]:
@@ -789,8 +1109,13 @@ def cache_counts() -> dict[str, int]:
     if "torch._dynamo" not in sys.modules:
         return {"hits": 0, "misses": 0}
     from torch._dynamo.utils import counters
-    return {"hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
-            "misses": counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]}
+
+    return {
+        "hits": counters["inductor"]["fxgraph_cache_hit"]
+        + counters["aot_autograd"]["autograd_cache_hit"],
+        "misses": counters["inductor"]["fxgraph_cache_miss"]
+        + counters["aot_autograd"]["autograd_cache_miss"],
+    }
 
 
 def run_in_process(name: str, cap: float, ctx: Ctx) -> dict:
@@ -815,6 +1140,7 @@ def save_artifacts(out: Path, what: str, limit: int = ARTIFACTS_LIMIT) -> dict:
     if "torch._dynamo" not in sys.modules:
         return {"saved_bytes": 0, "skipped": "nothing was compiled in this process"}
     import torch
+
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return {"saved_bytes": 0, "skipped": "nothing was compiled in this process"}
@@ -822,8 +1148,11 @@ def save_artifacts(out: Path, what: str, limit: int = ARTIFACTS_LIMIT) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     held = sum(f.stat().st_size for f in folder.glob("*.bin") if f.name != f"{what}.bin")
     if held + len(saved[0]) > limit:
-        return {"saved_bytes": 0, "skipped": f"{len(saved[0]) / 2**20:.0f} MiB would pass the "
-                                             f"{limit / 2**20:.0f} MiB kept beside the results"}
+        return {
+            "saved_bytes": 0,
+            "skipped": f"{len(saved[0]) / 2**20:.0f} MiB would pass the "
+            f"{limit / 2**20:.0f} MiB kept beside the results",
+        }
     (folder / f"{what}.bin").write_bytes(saved[0])
     return {"saved_bytes": len(saved[0])}
 
@@ -835,12 +1164,15 @@ def load_artifacts(folder: Path | None) -> dict:
     if not files:
         return {"loaded_files": 0}
     import torch
+
     for f in files:
         torch.compiler.load_cache_artifacts(f.read_bytes())
     return {"loaded_files": len(files), "loaded_bytes": sum(f.stat().st_size for f in files)}
 
 
-def run_isolated(group: list[tuple[str, float]], ctx: Ctx, args, done: Callable[[str, dict], None]) -> None:
+def run_isolated(
+    group: list[tuple[str, float]], ctx: Ctx, args, done: Callable[[str, dict], None]
+) -> None:
     """The steps of `group` ((name, cap) each) in one process of their own, killed (with its children) at the
     sum of their caps; each step's entry comes back in a file, handed to `done` as soon as it is there."""
     names = [n for n, _ in group]
@@ -850,14 +1182,34 @@ def run_isolated(group: list[tuple[str, float]], ctx: Ctx, args, done: Callable[
     state.write_text(json.dumps({"results": ctx.results}))
     for f in results.values():
         f.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-step", ",".join(names), "--state", str(state),
-           "--step-result", str(ctx.work), "--work", str(ctx.work), "--device", ctx.device, "--out", args.out,
-           "--ttl-seconds", str(ctx.ttl_seconds), "--cap", ",".join(str(c) for _, c in group),
-           "--artifacts-mib", str(args.artifacts_mib)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--run-step",
+        ",".join(names),
+        "--state",
+        str(state),
+        "--step-result",
+        str(ctx.work),
+        "--work",
+        str(ctx.work),
+        "--device",
+        ctx.device,
+        "--out",
+        args.out,
+        "--ttl-seconds",
+        str(ctx.ttl_seconds),
+        "--cap",
+        ",".join(str(c) for _, c in group),
+        "--artifacts-mib",
+        str(args.artifacts_mib),
+    ]
     cmd += (["--smoke"] if ctx.smoke else []) + (["--llama"] if ctx.llama else [])
     t0, cap = time.monotonic(), sum(c for _, c in group)
     log = (ctx.work / f"log-{tag}.txt").open("w")
-    p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    p = subprocess.Popen(
+        cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     pending, killed = list(names), False
     try:
         while pending:
@@ -867,7 +1219,9 @@ def run_isolated(group: list[tuple[str, float]], ctx: Ctx, args, done: Callable[
                 continue
             if p.poll() is not None:
                 break
-            if time.monotonic() - t0 > cap + GRACE_S:  # each step watches its own budget; this is the backstop
+            if (
+                time.monotonic() - t0 > cap + GRACE_S
+            ):  # each step watches its own budget; this is the backstop
                 os.killpg(p.pid, signal.SIGKILL)
                 killed = True
                 break
@@ -877,17 +1231,25 @@ def run_isolated(group: list[tuple[str, float]], ctx: Ctx, args, done: Callable[
         log.close()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)  # whatever the step left running
-    lines = [ln for ln in (ctx.work / f"log-{tag}.txt").read_text(errors="replace").splitlines() if ln.strip()]
+    lines = [
+        ln
+        for ln in (ctx.work / f"log-{tag}.txt").read_text(errors="replace").splitlines()
+        if ln.strip()
+    ]
     for name in pending:
         if results[name].exists():
             done(name, json.loads(results[name].read_text()))
             continue
-        error = (f"killed at its cap ({cap:.0f} s + {GRACE_S:.0f} s)" if killed else
-                 f"the step's process exited {p.returncode}: {lines[-1][:300] if lines else 'no output'}")
+        error = (
+            f"killed at its cap ({cap:.0f} s + {GRACE_S:.0f} s)"
+            if killed
+            else f"the step's process exited {p.returncode}: {lines[-1][:300] if lines else 'no output'}"
+        )
         done(name, entry(name, dict(group)[name], time.monotonic() - t0, error=error))
 
 
 # ------------------------------------------------------------------------------------------------ the report
+
 
 def fmt(v) -> str:
     if isinstance(v, bool) or v is None:
@@ -909,9 +1271,14 @@ def rows_md(rows: list[dict]) -> list[str]:
     out = ["| impl | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for r in rows:
         if "tokens_per_s" in r:
-            cells = [("{:.1%}".format(r[k]) if k == "mfu" and r.get(k) is not None else fmt(r.get(k))) for k in keys]
+            cells = [
+                ("{:.1%}".format(r[k]) if k == "mfu" and r.get(k) is not None else fmt(r.get(k)))
+                for k in keys
+            ]
         else:
-            cells = [f"error: {r['error']}" if "error" in r else f"skipped: {r.get('skipped')}"] + [""] * (len(keys) - 1)
+            cells = [f"error: {r['error']}" if "error" in r else f"skipped: {r.get('skipped')}"] + [
+                ""
+            ] * (len(keys) - 1)
         out.append(f"| {r['impl']} | " + " | ".join(cells) + " |")
     return out
 
@@ -920,8 +1287,11 @@ def flat(figures: dict, prefix: str = "") -> list[tuple[str, str]]:
     """(key, value) pairs of a step's figures, nested keys joined by '.', lists of rows left to rows_md."""
     out = []
     for k, v in figures.items():
-        if isinstance(v, dict) and set(v) != {"skipped"} and k not in ("breakdown", "settings", "plan", "speeds",
-                                                                        "at_step1", "after_step1"):
+        if (
+            isinstance(v, dict)
+            and set(v) != {"skipped"}
+            and k not in ("breakdown", "settings", "plan", "speeds", "at_step1", "after_step1")
+        ):
             out += flat(v, f"{prefix}{k}.")
         elif isinstance(v, list) and v and isinstance(v[0], dict):
             continue
@@ -936,21 +1306,30 @@ def flat(figures: dict, prefix: str = "") -> list[tuple[str, str]]:
 
 def goals(results: dict) -> list[tuple[str, str, str]]:
     """(goal, measured, met?) for the issue's goals that this run measured."""
+
     def fig(step, *path):
         v = results.get(step, {}).get("figures")
         for p in path:
             v = v.get(p) if isinstance(v, dict) else None
         return v
+
     out = []
     rows = fig("pretrain", "rows") or []
     tiny = next((r for r in rows if r.get("impl") == "tinygpt" and "tokens_per_s" in r), None)
     gpt2 = next((r for r in rows if r.get("impl") == "hf-gpt2" and "tokens_per_s" in r), None)
     if tiny and gpt2:
         x = tiny["tokens_per_s"] / gpt2["tokens_per_s"]
-        out.append(("pretraining >= 1.15x GPT2LMHeadModel's tokens/s", f"{x:.2f}x", str(x >= 1.15).lower()))
+        out.append(
+            ("pretraining >= 1.15x GPT2LMHeadModel's tokens/s", f"{x:.2f}x", str(x >= 1.15).lower())
+        )
     if tiny and tiny.get("mfu") is not None:
-        out.append(("pretraining MFU >= 45% (at the recipe's accumulation)", f"{tiny['mfu']:.1%}",
-                    str(tiny["mfu"] >= 0.45).lower()))
+        out.append(
+            (
+                "pretraining MFU >= 45% (at the recipe's accumulation)",
+                f"{tiny['mfu']:.1%}",
+                str(tiny["mfu"] >= 0.45).lower(),
+            )
+        )
     for name, bound in (("lora_r16", 1.3), ("qlora_nf4_r16", 1.2)):
         r = fig("finetune", name, "ratio", "tokens_per_s")
         if r is not None:
@@ -959,7 +1338,12 @@ def goals(results: dict) -> list[tuple[str, str, str]]:
         v = fig("startup", key)
         if v is not None:
             out.append((f"start-up {key[:-2]} <= {bound} s", f"{v:.1f} s", str(v <= bound).lower()))
-    timed = [r for step in ("pretrain", "speed_steps") for r in fig(step, "rows") or [] if "tokens_per_s" in r]
+    timed = [
+        r
+        for step in ("pretrain", "speed_steps")
+        for r in fig(step, "rows") or []
+        if "tokens_per_s" in r
+    ]
     if timed:
         n = sum(r.get("compiles_in_timed_window", 0) for r in timed)
         out.append(("0 compiles in any timed window", str(n), str(n == 0).lower()))
@@ -974,12 +1358,17 @@ def goals(results: dict) -> list[tuple[str, str, str]]:
 
 def markdown(results: dict, meta: dict) -> str:
     env = (results.get("env") or {}).get("figures") or {}
-    head = [f"# tinygpt GPU kit{' (smoke: tiny shapes on the CPU)' if meta['smoke'] else ''}", "",
-            f"{env.get('date', meta['date'])}; GPU {fmt(env.get('gpu'))} (driver {fmt(env.get('driver'))}, "
-            f"CUDA {fmt(env.get('cuda'))}); torch {fmt(env.get('torch'))}, transformers {fmt(env.get('transformers'))}, "
-            f"peft {fmt(env.get('peft'))}, bitsandbytes {fmt(env.get('bitsandbytes'))}; Python {fmt(env.get('python'))}; "
-            f"commit {fmt(env.get('commit'))}. Whole kit {meta['wall_s']:.0f} s.", "",
-            "| step | status | s (cap) | figures |", "|---|---|---|---|"]
+    head = [
+        f"# tinygpt GPU kit{' (smoke: tiny shapes on the CPU)' if meta['smoke'] else ''}",
+        "",
+        f"{env.get('date', meta['date'])}; GPU {fmt(env.get('gpu'))} (driver {fmt(env.get('driver'))}, "
+        f"CUDA {fmt(env.get('cuda'))}); torch {fmt(env.get('torch'))}, transformers {fmt(env.get('transformers'))}, "
+        f"peft {fmt(env.get('peft'))}, bitsandbytes {fmt(env.get('bitsandbytes'))}; Python {fmt(env.get('python'))}; "
+        f"commit {fmt(env.get('commit'))}. Whole kit {meta['wall_s']:.0f} s.",
+        "",
+        "| step | status | s (cap) | figures |",
+        "|---|---|---|---|",
+    ]
     for name, _, _ in STEPS:
         e = results.get(name)
         if e is None:
@@ -988,7 +1377,9 @@ def markdown(results: dict, meta: dict) -> str:
             text = f"error: {e['error']}"
         else:
             text = "; ".join(f"{k}={v}" for k, v in flat(e["figures"] or {}))
-        head.append(f"| {name} | {e['status']} | {e['seconds']:.0f} ({e['cap_s']:.0f}) | {text.replace('|', '/')} |")
+        head.append(
+            f"| {name} | {e['status']} | {e['seconds']:.0f} ({e['cap_s']:.0f}) | {text.replace('|', '/')} |"
+        )
     for name in ("pretrain", "speed_steps"):
         e = results.get(name)
         if e and e["status"] == "ok" and e["figures"].get("rows"):
@@ -997,13 +1388,29 @@ def markdown(results: dict, meta: dict) -> str:
     if e and e["status"] == "ok":
         for k, v in e["figures"].items():
             if isinstance(v, dict) and v.get("rows"):
-                head += ["", f"## finetune: {k}", "", *rows_md([{**r, "peak_memory_gib": r.get("peak_memory_gb")}
-                                                               for r in v["rows"]])]
+                head += [
+                    "",
+                    f"## finetune: {k}",
+                    "",
+                    *rows_md(
+                        [{**r, "peak_memory_gib": r.get("peak_memory_gb")} for r in v["rows"]]
+                    ),
+                ]
     g = goals(results)
     if g:
-        note = " (smoke: tiny shapes on a CPU, so these only show the check runs)" if meta["smoke"] else ""
-        head += ["", f"## {GOALS}{note}", "", "| goal | measured | met |", "|---|---|---|",
-                 *[f"| {a} | {b} | {c} |" for a, b, c in g]]
+        note = (
+            " (smoke: tiny shapes on a CPU, so these only show the check runs)"
+            if meta["smoke"]
+            else ""
+        )
+        head += [
+            "",
+            f"## {GOALS}{note}",
+            "",
+            "| goal | measured | met |",
+            "|---|---|---|",
+            *[f"| {a} | {b} | {c} |" for a, b, c in g],
+        ]
     return "\n".join(head) + "\n"
 
 
@@ -1011,8 +1418,15 @@ def write_results(out: Path, results: dict, meta: dict) -> dict:
     """results.json and results.md as they stand: written after every step, so that a kit cut off by its
     command's limit still returns every step it finished."""
     meta = {**meta, "wall_s": time.monotonic() - meta["t0"]}
-    doc = {"kit": {k: v for k, v in meta.items() if k != "t0"}, "steps": results, "goals": goals(results)}
-    for name, text in (("results.json", json.dumps(doc, indent=1, default=str)), ("results.md", markdown(results, meta))):
+    doc = {
+        "kit": {k: v for k, v in meta.items() if k != "t0"},
+        "steps": results,
+        "goals": goals(results),
+    }
+    for name, text in (
+        ("results.json", json.dumps(doc, indent=1, default=str)),
+        ("results.md", markdown(results, meta)),
+    ):
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out / name)  # whole or not at all, for whoever reads it while the kit runs
@@ -1020,28 +1434,57 @@ def write_results(out: Path, results: dict, meta: dict) -> dict:
 
 
 def parse_args(argv: list[str] | None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", required=False, help="folder for results.json and results.md")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: every step's code path")
-    ap.add_argument("--only", help="comma-separated steps to run (default: all but " + ", ".join(OPTIONAL_STEPS)
-                    + "; --smoke: all)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU: every step's code path"
+    )
+    ap.add_argument(
+        "--only",
+        help="comma-separated steps to run (default: all but "
+        + ", ".join(OPTIONAL_STEPS)
+        + "; --smoke: all)",
+    )
     ap.add_argument("--skip", default="", help="comma-separated steps to leave out")
-    ap.add_argument("--isolate", default="auto", choices=["auto", "on", "off"],
-                    help="each step in its own process, killed at its cap (auto: on with CUDA, off in --smoke)")
+    ap.add_argument(
+        "--isolate",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="each step in its own process, killed at its cap (auto: on with CUDA, off in --smoke)",
+    )
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--llama", action="store_true", help="the transformers Llama row too (always in --smoke)")
-    ap.add_argument("--artifacts", help="a previous kit run's compile_artifacts folder, loaded before any step "
-                                        "compiles (default: --out's, when there)")
-    ap.add_argument("--artifacts-mib", type=float, default=ARTIFACTS_LIMIT / 2**20,
-                    help="at most this many MiB of compile artifacts kept in --out/compile_artifacts")
-    ap.add_argument("--ttl-seconds", type=float, default=15.0,
-                    help="time_to_loss: the training budget of each recipe, start-up not counted (the issue's "
-                         "figure is 90 s each: --only time_to_loss --ttl-seconds 90)")
+    ap.add_argument(
+        "--llama", action="store_true", help="the transformers Llama row too (always in --smoke)"
+    )
+    ap.add_argument(
+        "--artifacts",
+        help="a previous kit run's compile_artifacts folder, loaded before any step "
+        "compiles (default: --out's, when there)",
+    )
+    ap.add_argument(
+        "--artifacts-mib",
+        type=float,
+        default=ARTIFACTS_LIMIT / 2**20,
+        help="at most this many MiB of compile artifacts kept in --out/compile_artifacts",
+    )
+    ap.add_argument(
+        "--ttl-seconds",
+        type=float,
+        default=15.0,
+        help="time_to_loss: the training budget of each recipe, start-up not counted (the issue's "
+        "figure is 90 s each: --only time_to_loss --ttl-seconds 90)",
+    )
     ap.add_argument("--cap-scale", type=float, default=1.0, help="multiply every step's cap")
-    ap.add_argument("--total", type=float, default=None,
-                    help=f"seconds for the whole kit (default {TOTAL_S:.0f} on a GPU: the kit ends inside 540 s; 420 "
-                         "in --smoke): a step gets at most what is left, and one that cannot start is recorded as "
-                         "skipped")
+    ap.add_argument(
+        "--total",
+        type=float,
+        default=None,
+        help=f"seconds for the whole kit (default {TOTAL_S:.0f} on a GPU: the kit ends inside 540 s; 420 "
+        "in --smoke): a step gets at most what is left, and one that cannot start is recorded as "
+        "skipped",
+    )
     ap.add_argument("--work", help="scratch folder (default: a temporary one)")
     # internal: steps in this process (--isolate)
     ap.add_argument("--run-step", help=argparse.SUPPRESS)
@@ -1055,14 +1498,23 @@ def run_child(args) -> dict:
     """--run-step a,b: those steps in this process, each entry written to --step-result/result-<name>.json as it
     ends; this process's compile artifacts saved beside the results before the last one is."""
     names, caps = args.run_step.split(","), [float(c) for c in args.cap.split(",")]
-    ctx = Ctx(args.smoke, args.device, Path(args.work), json.loads(Path(args.state).read_text())["results"], 0.0,
-              args.ttl_seconds, llama=args.smoke or args.llama)
+    ctx = Ctx(
+        args.smoke,
+        args.device,
+        Path(args.work),
+        json.loads(Path(args.state).read_text())["results"],
+        0.0,
+        args.ttl_seconds,
+        llama=args.smoke or args.llama,
+    )
     res = {}
     for i, (name, cap) in enumerate(zip(names, caps)):
         res = run_in_process(name, cap, ctx)
         ctx.results[name] = res
         if i == len(names) - 1 and args.out:
-            res["artifacts"] = save_artifacts(Path(args.out), "+".join(names), int(args.artifacts_mib * 2**20))
+            res["artifacts"] = save_artifacts(
+                Path(args.out), "+".join(names), int(args.artifacts_mib * 2**20)
+            )
         Path(args.step_result, f"result-{name}.json").write_text(json.dumps(res, default=str))
     return res
 
@@ -1097,14 +1549,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap, args = parse_args(argv)
     if args.smoke:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the CPU, even on a machine with a GPU
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # and its processes: a second thread on 2 busy cores is slower
+        os.environ.setdefault(
+            "OMP_NUM_THREADS", "1"
+        )  # and its processes: a second thread on 2 busy cores is slower
     if args.run_step:
         return run_child(args)
     if not args.out:
         ap.error("--out is required")
     names = [n for n, _, _ in STEPS]
-    chosen = [n for n in (args.only.split(",") if args.only else default_steps(args.smoke))
-              if n and n not in args.skip.split(",")]
+    chosen = [
+        n
+        for n in (args.only.split(",") if args.only else default_steps(args.smoke))
+        if n and n not in args.skip.split(",")
+    ]
     unknown = [n for n in chosen if n not in KEY_STEP]
     if unknown:
         ap.error(f"unknown steps {unknown}; the steps are {', '.join(names)}")
@@ -1113,27 +1570,42 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
-        work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kit_")))
+        work = (
+            Path(args.work)
+            if args.work
+            else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kit_")))
+        )
         work.mkdir(parents=True, exist_ok=True)
         # one Inductor (and Triton) cache folder for every step of this run, child processes included
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor"))
         os.environ.setdefault("TRITON_CACHE_DIR", str(work / "inductor" / "triton"))
         import torch
+
         if args.smoke:
             torch.set_num_threads(1)
         on_cuda = torch.cuda.is_available() and not args.smoke
         isolate = args.isolate == "on" or (args.isolate == "auto" and on_cuda)
         total = args.total if args.total is not None else (420.0 if args.smoke else TOTAL_S)
         previous = Path(args.artifacts) if args.artifacts else out / ARTIFACTS
-        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": args.smoke, "isolated": isolate, "t0": t0,
-                "steps": chosen, "total_s": total, "inductor_cache": "one folder for every step",
-                "artifacts_loaded": load_artifacts(previous)}
+        meta = {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "smoke": args.smoke,
+            "isolated": isolate,
+            "t0": t0,
+            "steps": chosen,
+            "total_s": total,
+            "inductor_cache": "one folder for every step",
+            "artifacts_loaded": load_artifacts(previous),
+        }
         results: dict = {}
 
         def done(name: str, e: dict) -> None:
             results[name] = e
-            print(f"[gpu_kit] {name}: {e['status']} in {e['seconds']:.1f} s"
-                  + (f": {e['error']}" if e["error"] else ""), flush=True)
+            print(
+                f"[gpu_kit] {name}: {e['status']} in {e['seconds']:.1f} s"
+                + (f": {e['error']}" if e["error"] else ""),
+                flush=True,
+            )
             write_results(out, results, meta)
 
         write_results(out, results, meta)
@@ -1142,12 +1614,31 @@ def main(argv: list[str] | None = None) -> dict:
             left = total - (time.monotonic() - t0) - GRACE_S
             if left < MIN_STEP_S:
                 for name, cap in group:
-                    done(name, entry(name, cap, 0.0, skip(f"the kit's {total:.0f} s were spent before this step")))
+                    done(
+                        name,
+                        entry(
+                            name,
+                            cap,
+                            0.0,
+                            skip(f"the kit's {total:.0f} s were spent before this step"),
+                        ),
+                    )
                 continue
             scale = min(1.0, left / sum(c for _, c in group))
             group = [(n, c * scale) for n, c in group]
-            ctx = Ctx(args.smoke, args.device, work, results, 0.0, args.ttl_seconds, llama=args.smoke or args.llama)
-            print(f"[gpu_kit] {', '.join(unit)} (cap {sum(c for _, c in group):.0f} s) ...", flush=True)
+            ctx = Ctx(
+                args.smoke,
+                args.device,
+                work,
+                results,
+                0.0,
+                args.ttl_seconds,
+                llama=args.smoke or args.llama,
+            )
+            print(
+                f"[gpu_kit] {', '.join(unit)} (cap {sum(c for _, c in group):.0f} s) ...",
+                flush=True,
+            )
             if isolate:
                 run_isolated(group, ctx, args, done)
             else:

@@ -22,6 +22,7 @@ bits per byte on held-out text (`tinygpt eval --task perplexity --data HELD_OUT`
         --run fast=a100-124m-fast --run speedrun=a100-124m-speedrun \
         --run "speedrun-70%=a100-124m-speedrun train.max_steps=210"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,8 @@ import torch
 
 from tinygpt.core.callback import Callback
 from tinygpt.core.paths import shared_data_dir
-from tinygpt.core.recipes import apply_overrides, get_recipe
+from tinygpt.core.recipe_choice import apply_overrides
+from tinygpt.core.recipes import get_recipe
 from tinygpt.pretrain.run_pretrain import pretrain
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,12 +71,20 @@ def train(name: str, source: str, overrides: list[str], eval_every: int, tmp: Pa
     base = get_recipe("cpu")
     recipe = get_recipe(name)
     # the `cpu` recipe's data settings on both sides: the same tokenizer, the same validation batches
-    recipe = recipe.replace(data={**base.data.to_dict(), "source": source},
-                            train={"eval_every": eval_every, "eval_batches": base.train.eval_batches,
-                                   "save_every": 0, "sample_every": 0})
+    recipe = recipe.replace(
+        data={**base.data.to_dict(), "source": source},
+        train={
+            "eval_every": eval_every,
+            "eval_batches": base.train.eval_batches,
+            "save_every": 0,
+            "sample_every": 0,
+        },
+    )
     recipe = apply_overrides(recipe, overrides)
     clock = Clock()
-    pretrain(recipe, tmp / name, progress=False, device="cpu", cache_dir=tmp / "cache", callbacks=[clock])
+    pretrain(
+        recipe, tmp / name, progress=False, device="cpu", cache_dir=tmp / "cache", callbacks=[clock]
+    )
     return clock
 
 
@@ -97,14 +107,22 @@ def compare(source: str, label: str, fast: str, fast_overrides: list[str], eval_
     target, ref_s = ref.points[-1][2], ref.points[-1][0]
     t = reached(new.points, target)
     print(f"\n### {label}\n")
-    print(f"| recipe | start-up (s) | wall (s) | steps | final val loss | time to {target:.3f} (s) |")
+    print(
+        f"| recipe | start-up (s) | wall (s) | steps | final val loss | time to {target:.3f} (s) |"
+    )
     print("|---|---|---|---|---|---|")
-    print(f"| cpu | {ref.startup_s:.1f} | {ref_s:.1f} | {ref.points[-1][1]} | {target:.3f} | {ref_s:.1f} |")
-    print(f"| {fast} | {new.startup_s:.1f} | {new.points[-1][0]:.1f} | {new.points[-1][1]} | "
-          f"{new.points[-1][2]:.3f} | {'not reached' if t is None else f'{t:.1f}'} |")
+    print(
+        f"| cpu | {ref.startup_s:.1f} | {ref_s:.1f} | {ref.points[-1][1]} | {target:.3f} | {ref_s:.1f} |"
+    )
+    print(
+        f"| {fast} | {new.startup_s:.1f} | {new.points[-1][0]:.1f} | {new.points[-1][1]} | "
+        f"{new.points[-1][2]:.3f} | {'not reached' if t is None else f'{t:.1f}'} |"
+    )
     ratio = None if t is None else t / ref_s
-    print(f"\n{fast} reaches cpu's final validation loss in "
-          f"{'-' if ratio is None else f'{ratio:.2f}x'} of cpu's wall time (goal: at most 0.5x)")
+    print(
+        f"\n{fast} reaches cpu's final validation loss in "
+        f"{'-' if ratio is None else f'{ratio:.2f}x'} of cpu's wall time (goal: at most 0.5x)"
+    )
     print("\nloss against time (s: val loss)")
     for name, c in (("cpu", ref), (fast, new)):
         print(f"- {name}: " + ", ".join(f"{s:.0f}: {v:.3f}" for s, _, v in c.points))
@@ -112,8 +130,15 @@ def compare(source: str, label: str, fast: str, fast_overrides: list[str], eval_
 
 
 # the ladder's small shape the tokens mode compares recipes at (the recipe keeps everything else)
-SHAPE = {"n_layer": 4, "n_head": 4, "n_kv_head": 4, "d_model": 256, "d_ff": 704, "max_seq_len": 256,
-         "vocab_size": 4096}
+SHAPE = {
+    "n_layer": 4,
+    "n_head": 4,
+    "n_kv_head": 4,
+    "d_model": 256,
+    "d_ff": 704,
+    "max_seq_len": 256,
+    "vocab_size": 4096,
+}
 
 
 def at_shape(spec: str, source: str, steps: int) -> tuple[str, object]:
@@ -124,11 +149,23 @@ def at_shape(spec: str, source: str, steps: int) -> tuple[str, object]:
     recipe = get_recipe(name)
     t = recipe.train
     recipe = recipe.replace(
-        model=SHAPE, data={"source": source, "tokenizer": "train", "vocab_size": 4096, "max_chars": None},
-        train={"micro_batch_size": 8, "seq_len": 256, "grad_accum_steps": 1, "max_steps": steps,
-               "warmup_steps": max(1, round(steps * t.warmup_steps / t.max_steps)), "eval_batches": 8,
-               "save_every": 0, "sample_every": 0, "precision": "fp32", "compile": "off", "device": "cpu",
-               "window_start": t.window_start * 256 // t.seq_len})  # the same fraction of the context
+        model=SHAPE,
+        data={"source": source, "tokenizer": "train", "vocab_size": 4096, "max_chars": None},
+        train={
+            "micro_batch_size": 8,
+            "seq_len": 256,
+            "grad_accum_steps": 1,
+            "max_steps": steps,
+            "warmup_steps": max(1, round(steps * t.warmup_steps / t.max_steps)),
+            "eval_batches": 8,
+            "save_every": 0,
+            "sample_every": 0,
+            "precision": "fp32",
+            "compile": "off",
+            "device": "cpu",
+            "window_start": t.window_start * 256 // t.seq_len,
+        },
+    )  # the same fraction of the context
     recipe = apply_overrides(recipe, overrides)
     every = max(1, recipe.train.max_steps // 5)
     return label, recipe.replace(train={"eval_every": every})
@@ -140,16 +177,44 @@ def tokens_run(spec: str, source: str, steps: int, out: str, held_out: str | Non
     label, recipe = at_shape(spec, source, steps)
     run_dir = Path(out) / label
     clock = Clock()
-    pretrain(recipe, run_dir, progress=False, device="cpu", cache_dir=Path(out) / f"{label}.cache",
-             callbacks=[clock])
+    pretrain(
+        recipe,
+        run_dir,
+        progress=False,
+        device="cpu",
+        cache_dir=Path(out) / f"{label}.cache",
+        callbacks=[clock],
+    )
     per_step = recipe.train.tokens_per_step
-    result = {"label": label, "spec": spec, "points": [(s * per_step, v) for _, s, v in clock.points],
-              "tokens": recipe.train.max_steps * per_step}
+    result = {
+        "label": label,
+        "spec": spec,
+        "points": [(s * per_step, v) for _, s, v in clock.points],
+        "tokens": recipe.train.max_steps * per_step,
+    }
     if held_out:
-        cmd = [sys.executable, "-m", "tinygpt", "eval", str(run_dir), "--task", "perplexity", "--data",
-               held_out, "--max-chars", "200000", "--device", "cpu", "--json"]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        result["held_out"] = json.loads(done.stdout) if done.returncode == 0 else done.stderr.strip()[-300:]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tinygpt",
+            "eval",
+            str(run_dir),
+            "--task",
+            "perplexity",
+            "--data",
+            held_out,
+            "--max-chars",
+            "200000",
+            "--device",
+            "cpu",
+            "--json",
+        ]
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        result["held_out"] = (
+            json.loads(done.stdout) if done.returncode == 0 else done.stderr.strip()[-300:]
+        )
     return result
 
 
@@ -159,10 +224,20 @@ def tokens_to_loss(args: argparse.Namespace) -> None:
     out = args.out or tempfile.mkdtemp(prefix="tokens_to_loss_")
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-        results = list(pool.map(tokens_run, args.run, [source] * len(args.run), [args.steps] * len(args.run),
-                                [out] * len(args.run), [args.held_out] * len(args.run)))
+        results = list(
+            pool.map(
+                tokens_run,
+                args.run,
+                [source] * len(args.run),
+                [args.steps] * len(args.run),
+                [out] * len(args.run),
+                [args.held_out] * len(args.run),
+            )
+        )
     target = results[0]["points"][-1][1]
-    print(f"\n### tokens to {target:.3f} ({results[0]['label']}'s final validation loss), {Path(source).name}\n")
+    print(
+        f"\n### tokens to {target:.3f} ({results[0]['label']}'s final validation loss), {Path(source).name}\n"
+    )
     print("| run | tokens | final val loss | held-out bits/byte | tokens to the target | ratio |")
     print("|---|---|---|---|---|---|")
     for r in results:
@@ -170,10 +245,15 @@ def tokens_to_loss(args: argparse.Namespace) -> None:
         held = r.get("held_out")
         bpb = f"{held['bits_per_byte']:.4f}" if isinstance(held, dict) else "-"
         ratio = "-" if t is None else f"{t / results[0]['tokens']:.2f}"
-        print(f"| {r['label']} | {r['tokens']:,} | {r['points'][-1][1]:.4f} | {bpb} | "
-              f"{'not reached' if t is None else f'{t:,.0f}'} | {ratio} |")
+        print(
+            f"| {r['label']} | {r['tokens']:,} | {r['points'][-1][1]:.4f} | {bpb} | "
+            f"{'not reached' if t is None else f'{t:,.0f}'} | {ratio} |"
+        )
     for r in results:
-        print(f"- {r['label']} (`{r['spec']}`): " + ", ".join(f"{t // 1000}k: {v:.3f}" for t, v in r["points"]))
+        print(
+            f"- {r['label']} (`{r['spec']}`): "
+            + ", ".join(f"{t // 1000}k: {v:.3f}" for t, v in r["points"])
+        )
     Path(out, "tokens_to_loss.json").write_text(json.dumps(results, indent=1))
     print(f"\nruns and tokens_to_loss.json: {out}")
 
@@ -187,9 +267,15 @@ def plot(results: list[dict], fast: str, out: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.8), squeeze=False)
     for ax, r in zip(axes[0], results):
         for name, style in (("cpu", "o-"), (fast, "s-")):
-            ax.plot([p[0] for p in r[name]], [p[2] for p in r[name]], style, label=name, markersize=3)
+            ax.plot(
+                [p[0] for p in r[name]], [p[2] for p in r[name]], style, label=name, markersize=3
+            )
         ax.axhline(r["cpu"][-1][2], color="grey", lw=0.8, ls="--")
-        ax.set(title=r["label"], xlabel="wall time after the first step (s)", ylabel="validation loss (nats/token)")
+        ax.set(
+            title=r["label"],
+            xlabel="wall time after the first step (s)",
+            ylabel="validation loss (nats/token)",
+        )
         ax.legend()
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -198,20 +284,43 @@ def plot(results: list[dict], fast: str, out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", action="append", help="builtin, or a file; default: builtin and Tiny Shakespeare "
-                    "from ../shared/data where present")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--corpus",
+        action="append",
+        help="builtin, or a file; default: builtin and Tiny Shakespeare "
+        "from ../shared/data where present",
+    )
     ap.add_argument("--fast", default="cpu-fast", help="the recipe set against `cpu`")
-    ap.add_argument("--fast-set", action="append", default=[], metavar="KEY=VALUE", help="override the fast recipe")
+    ap.add_argument(
+        "--fast-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override the fast recipe",
+    )
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--plot", default=str(REPO / "docs" / "images" / "time_to_loss.png"))
-    ap.add_argument("--tokens", action="store_true", help="tokens to a loss at the ladder's small shape")
-    ap.add_argument("--run", action="append", default=[], metavar="LABEL=RECIPE [SECTION.FIELD=VALUE ...]",
-                    help="--tokens: a run; the first one's final validation loss is the target")
-    ap.add_argument("--steps", type=int, default=300, help="--tokens: steps of 2,048 tokens per run")
+    ap.add_argument(
+        "--tokens", action="store_true", help="tokens to a loss at the ladder's small shape"
+    )
+    ap.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="LABEL=RECIPE [SECTION.FIELD=VALUE ...]",
+        help="--tokens: a run; the first one's final validation loss is the target",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=300, help="--tokens: steps of 2,048 tokens per run"
+    )
     ap.add_argument("--jobs", type=int, default=1, help="--tokens: runs at once")
     ap.add_argument("--held-out", help="--tokens: a text file for `tinygpt eval --task perplexity`")
-    ap.add_argument("--out", help="--tokens: keep the run folders here (default: a new temporary folder)")
+    ap.add_argument(
+        "--out", help="--tokens: keep the run folders here (default: a new temporary folder)"
+    )
     args = ap.parse_args()
     if args.tokens:
         return tokens_to_loss(args)
@@ -223,10 +332,20 @@ def main() -> None:
             corpora.append(str(shakespeare))
         else:
             print(f"(no {shakespeare}: the second corpus is skipped)", file=sys.stderr)
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    results = [compare(c, "built-in corpus" if c == "builtin" else Path(c).name, args.fast, args.fast_set,
-                       args.eval_every) for c in corpora]
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    results = [
+        compare(
+            c,
+            "built-in corpus" if c == "builtin" else Path(c).name,
+            args.fast,
+            args.fast_set,
+            args.eval_every,
+        )
+        for c in corpora
+    ]
     if args.plot:
         plot(results, args.fast, Path(args.plot))
 

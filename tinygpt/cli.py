@@ -28,7 +28,8 @@ from tinygpt.core.callback import Callback
 from tinygpt.core.config import ConfigError
 from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.options import add_options, did_you_mean, from_args, option
-from tinygpt.core.recipes import RECIPES, RecipeChoice, parse_overrides
+from tinygpt.core.recipe_choice import RecipeChoice, parse_overrides
+from tinygpt.core.recipes import RECIPES
 from tinygpt.core.rundir import FINETUNE_JSON, RunDir
 from tinygpt.core.signals import interrupted_at_start
 from tinygpt.core.units import count

@@ -1,13 +1,14 @@
-"""The named recipes and model sizes: what `tinygpt recipes` lists and `--recipe NAME` trains, and
-how a command chooses one (`RecipeChoice`: the name, a base, `--set` overrides).
+"""The named recipes and model sizes: what `tinygpt recipes` lists and `--recipe NAME` trains.
 
 `Recipe` is a model, a training and a data section checked together (the sections' dataclasses
-and rules are `core.config`'s); a recipe is one `Recipe` constant here plus its name in `RECIPES`. `MODEL_SIZES` names the model shapes the recipes (and the benchmarks) build on.
+and rules are `core.config`'s); a recipe is one `Recipe` constant here plus its name in `RECIPES`.
+`MODEL_SIZES` names the model shapes the recipes (and the benchmarks) build on. How a command
+chooses one (`RecipeChoice`, `--set` overrides) is `core.recipe_choice`'s.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from tinygpt.core.config import (
     TrainConfig,
     _require,
 )
-from tinygpt.core.options import did_you_mean, option
+from tinygpt.core.options import did_you_mean
 
 # Named model sizes. Parameter counts are for the GPT-2 vocabulary padded to 50304;
 # `tinygpt recipes` prints the exact count for each recipe's vocabulary.
@@ -31,12 +32,27 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
     "cpu": dict(n_layer=4, n_head=4, d_model=192, d_ff=512, max_seq_len=256),
     "16m": dict(n_layer=6, n_head=4, d_model=256, d_ff=704, tie_embeddings=True, max_seq_len=512),
     "50m": dict(n_layer=8, n_head=8, d_model=512, d_ff=1408, tie_embeddings=True, max_seq_len=1024),
-    "124m": dict(n_layer=12, n_head=12, d_model=768, d_ff=2048, tie_embeddings=True,
-                 max_seq_len=1024),
-    "350m": dict(n_layer=24, n_head=16, n_kv_head=8, d_model=1024, d_ff=3072, tie_embeddings=True,
-                 max_seq_len=1024),
-    "760m": dict(n_layer=24, n_head=16, n_kv_head=8, d_model=1536, d_ff=4608, tie_embeddings=True,
-                 max_seq_len=2048),
+    "124m": dict(
+        n_layer=12, n_head=12, d_model=768, d_ff=2048, tie_embeddings=True, max_seq_len=1024
+    ),
+    "350m": dict(
+        n_layer=24,
+        n_head=16,
+        n_kv_head=8,
+        d_model=1024,
+        d_ff=3072,
+        tie_embeddings=True,
+        max_seq_len=1024,
+    ),
+    "760m": dict(
+        n_layer=24,
+        n_head=16,
+        n_kv_head=8,
+        d_model=1536,
+        d_ff=4608,
+        tie_embeddings=True,
+        max_seq_len=2048,
+    ),
 }
 
 
@@ -52,16 +68,20 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
-        _require(self.train.seq_len <= self.model.max_seq_len,
-                 f"recipe {self.name!r}: seq_len {self.train.seq_len} is longer than the model's "
-                 f"max_seq_len {self.model.max_seq_len}; lower seq_len or raise max_seq_len")
+        _require(
+            self.train.seq_len <= self.model.max_seq_len,
+            f"recipe {self.name!r}: seq_len {self.train.seq_len} is longer than the model's "
+            f"max_seq_len {self.model.max_seq_len}; lower seq_len or raise max_seq_len",
+        )
         _require(
             self.model.vocab_size >= self.data.vocab_size,
             f"recipe {self.name!r}: the model's vocab_size {self.model.vocab_size} is smaller than "
             f"the tokenizer's {self.data.vocab_size}",
         )
-        _require(not (self.model.fused_proj and self.train.optimizer == "muon"),
-                 f"recipe {self.name!r}: {FUSED_PROJ_MUON}")
+        _require(
+            not (self.model.fused_proj and self.train.optimizer == "muon"),
+            f"recipe {self.name!r}: {FUSED_PROJ_MUON}",
+        )
         # the tokenizers this knows before one is read: GPT-2's size, and that a base's needs a base
         _require(
             self.data.tokenizer != "gpt2" or self.model.vocab_size >= GPT2_VOCAB,
@@ -110,10 +130,14 @@ class Recipe:
         self, model: dict | None = None, train: dict | None = None, data: dict | None = None
     ) -> "Recipe":
         """A copy with some fields changed, validated again."""
-        return Recipe(name=self.name, description=self.description, hardware=self.hardware,
-                      model=dataclasses.replace(self.model, **(model or {})),
-                      train=dataclasses.replace(self.train, **(train or {})),
-                      data=dataclasses.replace(self.data, **(data or {})))
+        return Recipe(
+            name=self.name,
+            description=self.description,
+            hardware=self.hardware,
+            model=dataclasses.replace(self.model, **(model or {})),
+            train=dataclasses.replace(self.train, **(train or {})),
+            data=dataclasses.replace(self.data, **(data or {})),
+        )
 
 
 def model_config(size: str, **overrides: Any) -> ModelConfig:
@@ -129,86 +153,206 @@ TINYSTORIES = "hf:roneneldan/TinyStories"  # ~470M GPT-2 tokens of simple storie
 FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"  # ~10B tokens of educational web pages
 
 
-def _gpu_recipe(name: str, hardware: str, size: str, *, description: str, train: TrainConfig,
-                source: str = FINEWEB_EDU, max_chars: int | None = None, **model: Any) -> Recipe:
+def _gpu_recipe(
+    name: str,
+    hardware: str,
+    size: str,
+    *,
+    description: str,
+    train: TrainConfig,
+    source: str = FINEWEB_EDU,
+    max_chars: int | None = None,
+    **model: Any,
+) -> Recipe:
     """A GPU recipe: a model of a named size (`model_config`, `model` overriding its fields) on a
     Hub data set (FineWeb-Edu unless `source` says otherwise) read through the GPT-2 tokenizer
     (50257 tokens, the embedding padded to GPT2_VOCAB_PADDED for the tensor cores)."""
-    return Recipe(name, description, hardware,
-                  model_config(size, vocab_size=GPT2_VOCAB_PADDED, **model), train,
-                  DataConfig(source=source, tokenizer="gpt2", vocab_size=GPT2_VOCAB,
-                             max_chars=max_chars))
+    return Recipe(
+        name,
+        description,
+        hardware,
+        model_config(size, vocab_size=GPT2_VOCAB_PADDED, **model),
+        train,
+        DataConfig(source=source, tokenizer="gpt2", vocab_size=GPT2_VOCAB, max_chars=max_chars),
+    )
 
 
 # The named recipes: one constant each, then its name in RECIPES (`tinygpt recipes` lists them in
 # this order).
 CPU_SMOKE = Recipe(
-    "cpu-smoke", "A few seconds on any CPU: a 2-layer model, for tests and the notebooks' smoke "
-    "mode.",
-    "cpu", model_config("tiny", vocab_size=512),
-    TrainConfig(micro_batch_size=8, seq_len=64, max_steps=30, lr=3e-3, min_lr=3e-4, warmup_steps=5,
-                eval_every=10, eval_batches=2, log_every=5, save_every=10, keep_last=2,
-                precision="fp32"),
-    DataConfig(source="builtin", vocab_size=512, max_chars=400_000))
+    "cpu-smoke",
+    "A few seconds on any CPU: a 2-layer model, for tests and the notebooks' smoke mode.",
+    "cpu",
+    model_config("tiny", vocab_size=512),
+    TrainConfig(
+        micro_batch_size=8,
+        seq_len=64,
+        max_steps=30,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=5,
+        eval_every=10,
+        eval_batches=2,
+        log_every=5,
+        save_every=10,
+        keep_last=2,
+        precision="fp32",
+    ),
+    DataConfig(source="builtin", vocab_size=512, max_chars=400_000),
+)
 CPU = Recipe(
-    "cpu", "The default on a CPU: a 3M-parameter model on the standard library's source, ~2 min on "
+    "cpu",
+    "The default on a CPU: a 3M-parameter model on the standard library's source, ~2 min on "
     "2 idle cores.",
-    "cpu", model_config("cpu", vocab_size=4096),
-    TrainConfig(micro_batch_size=16, seq_len=128, max_steps=300, lr=2e-3, min_lr=2e-4,
-                warmup_steps=30, eval_every=100, eval_batches=8, log_every=10, save_every=100,
-                keep_last=2),
-    DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000))
+    "cpu",
+    model_config("cpu", vocab_size=4096),
+    TrainConfig(
+        micro_batch_size=16,
+        seq_len=128,
+        max_steps=300,
+        lr=2e-3,
+        min_lr=2e-4,
+        warmup_steps=30,
+        eval_every=100,
+        eval_batches=8,
+        log_every=10,
+        save_every=100,
+        keep_last=2,
+    ),
+    DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000),
+)
 CPU_FAST = Recipe(
-    "cpu-fast", "The cpu recipe's model made faster to a good loss: QK-norm, zero-initialised "
+    "cpu-fast",
+    "The cpu recipe's model made faster to a good loss: QK-norm, zero-initialised "
     "projections, Muon for the hidden matrices, warmup-stable-decay, 3 layers, half the batch: "
     "half the tokens, ~1 min.",
-    "cpu", model_config("cpu", vocab_size=4096, n_layer=3, qk_norm=True, zero_init_proj=True),
-    TrainConfig(micro_batch_size=8, seq_len=128, max_steps=300, lr=4e-3, min_lr=0.0,
-                warmup_steps=20, optimizer="muon", schedule="wsd", decay_fraction=0.4,
-                eval_every=100, eval_batches=8, log_every=10, save_every=100, keep_last=2),
-    DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000))
+    "cpu",
+    model_config("cpu", vocab_size=4096, n_layer=3, qk_norm=True, zero_init_proj=True),
+    TrainConfig(
+        micro_batch_size=8,
+        seq_len=128,
+        max_steps=300,
+        lr=4e-3,
+        min_lr=0.0,
+        warmup_steps=20,
+        optimizer="muon",
+        schedule="wsd",
+        decay_fraction=0.4,
+        eval_every=100,
+        eval_batches=8,
+        log_every=10,
+        save_every=100,
+        keep_last=2,
+    ),
+    DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000),
+)
 
 
-def _gpu_train(micro_batch_size: int, seq_len: int, grad_accum_steps: int, *, every: int,
-               lr: float, precision: str = "bf16", **kw: Any) -> TrainConfig:
+def _gpu_train(
+    micro_batch_size: int,
+    seq_len: int,
+    grad_accum_steps: int,
+    *,
+    every: int,
+    lr: float,
+    precision: str = "bf16",
+    **kw: Any,
+) -> TrainConfig:
     """A GPU recipe's training settings: evaluated where it saves (each checkpoint's val_loss is
     known, and `best/` is never older than the newest step); bf16 unless `precision` says
     otherwise."""
-    return TrainConfig(micro_batch_size=micro_batch_size, seq_len=seq_len,
-                       grad_accum_steps=grad_accum_steps, lr=lr, eval_every=every,
-                       save_every=every, precision=precision, **kw)
+    return TrainConfig(
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        grad_accum_steps=grad_accum_steps,
+        lr=lr,
+        eval_every=every,
+        save_every=every,
+        precision=precision,
+        **kw,
+    )
 
 
 # A T4 has no bf16: fp16 with a GradScaler; its 16 GB and ~65 TFLOP/s suit 50M parameters at
 # context 512 on TinyStories, a corpus such a model learns to write fluently within one Colab
 # session.
-T4_50M = _gpu_recipe("t4-50m", "t4", "50m", source=TINYSTORIES, max_seq_len=512, description=(
-    "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer."),
-    train=_gpu_train(16, 512, 8, max_steps=4000, lr=6e-4, min_lr=6e-5, warmup_steps=200,
-                     every=250, precision="fp16"))
+T4_50M = _gpu_recipe(
+    "t4-50m",
+    "t4",
+    "50m",
+    source=TINYSTORIES,
+    max_seq_len=512,
+    description=(
+        "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer."
+    ),
+    train=_gpu_train(
+        16,
+        512,
+        8,
+        max_steps=4000,
+        lr=6e-4,
+        min_lr=6e-5,
+        warmup_steps=200,
+        every=250,
+        precision="fp16",
+    ),
+)
 # An L4 (24 GB, bf16) fits GPT-2 small at half the A100's micro-batch; its token budget is what it
 # trains in about one 3-hour session.
-L4_124M = _gpu_recipe("l4-124m", "l4", "124m", max_chars=6_500_000_000, description=(
-    "Colab's L4 (bf16): GPT-2-small scale, context 1024."),
-    train=_gpu_train(16, 1024, 16, max_steps=5000, lr=6e-4, min_lr=6e-5, warmup_steps=300,
-                     every=250))
+L4_124M = _gpu_recipe(
+    "l4-124m",
+    "l4",
+    "124m",
+    max_chars=6_500_000_000,
+    description=("Colab's L4 (bf16): GPT-2-small scale, context 1024."),
+    train=_gpu_train(
+        16, 1024, 16, max_steps=5000, lr=6e-4, min_lr=6e-5, warmup_steps=300, every=250
+    ),
+)
 # nanoGPT's GPT-2 small reproduction scaled to a Colab session: ~0.5M tokens per step
 # (32 x 1024 x 16).
-A100_124M = _gpu_recipe("a100-124m", "a100", "124m", max_chars=25_000_000_000, description=(
-    "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; 0.5M "
-    "tokens per step."),
-    train=_gpu_train(32, 1024, 16, max_steps=10000, lr=6e-4, min_lr=6e-5, warmup_steps=700,
-                     every=250))
+A100_124M = _gpu_recipe(
+    "a100-124m",
+    "a100",
+    "124m",
+    max_chars=25_000_000_000,
+    description=(
+        "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; 0.5M "
+        "tokens per step."
+    ),
+    train=_gpu_train(
+        32, 1024, 16, max_steps=10000, lr=6e-4, min_lr=6e-5, warmup_steps=700, every=250
+    ),
+)
 # The modded-nanoGPT changes that hold at this size (QK-norm, untied head, zero-init projections,
 # Muon, WSD): the flagship's loss in half its steps and tokens; Muon's orthogonalised updates take a
 # 2.5x learning rate.
 A100_124M_FAST = _gpu_recipe(
-    "a100-124m-fast", "a100", "124m", max_chars=13_000_000_000, tie_embeddings=False,
-    qk_norm=True, zero_init_proj=True, description=(
+    "a100-124m-fast",
+    "a100",
+    "124m",
+    max_chars=13_000_000_000,
+    tie_embeddings=False,
+    qk_norm=True,
+    zero_init_proj=True,
+    description=(
         "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an untied "
-        "head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3)."),
-    train=_gpu_train(32, 1024, 16, max_steps=5000, lr=1.5e-3, min_lr=0.0, warmup_steps=250,
-                     every=250, optimizer="muon", schedule="wsd", decay_fraction=0.4))
+        "head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3)."
+    ),
+    train=_gpu_train(
+        32,
+        1024,
+        16,
+        max_steps=5000,
+        lr=1.5e-3,
+        min_lr=0.0,
+        warmup_steps=250,
+        every=250,
+        optimizer="muon",
+        schedule="wsd",
+        decay_fraction=0.4,
+    ),
+)
 # The fast recipe with what modded-nanogpt's records changed in training rather than in the network
 # (docs/RECIPES.md, benchmarks/results/2026-11-29-speedrun-ablation.md): the embedding's AdamW rate
 # 30x the head's and an attention window growing from a quarter of the context to all of it by the
@@ -217,29 +361,71 @@ A100_124M_FAST = _gpu_recipe(
 # (train.doc_mask) are options it leaves off: neither lowered the loss at equal tokens there. The
 # network is the fast recipe's: it exports as Qwen3.
 A100_124M_SPEEDRUN = _gpu_recipe(
-    "a100-124m-speedrun", "a100", "124m", max_chars=9_500_000_000, tie_embeddings=False,
-    qk_norm=True, zero_init_proj=True, description=(
+    "a100-124m-speedrun",
+    "a100",
+    "124m",
+    max_chars=9_500_000_000,
+    tie_embeddings=False,
+    qk_norm=True,
+    zero_init_proj=True,
+    description=(
         "The fast recipe in 70% of its tokens: the embedding learns at 30x the head's rate and "
-        "the attention window grows during training; the same network, exports as Qwen3."),
-    train=_gpu_train(32, 1024, 16, max_steps=3500, lr=1.5e-3, min_lr=0.0, warmup_steps=175,
-                     every=250, optimizer="muon", schedule="wsd", decay_fraction=0.4,
-                     embed_lr_scale=30.0, window_start=256))
+        "the attention window grows during training; the same network, exports as Qwen3."
+    ),
+    train=_gpu_train(
+        32,
+        1024,
+        16,
+        max_steps=3500,
+        lr=1.5e-3,
+        min_lr=0.0,
+        warmup_steps=175,
+        every=250,
+        optimizer="muon",
+        schedule="wsd",
+        decay_fraction=0.4,
+        embed_lr_scale=30.0,
+        window_start=256,
+    ),
+)
 # Three times the flagship's parameters: half the micro-batch, twice the accumulation (the same
 # tokens per step), and a lower peak learning rate as the model grows (GPT-3's table: 6e-4, 3e-4,
 # 2.5e-4).
-A100_350M = _gpu_recipe("a100-350m", "a100", "350m", description=(
-    "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16."),
-    train=_gpu_train(16, 1024, 32, max_steps=20000, lr=3e-4, min_lr=3e-5, warmup_steps=1000,
-                     every=500))
+A100_350M = _gpu_recipe(
+    "a100-350m",
+    "a100",
+    "350m",
+    description=("A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16."),
+    train=_gpu_train(
+        16, 1024, 32, max_steps=20000, lr=3e-4, min_lr=3e-5, warmup_steps=1000, every=500
+    ),
+)
 # 80 GB holds 760M parameters at context 2048; GQA keeps the KV cache of its generation small.
-H100_760M = _gpu_recipe("h100-760m", "h100", "760m", description=(
-    "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16."),
-    train=_gpu_train(16, 2048, 16, max_steps=20000, lr=2.5e-4, min_lr=2.5e-5, warmup_steps=1000,
-                     every=500))
+H100_760M = _gpu_recipe(
+    "h100-760m",
+    "h100",
+    "760m",
+    description=("An H100 (80 GB): 760M parameters, GQA, context 2048, bf16."),
+    train=_gpu_train(
+        16, 2048, 16, max_steps=20000, lr=2.5e-4, min_lr=2.5e-5, warmup_steps=1000, every=500
+    ),
+)
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    CPU_SMOKE, CPU, CPU_FAST, T4_50M, L4_124M, A100_124M, A100_124M_FAST, A100_124M_SPEEDRUN,
-    A100_350M, H100_760M)}
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        CPU_SMOKE,
+        CPU,
+        CPU_FAST,
+        T4_50M,
+        L4_124M,
+        A100_124M,
+        A100_124M_FAST,
+        A100_124M_SPEEDRUN,
+        A100_350M,
+        H100_760M,
+    )
+}
 
 
 def get_recipe(name: str) -> Recipe:
@@ -251,57 +437,3 @@ def get_recipe(name: str) -> Recipe:
             f"{', '.join(RECIPES)}"
         )
     return Recipe.from_dict(RECIPES[name].to_dict())
-
-
-def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
-    """The recipe with `train.lr=1e-3`-style overrides (`--set`): `parse_overrides`."""
-    return recipe.replace(**parse_overrides(recipe, assignments))
-
-
-def parse_overrides(recipe: Recipe, assignments: list[str]) -> dict[str, dict[str, Any]]:
-    """`train.lr=1e-3`-style overrides (`--set`) as {section: {field: value}}, values parsed as JSON
-    where they can be (numbers, true, null); a number field takes a number (a whole number where it
-    is an int), a string field a string."""
-    changes: dict[str, dict] = {"model": {}, "train": {}, "data": {}}
-    for a in assignments:
-        key, sep, raw = a.partition("=")
-        section, _, name = key.partition(".")
-        if not sep or section not in changes or not name:
-            raise ConfigError(f"cannot read override {a!r}: write SECTION.FIELD=VALUE with SECTION "
-                              "model, train or data")
-        fields = getattr(recipe, section).to_dict()
-        if name not in fields:
-            raise ConfigError(f"{section} has no field {name!r}; fields: {', '.join(fields)}")
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            value = raw
-        current = fields[name]
-        if isinstance(current, (int, float)) and not isinstance(current, bool):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or (isinstance(current, int) and not isinstance(value, int))):
-                kind = "a whole number" if isinstance(current, int) else "a number"
-                raise ConfigError(f"--set {a}: {section}.{name} must be {kind} (it is {current!r} "
-                                  f"in recipe {recipe.name}), not {raw!r}")
-        elif isinstance(current, str) and not isinstance(value, str):
-            value = raw
-        changes[section][name] = value
-    return changes
-
-
-@dataclass
-class RecipeChoice:
-    """What `tinygpt pretrain` trains: a named recipe, maybe continued from a base, with fields
-    changed. Each field is a command-line option (core/options.py)."""
-    recipe: str | None = option(
-        None, help="a name from `tinygpt recipes` (default: the run folder's own recipe when it "
-        "has one, else the one this hardware suits, as `tinygpt probe` shows)")
-    init: str | None = option(
-        None, metavar="BASE", help="continue pretraining a model: hf:NAME[@REVISION] (e.g. "
-        "hf:HuggingFaceTB/SmolLM2-135M), a Llama/Qwen3 model folder, or a tinygpt run folder; its "
-        "weights, tokenizer and architecture, with the recipe's batch and steps at a lower "
-        "learning rate")
-    overrides: list[str] = option(
-        default_factory=list, flag="--set", metavar="SECTION.FIELD=VALUE",
-        help="override recipe fields, e.g. --set train.lr=1e-3 model.n_layer=6 "
-        "data.max_chars=100000")
