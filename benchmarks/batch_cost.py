@@ -6,6 +6,7 @@ micro-batch: whether a larger batch is cheaper per token on this machine (docs/B
 The three are timed in turn, ROUNDS times, each 8 steps after 3 of warm-up, as process CPU time (a shared
 machine's load moves wall time more than CPU time); the median of the rounds is printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,18 +41,25 @@ def cpu_us_per_token(recipe) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--recipe", default="cpu-fast")
     base = get_recipe(ap.parse_args().recipe)
     mb = base.train.micro_batch_size
-    variants = {f"micro-batch {mb}": {}, f"micro-batch {mb} x 2 accumulated": {"grad_accum_steps": 2},
-                f"micro-batch {2 * mb}": {"micro_batch_size": 2 * mb}}
+    variants = {
+        f"micro-batch {mb}": {},
+        f"micro-batch {mb} x 2 accumulated": {"grad_accum_steps": 2},
+        f"micro-batch {2 * mb}": {"micro_batch_size": 2 * mb},
+    }
     times = {name: [] for name in variants}
     for _ in range(ROUNDS):
         for name, train in variants.items():
             times[name].append(cpu_us_per_token(base.replace(train=train)))
     for name, ts in times.items():
-        print(f"{name}: {statistics.median(ts):.1f} CPU us/token (rounds: {', '.join(f'{t:.1f}' for t in ts)})")
+        print(
+            f"{name}: {statistics.median(ts):.1f} CPU us/token (rounds: {', '.join(f'{t:.1f}' for t in ts)})"
+        )
     return 0
 
 

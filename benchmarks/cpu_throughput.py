@@ -7,6 +7,7 @@ Prints tokens/s of (1) BPE training, (2) the token cache build (fresh cache fold
 (3) training steps after warm-up (median over steps, the loss read every step so the
 timing is honest on any device).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,15 @@ from tinygpt.train.optim import build_optimizer  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--recipe", default="cpu")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.threads:
@@ -46,7 +51,9 @@ def main() -> None:
     d = recipe.data
 
     t0 = time.perf_counter()
-    sample = iter_documents(type(d)(**{**d.to_dict(), "max_chars": min(d.max_chars or 1e12, TOKENIZER_TRAIN_CHARS)}))
+    sample = iter_documents(
+        type(d)(**{**d.to_dict(), "max_chars": min(d.max_chars or 1e12, TOKENIZER_TRAIN_CHARS)})
+    )
     tok = train_bpe(sample, d.vocab_size)
     bpe_s = time.perf_counter() - t0
 
@@ -73,12 +80,19 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
         step_s = statistics.median(times)
     row = {
-        "date": time.strftime("%Y-%m-%d"), "recipe": recipe.name, "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "params": model.num_params(), "corpus_chars": data.meta["chars"], "tokens": n_tokens,
+        "date": time.strftime("%Y-%m-%d"),
+        "recipe": recipe.name,
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "params": model.num_params(),
+        "corpus_chars": data.meta["chars"],
+        "tokens": n_tokens,
         "chars_per_token": round(data.meta["chars_per_token"], 3),
-        "bpe_train_s": round(bpe_s, 2), "cache_build_s": round(cache_s, 2),
-        "cache_tokens_per_s": round(n_tokens / cache_s), "step_s_median": round(step_s, 4),
+        "bpe_train_s": round(bpe_s, 2),
+        "cache_build_s": round(cache_s, 2),
+        "cache_tokens_per_s": round(n_tokens / cache_s),
+        "step_s_median": round(step_s, 4),
         "train_tokens_per_s": round(tc.tokens_per_step / step_s),
         "recipe_time_estimate_s": round(step_s * tc.max_steps + bpe_s + cache_s, 1),
     }

@@ -7,6 +7,7 @@ Every figure comes from the `tinygpt` command itself, run as a subprocess with -
 with the results are exactly what was measured. The output is a Markdown section for a dated file in benchmarks/results/.
 A uniform guess over the vocabulary (perplexity = vocab size) and random HellaSwag answers (25%) are the floors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,13 +23,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.path.relpath(os.environ.get("TINYGPT_SHARED_DATA", REPO.parent / "shared" / "data"), REPO))
+DATA = Path(
+    os.path.relpath(os.environ.get("TINYGPT_SHARED_DATA", REPO.parent / "shared" / "data"), REPO)
+)
 
 
 def tinygpt(*args: str) -> tuple[str, float, str]:
     """(stdout, wall seconds, the command as a user types it) of `tinygpt ARGS`."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tinygpt", *args], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinygpt", *args], cwd=REPO, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         sys.exit(f"tinygpt {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc.stdout, time.perf_counter() - t0, "tinygpt " + shlex.join(args)
@@ -38,9 +43,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", default="runs/cpu-eval")
     ap.add_argument("--recipe", default="cpu")
-    ap.add_argument("--window", type=int, default=256, help="tokens per window (the cpu recipe's context)")
-    ap.add_argument("--stride", type=int, default=128, help="each scored token sees at least window - stride tokens")
-    ap.add_argument("--max-chars", type=int, default=None, help="characters of WikiText-2 test (default: all)")
+    ap.add_argument(
+        "--window", type=int, default=256, help="tokens per window (the cpu recipe's context)"
+    )
+    ap.add_argument(
+        "--stride",
+        type=int,
+        default=128,
+        help="each scored token sees at least window - stride tokens",
+    )
+    ap.add_argument(
+        "--max-chars", type=int, default=None, help="characters of WikiText-2 test (default: all)"
+    )
     ap.add_argument("--hellaswag-limit", type=int, default=500)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="also write the Markdown section to this file")
@@ -48,7 +62,9 @@ def main() -> None:
     import torch
 
     run = args.run_dir
-    run_path = REPO / run  # the commands run in the repository root; an absolute path stays as it is
+    run_path = (
+        REPO / run
+    )  # the commands run in the repository root; an absolute path stays as it is
     lines = []
     train = ("pretrain", "--recipe", args.recipe, "--run-dir", run, "--quiet")
     if list(run_path.glob("checkpoints/step_*")):
@@ -57,14 +73,38 @@ def main() -> None:
         _, train_s, cmd = tinygpt(*train)
         lines.append(f"    {cmd}    # {train_s / 60:.1f} min")
     summary = json.loads(tinygpt("eval", run, "--task", "summary", "--json")[0])
-    ppl_args = ["eval", run, "--task", "perplexity", "--data", str(DATA / "wikitext2_test.txt"), "--window",
-                str(args.window), "--stride", str(args.stride), "--device", args.device, "--json"]
+    ppl_args = [
+        "eval",
+        run,
+        "--task",
+        "perplexity",
+        "--data",
+        str(DATA / "wikitext2_test.txt"),
+        "--window",
+        str(args.window),
+        "--stride",
+        str(args.stride),
+        "--device",
+        args.device,
+        "--json",
+    ]
     if args.max_chars:
         ppl_args += ["--max-chars", str(args.max_chars)]
     out, ppl_s, ppl_cmd = tinygpt(*ppl_args)
     ppl = json.loads(out)
-    out, hs_s, hs_cmd = tinygpt("eval", run, "--task", "hellaswag", "--data", str(DATA / "hellaswag_val.txt.bz2"),
-                                "--limit", str(args.hellaswag_limit), "--device", args.device, "--json")
+    out, hs_s, hs_cmd = tinygpt(
+        "eval",
+        run,
+        "--task",
+        "hellaswag",
+        "--data",
+        str(DATA / "hellaswag_val.txt.bz2"),
+        "--limit",
+        str(args.hellaswag_limit),
+        "--device",
+        args.device,
+        "--json",
+    )
     hs = json.loads(out)
     data_cfg = json.loads((run_path / "run.json").read_text())["recipe"]["data"]
     vocab_size, source = data_cfg["vocab_size"], data_cfg["source"]
@@ -76,21 +116,21 @@ def main() -> None:
 
 {datetime.date.today().isoformat()}, CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}, \
 {torch.get_num_threads()} torch threads), torch {torch.__version__}, Python {platform.python_version()}. The model of `tinygpt pretrain` (recipe
-`{summary['recipe']}`, {summary['steps']} steps, {summary['tokens_seen']:,} tokens of {source};
-best validation loss {summary['val_loss_best']:.3f} at step {summary['val_loss_best_step']}), its latest checkpoint:
+`{summary["recipe"]}`, {summary["steps"]} steps, {summary["tokens_seen"]:,} tokens of {source};
+best validation loss {summary["val_loss_best"]:.3f} at step {summary["val_loss_best_step"]}), its latest checkpoint:
 
 {chr(10).join(lines)}
 
 | evaluation | setting | result | floor |
 |---|---|---|---|
-| WikiText-2 test, perplexity (per token) | offline word-level file with `<unk>`, {ppl['bytes']:,} bytes, \
-{ppl['tokens']:,} tokens; window {ppl['window']}, stride {ppl['stride']} ({ppl['windows']:,} windows) \
-| {ppl['perplexity']:.1f} | {vocab_size:,} (uniform over the vocabulary) |
-| WikiText-2 test, bits per byte | same | {ppl['bits_per_byte']:.3f} | {uniform_bpb:.3f} |
-| HellaSwag validation, acc | first {hs['n']} of 10,042 items | {hs['acc']:.1%} ± {hs['acc_stderr']:.1%} \
-| 25% (random); GPT-2 124M {hs_ref['gpt2-124m']['acc']:.1%} |
-| HellaSwag validation, acc_norm | same | {hs['acc_norm']:.1%} ± {hs['acc_norm_stderr']:.1%} \
-| 25% (random); GPT-2 124M {hs_ref['gpt2-124m']['acc_norm']:.1%} |
+| WikiText-2 test, perplexity (per token) | offline word-level file with `<unk>`, {ppl["bytes"]:,} bytes, \
+{ppl["tokens"]:,} tokens; window {ppl["window"]}, stride {ppl["stride"]} ({ppl["windows"]:,} windows) \
+| {ppl["perplexity"]:.1f} | {vocab_size:,} (uniform over the vocabulary) |
+| WikiText-2 test, bits per byte | same | {ppl["bits_per_byte"]:.3f} | {uniform_bpb:.3f} |
+| HellaSwag validation, acc | first {hs["n"]} of 10,042 items | {hs["acc"]:.1%} ± {hs["acc_stderr"]:.1%} \
+| 25% (random); GPT-2 124M {hs_ref["gpt2-124m"]["acc"]:.1%} |
+| HellaSwag validation, acc_norm | same | {hs["acc_norm"]:.1%} ± {hs["acc_norm_stderr"]:.1%} \
+| 25% (random); GPT-2 124M {hs_ref["gpt2-124m"]["acc_norm"]:.1%} |
 """
     print(md)
     if args.out:

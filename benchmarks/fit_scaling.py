@@ -14,6 +14,7 @@ toward Chinchilla's exponents (so that few points do not choose wild ones). The 
 are left out of the fit and predicted: their error is the law's error. With --jobs N, N runs train at once,
 each on cores/N threads (a run's loss does not depend on its speed: each trains a fixed number of tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,31 +49,62 @@ from tinygpt.pretrain.run_pretrain import pretrain  # noqa: E402
 # tokens its 10- and 40-minute budgets buy (0.25M to 3.5M, over three epochs of the built-in corpus's 4M
 # characters at the top) and the rungs they choose among (d2 to d5).
 GRIDS = {
-    "cpu": ([(2, 100_000), (2, 200_000), (2, 400_000), (3, 100_000), (3, 200_000), (4, 100_000)],
-            [(3, 300_000), (4, 200_000)]),
-    "cpu-fast": ([(2, 250_000), (2, 1_000_000), (2, 2_000_000), (2, 3_500_000), (3, 250_000), (3, 1_000_000),
-                  (3, 3_000_000), (4, 500_000), (4, 2_000_000), (5, 250_000)],
-                 [(4, 1_000_000), (3, 2_000_000)]),
+    "cpu": (
+        [(2, 100_000), (2, 200_000), (2, 400_000), (3, 100_000), (3, 200_000), (4, 100_000)],
+        [(3, 300_000), (4, 200_000)],
+    ),
+    "cpu-fast": (
+        [
+            (2, 250_000),
+            (2, 1_000_000),
+            (2, 2_000_000),
+            (2, 3_500_000),
+            (3, 250_000),
+            (3, 1_000_000),
+            (3, 3_000_000),
+            (4, 500_000),
+            (4, 2_000_000),
+            (5, 250_000),
+        ],
+        [(4, 1_000_000), (3, 2_000_000)],
+    ),
 }
 EVAL_BATCHES = 32
 PRIOR_PULL = 0.02
 
 
-def train_point(recipe_name: str, depth: int, tokens: int, out: Path, threads: int | None = None) -> dict:
+def train_point(
+    recipe_name: str, depth: int, tokens: int, out: Path, threads: int | None = None
+) -> dict:
     """One run of the grid: its final validation loss, parameters, tokens, and CPU time."""
     if threads:
         torch.set_num_threads(threads)
     recipe = rung(get_recipe(recipe_name), depth)
     steps = max(1, round(tokens / recipe.train.tokens_per_step))
-    recipe = recipe.replace(train=dict(schedule="wsd", max_steps=steps, eval_every=steps, save_every=steps,
-                                       eval_batches=EVAL_BATCHES))
+    recipe = recipe.replace(
+        train=dict(
+            schedule="wsd",
+            max_steps=steps,
+            eval_every=steps,
+            save_every=steps,
+            eval_batches=EVAL_BATCHES,
+        )
+    )
     run_dir = out / f"{recipe_name}-{rung_name(depth)}-{tokens}"
     t0, c0 = time.time(), time.process_time()
     result = pretrain(recipe, run_dir, progress=False, tensorboard=False, device="cpu")
-    return {"recipe": recipe_name, "size": rung_name(depth), "depth": depth,
-            "params": meta_model(recipe.model).num_params(non_embedding=True),
-            "tokens": steps * recipe.train.tokens_per_step, "steps": steps, "val_loss": result.val_loss,
-            "lr": recipe.train.lr, "wall_s": round(time.time() - t0, 1), "cpu_s": round(time.process_time() - c0, 1)}
+    return {
+        "recipe": recipe_name,
+        "size": rung_name(depth),
+        "depth": depth,
+        "params": meta_model(recipe.model).num_params(non_embedding=True),
+        "tokens": steps * recipe.train.tokens_per_step,
+        "steps": steps,
+        "val_loss": result.val_loss,
+        "lr": recipe.train.lr,
+        "wall_s": round(time.time() - t0, 1),
+        "cpu_s": round(time.process_time() - c0, 1),
+    }
 
 
 def data(p: dict, unique: float | None) -> float:
@@ -87,7 +119,7 @@ def fit(points: list[dict], unique: float | None) -> dict:
     y = np.array([p["val_loss"] for p in points], dtype=np.float64)
     best = None
     for alpha, beta in itertools.product(np.arange(0.05, 1.0001, 0.05), repeat=2):
-        X = np.stack([np.ones_like(n), n ** -alpha, d ** -beta], axis=1) / y[:, None]
+        X = np.stack([np.ones_like(n), n**-alpha, d**-beta], axis=1) / y[:, None]
         coef, *_ = np.linalg.lstsq(X, np.ones_like(y), rcond=None)
         if (coef < 0).any():  # non-negative: refit with the negative terms dropped
             keep = coef >= 0
@@ -99,20 +131,34 @@ def fit(points: list[dict], unique: float | None) -> dict:
         if best is None or score < best[0]:
             best = (score, float(alpha), float(beta), coef, err)
     _, alpha, beta, (E, A, B), err = best
-    return {"E": float(E), "A": float(A), "B": float(B), "alpha": alpha, "beta": beta,
-            "rms_relative_error": float(np.sqrt(err))}
+    return {
+        "E": float(E),
+        "A": float(A),
+        "B": float(B),
+        "alpha": alpha,
+        "beta": beta,
+        "rms_relative_error": float(np.sqrt(err)),
+    }
 
 
 def predict(law: dict, p: dict, unique: float | None) -> float:
-    return law["E"] + law["A"] / p["params"] ** law["alpha"] + law["B"] / data(p, unique) ** law["beta"]
+    return (
+        law["E"]
+        + law["A"] / p["params"] ** law["alpha"]
+        + law["B"] / data(p, unique) ** law["beta"]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--recipe", default="cpu")
     ap.add_argument("--write", action="store_true", help=f"write tinygpt/fit/{LAWS_FILE}")
-    ap.add_argument("--fit-only", action="store_true", help="fit the runs already in --out, train nothing")
+    ap.add_argument(
+        "--fit-only", action="store_true", help="fit the runs already in --out, train nothing"
+    )
     ap.add_argument("--jobs", type=int, default=1, help="runs trained at once")
     args = ap.parse_args(argv)
     fit_grid, held_grid = GRIDS[args.recipe]
@@ -122,8 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     log = args.out / "runs.jsonl"
     done = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
     have = {(p["depth"], p["tokens"]) for p in done if p["recipe"] == args.recipe}
-    todo = [(depth, tokens) for depth, tokens in ([] if args.fit_only else fit_grid + held_grid)
-            if (depth, round(tokens / recipe.train.tokens_per_step) * recipe.train.tokens_per_step) not in have]
+    todo = [
+        (depth, tokens)
+        for depth, tokens in ([] if args.fit_only else fit_grid + held_grid)
+        if (depth, round(tokens / recipe.train.tokens_per_step) * recipe.train.tokens_per_step)
+        not in have
+    ]
     todo.sort(key=lambda dt: -(dt[0] ** 2 * dt[1]))  # the longest first: the jobs end together
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -138,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     held = {(d, round(t / recipe.train.tokens_per_step)) for d, t in held_grid}
     is_held = [(p["depth"], p["steps"]) in held for p in runs]
     law = fit([p for p, h in zip(runs, is_held) if not h], unique)
-    print(f"\nL(N, D) = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.2f} + {law['B']:.4g}/D^{law['beta']:.2f}"
-          f"  (rms relative error on the fitted runs {law['rms_relative_error']:.2%})\n")
+    print(
+        f"\nL(N, D) = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.2f} + {law['B']:.4g}/D^{law['beta']:.2f}"
+        f"  (rms relative error on the fitted runs {law['rms_relative_error']:.2%})\n"
+    )
     print("| size | params | tokens | val loss | predicted | error | held out | CPU s |")
     print("|---|---|---|---|---|---|---|---|")
     errors = []
@@ -148,17 +200,22 @@ def main(argv: list[str] | None = None) -> int:
         err = (pred - p["val_loss"]) / p["val_loss"]
         if h:
             errors.append(abs(err))
-        print(f"| {p['size']} | {p['params']:,} | {p['tokens']:,} | {p['val_loss']:.4f} | {pred:.4f} | {err:+.1%} "
-              f"| {'yes' if h else ''} | {p['cpu_s']:.0f} |")
+        print(
+            f"| {p['size']} | {p['params']:,} | {p['tokens']:,} | {p['val_loss']:.4f} | {pred:.4f} | {err:+.1%} "
+            f"| {'yes' if h else ''} | {p['cpu_s']:.0f} |"
+        )
     if errors:
         print(f"\nheld-out runs: largest error {max(errors):.1%}")
     if args.write:
         path = ROOT / "tinygpt" / "fit" / LAWS_FILE
         laws = json.loads(path.read_text())["laws"] if path.is_file() else {}
-        laws[args.recipe] = {**law, "held_out_max_error": max(errors) if errors else None,
-                             "source": f"fitted on {len(runs) - len(errors)} tinygpt runs of the {args.recipe} "
-                                       f"ladder (benchmarks/fit_scaling.py, {time.strftime('%Y-%m-%d')})",
-                             "runs": runs}
+        laws[args.recipe] = {
+            **law,
+            "held_out_max_error": max(errors) if errors else None,
+            "source": f"fitted on {len(runs) - len(errors)} tinygpt runs of the {args.recipe} "
+            f"ladder (benchmarks/fit_scaling.py, {time.strftime('%Y-%m-%d')})",
+            "runs": runs,
+        }
         path.write_text(json.dumps({"laws": laws}, indent=1) + "\n")
         print(f"wrote {path}")
     return 0

@@ -12,6 +12,7 @@ llama.cpp (through llama-cpp-python) and compares on the same held-out text:
 
 The figures go to benchmarks/results/ (docs/BENCHMARKS.md section 11 indexes them); tests/test_gguf.py runs the same comparison on tiny models.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,11 +44,13 @@ def held_out_text(chars: int = 6000) -> str:
 
 def logits_fn(model: Any, hf: bool):
     """ids (list) -> float64 logits (len, vocab) of tinygpt's GPT, or of a transformers model (a merged finetune)."""
+
     def run(ids: list[int]) -> np.ndarray:
         with torch.no_grad():
             x = torch.tensor([ids])
             out = model(input_ids=x).logits if hf else model(x)
         return out[0].double().numpy()
+
     return run
 
 
@@ -62,7 +65,7 @@ def greedy(logits_of, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(np.argmax(logits_of(ids)[-1])))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 class LlamaCpp:
@@ -70,8 +73,16 @@ class LlamaCpp:
 
     def __init__(self, path: Path, n_ctx: int, threads: int = 2):
         from llama_cpp import Llama
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=threads,
-                         n_batch=n_ctx, seed=0)
+
+        self.llm = Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            logits_all=True,
+            verbose=False,
+            n_threads=threads,
+            n_batch=n_ctx,
+            seed=0,
+        )
 
     def tokenize(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
@@ -79,7 +90,7 @@ class LlamaCpp:
     def logits(self, ids: list[int]) -> np.ndarray:
         self.llm.reset()
         self.llm.eval(ids)
-        return np.array(self.llm.scores[:len(ids)], dtype=np.float64)
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float64)
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
         self.llm.reset()
@@ -92,7 +103,9 @@ class LlamaCpp:
         return out
 
 
-def compare(gguf_path: Path, logits_of, tokenizer: Any, context: int, text: str, n_new: int = 32) -> dict[str, Any]:
+def compare(
+    gguf_path: Path, logits_of, tokenizer: Any, context: int, text: str, n_new: int = 32
+) -> dict[str, Any]:
     """Tokenization, greedy tokens and perplexity of llama.cpp (the GGUF) against tinygpt (logits_of)."""
     cpp = LlamaCpp(gguf_path, context)
     ours = tokenizer.encode(text) if hasattr(tokenizer, "eot_id") else tokenizer(text)["input_ids"]
@@ -102,17 +115,28 @@ def compare(gguf_path: Path, logits_of, tokenizer: Any, context: int, text: str,
     g_ours, g_cpp = greedy(logits_of, prompt, n_new), cpp.greedy(prompt, n_new)
     same = next((i for i, (a, b) in enumerate(zip(g_ours, g_cpp)) if a != b), n_new)
     ppl_ours, ppl_cpp = math.exp(nll(logits_of(ids), ids)), math.exp(nll(cpp.logits(ids), ids))
-    return {"tokens": len(ours), "tokenization_equal": ours == theirs, "greedy_equal": g_ours == g_cpp,
-            "greedy_same_prefix": same, "ppl_tinygpt": ppl_ours, "ppl_llama_cpp": ppl_cpp,
-            "ppl_rel_diff": ppl_cpp / ppl_ours - 1}
+    return {
+        "tokens": len(ours),
+        "tokenization_equal": ours == theirs,
+        "greedy_equal": g_ours == g_cpp,
+        "greedy_same_prefix": same,
+        "ppl_tinygpt": ppl_ours,
+        "ppl_llama_cpp": ppl_cpp,
+        "ppl_rel_diff": ppl_cpp / ppl_ours - 1,
+    }
 
 
 KINDS = {  # name: recipe overrides of cpu-smoke
     "own BPE, llama": {},
     "own BPE, QK-norm (qwen3)": {"model": {"qk_norm": True}},
-    "GPT-2 BPE, llama": {"data": {"tokenizer": "gpt2", "vocab_size": 50304}, "model": {"vocab_size": 50304}},
-    "GPT-2 BPE, QK-norm (qwen3)": {"data": {"tokenizer": "gpt2", "vocab_size": 50304},
-                                   "model": {"vocab_size": 50304, "qk_norm": True}},
+    "GPT-2 BPE, llama": {
+        "data": {"tokenizer": "gpt2", "vocab_size": 50304},
+        "model": {"vocab_size": 50304},
+    },
+    "GPT-2 BPE, QK-norm (qwen3)": {
+        "data": {"tokenizer": "gpt2", "vocab_size": 50304},
+        "model": {"vocab_size": 50304, "qk_norm": True},
+    },
 }
 
 
@@ -125,21 +149,42 @@ def train_runs(root: Path, steps: int, finetune_steps: int) -> dict[str, Path]:
     for i, (name, over) in enumerate(KINDS.items()):
         recipe = get_recipe("cpu-smoke").replace(**over)
         if not (root / f"run{i}" / "best").is_dir():  # a --root trained before is reused
-            pretrain(recipe, root / f"run{i}", max_steps=steps, progress=False, cache_dir=root / "cache")
+            pretrain(
+                recipe, root / f"run{i}", max_steps=steps, progress=False, cache_dir=root / "cache"
+            )
         runs[name] = root / f"run{i}"
     data = write_stdlib_instructions(root / "instructions.json", 500)
     if not (root / "ft" / "adapter").is_dir():
-        finetune("lora-r8", str(runs["own BPE, llama"]), str(data), root / "ft", hardware="cpu", progress=False,
-                 train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=finetune_steps,
-                            warmup_steps=2, lr=5e-3, eval_every=finetune_steps, save_every=finetune_steps,
-                            eval_batches=1))
+        finetune(
+            "lora-r8",
+            str(runs["own BPE, llama"]),
+            str(data),
+            root / "ft",
+            hardware="cpu",
+            progress=False,
+            train=dict(
+                seq_len=128,
+                micro_batch_size=4,
+                grad_accum_steps=1,
+                max_steps=finetune_steps,
+                warmup_steps=2,
+                lr=5e-3,
+                eval_every=finetune_steps,
+                save_every=finetune_steps,
+                eval_batches=1,
+            ),
+        )
     runs["merged LoRA (lora-r8 on own BPE, llama)"] = root / "ft"
     return runs
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60, help="pretraining steps of each run (cpu-smoke)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--steps", type=int, default=60, help="pretraining steps of each run (cpu-smoke)"
+    )
     p.add_argument("--finetune-steps", type=int, default=20)
     p.add_argument("--quant", nargs="+", default=["f16", "f32", "q8_0"])
     p.add_argument("--root", default=None, help="where the runs go (default: a temporary folder)")
@@ -164,11 +209,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             for quant in args.quant:
                 out = root / "gguf" / str(len(rows))
                 export(run, out, "gguf", quant)
-                r = {"run": name, "quant": quant, **compare(next(out.glob("*.gguf")), logits_of, tok, context, text)}
+                r = {
+                    "run": name,
+                    "quant": quant,
+                    **compare(next(out.glob("*.gguf")), logits_of, tok, context, text),
+                }
                 rows.append(r)
-                print(f"{name:<42} {quant:<5} tokenization {'same' if r['tokenization_equal'] else 'DIFFERENT'}, "
-                      f"greedy {r['greedy_same_prefix']}/32 same, perplexity {r['ppl_tinygpt']:.4f} (tinygpt) vs "
-                      f"{r['ppl_llama_cpp']:.4f} (llama.cpp): {100 * r['ppl_rel_diff']:+.3f}%", flush=True)
+                print(
+                    f"{name:<42} {quant:<5} tokenization {'same' if r['tokenization_equal'] else 'DIFFERENT'}, "
+                    f"greedy {r['greedy_same_prefix']}/32 same, perplexity {r['ppl_tinygpt']:.4f} (tinygpt) vs "
+                    f"{r['ppl_llama_cpp']:.4f} (llama.cpp): {100 * r['ppl_rel_diff']:+.3f}%",
+                    flush=True,
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows

@@ -5,6 +5,7 @@
 Every run sees the same batches in the same order from the same initial weights; only the
 optimizer differs. The schedule is the trainer's (`lr_at`: warmup, then cosine to min_lr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,9 @@ from tinygpt.model.tokenizer import train_bpe  # noqa: E402
 from tinygpt.train.optim import build_optimizer  # noqa: E402
 from tinygpt.train.step import lr_at  # noqa: E402
 
-DATA = Path(os.environ.get("TINYGPT_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+DATA = Path(
+    os.environ.get("TINYGPT_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
 
 
 def tokens(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -49,28 +52,43 @@ def evaluate(model: GPT, batches) -> float:
 def run(args, optimizer: str, lr_scale: float, train: np.ndarray, val_batches) -> dict:
     torch.manual_seed(0)
     model = GPT(model_config(args.size, vocab_size=args.vocab_size, max_seq_len=args.seq_len))
-    cfg = TrainConfig(micro_batch_size=args.batch, seq_len=args.seq_len, max_steps=args.steps, lr=args.lr,
-                      min_lr=args.lr / 10, warmup_steps=args.steps // 10, optimizer=optimizer)
+    cfg = TrainConfig(
+        micro_batch_size=args.batch,
+        seq_len=args.seq_len,
+        max_steps=args.steps,
+        lr=args.lr,
+        min_lr=args.lr / 10,
+        warmup_steps=args.steps // 10,
+        optimizer=optimizer,
+    )
     opt = build_optimizer(model, cfg, "cpu", muon_lr_scale=lr_scale)
     gen = torch.Generator().manual_seed(1)
     t0 = time.perf_counter()
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg) * g.get("lr_scale", 1.0)
-        starts = torch.randint(0, len(train) - args.seq_len - 1, (args.batch,), generator=gen).numpy()
-        w = torch.from_numpy(np.stack([train[s:s + args.seq_len + 1] for s in starts]))
+        starts = torch.randint(
+            0, len(train) - args.seq_len - 1, (args.batch,), generator=gen
+        ).numpy()
+        w = torch.from_numpy(np.stack([train[s : s + args.seq_len + 1] for s in starts]))
         loss = model(w[:, :-1], w[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"optimizer": optimizer, "muon_lr_scale": lr_scale if optimizer == "muon" else None,
-            "train_loss_last": round(loss.item(), 4), "val_loss": round(evaluate(model, val_batches), 4),
-            "time_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "optimizer": optimizer,
+        "muon_lr_scale": lr_scale if optimizer == "muon" else None,
+        "train_loss_last": round(loss.item(), 4),
+        "val_loss": round(evaluate(model, val_batches), 4),
+        "time_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size", default="tiny")
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=128)
@@ -87,11 +105,17 @@ def main() -> None:
     val_batches = fixed_batches(val, args.seq_len, args.batch, 8)
     rows = [run(args, "adamw", 1.0, train, val_batches)]
     rows += [run(args, "muon", s, train, val_batches) for s in args.muon_lr_scales]
-    print(f"{args.size} model, {args.steps} steps x {args.batch} x {args.seq_len} tokens, lr {args.lr}")
-    print(f"{'optimizer':<10} {'muon lr_scale':>13} {'train loss':>10} {'val loss':>9} {'time s':>7}")
+    print(
+        f"{args.size} model, {args.steps} steps x {args.batch} x {args.seq_len} tokens, lr {args.lr}"
+    )
+    print(
+        f"{'optimizer':<10} {'muon lr_scale':>13} {'train loss':>10} {'val loss':>9} {'time s':>7}"
+    )
     for r in rows:
         scale = "-" if r["muon_lr_scale"] is None else f"{r['muon_lr_scale']:g}"
-        print(f"{r['optimizer']:<10} {scale:>13} {r['train_loss_last']:>10.4f} {r['val_loss']:>9.4f} {r['time_s']:>7.1f}")
+        print(
+            f"{r['optimizer']:<10} {scale:>13} {r['train_loss_last']:>10.4f} {r['val_loss']:>9.4f} {r['time_s']:>7.1f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 

@@ -13,6 +13,7 @@ user's own text of that many tokens (Tiny Shakespeare is ~250k GPT-2 tokens), re
 more: the epochs column counts them, and "own size" marks a plan with no rung within the law (each would read
 it more than MAX_EPOCHS times or see too few tokens per parameter: the recipe's own size is kept).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ from tinygpt.fit.plan import plan_size  # noqa: E402
 from tinygpt.model.gpt import meta_model  # noqa: E402
 
 MFU = 0.4
-GPUS = {"t4": ("T4", 15.0, "t4-50m"), "l4": ("L4", 22.0, "l4-124m"), "a100": ("A100", 40.0, "a100-124m"),
-        "h100": ("H100", 80.0, "h100-760m")}
+GPUS = {
+    "t4": ("T4", 15.0, "t4-50m"),
+    "l4": ("L4", 22.0, "l4-124m"),
+    "a100": ("A100", 40.0, "a100-124m"),
+    "h100": ("H100", 80.0, "h100-760m"),
+}
 
 
 def per_param(x: float) -> str:
@@ -40,11 +45,15 @@ def per_param(x: float) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--text-tokens", type=float, default=None, help="a source of this many tokens")
     args = ap.parse_args()
-    print("| GPU | recipe ladder | hours | assumed tokens/s (chosen) | chosen | non-emb. params | tokens "
-          "| tokens/param | epochs | law |")
+    print(
+        "| GPU | recipe ladder | hours | assumed tokens/s (chosen) | chosen | non-emb. params | tokens "
+        "| tokens/param | epochs | law |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for cls, (gpu, mem_gb, recipe_name) in GPUS.items():
         hw = HARDWARE[cls]
@@ -56,7 +65,10 @@ def main() -> int:
             return MFU * peak / meta_model(r.model).flops_per_token(r.train.seq_len)
 
         def fits(r, mem_gb=mem_gb, prec=prec):
-            return estimate_memory(r.model, 1, r.train.seq_len, prec, device_type="cuda").total_gb <= mem_gb
+            return (
+                estimate_memory(r.model, 1, r.train.seq_len, prec, device_type="cuda").total_gb
+                <= mem_gb
+            )
 
         for hours in (1, 3, 12):
             unique = args.text_tokens or unique_tokens(recipe)
@@ -64,8 +76,10 @@ def main() -> int:
             c = plan.choice
             epochs = "-" if c.epochs is None else f"{c.epochs:,.2f}"
             size = f"{c.size} (own size)" if plan.outside_law else c.size
-            print(f"| {gpu} | {recipe_name} | {hours} | {c.tokens_per_s:,.0f} | {size} | {count(c.params)} | "
-                  f"{count(c.tokens)} | {per_param(c.tokens_per_param)} | {epochs} | {law_for(recipe).source} |")
+            print(
+                f"| {gpu} | {recipe_name} | {hours} | {c.tokens_per_s:,.0f} | {size} | {count(c.params)} | "
+                f"{count(c.tokens)} | {per_param(c.tokens_per_param)} | {epochs} | {law_for(recipe).source} |"
+            )
     return 0
 
 

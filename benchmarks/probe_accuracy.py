@@ -9,6 +9,7 @@ stands). The trainer's figure is the median `tokens_per_s` of a real `pretrain` 
 (as the probe fitted it), over the logged steps after the first (compile and warm-up excluded; steps
 that evaluated or saved are left out). Goal (issue 14): within 15%.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,28 +29,53 @@ from tinygpt.pretrain.run_pretrain import pretrain
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--recipe", default="cpu")
-    ap.add_argument("--steps", type=int, default=None, help="steps of the run (default: the recipe's own; a short run "
-                    "on a 2-core CPU shares it with the tokenizing process and measures slow)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps of the run (default: the recipe's own; a short run "
+        "on a 2-core CPU shares it with the tokenizing process and measures slow)",
+    )
     ap.add_argument("--data", default=None, help="a source for the run (default: the recipe's)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        predicted = json.loads(probe_report(args.recipe, as_json=True, cache_dir=Path(tmp) / "probe"))
+        predicted = json.loads(
+            probe_report(args.recipe, as_json=True, cache_dir=Path(tmp) / "probe")
+        )
         exp = predicted["expectations"]
         recipe = get_recipe(args.recipe)
-        recipe = recipe.replace(train={"log_every": 5, "eval_every": 0, "save_every": 0,
-                                       "max_steps": args.steps or recipe.train.max_steps})
-        result = pretrain(recipe, Path(tmp) / "run", data=args.data, progress=False, cache_dir=Path(tmp) / "cache")
+        recipe = recipe.replace(
+            train={
+                "log_every": 5,
+                "eval_every": 0,
+                "save_every": 0,
+                "max_steps": args.steps or recipe.train.max_steps,
+            }
+        )
+        result = pretrain(
+            recipe, Path(tmp) / "run", data=args.data, progress=False, cache_dir=Path(tmp) / "cache"
+        )
     steady = [m["tokens_per_s"] for m in result.metrics if m.get("tokens_per_s") and m["step"] > 5]
     measured = statistics.median(steady)
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, {predicted['hardware'].get('name') or predicted['hardware']['device']}")
-    print("| recipe | probe's tokens/s | how | trainer's tokens/s (median of logged steps after warm-up) | ratio |")
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {predicted['hardware'].get('name') or predicted['hardware']['device']}"
+    )
+    print(
+        "| recipe | probe's tokens/s | how | trainer's tokens/s (median of logged steps after warm-up) | ratio |"
+    )
     print("|---|---|---|---|---|")
-    print(f"| {args.recipe} | {exp['tokens_per_s']:,.0f} | {exp['tokens_per_s_source']} | {measured:,.0f} "
-          f"({len(steady)} logs) | {exp['tokens_per_s'] / measured:.2f} |")
-    print(f"\nprediction / measurement = {exp['tokens_per_s'] / measured:.2f} (goal: within 0.85-1.15)")
+    print(
+        f"| {args.recipe} | {exp['tokens_per_s']:,.0f} | {exp['tokens_per_s_source']} | {measured:,.0f} "
+        f"({len(steady)} logs) | {exp['tokens_per_s'] / measured:.2f} |"
+    )
+    print(
+        f"\nprediction / measurement = {exp['tokens_per_s'] / measured:.2f} (goal: within 0.85-1.15)"
+    )
 
 
 if __name__ == "__main__":

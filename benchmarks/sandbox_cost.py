@@ -8,6 +8,7 @@ Each program is one problem in the sandbox as `tinygpt eval` runs it: the soluti
 processes behind the boundary, one call across the pipe. The output is a Markdown section for
 a dated file in benchmarks/results/ (with the machine's load average: the figures scale with it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--workers", type=int, default=4)
     args = ap.parse_args()
-    print(f"### {datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f} at the start\n")
+    print(
+        f"### {datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f} at the start\n"
+    )
     print("| boundary | seconds per program (one at a time) |\n|---|---|")
     for kind in sandbox.KINDS:
         b = sandbox.boundary(kind)
@@ -40,7 +43,9 @@ def main() -> None:
         os.environ["TINYGPT_SANDBOX"] = kind
         t0 = time.perf_counter()
         for _ in range(args.repeat):
-            r = sandbox.run("def f(x):\n    return 2 * x\n", "assert f(2) == 4\n", names=("f",), unsafe=True)
+            r = sandbox.run(
+                "def f(x):\n    return 2 * x\n", "assert f(2) == 4\n", names=("f",), unsafe=True
+            )
             assert r.passed, r.stderr
         print(f"| {kind} | {(time.perf_counter() - t0) / args.repeat:.3f} |")
     os.environ.pop("TINYGPT_SANDBOX")
@@ -50,9 +55,11 @@ def main() -> None:
         t0 = time.perf_counter()
         rs = code.check_completions(probs, [p.canonical_solution for p in probs], args.workers)
         dt = time.perf_counter() - t0
-        print(f"\nHumanEval's {len(probs)} canonical solutions, {args.workers} at a time, boundary "
-              f"{rs[0].boundary}: {sum(r.passed for r in rs)} passed in {dt:.1f} s "
-              f"({dt / len(probs):.3f} s per problem)")
+        print(
+            f"\nHumanEval's {len(probs)} canonical solutions, {args.workers} at a time, boundary "
+            f"{rs[0].boundary}: {sum(r.passed for r in rs)} passed in {dt:.1f} s "
+            f"({dt / len(probs):.3f} s per problem)"
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ eval perplexity` scores), on a held-out text none of them trained on (--heldout;
 outside the standard library, numpy's, for the builtin corpus). Runs already in --out are resumed, so a
 finished one is only evaluated. Prints a markdown table for benchmarks/results/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,6 +54,7 @@ START_DELAY_S = 60.0
 def default_heldout() -> str:
     """Python that the builtin corpus (the standard library's sources) does not hold: numpy's own sources."""
     import numpy
+
     files = sorted(Path(numpy.__file__).parent.rglob("*.py"))
     text = ""
     for f in files:
@@ -70,8 +72,16 @@ def run_one(recipe: str, size: str | None, args: argparse.Namespace, heldout: st
     t0, c0 = time.time(), time.process_time()
     val_loss = None
     if not args.score_only:
-        val_loss = pretrain(recipe, run_dir, hours=args.hours, size=size, data=args.data, device="cpu",
-                            progress=False, tensorboard=False).val_loss
+        val_loss = pretrain(
+            recipe,
+            run_dir,
+            hours=args.hours,
+            size=size,
+            data=args.data,
+            device="cpu",
+            progress=False,
+            tensorboard=False,
+        ).val_loss
     train_wall, train_cpu = time.time() - t0, time.process_time() - c0
     model, tokenizer, trained, ckpt = load_run(run_dir, "latest", "cpu")
     # windows of the context the run trained at, as `tinygpt eval perplexity` scores: the recipes keep a
@@ -80,21 +90,41 @@ def run_one(recipe: str, size: str | None, args: argparse.Namespace, heldout: st
     score = perplexity(model, tokenizer, heldout, window)
     extra = {}
     if args.validation:  # the source's own validation split, the same text for every run
-        split = validation_text(DataConfig(source=args.data or "builtin", max_chars=4_000_000))[:HELDOUT_CHARS]
-        extra["bits_per_byte_validation"] = perplexity(model, tokenizer, split, window)["bits_per_byte"]
+        split = validation_text(DataConfig(source=args.data or "builtin", max_chars=4_000_000))[
+            :HELDOUT_CHARS
+        ]
+        extra["bits_per_byte_validation"] = perplexity(model, tokenizer, split, window)[
+            "bits_per_byte"
+        ]
     info = json.loads((run_dir / "run.json").read_text())
     m = info["recipe"]["model"]
-    return {"run": f"{recipe}{' --size auto' if size else ''}", "size": (info.get("plan") or {}).get("size") or "",
-            "layers x width": f"{m['n_layer']} x {m['d_model']}", "steps": step_of(ckpt),
-            "val_loss (own tokens)": val_loss, "window": window, "bits_per_byte": score["bits_per_byte"],
-            "train_wall_s": round(train_wall), "train_cpu_s": round(train_cpu), **extra}
+    return {
+        "run": f"{recipe}{' --size auto' if size else ''}",
+        "size": (info.get("plan") or {}).get("size") or "",
+        "layers x width": f"{m['n_layer']} x {m['d_model']}",
+        "steps": step_of(ckpt),
+        "val_loss (own tokens)": val_loss,
+        "window": window,
+        "bits_per_byte": score["bits_per_byte"],
+        "train_wall_s": round(train_wall),
+        "train_cpu_s": round(train_cpu),
+        **extra,
+    }
 
 
-def side_by_side(runs: list[tuple[str, str | None]], argv: list[str], start_at: float) -> list[dict]:
+def side_by_side(
+    runs: list[tuple[str, str | None]], argv: list[str], start_at: float
+) -> list[dict]:
     """Each run in its own process, all started at once; their rows, in the order of `runs` (`--start-at`
     goes last: argparse keeps the last of a repeated option, so a --start-at in `argv` is overridden)."""
-    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--only", str(i), "--start-at", str(start_at)],
-                              stdout=subprocess.PIPE, text=True) for i in range(len(runs))]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, *argv, "--only", str(i), "--start-at", str(start_at)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(len(runs))
+    ]
     rows = []
     for proc in procs:
         out, _ = proc.communicate()
@@ -106,22 +136,44 @@ def side_by_side(runs: list[tuple[str, str | None]], argv: list[str], start_at: 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--hours", type=float, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--data", default=None, help="the corpus (default: each recipe's, builtin)")
-    ap.add_argument("--heldout", type=Path, default=None, help="held-out text (default: numpy's sources)")
-    ap.add_argument("--auto-recipe", default=size_auto_recipe("cpu", "cpu"), help="the ladder --size auto plans")
-    ap.add_argument("--side-by-side", action="store_true", help="all runs at once, one process each")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
-    ap.add_argument("--validation", action="store_true",
-                    help="also bits per byte on the source's own validation split (4M-character cap)")
-    ap.add_argument("--score-only", action="store_true",
-                    help="evaluate the runs --out holds as they are, train nothing (no val_loss, no times)")
-    ap.add_argument("--start-at", type=float, default=None,
-                    help="with --side-by-side: when the runs start (seconds since the epoch; default: in "
-                         f"{START_DELAY_S:.0f} s), shared by two commands started together")
-    ap.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)  # one run, in its own process
+    ap.add_argument(
+        "--heldout", type=Path, default=None, help="held-out text (default: numpy's sources)"
+    )
+    ap.add_argument(
+        "--auto-recipe", default=size_auto_recipe("cpu", "cpu"), help="the ladder --size auto plans"
+    )
+    ap.add_argument(
+        "--side-by-side", action="store_true", help="all runs at once, one process each"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads per run (default: torch's)"
+    )
+    ap.add_argument(
+        "--validation",
+        action="store_true",
+        help="also bits per byte on the source's own validation split (4M-character cap)",
+    )
+    ap.add_argument(
+        "--score-only",
+        action="store_true",
+        help="evaluate the runs --out holds as they are, train nothing (no val_loss, no times)",
+    )
+    ap.add_argument(
+        "--start-at",
+        type=float,
+        default=None,
+        help="with --side-by-side: when the runs start (seconds since the epoch; default: in "
+        f"{START_DELAY_S:.0f} s), shared by two commands started together",
+    )
+    ap.add_argument(
+        "--only", type=int, default=None, help=argparse.SUPPRESS
+    )  # one run, in its own process
     args = ap.parse_args(argv)
     runs = [(args.auto_recipe, "auto")] + [(name, None) for name in FIXED]
     heldout = args.heldout.read_text()[:HELDOUT_CHARS] if args.heldout else default_heldout()
@@ -138,14 +190,20 @@ def main(argv: list[str] | None = None) -> int:
         for recipe, size in runs:
             rows.append(run_one(recipe, size, args, heldout))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"load {os.getloadavg()[0]:.1f}; --hours {args.hours:g}, data {args.data or 'builtin'}"
-          f"{', side by side' if args.side_by_side else ''}, threads {args.threads or torch.get_num_threads()}\n")
+    print(
+        f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"load {os.getloadavg()[0]:.1f}; --hours {args.hours:g}, data {args.data or 'builtin'}"
+        f"{', side by side' if args.side_by_side else ''}, threads {args.threads or torch.get_num_threads()}\n"
+    )
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for r in rows:
-        print("| " + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+        print(
+            "| "
+            + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values())
+            + " |"
+        )
     best = min(rows, key=lambda r: r["bits_per_byte"])
     print(f"\nlowest bits per byte: {best['run']}")
     return 0

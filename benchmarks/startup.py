@@ -18,6 +18,7 @@ Each run is a real `tinygpt pretrain` process. "first step" is the wall time fro
 its start-up record in metrics.jsonl (imports included); the record's own breakdown is printed beside it.
 Results go to a dated file in benchmarks/results/, with the machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,15 +43,27 @@ def run_until_first_step(args: list[str], run_dir: Path, env: dict, finish: bool
     """Launch `tinygpt pretrain ARGS`; the seconds until its start-up record appears, and that record.
     The process is stopped there unless `finish`."""
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "tinygpt", "pretrain", "--run-dir", str(run_dir), "--quiet", *args],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tinygpt", "pretrain", "--run-dir", str(run_dir), "--quiet", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     metrics = run_dir / "metrics.jsonl"
     record = None
     while record is None:
         if p.poll() is not None and not metrics.exists():
             raise SystemExit(f"tinygpt pretrain failed:\n{p.stdout.read().decode()[-3000:]}")
         if metrics.exists():
-            record = next((m for m in map(json.loads, metrics.read_text().splitlines()[:3]) if "startup" in m), None)
+            record = next(
+                (
+                    m
+                    for m in map(json.loads, metrics.read_text().splitlines()[:3])
+                    if "startup" in m
+                ),
+                None,
+            )
         time.sleep(0.02)
     wall = time.perf_counter() - t0
     if finish:
@@ -64,14 +77,20 @@ def run_until_first_step(args: list[str], run_dir: Path, env: dict, finish: bool
 
 
 def fresh_env(root: Path, **extra: str) -> dict:
-    return {**os.environ, "TINYGPT_CACHE": str(root / "tinygpt-cache"),
-            "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), **extra}
+    return {
+        **os.environ,
+        "TINYGPT_CACHE": str(root / "tinygpt-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        **extra,
+    }
 
 
 def cpu(args) -> None:
     corpus = args.corpus or site.getsitepackages()[0]
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"corpus {corpus}")
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"corpus {corpus}"
+    )
     print("| text | wall to first step (s) | tokenizer | data (first shard) | model | first step |")
     print("|---|---|---|---|---|---|")
     rows = {}
@@ -79,12 +98,26 @@ def cpu(args) -> None:
         walls = []
         for _ in range(args.repeat):
             with tempfile.TemporaryDirectory() as tmp:
-                r = run_until_first_step(["--recipe", "cpu", "--data", corpus, "--set", f"data.max_chars={chars}",
-                                          "--max-steps", "1"], Path(tmp) / "run", fresh_env(Path(tmp)))
+                r = run_until_first_step(
+                    [
+                        "--recipe",
+                        "cpu",
+                        "--data",
+                        corpus,
+                        "--set",
+                        f"data.max_chars={chars}",
+                        "--max-steps",
+                        "1",
+                    ],
+                    Path(tmp) / "run",
+                    fresh_env(Path(tmp)),
+                )
             walls.append(r["wall_s"])
         rows[chars] = {**r, "wall_s": statistics.median(walls)}
-        print(f"| {chars / 1e6:.0f} MB | {statistics.median(walls):.2f} ({', '.join(map(str, walls))}) | "
-              f"{r['tokenizer_s']} | {r['data_s']} | {r['model_s']} | {r['first_step_s']} |")
+        print(
+            f"| {chars / 1e6:.0f} MB | {statistics.median(walls):.2f} ({', '.join(map(str, walls))}) | "
+            f"{r['tokenizer_s']} | {r['data_s']} | {r['model_s']} | {r['first_step_s']} |"
+        )
     ratio = rows[250_000_000]["wall_s"] / rows[3_000_000]["wall_s"]
     print(f"\n250 MB / 3 MB, medians: {ratio:.2f}x (goal: at most 1.5x)")
 
@@ -104,27 +137,41 @@ print(json.dumps({"evals": sum("val_loss" in m for m in res.metrics), "graphs": 
 
 
 def compile_modes(args) -> None:
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          "`cpu` recipe, 30 steps, 3 evaluations, cold compiler cache")
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        "`cpu` recipe, 30 steps, 3 evaluations, cold compiler cache"
+    )
     print("| compile | first step (s) | of which compile (s) | graphs | recompiles after step 1 |")
     print("|---|---|---|---|---|")
     for mode in ("on", "regional"):
         with tempfile.TemporaryDirectory() as tmp:
             env = fresh_env(Path(tmp))
-            out = subprocess.run([sys.executable, "-c", _COUNT, mode, f"{tmp}/run", f"{tmp}/cache"], cwd=REPO, env=env,
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, "-c", _COUNT, mode, f"{tmp}/run", f"{tmp}/cache"],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 raise SystemExit(out.stderr[-3000:])
             c = json.loads(out.stdout.strip().splitlines()[-1])
-            start = next(json.loads(x)["startup"] for x in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()
-                         if "startup" in x)
-        print(f"| {mode} | {start['first_step_s']} | {start['compile_s']} | {c['graphs']} | {c['recompiles']} |")
+            start = next(
+                json.loads(x)["startup"]
+                for x in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()
+                if "startup" in x
+            )
+        print(
+            f"| {mode} | {start['first_step_s']} | {start['compile_s']} | {c['graphs']} | {c['recompiles']} |"
+        )
 
 
 def child_cpu_s(cmd: list[str], env: dict | None = None) -> float:
     """User + system CPU seconds of one finished child process (the kernel's accounting, all its threads)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    subprocess.run(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
@@ -132,8 +179,10 @@ def child_cpu_s(cmd: list[str], env: dict | None = None) -> float:
 def imports(args) -> None:
     """CPU seconds of `tinygpt --help` and `tinygpt recipes` against `python -c "import torch"`, run in turn
     (A B A B ...), the ratio taken pair by pair; medians."""
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"Python {platform.python_version()}, {args.repeat} pairs each, CPU seconds (user + system)")
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, {args.repeat} pairs each, CPU seconds (user + system)"
+    )
     print("| command | CPU-s | `import torch` CPU-s | ratio (median of pairs) |")
     print("|---|---|---|---|")
     base = [sys.executable, "-c", "import torch"]
@@ -146,7 +195,9 @@ def imports(args) -> None:
             a.append(child_cpu_s(cmd))
             b.append(child_cpu_s(base))
         ratio = statistics.median(x / y for x, y in zip(a, b))
-        print(f"| `tinygpt {' '.join(what)}` | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {ratio:.2f}x |")
+        print(
+            f"| `tinygpt {' '.join(what)}` | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {ratio:.2f}x |"
+        )
     print("\ngoal: `tinygpt --help` at most 1.15x `import torch`")
 
 
@@ -184,30 +235,50 @@ def tokenize(args) -> None:
     """GPT-2 tokens per CPU-second: the shard writer (`build_token_cache`: read, encode, uint16, hash, write)
     against tiktoken's `encode_ordinary_batch` alone on the same documents (already read), in turn; medians."""
     corpus = args.corpus or "builtin"
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"corpus {corpus}, {args.chars / 1e6:.0f} MB, {args.repeat} runs each, CPU seconds of all threads")
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"corpus {corpus}, {args.chars / 1e6:.0f} MB, {args.repeat} runs each, CPU seconds of all threads"
+    )
     env = dict(os.environ)
-    if args.before:  # its folder first on the path (`python -c` puts the working folder before PYTHONPATH)
+    if (
+        args.before
+    ):  # its folder first on the path (`python -c` puts the working folder before PYTHONPATH)
         env["PYTHONPATH"] = args.before
     rates: dict[str, list[float]] = {"writer": [], "tiktoken": []}
     tokens = {}
     for _ in range(args.repeat):
         for name, code, e in (("writer", _WRITER, env), ("tiktoken", _TIKTOKEN, None)):
-            out = subprocess.run([sys.executable, "-c", code, corpus, str(args.chars)], env=e, text=True,
-                                 cwd=args.before if e is env and args.before else REPO, capture_output=True)
+            out = subprocess.run(
+                [sys.executable, "-c", code, corpus, str(args.chars)],
+                env=e,
+                text=True,
+                cwd=args.before if e is env and args.before else REPO,
+                capture_output=True,
+            )
             if out.returncode != 0:
                 raise SystemExit(out.stderr[-3000:])
             r = json.loads(out.stdout.strip().splitlines()[-1])
             rates[name].append(r["tokens"] / r["cpu_s"])
             tokens[name] = r["tokens"]
     w, t = statistics.median(rates["writer"]), statistics.median(rates["tiktoken"])
-    label = f"writer from {args.before}" if args.before else (
-        "writer, tokenizers (TINYGPT_TIKTOKEN=0)" if os.environ.get("TINYGPT_TIKTOKEN") == "0" else "writer")
+    label = (
+        f"writer from {args.before}"
+        if args.before
+        else (
+            "writer, tokenizers (TINYGPT_TIKTOKEN=0)"
+            if os.environ.get("TINYGPT_TIKTOKEN") == "0"
+            else "writer"
+        )
+    )
     print("| path | tokens | tokens per CPU-s (median) | runs |")
     print("|---|---|---|---|")
-    print(f"| {label} | {tokens['writer']:,} | {w / 1e6:.2f}M | {', '.join(f'{x / 1e6:.2f}M' for x in rates['writer'])} |")
-    print(f"| tiktoken encode_ordinary_batch alone | {tokens['tiktoken']:,} | {t / 1e6:.2f}M | "
-          f"{', '.join(f'{x / 1e6:.2f}M' for x in rates['tiktoken'])} |")
+    print(
+        f"| {label} | {tokens['writer']:,} | {w / 1e6:.2f}M | {', '.join(f'{x / 1e6:.2f}M' for x in rates['writer'])} |"
+    )
+    print(
+        f"| tiktoken encode_ordinary_batch alone | {tokens['tiktoken']:,} | {t / 1e6:.2f}M | "
+        f"{', '.join(f'{x / 1e6:.2f}M' for x in rates['tiktoken'])} |"
+    )
     print(f"\nwriter / tiktoken: {w / t:.2f}x (goal: at least 0.8x)")
 
 
@@ -215,8 +286,9 @@ def cpu_until(cmd: list[str], cwd: Path, env: dict, done) -> float:
     """CPU seconds (user + system, the kernel's accounting) of `cmd` from launch until `done(lines
     printed)` is true, when it is killed (SIGKILL: nothing it would do after that is counted)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+    p = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[str] = []
     while not done(lines):
         line = p.stdout.readline()
@@ -237,15 +309,35 @@ def first_step(args) -> None:
     if not args.nanogpt:
         raise SystemExit("give --nanogpt DIR, a checkout of karpathy/nanoGPT")
     import numpy as np
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {args.repeat} pairs, CPU-s")
+
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {args.repeat} pairs, CPU-s"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         env = {**fresh_env(tmp), "PYTHONUNBUFFERED": "1"}
-        tiny = [sys.executable, "-m", "tinygpt", "pretrain", "--recipe", "cpu-smoke", "--device",
-                "cpu", "--max-steps", "1", "--compile", "off"]
-        subprocess.run([*tiny, "--run-dir", str(tmp / "warm-up"), "--quiet"], cwd=REPO, env=env,
-                       check=True, capture_output=True)  # fills the token cache
+        tiny = [
+            sys.executable,
+            "-m",
+            "tinygpt",
+            "pretrain",
+            "--recipe",
+            "cpu-smoke",
+            "--device",
+            "cpu",
+            "--max-steps",
+            "1",
+            "--compile",
+            "off",
+        ]
+        subprocess.run(
+            [*tiny, "--run-dir", str(tmp / "warm-up"), "--quiet"],
+            cwd=REPO,
+            env=env,
+            check=True,
+            capture_output=True,
+        )  # fills the token cache
         nano = tmp / "nanogpt"
         (nano / "data" / "tg").mkdir(parents=True)
         for f in ("train.py", "model.py", "configurator.py"):
@@ -255,18 +347,39 @@ def first_step(args) -> None:
         rng.integers(0, 512, 8_000, dtype=np.uint16).tofile(nano / "data" / "tg" / "val.bin")
         with open(nano / "data" / "tg" / "meta.pkl", "wb") as f:
             pickle.dump({"vocab_size": 512}, f)
-        nano_cmd = [sys.executable, "train.py", "--dataset=tg", "--n_layer=2", "--n_head=2",
-                    "--n_embd=64", "--block_size=64", "--batch_size=8",
-                    "--gradient_accumulation_steps=1", "--device=cpu", "--compile=False",
-                    "--dtype=float32", "--dropout=0.0", "--bias=False", "--eval_iters=1",
-                    "--eval_interval=1000", "--log_interval=1", "--max_iters=0", "--out_dir=out"]
+        nano_cmd = [
+            sys.executable,
+            "train.py",
+            "--dataset=tg",
+            "--n_layer=2",
+            "--n_head=2",
+            "--n_embd=64",
+            "--block_size=64",
+            "--batch_size=8",
+            "--gradient_accumulation_steps=1",
+            "--device=cpu",
+            "--compile=False",
+            "--dtype=float32",
+            "--dropout=0.0",
+            "--bias=False",
+            "--eval_iters=1",
+            "--eval_interval=1000",
+            "--log_interval=1",
+            "--max_iters=0",
+            "--out_dir=out",
+        ]
         ours, theirs = [], []
         for i in range(args.repeat + 1):  # the first pair warms the file cache
             run = tmp / f"run{i}"
-            a = cpu_until([*tiny, "--run-dir", str(run)], REPO, env, lambda lines: any(
-                "to the first step" in x for x in lines))
-            b = cpu_until(nano_cmd, nano, env,
-                          lambda lines: any(x.startswith("iter 0:") for x in lines))
+            a = cpu_until(
+                [*tiny, "--run-dir", str(run)],
+                REPO,
+                env,
+                lambda lines: any("to the first step" in x for x in lines),
+            )
+            b = cpu_until(
+                nano_cmd, nano, env, lambda lines: any(x.startswith("iter 0:") for x in lines)
+            )
             if i:
                 ours.append(a)
                 theirs.append(b)
@@ -282,8 +395,20 @@ def first_step(args) -> None:
 
 
 def gpu(args) -> None:
-    base = ["--recipe", args.recipe, "--data", args.data, "--max-steps", str(args.steps), "--save-every", "0",
-            "--eval-every", "0", "--set", "train.log_every=1"]
+    base = [
+        "--recipe",
+        args.recipe,
+        "--data",
+        args.data,
+        "--max-steps",
+        str(args.steps),
+        "--save-every",
+        "0",
+        "--eval-every",
+        "0",
+        "--set",
+        "train.log_every=1",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cold = run_until_first_step(base, tmp / "cold", fresh_env(tmp / "a"), finish=True)
@@ -291,33 +416,55 @@ def gpu(args) -> None:
         shutil.copy(tmp / "cold" / "compile_cache.bin", tmp / "warm")
         for f in ("run.json", "tokenizer.json"):
             shutil.copy(tmp / "cold" / f, tmp / "warm")
-        env = fresh_env(tmp / "b", TINYGPT_CACHE=str(tmp / "a" / "tinygpt-cache"))  # the same signing key
+        env = fresh_env(
+            tmp / "b", TINYGPT_CACHE=str(tmp / "a" / "tinygpt-cache")
+        )  # the same signing key
         warm = run_until_first_step(base, tmp / "warm", env, finish=True)
-        steps = [m for m in map(json.loads, (tmp / "cold" / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+        steps = [
+            m
+            for m in map(json.loads, (tmp / "cold" / "metrics.jsonl").read_text().splitlines())
+            if "loss" in m
+        ]
     print(json.dumps({"cold": cold, "warm": warm}, indent=1))
     print("goals: cold first step <= 45 s, warm <= 15 s (wall, imports included)")
     if len(steps) > 3:
         tps = [m["tokens_per_s"] for m in steps[1:] if m.get("tokens_per_s")]
         med = statistics.median(tps)
-        slow = [m["step"] for m in steps[1:] if m.get("tokens_per_s") and m["tokens_per_s"] < med / 2]
-        print(f"tokens/s per step after the first: median {med:.0f}, min {min(tps):.0f}; steps slower than twice "
-              f"the median: {slow or 'none'}")
+        slow = [
+            m["step"] for m in steps[1:] if m.get("tokens_per_s") and m["tokens_per_s"] < med / 2
+        ]
+        print(
+            f"tokens/s per step after the first: median {med:.0f}, min {min(tps):.0f}; steps slower than twice "
+            f"the median: {slow or 'none'}"
+        )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("what", choices=["cpu", "compile", "gpu", "imports", "tokenize", "first-step"])
     ap.add_argument("--corpus", help="a folder of text (default: this Python's site-packages)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--recipe", default="a100-124m")
     ap.add_argument("--data", default="builtin")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--chars", type=int, default=20_000_000, help="tokenize: characters of the corpus")
+    ap.add_argument(
+        "--chars", type=int, default=20_000_000, help="tokenize: characters of the corpus"
+    )
     ap.add_argument("--nanogpt", help="first-step: a checkout of karpathy/nanoGPT")
-    ap.add_argument("--before", help="tokenize: a checkout whose shard writer to measure (PYTHONPATH)")
+    ap.add_argument(
+        "--before", help="tokenize: a checkout whose shard writer to measure (PYTHONPATH)"
+    )
     args = ap.parse_args()
-    {"cpu": cpu, "compile": compile_modes, "gpu": gpu, "imports": imports, "tokenize": tokenize,
-     "first-step": first_step}[args.what](args)
+    {
+        "cpu": cpu,
+        "compile": compile_modes,
+        "gpu": gpu,
+        "imports": imports,
+        "tokenize": tokenize,
+        "first-step": first_step,
+    }[args.what](args)
 
 
 if __name__ == "__main__":

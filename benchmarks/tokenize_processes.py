@@ -16,6 +16,7 @@ Run in turn (A B A B ...), one thread each (`RAYON_NUM_THREADS=1`, tiktoken's `n
 is the child's CPU seconds (user + system, all threads, the kernel's accounting from `os.wait4`), and the
 ratio is taken pair by pair. The table goes, dated, to benchmarks/results/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,14 @@ with open(out, "wb") as f:
 
 def child_cpu_s(cmd: list[str], stdin: bytes | None, env: dict) -> float:
     """CPU seconds (user + system, all threads) of one child process from launch to exit."""
-    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     p.stdin.write(stdin or b"")
     p.stdin.close()
     err = p.stderr.read()
@@ -73,42 +80,74 @@ def child_cpu_s(cmd: list[str], stdin: bytes | None, env: dict) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--text", action="append", help="a text file (repeatable); default: the shared data's")
+    ap.add_argument(
+        "--text", action="append", help="a text file (repeatable); default: the shared data's"
+    )
     ap.add_argument("--repeat", type=int, default=5, help="pairs per text")
     args = ap.parse_args()
     from tinygpt.core.config import DataConfig
     from tinygpt.model.tokenizer import find_gpt2_files, load_gpt2
 
-    texts = [Path(t) for t in args.text] if args.text else [SHARED / t for t in TEXTS if (SHARED / t).is_file()]
+    texts = (
+        [Path(t) for t in args.text]
+        if args.text
+        else [SHARED / t for t in TEXTS if (SHARED / t).is_file()]
+    )
     if not texts:
-        raise SystemExit("no text: give --text FILE, or TINYGPT_SHARED_DATA with the shared data sets")
+        raise SystemExit(
+            "no text: give --text FILE, or TINYGPT_SHARED_DATA with the shared data sets"
+        )
     tok, vocab_json = load_gpt2(), str(find_gpt2_files()[0])
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("RUST_BACKTRACE", None)
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.1f}, Python {platform.python_version()}, {args.repeat} pairs per text, "
-          "CPU seconds of whole processes (user + system)")
-    print("| text | MB | tokens | tinygpt writer CPU-s | tiktoken script CPU-s | tinygpt speed / tiktoken's |")
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, load "
+        f"{os.getloadavg()[0]:.1f}, Python {platform.python_version()}, {args.repeat} pairs per text, "
+        "CPU seconds of whole processes (user + system)"
+    )
+    print(
+        "| text | MB | tokens | tinygpt writer CPU-s | tiktoken script CPU-s | tinygpt speed / tiktoken's |"
+    )
     print("|---|---|---|---|---|---|")
     for text in texts:
         ours, theirs = [], []
         tokens = 0
         for _ in range(args.repeat):
             with tempfile.TemporaryDirectory() as tmp:
-                req = {"data": DataConfig(source=str(text), tokenizer="gpt2", vocab_size=50304).to_dict(),
-                       "fingerprint": tok.fingerprint(), "folder": tmp, "shard_tokens": 1 << 21,
-                       "parent": os.getpid(), "max_shards": None, "gpt2": True}
-                ours.append(child_cpu_s([sys.executable, "-m", "tinygpt.data.shard_writer"],
-                                        json.dumps(req).encode(), env))
+                req = {
+                    "data": DataConfig(
+                        source=str(text), tokenizer="gpt2", vocab_size=50304
+                    ).to_dict(),
+                    "fingerprint": tok.fingerprint(),
+                    "folder": tmp,
+                    "shard_tokens": 1 << 21,
+                    "parent": os.getpid(),
+                    "max_shards": None,
+                    "gpt2": True,
+                }
+                ours.append(
+                    child_cpu_s(
+                        [sys.executable, "-m", "tinygpt.data.shard_writer"],
+                        json.dumps(req).encode(),
+                        env,
+                    )
+                )
                 manifest = json.loads((Path(tmp) / "manifest.json").read_text())
                 tokens = manifest["train_tokens"] + manifest["val_tokens"]
                 out = Path(tmp) / "ref.bin"
-                theirs.append(child_cpu_s([sys.executable, "-c", _REFERENCE, str(text), vocab_json, str(out)],
-                                          None, env))
+                theirs.append(
+                    child_cpu_s(
+                        [sys.executable, "-c", _REFERENCE, str(text), vocab_json, str(out)],
+                        None,
+                        env,
+                    )
+                )
                 ref_tokens = out.stat().st_size // 2
         ratio = statistics.median(b / a for a, b in zip(ours, theirs))
-        print(f"| {text.name} | {text.stat().st_size / 1e6:.2f} | {tokens:,} (reference {ref_tokens:,}) | "
-              f"{statistics.median(ours):.2f} | {statistics.median(theirs):.2f} | **{ratio:.2f}x** |")
+        print(
+            f"| {text.name} | {text.stat().st_size / 1e6:.2f} | {tokens:,} (reference {ref_tokens:,}) | "
+            f"{statistics.median(ours):.2f} | {statistics.median(theirs):.2f} | **{ratio:.2f}x** |"
+        )
     print("\ngoal: at least 0.8x")
 
 

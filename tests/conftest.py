@@ -1,6 +1,7 @@
 """Shared fixtures: the offline data sets in ../shared/data where a machine has them, else a stand-in
 folder with the same file names, built from the Python standard library and the small samples the
 package ships (tinygpt/samples/README.md), so that the whole suite runs on a fresh clone with no network."""
+
 from __future__ import annotations
 
 import gzip
@@ -22,6 +23,7 @@ def _stdlib_prose(chars: int) -> str:
     import ast
 
     from tinygpt.data.sources import builtin_files
+
     out, n = [], 0
     for path in builtin_files():
         try:
@@ -29,7 +31,9 @@ def _stdlib_prose(chars: int) -> str:
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)) and (doc := ast.get_docstring(node)):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)) and (
+                doc := ast.get_docstring(node)
+            ):
                 out.append(doc.strip() + "\n\n")
                 n += len(out[-1])
                 if n >= chars:
@@ -44,13 +48,21 @@ def build_stand_in(folder: Path) -> Path:
     from tinygpt.data.sources import validation_text
     from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
     from tinygpt.model.tokenizer import find_gpt2_files
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tinyshakespeare.txt").write_text(_stdlib_prose(1_100_000), encoding="utf-8")
-    (folder / "wikitext2_test.txt").write_text(validation_text(DataConfig(source="builtin"), 400_000), encoding="utf-8")
+    (folder / "wikitext2_test.txt").write_text(
+        validation_text(DataConfig(source="builtin"), 400_000), encoding="utf-8"
+    )
     write_stdlib_instructions(folder / "code_alpaca_2k.json")
-    for name, sample in (("HumanEval.jsonl.gz", "humaneval"), ("mbpp.jsonl", "mbpp"),
-                         ("hellaswag_val.txt.bz2", "hellaswag")):
-        shutil.copyfile(sample_path("sample:" + sample), folder / name)  # the samples the package ships
+    for name, sample in (
+        ("HumanEval.jsonl.gz", "humaneval"),
+        ("mbpp.jsonl", "mbpp"),
+        ("hellaswag_val.txt.bz2", "hellaswag"),
+    ):
+        shutil.copyfile(
+            sample_path("sample:" + sample), folder / name
+        )  # the samples the package ships
     vocab, merges = find_gpt2_files()
     shutil.copyfile(vocab, folder / "gpt2_vocab.json")
     shutil.copyfile(merges, folder / "gpt2_merges.txt")
@@ -81,15 +93,20 @@ def tokens(shared_data, tmp_path_factory):
 
     text = (shared_data / "tinyshakespeare.txt").read_text()
     tok = train_bpe([text[:200_000]], 512)
-    cfg = DataConfig(source=str(shared_data / "tinyshakespeare.txt"), vocab_size=512, max_chars=300_000)
+    cfg = DataConfig(
+        source=str(shared_data / "tinyshakespeare.txt"), vocab_size=512, max_chars=300_000
+    )
     return build_token_cache(cfg, tok, tmp_path_factory.mktemp("cache"))
 
 
 def pytest_configure(config):
     # the two tiers (docs/TESTING.md): `-m "not slow"` is the inner loop, the README's command runs both
-    config.addinivalue_line("markers", "slow: real processes killed, mirrors filled, notebooks, the browser, pip, "
-                                       "torch.compile against eager, llama.cpp: tests that a faster one covers in "
-                                       "short form; the full suite (no -m) runs them")
+    config.addinivalue_line(
+        "markers",
+        "slow: real processes killed, mirrors filled, notebooks, the browser, pip, "
+        "torch.compile against eager, llama.cpp: tests that a faster one covers in "
+        "short form; the full suite (no -m) runs them",
+    )
     # Tiny models on a 2-core CI machine run fastest with one thread per test process
     # (pytest-xdist runs two); more threads only contend.
     import torch

@@ -1,6 +1,7 @@
 """The house rules that a reader relies on: imports point down the layers (import-linter's contract
 in .importlinter), the code passes `ruff check` and is laid out by `ruff format`, and no tinygpt module
 imports another inside a function."""
+
 from __future__ import annotations
 
 import ast
@@ -44,7 +45,11 @@ def test_ruff_format_owns_the_layout():
 # The command line imports each command's modules inside that command (issue 37: `tinygpt --help`
 # loads no torch, a command only what it runs), and what a command ends with (cli_report.py) the
 # sync modules, which import torch; tests/test_imports.py counts what each one loads.
-IMPORTS_AS_USED = {"tinygpt/cli.py", "tinygpt/cli_report.py", "tinygpt/__main__.py"}  # __main__: SIGINT first
+IMPORTS_AS_USED = {
+    "tinygpt/cli.py",
+    "tinygpt/cli_report.py",
+    "tinygpt/__main__.py",
+}  # __main__: SIGINT first
 
 
 def test_package_imports_stand_at_the_top_of_files():
@@ -56,8 +61,12 @@ def test_package_imports_stand_at_the_top_of_files():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for inner in ast.walk(node):
-                    if isinstance(inner, ast.ImportFrom) and (inner.level or (inner.module or "").startswith("tinygpt")):
+                    if isinstance(inner, ast.ImportFrom) and (
+                        inner.level or (inner.module or "").startswith("tinygpt")
+                    ):
                         hidden.append(f"{path.relative_to(ROOT)}:{inner.lineno}")
-                    elif isinstance(inner, ast.Import) and any(a.name.startswith("tinygpt") for a in inner.names):
+                    elif isinstance(inner, ast.Import) and any(
+                        a.name.startswith("tinygpt") for a in inner.names
+                    ):
                         hidden.append(f"{path.relative_to(ROOT)}:{inner.lineno}")
     assert not hidden, f"imports of tinygpt inside functions: {hidden}"

@@ -1,5 +1,6 @@
 """Batches reach a GPU through pinned memory as whole blocks: every tensor a batch source serves is contiguous
 (a pinned strided view would still be copied through a pageable temporary, which does not overlap compute)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,6 +4,7 @@ keeps it, and more hours for a run still in its stable phase.
 
 No assertion on how long anything took (timings are for benchmarks/): step counts, learning rates
 and files are checked."""
+
 from __future__ import annotations
 
 import json
@@ -39,13 +40,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_wsd_holds_the_rate_then_decays_to_min_lr_at_the_last_step():
-    cfg = TrainConfig(schedule="wsd", max_steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4, decay_fraction=0.2)
+    cfg = TrainConfig(
+        schedule="wsd", max_steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4, decay_fraction=0.2
+    )
     lrs = [lr_at(s, cfg) for s in range(100)]
     assert lrs[9] == lrs[10] == lrs[79] == 1e-3 and lr_at(0, cfg) == pytest.approx(1e-4)
     assert decay_start(100, 0.2) == 80 and lrs[80] == 1e-3 > lrs[81] > lrs[98] > lrs[99]
     assert lrs[99] == pytest.approx(1e-4)  # the last step's rate is the schedule's final value
     longer = TrainConfig(**{**cfg.to_dict(), "max_steps": 10_000})
-    assert [lr_at(s, longer) for s in range(80)] == lrs[:80]  # until the decay, the count does not matter
+    assert [lr_at(s, longer) for s in range(80)] == lrs[
+        :80
+    ]  # until the decay, the count does not matter
     with pytest.raises(ConfigError, match="schedule"):
         TrainConfig(schedule=INVALID)
 
@@ -71,14 +76,20 @@ def test_a_budget_fixed_again_follows_the_mean_step_time_but_never_jumps_into_th
     # at step 1200 with 90 s left the hours buy 31 steps, but a count that ends at 1231 began its decay
     # at step 985: the rate would jump down. The decay begins at the next step instead (1501: decay at 1201)
     late = refix(b, 1200, 3500, 2.9, 10, decay_fraction=0.2, now=1.0)
-    assert late.max_steps == 1501 and decay_start(1501, 0.2) == 1201 and late.out_of_bounds() is None
-    assert refix(b, 1300, 3500, 2.9, 10, decay_fraction=0.2, now=1.0) is b  # the decay began at 1276
+    assert (
+        late.max_steps == 1501 and decay_start(1501, 0.2) == 1201 and late.out_of_bounds() is None
+    )
+    assert (
+        refix(b, 1300, 3500, 2.9, 10, decay_fraction=0.2, now=1.0) is b
+    )  # the decay began at 1276
     for f in (0.1, 0.2, 0.4):
         for step in range(0, 5000, 37):
             n = least_stable_steps(step, f)
             assert decay_start(n, f) > step >= decay_start(n - 1, f)
     whole = Budget(hours=1.0, max_steps=1595, decided_at_step=100, step_s=2.0, decided_at=0.0)
-    assert refix(whole, 500, 1500, 3.0, 10, decay_fraction=1.0, now=1.0) is whole  # all decay: nothing to fix
+    assert (
+        refix(whole, 500, 1500, 3.0, 10, decay_fraction=1.0, now=1.0) is whole
+    )  # all decay: nothing to fix
 
 
 class SlowAfterTheBudget(Callback):
@@ -107,15 +118,28 @@ def test_a_budgeted_run_that_slows_down_trains_the_count_it_fixed_with_its_sched
     the schedule ends whole: the peak rate until the final count's decay began, then down to min_lr at its last
     step."""
     slow = SlowAfterTheBudget(3.0)
-    res = pretrain("cpu-smoke", tmp_path / "run", hours=0.002, device="cpu", progress=False,
-                   cache_dir=tmp_path / "c", callbacks=[slow])
+    res = pretrain(
+        "cpu-smoke",
+        tmp_path / "run",
+        hours=0.002,
+        device="cpu",
+        progress=False,
+        cache_dir=tmp_path / "c",
+        callbacks=[slow],
+    )
     budget = json.loads((tmp_path / "run" / "budget.json").read_text())
     decided, _ = slow.first
     assert res.step == budget["max_steps"]
-    said = [tuple(map(int, m.groups())) for m in (re.search(r"(\d+) steps, not (\d+)", t) for t in slow.said) if m]
+    said = [
+        tuple(map(int, m.groups()))
+        for m in (re.search(r"(\d+) steps, not (\d+)", t) for t in slow.said)
+        if m
+    ]
     assert [old for _, old in said] == [decided] + [new for new, _ in said[:-1]], slow.said
     logged = [m for m in res.metrics if "lr" in m]
-    assert logged[-1]["step"] == res.step and logged[-1]["lr"] == pytest.approx(3e-4)  # the decay ended
+    assert logged[-1]["step"] == res.step and logged[-1]["lr"] == pytest.approx(
+        3e-4
+    )  # the decay ended
     # the rate held until the last count's decay began: no count fixed again cut into it; then it only fell
     f = json.loads((tmp_path / "run" / "run.json").read_text())["recipe"]["train"]["decay_fraction"]
     start = decay_start(res.step, f)
@@ -133,12 +157,21 @@ def test_expected_final_loss_reads_the_curve_so_far():
 
 
 def test_a_budgeted_run_fixes_its_steps_and_ends_with_the_schedule_complete(tmp_path):
-    res = pretrain("cpu-smoke", tmp_path / "run", hours=0.002, device="cpu", progress=False, cache_dir=tmp_path / "c")
+    res = pretrain(
+        "cpu-smoke",
+        tmp_path / "run",
+        hours=0.002,
+        device="cpu",
+        progress=False,
+        cache_dir=tmp_path / "c",
+    )
     budget = json.loads((tmp_path / "run" / "budget.json").read_text())
     assert budget["hours"] == 0.002 and budget["decided_at_step"] >= 8 and budget["step_s"] > 0
     assert res.step == budget["max_steps"] > budget["decided_at_step"]
     logged = [m for m in res.metrics if "lr" in m]
-    assert logged[-1]["step"] == res.step and logged[-1]["lr"] == pytest.approx(3e-4)  # cpu-smoke's min_lr
+    assert logged[-1]["step"] == res.step and logged[-1]["lr"] == pytest.approx(
+        3e-4
+    )  # cpu-smoke's min_lr
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["recipe"]["train"]["schedule"] == "wsd"
     # the recipe's own cosine gave way to wsd, and the start-up line (and its record) says so
@@ -151,14 +184,32 @@ def test_a_budgeted_run_fixes_its_steps_and_ends_with_the_schedule_complete(tmp_
         PretrainOptions(run_dir=tmp_path / "x", hours=0)
 
 
-def test_a_set_that_the_budget_would_override_is_refused_in_one_line_before_any_work(tmp_path, capsys):
+def test_a_set_that_the_budget_would_override_is_refused_in_one_line_before_any_work(
+    tmp_path, capsys
+):
     """--hours decides the schedule (wsd) and the step count: a --set of either beside it cannot be
     honoured, so it is refused before anything is made, never replaced without a word."""
     run = tmp_path / "run"
-    for sets, said in ((["train.schedule=cosine"], "--set train.schedule=cosine cannot be honoured with --hours"),
-                       (["train.max_steps=50"], "--set train.max_steps=50 and --hours both set the step count")):
-        code = main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run), "--device", "cpu", "--quiet",
-                     "--hours", "0.01", "--set", *sets])
+    for sets, said in (
+        (["train.schedule=cosine"], "--set train.schedule=cosine cannot be honoured with --hours"),
+        (["train.max_steps=50"], "--set train.max_steps=50 and --hours both set the step count"),
+    ):
+        code = main(
+            [
+                "pretrain",
+                "--recipe",
+                "cpu-smoke",
+                "--run-dir",
+                str(run),
+                "--device",
+                "cpu",
+                "--quiet",
+                "--hours",
+                "0.01",
+                "--set",
+                *sets,
+            ]
+        )
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and said in err, err
         assert not run.exists()
@@ -172,9 +223,28 @@ def test_a_budgeted_run_killed_after_its_decision_resumes_within_its_hours(tmp_p
     are the hours its steps take, and it ends at the count it fixed, its schedule complete."""
     env = {**os.environ, "TINYGPT_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tinygpt", "pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run),
-           "--save-every", "4", "--quiet", "--device", "cpu"]
-    p = subprocess.Popen(cmd + ["--hours", "0.01"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tinygpt",
+        "pretrain",
+        "--recipe",
+        "cpu-smoke",
+        "--run-dir",
+        str(run),
+        "--save-every",
+        "4",
+        "--quiet",
+        "--device",
+        "cpu",
+    ]
+    p = subprocess.Popen(
+        cmd + ["--hours", "0.01"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None:
         if (run / "budget.json").is_file() and len(list((run / "checkpoints").glob("step_*"))) >= 2:
@@ -184,12 +254,24 @@ def test_a_budgeted_run_killed_after_its_decision_resumes_within_its_hours(tmp_p
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     decided = json.loads((run / "budget.json").read_text())
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)  # the same command without --hours: the run keeps its budget
+    out = subprocess.run(
+        cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )  # the same command without --hours: the run keeps its budget
     assert out.returncode == 0, out.stdout + out.stderr
     kept = json.loads((run / "budget.json").read_text())
-    assert kept["hours"] == decided["hours"] and kept["decided_at_step"] > decided["decided_at_step"]
+    assert (
+        kept["hours"] == decided["hours"] and kept["decided_at_step"] > decided["decided_at_step"]
+    )
     assert abs(kept["max_steps"] * kept["step_s"] - 0.01 * 3600) <= 0.1 * 0.01 * 3600, kept
-    steps = [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    steps = [
+        m["step"]
+        for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "loss" in m
+    ]
     assert steps[-1] == kept["max_steps"] and f"step {kept['max_steps']}:" in out.stdout
-    lrs = [m["lr"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in m]
+    lrs = [
+        m["lr"]
+        for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "lr" in m
+    ]
     assert lrs[-1] == pytest.approx(3e-4)  # the decay ended

@@ -1,4 +1,5 @@
 """Text sources, the token cache and the sampler, on real text."""
+
 import json
 import os
 import subprocess
@@ -42,17 +43,23 @@ def test_builtin_corpus_is_the_standard_library():
 def test_token_cache_is_built_once_and_reused(tmp_path, tok, shared_data):
     cfg = DataConfig(source=str(shared_data / "tinyshakespeare.txt"), vocab_size=600)
     a = build_token_cache(cfg, tok, tmp_path)
-    assert a.train.dtype == np.uint16 and a.meta["val_tokens"] > 0 and a.meta["train_tokens"] > 10 * a.meta["val_tokens"]
+    assert (
+        a.train.dtype == np.uint16
+        and a.meta["val_tokens"] > 0
+        and a.meta["train_tokens"] > 10 * a.meta["val_tokens"]
+    )
     # the cache holds exactly the encoding of each document followed by end-of-text
     docs = list(iter_documents(cfg))
     first = tok.encode(docs[0]) + [tok.eot_id]
-    assert a.train[:len(first)].tolist() == first
+    assert a.train[: len(first)].tolist() == first
     mtime = (a.path / "train_000000.bin").stat().st_mtime_ns
     b = build_token_cache(cfg, tok, tmp_path)
     assert b.path == a.path and (b.path / "train_000000.bin").stat().st_mtime_ns == mtime
     assert np.array_equal(a.val, b.val)
     # a different tokenizer or split is a different cache
-    c = build_token_cache(DataConfig(source=cfg.source, vocab_size=600, val_fraction=0.1), tok, tmp_path)
+    c = build_token_cache(
+        DataConfig(source=cfg.source, vocab_size=600, val_fraction=0.1), tok, tmp_path
+    )
     assert c.path != a.path and c.meta["val_tokens"] > a.meta["val_tokens"]
 
 
@@ -112,7 +119,10 @@ def test_fixed_batches_are_the_same_every_time():
     # 46 windows in batches of 8: the last batch keeps the shape, its 2 padding rows count for nothing
     part = fixed_batches(tokens, 64, 8, 10)
     assert len(part) == 6 and {tuple(x.shape) for x, _ in part} == {(8, 64)}
-    assert int((part[-1][1] == -100).all(dim=1).sum()) == 2 and sum(int((y != -100).sum()) for _, y in part) == 46 * 64
+    assert (
+        int((part[-1][1] == -100).all(dim=1).sum()) == 2
+        and sum(int((y != -100).sum()) for _, y in part) == 46 * 64
+    )
 
 
 def test_bad_data_gets_clear_errors(tmp_path):
@@ -137,28 +147,56 @@ def test_bad_data_gets_clear_errors(tmp_path):
         s.load_state_dict({"seq_len": 10, "n_windows": 99, "seed": 0, "epoch": 0, "index": 0})
 
 
-def test_same_path_source_resolves_our_spelling_and_only_reads_theirs_as_words(tmp_path, monkeypatch):
+def test_same_path_source_resolves_our_spelling_and_only_reads_theirs_as_words(
+    tmp_path, monkeypatch
+):
     from tinygpt.data.sources import same_path_source
+
     text = tmp_path / "text.txt"
     text.write_text("some words\n" * 10)
     (tmp_path / "link.txt").symlink_to(text)
     monkeypatch.chdir(tmp_path)
     assert same_path_source("text.txt", str(text)) and same_path_source(str(text), "text.txt")
     assert same_path_source("link.txt", str(text))  # our side is resolved, links and all
-    assert not same_path_source(str(text), "link.txt")  # theirs is never looked up: a link it names is not followed
+    assert not same_path_source(
+        str(text), "link.txt"
+    )  # theirs is never looked up: a link it names is not followed
     assert not same_path_source(str(text), str(tmp_path / "other.txt"))
-    assert not same_path_source("builtin", "builtin") and not same_path_source(str(text), "hf:user/text.txt")
+    assert not same_path_source("builtin", "builtin") and not same_path_source(
+        str(text), "hf:user/text.txt"
+    )
 
 
-@pytest.mark.parametrize("make,why", [
-    (lambda p: p.write_bytes(b""), "is empty"),
-    (lambda p: p.write_bytes(b"\0" * 1000), "holds only NUL bytes"),
-    (lambda p: p.write_bytes(b"text, then a NUL\0" * 100), "is a binary file (it has NUL bytes)"),
-])
-def test_a_source_without_text_says_why_in_one_line_without_a_class_name(make, why, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "make,why",
+    [
+        (lambda p: p.write_bytes(b""), "is empty"),
+        (lambda p: p.write_bytes(b"\0" * 1000), "holds only NUL bytes"),
+        (
+            lambda p: p.write_bytes(b"text, then a NUL\0" * 100),
+            "is a binary file (it has NUL bytes)",
+        ),
+    ],
+)
+def test_a_source_without_text_says_why_in_one_line_without_a_class_name(
+    make, why, tmp_path, capsys
+):
     data = tmp_path / "data.txt"
     make(data)
-    assert main(["pretrain", str(tmp_path / "run"), "--recipe", "cpu-smoke", "--data", str(data), "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "pretrain",
+                str(tmp_path / "run"),
+                "--recipe",
+                "cpu-smoke",
+                "--data",
+                str(data),
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"data source {data} {why}" in err, err
     assert "Error:" not in err and "Warning" not in err and not (tmp_path / "run").exists()
@@ -167,7 +205,20 @@ def test_a_source_without_text_says_why_in_one_line_without_a_class_name(make, w
     folder.mkdir()
     for name in ("a.txt", "b.py"):
         make(folder / name)
-    assert main(["pretrain", str(tmp_path / "run"), "--recipe", "cpu-smoke", "--data", str(folder), "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "pretrain",
+                str(tmp_path / "run"),
+                "--recipe",
+                "cpu-smoke",
+                "--data",
+                str(folder),
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     words = "holds only empty files" if why == "is empty" else "holds only binary files (NUL bytes)"
     assert err.count("\n") == 1 and f"data source {folder} {words}" in err, err
@@ -179,14 +230,41 @@ def test_a_binary_file_beside_text_is_warned_once_as_tinygpts_line(tmp_path):
     folder = tmp_path / "texts"
     folder.mkdir()
     (folder / "a.txt").write_bytes(b"\0\1\2" * 1000)
-    (folder / "b.txt").write_text(("To be, or not to be: that is the question. " * 40 + "\n\n") * 60)
+    (folder / "b.txt").write_text(
+        ("To be, or not to be: that is the question. " * 40 + "\n\n") * 60
+    )
     for tokenizer in ("train", "gpt2"):  # gpt2: only the writer process reads the source
-        sets = ["--set", "data.tokenizer=gpt2", "model.vocab_size=50304"] if tokenizer == "gpt2" else []
-        out = subprocess.run([sys.executable, "-m", "tinygpt", "pretrain", str(tmp_path / tokenizer), "--recipe",
-                              "cpu-smoke", "--data", str(folder), "--max-steps", "1", "--quiet", "--device", "cpu",
-                              *sets], capture_output=True, text=True, cwd=tmp_path,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        sets = (
+            ["--set", "data.tokenizer=gpt2", "model.vocab_size=50304"]
+            if tokenizer == "gpt2"
+            else []
+        )
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tinygpt",
+                "pretrain",
+                str(tmp_path / tokenizer),
+                "--recipe",
+                "cpu-smoke",
+                "--data",
+                str(folder),
+                "--max-steps",
+                "1",
+                "--quiet",
+                "--device",
+                "cpu",
+                *sets,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         warned = [line for line in out.stderr.splitlines() if "binary" in line]
-        assert warned == [f"tinygpt: warning: {folder}: 1 file binary (NUL bytes), skipped"], out.stderr[-3000:]
+        assert warned == [f"tinygpt: warning: {folder}: 1 file binary (NUL bytes), skipped"], (
+            out.stderr[-3000:]
+        )
         assert "UserWarning" not in out.stderr and "data.py" not in out.stderr

@@ -1,5 +1,6 @@
 """Several processes under torchrun on the CPU (gloo): the same loss curve as one process at the same
 global batch, checkpoints that move between world sizes (DDP and FSDP2), and kill -9 of one rank."""
+
 import json
 import os
 import shutil
@@ -22,10 +23,26 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 24  # steps are cheap (process start-up is not): room to stop a run half way
 # The recipe's global batch is 4 sequences x 2 accumulation steps; with 2 processes each runs one
 # micro-step of 4 (the accumulation is divided). Logged every step, evaluated and saved every 4.
-COMMON = ["--recipe", "cpu-smoke", "--max-steps", str(STEPS), "--save-every", "4", "--eval-every", "4",
-          "--device", "cpu", "--quiet", "--set", "train.micro_batch_size=4", "train.grad_accum_steps=2",
-          "train.log_every=1", "train.keep_last=10"]
-FSDP_SCRIPT = """
+COMMON = [
+    "--recipe",
+    "cpu-smoke",
+    "--max-steps",
+    str(STEPS),
+    "--save-every",
+    "4",
+    "--eval-every",
+    "4",
+    "--device",
+    "cpu",
+    "--quiet",
+    "--set",
+    "train.micro_batch_size=4",
+    "train.grad_accum_steps=2",
+    "train.log_every=1",
+    "train.keep_last=10",
+]
+FSDP_SCRIPT = (
+    """
 import sys
 from tinygpt.core.recipes import get_recipe
 from tinygpt.pretrain.run_pretrain import pretrain
@@ -33,16 +50,24 @@ from tinygpt.pretrain.run_pretrain import pretrain
 recipe = get_recipe("cpu-smoke").replace(train=dict(micro_batch_size=4, grad_accum_steps=2, log_every=1, keep_last=10))
 pretrain(recipe, sys.argv[1], data=sys.argv[2], max_steps=%d, save_every=4, eval_every=4, device="cpu",
          progress=False, parallel="fsdp")
-""" % STEPS
+"""
+    % STEPS
+)
 
 
 # --- the pieces, in one process --------------------------------------------------------------------
 
+
 def test_global_batch_is_split_over_ranks():
     assert split_global_batch(8, 16, 1) == (8, 16)
-    assert split_global_batch(8, 16, 4) == (8, 4)  # accumulation divided first: the micro-batch stays
+    assert split_global_batch(8, 16, 4) == (
+        8,
+        4,
+    )  # accumulation divided first: the micro-batch stays
     assert split_global_batch(8, 1, 2) == (4, 1)  # else the micro-batch
-    with pytest.raises(ConfigError, match="neither grad_accum_steps nor micro_batch_size is a multiple of 3"):
+    with pytest.raises(
+        ConfigError, match="neither grad_accum_steps nor micro_batch_size is a multiple of 3"
+    ):
         split_global_batch(8, 2, 3)
 
 
@@ -69,20 +94,46 @@ def test_torchrun_environment_and_parallel_modes():
 
 # --- real torchrun jobs --------------------------------------------------------------------------
 
+
 def _env(cache):
-    return {**os.environ, "TINYGPT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return {
+        **os.environ,
+        "TINYGPT_CACHE": str(cache),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
 
 
 def _launch(run_dir, shared_data, cache, nproc=1, script=None, **popen_kw):
     data = str(shared_data / "tinyshakespeare.txt")
     if nproc == 1:
-        cmd = [sys.executable, "-m", "tinygpt", "pretrain", "--run-dir", str(run_dir), "--data", data, *COMMON]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tinygpt",
+            "pretrain",
+            "--run-dir",
+            str(run_dir),
+            "--data",
+            data,
+            *COMMON,
+        ]
     else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd = launcher + ([str(script), str(run_dir), data] if script else
-                          ["-m", "tinygpt", "pretrain", "--run-dir", str(run_dir), "--data", data, *COMMON])
-    return subprocess.Popen(cmd, env=_env(cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            **popen_kw)
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+        ]
+        cmd = launcher + (
+            [str(script), str(run_dir), data]
+            if script
+            else ["-m", "tinygpt", "pretrain", "--run-dir", str(run_dir), "--data", data, *COMMON]
+        )
+    return subprocess.Popen(
+        cmd, env=_env(cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen_kw
+    )
 
 
 def _run(*args, **kw) -> str:
@@ -93,9 +144,11 @@ def _run(*args, **kw) -> str:
 
 
 def _curve(run_dir):
-    return [(m["step"], m.get("loss"), m.get("val_loss"))
-            for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if "startup" not in m]  # each start records its own start-up times
+    return [
+        (m["step"], m.get("loss"), m.get("val_loss"))
+        for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "startup" not in m
+    ]  # each start records its own start-up times
 
 
 def _assert_same_run(run_dir, ref_dir, atol=1e-5):
@@ -104,15 +157,23 @@ def _assert_same_run(run_dir, ref_dir, atol=1e-5):
     assert [s for s, _, _ in a] == [s for s, _, _ in b] == list(range(1, STEPS + 1))
     for (s, loss, val), (_, ref_loss, ref_val) in zip(a, b):
         assert loss == pytest.approx(ref_loss, abs=atol), f"step {s}"
-        assert (val is None) == (ref_val is None) and (val is None or val == pytest.approx(ref_val, abs=atol))
+        assert (val is None) == (ref_val is None) and (
+            val is None or val == pytest.approx(ref_val, abs=atol)
+        )
     last = ckpt.step_name(STEPS)
     sd, state, _ = ckpt.load_checkpoint(run_dir / "checkpoints" / last)
     ref_sd, ref_state, _ = ckpt.load_checkpoint(ref_dir / "checkpoints" / last)
     assert sd.keys() == ref_sd.keys()
     assert all(torch.allclose(sd[k], ref_sd[k], atol=1e-4) for k in sd)
     assert state["sampler"] == ref_state["sampler"]  # the same place in the same global order
-    opt, ref_opt = state["optimizer"], ref_state["optimizer"]  # the single-process format, whatever wrote it
-    assert opt["param_groups"] == ref_opt["param_groups"] and opt["state"].keys() == ref_opt["state"].keys()
+    opt, ref_opt = (
+        state["optimizer"],
+        ref_state["optimizer"],
+    )  # the single-process format, whatever wrote it
+    assert (
+        opt["param_groups"] == ref_opt["param_groups"]
+        and opt["state"].keys() == ref_opt["state"].keys()
+    )
     for i, s in opt["state"].items():
         assert all(torch.allclose(v, ref_opt["state"][i][n], atol=1e-5) for n, v in s.items())
 
@@ -172,17 +233,22 @@ def test_kill9_of_one_rank_then_resume_in_one_process(reference, shared_data):
     steps = [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")]
     assert steps and max(steps) < STEPS
     assert "lost its peers" in out and "run the same command again" in out, out
-    assert f"The last good checkpoint is {run / 'checkpoints' / ckpt.step_name(max(steps))}" in out, out
+    assert (
+        f"The last good checkpoint is {run / 'checkpoints' / ckpt.step_name(max(steps))}" in out
+    ), out
     assert all(ckpt.verify_checkpoint(run / "checkpoints" / ckpt.step_name(s))[0] for s in steps)
     two, one = _curve(run)[:6], _curve(reference / "ref")[:6]  # 2 processes = 1, step for step
-    assert [m[1] for m in two] == pytest.approx([m[1] for m in one], abs=1e-5) and two[3][2] is not None
+    assert [m[1] for m in two] == pytest.approx([m[1] for m in one], abs=1e-5) and two[3][
+        2
+    ] is not None
     _run(run, shared_data, reference / "cache", nproc=1)  # written by 2, resumed by 1
     _assert_same_run(run, reference / "ref")
 
 
 @pytest.mark.slow  # torchrun processes stopped
-def test_one_process_checkpoint_resumes_in_two_stops_on_sigterm_and_finishes_with_fsdp(reference, shared_data,
-                                                                                   tmp_path):
+def test_one_process_checkpoint_resumes_in_two_stops_on_sigterm_and_finishes_with_fsdp(
+    reference, shared_data, tmp_path
+):
     """The single-process run's step-4 checkpoint is resumed by 2 DDP processes; SIGTERM to torchrun
     stops both ranks at the same step with a checkpoint; 2 FSDP2 processes finish the run, which
     ends as the single-process run did, its checkpoints gathered into the single-process format."""
@@ -212,14 +278,43 @@ def test_two_ranks_fix_a_time_budget_again_together_and_end_at_the_same_step(tmp
     stable phase; every rank takes it there (a rank that did not would wait for the others' next step
     forever). The built-in corpus: no shared data needed."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "tinygpt", "pretrain", "--run-dir", str(run), "--recipe", "cpu-smoke", "--hours", "0.003",
-           "--save-every", "4", "--device", "cpu", "--quiet",
-           "--set", "train.micro_batch_size=4", "train.grad_accum_steps=2"]
-    out = subprocess.run(cmd, env=_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "tinygpt",
+        "pretrain",
+        "--run-dir",
+        str(run),
+        "--recipe",
+        "cpu-smoke",
+        "--hours",
+        "0.003",
+        "--save-every",
+        "4",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--set",
+        "train.micro_batch_size=4",
+        "train.grad_accum_steps=2",
+    ]
+    out = subprocess.run(
+        cmd, env=_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     budget = json.loads((run / "budget.json").read_text())
     assert budget["decided_at_step"] > 9 and budget["decided_at_step"] % 4 == 0  # fixed again later
-    steps = [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
-    assert steps[-1] == budget["max_steps"] == max(s for s, _ in ckpt.list_checkpoints(run / "checkpoints"))
+    steps = [
+        m["step"]
+        for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "loss" in m
+    ]
+    assert (
+        steps[-1]
+        == budget["max_steps"]
+        == max(s for s, _ in ckpt.list_checkpoints(run / "checkpoints"))
+    )

@@ -1,5 +1,6 @@
 """Drive sync: mirroring run folders, retries on Drive errors, restore after a lost VM, token cache,
 and the fake google.colab. Real checkpoints on real folders; the only fake is google.colab."""
+
 from __future__ import annotations
 
 import errno
@@ -32,8 +33,11 @@ from tinygpt.sync.token_cache import restore_shards, sync_shards
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_COLAB = Path(__file__).parent / "fake_colab"
-RUN_FILES = {"run.json": '{"recipe": "tiny"}', "tokenizer.json": '{"model": "bpe"}',
-             "metrics.jsonl": '{"step": 100, "loss": 3.0}\n'}
+RUN_FILES = {
+    "run.json": '{"recipe": "tiny"}',
+    "tokenizer.json": '{"model": "bpe"}',
+    "metrics.jsonl": '{"step": 100, "loss": 3.0}\n',
+}
 
 
 def no_wait(**kw) -> Backoff:
@@ -68,6 +72,7 @@ def enotconn(*_):
 
 # ---- mirroring -----------------------------------------------------------------------------------
 
+
 def test_mirror_copies_verified_checkpoints_keeps_last_k_and_run_files(tmp_path):
     run, mirror = make_run(tmp_path / "vm"), tmp_path / "drive" / "r"
     m = Mirror(run, mirror, keep_last=2, backoff=no_wait())
@@ -78,15 +83,18 @@ def test_mirror_copies_verified_checkpoints_keeps_last_k_and_run_files(tmp_path)
         m.on_log({"step": step, "loss": 1.0})
         assert m.flush(timeout=30)
     with open(run / "metrics.jsonl", "a") as f:
-        f.write('{"step": 500, "loss": 2.0}\n{"step": 6')  # a line being appended is not copied half
+        f.write(
+            '{"step": 500, "loss": 2.0}\n{"step": 6'
+        )  # a line being appended is not copied half
     assert m.close(timeout=30)
 
     assert steps(mirror / "checkpoints") == [400, 500]
     for p in [mirror / "checkpoints" / step_name(s) for s in (400, 500)] + [mirror / "best"]:
         assert verify_checkpoint(p) == (True, "ok")
     assert read_manifest(mirror / "best")["step"] == 300
-    assert (mirror / "checkpoints" / step_name(500) / "model.safetensors").read_bytes() == \
-        (run / "checkpoints" / step_name(500) / "model.safetensors").read_bytes()
+    assert (mirror / "checkpoints" / step_name(500) / "model.safetensors").read_bytes() == (
+        run / "checkpoints" / step_name(500) / "model.safetensors"
+    ).read_bytes()
     assert (mirror / "run.json").read_text() == RUN_FILES["run.json"]
     assert (mirror / "metrics.jsonl").read_text().endswith('"loss": 2.0}\n')
     assert leftovers(mirror) == []
@@ -114,8 +122,14 @@ def test_never_deletes_the_only_valid_checkpoint(tmp_path):
             with open(dst, "r+b") as f:
                 f.truncate(10)
 
-    m = Mirror(run, mirror, keep_last=1, backoff=no_wait(max_attempts=3), copy_file=truncating_copy,
-               catch_up=False)  # about pruning: the local step 300 is not to be copied first
+    m = Mirror(
+        run,
+        mirror,
+        keep_last=1,
+        backoff=no_wait(max_attempts=3),
+        copy_file=truncating_copy,
+        catch_up=False,
+    )  # about pruning: the local step 300 is not to be copied first
     with pytest.warns(UserWarning, match="Drive mirror"):
         m.on_checkpoint(make_ckpt(run, 400), 400)
         assert m.close(timeout=30)
@@ -136,9 +150,16 @@ def test_drive_errors_are_retried_with_backoff_and_never_reach_training(tmp_path
         shutil.copyfile(src, dst)
 
     # catch_up=False: the checkpoint made below is handed over once, never also found by the catch-up
-    m = Mirror(run, mirror, backoff=Backoff(wait=lambda stop, s: sleeps.append(s)), copy_file=flaky_copy,
-               catch_up=False)
-    m.on_checkpoint(make_ckpt(run, 100), 100)  # the training thread: returns at once, raises nothing
+    m = Mirror(
+        run,
+        mirror,
+        backoff=Backoff(wait=lambda stop, s: sleeps.append(s)),
+        copy_file=flaky_copy,
+        catch_up=False,
+    )
+    m.on_checkpoint(
+        make_ckpt(run, 100), 100
+    )  # the training thread: returns at once, raises nothing
     m.on_checkpoint(run / "nonexistent", "not a step")  # a bad call is only an error in the status
     m.on_log({"loss": 1.0})
     assert m.close(timeout=30)
@@ -205,7 +226,9 @@ def test_a_checkpoint_pruned_locally_during_its_copy_is_dropped_without_an_error
         shutil.copyfile(src, dst)
 
     sleeps = []
-    m = Mirror(run, mirror, backoff=Backoff(wait=lambda stop, s: sleeps.append(s)), copy_file=slow_copy)
+    m = Mirror(
+        run, mirror, backoff=Backoff(wait=lambda stop, s: sleeps.append(s)), copy_file=slow_copy
+    )
     m.on_checkpoint(make_ckpt(run, 100), 100)
     assert started.wait(30)
     shutil.rmtree(run / "checkpoints" / step_name(100))
@@ -217,7 +240,9 @@ def test_a_checkpoint_pruned_locally_during_its_copy_is_dropped_without_an_error
 
 def test_a_new_session_clears_leftovers_and_puts_back_a_moved_aside_best(tmp_path):
     run, mirror = make_run(tmp_path / "vm"), make_run(tmp_path / "drive")
-    make_ckpt(mirror, 300, "best").rename(mirror / ".old-best-4242-deadbeef")  # killed between renames
+    make_ckpt(mirror, 300, "best").rename(
+        mirror / ".old-best-4242-deadbeef"
+    )  # killed between renames
     (mirror / ".tmp-metrics.jsonl-4242-deadbeef").write_text("half")
     Mirror(run, mirror).close(timeout=30)
     assert verify_checkpoint(mirror / "best")[0] and leftovers(mirror) == []
@@ -229,6 +254,7 @@ def test_mirror_refuses_the_run_folder_itself(tmp_path):
 
 
 # ---- restore -------------------------------------------------------------------------------------
+
 
 def test_restore_takes_the_newer_mirror_checkpoint_and_the_run_files(tmp_path):
     old_vm, mirror = make_run(tmp_path / "old"), tmp_path / "drive" / "r"
@@ -255,9 +281,13 @@ def test_restore_prefers_local_when_newer_or_equal_and_handles_nothing(tmp_path)
     make_ckpt(local, 200)
     copies = []
     record = lambda s, d: copies.append(s) or shutil.copyfile(s, d)  # noqa: E731
-    assert restore_latest(local, mirror, backoff=no_wait(), copy_file=record) == local / "checkpoints" / step_name(300)
+    assert restore_latest(
+        local, mirror, backoff=no_wait(), copy_file=record
+    ) == local / "checkpoints" / step_name(300)
     shutil.rmtree(local / "checkpoints" / step_name(300))
-    assert restore_latest(local, mirror, backoff=no_wait(), copy_file=record) == local / "checkpoints" / step_name(200)
+    assert restore_latest(
+        local, mirror, backoff=no_wait(), copy_file=record
+    ) == local / "checkpoints" / step_name(200)
     assert copies == []  # a tie goes to the local disk
     assert restore_latest(tmp_path / "empty", tmp_path / "no-drive") is None
     assert restore_latest(tmp_path / "empty", None) is None
@@ -314,18 +344,23 @@ def test_kill_9_during_a_copy_leaves_the_mirror_usable(tmp_path):
             m.flush()
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, timeout=120, capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, timeout=120, capture_output=True
+    )
     assert proc.returncode == -9, proc.stderr.decode()
     assert [p.name.startswith(f".tmp-{step_name(200)}") for p in leftovers(mirror)] == [True]
 
     new_vm = tmp_path / "new" / "r"
-    assert restore_latest(new_vm, mirror, backoff=no_wait()) == new_vm / "checkpoints" / step_name(100)
+    assert restore_latest(new_vm, mirror, backoff=no_wait()) == new_vm / "checkpoints" / step_name(
+        100
+    )
     assert (new_vm / "tokenizer.json").read_text() == RUN_FILES["tokenizer.json"]
     Mirror(new_vm, mirror).close(timeout=30)  # a new session clears what the killed one left
     assert leftovers(mirror) == [] and steps(mirror / "checkpoints") == [100]
 
 
 # ---- token cache ---------------------------------------------------------------------------------
+
 
 def make_shards(folder: Path, n: int, done: bool) -> Path:
     """A shard folder as tinygpt.data.shards writes it: files, then the manifest listing them."""
@@ -336,14 +371,21 @@ def make_shards(folder: Path, n: int, done: bool) -> Path:
         for split, size in (("train", 20_000), ("val", 1_000)):
             data = os.urandom(size)
             (folder / f"{split}_{i:06d}.bin").write_bytes(data)
-            entry[split] = {"name": f"{split}_{i:06d}.bin", "bytes": size, "sha256": hashlib.sha256(data).hexdigest()}
+            entry[split] = {
+                "name": f"{split}_{i:06d}.bin",
+                "bytes": size,
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
         shards.append(entry)
     (folder / MANIFEST).write_text(json.dumps({"dtype": "uint16", "shards": shards, "done": done}))
     return folder
 
 
 def test_token_shards_go_to_the_mirror_as_they_are_written_and_come_back(tmp_path):
-    local, mirror = make_shards(tmp_path / "vm" / "cache", 2, done=False), tmp_path / "drive" / "cache"
+    local, mirror = (
+        make_shards(tmp_path / "vm" / "cache", 2, done=False),
+        tmp_path / "drive" / "cache",
+    )
     calls = []
 
     def flaky_copy(src: Path, dst: Path) -> None:
@@ -354,7 +396,9 @@ def test_token_shards_go_to_the_mirror_as_they_are_written_and_come_back(tmp_pat
 
     assert sync_shards(local, mirror, backoff=no_wait(), copy_file=flaky_copy) == 2
     assert sync_shards(local, mirror, backoff=no_wait()) == 0  # nothing new
-    make_shards(local, 3, done=True)  # the writer went on (same names: rewritten, like a new VM would)
+    make_shards(
+        local, 3, done=True
+    )  # the writer went on (same names: rewritten, like a new VM would)
     shutil.rmtree(mirror)
     assert sync_shards(local, mirror, backoff=no_wait()) == 3
     assert json.loads((mirror / MANIFEST).read_text())["done"] is True
@@ -369,19 +413,25 @@ def test_token_shards_go_to_the_mirror_as_they_are_written_and_come_back(tmp_pat
 
 
 def test_a_corrupt_shard_on_the_mirror_ends_the_restore_before_it(tmp_path):
-    local, mirror = make_shards(tmp_path / "vm" / "cache", 3, done=True), tmp_path / "drive" / "cache"
+    local, mirror = (
+        make_shards(tmp_path / "vm" / "cache", 3, done=True),
+        tmp_path / "drive" / "cache",
+    )
     assert sync_shards(local, mirror, backoff=no_wait()) == 3
     with open(mirror / "train_000001.bin", "r+b") as f:
         f.write(b"\xff\xfe\xfd")
     with pytest.warns(UserWarning, match="sha256"):
         restore_shards(mirror, tmp_path / "a", backoff=no_wait())
     kept = json.loads((tmp_path / "a" / MANIFEST).read_text())
-    assert [s["train"]["name"] for s in kept["shards"]] == ["train_000000.bin"] and kept["done"] is False
+    assert [s["train"]["name"] for s in kept["shards"]] == ["train_000000.bin"] and kept[
+        "done"
+    ] is False
     assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".tmp")]
     assert not (tmp_path / "a" / "train_000001.bin").exists()
 
 
 # ---- Colab ---------------------------------------------------------------------------------------
+
 
 def _forget_colab() -> None:
     for name in [n for n in sys.modules if n == "google.colab" or n.startswith("google.colab.")]:
@@ -422,6 +472,7 @@ def test_fake_colab_mount_makes_mydrive_appear_and_mirror_writes_there(fake_cola
     assert verify_checkpoint(backing / "checkpoints" / step_name(100))[0]
 
     from google.colab import files
+
     files.download(str(run / "run.json"))
     assert (tmp / "downloads" / "run.json").read_text() == RUN_FILES["run.json"]
     assert files.downloaded == [str(run / "run.json")]

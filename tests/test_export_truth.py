@@ -2,6 +2,7 @@
 format a finetune learned (the token its prompts began with and the instruction template), and a card of the
 exported checkpoint; and, where llama-cpp-python is installed, llama.cpp's greedy tokens and a finetune's answer
 equal tinygpt's."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,15 @@ INSTRUCTION = "Write a function that returns the square of x."
 def run(tmp_path_factory, shared_data) -> Path:
     """cpu-smoke for 12 steps: checkpoints at 10 and 12, training losses logged at 5 and 10, validation at 6 and 12."""
     tmp = tmp_path_factory.mktemp("truth")
-    pretrain("cpu-smoke", tmp / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=12,
-             eval_every=6, progress=False, cache_dir=tmp / "cache")
+    pretrain(
+        "cpu-smoke",
+        tmp / "run",
+        data=str(shared_data / "tinyshakespeare.txt"),
+        max_steps=12,
+        eval_every=6,
+        progress=False,
+        cache_dir=tmp / "cache",
+    )
     return tmp / "run"
 
 
@@ -44,9 +52,26 @@ def lora_run(run, shared_data, tmp_path_factory) -> Path:
     from tinygpt.finetune.run_finetune import finetune
 
     ft = tmp_path_factory.mktemp("truth-ft") / "ft"
-    finetune("lora-r8", str(run), str(shared_data / "code_alpaca_2k.json"), ft, hardware="cpu", progress=False,
-             train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=6, warmup_steps=1, lr=5e-3,
-                        eval_every=3, save_every=3, eval_batches=1, log_every=3))
+    finetune(
+        "lora-r8",
+        str(run),
+        str(shared_data / "code_alpaca_2k.json"),
+        ft,
+        hardware="cpu",
+        progress=False,
+        train=dict(
+            seq_len=128,
+            micro_batch_size=4,
+            grad_accum_steps=1,
+            max_steps=6,
+            warmup_steps=1,
+            lr=5e-3,
+            eval_every=3,
+            save_every=3,
+            eval_batches=1,
+            log_every=3,
+        ),
+    )
     return ft
 
 
@@ -60,23 +85,38 @@ def _modelfile_template(text: str) -> str:
 
 # --- 1. the context ---------------------------------------------------------------------------
 
+
 def test_every_client_reads_the_context_the_model_was_trained_at(run, tmp_path, capsys):
     assert SMOKE.train.seq_len == 64 < SMOKE.model.max_seq_len == 128 and trained_context(run) == 64
     hf, gf = export(run, tmp_path / "hf"), export(run, tmp_path / "gguf", "gguf", "f16")
     assert _json(hf / "config.json")["max_position_embeddings"] == 64
     assert _json(hf / "tokenizer_config.json")["model_max_length"] == 64
     meta, _ = gg.read_gguf(gf / "model-F16.gguf")
-    assert meta["llama.context_length"] == 64 and "PARAMETER num_ctx 64\n" in (gf / "Modelfile").read_text()
+    assert (
+        meta["llama.context_length"] == 64
+        and "PARAMETER num_ctx 64\n" in (gf / "Modelfile").read_text()
+    )
     for folder in (hf, gf):
         card = (folder / "README.md").read_text()
-        assert "context 64 tokens, the length it was trained at (its position tables reach 128; positions past 64 " \
-               "were never trained)" in card
+        assert (
+            "context 64 tokens, the length it was trained at (its position tables reach 128; positions past 64 "
+            "were never trained)" in card
+        )
 
     # more, when a user asks for it: everywhere, and the card says what was trained
-    assert main(["export", str(run), str(tmp_path / "long"), "--format", "gguf", "--context", "128"]) == 0
+    assert (
+        main(["export", str(run), str(tmp_path / "long"), "--format", "gguf", "--context", "128"])
+        == 0
+    )
     meta, _ = gg.read_gguf(tmp_path / "long" / "model-F16.gguf")
-    assert meta["llama.context_length"] == 128 and "PARAMETER num_ctx 128\n" in (tmp_path / "long/Modelfile").read_text()
-    assert "context 128 tokens as exported (`--context`; it was trained at 64)" in (tmp_path / "long/README.md").read_text()
+    assert (
+        meta["llama.context_length"] == 128
+        and "PARAMETER num_ctx 128\n" in (tmp_path / "long/Modelfile").read_text()
+    )
+    assert (
+        "context 128 tokens as exported (`--context`; it was trained at 64)"
+        in (tmp_path / "long/README.md").read_text()
+    )
     hf_long = export(run, tmp_path / "hf-long", context=128)
     assert _json(hf_long / "config.json")["max_position_embeddings"] == 128
     assert _json(hf_long / "tokenizer_config.json")["model_max_length"] == 128
@@ -84,6 +124,7 @@ def test_every_client_reads_the_context_the_model_was_trained_at(run, tmp_path, 
 
 
 # --- 2. one prompt format ---------------------------------------------------------------------
+
 
 def _training_prompt(lora_run: Path, instruction: str, input: str = "") -> list[int]:
     """The ids a finetune's training put before an answer (and `generate --adapter` gives the model)."""
@@ -93,7 +134,9 @@ def _training_prompt(lora_run: Path, instruction: str, input: str = "") -> list[
     return Codec(tok).encode_examples([[(format_prompt(instruction, input), False)]])[0][0]
 
 
-def test_a_finetunes_prompt_format_is_the_same_in_training_transformers_the_gguf_and_ollama(lora_run, run, tmp_path):
+def test_a_finetunes_prompt_format_is_the_same_in_training_transformers_the_gguf_and_ollama(
+    lora_run, run, tmp_path
+):
     import jinja2
     from transformers import AutoTokenizer
 
@@ -112,36 +155,77 @@ def test_a_finetunes_prompt_format_is_the_same_in_training_transformers_the_gguf
     config, tcfg = _json(hf / "config.json"), _json(hf / "tokenizer_config.json")
     meta, _ = gg.read_gguf(gf / "model-F32.gguf")
     # the token a prompt begins with, and that it is added, agree with training everywhere
-    assert config["bos_token_id"] == eot_id and tcfg["add_bos_token"] is True and tcfg["bos_token"] == eot
-    assert meta["tokenizer.ggml.bos_token_id"] == eot_id and meta["tokenizer.ggml.add_bos_token"] is True
+    assert (
+        config["bos_token_id"] == eot_id
+        and tcfg["add_bos_token"] is True
+        and tcfg["bos_token"] == eot
+    )
+    assert (
+        meta["tokenizer.ggml.bos_token_id"] == eot_id
+        and meta["tokenizer.ggml.add_bos_token"] is True
+    )
     assert meta["tokenizer.ggml.eos_token_id"] == eot_id
     hf_tok = AutoTokenizer.from_pretrained(hf)
     assert hf_tok(format_prompt(instruction))["input_ids"] == ids
 
     messages = [{"role": "user", "content": instruction}]
-    by_transformers = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    by_gguf = jinja2.Environment().from_string(meta["tokenizer.chat_template"]).render(
-        messages=messages, bos_token=meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.bos_token_id"]],
-        eos_token=eot, add_generation_prompt=True)
+    by_transformers = hf_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    by_gguf = (
+        jinja2.Environment()
+        .from_string(meta["tokenizer.chat_template"])
+        .render(
+            messages=messages,
+            bos_token=meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.bos_token_id"]],
+            eos_token=eot,
+            add_generation_prompt=True,
+        )
+    )
     assert by_transformers == by_gguf == text
-    assert list(hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                           return_dict=True)["input_ids"]) == ids
+    assert (
+        list(
+            hf_tok.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
+        == ids
+    )
     # Ollama: the Modelfile's TEMPLATE around the prompt, with the GGUF's BOS added by Ollama
     template = _modelfile_template((gf / "Modelfile").read_text())
-    assert eot + _go_template(template, {"Prompt": instruction}) == text  # trimmed as training trims it
+    assert (
+        eot + _go_template(template, {"Prompt": instruction}) == text
+    )  # trimmed as training trims it
     # a whole conversation: each answer closed by end-of-text, as training closes it
-    chat = [*messages, {"role": "assistant", "content": "return x * x"}, {"role": "user", "content": "And cubes?"}]
-    assert hf_tok.apply_chat_template(chat, tokenize=False) == jinja2.Environment().from_string(
-        meta["tokenizer.chat_template"]).render(messages=chat, bos_token=eot, eos_token=eot) == (
-        text + "return x * x" + eot + format_prompt("And cubes?"))
+    chat = [
+        *messages,
+        {"role": "assistant", "content": "return x * x"},
+        {"role": "user", "content": "And cubes?"},
+    ]
+    assert (
+        hf_tok.apply_chat_template(chat, tokenize=False)
+        == jinja2.Environment()
+        .from_string(meta["tokenizer.chat_template"])
+        .render(messages=chat, bos_token=eot, eos_token=eot)
+        == (text + "return x * x" + eot + format_prompt("And cubes?"))
+    )
     # the context: the longer of the base's (64) and the finetune's (128)
-    assert config["max_position_embeddings"] == tcfg["model_max_length"] == meta["llama.context_length"] == 128
+    assert (
+        config["max_position_embeddings"]
+        == tcfg["model_max_length"]
+        == meta["llama.context_length"]
+        == 128
+    )
     assert "PARAMETER num_ctx 128\n" in (gf / "Modelfile").read_text()
 
 
 # (instruction, input): Alpaca's two record forms, with newlines, accents, emoji and surrounding spaces
-FORMS = [("  Sum a list.  ", ""), ("Sum a list.", "[1, 2, 3]"),
-         (" Écris une fonction\nqui ajoute 🎉 \t", "  x = 1\ny = 2 \n"), ("Reverse it.\n", "   ")]
+FORMS = [
+    ("  Sum a list.  ", ""),
+    ("Sum a list.", "[1, 2, 3]"),
+    (" Écris une fonction\nqui ajoute 🎉 \t", "  x = 1\ny = 2 \n"),
+    ("Reverse it.\n", "   "),
+]
 
 
 def _messages(instruction: str, input: str) -> list[dict]:
@@ -149,9 +233,16 @@ def _messages(instruction: str, input: str) -> list[dict]:
     return [{"role": "user", "content": t} for t in (instruction, input) if t]
 
 
-_GO_FUNCS = {"len": len, "index": lambda s, i: s[i], "not": lambda a: not a, "slice": lambda s, a, b=None: s[a:b],
-             "eq": lambda a, *b: a in b, "and": lambda a, b: a and b, "lt": lambda a, b: a < b,
-             "ge": lambda a, b: a >= b}
+_GO_FUNCS = {
+    "len": len,
+    "index": lambda s, i: s[i],
+    "not": lambda a: not a,
+    "slice": lambda s, a, b=None: s[a:b],
+    "eq": lambda a, *b: a in b,
+    "and": lambda a, b: a and b,
+    "lt": lambda a, b: a < b,
+    "ge": lambda a, b: a >= b,
+}
 
 
 def _go_call(tokens: list, env: dict, data: dict) -> object:
@@ -221,7 +312,9 @@ def _go_template(template: str, data: dict) -> str:
     return "".join(out)
 
 
-def test_both_alpaca_record_forms_are_the_same_in_training_transformers_llama_cpp_and_ollama(lora_run, tmp_path):
+def test_both_alpaca_record_forms_are_the_same_in_training_transformers_llama_cpp_and_ollama(
+    lora_run, tmp_path
+):
     """Half of code_alpaca's records have an input and train with the "### Input:" form: the exported chat template
     (a second user message is the input) and the Modelfile (where Ollama joins the two with a blank line) render both
     forms as training does, each part trimmed."""
@@ -239,29 +332,46 @@ def test_both_alpaca_record_forms_are_the_same_in_training_transformers_llama_cp
     ollama = _modelfile_template((gf / "Modelfile").read_text(encoding="utf-8"))
     # llama-cpp-python's environment for a GGUF's chat template
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    segments, _, _ = record_segments([{"instruction": i, "input": x, "output": "o"} for i, x in FORMS])
+    segments, _, _ = record_segments(
+        [{"instruction": i, "input": x, "output": "o"} for i, x in FORMS]
+    )
     for (instruction, input), segs in zip(FORMS, segments):
         ids = Codec(tok).encode_examples([segs[:1]])[0][0]  # training's prompt, as it trained
         text = tok.decode(ids)
         assert ("### Input:" in text) == bool(input.strip())
         messages = _messages(instruction, input)
-        assert list(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                           return_dict=True)["input_ids"]) == ids, (instruction, input)
+        assert (
+            list(
+                hf.apply_chat_template(
+                    messages, tokenize=True, add_generation_prompt=True, return_dict=True
+                )["input_ids"]
+            )
+            == ids
+        ), (instruction, input)
         rendered = env.from_string(meta["tokenizer.chat_template"]).render(
-            messages=messages, bos_token=eot, eos_token=eot, add_generation_prompt=True)
+            messages=messages, bos_token=eot, eos_token=eot, add_generation_prompt=True
+        )
         assert rendered == text
         # Ollama: consecutive user messages joined by a blank line, the GGUF's BOS added before the template's text
         prompt = "\n\n".join(m["content"] for m in messages)
-        assert [tok.eos_token_id] + hf(_go_template(ollama, {"Prompt": prompt}), add_special_tokens=False)[
-            "input_ids"] == ids, (instruction, input)
+        assert [tok.eos_token_id] + hf(
+            _go_template(ollama, {"Prompt": prompt}), add_special_tokens=False
+        )["input_ids"] == ids, (instruction, input)
     # a conversation: an answer ends its turn; the next instruction starts a prompt of its own
-    chat = [*_messages(*FORMS[1]), {"role": "assistant", "content": "return sum(x)"}, {"role": "user", "content": "x"}]
+    chat = [
+        *_messages(*FORMS[1]),
+        {"role": "assistant", "content": "return sum(x)"},
+        {"role": "user", "content": "x"},
+    ]
     assert hf.apply_chat_template(chat, tokenize=False) == (
-        eot + format_prompt(*FORMS[1]) + "return sum(x)" + eot + format_prompt("x"))
+        eot + format_prompt(*FORMS[1]) + "return sum(x)" + eot + format_prompt("x")
+    )
 
 
 def test_llama_cpp_renders_both_alpaca_record_forms_as_training_did(lora_run, tmp_path):
-    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
+    pytest.importorskip(
+        "llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)"
+    )
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     from tinygpt.finetune.lora import load_finetuned
@@ -269,14 +379,18 @@ def test_llama_cpp_renders_both_alpaca_record_forms_as_training_did(lora_run, tm
     _, tok = load_finetuned(lora_run)
     path = next(export(lora_run, tmp_path / "g", "gguf", "f32").glob("*.gguf"))
     llm = _llama(path, 128)
-    formatter = Jinja2ChatFormatter(llm.metadata["tokenizer.chat_template"], eos_token=tok.eos_token,
-                                    bos_token=tok.eos_token)
+    formatter = Jinja2ChatFormatter(
+        llm.metadata["tokenizer.chat_template"], eos_token=tok.eos_token, bos_token=tok.eos_token
+    )
     for instruction, input in FORMS:
         ids = _training_prompt(lora_run, instruction, input)
         got = formatter(messages=_messages(instruction, input))
         # as its chat handler tokenizes the prompt: the template put the BOS in (added_special)
         added = getattr(got, "added_special", True)
-        assert llm.tokenize(got.prompt.encode(), add_bos=not added, special=True) == ids, (instruction, input)
+        assert llm.tokenize(got.prompt.encode(), add_bos=not added, special=True) == ids, (
+            instruction,
+            input,
+        )
 
 
 def test_a_pretrained_export_adds_no_token_before_a_prompt(run, tmp_path):
@@ -292,11 +406,14 @@ def test_a_pretrained_export_adds_no_token_before_a_prompt(run, tmp_path):
 
 # --- 3. the card of the exported checkpoint ----------------------------------------------------
 
+
 def test_the_card_describes_the_exported_checkpoint_and_shows_no_none(run, tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     at10 = next(r for r in rows if r.get("step") == 10 and "loss" in r)
     val6 = next(r for r in rows if r.get("step") == 6 and "val_loss" in r)
-    out = export(run, tmp_path / "ten", "gguf", "f32", which=str(run / "checkpoints" / "step_000010"))
+    out = export(
+        run, tmp_path / "ten", "gguf", "f32", which=str(run / "checkpoints" / "step_000010")
+    )
     card = (out / "README.md").read_text()
     assert "| steps | 10 |" in card and f"| tokens seen | {at10['tokens']:,} |" in card
     assert f"| training loss | {at10['loss']:.4g} |" in card
@@ -306,7 +423,9 @@ def test_the_card_describes_the_exported_checkpoint_and_shows_no_none(run, tmp_p
     # a run that never evaluated: "not evaluated", never "None"
     bare = tmp_path / "bare"
     shutil.copytree(run, bare, ignore=shutil.ignore_patterns("tensorboard"))
-    (bare / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if "val_loss" not in r))
+    (bare / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if "val_loss" not in r)
+    )
     (bare / "evals.jsonl").unlink(missing_ok=True)
     card = (export(bare, tmp_path / "bare-out") / "README.md").read_text()
     assert "| validation loss | not evaluated |" in card and "None" not in card
@@ -315,8 +434,11 @@ def test_the_card_describes_the_exported_checkpoint_and_shows_no_none(run, tmp_p
 
 # --- 4. q8_0 on CPUs with AMX -----------------------------------------------------------------
 
+
 def test_a_q8_0_export_says_how_to_run_it_on_a_cpu_with_amx(run, tmp_path, capsys):
-    assert main(["export", str(run), str(tmp_path / "q8"), "--format", "gguf", "--quant", "q8_0"]) == 0
+    assert (
+        main(["export", str(run), str(tmp_path / "q8"), "--format", "gguf", "--quant", "q8_0"]) == 0
+    )
     err = capsys.readouterr().err
     assert "--no-repack" in err and "AMX" in err
     assert AMX_NOTE in (tmp_path / "q8" / "README.md").read_text()
@@ -332,8 +454,12 @@ def _llama(path: Path, n_ctx: int, logits_all: bool = False):
     try:
         from llama_cpp import Llama
     except ImportError:
-        pytest.skip("llama.cpp is not installed here (pip install llama-cpp-python builds it from source with CMake)")
-    return Llama(model_path=str(path), n_ctx=n_ctx, logits_all=logits_all, verbose=False, n_threads=2, seed=0)
+        pytest.skip(
+            "llama.cpp is not installed here (pip install llama-cpp-python builds it from source with CMake)"
+        )
+    return Llama(
+        model_path=str(path), n_ctx=n_ctx, logits_all=logits_all, verbose=False, n_threads=2, seed=0
+    )
 
 
 def _greedy_cpp(llm, ids: list[int], n: int, stop: int | None = None) -> list[int]:
@@ -372,7 +498,9 @@ def _perturbed(tok, qk_norm: bool):
     from tinygpt.model.gpt import GPT
 
     vocab = 50304 if tok.vocab_size > 50000 else tok.vocab_size + 64
-    config = dataclasses.replace(SMOKE.model, vocab_size=vocab, n_kv_head=1, qk_norm=qk_norm, rope_theta=5000.0)
+    config = dataclasses.replace(
+        SMOKE.model, vocab_size=vocab, n_kv_head=1, qk_norm=qk_norm, rope_theta=5000.0
+    )
     torch.manual_seed(0)
     m = GPT(config)
     with torch.no_grad():
@@ -384,7 +512,9 @@ def _perturbed(tok, qk_norm: bool):
 @pytest.mark.slow  # llama.cpp
 @pytest.mark.parametrize("kind", ["own-bpe", "gpt2", "qwen3"])
 def test_llama_cpp_greedy_tokens_at_f16_equal_tinygpts(kind, run, tmp_path):
-    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
+    pytest.importorskip(
+        "llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)"
+    )
     from tinygpt.model.loading import load_run
     from tinygpt.model.tokenizer import load_gpt2
 
@@ -406,8 +536,12 @@ def test_llama_cpp_greedy_tokens_at_f16_equal_tinygpts(kind, run, tmp_path):
 
 
 @pytest.mark.slow  # llama.cpp
-def test_llama_cpp_greedy_tokens_of_a_merged_lora_at_f16_equal_its_merged_models(lora_run, tmp_path):
-    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
+def test_llama_cpp_greedy_tokens_of_a_merged_lora_at_f16_equal_its_merged_models(
+    lora_run, tmp_path
+):
+    pytest.importorskip(
+        "llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)"
+    )
     from tinygpt.finetune.lora import load_finetuned
 
     merged, tok = load_finetuned(lora_run, merge=True)
@@ -415,23 +549,45 @@ def test_llama_cpp_greedy_tokens_of_a_merged_lora_at_f16_equal_its_merged_models
     llm = _llama(path, 128)
     merged = _f16(merged.float().eval())
     for prompt in PROMPTS:
-        ids = [tok.bos_token_id] + tok(prompt, add_special_tokens=False)["input_ids"]  # as the GGUF starts it
+        ids = [tok.bos_token_id] + tok(prompt, add_special_tokens=False)[
+            "input_ids"
+        ]  # as the GGUF starts it
         assert llm.tokenize(prompt.encode(), add_bos=True, special=True) == ids
         assert _greedy_cpp(llm, ids, 24) == _greedy_ours(merged, ids, 24, hf=True), prompt
 
 
 @pytest.mark.slow  # llama.cpp
-def test_llama_cpp_greedy_tokens_of_a_full_finetune_at_f16_equal_its_hf_exports(run, shared_data, tmp_path):
+def test_llama_cpp_greedy_tokens_of_a_full_finetune_at_f16_equal_its_hf_exports(
+    run, shared_data, tmp_path
+):
     """The fifth export kind: a full finetune (every weight trained). Its GGUF in llama.cpp and its Hugging Face export
     in transformers start a prompt with the same tokens (the finetune's BOS) and continue it greedily alike at f16."""
-    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
+    pytest.importorskip(
+        "llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)"
+    )
     import transformers
 
     from tinygpt.finetune.run_finetune import finetune
 
-    finetune("full", str(run), str(shared_data / "code_alpaca_2k.json"), tmp_path / "full", hardware="cpu",
-             progress=False, train=dict(seq_len=128, micro_batch_size=4, grad_accum_steps=1, max_steps=3,
-                                        warmup_steps=1, eval_every=3, save_every=3, eval_batches=1, log_every=1))
+    finetune(
+        "full",
+        str(run),
+        str(shared_data / "code_alpaca_2k.json"),
+        tmp_path / "full",
+        hardware="cpu",
+        progress=False,
+        train=dict(
+            seq_len=128,
+            micro_batch_size=4,
+            grad_accum_steps=1,
+            max_steps=3,
+            warmup_steps=1,
+            eval_every=3,
+            save_every=3,
+            eval_batches=1,
+            log_every=1,
+        ),
+    )
     hf = export(tmp_path / "full", tmp_path / "hf", "hf")
     path = next(export(tmp_path / "full", tmp_path / "g", "gguf", "f16").glob("*.gguf"))
     model = _f16(transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval())
@@ -445,12 +601,16 @@ def test_llama_cpp_greedy_tokens_of_a_full_finetune_at_f16_equal_its_hf_exports(
 
 
 def test_a_finetuned_gguf_answers_an_instruction_as_generate_adapter_does(lora_run, tmp_path):
-    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)")
+    pytest.importorskip(
+        "llama_cpp", reason="llama.cpp is not installed here (pip install llama-cpp-python)"
+    )
     from tinygpt.finetune.lora import load_finetuned
     from tinygpt.model.generate import generate_response
 
     merged, tok = load_finetuned(lora_run, merge=True)
-    want = generate_response(merged, tok, INSTRUCTION, max_new_tokens=24)  # `tinygpt generate --adapter`, greedy
+    want = generate_response(
+        merged, tok, INSTRUCTION, max_new_tokens=24
+    )  # `tinygpt generate --adapter`, greedy
     path = next(export(lora_run, tmp_path / "g", "gguf", "f32").glob("*.gguf"))
     llm = _llama(path, 128)
     # the prompt as llama.cpp and Ollama build it: the instruction format, the GGUF's BOS added by the tokenizer
@@ -465,9 +625,16 @@ def test_a_finetuned_gguf_answers_an_instruction_as_generate_adapter_does(lora_r
     with torch.no_grad():
         ours = merged(input_ids=torch.tensor([ids])).logits[0, -1].double().numpy()
     theirs = np.asarray(scorer.scores[len(ids) - 1], dtype=np.float64)
-    np.testing.assert_allclose(theirs, ours, atol=1e-3 * max(1.0, float(np.abs(ours).max())), rtol=0)
+    np.testing.assert_allclose(
+        theirs, ours, atol=1e-3 * max(1.0, float(np.abs(ours).max())), rtol=0
+    )
     # llama.cpp's chat mode (the GGUF's Jinja template, as llama-cpp-python renders it) gives the same answer
     llm.reset()
-    chat = llm.create_chat_completion(messages=[{"role": "user", "content": INSTRUCTION}], temperature=0.0,
-                                      top_k=1, repeat_penalty=1.0, max_tokens=24)
+    chat = llm.create_chat_completion(
+        messages=[{"role": "user", "content": INSTRUCTION}],
+        temperature=0.0,
+        top_k=1,
+        repeat_penalty=1.0,
+        max_tokens=24,
+    )
     assert chat["choices"][0]["message"]["content"] == want

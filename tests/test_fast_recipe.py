@@ -1,6 +1,7 @@
 """The fast recipes (issue 14): the speed-run choices they make, a real run of `cpu-fast` on real text that
 resumes exactly, and its export through `transformers` (Qwen3, because of QK-norm) with the same logits.
 How much faster they reach a loss is a benchmark (benchmarks/time_to_loss.py), not a test."""
+
 from __future__ import annotations
 
 import json
@@ -25,16 +26,25 @@ def test_fast_recipes_keep_the_baselines_data_and_size_with_the_speedrun_choices
     assert (f.train.optimizer, f.train.schedule, f.train.min_lr) == ("muon", "wsd", 0.0)
     assert (f.model.d_model, f.model.vocab_size) == (b.model.d_model, b.model.vocab_size)
     assert f.model.n_layer <= b.model.n_layer
-    assert f.data.tokenizer == b.data.tokenizer and f.data.vocab_size == b.data.vocab_size  # losses compare
+    assert (
+        f.data.tokenizer == b.data.tokenizer and f.data.vocab_size == b.data.vocab_size
+    )  # losses compare
     assert f.token_budget <= b.token_budget / 2 and f.train.seq_len == b.train.seq_len
 
 
 @pytest.fixture(scope="module")
 def fast_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("fast")
-    recipe = get_recipe("cpu-fast").replace(train={"max_steps": 24, "eval_every": 12, "save_every": 12,
-                                                   "log_every": 4, "warmup_steps": 4},
-                                            data={"max_chars": 300_000})
+    recipe = get_recipe("cpu-fast").replace(
+        train={
+            "max_steps": 24,
+            "eval_every": 12,
+            "save_every": 12,
+            "log_every": 4,
+            "warmup_steps": 4,
+        },
+        data={"max_chars": 300_000},
+    )
     result = pretrain(recipe, root / "run", progress=False, device="cpu", cache_dir=root / "cache")
     return recipe, result, root
 
@@ -45,7 +55,9 @@ def test_cpu_fast_learns_and_ends_its_schedule_at_zero(fast_run):
     vals = [m["val_loss"] for m in result.metrics if m.get("val_loss") is not None]
     assert len(vals) == 2 and vals[-1] < vals[0] and losses[-1] < losses[0] - 1.0
     lrs = [m["lr"] for m in result.metrics if "lr" in m]
-    assert max(lrs) == pytest.approx(recipe.train.lr) and lrs[-1] < 0.25 * recipe.train.lr  # in its decay
+    assert (
+        max(lrs) == pytest.approx(recipe.train.lr) and lrs[-1] < 0.25 * recipe.train.lr
+    )  # in its decay
 
 
 def test_cpu_fast_resumes_bit_for_bit(fast_run, tmp_path):
@@ -54,7 +66,9 @@ def test_cpu_fast_resumes_bit_for_bit(fast_run, tmp_path):
     recipe, result, root = fast_run
     shutil.copytree(root / "run", tmp_path / "run")
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000024")
-    rest = pretrain(recipe, tmp_path / "run", progress=False, device="cpu", cache_dir=root / "cache")
+    rest = pretrain(
+        recipe, tmp_path / "run", progress=False, device="cpu", cache_dir=root / "cache"
+    )
     assert (rest.resumed_from, rest.step) == (12, 24)
     whole = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     again = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -81,7 +95,9 @@ def test_a_run_begun_before_a_setting_existed_resumes(fast_run, tmp_path):
     del state["train_config"]["loss"]
     torch.save(state, step / ckpt.STATE_FILE)
     manifest = ckpt.read_manifest(step)
-    ckpt.write_manifest(step, {k: v for k, v in manifest.items() if k not in ("files", "format", "created_at")})
+    ckpt.write_manifest(
+        step, {k: v for k, v in manifest.items() if k not in ("files", "format", "created_at")}
+    )
     rest = pretrain(recipe, run, progress=False, device="cpu", cache_dir=root / "cache")
     assert (rest.resumed_from, rest.step) == (12, 24)
 

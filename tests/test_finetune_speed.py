@@ -4,6 +4,7 @@ loss module and the memory plan each give the loss and gradients of the plain pa
 Real tiny models (Llama, Qwen2 and Gemma-2 from their configs, LoRA from `peft`, 4-bit layers from
 `bitsandbytes`) on real text: the built-in instruction set made from the Python standard library.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,18 @@ from tinygpt.train.step import ModelIO  # noqa: E402
 from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
 
 SEQ = 256
-TRAIN = dict(seq_len=SEQ, micro_batch_size=2, grad_accum_steps=2, max_steps=2, warmup_steps=1, lr=3e-3,
-             eval_every=2, save_every=2, eval_batches=1, log_every=1)
+TRAIN = dict(
+    seq_len=SEQ,
+    micro_batch_size=2,
+    grad_accum_steps=2,
+    max_steps=2,
+    warmup_steps=1,
+    lr=3e-3,
+    eval_every=2,
+    save_every=2,
+    eval_batches=1,
+    log_every=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +57,15 @@ def tok(records):
 
 
 def small_config(family: str):
-    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512)
+    shape = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if family == "llama":
         return transformers.LlamaConfig(**shape)
     if family == "qwen2":
@@ -70,7 +88,9 @@ def base_dirs(tmp_path_factory, tok) -> dict[str, Path]:
                 if n.endswith(("q_proj.weight", "k_proj.weight")):
                     p.mul_(6)
         model.save_pretrained(d)
-        transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|endoftext|>").save_pretrained(d)
+        transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok.tok, eos_token="<|endoftext|>"
+        ).save_pretrained(d)
         out[family] = d
     return out
 
@@ -78,7 +98,9 @@ def base_dirs(tmp_path_factory, tok) -> dict[str, Path]:
 def lora_model(base: Path, quantize: str = "none"):
     """A PEFT model whose B matrices are not zero (as after some training), so that every adapter weight
     gets a gradient and the adapters change the outputs."""
-    pm = attach_lora(load_base(str(base), quantize=quantize), LoraSettings(r=4, alpha=8, dropout=0.0), seed=1)
+    pm = attach_lora(
+        load_base(str(base), quantize=quantize), LoraSettings(r=4, alpha=8, dropout=0.0), seed=1
+    )
     torch.manual_seed(2)
     for n, p in pm.named_parameters():
         if "lora_B" in n:
@@ -98,11 +120,15 @@ def assert_same(a, b, rtol=1e-5, atol=1e-6):
     torch.testing.assert_close(la, lb, rtol=rtol, atol=atol)
     assert ga.keys() == gb.keys() and ga
     for n in ga:
-        torch.testing.assert_close(ga[n], gb[n], rtol=rtol * 10, atol=atol, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(
+            ga[n], gb[n], rtol=rtol * 10, atol=atol, msg=lambda m: f"{n}: {m}"
+        )
 
 
 def packed_data(records, tokenizer):
-    return build_instruct_data(records, tokenizer, SEQ, pack=True, val_fraction=0.0, template="short")
+    return build_instruct_data(
+        records, tokenizer, SEQ, pack=True, val_fraction=0.0, template="short"
+    )
 
 
 def records_of(pos: torch.Tensor) -> list[tuple[int, int]]:
@@ -116,11 +142,15 @@ def test_packed_rows_restart_positions_at_every_record_and_keep_every_target(rec
     padded = build_instruct_data(records, tok, SEQ, template="short", seed=5)
     packed = build_instruct_data(records, tok, SEQ, template="short", seed=5, pack=True)
     assert packed.train.packed and not padded.train.packed
-    assert packed.report.sequences < padded.report.sequences / 1.5  # fewer rows: less padding per step
+    assert (
+        packed.report.sequences < padded.report.sequences / 1.5
+    )  # fewer rows: less padding per step
     flat = lambda rows: [t for _, y in rows for t in y.tolist() if t != IGNORE_INDEX]  # noqa: E731
     assert flat(packed.train.rows) == flat(padded.train.rows)  # the same targets, in the same order
     x, y, pos = packed.train.next_batch(4)
-    assert x.shape == y.shape == pos.shape == (4, SEQ)  # one shape for every batch: one compiled graph
+    assert (
+        x.shape == y.shape == pos.shape == (4, SEQ)
+    )  # one shape for every batch: one compiled graph
     example_lengths = {int(n) for lengths in packed.train.lengths for n in lengths}
     for b in range(4):
         spans = records_of(pos[b])
@@ -137,7 +167,9 @@ def test_packed_rows_restart_positions_at_every_record_and_keep_every_target(rec
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
-def test_packed_batch_gives_the_loss_and_gradients_of_its_records_one_by_one(family, base_dirs, records):
+def test_packed_batch_gives_the_loss_and_gradients_of_its_records_one_by_one(
+    family, base_dirs, records
+):
     base = base_dirs[family]
     hf_tok = transformers.AutoTokenizer.from_pretrained(base)
     x, y, pos = packed_data(records, hf_tok).train.next_batch(2)
@@ -145,8 +177,10 @@ def test_packed_batch_gives_the_loss_and_gradients_of_its_records_one_by_one(fam
     packed = loss_and_grads(pm, lambda: causal_lm_loss(pm, x, y, pos))
     spans = [(b, s, e) for b in range(2) for s, e in records_of(pos[b])]
     assert len(spans) >= 5
-    one_by_one = loss_and_grads(pm, lambda: sum(causal_lm_loss(pm, x[b:b + 1, s:e], y[b:b + 1, s:e])
-                                                for b, s, e in spans))
+    one_by_one = loss_and_grads(
+        pm,
+        lambda: sum(causal_lm_loss(pm, x[b : b + 1, s:e], y[b : b + 1, s:e]) for b, s, e in spans),
+    )
     assert_same(packed, one_by_one, rtol=1e-5, atol=1e-5)
     # Without the position ids the records would see each other: the gradients move far beyond that
     # tolerance (by a third or more of their norm here; the packed ones are within 1e-6 of one by one).
@@ -158,7 +192,9 @@ def test_packed_batch_gives_the_loss_and_gradients_of_its_records_one_by_one(fam
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 def test_full_logits_and_chunked_losses_equal_the_models_own_logits(family, base_dirs, records):
     base = base_dirs[family]
-    x, y, pos = packed_data(records, transformers.AutoTokenizer.from_pretrained(base)).train.next_batch(2)
+    x, y, pos = packed_data(
+        records, transformers.AutoTokenizer.from_pretrained(base)
+    ).train.next_batch(2)
     pm = lora_model(base)
 
     def plain():  # the model's own logits, as any transformers user computes the loss
@@ -176,12 +212,16 @@ def test_full_logits_and_chunked_losses_equal_the_models_own_logits(family, base
 # ----- compiled ----------------------------------------------------------------------------------------
 @pytest.mark.slow  # torch.compile against eager
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
-def test_loss_module_compiles_as_one_graph_with_the_eager_loss_and_gradients(quantize, base_dirs, records):
+def test_loss_module_compiles_as_one_graph_with_the_eager_loss_and_gradients(
+    quantize, base_dirs, records
+):
     """Forward pass and loss are one graph (no break back to Python between them) for LoRA and QLoRA;
     compiled (aot_eager: dynamo's graph and autograd's joint graph, without a C++ compiler) they give
     the eager loss and gradients."""
     base = base_dirs["llama"]
-    x, y, pos = packed_data(records, transformers.AutoTokenizer.from_pretrained(base)).train.next_batch(2)
+    x, y, pos = packed_data(
+        records, transformers.AutoTokenizer.from_pretrained(base)
+    ).train.next_batch(2)
     pm = lora_model(base, quantize)
     module = FinetuneLoss(pm)
     torch._dynamo.reset()
@@ -189,12 +229,16 @@ def test_loss_module_compiles_as_one_graph_with_the_eager_loss_and_gradients(qua
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     eager = loss_and_grads(pm, lambda: module(x, y, pos))
     compiled = torch.compile(module, backend="aot_eager")
-    assert_same(loss_and_grads(pm, lambda: module_loss(compiled, x, y, pos)), eager, rtol=1e-5, atol=1e-5)
+    assert_same(
+        loss_and_grads(pm, lambda: module_loss(compiled, x, y, pos)), eager, rtol=1e-5, atol=1e-5
+    )
     torch._dynamo.reset()
 
 
 @pytest.mark.slow  # torch.compile
-def test_a_compiled_lora_step_on_an_unpadded_batch_reaches_sdpa_causal_without_a_mask(base_dirs, monkeypatch):
+def test_a_compiled_lora_step_on_an_unpadded_batch_reaches_sdpa_causal_without_a_mask(
+    base_dirs, monkeypatch
+):
     """Compiled, an unpadded batch calls SDPA with no mask and is_causal=True, as eager does: the kernels that
     take no mask (FlashAttention) stay open. transformers built a (B, 1, T, T) mask while compiling. The loss
     and gradients are the eager ones; a packed batch (position ids) still gets its document mask."""
@@ -215,7 +259,9 @@ def test_a_compiled_lora_step_on_an_unpadded_batch_reaches_sdpa_causal_without_a
     calls.clear()
     torch._dynamo.reset()
     compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
-    assert_same(loss_and_grads(pm, lambda: module_loss(compiled, x, y)), eager, rtol=1e-5, atol=1e-5)
+    assert_same(
+        loss_and_grads(pm, lambda: module_loss(compiled, x, y)), eager, rtol=1e-5, atol=1e-5
+    )
     assert len(calls) == 2 and set(calls) == {(True, True)}  # both layers, traced once
     calls.clear()
     pos = torch.cat([torch.arange(40), torch.arange(24)]).expand(2, 64)
@@ -242,24 +288,36 @@ class Source:
 
 
 @pytest.mark.slow  # torch.compile against eager
-def test_trainer_compiles_forward_and_loss_together_and_trains_as_eager(base_dirs, records, tmp_path):
+def test_trainer_compiles_forward_and_loss_together_and_trains_as_eager(
+    base_dirs, records, tmp_path
+):
     """compile="on" (what "auto" means on CUDA): the Trainer's step runs the compiled FinetuneLoss
     (inductor), and two optimizer steps leave the adapters where eager steps leave them."""
     base = base_dirs["llama"]
     data = packed_data(records, transformers.AutoTokenizer.from_pretrained(base))
     batches = [data.train.next_batch(2) for _ in range(4)]
-    cfg = get_finetune_recipe("lora-r8").train_config("cpu", **{**TRAIN, "eval_every": 0, "save_every": 0,
-                                                                 "compile": "on", "precision": "fp32"})
+    cfg = get_finetune_recipe("lora-r8").train_config(
+        "cpu", **{**TRAIN, "eval_every": 0, "save_every": 0, "compile": "on", "precision": "fp32"}
+    )
     adapters = []
     for mode in ("on", "off"):
         pm = lora_model(base)
-        trainer = Trainer(FinetuneLoss(pm), dataclasses.replace(cfg, compile=mode, device="cpu"),
-                          TrainData(Source(batches)), tmp_path / mode, io=ModelIO(loss_fn=module_loss))
+        trainer = Trainer(
+            FinetuneLoss(pm),
+            dataclasses.replace(cfg, compile=mode, device="cpu"),
+            TrainData(Source(batches)),
+            tmp_path / mode,
+            io=ModelIO(loss_fn=module_loss),
+        )
         if mode == "on":
-            assert trainer.forward_model._orig_mod is trainer.model and isinstance(trainer.model, FinetuneLoss)
+            assert trainer.forward_model._orig_mod is trainer.model and isinstance(
+                trainer.model, FinetuneLoss
+            )
         res = trainer.fit("never")
         assert res.step == 2 and res.loss is not None
-        adapters.append({n: p.detach().clone() for n, p in pm.named_parameters() if p.requires_grad})
+        adapters.append(
+            {n: p.detach().clone() for n, p in pm.named_parameters() if p.requires_grad}
+        )
     torch._dynamo.reset()
     for n in adapters[0]:
         torch.testing.assert_close(adapters[0][n], adapters[1][n], rtol=1e-4, atol=1e-5)
@@ -276,31 +334,51 @@ def test_plan_recomputes_only_when_the_estimate_does_not_fit():
     assert h100.need_gb == pytest.approx(device_need_gb(table, "a100"), abs=1e-3)
     assert h100.need_gb < 0.9 * 85 and h100.memory_gb == 85.0
     lean = device_need_gb(memory_table(recipe, "a100", small), "a100")
-    assert lean < h100.need_gb  # checkpointing and chunking save memory, which this GPU does not need
+    assert (
+        lean < h100.need_gb
+    )  # checkpointing and chunking save memory, which this GPU does not need
     # a GPU a little larger than the leanest plan: the run recomputes, and says why
     tight = plan_finetune(recipe, "a100", small, lean / 0.85)
     assert tight.activation_checkpointing and "activation checkpointing on" in tight.why
     # between the two: full logits dropped first (cheap), recomputation kept off
-    no_logits = device_need_gb(memory_table(recipe, "a100", small, activation_checkpointing=False,
-                                            full_logits=False), "a100")
+    no_logits = device_need_gb(
+        memory_table(recipe, "a100", small, activation_checkpointing=False, full_logits=False),
+        "a100",
+    )
     middle = plan_finetune(recipe, "a100", small, no_logits / 0.89)
     assert (middle.activation_checkpointing, middle.full_logits) == (False, False)
-    gemma2_2b = dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                     num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256)
-    t4 = plan_finetune(recipe, "t4", gemma2_2b, 15.8)  # a T4: 16-bit Gemma-2 2B recomputes, its logits fit
+    gemma2_2b = dict(
+        model_type="gemma2",
+        vocab_size=256000,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+    )
+    t4 = plan_finetune(
+        recipe, "t4", gemma2_2b, 15.8
+    )  # a T4: 16-bit Gemma-2 2B recomputes, its logits fit
     assert t4.activation_checkpointing and t4.full_logits
-    smaller = plan_finetune(recipe, "t4", gemma2_2b, 11.0)  # 2048 x 256k logits (6 GB) no longer fit beside it
+    smaller = plan_finetune(
+        recipe, "t4", gemma2_2b, 11.0
+    )  # 2048 x 256k logits (6 GB) no longer fit beside it
     assert smaller.activation_checkpointing and not smaller.full_logits
     forced = dataclasses.replace(recipe, activation_checkpointing="on")
     assert plan_finetune(forced, "a100", small, 85.0).activation_checkpointing
     assert not plan_finetune(dataclasses.replace(recipe, pack=False), "a100", small, 85.0).pack
-    assert not plan_finetune(recipe, "a100", {**small, "model_type": "gpt2"}, 85.0).pack  # unknown masks
+    assert not plan_finetune(
+        recipe, "a100", {**small, "model_type": "gpt2"}, 85.0
+    ).pack  # unknown masks
 
 
 def test_plan_is_recorded_and_a_resumed_run_keeps_it(base_dirs, records, tmp_path):
     (tmp_path / "data.json").write_text(json.dumps(records[:200]))
     data, run = str(tmp_path / "data.json"), tmp_path / "ft"
-    first = finetune("lora-r8", str(base_dirs["qwen2"]), data, run, hardware="cpu", train=TRAIN, progress=False)
+    first = finetune(
+        "lora-r8", str(base_dirs["qwen2"]), data, run, hardware="cpu", train=TRAIN, progress=False
+    )
     assert first.plan.pack and not first.plan.activation_checkpointing and first.plan.full_logits
     info = json.loads((run / "finetune.json").read_text())
     assert info["plan"] == first.plan.to_dict()
@@ -308,11 +386,22 @@ def test_plan_is_recorded_and_a_resumed_run_keeps_it(base_dirs, records, tmp_pat
     # As if the run had started on a GPU that needed recomputation: the resumed run keeps that choice.
     info["plan"]["activation_checkpointing"] = True
     (run / "finetune.json").write_text(json.dumps(info))
-    resumed = finetune("lora-r8", str(base_dirs["qwen2"]), data, run, hardware="cpu",
-                       train={**TRAIN, "max_steps": 4}, progress=False)
+    resumed = finetune(
+        "lora-r8",
+        str(base_dirs["qwen2"]),
+        data,
+        run,
+        hardware="cpu",
+        train={**TRAIN, "max_steps": 4},
+        progress=False,
+    )
     assert resumed.train.resumed_from == 2 and resumed.train.step == 4
-    assert resumed.plan.activation_checkpointing  # and each decoder layer checkpoints (any transformers 5.x):
-    assert all(layer.gradient_checkpointing for layer in resumed.model.get_base_model().model.layers)
+    assert (
+        resumed.plan.activation_checkpointing
+    )  # and each decoder layer checkpoints (any transformers 5.x):
+    assert all(
+        layer.gradient_checkpointing for layer in resumed.model.get_base_model().model.layers
+    )
     assert json.loads((run / "finetune.json").read_text())["plan"]["activation_checkpointing"]
 
 
@@ -321,14 +410,25 @@ def test_a_run_from_before_plans_resumes_with_padded_rows(base_dirs, records, tm
     recompute. The run resumes on its own rows (the data position checks them) under today's recipe."""
     (tmp_path / "data.json").write_text(json.dumps(records[:200]))
     data, run = str(tmp_path / "data.json"), tmp_path / "ft"
-    old_recipe = dataclasses.replace(get_finetune_recipe("lora-r8"), pack=False, activation_checkpointing=("t4", "a100"))
-    first = finetune(old_recipe, str(base_dirs["llama"]), data, run, hardware="cpu", train=TRAIN, progress=False)
+    old_recipe = dataclasses.replace(
+        get_finetune_recipe("lora-r8"), pack=False, activation_checkpointing=("t4", "a100")
+    )
+    first = finetune(
+        old_recipe, str(base_dirs["llama"]), data, run, hardware="cpu", train=TRAIN, progress=False
+    )
     assert not first.plan.pack and first.data.sequences == first.data.train_examples
     info = json.loads((run / "finetune.json").read_text())
     del info["plan"]
     (run / "finetune.json").write_text(json.dumps(info))
-    resumed = finetune("lora-r8", str(base_dirs["llama"]), data, run, hardware="cpu",
-                       train={**TRAIN, "max_steps": 4}, progress=False)
+    resumed = finetune(
+        "lora-r8",
+        str(base_dirs["llama"]),
+        data,
+        run,
+        hardware="cpu",
+        train={**TRAIN, "max_steps": 4},
+        progress=False,
+    )
     assert resumed.train.resumed_from == 2 and resumed.train.step == 4
     assert not resumed.plan.pack and not resumed.plan.activation_checkpointing
     assert np.isfinite(resumed.train.loss)

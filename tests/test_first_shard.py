@@ -1,6 +1,7 @@
 """On a fresh token cache the first step waits for the first shard alone, and the writer has written
 it before it has read 5 MB of the source (issue 37). Counted in bytes read (the kernel's `rchar` of
 this process, /proc/self/io: every read() of the source, its read-ahead included), never timed."""
+
 from __future__ import annotations
 
 import json
@@ -20,19 +21,40 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/io").is_file(), reason="nee
 
 
 def bytes_read() -> int:
-    return int(next(x for x in Path("/proc/self/io").read_text().splitlines()
-                    if x.startswith("rchar:")).split()[1])
+    return int(
+        next(
+            x for x in Path("/proc/self/io").read_text().splitlines() if x.startswith("rchar:")
+        ).split()[1]
+    )
 
 
 def big_source(path: Path, mb: int) -> Path:
     """`mb` MB of varied code-like text (GPT-2 reads it at about 3 characters a token)."""
     rng = random.Random(0)
-    words = ["def", "return", "self", "value", "items", "for", "in", "if", "else", "print", "x", "y"]
+    words = [
+        "def",
+        "return",
+        "self",
+        "value",
+        "items",
+        "for",
+        "in",
+        "if",
+        "else",
+        "print",
+        "x",
+        "y",
+    ]
     with path.open("w", encoding="utf-8") as f:
         while f.tell() < mb * 1_000_000:
-            f.write("".join(f"def f{rng.randrange(10**6)}({rng.choice(words)}):\n    return "
-                            f"{' '.join(rng.choices(words, k=rng.randrange(3, 12)))} "
-                            f"{rng.random():.6f}\n\n" for _ in range(500)))
+            f.write(
+                "".join(
+                    f"def f{rng.randrange(10**6)}({rng.choice(words)}):\n    return "
+                    f"{' '.join(rng.choices(words, k=rng.randrange(3, 12)))} "
+                    f"{rng.random():.6f}\n\n"
+                    for _ in range(500)
+                )
+            )
     return path
 
 
@@ -42,8 +64,9 @@ def test_the_first_step_needs_only_a_first_shard_written_before_5_mb_are_read(tm
     tok.encode_batch(["the encoder built before counting"])
     folder = tmp_path / "cache"
     before = bytes_read()
-    manifest = write_shards(DataConfig(source=str(source), tokenizer="gpt2"), tok, folder,
-                            max_shards=1)  # what the writer has done once the first shard is there
+    manifest = write_shards(
+        DataConfig(source=str(source), tokenizer="gpt2"), tok, folder, max_shards=1
+    )  # what the writer has done once the first shard is there
     read = bytes_read() - before
     assert len(manifest["shards"]) == 1 and not manifest["done"]
     assert manifest["first_shard_tokens"] == FIRST_SHARD_TOKENS < SHARD_TOKENS

@@ -1,4 +1,5 @@
 """FLOP counting (`GPT.flops_per_token`, the numerator of MFU) and the speed benchmark's CPU mode."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 CONFIGS = {
     "tiny": model_config("tiny", vocab_size=300),
-    "tied-gqa": ModelConfig(vocab_size=300, n_layer=3, n_head=4, n_kv_head=2, d_model=64, d_ff=160,
-                            max_seq_len=64, tie_embeddings=True),
+    "tied-gqa": ModelConfig(
+        vocab_size=300,
+        n_layer=3,
+        n_head=4,
+        n_kv_head=2,
+        d_model=64,
+        d_ff=160,
+        max_seq_len=64,
+        tie_embeddings=True,
+    ),
 }
 
 
@@ -61,16 +70,40 @@ def test_forward_flops_match_torch_flop_counter(name):
     # Forward and backward together: 3x the forward, the manual count that flops_per_token is.
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(idx, idx).backward()
-    assert counter.get_total_flops() == (6 * matmul_weights(c) + 12 * c.n_layer * T * c.d_model) * B * T
+    assert (
+        counter.get_total_flops()
+        == (6 * matmul_weights(c) + 12 * c.n_layer * T * c.d_model) * B * T
+    )
 
 
 @pytest.mark.slow  # the benchmark script's run
 def test_benchmark_cpu_mode_runs(tmp_path):
     """`benchmarks/gpu_pretrain.py` on the CPU with a tiny model and the Hugging Face reference."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_pretrain.py"), "--size", "tiny", "--vocab-size", "512",
-           "--seq-len", "64", "--micro-batch", "4", "--steps", "3", "--warmup", "1", "--device", "cpu",
-           "--threads", "1", "--reference", "hf", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "gpu_pretrain.py"),
+        "--size",
+        "tiny",
+        "--vocab-size",
+        "512",
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "4",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--reference",
+        "hf",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tinygpt / hf-llama" in proc.stdout
@@ -78,15 +111,22 @@ def test_benchmark_cpu_mode_runs(tmp_path):
     ours, hf = result["rows"]
     assert (ours["impl"], hf["impl"]) == ("tinygpt", "hf-llama")
     assert ours["params"] == hf["params"]
-    assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0 and result["ratio"]["tokens_per_s"] > 0
+    assert (
+        ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0 and result["ratio"]["tokens_per_s"] > 0
+    )
     assert result["hf_same_batch_loss_diff"] < 1e-4  # the same configuration and weights
-    assert result["flops_per_token"] == GPT(model_config("tiny", vocab_size=512)).flops_per_token(64)
+    assert result["flops_per_token"] == GPT(model_config("tiny", vocab_size=512)).flops_per_token(
+        64
+    )
 
 
 def test_benchmark_max_micro_batch_search():
     """Doubling until out of memory, then bisecting, on a step that fails above 45 rows."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_pretrain", REPO / "benchmarks" / "gpu_pretrain.py")
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_pretrain", REPO / "benchmarks" / "gpu_pretrain.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     tried = []
@@ -97,9 +137,14 @@ def test_benchmark_max_micro_batch_search():
             raise torch.OutOfMemoryError("fake")
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    found = bench.max_micro_batch(step, opt, start=3, limit=1024, bisect=8, seq_len=4, vocab=10,
-                                  device=torch.device("cpu"))
+    found = bench.max_micro_batch(
+        step, opt, start=3, limit=1024, bisect=8, seq_len=4, vocab=10, device=torch.device("cpu")
+    )
     assert found == 45
     assert sorted(set(tried))[:5] == [3, 6, 12, 24, 36] and max(tried) == 48
-    assert bench.max_micro_batch(step, opt, start=3, limit=20, bisect=2, seq_len=4, vocab=10,
-                                 device=torch.device("cpu")) == 12  # the limit stops the doubling
+    assert (
+        bench.max_micro_batch(
+            step, opt, start=3, limit=20, bisect=2, seq_len=4, vocab=10, device=torch.device("cpu")
+        )
+        == 12
+    )  # the limit stops the doubling

@@ -1,4 +1,5 @@
 """What a new user meets on a fresh clone: the README's install advice, and the words the main commands print."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,17 @@ def test_the_main_commands_print_no_none_and_no_broken_joins(tmp_path, capsys):
     recipe: nothing printed (stdout or stderr) says "None" or joins a heading to its list with ":;"."""
     run, out = tmp_path / "run", tmp_path / "hf-model"
     commands = [
-        ["pretrain", str(run), "--recipe", "cpu-smoke", "--max-steps", "3", "--device", "cpu", "--quiet"],
+        [
+            "pretrain",
+            str(run),
+            "--recipe",
+            "cpu-smoke",
+            "--max-steps",
+            "3",
+            "--device",
+            "cpu",
+            "--quiet",
+        ],
         ["generate", str(run), "--prompt", "def", "--max-new-tokens", "5", "--seed", "0"],
         ["eval", str(run), "--task", "perplexity", "--device", "cpu"],
         ["eval", str(run), "--task", "summary"],
@@ -43,8 +54,24 @@ def test_the_main_commands_print_no_none_and_no_broken_joins(tmp_path, capsys):
         printed.append(capsys.readouterr())
     card = (out / "README.md").read_text()
     # a refusal whose message is a heading and a list (another configuration in the same folder)
-    assert main(["pretrain", str(run), "--recipe", "cpu-smoke", "--max-steps", "3", "--device", "cpu", "--quiet",
-                 "--set", "train.lr=0.123"]) == 2
+    assert (
+        main(
+            [
+                "pretrain",
+                str(run),
+                "--recipe",
+                "cpu-smoke",
+                "--max-steps",
+                "3",
+                "--device",
+                "cpu",
+                "--quiet",
+                "--set",
+                "train.lr=0.123",
+            ]
+        )
+        == 2
+    )
     printed.append(capsys.readouterr())
     text = "\n".join(p.out + p.err for p in printed)
     assert "different configuration" in text and "train.lr" in text
@@ -54,8 +81,11 @@ def test_the_main_commands_print_no_none_and_no_broken_joins(tmp_path, capsys):
 
 
 def _files(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _finetuning_run(folder: Path) -> Path:
@@ -80,12 +110,17 @@ def _exports(tmp_path: Path) -> dict[str, Path]:
 
 def test_a_folder_that_is_not_a_pretraining_run_gets_the_command_that_fits_it(tmp_path, capsys):
     ft = _finetuning_run(tmp_path / "ft")
-    with pytest.raises(RunDirError, match="is a finetuning run") as e:  # what eval, export, ... say of one
+    with pytest.raises(
+        RunDirError, match="is a finetuning run"
+    ) as e:  # what eval, export, ... say of one
         load_run(ft)
     assert f"tinygpt generate {ft} --prompt" in str(e.value)
     exports = _exports(tmp_path)
-    hints = {exports["Hugging Face model folder"]: "from_pretrained(", exports["GGUF export"]: "ollama create",
-             tmp_path: f"tinygpt pretrain {tmp_path}"}
+    hints = {
+        exports["Hugging Face model folder"]: "from_pretrained(",
+        exports["GGUF export"]: "ollama create",
+        tmp_path: f"tinygpt pretrain {tmp_path}",
+    }
     for folder, hint in hints.items():
         assert main(["generate", str(folder), "--prompt", "x"]) == 2
         err = capsys.readouterr().err
@@ -95,8 +130,14 @@ def test_a_folder_that_is_not_a_pretraining_run_gets_the_command_that_fits_it(tm
 def test_the_old_run_dir_flag_still_works_with_a_one_line_note(tmp_path, capsys):
     assert main(["generate", "--run-dir", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("note: --run-dir is deprecated") and f"tinygpt generate {tmp_path}" in err[0]
-    assert main(["generate", str(tmp_path / "a"), "--run-dir", str(tmp_path / "b"), "--prompt", "x"]) == 2
+    assert (
+        err[0].startswith("note: --run-dir is deprecated")
+        and f"tinygpt generate {tmp_path}" in err[0]
+    )
+    assert (
+        main(["generate", str(tmp_path / "a"), "--run-dir", str(tmp_path / "b"), "--prompt", "x"])
+        == 2
+    )
     assert "given twice" in capsys.readouterr().err
 
 
@@ -107,7 +148,16 @@ def test_a_refused_run_leaves_any_existing_folder_as_it_was(command, tmp_path, c
     folders = _exports(tmp_path)
     if command == "pretrain":
         folders["finetuning run"] = _finetuning_run(tmp_path / "ft")
-        argv = ["pretrain", "--recipe", "cpu-smoke", "--max-steps", "2", "--device", "cpu", "--quiet"]
+        argv = [
+            "pretrain",
+            "--recipe",
+            "cpu-smoke",
+            "--max-steps",
+            "2",
+            "--device",
+            "cpu",
+            "--quiet",
+        ]
     else:
         run = folders["pretraining run"] = tmp_path / "pre"
         run.mkdir()
@@ -115,7 +165,15 @@ def test_a_refused_run_leaves_any_existing_folder_as_it_was(command, tmp_path, c
         (run / "tokenizer.json").write_text("{}")
         data = tmp_path / "data.jsonl"
         data.write_text('{"instruction": "add", "output": "def add(a, b): return a + b"}\n')
-        argv = ["finetune", "--base", str(tmp_path / "no-base"), "--data", str(data), "--device", "cpu"]
+        argv = [
+            "finetune",
+            "--base",
+            str(tmp_path / "no-base"),
+            "--data",
+            str(data),
+            "--device",
+            "cpu",
+        ]
     for kind, folder in folders.items():
         before = _files(folder)
         assert main([*argv, str(folder)]) == 2

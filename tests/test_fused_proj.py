@@ -1,6 +1,7 @@
 """`ModelConfig.fused_proj`: one q/k/v matmul and one gate/up matmul give the unfused model's weights at init,
 its logits and gradients, its training losses, and files under the Hugging Face names (loadable either way,
 exported through transformers with the same logits)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,12 +22,19 @@ from tinygpt.train.optim import build_optimizer
 from tinygpt.train.trainer import TrainData, Trainer
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-VARIANTS = [dict(), dict(n_kv_head=1), dict(qk_norm=True), dict(n_kv_head=1, qk_norm=True, tie_embeddings=True),
-            dict(n_kv_head=1, attention_bias=True)]
+VARIANTS = [
+    dict(),
+    dict(n_kv_head=1),
+    dict(qk_norm=True),
+    dict(n_kv_head=1, qk_norm=True, tie_embeddings=True),
+    dict(n_kv_head=1, attention_bias=True),
+]
 
 
 def _config(fused: bool, **kw) -> ModelConfig:
-    return dataclasses.replace(model_config("tiny", vocab_size=512, n_head=4), fused_proj=fused, **kw)
+    return dataclasses.replace(
+        model_config("tiny", vocab_size=512, n_head=4), fused_proj=fused, **kw
+    )
 
 
 def _pair(seed: int = 0, perturb: bool = True, **kw) -> tuple[GPT, GPT]:
@@ -66,8 +74,9 @@ def _batch(seed: int = 1, B: int = 3, T: int = 40) -> torch.Tensor:
 def test_same_seed_gives_bit_identical_weights_under_the_hf_names(kw):
     for zero_init in (False, True):
         plain, fused = _pair(perturb=False, zero_init_proj=zero_init, **kw)
-        assert hasattr(fused.model.layers[0].self_attn, "qkv_proj") and hasattr(fused.model.layers[0].mlp,
-                                                                                "gate_up_proj")
+        assert hasattr(fused.model.layers[0].self_attn, "qkv_proj") and hasattr(
+            fused.model.layers[0].mlp, "gate_up_proj"
+        )
         assert not hasattr(fused.model.layers[0].self_attn, "q_proj")
         a, b = plain.state_dict(), fused.state_dict()
         assert list(a) == list(b)  # the same names in the same order
@@ -75,8 +84,14 @@ def test_same_seed_gives_bit_identical_weights_under_the_hf_names(kw):
         assert fused.num_params() == plain.num_params()
         assert fused.flops_per_token(128) == plain.flops_per_token(128)
         n_q, n_kv = 4 * fused.config.head_dim, fused.config.n_kv_head * fused.config.head_dim
-        assert fused.model.layers[0].self_attn.qkv_proj.weight.shape == (n_q + 2 * n_kv, fused.config.d_model)
-        assert fused.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * fused.config.d_ff, fused.config.d_model)
+        assert fused.model.layers[0].self_attn.qkv_proj.weight.shape == (
+            n_q + 2 * n_kv,
+            fused.config.d_model,
+        )
+        assert fused.model.layers[0].mlp.gate_up_proj.weight.shape == (
+            2 * fused.config.d_ff,
+            fused.config.d_model,
+        )
 
 
 @pytest.mark.parametrize("kw", VARIANTS)
@@ -110,7 +125,7 @@ def test_kv_cache_generation_equals_full_recompute(kw):
         torch.testing.assert_close(full, plain(x), atol=1e-5, rtol=1e-5)
         cache = KVCache.empty(fused.config, 2, 64, "cpu", torch.float32)
         steps = [fused(x[:, :12], cache=cache)]  # a prompt
-        steps += [fused(x[:, t:t + 1], cache=cache) for t in range(12, 20)]  # one token at a time
+        steps += [fused(x[:, t : t + 1], cache=cache) for t in range(12, 20)]  # one token at a time
         steps.append(fused(x[:, 20:], cache=cache))  # a chunk appended to a filled cache
     assert cache.pos == 30
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
@@ -122,10 +137,21 @@ def test_checkpoints_keep_the_hf_names_and_load_fused_or_unfused(tmp_path):
     sd = ckpt.model_state(fused)
     assert not any(name in k for k in sd for name in FUSED)
     assert {k for k in sd if ".layers.0." in k} == {
-        f"model.layers.0.{k}.weight" for k in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-                                               "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                               "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
-                                               "mlp.down_proj")}
+        f"model.layers.0.{k}.weight"
+        for k in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     assert sd.keys() == ckpt.model_state(plain).keys()
     ckpt.save_checkpoint(tmp_path / "fused", sd, {"step": 1})
     ckpt.save_checkpoint(tmp_path / "plain", ckpt.model_state(plain), {"step": 1})
@@ -139,7 +165,9 @@ def test_checkpoints_keep_the_hf_names_and_load_fused_or_unfused(tmp_path):
     # a file missing one part of a fused matrix is refused, as for the unfused model
     del sd["model.layers.1.self_attn.k_proj.weight"]
     with pytest.raises(ckpt.CheckpointError, match="missing"):
-        ckpt.load_model_state(GPT(_config(True, n_kv_head=1, qk_norm=True, tie_embeddings=True)), sd)
+        ckpt.load_model_state(
+            GPT(_config(True, n_kv_head=1, qk_norm=True, tie_embeddings=True)), sd
+        )
 
 
 @pytest.mark.parametrize("qk_norm,arch", [(False, "LlamaForCausalLM"), (True, "Qwen3ForCausalLM")])
@@ -148,12 +176,16 @@ def test_export_and_import_through_transformers(tmp_path, shakespeare, qk_norm, 
     tok = train_bpe([shakespeare[:100_000]], 512)
     _, model = _pair(n_kv_head=2, qk_norm=qk_norm)
     model.eval()
-    recipe = get_recipe("cpu-smoke").replace(model=dataclasses.asdict(model.config), data={"vocab_size": 512})
+    recipe = get_recipe("cpu-smoke").replace(
+        model=dataclasses.asdict(model.config), data={"vocab_size": 512}
+    )
     run = tmp_path / "run"
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"recipe": recipe.to_dict()}))
     tok.save(run / "tokenizer.json")
-    ckpt.save_checkpoint(run / "checkpoints" / ckpt.step_name(10), ckpt.model_state(model), {"step": 10})
+    ckpt.save_checkpoint(
+        run / "checkpoints" / ckpt.step_name(10), ckpt.model_state(model), {"step": 10}
+    )
     out = hf.export_run(run, tmp_path / "export")
     assert json.loads((out / "config.json").read_text())["architectures"] == [arch]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -170,15 +202,30 @@ def test_muon_with_fused_projections_is_refused_with_what_to_do():
         get_recipe("cpu-fast").replace(model={"fused_proj": True})
     with pytest.raises(ConfigError, match="fused_proj=False"):
         build_optimizer(GPT(_config(True)), TrainConfig(optimizer="muon"), "cpu")
-    build_optimizer(GPT(_config(True)), TrainConfig(optimizer="adamw"), "cpu")  # AdamW is elementwise: fine
+    build_optimizer(
+        GPT(_config(True)), TrainConfig(optimizer="adamw"), "cpu"
+    )  # AdamW is elementwise: fine
     with pytest.raises(ConfigError, match="fused_proj must be True or False"):
         _config("on")
 
 
 def _train(tokens, run_dir: Path, fused: bool):
-    cfg = TrainConfig(micro_batch_size=8, seq_len=64, max_steps=12, lr=3e-3, min_lr=3e-4, warmup_steps=3,
-                      eval_every=6, eval_batches=2, log_every=1, save_every=6, keep_last=2, precision="fp32",
-                      device="cpu", optimizer="adamw")
+    cfg = TrainConfig(
+        micro_batch_size=8,
+        seq_len=64,
+        max_steps=12,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=3,
+        eval_every=6,
+        eval_batches=2,
+        log_every=1,
+        save_every=6,
+        keep_last=2,
+        precision="fp32",
+        device="cpu",
+        optimizer="adamw",
+    )
     torch.manual_seed(0)  # the same draws: fused_proj must not change the initial weights
     model = GPT(_config(fused, n_kv_head=2, qk_norm=True))
     sampler = WindowSampler(tokens.train, cfg.seq_len, cfg.seed)
@@ -187,7 +234,10 @@ def _train(tokens, run_dir: Path, fused: bool):
 
 
 def test_adamw_training_gives_the_same_losses_fused_or_not(tokens, tmp_path):
-    plain, fused = _train(tokens, tmp_path / "plain", False), _train(tokens, tmp_path / "fused", True)
+    plain, fused = (
+        _train(tokens, tmp_path / "plain", False),
+        _train(tokens, tmp_path / "fused", True),
+    )
     a = [m["loss"] for m in plain.metrics if "loss" in m]
     b = [m["loss"] for m in fused.metrics if "loss" in m]
     assert len(a) == 12 and a[-1] < a[0] - 0.5  # it learns

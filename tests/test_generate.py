@@ -1,4 +1,5 @@
 """Sampling with the KV cache against a plain loop without it."""
+
 import pytest
 import torch
 
@@ -11,7 +12,9 @@ from tinygpt.model.tokenizer import train_bpe
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return GPT(ModelConfig(vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)).eval()
+    return GPT(
+        ModelConfig(vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)
+    ).eval()
 
 
 def test_greedy_with_cache_equals_full_recompute(model):
@@ -33,9 +36,15 @@ def test_top_k_1_and_tiny_top_p_are_greedy(model):
 
 def test_top_p_keeps_the_smallest_set_covering_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    seen = {int(sample_next(logits, 1.0, top_p=0.75, generator=torch.Generator().manual_seed(i))) for i in range(200)}
+    seen = {
+        int(sample_next(logits, 1.0, top_p=0.75, generator=torch.Generator().manual_seed(i)))
+        for i in range(200)
+    }
     assert seen == {0, 1}  # 0.5 + 0.3 covers 0.75; the rest never appear
-    seen_k = {int(sample_next(logits, 1.0, top_k=3, generator=torch.Generator().manual_seed(i))) for i in range(300)}
+    seen_k = {
+        int(sample_next(logits, 1.0, top_k=3, generator=torch.Generator().manual_seed(i)))
+        for i in range(300)
+    }
     assert seen_k == {0, 1, 2}
 
 
@@ -44,7 +53,13 @@ def test_seeded_sampling_is_reproducible_and_stops_at_eot(model, shakespeare):
     a = generate_text(model, tok, "ROMEO:", max_new_tokens=30, seed=1)
     b = generate_text(model, tok, "ROMEO:", max_new_tokens=30, seed=1)
     assert a == b and a.startswith("ROMEO:")
-    out = generate(model, torch.tensor([[5, 6]]), 40, temperature=0, eot_id=int(generate(model, torch.tensor([[5, 6]]), 1, temperature=0)[0, -1]))
+    out = generate(
+        model,
+        torch.tensor([[5, 6]]),
+        40,
+        temperature=0,
+        eot_id=int(generate(model, torch.tensor([[5, 6]]), 1, temperature=0)[0, -1]),
+    )
     assert out.shape[1] == 3  # the first greedy token was declared end-of-text: generation stops
 
 

@@ -1,5 +1,6 @@
 """benchmarks/gpu_kit.py --smoke: every step of the GPU kit runs its code path on the CPU with tiny shapes, so the
 kit cannot rot between GPU loans. Counts and reasons only: timings on a shared CI machine prove nothing."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,14 @@ STEPS = [name for name, _, _ in gpu_kit.STEPS]
 
 def run_kit(out: Path, *extra: str) -> tuple[dict, str]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, str(KIT), "--smoke", "--out", str(out), *extra], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(KIT), "--smoke", "--out", str(out), *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), p.stdout
 
@@ -57,20 +64,34 @@ def test_smoke_runs_every_step_with_figures_or_a_reasoned_skip(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in f["pretrain"]["rows"])
     # rows sharing the baseline's graph first; tiny logits: the trainer's loss is the full one, so the chunked row
     assert [r["impl"] for r in f["speed_steps"]["rows"]] == [
-        "all on (as in pretrain)", "AdamW unfused", "chunked loss (full logits off)", "fused projections on",
-        "whole-model compile", "compile off"]
+        "all on (as in pretrain)",
+        "AdamW unfused",
+        "chunked loss (full logits off)",
+        "fused projections on",
+        "whole-model compile",
+        "compile off",
+    ]
     assert all("x_baseline" in r for r in f["speed_steps"]["rows"][1:])
     # at the recipe's accumulation: the optimizer once per step of 2 micro-batches
     assert all(r["grad_accum"] == 2 for r in f["pretrain"]["rows"] + f["speed_steps"]["rows"])
-    assert all(r["compiles_in_timed_window"] == 0 for r in f["pretrain"]["rows"] + f["speed_steps"]["rows"][1:])
+    assert all(
+        r["compiles_in_timed_window"] == 0
+        for r in f["pretrain"]["rows"] + f["speed_steps"]["rows"][1:]
+    )
     lora = f["finetune"]["lora_r16"]
-    assert [r["impl"] for r in lora["rows"]] == ["tinygpt", "hf+peft"] and lora["ratio"]["tokens_per_s"] > 0
-    assert "CUDA" in f["finetune"]["qlora_nf4_r16"]["skipped"]  # QLoRA: skipped off a GPU, with the reason
+    assert [r["impl"] for r in lora["rows"]] == ["tinygpt", "hf+peft"] and lora["ratio"][
+        "tokens_per_s"
+    ] > 0
+    assert (
+        "CUDA" in f["finetune"]["qlora_nf4_r16"]["skipped"]
+    )  # QLoRA: skipped off a GPU, with the reason
     assert f["startup"]["cold_s"] > 0 and f["startup"]["warm_s"] > 0
     assert f["startup"]["recompiles_after_step1"] == 0
     assert f["probe"]["predicted_tokens_per_s"] > 0 and f["probe"]["measured_tokens_per_s"] > 0
     assert f["t4_fp16"]["no_nan"] and f["t4_fp16"]["fp16"]["steps"] == 20
-    assert f["t4_gqa"]["decision_sm75_fp16"] == "expand"  # a T4 gets keys/values repeated, not the math kernel
+    assert (
+        f["t4_gqa"]["decision_sm75_fp16"] == "expand"
+    )  # a T4 gets keys/values repeated, not the math kernel
     assert "CUDA" in f["t4_gqa"]["kernels_forced_sm75"]["skipped"]
     ttl = f["time_to_loss"]
     assert ttl["cpu"]["val_loss"] > 0 and ttl["cpu-fast"]["val_loss"] > 0
@@ -102,8 +123,13 @@ def test_results_are_on_disk_after_each_step_while_the_kit_runs(tmp_path):
     written after every step, so the first step's row is on disk while the second still runs."""
     out = tmp_path / "out"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, str(KIT), "--smoke", "--out", str(out), "--only", "env,t4_fp16"], cwd=REPO,
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, str(KIT), "--smoke", "--out", str(out), "--only", "env,t4_fp16"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     seen = []  # the steps results.json held at each look while the kit was still running
     try:
         while p.poll() is None:
@@ -116,7 +142,9 @@ def test_results_are_on_disk_after_each_step_while_the_kit_runs(tmp_path):
     assert ["env"] in seen  # the first step's row, before the kit ended
     doc = json.loads((out / "results.json").read_text())
     assert list(doc["steps"]) == ["env", "t4_fp16"] and doc["steps"]["env"]["status"] == "ok"
-    assert all(e["compile_cache"] == {"hits": 0, "misses": 0} for e in doc["steps"].values())  # nothing compiled
+    assert all(
+        e["compile_cache"] == {"hits": 0, "misses": 0} for e in doc["steps"].values()
+    )  # nothing compiled
     assert "| env | ok |" in (out / "results.md").read_text()
 
 
@@ -127,7 +155,9 @@ def test_the_default_kit_fits_one_540_s_command_and_leaves_time_to_loss_out():
     gpu = gpu_kit.default_steps(smoke=False)
     assert "time_to_loss" not in gpu and gpu_kit.default_steps(smoke=True) == STEPS
     assert sum(cap for name, cap, _ in gpu_kit.STEPS if name in gpu) <= gpu_kit.TOTAL_S
-    assert gpu_kit.TOTAL_S + gpu_kit.GRACE_S + 30 <= 540  # 30 s for the interpreter, torch's import and the report
+    assert (
+        gpu_kit.TOTAL_S + gpu_kit.GRACE_S + 30 <= 540
+    )  # 30 s for the interpreter, torch's import and the report
     assert ["pretrain", "speed_steps"] in gpu_kit.units(gpu, isolate=True)
     assert ["pretrain"] in gpu_kit.units(gpu, isolate=False)
 
@@ -148,11 +178,19 @@ def test_compile_artifacts_saved_beside_the_results_make_the_next_run_hit(tmp_pa
     before = gpu_kit.cache_counts()
     compile_once()
     assert gpu_kit.cache_counts()["misses"] > before["misses"]
-    assert gpu_kit.save_artifacts(tmp_path / "out", "kit", limit=1)["saved_bytes"] == 0  # over its limit: kept out
+    assert (
+        gpu_kit.save_artifacts(tmp_path / "out", "kit", limit=1)["saved_bytes"] == 0
+    )  # over its limit: kept out
     saved = gpu_kit.save_artifacts(tmp_path / "out", "kit")
-    assert saved["saved_bytes"] == (tmp_path / "out" / gpu_kit.ARTIFACTS / "kit.bin").stat().st_size > 0
+    assert (
+        saved["saved_bytes"]
+        == (tmp_path / "out" / gpu_kit.ARTIFACTS / "kit.bin").stat().st_size
+        > 0
+    )
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-2"))  # a new machine's empty cache
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-2")
+    )  # a new machine's empty cache
     torch.compiler.reset()
     assert gpu_kit.load_artifacts(tmp_path / "out" / gpu_kit.ARTIFACTS)["loaded_files"] == 1
     before = gpu_kit.cache_counts()

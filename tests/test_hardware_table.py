@@ -1,5 +1,6 @@
 """The one hardware table (`core.gpu_classes.HARDWARE`): every class's entry is what the rest of tinygpt reads, and
 every name in it points at something that exists."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,12 @@ def test_finetuning_devices_follow_the_table():
 
 
 def test_gpu_names_are_matched_longest_first_as_whole_words():
-    assert [len(n) for n, _, _ in GPU_TABLE] == sorted((len(n) for n, _, _ in GPU_TABLE), reverse=True)
-    assert gpu_spec("NVIDIA H100 PCIe") == (756.0, "h100") and gpu_spec("NVIDIA H100 80GB HBM3") == (989.0, "h100")
+    assert [len(n) for n, _, _ in GPU_TABLE] == sorted(
+        (len(n) for n, _, _ in GPU_TABLE), reverse=True
+    )
+    assert gpu_spec("NVIDIA H100 PCIe") == (756.0, "h100") and gpu_spec(
+        "NVIDIA H100 80GB HBM3"
+    ) == (989.0, "h100")
     assert gpu_spec("NVIDIA L40S")[1] == "a100" and gpu_spec("NVIDIA L4")[1] == "l4"
     assert gpu_spec("NVIDIA GH200 480GB") == (989.0, "h200")
 
@@ -60,7 +65,12 @@ def test_colab_g4_is_its_own_class_that_the_probe_reports_and_the_picker_serves(
     g4 = HARDWARE["g4"]
     assert g4.precision == "bf16" and g4.default_recipe == "a100-124m" and g4.finetune == "a100"
     monkeypatch.delenv("TINYGPT_SMOKE", raising=False)
-    report = replace(hardware_report("cpu"), device="cuda", name=name, hardware_class="g4",
-                     default_recipe=g4.default_recipe)
+    report = replace(
+        hardware_report("cpu"),
+        device="cuda",
+        name=name,
+        hardware_class="g4",
+        default_recipe=g4.default_recipe,
+    )
     picker = colab.recipe_picker(report)
     assert picker.value == "a100-124m" and "g4 runtime" in picker.reason and picker.hours == 2.0

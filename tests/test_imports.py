@@ -5,6 +5,7 @@ torch._dynamo on their first call: `train.optim.EagerOptimizer`). Each command r
 process under `python -X importtime` (its child processes too, the shard writer's included:
 PYTHONPROFILEIMPORTTIME), and every module it imported is read from that list. What is counted is
 modules, never time."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,14 @@ UNUSED = (*COMPILER, "transformers", "peft", "datasets", "matplotlib")
 def imported(*args: str, cwd: Path = REPO) -> set[str]:
     """Every module the command `python -m tinygpt ARGS` (and any Python process it starts) imported."""
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
-    out = subprocess.run([sys.executable, "-m", "tinygpt", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "tinygpt", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return set(re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", out.stderr, re.M))
 
@@ -35,7 +42,20 @@ def test_help_imports_no_torch_and_recipes_no_compiler_and_no_hugging_face():
     modules = imported("--help")
     assert "tinygpt.cli" in modules and "argparse" in modules  # the list is read
     assert not {m for m in modules if m.split(".")[0] == "torch"}  # nor the modules of any command
-    assert not {m for m in modules if m.startswith(("tinygpt.train", "tinygpt.data", "tinygpt.fit", "tinygpt.pretrain", "tinygpt.evals", "tinygpt.model"))}
+    assert not {
+        m
+        for m in modules
+        if m.startswith(
+            (
+                "tinygpt.train",
+                "tinygpt.data",
+                "tinygpt.fit",
+                "tinygpt.pretrain",
+                "tinygpt.evals",
+                "tinygpt.model",
+            )
+        )
+    }
     modules = imported("recipes")
     assert "torch" in modules and unused(modules) == []
 
@@ -53,20 +73,45 @@ def test_compile_only_decoration_is_what_torch_would_apply():
     def g():
         return 0
 
-    assert vars(torch.compiler.assume_constant_result(f)) == vars(attention.assume_constant_result(g))
+    assert vars(torch.compiler.assume_constant_result(f)) == vars(
+        attention.assume_constant_result(g)
+    )
     assert vars(attention._expands) == vars(f)
 
 
 def test_cpu_pretraining_and_generate_import_no_compiler_and_no_hugging_face(tmp_path):
     run = tmp_path / "run"
     text = tmp_path / "text.txt"
-    text.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(3000)), encoding="utf-8")
-    modules = imported("pretrain", "--recipe", "cpu-smoke", "--data", str(text), "--run-dir", str(run),
-                       "--max-steps", "3", "--quiet", "--device", "cpu", "--set", "train.compile=off",
-                       "--set", "train.eval_every=0", "--set", "train.save_every=3")
-    assert "tinygpt.train.trainer" in modules and "tinygpt.data.shards" in modules  # it trained and tokenized
+    text.write_text(
+        "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(3000)), encoding="utf-8"
+    )
+    modules = imported(
+        "pretrain",
+        "--recipe",
+        "cpu-smoke",
+        "--data",
+        str(text),
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "3",
+        "--quiet",
+        "--device",
+        "cpu",
+        "--set",
+        "train.compile=off",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.save_every=3",
+    )
+    assert (
+        "tinygpt.train.trainer" in modules and "tinygpt.data.shards" in modules
+    )  # it trained and tokenized
     assert unused(modules) == []
-    modules = imported("generate", "--run-dir", str(run), "--prompt", "def main(", "--max-new-tokens", "5")
+    modules = imported(
+        "generate", "--run-dir", str(run), "--prompt", "def main(", "--max-new-tokens", "5"
+    )
     assert "tinygpt.model.generate" in modules
     assert unused(modules) == []
 
@@ -79,13 +124,20 @@ def test_the_shard_writer_tokenizes_gpt2_without_torch(tmp_path, monkeypatch, ca
     from tinygpt.model.tokenizer import load_gpt2
 
     text = tmp_path / "text.txt"
-    text.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(2000)), encoding="utf-8")
+    text.write_text(
+        "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(2000)), encoding="utf-8"
+    )
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
     capfd.readouterr()
-    writer = ShardWriter(DataConfig(source=str(text), tokenizer="gpt2", vocab_size=50304), load_gpt2(),
-                         tmp_path / "shards")
+    writer = ShardWriter(
+        DataConfig(source=str(text), tokenizer="gpt2", vocab_size=50304),
+        load_gpt2(),
+        tmp_path / "shards",
+    )
     assert writer.process.wait(300) == 0
-    modules = set(re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", capfd.readouterr().err, re.M))
+    modules = set(
+        re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", capfd.readouterr().err, re.M)
+    )
     assert "tinygpt.data.sources" in modules and "tiktoken" in modules  # it ran, on tiktoken
     assert not {m for m in modules if m.split(".")[0] == "torch"}
     assert (tmp_path / "shards" / "manifest.json").is_file()

@@ -1,4 +1,5 @@
 """Instruction data: prompt masking, record formats, packing, truncation, bad records, exact resume."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,10 @@ def alpaca(shared_data) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def mbpp(shared_data) -> list[dict]:
-    return [json.loads(line) for line in (shared_data / "mbpp.jsonl").read_text(encoding="utf-8").splitlines()]
+    return [
+        json.loads(line)
+        for line in (shared_data / "mbpp.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +49,12 @@ def test_prompt_tokens_and_padding_carry_no_loss(alpaca, tok):
         r = recs[i]
         prompt = tok.encode(format_prompt(r["instruction"], r["input"]))
         response = tok.encode(r["output"])
-        n = 1 + len(prompt) + len(response)  # [eot] prompt response, then the closing eot as last target
+        n = (
+            1 + len(prompt) + len(response)
+        )  # [eot] prompt response, then the closing eot as last target
         assert x[row, :n].tolist() == [tok.eot_id] + prompt + response
-        assert (y[row, :len(prompt)] == IGNORE_INDEX).all()  # predicting prompt tokens: no loss
-        assert y[row, len(prompt):n].tolist() == response + [tok.eot_id]
+        assert (y[row, : len(prompt)] == IGNORE_INDEX).all()  # predicting prompt tokens: no loss
+        assert y[row, len(prompt) : n].tolist() == response + [tok.eot_id]
         assert (y[row, n:] == IGNORE_INDEX).all() and (x[row, n:] == tok.eot_id).all()  # padding
     assert x.shape[1] % 8 == 0 and x.shape[1] >= max(len(r) for r in [x[0]])
 
@@ -56,14 +62,26 @@ def test_prompt_tokens_and_padding_carry_no_loss(alpaca, tok):
 def test_mbpp_records_train_on_code_and_skip_evaluation_ids(mbpp, tok):
     segs, fmt, excluded = record_segments(mbpp)
     n_eval = sum(11 <= r["task_id"] <= 510 for r in mbpp)  # ids 11-510 are MBPP's test split
-    assert n_eval in (500, 52) and fmt == "mbpp" and excluded == n_eval and len(segs) == len(mbpp) - n_eval
+    assert (
+        n_eval in (500, 52)
+        and fmt == "mbpp"
+        and excluded == n_eval
+        and len(segs) == len(mbpp) - n_eval
+    )
     r = mbpp[0]  # task 1: a training id
     (prompt, p_trained), (code, c_trained), eos = segs[0]
     assert eos == (None, True)
     assert not p_trained and c_trained
-    assert r["test_list"][0] in prompt and prompt == format_prompt(mbpp_instruction(r["text"], r["test_list"]))
+    assert r["test_list"][0] in prompt and prompt == format_prompt(
+        mbpp_instruction(r["text"], r["test_list"])
+    )
     assert code == r["code"].replace("\r\n", "\n").strip()
-    sanitized = {"prompt": r["text"], "code": r["code"], "test_list": r["test_list"], "task_id": 1}  # its other config
+    sanitized = {
+        "prompt": r["text"],
+        "code": r["code"],
+        "test_list": r["test_list"],
+        "task_id": 1,
+    }  # its other config
     assert record_segments([sanitized])[0] == segs[:1]
     d = build_instruct_data(mbpp, tok, 384, val_fraction=0.05)
     assert d.report.excluded == n_eval
@@ -71,11 +89,13 @@ def test_mbpp_records_train_on_code_and_skip_evaluation_ids(mbpp, tok):
 
 
 def test_chat_messages_train_only_assistant_turns(tok):
-    msgs = [{"role": "system", "content": "You write Python."},
-            {"role": "user", "content": "Add two numbers."},
-            {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
-            {"role": "user", "content": "Now subtract."},
-            {"role": "assistant", "content": "def sub(a, b):\n    return a - b"}]
+    msgs = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Add two numbers."},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+        {"role": "user", "content": "Now subtract."},
+        {"role": "assistant", "content": "def sub(a, b):\n    return a - b"},
+    ]
     d = build_instruct_data([{"messages": msgs}] * 3, tok, 256, val_fraction=0.0)
     x, y = d.train.next_batch(1)
     text = tok.decode(trained(y[0]))
@@ -86,14 +106,19 @@ def test_chat_messages_train_only_assistant_turns(tok):
 def test_chat_template_of_a_transformers_tokenizer(tok):
     transformers = pytest.importorskip("transformers")
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|endoftext|>")
-    hf.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    msgs = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "print('hi')"},
-            {"role": "user", "content": "Again."}, {"role": "assistant", "content": "print('hi again')"}]
+    hf.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    msgs = [
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "print('hi')"},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "print('hi again')"},
+    ]
     d = build_instruct_data([{"messages": msgs}] * 2, hf, 256, val_fraction=0.0)
     _, y = d.train.next_batch(1)
     assert tok.decode(trained(y[0])) == "print('hi')\n" + "print('hi again')\n" + "<|endoftext|>"
-
 
 
 def test_a_chat_template_the_sandbox_refuses_names_its_file(tok, tmp_path):
@@ -107,25 +132,44 @@ def test_a_chat_template_the_sandbox_refuses_names_its_file(tok, tmp_path):
     msgs = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
     with pytest.raises(ValueError) as e:
         build_instruct_data([{"messages": msgs}], base, 64, val_fraction=0.0)
-    file = tmp_path / "base" / ("chat_template.jinja" if (tmp_path / "base" / "chat_template.jinja").is_file()
-                                else "tokenizer_config.json")
-    assert str(e.value).startswith(f"{file}: the base's chat template cannot render a conversation (access to "
-                                   "attribute '__class__' of 'list' object is unsafe")
+    file = (
+        tmp_path
+        / "base"
+        / (
+            "chat_template.jinja"
+            if (tmp_path / "base" / "chat_template.jinja").is_file()
+            else "tokenizer_config.json"
+        )
+    )
+    assert str(e.value).startswith(
+        f"{file}: the base's chat template cannot render a conversation (access to "
+        "attribute '__class__' of 'list' object is unsafe"
+    )
     assert "\n" not in str(e.value) and "SecurityError" not in str(e.value)
+
 
 def test_packing_keeps_every_target_and_fits_seq_len(alpaca, tok):
     plain = build_instruct_data(alpaca[:300], tok, 512, val_fraction=0.0, template="short")
-    packed = build_instruct_data(alpaca[:300], tok, 512, val_fraction=0.0, template="short", pack=True)
+    packed = build_instruct_data(
+        alpaca[:300], tok, 512, val_fraction=0.0, template="short", pack=True
+    )
     assert packed.report.sequences < plain.report.sequences / 2
     assert all(len(x) <= 512 for x, _ in packed.train.rows)
     flat = lambda rows: [t for _, y in rows for t in y.tolist() if t != IGNORE_INDEX]  # noqa: E731
-    assert flat(packed.train.rows) == flat(plain.train.rows)  # same examples, same order, same targets
+    assert flat(packed.train.rows) == flat(
+        plain.train.rows
+    )  # same examples, same order, same targets
 
 
 def test_truncation_is_counted_and_all_too_long_is_an_error(alpaca, tok):
     d = build_instruct_data(alpaca, tok, 128)
-    lengths = [1 + len(tok.encode(format_prompt(r["instruction"], r["input"]))) + len(tok.encode(r["output"])) + 1
-               for r in alpaca]
+    lengths = [
+        1
+        + len(tok.encode(format_prompt(r["instruction"], r["input"])))
+        + len(tok.encode(r["output"]))
+        + 1
+        for r in alpaca
+    ]
     assert d.report.truncated == sum(n > 129 for n in lengths) > 0
     assert all(len(x) <= 128 for x, _ in d.train.rows)
     with pytest.raises(DataError, match="every one of the 20 examples is longer than seq_len 16"):
@@ -139,9 +183,15 @@ def test_bad_records_name_the_record_and_field(tok):
     with pytest.raises(DataError, match=r"record 1: field 'output' must be text"):
         build_instruct_data([good, {**good, "output": 3}], tok, 64)
     with pytest.raises(DataError, match=r"record 1 has no field 'test_list'"):
-        build_instruct_data([{"text": "t", "code": "c", "test_list": []}, {"text": "t", "code": "c"}], tok, 64)
-    with pytest.raises(DataError, match=r"record 0: message 1 needs the fields 'role' and 'content'"):
-        build_instruct_data([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}], tok, 64)
+        build_instruct_data(
+            [{"text": "t", "code": "c", "test_list": []}, {"text": "t", "code": "c"}], tok, 64
+        )
+    with pytest.raises(
+        DataError, match=r"record 0: message 1 needs the fields 'role' and 'content'"
+    ):
+        build_instruct_data(
+            [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}], tok, 64
+        )
     with pytest.raises(DataError, match=r"record 0 has fields \['prompt'\]; expected Alpaca"):
         build_instruct_data([{"prompt": "a"}], tok, 64)
     with pytest.raises(DataError, match="unknown prompt template"):
@@ -176,22 +226,36 @@ def test_ranks_share_one_global_batch(alpaca, tok):
 
 
 def test_validation_is_fixed_and_apart_from_training(alpaca, tok):
-    d = build_instruct_data(alpaca[:200], tok, 256, val_fraction=0.1, val_batch_size=4, eval_batches=3)
-    assert d.report.val_examples == 20 and len(d.val_batches) == 3 and d.val_batches[0][0].shape[0] == 4
-    again = build_instruct_data(alpaca[:200], tok, 256, val_fraction=0.1, val_batch_size=4, eval_batches=3)
+    d = build_instruct_data(
+        alpaca[:200], tok, 256, val_fraction=0.1, val_batch_size=4, eval_batches=3
+    )
+    assert (
+        d.report.val_examples == 20
+        and len(d.val_batches) == 3
+        and d.val_batches[0][0].shape[0] == 4
+    )
+    again = build_instruct_data(
+        alpaca[:200], tok, 256, val_fraction=0.1, val_batch_size=4, eval_batches=3
+    )
     assert all(torch.equal(a[1], b[1]) for a, b in zip(d.val_batches, again.val_batches))
     train = {tuple(trained(torch.from_numpy(y))) for _, y in d.train.rows}
     assert not any(tuple(trained(row)) in train for _, y in d.val_batches for row in y)
 
 
-def test_local_json_jsonl_and_saved_dataset_give_the_same_records(tmp_path, alpaca, mbpp, shared_data):
+def test_local_json_jsonl_and_saved_dataset_give_the_same_records(
+    tmp_path, alpaca, mbpp, shared_data
+):
     assert load_records(str(shared_data / "code_alpaca_2k.json")) == alpaca
     assert load_records(str(shared_data / "mbpp.jsonl")) == mbpp
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_list(alpaca[:30]).save_to_disk(str(tmp_path / "ds"))
     assert load_records(str(tmp_path / "ds")) == alpaca[:30]
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(alpaca[:5]),
-                          "test": datasets.Dataset.from_list(alpaca[5:8])}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(alpaca[:5]),
+            "test": datasets.Dataset.from_list(alpaca[5:8]),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
     assert load_records(str(tmp_path / "dd"), split="test") == alpaca[5:8]
     with pytest.raises(DataError, match="has no split 'valid'; it has train, test"):
         load_records(str(tmp_path / "dd"), split="valid")

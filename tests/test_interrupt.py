@@ -1,6 +1,7 @@
 """Ctrl-C at any moment of a command's start-up (issue 51): `python -m tinygpt pretrain` gets SIGINT while it
 imports, parses, builds its run folder or trains; every time it says so in one line, exits 130 and leaves no
 traceback and nothing half made: no run folder, or one that resumes (a checkpoint saved by the signal)."""
+
 from __future__ import annotations
 
 import os
@@ -16,14 +17,41 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tinygpt" / "samples" / "wikitext2_test_sample.txt"
 
 
-@pytest.mark.parametrize("delay", [pytest.param(0.3, marks=pytest.mark.slow), 1.0,
-                                   pytest.param(2.0, marks=pytest.mark.slow), pytest.param(5.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "delay",
+    [
+        pytest.param(0.3, marks=pytest.mark.slow),
+        1.0,
+        pytest.param(2.0, marks=pytest.mark.slow),
+        pytest.param(5.0, marks=pytest.mark.slow),
+    ],
+)
 def test_ctrl_c_during_start_up_is_one_line_exit_130_and_leaves_nothing_half_made(delay, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.Popen([sys.executable, "-m", "tinygpt", "pretrain", str(run), "--recipe", "cpu-smoke",
-                          "--max-steps", "100000", "--device", "cpu", "--quiet", "--data", str(DATA)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tinygpt",
+            "pretrain",
+            str(run),
+            "--recipe",
+            "cpu-smoke",
+            "--max-steps",
+            "100000",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--data",
+            str(DATA),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=300)

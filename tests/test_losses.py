@@ -1,4 +1,5 @@
 """The chunked cross-entropy equals the plain one, in value and gradients, and keeps less for backward."""
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,9 @@ def problem(n: int = 301, d: int = 16, vocab: int = 97, seed: int = 0):
 
 
 def plain(x, w, t, reduction):
-    return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=IGNORE_INDEX, reduction=reduction)
+    return F.cross_entropy(
+        F.linear(x, w).float(), t, ignore_index=IGNORE_INDEX, reduction=reduction
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -127,8 +130,11 @@ def test_saves_far_less_for_backward():
 
 def test_under_torch_compile_fullgraph():
     x, w, t = problem()
-    compiled = torch.compile(lambda x, w, t: linear_cross_entropy(x, w, t, chunk_rows=64),
-                             fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(
+        lambda x, w, t: linear_cross_entropy(x, w, t, chunk_rows=64),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     got = compiled(x, w, t)
     g = torch.autograd.grad(got, (x, w))
     ref = plain(x, w, t, "mean")
@@ -141,10 +147,13 @@ def test_under_torch_compile_fullgraph():
 def test_no_grad_and_all_ignored():
     x, w, t = problem()
     with torch.no_grad():
-        assert linear_cross_entropy(x, w, t, chunk_rows=50).item() == pytest.approx(plain(x, w, t, "mean").item(),
-                                                                                    rel=1e-6)
+        assert linear_cross_entropy(x, w, t, chunk_rows=50).item() == pytest.approx(
+            plain(x, w, t, "mean").item(), rel=1e-6
+        )
     t_none = torch.full_like(t, IGNORE_INDEX)
-    assert math.isnan(linear_cross_entropy(x, w, t_none, chunk_rows=50).item())  # as F.cross_entropy
+    assert math.isnan(
+        linear_cross_entropy(x, w, t_none, chunk_rows=50).item()
+    )  # as F.cross_entropy
     assert math.isnan(plain(x, w, t_none, "mean").item())
     assert linear_cross_entropy(x, w, t_none, reduction="sum", chunk_rows=50).item() == 0.0
     with pytest.raises(ValueError, match="reduction"):
@@ -161,7 +170,10 @@ def test_default_chunk_rows():
 def test_loss_modes_give_the_same_loss_and_gradients_through_the_model():
     """TrainConfig.loss: "full" logits and "chunked" (here forced on a problem "auto" would take whole) are the
     same loss and the same gradients; only speed and memory differ."""
-    assert default_chunk_rows(8 * 32, 1000, "full") == 0 and default_chunk_rows(8 * 32, 1000, "chunked") > 0
+    assert (
+        default_chunk_rows(8 * 32, 1000, "full") == 0
+        and default_chunk_rows(8 * 32, 1000, "chunked") > 0
+    )
     assert default_chunk_rows(8 * 32, 1000, "auto") == 0
     with pytest.raises(ConfigError, match="loss must be one of"):
         TrainConfig(loss=INVALID)
@@ -189,7 +201,9 @@ def test_default_chunk_rows_by_free_memory():
     t4 = default_chunk_rows(n, vocab, "auto", free_bytes=12 * 2**30)
     assert t4 > 0 and t4 % 64 == 0
     assert default_chunk_rows(n, vocab, "chunked", free_bytes=70 * 2**30) > t4
-    assert default_chunk_rows(n, vocab, "chunked", free_bytes=70 * 2**30) * vocab * 8 <= 70 * 2**30 / 8
+    assert (
+        default_chunk_rows(n, vocab, "chunked", free_bytes=70 * 2**30) * vocab * 8 <= 70 * 2**30 / 8
+    )
     assert losses.resolve_loss("auto", n, vocab, torch.device("cpu")) == "auto"  # by size, per call
 
 
@@ -208,7 +222,9 @@ def _graph_nodes(fn, *args) -> tuple[int, int]:
     def backend(gm, inputs):
         # a higher-order op (an autograd.Function traced by dynamo) keeps its body in a submodule: counted too
         seen["dynamo"] += sum(len(m.graph.nodes) for m in gm.modules() if hasattr(m, "graph"))
-        return aot_autograd(fw_compiler=count_aot, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))(gm, inputs)
+        return aot_autograd(
+            fw_compiler=count_aot, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)
+        )(gm, inputs)
 
     torch._dynamo.reset()
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
@@ -226,8 +242,12 @@ def test_compiled_chunked_loss_does_not_grow_with_the_micro_batch():
     for micro in (2, 8):  # 64 and 256 rows: 2 and 8 chunks of 32 rows
         x, y = torch.randint(1000, (micro, 32)), torch.randint(1000, (micro, 32))
         counts[micro] = _graph_nodes(
-            lambda x, y: losses.linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y,
-                                                     chunk_rows=32), x, y)
+            lambda x, y: losses.linear_cross_entropy(
+                model.hidden_states(x), model.lm_head.weight, y, chunk_rows=32
+            ),
+            x,
+            y,
+        )
     (d1, a1), (d4, a4) = counts[2], counts[8]
     assert d1 > 0 and a1 > 0
     assert d4 <= 1.25 * d1 and a4 <= 1.25 * a1, counts

@@ -2,6 +2,7 @@
 the tokenizer; its budget.json never sets an endless run; a mirror that vanishes mid-run is never recreated on the
 VM's own disk, and the run says so. Each test is the attack as it was made against ee92b4d, through the real
 `tinygpt pretrain` in a subprocess, on text every machine has (the standard library's sources)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -22,16 +23,47 @@ STDLIB = Path(os.__file__).parent
 
 def env(cache: Path) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if k != "TINYGPT_COMPILE_KEY"}
-    return {**e, "TINYGPT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TINYGPT_MIRROR_WAIT_S": "20",
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return {
+        **e,
+        "TINYGPT_CACHE": str(cache),
+        "OMP_NUM_THREADS": "1",
+        "TINYGPT_MIRROR_WAIT_S": "20",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        ),
+    }
 
 
-def pretrain(run_dir: Path, cache: Path, *extra: str, data: Path | None = None) -> subprocess.CompletedProcess:
+def pretrain(
+    run_dir: Path, cache: Path, *extra: str, data: Path | None = None
+) -> subprocess.CompletedProcess:
     """`tinygpt pretrain --recipe cpu-smoke` as a user types it; stdout and stderr together in .stdout."""
-    cmd = [sys.executable, "-m", "tinygpt", "pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run_dir),
-           "--quiet", "--device", "cpu", "--probe", "off", *(("--data", str(data)) if data else ()), *extra]
-    return subprocess.run(cmd, env=env(cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=900)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tinygpt",
+        "pretrain",
+        "--recipe",
+        "cpu-smoke",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--device",
+        "cpu",
+        "--probe",
+        "off",
+        *(("--data", str(data)) if data else ()),
+        *extra,
+    ]
+    return subprocess.run(
+        cmd,
+        env=env(cache),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
 
 
 def text_folder(folder: Path, n: int = 3) -> Path:
@@ -55,10 +87,18 @@ def forged_mirror(mirror: Path, private_text: Path, private_base: Path) -> None:
     forged["model"]["init"] = str(private_base)
     mirror.mkdir(parents=True)
     (mirror / "run.json").write_text(json.dumps({"recipe": forged}))
-    config = {"recipe": r.name, "model": {k: v for k, v in forged["model"].items()
-                                          if k not in ("activation_checkpointing", "fused_proj")},
-              "data": forged["data"]}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    config = {
+        "recipe": r.name,
+        "model": {
+            k: v
+            for k, v in forged["model"].items()
+            if k not in ("activation_checkpointing", "fused_proj")
+        },
+        "data": forged["data"],
+    }
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[
+        :16
+    ]
     (mirror / "identity.json").write_text(json.dumps({"run_id": "attacker0001", "config": digest}))
 
 
@@ -72,32 +112,53 @@ def test_a_mirrors_run_json_never_chooses_the_base_or_the_data(tmp_path):
     drive = tmp_path / "drive"
     forged_mirror(drive / "run", private_text, private_base)
     before = listing(drive)
-    out = pretrain(tmp_path / "victim", tmp_path / "cache", "--max-steps", "2", "--mirror", str(drive / "run"))
+    out = pretrain(
+        tmp_path / "victim", tmp_path / "cache", "--max-steps", "2", "--mirror", str(drive / "run")
+    )
     assert out.returncode != 0, out.stdout
     assert "holds another run than this command's" in out.stdout, out.stdout
     assert "model.init" in out.stdout and "data.source" in out.stdout, out.stdout
     # the fields, never the other run's values (its private paths), nor advice to type them
-    assert str(private_text) not in out.stdout and "use another --mirror folder" in out.stdout, out.stdout
+    assert str(private_text) not in out.stdout and "use another --mirror folder" in out.stdout, (
+        out.stdout
+    )
     assert "Give the command" not in out.stdout, out.stdout
-    assert "base " not in out.stdout  # the old "base .../private_run: its weights and tokenizer" line
-    assert listing(drive) == before  # no token cache, no checkpoint, no identity written to the shared folder
+    assert (
+        "base " not in out.stdout
+    )  # the old "base .../private_run: its weights and tokenizer" line
+    assert (
+        listing(drive) == before
+    )  # no token cache, no checkpoint, no identity written to the shared folder
     assert not (tmp_path / "victim" / "run.json").exists()
     assert not listing(tmp_path / "cache")  # nothing of the private text was tokenized
 
     # a symbolic link as the mirror's run.json is not followed either
     (drive / "run" / "run.json").unlink()
     (drive / "run" / "run.json").symlink_to(tmp_path / "private" / "notes" / "argparse.py")
-    out = pretrain(tmp_path / "victim", tmp_path / "cache", "--max-steps", "2", "--mirror", str(drive / "run"))
+    out = pretrain(
+        tmp_path / "victim", tmp_path / "cache", "--max-steps", "2", "--mirror", str(drive / "run")
+    )
     assert out.returncode != 0 and "symbolic link" in out.stdout, out.stdout
     assert out.stdout.strip().count("\n") == 0, out.stdout  # one line
 
     # the victim's own, empty mirror: the run trains on the command's data and mirrors it
     data = text_folder(tmp_path / "data")
-    out = pretrain(tmp_path / "victim", tmp_path / "cache", "--max-steps", "2", "--save-every", "2",
-                   "--mirror", str(drive / "mine"), data=data)
+    out = pretrain(
+        tmp_path / "victim",
+        tmp_path / "cache",
+        "--max-steps",
+        "2",
+        "--save-every",
+        "2",
+        "--mirror",
+        str(drive / "mine"),
+        data=data,
+    )
     assert out.returncode == 0, out.stdout
     assert (drive / "mine" / "checkpoints" / "step_000002").is_dir()
-    assert json.loads((tmp_path / "victim" / "run.json").read_text())["recipe"]["data"]["source"] == str(data)
+    assert json.loads((tmp_path / "victim" / "run.json").read_text())["recipe"]["data"][
+        "source"
+    ] == str(data)
 
 
 def test_the_notebook_base_picker_takes_no_local_path_from_a_mirror(tmp_path):
@@ -129,10 +190,15 @@ class UnmountAt(Callback):
     def on_checkpoint(self, path, step: int) -> None:
         import shutil
         import time
+
         if step != self.step or self.done:
             return
-        deadline = time.monotonic() + 300  # generous: a loaded machine copies slowly; counted, never timed
-        while not (self.mirror / "checkpoints" / f"step_{self.before:06d}" / "manifest.json").is_file():
+        deadline = (
+            time.monotonic() + 300
+        )  # generous: a loaded machine copies slowly; counted, never timed
+        while not (
+            self.mirror / "checkpoints" / f"step_{self.before:06d}" / "manifest.json"
+        ).is_file():
             assert time.monotonic() < deadline, "the mirror never received the first checkpoint"
             time.sleep(0.1)
         shutil.rmtree(self.mount)
@@ -140,7 +206,9 @@ class UnmountAt(Callback):
         self.done = True
 
 
-def test_a_mirror_that_vanishes_mid_run_is_never_recreated_on_the_vms_disk(tmp_path, monkeypatch, capsys):
+def test_a_mirror_that_vanishes_mid_run_is_never_recreated_on_the_vms_disk(
+    tmp_path, monkeypatch, capsys
+):
     """Item 3: the mirror's mount dropped after step 2 (as Drive's FUSE mount drops): the run goes on locally, makes
     nothing under the empty mount point, warns once that the mirror is gone and where the checkpoints are, and its
     last line says what the mirror lacks. Before, steps 4/6, best/ and metrics were written under the mount point
@@ -159,16 +227,30 @@ def test_a_mirror_that_vanishes_mid_run_is_never_recreated_on_the_vms_disk(tmp_p
     cb = UnmountAt(mount, mirror, step=4, before=2)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        res = run_pretrain("cpu-smoke", tmp_path / "vm", data=str(data), max_steps=6, save_every=2, mirror=mirror,
-                           device="cpu", probe="off", progress=False, callbacks=[cb])
+        res = run_pretrain(
+            "cpu-smoke",
+            tmp_path / "vm",
+            data=str(data),
+            max_steps=6,
+            save_every=2,
+            mirror=mirror,
+            device="cpu",
+            probe="off",
+            progress=False,
+            callbacks=[cb],
+        )
     assert cb.done and res.step == 6
     assert listing(mount) == []  # nothing recreated under the mount point
     gone = [str(w.message) for w in seen if "is gone" in str(w.message)]
-    assert gone and f"local checkpoints are safe in {tmp_path / 'vm'}" in gone[0], [str(w.message) for w in seen]
+    assert gone and f"local checkpoints are safe in {tmp_path / 'vm'}" in gone[0], [
+        str(w.message) for w in seen
+    ]
     capsys.readouterr()
     assert report_pretrain(res, tmp_path / "vm", str(mirror)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith(f"the mirror {mirror} is behind: the folder is gone") and "remount" in last, last
+    assert (
+        last.startswith(f"the mirror {mirror} is behind: the folder is gone") and "remount" in last
+    ), last
     assert "same command again" not in last
 
 
@@ -210,28 +292,52 @@ def test_a_mirrors_run_files_that_tinygpt_never_wrote_are_refused_before_any_cop
     file is not copied into the local folder (where it stopped every later start too)."""
     data = text_folder(tmp_path / "data", 1)
     drive = tmp_path / "drive" / "run"
-    out = pretrain(tmp_path / "vm1", tmp_path / "cache", "--max-steps", "2", "--save-every", "2",
-                   "--mirror", str(drive), data=data)
+    out = pretrain(
+        tmp_path / "vm1",
+        tmp_path / "cache",
+        "--max-steps",
+        "2",
+        "--save-every",
+        "2",
+        "--mirror",
+        str(drive),
+        data=data,
+    )
     assert out.returncode == 0, out.stdout
     honest = (drive / "metrics.jsonl").read_text()
 
-    for name, forged in (("budget.json", json.dumps({"hours": 1, "max_steps": 10**30})),
-                         ("budget.json", json.dumps({"hours": 1e9, "max_steps": 5})),
-                         ("metrics.jsonl", honest + json.dumps({"step": "x", "loss": 1.0}) + "\n" + honest),
-                         ("tokenizer.json", None)):
+    for name, forged in (
+        ("budget.json", json.dumps({"hours": 1, "max_steps": 10**30})),
+        ("budget.json", json.dumps({"hours": 1e9, "max_steps": 5})),
+        ("metrics.jsonl", honest + json.dumps({"step": "x", "loss": 1.0}) + "\n" + honest),
+        ("tokenizer.json", None),
+    ):
         keep = (drive / name).read_bytes() if (drive / name).exists() else None
-        if forged is None:  # 100 MB of nothing, as sparse as the 4 GB one that was read whole before
+        if (
+            forged is None
+        ):  # 100 MB of nothing, as sparse as the 4 GB one that was read whole before
             with open(drive / name, "r+b") as f:
                 f.truncate(100 << 20)
         else:
             (drive / name).write_text(forged)
-        out = pretrain(tmp_path / "vm2", tmp_path / "cache", "--max-steps", "4", "--mirror", str(drive), data=data)
+        out = pretrain(
+            tmp_path / "vm2",
+            tmp_path / "cache",
+            "--max-steps",
+            "4",
+            "--mirror",
+            str(drive),
+            data=data,
+        )
         assert out.returncode != 0, out.stdout
         assert str(drive / name) in out.stdout, out.stdout
         assert "did not write" in out.stdout or "not written by tinygpt" in out.stdout, out.stdout
         assert "restore it from the mirror" not in out.stdout, out.stdout
         assert out.stdout.strip().count("\n") == 0, out.stdout  # one line
-        assert not (tmp_path / "vm2" / name).exists() and not (tmp_path / "vm2" / "checkpoints").exists()
+        assert (
+            not (tmp_path / "vm2" / name).exists()
+            and not (tmp_path / "vm2" / "checkpoints").exists()
+        )
         (drive / name).unlink()
         if keep is not None:
             (drive / name).write_bytes(keep)
@@ -248,11 +354,17 @@ def test_a_budget_json_tinygpt_never_wrote_is_refused_and_an_honest_one_read(tmp
     with pytest.raises(RunDirError) as e:
         Budget.load(tmp_path)
     assert "budget.json" in str(e.value) and "max_steps" in str(e.value)
-    (tmp_path / "budget.json").write_text(json.dumps(
-        {"hours": 1, "max_steps": 3000, "decided_at_step": 10, "step_s": 1.0, "decided_at": 1.0}))
+    (tmp_path / "budget.json").write_text(
+        json.dumps(
+            {"hours": 1, "max_steps": 3000, "decided_at_step": 10, "step_s": 1.0, "decided_at": 1.0}
+        )
+    )
     assert Budget.load(tmp_path).max_steps == 3000
-    (tmp_path / "budget.json").write_text(json.dumps(
-        {"hours": 1, "max_steps": 3000, "decided_at_step": 10, "step_s": 2.0, "decided_at": 1.0}))
+    (tmp_path / "budget.json").write_text(
+        json.dumps(
+            {"hours": 1, "max_steps": 3000, "decided_at_step": 10, "step_s": 2.0, "decided_at": 1.0}
+        )
+    )
     with pytest.raises(RunDirError, match="buy"):
         Budget.load(tmp_path)  # 1 h at 2 s a step buys 1800 steps, not 3000
 
@@ -266,8 +378,17 @@ def test_evals_jsonl_is_never_written_or_read_through_a_link(tmp_path, capsys):
 
     data = text_folder(tmp_path / "data", 1)
     run = tmp_path / "run"
-    run_pretrain("cpu-smoke", run, data=str(data), max_steps=4, save_every=4, progress=False,
-                 cache_dir=tmp_path / "cache", device="cpu", probe="off")
+    run_pretrain(
+        "cpu-smoke",
+        run,
+        data=str(data),
+        max_steps=4,
+        save_every=4,
+        progress=False,
+        cache_dir=tmp_path / "cache",
+        device="cpu",
+        probe="off",
+    )
     secret = tmp_path / "home" / "secret.txt"
     secret.parent.mkdir()
     secret.write_text('{"task": "private", "data": "the password is swordfish", "scores": {}}\n')
@@ -275,8 +396,18 @@ def test_evals_jsonl_is_never_written_or_read_through_a_link(tmp_path, capsys):
     evals = run / "evals.jsonl"
     for link in (lambda: evals.symlink_to(secret), lambda: os.link(secret, evals)):
         link()
-        code = main(["eval", str(run), "--task", "perplexity", "--data", str(data / "argparse.py"),
-                     "--max-chars", "2000"])
+        code = main(
+            [
+                "eval",
+                str(run),
+                "--task",
+                "perplexity",
+                "--data",
+                str(data / "argparse.py"),
+                "--max-chars",
+                "2000",
+            ]
+        )
         out = capsys.readouterr()
         assert secret.read_text() == before  # nothing appended to the user's file
         assert code != 0 and "evals.jsonl" in out.err and "link" in out.err, out
@@ -285,12 +416,27 @@ def test_evals_jsonl_is_never_written_or_read_through_a_link(tmp_path, capsys):
         assert code != 0 and "evals.jsonl" in out.err, out
         assert not (tmp_path / "export").exists()
         evals.unlink()
-    assert main(["eval", str(run), "--task", "perplexity", "--data", str(data / "argparse.py"),
-                 "--max-chars", "2000"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(run),
+                "--task",
+                "perplexity",
+                "--data",
+                str(data / "argparse.py"),
+                "--max-chars",
+                "2000",
+            ]
+        )
+        == 0
+    )
     assert json.loads(evals.read_text().splitlines()[-1])["task"] == "perplexity"
     assert main(["export", str(run), str(tmp_path / "export")]) == 0
     capsys.readouterr()
-    assert "swordfish" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "export").glob("*.md"))
+    assert "swordfish" not in "".join(
+        p.read_text(errors="replace") for p in (tmp_path / "export").glob("*.md")
+    )
 
 
 def test_a_diverged_first_try_says_what_is_true_and_leaves_the_folder_as_found(tmp_path):
@@ -360,8 +506,14 @@ def test_an_export_killed_with_9_leaves_no_temporary_for_ever(tmp_path):
             (tmp_path / f".tmp-export-{pid}" / "model.safetensors").write_bytes(b"half")
         with atomic_output(target, folder=True) as tmp:
             (tmp / "README.md").write_text("card\n")
-        assert listing(tmp_path) == sorted(["export", "export/README.md", f".tmp-export-{alive.pid}",
-                                            f".tmp-export-{alive.pid}/model.safetensors"])
+        assert listing(tmp_path) == sorted(
+            [
+                "export",
+                "export/README.md",
+                f".tmp-export-{alive.pid}",
+                f".tmp-export-{alive.pid}/model.safetensors",
+            ]
+        )
     finally:
         alive.kill()
         alive.wait()
@@ -380,23 +532,33 @@ def test_a_mirrors_plan_sizes_nothing_here(tmp_path, monkeypatch):
 
     data = text_folder(tmp_path / "data", 1)
     drive = tmp_path / "drive" / "run"
-    kw = dict(data=str(data), size="auto", hours=0.002, device="cpu", progress=False, tensorboard=False,
-              mirror=drive)
+    kw = dict(
+        data=str(data),
+        size="auto",
+        hours=0.002,
+        device="cpu",
+        progress=False,
+        tensorboard=False,
+        mirror=drive,
+    )
     monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "vm1cache"))
     run_pretrain("cpu-smoke", tmp_path / "vm1", **kw)
     planned = json.loads((tmp_path / "vm1" / "run.json").read_text())["plan"]["size"]
     assert planned != "d12"
     info = json.loads((drive / "run.json").read_text())
     big = rung(get_recipe("cpu-smoke"), 12)
-    info["recipe"]["model"].update({k: getattr(big.model, k) for k in ("n_layer", "d_model", "n_head", "n_kv_head",
-                                                                       "d_ff")})
+    info["recipe"]["model"].update(
+        {k: getattr(big.model, k) for k in ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")}
+    )
     info["plan"]["size"] = "d12"
     for row in info["plan"]["candidates"]:
         row["chosen"] = row["size"] == "d12"
     (drive / "run.json").write_text(json.dumps(info))
 
     monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "vm2cache"))
-    with pytest.raises(ConfigError, match=r"holds a d\d+ model, but the plan in .*run\.json \(from the mirror "):
+    with pytest.raises(
+        ConfigError, match=r"holds a d\d+ model, but the plan in .*run\.json \(from the mirror "
+    ):
         run_pretrain("cpu-smoke", tmp_path / "vm2", **kw)
     shutil.rmtree(drive / "checkpoints")
     shutil.rmtree(drive / "best", ignore_errors=True)
@@ -415,9 +577,21 @@ def test_a_resumed_budget_measures_its_own_steps(tmp_path):
 
     data = text_folder(tmp_path / "data", 1)
     run = tmp_path / "run"
-    kw = dict(data=str(data), device="cpu", progress=False, tensorboard=False, cache_dir=tmp_path / "cache")
+    kw = dict(
+        data=str(data),
+        device="cpu",
+        progress=False,
+        tensorboard=False,
+        cache_dir=tmp_path / "cache",
+    )
     first = run_pretrain("cpu-smoke", run, hours=0.001, **kw)
-    forged = {"hours": 0.002, "max_steps": 72_000, "step_s": 1e-4, "decided_at_step": 1, "decided_at": 1.0}
+    forged = {
+        "hours": 0.002,
+        "max_steps": 72_000,
+        "step_s": 1e-4,
+        "decided_at_step": 1,
+        "decided_at": 1.0,
+    }
     (run / "budget.json").write_text(json.dumps(forged))
     again = run_pretrain("cpu-smoke", run, hours=0.002, **kw)
     kept = json.loads((run / "budget.json").read_text())

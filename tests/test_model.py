@@ -1,4 +1,5 @@
 """The model against Hugging Face Llama (the reference), the KV cache, activation checkpointing."""
+
 import dataclasses
 
 import pytest
@@ -12,7 +13,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def _pair(**kw):
-    cfg = ModelConfig(**{**dict(vocab_size=320, n_layer=2, n_head=4, d_model=64, d_ff=176, max_seq_len=64), **kw})
+    cfg = ModelConfig(
+        **{**dict(vocab_size=320, n_layer=2, n_head=4, d_model=64, d_ff=176, max_seq_len=64), **kw}
+    )
     torch.manual_seed(0)
     ours = GPT(cfg).eval()
     ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf_llama())).eval()
@@ -20,11 +23,20 @@ def _pair(**kw):
     return cfg, ours, ref
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=2), dict(n_kv_head=1, tie_embeddings=True),
-                                dict(rope_theta=500000.0, norm_eps=1e-6)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(n_kv_head=2),
+        dict(n_kv_head=1, tie_embeddings=True),
+        dict(rope_theta=500000.0, norm_eps=1e-6),
+    ],
+)
 def test_logits_match_transformers_llama(kw):
     cfg, ours, ref = _pair(**kw)
-    assert set(ours.state_dict()) == set(ref.state_dict())  # same names: weights move with no renaming
+    assert set(ours.state_dict()) == set(
+        ref.state_dict()
+    )  # same names: weights move with no renaming
     x = torch.randint(0, cfg.vocab_size, (3, 50), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         a, b = ours(x), ref(x).logits
@@ -40,7 +52,9 @@ def test_loss_matches_transformers_and_ignores_masked_targets():
     y[:, :10] = -100
     with torch.no_grad():
         ours_loss = ours(x, y)
-        ref_loss = torch.nn.functional.cross_entropy(ref(x).logits.view(-1, cfg.vocab_size), y.view(-1))
+        ref_loss = torch.nn.functional.cross_entropy(
+            ref(x).logits.view(-1, cfg.vocab_size), y.view(-1)
+        )
         ours_sum = ours(x, y, reduction="sum")
     torch.testing.assert_close(ours_loss, ref_loss, atol=1e-5, rtol=0)
     torch.testing.assert_close(ours_sum, ref_loss * (y != -100).sum(), rtol=1e-5, atol=1e-4)
@@ -54,7 +68,7 @@ def test_kv_cache_decoding_equals_full_forward():
         cache = KVCache.empty(cfg, 2, 30, "cpu", torch.float32)
         parts = [ours(x[:, :12], cache=cache)]  # prefill
         parts.append(ours(x[:, 12:20], cache=cache))  # a chunk onto a filled cache
-        parts += [ours(x[:, t:t + 1], cache=cache) for t in range(20, 30)]  # one token at a time
+        parts += [ours(x[:, t : t + 1], cache=cache) for t in range(20, 30)]  # one token at a time
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
 
 
@@ -85,6 +99,7 @@ def test_scaled_init_shrinks_residual_projections():
 
 def test_named_sizes_have_the_advertised_parameter_counts():
     from tinygpt.model.gpt import meta_model
+
     expected_m = {"16m": 16, "50m": 50, "124m": 124, "350m": 350, "760m": 760}
     for name, millions in expected_m.items():
         n = meta_model(model_config(name, vocab_size=50304)).num_params()
@@ -111,7 +126,9 @@ def test_zero_init_projections_make_every_block_the_identity_at_start():
     torch.manual_seed(0)
     model = GPT(cfg)
     zeros = [n for n, p in model.named_parameters() if p.dim() == 2 and not p.any()]
-    assert len(zeros) == 2 * cfg.n_layer and all(n.endswith(("o_proj.weight", "down_proj.weight")) for n in zeros)
+    assert len(zeros) == 2 * cfg.n_layer and all(
+        n.endswith(("o_proj.weight", "down_proj.weight")) for n in zeros
+    )
     x = torch.randint(cfg.vocab_size, (2, 16))
     with torch.no_grad():
         direct = model.lm_head(model.model.norm(model.model.embed_tokens(x)))
@@ -126,9 +143,25 @@ def test_a_runs_identity_leaves_out_what_a_probe_may_choose_otherwise():
     choices, so that a run resumed on another GPU (another probe) is still the same run."""
     cfg = get_recipe("cpu-smoke").model
     # what identity.json hashed before `identity` existed: a run mirrored then resumes as itself
-    assert sorted(cfg.identity()) == ["d_ff", "d_model", "init", "init_std", "max_seq_len", "n_head", "n_kv_head",
-                                      "n_layer", "norm_eps", "qk_norm", "rope_theta", "tie_embeddings", "vocab_size",
-                                      "zero_init_proj"]
+    assert sorted(cfg.identity()) == [
+        "d_ff",
+        "d_model",
+        "init",
+        "init_std",
+        "max_seq_len",
+        "n_head",
+        "n_kv_head",
+        "n_layer",
+        "norm_eps",
+        "qk_norm",
+        "rope_theta",
+        "tie_embeddings",
+        "vocab_size",
+        "zero_init_proj",
+    ]
     assert cfg.identity() == {k: getattr(cfg, k) for k in cfg.identity()}
-    assert dataclasses.replace(cfg, activation_checkpointing=True, fused_proj=True).identity() == cfg.identity()
+    assert (
+        dataclasses.replace(cfg, activation_checkpointing=True, fused_proj=True).identity()
+        == cfg.identity()
+    )
     assert dataclasses.replace(cfg, qk_norm=True).identity() != cfg.identity()

@@ -1,6 +1,7 @@
 """The notebooks 00_setup and 01_pretrain, executed for real (as nbmake does, through nbclient) on the CPU
 with TINYGPT_SMOKE=1 and the fake google.colab, so their Colab path runs: Drive mounts, the run
 is mirrored, the zip is downloaded, and a new VM resumes from Drive. Also: nothing committed in them."""
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,13 @@ def test_notebook_is_committed_clean_and_thin(name):
     assert BADGE + name in nb.cells[0].source, "the first cell opens the notebook in Colab"
     for cell in nb.cells:
         if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, f"outputs committed in cell {cell.id}"
+            assert cell.outputs == [] and cell.execution_count is None, (
+                f"outputs committed in cell {cell.id}"
+            )
             assert len(cell.source.splitlines()) <= MAX_CODE_LINES, f"cell {cell.id} holds logic"
-    assert sum(c.cell_type == "markdown" for c in nb.cells) >= sum(c.cell_type == "code" for c in nb.cells)
+    assert sum(c.cell_type == "markdown" for c in nb.cells) >= sum(
+        c.cell_type == "code" for c in nb.cells
+    )
 
 
 class Colab:
@@ -40,21 +45,33 @@ class Colab:
     are folders under tmp; Drive outlives the VM, the rest does not."""
 
     def __init__(self, tmp: Path):
-        self.content, self.drive, self.downloads = tmp / "content", tmp / "drive-backing", tmp / "downloads"
+        self.content, self.drive, self.downloads = (
+            tmp / "content",
+            tmp / "drive-backing",
+            tmp / "downloads",
+        )
         self.cache = tmp / "cache"
 
     def env(self) -> dict[str, str]:
         path = os.pathsep.join([str(FAKE_COLAB), str(REPO), os.environ.get("PYTHONPATH", "")])
-        return {**os.environ, "TINYGPT_SMOKE": "1", "PYTHONPATH": path.rstrip(os.pathsep),
-                "TINYGPT_WORKDIR": str(self.content), "TINYGPT_CACHE": str(self.cache),
-                "TINYGPT_FAKE_DRIVE_ROOT": str(self.drive), "TINYGPT_FAKE_DOWNLOADS": str(self.downloads),
-                "OMP_NUM_THREADS": "1", "JUPYTER_PLATFORM_DIRS": "1"}
+        return {
+            **os.environ,
+            "TINYGPT_SMOKE": "1",
+            "PYTHONPATH": path.rstrip(os.pathsep),
+            "TINYGPT_WORKDIR": str(self.content),
+            "TINYGPT_CACHE": str(self.cache),
+            "TINYGPT_FAKE_DRIVE_ROOT": str(self.drive),
+            "TINYGPT_FAKE_DOWNLOADS": str(self.downloads),
+            "OMP_NUM_THREADS": "1",
+            "JUPYTER_PLATFORM_DIRS": "1",
+        }
 
     def run(self, name: str) -> dict[str, list[dict]]:
         """Execute a notebook top to bottom (an error in any cell fails the test); outputs by cell id."""
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-        client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                         resources={"metadata": {"path": str(NOTEBOOKS)}})
+        client = nbclient.NotebookClient(
+            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+        )
         client.execute(env=self.env())
         return {c.id: c.get("outputs", []) for c in nb.cells}
 
@@ -76,11 +93,16 @@ def text(outputs: list[dict]) -> str:
 def test_setup_notebook(tmp_path):
     vm = Colab(tmp_path)
     out = vm.run("00_setup.ipynb")
-    assert (vm.content / "drive").is_symlink() and (vm.drive / "MyDrive").is_dir()  # Drive was mounted
+    assert (vm.content / "drive").is_symlink() and (
+        vm.drive / "MyDrive"
+    ).is_dir()  # Drive was mounted
     assert "MyDrive" in text(out["drive"])
     assert "cpu_cores" in text(out["hardware"])
     recipes = text(out["recipes"])
-    assert all(name in recipes for name in ("cpu-smoke", "a100-124m", "h100-760m")) and "<table" in recipes
+    assert (
+        all(name in recipes for name in ("cpu-smoke", "a100-124m", "h100-760m"))
+        and "<table" in recipes
+    )
     summary = text(out["search"])
     assert "Trial search" in summary and "cpu-smoke" in summary and "time to finish" in summary
 
@@ -103,5 +125,7 @@ def test_pretrain_notebook_trains_mirrors_downloads_and_resumes_on_a_new_vm(tmp_
     out = vm.run("01_pretrain.ipynb")
     assert "on Drive: step 12 of recipe cpu-smoke" in text(out["run"])
     assert "from step 12" in text(out["train"])
-    assert verify_checkpoint(vm.content / "runs" / "my-first-gpt" / "checkpoints" / "step_000012")[0]
+    assert verify_checkpoint(vm.content / "runs" / "my-first-gpt" / "checkpoints" / "step_000012")[
+        0
+    ]
     assert (vm.downloads / "my-first-gpt.zip").is_file()

@@ -2,6 +2,7 @@
 through the real `tinygpt` command in a subprocess where the fault is about processes (a second writer,
 SIGTERM, a full disk): the mirror catches up on the next command, the lock follows the folder, one run per
 mirror, a failed first try leaves no trace, values are checked before work, no leftovers."""
+
 from __future__ import annotations
 
 import json
@@ -49,14 +50,30 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
 
 
-def tinygpt(*args: str, cache: Path, timeout: float = 300, **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tinygpt", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env(cache, **extra), timeout=timeout, preexec_fn=_limit_memory)
+def tinygpt(
+    *args: str, cache: Path, timeout: float = 300, **extra: str
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tinygpt", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env(cache, **extra),
+        timeout=timeout,
+        preexec_fn=_limit_memory,
+    )
 
 
 def spawn(*args: str, cache: Path, **extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tinygpt", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=env(cache, **extra), preexec_fn=_limit_memory)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tinygpt", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env(cache, **extra),
+        preexec_fn=_limit_memory,
+    )
 
 
 def last_line(text: str) -> str:
@@ -66,7 +83,10 @@ def last_line(text: str) -> str:
 def one_error_line(p: subprocess.CompletedProcess) -> str:
     """The one line a refused command prints (warnings aside), with exit status 2."""
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("tinygpt ")]
-    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, (
+        p.returncode,
+        p.stderr[-2000:],
+    )
     return lines[0]
 
 
@@ -80,8 +100,9 @@ def small_run(tmp_path_factory, cache) -> Path:
 def mount_tmpfs(where: Path, size: str = "5m") -> Iterator[Path]:
     """A small file system at `where` for the test (a fixture's body): full disks made on purpose."""
     where.mkdir(parents=True, exist_ok=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                      capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     yield where
     subprocess.run(["umount", "-l", str(where)], capture_output=True)
@@ -101,24 +122,42 @@ def fill(disk: Path, leave: int) -> Path:
 
 # ---- 1. the mirror is a promise ------------------------------------------------------------------
 
+
 @pytest.mark.slow  # CLI runs onto a full mirror
-def test_a_full_mirror_is_said_in_the_last_line_and_the_next_command_catches_up(tmp_path, small_disk, cache):
+def test_a_full_mirror_is_said_in_the_last_line_and_the_next_command_catches_up(
+    tmp_path, small_disk, cache
+):
     """A 5 MB mirror file system with room for the run files only: training finishes, its last line says
     the mirror is behind; with space freed, the same command on the finished run copies the final
     checkpoint and best/ there (before: "complete" and the mirror stuck at what it had)."""
     run, mirror = tmp_path / "r", small_disk / "r"
     filler = fill(small_disk, leave=200 * 1024)
-    cmd = ["pretrain", *SMOKE, "--run-dir", str(run), "--mirror", str(mirror), "--max-steps", "4",
-           "--save-every", "2"]
+    cmd = [
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(run),
+        "--mirror",
+        str(mirror),
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+    ]
     p = tinygpt(*cmd, cache=cache, TINYGPT_MIRROR_WAIT_S="3")
     assert p.returncode == 0, p.stderr[-2000:]
-    assert last_line(p.stdout).startswith(f"the mirror {mirror} is behind: it lacks checkpoint step 4"), p.stdout
+    assert last_line(p.stdout).startswith(
+        f"the mirror {mirror} is behind: it lacks checkpoint step 4"
+    ), p.stdout
     assert not ckpt.list_checkpoints(mirror / "checkpoints")
     filler.unlink()
     p = tinygpt(*cmd, cache=cache)
     assert p.returncode == 0, p.stderr[-2000:]
     out = p.stdout.strip().splitlines()
-    assert out[-2].startswith(f"run {run} is complete: step 4 of 4") and out[-1] == f"the mirror {mirror} has all of it"
+    assert (
+        out[-2].startswith(f"run {run} is complete: step 4 of 4")
+        and out[-1] == f"the mirror {mirror} has all of it"
+    )
     assert [s for s, _ in ckpt.list_checkpoints(mirror / "checkpoints")] == [4]
     assert ckpt.verify_checkpoint(mirror / "checkpoints" / ckpt.step_name(4), deep=True)[0]
     assert ckpt.verify_checkpoint(mirror / "best", deep=True)[0]
@@ -131,8 +170,18 @@ def test_a_mirror_under_a_file_gives_up_at_once_after_training(tmp_path, cache):
     says what the mirror lacks. (Before: "gave up after the wait", two minutes later.)"""
     (tmp_path / "drive").write_text("a file where the Drive folder was")
     run, mirror = tmp_path / "r", tmp_path / "drive" / "r"
-    p = tinygpt("pretrain", *SMOKE, "--run-dir", str(run), "--mirror", str(mirror), "--max-steps", "2",
-                cache=cache, timeout=100)
+    p = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(run),
+        "--mirror",
+        str(mirror),
+        "--max-steps",
+        "2",
+        cache=cache,
+        timeout=100,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "waiting would not help" in p.stderr and "gave up at once" in p.stderr, p.stderr[-2000:]
     # a mirror that cannot even be listed lacks all of the run, and the line says why
@@ -140,6 +189,7 @@ def test_a_mirror_under_a_file_gives_up_at_once_after_training(tmp_path, cache):
 
 
 # ---- 2. the lock follows the folder, not the path -----------------------------------------------
+
 
 def test_a_callback_failing_to_close_does_not_hide_the_error_that_ended_the_run(tmp_path):
     """A callback whose folder was deleted fails as it closes (a TensorBoard writer did in CI); the run's
@@ -161,7 +211,10 @@ def test_a_callback_failing_to_close_does_not_hide_the_error_that_ended_the_run(
         shutil.rmtree(tmp_path / name)
         return cb
 
-    with pytest.warns(UserWarning, match="Notes could not close: FileNotFoundError"), pytest.raises(RunDirReplaced):
+    with (
+        pytest.warns(UserWarning, match="Notes could not close: FileNotFoundError"),
+        pytest.raises(RunDirReplaced),
+    ):
         with closing([deleted("a"), Notes(tmp_path / "b")]):
             raise RunDirReplaced("run folder was deleted and made again")
     assert closed == ["b"]  # the one after the failing one still closed
@@ -177,14 +230,31 @@ def test_a_writer_whose_folder_was_replaced_stops_and_the_new_run_is_left_alone(
     and trains; the first stops in one line naming what happened and writes nothing into the new folder
     (before: it went on, metrics of both mixed, and it died with "free some disk space")."""
     run = tmp_path / "r"
-    first = spawn("pretrain", *SMOKE, "--run-dir", str(run), "--max-steps", "6000", "--save-every", "5000",
-                  "--set", "train.eval_every=5000", "train.log_every=1", cache=cache)
+    first = spawn(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "6000",
+        "--save-every",
+        "5000",
+        "--set",
+        "train.eval_every=5000",
+        "train.log_every=1",
+        cache=cache,
+    )
     try:
         deadline = time.monotonic() + 240
-        while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+        while (
+            not (run / "metrics.jsonl").is_file()
+            or len((run / "metrics.jsonl").read_text().splitlines()) < 3
+        ):
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.1)
-        while run.exists():  # the writer may add a file while rm -rf runs: remove again, as a user would
+        while (
+            run.exists()
+        ):  # the writer may add a file while rm -rf runs: remove again, as a user would
             shutil.rmtree(run, ignore_errors=True)
         run.mkdir()
         second = tinygpt("pretrain", *SMOKE, "--run-dir", str(run), "--max-steps", "4", cache=cache)
@@ -213,11 +283,14 @@ def test_the_lock_is_never_followed_through_a_symlink(tmp_path):
     assert target.read_text() == "keep me"
 
 
-def test_a_ctrl_c_while_the_lock_is_taken_leaves_no_folder_and_no_handler_behind(tmp_path, monkeypatch):
+def test_a_ctrl_c_while_the_lock_is_taken_leaves_no_folder_and_no_handler_behind(
+    tmp_path, monkeypatch
+):
     """The signal comes while .lock exists but before the lock is recorded as held (here: while the
     holder's name is looked up). It reaches the program once the lock is held, so the release runs and
     the folder the lock made is gone; the program's own SIGINT handler is back in place."""
     import socket
+
     run = tmp_path / "r"
     real_hostname = socket.gethostname
 
@@ -240,36 +313,81 @@ def test_a_ctrl_c_while_the_lock_is_taken_leaves_no_folder_and_no_handler_behind
 
 # ---- 3. one run per mirror -----------------------------------------------------------------------
 
+
 @pytest.mark.slow  # CLI runs sharing a mirror
 def test_a_second_run_on_the_same_mirror_is_refused_before_it_writes(tmp_path, cache):
     mirror = tmp_path / "drive" / "r"
-    a = tinygpt("pretrain", *SMOKE, "--run-dir", str(tmp_path / "a"), "--mirror", str(mirror), "--max-steps", "2",
-                cache=cache)
+    a = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(tmp_path / "a"),
+        "--mirror",
+        str(mirror),
+        "--max-steps",
+        "2",
+        cache=cache,
+    )
     assert a.returncode == 0, a.stderr[-2000:]
     before = {p: p.stat().st_mtime_ns for p in mirror.rglob("*")}
     text = tmp_path / "other.txt"
     text.write_text(Path(json.__file__).read_text() * 20)
-    b = tinygpt("pretrain", *SMOKE, "--run-dir", str(tmp_path / "b"), "--mirror", str(mirror), "--max-steps", "2",
-                "--data", str(text), cache=cache)
+    b = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(tmp_path / "b"),
+        "--mirror",
+        str(mirror),
+        "--max-steps",
+        "2",
+        "--data",
+        str(text),
+        cache=cache,
+    )
     # the mirror's run.json is compared with the command first, naming what differs (issue 32)
-    assert "holds another run than this command's" in one_error_line(b) and "data.source" in one_error_line(b)
+    assert "holds another run than this command's" in one_error_line(
+        b
+    ) and "data.source" in one_error_line(b)
     assert {p: p.stat().st_mtime_ns for p in mirror.rglob("*")} == before  # nothing written there
     assert not (tmp_path / "b").exists()  # nor here
     # the same settings in another run folder that is a run of its own (its identity) is refused too
-    c = tinygpt("pretrain", *SMOKE, "--run-dir", str(tmp_path / "c"), "--max-steps", "2", cache=cache)
+    c = tinygpt(
+        "pretrain", *SMOKE, "--run-dir", str(tmp_path / "c"), "--max-steps", "2", cache=cache
+    )
     assert c.returncode == 0
-    c = tinygpt("pretrain", *SMOKE, "--run-dir", str(tmp_path / "c"), "--mirror", str(mirror), "--max-steps", "4",
-                cache=cache)
+    c = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(tmp_path / "c"),
+        "--mirror",
+        str(mirror),
+        "--max-steps",
+        "4",
+        cache=cache,
+    )
     assert "two runs would mix their checkpoints" in one_error_line(c)
     assert {p: p.stat().st_mtime_ns for p in mirror.rglob("*")} == before
     # a new VM (an empty run folder) with the same settings resumes the mirror's run
-    d = tinygpt("pretrain", *SMOKE, "--run-dir", str(tmp_path / "d"), "--mirror", str(mirror), "--max-steps", "4",
-                cache=cache)
+    d = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(tmp_path / "d"),
+        "--mirror",
+        str(mirror),
+        "--max-steps",
+        "4",
+        cache=cache,
+    )
     assert d.returncode == 0 and "resumed from step 2" in d.stdout, d.stderr[-2000:]
 
 
 @pytest.mark.slow  # CLI runs with a mirror
-def test_a_different_tokenizer_on_the_mirror_is_named_and_never_overwrites(small_run, tmp_path, cache):
+def test_a_different_tokenizer_on_the_mirror_is_named_and_never_overwrites(
+    small_run, tmp_path, cache
+):
     """A mirror from before identities (no identity.json) holding another run's newer tokenizer.json."""
     run, mirror = tmp_path / "r", tmp_path / "drive" / "r"
     shutil.copytree(small_run, run)
@@ -280,7 +398,17 @@ def test_a_different_tokenizer_on_the_mirror_is_named_and_never_overwrites(small
     other["normalizer"] = {"type": "Lowercase"}  # another run's tokenizer, newer than the local one
     (mirror / "tokenizer.json").write_text(json.dumps(other))
     mine = (run / "tokenizer.json").read_bytes()
-    p = tinygpt("pretrain", *SMOKE, "--run-dir", str(run), "--mirror", str(mirror), "--max-steps", "6", cache=cache)
+    p = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(run),
+        "--mirror",
+        str(mirror),
+        "--max-steps",
+        "6",
+        cache=cache,
+    )
     line = one_error_line(p)
     assert "tokenizer.json on the mirror" in line and "differs" in line, line
     assert (run / "tokenizer.json").read_bytes() == mine
@@ -288,20 +416,55 @@ def test_a_different_tokenizer_on_the_mirror_is_named_and_never_overwrites(small
 
 # ---- 4. a failed first try leaves no trace -------------------------------------------------------
 
+
 @pytest.mark.slow  # CLI runs
-def test_a_failed_first_try_leaves_nothing_and_the_fixed_one_trains_its_own_tokenizer(tmp_path, cache):
+def test_a_failed_first_try_leaves_nothing_and_the_fixed_one_trains_its_own_tokenizer(
+    tmp_path, cache
+):
     run, corpus = tmp_path / "r", tmp_path / "corpus.txt"
     corpus.write_text("x")
-    p = tinygpt("pretrain", *SMOKE, "--run-dir", str(run), "--data", str(corpus), "--max-steps", "2", cache=cache)
+    p = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(run),
+        "--data",
+        str(corpus),
+        "--max-steps",
+        "2",
+        cache=cache,
+    )
     assert "training split" in one_error_line(p)
     assert not run.exists()
-    p = tinygpt("pretrain", *SMOKE, "--run-dir", str(run), "--device", "mps", "--max-steps", "2", cache=cache)
+    p = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(run),
+        "--device",
+        "mps",
+        "--max-steps",
+        "2",
+        cache=cache,
+    )
     assert "mps" in one_error_line(p)
     assert not run.exists()
     corpus.write_text(Path(json.__file__).read_text() * 30)
-    p = tinygpt("pretrain", *SMOKE, "--run-dir", str(run), "--data", str(corpus), "--max-steps", "2", cache=cache)
+    p = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(run),
+        "--data",
+        str(corpus),
+        "--max-steps",
+        "2",
+        cache=cache,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
-    assert Tokenizer.load(run / "tokenizer.json").vocab_size == 512  # not the 257 of the 1-character corpus
+    assert (
+        Tokenizer.load(run / "tokenizer.json").vocab_size == 512
+    )  # not the 257 of the 1-character corpus
 
 
 def test_a_failed_write_of_run_json_stops_the_tokenizing_process(tmp_path, monkeypatch):
@@ -311,6 +474,7 @@ def test_a_failed_write_of_run_json_stops_the_tokenizing_process(tmp_path, monke
     import errno
 
     import tinygpt.data.tokens as tokens_module
+
     real, streams = tokens_module.stream_token_cache, []
 
     def recording(*args, **kw):  # the real stream, kept to look at its process afterwards
@@ -325,27 +489,53 @@ def test_a_failed_write_of_run_json_stops_the_tokenizing_process(tmp_path, monke
     monkeypatch.setattr(RunDir, "write_info", full_disk)
     # thousands of steps: the process has shards to write for several seconds (it was found still running)
     with pytest.raises(OSError, match="No space left"):
-        pretrain("cpu-smoke", tmp_path / "r", cache_dir=tmp_path / "tokens", max_steps=6000, progress=False,
-                 device="cpu")
+        pretrain(
+            "cpu-smoke",
+            tmp_path / "r",
+            cache_dir=tmp_path / "tokens",
+            max_steps=6000,
+            progress=False,
+            device="cpu",
+        )
     assert len(streams) == 1 and streams[0].writer.process.poll() is not None
     assert not (tmp_path / "r").exists()  # a failed first try leaves nothing
 
 
-def test_a_failed_first_finetuning_try_leaves_no_base_and_the_fixed_one_runs(small_run, tmp_path, shared_data):
+def test_a_failed_first_finetuning_try_leaves_no_base_and_the_fixed_one_runs(
+    small_run, tmp_path, shared_data
+):
     from tinygpt.finetune.run_finetune import finetune
+
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"no": "fields a record has"}] * 20))
     ft = tmp_path / "ft"
     with pytest.raises(Exception):
-        finetune("lora-r8", str(small_run), str(bad), ft, hardware="cpu", train={"max_steps": 2}, progress=False,
-                 device="cpu")
+        finetune(
+            "lora-r8",
+            str(small_run),
+            str(bad),
+            ft,
+            hardware="cpu",
+            train={"max_steps": 2},
+            progress=False,
+            device="cpu",
+        )
     assert not ft.exists()  # no base/, no finetune.json
-    res = finetune("lora-r8", str(small_run), str(shared_data / "code_alpaca_2k.json"), ft, hardware="cpu",
-                   train={"max_steps": 2, "eval_every": 2, "save_every": 2}, progress=False, device="cpu")
+    res = finetune(
+        "lora-r8",
+        str(small_run),
+        str(shared_data / "code_alpaca_2k.json"),
+        ft,
+        hardware="cpu",
+        train={"max_steps": 2, "eval_every": 2, "save_every": 2},
+        progress=False,
+        device="cpu",
+    )
     assert res.train.step == 2 and (ft / "adapter").is_dir()
 
 
 # ---- 5. values checked before work ---------------------------------------------------------------
+
 
 @pytest.mark.slow  # CLI runs
 def test_sizes_memory_and_hours_are_checked_before_any_work(tmp_path, capsys, cache):
@@ -355,12 +545,25 @@ def test_sizes_memory_and_hours_are_checked_before_any_work(tmp_path, capsys, ca
         assert code == 2 and len(err.splitlines()) == 1, err
         assert not (tmp_path / "r").exists()
         return err
-    assert "model.d_model must be a positive whole number, got -64" in refused("--set", "model.d_model=-64")
+
+    assert "model.d_model must be a positive whole number, got -64" in refused(
+        "--set", "model.d_model=-64"
+    )
     assert "finite" in refused("--hours", "inf")
     assert "finite" in refused("--set", "train.lr=1e999")
     # 5B parameters: refused with what fits, before a byte is allocated (in a child: see _limit_memory)
-    line = one_error_line(tinygpt("pretrain", *SMOKE, "--run-dir", str(tmp_path / "r"), "--set",
-                                  "model.n_layer=100000", cache=cache, timeout=120))
+    line = one_error_line(
+        tinygpt(
+            "pretrain",
+            *SMOKE,
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            "model.n_layer=100000",
+            cache=cache,
+            timeout=120,
+        )
+    )
     assert "GB to train" in line and "at most about" in line and "layers fit" in line, line
     assert not (tmp_path / "r").exists()
 
@@ -377,12 +580,22 @@ def test_a_garbled_budget_or_run_json_is_one_line_before_work(small_run, tmp_pat
     info = json.loads((run / "run.json").read_text())
     info["recipe"]["model"]["n_layer"] = 1_000_000
     (run / "run.json").write_text(json.dumps(info))
-    p = tinygpt("generate", "--run-dir", str(run), "--prompt", "def", "--max-new-tokens", "2", cache=cache,
-                timeout=120)
+    p = tinygpt(
+        "generate",
+        "--run-dir",
+        str(run),
+        "--prompt",
+        "def",
+        "--max-new-tokens",
+        "2",
+        cache=cache,
+        timeout=120,
+    )
     assert "run.json says n_layer 1000000" in one_error_line(p)
 
 
 # ---- 6. leftovers --------------------------------------------------------------------------------
+
 
 def _sigterm_when(proc: subprocess.Popen, ready, timeout: float = 120) -> bool:
     """SIGTERM `proc` as soon as ready() holds; False if it ended first."""
@@ -402,10 +615,14 @@ def test_sigterm_during_export_leaves_no_temporary_folder(small_run, tmp_path, c
     for attempt in range(10):
         out = tmp_path / f"hf{attempt}"
         proc = spawn("export", str(small_run), str(out), cache=cache)
-        signalled = _sigterm_when(proc, lambda: any(p.name.startswith(".tmp-") for p in tmp_path.iterdir()))
+        signalled = _sigterm_when(
+            proc, lambda: any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+        )
         # (a signal sent once the export was already renamed into place, on a loaded machine, comes too late to
         # interrupt anything: that try counts as finished first)
-        if signalled and not (proc.returncode in (0, -signal.SIGTERM) and (out / "config.json").is_file()):
+        if signalled and not (
+            proc.returncode in (0, -signal.SIGTERM) and (out / "config.json").is_file()
+        ):
             break
     else:
         pytest.skip("the export always finished before a SIGTERM could reach it")
@@ -415,7 +632,9 @@ def test_sigterm_during_export_leaves_no_temporary_folder(small_run, tmp_path, c
 
 
 @pytest.mark.parametrize("write", ["export", "mirror copy"])
-def test_a_ctrl_c_just_after_a_temporary_folder_is_made_leaves_no_temporary(small_run, tmp_path, monkeypatch, write):
+def test_a_ctrl_c_just_after_a_temporary_folder_is_made_leaves_no_temporary(
+    small_run, tmp_path, monkeypatch, write
+):
     """The signal lands right after the mkdir of `.tmp-<name>-<pid>/` (an export's, a checkpoint copy's):
     the temporary is removed all the same (before, it was made outside the block that removes it)."""
     real_mkdir = Path.mkdir
@@ -443,9 +662,22 @@ def test_sigterm_while_the_tokenizer_trains_leaves_no_run_folder(tmp_path, cache
     run = tmp_path / "r"
     text = tmp_path / "big.txt"
     text.write_text(Path(json.__file__).read_text() * 400)  # a few seconds of BPE training
-    proc = spawn("pretrain", *SMOKE, "--run-dir", str(run), "--data", str(text), "--max-steps", "2", cache=cache)
+    proc = spawn(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(run),
+        "--data",
+        str(text),
+        "--max-steps",
+        "2",
+        cache=cache,
+    )
     assert _sigterm_when(proc, lambda: (run / LOCK).exists()), "training ended before the signal"
-    assert proc.returncode == 130 and not run.exists(), (proc.returncode, list(run.iterdir()) if run.exists() else [])
+    assert proc.returncode == 130 and not run.exists(), (
+        proc.returncode,
+        list(run.iterdir()) if run.exists() else [],
+    )
 
 
 @pytest.fixture
@@ -460,9 +692,22 @@ def test_a_full_disk_while_tokenizing_stops_training_at_once(tmp_path, small_cac
     with "tokenization stopped before shard 1")."""
     run = tmp_path / "r"
     # one thread for training: the niced writer must tokenize shard 1 while training runs, on a loaded machine too
-    p = tinygpt("pretrain", *SMOKE, "--run-dir", str(run), "--max-steps", "6000", "--save-every", "5000",
-                "--set", "train.eval_every=5000", "data.max_chars=12000000", cache=small_cache, timeout=600,
-                OMP_NUM_THREADS="1")
+    p = tinygpt(
+        "pretrain",
+        *SMOKE,
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "6000",
+        "--save-every",
+        "5000",
+        "--set",
+        "train.eval_every=5000",
+        "data.max_chars=12000000",
+        cache=small_cache,
+        timeout=600,
+        OMP_NUM_THREADS="1",
+    )
     line = one_error_line(p)
     assert "the disk is full" in line and "free some disk space" in line, line
     step = int(line.split(" at step ")[1].split(":")[0])

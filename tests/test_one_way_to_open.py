@@ -4,6 +4,7 @@ hard link, and bounds what it reads. This scan of the package fails on any other
 `Path.read_text/read_bytes/write_text/write_bytes`, `os.open` without O_NOFOLLOW) unless its line says why the file
 is not a run file (a comment "outside run folders: ..."): /proc, the package's own data, the standard library,
 a data file the user named, a temporary folder the same process made."""
+
 from __future__ import annotations
 
 import ast
@@ -30,14 +31,21 @@ def opens(tree: ast.AST, source: str) -> list[tuple[int, str]]:
             continue
         f = node.func
         if isinstance(f, ast.Name) and f.id == "open":
-            if node.args and isinstance(node.args[0], ast.Call) and getattr(node.args[0].func, "id", "") == \
-                    "open_nofollow":
+            if (
+                node.args
+                and isinstance(node.args[0], ast.Call)
+                and getattr(node.args[0].func, "id", "") == "open_nofollow"
+            ):
                 continue  # open() on a descriptor the one way opened
             out.append((node.lineno, segment(source, node)))
         elif isinstance(f, ast.Attribute) and f.attr in METHODS:
             out.append((node.lineno, segment(source, node)))
-        elif isinstance(f, ast.Attribute) and f.attr == "open" and getattr(f.value, "id", "") == "os" \
-                and "O_NOFOLLOW" not in (text := segment(source, node)):
+        elif (
+            isinstance(f, ast.Attribute)
+            and f.attr == "open"
+            and getattr(f.value, "id", "") == "os"
+            and "O_NOFOLLOW" not in (text := segment(source, node))
+        ):
             out.append((node.lineno, text))
     return out
 
@@ -62,16 +70,22 @@ def test_no_file_is_opened_but_the_one_way_or_with_a_reason():
             if not marked(lines, lineno):
                 found.append(f"tinygpt/{rel}:{lineno}: {call.splitlines()[0][:100]}")
     assert checked > 10  # the scan sees the package's opens (it is not looking at nothing)
-    assert not found, ("opened another way than tinygpt.core.files, with no 'outside run folders: why' on its line "
-                       "(use read_*_safe, append_text or write_*_atomic for a run folder's files):\n  "
-                       + "\n  ".join(found))
+    assert not found, (
+        "opened another way than tinygpt.core.files, with no 'outside run folders: why' on its line "
+        "(use read_*_safe, append_text or write_*_atomic for a run folder's files):\n  "
+        + "\n  ".join(found)
+    )
 
 
 def test_the_scan_catches_a_plain_open():
     """The scan itself can fail: a plain open of a run file, as evals.jsonl was appended before."""
-    source = 'def record(run):\n    with open(run / "evals.jsonl", "a") as f:\n        f.write("x")\n'
+    source = (
+        'def record(run):\n    with open(run / "evals.jsonl", "a") as f:\n        f.write("x")\n'
+    )
     assert [n for n, _ in opens(ast.parse(source), source)] == [2]
     assert not marked(source.splitlines(), 2)
-    source = 'p.read_text()  # outside run folders: /proc\nos.open(p, os.O_RDONLY | os.O_NOFOLLOW)\n'
+    source = (
+        "p.read_text()  # outside run folders: /proc\nos.open(p, os.O_RDONLY | os.O_NOFOLLOW)\n"
+    )
     assert [n for n, _ in opens(ast.parse(source), source)] == [1]
     assert marked(source.splitlines(), 1)

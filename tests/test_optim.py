@@ -1,4 +1,5 @@
 """The optimizers: Muon for hidden matrices + AdamW for the rest, as one optimizer for the trainer."""
+
 from __future__ import annotations
 
 import io
@@ -31,12 +32,14 @@ def batches(ids: np.ndarray, n: int, seed: int = 0) -> list[tuple[torch.Tensor, 
     out = []
     for _ in range(n):
         starts = rng.integers(0, len(ids) - SEQ - 1, BATCH)
-        w = torch.from_numpy(np.stack([ids[s:s + SEQ + 1] for s in starts]))
+        w = torch.from_numpy(np.stack([ids[s : s + SEQ + 1] for s in starts]))
         out.append((w[:, :-1], w[:, 1:]))
     return out
 
 
-def train_steps(model: GPT, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, data, lr: float) -> list[float]:
+def train_steps(
+    model: GPT, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, data, lr: float
+) -> list[float]:
     """The trainer's step: lr times lr_scale, scaled backward, unscale, clip, scaler step, zero_grad."""
     out = []
     for x, y in data:
@@ -55,15 +58,24 @@ def train_steps(model: GPT, opt: torch.optim.Optimizer, scaler: torch.amp.GradSc
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_muon_gets_the_hidden_matrices_only(tie):
-    cfg = ModelConfig(vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=32,
-                      tie_embeddings=tie)
+    cfg = ModelConfig(
+        vocab_size=300,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        d_model=64,
+        max_seq_len=32,
+        tie_embeddings=tie,
+    )
     model = GPT(cfg)
     muon, decay, no_decay = split_muon_params(model)
     names = {id(p): n for n, p in model.named_parameters()}
     assert sorted(names[id(p)].split(".")[-2] for p in muon) == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] * cfg.n_layer)
-    assert {names[id(p)] for p in decay} == ({"model.embed_tokens.weight"} if tie else
-                                            {"model.embed_tokens.weight", "lm_head.weight"})
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] * cfg.n_layer
+    )
+    assert {names[id(p)] for p in decay} == (
+        {"model.embed_tokens.weight"} if tie else {"model.embed_tokens.weight", "lm_head.weight"}
+    )
     assert all(p.dim() == 1 for p in no_decay)
     everything = muon + decay + no_decay
     assert len({id(p) for p in everything}) == len(everything) == len(list(model.parameters()))
@@ -81,7 +93,9 @@ def test_muon_lowers_the_loss_on_shakespeare(shakespeare_ids):
     torch.manual_seed(0)
     model = GPT(model_config("tiny", vocab_size=VOCAB, max_seq_len=SEQ))
     opt = build_optimizer(model, TrainConfig(optimizer="muon", lr=3e-3), "cpu")
-    losses = train_steps(model, opt, torch.amp.GradScaler("cpu", enabled=False), batches(shakespeare_ids, 30), 3e-3)
+    losses = train_steps(
+        model, opt, torch.amp.GradScaler("cpu", enabled=False), batches(shakespeare_ids, 30), 3e-3
+    )
     assert losses[0] == pytest.approx(np.log(VOCAB), abs=0.3)  # a fresh model is near uniform
     assert np.mean(losses[-5:]) < losses[0] - 0.8, losses
 
@@ -95,12 +109,18 @@ def test_state_dict_round_trip_resumes_bit_for_bit(shakespeare_ids):
     def fresh():
         torch.manual_seed(0)
         model = GPT(model_config("tiny", vocab_size=VOCAB, max_seq_len=SEQ))
-        return model, build_optimizer(model, cfg, "cpu"), torch.amp.GradScaler("cpu", init_scale=1024.0)
+        return (
+            model,
+            build_optimizer(model, cfg, "cpu"),
+            torch.amp.GradScaler("cpu", init_scale=1024.0),
+        )
 
     model, opt, scaler = fresh()
     train_steps(model, opt, scaler, data[:4], 3e-3)
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()}, buf)
+    torch.save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()}, buf
+    )
     straight = train_steps(model, opt, scaler, data[4:], 3e-3)
 
     model2, opt2, scaler2 = fresh()
@@ -146,16 +166,24 @@ def _muon_with_scaler(fused: bool, scaler_on: bool):
     model = GPT(model_config("tiny", vocab_size=64, max_seq_len=16))
     muon, decay, no_decay = split_muon_params(model)
     # fused: what build_optimizer gives on CUDA, where the AdamW half unscales and skips inside its kernel
-    opt = MuonAdamW([{"params": muon, "lr_scale": 4.0, "weight_decay": 0.025}],
-                    [{"params": decay, "lr_scale": 1.0, "weight_decay": 0.1}, {"params": no_decay, "lr_scale": 1.0}],
-                    lr=1e-3, betas=(0.9, 0.95), fused=fused)
+    opt = MuonAdamW(
+        [{"params": muon, "lr_scale": 4.0, "weight_decay": 0.025}],
+        [
+            {"params": decay, "lr_scale": 1.0, "weight_decay": 0.1},
+            {"params": no_decay, "lr_scale": 1.0},
+        ],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        fused=fused,
+    )
     return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=scaler_on)
 
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("explicit_unscale", [True, False])
-def test_scaled_fp16_steps_equal_unscaled_ones_without_reading_back(fused, explicit_unscale, shakespeare_ids,
-                                                                     monkeypatch):
+def test_scaled_fp16_steps_equal_unscaled_ones_without_reading_back(
+    fused, explicit_unscale, shakespeare_ids, monkeypatch
+):
     """The GradScaler hands MuonAdamW grad_scale and found_inf (it supports amp scaling) instead of reading
     found_inf back to decide; the steps equal those without a scaler. With fused AdamW (CUDA's) nothing at all is
     read back to the host in the step (Tensor.item is what would sync)."""
@@ -173,13 +201,19 @@ def test_scaled_fp16_steps_equal_unscaled_ones_without_reading_back(fused, expli
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if scaler_on and fused:
                 with monkeypatch.context() as m:
-                    m.setattr(torch.Tensor, "item", lambda t: pytest.fail("the step read a value back to the host"))
+                    m.setattr(
+                        torch.Tensor,
+                        "item",
+                        lambda t: pytest.fail("the step read a value back to the host"),
+                    )
                     scaler.step(opt)
             else:
                 scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
-        assert not hasattr(opt, "found_inf") and not hasattr(opt._adamw, "found_inf")  # handed back to the scaler
+        assert not hasattr(opt, "found_inf") and not hasattr(
+            opt._adamw, "found_inf"
+        )  # handed back to the scaler
         weights.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*weights):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -194,7 +228,10 @@ def test_a_scaled_step_with_an_inf_gradient_changes_nothing(fused):
     scaler.update()
     opt.zero_grad(set_to_none=True)
     before = [p.detach().clone() for p in model.parameters()]
-    state = {id(p): {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in model.parameters()}
+    state = {
+        id(p): {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+        for p in model.parameters()
+    }
     scaler.scale(model(x, x)).backward()
     model.model.layers[0].mlp.up_proj.weight.grad[0, 0] = float("inf")  # a Muon parameter
     scaler.unscale_(opt)
@@ -225,25 +262,29 @@ def test_the_eager_optimizers_step_as_torchs_and_import_no_compiler(optimizer, s
     (m1, o1, losses1), (m2, o2, losses2) = runs
     assert type(o2).__name__.startswith("Eager") and not type(o1).__name__.startswith("Eager")
     assert losses1 == losses2
-    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values())
+    )
     s1, s2 = o1.state_dict(), o2.state_dict()
     assert s1["param_groups"] == s2["param_groups"] and s1["state"].keys() == s2["state"].keys()
     for k, state in s1["state"].items():
         assert all(torch.equal(v, s2["state"][k][name]) for name, v in state.items())
     o1.load_state_dict(s2)
     o2.load_state_dict(s1)
-    code = ("import sys, torch\n"
-            "from tinygpt.core.config import TrainConfig\n"
-            "from tinygpt.core.recipes import model_config\n"
-            "from tinygpt.model.gpt import GPT\n"
-            "from tinygpt.train.optim import build_optimizer\n"
-            "model = GPT(model_config('tiny', vocab_size=64, max_seq_len=16))\n"
-            f"opt = build_optimizer(model, TrainConfig(optimizer='{optimizer}'), 'cpu', compiled=False)\n"
-            "x = torch.randint(0, 64, (2, 16))\n"
-            "model(x, x).backward()\n"
-            "opt.step()\n"
-            "opt.zero_grad(set_to_none=True)\n"
-            "opt.load_state_dict(opt.state_dict())\n"
-            "print('torch._dynamo' in sys.modules)\n")
+    code = (
+        "import sys, torch\n"
+        "from tinygpt.core.config import TrainConfig\n"
+        "from tinygpt.core.recipes import model_config\n"
+        "from tinygpt.model.gpt import GPT\n"
+        "from tinygpt.train.optim import build_optimizer\n"
+        "model = GPT(model_config('tiny', vocab_size=64, max_seq_len=16))\n"
+        f"opt = build_optimizer(model, TrainConfig(optimizer='{optimizer}'), 'cpu', compiled=False)\n"
+        "x = torch.randint(0, 64, (2, 16))\n"
+        "model(x, x).backward()\n"
+        "opt.step()\n"
+        "opt.zero_grad(set_to_none=True)\n"
+        "opt.load_state_dict(opt.state_dict())\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -1,4 +1,5 @@
 """Precision follows compute capability, not torch.cuda.is_bf16_supported()."""
+
 import pytest
 import torch
 
@@ -9,12 +10,17 @@ from tinygpt.core.precision import choose_precision, native_bf16
 def fake_gpu(monkeypatch):
     def set_capability(cap):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what a T4 reports
+        monkeypatch.setattr(
+            torch.cuda, "is_bf16_supported", lambda *a, **k: True
+        )  # what a T4 reports
+
     return set_capability
 
 
-@pytest.mark.parametrize("cap,name", [((7, 5), "fp16"), ((7, 0), "fp16"), ((8, 0), "bf16"), ((8, 9), "bf16"),
-                                      ((9, 0), "bf16")])
+@pytest.mark.parametrize(
+    "cap,name",
+    [((7, 5), "fp16"), ((7, 0), "fp16"), ((8, 0), "bf16"), ((8, 9), "bf16"), ((9, 0), "bf16")],
+)
 def test_cuda_precision_follows_compute_capability(fake_gpu, cap, name):
     fake_gpu(cap)
     p = choose_precision(torch.device("cuda"), "auto")
@@ -77,7 +83,13 @@ def test_tf32_after_the_new_api_leaves_every_reader_agreeing_and_compiles():
     import subprocess
     import sys
     from pathlib import Path
+
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", TF32_AFTER_TRANSFORMERS], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", TF32_AFTER_TRANSFORMERS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

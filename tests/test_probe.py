@@ -1,5 +1,6 @@
 """The probe: GPU table, memory estimate against real measurements, and the trial search on the CPU
 with injected memory limits and measurements (real steps of a tiny GPT; only the memory is made up)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +23,18 @@ from tinygpt.train.optim import build_optimizer
 
 
 def tiny_recipe(micro: int = 8, seq_len: int = 32, accum: int = 8, ckpt: bool = False) -> Recipe:
-    model = ModelConfig(vocab_size=260, n_layer=1, n_head=2, d_model=32, d_ff=64, max_seq_len=64,
-                        activation_checkpointing=ckpt)
-    train = TrainConfig(micro_batch_size=micro, seq_len=seq_len, grad_accum_steps=accum, precision="fp32")
+    model = ModelConfig(
+        vocab_size=260,
+        n_layer=1,
+        n_head=2,
+        d_model=32,
+        d_ff=64,
+        max_seq_len=64,
+        activation_checkpointing=ckpt,
+    )
+    train = TrainConfig(
+        micro_batch_size=micro, seq_len=seq_len, grad_accum_steps=accum, precision="fp32"
+    )
     return Recipe("tiny-test", "", "cpu", model, train, DataConfig(vocab_size=257))
 
 
@@ -42,28 +52,59 @@ class Counting:
 def run(recipe: Recipe, fn, limit: float, margin: float = 0.1, **kw):
     """The memory search alone (speed=None keeps the largest micro-batch that fits): its answers are exact."""
     kw.setdefault("speed", None)
-    return probe(recipe, "cpu", measure=Counting(fn), memory_limit_gb=limit, margin=margin, cache_dir=None, **kw)
+    return probe(
+        recipe,
+        "cpu",
+        measure=Counting(fn),
+        memory_limit_gb=limit,
+        margin=margin,
+        cache_dir=None,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("name, tflops, hw", [
-    ("Tesla T4", 65, "t4"), ("NVIDIA A100-SXM4-40GB", 312, "a100"), ("NVIDIA A100-SXM4-80GB", 312, "a100"),
-    ("NVIDIA H100 80GB HBM3", 989, "h100"), ("NVIDIA H100 PCIe", 756, "h100"), ("NVIDIA L4", 121, "l4"),
-    ("NVIDIA H200", 989, "h200"), ("NVIDIA L40S", 362, "a100"), ("NVIDIA A10G", 125, "l4"),
-    ("Tesla V100-SXM2-16GB", 125, "t4"), ("NVIDIA GeForce RTX 4090", 165, "l4"), ("Tesla P100-PCIE-16GB", 19, "t4"),
-])
+@pytest.mark.parametrize(
+    "name, tflops, hw",
+    [
+        ("Tesla T4", 65, "t4"),
+        ("NVIDIA A100-SXM4-40GB", 312, "a100"),
+        ("NVIDIA A100-SXM4-80GB", 312, "a100"),
+        ("NVIDIA H100 80GB HBM3", 989, "h100"),
+        ("NVIDIA H100 PCIe", 756, "h100"),
+        ("NVIDIA L4", 121, "l4"),
+        ("NVIDIA H200", 989, "h200"),
+        ("NVIDIA L40S", 362, "a100"),
+        ("NVIDIA A10G", 125, "l4"),
+        ("Tesla V100-SXM2-16GB", 125, "t4"),
+        ("NVIDIA GeForce RTX 4090", 165, "l4"),
+        ("Tesla P100-PCIE-16GB", 19, "t4"),
+    ],
+)
 def test_gpu_table(name, tflops, hw):
     assert gpu_spec(name) == (tflops, hw)
 
 
 def test_unknown_gpu_and_peak_by_precision():
     assert gpu_spec("Some Future GPU 9000") == (None, None)
-    assert peak_tflops("NVIDIA A100-SXM4-40GB", "bf16") == 312 and peak_tflops("Tesla T4", "fp16") == 65
-    assert peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") is None and peak_tflops("Some Future GPU", "bf16") is None
+    assert (
+        peak_tflops("NVIDIA A100-SXM4-40GB", "bf16") == 312
+        and peak_tflops("Tesla T4", "fp16") == 65
+    )
+    assert (
+        peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") is None
+        and peak_tflops("Some Future GPU", "bf16") is None
+    )
 
 
 def test_hardware_report_on_cpu():
     r = hardware_report("cpu")
-    assert (r.device, r.hardware_class, r.default_recipe, r.precision, r.peak_tflops) == ("cpu", "cpu", "cpu", "fp32", None)
+    assert (r.device, r.hardware_class, r.default_recipe, r.precision, r.peak_tflops) == (
+        "cpu",
+        "cpu",
+        "cpu",
+        "fp32",
+        None,
+    )
     assert r.cpu_cores >= 1 and not r.native_bf16
     assert json.loads(json.dumps(r.to_dict()))["device"] == "cpu"
 
@@ -73,12 +114,19 @@ def test_mfu():
     assert mfu(1000.0, 6e9, None) is None
 
 
-@pytest.mark.parametrize("kw", [{}, {"tie_embeddings": True}, {"n_kv_head": 2}, {"attention_bias": True}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"tie_embeddings": True}, {"n_kv_head": 2}, {"attention_bias": True}]
+)
 def test_parameter_gradient_optimizer_bytes_are_exact(kw):
     config = ModelConfig(vocab_size=300, n_layer=3, n_head=4, d_model=64, d_ff=160, **kw)
     n = GPT(config).num_params()
     est = estimate_memory(config, 4, 64, "bf16")
-    assert (est.n_params, est.params_gb * GB, est.grads_gb * GB, est.optimizer_gb * GB) == (n, 4 * n, 4 * n, 8 * n)
+    assert (est.n_params, est.params_gb * GB, est.grads_gb * GB, est.optimizer_gb * GB) == (
+        n,
+        4 * n,
+        4 * n,
+        8 * n,
+    )
     assert est.total_gb == pytest.approx(sum(float(r[1]) for r in est.rows()[1:-1]), abs=0.01)
 
 
@@ -100,10 +148,20 @@ def saved_bytes(model: GPT, x, y, dtype=None) -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 1}, {"attention_bias": True}, {"qk_norm": True},
-                                {"qk_norm": True, "n_kv_head": 1}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"n_kv_head": 1},
+        {"attention_bias": True},
+        {"qk_norm": True},
+        {"qk_norm": True, "n_kv_head": 1},
+    ],
+)
 def test_activation_estimate_matches_saved_tensors(precision, kw):
-    config = ModelConfig(vocab_size=300, n_layer=2, n_head=2, d_model=64, d_ff=128, max_seq_len=64, **kw)
+    config = ModelConfig(
+        vocab_size=300, n_layer=2, n_head=2, d_model=64, d_ff=128, max_seq_len=64, **kw
+    )
     model, (B, T) = GPT(config), (2, 64)
     x, y = torch.randint(300, (B, T)), torch.randint(300, (B, T))
     saved = saved_bytes(model, x, y, torch.bfloat16 if precision == "bf16" else None)
@@ -122,15 +180,26 @@ def test_peak_estimate_matches_tracked_peak(ckpt, chunked, precision, monkeypatc
     if chunked:
         monkeypatch.setattr(losses, "PLAIN_MAX_LOGITS", 2**10)
         monkeypatch.setattr(losses, "CHUNK_LOGITS", 2**14)
-    config = ModelConfig(vocab_size=300, n_layer=2, n_head=2, d_model=64, d_ff=128, max_seq_len=64,
-                         activation_checkpointing=ckpt)
+    config = ModelConfig(
+        vocab_size=300,
+        n_layer=2,
+        n_head=2,
+        d_model=64,
+        d_ff=128,
+        max_seq_len=64,
+        activation_checkpointing=ckpt,
+    )
     model = GPT(config)
     opt = build_optimizer(model, TrainConfig(), "cpu")
     for p in model.parameters():  # steady state: gradients and AdamW states exist before the step
         p.grad = torch.zeros_like(p)
     opt.step()
     x, y = torch.randint(300, (2, 64)), torch.randint(300, (2, 64))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if precision == "bf16"
+        else contextlib.nullcontext()
+    )
     with TensorMemoryTracker() as tracker:
         with autocast:
             loss = model(x, y)
@@ -158,26 +227,43 @@ def test_tracker_counts_new_memory_only():
     assert tracker.peak_bytes == 8000 and tracker.live_bytes == 0
 
 
-@pytest.mark.parametrize("fn", [
-    lambda b, t, c: 0.125 * b,
-    lambda b, t, c: 0.3 + 0.07 * b,
-    lambda b, t, c: 0.01 * b * b,
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda b, t, c: 0.125 * b,
+        lambda b, t, c: 0.3 + 0.07 * b,
+        lambda b, t, c: 0.01 * b * b,
+    ],
+)
 def test_search_finds_largest_micro_batch_by_brute_force(fn):
-    recipe, limit, margin = tiny_recipe(micro=8, seq_len=32, accum=8), 4.0, 0.25  # 64 sequences per step
+    recipe, limit, margin = (
+        tiny_recipe(micro=8, seq_len=32, accum=8),
+        4.0,
+        0.25,
+    )  # 64 sequences per step
     result = run(recipe, fn, limit, margin)
-    brute = max(b for b in range(1, 33) if fn(b, 32, False) <= (1 - margin) * limit)  # cap: 4 x micro
+    brute = max(
+        b for b in range(1, 33) if fn(b, 32, False) <= (1 - margin) * limit
+    )  # cap: 4 x micro
     assert result.largest_micro_batch == brute
     assert not result.activation_checkpointing and result.seq_len == 32
-    assert result.micro_batch_size * result.grad_accum_steps * result.seq_len == recipe.train.tokens_per_step
-    assert 64 % result.micro_batch_size == 0 and result.micro_batch_size <= brute < 2 * result.micro_batch_size
+    assert (
+        result.micro_batch_size * result.grad_accum_steps * result.seq_len
+        == recipe.train.tokens_per_step
+    )
+    assert (
+        64 % result.micro_batch_size == 0
+        and result.micro_batch_size <= brute < 2 * result.micro_batch_size
+    )
     assert all(t.tokens_per_s > 0 for t in result.trials if not t.oom)  # real steps ran
     assert result.search_s > 0
 
 
 def test_search_respects_margin():
     result = run(tiny_recipe(), lambda b, t, c: 0.125 * b, limit=2.0, margin=0.25)
-    assert result.largest_micro_batch == 12  # 12 x 0.125 = 1.5 = 0.75 x 2.0; 16 would fit without the margin
+    assert (
+        result.largest_micro_batch == 12
+    )  # 12 x 0.125 = 1.5 = 0.75 x 2.0; 16 would fit without the margin
     assert result.peak_gb <= 1.5
     assert all(t.peak_gb <= 1.5 for t in result.trials if t.ok)
     near = [t for t in result.trials if 1.5 < t.peak_gb <= 2.0]
@@ -186,14 +272,21 @@ def test_search_respects_margin():
 
 
 def test_global_batch_is_kept_exactly():
-    result = run(tiny_recipe(micro=3, seq_len=32, accum=5), lambda b, t, c: 0.1 * b, limit=0.5, margin=0.0)
+    result = run(
+        tiny_recipe(micro=3, seq_len=32, accum=5), lambda b, t, c: 0.1 * b, limit=0.5, margin=0.0
+    )
     assert result.largest_micro_batch == 5  # 15 sequences per step: 5 divides them
     assert (result.micro_batch_size, result.grad_accum_steps) == (5, 3)
 
 
 def test_global_batch_that_cannot_be_exact_is_reported():
-    result = run(tiny_recipe(micro=1, seq_len=32, accum=7), lambda b, t, c: 0.1 * b, limit=0.55, margin=0.0,
-                 max_micro_batch=8)
+    result = run(
+        tiny_recipe(micro=1, seq_len=32, accum=7),
+        lambda b, t, c: 0.1 * b,
+        limit=0.55,
+        margin=0.0,
+        max_micro_batch=8,
+    )
     assert result.largest_micro_batch == 5
     # 7 sequences is prime: 1 x 7 would waste the memory; 4 x 2 is the smallest overshoot in 2 steps.
     assert (result.micro_batch_size, result.grad_accum_steps) == (4, 2)
@@ -202,7 +295,9 @@ def test_global_batch_that_cannot_be_exact_is_reported():
 
 def test_checkpointing_is_turned_on_when_micro_batch_one_does_not_fit():
     result = run(tiny_recipe(), lambda b, t, c: (0.5 if c else 2.0) * b, limit=1.5, margin=0.1)
-    assert result.activation_checkpointing and result.largest_micro_batch == 2 and result.seq_len == 32
+    assert (
+        result.activation_checkpointing and result.largest_micro_batch == 2 and result.seq_len == 32
+    )
     assert any("checkpointing turned on" in n for n in result.notes)
     assert [t.checkpointing for t in result.trials][:2] == [False, True]
     assert apply_probe(tiny_recipe(), result).model.activation_checkpointing
@@ -210,8 +305,18 @@ def test_checkpointing_is_turned_on_when_micro_batch_one_does_not_fit():
 
 def test_context_is_shortened_when_nothing_fits():
     recipe = tiny_recipe(micro=8, seq_len=32, accum=8)
-    result = run(recipe, lambda b, t, c: b * t / 32 * (0.75 if c else 1.0), limit=0.6, margin=0.0, min_seq_len=8)
-    assert (result.seq_len, result.activation_checkpointing, result.micro_batch_size) == (16, False, 1)
+    result = run(
+        recipe,
+        lambda b, t, c: b * t / 32 * (0.75 if c else 1.0),
+        limit=0.6,
+        margin=0.0,
+        min_seq_len=8,
+    )
+    assert (result.seq_len, result.activation_checkpointing, result.micro_batch_size) == (
+        16,
+        False,
+        1,
+    )
     assert result.grad_accum_steps * result.micro_batch_size * 16 == recipe.train.tokens_per_step
     assert any("context shortened from 32 to 16" in n for n in result.notes)
 
@@ -251,7 +356,9 @@ def test_the_fastest_micro_batch_that_fits_is_chosen_not_the_largest():
     assert result.tokens_per_s == 1000.0 and "trainer's step" in result.tokens_per_s_source
     assert result.speeds == {"16": 900.0, "8": 1000.0, "4": 700.0}
     assert any("micro-batch 8 is the fastest" in n for n in result.notes)
-    assert result.trials[-1].micro_batch == 8 and result.trials[-1].ok  # the choice confirmed by a trial
+    assert (
+        result.trials[-1].micro_batch == 8 and result.trials[-1].ok
+    )  # the choice confirmed by a trial
 
 
 @pytest.mark.slow  # real timings
@@ -266,16 +373,29 @@ def test_full_logits_are_timed_where_they_fit_and_kept_when_faster():
         timed.append((r.train.micro_batch_size, r.train.loss))
         return 1000.0 * r.train.micro_batch_size + (500.0 if r.train.loss == "full" else 0.0)
 
-    result = run(recipe, lambda b, t, c: 0.01 * b, limit=1.0, margin=0.0, max_micro_batch=32, speed=speed)
-    assert result.largest_micro_batch == 32 and (result.micro_batch_size, result.grad_accum_steps) == (32, 1)
+    result = run(
+        recipe, lambda b, t, c: 0.01 * b, limit=1.0, margin=0.0, max_micro_batch=32, speed=speed
+    )
+    assert result.largest_micro_batch == 32 and (
+        result.micro_batch_size,
+        result.grad_accum_steps,
+    ) == (32, 1)
     assert timed[:2] == [(32, "auto"), (32, "full")] and result.loss == "full"
     assert result.speeds["32 full"] == 32_500.0 and result.tokens_per_s == 32_500.0
-    assert [t.micro_batch for t in result.trials].count(32) >= 2  # the full logits had their own memory trial
+    assert [t.micro_batch for t in result.trials].count(
+        32
+    ) >= 2  # the full logits had their own memory trial
     assert apply_probe(recipe, result).train.loss == "full"
     # a recipe that says how to take its loss is timed that way only
     timed.clear()
-    chunked = run(recipe.replace(train={"loss": "chunked"}), lambda b, t, c: 0.01 * b, limit=1.0, margin=0.0,
-                  max_micro_batch=32, speed=speed)
+    chunked = run(
+        recipe.replace(train={"loss": "chunked"}),
+        lambda b, t, c: 0.01 * b,
+        limit=1.0,
+        margin=0.0,
+        max_micro_batch=32,
+        speed=speed,
+    )
     assert {mode for _, mode in timed} == {"chunked"} and chunked.loss == "chunked"
 
 
@@ -287,8 +407,15 @@ def test_trainer_speed_times_the_trainers_own_step_on_cpu(tmp_path, monkeypatch)
     before = torch.get_rng_state()
     assert trainer_speed(tiny_recipe(micro=4, seq_len=32, accum=4), "cpu", steps=2, warmup=1) > 0
     assert torch.equal(torch.get_rng_state(), before)
-    result = probe(tiny_recipe(micro=4, seq_len=32, accum=4), "cpu", memory_limit_gb=1.0, margin=0.0,
-                   cache_dir=None, max_micro_batch=8, time_limit_s=None)
+    result = probe(
+        tiny_recipe(micro=4, seq_len=32, accum=4),
+        "cpu",
+        memory_limit_gb=1.0,
+        margin=0.0,
+        cache_dir=None,
+        max_micro_batch=8,
+        time_limit_s=None,
+    )
     assert not list(tmp_path.iterdir())
     assert set(result.speeds) == {"8", "4", "2"} and all(v > 0 for v in result.speeds.values())
     assert result.tokens_per_s == result.speeds[str(result.micro_batch_size)]
@@ -303,24 +430,37 @@ def test_cache_is_written_and_reused(tmp_path):
     calls = measure.calls
     assert calls > 0 and not first.from_cache
     files = list(tmp_path.glob("*.json"))
-    assert len(files) == 1 and "tiny-test" in files[0].name and torch.__version__.split("+")[0] in files[0].name
+    assert (
+        len(files) == 1
+        and "tiny-test" in files[0].name
+        and torch.__version__.split("+")[0] in files[0].name
+    )
     second = probe(tiny_recipe(), "cpu", **kw)
     assert measure.calls == calls and second.from_cache
     assert (second.micro_batch_size, second.grad_accum_steps, second.trials) == (
-        first.micro_batch_size, first.grad_accum_steps, first.trials)
+        first.micro_batch_size,
+        first.grad_accum_steps,
+        first.trials,
+    )
     probe(tiny_recipe(), "cpu", **{**kw, "memory_limit_gb": 2.0})  # another limit: searched again
     assert measure.calls > calls
 
 
-@pytest.mark.parametrize("error", [
-    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-    RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
-    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError(
+            "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"
+        ),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    ],
+)
 def test_a_candidate_whose_step_runs_out_of_memory_is_dropped_with_a_line(error):
     """The trainer's step of micro-batch 16 fails to allocate, in each form the error takes (inside a
     compiled graph too, where it is what the timing call raises): that candidate is dropped and said, the
     others are timed, and the fastest of them is taken. Any other error is not an allocation failure."""
+
     def speed(recipe, device):
         if recipe.train.micro_batch_size == 16:
             raise error
@@ -328,7 +468,10 @@ def test_a_candidate_whose_step_runs_out_of_memory_is_dropped_with_a_line(error)
 
     result = run(tiny_recipe(), lambda b, t, c: 0.05 * b, limit=1.0, margin=0.0, speed=speed)
     assert result.speeds == {"8": 8000.0, "4": 4000.0} and result.micro_batch_size == 8
-    assert any(n.startswith("micro-batch 16 dropped: the trainer's step ran out of memory") for n in result.notes)
+    assert any(
+        n.startswith("micro-batch 16 dropped: the trainer's step ran out of memory")
+        for n in result.notes
+    )
 
     def broken(recipe, device):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -347,16 +490,24 @@ def test_the_result_is_kept_in_the_run_folder_and_a_new_vm_reads_it_without_timi
         return 100.0 * recipe.train.micro_batch_size
 
     measure = Counting(lambda b, t, c: 0.05 * b)
-    kw = dict(measure=measure, memory_limit_gb=1.0, margin=0.0, speed=speed, run_dir=tmp_path / "run")
+    kw = dict(
+        measure=measure, memory_limit_gb=1.0, margin=0.0, speed=speed, run_dir=tmp_path / "run"
+    )
     first = probe(tiny_recipe(), "cpu", cache_dir=tmp_path / "vm1", **kw)
     assert timings and measure.calls and not first.from_cache and first.time_limit_s == 60.0
-    assert json.loads((tmp_path / "run" / "probe.json").read_text())["micro_batch_size"] == first.micro_batch_size
+    assert (
+        json.loads((tmp_path / "run" / "probe.json").read_text())["micro_batch_size"]
+        == first.micro_batch_size
+    )
     n_timings, n_trials = len(timings), measure.calls
-    second = probe(tiny_recipe(), "cpu", cache_dir=tmp_path / "vm2", **kw)  # a new VM: its own cache is empty
+    second = probe(
+        tiny_recipe(), "cpu", cache_dir=tmp_path / "vm2", **kw
+    )  # a new VM: its own cache is empty
     assert len(timings) == n_timings and measure.calls == n_trials and second.from_cache
     assert (second.micro_batch_size, second.speeds) == (first.micro_batch_size, first.speeds)
     assert list((tmp_path / "vm2").glob("*.json"))  # and the VM's cache keeps it from now on
     from tinygpt.core.rundir import RUN_FILES
+
     assert "probe.json" in RUN_FILES  # what the mirror copies to Drive and restores
 
 
@@ -364,6 +515,7 @@ def test_the_result_is_kept_in_the_run_folder_and_a_new_vm_reads_it_without_timi
 def graphs_compiled():
     """Counts the graphs torch.compile makes inside the block (dynamo's own counters): {"graphs": n}."""
     from torch._dynamo.utils import counters
+
     out = {"graphs": 0}
     before = counters["stats"]["unique_graphs"]
     try:
@@ -383,16 +535,28 @@ def test_the_probe_and_the_size_planner_compile_nothing(monkeypatch):
     import tinygpt.fit.plan as plan_mod
     from tinygpt.fit.step_speed import RandomBatches
     from tinygpt.train.step import TrainStep
-    recipe = tiny_recipe(micro=4, seq_len=32, accum=4).replace(train={"compile": "on", "device": "cpu"})
+
+    recipe = tiny_recipe(micro=4, seq_len=32, accum=4).replace(
+        train={"compile": "on", "device": "cpu"}
+    )
     torch._dynamo.reset()
     with graphs_compiled() as in_probe:
-        result = probe(recipe, "cpu", memory_limit_gb=1.0, margin=0.0, cache_dir=None, max_micro_batch=8,
-                       time_limit_s=None, speed=lambda r, d: trainer_speed(r, d, steps=1, warmup=0))
+        result = probe(
+            recipe,
+            "cpu",
+            memory_limit_gb=1.0,
+            margin=0.0,
+            cache_dir=None,
+            max_micro_batch=8,
+            time_limit_s=None,
+            speed=lambda r, d: trainer_speed(r, d, steps=1, warmup=0),
+        )
     assert set(result.speeds) == {"8", "4", "2"} and in_probe["graphs"] == 0
     monkeypatch.setattr(plan_mod, "PLAN_SPEED_STEPS", 1)
     monkeypatch.setattr(plan_mod, "PLAN_WARMUP_STEPS", 0)
-    planned = get_recipe("cpu-fast").replace(train={"compile": "on", "micro_batch_size": 1, "seq_len": 32,
-                                                    "grad_accum_steps": 1})
+    planned = get_recipe("cpu-fast").replace(
+        train={"compile": "on", "micro_batch_size": 1, "seq_len": 32, "grad_accum_steps": 1}
+    )
     with graphs_compiled() as in_planner:
         plan = plan_mod.choose_size(planned, 0.05, torch.device("cpu"), None)[1]
     assert sum(c.timed for c in plan.candidates) >= 1 and in_planner["graphs"] == 0
@@ -402,9 +566,16 @@ def test_the_probe_and_the_size_planner_compile_nothing(monkeypatch):
     with graphs_compiled() as in_training:
         for _ in range(3):
             step.optimizer_step()
-    assert in_training["graphs"] >= 1 and counters["frames"]["total"] == 1 and not counters["recompiles"]
+    assert (
+        in_training["graphs"] >= 1
+        and counters["frames"]["total"] == 1
+        and not counters["recompiles"]
+    )
     x = torch.randint(260, (5, 32))
-    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(Exception, match="(?i)recompil"):
+    with (
+        torch.compiler.set_stance("fail_on_recompile"),
+        pytest.raises(Exception, match="(?i)recompil"),
+    ):
         step.forward_model(x, x)
     torch._dynamo.reset()
 
@@ -419,8 +590,21 @@ def test_apply_probe_returns_a_new_recipe():
 
 
 def _a100() -> HardwareReport:
-    return HardwareReport("cuda", "NVIDIA A100-SXM4-40GB", 39.4, 39.0, "8.0", True, 312.0, 12, "a100",
-                          "a100-124m", "bf16", "compute capability 8.0", "2.x")
+    return HardwareReport(
+        "cuda",
+        "NVIDIA A100-SXM4-40GB",
+        39.4,
+        39.0,
+        "8.0",
+        True,
+        312.0,
+        12,
+        "a100",
+        "a100-124m",
+        "bf16",
+        "compute capability 8.0",
+        "2.x",
+    )
 
 
 def test_expectations_from_the_table_and_from_a_trial():
@@ -429,7 +613,8 @@ def test_expectations_from_the_table_and_from_a_trial():
     assert exp.memory_source == "estimated" and exp.mfu == pytest.approx(0.4)
     assert exp.time_to_finish_s == pytest.approx(recipe.token_budget / exp.tokens_per_s)
     assert exp.peak_memory_gb == pytest.approx(
-        estimate_memory(recipe.model, 32, 1024, "bf16").total_gb)
+        estimate_memory(recipe.model, 32, 1024, "bf16").total_gb
+    )
 
     small = tiny_recipe()
     result = run(small, lambda b, t, c: 0.125 * b, limit=2.0, margin=0.25)
@@ -440,21 +625,46 @@ def test_expectations_from_the_table_and_from_a_trial():
 
 
 def test_bf16_recipe_on_a_gpu_without_native_bf16_is_estimated_in_fp16():
-    t4 = HardwareReport("cuda", "Tesla T4", 14.7, 14.6, "7.5", False, 65.0, 2, "t4", "t4-50m", "fp16",
-                        "compute capability 7.5 < 8.0", "2.x")
+    t4 = HardwareReport(
+        "cuda",
+        "Tesla T4",
+        14.7,
+        14.6,
+        "7.5",
+        False,
+        65.0,
+        2,
+        "t4",
+        "t4-50m",
+        "fp16",
+        "compute capability 7.5 < 8.0",
+        "2.x",
+    )
     recipe = get_recipe("a100-124m")  # asks for bf16, which a T4 only emulates
     exp = expectations(recipe, t4)
-    assert exp.peak_memory_gb == pytest.approx(estimate_memory(recipe.model, 32, 1024, "fp16").total_gb)
+    assert exp.peak_memory_gb == pytest.approx(
+        estimate_memory(recipe.model, 32, 1024, "fp16").total_gb
+    )
     assert exp.fits is False and exp.mfu == pytest.approx(0.4)
 
 
 def test_probe_report_on_cpu(tmp_path):
     out = json.loads(probe_report("cpu-smoke", as_json=True, cache_dir=tmp_path))
     assert out["hardware"]["device"] == "cpu" and out["recipe"] == "cpu-smoke"
-    assert out["search"] is None and "recipe's micro-batch is used as is" in out["note"]  # no trials on a CPU
+    assert (
+        out["search"] is None and "recipe's micro-batch is used as is" in out["note"]
+    )  # no trials on a CPU
     assert out["memory_estimate"]["total_gb"] > 0 and out["expectations"]["tokens_per_s"] > 0
-    assert out["expectations"]["tokens_per_s_source"].startswith("measured: the trainer's step")  # a CPU recipe
+    assert out["expectations"]["tokens_per_s_source"].startswith(
+        "measured: the trainer's step"
+    )  # a CPU recipe
     text = probe_report("a100-124m", as_json=False, cache_dir=tmp_path)
     assert "runs on a CUDA GPU" in text and "AdamW states" in text and "Expectations" in text
-    assert "MFU assumed" in text or "rough guess" in text  # a GPU recipe on a CPU is estimated, and says so
-    assert not math.isnan(json.loads(probe_report("a100-124m", True, cache_dir=tmp_path))["memory_estimate"]["loss_gb"])
+    assert (
+        "MFU assumed" in text or "rough guess" in text
+    )  # a GPU recipe on a CPU is estimated, and says so
+    assert not math.isnan(
+        json.loads(probe_report("a100-124m", True, cache_dir=tmp_path))["memory_estimate"][
+            "loss_gb"
+        ]
+    )

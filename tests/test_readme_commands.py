@@ -6,6 +6,7 @@ in the README's order, in an empty folder: command 1 with `--max-steps 5` (its r
 two minutes), so that `runs/default` exists for the commands after it.
 The one command not run is the 3-hour training (`--hours 3`); its table is `tinygpt probe --hours 3`, which runs.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,7 +19,9 @@ from tinygpt.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 # words that stand for what a user fills in: a line with one of them is a synopsis, not a command
-PLACEHOLDERS = re.compile(r"\b(CMD|DIR|RUN_DIR|OUT_DIR|NAME|TEXT|SOURCE|PATH|USER/NAME|RUN_DIR_OR_HF_ID|N|H|K|P|T|D)\b")
+PLACEHOLDERS = re.compile(
+    r"\b(CMD|DIR|RUN_DIR|OUT_DIR|NAME|TEXT|SOURCE|PATH|USER/NAME|RUN_DIR_OR_HF_ID|N|H|K|P|T|D)\b"
+)
 
 
 def readme_commands() -> list[str]:
@@ -31,7 +34,9 @@ def readme_commands() -> list[str]:
             line = line.split("  #")[0].split("&& ")[-1]
             if line.strip().startswith("tinygpt "):
                 found.append([block.start(), len(found), line.strip()])
-            elif line.startswith(" ") and line.strip().startswith("[") and found:  # a synopsis goes on
+            elif (
+                line.startswith(" ") and line.strip().startswith("[") and found
+            ):  # a synopsis goes on
                 found[-1][2] += " " + line.strip()
     for m in re.finditer(r"`(tinygpt [^`]*)`", text):
         found.append([m.start(), len(found), " ".join(m.group(1).split())])
@@ -50,19 +55,34 @@ def flags_of(command: str) -> set[str]:
 def test_the_readme_shows_the_main_commands_and_only_flags_that_exist():
     commands = readme_commands()
     names = {c.split()[1] for c in commands}
-    assert {"pretrain", "generate", "eval", "finetune", "export", "push", "probe", "recipes"} <= names, names
+    assert {
+        "pretrain",
+        "generate",
+        "eval",
+        "finetune",
+        "export",
+        "push",
+        "probe",
+        "recipes",
+    } <= names, names
     for command in commands:
         name = command.split()[1]
         if name == "CMD":  # `tinygpt CMD --help`: any command
             continue
         for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", command):
-            assert flag in flags_of(name), f"README: `{command}` names {flag}, which `tinygpt {name}` lacks"
+            assert flag in flags_of(name), (
+                f"README: `{command}` names {flag}, which `tinygpt {name}` lacks"
+            )
         if not is_synopsis(command):
-            build_parser().parse_args(shlex.split(command)[1:])  # argparse exits (a failure) on a bad one
+            build_parser().parse_args(
+                shlex.split(command)[1:]
+            )  # argparse exits (a failure) on a bad one
 
 
 @pytest.mark.slow  # the README's commands in turn (trains, finetunes, evaluates): about 90 CPU-seconds
-def test_every_concrete_readme_command_runs_as_written_on_a_fresh_clone(tmp_path, monkeypatch, capsys):
+def test_every_concrete_readme_command_runs_as_written_on_a_fresh_clone(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("TINYGPT_SHARED_DATA", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -91,7 +111,10 @@ def test_the_readmes_choices_are_the_commands_choices_and_every_command_is_shown
     assert set(sub) <= {c.split()[1] for c in commands}, set(sub)
     for command in commands:
         name = command.split()[1]
-        for flag, values in re.findall(r"(?<![\w-])(--[a-z][a-z-]*) ([\w-]+(?:\|[\w-]+)+)", command):
+        for flag, values in re.findall(
+            r"(?<![\w-])(--[a-z][a-z-]*) ([\w-]+(?:\|[\w-]+)+)", command
+        ):
             action = sub[name]._option_string_actions[flag]
-            assert set(values.split("|")) == set(action.choices), \
+            assert set(values.split("|")) == set(action.choices), (
                 f"README: `{command}` gives {flag} {values}; `tinygpt {name}` takes {'|'.join(action.choices)}"
+            )

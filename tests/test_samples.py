@@ -1,5 +1,6 @@
 """The samples that ship with the package (tinygpt/samples/): each `sample:NAME` is a file in the package,
 listed with its licence, installed by setup.py, and read by pretraining, finetuning and evaluation alike."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -25,15 +26,21 @@ def test_each_sample_is_a_file_with_its_licence_and_installed_by_setup():
     setup = (REPO / "setup.py").read_text(encoding="utf-8")
     patterns = re.findall(r'"(samples/\*\.[a-z0-9]+)"', setup)
     for name, file in SAMPLES.items():
-        assert sample_path(f"sample:{name}") == SAMPLES_DIR / file and (SAMPLES_DIR / file).is_file()
+        assert (
+            sample_path(f"sample:{name}") == SAMPLES_DIR / file and (SAMPLES_DIR / file).is_file()
+        )
         row = next(line for line in readme.splitlines() if f"`sample:{name}`" in line)
         assert f"`{file}`" in row and re.search(r"MIT|CC BY", row), row  # its licence, on its row
-        assert any(fnmatch.fnmatch(f"samples/{file}", p) for p in patterns), f"setup.py does not install {file}"
+        assert any(fnmatch.fnmatch(f"samples/{file}", p) for p in patterns), (
+            f"setup.py does not install {file}"
+        )
     assert sorted(p.name for p in SAMPLES_DIR.iterdir()) == sorted([*SAMPLES.values(), "README.md"])
 
 
 def test_an_unknown_sample_names_the_samples():
-    with pytest.raises(ValueError, match="sample:wikitext2, sample:hellaswag, sample:mbpp, sample:humaneval"):
+    with pytest.raises(
+        ValueError, match="sample:wikitext2, sample:hellaswag, sample:mbpp, sample:humaneval"
+    ):
         sample_path("sample:alpaca")
     with pytest.raises(DataError, match="no sample 'x'"):
         resolve_source("sample:x")
@@ -42,7 +49,9 @@ def test_an_unknown_sample_names_the_samples():
 
 def test_the_samples_are_what_the_tasks_read():
     assert len(load_mbpp(sample_path("sample:mbpp"))) == 52  # MBPP's evaluation ids in the sample
-    ids = [json.loads(line)["task_id"] for line in sample_path("sample:mbpp").read_text().splitlines()]
+    ids = [
+        json.loads(line)["task_id"] for line in sample_path("sample:mbpp").read_text().splitlines()
+    ]
     assert sum(not 11 <= i <= 510 for i in ids) == 310  # its training ids: what finetuning reads
     assert len(load_hellaswag(sample_path("sample:hellaswag"))) == 200
     assert len(load_humaneval(sample_path("sample:humaneval"))) == 8

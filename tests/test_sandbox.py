@@ -5,6 +5,7 @@ every kernel boundary this machine offers; each asserts that no proof file appea
 sandbox, nothing of the user's was read, and the verdict is not "passed". Then the CLI path: a
 crafted HumanEval file through `tinygpt eval` on a tiny trained run, the refusal without a
 boundary, and SIGTERM / SIGINT mid-eval leaving no process and no folder."""
+
 from __future__ import annotations
 
 import ast
@@ -34,14 +35,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # root in the fast tier; the other two boundaries run the same tests in the full suite (`-m slow`)
-@pytest.fixture(params=["root", pytest.param("userns", marks=pytest.mark.slow),
-                        pytest.param("uid", marks=pytest.mark.slow)])
+@pytest.fixture(
+    params=[
+        "root",
+        pytest.param("userns", marks=pytest.mark.slow),
+        pytest.param("uid", marks=pytest.mark.slow),
+    ]
+)
 def kind(request, monkeypatch) -> str:
     """Each kernel boundary this machine offers (root: Colab's case; userns: a user's machine; uid:
     root where no namespace can be made)."""
     python = Path(os.path.realpath(sys.executable))
-    if request.param == "uid" and any(not p.stat().st_mode & 0o001 for p in python.parents) \
-            and Path("/usr/bin/python3").is_file():  # a Python in a private home (pyenv under /root)
+    if (
+        request.param == "uid"
+        and any(not p.stat().st_mode & 0o001 for p in python.parents)
+        and Path("/usr/bin/python3").is_file()
+    ):  # a Python in a private home (pyenv under /root)
         monkeypatch.setenv("TINYGPT_SANDBOX_PYTHON", "/usr/bin/python3")
     b = sandbox.boundary(request.param)
     if b.kind != request.param:
@@ -97,10 +106,14 @@ def test_no_attack_escapes_from_the_solution_or_the_test(kind, tmp_path, victim)
     proof = tmp_path / "proof.txt"
     for name, attack in _attacks(proof, victim).items():
         # as the model's code: the function is defined after the attack, the test calls it
-        r = sandbox.run(f"{attack}\ndef f():\n    return 1\n", "assert f() == 1\n", names=("f",), timeout_s=20)
+        r = sandbox.run(
+            f"{attack}\ndef f():\n    return 1\n", "assert f() == 1\n", names=("f",), timeout_s=20
+        )
         assert not r.passed and r.boundary == kind, (name, r.status, r.stderr[-500:])
         # as the data file's code (a HumanEval prompt or test carries it into the test process)
-        r = sandbox.run("def f():\n    return 1\n", f"{attack}\nassert f() == 1\n", names=("f",), timeout_s=20)
+        r = sandbox.run(
+            "def f():\n    return 1\n", f"{attack}\nassert f() == 1\n", names=("f",), timeout_s=20
+        )
         assert not r.passed, (name, r.status, r.stderr[-500:])
         assert not proof.exists(), name
         assert victim.read_text() == "keep me", name
@@ -110,7 +123,8 @@ def test_no_attack_escapes_from_the_solution_or_the_test(kind, tmp_path, victim)
 def test_the_sandbox_sees_no_user_files_and_writes_only_its_folder(kind, tmp_path, victim):
     if kind == "uid":
         pytest.skip("the jail's guarantee: the uid boundary (no namespaces) does not give it")
-    seen = sandbox.run(f"""import json, os
+    seen = sandbox.run(
+        f"""import json, os
 def ls(p):
     try:
         return sorted(os.listdir(p))
@@ -121,13 +135,31 @@ print(json.dumps({{'root': ls('/'), 'home': ls('/home'), 'content': ls('/content
                    'uid': os.getuid(), 'groups': os.getgroups()}}))
 open('scratch.txt', 'w').write('mine')
 print(open('scratch.txt').read())
-""", timeout_s=20)
+""",
+        timeout_s=20,
+    )
     assert seen.passed, seen.stderr
     info = json.loads(seen.stdout.splitlines()[0])
-    py_top = Path(os.path.realpath(sys.executable)).parts[1]  # the Python install is shown, read-only
-    assert set(info["root"]) <= {"usr", "bin", "lib", "lib64", "lib32", "libx32", "dev", "tmp", "work", ".out", py_top}
+    py_top = Path(os.path.realpath(sys.executable)).parts[
+        1
+    ]  # the Python install is shown, read-only
+    assert set(info["root"]) <= {
+        "usr",
+        "bin",
+        "lib",
+        "lib64",
+        "lib32",
+        "libx32",
+        "dev",
+        "tmp",
+        "work",
+        ".out",
+        py_top,
+    }
     assert info["tmp"] == [] and not info["victim"] and not info["repo"]
-    assert info["home"] == info["content"] == info["etc"] == "No such file or directory" or py_top in ("home",)
+    assert info["home"] == info["content"] == info[
+        "etc"
+    ] == "No such file or directory" or py_top in ("home",)
     if kind == "root":  # an unprivileged uid with no supplementary group
         assert info["uid"] >= 1_000_000 and info["groups"] == []
     assert seen.stdout.splitlines()[1] == "mine"
@@ -139,18 +171,32 @@ def test_a_forged_pass_is_a_failure(kind):
     forgeries = {
         "exit_0": "import os\nos._exit(0)\n",
         "exit_in_call": "import os\ndef f():\n    os._exit(0)\n",
-        "marker_everywhere": ("import os, sys\nsys.modules['__main__'].__dict__['passed'] = True\n"
-                              "for fd in range(64):\n    try:\n        os.write(fd, b'P' * 64)\n    except OSError:\n"
-                              "        pass\nos._exit(0)\n"),
-        "stop_everyone": ("import os, signal\nfor pid in set(range(1, 400)) - {os.getpid()}:\n    try:\n"
-                          "        os.kill(pid, signal.SIGSTOP)\n    except OSError:\n        pass\n"
-                          "def f():\n    return 1\n"),
+        "marker_everywhere": (
+            "import os, sys\nsys.modules['__main__'].__dict__['passed'] = True\n"
+            "for fd in range(64):\n    try:\n        os.write(fd, b'P' * 64)\n    except OSError:\n"
+            "        pass\nos._exit(0)\n"
+        ),
+        "stop_everyone": (
+            "import os, signal\nfor pid in set(range(1, 400)) - {os.getpid()}:\n    try:\n"
+            "        os.kill(pid, signal.SIGSTOP)\n    except OSError:\n        pass\n"
+            "def f():\n    return 1\n"
+        ),
         "always_equal": "class A:\n    def __eq__(self, other):\n        return True\ndef f():\n    return A()\n",
     }
     for name, solution in forgeries.items():
-        for handles in (False, True):  # HumanEval: plain values only; MBPP: handles to the solution's objects
-            r = sandbox.run(solution, "assert f() == 2\nassert False\n" if name != "always_equal" else "assert f() == 2\n",
-                            names=None if handles else ("f",), handles=handles, timeout_s=5)
+        for handles in (
+            False,
+            True,
+        ):  # HumanEval: plain values only; MBPP: handles to the solution's objects
+            r = sandbox.run(
+                solution,
+                "assert f() == 2\nassert False\n"
+                if name != "always_equal"
+                else "assert f() == 2\n",
+                names=None if handles else ("f",),
+                handles=handles,
+                timeout_s=5,
+            )
             assert not r.passed, (name, handles, r.status, r.stderr[-300:])
     ok = sandbox.run("def f():\n    return 2\n", "assert f() == 2\n", names=("f",), handles=False)
     assert ok.passed, ok.stderr  # the same test passes an honest solution
@@ -162,7 +208,8 @@ def test_writes_are_capped_in_total_and_nothing_outlives_the_sandbox(kind):
     every process (here with processes allowed, to show the namespace does it)."""
     if kind == "uid":
         pytest.skip("the jail's guarantee: the uid boundary (no namespaces) does not give it")
-    r = sandbox.run("""import os
+    r = sandbox.run(
+        """import os
 total = 0
 try:
     for i in range(120):
@@ -174,23 +221,36 @@ try:
 except OSError as e:
     print(total, e.errno)
     raise
-""", max_write_mb=8, max_output_mb=16, timeout_s=20)
+""",
+        max_write_mb=8,
+        max_output_mb=16,
+        timeout_s=20,
+    )
     written, errno_ = map(int, r.stdout.split())
-    assert r.status == "failed" and written <= 8 * 2**20 and errno_ == 28, (r.status, r.stdout)  # ENOSPC
+    assert r.status == "failed" and written <= 8 * 2**20 and errno_ == 28, (
+        r.status,
+        r.stdout,
+    )  # ENOSPC
     marker = f"{time.time_ns() % 10**6}.5"
-    r = sandbox.run(f"""import os
+    r = sandbox.run(
+        f"""import os
 pid = os.fork()
 if pid == 0:
     os.setsid()
     os.execv('/bin/sleep', ['sleep', '{marker}'])
 print(pid)
-""", max_processes=8, timeout_s=20)
+""",
+        max_processes=8,
+        timeout_s=20,
+    )
     assert r.passed, r.stderr
     time.sleep(0.2)
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and marker in _cmdline(p)]
     assert not left, f"{len(left)} process(es) outlived the sandbox"
     r = sandbox.run("import os\nos.fork()\n", timeout_s=20)  # the default: no new process at all
-    assert r.status == "failed" and "PermissionError" in r.stderr  # (the filter: also where RLIMIT_NPROC is not)
+    assert (
+        r.status == "failed" and "PermissionError" in r.stderr
+    )  # (the filter: also where RLIMIT_NPROC is not)
 
 
 def test_no_network(kind):
@@ -201,8 +261,10 @@ def test_no_network(kind):
         server.listen()
         server.settimeout(0.5)
         port = server.getsockname()[1]
-        r = sandbox.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).send(b'hi')\n",
-                        timeout_s=20)
+        r = sandbox.run(
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).send(b'hi')\n",
+            timeout_s=20,
+        )
         assert r.status == "failed" and "Error" in r.stderr
         with pytest.raises(socket.timeout):
             server.accept()
@@ -219,19 +281,33 @@ def test_limits_and_statuses(kind):
     assert sandbox.run("while True:\n    pass\n", timeout_s=1).status == "timeout"
     assert sandbox.run("while True:\n    pass\n", timeout_s=30, cpu_s=1).status == "cpu_limit"
     assert sandbox.run("x = bytearray(4 * 1024**3)\n").status == "out_of_memory"
-    assert sandbox.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
-                       max_output_mb=1).status == "output_limit"
-    assert sandbox.run("def f():\n    while True:\n        pass\n", "f()\n", names=None, timeout_s=30,
-                       cpu_s=1).status == "cpu_limit"  # the solution's process hit the limit
+    assert (
+        sandbox.run(
+            "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", max_output_mb=1
+        ).status
+        == "output_limit"
+    )
+    assert (
+        sandbox.run(
+            "def f():\n    while True:\n        pass\n", "f()\n", names=None, timeout_s=30, cpu_s=1
+        ).status
+        == "cpu_limit"
+    )  # the solution's process hit the limit
     assert sandbox.run("import os\nos._exit(0)\n", "f()\n", names=None).status == "exited_early"
     r = sandbox.run("import nothing_of_that_name\n", "f()\n", names=("f",))
-    assert r.status == "failed" and "ModuleNotFoundError" in r.stderr  # the solution's traceback is shown
-    r = sandbox.run("def f(x):\n    raise KeyError(x)\n", "try:\n    f(3)\nexcept KeyError as e:\n"
-                    "    assert e.args == ('3',)\n", names=("f",))
+    assert (
+        r.status == "failed" and "ModuleNotFoundError" in r.stderr
+    )  # the solution's traceback is shown
+    r = sandbox.run(
+        "def f(x):\n    raise KeyError(x)\n",
+        "try:\n    f(3)\nexcept KeyError as e:\n    assert e.args == ('3',)\n",
+        names=("f",),
+    )
     assert r.passed, r.stderr  # built-in exceptions cross as themselves
 
 
 # --- memory outside the limits, threads, namespaces (issue 32 item 9) -----------------------------
+
 
 def _needs_filter() -> None:
     if sandbox_seccomp.seccomp_filter(False) is None:
@@ -274,33 +350,45 @@ print('held', {2 * limit}, 'MB')
 """
     others = {  # the other IPC kinds: a message queue, a semaphore set (held past the sandbox in the uid mode)
         "msgget": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nif libc.msgget(0, 0o1600) < 0:\n"
-                  "    raise OSError(ctypes.get_errno(), 'msgget')\n",
+        "    raise OSError(ctypes.get_errno(), 'msgget')\n",
         "semget": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nif libc.semget(0, 1, 0o1600) < 0:\n"
-                  "    raise OSError(ctypes.get_errno(), 'semget')\n",
+        "    raise OSError(ctypes.get_errno(), 'semget')\n",
     }
     before = _host_shm_owners()
     for name, program in {"shm": shm, "memfd": memfd, **others}.items():
         r = sandbox.run(program, memory_mb=limit, max_output_mb=chunk, timeout_s=30)
-        assert r.status == "failed" and "PermissionError: [Errno 1]" in r.stderr, (name, r.status, r.stdout,
-                                                                                   r.stderr[-300:])
+        assert r.status == "failed" and "PermissionError: [Errno 1]" in r.stderr, (
+            name,
+            r.status,
+            r.stdout,
+            r.stderr[-300:],
+        )
         assert "held" not in r.stdout
-    assert not {u for u in _host_shm_owners() - before if u >= 1_000_000}  # nothing of the sandbox's on the host
+    assert not {
+        u for u in _host_shm_owners() - before if u >= 1_000_000
+    }  # nothing of the sandbox's on the host
     if kind == "uid":
         return  # no namespace: the filter alone keeps the host's IPC out of reach
     results: list = []  # the namespace modes: the running program's IPC namespace is not this one's
-    box = threading.Thread(target=lambda: results.append(sandbox.run("import time\ntime.sleep(3)\n", timeout_s=20)))
+    box = threading.Thread(
+        target=lambda: results.append(sandbox.run("import time\ntime.sleep(3)\n", timeout_s=20))
+    )
     box.start()
     # the program's namespace as last seen while it runs (the newest process with " -c " in its command line): a
     # launcher is seen in this namespace for the moment before it unshares, so a first sighting cannot tell them apart
     deadline, theirs = time.monotonic() + 15, None
     while box.is_alive() and time.monotonic() < deadline:
-        launched = [pid for pid in _descendants(os.getpid()) if " -c " in _cmdline(Path(f"/proc/{pid}"))]
+        launched = [
+            pid for pid in _descendants(os.getpid()) if " -c " in _cmdline(Path(f"/proc/{pid}"))
+        ]
         if launched:
             with contextlib.suppress(OSError):
                 theirs = os.stat(f"/proc/{max(launched)}/ns/ipc").st_ino
         time.sleep(0.05)
     box.join()
-    assert results[0].passed and theirs is not None and theirs != os.stat("/proc/self/ns/ipc").st_ino
+    assert (
+        results[0].passed and theirs is not None and theirs != os.stat("/proc/self/ns/ipc").st_ino
+    )
 
 
 THREADED_SOLUTION = """import threading
@@ -324,11 +412,20 @@ def test_a_threaded_solution_passes_and_new_processes_stay_refused(kind):
     to a new process is still refused (and a user namespace run by root, which RLIMIT_NPROC does not
     bind, refuses them too); a thread bomb ends at the allowance or the address space."""
     _needs_filter()
-    r = sandbox.run(THREADED_SOLUTION, "assert total([1, 2, 3]) == 6 + 14\n", names=("total",), handles=False,
-                    timeout_s=30)
+    r = sandbox.run(
+        THREADED_SOLUTION,
+        "assert total([1, 2, 3]) == 6 + 14\n",
+        names=("total",),
+        handles=False,
+        timeout_s=30,
+    )
     assert r.passed, (r.status, r.stderr[-500:])
-    r = sandbox.run("def f():\n    return 1\n", THREADED_SOLUTION + "assert total([f(), 2]) == 3 + 5\n",
-                    names=("f",), timeout_s=30)
+    r = sandbox.run(
+        "def f():\n    return 1\n",
+        THREADED_SOLUTION + "assert total([f(), 2]) == 3 + 5\n",
+        names=("f",),
+        timeout_s=30,
+    )
     assert r.passed, (r.status, r.stderr[-500:])
     clone = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine, -1)
     starts = {
@@ -346,10 +443,17 @@ if pid < 0:
     }
     for name, program in starts.items():
         r = sandbox.run(program, timeout_s=20)
-        assert r.status == "failed" and "PermissionError" in r.stderr, (name, r.status, r.stderr[-300:])
+        assert r.status == "failed" and "PermissionError" in r.stderr, (
+            name,
+            r.status,
+            r.stderr[-300:],
+        )
     bomb = "import threading, time\nfor _ in range(1000):\n    threading.Thread(target=time.sleep, args=(5,)).start()\n"
     r = sandbox.run(bomb, timeout_s=30)
-    assert r.status == "failed" and "can't start new thread" in r.stderr, (r.status, r.stderr[-300:])
+    assert r.status == "failed" and "can't start new thread" in r.stderr, (
+        r.status,
+        r.stderr[-300:],
+    )
 
 
 def test_no_user_namespace_inside_the_jail(kind):
@@ -398,7 +502,9 @@ def _bpf(program: bytes, nr: int, arch: int, arg0: int = 0) -> int:
         if code == 0x20:  # ld [k]
             acc, pc = struct.unpack_from("=I", data, k)[0], pc + 1
             continue
-        taken = {0x15: acc == k, 0x25: acc > k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]  # jeq, jgt, jge, jset
+        taken = {0x15: acc == k, 0x25: acc > k, 0x35: acc >= k, 0x45: bool(acc & k)}[
+            code
+        ]  # jeq, jgt, jge, jset
         pc += 1 + (jt if taken else jf)
 
 
@@ -407,18 +513,57 @@ def test_the_filter_refuses_the_same_calls_on_both_architectures():
     checked here, by interpreting it, with each architecture's own numbers (aarch64's openat is
     x86_64's clone)."""
     allow, eperm, enosys = 0x7FFF0000, 0x50001, 0x50026
-    thread = 0x3D0F00  # glibc's pthread_create: CLONE_VM|FS|FILES|SIGHAND|THREAD|SYSVSEM|SETTLS|*_TID
-    numbers = {"x86_64": (0xC000003E, dict(read=0, openat=257, shmget=29, msgget=68, semget=64, mq_open=240,
-                                           memfd_create=319, unshare=272, setns=308, clone=56, clone3=435)),
-               "aarch64": (0xC00000B7, dict(read=63, openat=56, shmget=194, msgget=186, semget=190, mq_open=180,
-                                            memfd_create=279, unshare=97, setns=268, clone=220, clone3=435))}
+    thread = (
+        0x3D0F00  # glibc's pthread_create: CLONE_VM|FS|FILES|SIGHAND|THREAD|SYSVSEM|SETTLS|*_TID
+    )
+    numbers = {
+        "x86_64": (
+            0xC000003E,
+            dict(
+                read=0,
+                openat=257,
+                shmget=29,
+                msgget=68,
+                semget=64,
+                mq_open=240,
+                memfd_create=319,
+                unshare=272,
+                setns=308,
+                clone=56,
+                clone3=435,
+            ),
+        ),
+        "aarch64": (
+            0xC00000B7,
+            dict(
+                read=63,
+                openat=56,
+                shmget=194,
+                msgget=186,
+                semget=190,
+                mq_open=180,
+                memfd_create=279,
+                unshare=97,
+                setns=268,
+                clone=220,
+                clone3=435,
+            ),
+        ),
+    }
     for machine, (arch, nr) in numbers.items():
         for processes in (False, True):
             prog = sandbox_seccomp.seccomp_filter(processes, machine)
             got = {name: _bpf(prog, n, arch) for name, n in nr.items() if name != "clone"}
-            assert got == {**{k: eperm for k in got}, "read": allow, "openat": allow, "clone3": enosys}, machine
+            assert got == {
+                **{k: eperm for k in got},
+                "read": allow,
+                "openat": allow,
+                "clone3": enosys,
+            }, machine
             assert _bpf(prog, nr["clone"], arch, thread) == allow
-            assert _bpf(prog, nr["clone"], arch, 17) == (allow if processes else eperm)  # a fork: SIGCHLD
+            assert _bpf(prog, nr["clone"], arch, 17) == (
+                allow if processes else eperm
+            )  # a fork: SIGCHLD
             assert _bpf(prog, nr["clone"], arch, 0x10000000 | 17) == eperm  # CLONE_NEWUSER
             assert _bpf(prog, nr["read"], 0x40000003) == eperm  # i386's int 0x80
     x86 = sandbox_seccomp.seccomp_filter(False, "x86_64")
@@ -429,10 +574,22 @@ def test_the_filter_refuses_the_same_calls_on_both_architectures():
 
 
 # each architecture's numbers (its unistd.h) of calls the sandbox's processes never need: a large kernel surface
-UNNAMED = {"io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "userfaultfd": (323, 282), "bpf": (321, 280),
-           "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218), "ptrace": (101, 117),
-           "process_vm_readv": (310, 270), "perf_event_open": (298, 241), "mount": (165, 40),
-           "open_by_handle_at": (304, 265), "fsopen": (430, 430), "a call of a later kernel": (470, 470)}
+UNNAMED = {
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "userfaultfd": (323, 282),
+    "bpf": (321, 280),
+    "keyctl": (250, 219),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "perf_event_open": (298, 241),
+    "mount": (165, 40),
+    "open_by_handle_at": (304, 265),
+    "fsopen": (430, 430),
+    "a call of a later kernel": (470, 470),
+}
 
 
 def test_the_filter_is_an_allowlist():
@@ -450,7 +607,9 @@ def test_the_filter_is_an_allowlist():
         clone, forks = sandbox_seccomp.CLONE[col], set(sandbox_seccomp.FORKS[col])
         assert {nr for nr, r in got.items() if r == allow} == allowed | {clone}, machine
         assert {nr for nr, r in got.items() if r == eperm} == refused | forks, machine
-        assert {nr for nr, r in got.items() if r == enosys} == set(range(600)) - allowed - refused - forks - {clone}
+        assert {nr for nr, r in got.items() if r == enosys} == set(
+            range(600)
+        ) - allowed - refused - forks - {clone}
         assert all(got[nrs[col]] == enosys for nrs in UNNAMED.values()), machine
 
 
@@ -461,8 +620,11 @@ def test_calls_not_named_are_refused_inside_the_sandbox(kind):
     passes."""
     _needs_filter()
     col = sandbox_seccomp.MACHINES[os.uname().machine]
-    calls = {name: nrs[col] for name, nrs in UNNAMED.items()
-             if name in ("io_uring_setup", "userfaultfd", "bpf", "keyctl", "add_key")}
+    calls = {
+        name: nrs[col]
+        for name, nrs in UNNAMED.items()
+        if name in ("io_uring_setup", "userfaultfd", "bpf", "keyctl", "add_key")
+    }
     program = f"""import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
 buf = ctypes.create_string_buffer(256)
@@ -477,7 +639,9 @@ print(errors)
 """
     r = sandbox.run(program, timeout_s=20)
     assert r.passed, r.stderr[-500:]
-    assert ast.literal_eval(r.stdout.strip().splitlines()[-1]) == {name: 38 for name in calls}  # ENOSYS, each
+    assert ast.literal_eval(r.stdout.strip().splitlines()[-1]) == {
+        name: 38 for name in calls
+    }  # ENOSYS, each
     ordinary = """import collections, fractions, json, math, os, re, statistics, sys, threading
 data = sys.stdin.read()
 words = re.findall(r"[a-z]+", "the cat and the hat " + data)
@@ -501,26 +665,49 @@ print(out[0], " ".join(w.upper() for w in words))
 
 # --- through the CLI ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("sandbox-cli")
-    pretrain("cpu-smoke", tmp / "run", max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu",
-             cache_dir=tmp / "cache")
+    pretrain(
+        "cpu-smoke",
+        tmp / "run",
+        max_steps=2,
+        save_every=2,
+        eval_every=2,
+        progress=False,
+        device="cpu",
+        cache_dir=tmp / "cache",
+    )
     return tmp / "run"
 
 
 def _humaneval_file(path: Path, records: list[dict]) -> Path:
     with gzip.open(path, "wt") as f:
         for i, r in enumerate(records):
-            f.write(json.dumps({"task_id": f"Evil/{i}", "canonical_solution": "    return 1\n",
-                                "entry_point": "f", **r}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "task_id": f"Evil/{i}",
+                        "canonical_solution": "    return 1\n",
+                        "entry_point": "f",
+                        **r,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 def _cli(*argv, env=None, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "tinygpt", *map(str, argv)], capture_output=True, text=True,
-                          env=env, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "tinygpt", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        env=env,
+        **kw,
+    )
 
 
 @pytest.mark.slow  # the CLI in a subprocess
@@ -528,13 +715,34 @@ def test_a_crafted_humaneval_file_escapes_nothing_through_the_cli(run, tmp_path,
     if sandbox.boundary().kind == "none":
         pytest.skip(f"no kernel boundary here: {sandbox.boundary().why_not}")
     proof = tmp_path / "proof.txt"
-    records = [{"prompt": f"{attack}\ndef f():\n    \"\"\"one\"\"\"\n", "test": "def check(candidate):\n    assert False\n"}
-               for attack in _attacks(proof, victim).values()]
+    records = [
+        {
+            "prompt": f'{attack}\ndef f():\n    """one"""\n',
+            "test": "def check(candidate):\n    assert False\n",
+        }
+        for attack in _attacks(proof, victim).values()
+    ]
     # the issue's carrier: the prompt opens a string that the test closes, around the model's output
-    records.append({"prompt": "def f():\n    \"\"\"one\"\"\"\n_junk = r'''",
-                    "test": f"'''\n{_attacks(proof, victim)['dir_fd']}\ndef check(candidate):\n    pass\n"})
+    records.append(
+        {
+            "prompt": 'def f():\n    """one"""\n_junk = r\'\'\'',
+            "test": f"'''\n{_attacks(proof, victim)['dir_fd']}\ndef check(candidate):\n    pass\n",
+        }
+    )
     data = _humaneval_file(tmp_path / "evil.jsonl.gz", records)
-    p = _cli("eval", run, "--task", "humaneval", "--data", data, "--max-new-tokens", 4, "--device", "cpu", "--json")
+    p = _cli(
+        "eval",
+        run,
+        "--task",
+        "humaneval",
+        "--data",
+        data,
+        "--max-new-tokens",
+        4,
+        "--device",
+        "cpu",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert res["pass@1"] == 0 and res["sandbox"] in ("root", "userns")
@@ -544,10 +752,30 @@ def test_a_crafted_humaneval_file_escapes_nothing_through_the_cli(run, tmp_path,
 
 
 def test_no_boundary_refuses_unless_unsafe_exec(run, tmp_path, monkeypatch, capfd):
-    data = _humaneval_file(tmp_path / "ok.jsonl.gz", [{"prompt": "def f():\n    \"\"\"one\"\"\"\n",
-                                                       "test": "def check(candidate):\n    assert candidate() == 1\n"}])
-    monkeypatch.setenv("TINYGPT_SANDBOX", "none")  # as on a machine with neither root nor user namespaces
-    args = ["eval", str(run), "--task", "humaneval", "--data", str(data), "--max-new-tokens", "4", "--device", "cpu"]
+    data = _humaneval_file(
+        tmp_path / "ok.jsonl.gz",
+        [
+            {
+                "prompt": 'def f():\n    """one"""\n',
+                "test": "def check(candidate):\n    assert candidate() == 1\n",
+            }
+        ],
+    )
+    monkeypatch.setenv(
+        "TINYGPT_SANDBOX", "none"
+    )  # as on a machine with neither root nor user namespaces
+    args = [
+        "eval",
+        str(run),
+        "--task",
+        "humaneval",
+        "--data",
+        str(data),
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+    ]
     assert main(args) == 2
     err = capfd.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
@@ -558,7 +786,9 @@ def test_no_boundary_refuses_unless_unsafe_exec(run, tmp_path, monkeypatch, capf
         assert main([*args, "--json", "--unsafe-exec"]) == 0
     finally:
         tempfile.tempdir = None
-    assert json.loads(capfd.readouterr().out)["sandbox"] == "none" and not list(tmp_path.glob("tinygpt-exec-*"))
+    assert json.loads(capfd.readouterr().out)["sandbox"] == "none" and not list(
+        tmp_path.glob("tinygpt-exec-*")
+    )
 
 
 def _descendants(pid: int) -> set[int]:
@@ -586,7 +816,9 @@ def _sigint_as_from_a_terminal() -> None:
 
 
 @pytest.mark.slow  # real processes stopped
-@pytest.mark.parametrize("mode,sig", [("root", signal.SIGTERM), ("uid", signal.SIGTERM), ("none", signal.SIGINT)])
+@pytest.mark.parametrize(
+    "mode,sig", [("root", signal.SIGTERM), ("uid", signal.SIGTERM), ("none", signal.SIGINT)]
+)
 def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, sig):
     """SIGTERM (or Ctrl-C) while programs run: `tinygpt eval` exits 130, and every launcher, sandbox
     process and /tmp/tinygpt-exec-* folder is gone (at 0f7fccf `sleep` children reparented to 1)."""
@@ -594,15 +826,37 @@ def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, 
         pytest.skip(f"no {mode} boundary here")
     # the solution sleeps whatever the model writes: its one token goes into the prompt's last comment (an
     # untrained model's two tokens were once "iz context", a syntax error that ended every program at once)
-    slow = {"prompt": "import time\ntime.sleep(60)\ndef f():\n    return 1\n# ", "test": "def check(c):\n    pass\n"}
+    slow = {
+        "prompt": "import time\ntime.sleep(60)\ndef f():\n    return 1\n# ",
+        "test": "def check(c):\n    pass\n",
+    }
     data = _humaneval_file(tmp_path / "slow.jsonl.gz", [slow] * 6)
     folders = tmp_path / "tmp"
     folders.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TINYGPT_SANDBOX": mode, "TMPDIR": str(folders)}
-    proc = subprocess.Popen([sys.executable, "-m", "tinygpt", "eval", str(run), "--task", "humaneval", "--data",
-                             str(data), "--max-new-tokens", "1", "--device", "cpu", "--unsafe-exec"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_sigint_as_from_a_terminal)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tinygpt",
+            "eval",
+            str(run),
+            "--task",
+            "humaneval",
+            "--data",
+            str(data),
+            "--max-new-tokens",
+            "1",
+            "--device",
+            "cpu",
+            "--unsafe-exec",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_sigint_as_from_a_terminal,
+    )
     deadline, seen = time.monotonic() + 120, set()
     while time.monotonic() < deadline and proc.poll() is None:
         seen = _descendants(proc.pid)
@@ -626,21 +880,43 @@ def test_a_signal_mid_eval_leaves_no_process_and_no_folder(run, tmp_path, mode, 
 
 # --- the syntax metric (issue 26 item 1) ----------------------------------------------------------
 
+
 def test_syntax_accuracy_judges_what_the_model_wrote(shared_data):
     prob = load_humaneval(shared_data / "HumanEval.jsonl.gz")[0]
-    answers = {"empty": "", "whitespace": "\n\n   \n", "comment": "    # TODO\n", "top_level_only": "\nx = 1\n",
-               "valid": prob.canonical_solution, "invalid": "    return (\n", "valid_but_wrong": "    return None\n"}
-    expected = {"empty": False, "whitespace": False, "comment": False, "top_level_only": False, "valid": True,
-                "invalid": False, "valid_but_wrong": True}
+    answers = {
+        "empty": "",
+        "whitespace": "\n\n   \n",
+        "comment": "    # TODO\n",
+        "top_level_only": "\nx = 1\n",
+        "valid": prob.canonical_solution,
+        "invalid": "    return (\n",
+        "valid_but_wrong": "    return None\n",
+    }
+    expected = {
+        "empty": False,
+        "whitespace": False,
+        "comment": False,
+        "top_level_only": False,
+        "valid": True,
+        "invalid": False,
+        "valid_but_wrong": True,
+    }
     assert {k: prob.valid_syntax(a) for k, a in answers.items()} == expected
     it = iter(answers.values())
-    r = code.evaluate_code([prob] * len(answers), lambda _: next(it), unsafe=sandbox.boundary().kind == "none")
+    r = code.evaluate_code(
+        [prob] * len(answers), lambda _: next(it), unsafe=sandbox.boundary().kind == "none"
+    )
     assert r["syntax_accuracy"] == pytest.approx(2 / 7)
-    assert r["pass@1"] == pytest.approx(1 / 7)  # on the same completions: only the canonical one passes
-    assert [p["statuses"][0] == "passed" for p in r["per_problem"]] == [k == "valid" for k in answers]
+    assert r["pass@1"] == pytest.approx(
+        1 / 7
+    )  # on the same completions: only the canonical one passes
+    assert [p["statuses"][0] == "passed" for p in r["per_problem"]] == [
+        k == "valid" for k in answers
+    ]
     mbpp = load_mbpp(shared_data / "mbpp.jsonl")[0]
-    assert [mbpp.valid_syntax(a) for a in ("", "  \n", "# nothing\n", mbpp.canonical_solution, "def (:")] == \
-        [False, False, False, True, False]
+    assert [
+        mbpp.valid_syntax(a) for a in ("", "  \n", "# nothing\n", mbpp.canonical_solution, "def (:")
+    ] == [False, False, False, True, False]
 
 
 def test_code_generation_stops_at_the_context_with_one_line_of_ours(run, tmp_path, capfd):
@@ -648,18 +924,47 @@ def test_code_generation_stops_at_the_context_with_one_line_of_ours(run, tmp_pat
     run folder and for its export, which advertises it, issue 39) is cut from the left to leave room for an
     answer, said once by tinygpt and counted, never transformers' reminder."""
     words = " ".join(f"w{i}" for i in range(40))
-    data = _humaneval_file(tmp_path / "long.jsonl.gz", [
-        {"prompt": f"def f():\n    \"\"\"{words}\"\"\"\n", "test": "def check(candidate):\n    pass\n"},
-        {"prompt": f"def f():\n    \"\"\"{words * 3}\"\"\"\n", "test": "def check(candidate):\n    pass\n"}])
+    data = _humaneval_file(
+        tmp_path / "long.jsonl.gz",
+        [
+            {
+                "prompt": f'def f():\n    """{words}"""\n',
+                "test": "def check(candidate):\n    pass\n",
+            },
+            {
+                "prompt": f'def f():\n    """{words * 3}"""\n',
+                "test": "def check(candidate):\n    pass\n",
+            },
+        ],
+    )
     hf = tmp_path / "hf"
     assert main(["export", str(run), str(hf)]) == 0
     unsafe = ["--unsafe-exec"] if sandbox.boundary().kind == "none" else []
     for model, context in ((run, 64), (hf, 64)):
         capfd.readouterr()
-        assert main(["eval", str(model), "--task", "humaneval", "--data", str(data), "--max-new-tokens", "200",
-                     "--device", "cpu", "--json", *unsafe]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    str(model),
+                    "--task",
+                    "humaneval",
+                    "--data",
+                    str(data),
+                    "--max-new-tokens",
+                    "200",
+                    "--device",
+                    "cpu",
+                    "--json",
+                    *unsafe,
+                ]
+            )
+            == 0
+        )
         out, err = capfd.readouterr()
         notes = [ln for ln in err.splitlines() if "context" in ln and "note:" in ln]
         assert len(notes) == 1 and f"{context}-token context" in notes[0], err
         assert "predefined maximum length" not in err
-        assert json.loads(out)["prompts_cut"] >= 1  # the long prompt, cut to leave room for its answer
+        assert (
+            json.loads(out)["prompts_cut"] >= 1
+        )  # the long prompt, cut to leave room for its answer

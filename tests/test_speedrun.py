@@ -3,6 +3,7 @@ window (what the model attends to while it trains, never the saved network), Pol
 separate embedding and head rates; a real run of `a100-124m-speedrun` at a tiny shape on real text, and
 its export through transformers with the same logits. How many tokens it saves is a benchmark
 (benchmarks/time_to_loss.py --tokens), not a test."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,15 @@ from tinygpt.train.step import window_at
 
 transformers = pytest.importorskip("transformers")
 
-TINY = {"n_layer": 2, "n_head": 2, "n_kv_head": 2, "d_model": 64, "d_ff": 192, "max_seq_len": 128,
-        "vocab_size": 512}
+TINY = {
+    "n_layer": 2,
+    "n_head": 2,
+    "n_kv_head": 2,
+    "d_model": 64,
+    "d_ff": 192,
+    "max_seq_len": 128,
+    "vocab_size": 512,
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +42,28 @@ def speedrun(tmp_path_factory, shared_data):
     root = tmp_path_factory.mktemp("speedrun")
     recipe = get_recipe("a100-124m-speedrun").replace(
         model=TINY,
-        train={"micro_batch_size": 8, "seq_len": 64, "grad_accum_steps": 1, "max_steps": 12,
-               "warmup_steps": 2, "eval_every": 6, "save_every": 6, "log_every": 2, "eval_batches": 2,
-               "precision": "fp32", "compile": "off", "doc_mask": True, "window_start": 16},
-        data={"source": str(shared_data / "tinyshakespeare.txt"), "tokenizer": "train", "vocab_size": 512,
-              "max_chars": 300_000})
+        train={
+            "micro_batch_size": 8,
+            "seq_len": 64,
+            "grad_accum_steps": 1,
+            "max_steps": 12,
+            "warmup_steps": 2,
+            "eval_every": 6,
+            "save_every": 6,
+            "log_every": 2,
+            "eval_batches": 2,
+            "precision": "fp32",
+            "compile": "off",
+            "doc_mask": True,
+            "window_start": 16,
+        },
+        data={
+            "source": str(shared_data / "tinyshakespeare.txt"),
+            "tokenizer": "train",
+            "vocab_size": 512,
+            "max_chars": 300_000,
+        },
+    )
     result = pretrain(recipe, root / "run", progress=False, device="cpu", cache_dir=root / "cache")
     return recipe, result, root
 
@@ -63,7 +88,11 @@ def test_the_document_mask_keeps_a_document_from_seeing_the_one_before(speedrun,
     y, _ = two_documents(tok, speeches[1], speeches[2])
 
     def logits(ids: torch.Tensor, masked: bool) -> torch.Tensor:
-        mask = training_mask(document_ids(ids, tok.eot_id), None, *ids.shape, ids.device) if masked else None
+        mask = (
+            training_mask(document_ids(ids, tok.eot_id), None, *ids.shape, ids.device)
+            if masked
+            else None
+        )
         with torch.no_grad():
             return model(ids, mask=mask)[0, start:]
 
@@ -86,8 +115,8 @@ def test_a_window_hides_what_lies_further_back_than_the_layers_can_reach(speedru
     mask = training_mask(None, w, *x.shape, x.device)
     with torch.no_grad():
         a, b = model(x, mask=mask)[0], model(y, mask=mask)[0]
-    torch.testing.assert_close(a[reach + 1:], b[reach + 1:], atol=1e-5, rtol=0)
-    assert (a[1:reach + 1] - b[1:reach + 1]).abs().max() > 1e-3
+    torch.testing.assert_close(a[reach + 1 :], b[reach + 1 :], atol=1e-5, rtol=0)
+    assert (a[1 : reach + 1] - b[1 : reach + 1]).abs().max() > 1e-3
 
 
 def test_the_cuda_block_mask_and_the_cpu_mask_are_one_rule():
@@ -111,17 +140,25 @@ def test_flex_attention_under_the_block_mask_gives_what_sdpa_gives_under_the_den
     x = torch.randint(1, 50, (2, 256), generator=g)
     x[0, 30] = x[0, 200] = x[1, 100] = 0
     docs = document_ids(x, 0)
-    block = flex.create_block_mask(mask_rule(docs, torch.tensor(40)), 2, None, 256, 256, device="cpu")
+    block = flex.create_block_mask(
+        mask_rule(docs, torch.tensor(40)), 2, None, 256, 256, device="cpu"
+    )
     dense = training_mask(docs, 40, 2, 256, torch.device("cpu"))
     q, k, v = (torch.randn(2, 4, 256, 32, generator=g) for _ in range(3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention says it is slow: it is the reference
-        torch.testing.assert_close(masked_attention(q, k, v, block, False),
-                                   masked_attention(q, k, v, dense, False), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            masked_attention(q, k, v, block, False),
+            masked_attention(q, k, v, dense, False),
+            atol=1e-5,
+            rtol=0,
+        )
 
 
 def test_the_window_grows_to_the_whole_context_by_the_cool_down_and_keeps_it():
-    cfg = TrainConfig(seq_len=256, max_steps=100, window_start=32, schedule="wsd", decay_fraction=0.4)
+    cfg = TrainConfig(
+        seq_len=256, max_steps=100, window_start=32, schedule="wsd", decay_fraction=0.4
+    )
     windows = [window_at(s, cfg) for s in range(100)]
     assert windows[0] == 32 and windows == sorted(windows)
     assert windows[59] < 256 and windows[60:] == [256] * 40 and windows[-1] == 256
@@ -166,10 +203,21 @@ def test_embedding_and_head_rates_are_their_own_groups_only_when_set(speedrun):
     base = get_recipe("a100-124m-fast").train
     plain = build_optimizer(model, base, "cpu", compiled=False)
     split = build_optimizer(model, recipe.train, "cpu", compiled=False)
-    assert len(split.param_groups) == len(plain.param_groups) + 1  # the head and the embedding apart
-    embed = next(g for g in split.param_groups if any(p is model.model.embed_tokens.weight for p in g["params"]))
-    head = next(g for g in split.param_groups if any(p is model.lm_head.weight for p in g["params"]))
-    assert embed["lr_scale"] == recipe.train.embed_lr_scale != 1.0 and head["lr_scale"] == recipe.train.head_lr_scale
+    assert (
+        len(split.param_groups) == len(plain.param_groups) + 1
+    )  # the head and the embedding apart
+    embed = next(
+        g
+        for g in split.param_groups
+        if any(p is model.model.embed_tokens.weight for p in g["params"])
+    )
+    head = next(
+        g for g in split.param_groups if any(p is model.lm_head.weight for p in g["params"])
+    )
+    assert (
+        embed["lr_scale"] == recipe.train.embed_lr_scale != 1.0
+        and head["lr_scale"] == recipe.train.head_lr_scale
+    )
     # the decay per step (lr * weight_decay) stays what one AdamW group at lr would give
     assert embed["lr"] * embed["weight_decay"] == pytest.approx(base.lr * base.weight_decay)
 
@@ -190,10 +238,13 @@ def test_the_speedrun_learns_and_exports_as_qwen3_with_the_same_logits(speedrun,
         torch.testing.assert_close(theirs(x).logits, ours.eval()(x), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"optimizer": "adamw", "embed_lr_scale": 10.0}, "apply to optimizer='muon'"),
-    ({"seq_len": 64, "window_start": 128}, "window_start must be at most seq_len"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"optimizer": "adamw", "embed_lr_scale": 10.0}, "apply to optimizer='muon'"),
+        ({"seq_len": 64, "window_start": 128}, "window_start must be at most seq_len"),
+    ],
+)
 def test_a_setting_that_cannot_apply_is_refused_in_one_line(change, words):
     with pytest.raises(ConfigError, match=words) as e:
         TrainConfig(**change)

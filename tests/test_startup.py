@@ -3,6 +3,7 @@
 Real text (the standard library's sources), real processes killed mid-tokenization, real compiles
 counted with dynamo's own counters. No timing is asserted: counts, bytes and equal data orders are.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,27 +47,37 @@ def tok(stdlib_cfg):
 @pytest.fixture(scope="module")
 def one_go(stdlib_cfg, tok, tmp_path_factory):
     """The reference: the whole source tokenized in this process, in one go."""
-    return build_token_cache(stdlib_cfg, tok, tmp_path_factory.mktemp("one_go"), key="k", shard_tokens=SMALL_SHARDS)
+    return build_token_cache(
+        stdlib_cfg, tok, tmp_path_factory.mktemp("one_go"), key="k", shard_tokens=SMALL_SHARDS
+    )
 
 
 def _manifest(folder: Path) -> dict:
-    return json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).is_file() else {"shards": []}
+    return (
+        json.loads((folder / MANIFEST).read_text())
+        if (folder / MANIFEST).is_file()
+        else {"shards": []}
+    )
 
 
 def test_shards_hold_the_documents_in_order_with_the_split(one_go, stdlib_cfg, tok):
     m = one_go.meta
     assert m["done"] and len(m["shards"]) >= 5
-    assert all(s["train"]["bytes"] // 2 >= SMALL_SHARDS for s in m["shards"][:-1])  # every shard but the last is full
+    assert all(
+        s["train"]["bytes"] // 2 >= SMALL_SHARDS for s in m["shards"][:-1]
+    )  # every shard but the last is full
     docs = list(iter_documents(stdlib_cfg))
     first = tok.encode(docs[0]) + [tok.eot_id]  # document 0 trains, document 1 is held out
-    assert one_go.shard(0)[:len(first)].tolist() == first
+    assert one_go.shard(0)[: len(first)].tolist() == first
     held_out = tok.encode(docs[1]) + [tok.eot_id]
-    assert one_go.validation(1)[:len(held_out)].tolist() == held_out
+    assert one_go.validation(1)[: len(held_out)].tolist() == held_out
     assert m["train_tokens"] > 10 * m["val_tokens"] > 0 and m["documents"] == len(docs)
 
 
 @pytest.mark.slow  # a real process killed
-def test_a_writer_killed_mid_way_is_continued_without_tokenizing_again(one_go, stdlib_cfg, tok, tmp_path):
+def test_a_writer_killed_mid_way_is_continued_without_tokenizing_again(
+    one_go, stdlib_cfg, tok, tmp_path
+):
     folder = tmp_path / "k"
     # at most 4 shards: a kill that comes late (a loaded machine writes the rest in one burst) still finds the
     # writer short of the end
@@ -78,14 +89,22 @@ def test_a_writer_killed_mid_way_is_continued_without_tokenizing_again(one_go, s
     w.process.wait()
     before = _manifest(folder)
     assert 2 <= len(before["shards"]) < len(one_go.meta["shards"]) and not before["done"]
-    kept = {s[k]["name"]: (folder / s[k]["name"]).stat().st_mtime_ns for s in before["shards"] for k in ("train", "val")}
+    kept = {
+        s[k]["name"]: (folder / s[k]["name"]).stat().st_mtime_ns
+        for s in before["shards"]
+        for k in ("train", "val")
+    }
     after = write_shards(stdlib_cfg, tok, folder, SMALL_SHARDS)
-    assert after["done"] and after["shards"] == one_go.meta["shards"]  # byte for byte the one-go shards
+    assert (
+        after["done"] and after["shards"] == one_go.meta["shards"]
+    )  # byte for byte the one-go shards
     assert {n: (folder / n).stat().st_mtime_ns for n in kept} == kept  # nothing tokenized twice
     assert not [p for p in folder.iterdir() if p.name.startswith(".tmp")]
 
 
-def test_the_data_order_does_not_depend_on_how_fast_tokenization_runs(one_go, stdlib_cfg, tok, tmp_path):
+def test_the_data_order_does_not_depend_on_how_fast_tokenization_runs(
+    one_go, stdlib_cfg, tok, tmp_path
+):
     """A sampler reading shards while a background process writes them (it waits for each one) gives
     the same batches as one reading the finished shards; a sampler resumed from its state goes on the same."""
     w = ShardWriter(stdlib_cfg, tok, tmp_path / "k", SMALL_SHARDS)
@@ -123,7 +142,9 @@ def test_a_dead_writer_is_an_error_not_an_endless_wait(stdlib_cfg, tok, tmp_path
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(DataError, match="empty.txt is empty"):
         write_shards(bad, tok, tmp_path / "e")
-    error = _manifest(tmp_path / "e")["error"]  # what a reader in another process sees: why, no class name
+    error = _manifest(tmp_path / "e")[
+        "error"
+    ]  # what a reader in another process sees: why, no class name
     assert "empty.txt is empty" in error and "DataError" not in error, error
 
 
@@ -137,30 +158,62 @@ def test_training_starts_before_tokenization_ends_and_records_its_start_up(tmp_p
             folder = next((tmp_path / "cache").iterdir())
             seen.update(manifest=_manifest(folder), record=record)
 
-    kw = dict(max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu", cache_dir=tmp_path / "cache")
+    kw = dict(
+        max_steps=2,
+        save_every=2,
+        eval_every=2,
+        progress=False,
+        device="cpu",
+        cache_dir=tmp_path / "cache",
+    )
     from tinygpt.core.recipes import get_recipe
-    recipe = get_recipe("cpu-smoke").replace(data={"max_chars": 40_000_000})  # the whole stdlib: ~10 shards
+
+    recipe = get_recipe("cpu-smoke").replace(
+        data={"max_chars": 40_000_000}
+    )  # the whole stdlib: ~10 shards
     pretrain(recipe, tmp_path / "run", callbacks=[AtFirstStep()], **kw)
     assert not seen["manifest"]["done"] and len(seen["manifest"]["shards"]) >= 1
     rec = seen["record"]
-    assert {"restore_s", "probe_s", "tokenizer_s", "data_s", "model_s", "first_step_s", "compile_s", "total_s"} <= set(rec)
-    assert rec["total_s"] >= rec["data_s"] + rec["first_step_s"] and min(v for k, v in rec.items()
-                                                                          if k.endswith("_s")) >= 0
-    logged = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-              if "startup" in m]
+    assert {
+        "restore_s",
+        "probe_s",
+        "tokenizer_s",
+        "data_s",
+        "model_s",
+        "first_step_s",
+        "compile_s",
+        "total_s",
+    } <= set(rec)
+    assert (
+        rec["total_s"] >= rec["data_s"] + rec["first_step_s"]
+        and min(v for k, v in rec.items() if k.endswith("_s")) >= 0
+    )
+    logged = [
+        m
+        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "startup" in m
+    ]
     assert logged == [{"step": 1, "startup": rec}]
     folder = next((tmp_path / "cache").iterdir())
     first = _manifest(folder)["shards"]
     mtimes = {s["train"]["name"]: (folder / s["train"]["name"]).stat().st_mtime_ns for s in first}
-    pretrain(recipe, tmp_path / "run", **{**kw, "max_steps": 3})  # resumes; the writer goes on from there
-    assert _manifest(folder)["shards"][:len(first)] == first
+    pretrain(
+        recipe, tmp_path / "run", **{**kw, "max_steps": 3}
+    )  # resumes; the writer goes on from there
+    assert _manifest(folder)["shards"][: len(first)] == first
     assert {n: (folder / n).stat().st_mtime_ns for n in mtimes} == mtimes
 
 
 @pytest.mark.slow  # runs with a mirror
 def test_shards_reach_the_mirror_and_a_new_vm_does_not_tokenize_again(tmp_path, monkeypatch):
     kw = dict(max_steps=2, save_every=2, eval_every=2, progress=False, device="cpu")
-    pretrain("cpu-smoke", tmp_path / "vm1" / "run", mirror=tmp_path / "drive" / "run", cache_dir=tmp_path / "c1", **kw)
+    pretrain(
+        "cpu-smoke",
+        tmp_path / "vm1" / "run",
+        mirror=tmp_path / "drive" / "run",
+        cache_dir=tmp_path / "c1",
+        **kw,
+    )
     mirrored = next((tmp_path / "drive" / "_token_cache").iterdir())
     assert _manifest(mirrored)["done"]
 
@@ -168,8 +221,13 @@ def test_shards_reach_the_mirror_and_a_new_vm_does_not_tokenize_again(tmp_path, 
         raise AssertionError("a new VM tokenized again although the mirror has every shard")
 
     monkeypatch.setattr(shards_mod, "ShardWriter", no_tokenizing)
-    res = pretrain("cpu-smoke", tmp_path / "vm2" / "run", mirror=tmp_path / "drive" / "run",
-                   cache_dir=tmp_path / "c2", **{**kw, "max_steps": 4})
+    res = pretrain(
+        "cpu-smoke",
+        tmp_path / "vm2" / "run",
+        mirror=tmp_path / "drive" / "run",
+        cache_dir=tmp_path / "c2",
+        **{**kw, "max_steps": 4},
+    )
     assert res.resumed_from == 2 and res.step == 4
     restored = tmp_path / "c2" / mirrored.name
     assert _manifest(restored)["shards"] == _manifest(mirrored)["shards"]
@@ -203,14 +261,22 @@ COMPILE_RUN_TIMEOUT_S = 1800
 
 
 def _run_py(code: str, *args: str, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=COMPILE_RUN_TIMEOUT_S, env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=COMPILE_RUN_TIMEOUT_S,
+        env={**os.environ, **(env or {})},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow  # torch.compile
-def test_compiled_training_never_recompiles_after_the_first_step_and_a_new_vm_reuses_the_compile(tmp_path):
+def test_compiled_training_never_recompiles_after_the_first_step_and_a_new_vm_reuses_the_compile(
+    tmp_path,
+):
     """One graph for the whole run: evaluation (no grad, a partial last batch) adds none. The compile
     cache saved in the run folder, copied into a fresh folder with an empty compiler cache (a new VM),
     is loaded: the compiler finds its graphs there instead of compiling them."""
@@ -224,25 +290,46 @@ def test_compiled_training_never_recompiles_after_the_first_step_and_a_new_vm_re
 
     (tmp_path / "run2").mkdir()
     shutil.copy(tmp_path / "run1" / "compile_cache.bin", tmp_path / "run2")
-    warm = _run_py(_COUNT_COMPILES, str(tmp_path / "run2"), str(tmp_path / "cache"),
-                   env={**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind2")})
+    warm = _run_py(
+        _COUNT_COMPILES,
+        str(tmp_path / "run2"),
+        str(tmp_path / "cache"),
+        env={**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind2")},
+    )
     w = warm["counters"]
-    assert w["inductor"].get("fxgraph_cache_hit", 0) >= 1 and w["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert (
+        w["inductor"].get("fxgraph_cache_hit", 0) >= 1
+        and w["inductor"].get("fxgraph_cache_miss", 0) == 0
+    )
     assert w["stats"]["unique_graphs"] == 1 and not w.get("recompiles")
-    notes = [m["startup"].get("notes") for m in map(json.loads, (tmp_path / "run2" / "metrics.jsonl").read_text()
-                                                     .splitlines()) if "startup" in m]
+    notes = [
+        m["startup"].get("notes")
+        for m in map(json.loads, (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines())
+        if "startup" in m
+    ]
     assert notes and "compile cache loaded" in notes[0][0]
 
 
 def test_a_compile_cache_from_someone_else_or_another_setup_is_ignored(tmp_path):
     from tinygpt.train.compile_cache import CompileCache
-    what = {"torch": torch.__version__, "device": "cpu-x86_64", "precision": "fp32", "batch": [8, 64],
-            "model": "abc", "mode": "on"}
+
+    what = {
+        "torch": torch.__version__,
+        "device": "cpu-x86_64",
+        "precision": "fp32",
+        "batch": [8, 64],
+        "model": "abc",
+        "mode": "on",
+    }
     mine = CompileCache(tmp_path, b"k" * 32, what)
     payload = b"not artifacts"
     (tmp_path / "compile_cache.bin").write_bytes(
-        json.dumps({"what": what, "hmac": CompileCache(tmp_path, b"x" * 32, what)._sign(payload)}).encode()
-        + b"\n" + payload)
+        json.dumps(
+            {"what": what, "hmac": CompileCache(tmp_path, b"x" * 32, what)._sign(payload)}
+        ).encode()
+        + b"\n"
+        + payload
+    )
     assert "not signed with this user's key" in mine.load()  # never handed to the compiler
     other = CompileCache(tmp_path, b"k" * 32, {**what, "device": "NVIDIA A100-SXM4-40GB sm80"})
     assert "another setup (device cpu-x86_64 vs NVIDIA A100" in other.load()
@@ -266,47 +353,82 @@ def test_a_tokenizer_that_cannot_read_the_source_is_refused_before_the_probe(tmp
     large for the model, or a base's tokenizer with no base, is refused by the recipe itself."""
     import tinygpt.pretrain.run_pretrain as pretrain_mod
     from tinygpt.core.recipes import get_recipe
+
     folder = _llmc_folder(tmp_path / "fineweb")
     probed = []
-    monkeypatch.setattr(pretrain_mod, "fit_to_device", lambda *a, **k: probed.append(a) or (a[0], None))
-    kw = dict(max_steps=3, progress=False, device="cpu", cache_dir=tmp_path / "cache", mirror=tmp_path / "drive")
-    for tokenizer, init, said in (("train", None, "no tokenizer can be trained on it"),
-                                  ("init", "hf:HuggingFaceTB/SmolLM2-135M", "not the base's")):
-        recipe = get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": tokenizer},
-                                                 model={"init": init})
+    monkeypatch.setattr(
+        pretrain_mod, "fit_to_device", lambda *a, **k: probed.append(a) or (a[0], None)
+    )
+    kw = dict(
+        max_steps=3,
+        progress=False,
+        device="cpu",
+        cache_dir=tmp_path / "cache",
+        mirror=tmp_path / "drive",
+    )
+    for tokenizer, init, said in (
+        ("train", None, "no tokenizer can be trained on it"),
+        ("init", "hf:HuggingFaceTB/SmolLM2-135M", "not the base's"),
+    ):
+        recipe = get_recipe("cpu-smoke").replace(
+            data={"source": str(folder), "tokenizer": tokenizer}, model={"init": init}
+        )
         with pytest.raises(ConfigError, match=said) as e:
             pretrain(recipe, tmp_path / "bad", **kw)
         assert "\n" not in str(e.value)
     assert probed == [] and not (tmp_path / "bad").exists() and not (tmp_path / "drive").exists()
-    with pytest.raises(ConfigError, match="has 50257 tokens but the model's vocab_size is 512: add "
-                                          "model.vocab_size=50304"):
+    with pytest.raises(
+        ConfigError,
+        match="has 50257 tokens but the model's vocab_size is 512: add model.vocab_size=50304",
+    ):
         get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": "gpt2"})
-    with pytest.raises(ConfigError, match="data.tokenizer=init takes the tokenizer of the base, but model.init"):
+    with pytest.raises(
+        ConfigError, match="data.tokenizer=init takes the tokenizer of the base, but model.init"
+    ):
         get_recipe("cpu-smoke").replace(data={"tokenizer": "init"})
     # the same recipe, told its tokenizer, trains: the probe's place in the run is reached
-    pretrain(get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": "gpt2"},
-                                             model={"vocab_size": 50304}), tmp_path / "good", **kw)
+    pretrain(
+        get_recipe("cpu-smoke").replace(
+            data={"source": str(folder), "tokenizer": "gpt2"}, model={"vocab_size": 50304}
+        ),
+        tmp_path / "good",
+        **kw,
+    )
     assert len(probed) == 1
 
 
 def test_a_folder_of_llmc_shards_trains_without_tokenizing(tmp_path):
     folder = _llmc_folder(tmp_path / "fineweb")
-    kw = dict(max_steps=3, save_every=3, eval_every=3, progress=False, device="cpu", cache_dir=tmp_path / "cache")
+    kw = dict(
+        max_steps=3,
+        save_every=3,
+        eval_every=3,
+        progress=False,
+        device="cpu",
+        cache_dir=tmp_path / "cache",
+    )
     from tinygpt.core.recipes import get_recipe
-    recipe = get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": "gpt2"},
-                                             model={"vocab_size": 50304})
+
+    recipe = get_recipe("cpu-smoke").replace(
+        data={"source": str(folder), "tokenizer": "gpt2"}, model={"vocab_size": 50304}
+    )
     res = pretrain(recipe, tmp_path / "run", **kw)
     assert res.step == 3 and np.isfinite(res.val_loss) and not (tmp_path / "cache").exists()
-    small = get_recipe("cpu-smoke").replace(data={"source": str(folder), "tokenizer": "gpt2"},
-                                            model={"vocab_size": 50304})
-    write_llmc_shard(folder / "fineweb_train_000003.bin", [60_000] * 100)  # beyond the vocabulary, used later
+    small = get_recipe("cpu-smoke").replace(
+        data={"source": str(folder), "tokenizer": "gpt2"}, model={"vocab_size": 50304}
+    )
+    write_llmc_shard(
+        folder / "fineweb_train_000003.bin", [60_000] * 100
+    )  # beyond the vocabulary, used later
     sampler = WindowSampler(open_token_shards(str(folder), small.model.vocab_size), 64, 0)
     with pytest.raises(DataError, match="fineweb_train_000003.bin"):
         for _ in range(200):
             sampler.next_batch(8)
 
 
-def test_tokenizing_stops_near_the_run_s_budget_and_goes_on_when_more_is_read(one_go, stdlib_cfg, tok, tmp_path):
+def test_tokenizing_stops_near_the_run_s_budget_and_goes_on_when_more_is_read(
+    one_go, stdlib_cfg, tok, tmp_path
+):
     stream = shards_mod.ShardStream(stdlib_cfg, tok, tmp_path / "k", SMALL_SHARDS, limit=2)
     try:
         stream.writer.process.wait(120)  # it stops by itself at its limit
@@ -320,6 +442,7 @@ def test_tokenizing_stops_near_the_run_s_budget_and_goes_on_when_more_is_read(on
 def _compiled_code_objects(*functions) -> list[int]:
     """How many compiled entries dynamo holds for each function's code object."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
     return [len(_debug_get_cache_entry_list(f.__code__)) for f in functions]
 
 
@@ -348,10 +471,20 @@ def test_regional_compile_compiles_the_blocks_and_on_compiles_the_whole_model():
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from tinygpt.finetune.loss import FinetuneLoss
+
     torch._dynamo.reset()
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    pm = get_peft_model(transformers.LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    pm = get_peft_model(
+        transformers.LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
     module = FinetuneLoss(pm)
     assert transformer_blocks(module) is pm.base_model.model.model.layers
     x = torch.randint(128, (2, 16))
@@ -365,7 +498,7 @@ def test_regional_compile_compiles_the_blocks_and_on_compiles_the_whole_model():
 
 @pytest.mark.slow  # torch.compile
 def test_by_regions_the_head_and_the_loss_are_a_second_compiled_region():
-    """"regional" (and on a GPU "auto", for a tinygpt GPT): the trainer's step compiles the blocks (one graph,
+    """ "regional" (and on a GPU "auto", for a tinygpt GPT): the trainer's step compiles the blocks (one graph,
     shared, fullgraph and static shapes) and the head with the loss as a second region, the model's own forward
     never; its losses are the eager step's. A Hugging Face model under "auto" stays compiled whole."""
     import dataclasses
@@ -379,13 +512,22 @@ def test_by_regions_the_head_and_the_loss_are_a_second_compiled_region():
     recipe = get_recipe("cpu-smoke")
     model_cfg = model_config("tiny", vocab_size=256)
     assert regional(GPT(model_cfg), "auto") and regional(GPT(model_cfg), "regional")
-    assert not regional(GPT(model_cfg), "on") and not regional(FinetuneLoss(torch.nn.Linear(2, 2)), "auto")
+    assert not regional(GPT(model_cfg), "on") and not regional(
+        FinetuneLoss(torch.nn.Linear(2, 2)), "auto"
+    )
     losses = {}
     for mode in ("regional", "off"):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        cfg = dataclasses.replace(recipe.train, compile=mode, device="cpu", micro_batch_size=2, seq_len=16,
-                                  grad_accum_steps=2, precision="fp32")
+        cfg = dataclasses.replace(
+            recipe.train,
+            compile=mode,
+            device="cpu",
+            micro_batch_size=2,
+            seq_len=16,
+            grad_accum_steps=2,
+            precision="fp32",
+        )
         step = TrainStep(GPT(model_cfg), cfg, RandomBatches(256, 16))
         losses[mode] = [float(step.optimizer_step().loss_sum) for _ in range(2)]
         if mode == "regional":

@@ -1,5 +1,6 @@
 """nanoGPT and llm.c token folders, on real GPT-2 tokens of the standard library's textwrap.py: written,
 read back exactly, and every bad folder refused with a one-line DataError before training."""
+
 import sysconfig
 from pathlib import Path
 
@@ -29,7 +30,10 @@ def tokens() -> np.ndarray:
 def _reference_llmc(path: Path, toks, model_desc: str = "gpt-2") -> None:
     """llm.c's own Python writer (dev/data/data_common.py, write_datafile with its HEADERS_INFO), written
     out independently: gpt-2 is magic 20240520, version 1, uint16; llama-3 is magic 20240801, version 7, uint32."""
-    magic, version, dtype = {"gpt-2": (20240520, 1, np.uint16), "llama-3": (20240801, 7, np.uint32)}[model_desc]
+    magic, version, dtype = {
+        "gpt-2": (20240520, 1, np.uint16),
+        "llama-3": (20240801, 7, np.uint32),
+    }[model_desc]
     header = np.zeros(256, dtype=np.int32)
     header[0] = magic
     header[1] = version
@@ -66,20 +70,31 @@ def test_llmc_shards_round_trip_in_order(tmp_path, tokens):
     assert detect_token_folder(folder) == "llmc"
     tf = open_token_folder(folder, GPT2_PADDED)
     assert tf.kind == "llmc" and tf.vocab_hint == 50257
-    assert [p.name for p in tf.files] == [f"fineweb_train_{i:06d}.bin" for i in (1, 2, 3)] + ["fineweb_val_000000.bin"]
+    assert [p.name for p in tf.files] == [f"fineweb_train_{i:06d}.bin" for i in (1, 2, 3)] + [
+        "fineweb_val_000000.bin"
+    ]
     assert len(tf.train) == 3 and tf.train_tokens == len(tokens) - 1000
     np.testing.assert_array_equal(np.concatenate(tf.train), tokens[1000:])
     np.testing.assert_array_equal(tf.val, tokens[:1000])
-    assert all(a.dtype == np.uint16 and isinstance(a, np.memmap) and not a.flags.writeable for a in tf.train + [tf.val])
+    assert all(
+        a.dtype == np.uint16 and isinstance(a, np.memmap) and not a.flags.writeable
+        for a in tf.train + [tf.val]
+    )
 
 
 def test_nanogpt_bins_round_trip(tmp_path, tokens):
     write_nanogpt_bin(tmp_path / "train.bin", tokens[1000:])
     write_nanogpt_bin(tmp_path / "val.bin", tokens[:1000])
-    assert (tmp_path / "train.bin").stat().st_size == 2 * (len(tokens) - 1000)  # raw uint16, no header
+    assert (tmp_path / "train.bin").stat().st_size == 2 * (
+        len(tokens) - 1000
+    )  # raw uint16, no header
     assert detect_token_folder(tmp_path) == "nanogpt"
     tf = open_token_folder(tmp_path, GPT2_PADDED)
-    assert tf.kind == "nanogpt" and tf.vocab_hint == 50257 and [p.name for p in tf.files] == ["train.bin", "val.bin"]
+    assert (
+        tf.kind == "nanogpt"
+        and tf.vocab_hint == 50257
+        and [p.name for p in tf.files] == ["train.bin", "val.bin"]
+    )
     assert len(tf.train) == 1 and not tf.train[0].flags.writeable
     np.testing.assert_array_equal(tf.train[0], tokens[1000:])
     np.testing.assert_array_equal(tf.val, tokens[:1000])
@@ -157,7 +172,9 @@ def test_unsupported_version_is_refused(tmp_path, tokens):
     folder = _llmc_folder(tmp_path, tokens, n_train=1)
     shard = folder / "fineweb_val_000000.bin"
     data = bytearray(shard.read_bytes())
-    data[4:8] = np.array([2], dtype="<i4").tobytes()  # llm.c writes version 1 with the GPT-2 magic, never 2
+    data[4:8] = np.array(
+        [2], dtype="<i4"
+    ).tobytes()  # llm.c writes version 1 with the GPT-2 magic, never 2
     shard.write_bytes(bytes(data))
     msg = _error(folder)
     assert str(shard) in msg and "version 2" in msg and "version 1" in msg
@@ -169,7 +186,7 @@ def test_truncated_shard_names_expected_and_actual_bytes(tmp_path, tokens):
     n = len(np.array_split(tokens[1000:], 2)[0])
     expected = 1024 + 2 * n
     assert shard.stat().st_size == expected
-    shard.write_bytes(shard.read_bytes()[:expected - 100])  # an interrupted download
+    shard.write_bytes(shard.read_bytes()[: expected - 100])  # an interrupted download
     msg = _error(folder)
     assert str(shard) in msg and "truncated" in msg and f"{n} tokens" in msg
     assert str(expected) in msg and str(expected - 100) in msg
@@ -179,7 +196,9 @@ def test_truncated_shard_names_expected_and_actual_bytes(tmp_path, tokens):
 
 def test_nanogpt_file_with_an_odd_byte_count(tmp_path, tokens):
     write_nanogpt_bin(tmp_path / "train.bin", tokens[1000:])
-    (tmp_path / "val.bin").write_bytes(np.asarray(tokens[:1000], dtype=np.uint16).tobytes() + b"\x00")
+    (tmp_path / "val.bin").write_bytes(
+        np.asarray(tokens[:1000], dtype=np.uint16).tobytes() + b"\x00"
+    )
     msg = _error(tmp_path)
     assert str(tmp_path / "val.bin") in msg and "2001 bytes" in msg and "odd" in msg
 
@@ -203,7 +222,11 @@ def test_ids_beyond_the_vocabulary_are_found_before_training(tmp_path, tokens):
     msg = _error(tmp_path, vocab_size=4096)
     top = int(tokens[:1000].max())  # the validation tokens are checked first
     assert str(tmp_path / "val.bin") in msg and f"token id {top}" in msg and "4096" in msg
-    assert "GPT-2" in msg and f"at least {top + 1}" in msg and "data.tokenizer=gpt2 model.vocab_size=50304" in msg
+    assert (
+        "GPT-2" in msg
+        and f"at least {top + 1}" in msg
+        and "data.tokenizer=gpt2 model.vocab_size=50304" in msg
+    )
 
 
 def test_later_shards_are_checked_as_they_are_opened(tmp_path, tokens):

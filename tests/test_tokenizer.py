@@ -1,4 +1,5 @@
 """Byte-level BPE: training on real text, save/load, the GPT-2 BPE against transformers' tokenizer."""
+
 import pytest
 
 from tinygpt.model.tokenizer import EOT, Tokenizer, gpt2_tokenizer, train_bpe
@@ -11,7 +12,11 @@ def bpe(shakespeare):
 
 def test_trained_bpe_round_trips_any_text(bpe, shakespeare):
     assert bpe.vocab_size == 1000 and bpe.eot_id == bpe.tok.token_to_id(EOT)
-    for text in [shakespeare[500_000:502_000], "naïve café — 日本語 🤖\n\tdef f(x): return x**2", " leading space"]:
+    for text in [
+        shakespeare[500_000:502_000],
+        "naïve café — 日本語 🤖\n\tdef f(x): return x**2",
+        " leading space",
+    ]:
         assert bpe.decode(bpe.encode(text)) == text  # byte-level: nothing is out of vocabulary
 
 

@@ -1,4 +1,5 @@
 """The training loop on real text: accumulation, schedule, checkpoints, exact resume after kill -9."""
+
 import json
 import os
 import signal
@@ -23,9 +24,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_trainer(tokens, run_dir, **train_kw):
-    cfg = TrainConfig(**{**dict(micro_batch_size=8, seq_len=64, max_steps=20, lr=3e-3, min_lr=3e-4, warmup_steps=4,
-                                eval_every=10, eval_batches=2, log_every=1, save_every=5, keep_last=2,
-                                precision="fp32", device="cpu"), **train_kw})
+    cfg = TrainConfig(
+        **{
+            **dict(
+                micro_batch_size=8,
+                seq_len=64,
+                max_steps=20,
+                lr=3e-3,
+                min_lr=3e-4,
+                warmup_steps=4,
+                eval_every=10,
+                eval_batches=2,
+                log_every=1,
+                save_every=5,
+                keep_last=2,
+                precision="fp32",
+                device="cpu",
+            ),
+            **train_kw,
+        }
+    )
     torch.manual_seed(0)
     model = GPT(model_config("tiny", vocab_size=512))
     sampler = WindowSampler(tokens.train, cfg.seq_len, cfg.seed)
@@ -38,7 +56,10 @@ def test_loss_falls_and_run_folder_is_complete(tokens, tmp_path):
     losses = [m["loss"] for m in res.metrics if "loss" in m]
     assert losses[-1] < losses[0] - 0.8  # from ~6.2 (ln 512) well down on real text
     assert res.val_loss < 5.6 and res.step == 40
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "checkpoints")] == [35, 40]  # keep_last=2
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "checkpoints")] == [
+        35,
+        40,
+    ]  # keep_last=2
     assert ckpt.verify_checkpoint(tmp_path / "best")[0]
     best = ckpt.read_manifest(tmp_path / "best")
     assert best["val_loss"] == min(m["val_loss"] for m in res.metrics if "val_loss" in m)
@@ -50,8 +71,12 @@ def test_loss_falls_and_run_folder_is_complete(tokens, tmp_path):
 
 
 def test_gradient_accumulation_equals_one_big_batch(tokens, tmp_path):
-    big = make_trainer(tokens, tmp_path / "a", micro_batch_size=8, grad_accum_steps=1, max_steps=6).fit()
-    acc = make_trainer(tokens, tmp_path / "b", micro_batch_size=4, grad_accum_steps=2, max_steps=6).fit()
+    big = make_trainer(
+        tokens, tmp_path / "a", micro_batch_size=8, grad_accum_steps=1, max_steps=6
+    ).fit()
+    acc = make_trainer(
+        tokens, tmp_path / "b", micro_batch_size=4, grad_accum_steps=2, max_steps=6
+    ).fit()
     a = [m["loss"] for m in big.metrics if "loss" in m]
     b = [m["loss"] for m in acc.metrics if "loss" in m]
     assert a == pytest.approx(b, abs=2e-5)
@@ -62,13 +87,23 @@ def test_gradient_accumulation_equals_one_big_batch(tokens, tmp_path):
 def test_every_schedule_warms_up_then_trains_its_last_step_at_min_lr(schedule, steps):
     """One convention for where a schedule ends: the last step run (max_steps - 1) trains at min_lr, the
     step before it above; warmup first, and never a rise after it."""
-    cfg = TrainConfig(schedule=schedule, lr=1e-3, min_lr=1e-4, warmup_steps=min(10, steps - 1), max_steps=steps,
-                      decay_fraction=0.2)
+    cfg = TrainConfig(
+        schedule=schedule,
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_steps=min(10, steps - 1),
+        max_steps=steps,
+        decay_fraction=0.2,
+    )
     lrs = [lr_at(s, cfg) for s in range(steps)]
-    assert lrs[0] == pytest.approx(1e-3 / cfg.warmup_steps) and lrs[cfg.warmup_steps - 1] == pytest.approx(1e-3)
+    assert lrs[0] == pytest.approx(1e-3 / cfg.warmup_steps) and lrs[
+        cfg.warmup_steps - 1
+    ] == pytest.approx(1e-3)
     assert lrs[-1] == pytest.approx(1e-4) and lrs[-2] > 1e-4 + 1e-9
-    assert all(a >= b for a, b in zip(lrs[cfg.warmup_steps - 1:], lrs[cfg.warmup_steps:]))
-    assert lr_at(steps, cfg) == pytest.approx(1e-4)  # past the end (a resume of a finished run) stays there
+    assert all(a >= b for a, b in zip(lrs[cfg.warmup_steps - 1 :], lrs[cfg.warmup_steps :]))
+    assert lr_at(steps, cfg) == pytest.approx(
+        1e-4
+    )  # past the end (a resume of a finished run) stays there
 
 
 def test_cosine_is_halfway_down_halfway_from_warmup_to_the_last_step():
@@ -84,7 +119,9 @@ def test_corrupt_and_incomplete_checkpoints_fall_back_to_the_previous(tokens, tm
     data = bytearray((root / "step_000015" / "model.safetensors").read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     (root / "step_000015" / "model.safetensors").write_bytes(bytes(data))
-    (root / "step_000010" / "manifest.json").unlink()  # as if killed before the manifest was written
+    (
+        root / "step_000010" / "manifest.json"
+    ).unlink()  # as if killed before the manifest was written
     with pytest.warns(UserWarning, match="sha256"):
         assert ckpt.latest_valid(root).name == "step_000005"
     with pytest.raises(ckpt.CheckpointError, match="sha256"):
@@ -131,18 +168,39 @@ def test_fp16_with_grad_scaler_trains_on_cpu(tokens, tmp_path):
 
 # --- exact resume across processes --------------------------------------------------------------
 
+
 def _cli(run_dir, shared_data, cache, steps=60, **popen_kw):
     env = {**os.environ, "TINYGPT_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "tinygpt", "pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run_dir),
-           "--data", str(shared_data / "tinyshakespeare.txt"), "--max-steps", str(steps), "--save-every", "4",
-           "--quiet", "--device", "cpu"]
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen_kw)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tinygpt",
+        "pretrain",
+        "--recipe",
+        "cpu-smoke",
+        "--run-dir",
+        str(run_dir),
+        "--data",
+        str(shared_data / "tinyshakespeare.txt"),
+        "--max-steps",
+        str(steps),
+        "--save-every",
+        "4",
+        "--quiet",
+        "--device",
+        "cpu",
+    ]
+    return subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen_kw
+    )
 
 
 def _losses(run_dir):
-    return [(m["step"], m.get("loss"), m.get("val_loss"))
-            for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if "startup" not in m]  # each start records its own start-up times
+    return [
+        (m["step"], m.get("loss"), m.get("val_loss"))
+        for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "startup" not in m
+    ]  # each start records its own start-up times
 
 
 def _wait_for_step(run_dir, step, proc, timeout=120):
@@ -200,7 +258,9 @@ def test_a_full_disk_stops_training_with_the_last_checkpoint_intact(tokens, tmp_
         return real_save(path, model_sd, state, meta)
 
     monkeypatch.setattr(ckpt, "save_checkpoint", fill_disk)
-    with pytest.raises(TrainingError, match="No space left on device.*step_000005.*free some disk space"):
+    with pytest.raises(
+        TrainingError, match="No space left on device.*step_000005.*free some disk space"
+    ):
         t.fit()
     root = tmp_path / "checkpoints"
     assert [p.name for p in root.iterdir()] == ["step_000005"]  # no half-written folder left behind
@@ -211,12 +271,22 @@ def test_checkpoint_carries_the_recipe_and_tokenizer(shared_data, tmp_path):
     from tinygpt.model.tokenizer import Tokenizer
     from tinygpt.pretrain.run_pretrain import pretrain
 
-    res = pretrain("cpu-smoke", tmp_path / "run", data=str(shared_data / "tinyshakespeare.txt"), max_steps=5,
-                   progress=False, cache_dir=tmp_path / "cache", device="cpu", tensorboard=False)
+    res = pretrain(
+        "cpu-smoke",
+        tmp_path / "run",
+        data=str(shared_data / "tinyshakespeare.txt"),
+        max_steps=5,
+        progress=False,
+        cache_dir=tmp_path / "cache",
+        device="cpu",
+        tensorboard=False,
+    )
     _, state, _ = ckpt.load_checkpoint(res.checkpoint)
     assert state["run_info"]["recipe"]["name"] == "cpu-smoke"
     saved = Tokenizer.load(tmp_path / "run" / "tokenizer.json")
-    assert state["run_info"]["tokenizer"] == saved.to_json()  # a checkpoint folder alone is enough to decode
+    assert (
+        state["run_info"]["tokenizer"] == saved.to_json()
+    )  # a checkpoint folder alone is enough to decode
 
 
 @pytest.mark.slow  # torch.compile against eager

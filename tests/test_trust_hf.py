@@ -4,6 +4,7 @@ prompt): a folder whose config.json names its own code (`auto_map` -> a module t
 it is imported) given to `finetune --base` and `eval`, and a base whose tokenizer.json carries a regex that
 backtracks for ever, given to `pretrain --init` and `finetune --base` with RUST_BACKTRACE=1 set. It asserts
 that no code ran, that nothing was tokenized, and that the user sees one line naming the file."""
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,28 @@ EVIL_TEXT = "a" * 40 + "b"
 
 def cli(*args: str, cwd: Path, **env_extra: str) -> subprocess.CompletedProcess:
     """`python -m tinygpt ARGS` as a user types it, answering "y" to any question; stdout and stderr together."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf-home"),
-           "TINYGPT_CACHE": str(cwd / "tg-cache"), "RUST_BACKTRACE": "1", **env_extra}
-    return subprocess.run([sys.executable, "-m", "tinygpt", *args], input="y\ny\ny\n", env=env, cwd=cwd,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        ),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(cwd / "hf-home"),
+        "TINYGPT_CACHE": str(cwd / "tg-cache"),
+        "RUST_BACKTRACE": "1",
+        **env_extra,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "tinygpt", *args],
+        input="y\ny\ny\n",
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +62,18 @@ def tok(shakespeare) -> Tokenizer:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, tok) -> Path:
     """A tiny Llama folder as `save_pretrained` writes it, with its tokenizer: the honest base the attacks edit."""
-    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                   max_position_embeddings=256, tie_word_embeddings=True,
-                                   bos_token_id=tok.eot_id, eos_token_id=tok.eot_id)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=tok.eot_id,
+        eos_token_id=tok.eot_id,
+    )
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("llama") / "llama"
     transformers.LlamaForCausalLM(cfg).save_pretrained(out)
@@ -67,15 +93,26 @@ def with_code(llama: Path, to: Path, marker: Path) -> Path:
     (`auto_map`); importing either leaves `marker` behind."""
     folder = copy_of(llama, to)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(model_type="evilgpt", architectures=["EvilForCausalLM"],
-               auto_map={"AutoConfig": "configuration_evil.EvilConfig",
-                         "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    cfg.update(
+        model_type="evilgpt",
+        architectures=["EvilForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_evil.EvilConfig",
+            "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+        },
+    )
     (folder / "config.json").write_text(json.dumps(cfg))
-    payload = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('the folder ran its code')\n"
+    payload = (
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('the folder ran its code')\n"
+    )
     (folder / "configuration_evil.py").write_text(
-        payload + "from transformers import LlamaConfig\n\nclass EvilConfig(LlamaConfig):\n    model_type = 'evilgpt'\n")
+        payload
+        + "from transformers import LlamaConfig\n\nclass EvilConfig(LlamaConfig):\n    model_type = 'evilgpt'\n"
+    )
     (folder / "modeling_evil.py").write_text(
-        payload + "from transformers import LlamaForCausalLM\n\nclass EvilForCausalLM(LlamaForCausalLM):\n    pass\n")
+        payload
+        + "from transformers import LlamaForCausalLM\n\nclass EvilForCausalLM(LlamaForCausalLM):\n    pass\n"
+    )
     return folder
 
 
@@ -84,9 +121,23 @@ def with_regex(llama: Path, to: Path, pattern: str) -> Path:
     byte-level without its own regex, as Llama-3's tokenizer.json is laid out)."""
     folder = copy_of(llama, to)
     spec = json.loads((folder / "tokenizer.json").read_text())
-    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    spec["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {
+                "type": "Split",
+                "pattern": {"Regex": pattern},
+                "behavior": "Isolated",
+                "invert": False,
+            },
+            {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": True,
+                "use_regex": False,
+            },
+        ],
+    }
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     return folder
 
@@ -95,8 +146,14 @@ def with_regex(llama: Path, to: Path, pattern: str) -> Path:
 def records(tmp_path_factory) -> Path:
     """Instruction records whose text the evil regex chokes on."""
     p = tmp_path_factory.mktemp("records") / "records.json"
-    p.write_text(json.dumps([{"instruction": f"say {EVIL_TEXT} {i}", "input": "", "output": EVIL_TEXT}
-                             for i in range(24)]))
+    p.write_text(
+        json.dumps(
+            [
+                {"instruction": f"say {EVIL_TEXT} {i}", "input": "", "output": EVIL_TEXT}
+                for i in range(24)
+            ]
+        )
+    )
     return p
 
 
@@ -104,7 +161,13 @@ def one_line_refusal(out: subprocess.CompletedProcess) -> str:
     """The output of a refused command: exit 2, one line, no traceback, no Rust panic, no question asked."""
     text = out.stdout
     assert out.returncode == 2, text
-    for noise in ("Traceback", "panicked", "stack backtrace", "[y/N]", "run the same command again"):
+    for noise in (
+        "Traceback",
+        "panicked",
+        "stack backtrace",
+        "[y/N]",
+        "run the same command again",
+    ):
         assert noise not in text, text
     errors = [line for line in text.splitlines() if line.startswith("tinygpt ")]
     assert len(errors) == 1, text
@@ -113,15 +176,36 @@ def one_line_refusal(out: subprocess.CompletedProcess) -> str:
 
 # ---- 8. auto_map: a folder's own code -----------------------------------------------------------
 
+
 @pytest.mark.slow  # the CLI in a subprocess (test_every_transformers_load_refuses_code... and test_init_base_with_a_backtracking_regex... are the fast ones)
-def test_finetune_base_naming_its_own_code_is_refused_before_anything_runs(llama, records, tmp_path):
+def test_finetune_base_naming_its_own_code_is_refused_before_anything_runs(
+    llama, records, tmp_path
+):
     marker = tmp_path / "ran.txt"
     evil = with_code(llama, tmp_path / "evil", marker)
-    out = cli("finetune", "--recipe", "lora-r8", "--base", str(evil), "--data", str(records), "--run-dir",
-              str(tmp_path / "run"), "--max-steps", "1", "--device", "cpu", "--quiet", cwd=tmp_path)
+    out = cli(
+        "finetune",
+        "--recipe",
+        "lora-r8",
+        "--base",
+        str(evil),
+        "--data",
+        str(records),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "1",
+        "--device",
+        "cpu",
+        "--quiet",
+        cwd=tmp_path,
+    )
     line = one_line_refusal(out)
     assert not marker.exists(), "the folder's code ran"
-    assert f"{evil / 'config.json'} names code of its own (auto_map: configuration_evil.EvilConfig" in line
+    assert (
+        f"{evil / 'config.json'} names code of its own (auto_map: configuration_evil.EvilConfig"
+        in line
+    )
     assert "never runs a model folder's code" in line
     assert not (tmp_path / "run" / "finetune.json").exists()
 
@@ -130,19 +214,44 @@ def test_finetune_base_naming_its_own_code_is_refused_before_anything_runs(llama
 def test_finetune_checks_data_before_it_reads_anything_of_the_base(llama, tmp_path):
     marker = tmp_path / "ran.txt"
     evil = with_code(llama, tmp_path / "evil", marker)
-    out = cli("finetune", "--recipe", "lora-r8", "--base", str(evil), "--data", str(tmp_path / "missing.json"),
-              "--run-dir", str(tmp_path / "run"), "--device", "cpu", "--quiet", cwd=tmp_path)
+    out = cli(
+        "finetune",
+        "--recipe",
+        "lora-r8",
+        "--base",
+        str(evil),
+        "--data",
+        str(tmp_path / "missing.json"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--device",
+        "cpu",
+        "--quiet",
+        cwd=tmp_path,
+    )
     line = one_line_refusal(out)
     assert "missing.json" in line and "does not exist" in line and not marker.exists()
 
 
 @pytest.mark.slow  # the CLI in a subprocess (test_every_transformers_load_refuses_code... and test_init_base_with_a_backtracking_regex... are the fast ones)
-def test_eval_of_a_folder_naming_its_own_code_is_refused_before_anything_runs(llama, tmp_path, shakespeare):
+def test_eval_of_a_folder_naming_its_own_code_is_refused_before_anything_runs(
+    llama, tmp_path, shakespeare
+):
     marker = tmp_path / "ran.txt"
     evil = with_code(llama, tmp_path / "evil", marker)
     text = tmp_path / "text.txt"
     text.write_text(shakespeare[:5000])
-    out = cli("eval", str(evil), "--task", "perplexity", "--data", str(text), "--device", "cpu", cwd=tmp_path)
+    out = cli(
+        "eval",
+        str(evil),
+        "--task",
+        "perplexity",
+        "--data",
+        str(text),
+        "--device",
+        "cpu",
+        cwd=tmp_path,
+    )
     line = one_line_refusal(out)
     assert not marker.exists(), "the folder's code ran"
     assert f"{evil / 'config.json'} names code of its own" in line
@@ -154,8 +263,12 @@ def test_every_transformers_load_refuses_code_and_unknown_model_types(llama, tmp
     honest folder loads."""
     cfg = json.loads((llama / "config.json").read_text())
     shipped = copy_of(llama, tmp_path / "shipped")
-    (shipped / "config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoModelForCausalLM": "m.Evil"}}))
-    with pytest.raises(hf.UntrustedModel, match=r"config.json names code of its own \(auto_map: m.Evil\)"):
+    (shipped / "config.json").write_text(
+        json.dumps({**cfg, "auto_map": {"AutoModelForCausalLM": "m.Evil"}})
+    )
+    with pytest.raises(
+        hf.UntrustedModel, match=r"config.json names code of its own \(auto_map: m.Evil\)"
+    ):
         hf.from_pretrained("AutoModelForCausalLM", shipped)
     unknown = copy_of(llama, tmp_path / "unknown")
     (unknown / "config.json").write_text(json.dumps({**cfg, "model_type": "bert"}))
@@ -163,7 +276,9 @@ def test_every_transformers_load_refuses_code_and_unknown_model_types(llama, tmp
         hf.from_pretrained("AutoConfig", unknown)
     tok_code = copy_of(llama, tmp_path / "tok-code")
     tc = json.loads((tok_code / "tokenizer_config.json").read_text())
-    (tok_code / "tokenizer_config.json").write_text(json.dumps({**tc, "auto_map": {"AutoTokenizer": ["t.Evil", None]}}))
+    (tok_code / "tokenizer_config.json").write_text(
+        json.dumps({**tc, "auto_map": {"AutoTokenizer": ["t.Evil", None]}})
+    )
     with pytest.raises(hf.UntrustedModel, match="tokenizer_config.json names code of its own"):
         hf.from_pretrained("AutoTokenizer", tok_code)
     assert hf.from_pretrained("AutoConfig", llama).model_type == "llama"
@@ -172,14 +287,35 @@ def test_every_transformers_load_refuses_code_and_unknown_model_types(llama, tmp
 
 # ---- 7. a regex that backtracks for ever ----------------------------------------------------------
 
+
 def test_init_base_with_a_backtracking_regex_is_refused_in_one_line(llama, tmp_path):
     evil = with_regex(llama, tmp_path / "evil", EVIL_REGEX)
     data = tmp_path / "text.txt"
     data.write_text((EVIL_TEXT + "\n") * 2000)
-    out = cli("pretrain", "--recipe", "cpu-smoke", "--init", str(evil), "--data", str(data), "--run-dir",
-              str(tmp_path / "run"), "--max-steps", "2", "--device", "cpu", "--probe", "off", "--quiet", cwd=tmp_path)
+    out = cli(
+        "pretrain",
+        "--recipe",
+        "cpu-smoke",
+        "--init",
+        str(evil),
+        "--data",
+        str(data),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "2",
+        "--device",
+        "cpu",
+        "--probe",
+        "off",
+        "--quiet",
+        cwd=tmp_path,
+    )
     line = one_line_refusal(out)
-    assert f"{evil / 'tokenizer.json'}: its pre_tokenizer.pretokenizers[0] regex '{EVIL_REGEX}'" in line
+    assert (
+        f"{evil / 'tokenizer.json'}: its pre_tokenizer.pretokenizers[0] regex '{EVIL_REGEX}'"
+        in line
+    )
     assert "is not one tinygpt runs (those of GPT-2, Llama-3, Qwen2" in line
     assert not list((tmp_path / "tg-cache").rglob("*.bin"))  # nothing was tokenized
 
@@ -187,8 +323,23 @@ def test_init_base_with_a_backtracking_regex_is_refused_in_one_line(llama, tmp_p
 @pytest.mark.slow  # the CLI in a subprocess (test_every_transformers_load_refuses_code... and test_init_base_with_a_backtracking_regex... are the fast ones)
 def test_finetune_base_with_a_backtracking_regex_is_refused_in_one_line(llama, records, tmp_path):
     evil = with_regex(llama, tmp_path / "evil", EVIL_REGEX)
-    out = cli("finetune", "--recipe", "lora-r8", "--base", str(evil), "--data", str(records), "--run-dir",
-              str(tmp_path / "run"), "--max-steps", "1", "--device", "cpu", "--quiet", cwd=tmp_path)
+    out = cli(
+        "finetune",
+        "--recipe",
+        "lora-r8",
+        "--base",
+        str(evil),
+        "--data",
+        str(records),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "1",
+        "--device",
+        "cpu",
+        "--quiet",
+        cwd=tmp_path,
+    )
     line = one_line_refusal(out)
     assert f"{evil / 'tokenizer.json'}: its pre_tokenizer.pretokenizers[0] regex" in line
 
@@ -199,12 +350,16 @@ def test_a_normalizer_regex_and_an_oversized_tokenizer_are_refused_too(llama, tm
     spec = json.loads((folder / "tokenizer.json").read_text())
     spec["normalizer"] = {"type": "Replace", "pattern": {"Regex": EVIL_REGEX}, "content": "b"}
     (folder / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(UnsafeTokenizer, match=r"its normalizer regex '\(a\|a\)\+\$' is not one tinygpt runs"):
+    with pytest.raises(
+        UnsafeTokenizer, match=r"its normalizer regex '\(a\|a\)\+\$' is not one tinygpt runs"
+    ):
         read_base(str(folder))
     big = copy_of(llama, tmp_path / "big")
     with open(big / "tokenizer.json", "r+b") as f:
         f.truncate(65 << 20)
-    with pytest.raises(ValueError, match=r"tokenizer.json holds 68,157,440 bytes, more than the 67,108,864"):
+    with pytest.raises(
+        ValueError, match=r"tokenizer.json holds 68,157,440 bytes, more than the 67,108,864"
+    ):
         read_base(str(big))
 
 
@@ -212,10 +367,14 @@ def test_the_known_regexes_and_tinygpts_own_tokenizer_are_accepted(llama, tok, t
     """Llama-3's pattern (as its tokenizer.json writes it) loads, and encodes as tokenizers does; a tokenizer
     tinygpt trained (byte-level, no regex written out) and GPT-2's load as before."""
     base = read_base(str(with_regex(llama, tmp_path / "llama3", LLAMA3)))
-    assert base.tokenizer.encode("Hello world 12345") == base.tokenizer.tok.encode("Hello world 12345").ids
+    assert (
+        base.tokenizer.encode("Hello world 12345")
+        == base.tokenizer.tok.encode("Hello world 12345").ids
+    )
     tok.save(tmp_path / "own.json")
     assert Tokenizer.load(tmp_path / "own.json").to_json() == tok.to_json()
     from tinygpt.model.tokenizer import load_gpt2
+
     gpt2 = load_gpt2()
     assert Tokenizer.from_json(gpt2.to_json()).encode("Hello world") == gpt2.encode("Hello world")
 
@@ -232,12 +391,15 @@ def test_the_token_writer_runs_without_rust_backtraces(monkeypatch, tok, tmp_pat
     monkeypatch.setenv("RUST_BACKTRACE", "1")
     monkeypatch.setattr(shard_writer.subprocess, "Popen", FakePopen)
     from tinygpt.core.config import DataConfig
+
     shard_writer.ShardWriter(DataConfig(source="builtin"), tok, tmp_path)
     assert seen.get("env") is not None and "RUST_BACKTRACE" not in seen["env"]
     assert seen["env"].get("PATH") == os.environ.get("PATH")
 
 
-def test_a_hub_cache_download_is_read_through_its_links_and_nothing_else_is(llama, tmp_path, monkeypatch):
+def test_a_hub_cache_download_is_read_through_its_links_and_nothing_else_is(
+    llama, tmp_path, monkeypatch
+):
     """huggingface_hub's cache keeps each file of a download as a link to its blob: those links are read (an
     `--init hf:NAME` base works), but a link out of the cache, or in a plain folder, is refused, naming it."""
     import huggingface_hub
@@ -261,7 +423,9 @@ def test_a_hub_cache_download_is_read_through_its_links_and_nothing_else_is(llam
     outside.write_text((llama / "tokenizer.json").read_text())
     (snapshot / "tokenizer.json").unlink()
     (snapshot / "tokenizer.json").symlink_to(outside)
-    with pytest.raises(ValueError, match=r"tokenizer.json is a symbolic link \(to .*elsewhere.json\)"):
+    with pytest.raises(
+        ValueError, match=r"tokenizer.json is a symbolic link \(to .*elsewhere.json\)"
+    ):
         read_base("hf:test-org/tiny")
     plain = copy_of(llama, tmp_path / "plain")
     (plain / "config.json").unlink()

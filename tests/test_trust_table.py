@@ -3,6 +3,7 @@ defines, or a field a run writes into run.json or budget.json, with no row fails
 attacked with a hostile value on a mirror whose checkpoints were deleted, as a second VM (another
 $TINYGPT_CACHE, so another signing key) meets it: the value changes nothing the command did not ask for, or the
 start is refused in one line (exit 2) naming the mirror and the file."""
+
 from __future__ import annotations
 
 import ast
@@ -37,7 +38,9 @@ def table() -> dict[tuple[str, str], str]:
 def defined_file_names() -> set[str]:
     """Every module-level string constant of the package that names a file or folder of a run: an upper-case
     name bound to "name.ext", ".name" or "_name" (tuple assignments included)."""
-    looks = re.compile(r"^(\.?[\w-]+\.(json|jsonl|txt|bin|pt|safetensors|key|md|lock)|\.[a-z][\w.-]*|_[a-z][a-z_]*)$")
+    looks = re.compile(
+        r"^(\.?[\w-]+\.(json|jsonl|txt|bin|pt|safetensors|key|md|lock)|\.[a-z][\w.-]*|_[a-z][a-z_]*)$"
+    )
     out = set()
     for path in (REPO / "tinygpt").rglob("*.py"):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
@@ -51,15 +54,22 @@ def defined_file_names() -> set[str]:
                 elif isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
                     pairs += list(zip(t.elts, node.value.elts))
             for name, value in pairs:
-                if (isinstance(name, ast.Name) and name.id.isupper() and isinstance(value, ast.Constant)
-                        and isinstance(value.value, str) and looks.match(value.value)):
+                if (
+                    isinstance(name, ast.Name)
+                    and name.id.isupper()
+                    and isinstance(value, ast.Constant)
+                    and isinstance(value.value, str)
+                    and looks.match(value.value)
+                ):
                     out.add(value.value)
     return out
 
 
 def not_run_files() -> set[str]:
     text = (REPO / "docs" / "TRUST.md").read_text(encoding="utf-8").split(SECTION, 1)[1]
-    line = next(p for p in text.split("\n\n") if p.startswith("Names tinygpt defines that are not files"))
+    line = next(
+        p for p in text.split("\n\n") if p.startswith("Names tinygpt defines that are not files")
+    )
     return set(re.findall(r"`([^`]+)`", line))
 
 
@@ -72,13 +82,30 @@ def env_for(monkeypatch, cache: Path) -> None:
 
 def text_folder(folder: Path) -> Path:
     folder.mkdir(parents=True)
-    (folder / "shlex.py").write_text((STDLIB / "shlex.py").read_text(encoding="utf-8"), encoding="utf-8")
+    (folder / "shlex.py").write_text(
+        (STDLIB / "shlex.py").read_text(encoding="utf-8"), encoding="utf-8"
+    )
     return folder
 
 
 def pretrain(run: Path, mirror: Path, data: Path, *extra: str) -> int:
-    return main(["pretrain", "--recipe", "cpu-smoke", "--run-dir", str(run), "--data", str(data), "--quiet",
-                 "--device", "cpu", "--mirror", str(mirror), *extra])
+    return main(
+        [
+            "pretrain",
+            "--recipe",
+            "cpu-smoke",
+            "--run-dir",
+            str(run),
+            "--data",
+            str(data),
+            "--quiet",
+            "--device",
+            "cpu",
+            "--mirror",
+            str(mirror),
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture
@@ -115,33 +142,62 @@ def trained_as_asked(run: Path, first: dict) -> dict:
     """The run's run.json: the model and the train settings the command asks for (the first VM's, which the
     same command made), whatever the mirror said."""
     from tinygpt.train.exact_resume import RESUMABLE_CHANGES
+
     info = json.loads((run / "run.json").read_text())
     for part in ("model", "train"):
         ours = {k: v for k, v in info["recipe"][part].items() if k not in RESUMABLE_CHANGES}
-        assert ours == {k: v for k, v in first["recipe"][part].items() if k not in RESUMABLE_CHANGES}, part
+        assert ours == {
+            k: v for k, v in first["recipe"][part].items() if k not in RESUMABLE_CHANGES
+        }, part
     assert "plan" not in info
     return info
 
 
 def attack_recipe(tmp_path, honest, capsys):
     mirror, data, _ = honest
-    edit(mirror / "run.json", lambda d: d["recipe"]["data"].update(source="/home/victim/private_notes"))
-    err = refused(capsys, pretrain(tmp_path / "vm2", mirror, data, "--max-steps", "2"), mirror, "run.json")
-    assert "private_notes" not in err and "use another --mirror folder" in err and "Give the command" not in err
+    edit(
+        mirror / "run.json",
+        lambda d: d["recipe"]["data"].update(source="/home/victim/private_notes"),
+    )
+    err = refused(
+        capsys, pretrain(tmp_path / "vm2", mirror, data, "--max-steps", "2"), mirror, "run.json"
+    )
+    assert (
+        "private_notes" not in err
+        and "use another --mirror folder" in err
+        and "Give the command" not in err
+    )
     assert not (tmp_path / "vm2" / "run.json").exists()
 
 
 def attack_plan(tmp_path, honest, capsys):
     """A `plan` the user never asked for (no --size): the run trains the recipe as written."""
     mirror, data, first = honest
-    row = {"size": "d12", "chosen": True, "params": 8.5e7, "tokens": 1e6, "tokens_per_s": 1.0,
-           "predicted_loss": 3.0, "epochs": None}
-    edit(mirror / "run.json", lambda d: d.update(plan={"size": "d12", "hours": 0.01, "candidates": [row]}))
-    assert pretrain(tmp_path / "vm2", mirror, data, "--max-steps", "2") == 0, capsys.readouterr().err
+    row = {
+        "size": "d12",
+        "chosen": True,
+        "params": 8.5e7,
+        "tokens": 1e6,
+        "tokens_per_s": 1.0,
+        "predicted_loss": 3.0,
+        "epochs": None,
+    }
+    edit(
+        mirror / "run.json",
+        lambda d: d.update(plan={"size": "d12", "hours": 0.01, "candidates": [row]}),
+    )
+    assert pretrain(tmp_path / "vm2", mirror, data, "--max-steps", "2") == 0, (
+        capsys.readouterr().err
+    )
     trained_as_asked(tmp_path / "vm2", first)
     # under --size auto, a size off the ladder: refused in one line, nothing left behind
-    edit(mirror / "run.json", lambda d: (d["recipe"]["train"].update(schedule="wsd"),
-                                         d.update(plan={"size": "d7", "hours": 0.01, "candidates": [row]})))
+    edit(
+        mirror / "run.json",
+        lambda d: (
+            d["recipe"]["train"].update(schedule="wsd"),
+            d.update(plan={"size": "d7", "hours": 0.01, "candidates": [row]}),
+        ),
+    )
     code = pretrain(tmp_path / "vm3", mirror, data, "--hours", "0.001", "--size", "auto")
     assert "not on the ladder" in refused(capsys, code, mirror, "run.json")
     assert not (tmp_path / "vm3").exists()
@@ -149,14 +205,18 @@ def attack_plan(tmp_path, honest, capsys):
 
 def hostile_probe(d: dict) -> None:
     d["probe"] = {"device_name": "NVIDIA H100"}
-    d["recipe"]["train"].update(micro_batch_size=1, grad_accum_steps=64, seq_len=8, precision="fp32")
+    d["recipe"]["train"].update(
+        micro_batch_size=1, grad_accum_steps=64, seq_len=8, precision="fp32"
+    )
 
 
 def attack_probe(tmp_path, honest, capsys):
     """The probed fields with a "probe" that never ran on this CPU: the recipe as written."""
     mirror, data, first = honest
     edit(mirror / "run.json", hostile_probe)
-    assert pretrain(tmp_path / "vm2", mirror, data, "--max-steps", "2") == 0, capsys.readouterr().err
+    assert pretrain(tmp_path / "vm2", mirror, data, "--max-steps", "2") == 0, (
+        capsys.readouterr().err
+    )
     assert trained_as_asked(tmp_path / "vm2", first)["probe"] is None
 
 
@@ -166,7 +226,9 @@ def attack_signature(tmp_path, honest, capsys, monkeypatch):
     mirror, data, first = honest
     edit(mirror / "run.json", hostile_probe)
     env_for(monkeypatch, tmp_path / "vm1cache")
-    assert pretrain(tmp_path / "vm3", mirror, data, "--max-steps", "2") == 0, capsys.readouterr().err
+    assert pretrain(tmp_path / "vm3", mirror, data, "--max-steps", "2") == 0, (
+        capsys.readouterr().err
+    )
     trained_as_asked(tmp_path / "vm3", first)
 
 
@@ -174,9 +236,13 @@ def budget_attack(tmp_path, honest, capsys, forged: dict):
     """budget.json whose step time buys far more steps than the hours: the steps come from a step time this
     process measured, and it ends."""
     mirror, data, _ = honest
-    edit(mirror / "run.json", lambda d: d["recipe"]["train"].update(schedule="wsd"))  # a budgeted run's
+    edit(
+        mirror / "run.json", lambda d: d["recipe"]["train"].update(schedule="wsd")
+    )  # a budgeted run's
     (mirror / "budget.json").write_text(json.dumps(forged))
-    assert pretrain(tmp_path / "vm2", mirror, data, "--hours", "0.0005") == 0, capsys.readouterr().err
+    assert pretrain(tmp_path / "vm2", mirror, data, "--hours", "0.0005") == 0, (
+        capsys.readouterr().err
+    )
     kept = json.loads((tmp_path / "vm2" / "budget.json").read_text())
     assert kept["step_s"] != forged["step_s"] and kept["max_steps"] < 2000
     last = max(int(p.name[5:]) for p in (tmp_path / "vm2" / "checkpoints").iterdir())
@@ -184,13 +250,33 @@ def budget_attack(tmp_path, honest, capsys, forged: dict):
 
 
 def attack_max_steps(tmp_path, honest, capsys):
-    budget_attack(tmp_path, honest, capsys, {"hours": 0.005, "max_steps": 180000, "step_s": 0.0001,
-                                             "decided_at_step": 10, "decided_at": 1.0})
+    budget_attack(
+        tmp_path,
+        honest,
+        capsys,
+        {
+            "hours": 0.005,
+            "max_steps": 180000,
+            "step_s": 0.0001,
+            "decided_at_step": 10,
+            "decided_at": 1.0,
+        },
+    )
 
 
 def attack_step_s(tmp_path, honest, capsys):
-    budget_attack(tmp_path, honest, capsys, {"hours": 720, "max_steps": 10**8, "step_s": 0.0001,
-                                             "decided_at_step": 1, "decided_at": 1.0})
+    budget_attack(
+        tmp_path,
+        honest,
+        capsys,
+        {
+            "hours": 720,
+            "max_steps": 10**8,
+            "step_s": 0.0001,
+            "decided_at_step": 1,
+            "decided_at": 1.0,
+        },
+    )
 
 
 def attack_probe_json(tmp_path, honest, capsys):
@@ -202,24 +288,37 @@ def attack_probe_json(tmp_path, honest, capsys):
     from tinygpt.fit.probe_cache import ProbeResult
 
     model = ModelConfig(vocab_size=260, n_layer=1, n_head=2, d_model=32, d_ff=64, max_seq_len=64)
-    recipe = Recipe("tiny-test", "", "cpu", model, TrainConfig(micro_batch_size=8, seq_len=32, grad_accum_steps=8,
-                                                              precision="fp32"), DataConfig(vocab_size=257))
+    recipe = Recipe(
+        "tiny-test",
+        "",
+        "cpu",
+        model,
+        TrainConfig(micro_batch_size=8, seq_len=32, grad_accum_steps=8, precision="fp32"),
+        DataConfig(vocab_size=257),
+    )
     calls = []
 
     def measure(b, t, c):
         calls.append(b)
         return 0.05 * b
-    kw = dict(measure=measure, memory_limit_gb=1.0, margin=0.0, speed=None, run_dir=tmp_path / "shared")
+
+    kw = dict(
+        measure=measure, memory_limit_gb=1.0, margin=0.0, speed=None, run_dir=tmp_path / "shared"
+    )
     genuine = probe(recipe, "cpu", cache_dir=tmp_path / "first", **kw)
     forged = tmp_path / "shared" / "probe.json"
     edit(forged, lambda d: d.update(micro_batch_size=1, seq_len=8, grad_accum_steps=4096))
     n = len(calls)
     mine = probe(recipe, "cpu", cache_dir=tmp_path / "machine", **kw)
-    assert len(calls) > n and not mine.from_cache and mine.micro_batch_size == genuine.micro_batch_size
+    assert (
+        len(calls) > n and not mine.from_cache and mine.micro_batch_size == genuine.micro_batch_size
+    )
     cached = [json.loads(p.read_text()) for p in (tmp_path / "machine").glob("*.json")]
     assert [c["micro_batch_size"] for c in cached] == [genuine.micro_batch_size]
     bad = {**genuine.to_dict(), "precision": "fp8"}
-    with pytest.raises(ValueError, match=f"^{re.escape(str(forged))} is not a probe result tinygpt wrote"):
+    with pytest.raises(
+        ValueError, match=f"^{re.escape(str(forged))} is not a probe result tinygpt wrote"
+    ):
         ProbeResult.from_dict(bad, str(forged))
 
 
@@ -228,10 +327,16 @@ def attack_finetune_json(tmp_path, honest, capsys):
     plan decide nothing (decided here); the same file signed here does."""
     from tinygpt.finetune.run_finetune import kept_decisions
     from tinygpt.train.decisions import FINETUNE_DOMAIN, sign
+
     run = tmp_path / "ft"
     run.mkdir()
-    forged = {"recipe": {"name": "lora-r16"}, "base": "b", "data": "d", "hardware": "h100",
-              "plan": {"pack": True}}
+    forged = {
+        "recipe": {"name": "lora-r16"},
+        "base": "b",
+        "data": "d",
+        "hardware": "h100",
+        "plan": {"pack": True},
+    }
     assert kept_decisions(run, forged) is None
     assert kept_decisions(run, sign(forged, FINETUNE_DOMAIN))["hardware"] == "h100"
 
@@ -239,7 +344,12 @@ def attack_finetune_json(tmp_path, honest, capsys):
 def attack_identity(tmp_path, honest, capsys):
     mirror, data, _ = honest
     (mirror / "identity.json").write_text(json.dumps({"run_id": "attacker01", "config": "0" * 16}))
-    err = refused(capsys, pretrain(tmp_path / "vm2", mirror, data, "--max-steps", "2"), mirror, "identity.json")
+    err = refused(
+        capsys,
+        pretrain(tmp_path / "vm2", mirror, data, "--max-steps", "2"),
+        mirror,
+        "identity.json",
+    )
     assert "use another --mirror folder" in err.lower()
 
 
@@ -270,17 +380,24 @@ def test_every_file_name_tinygpt_defines_has_a_row():
 
 def test_every_field_a_run_writes_has_a_row(honest):
     from tinygpt.train.budget import Budget
+
     mirror, _, first = honest
     rows = table()
     written = set(first) | {"plan"}  # plan: written under --size auto
-    assert {f for f, _ in rows if f == "run.json"} and written == {k for f, k in rows if f == "run.json"}
-    assert {f.name for f in dataclasses.fields(Budget)} == {k for f, k in rows if f == "budget.json"}
+    assert {f for f, _ in rows if f == "run.json"} and written == {
+        k for f, k in rows if f == "run.json"
+    }
+    assert {f.name for f in dataclasses.fields(Budget)} == {
+        k for f, k in rows if f == "budget.json"
+    }
 
 
 @pytest.mark.parametrize("row", list(ATTACKS), ids=[f"{f}:{k}" for f, k in ATTACKS])
-def test_a_hostile_decision_changes_nothing_or_is_refused(row, tmp_path, honest, capsys, monkeypatch):
+def test_a_hostile_decision_changes_nothing_or_is_refused(
+    row, tmp_path, honest, capsys, monkeypatch
+):
     attack = ATTACKS[row]
-    if "monkeypatch" in attack.__code__.co_varnames[:attack.__code__.co_argcount]:
+    if "monkeypatch" in attack.__code__.co_varnames[: attack.__code__.co_argcount]:
         attack(tmp_path, honest, capsys, monkeypatch)
     else:
         attack(tmp_path, honest, capsys)

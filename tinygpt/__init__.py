@@ -2,6 +2,7 @@
 
 Importing the package imports nothing else: the names below load on first use, so the `tinygpt`
 command can take Ctrl-C from its first moment (`__main__.py`) before any module of its own loads."""
+
 __version__ = "0.1.0"
 
 _LAZY = {

@@ -2,6 +2,7 @@
 parser: nothing is made yet) is "interrupted" and exit 130 at once, not a traceback from inside an
 import; `cli.main` hands SIGINT back to Python once the command line is parsed, so from there an
 interruption unwinds and removes what the command had begun."""
+
 import os
 import signal
 import sys

@@ -4,6 +4,7 @@ the mirror is behind the local run.
 The sync modules these read import torch, so each is imported inside the function that reads it
 (`tinygpt --help` imports no torch: tests/test_imports.py counts the modules).
 """
+
 from __future__ import annotations
 
 import shlex
@@ -50,7 +51,7 @@ def report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
 
 
 def figures_line(**figures) -> str:
-    """"loss 2.1234, val_loss 2.3456, ...": the figures
+    """ "loss 2.1234, val_loss 2.3456, ...": the figures
     that were measured (a short run may have none)."""
     said = [
         f"{k} {round(v, 4) if isinstance(v, float) else v}"
@@ -67,8 +68,10 @@ def next_steps(run_dir: str | Path) -> str:
     if gaps := RunDir(run_dir).recipe().model.export_gaps("hf"):
         export = f"  (no export: transformers has no equivalent of {', '.join(gaps)})"
     else:
-        export = (f"  tinygpt export {d} hf-model/              # a Hugging Face folder "
-                  "(transformers, llama.cpp)")
+        export = (
+            f"  tinygpt export {d} hf-model/              # a Hugging Face folder "
+            "(transformers, llama.cpp)"
+        )
     return (
         "next:\n"
         f'  tinygpt generate {d} --prompt "def main(" --max-new-tokens 100   # text from the '

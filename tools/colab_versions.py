@@ -9,6 +9,7 @@ version, 1 otherwise, each package that differs printed with both versions. With
 reads the copies kept in tests/fixtures (which tests/test_colab_versions.py checks the same way).
 The README ("When Colab moves") says how to refresh both files from the repository's newest commit.
 """
+
 from __future__ import annotations
 
 import re
@@ -106,8 +107,11 @@ def main(argv: list[str]) -> int:
     for line in found:
         print(line)
     what = f"{freeze_file}" + (f" and {os_info}" if os_info else "")
-    print(f"{len(found)} pinned package(s) differ from {what}" if found
-          else f"constraints/colab.txt matches {what} ({len(pins(COLAB.read_text()))} packages)")
+    print(
+        f"{len(found)} pinned package(s) differ from {what}"
+        if found
+        else f"constraints/colab.txt matches {what} ({len(pins(COLAB.read_text()))} packages)"
+    )
     return 1 if found else 0
 
 

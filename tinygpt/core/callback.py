@@ -6,6 +6,7 @@ base class). The side concerns of a run (progress, start-up record and compile c
 TensorBoard, the Drive mirror, a notebook's plot) are callbacks; the loop itself knows none of them.
 It lives in core because the mirror (tinygpt.sync) and the notebooks' plots are callbacks too.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

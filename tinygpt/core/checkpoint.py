@@ -6,6 +6,7 @@ A checkpoint is a folder ``step_000500/`` holding ``model.safetensors`` (Hugging
 manifest last, then renamed into place: a folder with a valid manifest is complete by construction,
 and a load that finds a missing file or a wrong checksum refuses it, so the previous one is used.
 """
+
 from __future__ import annotations
 
 import json
@@ -258,8 +259,9 @@ def latest_valid(ckpt_roots: list[str | Path] | str | Path) -> Path | None:
     return None
 
 
-def load_checkpoint(path: str | Path, verify: bool = True, map_location="cpu",
-                    with_state: bool = True) -> tuple[dict, dict, dict]:
+def load_checkpoint(
+    path: str | Path, verify: bool = True, map_location="cpu", with_state: bool = True
+) -> tuple[dict, dict, dict]:
     """(model state_dict, training state, manifest) of a verified checkpoint folder; the training
     state is {} when `with_state` is False (inference needs only the weights)."""
     path = Path(path)
@@ -401,6 +403,7 @@ def prune(ckpt_root: str | Path, keep_last: int) -> list[Path]:
 class RunCheckpoint:
     """A run folder and which of its checkpoints (`find_run_checkpoint`): the first options of `tinygpt
     eval`, `export` and `push` (each field is an option: core/options.py)."""
+
     run_dir: str = option(flag="RUN_DIR", help="a run folder (pretraining or finetuning)")
     which: str = option("latest", help="latest, best, or a checkpoint folder")
 
@@ -421,6 +424,8 @@ def find_run_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
         return RunDir(run_dir).best
     p = latest_valid(RunDir(run_dir).checkpoints)
     if p is None:
-        raise CheckpointError(f"{run_dir} holds no valid checkpoint; train first with "
-                              f"`tinygpt pretrain --run-dir {run_dir}`")
+        raise CheckpointError(
+            f"{run_dir} holds no valid checkpoint; train first with "
+            f"`tinygpt pretrain --run-dir {run_dir}`"
+        )
     return p

@@ -7,6 +7,7 @@ field's allowed values are declared once, on the field: a `Literal` annotation f
 words, bounds in its metadata for a number (`core.fields`, which checks them and gives the command
 line its choices). What relates two fields stays an explicit rule in ``__post_init__``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,8 +62,9 @@ def _check_fields(obj: Any, where: str) -> None:
 REQUIRED = dataclasses.MISSING  # a config.json without this key does not describe a model
 
 
-def _hf(key: str, missing: Any = REQUIRED, network: bool = True, gguf: str | None = None,
-        **rules: Any) -> dict[str, Any]:
+def _hf(
+    key: str, missing: Any = REQUIRED, network: bool = True, gguf: str | None = None, **rules: Any
+) -> dict[str, Any]:
     """A field's metadata: its transformers config key, the value a config.json without the key
     means (transformers' own default), whether it is part of the network, how a GGUF file says it
     (gguf's writer method `GGUFWriter.add_{gguf}`, which knows llama.cpp's key and type), and its
@@ -99,23 +101,28 @@ class ModelConfig(_Section):
     n_layer: int = field(default=4, metadata=_hf("num_hidden_layers", gguf="block_count", min=1))
     n_head: int = field(default=4, metadata=_hf("num_attention_heads", gguf="head_count", min=1))
     # None: as many as n_head (no grouped-query attention)
-    n_kv_head: int | None = field(default=None, metadata=_hf("num_key_value_heads", None,
-                                                                gguf="head_count_kv", min=1))
+    n_kv_head: int | None = field(
+        default=None, metadata=_hf("num_key_value_heads", None, gguf="head_count_kv", min=1)
+    )
     d_model: int = field(default=256, metadata=_hf("hidden_size", gguf="embedding_length", min=1))
     # None: about 8/3 d_model rounded up to a multiple of 64 (SwiGLU)
-    d_ff: int | None = field(default=None, metadata=_hf("intermediate_size",
-                                                        gguf="feed_forward_length", min=1))
+    d_ff: int | None = field(
+        default=None, metadata=_hf("intermediate_size", gguf="feed_forward_length", min=1)
+    )
     max_seq_len: int = field(
         default=256,
         metadata=_hf("max_position_embeddings", 2048, network=False, gguf="context_length", min=1),
     )
-    rope_theta: float = field(default=10000.0, metadata=_hf("rope_theta", 10000.0,
-                                                            gguf="rope_freq_base", above=0))
-    norm_eps: float = field(default=1e-5, metadata=_hf("rms_norm_eps", 1e-6,
-                                                       gguf="layer_norm_rms_eps", above=0))
+    rope_theta: float = field(
+        default=10000.0, metadata=_hf("rope_theta", 10000.0, gguf="rope_freq_base", above=0)
+    )
+    norm_eps: float = field(
+        default=1e-5, metadata=_hf("rms_norm_eps", 1e-6, gguf="layer_norm_rms_eps", above=0)
+    )
     tie_embeddings: bool = field(default=False, metadata=_hf("tie_word_embeddings", False))
-    init_std: float = field(default=0.02, metadata=_hf("initializer_range", 0.02, network=False,
-                                                       above=0))
+    init_std: float = field(
+        default=0.02, metadata=_hf("initializer_range", 0.02, network=False, above=0)
+    )
     # A bias on each attention projection (q, k, v and o; initialised at zero),
     # as Llama's and Qwen3's attention_bias; the MLP stays without (Llama's
     # mlp_bias is a separate key, Qwen3 has none). Newer than identity.json: in
@@ -149,12 +156,18 @@ class ModelConfig(_Section):
         if self.d_ff is None and isinstance(self.d_model, int):
             self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64)
         _check_fields(self, "model.")
-        _require(self.d_model % self.n_head == 0,
-                 f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
-        _require(self.head_dim % 2 == 0,
-                 f"head_dim = d_model / n_head must be even for RoPE, got {self.head_dim}")
-        _require(self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0,
-                 f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+        _require(
+            self.d_model % self.n_head == 0,
+            f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})",
+        )
+        _require(
+            self.head_dim % 2 == 0,
+            f"head_dim = d_model / n_head must be even for RoPE, got {self.head_dim}",
+        )
+        _require(
+            self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0,
+            f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -188,8 +201,11 @@ class ModelConfig(_Section):
         exports to it): the fields whose metadata "lacks" names it (a GGUF lacks what transformers
         lacks too), set to other than their default."""
         names = {"hf"} | ({"gguf", f"gguf:{self.family.model_type}"} if target == "gguf" else set())
-        return [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                if names & set(f.metadata.get("lacks", ())) and getattr(self, f.name) != f.default]
+        return [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if names & set(f.metadata.get("lacks", ())) and getattr(self, f.name) != f.default
+        ]
 
     def check_exports(self, target: Literal["hf", "gguf"] = "hf") -> None:
         """Refuse, in one line, a model that `target` cannot hold (`export_gaps`)."""
@@ -243,8 +259,10 @@ class ModelConfig(_Section):
                     kw[f.name]
                 )
         head_dim = hf.get("head_dim") or kw["d_model"] // kw["n_head"]
-        _require(head_dim * kw["n_head"] == kw["d_model"],
-                 "tinygpt needs head_dim * num_attention_heads == hidden_size")
+        _require(
+            head_dim * kw["n_head"] == kw["d_model"],
+            "tinygpt needs head_dim * num_attention_heads == hidden_size",
+        )
         family = FAMILIES.get(hf.get("model_type"), FAMILIES["llama"])
         return cls(**kw, qk_norm=family.qk_norm)
 
@@ -258,7 +276,6 @@ def _hf_value(hf: dict[str, Any], key: str, missing: Any) -> Any:
     if missing is REQUIRED:
         raise KeyError(key)
     return missing
-
 
 
 # The words a TrainConfig field takes (each one Literal:
@@ -327,13 +344,20 @@ class TrainConfig(_Section):
             self.min_lr <= self.lr,
             f"train.min_lr must be at most lr ({self.lr}), got {self.min_lr}",
         )
-        _require(self.optimizer == "muon" or (
-            self.embed_lr_scale == self.head_lr_scale == 1.0 and self.muon_coeffs == "newton-schulz"),
+        _require(
+            self.optimizer == "muon"
+            or (
+                self.embed_lr_scale == self.head_lr_scale == 1.0
+                and self.muon_coeffs == "newton-schulz"
+            ),
             "train.embed_lr_scale, head_lr_scale and muon_coeffs apply to optimizer='muon': set "
-            "train.optimizer=muon or leave them at their defaults")
-        _require(self.window_start <= self.seq_len,
-                 f"train.window_start must be at most seq_len ({self.seq_len}), got "
-                 f"{self.window_start}; 0 keeps the full context throughout")
+            "train.optimizer=muon or leave them at their defaults",
+        )
+        _require(
+            self.window_start <= self.seq_len,
+            f"train.window_start must be at most seq_len ({self.seq_len}), got "
+            f"{self.window_start}; 0 keeps the full context throughout",
+        )
 
     @property
     def tokens_per_step(self) -> int:

@@ -5,6 +5,7 @@ Every data task (finetuning records, HellaSwag, HumanEval, MBPP, perplexity text
 here, so that no file is read whole (a 2 MB archive of a 2 GB line is never 2 GB in memory) and
 every bad line is one `DataFormatError` naming the file and the line.
 """
+
 from __future__ import annotations
 
 import bz2
@@ -148,5 +149,7 @@ def need_keys(rec: dict, keys: tuple[str, ...], path: Path, what: str) -> None:
     """Refuse a record that lacks one of `keys`, naming the file and the format it should be."""
     missing = [k for k in keys if k not in rec]
     if missing:
-        raise DataFormatError(f"{path}: a record lacks {missing}; is this a {what} file? "
-                              f"Each line must be a JSON object with {', '.join(keys)}")
+        raise DataFormatError(
+            f"{path}: a record lacks {missing}; is this a {what} file? "
+            f"Each line must be a JSON object with {', '.join(keys)}"
+        )

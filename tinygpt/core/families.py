@@ -1,6 +1,7 @@
 """The transformers (and llama.cpp) architectures that are exactly the GPT: `Family` and the
 `FAMILIES` table (llama, qwen3), which `ModelConfig.family` looks up, and `HF_FIXED`, what the GPT
 always is in a transformers config."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

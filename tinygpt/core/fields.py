@@ -5,6 +5,7 @@ command line's choices); a number's bounds are its metadata (`bounded`); `field_
 whole dataclass against those declarations. Adding a value (a schedule, a precision, a loss mode)
 is one entry in its Literal, plus the code that uses it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,11 @@ def field_problem(obj: Any, where: str = "") -> str | None:
 def _allowed(hint: Any, meta: Any, value: Any) -> str | None:
     """What `value` must be, in words, when it is not what `hint` and the bounds in `meta` allow;
     None when it is."""
-    members = (typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType)
-               else (hint,))
+    members = (
+        typing.get_args(hint)
+        if typing.get_origin(hint) in (typing.Union, types.UnionType)
+        else (hint,)
+    )
     if value is None and type(None) in members:
         return None
     kind = next((m for m in members if m is not type(None)), hint)
@@ -67,8 +71,13 @@ def _allowed(hint: Any, meta: Any, value: Any) -> str | None:
     finite = isinstance(value, (int, float)) and math.isfinite(value)
     number = not isinstance(value, bool) and (isinstance(value, int) if kind is int else finite)
     lo, above, hi, below = (meta.get(k) for k in ("min", "above", "max", "below"))
-    if (number and (lo is None or value >= lo) and (above is None or value > above)
-            and (hi is None or value <= hi) and (below is None or value < below)):
+    if (
+        number
+        and (lo is None or value >= lo)
+        and (above is None or value > above)
+        and (hi is None or value <= hi)
+        and (below is None or value < below)
+    ):
         return None
     noun = "whole number" if kind is int else "finite number"
     if above == 0 or (lo == 1 and kind is int):

@@ -9,6 +9,7 @@ a folder listing goes through `safe_name`/`inside` before it is read, written or
 write, append, copy or delete here follows a symbolic link or writes through a hard link
 (`O_NOFOLLOW`, `lstat` first, a new file made with `O_EXCL` after the old name is removed).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -246,8 +247,9 @@ def tmp_sibling(path: str | Path, tag: str | int | None = None) -> Path:
     return path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid() if tag is None else tag}"
 
 
-def write_bytes_atomic(path: str | Path, data: bytes, mtime_ns: int | None = None,
-                       tag: str | int | None = None) -> None:
+def write_bytes_atomic(
+    path: str | Path, data: bytes, mtime_ns: int | None = None, tag: str | int | None = None
+) -> None:
     """Write `data` to `path` whole or not at all (temporary name, fsync, rename)."""
     path = Path(path)
     tmp = tmp_sibling(path, tag)
@@ -308,7 +310,7 @@ def clean_leftovers(folder: str | Path, keep_tag: str | int | None = None) -> No
     for p in folder.iterdir():
         if not p.name.startswith((TMP_PREFIX, OLD_PREFIX)) or p.name.endswith(keep):
             continue
-        target = folder / p.name[len(TMP_PREFIX):].split("-")[0]
+        target = folder / p.name[len(TMP_PREFIX) :].split("-")[0]
         if p.name.startswith(OLD_PREFIX) and not target.exists() and not p.is_symlink():
             os.replace(p, target)  # killed between the two renames of replace_dir
         elif p.is_dir() and not p.is_symlink():
@@ -343,7 +345,7 @@ def clear_dead_tmps(dst: Path) -> None:
     prefix = f"{TMP_PREFIX}{dst.name}-"
     with contextlib.suppress(OSError):
         for p in dst.parent.iterdir():
-            pid = p.name[len(prefix):].split("-")[0] if p.name.startswith(prefix) else ""
+            pid = p.name[len(prefix) :].split("-")[0] if p.name.startswith(prefix) else ""
             if (
                 not (pid.isascii() and pid.isdigit())
                 or int(pid) == os.getpid()

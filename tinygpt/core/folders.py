@@ -1,5 +1,6 @@
 """What a folder is: a pretraining run, a finetuning run, an export, or none of these (by
 core.rundir's file names), and the command that fits each kind."""
+
 from __future__ import annotations
 
 import shlex

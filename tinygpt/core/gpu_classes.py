@@ -10,6 +10,7 @@ are read from its entry. Elsewhere classes are named only by the rule for unlist
 
 Adding a class is one `HardwareClass` entry and its name in `HARDWARE`. No torch here: this is data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,9 @@ class HardwareClass:
 # a session is planned at 2 h. A CPU trains the recipe's steps (no budget).
 CPU = HardwareClass("cpu", "cpu", None, "cpu", "cpu", None, ladder_recipe="cpu-fast")
 MPS = HardwareClass("mps", "mps", None, "cpu", "cpu", None, ladder_recipe="cpu-fast")
-T4 = HardwareClass("t4", "cuda", (7, 5), "t4-50m", "t4", 3.0,
-                   (("V100", 125.0), ("T4", 65.0), ("P100", 19.0)))
+T4 = HardwareClass(
+    "t4", "cuda", (7, 5), "t4-50m", "t4", 3.0, (("V100", 125.0), ("T4", 65.0), ("P100", 19.0))
+)
 L4 = HardwareClass(
     "l4",
     "cuda",
@@ -68,14 +70,35 @@ L4 = HardwareClass(
     3.0,
     (("L4", 121.0), ("A10G", 125.0), ("A10", 125.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0)),
 )
-A100 = HardwareClass("a100", "cuda", (8, 0), "a100-124m", "a100", 2.0,
-                     (("A100", 312.0), ("L40S", 362.0), ("L40", 181.0), ("A6000", 155.0)))
+A100 = HardwareClass(
+    "a100",
+    "cuda",
+    (8, 0),
+    "a100-124m",
+    "a100",
+    2.0,
+    (("A100", 312.0), ("L40S", 362.0), ("L40", 181.0), ("A6000", 155.0)),
+)
 # The H100 and H200 default to the flagship (the GPT-2 baseline); h100-760m is there to pick.
 # "H100 80GB HBM3" is the SXM part
-H100 = HardwareClass("h100", "cuda", (9, 0), "a100-124m", "a100", 2.0,
-                     (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0)))
-H200 = HardwareClass("h200", "cuda", (9, 0), "a100-124m", "a100", 2.0,
-                     (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0)))
+H100 = HardwareClass(
+    "h100",
+    "cuda",
+    (9, 0),
+    "a100-124m",
+    "a100",
+    2.0,
+    (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0)),
+)
+H200 = HardwareClass(
+    "h200",
+    "cuda",
+    (9, 0),
+    "a100-124m",
+    "a100",
+    2.0,
+    (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0)),
+)
 # Colab's G4: an RTX PRO 6000 Blackwell, 96 GB, compute capability 12.0. NVIDIA gives 4,000 sparse
 # FP4 TOPS, so about 500 dense bf16 TFLOP/s: half an H100 SXM, 1.6x an A100. Unlisted, the
 # generation-and-memory rule took it for an H100 and MFU had no peak. It trains like its neighbours:

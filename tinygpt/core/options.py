@@ -19,6 +19,7 @@ takes one or more values (given twice, they add up); bool is a flag that sets th
 opposite of its default (`progress: bool = True` with "flag": "--quiet"). A field without a default
 is a required option.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,7 @@ def option(
 
 
 def did_you_mean(word: Any, names: collections.abc.Iterable[str]) -> str:
-    """" (did you mean 'cpu-smoke'?)" for a misspelled
+    """ " (did you mean 'cpu-smoke'?)" for a misspelled
     `word` close to one of `names`; "" when none is."""
     close = difflib.get_close_matches(str(word), list(names), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -109,12 +110,17 @@ def _value(f: dataclasses.Field, args: argparse.Namespace) -> Any:
                 f"{meta['flag']} is given twice ({value} and {meta['alias']} {alias}): give it once"
             )
         if meta.get("deprecated"):
-            print(f"note: {meta['alias']} is deprecated; give it as the first argument: {command} "
-                  f"{shlex.quote(str(alias))} ...", file=sys.stderr, flush=True)
+            print(
+                f"note: {meta['alias']} is deprecated; give it as the first argument: {command} "
+                f"{shlex.quote(str(alias))} ...",
+                file=sys.stderr,
+                flush=True,
+            )
         return alias
     if value is None and "alias" in meta and f.default is f.default_factory is dataclasses.MISSING:
-        raise ValueError(f"give {meta['flag']}: {command} {meta['flag']} ... (or {meta['alias']} "
-                         f"{meta['flag']})")
+        raise ValueError(
+            f"give {meta['flag']}: {command} {meta['flag']} ... (or {meta['alias']} {meta['flag']})"
+        )
     return value
 
 
@@ -169,6 +175,7 @@ def _argument(f: dataclasses.Field, hint: Any) -> tuple[list[str], dict[str, Any
 def _one_of(value_type: Any, choices: tuple) -> Any:
     """`value_type` that refuses a value outside `choices`
     with argparse's message and the closest one."""
+
     def convert(text: str) -> Any:
         value = value_type(text)
         if value not in choices:
@@ -177,6 +184,7 @@ def _one_of(value_type: Any, choices: tuple) -> Any:
                 f"(choose from {', '.join(map(str, choices))})"
             )
         return value
+
     # argparse names the type in some errors
     convert.__name__ = getattr(value_type, "__name__", "value")
     return convert

@@ -5,6 +5,7 @@ and downloaded evaluation data; `TINYGPT_SHARED_DATA` (default ../shared/data be
 checkout) holds the larger offline data sets when a machine has them; `sample:NAME` names a small
 sample of a public data set that ships with the package (tinygpt/samples/).
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,12 @@ def shared_data_dir() -> Path | None:
 # ships with the package (tinygpt/samples/README.md)
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "samples"
 SAMPLE_PREFIX = "sample:"
-SAMPLES = {"wikitext2": "wikitext2_test_sample.txt", "hellaswag": "hellaswag_val_sample.txt.bz2",
-           "mbpp": "mbpp_sample.jsonl", "humaneval": "HumanEval_sample.jsonl.gz"}
+SAMPLES = {
+    "wikitext2": "wikitext2_test_sample.txt",
+    "hellaswag": "hellaswag_val_sample.txt.bz2",
+    "mbpp": "mbpp_sample.jsonl",
+    "humaneval": "HumanEval_sample.jsonl.gz",
+}
 
 
 def is_sample(source: object) -> bool:
@@ -70,7 +75,7 @@ def hub_spec(source: str, at: str | None = None) -> tuple[str, str | None, str |
     ``hf:NAME[:CONFIG][@AT]``: the one parser of that form, for data sets (AT a split,
     `at` its default) and models (AT a revision, no CONFIG). The prefix is optional
     here; callers decide what a bare name means. A ValueError for an empty name."""
-    spec = source[len(HUB_PREFIX):] if source.startswith(HUB_PREFIX) else source
+    spec = source[len(HUB_PREFIX) :] if source.startswith(HUB_PREFIX) else source
     if "@" in spec:
         spec, at = spec.split("@", 1)
     name, _, config = spec.partition(":")

@@ -1,4 +1,5 @@
 """The one place that decides numeric precision for a device: bf16, fp16 + GradScaler, or fp32."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,9 @@ class Precision:
 
     def grad_scaler(self) -> torch.amp.GradScaler:
         """A GradScaler, enabled only for fp16 (disabled it passes everything through)."""
-        return torch.amp.GradScaler(self.device_type if self.device_type != "mps" else "cpu",
-                                    enabled=self.use_scaler)
+        return torch.amp.GradScaler(
+            self.device_type if self.device_type != "mps" else "cpu", enabled=self.use_scaler
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -17,6 +17,7 @@
 Every reader of these files goes through `RunDir`, so a cut-off line or a garbage file gets the same
 one-line error everywhere, naming the file and what to do.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -51,8 +52,12 @@ SAMPLE_HEADING = "=== step {step} ==="  # each sample in samples.txt begins with
 _SAMPLE_HEADINGS = re.compile(
     "^" + re.escape(SAMPLE_HEADING).replace(re.escape("{step}"), r"([0-9]{1,12})") + "$", re.M
 )
-FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = ("finetune.json", "adapter_config.json",
-                                                            "tinygpt_finetune.json", "adapter")
+FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = (
+    "finetune.json",
+    "adapter_config.json",
+    "tinygpt_finetune.json",
+    "adapter",
+)
 CHECKPOINTS, BEST = "checkpoints", "best"
 PLOTS, TENSORBOARD = "plots", "tensorboard"  # pictures of the run; TensorBoard's event files
 # beside the mirrored run folders: the token cache's shards, shared by runs
@@ -115,8 +120,11 @@ def closest_run(path: str | Path) -> Path | None:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         return None
-    runs = {p.name: p for p in parent.iterdir()
-            if p.name != path.name and (RunDir(p).is_pretrain_run() or RunDir(p).is_finetune_run())}
+    runs = {
+        p.name: p
+        for p in parent.iterdir()
+        if p.name != path.name and (RunDir(p).is_pretrain_run() or RunDir(p).is_finetune_run())
+    }
     best = difflib.get_close_matches(path.name, list(runs), n=1, cutoff=0.6)
     return runs[best[0]] if best else None
 
@@ -241,6 +249,7 @@ def _metrics_problem(rec: dict[str, Any]) -> str | None:
 @dataclass(frozen=True)
 class RunDir:
     """The files of one run folder. `RunDir(path)` does no I/O."""
+
     path: Path
 
     def __init__(self, path: str | Path):

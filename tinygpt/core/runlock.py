@@ -1,6 +1,7 @@
 """One writer per run folder: `lock` holds the folder for this process (the kernel's lock on its
 .lock file, bound to the folder's identity: `RunDir.check_held`), and `undo_if_first_try_fails`
 removes what a failed first try added, so a corrected try starts clean."""
+
 from __future__ import annotations
 
 import contextlib
@@ -53,12 +54,7 @@ def lock(run: RunDir) -> Iterator[None]:
         with _HELD_LOCK:
             held = _HELD.pop(key, None)
         if fd is not None:
-            if (
-                made_lock
-                and not created
-                and held == _identity(run.path)
-                and not _holds_a_run(run)
-            ):
+            if made_lock and not created and held == _identity(run.path) and not _holds_a_run(run):
                 # a folder that existed, left as found (still held here)
                 with contextlib.suppress(OSError):
                     (run.path / LOCK).unlink()
@@ -94,13 +90,10 @@ def _take_lock(run: RunDir, key: str) -> int:
     when another process holds it or .lock cannot be opened."""
     # O_NOFOLLOW: a .lock planted as a symlink (a shared folder) is refused, never followed
     try:
-        fd = os.open(
-            run.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644
-        )
+        fd = os.open(run.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as e:
         raise RunDirError(
-            f"cannot open the lock {run.path / LOCK} ({e.strerror}); if it is a symlink, "
-            "remove it"
+            f"cannot open the lock {run.path / LOCK} ({e.strerror}); if it is a symlink, remove it"
         ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -112,8 +105,12 @@ def _take_lock(run: RunDir, key: str) -> int:
             "or use another run folder"
         ) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(), 0)
+    os.pwrite(
+        fd,
+        f"process {os.getpid()} on {socket.gethostname()} (since "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(),
+        0,
+    )
     with _HELD_LOCK:
         _HELD[key] = _identity(run.path)  # type: ignore[assignment]
     return fd
@@ -137,8 +134,7 @@ def undo_if_first_try_fails(run: RunDir, marker: str) -> Iterator[None]:
             first
             and run.path.is_dir()
             and not set(run.checkpoints.glob("step_*")) - steps
-            and _identity(run.path)
-            == _HELD.get(os.path.abspath(run.path), _identity(run.path))
+            and _identity(run.path) == _HELD.get(os.path.abspath(run.path), _identity(run.path))
         ):
             for name in set(os.listdir(run.path)) - before - {LOCK}:
                 p = run.path / name

@@ -1,6 +1,7 @@
 """The one "is this the same run?" check: two configurations (nested dicts) compared key by key,
 their differences in words (`config_differences`), and the refusal to continue a run folder
 started otherwise (`check_same_settings`), shared by pretraining, finetuning and the trainer."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +9,9 @@ from pathlib import Path
 from tinygpt.core.config import ConfigError
 
 
-def config_differences(old: dict, new: dict, allowed: set[str] | frozenset = frozenset(),
-                       prefix: str = "") -> list[str]:
+def config_differences(
+    old: dict, new: dict, allowed: set[str] | frozenset = frozenset(), prefix: str = ""
+) -> list[str]:
     """Human-readable differences between two config dicts (nested), ignoring the `allowed` keys."""
     out = []
     for k in sorted(set(old) | set(new)):

@@ -1,5 +1,6 @@
 """A few lines that must run whole: SIGINT and SIGTERM held back until they end
 (`signals_deferred`), as when a run folder's lock is taken and recorded (core.runlock)."""
+
 from __future__ import annotations
 
 import contextlib

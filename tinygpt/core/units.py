@@ -1,6 +1,7 @@
 """Figures as a person reads them in a table or a message: counts,
 durations, memory sizes. One place, so every table picks units the
 same way and none shows "0.0M" or "0 s" for a real, non-zero value."""
+
 from __future__ import annotations
 
 

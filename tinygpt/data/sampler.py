@@ -5,6 +5,7 @@ index order, the windows of shard s in epoch e in the permutation seeded by (see
 position (epoch, shard, index) is the sampler's whole state, stored in every checkpoint, so a run
 resumes with the same order however fast tokenization ran before or after the interruption.
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,8 +26,9 @@ class WindowSampler:
     Asking for a shard that is still being tokenized waits for it. With `eot_id` (document masking,
     `TrainConfig.doc_mask`) a batch also carries each token's document id (`document_ids`)."""
 
-    def __init__(self, tokens: TokenShards | np.ndarray, seq_len: int, seed: int,
-                 eot_id: int | None = None):
+    def __init__(
+        self, tokens: TokenShards | np.ndarray, seq_len: int, seed: int, eot_id: int | None = None
+    ):
         self.shards = TokenShards.from_array(tokens) if isinstance(tokens, np.ndarray) else tokens
         self.seq_len, self.seed, self.eot_id = seq_len, seed, eot_id
         first = self.shards.shard(0)  # waits for the first shard of a stream
@@ -79,7 +81,7 @@ class WindowSampler:
     ) -> tuple[torch.Tensor, ...]:
         # every rank takes the whole global batch's windows and keeps its slice: all ranks stay at
         # the same position, which is why one saved position resumes at any world size
-        windows = self._take(batch_size * world_size)[rank * batch_size:(rank + 1) * batch_size]
+        windows = self._take(batch_size * world_size)[rank * batch_size : (rank + 1) * batch_size]
         T = self.seq_len
         w = torch.from_numpy(
             np.stack([np.asarray(a[s : s + T + 1], dtype=np.int64) for a, s in windows])
@@ -89,8 +91,14 @@ class WindowSampler:
         return (x, y) if self.eot_id is None else (x, y, document_ids(x, self.eot_id))
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "shard": self.shard, "index": self.index, "seed": self.seed,
-                "seq_len": self.seq_len, "data": self.shards.fingerprint}
+        return {
+            "epoch": self.epoch,
+            "shard": self.shard,
+            "index": self.index,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "data": self.shards.fingerprint,
+        }
 
     def load_state_dict(self, s: dict) -> None:
         if "shard" not in s:
@@ -108,8 +116,9 @@ class WindowSampler:
         self.epoch, self.shard, self.index = s["epoch"], s["shard"], s["index"]
 
 
-def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
-                  n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fixed_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Evaluation batches: the same evenly spaced windows every time, so val losses compare. Every
     batch has batch_size rows (one shape: a compiled model never recompiles for a short last
     batch); padding rows have IGNORE_INDEX targets, so they count for nothing."""
@@ -129,7 +138,7 @@ def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     if pad:
         x = torch.cat([x, torch.zeros(pad, seq_len, dtype=x.dtype)])
         y = torch.cat([y, torch.full((pad, seq_len), IGNORE_INDEX, dtype=y.dtype)])
-    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
 
 
 def pinned_batch(
@@ -142,8 +151,9 @@ def pinned_batch(
     return tuple(t.pin_memory() for t in out) if torch.cuda.is_available() else out
 
 
-def batch_to_device(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
-                    device: torch.device) -> tuple[torch.Tensor, ...]:
+def batch_to_device(
+    tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """A batch on `device`; to a GPU through pinned memory, without waiting for
     the copy. Every dimension is marked static for the compiler: a batch of
     another shape (a finetuning length bucket, a probe's micro-batch) gets a graph

@@ -6,6 +6,7 @@ Invariants the sampler relies on: shard i's content depends only on the source, 
 the split, never on timing; shards are visited in index order; a reader that needs shard i waits
 until it is in the manifest (or the manifest says the source ended before it).
 """
+
 from __future__ import annotations
 
 import errno
@@ -40,16 +41,24 @@ CHECKED = ".vocab-checked.json"
 
 def cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
     """The token cache's folder name: source content, tokenizer and split all in one hash."""
-    return hashlib.sha256(f"{CACHE_FORMAT}|{source_fingerprint(cfg)}|{tokenizer.fingerprint()}|"
-                          f"{cfg.val_fraction}".encode()).hexdigest()[:20]
+    return hashlib.sha256(
+        f"{CACHE_FORMAT}|{source_fingerprint(cfg)}|{tokenizer.fingerprint()}|"
+        f"{cfg.val_fraction}".encode()
+    ).hexdigest()[:20]
 
 
 class TokenShards:
     """Token shards held in memory or mapped from files: `shard(i)` is the i-th training shard (None
     past the last), `validation(n)` at least n validation tokens (all there are, if fewer)."""
 
-    def __init__(self, train: list[np.ndarray], val: np.ndarray, fingerprint: str,
-                 meta: dict | None = None, check: Callable[[int, np.ndarray], None] | None = None):
+    def __init__(
+        self,
+        train: list[np.ndarray],
+        val: np.ndarray,
+        fingerprint: str,
+        meta: dict | None = None,
+        check: Callable[[int, np.ndarray], None] | None = None,
+    ):
         self._train, self._val = train, val
         self.fingerprint, self.meta = fingerprint, meta or {}
         self._check, self._checked = check, set()
@@ -58,8 +67,9 @@ class TokenShards:
     def from_array(cls, tokens: np.ndarray, val: np.ndarray | None = None) -> "TokenShards":
         """One flat array as a single shard (tests, benchmarks, a finetuning set)."""
         digest = hashlib.sha256(np.ascontiguousarray(tokens[:4096]).tobytes()).hexdigest()[:12]
-        return cls([tokens], val if val is not None else tokens[:0],
-                   f"array-{len(tokens)}-{digest}")
+        return cls(
+            [tokens], val if val is not None else tokens[:0], f"array-{len(tokens)}-{digest}"
+        )
 
     def shard(self, i: int) -> np.ndarray | None:
         if i >= len(self._train):
@@ -129,9 +139,11 @@ class StreamedShards(TokenShards):
                 self._reload()
                 if i < self.n_shards or self.complete or self._manifest.get("error"):
                     continue
-                raise DataError(f"tokenization into {self.folder} stopped before shard {i}; run "
-                                "the same command again: the complete shards are kept and it "
-                                "tokenizes on from the first missing one")
+                raise DataError(
+                    f"tokenization into {self.folder} stopped before shard {i}; run "
+                    "the same command again: the complete shards are kept and it "
+                    "tokenizes on from the first missing one"
+                )
             time.sleep(self.poll_s)
             self._reload()
 
@@ -142,8 +154,9 @@ class StreamedShards(TokenShards):
             n = info["bytes"] // dtype.itemsize
             path = inside(self.folder, info["name"], self.folder / MANIFEST, plain=True)
             refuse_link(path)
-            self._maps[(split, i)] = (np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n
-                                      else np.zeros(0, dtype))
+            self._maps[(split, i)] = (
+                np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+            )
         return self._maps[(split, i)]
 
     def shard(self, i: int) -> np.ndarray | None:
@@ -157,8 +170,11 @@ class StreamedShards(TokenShards):
             parts.append(self._map("val", i))
             n += len(parts[-1])
             i += 1
-        return (np.concatenate(parts) if parts
-                else np.zeros(0, np.dtype(self._manifest.get("dtype", "uint16"))))
+        return (
+            np.concatenate(parts)
+            if parts
+            else np.zeros(0, np.dtype(self._manifest.get("dtype", "uint16")))
+        )
 
     @property
     def path(self) -> Path:
@@ -179,9 +195,9 @@ class StreamedShards(TokenShards):
         return self.validation(2**63)
 
 
-
-def check_token_cache(folder: str | Path, vocab_size: int, mirror: Path | None = None,
-                      restored: range = range(0)) -> list[str]:
+def check_token_cache(
+    folder: str | Path, vocab_size: int, mirror: Path | None = None, restored: range = range(0)
+) -> list[str]:
     """Check every shard listed in `folder` before it is used: a plain file named inside the folder,
     of the dtype this vocabulary needs, every id below `vocab_size` (a numpy max over the mapped
     file, done once per file: the result is kept in a local record, never taken from a manifest).
@@ -204,26 +220,40 @@ def check_token_cache(folder: str | Path, vocab_size: int, mirror: Path | None =
         if bad is not None:
             i, why = bad
             kept = _drop_shards_from(folder, manifest, shards, i)
-            lines.append(f"{why}: removed from the local cache ({len(shards) - i} shard(s) from "
-                         "there on); they are tokenized again")
+            lines.append(
+                f"{why}: removed from the local cache ({len(shards) - i} shard(s) from "
+                "there on); they are tokenized again"
+            )
             warnings.warn(lines[-1], stacklevel=2)
         names = {e[s]["name"] for e in kept for s in ("train", "val")}
         write_json_atomic(folder / CHECKED, {k: v for k, v in checked.items() if k in names})
     return lines
 
 
-def _first_bad_shard(folder: Path, manifest, shards: list, vocab_size: int, checked: dict,
-                     mirror: Path | None, restored: range) -> tuple[int, str] | None:
+def _first_bad_shard(
+    folder: Path,
+    manifest,
+    shards: list,
+    vocab_size: int,
+    checked: dict,
+    mirror: Path | None,
+    restored: range,
+) -> tuple[int, str] | None:
     """(index, why) of the first shard this vocabulary cannot use, or None; `checked` gains each
     file's (sha256, highest id) as it is read (a file restored by this start is read again whatever
     the record says)."""
     want = token_dtype(vocab_size).name
     if isinstance(manifest, dict) and manifest.get("dtype") != want and shards:
-        return 0, (f"the token cache {folder / MANIFEST} says dtype {manifest.get('dtype')!r}, "
-                   f"this vocabulary needs {want}")
+        return 0, (
+            f"the token cache {folder / MANIFEST} says dtype {manifest.get('dtype')!r}, "
+            f"this vocabulary needs {want}"
+        )
     for i, entry in enumerate(shards):
-        where = (f"from the mirror {mirror}" if i in restored and mirror is not None
-                 else "in the local cache")
+        where = (
+            f"from the mirror {mirror}"
+            if i in restored and mirror is not None
+            else "in the local cache"
+        )
         try:
             for split in ("train", "val"):
                 info = entry[split]
@@ -232,12 +262,15 @@ def _first_bad_shard(folder: Path, manifest, shards: list, vocab_size: int, chec
                 rec = checked.get(info["name"])
                 if not (isinstance(rec, list) and rec[0] == info["sha256"] and i not in restored):
                     n = info["bytes"] // np.dtype(want).itemsize
-                    top = (int(np.max(np.memmap(path, dtype=want, mode="r", shape=(n,)))) if n
-                           else -1)
+                    top = (
+                        int(np.max(np.memmap(path, dtype=want, mode="r", shape=(n,)))) if n else -1
+                    )
                     checked[info["name"]] = rec = [info["sha256"], top]
                 if rec[1] >= vocab_size:
-                    return i, (f"token shard {path} ({where}) holds token id {rec[1]}, beyond "
-                               f"the vocabulary of {vocab_size}")
+                    return i, (
+                        f"token shard {path} ({where}) holds token id {rec[1]}, beyond "
+                        f"the vocabulary of {vocab_size}"
+                    )
         except (UnsafePathError, KeyError, TypeError, ValueError, OSError) as e:
             return i, f"token shard {i} ({where}) is unusable: {e}"
     return None
@@ -257,8 +290,13 @@ def _drop_shards_from(folder: Path, manifest: dict, shards: list, i: int) -> lis
     return kept
 
 
-def build_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path,
-                      key: str | None = None, shard_tokens: int = SHARD_TOKENS) -> StreamedShards:
+def build_token_cache(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    cache_root: str | Path,
+    key: str | None = None,
+    shard_tokens: int = SHARD_TOKENS,
+) -> StreamedShards:
     """Tokenize the whole source here and now (tests, benchmarks, evaluation); a training run
     streams instead (`stream_token_cache`). Reuses the shards already in cache_root/<key>/."""
     folder = Path(cache_root) / (key or cache_key(cfg, tokenizer))
@@ -271,8 +309,14 @@ class ShardStream(StreamedShards):
     token budget and a margin), not a 25 GB source for a 1 GB budget. Asked for a shard beyond that
     (more steps on resume), it starts the process again with twice the limit."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, folder: Path, shard_tokens: int,
-                 limit: int | None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        folder: Path,
+        shard_tokens: int,
+        limit: int | None,
+    ):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.shard_tokens, self.limit = shard_tokens, limit
         self.writer = ShardWriter(cfg, tokenizer, folder, shard_tokens, limit)
@@ -282,20 +326,27 @@ class ShardStream(StreamedShards):
         # asked for every batch: a writer that died of a full disk stops training now, not when the
         # shard it was writing would have been needed (thousands of steps later)
         if self.writer.process.poll() == WRITER_DISK_FULL:
-            raise OSError(errno.ENOSPC,
-                          f"{os.strerror(errno.ENOSPC)} (tokenizing into {self.folder})",
-                          str(self.folder))
+            raise OSError(
+                errno.ENOSPC,
+                f"{os.strerror(errno.ENOSPC)} (tokenizing into {self.folder})",
+                str(self.folder),
+            )
         return super().shard(i)
 
     def _writing(self) -> bool:
         if self.writer.alive():
             return True
         self._reload()
-        if (self.limit is not None and not self.complete and not self._manifest.get("error")
-                and self.n_shards >= self.limit):  # it paused at its limit: more is wanted
+        if (
+            self.limit is not None
+            and not self.complete
+            and not self._manifest.get("error")
+            and self.n_shards >= self.limit
+        ):  # it paused at its limit: more is wanted
             self.limit *= 2
-            self.writer = ShardWriter(self.cfg, self.tokenizer, self.folder, self.shard_tokens,
-                                      self.limit)
+            self.writer = ShardWriter(
+                self.cfg, self.tokenizer, self.folder, self.shard_tokens, self.limit
+            )
             return True
         return False
 
@@ -303,9 +354,14 @@ class ShardStream(StreamedShards):
         self.writer.stop()
 
 
-def stream_token_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_root: str | Path,
-                       key: str | None = None, shard_tokens: int = SHARD_TOKENS,
-                       max_train_tokens: int | None = None) -> StreamedShards:
+def stream_token_cache(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    cache_root: str | Path,
+    key: str | None = None,
+    shard_tokens: int = SHARD_TOKENS,
+    max_train_tokens: int | None = None,
+) -> StreamedShards:
     """The shards of cache_root/<key>/ as a background process writes them (none is started when the
     folder is complete); reading a shard not yet written waits for it. `max_train_tokens`: what the
     run will read, so tokenizing stops about there (one shard of margin) until more is asked for."""

@@ -17,6 +17,7 @@ each is first used, because scanning every token up front would take minutes.
 `DataError` is defined here, the lowest data module (data.py re-exports it), so data.py can tell a
 token folder from a text folder.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ def _first_int32(path: Path) -> int | None:
 
 
 def detect_token_folder(path: str | Path) -> str | None:
-    """"llmc" when any ``*.bin`` in the folder starts with an llm.c magic (a
+    """ "llmc" when any ``*.bin`` in the folder starts with an llm.c magic (a
     ``train.bin`` that does counts as llm.c too), else "nanogpt" when it holds
     ``train.bin`` or ``val.bin`` (raw tokens), else None: not a folder, or a
     folder of anything else (text files, model weights). Reads 4 bytes a file."""
@@ -308,4 +309,3 @@ def write_llmc_shard(path: str | Path, tokens, kind: str = "gpt-2") -> Path:
         f.write(header.tobytes())
         f.write(arr.tobytes())
     return Path(path)
-

@@ -5,6 +5,7 @@ The token cache lives outside the run folder (`cache_root("tokens")`, one folder
 tokenizer and split: `shards.cache_key`), so runs on the same data share it; beside a run's mirror
 it sits in `TOKEN_CACHE/`, so a new VM restores the shards instead of tokenizing again.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -33,9 +34,10 @@ from tinygpt.sync.token_cache import ShardMirror, restore_shards
 @dataclass
 class RunData:
     """A run's tokens and what keeps them coming: the tokenizing process and the copy to the mirror."""
+
     tokenizer: Tokenizer
     tokens: TokenShards
-    meta: dict                        # where the tokens come from, as run.json says
+    meta: dict  # where the tokens come from, as run.json says
     mirror: ShardMirror | None = None
 
     def __enter__(self) -> RunData:
@@ -56,8 +58,15 @@ class RunData:
             )
 
 
-def open_tokens(recipe: Recipe, tokenizer: Tokenizer, token_ids: bool, *, writer: bool,
-                cache_dir: str | Path | None = None, mirror: str | Path | None = None) -> RunData:
+def open_tokens(
+    recipe: Recipe,
+    tokenizer: Tokenizer,
+    token_ids: bool,
+    *,
+    writer: bool,
+    cache_dir: str | Path | None = None,
+    mirror: str | Path | None = None,
+) -> RunData:
     """A folder of token ids as it is; otherwise the token cache. The `writer` (rank 0) first takes
     the mirror's complete shards, then starts a background process that tokenizes on from the first
     shard missing, about as far as the run reads (a resume with more steps asks for more); the

@@ -3,6 +3,7 @@ and cores, and the one rule that puts a device into a hardware class. The
 probe, the recipes' defaults, MFU and the finetuning recipes all ask here.
 "GB" is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,7 +65,9 @@ class HardwareReport:
     native_bf16: bool
     peak_tflops: float | None
     cpu_cores: int
-    hardware_class: str  # a key of core.gpu_classes.HARDWARE (or the device type of an unlisted one)
+    hardware_class: (
+        str  # a key of core.gpu_classes.HARDWARE (or the device type of an unlisted one)
+    )
     default_recipe: str
     precision: str
     precision_reason: str
@@ -74,14 +77,17 @@ class HardwareReport:
         return asdict(self)
 
     def rows(self) -> list[tuple[str, str]]:
-        return [(k, "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v))
-                for k, v in self.to_dict().items()]
+        return [
+            (k, "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v))
+            for k, v in self.to_dict().items()
+        ]
 
 
 def ram_gb() -> tuple[float | None, float | None]:
     """(total, available) RAM: psutil where installed (Colab has it), else Linux's /proc/meminfo."""
     with contextlib.suppress(ImportError):
         import psutil
+
         return psutil.virtual_memory().total / GB, psutil.virtual_memory().available / GB
     with contextlib.suppress(OSError, KeyError, ValueError):
         lines = Path("/proc/meminfo").read_text().splitlines()  # outside run folders: the kernel's
@@ -174,8 +180,9 @@ def device_class(device: str | torch.device = "auto") -> str:
 
 def check_device(dev: torch.device) -> None:
     """Refuse a device this machine does not have, in one line, before anything is written."""
-    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) is not None
-                                  and torch.backends.mps.is_available()):
+    if dev.type == "mps" and not (
+        getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    ):
         raise ConfigError(
             "device 'mps' was asked for but torch sees no Apple GPU (MPS) here; use --device cpu, "
             "or leave --device out to take the best device present"
@@ -222,6 +229,7 @@ def check_fits(
             device_type=dev.type,
             loss=loss,
         ).total_gb
+
     one, per_layer = est(1), est(2) - est(1)
     need = one + (model.n_layer - 1) * per_layer
     if need <= have:

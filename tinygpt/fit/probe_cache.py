@@ -5,6 +5,7 @@ reads its own run's instead of probing again; a probe.json this user did not sig
 mirror's) is a record, never read. A kept result is read back only for exactly the same key
 (`read_kept`), its values checked (`ProbeResult.from_dict`), and written whole or not at all
 (`keep`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,10 @@ class ProbeResult:
         d = {k: v for k, v in d.items() if k != "signature"} if isinstance(d, dict) else d
         why = _problem(d)
         if why is not None:
-            raise ValueError(f"{where} is not a probe result tinygpt wrote ({why}): delete it, "
-                             "the probe runs again")
+            raise ValueError(
+                f"{where} is not a probe result tinygpt wrote ({why}): delete it, "
+                "the probe runs again"
+            )
         return cls(**{**d, "trials": [Trial(**t) for t in d.get("trials", [])]})
 
 
@@ -84,36 +87,52 @@ def _problem(d: object) -> str | None:
     if unknown := sorted(set(d) - fields):
         return f"unknown field {unknown[0][:40]!r}"
     checks = {
-        "micro_batch_size": _whole, "seq_len": _whole, "grad_accum_steps": _whole,
+        "micro_batch_size": _whole,
+        "seq_len": _whole,
+        "grad_accum_steps": _whole,
         "largest_micro_batch": _whole,
         "activation_checkpointing": lambda v: isinstance(v, bool),
-        "precision": lambda v: v in PRECISIONS, "loss": lambda v: v in LOSSES,
-        "peak_gb": _number, "memory_limit_gb": lambda v: _number(v) or v == float("inf"),
-        "margin": lambda v: _number(v) and v < 1, "search_s": _number,
+        "precision": lambda v: v in PRECISIONS,
+        "loss": lambda v: v in LOSSES,
+        "peak_gb": _number,
+        "memory_limit_gb": lambda v: _number(v) or v == float("inf"),
+        "margin": lambda v: _number(v) and v < 1,
+        "search_s": _number,
         "tokens_per_s": lambda v: v is None or _number(v),
         "time_limit_s": lambda v: v is None or _number(v),
-        "recipe": lambda v: isinstance(v, str), "device_name": lambda v: isinstance(v, str),
+        "recipe": lambda v: isinstance(v, str),
+        "device_name": lambda v: isinstance(v, str),
         "precision_reason": lambda v: isinstance(v, str),
         "tokens_per_s_source": lambda v: isinstance(v, str),
         "notes": lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
-        "key": lambda v: isinstance(v, dict), "from_cache": lambda v: isinstance(v, bool),
+        "key": lambda v: isinstance(v, dict),
+        "from_cache": lambda v: isinstance(v, bool),
         "speeds": lambda v: isinstance(v, dict) and all(_number(x) for x in v.values()),
         "trials": lambda v: isinstance(v, list) and all(_trial(t) for t in v),
     }
     for name, ok in checks.items():
         if name in d and not ok(d[name]):
             return f"{name} {str(d[name])[:40]!r}"
-    missing = [f.name for f in ProbeResult.__dataclass_fields__.values()
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-               and f.name not in d]
+    missing = [
+        f.name
+        for f in ProbeResult.__dataclass_fields__.values()
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in d
+    ]
     return f"no {missing[0]}" if missing else None
 
 
 def _trial(t: object) -> bool:
     names = {f.name for f in dataclasses.fields(Trial)}
-    return (isinstance(t, dict) and set(t) == names and _whole(t["micro_batch"])
-            and _whole(t["seq_len"]) and all(isinstance(t[k], bool) for k in ("checkpointing", "ok", "oom"))
-            and all(t[k] is None or _number(t[k]) for k in ("peak_gb", "tokens_per_s")))
+    return (
+        isinstance(t, dict)
+        and set(t) == names
+        and _whole(t["micro_batch"])
+        and _whole(t["seq_len"])
+        and all(isinstance(t[k], bool) for k in ("checkpointing", "ok", "oom"))
+        and all(t[k] is None or _number(t[k]) for k in ("peak_gb", "tokens_per_s"))
+    )
 
 
 def _slug(s: str) -> str:

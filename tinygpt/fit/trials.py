@@ -2,6 +2,7 @@
 measured (or injected), an out-of-memory error in any of its forms caught; the search for the
 largest micro-batch that fits, and the batch geometry that keeps a recipe's tokens per step. The
 probe (`tinygpt.fit.probe`) runs them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,26 +35,41 @@ class Trial:
 
 # How an allocation failure reads when it does not arrive as torch.OutOfMemoryError: cuBLAS, cuDNN
 # and a CUDA launch report theirs as a plain RuntimeError (inside a compiled graph too).
-_ALLOCATION_FAILURES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
-                        "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
+_ALLOCATION_FAILURES = (
+    "out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+)
 
 
 def is_allocation_failure(e: BaseException) -> bool:
     """An out-of-memory error in any of the forms torch, cuBLAS and cuDNN raise it."""
     return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and any(m in str(e) for m in _ALLOCATION_FAILURES))
-
+        isinstance(e, RuntimeError) and any(m in str(e) for m in _ALLOCATION_FAILURES)
+    )
 
 
 class TrialRunner:
     """One model and optimizer shared by every trial: rebuilding a 760M model per trial would
     dominate."""
 
-    def __init__(self, recipe: Recipe, device: torch.device, precision: Precision,
-                 limit_gb: float, margin: float,
-                 measure: Callable[[int, int, bool], float] | None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        device: torch.device,
+        precision: Precision,
+        limit_gb: float,
+        margin: float,
+        measure: Callable[[int, int, bool], float] | None,
+    ):
         self.device, self.precision, self.limit_gb, self.margin, self.measure = (
-            device, precision, limit_gb, margin, measure)
+            device,
+            precision,
+            limit_gb,
+            margin,
+            measure,
+        )
         self.loss = recipe.train.loss  # what each trial's loss does: the trainer's own choice
         torch.manual_seed(0)
         with torch.device(device):
@@ -67,10 +83,12 @@ class TrialRunner:
             p.grad = torch.zeros_like(p)
         self.opt.step()
         held = list(self.model.parameters()) + [p.grad for p in self.model.parameters()]
-        held += [t for s in self.opt.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor)]
-        self.held_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes()
-                               for t in held}.values())
+        held += [
+            t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        ]
+        self.held_bytes = sum(
+            {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values()
+        )
 
     def _step(self, b: int, t: int) -> float:
         """One optimizer step at full length, then one evaluation forward; returns the step's
@@ -111,8 +129,9 @@ class TrialRunner:
                     seconds = self._step(b, t)
                 peak = (self.held_bytes + tracker.peak_bytes) / GB
             if peak > self.limit_gb:
-                raise torch.OutOfMemoryError(f"trial peak {peak:.2f} GB is over the limit "
-                                             f"{self.limit_gb:.2f} GB")
+                raise torch.OutOfMemoryError(
+                    f"trial peak {peak:.2f} GB is over the limit {self.limit_gb:.2f} GB"
+                )
         except Exception as e:
             if not is_allocation_failure(e):
                 raise
@@ -156,9 +175,15 @@ def batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[in
     accum = math.ceil(tokens_per_step / (largest * seq_len))
     # the smallest overshoot with this many steps
     micro = math.ceil(tokens_per_step / (accum * seq_len))
-    return micro, accum, (f"the global batch is {micro * seq_len * accum} tokens per step instead "
-                          f"of the recipe's {tokens_per_step}: no micro-batch near {largest} "
-                          "divides it exactly")
+    return (
+        micro,
+        accum,
+        (
+            f"the global batch is {micro * seq_len * accum} tokens per step instead "
+            f"of the recipe's {tokens_per_step}: no micro-batch near {largest} "
+            "divides it exactly"
+        ),
+    )
 
 
 def sync(dev: torch.device) -> None:

@@ -12,6 +12,7 @@ instead. `attention_kernel` is that decision as a pure function of the device's 
 decides. For Hugging Face bases `EXPANDING_SDPA` is the same rule as a transformers attention
 implementation (`use_expanding_sdpa`); `hf_attention` picks a base's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,13 @@ def torch_version(version: str | None = None) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def attention_kernel(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype,
-                     version: tuple[int, int], head_dim: int = 64) -> str:
+def attention_kernel(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    version: tuple[int, int],
+    head_dim: int = 64,
+) -> str:
     """How attention with fewer key/value heads than query heads runs on this device:
     "fused": a fused kernel takes grouped keys/values as they are (pass
     enable_gqa=True); "expand": only equal head counts have a fused kernel: repeat
@@ -131,6 +137,7 @@ class WholeRows:
     """Set (`whole_rows`) while a batch's rows are each one sequence (no padding mask, no packed
     records): transformers' mask builder cannot see that under `torch.compile`, where it takes the
     position ids for possible packing and builds a (B, 1, T, T) mask."""
+
     on = False
 
 
@@ -154,10 +161,16 @@ def _causal_sdpa_mask(**kwargs):
 
     positions = kwargs.get("cache_position")  # transformers before q_length was passed
     q_length = kwargs.get("q_length", None if positions is None else positions.shape[0])
-    if (WholeRows.on and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
-            and q_length == kwargs.get("kv_length")
-            and type(kwargs.get("q_offset", 0)) is int and kwargs.get("q_offset", 0) == 0
-            and type(kwargs.get("kv_offset", 0)) is int and kwargs.get("kv_offset", 0) == 0):
+    if (
+        WholeRows.on
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("local_size") is None
+        and q_length == kwargs.get("kv_length")
+        and type(kwargs.get("q_offset", 0)) is int
+        and kwargs.get("q_offset", 0) == 0
+        and type(kwargs.get("kv_offset", 0)) is int
+        and kwargs.get("kv_offset", 0) == 0
+    ):
         return None
     return sdpa_mask(**kwargs)
 

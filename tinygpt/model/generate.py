@@ -1,6 +1,7 @@
 """Sampling with the KV cache: temperature, top-k, top-p, stop at end-of-text. And a transformers
 model's answers to instructions, in the prompt format it was finetuned with (`model.prompts`): one
 answer (`generate_response`), or a few before and after finetuning (`compare_generations`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +20,7 @@ from tinygpt.model.prompts import Codec, format_prompt
 @dataclass(kw_only=True)
 class GenerateOptions:
     """What `tinygpt generate` samples: each field is one of its options (core/options.py)."""
+
     run_dir: str | None = option(
         None,
         flag="RUN_DIR",
@@ -81,9 +83,16 @@ def _check(temperature: float, top_k: int | None, top_p: float | None, max_new_t
 
 
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, eot_id: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eot_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Continue idx (B, T) by up to max_new_tokens; rows that emit eot_id stop (padded with eot_id).
     The prompt is processed once, then each new token costs one position thanks to the KV cache."""
     _check(temperature, top_k, top_p, max_new_tokens)
@@ -92,7 +101,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     B, T = idx.shape
     max_len = model.config.max_seq_len
     if T >= max_len:  # keep the most recent context that leaves room to generate
-        idx = idx[:, -(max_len - 1):]
+        idx = idx[:, -(max_len - 1) :]
         T = idx.size(1)
     max_new_tokens = min(max_new_tokens, max_len - T)
     dtype = next(model.parameters()).dtype
@@ -130,18 +139,34 @@ def generate_text(
     device = next(model.parameters()).device
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    out = generate(model, ids, max_new_tokens, temperature, top_k, top_p,
-                   tokenizer.eot_id if stop_at_eot else None, gen)[0].tolist()
-    if stop_at_eot and tokenizer.eot_id in out[ids.size(1):]:
-        out = out[: ids.size(1) + out[ids.size(1):].index(tokenizer.eot_id)]
+    out = generate(
+        model,
+        ids,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        tokenizer.eot_id if stop_at_eot else None,
+        gen,
+    )[0].tolist()
+    if stop_at_eot and tokenizer.eot_id in out[ids.size(1) :]:
+        out = out[: ids.size(1) + out[ids.size(1) :].index(tokenizer.eot_id)]
     return tokenizer.decode(out)
 
 
 # ----- a transformers model's answers to instructions --------------------------------------------
 @torch.no_grad()
-def generate_response(model, tokenizer, instruction: str, input: str = "", *,
-                      template: str = "alpaca", max_new_tokens: int = 128, temperature: float = 0.0,
-                      top_p: float | None = None) -> str:
+def generate_response(
+    model,
+    tokenizer,
+    instruction: str,
+    input: str = "",
+    *,
+    template: str = "alpaca",
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+) -> str:
     """A transformers (or PEFT) model's answer to one instruction (greedy when temperature is 0)."""
     codec = Codec(tokenizer)
     ids = codec.encode_examples([[(format_prompt(instruction, input, template), False)]])[0][0]
@@ -155,27 +180,43 @@ def generate_response(model, tokenizer, instruction: str, input: str = "", *,
     if context:
         max_new_tokens = max(1, min(max_new_tokens, context - len(ids)))
     # use_cache: training with activation checkpointing switched the config's default off
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
-                         max_new_tokens=max_new_tokens, eos_token_id=codec.eos_id,
-                         pad_token_id=codec.pad_id, use_cache=True, **kw)
-    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    out = model.generate(
+        input_ids=x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=codec.eos_id,
+        pad_token_id=codec.pad_id,
+        use_cache=True,
+        **kw,
+    )
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
 
 
 @dataclass
 class Generations:
     """Answers to a few instructions before and after finetuning; prints as text."""
+
     rows: list[tuple[str, str, str]]  # (instruction, before, after)
 
     def __str__(self) -> str:
-        return "\n\n".join(f"### {i}\n--- before (the base) ---\n{b.strip()}\n"
-                           f"--- after (with the adapter) ---\n{a.strip()}"
-                           for i, b, a in self.rows)
+        return "\n\n".join(
+            f"### {i}\n--- before (the base) ---\n{b.strip()}\n"
+            f"--- after (with the adapter) ---\n{a.strip()}"
+            for i, b, a in self.rows
+        )
 
     __repr__ = __str__
 
 
-def compare_generations(model, tokenizer, instructions: Sequence[str], *, template: str = "alpaca",
-                        max_new_tokens: int = 96, base: str | None = None) -> Generations:
+def compare_generations(
+    model,
+    tokenizer,
+    instructions: Sequence[str],
+    *,
+    template: str = "alpaca",
+    max_new_tokens: int = 96,
+    base: str | None = None,
+) -> Generations:
     """Greedy answers of a PEFT model with its adapter switched off (exactly the base: LoRA leaves
     the base weights alone, and no second copy of the base is loaded) and on. A fully finetuned
     model has no adapter to switch off: `base` (`FinetuneResult.base_path`) is then loaded beside it
@@ -183,17 +224,28 @@ def compare_generations(model, tokenizer, instructions: Sequence[str], *, templa
     adapter = hasattr(model, "disable_adapter")
     if not adapter:
         if base is None:
-            raise ValueError("a fully finetuned model has no adapter to switch off: "
-                             "pass base=result.base_path")
+            raise ValueError(
+                "a fully finetuned model has no adapter to switch off: pass base=result.base_path"
+            )
         config = from_pretrained("AutoConfig", base)
-        original = from_pretrained("AutoModelForCausalLM", base, dtype=torch.float32,
-                                   attn_implementation=hf_attention(config)).eval()
+        original = from_pretrained(
+            "AutoModelForCausalLM",
+            base,
+            dtype=torch.float32,
+            attn_implementation=hf_attention(config),
+        ).eval()
     rows = []
     for instruction in instructions:
         with model.disable_adapter() if adapter else contextlib.nullcontext():
-            before = generate_response(model if adapter else original, tokenizer, instruction,
-                                       template=template, max_new_tokens=max_new_tokens)
-        after = generate_response(model, tokenizer, instruction, template=template,
-                                  max_new_tokens=max_new_tokens)
+            before = generate_response(
+                model if adapter else original,
+                tokenizer,
+                instruction,
+                template=template,
+                max_new_tokens=max_new_tokens,
+            )
+        after = generate_response(
+            model, tokenizer, instruction, template=template, max_new_tokens=max_new_tokens
+        )
         rows.append((instruction, before, after))
     return Generations(rows)

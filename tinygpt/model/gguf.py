@@ -28,6 +28,7 @@ Invariants:
   Like llama.cpp's converter, 1-D tensors (norms, biases) stay f32
   and a matrix whose rows are not a whole number of blocks stays f16.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,6 +78,7 @@ def check_architecture(config: ModelConfig) -> ModelConfig:
 
 
 # --- tokenizer --------------------------------------------------------------------------------
+
 
 def _byte_level(pre: dict[str, Any]) -> bool:
     return (
@@ -164,6 +166,7 @@ def tokenizer_tables(tokenizer: Tokenizer, n_vocab: int) -> tuple[list[str], lis
 
 
 # --- weights ----------------------------------------------------------------------------------
+
 
 def _rope_pairs(w: np.ndarray, n_head: int) -> np.ndarray:
     """q/k rows from rotate-half order (transformers, tinygpt) to llama.cpp's adjacent pairs; the
@@ -279,6 +282,7 @@ def write_gguf(
 
 # --- reading back -----------------------------------------------------------------------------
 
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(metadata {key: value}, tensors {name: float32 array in numpy (torch) order, dequantized}) of
     a GGUF file, through gguf's own reader: what llama.cpp will find there."""
@@ -296,12 +300,22 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 # --- Ollama -----------------------------------------------------------------------------------
 
-def modelfile(gguf_name: str, tokenizer: Tokenizer, context: int, *, template: str | None = None,
-              stops: tuple[str, ...] = (), temperature: float = 0.8, top_k: int = 50) -> str:
+
+def modelfile(
+    gguf_name: str,
+    tokenizer: Tokenizer,
+    context: int,
+    *,
+    template: str | None = None,
+    stops: tuple[str, ...] = (),
+    temperature: float = 0.8,
+    top_k: int = 50,
+) -> str:
     """An Ollama Modelfile for the GGUF beside it. template: Ollama's Go template of the prompt (a
     finetuned run's instruction format); without one the prompt is continued as it is, as `tinygpt
     generate` does. The context is the model's own (Ollama's default is longer than a small model
     was trained on), and the repeat penalty is off, as in tinygpt's sampling."""
+
     def q(s: str) -> str:
         return json.dumps(s)  # a Go-style quoted string: newlines and quotes escaped
 

@@ -9,6 +9,7 @@ With `ModelConfig.fused_proj` the q/k/v and gate/up projections are one matrix e
 memory-efficient kernels on CUDA; with GQA, keys and values are repeated to the query heads where no
 fused kernel takes them grouped (`model.attention`).
 """
+
 from __future__ import annotations
 
 import math
@@ -79,8 +80,10 @@ class KVCache:
     @classmethod
     def empty(cls, config: ModelConfig, batch_size: int, max_len: int, device, dtype) -> "KVCache":
         shape = (batch_size, config.n_kv_head, max_len, config.head_dim)
-        return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)],
-                   [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)])
+        return cls(
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)],
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)],
+        )
 
     @property
     def max_len(self) -> int:
@@ -171,9 +174,9 @@ class Attention(nn.Module):
         start = 0
         if cache is not None:
             start = cache.pos
-            cache.k[layer][:, :, start:start + T] = k
-            cache.v[layer][:, :, start:start + T] = v
-            k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
+            cache.k[layer][:, :, start : start + T] = k
+            cache.v[layer][:, :, start : start + T] = v
+            k, v = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
         # grouped only where a fused kernel takes them so (model.attention)
         k, v, gqa = expand_kv(q, k, v)
         if mask is not None:  # training only: documents apart, a window (`model.masks`)
@@ -299,8 +302,11 @@ class GPT(nn.Module):
         c = self.config
         # matrices only (norm weights are elementwise); the embedding
         # is a lookup, but lm_head (tied or not) is a matmul
-        matmul_params = sum(p.numel() for n, p in self.named_parameters()
-                            if p.dim() >= 2 and n != "model.embed_tokens.weight")
+        matmul_params = sum(
+            p.numel()
+            for n, p in self.named_parameters()
+            if p.dim() >= 2 and n != "model.embed_tokens.weight"
+        )
         if c.tie_embeddings:  # named_parameters lists the shared matrix once, under the embedding
             matmul_params += self.lm_head.weight.numel()
         return 6.0 * matmul_params + 12.0 * c.n_layer * seq_len * c.d_model
@@ -311,11 +317,12 @@ class GPT(nn.Module):
                 f"sequence of {start + T} tokens is longer than the model's max_seq_len "
                 f"{self.config.max_seq_len}; shorten the input or use a model with a longer context"
             )
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         return cos.to(device), sin.to(device)
 
-    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None,
-                      mask=None) -> torch.Tensor:
+    def hidden_states(
+        self, idx: torch.Tensor, cache: KVCache | None = None, mask=None
+    ) -> torch.Tensor:
         """The final normed hidden states (B, T, d_model); `mask`: a training-time attention mask
         (`model.masks.training_mask`), None for plain causal attention."""
         B, T = idx.shape
@@ -331,9 +338,16 @@ class GPT(nn.Module):
             cache.pos += T
         return self.model.norm(x)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                cache: KVCache | None = None, reduction: str = "mean", loss: str = "auto",
-                mask=None):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        reduction: str = "mean",
+        loss: str = "auto",
+        mask=None,
+    ):
         """Logits (B, T, vocab_size) without targets; with targets, the cross-entropy loss
         (mean over tokens whose target is not IGNORE_INDEX, or their sum with reduction="sum"),
         over the full logits or in chunks as `loss` says (`TrainConfig.loss`). `mask`: a training-time
@@ -371,8 +385,13 @@ def meta_model(config: ModelConfig) -> GPT:
     return model
 
 
-def cross_entropy(head: nn.Linear, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
-                  mode: str = "auto") -> torch.Tensor:
+def cross_entropy(
+    head: nn.Linear,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str = "mean",
+    mode: str = "auto",
+) -> torch.Tensor:
     """Cross-entropy of head(x) against targets, in fp32, ignoring IGNORE_INDEX.
 
     Large vocabularies go through `tinygpt.model.losses` in chunks of rows, so the full logits are
@@ -381,8 +400,12 @@ def cross_entropy(head: nn.Linear, x: torch.Tensor, targets: torch.Tensor, reduc
     if type(head) is not nn.Linear or head.bias is not None:
         # A wrapped head (LoRA, 4-bit) is not just its .weight: run it and take the plain loss.
         logits = head(x).float()
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=IGNORE_INDEX, reduction=reduction)
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction=reduction,
+        )
     return linear_cross_entropy(
         x, head.weight, targets, reduction=reduction, ignore_index=IGNORE_INDEX, mode=mode
     )

@@ -8,6 +8,7 @@ config.json and the tokenizer files are written here, config.json from the Huggi
 with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` and gives the
 same logits and token ids as the run it came from.
 """
+
 from __future__ import annotations
 
 import json
@@ -189,8 +190,13 @@ def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
     generation needs a pad token, and end-of-text carries no loss there)."""
     tf = _transformers()
     kw = {"model_max_length": max_seq_len} if max_seq_len else {}
-    return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=tokenizer.eot,
-                                      eos_token=tokenizer.eot, pad_token=tokenizer.eot, **kw)
+    return tf.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.tok,
+        bos_token=tokenizer.eot,
+        eos_token=tokenizer.eot,
+        pad_token=tokenizer.eot,
+        **kw,
+    )
 
 
 def _update_json(path: Path, **values: Any) -> None:
@@ -198,8 +204,9 @@ def _update_json(path: Path, **values: Any) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **values}, indent=2))
 
 
-def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path, *,
-                 context: int | None = None) -> Path:
+def export_model(
+    model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path, *, context: int | None = None
+) -> Path:
     """Write `model` (and `tokenizer`) as a Hugging Face Llama folder at `out_dir` (new or empty).
     The folder is written beside the target and renamed into place, so a failure leaves nothing.
     context: the context clients read (config.json's max_position_embeddings, the tokenizer's
@@ -213,15 +220,22 @@ def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path, *
         # transformers 5 keeps rope_theta under rope_parameters; 4.x reads
         # it at the top level and would silently fall back to 10000 without
         # it. Both keys, so that either version loads the same model.
-        _update_json(tmp / "config.json", rope_theta=model.config.rope_theta,
-                     max_position_embeddings=context or model.config.max_seq_len)
+        _update_json(
+            tmp / "config.json",
+            rope_theta=model.config.rope_theta,
+            max_position_embeddings=context or model.config.max_seq_len,
+        )
         save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             hf_tokenizer(tokenizer, context or model.config.max_seq_len).save_pretrained(tmp)
             # transformers 5 writes its own class name;
             # "PreTrainedTokenizerFast" loads in 4.x and 5.x.
-            _update_json(tmp / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast",
-                         add_bos_token=False, add_eos_token=False)
+            _update_json(
+                tmp / "tokenizer_config.json",
+                tokenizer_class="PreTrainedTokenizerFast",
+                add_bos_token=False,
+                add_eos_token=False,
+            )
             gen = {
                 "bos_token_id": eot_id,
                 "eos_token_id": eot_id,
@@ -232,8 +246,13 @@ def export_model(model: GPT, tokenizer: Tokenizer | None, out_dir: str | Path, *
     return out
 
 
-def set_prompt_format(folder: str | Path, *, bos_id: int | None, chat_template: str | None = None,
-                      context: int | None = None) -> None:
+def set_prompt_format(
+    folder: str | Path,
+    *,
+    bos_id: int | None,
+    chat_template: str | None = None,
+    context: int | None = None,
+) -> None:
     """Make an exported Hugging Face folder (written by this process) start every prompt
     as its training did: with token `bos_id` added by the tokenizer (tokenizer.json's
     post-processor, which transformers 4.x and 5.x and `tokenizers` all apply;
@@ -252,8 +271,9 @@ def set_prompt_format(folder: str | Path, *, bos_id: int | None, chat_template: 
         raise ValueError(f"token id {bos_id} is not in {tj}")
     adds = tok.encode("a").ids[:1] == [bos_id] if bos_id is not None else False
     if bos_id is not None and not adds:
-        template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                 special_tokens=[(bos, bos_id)])
+        template = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
         old = tok.post_processor
         tok.post_processor = processors.Sequence([old, template]) if old is not None else template
     # outside run folders: the export's temporary folder, which this process made and fills
@@ -269,8 +289,11 @@ def set_prompt_format(folder: str | Path, *, bos_id: int | None, chat_template: 
     if context:
         tc["model_max_length"] = context
     _update_json(folder / "tokenizer_config.json", **tc)
-    _update_json(folder / "config.json", bos_token_id=bos_id,
-                 **({"max_position_embeddings": context} if context else {}))
+    _update_json(
+        folder / "config.json",
+        bos_token_id=bos_id,
+        **({"max_position_embeddings": context} if context else {}),
+    )
     if (folder / "generation_config.json").is_file():
         _update_json(folder / "generation_config.json", bos_token_id=bos_id)
 
@@ -285,8 +308,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") 
 
 # --- a transformers model for evaluation ------------------------------------------------------
 
-def load_hf_causal_lm(path: str | Path, device: str | torch.device = "cpu",
-                      **from_pretrained_kw: Any) -> tuple[Any, Any]:
+
+def load_hf_causal_lm(
+    path: str | Path, device: str | torch.device = "cpu", **from_pretrained_kw: Any
+) -> tuple[Any, Any]:
     """A transformers causal LM (eval mode) and its tokenizer from a folder or Hub name, for
     `tinygpt.evals` (an export, a merged finetune, any causal LM); the folder is checked first and
     its own code never runs (`from_pretrained`)."""

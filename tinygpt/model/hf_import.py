@@ -5,6 +5,7 @@ A config.json the GPT cannot represent (another architecture, a Llama or Qwen3 f
 refused before any weights are read, naming each field (`representation_gaps`); every file is read
 bounded and never through a link (`core.files.read_json_safe`, `hf_file`).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,11 @@ def representation_gaps(cfg: dict[str, Any]) -> list[str]:
     feature the GPT lacks. Each item names the field and its value."""
     arch = cfg.get("architectures") or []
     kind = cfg.get("model_type")
-    family = (FAMILIES.get(kind) if kind
-              else next((f for f in FAMILIES.values() if f.model_class in arch), None))
+    family = (
+        FAMILIES.get(kind)
+        if kind
+        else next((f for f in FAMILIES.values() if f.model_class in arch), None)
+    )
     if family is None:
         what = kind or (arch[0] if arch else "an unknown model type")
         why = FAMILY_DIFFERENCES.get(kind or "")
@@ -57,8 +61,11 @@ def representation_gaps(cfg: dict[str, Any]) -> list[str]:
         if cfg.get(key) is not None and cfg[key] != value
     ]
     rope = cfg.get("rope_scaling") or {}
-    rope_type = (rope.get("rope_type") or rope.get("type")
-                 or (cfg.get("rope_parameters") or {}).get("rope_type", "default"))
+    rope_type = (
+        rope.get("rope_type")
+        or rope.get("type")
+        or (cfg.get("rope_parameters") or {}).get("rope_type", "default")
+    )
     if rope_type not in (None, "default"):
         gaps.append(f"RoPE scaling {rope_type!r} (tinygpt's attention does not implement it)")
     if family.model_type == "llama" and cfg.get("sliding_window"):
@@ -107,6 +114,7 @@ def hub_model_folder(spec: str, weights: bool = True) -> Path:
         raise ValueError(f"{spec!r}: a model is written hf:NAME[@REVISION], with no :CONFIG")
     try:
         from huggingface_hub import snapshot_download
+
         files = HUB_META_FILES + (HUB_WEIGHT_FILES if weights else ())
         return Path(snapshot_download(name, revision=revision, allow_patterns=list(files)))
     except Exception as e:  # not found, gated, offline: the user's to fix, in one line

@@ -1,5 +1,6 @@
 """Build a model and its tokenizer from a tinygpt run
 folder (storage knows files; this knows models)."""
+
 from __future__ import annotations
 
 from pathlib import Path

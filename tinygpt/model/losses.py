@@ -23,6 +23,7 @@ its fp32 buffer.
 `softcapped_loss` is the same loss for a head whose logits are soft-capped (Gemma-2), a chunk of
 rows at a time, each chunk recomputed in the backward pass.
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,18 +65,25 @@ def free_memory(device: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def default_chunk_rows(n_rows: int, vocab_size: int, mode: str = "auto",
-                       free_bytes: int | None = None) -> int:
+def default_chunk_rows(
+    n_rows: int, vocab_size: int, mode: str = "auto", free_bytes: int | None = None
+) -> int:
     """Rows per chunk for `n_rows` tokens; 0 means the plain loss over the full logits ("full", or
     "auto" when the full logits fit). `free_bytes`: the device's free memory where known (a GPU):
     the full logits fit within FULL_SHARE of it, a chunk takes CHUNK_SHARE of it; unknown: by size."""
     if mode == "full":
         return 0
-    if mode == "auto" and (n_rows * vocab_size <= PLAIN_MAX_LOGITS if free_bytes is None
-                           else n_rows * vocab_size * FULL_LOGIT_BYTES <= FULL_SHARE * free_bytes):
+    if mode == "auto" and (
+        n_rows * vocab_size <= PLAIN_MAX_LOGITS
+        if free_bytes is None
+        else n_rows * vocab_size * FULL_LOGIT_BYTES <= FULL_SHARE * free_bytes
+    ):
         return 0
-    budget = (CHUNK_LOGITS if free_bytes is None
-              else max(CHUNK_LOGITS, int(CHUNK_SHARE * free_bytes) // CHUNK_LOGIT_BYTES))
+    budget = (
+        CHUNK_LOGITS
+        if free_bytes is None
+        else max(CHUNK_LOGITS, int(CHUNK_SHARE * free_bytes) // CHUNK_LOGIT_BYTES)
+    )
     rows = max(1, budget // vocab_size)
     if rows >= 64:
         rows -= rows % 64  # a multiple of 64 keeps the matmul tiles whole
@@ -120,10 +128,16 @@ def _accumulate(grad_w: torch.Tensor, g: torch.Tensor, xc: torch.Tensor) -> None
 
 
 @torch.library.custom_op("tinygpt::chunked_linear_ce", mutates_args=())
-def _chunked_linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                       chunk_rows: int, ignore_index: int, compute_dtype: torch.dtype,
-                       grad_x_needed: bool, grad_w_needed: bool,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunked_linear_ce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_rows: int,
+    ignore_index: int,
+    compute_dtype: torch.dtype,
+    grad_x_needed: bool,
+    grad_w_needed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed token loss of `x @ weight.T`, its gradient in x, in weight), the gradients made in
     the forward pass a chunk of rows at a time; one opaque op, so `torch.compile` sees one node
     whatever the number of chunks. chunk_rows < 0: sized by the device's free memory now. A gradient
@@ -164,9 +178,11 @@ def _chunked_linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 @_chunked_linear_ce.register_fake
 def _(x, weight, targets, chunk_rows, ignore_index, compute_dtype, grad_x_needed, grad_w_needed):
     acc_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
-    return (x.new_empty((), dtype=acc_dtype),
-            torch.empty_like(x) if grad_x_needed else x.new_empty(0),
-            x.new_empty(weight.shape if grad_w_needed else (0,), dtype=acc_dtype))
+    return (
+        x.new_empty((), dtype=acc_dtype),
+        torch.empty_like(x) if grad_x_needed else x.new_empty(0),
+        x.new_empty(weight.shape if grad_w_needed else (0,), dtype=acc_dtype),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -186,9 +202,16 @@ def _backward(ctx, grad_loss, _grad_x, _grad_w):
 _chunked_linear_ce.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         reduction: str = "mean", ignore_index: int = IGNORE_INDEX,
-                         chunk_rows: int | None = None, mode: str = "auto") -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    reduction: str = "mean",
+    ignore_index: int = IGNORE_INDEX,
+    chunk_rows: int | None = None,
+    mode: str = "auto",
+) -> torch.Tensor:
     """Cross-entropy of the logits `x @ weight.T` (fp32 log-softmax) against `targets`.
 
     x: (..., d) hidden states; weight: (vocab, d) head; targets: (...) class ids, `ignore_index`
@@ -212,16 +235,29 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         return F.cross_entropy(logits, t, ignore_index=ignore_index, reduction=reduction)
     grad_on = torch.is_grad_enabled()
     loss_sum, _, _ = _chunked_linear_ce(
-        x2, weight, t, chunk_rows, ignore_index, _compute_dtype(x2, weight),
-        grad_on and x2.requires_grad, grad_on and weight.requires_grad)
+        x2,
+        weight,
+        t,
+        chunk_rows,
+        ignore_index,
+        _compute_dtype(x2, weight),
+        grad_on and x2.requires_grad,
+        grad_on and weight.requires_grad,
+    )
     if reduction == "sum":
         return loss_sum
     # A tensor division, no .item(): no host-device sync in the training loop.
     return loss_sum / (t != ignore_index).sum()
 
 
-def softcapped_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
-                    *, chunk_rows: int | None = None) -> torch.Tensor:
+def softcapped_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    cap: float,
+    *,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
     """Summed cross-entropy of Gemma-2's logits cap * tanh(hidden @ weight.T / cap), a chunk of rows
     at a time. Each chunk's logits are recomputed in the backward pass instead of kept: one more
     head matmul buys the (tokens, 256k vocab) logits that would not fit a T4 next to the model.
@@ -232,10 +268,13 @@ def softcapped_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
     def part(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
         z = F.linear(hc, weight).float()
-        return F.cross_entropy(cap * torch.tanh(z / cap), tc, ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return F.cross_entropy(
+            cap * torch.tanh(z / cap), tc, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
 
     if rows <= 0 or rows >= h.shape[0]:
         return part(h, t)
-    return sum(checkpoint(part, h[i:i + rows], t[i:i + rows], use_reentrant=False)
-               for i in range(0, h.shape[0], rows))
+    return sum(
+        checkpoint(part, h[i : i + rows], t[i : i + rows], use_reentrant=False)
+        for i in range(0, h.shape[0], rows)
+    )

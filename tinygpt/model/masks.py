@@ -7,6 +7,7 @@ One rule (`mask_rule`) says which key a query may see; on CUDA it becomes FlexAt
 (only the blocks that hold a visible key are computed), elsewhere a boolean mask for
 `F.scaled_dot_product_attention` built from the same rule.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -41,8 +42,9 @@ def mask_rule(docs: torch.Tensor | None, window: torch.Tensor | None) -> Callabl
     return rule
 
 
-def training_mask(docs: torch.Tensor | None, window: int | None, B: int, T: int,
-                  device: torch.device) -> Any:
+def training_mask(
+    docs: torch.Tensor | None, window: int | None, B: int, T: int, device: torch.device
+) -> Any:
     """The mask `masked_attention` takes for a (B, T) batch: a FlexAttention block mask on CUDA,
     else a (B, 1, T, T) boolean tensor (True: attend). None when there is nothing to mask beyond
     causality (no documents and a window of the whole context)."""
@@ -62,8 +64,9 @@ def training_mask(docs: torch.Tensor | None, window: int | None, B: int, T: int,
     return rule(b, 0, i[None, None, :, None], i[None, None, None, :]).expand(B, 1, T, T)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
-                     enable_gqa: bool) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, enable_gqa: bool
+) -> torch.Tensor:
     """Attention under a `training_mask`: FlexAttention for a block mask, SDPA for a tensor."""
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)

@@ -4,7 +4,8 @@ prompt of one instruction (`format_prompt`), and `Codec`, what encoding needs of
 batch encoder.
 
 Finetuning (`finetune.instruct`) trains on these prompts, `model.generate.generate_response` asks
-with them, and `publish` writes them into an exported model's chat template. """
+with them, and `publish` writes them into an exported model's chat template."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,9 +18,12 @@ TEMPLATES: dict[str, tuple[str, str]] = {
         "context. Write a response that appropriately completes the request.\n\n"
         "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
         "Below is an instruction that describes a task. Write a response that appropriately "
-        "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"),
-    "short": ("### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
-              "### Instruction:\n{instruction}\n\n### Response:\n"),
+        "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n",
+    ),
+    "short": (
+        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+        "### Instruction:\n{instruction}\n\n### Response:\n",
+    ),
 }
 
 Segments = list[tuple[str | None, bool]]  # (text, carries loss); text None: the eos token
@@ -28,8 +32,9 @@ Segments = list[tuple[str | None, bool]]  # (text, carries loss); text None: the
 def check_template(template: str) -> None:
     """Refuse (ValueError) a template name that is not in TEMPLATES."""
     if template not in TEMPLATES:
-        raise ValueError(f"unknown prompt template {template!r}; choose one of "
-                         f"{', '.join(TEMPLATES)}")
+        raise ValueError(
+            f"unknown prompt template {template!r}; choose one of {', '.join(TEMPLATES)}"
+        )
 
 
 def format_prompt(instruction: str, input: str = "", template: str = "alpaca") -> str:
@@ -57,10 +62,12 @@ class Codec:
                 raise ValueError("the tokenizer has no eos token, so a response cannot be ended")
             # verbose=False: no "sequence length is longer than the maximum" warning; the caller
             # truncates to its seq_len and reports the truncated examples itself
-            self.encode_batch = lambda texts: tokenizer(list(texts), add_special_tokens=False,
-                                                        verbose=False)["input_ids"]
-            self.chat_template = (self._render_chat
-                                  if getattr(tokenizer, "chat_template", None) else None)
+            self.encode_batch = lambda texts: tokenizer(
+                list(texts), add_special_tokens=False, verbose=False
+            )["input_ids"]
+            self.chat_template = (
+                self._render_chat if getattr(tokenizer, "chat_template", None) else None
+            )
         self.pad_id = self.eos_id
 
     def _render_chat(self, messages: list, **kwargs: Any) -> Any:
@@ -70,11 +77,15 @@ class Codec:
             return self.tokenizer.apply_chat_template(messages, **kwargs)
         except Exception as e:  # noqa: BLE001 (whatever the base's template raised)
             base = Path(str(getattr(self.tokenizer, "name_or_path", "") or "."))
-            file = base / "chat_template.jinja"  # transformers reads it before tokenizer_config.json
+            file = (
+                base / "chat_template.jinja"
+            )  # transformers reads it before tokenizer_config.json
             file = file if file.is_file() else base / "tokenizer_config.json"
             why = " ".join(str(e).split())[:200] or "it raised an error"
-            raise ValueError(f"{file}: the base's chat template cannot render a conversation "
-                             f"({why}); use a base whose chat template renders") from None
+            raise ValueError(
+                f"{file}: the base's chat template cannot render a conversation "
+                f"({why}); use a base whose chat template renders"
+            ) from None
 
     def encode_examples(self, segments: list[Segments]) -> list[tuple[list[int], list[bool]]]:
         """(ids, trained flags) per example: [bos] + segments, a None segment being the eos

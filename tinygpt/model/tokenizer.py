@@ -11,6 +11,7 @@ The GPT-2 tokenizer encodes batches through tiktoken when it is installed
 (`tiktoken_gpt2`: built from the same local vocab and merges files, no
 download; the same ids, about 5x the speed); TINYGPT_TIKTOKEN=0 turns that off.
 Tokenizers tinygpt trains, and every other, encode through `tokenizers`."""
+
 from __future__ import annotations
 
 import functools
@@ -142,8 +143,11 @@ class Tokenizer:
         tiktoken is installed and TINYGPT_TIKTOKEN is not 0. Decided once per tokenizer."""
         if self._tiktoken is False:
             self._tiktoken = None
-            if (self.vocab_size == GPT2_VOCAB and self.eot_id == GPT2_VOCAB - 1
-                    and os.environ.get("TINYGPT_TIKTOKEN", "1") != "0"):
+            if (
+                self.vocab_size == GPT2_VOCAB
+                and self.eot_id == GPT2_VOCAB - 1
+                and os.environ.get("TINYGPT_TIKTOKEN", "1") != "0"
+            ):
                 enc = tiktoken_gpt2()
                 if enc is not None and (self.gpt2 or self.fingerprint() == _gpt2_fingerprint()):
                     self._tiktoken = enc
@@ -202,8 +206,12 @@ def train_bpe(texts: Iterator[str] | Iterable[str], vocab_size: int, eot: str = 
             f"vocab_size must be at least 257 (256 bytes + end-of-text), got {vocab_size}"
         )
     tok = _byte_level(_HFTokenizer(models.BPE()))
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eot], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eot],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(tok, eot)
 
@@ -282,8 +290,11 @@ def gpt2_ranks(vocab_json: str | Path, merges_txt: str | Path) -> dict[bytes, in
     lines = Path(merges_txt).read_text(encoding="utf-8").splitlines()
     # "a b" -> ab
     merged = [line.replace(" ", "") for line in lines if line and not line.startswith("#version")]
-    if (sorted(ranks.values()) != list(range(len(ranks))) or vocab.get(EOT) != len(ranks)
-            or [vocab.get(m) for m in merged] != list(range(256, 256 + len(merged)))):
+    if (
+        sorted(ranks.values()) != list(range(len(ranks)))
+        or vocab.get(EOT) != len(ranks)
+        or [vocab.get(m) for m in merged] != list(range(256, 256 + len(merged)))
+    ):
         raise ValueError(
             f"{vocab_json} and {merges_txt} are not GPT-2's layout (ids in merge order)"
         )
@@ -303,8 +314,13 @@ def tiktoken_gpt2() -> Any:
         ranks = gpt2_ranks(*find_gpt2_files())
     except ValueError:
         return None
-    return tiktoken.Encoding(name="tinygpt-gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={EOT: len(ranks)}, explicit_n_vocab=len(ranks) + 1)
+    return tiktoken.Encoding(
+        name="tinygpt-gpt2",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={EOT: len(ranks)},
+        explicit_n_vocab=len(ranks) + 1,
+    )
 
 
 class TiktokenGPT2:

@@ -81,7 +81,9 @@ def read_base(spec: str) -> Base:
     if kind == "run":
         run = RunDir(path)
         if latest_valid(run.checkpoints) is None:
-            raise ConfigError(f"--init {spec}: the run has no valid checkpoint to start from; train it first")
+            raise ConfigError(
+                f"--init {spec}: the run has no valid checkpoint to start from; train it first"
+            )
         model, tokenizer = (
             Recipe.from_dict(run.recipe_dict()).model,
             Tokenizer.load(path / TOKENIZER_JSON),
@@ -133,7 +135,9 @@ def _read_hf_base(spec: str, kind: str, path: Path) -> tuple[ModelConfig, Tokeni
         raise ConfigError(f"--init {spec}: its config.json is not a model config (a JSON object)")
     gaps = representation_gaps(cfg)
     if gaps:
-        raise ConfigError(f"--init {spec}: tinygpt's GPT cannot represent this model: {'; '.join(gaps)}")
+        raise ConfigError(
+            f"--init {spec}: tinygpt's GPT cannot represent this model: {'; '.join(gaps)}"
+        )
     try:
         model = ModelConfig.from_hf_llama(cfg)
     except (ConfigError, KeyError) as e:
@@ -180,7 +184,9 @@ def continued_recipe(template: Recipe | str, init: str) -> Recipe:
         warmup_steps=max(t.warmup_steps, round(CONTINUE_WARMUP_FRACTION * t.max_steps)),
         optimizer="adamw",
     )
-    data = dataclasses.replace(template.data, tokenizer=INIT_TOKENIZER, vocab_size=base.tokenizer.vocab_size)
+    data = dataclasses.replace(
+        template.data, tokenizer=INIT_TOKENIZER, vocab_size=base.tokenizer.vocab_size
+    )
     return Recipe(
         template.name,
         f"{template.description} Continued from {base.spec}.",
@@ -241,7 +247,9 @@ def starting_base(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> 
         return None
     run = RunDir(run_dir)
     resumes = resume == "auto" and latest_valid(run.checkpoints) is not None
-    if resumes and (recipe.data.tokenizer != INIT_TOKENIZER or (run.path / TOKENIZER_JSON).is_file()):
+    if resumes and (
+        recipe.data.tokenizer != INIT_TOKENIZER or (run.path / TOKENIZER_JSON).is_file()
+    ):
         return None
     base = read_base(recipe.model.init)
     network = ModelConfig.network_fields()
@@ -252,7 +260,8 @@ def starting_base(recipe: Recipe, run_dir: str | Path, resume: str = "auto") -> 
         raise ConfigError(
             f"the base {base.spec} is another network than the recipe's model (base first): "
             + "; ".join(
-                d.replace("in the run", "in the base").replace(" now", " in the recipe") for d in diffs
+                d.replace("in the run", "in the base").replace(" now", " in the recipe")
+                for d in diffs
             )
             + "; use continued_recipe (tinygpt pretrain --init) to size it"
         )
@@ -275,4 +284,6 @@ def base_weights(base: Base) -> dict:
         newest = latest_valid(RunDir(base.path).checkpoints)
         return load_checkpoint(newest, with_state=False)[0]
     folder = hub_model_folder(base.spec) if base.kind == "hub" else base.path
-    return {k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")}
+    return {
+        k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")
+    }

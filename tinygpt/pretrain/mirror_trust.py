@@ -2,6 +2,7 @@
 compared with the command, and the run files a restore would copy home are read as a start reads
 them, before a byte is copied from or to it (`check_mirror_run`, called by
 `pretrain.run_pretrain.train_run`)."""
+
 from __future__ import annotations
 
 import os
@@ -51,9 +52,11 @@ def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = Fa
     if sized:  # a plan tinygpt could not have written: refused before anything is copied
         kept_plan(info, f"{path} (nothing was copied from or to the mirror)")
     ours = recipe.to_dict()
-    diffs = config_differences({k: theirs.get(k) for k in ("model", "train", "data")},
-                               {k: ours[k] for k in ("model", "train", "data")},
-                               MIRROR_MAY_DIFFER | (PLANNED_FIELDS if sized else set()))
+    diffs = config_differences(
+        {k: theirs.get(k) for k in ("model", "train", "data")},
+        {k: ours[k] for k in ("model", "train", "data")},
+        MIRROR_MAY_DIFFER | (PLANNED_FIELDS if sized else set()),
+    )
     fields = [d.split(":", 1)[0] for d in diffs]  # the names only: its values may be private paths
     if theirs.get("name") != recipe.name:
         fields.insert(0, "recipe")

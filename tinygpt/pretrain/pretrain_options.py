@@ -1,6 +1,7 @@
 """`tinygpt pretrain`'s options (`PretrainOptions`): how to run a recipe, each field one option
 (core/options.py), checked when made; and the `--set` overrides that a time budget refuses
 (`check_budget_overrides`)."""
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,13 @@ class PretrainOptions:
     """How to run a recipe (the recipe says what to train). Every field has the CLI's default; each
     with help is a `tinygpt pretrain` option (core/options.py), and each that "sets" a recipe field
     overrides it when given."""
-    run_dir: str | Path = option("runs/default", flag="RUN_DIR", alias="--run-dir",
-                                 help="the run folder: made, or resumed when it holds this run")
+
+    run_dir: str | Path = option(
+        "runs/default",
+        flag="RUN_DIR",
+        alias="--run-dir",
+        help="the run folder: made, or resumed when it holds this run",
+    )
     data: str | None = option(
         None,
         help="builtin, a text file or folder, or hf:NAME[:CONFIG][@SPLIT] (default: the recipe's)",
@@ -47,34 +53,41 @@ class PretrainOptions:
         help="save a checkpoint every N steps (default: the recipe's)",
         sets="train.save_every",
     )
-    eval_every: int | None = option(None, help="evaluate every N steps (default: the recipe's)",
-                                    sets="train.eval_every")
+    eval_every: int | None = option(
+        None, help="evaluate every N steps (default: the recipe's)", sets="train.eval_every"
+    )
     resume: Literal["auto", "never"] = option(
-        "auto", help="auto: from the newest valid checkpoint (local or mirror); never: refuse a "
-        "folder that has checkpoints")
+        "auto",
+        help="auto: from the newest valid checkpoint (local or mirror); never: refuse a "
+        "folder that has checkpoints",
+    )
     mirror: str | Path | None = option(
         None, help="a folder (e.g. on Google Drive) that mirrors the run's checkpoints"
     )
-    device: str | None = option(None, help="cpu, cuda, cuda:1, mps (default: the best available)",
-                                sets="train.device")
+    device: str | None = option(
+        None, help="cpu, cuda, cuda:1, mps (default: the best available)", sets="train.device"
+    )
     compile: CompileMode | None = option(
         None,
         sets="train.compile",
         help="torch.compile the whole model (on), by regions: each block, then the head and the "
         "loss (regional), or not (off); default: the recipe's (auto: regional on CUDA)",
     )
-    cache_dir: str | Path | None = None      # token caches; default $TINYGPT_CACHE/tokens
+    cache_dir: str | Path | None = None  # token caches; default $TINYGPT_CACHE/tokens
     # extra trainer callbacks (tinygpt.core.callback.Callback)
     callbacks: list | tuple = ()
     progress: bool = option(True, flag="--quiet", help="no progress bar")
-    sample_prompt: str | None = None         # default: how a held-out document begins
-    peak_tflops: float | None = None         # for MFU; default from the GPU table
+    sample_prompt: str | None = None  # default: how a held-out document begins
+    peak_tflops: float | None = None  # for MFU; default from the GPU table
     parallel: Literal["ddp", "fsdp"] = option(
-        "ddp", help="under torchrun: DDP, or FSDP2 to shard a model too big for one GPU")
+        "ddp", help="under torchrun: DDP, or FSDP2 to shard a model too big for one GPU"
+    )
     probe: Literal["auto", "off"] = option(
-        "auto", help="on a GPU, let the probe choose micro-batch, context and precision (off: the "
-        "recipe as written)")
-    tensorboard: bool | None = None          # None: when installed; True: required; False: off
+        "auto",
+        help="on a GPU, let the probe choose micro-batch, context and precision (off: the "
+        "recipe as written)",
+    )
+    tensorboard: bool | None = None  # None: when installed; True: required; False: off
 
     def __post_init__(self):
         if (problem := field_problem(self)) is not None:  # resume, probe, parallel: their Literals
@@ -125,10 +138,14 @@ def check_budget_overrides(changes: dict[str, dict[str, Any]], hours: float | No
     both)."""
     train = changes.get("train", {}) if hours is not None else {}
     if train.get("schedule", BUDGET_SCHEDULE) != BUDGET_SCHEDULE:
-        raise ConfigError(f"--set train.schedule={train['schedule']} cannot be honoured with "
-                          f"--hours: a time budget trains with schedule {BUDGET_SCHEDULE} "
-                          f"({BUDGET_SCHEDULE_WHY}); drop the --set, or give "
-                          "--max-steps instead of --hours")
+        raise ConfigError(
+            f"--set train.schedule={train['schedule']} cannot be honoured with "
+            f"--hours: a time budget trains with schedule {BUDGET_SCHEDULE} "
+            f"({BUDGET_SCHEDULE_WHY}); drop the --set, or give "
+            "--max-steps instead of --hours"
+        )
     if "max_steps" in train:
-        raise ConfigError(f"--set train.max_steps={train['max_steps']} and --hours both set the "
-                          "step count: give one (a time budget measures its steps after warm-up)")
+        raise ConfigError(
+            f"--set train.max_steps={train['max_steps']} and --hours both set the "
+            "step count: give one (a time budget measures its steps after warm-up)"
+        )

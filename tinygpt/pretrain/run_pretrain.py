@@ -311,8 +311,9 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
     """The sampler (waiting for the first shard), the validation batches, the model, its callbacks
     (the mirror last), the trainer, which closes them all when it ends."""
     t = plan.recipe.train
-    sampler = WindowSampler(data.tokens, t.seq_len, t.seed,
-                            eot_id=data.tokenizer.eot_id if t.doc_mask else None)
+    sampler = WindowSampler(
+        data.tokens, t.seq_len, t.seed, eot_id=data.tokenizer.eot_id if t.doc_mask else None
+    )
     val = fixed_batches(
         data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1),
         t.seq_len,

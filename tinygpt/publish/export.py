@@ -13,6 +13,7 @@ Invariants:
 - A finetune's prompt format travels whole (source.py): config.json, tokenizer_config.json,
   tokenizer.json and the GGUF agree on the token its prompts begin with.
 """
+
 from __future__ import annotations
 
 import sys
@@ -54,8 +55,15 @@ def check_format(fmt: str, quant: str) -> None:
     gg.check_quant(quant)
 
 
-def _write_gguf(run_dir: Path, model: Any, tok: Any, folder: Path, quant: str, bos: int | None,
-                context: int | None) -> str:
+def _write_gguf(
+    run_dir: Path,
+    model: Any,
+    tok: Any,
+    folder: Path,
+    quant: str,
+    bos: int | None,
+    context: int | None,
+) -> str:
     """The GGUF and its Modelfile into `folder`; returns the GGUF's name. bos: the token a
     finetune's training prompts began with (`prompt_start`), added by llama.cpp and Ollama; context:
     what clients read."""
@@ -64,12 +72,28 @@ def _write_gguf(run_dir: Path, model: Any, tok: Any, folder: Path, quant: str, b
     template = run_template(run_dir) if finetuned else None
     ctx = context or model.config.max_seq_len
     chat = jinja_template(template, tok.eot, bos is not None) if template else None
-    gg.write_gguf(model, tok, folder / name, quant, name=run_dir.resolve().name, context=ctx,
-                  bos_id=bos, add_bos=bos is not None, chat_template=chat)
+    gg.write_gguf(
+        model,
+        tok,
+        folder / name,
+        quant,
+        name=run_dir.resolve().name,
+        context=ctx,
+        bos_id=bos,
+        add_bos=bos is not None,
+        chat_template=chat,
+    )
     # outside run folders: the export folder this call made, fresh
-    (folder / gg.MODELFILE).write_text(gg.modelfile(
-        name, tok, ctx, template=ollama_template(template) if template else None,
-        stops=("### Instruction:",) if template else ()), encoding="utf-8")
+    (folder / gg.MODELFILE).write_text(
+        gg.modelfile(
+            name,
+            tok,
+            ctx,
+            template=ollama_template(template) if template else None,
+            stops=("### Instruction:",) if template else (),
+        ),
+        encoding="utf-8",
+    )
     return name
 
 
@@ -83,24 +107,45 @@ def _context(run_dir: Path, context: int | None) -> int | None:
 @dataclass(kw_only=True)
 class ExportOptions(RunCheckpoint):
     """`tinygpt export`: each field is one of its options (core/options.py)."""
+
     out_dir: str = option(flag="OUT_DIR", help="a new or empty folder; nothing is overwritten")
-    format: str = option("hf", choices=FORMATS, help="hf: config.json + model.safetensors + "
-                         "tokenizer; gguf: one .gguf file + an Ollama Modelfile")
+    format: str = option(
+        "hf",
+        choices=FORMATS,
+        help="hf: config.json + model.safetensors + "
+        "tokenizer; gguf: one .gguf file + an Ollama Modelfile",
+    )
     quant: str = option("f16", choices=gg.QUANTS, help="GGUF only: the weights' type")
-    context: int = option(0, help="the context clients are told (config.json, GGUF, Modelfile, "
-                          "card); 0: the one the model was trained at (train.seq_len). More is "
-                          "your choice: positions past the trained context were never trained")
+    context: int = option(
+        0,
+        help="the context clients are told (config.json, GGUF, Modelfile, "
+        "card); 0: the one the model was trained at (train.seq_len). More is "
+        "your choice: positions past the trained context were never trained",
+    )
 
     def run(self) -> Path:
-        out = export(self.run_dir, self.out_dir, self.format, self.quant, self.which,
-                     context=self.context or None)
+        out = export(
+            self.run_dir,
+            self.out_dir,
+            self.format,
+            self.quant,
+            self.which,
+            context=self.context or None,
+        )
         if self.format == "gguf" and self.quant == "q8_0":
             print(f"note: {AMX_NOTE}", file=sys.stderr)
         return out
 
 
-def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str = "f16",
-           which: str = "latest", *, context: int | None = None) -> Path:
+def export(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    fmt: str = "hf",
+    quant: str = "f16",
+    which: str = "latest",
+    *,
+    context: int | None = None,
+) -> Path:
     """A run (pretraining, or finetuning merged) as a new folder at `out_dir`: Hugging Face files
     (`hf`) or a GGUF with its Modelfile (`gguf`), with a model card either way. context: the context
     clients are told (the trained one, `trained_context`, when None)."""
@@ -124,24 +169,30 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "hf", quant: str
             chat = jinja_template(run_template(run_dir), eot, bos is not None)
             set_prompt_format(tmp, bos_id=bos, chat_template=chat, context=ctx)
             # outside run folders: atomic_output's fresh temporary
-            (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None, which=which,
-                                               context=context), encoding="utf-8")
+            (tmp / CARD).write_text(
+                model_card(run_dir, hf=True, gguf_file=None, which=which, context=context),
+                encoding="utf-8",
+            )
         return out
     model, tok, bos = load_for_export(run_dir, which)
     if fmt == "hf":
         with atomic_output(out, folder=True) as tmp:
             _move_up(export_model(model, tok, tmp / "hf", context=ctx))
             # outside run folders: atomic_output's fresh temporary
-            (tmp / CARD).write_text(model_card(run_dir, hf=True, gguf_file=None, which=which,
-                                               context=context), encoding="utf-8")
+            (tmp / CARD).write_text(
+                model_card(run_dir, hf=True, gguf_file=None, which=which, context=context),
+                encoding="utf-8",
+            )
         return out
     # a tokenizer llama.cpp would split otherwise: refused now
     gg.tokenizer_tables(tok, model.config.vocab_size)
     with atomic_output(out, folder=True) as tmp:
         name = _write_gguf(run_dir, model, tok, tmp, quant, bos, ctx)
         # outside run folders: atomic_output's fresh temporary
-        (tmp / CARD).write_text(model_card(run_dir, hf=False, gguf_file=name, which=which,
-                                           context=context), encoding="utf-8")
+        (tmp / CARD).write_text(
+            model_card(run_dir, hf=False, gguf_file=name, which=which, context=context),
+            encoding="utf-8",
+        )
     return out
 
 
@@ -152,8 +203,14 @@ def _move_up(folder: Path) -> None:
     folder.rmdir()
 
 
-def upload_folder(run_dir: str | Path, out_dir: str | Path, repo_id: str, *,
-                  gguf: str | None = "q8_0", which: str = "latest") -> Path:
+def upload_folder(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    repo_id: str,
+    *,
+    gguf: str | None = "q8_0",
+    which: str = "latest",
+) -> Path:
     """The folder `push` uploads: the Hugging Face files, a GGUF (`gguf` quantization; None for
     none) with its Modelfile, and one card for both."""
     run_dir = Path(run_dir)
@@ -164,6 +221,7 @@ def upload_folder(run_dir: str | Path, out_dir: str | Path, repo_id: str, *,
         model, tok, bos = load_for_export(run_dir, which)
         name = _write_gguf(run_dir, model, tok, hf_out, gguf, bos, _context(run_dir, None))
     # outside run folders: the export folder this call made, fresh
-    (hf_out / CARD).write_text(model_card(run_dir, hf=True, gguf_file=name, repo_id=repo_id,
-                                          which=which), encoding="utf-8")
+    (hf_out / CARD).write_text(
+        model_card(run_dir, hf=True, gguf_file=name, repo_id=repo_id, which=which), encoding="utf-8"
+    )
     return hf_out

@@ -4,6 +4,7 @@ Invariant: `push` needs a token (`HF_TOKEN`, or Colab's secret of that name) and
 either it stops with one line before exporting anything. What it uploads is exactly
 `upload_folder`'s folder.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,33 +42,53 @@ def hub_token() -> str | None:
 @dataclass(kw_only=True)
 class PushOptions(RunCheckpoint):
     """`tinygpt push`: each field is one of its options (core/options.py)."""
-    repo_id: str = option(flag="REPO_ID",
-                          help="USER/NAME or ORG/NAME (created if it does not exist)")
+
+    repo_id: str = option(
+        flag="REPO_ID", help="USER/NAME or ORG/NAME (created if it does not exist)"
+    )
     private: bool = option(False, help="create the repository private")
-    gguf: str = option("q8_0", choices=(*gg.QUANTS, "none"),
-                       help="also upload a GGUF of this type, for `ollama run hf.co/REPO_ID`")
+    gguf: str = option(
+        "q8_0",
+        choices=(*gg.QUANTS, "none"),
+        help="also upload a GGUF of this type, for `ollama run hf.co/REPO_ID`",
+    )
 
     def run(self) -> str:
-        return push(self.run_dir, self.repo_id, private=self.private,
-                    gguf=None if self.gguf == "none" else self.gguf, which=self.which)
+        return push(
+            self.run_dir,
+            self.repo_id,
+            private=self.private,
+            gguf=None if self.gguf == "none" else self.gguf,
+            which=self.which,
+        )
 
 
-def push(run_dir: str | Path, repo_id: str, *, token: str | None = None, private: bool = False,
-         gguf: str | None = "q8_0", which: str = "latest") -> str:
+def push(
+    run_dir: str | Path,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    gguf: str | None = "q8_0",
+    which: str = "latest",
+) -> str:
     """Upload `upload_folder`'s folder to the Hub repository `repo_id` (created if needed); returns
     its URL. The token and the Hub are checked first, so a missing token or no network costs no
     export."""
     if "/" not in repo_id or repo_id.count("/") != 1:
-        raise PushError(f"repository {repo_id!r} is not USER/NAME (or ORG/NAME), "
-                        "e.g. alice/tinygpt-124m")
+        raise PushError(
+            f"repository {repo_id!r} is not USER/NAME (or ORG/NAME), e.g. alice/tinygpt-124m"
+        )
     run_kind(Path(run_dir))
     if gguf:
         gg.check_quant(gguf)
     token = token or hub_token()
     if not token:
-        raise PushError("no Hugging Face token: set HF_TOKEN to a write token from "
-                        "https://huggingface.co/settings/tokens "
-                        "(in Colab: add a secret named HF_TOKEN)")
+        raise PushError(
+            "no Hugging Face token: set HF_TOKEN to a write token from "
+            "https://huggingface.co/settings/tokens "
+            "(in Colab: add a secret named HF_TOKEN)"
+        )
     try:
         from huggingface_hub import HfApi
     except ImportError as e:
@@ -76,18 +97,24 @@ def push(run_dir: str | Path, repo_id: str, *, token: str | None = None, private
     try:
         user = api.whoami()["name"]
     except Exception as e:
-        raise PushError(f"could not sign in to the Hugging Face Hub ({_short(e)}); check the "
-                        "network and that HF_TOKEN is a valid write token") from e
+        raise PushError(
+            f"could not sign in to the Hugging Face Hub ({_short(e)}); check the "
+            "network and that HF_TOKEN is a valid write token"
+        ) from e
     with tempfile.TemporaryDirectory(prefix="tinygpt-push-") as tmp:
         folder = upload_folder(run_dir, Path(tmp) / "upload", repo_id, gguf=gguf, which=which)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
             name = Path(run_dir).resolve().name
-            api.upload_folder(folder_path=str(folder), repo_id=repo_id,
-                              commit_message=f"tinygpt push of {name} by {user}")
+            api.upload_folder(
+                folder_path=str(folder),
+                repo_id=repo_id,
+                commit_message=f"tinygpt push of {name} by {user}",
+            )
         except Exception as e:
-            raise PushError(f"the upload to {repo_id} failed ({_short(e)}); run the same command "
-                            "again") from e
+            raise PushError(
+                f"the upload to {repo_id} failed ({_short(e)}); run the same command again"
+            ) from e
     return f"https://huggingface.co/{repo_id}"
 
 

@@ -7,6 +7,7 @@ Invariant: a finetune's prompt format travels whole. The token its training prom
 chat template (`jinja_template`, the Modelfile's TEMPLATE) renders a user turn exactly as
 `model.prompts.format_prompt` does.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -27,7 +28,7 @@ from tinygpt.model.prompts import TEMPLATES, Codec
 
 
 def run_kind(run_dir: Path) -> str:
-    """"pretrain", "finetune" (LoRA / QLoRA: an adapter to fold in) or "full" (full finetuning: a
+    """ "pretrain", "finetune" (LoRA / QLoRA: an adapter to fold in) or "full" (full finetuning: a
     whole model)."""
     run = RunDir(run_dir)
     if is_full_finetune(run_dir):
@@ -39,9 +40,11 @@ def run_kind(run_dir: Path) -> str:
     if not run_dir.exists():
         # a mistyped path: the closest run folder, if any
         raise FileNotFoundError(missing_run_message(run_dir))
-    raise FileNotFoundError(f"{run_dir} is neither a tinygpt run (run.json) nor a finetuning run "
-                            "(finetune.json); give the folder `tinygpt pretrain` or "
-                            "`tinygpt finetune` wrote")
+    raise FileNotFoundError(
+        f"{run_dir} is neither a tinygpt run (run.json) nor a finetuning run "
+        "(finetune.json); give the folder `tinygpt pretrain` or "
+        "`tinygpt finetune` wrote"
+    )
 
 
 def run_template(run_dir: Path) -> str:
@@ -67,8 +70,12 @@ def trained_context(run_dir: str | Path) -> int | None:
         return min(recipe.train.seq_len, recipe.model.max_seq_len)
     info = run.finetune_info() or {}
     base = info.get("base")
-    if (not isinstance(base, str) or not base or is_hub(base)
-            or not RunDir(Path(base)).is_pretrain_run()):
+    if (
+        not isinstance(base, str)
+        or not base
+        or is_hub(base)
+        or not RunDir(Path(base)).is_pretrain_run()
+    ):
         return None
     base_ctx, ft = trained_context(base), _finetune_seq_len(run_dir, info)
     return max(base_ctx, ft) if isinstance(ft, int) and base_ctx else base_ctx
@@ -80,8 +87,12 @@ def _finetune_seq_len(run_dir: Path, info: dict[str, Any]) -> int | None:
     try:
         import torch
 
-        state = torch.load(find_run_checkpoint(run_dir) / STATE_FILE, map_location="cpu",
-                           weights_only=True, mmap=True)
+        state = torch.load(
+            find_run_checkpoint(run_dir) / STATE_FILE,
+            map_location="cpu",
+            weights_only=True,
+            mmap=True,
+        )
         seq_len = (state.get("train_config") or {}).get("seq_len")
         if isinstance(seq_len, int):
             return seq_len
@@ -101,17 +112,23 @@ def load_for_export(run_dir: Path, which: str):
         model, tok, _, _ = load_run(run_dir, which)
         return model, tok, None
     with tempfile.TemporaryDirectory(prefix="tinygpt-merge-") as tmp:
-        merged = (merge_adapter(run_dir, Path(tmp) / MERGED_DIR) if kind == "finetune"
-                  else export_full(run_dir, which, Path(tmp) / FULL_MODEL_DIR))
+        merged = (
+            merge_adapter(run_dir, Path(tmp) / MERGED_DIR)
+            if kind == "finetune"
+            else export_full(run_dir, which, Path(tmp) / FULL_MODEL_DIR)
+        )
         bos = prompt_start(merged)
         try:
             model, tok = import_hf(merged)
         except ValueError as e:  # a base llama.cpp's llama/qwen3 would not be (Gemma, GPT-2...)
-            raise FinetuneError(f"GGUF export of this finetune: {e}; export it with --format hf "
-                                "and convert that with llama.cpp's convert_hf_to_gguf.py") from e
+            raise FinetuneError(
+                f"GGUF export of this finetune: {e}; export it with --format hf "
+                "and convert that with llama.cpp's convert_hf_to_gguf.py"
+            ) from e
     if tok is None:
-        raise FinetuneError(f"the merged model of {run_dir} has no tokenizer.json; GGUF needs a "
-                            "fast tokenizer")
+        raise FinetuneError(
+            f"the merged model of {run_dir} has no tokenizer.json; GGUF needs a fast tokenizer"
+        )
     return model, tok, bos
 
 
@@ -126,13 +143,15 @@ def _go_trim(src: str, dst: str, n: str) -> str:
     Ollama's templates have no trim function, so a loop over the bytes (range over an integer:
     Ollama 0.5.13 or later) finds the first and the end of the last non-space byte."""
     s, e, c = f"$s{n}", f"$e{n}", f"$c{n}"
-    return (f"{{{{{s} := -1}}}}{{{{{e} := 0}}}}{{{{{c} := false}}}}{{{{range $i := len {src}}}}}"
-            f"{{{{if {c}}}}}{{{{{e} = $i}}}}{{{{end}}}}"
-            f"{{{{{c} = not (eq (index {src} $i) {_GO_SPACE})}}}}"
-            f"{{{{if and {c} (lt {s} 0)}}}}{{{{{s} = $i}}}}{{{{end}}}}{{{{end}}}}"
-            f"{{{{if {c}}}}}{{{{{e} = len {src}}}}}{{{{end}}}}"
-            f"{{{{{dst} := slice {src} 0 0}}}}{{{{if ge {s} 0}}}}{{{{{dst} = slice {src} {s} {e}}}}}"
-            "{{end}}")
+    return (
+        f"{{{{{s} := -1}}}}{{{{{e} := 0}}}}{{{{{c} := false}}}}{{{{range $i := len {src}}}}}"
+        f"{{{{if {c}}}}}{{{{{e} = $i}}}}{{{{end}}}}"
+        f"{{{{{c} = not (eq (index {src} $i) {_GO_SPACE})}}}}"
+        f"{{{{if and {c} (lt {s} 0)}}}}{{{{{s} = $i}}}}{{{{end}}}}{{{{end}}}}"
+        f"{{{{if {c}}}}}{{{{{e} = len {src}}}}}{{{{end}}}}"
+        f"{{{{{dst} := slice {src} 0 0}}}}{{{{if ge {s} 0}}}}{{{{{dst} = slice {src} {s} {e}}}}}"
+        "{{end}}"
+    )
 
 
 def ollama_template(template: str) -> str:
@@ -144,14 +163,23 @@ def ollama_template(template: str) -> str:
     prompt is not in it: Ollama adds it, as the GGUF's add_bos_token says."""
     with_input, without = TEMPLATES[template]
     # $a: the prompt up to its first blank line, $b: from there on (the whole prompt and "")
-    split = ("{{$p := .Prompt}}{{$a := $p}}{{$b := slice $p 0 0}}{{$nl := -1}}{{$cut := false}}"
-             "{{range $i := len $p}}{{if not $cut}}{{if eq (index $p $i) 10}}"
-             "{{if ge $nl 0}}{{$cut = true}}{{$a = slice $p 0 $nl}}{{$b = slice $p $i}}"
-             "{{else}}{{$nl = $i}}{{end}}{{else}}{{$nl = -1}}{{end}}{{end}}{{end}}")
+    split = (
+        "{{$p := .Prompt}}{{$a := $p}}{{$b := slice $p 0 0}}{{$nl := -1}}{{$cut := false}}"
+        "{{range $i := len $p}}{{if not $cut}}{{if eq (index $p $i) 10}}"
+        "{{if ge $nl 0}}{{$cut = true}}{{$a = slice $p 0 $nl}}{{$b = slice $p $i}}"
+        "{{else}}{{$nl = $i}}{{end}}{{else}}{{$nl = -1}}{{end}}{{end}}{{end}}"
+    )
     fill = {"instruction": "{{$inst}}", "input": "{{$input}}"}
-    return (split + _go_trim("$a", "$inst", "1") + _go_trim("$b", "$input", "2")
-            + "{{if $input}}" + with_input.format(**fill) + "{{else}}"
-            + without.format(instruction=fill["instruction"]) + "{{end}}")
+    return (
+        split
+        + _go_trim("$a", "$inst", "1")
+        + _go_trim("$b", "$input", "2")
+        + "{{if $input}}"
+        + with_input.format(**fill)
+        + "{{else}}"
+        + without.format(instruction=fill["instruction"])
+        + "{{end}}"
+    )
 
 
 def jinja_template(template: str, eot: str, bos: bool = False) -> str:
@@ -164,12 +192,18 @@ def jinja_template(template: str, eot: str, bos: bool = False) -> str:
     one)."""
     with_input, without = TEMPLATES[template]
     fill = {"instruction": "{{ message['content'] | trim }}", "input": "{{ inp }}"}
-    return (("{{ bos_token }}" if bos else "")
-            + "{% for message in messages %}{% if message['role'] == 'user' %}"
-            + "{% if loop.first or messages[loop.index0 - 1]['role'] != 'user' %}"
-            + "{% set inp = '' %}{% if not loop.last and messages[loop.index0 + 1]['role'] == "
-            + "'user' %}{% set inp = messages[loop.index0 + 1]['content'] | trim %}{% endif %}"
-            + "{% if inp %}" + with_input.format(**fill) + "{% else %}"
-            + without.format(instruction=fill["instruction"]) + "{% endif %}{% endif %}"
-            + "{% elif message['role'] == 'assistant' %}{{ message['content'] }}" + eot
-            + "{% endif %}{% endfor %}")
+    return (
+        ("{{ bos_token }}" if bos else "")
+        + "{% for message in messages %}{% if message['role'] == 'user' %}"
+        + "{% if loop.first or messages[loop.index0 - 1]['role'] != 'user' %}"
+        + "{% set inp = '' %}{% if not loop.last and messages[loop.index0 + 1]['role'] == "
+        + "'user' %}{% set inp = messages[loop.index0 + 1]['content'] | trim %}{% endif %}"
+        + "{% if inp %}"
+        + with_input.format(**fill)
+        + "{% else %}"
+        + without.format(instruction=fill["instruction"])
+        + "{% endif %}{% endif %}"
+        + "{% elif message['role'] == 'assistant' %}{{ message['content'] }}"
+        + eot
+        + "{% endif %}{% endfor %}"
+    )

@@ -16,6 +16,7 @@ the stable phase, it goes on longer; once the decay has begun, it cannot. A run 
 checkpoint measures its budget anew, whatever budget.json says.
 `finished_run` tells a run that already reached its last step (budgeted, or the recipe's).
 """
+
 from __future__ import annotations
 
 import math
@@ -47,6 +48,7 @@ MAX_BUDGET_STEPS = 10**8  # the most steps a budget may fix, whatever its hours 
 @dataclass
 class Budget:
     """What budget.json holds: the hours asked for and the steps they buy, with the measurements."""
+
     hours: float
     max_steps: int | None = None  # None until decided
     decided_at_step: int | None = None
@@ -64,6 +66,7 @@ class Budget:
         def number(v, whole: bool = False) -> bool:
             kinds = (int,) if whole else (int, float)
             return isinstance(v, kinds) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
         if not isinstance(d, dict):
             raise RunDirError(
                 f"{path} does not hold a time budget (a JSON object with hours and max_steps){fix}"
@@ -141,8 +144,15 @@ def least_stable_steps(step: int, decay_fraction: float) -> int:
     return n
 
 
-def refix(budget: Budget, step: int, spent_s: float, step_s: float, final_s: float,
-          decay_fraction: float, now: float) -> Budget:
+def refix(
+    budget: Budget,
+    step: int,
+    spent_s: float,
+    step_s: float,
+    final_s: float,
+    decay_fraction: float,
+    now: float,
+) -> Budget:
     """The budget fixed again at `step` from `step_s`, the mean time of the steps since training began
     (`spent_s` ago), evaluations and saves included: the count that ends within the hours
     (`steps_for`). Only in the stable phase, and never a count whose decay would already have begun
@@ -218,8 +228,11 @@ def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = 
         return None
     last = latest_valid(run.checkpoints)
     budget = Budget.load(Path(run_dir))
-    max_steps = (max_steps or (budget.max_steps if budget else None)
-                 or run.recipe_dict().get("train", {}).get("max_steps"))
+    max_steps = (
+        max_steps
+        or (budget.max_steps if budget else None)
+        or run.recipe_dict().get("train", {}).get("max_steps")
+    )
     step = step_of(last) if last is not None else None
     if step is None or max_steps is None or step < max_steps:
         return None

@@ -17,6 +17,7 @@ the whole cache is refused before anything is written.
 
 File layout: one JSON line (what the cache is for, and the signature), then the artifact bytes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,6 +47,7 @@ def _colab_secret() -> str | None:
     """Colab's secret TINYGPT_COMPILE_KEY (None outside Colab, or when absent or not granted)."""
     try:
         from google.colab import userdata  # type: ignore[import-not-found]
+
         return userdata.get(KEY_ENV) or None
     except Exception:  # not in Colab, no such secret, or access not granted to this notebook
         return None
@@ -140,9 +142,11 @@ def _destination(kind: str, key: str) -> str | None:
         return os.path.join(cache_dir(), key)
     if kind == "inductor":
         from torch._inductor.codecache import FxGraphCache
+
         return FxGraphCache._get_tmp_dir_for_key(key)
     if kind == "aot_autograd":
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
         return AOTAutogradCache._get_tmp_dir_for_key(key)
     if kind == "pgo":
         from torch._dynamo.pgo import PGOCacheArtifact, code_state_path
@@ -152,6 +156,7 @@ def _destination(kind: str, key: str) -> str | None:
         )
     if kind == "precompile":
         from torch._dynamo.package import DynamoCache
+
         return os.path.join(DynamoCache.path_prefix(), key)
     return None
 
@@ -171,8 +176,12 @@ def checked_artifacts(payload: bytes):
             dest = _destination(kind, a.key)
             if dest is None:
                 raise ValueError(f"it holds a {kind!r} artifact, a kind not checked here")
-            if ("\0" in a.key or os.path.isabs(a.key) or ".." in a.key.replace("\\", "/").split("/")
-                    or not _inside(dest, root)):
+            if (
+                "\0" in a.key
+                or os.path.isabs(a.key)
+                or ".." in a.key.replace("\\", "/").split("/")
+                or not _inside(dest, root)
+            ):
                 raise ValueError(
                     f"its {kind} artifact {a.key[:80]!r} would be written outside torch's cache "
                     f"folder {root}"
@@ -201,8 +210,14 @@ def describe(
     shapes = hashlib.sha256(
         repr([(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]).encode()
     ).hexdigest()[:16]
-    return {"torch": torch.__version__, "device": device_name(device), "precision": precision,
-            "batch": [micro_batch, seq_len], "model": shapes, "mode": mode}
+    return {
+        "torch": torch.__version__,
+        "device": device_name(device),
+        "precision": precision,
+        "batch": [micro_batch, seq_len],
+        "model": shapes,
+        "mode": mode,
+    }
 
 
 class CompileCache:
@@ -263,6 +278,7 @@ class CompileCache:
             )
         try:
             from torch.compiler._cache import CacheArtifactManager
+
             CacheArtifactManager.populate_caches(artifacts)
         except Exception as e:
             return (

@@ -6,6 +6,7 @@ other (a shared mirror's, a file edited by hand) is state only: its size, micro-
 precision, a finetuning run's hardware class and plan, are decided here again (`pretrain.plan_run`,
 `probe.fit_to_device`, `probe_cache.read_kept`, `finetune.run_finetune._settle`).
 Field bounds (`plan.kept_plan`, `ProbeResult.from_dict`, `Budget.load`) stay as the second wall."""
+
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +22,11 @@ DECIDED = ("recipe", "plan", "probe")
 
 
 def _digest(key: bytes, d: dict, domain: str) -> str:
-    covered = {k: d.get(k) for k in DECIDED} if domain == RUN_DOMAIN else {
-        k: v for k, v in d.items() if k not in (SIGNATURE, "from_cache")}
+    covered = (
+        {k: d.get(k) for k in DECIDED}
+        if domain == RUN_DOMAIN
+        else {k: v for k, v in d.items() if k not in (SIGNATURE, "from_cache")}
+    )
     payload = json.dumps(covered, sort_keys=True, default=str)
     return hmac.new(key, f"tinygpt-{domain}\0{payload}".encode(), hashlib.sha256).hexdigest()
 

@@ -10,6 +10,7 @@ in the single-process format (gathered to rank 0 under FSDP2); rank 0 writes the
 The torch.distributed submodules (DDP, FSDP2, DTensor, distributed checkpoint) are imported inside
 the functions that use them: a single-process run, the common case in Colab, never loads them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,6 +43,7 @@ def _active() -> bool:
 @dataclass(frozen=True)
 class Ranks:
     """This process's place in a torchrun job (one process: the defaults)."""
+
     rank: int = 0
     world_size: int = 1
     parallel: str = "ddp"  # "ddp" or "fsdp" (FSDP2)
@@ -132,8 +134,10 @@ def process_group(
     else:
         dist.init_process_group("gloo", timeout=timeout)
     if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
-        raise RuntimeError(f"process group says rank {dist.get_rank()} of {dist.get_world_size()}, "
-                           f"the environment {env.rank} of {env.world_size}")
+        raise RuntimeError(
+            f"process group says rank {dist.get_rank()} of {dist.get_world_size()}, "
+            f"the environment {env.rank} of {env.world_size}"
+        )
     yield
     # Not on an error: after a lost peer, tearing NCCL down can hang; the process is ending anyway.
     dist.destroy_process_group()
@@ -174,11 +178,13 @@ def main_process_first(
 
 def is_fsdp(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
+
     return isinstance(model, FSDPModule)
 
 
-def wrap_model(model: torch.nn.Module, parallel: str, device: torch.device,
-               use_compile: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+def wrap_model(
+    model: torch.nn.Module, parallel: str, device: torch.device, use_compile: bool
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the module that trains, the module that evaluates) for `parallel` over the default group.
 
     DDP wraps the compiled model (as nanoGPT does); evaluation runs the compiled model without
@@ -195,11 +201,17 @@ def wrap_model(model: torch.nn.Module, parallel: str, device: torch.device,
         compiled = torch.compile(model) if use_compile else model
         # The rope tables are buffers that never change: broadcasting them every forward is waste
         # (newer torch names the switch forward_sync_buffers and deprecates broadcast_buffers).
-        no_buffer_sync = ({"forward_sync_buffers": False}
-                          if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-                          else {"broadcast_buffers": False})
-        ddp = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None,
-                  gradient_as_bucket_view=True, **no_buffer_sync)
+        no_buffer_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+            else {"broadcast_buffers": False}
+        )
+        ddp = DDP(
+            compiled,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            **no_buffer_sync,
+        )
         return ddp, compiled
     if parallel == "fsdp":
         if getattr(getattr(model, "config", None), "fused_proj", False):
@@ -239,6 +251,7 @@ def grad_scaler(precision, model: torch.nn.Module) -> torch.amp.GradScaler:
     agrees across ranks on inf/NaN in sharded gradients."""
     if precision.use_scaler and _active() and is_fsdp(model):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
         return ShardedGradScaler(precision.device_type)
     return precision.grad_scaler()
 
@@ -263,11 +276,13 @@ def local_value(t: Any) -> Any:
     if not _active():
         return t
     from torch.distributed.tensor import DTensor
+
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _full_options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     return StateDictOptions(full_state_dict=True, **kw)
 
 
@@ -280,8 +295,9 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
     return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
-def gather_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state_fn: Callable,
-                 rank: int) -> tuple[dict | None, dict | None]:
+def gather_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state_fn: Callable, rank: int
+) -> tuple[dict | None, dict | None]:
     """(model state, optimizer state) in the single-process
     format on rank 0, (None, None) elsewhere.
 
@@ -308,8 +324,13 @@ def gather_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state
     return sd, {"state": state, "param_groups": groups}
 
 
-def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd: dict, osd: dict,
-               load_state_fn: Callable) -> None:
+def load_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sd: dict,
+    osd: dict,
+    load_state_fn: Callable,
+) -> None:
     """Load a full (single-process format) model and optimizer state on every rank."""
     if not (_active() and is_fsdp(model)):
         load_state_fn(model, sd)
@@ -319,7 +340,6 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd: dic
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-
 
     sd = clean_state_dict(sd)
     if getattr(getattr(model, "config", None), "tie_embeddings", False):
@@ -360,8 +380,13 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _PEER_HINTS)
 
 
-def check_parallel(parallel: str, optimizer: str, world_size: int, custom_state: bool = False,
-                   sample_every: int = 0) -> None:
+def check_parallel(
+    parallel: str,
+    optimizer: str,
+    world_size: int,
+    custom_state: bool = False,
+    sample_every: int = 0,
+) -> None:
     """Refuse a parallel mode that cannot work, before any work starts."""
     if parallel not in PARALLEL_MODES:
         raise ConfigError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {parallel!r}")

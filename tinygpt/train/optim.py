@@ -1,6 +1,7 @@
 """Optimizers: AdamW with weight decay on matrices only (fused on CUDA), or Muon for the hidden
 matrices with AdamW for everything else, presented to the trainer as one optimizer.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -54,7 +55,8 @@ def _orthogonalize(update: torch.Tensor, group: dict) -> torch.Tensor:
     from torch.optim._muon import _zeropower_via_newtonschulz
 
     return _zeropower_via_newtonschulz(
-        update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        update, group["ns_coefficients"], group["ns_steps"], group["eps"]
+    )
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -131,9 +133,17 @@ class MuonAdamW(torch.optim.Optimizer):
     ``load_state_dict`` all see a single ordinary optimizer.
     """
 
-    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], *, lr: float,
-                 betas: tuple[float, float], eps: float = 1e-8, momentum: float = MUON_MOMENTUM,
-                 fused: bool = False):
+    def __init__(
+        self,
+        muon_groups: list[dict],
+        adamw_groups: list[dict],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float = 1e-8,
+        momentum: float = MUON_MOMENTUM,
+        fused: bool = False,
+    ):
         for g in muon_groups:
             g.setdefault("kind", "muon")
         for g in adamw_groups:
@@ -141,11 +151,20 @@ class MuonAdamW(torch.optim.Optimizer):
         groups = [g for g in muon_groups + adamw_groups if len(g["params"]) > 0]
         super().__init__(groups, {})
         # The inner optimizers fill in their defaults (momentum, betas, ...) into the shared dicts.
-        self._muon = self.inner_muon([g for g in self.param_groups if g["kind"] == "muon"] or
-                                      [{"params": []}], lr=lr, momentum=momentum, nesterov=True,
-                                      adjust_lr_fn="match_rms_adamw")
-        self._adamw = self.inner_adamw([g for g in self.param_groups if g["kind"] == "adamw"] or
-                                        [{"params": []}], lr=lr, betas=betas, eps=eps, fused=fused)
+        self._muon = self.inner_muon(
+            [g for g in self.param_groups if g["kind"] == "muon"] or [{"params": []}],
+            lr=lr,
+            momentum=momentum,
+            nesterov=True,
+            adjust_lr_fn="match_rms_adamw",
+        )
+        self._adamw = self.inner_adamw(
+            [g for g in self.param_groups if g["kind"] == "adamw"] or [{"params": []}],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            fused=fused,
+        )
         self._link()
 
     def _link(self) -> None:
@@ -211,8 +230,11 @@ class MuonAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                skip = (torch.zeros((), dtype=torch.bool, device=p.device) if found_inf is None
-                        else found_inf.to(p.device) > 0)
+                skip = (
+                    torch.zeros((), dtype=torch.bool, device=p.device)
+                    if found_inf is None
+                    else found_inf.to(p.device) > 0
+                )
                 grad = p.grad if grad_scale is None else p.grad / grad_scale.to(p.device)
                 grad = torch.where(skip, 0.0, grad)  # inf * 0 would be nan
                 state = self.state[p]
@@ -238,12 +260,14 @@ class MuonAdamW(torch.optim.Optimizer):
 
 class EagerMuonAdamW(MuonAdamW, EagerOptimizer):
     """MuonAdamW without the compiler's import (EagerOptimizer), inside and out."""
+
     inner_muon = eager(torch.optim.Muon)
     inner_adamw = EagerAdamW
 
 
-def rate_groups(model: torch.nn.Module, params: list[torch.nn.Parameter],
-                cfg: TrainConfig) -> list[dict]:
+def rate_groups(
+    model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainConfig
+) -> list[dict]:
     """AdamW's decayed matrices as groups: one at lr, or, where `embed_lr_scale` or `head_lr_scale`
     differ from 1, the input embedding and the head (untied; a tied matrix is the embedding) each in
     a group of its own rate, its weight decay divided by the same factor (as Muon's: lr * weight_decay,
@@ -251,19 +275,37 @@ def rate_groups(model: torch.nn.Module, params: list[torch.nn.Parameter],
     layout."""
     scales = {"embed": cfg.embed_lr_scale, "lm_head": cfg.head_lr_scale}
     first_name = {id(p): n for n, p in model.named_parameters()}
-    kinds = {key: [p for p in params if key in first_name[id(p)]] for key in scales} if any(
-        s != 1.0 for s in scales.values()) else {}
+    kinds = (
+        {key: [p for p in params if key in first_name[id(p)]] for key in scales}
+        if any(s != 1.0 for s in scales.values())
+        else {}
+    )
     taken = {id(p) for ps in kinds.values() for p in ps}
     rest = [p for p in params if id(p) not in taken]
-    groups = [{"params": ps, "lr": cfg.lr * scales[k], "lr_scale": scales[k],
-               "weight_decay": cfg.weight_decay / scales[k]} for k, ps in kinds.items() if ps]
-    return [{"params": rest, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
-            *groups]
+    groups = [
+        {
+            "params": ps,
+            "lr": cfg.lr * scales[k],
+            "lr_scale": scales[k],
+            "weight_decay": cfg.weight_decay / scales[k],
+        }
+        for k, ps in kinds.items()
+        if ps
+    ]
+    return [
+        {"params": rest, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
+        *groups,
+    ]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str, *,
-                    muon_lr_scale: float = MUON_LR_SCALE,
-                    compiled: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module,
+    cfg: TrainConfig,
+    device_type: str,
+    *,
+    muon_lr_scale: float = MUON_LR_SCALE,
+    compiled: bool = True,
+) -> torch.optim.Optimizer:
     """The optimizer for `cfg.optimizer`; the learning rate is set by the trainer every step
     (times each group's ``lr_scale``). Where nothing is `compiled`, the Eager classes: the same
     steps, without importing the compiler."""
@@ -276,10 +318,15 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str, 
     if cfg.optimizer == "muon":
         muon, decay, no_decay = split_muon_params(model)
         # Muon decays by lr * weight_decay per step, as AdamW: keep that product equal to AdamW's.
-        muon_groups = [{"params": muon, "lr": cfg.lr * muon_lr_scale, "lr_scale": muon_lr_scale,
-                        "weight_decay": cfg.weight_decay / muon_lr_scale,
-                        **({"coeffs": cfg.muon_coeffs}
-                           if cfg.muon_coeffs != "newton-schulz" else {})}]
+        muon_groups = [
+            {
+                "params": muon,
+                "lr": cfg.lr * muon_lr_scale,
+                "lr_scale": muon_lr_scale,
+                "weight_decay": cfg.weight_decay / muon_lr_scale,
+                **({"coeffs": cfg.muon_coeffs} if cfg.muon_coeffs != "newton-schulz" else {}),
+            }
+        ]
         adamw_groups = [
             *rate_groups(model, decay, cfg),
             {"params": no_decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0},

@@ -5,6 +5,7 @@ Every pretraining run prints the breakdown once its first step is done and recor
 metrics.jsonl as {"step": N, "startup": {...}} (a resumed run records its own start-up at its own
 first step). Phases are marked in order; each is the time since the previous mark.
 """
+
 from __future__ import annotations
 
 import sys
@@ -51,9 +52,15 @@ class StartupClock:
 
     def summary(self) -> str:
         r = self.record()
-        parts = [f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in r.items()
-                 if k not in ("total_s", "compile_s", "notes")]
+        parts = [
+            f"{k[:-2].replace('_', ' ')} {v:.1f} s"
+            for k, v in r.items()
+            if k not in ("total_s", "compile_s", "notes")
+        ]
         if r["compile_s"]:
             parts.append(f"of which compile {r['compile_s']:.1f} s")
-        return (f"start-up {r['total_s']:.1f} s to the first step: " + ", ".join(parts)
-                + "".join(f"; {n}" for n in self.notes))
+        return (
+            f"start-up {r['total_s']:.1f} s to the first step: "
+            + ", ".join(parts)
+            + "".join(f"; {n}" for n in self.notes)
+        )

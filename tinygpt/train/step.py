@@ -6,6 +6,7 @@ token losses are divided by the number of target tokens in the whole step, so ac
 same gradient as one big batch (also when prompt tokens are masked). The probe and the benchmarks
 time it; the Trainer (`tinygpt.train.trainer`) runs it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,11 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
         declared = set(getattr(module, "_no_split_modules", None) or ())
         if declared:
             for sub in module.modules():
-                if (isinstance(sub, torch.nn.ModuleList) and len(sub) > 0
-                        and all(type(m).__name__ in declared for m in sub)):
+                if (
+                    isinstance(sub, torch.nn.ModuleList)
+                    and len(sub) > 0
+                    and all(type(m).__name__ in declared for m in sub)
+                ):
                     return sub
     return None
 
@@ -60,7 +64,9 @@ def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     blocks = transformer_blocks(model) if regional(model, mode) else None
     if blocks is not None:
         for block in blocks:
-            block.compile(**({"fullgraph": True, "dynamic": False} if isinstance(model, GPT) else {}))
+            block.compile(
+                **({"fullgraph": True, "dynamic": False} if isinstance(model, GPT) else {})
+            )
         return model
     return torch.compile(model)
 
@@ -70,8 +76,14 @@ def _head_and_loss() -> Callable:
     return torch.compile(cross_entropy, fullgraph=True, dynamic=False)
 
 
-def regional_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, loss: str = "auto",
-                  reduction: str = "sum", mask=None) -> torch.Tensor:
+def regional_loss(
+    model: GPT,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss: str = "auto",
+    reduction: str = "sum",
+    mask=None,
+) -> torch.Tensor:
     """A tinygpt GPT's token loss (summed, as `default_loss`) with the head and the loss compiled as
     one region of their own; the embedding and the blocks as `compiled` left them. `mask`: as
     `default_loss`'s."""
@@ -90,12 +102,12 @@ def eager():
 class BatchSource(Protocol):
     """Batches are (x, y) or (x, y, *extra): extra tensors (e.g. position ids of packed records) go
     to `loss_fn` after y."""
-    def next_batch(self, batch_size: int, rank: int = 0,
-                   world_size: int = 1) -> tuple[torch.Tensor, ...]: ...
+
+    def next_batch(
+        self, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> tuple[torch.Tensor, ...]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
-
-
 
 
 @dataclass
@@ -104,20 +116,20 @@ class ModelIO:
     `loss_fn(model, x, y, *extra)` returns the summed token loss (extra: tensors a batch carries
     after y); `state_fn` / `load_state_fn` choose what a checkpoint holds (only the adapters, for
     LoRA)."""
+
     loss_fn: Callable | None = None
     state_fn: Callable | None = None
     load_state_fn: Callable | None = None
-
-
 
 
 @dataclass
 class StepResult:
     """What one optimizer step leaves on the device for the actions after it (nothing is read back
     yet)."""
+
     lr: float
-    loss_sum: torch.Tensor   # summed token loss of the step (this rank's, until reduced)
-    n_targets: int           # target tokens of the whole global step
+    loss_sum: torch.Tensor  # summed token loss of the step (this rank's, until reduced)
+    n_targets: int  # target tokens of the whole global step
     grad_norm: torch.Tensor
 
 
@@ -128,8 +140,14 @@ class TrainStep:
     see `tinygpt.train.distributed`) `cfg` is the global batch and this rank trains its share with
     DDP or FSDP2."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, source: BatchSource,
-                 io: ModelIO | None = None, ranks: Ranks | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        source: BatchSource,
+        io: ModelIO | None = None,
+        ranks: Ranks | None = None,
+    ):
         io, ranks = io or ModelIO(), ranks or Ranks()
         self.cfg, self.train_source, self.ranks = cfg, source, ranks
         self.rank, self.world_size = ranks.rank, ranks.world_size
@@ -139,22 +157,29 @@ class TrainStep:
         # training-time attention masks (`model.masks`): a tinygpt GPT's pretraining only
         self.masked = cfg.doc_mask or cfg.window_start > 0
         if self.masked and io.loss_fn is not None:
-            raise ConfigError("train.doc_mask and train.window_start are for pretraining a tinygpt "
-                              "model: set them to false and 0 here")
+            raise ConfigError(
+                "train.doc_mask and train.window_start are for pretraining a tinygpt "
+                "model: set them to false and 0 here"
+            )
         # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
         self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
-            cfg.micro_batch_size, cfg.grad_accum_steps, ranks.world_size)
+            cfg.micro_batch_size, cfg.grad_accum_steps, ranks.world_size
+        )
         # on a GPU, "auto" is the full logits where they fit this micro-batch in the free memory
-        self.loss_mode = resolve_loss(cfg.loss, self.micro_batch_size * cfg.seq_len,
-                                      getattr(getattr(model, "config", None), "vocab_size", 0),
-                                      self.device)
+        self.loss_mode = resolve_loss(
+            cfg.loss,
+            self.micro_batch_size * cfg.seq_len,
+            getattr(getattr(model, "config", None), "vocab_size", 0),
+            self.device,
+        )
         self.step = 0
         self.max_steps: int | None = cfg.max_steps  # None while a time budget has not decided it
         if self.device.type == "cuda":
             enable_tf32()
         self._compile_or_wrap(model, io, ranks)
-        self.optimizer = build_optimizer(self.model, cfg, self.device.type,
-                                         compiled=self.use_compile)
+        self.optimizer = build_optimizer(
+            self.model, cfg, self.device.type, compiled=self.use_compile
+        )
         self.scaler = dist_.grad_scaler(self.precision, self.model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._loss_sum = torch.zeros((), device=self.device)
@@ -164,21 +189,34 @@ class TrainStep:
         wrapped for several ranks) and the one evaluation runs (eager)."""
         cfg = self.cfg
         self.use_compile = cfg.compile in ("on", "regional") or (
-            cfg.compile == "auto" and self.device.type == "cuda")
-        by_region = (io.loss_fn is None and ranks.world_size == 1 and isinstance(model, GPT)
-                     and self.use_compile and regional(model, cfg.compile))
+            cfg.compile == "auto" and self.device.type == "cuda"
+        )
+        by_region = (
+            io.loss_fn is None
+            and ranks.world_size == 1
+            and isinstance(model, GPT)
+            and self.use_compile
+            and regional(model, cfg.compile)
+        )
         self.loss_fn = io.loss_fn or functools.partial(
-            regional_loss if by_region else default_loss, loss=self.loss_mode)
+            regional_loss if by_region else default_loss, loss=self.loss_mode
+        )
         # The compiled wrapper runs the steps; self.model (uncompiled, same parameters) is what
         # is saved, so checkpoint keys never carry `_orig_mod.`.
         if ranks.world_size > 1:  # before the optimizer: FSDP2 replaces the parameters by shards
-            dist_.check_parallel(ranks.parallel, cfg.optimizer, ranks.world_size,
-                                 custom_state=io.state_fn is not None)
+            dist_.check_parallel(
+                ranks.parallel,
+                cfg.optimizer,
+                ranks.world_size,
+                custom_state=io.state_fn is not None,
+            )
             self.forward_model, self.eval_model = dist_.wrap_model(
-                self.model, ranks.parallel, self.device, self.use_compile)
+                self.model, ranks.parallel, self.device, self.use_compile
+            )
         else:
-            self.forward_model = (compiled(self.model, cfg.compile) if self.use_compile
-                                  else self.model)
+            self.forward_model = (
+                compiled(self.model, cfg.compile) if self.use_compile else self.model
+            )
             # Evaluation runs eagerly: a no-grad graph would be a second compile (75 s for 124M on
             # an H100) for a few forward passes per eval_every steps, and under "regional" a
             # recompile.
@@ -190,8 +228,10 @@ class TrainStep:
         lr = lr_at(self.step, self.cfg, self.max_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
-        micro = [self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
-                 for _ in range(self.grad_accum_steps)]
+        micro = [
+            self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
+            for _ in range(self.grad_accum_steps)
+        ]
         # The loss normalisation: each micro-batch's loss is a sum over its tokens, and the step
         # divides by the target tokens of the whole (global) step, counted on the host before any
         # forward (no sync). A mean per micro-batch would weigh a short or heavily masked
@@ -212,14 +252,17 @@ class TrainStep:
             if self.masked:  # the sampler's document ids (doc_mask) are for the mask only
                 docs = extra.pop(0) if self.cfg.doc_mask and extra else None
                 kw["mask"] = training_mask(docs, window, *x.shape, self.device)
-            with (dist_.gradient_sync(self.forward_model, self.model, i == len(micro) - 1),
-                  self.precision.autocast()):
+            with (
+                dist_.gradient_sync(self.forward_model, self.model, i == len(micro) - 1),
+                self.precision.autocast(),
+            ):
                 loss_sum = self.loss_fn(self.forward_model, x, y, *extra, **kw)
                 self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
             self._loss_sum += loss_sum.detach().float()
         self.scaler.unscale_(self.optimizer)
-        grad_norm = dist_.local_value(torch.nn.utils.clip_grad_norm_(self._params,
-                                                                     self.cfg.grad_clip))
+        grad_norm = dist_.local_value(
+            torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip)
+        )
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -267,13 +310,12 @@ def window_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe
     return min(cfg.seq_len, math.ceil(grown))
 
 
-def default_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 loss: str = "auto", mask=None) -> torch.Tensor:
+def default_loss(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str = "auto", mask=None
+) -> torch.Tensor:
     """A tinygpt GPT's summed token loss: summed, not averaged, so that the step can divide by the
     target tokens of all its micro-batches together (see `TrainStep.optimizer_step`); `mask`: a
     training-time attention mask (`model.masks`), passed only where there is one."""
     if mask is None:
         return model(x, y, reduction="sum", loss=loss)
     return model(x, y, reduction="sum", loss=loss, mask=mask)
-
-

@@ -1,5 +1,6 @@
 """How a run stops: after the current step on a signal (`StopOnSignal`), and with every callback
 closed however it ends (`closing`), without hiding the error that ended it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,9 @@ def closing(callbacks: Iterable[Callback]) -> Iterator[None]:
             try:
                 cb.close()
             except Exception as e:  # noqa: BLE001 - the first error is the one to tell
-                warnings.warn(f"{type(cb).__name__} could not close: {type(e).__name__}: {e}",
-                              stacklevel=3)
+                warnings.warn(
+                    f"{type(cb).__name__} could not close: {type(e).__name__}: {e}", stacklevel=3
+                )
         raise
     first: Exception | None = None
     for cb in callbacks:

@@ -3,6 +3,7 @@
 The backing folder is $TINYGPT_FAKE_DRIVE_ROOT (a temp folder of the test); the mountpoint becomes
 a symlink to it, as Colab's FUSE mount makes Drive appear at /content/drive.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,18 +14,24 @@ mounts: list[str] = []  # every mountpoint mounted, for tests to look at
 
 
 def _backing() -> Path:
-    root = os.environ.get("TINYGPT_FAKE_DRIVE_ROOT") or os.path.join(tempfile.gettempdir(), "tinygpt-fake-drive")
+    root = os.environ.get("TINYGPT_FAKE_DRIVE_ROOT") or os.path.join(
+        tempfile.gettempdir(), "tinygpt-fake-drive"
+    )
     return Path(root)
 
 
-def mount(mountpoint: str, force_remount: bool = False, timeout_ms: int = 120000, readonly: bool = False) -> None:
+def mount(
+    mountpoint: str, force_remount: bool = False, timeout_ms: int = 120000, readonly: bool = False
+) -> None:
     backing = _backing()
     (backing / "MyDrive").mkdir(parents=True, exist_ok=True)
     mp = Path(mountpoint)
     if mp.is_symlink():
         if not force_remount and mp.resolve() == backing.resolve():
-            print(f"Drive already mounted at {mountpoint}; to attempt to forcibly remount, "
-                  f'call drive.mount("{mountpoint}", force_remount=True).')
+            print(
+                f"Drive already mounted at {mountpoint}; to attempt to forcibly remount, "
+                f'call drive.mount("{mountpoint}", force_remount=True).'
+            )
             return
         mp.unlink()
     elif mp.exists():
