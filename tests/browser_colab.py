@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import fcntl
 import hashlib
 import json
 import os
@@ -82,24 +83,28 @@ def browser_python() -> Path:
         ).encode()
     ).hexdigest()
     python = VENV / "bin" / "python"
-    if not ((VENV / "stamp").is_file() and (VENV / "stamp").read_text() == stamp):
-        shutil.rmtree(VENV, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=300)
-        subprocess.run(
-            [
-                str(python),
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "-c",
-                str(ROOT / "constraints" / "colab.txt"),
-                *FRONT_END,
-            ],
-            check=True,
-            timeout=900,
-        )
-        (VENV / "stamp").write_text(stamp)
+    VENV.parent.mkdir(parents=True, exist_ok=True)
+    # one builder at a time: pytest-xdist workers that start a browser test together wait for it
+    with open(VENV.parent / f"{VENV.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ((VENV / "stamp").is_file() and (VENV / "stamp").read_text() == stamp):
+            shutil.rmtree(VENV, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=300)
+            subprocess.run(
+                [
+                    str(python),
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "-c",
+                    str(ROOT / "constraints" / "colab.txt"),
+                    *FRONT_END,
+                ],
+                check=True,
+                timeout=900,
+            )
+            (VENV / "stamp").write_text(stamp)
     # this environment's packages behind the private ones (a .pth appends them; its own .pth files are not run),
     # written at every call: CI runs the suite in two environments (newest, Colab's pins) over one checkout,
     # and the notebooks must run on the packages of the suite that runs them
