@@ -380,25 +380,41 @@ def chromium(work: Path):
             )
 
 
-def dropdown(nb: Notebook, cell_id: str, wait_s: float = 600.0):
-    """The cell's dropdown, once the front end has drawn it (after its cell ran: later on a busy machine)."""
-    deadline = time.monotonic() + wait_s
+def dropdown(nb: Notebook, cell_id: str, wait_s: float = 600.0, redraw_s: float = 180.0):
+    """The cell's dropdown, once the front end has drawn it (after its cell ran: later on a busy machine).
+
+    The classic notebook (the stand-in for Colab's front end) under load has twice created a cell's widget
+    models and drawn no view of them (the recipe cell empty, 42 models in the page). After `redraw_s` the
+    cell is run once more, as a user would, and the page's console errors are printed to the run's log;
+    a cell that still shows no dropdown fails with what it showed and the console's errors."""
+    deadline, rerun = time.monotonic() + wait_s, time.monotonic() + redraw_s
     while not (
         found := nb.output(cell_id).find_elements("css selector", ".widget-dropdown select")
     ):
+        if rerun is not None and time.monotonic() > rerun:
+            print(f"no view drawn in cell {cell_id!r} after {redraw_s:.0f} s; console errors:")
+            print("\n".join(console_errors(nb)) or "(none)", flush=True)
+            nb.run([cell_id])
+            rerun = None
         if (
             time.monotonic() > deadline
-        ):  # say what the cell showed instead: an error, or a widget's text fallback
+        ):  # say what the cell showed instead: an error, a text fallback
             models = nb.js(
                 "const m = Jupyter.notebook.kernel.widget_manager;"
                 " return m ? Object.keys(m._models).length : 'no widget manager'"
             )
             raise AssertionError(
                 f"no dropdown in cell {cell_id!r} after {wait_s:.0f} s (widget models in the "
-                f"page: {models}); it shows: {nb.text(cell_id)[:1500]!r}"
+                f"page: {models}); it shows: {nb.text(cell_id)[:1500]!r}; console errors: "
+                + " | ".join(console_errors(nb))[-1500:]
             )
         time.sleep(0.5)
     return found[0]
+
+
+def console_errors(nb: Notebook) -> list[str]:
+    """The page's console messages of level SEVERE since the last call (chromedriver hands each once)."""
+    return [e["message"] for e in nb.driver.get_log("browser") if e.get("level") == "SEVERE"]
 
 
 def pretrain(nb: Notebook, out: Path) -> dict:
