@@ -3,8 +3,9 @@ micro-batch: whether a larger batch is cheaper per token on this machine (docs/B
 
     OMP_NUM_THREADS=1 python benchmarks/batch_cost.py --recipe cpu-fast
 
-The three are timed in turn, ROUNDS times, each 8 steps after 3 of warm-up, as process CPU time (a shared
-machine's load moves wall time more than CPU time); the median of the rounds is printed.
+The three are timed in turn, --rounds times, each 8 steps after 3 of warm-up, as process CPU time (a shared
+machine's load moves wall time more than CPU time); the median of the rounds is printed and written to a dated
+file in benchmarks/results/ (`--results`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import results_file  # noqa: E402
 import torch  # noqa: E402
 
 from tinygpt.core.recipes import get_recipe  # noqa: E402
@@ -25,7 +27,7 @@ from tinygpt.fit.step_speed import RandomBatches  # noqa: E402
 from tinygpt.model.gpt import GPT  # noqa: E402
 from tinygpt.train.step import TrainStep  # noqa: E402
 
-ROUNDS, WARMUP, STEPS = 4, 3, 8
+WARMUP, STEPS = 3, 8
 
 
 def cpu_us_per_token(recipe) -> float:
@@ -45,7 +47,10 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--recipe", default="cpu-fast")
-    base = get_recipe(ap.parse_args().recipe)
+    ap.add_argument("--rounds", type=int, default=4, help="times the three are timed in turn")
+    results_file.add_option(ap)
+    args = ap.parse_args()
+    base = get_recipe(args.recipe)
     mb = base.train.micro_batch_size
     variants = {
         f"micro-batch {mb}": {},
@@ -53,13 +58,33 @@ def main() -> int:
         f"micro-batch {2 * mb}": {"micro_batch_size": 2 * mb},
     }
     times = {name: [] for name in variants}
-    for _ in range(ROUNDS):
+    first = next(iter(variants))
+    for _ in range(args.rounds):
         for name, train in variants.items():
             times[name].append(cpu_us_per_token(base.replace(train=train)))
+    rows = []
     for name, ts in times.items():
         print(
             f"{name}: {statistics.median(ts):.1f} CPU us/token (rounds: {', '.join(f'{t:.1f}' for t in ts)})"
         )
+        rows.append(
+            {
+                "step": name,
+                "CPU us/token (median)": round(statistics.median(ts), 1),
+                "x the recipe's own": round(
+                    statistics.median(ts) / statistics.median(times[first]), 2
+                ),
+                "rounds": ", ".join(f"{t:.1f}" for t in ts),
+            }
+        )
+    results_file.write(
+        args.results,
+        __file__,
+        "batch-cost",
+        f"CPU time per token of recipe `{base.name}` at its micro-batch, accumulated twice and doubled",
+        results_file.table(rows),
+        reference=f"the recipe's own step ({first})",
+    )
     return 0
 
 
