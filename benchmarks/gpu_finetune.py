@@ -26,7 +26,8 @@ longest record) unless --reference-data packed gives it tinygpt's packed rows an
 Tokens/s counts real tokens on both sides: the tokens of the records, never padding. Steps are timed
 after warm-up (CUDA events on a GPU, perf_counter on the CPU); the median is reported. Peak memory is
 torch.cuda.max_memory_allocated in GiB (none on the CPU). The base loss of one batch is computed both
-ways before training to show the two sides run the same model on the same tokens.
+ways before training to show the two sides run the same model on the same tokens. The table goes to a dated
+file in benchmarks/results/ (`--results`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+import results_file
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -300,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reference-data", default="padded", choices=["padded", "packed"])
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--json", help="also write the results to this file")
+    results_file.add_option(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -394,28 +397,42 @@ def main(argv: list[str] | None = None) -> dict:
             if on_cuda:
                 result["ratio"]["peak_memory"] = ours["peak_memory_gb"] / ref["peak_memory_gb"]
 
-    print(
+    say = results_file.Report()
+    say(
         f"device {name}, precision {prec.name}; base {args.size} ({recipe.name}), data {args.data}, "
         f"micro-batch {args.micro_batch} x {args.seq_len} x {args.grad_accum} accumulation; median of "
         f"{args.steps} steps after {args.warmup} warm-up; torch {torch.__version__}"
     )
-    print(
+    say(
         f"tinygpt: compile {use_compile}, activation checkpointing {plan.activation_checkpointing}, "
         f"full logits {plan.full_logits}, packed {plan.pack} ({plan.why})"
     )
     if args.reference == "peft":
-        print(
+        say(
             f"hf+peft: transformers {result['transformers']}, peft {result['peft']}, compile "
             f"{args.reference_compile == 'on'}, {args.reference_data} rows, no activation checkpointing"
         )
     print_table(rows)
+    reference = None
     if "ratio" in result:
         r = result["ratio"]
         mem = f", peak memory x{r['peak_memory']:.2f}" if "peak_memory" in r else ""
-        print(
+        reference = (
             f"tinygpt / hf+peft: tokens/s x{r['tokens_per_s']:.2f}{mem} (real tokens); same-batch base loss "
             f"difference {result['same_batch_base_loss_diff']:.2e}"
         )
+        print(reference)
+    results_file.write(
+        args.results,
+        __file__,
+        "finetune-speed",
+        f"Finetuning speed of {recipe.name} on a {args.size} base"
+        + (" beside transformers + PEFT" if reference else ""),
+        say.text() + "\n\n" + results_file.table(rows),
+        argv,
+        reference
+        and f"a plain transformers + PEFT loop on the same base (the hf+peft row): {reference}",
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -38,7 +38,9 @@ into --out/compile_artifacts (at most 64 MiB) for the next GPU run to load (--ar
 its compile-cache hits and misses. `--smoke` runs the same code with tiny shapes on the CPU (compiled
 code run eagerly, QLoRA and the CUDA-only checks recorded as skipped with the reason) in under 2 minutes on
 2 cores; tests/test_gpu_kit.py runs it. Writes results.json and results.md into --out after every step (a kit
-cut off still returns what it finished) and prints the table at the end.
+cut off still returns what it finished), prints the table at the end and writes it, with the command and the
+device, to the dated result file <date>-gpu-kit.md in --out (benchmarks/results_file.py), ready for
+benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ from typing import Callable
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO)]  # the sibling benchmarks, and tinygpt from this checkout
+
+import results_file  # noqa: E402
 
 # (name, cap on a GPU in seconds, cap in --smoke); the default steps' GPU caps add up to 385 s, under the kit's
 # default total (TOTAL_S)
@@ -835,7 +839,18 @@ def step_finetune(ctx: Ctx) -> dict:
             continue
         try:
             with quiet(), compiled_code(ctx):
-                r = gpu_finetune.main([*common, *extra, "--data", "random", "--reference", "peft"])
+                r = gpu_finetune.main(
+                    [
+                        *common,
+                        *extra,
+                        "--data",
+                        "random",
+                        "--reference",
+                        "peft",
+                        "--results",
+                        "none",
+                    ]
+                )
             out[name] = {
                 "plan": r["plan"],
                 "rows": r["rows"],
@@ -1647,7 +1662,11 @@ def main(argv: list[str] | None = None) -> dict:
         if not isolate:
             meta["artifacts"] = save_artifacts(out, "kit", int(args.artifacts_mib * 2**20))
     doc = write_results(out, results, meta)
-    print((out / "results.md").read_text())
+    md = (out / "results.md").read_text()
+    print(md)
+    title, _, body = md.partition("\n")
+    topic = "gpu-kit-smoke" if args.smoke else "gpu-kit"
+    results_file.write(out, __file__, topic, title.lstrip("# "), body, argv)
     return doc
 
 

@@ -16,7 +16,8 @@ torch.compile on CUDA (and wherever tinygpt gets them). Both models start from t
 (their parameter names match), and their losses on one batch are compared to show that the
 configurations are the same. The largest micro-batch (on CUDA; --find-max-batch) is searched by
 doubling until out of memory, then bisecting, with eager steps so that no size waits for a
-compilation (a compiled step needs no more memory).
+compilation (a compiled step needs no more memory). The table goes to a dated file in benchmarks/results/
+(`--results`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import results_file
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -343,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reference", default="none", choices=["none", "hf"])
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--json", help="also write the results to this file")
+    results_file.add_option(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -456,23 +459,42 @@ def main(argv: list[str] | None = None) -> dict:
         if on_cuda:
             result["ratio"]["peak_memory"] = ours["peak_memory_gb"] / ref_row["peak_memory_gb"]
 
-    print(
+    say = results_file.Report()
+    say(
         f"device {name}, precision {prec.name} ({prec.reason}); size {args.size}, vocab {args.vocab_size}, "
         f"context {args.seq_len}; compile {use_compile}, fused AdamW {fused}, chunked CE {args.chunked_ce}, "
         f"optimizer {args.optimizer}, fused projections {mcfg.fused_proj}; "
         f"median of {args.steps} steps after {args.warmup} warm-up"
     )
-    print(
+    say(
         f"FLOPs/token {flops:.3e} (6N + attention); peak {fmt(peak, '.0f')} TFLOPs from {peak_source}"
     )
     print_table(rows)
+    reference = None
     if "ratio" in result:
         r = result["ratio"]
         mem = f", peak memory x{r['peak_memory']:.2f}" if "peak_memory" in r else ""
-        print(
+        reference = (
             f"tinygpt / hf-llama: tokens/s x{r['tokens_per_s']:.2f}{mem}; "
             f"same-batch loss difference at init {result['hf_same_batch_loss_diff']:.2e}"
         )
+        print(reference)
+    table = results_file.table(
+        [{**r, "mfu": None if r["mfu"] is None else f"{r['mfu']:.1%}"} for r in rows],
+        [k for k in rows[0] if k != "step_ms_min"],
+    )
+    results_file.write(
+        args.results,
+        __file__,
+        "pretrain-speed",
+        f"Pretraining speed of tinygpt {args.size}"
+        + (" beside LlamaForCausalLM" if reference else ""),
+        say.text() + "\n\n" + table,
+        argv,
+        reference
+        and "transformers' LlamaForCausalLM of the same configuration and weights "
+        f"(the hf-llama row, transformers {result['transformers']}): {reference}",
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -103,6 +103,8 @@ def test_benchmark_cpu_mode_runs(tmp_path):
         "hf",
         "--json",
         str(out),
+        "--results",
+        str(tmp_path),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,17 +120,20 @@ def test_benchmark_cpu_mode_runs(tmp_path):
     assert result["flops_per_token"] == GPT(model_config("tiny", vocab_size=512)).flops_per_token(
         64
     )
+    # the dated result file: the command, both rows beside each other, the ratio as the reference
+    [written] = tmp_path.glob("*-pretrain-speed.md")
+    text = written.read_text()
+    assert f"python benchmarks/gpu_pretrain.py {' '.join(cmd[2:])}`" in text
+    assert f"| tinygpt | {ours['params']:,} | 4 | 64 |" in text
+    assert f"| hf-llama | {hf['params']:,} | 4 | 64 |" in text
+    assert "- reference: transformers' LlamaForCausalLM" in text and "tokens/s x" in text
 
 
 def test_benchmark_max_micro_batch_search():
     """Doubling until out of memory, then bisecting, on a step that fails above 45 rows."""
-    import importlib.util
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_pretrain as bench
 
-    spec = importlib.util.spec_from_file_location(
-        "gpu_pretrain", REPO / "benchmarks" / "gpu_pretrain.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     tried = []
 
     def step(x, y):

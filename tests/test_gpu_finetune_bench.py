@@ -43,7 +43,9 @@ CPU = [
 
 
 def test_cpu_mode_prints_both_rows_and_the_ratio_counting_real_tokens(capsys, tmp_path):
-    result = gpu_finetune.main(CPU + ["--json", str(tmp_path / "r.json")])
+    result = gpu_finetune.main(
+        CPU + ["--json", str(tmp_path / "r.json"), "--results", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     lines = out.splitlines()
     table = [r for r in map(str.split, lines) if r and r[1:2] and r[1].replace(",", "").isdigit()]
@@ -66,7 +68,7 @@ def test_cpu_mode_prints_both_rows_and_the_ratio_counting_real_tokens(capsys, tm
     assert result["same_batch_base_loss_diff"] < 1e-4  # the same model on the same tokens
 
 
-def test_random_rows_count_every_position_and_the_script_runs_from_the_command_line():
+def test_random_rows_count_every_position_and_the_script_runs_from_the_command_line(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
@@ -78,6 +80,8 @@ def test_random_rows_count_every_position_and_the_script_runs_from_the_command_l
             "off",
             "--full-logits",
             "off",
+            "--results",
+            str(tmp_path),
         ],
         capture_output=True,
         text=True,
@@ -93,3 +97,8 @@ def test_random_rows_count_every_position_and_the_script_runs_from_the_command_l
     assert [r[0] for r in rows] == ["tinygpt", "hf+peft"]
     assert [r[3] for r in rows] == ["512", "512"]  # 2 x 128 x 2 real tokens per step on both sides
     assert "full logits False, packed False" in run.stdout and "tokens/s x" in run.stdout
+    # the dated result file: both rows, and the reference named with the ratio
+    [written] = tmp_path.glob("*-finetune-speed.md")
+    text = written.read_text()
+    assert "| tinygpt |" in text and "| hf+peft |" in text and "full logits False" in text
+    assert "- reference: a plain transformers + PEFT loop" in text and "tokens/s x" in text

@@ -110,6 +110,11 @@ def test_a_failing_step_is_one_line_and_the_kit_goes_on(tmp_path):
     assert steps["probe"]["status"] == "error" and "\n" not in steps["probe"]["error"]
     assert "startup" in steps["probe"]["error"]
     assert "| probe | error |" in (tmp_path / "out" / "results.md").read_text()
+    # at the end, the same table in the dated result file, with the command and the device
+    [dated] = (tmp_path / "out").glob("*-gpu-kit-smoke.md")
+    text = dated.read_text()
+    assert text.startswith("# tinygpt GPU kit (smoke") and "| probe | error |" in text
+    assert "benchmarks/gpu_kit.py --smoke --out " in text and "--only env,probe`" in text
 
 
 def test_steps_past_the_kits_total_are_skipped_with_the_reason(tmp_path):
