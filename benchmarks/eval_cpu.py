@@ -4,7 +4,8 @@
     python benchmarks/eval_cpu.py --run-dir runs/cpu --window 256 --stride 128 --hellaswag-limit 500
 
 Every figure comes from the `tinygpt` command itself, run as a subprocess with --json, so the commands printed
-with the results are exactly what was measured. The output is a Markdown section for a dated file in benchmarks/results/.
+with the results are exactly what was measured. The Markdown section printed goes to a dated file in
+benchmarks/results/ (`--results`).
 A uniform guess over the vocabulary (perplexity = vocab size) and random HellaSwag answers (25%) are the floors.
 """
 
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import results_file
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(
@@ -57,7 +60,7 @@ def main() -> None:
     )
     ap.add_argument("--hellaswag-limit", type=int, default=500)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default=None, help="also write the Markdown section to this file")
+    results_file.add_option(ap)
     args = ap.parse_args()
     import torch
 
@@ -112,9 +115,8 @@ def main() -> None:
     uniform_bpb = ppl["tokens"] * math.log2(vocab_size) / ppl["bytes"]
     lines += [f"    {ppl_cmd}    # {ppl_s:.0f} s", f"    {hs_cmd}    # {hs_s:.0f} s"]
     hs_ref = hs["reference"]
-    md = f"""### Evaluation of the default CPU recipe's model
-
-{datetime.date.today().isoformat()}, CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}, \
+    title = f"Evaluation of the model of recipe `{summary['recipe']}`"
+    md = f"""{datetime.date.today().isoformat()}, CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}, \
 {torch.get_num_threads()} torch threads), torch {torch.__version__}, Python {platform.python_version()}. The model of `tinygpt pretrain` (recipe
 `{summary["recipe"]}`, {summary["steps"]} steps, {summary["tokens_seen"]:,} tokens of {source};
 best validation loss {summary["val_loss_best"]:.3f} at step {summary["val_loss_best_step"]}), its latest checkpoint:
@@ -132,9 +134,16 @@ best validation loss {summary["val_loss_best"]:.3f} at step {summary["val_loss_b
 | HellaSwag validation, acc_norm | same | {hs["acc_norm"]:.1%} ± {hs["acc_norm_stderr"]:.1%} \
 | 25% (random); GPT-2 124M {hs_ref["gpt2-124m"]["acc_norm"]:.1%} |
 """
-    print(md)
-    if args.out:
-        Path(args.out).write_text(md, encoding="utf-8")
+    print(f"### {title}\n\n{md}")
+    results_file.write(
+        args.results,
+        __file__,
+        "eval-cpu-recipe",
+        title,
+        md,
+        reference="the floors: a uniform guess over the vocabulary, random HellaSwag answers (25%); "
+        "GPT-2 124M's HellaSwag accuracy",
+    )
 
 
 if __name__ == "__main__":

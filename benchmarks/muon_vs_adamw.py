@@ -3,7 +3,8 @@
     python benchmarks/muon_vs_adamw.py --size cpu --steps 300 --lr 2e-3 --muon-lr-scales 0.5 1 2 4
 
 Every run sees the same batches in the same order from the same initial weights; only the
-optimizer differs. The schedule is the trainer's (`lr_at`: warmup, then cosine to min_lr).
+optimizer differs. The schedule is the trainer's (`lr_at`: warmup, then cosine to min_lr). The rows go to a
+dated file in benchmarks/results/ (`--results`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import results_file
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,6 +100,7 @@ def main() -> None:
     p.add_argument("--muon-lr-scales", type=float, nargs="+", default=[1.0])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", help="also write the rows here")
+    results_file.add_option(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,9 +108,8 @@ def main() -> None:
     val_batches = fixed_batches(val, args.seq_len, args.batch, 8)
     rows = [run(args, "adamw", 1.0, train, val_batches)]
     rows += [run(args, "muon", s, train, val_batches) for s in args.muon_lr_scales]
-    print(
-        f"{args.size} model, {args.steps} steps x {args.batch} x {args.seq_len} tokens, lr {args.lr}"
-    )
+    setting = f"{args.size} model, {args.steps} steps x {args.batch} x {args.seq_len} tokens, lr {args.lr}"
+    print(setting)
     print(
         f"{'optimizer':<10} {'muon lr_scale':>13} {'train loss':>10} {'val loss':>9} {'time s':>7}"
     )
@@ -116,8 +118,17 @@ def main() -> None:
         print(
             f"{r['optimizer']:<10} {scale:>13} {r['train_loss_last']:>10.4f} {r['val_loss']:>9.4f} {r['time_s']:>7.1f}"
         )
+    results_file.write(
+        args.results,
+        __file__,
+        "muon-vs-adamw",
+        f"Muon against AdamW at an equal token budget: {setting}",
+        f"Tiny Shakespeare, vocabulary {args.vocab_size}.\n\n" + results_file.table(rows),
+        reference="AdamW on the same batches from the same weights (the adamw row)",
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        doc = {"args": vars(args), "rows": rows}
+        Path(args.json).write_text(json.dumps(doc, indent=2, default=str))
 
 
 if __name__ == "__main__":

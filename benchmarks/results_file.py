@@ -61,7 +61,7 @@ def cell(v: object) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.4g}"
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.5g}"
     if isinstance(v, int) and not isinstance(v, bool):
         return f"{v:,}"
     return str(v).replace("|", "/").replace("\n", " ")

@@ -8,8 +8,8 @@ validation losses are in the same units, on the same held-out batches), each in 
 one after the other in this process. Every `--eval-every` steps both are evaluated (the same cost for
 both); the wall time at each evaluation is counted from the end of the first step (start-up, which
 the second run gets cheaper from the token shards the first one wrote, is printed separately). The goal (issue 14): the fast recipe reaches the `cpu` recipe's final validation
-loss in at most half of the `cpu` recipe's wall time. The table goes to a dated file in benchmarks/results/, the
-plot to docs/images/time_to_loss.png.
+loss in at most half of the `cpu` recipe's wall time. The table goes to a dated file in benchmarks/results/
+(`--results`), the plot to docs/images/time_to_loss.png.
 
 Tokens to a loss (`--tokens`): each `--run LABEL=RECIPE [SECTION.FIELD=VALUE ...]` trained at one small
 ladder shape (4 layers of width 256, a BPE of 4,096 trained on the corpus, context 256, 2,048 tokens a
@@ -36,7 +36,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
+import results_file
 import torch
 
 from tinygpt.core.callback import Callback
@@ -100,32 +102,32 @@ def reached(points: list[tuple[float, int, float]], target: float) -> float | No
     return None
 
 
-def compare(source: str, label: str, fast: str, fast_overrides: list[str], eval_every: int) -> dict:
+def compare(
+    source: str, label: str, fast: str, fast_overrides: list[str], eval_every: int, say: Callable
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ref = train("cpu", source, [], eval_every, Path(tmp))
         new = train(fast, source, fast_overrides, eval_every, Path(tmp))
     target, ref_s = ref.points[-1][2], ref.points[-1][0]
     t = reached(new.points, target)
-    print(f"\n### {label}\n")
-    print(
-        f"| recipe | start-up (s) | wall (s) | steps | final val loss | time to {target:.3f} (s) |"
-    )
-    print("|---|---|---|---|---|---|")
-    print(
+    say(f"\n### {label}\n")
+    say(f"| recipe | start-up (s) | wall (s) | steps | final val loss | time to {target:.3f} (s) |")
+    say("|---|---|---|---|---|---|")
+    say(
         f"| cpu | {ref.startup_s:.1f} | {ref_s:.1f} | {ref.points[-1][1]} | {target:.3f} | {ref_s:.1f} |"
     )
-    print(
+    say(
         f"| {fast} | {new.startup_s:.1f} | {new.points[-1][0]:.1f} | {new.points[-1][1]} | "
         f"{new.points[-1][2]:.3f} | {'not reached' if t is None else f'{t:.1f}'} |"
     )
     ratio = None if t is None else t / ref_s
-    print(
+    say(
         f"\n{fast} reaches cpu's final validation loss in "
         f"{'-' if ratio is None else f'{ratio:.2f}x'} of cpu's wall time (goal: at most 0.5x)"
     )
-    print("\nloss against time (s: val loss)")
+    say("\nloss against time (s: val loss)")
     for name, c in (("cpu", ref), (fast, new)):
-        print(f"- {name}: " + ", ".join(f"{s:.0f}: {v:.3f}" for s, _, v in c.points))
+        say(f"- {name}: " + ", ".join(f"{s:.0f}: {v:.3f}" for s, _, v in c.points))
     return {"label": label, "cpu": ref.points, fast: new.points, "ratio": ratio}
 
 
@@ -234,28 +236,38 @@ def tokens_to_loss(args: argparse.Namespace) -> None:
                 [args.held_out] * len(args.run),
             )
         )
+    say = results_file.Report()
     target = results[0]["points"][-1][1]
-    print(
+    say(
         f"\n### tokens to {target:.3f} ({results[0]['label']}'s final validation loss), {Path(source).name}\n"
     )
-    print("| run | tokens | final val loss | held-out bits/byte | tokens to the target | ratio |")
-    print("|---|---|---|---|---|---|")
+    say("| run | tokens | final val loss | held-out bits/byte | tokens to the target | ratio |")
+    say("|---|---|---|---|---|---|")
     for r in results:
         t = reached([(tok, None, v) for tok, v in r["points"]], target)
         held = r.get("held_out")
         bpb = f"{held['bits_per_byte']:.4f}" if isinstance(held, dict) else "-"
         ratio = "-" if t is None else f"{t / results[0]['tokens']:.2f}"
-        print(
+        say(
             f"| {r['label']} | {r['tokens']:,} | {r['points'][-1][1]:.4f} | {bpb} | "
             f"{'not reached' if t is None else f'{t:,.0f}'} | {ratio} |"
         )
     for r in results:
-        print(
+        say(
             f"- {r['label']} (`{r['spec']}`): "
             + ", ".join(f"{t // 1000}k: {v:.3f}" for t, v in r["points"])
         )
     Path(out, "tokens_to_loss.json").write_text(json.dumps(results, indent=1))
     print(f"\nruns and tokens_to_loss.json: {out}")
+    results_file.write(
+        args.results,
+        __file__,
+        "tokens-to-loss",
+        f"Tokens to a loss at the ladder's small shape, {Path(source).name}",
+        say.text(),
+        reference=f"the first run, {results[0]['label']} (`{results[0]['spec']}`): its final "
+        "validation loss is the target",
+    )
 
 
 def plot(results: list[dict], fast: str, out: Path) -> None:
@@ -321,6 +333,7 @@ def main() -> None:
     ap.add_argument(
         "--out", help="--tokens: keep the run folders here (default: a new temporary folder)"
     )
+    results_file.add_option(ap)
     args = ap.parse_args()
     if args.tokens:
         return tokens_to_loss(args)
@@ -332,6 +345,7 @@ def main() -> None:
             corpora.append(str(shakespeare))
         else:
             print(f"(no {shakespeare}: the second corpus is skipped)", file=sys.stderr)
+    say = results_file.Report()
     print(
         f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -343,11 +357,21 @@ def main() -> None:
             args.fast,
             args.fast_set,
             args.eval_every,
+            say,
         )
         for c in corpora
     ]
     if args.plot:
         plot(results, args.fast, Path(args.plot))
+    results_file.write(
+        args.results,
+        __file__,
+        "time-to-loss",
+        f"Time to a validation loss: {args.fast} against cpu",
+        say.text(),
+        reference="the `cpu` recipe on the same text, tokenizer and validation batches (the cpu rows); "
+        f"goal: {args.fast} reaches its final loss in at most 0.5x its wall time",
+    )
 
 
 if __name__ == "__main__":
