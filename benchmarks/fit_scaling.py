@@ -13,6 +13,7 @@ reads its source more than once), the squared relative error plus a pull of 0.02
 toward Chinchilla's exponents (so that few points do not choose wild ones). The held-out runs (--held-out)
 are left out of the fit and predicted: their error is the law's error. With --jobs N, N runs train at once,
 each on cores/N threads (a run's loss does not depend on its speed: each trains a fixed number of tokens).
+The law and the table go to a dated file in benchmarks/results/ (`--results`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
+import results_file
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fit-only", action="store_true", help="fit the runs already in --out, train nothing"
     )
     ap.add_argument("--jobs", type=int, default=1, help="runs trained at once")
+    results_file.add_option(ap)
     args = ap.parse_args(argv)
     fit_grid, held_grid = GRIDS[args.recipe]
     recipe = get_recipe(args.recipe)
@@ -188,24 +191,34 @@ def main(argv: list[str] | None = None) -> int:
     held = {(d, round(t / recipe.train.tokens_per_step)) for d, t in held_grid}
     is_held = [(p["depth"], p["steps"]) in held for p in runs]
     law = fit([p for p, h in zip(runs, is_held) if not h], unique)
-    print(
+    say = results_file.Report()
+    say(
         f"\nL(N, D) = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.2f} + {law['B']:.4g}/D^{law['beta']:.2f}"
         f"  (rms relative error on the fitted runs {law['rms_relative_error']:.2%})\n"
     )
-    print("| size | params | tokens | val loss | predicted | error | held out | CPU s |")
-    print("|---|---|---|---|---|---|---|---|")
+    say("| size | params | tokens | val loss | predicted | error | held out | CPU s |")
+    say("|---|---|---|---|---|---|---|---|")
     errors = []
     for p, h in zip(runs, is_held):
         pred = predict(law, p, unique)
         err = (pred - p["val_loss"]) / p["val_loss"]
         if h:
             errors.append(abs(err))
-        print(
+        say(
             f"| {p['size']} | {p['params']:,} | {p['tokens']:,} | {p['val_loss']:.4f} | {pred:.4f} | {err:+.1%} "
             f"| {'yes' if h else ''} | {p['cpu_s']:.0f} |"
         )
     if errors:
-        print(f"\nheld-out runs: largest error {max(errors):.1%}")
+        say(f"\nheld-out runs: largest error {max(errors):.1%}")
+    results_file.write(
+        args.results,
+        __file__,
+        f"scaling-law-{args.recipe}",
+        f"The size planner's law fitted on the {args.recipe} ladder",
+        say.text(),
+        argv,
+        "the held-out runs (held out: yes), predicted by the law fitted on the others; goal: within 5%",
+    )
     if args.write:
         path = ROOT / "tinygpt" / "fit" / LAWS_FILE
         laws = json.loads(path.read_text())["laws"] if path.is_file() else {}

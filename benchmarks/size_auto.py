@@ -17,7 +17,8 @@ them alike and changes no run's steps). The evaluator is the same for all: bits 
 the recipes have 512- and 4096-token vocabularies), in windows of the context each run trained at (as `tinygpt
 eval perplexity` scores), on a held-out text none of them trained on (--heldout; by default Python sources
 outside the standard library, numpy's, for the builtin corpus). Runs already in --out are resumed, so a
-finished one is only evaluated. Prints a markdown table for benchmarks/results/.
+finished one is only evaluated. Prints a markdown table and writes it to a dated file in benchmarks/results/
+(`--results`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import results_file  # noqa: E402
 import torch  # noqa: E402
 
 from tinygpt.core.checkpoint import step_of  # noqa: E402
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only", type=int, default=None, help=argparse.SUPPRESS
     )  # one run, in its own process
+    results_file.add_option(ap)
     args = ap.parse_args(argv)
     runs = [(args.auto_recipe, "auto")] + [(name, None) for name in FIXED]
     heldout = args.heldout.read_text()[:HELDOUT_CHARS] if args.heldout else default_heldout()
@@ -190,22 +193,33 @@ def main(argv: list[str] | None = None) -> int:
         for recipe, size in runs:
             rows.append(run_one(recipe, size, args, heldout))
             print(json.dumps(rows[-1]), flush=True)
-    print(
+    say = results_file.Report()
+    say(
         f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"load {os.getloadavg()[0]:.1f}; --hours {args.hours:g}, data {args.data or 'builtin'}"
         f"{', side by side' if args.side_by_side else ''}, threads {args.threads or torch.get_num_threads()}\n"
     )
     keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
+    say("| " + " | ".join(keys) + " |")
+    say("|" + "---|" * len(keys))
     for r in rows:
-        print(
+        say(
             "| "
             + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values())
             + " |"
         )
     best = min(rows, key=lambda r: r["bits_per_byte"])
-    print(f"\nlowest bits per byte: {best['run']}")
+    say(f"\nlowest bits per byte: {best['run']}")
+    results_file.write(
+        args.results,
+        __file__,
+        "size-auto",
+        f"`--size auto --hours {args.hours:g}` against the fixed CPU recipes, {Path(args.data).name if args.data else 'builtin'}",
+        say.text(),
+        argv,
+        "the fixed recipes cpu, cpu-fast and cpu-smoke with the same --hours (their rows), scored on the "
+        "same held-out text",
+    )
     return 0
 
 
