@@ -10,7 +10,7 @@ llama.cpp (through llama-cpp-python) and compares on the same held-out text:
     pip install gguf llama-cpp-python     # llama-cpp-python builds llama.cpp with CMake (minutes)
     python benchmarks/gguf_agreement.py --steps 60 --quant f16 [--json out.json]
 
-The figures go to benchmarks/results/ (docs/BENCHMARKS.md section 11 indexes them); tests/test_gguf.py runs the same comparison on tiny models.
+The table goes to a dated file in benchmarks/results/ (`--results`; docs/BENCHMARKS.md section 11 indexes it); tests/test_gguf.py runs the same comparison on tiny models.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import results_file
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--quant", nargs="+", default=["f16", "f32", "q8_0"])
     p.add_argument("--root", default=None, help="where the runs go (default: a temporary folder)")
     p.add_argument("--json", default=None)
+    results_file.add_option(p)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     rows = []
@@ -223,6 +225,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    shown = [
+        {**r, **{k: f"{r[k]:.4f}" for k in ("ppl_tinygpt", "ppl_llama_cpp")}}
+        | {"ppl_rel_diff": f"{100 * r['ppl_rel_diff']:+.3f}%"}
+        for r in rows
+    ]
+    results_file.write(
+        args.results,
+        __file__,
+        "gguf-agreement",
+        "GGUF in llama.cpp against tinygpt",
+        f"Runs of cpu-smoke, {args.steps} pretraining steps each (the LoRA {args.finetune_steps} "
+        "steps), exported at each type; a held-out text of tinygpt/model/gpt.py.\n\n"
+        + results_file.table(shown),
+        argv,
+        "tinygpt's own forward pass on the same checkpoint (ppl_tinygpt, and the greedy tokens and ids "
+        "each row compares); goal: perplexity within 1%",
+    )
     return rows
 
 

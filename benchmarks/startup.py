@@ -16,7 +16,7 @@ GPU (an H100 or A100; `--data builtin` needs no network):
 
 Each run is a real `tinygpt pretrain` process. "first step" is the wall time from launching the process to
 its start-up record in metrics.jsonl (imports included); the record's own breakdown is printed beside it.
-Results go to a dated file in benchmarks/results/, with the machine.
+Each mode's table goes to a dated file in benchmarks/results/ (`--results`), with the machine.
 """
 
 from __future__ import annotations
@@ -35,8 +35,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
+
+import results_file
 
 REPO = Path(__file__).resolve().parents[1]
+# what each mode's figures are set against
+REFERENCE = {
+    "cpu": "the same run on 3 MB of text (goal: 250 MB at most 1.5x its wall to the first step)",
+    "compile": "whole-model compilation (`train.compile=on`) beside regional",
+    "gpu": "goals: cold first step at most 45 s, warm at most 15 s",
+    "imports": '`python -c "import torch"`, run in turn (goal: `tinygpt --help` at most 1.15x)',
+    "tokenize": "tiktoken's encode_ordinary_batch alone on the same documents (goal: at least 0.8x)",
+    "first-step": "nanoGPT's train.py at the same shape, run in turn (goal: at least 1.0x its speed)",
+}
 
 
 def run_until_first_step(args: list[str], run_dir: Path, env: dict, finish: bool = False) -> dict:
@@ -85,14 +97,14 @@ def fresh_env(root: Path, **extra: str) -> dict:
     }
 
 
-def cpu(args) -> None:
+def cpu(args, say: Callable) -> None:
     corpus = args.corpus or site.getsitepackages()[0]
-    print(
+    say(
         f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"corpus {corpus}"
     )
-    print("| text | wall to first step (s) | tokenizer | data (first shard) | model | first step |")
-    print("|---|---|---|---|---|---|")
+    say("| text | wall to first step (s) | tokenizer | data (first shard) | model | first step |")
+    say("|---|---|---|---|---|---|")
     rows = {}
     for chars in (3_000_000, 250_000_000):
         walls = []
@@ -114,12 +126,12 @@ def cpu(args) -> None:
                 )
             walls.append(r["wall_s"])
         rows[chars] = {**r, "wall_s": statistics.median(walls)}
-        print(
+        say(
             f"| {chars / 1e6:.0f} MB | {statistics.median(walls):.2f} ({', '.join(map(str, walls))}) | "
             f"{r['tokenizer_s']} | {r['data_s']} | {r['model_s']} | {r['first_step_s']} |"
         )
     ratio = rows[250_000_000]["wall_s"] / rows[3_000_000]["wall_s"]
-    print(f"\n250 MB / 3 MB, medians: {ratio:.2f}x (goal: at most 1.5x)")
+    say(f"\n250 MB / 3 MB, medians: {ratio:.2f}x (goal: at most 1.5x)")
 
 
 _COUNT = """
@@ -136,13 +148,13 @@ print(json.dumps({"evals": sum("val_loss" in m for m in res.metrics), "graphs": 
 """
 
 
-def compile_modes(args) -> None:
-    print(
+def compile_modes(args, say: Callable) -> None:
+    say(
         f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         "`cpu` recipe, 30 steps, 3 evaluations, cold compiler cache"
     )
-    print("| compile | first step (s) | of which compile (s) | graphs | recompiles after step 1 |")
-    print("|---|---|---|---|---|")
+    say("| compile | first step (s) | of which compile (s) | graphs | recompiles after step 1 |")
+    say("|---|---|---|---|---|")
     for mode in ("on", "regional"):
         with tempfile.TemporaryDirectory() as tmp:
             env = fresh_env(Path(tmp))
@@ -161,7 +173,7 @@ def compile_modes(args) -> None:
                 for x in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()
                 if "startup" in x
             )
-        print(
+        say(
             f"| {mode} | {start['first_step_s']} | {start['compile_s']} | {c['graphs']} | {c['recompiles']} |"
         )
 
@@ -176,15 +188,15 @@ def child_cpu_s(cmd: list[str], env: dict | None = None) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def imports(args) -> None:
+def imports(args, say: Callable) -> None:
     """CPU seconds of `tinygpt --help` and `tinygpt recipes` against `python -c "import torch"`, run in turn
     (A B A B ...), the ratio taken pair by pair; medians."""
-    print(
+    say(
         f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}, {args.repeat} pairs each, CPU seconds (user + system)"
     )
-    print("| command | CPU-s | `import torch` CPU-s | ratio (median of pairs) |")
-    print("|---|---|---|---|")
+    say("| command | CPU-s | `import torch` CPU-s | ratio (median of pairs) |")
+    say("|---|---|---|---|")
     base = [sys.executable, "-c", "import torch"]
     child_cpu_s(base)  # warm the file cache
     for what in (["--help"], ["recipes"]):
@@ -195,10 +207,10 @@ def imports(args) -> None:
             a.append(child_cpu_s(cmd))
             b.append(child_cpu_s(base))
         ratio = statistics.median(x / y for x, y in zip(a, b))
-        print(
+        say(
             f"| `tinygpt {' '.join(what)}` | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {ratio:.2f}x |"
         )
-    print("\ngoal: `tinygpt --help` at most 1.15x `import torch`")
+    say("\ngoal: `tinygpt --help` at most 1.15x `import torch`")
 
 
 _WRITER = """
@@ -231,11 +243,11 @@ print(json.dumps({"tokens": n, "cpu_s": r1.ru_utime - r0.ru_utime + r1.ru_stime 
 """
 
 
-def tokenize(args) -> None:
+def tokenize(args, say: Callable) -> None:
     """GPT-2 tokens per CPU-second: the shard writer (`build_token_cache`: read, encode, uint16, hash, write)
     against tiktoken's `encode_ordinary_batch` alone on the same documents (already read), in turn; medians."""
     corpus = args.corpus or "builtin"
-    print(
+    say(
         f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"corpus {corpus}, {args.chars / 1e6:.0f} MB, {args.repeat} runs each, CPU seconds of all threads"
     )
@@ -270,16 +282,16 @@ def tokenize(args) -> None:
             else "writer"
         )
     )
-    print("| path | tokens | tokens per CPU-s (median) | runs |")
-    print("|---|---|---|---|")
-    print(
+    say("| path | tokens | tokens per CPU-s (median) | runs |")
+    say("|---|---|---|---|")
+    say(
         f"| {label} | {tokens['writer']:,} | {w / 1e6:.2f}M | {', '.join(f'{x / 1e6:.2f}M' for x in rates['writer'])} |"
     )
-    print(
+    say(
         f"| tiktoken encode_ordinary_batch alone | {tokens['tiktoken']:,} | {t / 1e6:.2f}M | "
         f"{', '.join(f'{x / 1e6:.2f}M' for x in rates['tiktoken'])} |"
     )
-    print(f"\nwriter / tiktoken: {w / t:.2f}x (goal: at least 0.8x)")
+    say(f"\nwriter / tiktoken: {w / t:.2f}x (goal: at least 0.8x)")
 
 
 def cpu_until(cmd: list[str], cwd: Path, env: dict, done) -> float:
@@ -301,7 +313,7 @@ def cpu_until(cmd: list[str], cwd: Path, env: dict, done) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def first_step(args) -> None:
+def first_step(args, say: Callable) -> None:
     """Launch to the end of the first step on a warm cache, `cpu-smoke`'s shape (2 layers, d_model
     64, 2 heads, context 64, micro-batch 8, vocabulary 512, fp32, no compile), CPU seconds: `tinygpt
     pretrain` (its token cache filled by a run before) until its start-up line, against nanoGPT's
@@ -310,7 +322,7 @@ def first_step(args) -> None:
         raise SystemExit("give --nanogpt DIR, a checkout of karpathy/nanoGPT")
     import numpy as np
 
-    print(
+    say(
         f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {args.repeat} pairs, CPU-s"
     )
@@ -386,15 +398,15 @@ def first_step(args) -> None:
         records = (run / "metrics.jsonl").read_text().splitlines()
         startup = next(json.loads(x)["startup"] for x in records if "startup" in x)
     ratio = statistics.median(b / a for a, b in zip(ours, theirs))
-    print("| launch to the end of the first step | CPU-s (median) | runs |")
-    print("|---|---|---|")
+    say("| launch to the end of the first step | CPU-s (median) | runs |")
+    say("|---|---|---|")
     for name, runs in (("tinygpt pretrain", ours), ("nanoGPT train.py", theirs)):
-        print(f"| {name} | {statistics.median(runs):.2f} | {', '.join(f'{x:.2f}' for x in runs)} |")
-    print(f"\nnanoGPT / tinygpt (speed, median of pairs): {ratio:.2f}x (goal: at least 1.0x)")
-    print(f"tinygpt's last start-up record (wall s): {json.dumps(startup)}")
+        say(f"| {name} | {statistics.median(runs):.2f} | {', '.join(f'{x:.2f}' for x in runs)} |")
+    say(f"\nnanoGPT / tinygpt (speed, median of pairs): {ratio:.2f}x (goal: at least 1.0x)")
+    say(f"tinygpt's last start-up record (wall s): {json.dumps(startup)}")
 
 
-def gpu(args) -> None:
+def gpu(args, say: Callable) -> None:
     base = [
         "--recipe",
         args.recipe,
@@ -425,15 +437,15 @@ def gpu(args) -> None:
             for m in map(json.loads, (tmp / "cold" / "metrics.jsonl").read_text().splitlines())
             if "loss" in m
         ]
-    print(json.dumps({"cold": cold, "warm": warm}, indent=1))
-    print("goals: cold first step <= 45 s, warm <= 15 s (wall, imports included)")
+    say("```json\n" + json.dumps({"cold": cold, "warm": warm}, indent=1) + "\n```")
+    say("goals: cold first step <= 45 s, warm <= 15 s (wall, imports included)")
     if len(steps) > 3:
         tps = [m["tokens_per_s"] for m in steps[1:] if m.get("tokens_per_s")]
         med = statistics.median(tps)
         slow = [
             m["step"] for m in steps[1:] if m.get("tokens_per_s") and m["tokens_per_s"] < med / 2
         ]
-        print(
+        say(
             f"tokens/s per step after the first: median {med:.0f}, min {min(tps):.0f}; steps slower than twice "
             f"the median: {slow or 'none'}"
         )
@@ -456,7 +468,9 @@ def main() -> None:
     ap.add_argument(
         "--before", help="tokenize: a checkout whose shard writer to measure (PYTHONPATH)"
     )
+    results_file.add_option(ap)
     args = ap.parse_args()
+    say = results_file.Report()
     {
         "cpu": cpu,
         "compile": compile_modes,
@@ -464,7 +478,15 @@ def main() -> None:
         "imports": imports,
         "tokenize": tokenize,
         "first-step": first_step,
-    }[args.what](args)
+    }[args.what](args, say)
+    results_file.write(
+        args.results,
+        __file__,
+        f"startup-{args.what}",
+        f"Start-up: `startup.py {args.what}`",
+        say.text(),
+        reference=REFERENCE[args.what],
+    )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ Both sides are the process a user's machine runs, from launch to exit, imports i
 
 Run in turn (A B A B ...), one thread each (`RAYON_NUM_THREADS=1`, tiktoken's `num_threads=1`); each figure
 is the child's CPU seconds (user + system, all threads, the kernel's accounting from `os.wait4`), and the
-ratio is taken pair by pair. The table goes, dated, to benchmarks/results/.
+ratio is taken pair by pair. The table goes to a dated file in benchmarks/results/ (`--results`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import results_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -84,6 +86,7 @@ def main() -> None:
         "--text", action="append", help="a text file (repeatable); default: the shared data's"
     )
     ap.add_argument("--repeat", type=int, default=5, help="pairs per text")
+    results_file.add_option(ap)
     args = ap.parse_args()
     from tinygpt.core.config import DataConfig
     from tinygpt.model.tokenizer import find_gpt2_files, load_gpt2
@@ -105,10 +108,11 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f}, Python {platform.python_version()}, {args.repeat} pairs per text, "
         "CPU seconds of whole processes (user + system)"
     )
-    print(
+    say = results_file.Report()
+    say(
         "| text | MB | tokens | tinygpt writer CPU-s | tiktoken script CPU-s | tinygpt speed / tiktoken's |"
     )
-    print("|---|---|---|---|---|---|")
+    say("|---|---|---|---|---|---|")
     for text in texts:
         ours, theirs = [], []
         tokens = 0
@@ -144,11 +148,21 @@ def main() -> None:
                 )
                 ref_tokens = out.stat().st_size // 2
         ratio = statistics.median(b / a for a, b in zip(ours, theirs))
-        print(
+        say(
             f"| {text.name} | {text.stat().st_size / 1e6:.2f} | {tokens:,} (reference {ref_tokens:,}) | "
             f"{statistics.median(ours):.2f} | {statistics.median(theirs):.2f} | **{ratio:.2f}x** |"
         )
-    print("\ngoal: at least 0.8x")
+    say("\ngoal: at least 0.8x")
+
+    results_file.write(
+        args.results,
+        __file__,
+        "tokenize-processes",
+        "GPT-2 tokenizing into shards as whole processes: tinygpt's writer against a tiktoken script",
+        say.text(),
+        reference="a script of tiktoken and numpy alone writing the same ids (the tiktoken script column), "
+        f"pairs per text {args.repeat}, the ratio taken pair by pair",
+    )
 
 
 if __name__ == "__main__":
