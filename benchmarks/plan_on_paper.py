@@ -1,6 +1,6 @@
 """What `--size auto` would choose on each Colab GPU, on paper: no GPU needed.
 
-    python benchmarks/plan_on_paper.py          # markdown table for benchmarks/results/
+    python benchmarks/plan_on_paper.py          # a markdown table, to a dated file in benchmarks/results/
     python benchmarks/plan_on_paper.py --text-tokens 250000    # on a text of that many tokens (--data FILE)
 
 For each GPU class (T4, L4, A100, H100) and budget (1, 3, 12 hours), the planner (`tinygpt.fit.plan`) runs
@@ -22,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import results_file  # noqa: E402
 
 from tinygpt.core.gpu_classes import HARDWARE  # noqa: E402
 from tinygpt.core.recipes import get_recipe  # noqa: E402
@@ -49,12 +51,14 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--text-tokens", type=float, default=None, help="a source of this many tokens")
+    results_file.add_option(ap)
     args = ap.parse_args()
-    print(
+    say = results_file.Report()
+    say(
         "| GPU | recipe ladder | hours | assumed tokens/s (chosen) | chosen | non-emb. params | tokens "
         "| tokens/param | epochs | law |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    say("|---|---|---|---|---|---|---|---|---|---|")
     for cls, (gpu, mem_gb, recipe_name) in GPUS.items():
         hw = HARDWARE[cls]
         peak = dict(hw.gpus)[gpu] * 1e12
@@ -76,10 +80,21 @@ def main() -> int:
             c = plan.choice
             epochs = "-" if c.epochs is None else f"{c.epochs:,.2f}"
             size = f"{c.size} (own size)" if plan.outside_law else c.size
-            print(
+            say(
                 f"| {gpu} | {recipe_name} | {hours} | {c.tokens_per_s:,.0f} | {size} | {count(c.params)} | "
                 f"{count(c.tokens)} | {per_param(c.tokens_per_param)} | {epochs} | {law_for(recipe).source} |"
             )
+    source = (
+        f"a text of {args.text_tokens:,.0f} tokens" if args.text_tokens else "each recipe's source"
+    )
+    results_file.write(
+        args.results,
+        __file__,
+        "plan-on-paper",
+        f"What `--size auto` would choose on each Colab GPU, on paper, on {source}",
+        f"tokens/s assumed, not measured: the GPU's peak dense TFLOP/s x MFU {MFU}.\n\n"
+        + say.text(),
+    )
     return 0
 
 

@@ -7,7 +7,8 @@ The prediction is what `tinygpt probe --json` reports (on a GPU: the micro-batch
 trainer's own compiled step timed for the micro-batches that fit; on a CPU: a CPU recipe's step as it
 stands). The trainer's figure is the median `tokens_per_s` of a real `pretrain` run of the same recipe
 (as the probe fitted it), over the logged steps after the first (compile and warm-up excluded; steps
-that evaluated or saved are left out). Goal (issue 14): within 15%.
+that evaluated or saved are left out). Goal (issue 14): within 15%. The table goes to a dated file in
+benchmarks/results/ (`--results`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file
 import torch
 
 from tinygpt.core.recipes import get_recipe
@@ -41,6 +43,7 @@ def main() -> None:
         "on a 2-core CPU shares it with the tokenizing process and measures slow)",
     )
     ap.add_argument("--data", default=None, help="a source for the run (default: the recipe's)")
+    results_file.add_option(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         predicted = json.loads(
@@ -61,20 +64,30 @@ def main() -> None:
         )
     steady = [m["tokens_per_s"] for m in result.metrics if m.get("tokens_per_s") and m["step"] > 5]
     measured = statistics.median(steady)
-    print(
+    say = results_file.Report()
+    say(
         f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {predicted['hardware'].get('name') or predicted['hardware']['device']}"
     )
-    print(
+    say(
         "| recipe | probe's tokens/s | how | trainer's tokens/s (median of logged steps after warm-up) | ratio |"
     )
-    print("|---|---|---|---|---|")
-    print(
+    say("|---|---|---|---|---|")
+    say(
         f"| {args.recipe} | {exp['tokens_per_s']:,.0f} | {exp['tokens_per_s_source']} | {measured:,.0f} "
         f"({len(steady)} logs) | {exp['tokens_per_s'] / measured:.2f} |"
     )
-    print(
+    say(
         f"\nprediction / measurement = {exp['tokens_per_s'] / measured:.2f} (goal: within 0.85-1.15)"
+    )
+
+    results_file.write(
+        args.results,
+        __file__,
+        "probe-accuracy",
+        f"The probe's tokens/s against the trainer's, recipe `{args.recipe}`",
+        say.text(),
+        reference="the trainer's measured tokens/s on the same recipe (goal: the probe within 15%)",
     )
 
 
