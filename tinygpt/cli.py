@@ -3,8 +3,7 @@
 Each command's options are the fields of an options dataclass in the library module that runs it
 (`PretrainOptions`, `FinetuneOptions`, `GenerateOptions`, ...): `core.options` makes the argparse
 options from the fields and the dataclass from what was parsed, so an option is stated once, on its
-field. What is here is the terminal: what each command prints, and its exit status.
-"""
+field. What is here is the terminal: what each command prints, and its exit status."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""What a command ends with: a run's figures, what to run next ("next:"), and the line that says
-the mirror is behind the local run.
+"""What a command ends with: a run's figures, what to run next ("next:"), and the line that says the
+mirror is behind the local run.
 
 The sync modules these read import torch, so each is imported inside the function that reads it
-(`tinygpt --help` imports no torch: tests/test_imports.py counts the modules).
-"""
+(`tinygpt --help` imports no torch: tests/test_imports.py counts the modules)."""
 
 from __future__ import annotations
 

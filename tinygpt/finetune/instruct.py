@@ -9,8 +9,7 @@ checkpoint.
 Packing puts several whole examples in one training row. Each row then comes with position ids that
 start again at 0 at every example: a transformers model (4.53 and later) reads those restarts as
 record boundaries and keeps each example's attention inside itself, so a packed row gives the same
-loss as its examples run one by one, without the padding.
-"""
+loss as its examples run one by one, without the padding."""
 
 from __future__ import annotations
 

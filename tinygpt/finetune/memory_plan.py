@@ -1,8 +1,7 @@
 """What a recipe needs with a given base, read from the base's config alone: the memory estimate
 (`memory_table`), the plan a run trains with (`plan_finetune`: activation checkpointing, full or
 chunked logits, packed rows), and the recipe to start from (`default_finetune_recipe`). Nothing here
-loads weights: a base's `config.json` (`base_config`, `base_config_dict`) is all it reads.
-"""
+loads weights: a base's `config.json` (`base_config`, `base_config_dict`) is all it reads."""
 
 from __future__ import annotations
 

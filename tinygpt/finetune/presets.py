@@ -6,7 +6,7 @@ base is `finetune.memory_plan`'s."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -88,51 +88,18 @@ class FinetuneRecipe:
 
 def _settings() -> dict[str, TrainConfig]:
     # compile "auto": the whole step (forward and loss, `loss.FinetuneLoss`) compiled on CUDA, eager
-    # elsewhere
-    common = dict(
-        weight_decay=0.0, grad_clip=1.0, compile="auto", eval_batches=8, log_every=10, keep_last=3
-    )
-    return {  # effective batch 16 sequences on both GPUs
-        "t4": TrainConfig(
-            micro_batch_size=4,
-            grad_accum_steps=4,
-            seq_len=512,
-            lr=2e-4,
-            min_lr=2e-5,
-            warmup_steps=100,
-            max_steps=1000,
-            eval_every=100,
-            save_every=50,
-            precision="auto",
-            **common,
-        ),
-        "a100": TrainConfig(
-            micro_batch_size=8,
-            grad_accum_steps=2,
-            seq_len=768,
-            lr=2.5e-4,
-            min_lr=2.5e-5,
-            warmup_steps=150,
-            max_steps=1000,
-            eval_every=100,
-            save_every=50,
-            precision="auto",
-            **common,
-        ),
-        "cpu": TrainConfig(
-            micro_batch_size=4,
-            grad_accum_steps=2,
-            seq_len=256,
-            lr=2e-3,
-            min_lr=2e-4,
-            warmup_steps=3,
-            max_steps=30,
-            eval_every=10,
-            save_every=10,
-            precision="fp32",
-            **{**common, "eval_batches": 2, "log_every": 5, "keep_last": 2},
-        ),
-    }
+    # elsewhere. The A100 and CPU settings are variants of the T4's: geometry (effective batch 16
+    # sequences on both GPUs), schedule, then logging.
+    common = dict(weight_decay=0.0, grad_clip=1.0, compile="auto", eval_batches=8, log_every=10)
+    t4 = TrainConfig(**common, precision="auto", keep_last=3, max_steps=1000, eval_every=100)
+    t4 = replace(t4, micro_batch_size=4, grad_accum_steps=4, seq_len=512, save_every=50)
+    t4 = replace(t4, lr=2e-4, min_lr=2e-5, warmup_steps=100)
+    a100 = replace(t4, micro_batch_size=8, grad_accum_steps=2, seq_len=768)
+    a100 = replace(a100, lr=2.5e-4, min_lr=2.5e-5, warmup_steps=150)
+    cpu = replace(t4, grad_accum_steps=2, seq_len=256, max_steps=30, eval_every=10, save_every=10)
+    cpu = replace(cpu, lr=2e-3, min_lr=2e-4, warmup_steps=3, precision="fp32")
+    cpu = replace(cpu, eval_batches=2, log_every=5, keep_last=2)
+    return {"t4": t4, "a100": a100, "cpu": cpu}
 
 
 FINETUNE_RECIPES: dict[str, FinetuneRecipe] = {

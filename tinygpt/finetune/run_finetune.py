@@ -1,12 +1,12 @@
 """A finetuning run end to end, LoRA, QLoRA or full: what `tinygpt finetune` and the 02_finetune
 notebook call.
 
-`finetune` holds the run folder and `_finetune` reads top to bottom: the data read first (a missing
-or bad file fails in seconds, before anything of the base is read), the settings decided once
-(`_settle`: hardware class, train settings, the plan from the memory estimate, every refusal), the
-base exported and its tokenizer loaded (`_base_folder`), the records tokenized, the model made
-trainable (`_trainable_model`), the shared `Trainer` inside `mirrored`, then the result written out
-(`_write_result`).
+`finetune` holds the run folder and reads top to bottom: the data read first (a missing or bad file
+fails in seconds, before anything of the base is read), the settings decided once (`_settle`:
+hardware class, train settings, the plan from the memory estimate, every refusal), the base exported
+and its tokenizer loaded (`_base_folder`), the records tokenized (a bad record fails before a 5 GB
+download), the model made trainable (`_trainable_model`), the shared `Trainer` inside `mirrored`,
+then the result written out (`_write_result`).
 
 A finetuning run folder holds ``finetune.json``, ``adapter_config.json`` and
 ``tinygpt_finetune.json`` (what any checkpoint needs to become an adapter), ``base/`` (tinygpt bases
@@ -22,6 +22,7 @@ the same `FinetuneLoss` and Trainer (`finetune.full`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,23 @@ class FinetuneResult:
     base_path: str | None = None  # the base as it was loaded (a Hub id or a folder)
 
 
+def _holding_the_run_folder(run):
+    """`run` with the run folder held: a link in it (.lock, metrics.jsonl, checkpoints/) is never
+    followed, a pretraining run or an export is left untouched, one writer at a time, and a failed
+    first try (bad data, no device) leaves no base/ nor finetune.json."""
+
+    @functools.wraps(run)
+    def held(recipe, base, data, run_dir, *args, **kwargs):
+        refuse_links_in(run_dir)
+        refuse_other_kind(run_dir, "finetuning run", "finetune")
+        folder = RunDir(run_dir)
+        with lock(folder), undo_if_first_try_fails(folder, FINETUNE_JSON):
+            return run(recipe, base, data, run_dir, *args, **kwargs)
+
+    return held
+
+
+@_holding_the_run_folder
 def finetune(
     recipe: str | FinetuneRecipe,
     base: str,
@@ -118,50 +136,6 @@ def finetune(
     in run_dir/adapter (recipe full: the whole model in run_dir/model). With `mirror` (a folder on
     Drive) checkpoints are copied there as they are written, the run resumes from there on a new VM,
     and the final adapter is copied to mirror/adapter."""
-    # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
-    refuse_links_in(run_dir)
-    # a pretraining run, an export: untouched
-    refuse_other_kind(run_dir, "finetuning run", "finetune")
-    run = RunDir(run_dir)
-    # one writer per run folder; a failed first try (bad data, no device) leaves no base/ nor
-    # finetune.json
-    with lock(run), undo_if_first_try_fails(run, FINETUNE_JSON):
-        return _finetune(
-            recipe,
-            base,
-            data,
-            run_dir,
-            max_steps,
-            hardware,
-            resume,
-            callbacks,
-            train=train,
-            device=device,
-            progress=progress,
-            mirror=mirror,
-        )
-
-
-def _finetune(
-    recipe: str | FinetuneRecipe,
-    base: str,
-    data: str,
-    run_dir: str | Path,
-    max_steps: int | None = None,
-    hardware: str | None = None,
-    resume: str = "auto",
-    callbacks=(),
-    *,
-    train: dict | None = None,
-    device: str | None = None,
-    progress: bool = True,
-    mirror: str | Path | None = None,
-) -> FinetuneResult:
-    """The finetuning run itself; `finetune` holds the run folder's lock around it: the data read
-    first (a missing or bad file fails in seconds, before anything of the base is read), the
-    settings decided once (`_settle`), the base exported and the records tokenized (a bad record
-    fails before a 5 GB download), the model made trainable, trained, then the adapter (or the whole
-    model) written out."""
     rec = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     if resume not in ("auto", "never"):
         raise FinetuneError(f"resume must be 'auto' or 'never', got {resume!r}")

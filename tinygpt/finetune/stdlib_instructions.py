@@ -1,9 +1,8 @@
-"""A real instruction data set every machine has: the Python standard library's functions, each
-with its docstring as the instruction and its source as the response (Alpaca format).
+"""A real instruction data set every machine has: the Python standard library's functions, each with
+its docstring as the instruction and its source as the response (Alpaca format).
 
 It is what the notebooks' smoke mode and the tests finetune on when the larger offline sets (Code
-Alpaca, MBPP) are not at hand. Deterministic: the same Python gives the same records, in order.
-"""
+Alpaca, MBPP) are not at hand. Deterministic: the same Python gives the same records, in order."""
 
 from __future__ import annotations
 

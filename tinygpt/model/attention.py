@@ -1,6 +1,6 @@
-"""Which attention kernel serves grouped-query attention (GQA: fewer
-key/value heads than query heads) on a device, and keys/values
-repeated to the query heads where no fused kernel takes them grouped.
+"""Which attention kernel serves grouped-query attention (GQA: fewer key/value heads than query
+heads) on a device, and keys/values repeated to the query heads where no fused kernel takes them
+grouped.
 
 `F.scaled_dot_product_attention(..., enable_gqa=True)` has a fused kernel only in flash attention
 (CUDA compute capability 8.0+, fp16/bf16, head_dim <= 256) and, from torch 2.9, in the CPU's flash
@@ -8,10 +8,9 @@ kernel (pytorch#157893). Everywhere else (a T4, fp32 on CUDA, MPS, torch before 
 falls back to the math kernel, which builds the full T x T attention matrix per head; with keys and
 values repeated to the query heads first, the memory-efficient kernel (CUDA) or flash (CPU) serves
 instead. `attention_kernel` is that decision as a pure function of the device's description;
-`expand_kv` applies it to a live tensor; the memory estimate (`fit.memory`) counts what it
-decides. For Hugging Face bases `EXPANDING_SDPA` is the same rule as a transformers attention
-implementation (`use_expanding_sdpa`); `hf_attention` picks a base's.
-"""
+`expand_kv` applies it to a live tensor; the memory estimate (`fit.memory`) counts what it decides.
+For Hugging Face bases `EXPANDING_SDPA` is the same rule as a transformers attention implementation
+(`use_expanding_sdpa`); `hf_attention` picks a base's."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU,
-optional GQA, tied embeddings, QK-norm and attention biases).
+"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA, tied embeddings, QK-norm and
+attention biases).
 
 Parameter names are those of Hugging Face `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm), so a
 state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side).
@@ -7,8 +7,7 @@ With `ModelConfig.fused_proj` the q/k/v and gate/up projections are one matrix e
 `gate_up_proj`), but `state_dict` and `load_state_dict` still speak the Hugging Face names
 (`_fuse_in_state_dict`). Attention is `F.scaled_dot_product_attention`, which picks flash /
 memory-efficient kernels on CUDA; with GQA, keys and values are repeated to the query heads where no
-fused kernel takes them grouped (`model.attention`).
-"""
+fused kernel takes them grouped (`model.attention`)."""
 
 from __future__ import annotations
 

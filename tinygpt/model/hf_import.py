@@ -1,10 +1,9 @@
-"""Hugging Face format, the import side: a Llama or Qwen3 folder (or a Hub model, `hf:NAME`) read
-as a tinygpt `GPT` with the same logits, and its `Tokenizer`.
+"""Hugging Face format, the import side: a Llama or Qwen3 folder (or a Hub model, `hf:NAME`) read as
+a tinygpt `GPT` with the same logits, and its `Tokenizer`.
 
 A config.json the GPT cannot represent (another architecture, a Llama or Qwen3 feature it lacks) is
 refused before any weights are read, naming each field (`representation_gaps`); every file is read
-bounded and never through a link (`core.files.read_json_safe`, `hf_file`).
-"""
+bounded and never through a link (`core.files.read_json_safe`, `hf_file`)."""
 
 from __future__ import annotations
 

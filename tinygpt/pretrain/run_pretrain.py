@@ -1,10 +1,9 @@
 """Pretraining end to end: validate, tokenizer, token cache, model, trainer, sample.
 
-This is what `tinygpt pretrain` and the 01_pretrain notebook call. Everything that can be checked
-is checked before the first token is encoded, and a run folder that holds a different
-configuration is refused rather than overwritten. Under torchrun every process calls it; rank 0
-prepares the tokenizer, the token cache and the run folder while the others wait.
-"""
+This is what `tinygpt pretrain` and the 01_pretrain notebook call. Everything that can be checked is
+checked before the first token is encoded, and a run folder that holds a different configuration is
+refused rather than overwritten. Under torchrun every process calls it; rank 0 prepares the
+tokenizer, the token cache and the run folder while the others wait."""
 
 from __future__ import annotations
 
