@@ -59,12 +59,7 @@ HOURS_CHOICES: list[tuple[str, float | None]] = [
     ("the recipe's steps", None),
     ("15 min", 0.25),
     ("30 min", 0.5),
-    ("1 h", 1.0),
-    ("2 h", 2.0),
-    ("3 h", 3.0),
-    ("6 h", 6.0),
-    ("12 h", 12.0),
-    ("24 h", 24.0),
+    *((f"{h:g} h", h) for h in (1.0, 2.0, 3.0, 6.0, 12.0, 24.0)),
 ]
 
 
@@ -129,12 +124,7 @@ class RecipePicker:
         if widgets is None:
             return  # a script: `value` is the default
         options = [(f"{name}  ({RECIPES[name].hardware})", name) for name in RECIPES]
-        self.dropdown = widgets.Dropdown(
-            options=options,
-            value=self.default,
-            description="recipe",
-            layout=widgets.Layout(width="max-content"),
-        )
+        self.dropdown = dropdown(widgets, options, self.default, "recipe")
         # the summary is an HTML widget, not an Output one: it renders the
         # same in Colab (ipywidgets 7), classic Jupyter and JupyterLab
         # (8), where capturing into an Output widget differs between them
@@ -328,17 +318,12 @@ class BasePicker:
     def _ipython_display_(self) -> None:
         if self.dropdown is None:
             return display(str(self))
-        display(
-            __import__("ipywidgets").VBox(
-                [
-                    self.dropdown,
-                    __import__("ipywidgets").HTML(
-                        f"<i>default: {html.escape(self.reason)}; a base brings its own "
-                        "architecture, tokenizer and context, trained at a lower learning rate</i>"
-                    ),
-                ]
-            )
+        widgets = __import__("ipywidgets")
+        why = widgets.HTML(
+            f"<i>default: {html.escape(self.reason)}; a base brings its own architecture, "
+            "tokenizer and context, trained at a lower learning rate</i>"
         )
+        display(widgets.VBox([self.dropdown, why]))
 
     def __repr__(self) -> str:
         return (

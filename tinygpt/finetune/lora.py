@@ -207,8 +207,7 @@ def attach_lora(
     if missing:
         raise FinetuneError(
             f"LoRA target module(s) {missing} match no linear layer of this model; "
-            f"its linear layers are: {', '.join(available)} (the output head is "
-            "never adapted)"
+            f"its linear layers are: {', '.join(available)} (the output head is never adapted)"
         )
     for p in model.parameters():
         p.requires_grad_(False)
@@ -299,8 +298,7 @@ def verify_adapter(adapter_dir: Path) -> None:
     if not ok:
         raise FinetuneError(
             f"adapter {adapter_dir} is damaged: {why}; export it again from the "
-            "run's checkpoints (export_adapter(run_dir)) or copy it again from "
-            "Drive"
+            "run's checkpoints (export_adapter(run_dir)) or copy it again from Drive"
         )
 
 

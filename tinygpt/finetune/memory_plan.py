@@ -81,8 +81,7 @@ def base_config(path: str):
         raise FinetuneError(
             f"could not load base model {path!r}: {type(e).__name__}: {e}\nCheck "
             "the folder or the Hub id and the network; gated models (Gemma, Llama) "
-            "need their licence accepted on the Hub and `hf auth login` (or "
-            "HF_TOKEN set)"
+            "need their licence accepted on the Hub and `hf auth login` (or HF_TOKEN set)"
         ) from e
 
 

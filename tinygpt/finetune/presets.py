@@ -42,7 +42,7 @@ class LoraSettings:
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:
             raise FinetuneError(
-                f"LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got "
+                "LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got "
                 f"r={self.r}, alpha={self.alpha}, dropout={self.dropout}"
             )
         if self.target_modules is not None:
@@ -126,9 +126,8 @@ FINETUNE_RECIPES["qlora-r16"] = FinetuneRecipe(
 FULL_LR_FACTOR = 0.1
 FINETUNE_RECIPES["full"] = FinetuneRecipe(
     "full",
-    "Full finetuning: every weight trains (fp32 weights, gradients and AdamW states, 16 "
-    "bytes per parameter; half-precision compute); for small bases, the result a whole model "
-    "folder",
+    "Full finetuning: every weight trains (fp32 weights, gradients and AdamW states, 16 bytes per "
+    "parameter; half-precision compute); for small bases, the result a whole model folder",
     None,
     {
         hw: dataclasses.replace(c, lr=c.lr * FULL_LR_FACTOR, min_lr=c.min_lr * FULL_LR_FACTOR)
@@ -179,8 +178,7 @@ def check_qlora(device: torch.device) -> None:
     except Exception as e:  # ImportError, or a broken CUDA setup raising at import
         raise FinetuneError(
             f"QLoRA needs bitsandbytes, which cannot be imported ({e}): `pip "
-            "install bitsandbytes`, or choose a LoRA recipe such as "
-            "lora-r16"
+            "install bitsandbytes`, or choose a LoRA recipe such as lora-r16"
         ) from e
     if device.type not in ("cuda", "cpu", "xpu"):
         raise FinetuneError(
@@ -196,8 +194,7 @@ def check_qlora(device: torch.device) -> None:
     except Exception as e:
         raise FinetuneError(
             f"QLoRA: bitsandbytes {bnb.__version__} cannot run a 4-bit NF4 layer "
-            f"on {device}: {type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) "
-            "instead"
+            f"on {device}: {type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) instead"
         ) from e
 
 
@@ -220,6 +217,5 @@ def qlora_compile(
         return compile, None
     return "off", (
         f"QLoRA runs eagerly: compiling its 4-bit layers needs {' and '.join(short)} "
-        f"(this runtime has bitsandbytes {bnb_version}, torch "
-        f"{torch_version_.split('+')[0]})"
+        f"(this runtime has bitsandbytes {bnb_version}, torch {torch_version_.split('+')[0]})"
     )

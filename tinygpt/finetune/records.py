@@ -92,9 +92,8 @@ def _read_json_records(p: Path) -> Records:
     size = p.stat().st_size
     if size > JSON_FILE_LIMIT:
         raise DataError(
-            f"{p} holds {size:,} bytes, more than the {JSON_FILE_LIMIT:,} read of a "
-            ".json file: write the records one per line as a .jsonl file, which is "
-            "read a line at a time"
+            f"{p} holds {size:,} bytes, more than the {JSON_FILE_LIMIT:,} read of a .json file: "
+            "write the records one per line as a .jsonl file, which is read a line at a time"
         )
     # outside run folders: the data file the user named, its size checked above
     data = p.read_bytes()
@@ -274,9 +273,8 @@ def _chat_segments(messages: Any, at: str, chat_template: Any) -> Segments:
             full = chat_template(messages[: j + 1], tokenize=False)
             if not (prompt.startswith(done) and full.startswith(prompt)):
                 raise DataError(
-                    f"{at}: the tokenizer's chat template does not render turns as "
-                    "prefixes of the conversation, so prompts cannot be masked; use a "
-                    "plain tokenizer"
+                    f"{at}: the tokenizer's chat template does not render turns as prefixes of "
+                    "the conversation, so prompts cannot be masked; use a plain tokenizer"
                 )
             segs += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
             done = full

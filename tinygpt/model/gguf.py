@@ -280,24 +280,6 @@ def write_gguf(
     return path
 
 
-# --- reading back -----------------------------------------------------------------------------
-
-
-def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(metadata {key: value}, tensors {name: float32 array in numpy (torch) order, dequantized}) of
-    a GGUF file, through gguf's own reader: what llama.cpp will find there."""
-    gguf = _gguf()
-    reader = gguf.GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    tensors = {}
-    for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensors[t.name] = np.asarray(data, dtype=np.float32).reshape(
-            tuple(int(d) for d in reversed(t.shape))
-        )
-    return meta, tensors
-
-
 # --- Ollama -----------------------------------------------------------------------------------
 
 

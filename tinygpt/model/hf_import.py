@@ -147,9 +147,8 @@ def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             )
         return sd
     raise FileNotFoundError(
-        f"{path} has no model.safetensors or {SAFETENSORS_INDEX}; if it holds "
-        "pytorch_model.bin, load it with transformers and save_pretrained() it again "
-        "(safetensors is the default)"
+        f"{path} has no model.safetensors or {SAFETENSORS_INDEX}; if it holds pytorch_model.bin, "
+        "load it with transformers and save_pretrained() it again (safetensors is the default)"
     )
 
 

@@ -85,6 +85,5 @@ def check_mirror_files(mirror: str | Path) -> None:
     except ValueError as e:  # RunDirError, UnsafePathError, FileTooLarge: each names its file
         raise ConfigError(
             f"the mirror holds a file tinygpt did not write: {str(e).splitlines()[0]}; nothing was "
-            f"copied from or to {mirror}: delete that file there, or use another --mirror "
-            "folder"
+            f"copied from or to {mirror}: delete that file there, or use another --mirror folder"
         ) from None

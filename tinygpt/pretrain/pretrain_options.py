@@ -141,8 +141,7 @@ def check_budget_overrides(changes: dict[str, dict[str, Any]], hours: float | No
         raise ConfigError(
             f"--set train.schedule={train['schedule']} cannot be honoured with "
             f"--hours: a time budget trains with schedule {BUDGET_SCHEDULE} "
-            f"({BUDGET_SCHEDULE_WHY}); drop the --set, or give "
-            "--max-steps instead of --hours"
+            f"({BUDGET_SCHEDULE_WHY}); drop the --set, or give --max-steps instead of --hours"
         )
     if "max_steps" in train:
         raise ConfigError(
