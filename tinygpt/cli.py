@@ -195,16 +195,8 @@ def _generate(args) -> int:
     adapter = o.adapter or (o.run_dir if o.run_dir and is_finetuning_run(o.run_dir) else None)
     if adapter:  # a finetuning run answers the prompt as an instruction
         model, tok = load_finetuned(adapter)
-        print(
-            generate_response(
-                model,
-                tok,
-                o.prompt,
-                max_new_tokens=o.max_new_tokens,
-                temperature=o.temperature,
-                top_p=o.top_p,
-            )
-        )
+        sampling = dict(max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_p=o.top_p)
+        print(generate_response(model, tok, o.prompt, **sampling))
         return 0
     if not o.run_dir:
         raise ConfigError("give the run folder: tinygpt generate RUN_DIR --prompt TEXT")
@@ -231,13 +223,8 @@ def _eval(args) -> int:
     from tinygpt.evals.evaluate import evaluate, report
 
     o = from_args(EvalOptions, args)
-    print(
-        report(
-            o.task,
-            evaluate(o, say=lambda note: print(note, file=sys.stderr, flush=True)),
-            o.as_json,
-        )
-    )
+    results = evaluate(o, say=lambda note: print(note, file=sys.stderr, flush=True))
+    print(report(o.task, results, o.as_json))
     return 0
 
 

@@ -30,11 +30,7 @@ class Table:
     notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        widths = (
-            [max(len(str(r[i])) for r in self.rows) for i in range(len(self.rows[0]))]
-            if self.rows
-            else []
-        )
+        widths = [max(len(str(c)) for c in column) for column in zip(*self.rows)]
         lines = [self.title] if self.title else []
         lines += [
             "  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in self.rows

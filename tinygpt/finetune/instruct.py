@@ -37,16 +37,6 @@ def bucket_length(n: int, seq_len: int) -> int:
     return min(width, seq_len)
 
 
-def length_buckets(seq_len: int) -> list[int]:
-    """Every width `bucket_length` can give for this seq_len."""
-    return sorted(
-        {
-            bucket_length(n, seq_len)
-            for n in [1, seq_len] + [2**k for k in range(seq_len.bit_length())]
-        }
-    )
-
-
 # ----- tokens ------------------------------------------------------------------------------------
 @dataclass
 class DataReport:
@@ -157,9 +147,8 @@ class InstructSource:
         out: list[int] = []
         while len(out) < n:
             if self._perm_epoch != self.epoch:
-                self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(
-                    len(self.rows)
-                )
+                rng = np.random.default_rng([self.seed, self.epoch])
+                self._perm = rng.permutation(len(self.rows))
                 self._perm_epoch = self.epoch
             k = min(n - len(out), len(self.rows) - self.index)
             out += self._perm[self.index : self.index + k].tolist()
@@ -190,11 +179,8 @@ class InstructSource:
         }
 
     def load_state_dict(self, s: dict) -> None:
-        if (s["seed"], s["rows"], s["fingerprint"]) != (
-            self.seed,
-            len(self.rows),
-            self.fingerprint,
-        ):
+        mine = self.state_dict()
+        if any(s[k] != mine[k] for k in ("seed", "rows", "fingerprint")):
             raise DataError(
                 f"the checkpoint's data position is for {s['rows']} rows (fingerprint "
                 f"{s['fingerprint']}, seed {s['seed']}), this data gives {len(self.rows)} rows "

@@ -132,11 +132,8 @@ def _fuse_in_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, i
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = (
-            config.n_head,
-            config.n_kv_head,
-            config.head_dim,
-        )
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.head_dim
         q_dim, kv_dim = config.n_head * self.head_dim, config.n_kv_head * self.head_dim
         self.split_sizes = (q_dim, kv_dim, kv_dim)
         self.fused, bias = config.fused_proj, config.attention_bias
@@ -151,10 +148,8 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(config.d_model, kv_dim, bias=bias)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=bias)
         if config.qk_norm:  # Qwen3's names and place: per head, before RoPE
-            self.q_norm, self.k_norm = (
-                norm_class(config)(self.head_dim),
-                norm_class(config)(self.head_dim),
-            )
+            self.q_norm = norm_class(config)(self.head_dim)
+            self.k_norm = norm_class(config)(self.head_dim)
         self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None):

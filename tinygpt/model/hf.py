@@ -141,12 +141,11 @@ def from_pretrained(auto_class: str, path: str | Path, **kw: Any) -> Any:
     tf = _transformers()
     check_hf_folder(path)
     kw["trust_remote_code"] = False
+    # a Hub model: its config says what it is before any weights come
     if (
-        auto_class != "AutoConfig"
-        and auto_class != "AutoTokenizer"
+        auto_class not in ("AutoConfig", "AutoTokenizer")
         and not Path(str(path)).expanduser().is_dir()
     ):
-        # a Hub model: its config says what it is before any weights come
         from_pretrained("AutoConfig", path)
     loaded = getattr(tf, auto_class).from_pretrained(str(path), **kw)
     if auto_class == "AutoConfig":
@@ -190,13 +189,8 @@ def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
     generation needs a pad token, and end-of-text carries no loss there)."""
     tf = _transformers()
     kw = {"model_max_length": max_seq_len} if max_seq_len else {}
-    return tf.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer.tok,
-        bos_token=tokenizer.eot,
-        eos_token=tokenizer.eot,
-        pad_token=tokenizer.eot,
-        **kw,
-    )
+    kw.update(dict.fromkeys(("bos_token", "eos_token", "pad_token"), tokenizer.eot))
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, **kw)
 
 
 def _update_json(path: Path, **values: Any) -> None:
@@ -217,9 +211,8 @@ def export_model(
     with atomic_output(out, folder=True) as tmp:  # a failure leaves nothing under the real name
         eot_id = tokenizer.eot_id if tokenizer is not None else None
         hf_llama_config(model.config, eot_id).save_pretrained(tmp)
-        # transformers 5 keeps rope_theta under rope_parameters; 4.x reads
-        # it at the top level and would silently fall back to 10000 without
-        # it. Both keys, so that either version loads the same model.
+        # transformers 5 keeps rope_theta under rope_parameters; 4.x reads it at the top level and
+        # would silently fall back to 10000 without it. Both keys: either version loads the same model.
         _update_json(
             tmp / "config.json",
             rope_theta=model.config.rope_theta,

@@ -1,7 +1,7 @@
 """What a Drive mirror may tell a pretraining run: nothing that chooses the run. Its run.json is
 compared with the command, and the run files a restore would copy home are read as a start reads
 them, before a byte is copied from or to it (`check_mirror_run`, called by
-`pretrain.run_pretrain.train_run`)."""
+`pretrain.run_pretrain.pretrain`)."""
 
 from __future__ import annotations
 

@@ -113,15 +113,45 @@ def pretrain(
 
     The recipe flows down once: resolved here (overrides, then this process's device), checked
     before any work (`check_recipe`), fitted to the machine by `plan_run` once the run folder is
-    held and restored (`train_run`), and from then on read from the `Plan`."""
+    held (by rank 0 alone: one writer per folder; a failed first try leaves nothing behind) and
+    restored from the mirror, and from then on read from the `Plan`. The restore comes before the
+    plan: on a new VM, a run that the probe fitted to its GPU finds its choices in the restored
+    run.json and keeps them (probed again, it could choose otherwise and be refused as another
+    configuration). Rank 0 prepares first (the other ranks then find run.json, tokenizer and token
+    cache made). The trainer closes its callbacks when training ends (the mirror last: it finishes
+    its copies); then the token shards and the lock are let go, whatever ended the run (`mirrored`
+    closes a mirror that training never reached)."""
     opts = options or PretrainOptions(run_dir=run_dir, **option_fields)
     given = get_recipe(recipe) if isinstance(recipe, str) else recipe
     recipe = source_as_the_run_spells_it(opts.apply(given), opts.run_dir, opts.mirror)
-    with joined(recipe.train.device, opts.parallel) as (dev, ranks):
+    with joined(recipe.train.device, opts.parallel) as (dev, ranks), contextlib.ExitStack() as held:
         clock = StartupClock()
         clock.notes += [note] if (note := opts.budget_note(given)) else []
         token_ids = check_recipe(recipe, opts, dev, ranks)
-        return train_run(recipe, opts, dev, ranks, clock, token_ids)
+        # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
+        refuse_links_in(opts.run_dir)
+        # a finetuning run, an export: untouched
+        refuse_other_kind(opts.run_dir, "pretraining run", "pretrain")
+        # another run's mirror: refused before any copy
+        check_mirror_run(recipe, opts.mirror if ranks.is_main else None, sized=opts.size == "auto")
+        if ranks.is_main:
+            folder = RunDir(opts.run_dir)
+            held.enter_context(lock(folder))
+            held.enter_context(undo_if_first_try_fails(folder, RUN_JSON))
+        with main_process_first(ranks.rank, ranks.world_size):
+            # a mirror that another run owns is refused here, before anything is copied or written;
+            # the identity leaves out what the probe chooses, so it is known before the probe runs
+            mirror = held.enter_context(
+                mirrored(opts.run_dir, opts.mirror if ranks.is_main else None, recipe.identity())
+            )
+            clock.mark("restore")
+            plan = plan_run(recipe, opts, dev, ranks, clock, token_ids)
+            # held before anything else can fail: a failed
+            # write below still stops the tokenizing process
+            data = held.enter_context(prepare_run(plan, opts))
+            if ranks.is_main:
+                _write_run_files(opts.run_dir, plan, data.tokenizer, data.meta)
+        return train(plan, opts, data, mirror)
 
 
 def source_as_the_run_spells_it(recipe: Recipe, *folders: str | Path | None) -> Recipe:
@@ -175,49 +205,6 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
         what=f"recipe {recipe.name}",
     )
     return token_ids
-
-
-def train_run(
-    recipe: Recipe,
-    opts: PretrainOptions,
-    dev: torch.device,
-    ranks: Ranks,
-    clock: StartupClock,
-    token_ids: bool,
-) -> TrainResult:
-    """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves
-    nothing behind), restored from the mirror, planned, and prepared by rank 0 first (the other
-    ranks then find run.json, tokenizer and token cache made); then training. The restore comes
-    before the plan: on a new VM, a run that the probe fitted to its GPU finds its choices in the
-    restored run.json and keeps them (probed again, it could choose otherwise and be refused as
-    another configuration). The trainer closes its callbacks when training ends (the mirror last: it
-    finishes its copies); then the token shards and the lock are let go, whatever ended the run
-    (`mirrored` closes a mirror that training never reached)."""
-    # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
-    refuse_links_in(opts.run_dir)
-    # a finetuning run, an export: untouched
-    refuse_other_kind(opts.run_dir, "pretraining run", "pretrain")
-    # another run's mirror: refused before any copy
-    check_mirror_run(recipe, opts.mirror if ranks.is_main else None, sized=opts.size == "auto")
-    with contextlib.ExitStack() as held:
-        if ranks.is_main:
-            folder = RunDir(opts.run_dir)
-            held.enter_context(lock(folder))
-            held.enter_context(undo_if_first_try_fails(folder, RUN_JSON))
-        with main_process_first(ranks.rank, ranks.world_size):
-            # a mirror that another run owns is refused here, before anything is copied or written;
-            # the identity leaves out what the probe chooses, so it is known before the probe runs
-            mirror = held.enter_context(
-                mirrored(opts.run_dir, opts.mirror if ranks.is_main else None, recipe.identity())
-            )
-            clock.mark("restore")
-            plan = plan_run(recipe, opts, dev, ranks, clock, token_ids)
-            # held before anything else can fail: a failed
-            # write below still stops the tokenizing process
-            data = held.enter_context(prepare_run(plan, opts))
-            if ranks.is_main:
-                _write_run_files(opts.run_dir, plan, data.tokenizer, data.meta)
-        return train(plan, opts, data, mirror)
 
 
 @dataclass(frozen=True)
