@@ -112,11 +112,11 @@ class RecipePicker:
     pretrain` does: with a time and size auto, the recipe whose ladder the planner climbs here (on
     a CPU, cpu-fast's); a resumed run and smoke mode keep theirs."""
 
-    def __init__(self, report: Any, resume_from: RunFolders | str | Path | None = None):
-        self.report = report
-        self.default, self.reason = default_recipe(report, resume_from)
-        self.sized_default = default_recipe(report, resume_from, sized=True)  # (name, why)
-        self.default_hours, self.hours_reason = default_hours(report, resume_from)
+    def __init__(self, report: Any = None, resume_from: RunFolders | str | Path | None = None):
+        self.report = report if report is not None else hardware_report()  # `probe`'s
+        self.default, self.reason = default_recipe(self.report, resume_from)
+        self.sized_default = default_recipe(self.report, resume_from, sized=True)  # (name, why)
+        self.default_hours, self.hours_reason = default_hours(self.report, resume_from)
         self.dropdown = self._output = self.hours_dropdown = self.size_dropdown = None
         self.user_chose = False  # the recipe dropdown was changed by the user, not by following
         self._following = False
@@ -221,13 +221,7 @@ class RecipePicker:
         )
 
 
-def recipe_picker(
-    report: Any = None, resume_from: RunFolders | str | Path | None = None
-) -> RecipePicker:
-    """The recipe dropdown; `report` defaults to `probe.hardware_report()`."""
-    if report is None:
-        report = hardware_report()
-    return RecipePicker(report, resume_from)
+recipe_picker = RecipePicker  # the notebooks' name for it
 
 
 class FinetunePicker:
@@ -267,9 +261,7 @@ class FinetunePicker:
         return f"recipe: {self.value} (default: {self.default}, {self.reason})\n{self.table}"
 
 
-def finetune_picker(base_config: dict[str, Any], run: RunFolders | None = None) -> FinetunePicker:
-    """The finetuning recipe dropdown and the memory table, in one call."""
-    return FinetunePicker(base_config, run)
+finetune_picker = FinetunePicker  # the notebooks' name for it
 
 
 # 01_pretrain's base dropdown: small Hub models whose
@@ -332,6 +324,4 @@ class BasePicker:
         )
 
 
-def base_picker(resume_from: RunFolders | str | Path | None = None) -> BasePicker:
-    """The base dropdown of 01_pretrain (from scratch or a Hub model)."""
-    return BasePicker(resume_from)
+base_picker = BasePicker  # the notebooks' name for it

@@ -221,12 +221,13 @@ def _draw_plan(plan: dict) -> Any:
     """The plan's figure (`_plan_problem` found nothing wrong with it)."""
     from matplotlib.figure import Figure
 
+    def xy(rows: list[dict]) -> tuple[list, list]:
+        return [c["params"] for c in rows], [c["predicted_loss"] for c in rows]
+
     cands = plan["candidates"]
     fig = Figure(figsize=(7, 3.5), layout="constrained")
     ax = fig.add_subplot()
-    ax.plot(
-        [c["params"] for c in cands], [c["predicted_loss"] for c in cands], "o-", color="tab:blue"
-    )
+    ax.plot(*xy(cands), "o-", color="tab:blue")
     _plain_text(
         ax.annotate(
             _plain_label(c["size"]),
@@ -241,26 +242,14 @@ def _draw_plan(plan: dict) -> Any:
     outside = [c for c in cands if not row_within_law(plan, c)]
     if outside:  # the law's prediction did not choose these
         label = f"outside the law: over {MAX_EPOCHS:g} epochs, or too few tokens per parameter"
-        ax.plot(
-            [c["params"] for c in outside],
-            [c["predicted_loss"] for c in outside],
-            "x",
-            ms=9,
-            color="tab:gray",
-            label=label,
-        )
+        ax.plot(*xy(outside), "x", ms=9, color="tab:gray", label=label)
     best = next(c for c in cands if c["chosen"] is True)
     why = "" if row_within_law(plan, best) else ", the recipe's own size"
-    ax.plot(
-        [best["params"]],
-        [best["predicted_loss"]],
-        "o",
-        ms=12,
-        mfc="none",
-        color="tab:red",
-        label=f"chosen: {_plain_label(best['size'])}{why}, "
-        f"{best['tokens'] / best['params']:.1f} tokens per parameter",
+    label = (
+        f"chosen: {_plain_label(best['size'])}{why}, "
+        f"{best['tokens'] / best['params']:.1f} tokens per parameter"
     )
+    ax.plot(*xy([best]), "o", ms=12, mfc="none", color="tab:red", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("non-embedding parameters")
     ax.set_ylabel("predicted loss")

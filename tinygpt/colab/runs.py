@@ -74,9 +74,8 @@ class FinetuneStatus:
     def __str__(self) -> str:
         home, where = (self.mirror, "on Drive") if self.mirror is not None else (self.local, "here")
         steps = list_checkpoints(RunDir(home).checkpoints)
-        lines = [f"local:  {self.local}"] + (
-            [f"Drive:  {self.mirror}"] if self.mirror is not None else []
-        )
+        lines = [f"local:  {self.local}"]
+        lines += [f"Drive:  {self.mirror}"] if self.mirror is not None else []
         if steps:
             lines.append(
                 f"{where}: step {steps[-1][0]} of recipe {recipe_name_of(home, self.local)}; "

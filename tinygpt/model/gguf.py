@@ -11,23 +11,22 @@ Invariants:
   of each head; q_proj and k_proj rows (and biases) are permuted here exactly as llama.cpp's
   `convert_hf_to_gguf.py` does, so the attention scores are the same. `qwen3` uses the halves
   itself: nothing is permuted.
-- The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with
-  unused `[PAD<i>]` entries up to the model's vocabulary, which llama.cpp requires),
-  the merges in rank order, and the pre-tokenizer `gpt-2`, whose split pattern is the
-  one `tokenizers`' ByteLevel pre-tokenizer uses (`smollm` for SmolLM's single digits
-  before it, so that runs continued from SmolLM export too). `check_tokenizer`
-  refuses a tokenizer llama.cpp would split differently (another pre-tokenizer, a
-  normalizer, byte fallback...) rather than writing a file that tokenizes otherwise.
+- The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with unused
+  `[PAD<i>]` entries up to the model's vocabulary, which llama.cpp requires), the merges in rank
+  order, and the pre-tokenizer `gpt-2`, whose split pattern is the one `tokenizers`' ByteLevel
+  pre-tokenizer uses (`smollm` for SmolLM's single digits before it, so that runs continued from
+  SmolLM export too). `check_tokenizer` refuses a tokenizer llama.cpp would split differently
+  (another pre-tokenizer, a normalizer, byte fallback...) rather than writing a file that tokenizes
+  otherwise.
 - End-of-text is eos, and llama.cpp stops on it. A pretrained run's GGUF adds no
   beginning-of-sequence token (`tinygpt generate` continues a prompt as it is); a finetune's adds
   the one its training prompts began with (`bos_id`, `add_bos`: end-of-text for a tinygpt base), so
   llama.cpp and Ollama start a prompt as training did.
-- `context_length` is the context the run was trained
-  at (`context`), not the size of its position tables.
-- Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0.
-  Like llama.cpp's converter, 1-D tensors (norms, biases) stay f32
-  and a matrix whose rows are not a whole number of blocks stays f16.
-"""
+- `context_length` is the context the run was trained at (`context`), not the size of its position
+  tables.
+- Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0. Like llama.cpp's converter, 1-D
+  tensors (norms, biases) stay f32 and a matrix whose rows are not a whole number of blocks stays
+  f16."""
 
 from __future__ import annotations
 
