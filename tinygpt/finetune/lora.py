@@ -71,10 +71,8 @@ def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "
     checkpoint."""
     model, tok, _, ckpt = load_run(run_dir, which)
     out = export_model(model, tok, out_dir)
-    write_json_atomic(
-        out / "tinygpt_source.json",
-        {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(ckpt)},
-    )
+    source = {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(ckpt)}
+    write_json_atomic(out / "tinygpt_source.json", source)
     return out
 
 
@@ -216,16 +214,9 @@ def attach_lora(
         # Without this, checkpointed blocks whose inputs do not require grad give the adapters none.
         model.enable_input_require_grads()
         model.config.use_cache = False
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=targets,
-        use_rslora=lora.use_rslora,
-        use_dora=lora.use_dora,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
+    rank = dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    variant = dict(use_rslora=lora.use_rslora, use_dora=lora.use_dora)
+    config = LoraConfig(**rank, **variant, bias="none", task_type="CAUSAL_LM")
     torch.manual_seed(seed)  # lora_A's initialisation draws from torch's RNG: same seed, same start
     with _peft_on_transformers_5():
         pm = get_peft_model(model, config)

@@ -46,14 +46,7 @@ def causal_lm_loss(
         cap = getattr(hf.config, "final_logit_softcapping", None)
         if cap and hf.config.model_type in SOFTCAP_HEAD_TYPES:
             return softcapped_loss(hidden, head.weight, y, float(cap), chunk_rows=chunk_rows)
-        return linear_cross_entropy(
-            hidden,
-            head.weight,
-            y,
-            reduction="sum",
-            ignore_index=IGNORE_INDEX,
-            chunk_rows=chunk_rows,
-        )
+        return linear_cross_entropy(hidden, head.weight, y, reduction="sum", chunk_rows=chunk_rows)
     logits = model(input_ids=x, use_cache=False, **pos).logits.float()
     return F.cross_entropy(
         logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"

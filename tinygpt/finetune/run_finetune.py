@@ -174,16 +174,9 @@ def finetune(
 
 def _tokenized(records, tok, run: _Settled, template: str):
     """The records tokenized in the run's prompt format, at its context, packed where planned."""
-    return build_instruct_data(
-        records,
-        tok,
-        run.cfg.seq_len,
-        template=template,
-        pack=run.plan.pack,
-        seed=run.cfg.seed,
-        val_batch_size=run.cfg.micro_batch_size,
-        eval_batches=run.cfg.eval_batches,
-    )
+    c = run.cfg
+    kw = dict(template=template, pack=run.plan.pack, seed=c.seed, eval_batches=c.eval_batches)
+    return build_instruct_data(records, tok, c.seq_len, val_batch_size=c.micro_batch_size, **kw)
 
 
 def _result(run, run_dir, result, dataset, models, written, base_path) -> FinetuneResult:

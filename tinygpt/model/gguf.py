@@ -195,9 +195,8 @@ def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
         if family.rope_pairs and key.endswith(
             ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
         ):
-            w = _rope_pairs(
-                w, config.n_head if "q_proj" in key else config.n_kv_head or config.n_head
-            )
+            heads = config.n_head if "q_proj" in key else config.n_kv_head or config.n_head
+            w = _rope_pairs(w, heads)
         out[name] = w
     return out
 
@@ -256,9 +255,8 @@ def write_gguf(
         for name, value in meta.items():  # gguf's own writer knows llama.cpp's key and type
             getattr(w, f"add_{name}")(value)
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(
-            pre_tokenizer_name(json.loads(tokenizer.to_json()).get("pre_tokenizer"))
-        )
+        pre = json.loads(tokenizer.to_json()).get("pre_tokenizer")
+        w.add_tokenizer_pre(pre_tokenizer_name(pre))
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)

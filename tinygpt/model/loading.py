@@ -7,11 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tinygpt.core.checkpoint import (
-    find_run_checkpoint,
-    load_checkpoint,
-    load_model_state,
-)
+from tinygpt.core.checkpoint import find_run_checkpoint, load_checkpoint, load_model_state
 from tinygpt.core.config import ModelConfig
 from tinygpt.core.folders import not_a_run_message
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, RunDirError
