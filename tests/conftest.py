@@ -129,3 +129,13 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
             tuple(int(d) for d in reversed(t.shape))
         )
     return meta, tensors
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
+    """A run's checkpoint ("latest", "best" or a folder) and tokenizer as a Hugging Face folder."""
+    from tinygpt.model.hf import check_export_target, export_model
+    from tinygpt.model.loading import load_run
+
+    check_export_target(out_dir)  # fail before loading anything
+    model, tokenizer, _, _ = load_run(run_dir, which)
+    return export_model(model, tokenizer, out_dir)

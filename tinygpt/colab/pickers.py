@@ -193,25 +193,17 @@ class RecipePicker:
             return display(str(self))
         widgets = __import__("ipywidgets")
         self._show_summary()
-        display(
-            widgets.VBox(
-                [
-                    self.dropdown,
-                    self.reason_line,
-                    self.hours_dropdown,
-                    widgets.HTML(
-                        f"<i>time available for training: {html.escape(self.hours_reason)}; the "
-                        "run measures its speed and sets its steps to end on time</i>"
-                    ),
-                    self.size_dropdown,
-                    widgets.HTML(
-                        "<i>size: auto chooses the model the time buys (a ladder of sizes, a "
-                        "scaling law, this GPU's speed), shown before training starts</i>"
-                    ),
-                    self.summary,
-                ]
+        time_note, size_note = (
+            widgets.HTML(f"<i>{note}</i>")
+            for note in (
+                f"time available for training: {html.escape(self.hours_reason)}; the run measures "
+                "its speed and sets its steps to end on time",
+                "size: auto chooses the model the time buys (a ladder of sizes, a scaling law, this "
+                "GPU's speed), shown before training starts",
             )
         )
+        rows = [self.dropdown, self.reason_line, self.hours_dropdown, time_note, self.size_dropdown]
+        display(widgets.VBox([*rows, size_note, self.summary]))
 
     def __repr__(self) -> str:
         budget = "the recipe's steps" if self.hours is None else f"{self.hours:g} h"

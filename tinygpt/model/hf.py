@@ -23,7 +23,6 @@ from tinygpt.core.config import ModelConfig
 from tinygpt.core.families import FAMILIES
 from tinygpt.core.files import atomic_output, read_json_safe, write_json_atomic
 from tinygpt.model.gpt import GPT
-from tinygpt.model.loading import load_run
 from tinygpt.model.tokenizer import Tokenizer, check_regexes, read_tokenizer_json
 
 
@@ -289,14 +288,6 @@ def set_prompt_format(
     )
     if (folder / "generation_config.json").is_file():
         _update_json(folder / "generation_config.json", bos_token_id=bos_id)
-
-
-def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
-    """Export a run's checkpoint ("latest", "best" or a
-    folder) and tokenizer to a Hugging Face folder."""
-    check_export_target(out_dir)  # fail before loading anything
-    model, tokenizer, _, _ = load_run(run_dir, which)
-    return export_model(model, tokenizer, out_dir)
 
 
 # --- a transformers model for evaluation ------------------------------------------------------

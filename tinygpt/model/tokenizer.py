@@ -183,14 +183,6 @@ class Tokenizer:
         """sha256 of the serialised tokenizer: part of the token cache's key."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
-    def compression(self, texts: Iterable[str]) -> float:
-        """Characters per token over the given texts (higher is better compression)."""
-        chars = tokens = 0
-        for t in texts:
-            chars += len(t)
-            tokens += len(self.encode(t))
-        return chars / max(tokens, 1)
-
 
 def _byte_level(tok: _HFTokenizer) -> _HFTokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
