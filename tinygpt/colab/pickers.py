@@ -196,10 +196,10 @@ class RecipePicker:
         time_note, size_note = (
             widgets.HTML(f"<i>{note}</i>")
             for note in (
-                f"time available for training: {html.escape(self.hours_reason)}; the run measures "
-                "its speed and sets its steps to end on time",
-                "size: auto chooses the model the time buys (a ladder of sizes, a scaling law, this "
-                "GPU's speed), shown before training starts",
+                f"time available for training: {html.escape(self.hours_reason)}; the run "
+                "measures its speed and sets its steps to end on time",
+                "size: auto chooses the model the time buys (a ladder of sizes, a scaling law, "
+                "this GPU's speed), shown before training starts",
             )
         )
         rows = [self.dropdown, self.reason_line, self.hours_dropdown, time_note, self.size_dropdown]

@@ -121,24 +121,16 @@ def summary(
         )
     )
     if search is not None:
-        tables.append(
-            Table(
-                [
-                    ("micro-batch", search.micro_batch_size),
-                    ("accumulation steps", search.grad_accum_steps),
-                    ("context", search.seq_len),
-                    (
-                        "activation checkpointing",
-                        "on" if search.activation_checkpointing else "off",
-                    ),
-                    ("precision", search.precision),
-                    ("measured peak", f"{search.peak_gb:.2f} of {search.memory_limit_gb:.1f} GB"),
-                ],
-                "Trial search" + (" (cached)" if search.from_cache else ""),
-                header=False,
-                notes=tuple(search.notes),
-            )
-        )
+        rows = [
+            ("micro-batch", search.micro_batch_size),
+            ("accumulation steps", search.grad_accum_steps),
+            ("context", search.seq_len),
+            ("activation checkpointing", "on" if search.activation_checkpointing else "off"),
+            ("precision", search.precision),
+            ("measured peak", f"{search.peak_gb:.2f} of {search.memory_limit_gb:.1f} GB"),
+        ]
+        title = "Trial search" + (" (cached)" if search.from_cache else "")
+        tables.append(Table(rows, title, header=False, notes=tuple(search.notes)))
     tables.append(
         Table(expectations(recipe, report, search).rows(), "Expected on this runtime", header=False)
     )
@@ -175,14 +167,8 @@ def recipes_table(report: Any) -> Table:
                 duration(e.time_to_finish_s),
             )
         )
-    return Table(
-        rows,
-        f"Recipes on this runtime ({report.name})",
-        notes=(
-            "memory is estimated; tokens/s and time are rough until measured (see the trial "
-            "search)",
-        ),
-    )
+    note = "memory is estimated; tokens/s and time are rough until measured (see the trial search)"
+    return Table(rows, f"Recipes on this runtime ({report.name})", notes=(note,))
 
 
 def startup_table(record: dict[str, Any]) -> Table:
@@ -217,12 +203,8 @@ def result_table(result: Any) -> Table:
             "no: a new run" if result.resumed_from is None else f"from step {result.resumed_from}",
         ),
     ]
-    notes = (
-        ("stopped before the end: run the training cell again to continue",)
-        if result.interrupted
-        else ()
-    )
-    return Table(rows, "Training", header=False, notes=notes)
+    stopped = "stopped before the end: run the training cell again to continue"
+    return Table(rows, "Training", header=False, notes=(stopped,) if result.interrupted else ())
 
 
 # ---- finetuning ----------------------------------------------------------------------------------

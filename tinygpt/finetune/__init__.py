@@ -23,9 +23,9 @@ class _DropNote(logging.Filter):
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     _DropNote("Failed to load CPU gemm_4bit_forward from kernels-community")
 )
-# That bitsandbytes (0.46) was "compiled without GPU support": nothing is wrong where there is no GPU
-# to use anyway; with a CUDA device the note means something is, and it passes (torch is imported
-# already, by bitsandbytes, which is loading).
+# That bitsandbytes (0.46) was "compiled without GPU support": nothing is wrong where there is no
+# GPU to use anyway; with a CUDA device the note means something is, and it passes (torch is
+# imported already, by bitsandbytes, which is loading).
 logging.getLogger("bitsandbytes.cextension").addFilter(
     _DropNote(
         "The installed version of bitsandbytes was compiled without GPU support",

@@ -60,14 +60,15 @@ class DataReport:
 
 
 Row = tuple[np.ndarray, np.ndarray]  # (x, y) of one training sequence
+Example = tuple[list[int], list[bool]]  # (token ids, whether each carries loss)
 
 
 def _to_rows(
-    examples: list[tuple[list[int], list[bool]]], seq_len: int, pack: bool
+    examples: list[Example], seq_len: int, pack: bool
 ) -> tuple[list[Row], list[np.ndarray]]:
     """(x, y) rows of at most seq_len positions, and each row's example lengths (in tokens); packing
     concatenates whole examples greedily."""
-    groups: list[list[tuple[list[int], list[bool]]]] = []
+    groups: list[list[Example]] = []
     size = 0
     for ex in examples:
         if pack and groups and size + len(ex[0]) <= seq_len + 1:
@@ -198,9 +199,7 @@ class InstructData:
     template: str = "alpaca"
 
 
-def _truncate_examples(
-    examples: list[tuple[list[int], list[bool]]], seq_len: int
-) -> tuple[list[tuple[list[int], list[bool]]], int, int]:
+def _truncate_examples(examples: list[Example], seq_len: int) -> tuple[list[Example], int, int]:
     """The examples cut to seq_len + 1 tokens, in their order, the number cut and the number
     dropped. An example whose cut leaves no response token carrying loss (no flag after the first
     token) is dropped: it would train on nothing. Raises DataError when every example is too long."""
@@ -223,8 +222,8 @@ def _truncate_examples(
 
 
 def _split_validation(
-    kept: list[tuple[list[int], list[bool]]], val_fraction: float, seed: int
-) -> tuple[list[tuple[list[int], list[bool]]], list[tuple[list[int], list[bool]]]]:
+    kept: list[Example], val_fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
     """(train, validation) examples by a shuffle seeded with (seed, 7). Validation gets
     round(len * val_fraction) examples, at least one when val_fraction > 0, and training keeps at
     least one; both keep the examples' original order."""
@@ -237,11 +236,7 @@ def _split_validation(
 
 
 def _val_batches(
-    val_ex: list[tuple[list[int], list[bool]]],
-    seq_len: int,
-    pad_id: int,
-    val_batch_size: int,
-    eval_batches: int,
+    val_ex: list[Example], seq_len: int, pad_id: int, val_batch_size: int, eval_batches: int
 ) -> list[tuple[torch.Tensor, ...]]:
     """At most eval_batches padded, unpacked batches of val_batch_size rows: the same batches
     whether training packs or not, so validation losses compare across runs."""

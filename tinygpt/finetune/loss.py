@@ -26,14 +26,9 @@ def causal_lm_loss(
     full logits)."""
     # A DDP wrapper (no get_base_model) must see the forward call: wrapped models take the plain
     # path.
-    hf = (
-        model.get_base_model()
-        if hasattr(model, "get_base_model")
-        # full finetuning: the transformers model itself
-        else model
-        if hasattr(model, "get_output_embeddings") and hasattr(model, "base_model")
-        else None
-    )
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else None
+    if hf is None and hasattr(model, "get_output_embeddings") and hasattr(model, "base_model"):
+        hf = model  # full finetuning: the transformers model itself
     head = hf.get_output_embeddings() if hf is not None else None
     pos = {"position_ids": position_ids} if position_ids is not None else {}
     if (

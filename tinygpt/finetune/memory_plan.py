@@ -154,11 +154,8 @@ def _weight_counts(recipe: FinetuneRecipe, c: dict[str, Any]) -> tuple[int, int,
     """(linear, embedding, trained) weight counts of a base with config dict c. Embeddings count
     twice when the head is untied. Trained is every weight for full finetuning (`recipe.lora` None),
     else r x (in + out) per targeted linear per layer (its LoRA A and B)."""
-    h, L, shapes = (
-        c.get("hidden_size") or c["n_embd"],
-        c.get("num_hidden_layers") or c["n_layer"],
-        _shapes(c),
-    )
+    h, L = c.get("hidden_size") or c["n_embd"], c.get("num_hidden_layers") or c["n_layer"]
+    shapes = _shapes(c)
     linear = L * sum(a * b for a, b in shapes.values())
     emb = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings", True) else 2)
     if recipe.lora is None:  # full finetuning: every weight is trained
@@ -259,6 +256,12 @@ def memory_table(
     ]
 
 
+def _need_gb(recipe: FinetuneRecipe, hardware: str, config: dict, ckpt: bool, full: bool) -> float:
+    """`device_need_gb` of the plan (activation checkpointing, full logits) given."""
+    table = memory_table(recipe, hardware, config, activation_checkpointing=ckpt, full_logits=full)
+    return device_need_gb(table, hardware)
+
+
 def device_need_gb(table: list[dict[str, Any]], hardware: str) -> float:
     """The memory a device must have for a `memory_table`: its tensors plus `fit.memory`'s
     overhead."""
@@ -325,10 +328,7 @@ def plan_finetune(
     options = [(c, f) for c in ckpts for f in logits]
     pack = recipe.pack and packing_supported(base_config)
     for c, f in options:
-        table = memory_table(
-            recipe, hardware, base_config, activation_checkpointing=c, full_logits=f
-        )
-        need = device_need_gb(table, hardware)
+        need = _need_gb(recipe, hardware, base_config, c, f)
         if memory_gb is None or need <= FIT_FRACTION * memory_gb:
             break
     where = f"of {memory_gb:.1f} GB" if memory_gb is not None else "(device memory unknown)"
@@ -367,14 +367,7 @@ def resumed_plan(
         plan = FinetunePlan(
             ckpt, False, bool(r.get("pack", False)), 0.0, None, "a run from before plans were kept"
         )
-    table = memory_table(
-        recipe,
-        hardware,
-        base_config,
-        activation_checkpointing=plan.activation_checkpointing,
-        full_logits=plan.full_logits,
-    )
-    need = device_need_gb(table, hardware)
+    need = _need_gb(recipe, hardware, base_config, plan.activation_checkpointing, plan.full_logits)
     if memory_gb is not None and need > FIT_FRACTION * memory_gb:
         lean = plan_finetune(recipe, hardware, base_config, memory_gb)
         return dataclasses.replace(

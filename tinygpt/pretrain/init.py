@@ -270,6 +270,4 @@ def base_weights(base: Base) -> dict:
         newest = latest_valid(RunDir(base.path).checkpoints)
         return load_checkpoint(newest, with_state=False)[0]
     folder = hub_model_folder(base.spec) if base.kind == "hub" else base.path
-    return {
-        k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")
-    }
+    return read_hf_state_dict(folder)

@@ -185,25 +185,14 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     # an unknown or unreachable source fails here
     token_ids = check_source(recipe.data.source) == "tokens"
     check_tokenizer(recipe, token_ids)
-    check_parallel(
-        opts.parallel,
-        recipe.train.optimizer,
-        ranks.world_size,
-        sample_every=recipe.train.sample_every,
-    )
-    check_device(dev)
     t = recipe.train
-    # on a GPU the probe may lower the micro-batch to 1
-    # (and checkpoint activations): only the least must fit
-    check_fits(
-        recipe.model,
-        1 if dev.type == "cuda" else t.micro_batch_size,
-        t.seq_len,
-        choose_precision(dev, t.precision).name,
-        dev,
-        t.loss,
-        what=f"recipe {recipe.name}",
-    )
+    check_parallel(opts.parallel, t.optimizer, ranks.world_size, sample_every=t.sample_every)
+    check_device(dev)
+    # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least
+    # must fit
+    micro = 1 if dev.type == "cuda" else t.micro_batch_size
+    precision = choose_precision(dev, t.precision).name
+    check_fits(recipe.model, micro, t.seq_len, precision, dev, t.loss, what=f"recipe {recipe.name}")
     return token_ids
 
 
@@ -283,14 +272,8 @@ def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
         check_run_dir(opts.run_dir, plan.recipe, opts.resume, sized=opts.size == "auto")
     tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.base, kept)
     plan.clock.mark("tokenizer")
-    return open_tokens(
-        plan.recipe,
-        tokenizer,
-        plan.token_ids,
-        writer=plan.is_main,
-        cache_dir=opts.cache_dir,
-        mirror=opts.mirror,
-    )
+    where = dict(writer=plan.is_main, cache_dir=opts.cache_dir, mirror=opts.mirror)
+    return open_tokens(plan.recipe, tokenizer, plan.token_ids, **where)
 
 
 def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -> TrainResult:
@@ -300,12 +283,8 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
     sampler = WindowSampler(
         data.tokens, t.seq_len, t.seed, eot_id=data.tokenizer.eot_id if t.doc_mask else None
     )
-    val = fixed_batches(
-        data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1),
-        t.seq_len,
-        t.micro_batch_size,
-        t.eval_batches,
-    )
+    held_out = data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1)
+    val = fixed_batches(held_out, t.seq_len, t.micro_batch_size, t.eval_batches)
     plan.clock.mark("data")
     torch.manual_seed(t.seed)
     model = initial_model(plan.recipe.model, plan.base)  # random, or a base's weights (model.init)
@@ -316,15 +295,8 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
         "tokenizer": data.tokenizer.to_json(),
     }
     callbacks = [*run_callbacks(plan, opts, model, data), *([mirror] if plan.is_main else [])]
-    trainer = Trainer(
-        model,
-        plan.train_config(),
-        TrainData(sampler, val),
-        opts.run_dir,
-        ranks=plan.ranks,
-        callbacks=callbacks,
-        run_info=run_info,
-    )
+    kw = dict(ranks=plan.ranks, callbacks=callbacks, run_info=run_info)
+    trainer = Trainer(model, plan.train_config(), TrainData(sampler, val), opts.run_dir, **kw)
     plan.clock.mark("model")
     return trainer.fit(opts.resume)
 
@@ -359,15 +331,8 @@ def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) 
     # rank 0 alone cannot run the model
     sharded = plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp"
     prompt = sample_prompt(opts.sample_prompt, plan.recipe.data.source, data.tokenizer, data.tokens)
-    out.append(
-        Samples(
-            data.tokenizer,
-            opts.run_dir,
-            plan.recipe.train.sample_every,
-            prompt,
-            whole=plan.recipe.model if sharded else None,
-        )
-    )
+    every, whole = plan.recipe.train.sample_every, plan.recipe.model if sharded else None
+    out.append(Samples(data.tokenizer, opts.run_dir, every, prompt, whole=whole))
     out += list(opts.callbacks)
     if plan.is_main and opts.tensorboard is not False:
         tb = TensorBoardLogger.create(opts.run_dir / TENSORBOARD, required=bool(opts.tensorboard))
