@@ -351,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a notebook's stop button, `kill`, a closing terminal) unwinds like Ctrl-C, so every
     # temporary (an export's .tmp-<out>-<pid>/, a first try's run folder) is removed on the way out;
     # training installs its own handler, which saves a checkpoint first
-    old_term = _sigterm_raises()
+    try:
+        old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    except ValueError:  # not the main thread: signals cannot be set
+        old_term = None
     # one line each, no source line
     old_show, warnings.showwarning = warnings.showwarning, _warning_line
     try:
@@ -400,19 +403,6 @@ def _error(args: argparse.Namespace, e: Exception) -> int:
         file=sys.stderr,
     )
     return 2
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def _sigterm_raises():
-    """Make SIGTERM raise KeyboardInterrupt; the handler
-    it replaces (None where signals cannot be set)."""
-    try:
-        return signal.signal(signal.SIGTERM, _interrupt)
-    except ValueError:  # not the main thread
-        return None
 
 
 def one_line(e: BaseException) -> str:

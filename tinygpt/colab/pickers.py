@@ -70,12 +70,9 @@ def default_hours(
     the recipe's steps; a GPU gets what a session of its class usually lasts."""
     for folder in _homes(resume_from):
         if folder is not None and RunDir(folder).is_pretrain_run():
-            budget = Budget.load(Path(folder))
-            return (
-                (budget.hours, "the run's own budget")
-                if budget
-                else (None, "the run has no time budget")
-            )
+            if budget := Budget.load(Path(folder)):
+                return budget.hours, "the run's own budget"
+            return None, "the run has no time budget"
     if smoke_mode():
         return None, "TINYGPT_SMOKE is set"
     hours = (

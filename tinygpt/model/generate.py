@@ -172,14 +172,9 @@ def generate_response(
     if context:
         max_new_tokens = max(1, min(max_new_tokens, context - len(ids)))
     # use_cache: training with activation checkpointing switched the config's default off
+    kw.update(eos_token_id=codec.eos_id, pad_token_id=codec.pad_id, use_cache=True)
     out = model.generate(
-        input_ids=x,
-        attention_mask=torch.ones_like(x),
-        max_new_tokens=max_new_tokens,
-        eos_token_id=codec.eos_id,
-        pad_token_id=codec.pad_id,
-        use_cache=True,
-        **kw,
+        input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, **kw
     )
     return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
 

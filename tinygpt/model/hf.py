@@ -48,21 +48,14 @@ class UntrustedModel(ValueError):
     model type tinygpt does not load. The message names the file and what to do."""
 
 
-def _as_dict(cfg: Any) -> dict[str, Any]:
-    return (
-        cfg
-        if isinstance(cfg, dict)
-        else {**cfg.to_dict(), "auto_map": getattr(cfg, "auto_map", None)}
-    )
-
-
 def check_hf_config(cfg: Any, where: str | Path) -> None:
     """Refuse (UntrustedModel, one line naming `where`) a config (config.json as read, or a
     transformers config) that names custom code (`auto_map`) or a model_type that is not in
     HF_MODEL_TYPES and transformers' own."""
     if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
         raise UntrustedModel(f"{where} is not a model config (a JSON object): refused")
-    d = _as_dict(cfg)
+    auto_map = getattr(cfg, "auto_map", None)  # of a transformers config: as its attribute says
+    d = cfg if isinstance(cfg, dict) else {**cfg.to_dict(), "auto_map": auto_map}
     if d.get("auto_map"):
         raise UntrustedModel(
             f"{where} names code of its own (auto_map: {_code_names(d['auto_map'])}): refused "
@@ -246,13 +239,13 @@ def set_prompt_format(
     chat_template: str | None = None,
     context: int | None = None,
 ) -> None:
-    """Make an exported Hugging Face folder (written by this process) start every prompt
-    as its training did: with token `bos_id` added by the tokenizer (tokenizer.json's
-    post-processor, which transformers 4.x and 5.x and `tokenizers` all apply;
-    `add_bos_token` in tokenizer_config.json, which converters such as llama.cpp's read;
-    bos_token_id in config.json and generation_config.json), or with nothing added when
-    `bos_id` is None. chat_template: the prompt format for `apply_chat_template`;
-    context: the trained context (max_position_embeddings, model_max_length)."""
+    """Make an exported Hugging Face folder (written by this process) start every prompt as its
+    training did: with token `bos_id` added by the tokenizer (tokenizer.json's post-processor, which
+    transformers 4.x and 5.x and `tokenizers` all apply; `add_bos_token` in tokenizer_config.json,
+    which converters such as llama.cpp's read; bos_token_id in config.json and
+    generation_config.json), or with nothing added when `bos_id` is None. chat_template: the prompt
+    format for `apply_chat_template`; context: the trained context (max_position_embeddings,
+    model_max_length)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import processors
 

@@ -106,24 +106,16 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)
 
 
-# whether this torch's CUDA addmm writes half-precision products into an fp32 output (out_dtype);
-# set False the first time it refuses, and the separate add is used from then on
-_MIXED_ADDMM = {"ok": True}
-
-
 def _accumulate(grad_w: torch.Tensor, g: torch.Tensor, xc: torch.Tensor) -> None:
     """grad_w += g.T @ xc inside the GEMM (beta 1): on CUDA half-precision inputs write the fp32
-    buffer directly (cuBLAS accumulates in fp32); elsewhere a same-dtype addmm_, or one add."""
+    buffer directly (cuBLAS accumulates in fp32; addmm's out_dtype, in every torch setup.py
+    allows); elsewhere a same-dtype addmm_, or one add."""
     if g.dtype == grad_w.dtype:
         grad_w.addmm_(g.t(), xc)
-        return
-    if g.is_cuda and _MIXED_ADDMM["ok"]:
-        try:
-            torch.addmm(grad_w, g.t(), xc, out_dtype=grad_w.dtype, out=grad_w)
-            return
-        except (RuntimeError, TypeError):  # a torch without out_dtype for this GEMM
-            _MIXED_ADDMM["ok"] = False
-    grad_w.add_(g.t() @ xc)  # the CPU has no mixed-dtype addmm
+    elif g.is_cuda:
+        torch.addmm(grad_w, g.t(), xc, out_dtype=grad_w.dtype, out=grad_w)
+    else:
+        grad_w.add_(g.t() @ xc)  # the CPU has no mixed-dtype addmm
 
 
 @torch.library.custom_op("tinygpt::chunked_linear_ce", mutates_args=())

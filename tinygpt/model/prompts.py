@@ -29,17 +29,12 @@ TEMPLATES: dict[str, tuple[str, str]] = {
 Segments = list[tuple[str | None, bool]]  # (text, carries loss); text None: the eos token
 
 
-def check_template(template: str) -> None:
-    """Refuse (ValueError) a template name that is not in TEMPLATES."""
+def format_prompt(instruction: str, input: str = "", template: str = "alpaca") -> str:
+    """The prompt text for one instruction; the model's answer is expected right after it."""
     if template not in TEMPLATES:
         raise ValueError(
             f"unknown prompt template {template!r}; choose one of {', '.join(TEMPLATES)}"
         )
-
-
-def format_prompt(instruction: str, input: str = "", template: str = "alpaca") -> str:
-    """The prompt text for one instruction; the model's answer is expected right after it."""
-    check_template(template)
     with_input, without = TEMPLATES[template]
     if input and input.strip():
         return with_input.format(instruction=instruction.strip(), input=input.strip())
