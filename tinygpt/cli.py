@@ -212,8 +212,7 @@ def _generate(args) -> int:
 
 
 def is_finetuning_run(path: str | Path) -> bool:
-    """Whether `path` is a finetuning run's folder (its
-    settings, an adapter, or a full finetune's model)."""
+    """Whether `path` is a finetuning run (its settings, an adapter, or a full finetune's model)."""
     run = RunDir(path)
     return (run / FINETUNE_JSON).is_file() or run.is_finetune_run()
 
@@ -387,8 +386,7 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning as the command's one line ("tinygpt:
-    warning: ..."), not Python's file:line and source."""
+    """A warning as one line ("tinygpt: warning: ..."), not Python's file:line and source."""
     print(
         f"tinygpt: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True
     )

@@ -37,6 +37,5 @@ def mount_drive(
 
 
 def drive_run_dir(name: str, mydrive: str | Path) -> Path:
-    """MyDrive/tinygpt/runs/<name>: where the run `name`
-    is mirrored on Drive (`mydrive` is MyDrive)."""
+    """MyDrive/tinygpt/runs/<name>: where run `name` is mirrored on Drive (`mydrive`: MyDrive)."""
     return Path(mydrive) / DRIVE_RUNS / name

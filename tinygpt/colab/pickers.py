@@ -167,8 +167,7 @@ class RecipePicker:
 
     @property
     def hours(self) -> float | None:
-        """The time budget chosen (None: train the recipe's steps); `pretrain(...,
-        hours=picker.hours)`."""
+        """The time budget chosen (None: the recipe's steps): `pretrain(hours=picker.hours)`."""
         return self.hours_dropdown.value if self.hours_dropdown is not None else self.default_hours
 
     @property

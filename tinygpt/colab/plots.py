@@ -56,8 +56,7 @@ class LossPlot(Callback):
 
     @property
     def shows_startup(self) -> bool:
-        """True when the start-up table is shown here: the
-        trainer then does not print it as a line too."""
+        """Whether the start-up table shows here (the trainer then prints no line of it)."""
         return bool(self.show)
 
     def on_startup(self, record: dict[str, Any]) -> None:
@@ -66,8 +65,7 @@ class LossPlot(Callback):
             display(startup_table(record))
 
     def _earlier(self, step: int) -> list[dict]:
-        """Entries before `step` in metrics.jsonl (the
-        trainer cut it at the resumed step already)."""
+        """metrics.jsonl's entries before `step` (the trainer has cut it at the resumed step)."""
         try:
             return [m for m in RunDir(self.run_dir).metrics() if m.get("step", 0) < step]
         except (OSError, ValueError):  # an unreadable log: the plot starts here instead

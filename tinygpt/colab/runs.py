@@ -14,8 +14,7 @@ from tinygpt.core.rundir import ADAPTER_DIR, FULL_MODEL_DIR, RunDir, recipe_name
 
 
 def workdir() -> Path:
-    """Where runs and Drive live on this machine:
-    $TINYGPT_WORKDIR, else /content in Colab, else here."""
+    """Where runs and Drive live: $TINYGPT_WORKDIR, else /content in Colab, else here."""
     if os.environ.get("TINYGPT_WORKDIR"):
         return Path(os.environ["TINYGPT_WORKDIR"])
     return Path("/content") if in_colab() else Path.cwd()

@@ -73,8 +73,7 @@ def hardware_table(report: Any) -> Table:
 
 
 def _precision_for(recipe: Recipe, report: Any) -> str:
-    """The recipe's precision; the probe's where it says
-    auto, or bf16 on a GPU that only emulates it."""
+    """The recipe's precision; the probe's where it says auto, or bf16 this GPU only emulates."""
 
     p, _ = requested_precision(recipe, report.device, report.native_bf16)
     return report.precision if p == "auto" else p
@@ -143,8 +142,7 @@ def summary(
 
 
 def recipes_table(report: Any) -> Table:
-    """Every recipe with its size and the expected
-    memory, speed and time to finish on this runtime."""
+    """Every recipe with its size and the expected memory, speed and time to finish here."""
 
     rows: list[tuple] = [
         ("recipe", "for", "params", "context", "tokens", "memory", "fits", "tokens/s", "time")
@@ -208,8 +206,6 @@ def result_table(result: Any) -> Table:
 
 
 # ---- finetuning ----------------------------------------------------------------------------------
-
-
 def finetune_recipe_rows(
     base_config: dict[str, Any], hardware: str, memory_gb: float | None = None
 ) -> list[tuple]:

@@ -385,8 +385,7 @@ def load_finetuned(
 def merge_adapter(
     path: str | Path, out_dir: str | Path | None = None, *, dtype: torch.dtype = torch.float32
 ) -> Path:
-    """Fold the adapter into its base and save a standalone model (config.json + safetensors +
-    tokenizer)."""
+    """Fold the adapter into its base and save the model (config.json, safetensors, tokenizer)."""
     model, tok = load_finetuned(path, merge=True, dtype=dtype)
     out = Path(out_dir) if out_dir is not None else adapter_folder(path).parent / MERGED_DIR
     model.save_pretrained(out)

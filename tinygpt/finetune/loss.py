@@ -77,6 +77,5 @@ def module_loss(
 
 
 def inner_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model a `FinetuneLoss` wraps (any other module as it is): whose weights checkpoints
-    hold."""
+    """The model a `FinetuneLoss` wraps (any other module itself): the one checkpoints hold."""
     return model.model if isinstance(model, FinetuneLoss) else model

@@ -45,8 +45,7 @@ FIT_FRACTION = 0.9
 
 
 def chunked_loss(config: dict[str, Any]) -> bool:
-    """Whether finetuning's loss avoids the full (tokens, vocab) logits for a base with this
-    config."""
+    """Whether finetuning's loss avoids the full (tokens, vocab) logits for a base so configured."""
     model_type = config.get("model_type")
     return model_type in PLAIN_HEAD_TYPES or model_type in SOFTCAP_HEAD_TYPES
 
@@ -97,8 +96,7 @@ def base_config_dict(base: str | Path) -> dict[str, Any]:
 
 # ----- memory -------------------------------------------------------------------------------------
 def checkpointing_rule(recipe: FinetuneRecipe, hardware: str) -> bool | None:
-    """The recipe's activation checkpointing on this hardware: True, False, or None (decided by
-    memory)."""
+    """The recipe's activation checkpointing on this hardware: True, False, or None (by memory)."""
     rule = recipe.activation_checkpointing
     if isinstance(rule, str):
         if rule not in ("auto", "on", "off"):
@@ -263,8 +261,7 @@ def _need_gb(recipe: FinetuneRecipe, hardware: str, config: dict, ckpt: bool, fu
 
 
 def device_need_gb(table: list[dict[str, Any]], hardware: str) -> float:
-    """The memory a device must have for a `memory_table`: its tensors plus `fit.memory`'s
-    overhead."""
+    """The memory a device needs for a `memory_table`: its tensors plus `fit.memory`'s overhead."""
     tensors = table[-1]["gb"]
     return tensors + overhead_gb(tensors, "cpu" if hardware == "cpu" else "cuda")
 

@@ -156,8 +156,7 @@ def finetune_device(hardware: str) -> tuple[str, tuple[int, int] | None, torch.d
 
 
 def detect_hardware(device: torch.device | str) -> str:
-    """The finetuning class ("cpu", "t4" or "a100") of a device: its hardware class's `finetune`
-    entry."""
+    """The finetuning class ("cpu", "t4" or "a100") of a device: its hardware class's `finetune`."""
     return HARDWARE[device_class(device)].finetune
 
 
@@ -171,8 +170,7 @@ def this_hardware(device: str = "auto") -> tuple[str, float | None]:
 
 
 def check_qlora(device: torch.device) -> None:
-    """Raise a FinetuneError unless bitsandbytes can run an NF4 layer forward and backward on
-    `device`."""
+    """Refuse (FinetuneError) a device where bitsandbytes cannot run an NF4 forward and backward."""
     try:
         import bitsandbytes as bnb
     except Exception as e:  # ImportError, or a broken CUDA setup raising at import

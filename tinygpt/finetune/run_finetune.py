@@ -291,8 +291,7 @@ def kept_decisions(run_dir: Path, old: dict[str, Any] | None) -> dict[str, Any] 
 
 
 def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any]) -> None:
-    """Refuse a run folder whose finetune.json describes another run (the Trainer checks the
-    TrainConfig)."""
+    """Refuse a folder whose finetune.json is another run's (the Trainer checks the TrainConfig)."""
 
     def identity(i: dict) -> dict:  # packing is part of the run's plan, which a resumed run keeps
         return {k: i.get(k) for k in ("base", "data", "hardware")} | {

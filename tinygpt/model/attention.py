@@ -26,8 +26,7 @@ EXPANDING_SDPA = "tinygpt_sdpa"  # the transformers attention implementation reg
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
-    """(major, minor) of a torch version string
-    ("2.9.0+cu128" -> (2, 9)); this torch's by default."""
+    """(major, minor) of a torch version ("2.9.0+cu128" -> (2, 9)); this torch's by default."""
     major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
@@ -64,8 +63,7 @@ def attention_kernel(
 
 
 def device_profile(device: torch.device) -> tuple[str, tuple[int, int] | None]:
-    """(device type, CUDA compute capability or None):
-    what `attention_kernel` needs to know of a device."""
+    """(device type, CUDA compute capability or None): what `attention_kernel` needs of a device."""
     cap = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
     return device.type, cap  # type: ignore[return-value]
 

@@ -70,15 +70,12 @@ def check_quant(quant: str) -> str:
 
 
 def check_architecture(config: ModelConfig) -> ModelConfig:
-    """`config`, after checking that llama.cpp's architecture
-    of its family loads every option it has on."""
+    """`config`, checked: llama.cpp's architecture of its family loads every option it has on."""
     config.check_exports("gguf")
     return config
 
 
 # --- tokenizer --------------------------------------------------------------------------------
-
-
 def _byte_level(pre: dict[str, Any]) -> bool:
     return (
         pre.get("type") == "ByteLevel"
@@ -137,8 +134,7 @@ def check_tokenizer(tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def tokenizer_tables(tokenizer: Tokenizer, n_vocab: int) -> tuple[list[str], list[int], list[str]]:
-    """(tokens in id order padded to `n_vocab`, their
-    llama.cpp token types, merges as "a b" in rank order)."""
+    """(tokens in id order padded to `n_vocab`, their llama.cpp types, merges "a b" by rank)."""
     gguf = _gguf()
     spec = check_tokenizer(tokenizer)
     vocab = tokenizer.tok.get_vocab(with_added_tokens=True)
@@ -165,8 +161,6 @@ def tokenizer_tables(tokenizer: Tokenizer, n_vocab: int) -> tuple[list[str], lis
 
 
 # --- weights ----------------------------------------------------------------------------------
-
-
 def _rope_pairs(w: np.ndarray, n_head: int) -> np.ndarray:
     """q/k rows from rotate-half order (transformers, tinygpt) to llama.cpp's adjacent pairs; the
     same permutation as convert_hf_to_gguf.py's LlamaModel.permute."""
@@ -202,8 +196,7 @@ def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
 
 
 def _encode(gguf: Any, name: str, w: np.ndarray, quant: str) -> tuple[np.ndarray, Any]:
-    """(data, ggml type) of one tensor in `quant`, with the
-    converter's exceptions (norms f32, odd rows f16)."""
+    """(data, ggml type) of a tensor in `quant`; as the converter: norms f32, odd rows f16."""
     Q = gguf.GGMLQuantizationType
     if quant == "f32" or w.ndim == 1:
         return w.astype(np.float32), Q.F32
@@ -278,8 +271,6 @@ def write_gguf(
 
 
 # --- Ollama -----------------------------------------------------------------------------------
-
-
 def modelfile(
     gguf_name: str,
     tokenizer: Tokenizer,

@@ -149,8 +149,7 @@ def from_pretrained(auto_class: str, path: str | Path, **kw: Any) -> Any:
 
 
 def check_export_target(out_dir: str | Path) -> Path:
-    """The target as a Path; refuses one that exists and
-    is not an empty folder (nothing is overwritten)."""
+    """The target as a Path; refused unless new or an empty folder (nothing is overwritten)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(
@@ -285,8 +284,6 @@ def set_prompt_format(
 
 
 # --- a transformers model for evaluation ------------------------------------------------------
-
-
 def load_hf_causal_lm(
     path: str | Path, device: str | torch.device = "cpu", **from_pretrained_kw: Any
 ) -> tuple[Any, Any]:

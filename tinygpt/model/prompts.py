@@ -42,8 +42,7 @@ def format_prompt(instruction: str, input: str = "", template: str = "alpaca") -
 
 
 class Codec:
-    """What encoding prompts needs of a tokenizer: a tinygpt `Tokenizer` or a transformers
-    tokenizer."""
+    """What encoding prompts needs of a tokenizer: tinygpt's `Tokenizer` or a transformers one."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -83,8 +82,7 @@ class Codec:
             ) from None
 
     def encode_examples(self, segments: list[Segments]) -> list[tuple[list[int], list[bool]]]:
-        """(ids, trained flags) per example: [bos] + segments, a None segment being the eos
-        token."""
+        """(ids, trained flags) per example: [bos] + segments, a None segment the eos token."""
         flat = [t for segs in segments for t, _ in segs if t is not None]
         enc = iter(self.encode_batch(flat) if flat else [])
         out = []

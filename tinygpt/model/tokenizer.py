@@ -209,8 +209,7 @@ def train_bpe(texts: Iterator[str] | Iterable[str], vocab_size: int, eot: str = 
 
 
 def gpt2_tokenizer(vocab_json: str | Path, merges_txt: str | Path) -> Tokenizer:
-    """The GPT-2 BPE (50257 entries, `<|endoftext|>`
-    = 50256) from OpenAI's vocab and merges files."""
+    """The GPT-2 BPE (50257 entries, `<|endoftext|>` 50256) from OpenAI's vocab and merges files."""
     # outside run folders: the package's own
     vocab = json.loads(Path(vocab_json).read_text(encoding="utf-8"))
     merges = []
