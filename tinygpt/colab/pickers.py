@@ -213,9 +213,8 @@ recipe_picker = RecipePicker  # the notebooks' name for it
 
 
 class FinetunePicker:
-    """02_finetune's recipe dropdown (the run's own recipe, or the default
-    for this base on this runtime) over the table of every recipe's memory
-    here. The training cell reads `value` when it runs."""
+    """02_finetune's recipe dropdown (the run's own recipe, or this base's default on this runtime)
+    over the table of every recipe's memory here, read (`value`) when the training cell runs."""
 
     def __init__(self, base_config: dict[str, Any], run: RunFolders | None = None):
         self.hardware, self.gpu_gb = this_hardware()

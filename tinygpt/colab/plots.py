@@ -190,10 +190,9 @@ def _plain_text(texts: Any) -> None:
 
 
 def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
-    """`--size auto`'s plan as a picture: predicted loss against non-embedding
-    parameters, one point per size of the ladder, the chosen one marked; saved
-    as <run_dir>/plots/plan.png and shown in a notebook. The matplotlib
-    Figure, or None for a run that was not planned (or without matplotlib)."""
+    """`--size auto`'s plan as a picture: predicted loss against non-embedding parameters, a point
+    per size of the ladder, the chosen one marked; saved as <run_dir>/plots/plan.png and shown in a
+    notebook. The Figure, or None (a run not planned, or no matplotlib)."""
     plan = kept_plan(RunDir(run_dir).info_or_empty())
     if plan is None or not plan.get("candidates"):
         return None

@@ -47,10 +47,9 @@ def smoke_data() -> str:
 
 
 def eval_data(task: str) -> str:
-    """An evaluation task's data for a notebook: in smoke mode the sample
-    that ships with the package (no network, no data folder:
-    `sample:wikitext2`...), else its standard set (`tinygpt.evals.eval_data`:
-    an offline copy where the machine has one, else the Hugging Face Hub)."""
+    """An evaluation task's data for a notebook: in smoke mode the sample that ships with the
+    package (no network, no data folder: `sample:wikitext2`...), else its standard set
+    (`tinygpt.evals.eval_data`: an offline copy where the machine has one, else the Hub)."""
     return standard_eval_data(task, sample=smoke_mode())
 
 

@@ -80,9 +80,8 @@ def _precision_for(recipe: Recipe, report: Any) -> str:
 
 
 def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) -> Any:
-    """The probe's trial search (largest micro-batch that fits) where
-    it is meaningful: on a CUDA GPU, or a cpu recipe anywhere (capped
-    at `time_limit_s`); None elsewhere or when nothing fits."""
+    """The probe's trial search (largest micro-batch that fits) where it is meaningful: on a CUDA
+    GPU, or a cpu recipe anywhere (capped at `time_limit_s`); else, or when nothing fits, None."""
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if report.device != "cuda" and recipe.hardware != "cpu":

@@ -98,11 +98,10 @@ def record_positions(lengths: np.ndarray, width: int) -> np.ndarray:
 def _collate(
     rows: Sequence[Row], pad_id: int, seq_len: int, lengths: Sequence[np.ndarray] | None = None
 ) -> tuple[torch.Tensor, ...]:
-    """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks
-    right, so padding changes nothing for the real tokens and needs no attention
-    mask. Packed rows (`lengths` given) are padded to seq_len, one shape for every
-    batch (one compiled graph), and come with their position ids; other rows to
-    their length bucket (`bucket_length`: one compiled graph per bucket)."""
+    """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks right, so
+    padding changes nothing for the real tokens and needs no mask. Packed rows (`lengths` given) are
+    padded to seq_len, one shape for every batch (one compiled graph), with their position ids;
+    other rows to their length bucket (`bucket_length`: a graph per bucket)."""
     T = seq_len if lengths is not None else bucket_length(max(len(x) for x, _ in rows), seq_len)
     x = np.full((len(rows), T), pad_id, dtype=np.int64)
     y = np.full((len(rows), T), IGNORE_INDEX, dtype=np.int64)
@@ -261,10 +260,9 @@ def build_instruct_data(
     eval_batches: int = 8,
     split: str = "train",
 ) -> InstructData:
-    """Records (or a source for `load_records`) to a training source and fixed
-    validation batches. A record is split off for validation by a seeded
-    shuffle. `pack` packs the training rows only: the validation batches are the
-    same padded ones either way, so validation losses compare across runs."""
+    """Records (or a source for `load_records`) to a training source and fixed validation batches,
+    split off by a seeded shuffle. `pack` packs the training rows only: the validation batches are
+    the same padded ones either way, so validation losses compare across runs."""
     if isinstance(records, str):
         records = load_records(records, split)
     if not 0 <= val_fraction < 0.5:

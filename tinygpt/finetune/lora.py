@@ -56,8 +56,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 @contextlib.contextmanager
 def _peft_on_transformers_5():
     """PEFT reads `model.is_gradient_checkpointing`, which transformers 5 deprecates with a
-    FutureWarning on every finetune; the user can do nothing about it, so that one warning is not
-    shown."""
+    FutureWarning on every finetune; the user can do nothing about it, so it is not shown."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
@@ -67,8 +66,7 @@ def _peft_on_transformers_5():
 
 def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
     """A tinygpt run's model as a `LlamaForCausalLM` folder, through the one exporter (`model.hf`),
-    atomically (a folder that exists is complete), with tinygpt_source.json naming the
-    checkpoint."""
+    atomically (a folder that exists is complete), tinygpt_source.json naming the checkpoint."""
     model, tok, _, ckpt = load_run(run_dir, which)
     out = export_model(model, tok, out_dir)
     source = {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(ckpt)}
@@ -296,9 +294,8 @@ def verify_adapter(adapter_dir: Path) -> None:
 def export_adapter(
     run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None
 ) -> Path:
-    """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the
-    checkpoint's model.safetensors already holds exactly PEFT's adapter weights under PEFT's
-    names."""
+    """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder), whose
+    model.safetensors holds exactly PEFT's adapter weights under PEFT's names."""
     run_dir = Path(run_dir)
     if not RunDir(run_dir).is_finetune_run():
         raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")

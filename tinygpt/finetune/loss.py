@@ -20,10 +20,9 @@ def causal_lm_loss(
     *,
     chunk_rows: int | None = None,
 ) -> torch.Tensor:
-    """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y are already
-    shifted). position_ids: of packed rows (0 again at each record's start: attention stays inside
-    each record). chunk_rows: as in `losses.linear_cross_entropy` (None picks by size, 0 takes the
-    full logits)."""
+    """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y already shifted).
+    position_ids: of packed rows (0 again at each record's start: attention stays inside each
+    record). chunk_rows: as in `losses.linear_cross_entropy` (None: by size, 0: full logits)."""
     # A DDP wrapper (no get_base_model) must see the forward call: wrapped models take the plain
     # path.
     hf = model.get_base_model() if hasattr(model, "get_base_model") else None

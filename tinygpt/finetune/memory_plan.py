@@ -85,9 +85,8 @@ def base_config(path: str):
 
 
 def base_config_dict(base: str | Path) -> dict[str, Any]:
-    """A base's `config.json` as a dict (what `memory_table` reads), without loading any weights;
-    for a tinygpt run folder, that of the `LlamaForCausalLM` (or `Qwen3ForCausalLM`) it is exported
-    as."""
+    """A base's `config.json` as a dict (what `memory_table` reads), no weights loaded; for a
+    tinygpt run folder, that of the `LlamaForCausalLM` (or `Qwen3ForCausalLM`) it exports as."""
     if is_tinygpt_run(base):
         recipe = Recipe.from_dict(RunDir(Path(base).expanduser()).recipe_dict())
         return {"model_type": recipe.model.family.model_type, **recipe.model.to_hf_llama()}
@@ -347,10 +346,9 @@ def resumed_plan(
     base_config: dict[str, Any],
     memory_gb: float | None,
 ) -> FinetunePlan:
-    """The plan of the run being resumed (from its finetune.json). Its packing is always kept (the
-    rows must be the same); its memory choices too, unless this device is too small for them. A run
-    from before plans were recorded had the old rules: padded rows, checkpointing per hardware
-    class."""
+    """The plan of the run being resumed (its finetune.json). Its packing is always kept (the rows
+    must be the same); its memory choices too, unless this device is too small for them. A run from
+    before plans were kept had padded rows and checkpointing per hardware class."""
     if "plan" in old:
         plan = FinetunePlan.from_dict(old["plan"])
     else:

@@ -195,9 +195,8 @@ def record_segments(
     template: str = "alpaca",
     chat_template: Any = None,
 ) -> tuple[list[Segments], str, int]:
-    """(segments per kept record, format, records excluded). Each record is checked: a missing or
-    mistyped field fails naming the record's index and the field. MBPP evaluation ids are
-    excluded."""
+    """(segments per kept record, format, records excluded: MBPP evaluation ids). Each record is
+    checked: a missing or mistyped field fails naming the record's index and the field."""
     if template not in TEMPLATES:
         raise DataError(
             f"unknown prompt template {template!r}; choose one of {', '.join(TEMPLATES)}"

@@ -333,8 +333,7 @@ def _base_folder(run: _Settled, base: str, run_dir: Path) -> str:
 
 def _trainable_model(run: _Settled, base_path: str, dev: torch.device, run_dir: Path):
     """(the base as loaded, the model that trains, how checkpoints hold it): LoRA adapters on a
-    frozen base, or (recipe full) the base itself in fp32; then tinygpt_finetune.json, with the
-    base's signature."""
+    frozen base, or (recipe full) the base in fp32; then tinygpt_finetune.json (base signature)."""
     rec = run.rec
     old_adapter = RunDir(run_dir).adapter_info()
     # full finetuning keeps fp32 weights (the optimizer's updates would vanish in half precision);

@@ -38,12 +38,11 @@ def attention_kernel(
     version: tuple[int, int],
     head_dim: int = 64,
 ) -> str:
-    """How attention with fewer key/value heads than query heads runs on this device:
-    "fused": a fused kernel takes grouped keys/values as they are (pass
-    enable_gqa=True); "expand": only equal head counts have a fused kernel: repeat
-    keys/values to the query heads first; "math": only the math kernel serves either
-    way (MPS), so a T x T matrix per head is built regardless. `capability` is CUDA's
-    compute capability (None elsewhere); `version` is torch's (major, minor)."""
+    """How attention with fewer key/value heads than query heads runs on this device: "fused": a
+    fused kernel takes grouped keys/values as they are (pass enable_gqa=True); "expand": only equal
+    head counts have a fused kernel: repeat keys/values to the query heads first; "math": only the
+    math kernel serves either way (MPS), a T x T matrix per head regardless. `capability`: CUDA's
+    compute capability (None elsewhere); `version`: torch's (major, minor)."""
     if device_type == "mps":
         return "math"
     if version < ENABLE_GQA_TORCH:

@@ -369,9 +369,8 @@ class _ShapesOnly(torch.overrides.TorchFunctionMode):
 
 
 def meta_model(config: ModelConfig) -> GPT:
-    """The model on the meta device: no memory, instant even at 760M, for
-    counting parameters and FLOPs from the model itself (so no formula
-    elsewhere can drift from it). Nothing is initialised (`_ShapesOnly`)."""
+    """The model on the meta device: no memory, instant even at 760M, for counting parameters and
+    FLOPs from the model itself (no formula elsewhere can drift from it); nothing initialised."""
     with torch.device("meta"), _ShapesOnly():
         model = GPT(config)
     for name in ("rope_cos", "rope_sin"):

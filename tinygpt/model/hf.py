@@ -174,10 +174,9 @@ def hf_llama_config(config: ModelConfig, eot_id: int | None = None) -> Any:
 
 
 def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
-    """A `PreTrainedTokenizerFast` around the same `tokenizers` object, with
-    bos = eos = pad = end-of-text (tinygpt documents are separated by it, so a
-    prompt starts the way a document does; padding for batched finetuning and
-    generation needs a pad token, and end-of-text carries no loss there)."""
+    """A `PreTrainedTokenizerFast` around the same `tokenizers` object, with bos = eos = pad =
+    end-of-text (it separates tinygpt's documents, so a prompt starts as a document does; batched
+    finetuning and generation need a pad token, and end-of-text carries no loss there)."""
     tf = _transformers()
     kw = {"model_max_length": max_seq_len} if max_seq_len else {}
     kw.update(dict.fromkeys(("bos_token", "eos_token", "pad_token"), tokenizer.eot))

@@ -36,9 +36,8 @@ FAMILY_DIFFERENCES = {
 
 
 def representation_gaps(cfg: dict[str, Any]) -> list[str]:
-    """What in a Hugging Face `config.json` tinygpt's GPT cannot
-    represent ([] when it can): another architecture, or a Llama / Qwen3
-    feature the GPT lacks. Each item names the field and its value."""
+    """What in a Hugging Face `config.json` tinygpt's GPT cannot represent ([] when it can): another
+    architecture, or a Llama / Qwen3 feature the GPT lacks, each naming the field and value."""
     arch = cfg.get("architectures") or []
     kind = cfg.get("model_type")
     family = (

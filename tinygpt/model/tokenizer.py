@@ -129,9 +129,8 @@ class Tokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encodes in parallel threads: through tiktoken for the GPT-2
-        tokenizer when it is installed (the same ids, special tokens
-        in the text included), else inside `tokenizers` (Rust)."""
+        """Encodes in parallel threads: through tiktoken for the GPT-2 tokenizer when it is
+        installed (the same ids, special tokens in the text included), else inside `tokenizers`."""
         fast = self.tiktoken()
         if fast is not None:
             return fast.encode_batch(texts, allowed_special="all")

@@ -69,10 +69,9 @@ def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = Fa
 
 
 def check_mirror_files(mirror: str | Path) -> None:
-    """The run files a restore would copy home and a later start parses
-    (budget.json, metrics.jsonl, samples.txt), read as a start reads them: one
-    that tinygpt could not have written is refused here, naming it, before it is
-    copied into the local folder (where it would stop every later start too)."""
+    """The run files a restore would copy home and a later start parses (budget.json, metrics.jsonl,
+    samples.txt), read as a start reads them: one tinygpt could not have written is refused, named,
+    before it is copied into the local folder (where it would stop every later start)."""
     run = RunDir(mirror)
     reads = {BUDGET_JSON: lambda: Budget.load(run.path), METRICS: run.metrics, SAMPLES: run.samples}
     try:
