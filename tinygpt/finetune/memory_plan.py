@@ -57,8 +57,7 @@ def is_tinygpt_run(base: str | Path) -> bool:
 
 def base_config(path: str):
     """The `transformers` config of a base (a local folder or a Hub id): the cheap check that it
-    exists, and (`model.hf.from_pretrained`) that it is a model tinygpt loads, naming no code of its
-    own."""
+    exists and (`model.hf.from_pretrained`) is a model tinygpt loads, with no code of its own."""
     require_package("transformers", "finetuning")
 
     p = Path(path).expanduser()
@@ -380,9 +379,8 @@ def default_finetune_recipe(
     memory_gb: float | None = None,
     resume_from: Iterable[str | Path | None] = (),
 ) -> tuple[str, str]:
-    """(recipe name, why): the run being resumed decides first; on a GPU lora-r16 when its estimate
-    fits `memory_gb` with 10% to spare, else qlora-r16; on a CPU lora-r8 (4-bit kernels are slow
-    there)."""
+    """(recipe name, why): the resumed run's own; on a GPU lora-r16 when its estimate fits
+    `memory_gb` with 10% to spare, else qlora-r16; on a CPU lora-r8 (4-bit kernels are slow)."""
     resumed = recipe_name_of(*resume_from)
     if resumed in FINETUNE_RECIPES:
         return resumed, "the recipe of the run on Drive (it continues where it stopped)"

@@ -203,9 +203,8 @@ QLORA_COMPILE_FLOOR = {"bitsandbytes": (0, 46), "torch": (2, 8)}
 def qlora_compile(
     compile: str, device_type: str, bnb_version: str, torch_version_: str
 ) -> tuple[str, str | None]:
-    """(the compile setting QLoRA trains with, a one-line note or None). Below QLORA_COMPILE_FLOOR a
-    compiled 4-bit step breaks into many graphs (slower than eager, and slow to compile): QLoRA then
-    runs eagerly."""
+    """(QLoRA's compile setting, a note or None): below QLORA_COMPILE_FLOOR a compiled 4-bit step
+    breaks into many graphs (slower than eager, and slow to compile), so it runs eagerly."""
     compiling = compile in ("on", "regional") or (compile == "auto" and device_type == "cuda")
     have = {"bitsandbytes": torch_version(bnb_version), "torch": torch_version(torch_version_)}
     short = [

@@ -307,9 +307,8 @@ def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any
 
 
 def _base_folder(run: _Settled, base: str, run_dir: Path) -> str:
-    """Write finetune.json and return the base to load: a tinygpt run exported once to run_dir/base,
-    else the base as given. A recipe's context longer than the base knows is cut to it (one asked
-    for is refused)."""
+    """Write finetune.json; the base to load: a tinygpt run exported once to run_dir/base, else the
+    base as given. A recipe's context past the base's is cut (one asked for: refused)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / FINETUNE_JSON, sign(run.info, FINETUNE_DOMAIN))
     base_path = base

@@ -103,9 +103,8 @@ def pre_tokenizer_name(pre: dict[str, Any] | None) -> str | None:
 
 
 def check_tokenizer(tokenizer: Tokenizer) -> dict[str, Any]:
-    """The tokenizer's JSON, after checking that llama.cpp's `gpt2` BPE
-    with the pre-tokenizer `pre_tokenizer_name` gives splits and merges
-    exactly as it does; otherwise a ValueError naming what differs."""
+    """The tokenizer's JSON, checked: llama.cpp's `gpt2` BPE with the pre-tokenizer
+    `pre_tokenizer_name` splits and merges as it does; else a ValueError naming what differs."""
     spec = json.loads(tokenizer.to_json())
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
     problems = []

@@ -43,9 +43,8 @@ class RMSNorm(nn.Module):
 
 
 def norm_class(config: ModelConfig) -> Callable[[int], nn.Module]:
-    """The model's norm, built from its width (litgpt's `Config.norm_class`):
-    every norm of the GPT (before attention and the MLP, the final one,
-    QK-norm's per head) comes from here, so a new norm is chosen here."""
+    """The model's norm, built from its width (litgpt's `Config.norm_class`): every norm of the GPT
+    (before attention and the MLP, the final one, QK-norm's) comes from here."""
     return partial(RMSNorm, eps=config.norm_eps)
 
 

@@ -133,9 +133,8 @@ class PretrainOptions:
 
 
 def check_budget_overrides(changes: dict[str, dict[str, Any]], hours: float | None) -> None:
-    """Refuse, in one line before any work, a `--set` (`changes`: `parse_overrides`) that a time
-    budget cannot honour: a schedule other than BUDGET_SCHEDULE, or a step count (the budget decides
-    both)."""
+    """Refuse, in one line before any work, a `--set` (`parse_overrides`) that a time budget cannot
+    honour: a schedule other than BUDGET_SCHEDULE, or a step count (it decides both)."""
     train = changes.get("train", {}) if hours is not None else {}
     if train.get("schedule", BUDGET_SCHEDULE) != BUDGET_SCHEDULE:
         raise ConfigError(
