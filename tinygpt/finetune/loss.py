@@ -23,8 +23,7 @@ def causal_lm_loss(
     """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y already shifted).
     position_ids: of packed rows (0 again at each record's start: attention stays inside each
     record). chunk_rows: as in `losses.linear_cross_entropy` (None: by size, 0: full logits)."""
-    # A DDP wrapper (no get_base_model) must see the forward call: wrapped models take the plain
-    # path.
+    # A DDP wrapper (no get_base_model) must see the forward call: it takes the plain path.
     hf = model.get_base_model() if hasattr(model, "get_base_model") else None
     if hf is None and hasattr(model, "get_output_embeddings") and hasattr(model, "base_model"):
         hf = model  # full finetuning: the transformers model itself

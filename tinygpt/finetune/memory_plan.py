@@ -35,12 +35,10 @@ PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"}
 # Families whose logits are cap * tanh(lm_head(hidden) / cap) (Gemma-2): chunked too, by
 # `losses.softcapped_loss`.
 SOFTCAP_HEAD_TYPES = {"gemma2"}
-# Families whose transformers implementation builds its attention mask with `masking_utils`, which
-# reads position ids that restart at 0 as record boundaries (attention stays inside each packed
-# record).
+# Families whose transformers code builds its attention mask with `masking_utils`, which reads
+# position ids that restart at 0 as record boundaries (attention stays inside each packed record).
 PACKABLE_TYPES = PLAIN_HEAD_TYPES | SOFTCAP_HEAD_TYPES
-# A plan must fit this share of the device's memory (the rest is headroom, as for the default
-# recipe).
+# A plan must fit this share of device memory (the rest is headroom, as for the default recipe)
 FIT_FRACTION = 0.9
 
 

@@ -25,8 +25,7 @@ FORMATS = {
     "mbpp": ("code", "test_list"),
     "chat": ("messages",),
 }
-# Names a notebook dropdown can offer; MBPP's training ids are 1-10 (prompt) and 511-1000
-# (validation, train).
+# Names a dropdown can offer; MBPP's training ids are 1-10 (prompt) and 511-1000 (validation, train)
 DATASETS = {
     "code-alpaca-20k": "hf:sahil2801/CodeAlpaca-20k",
     "mbpp": "hf:google-research-datasets/mbpp:full@train+validation+prompt",

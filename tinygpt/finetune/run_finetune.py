@@ -156,8 +156,8 @@ def finetune(
         dataset = _tokenized(records, tok, run, rec.template)
         model, pm, io = _trainable_model(run, base_path, dev, run_dir)
         callbacks = [*([Progress()] if progress else []), *callbacks]
-        # The Trainer compiles the loss module as a whole (compile "auto": on CUDA): forward and
-        # loss in one graph.
+        # The Trainer compiles the loss module whole (compile "auto": on CUDA): forward and loss in
+        # one graph.
         trainer = Trainer(
             FinetuneLoss(pm, full_logits=run.plan.full_logits),
             dataclasses.replace(run.cfg, device=str(dev)),
@@ -335,8 +335,7 @@ def _trainable_model(run: _Settled, base_path: str, dev: torch.device, run_dir: 
     frozen base, or (recipe full) the base in fp32; then tinygpt_finetune.json (base signature)."""
     rec = run.rec
     old_adapter = RunDir(run_dir).adapter_info()
-    # full finetuning keeps fp32 weights (the optimizer's updates would vanish in half precision);
-    # autocast computes
+    # full finetuning keeps fp32 weights (updates would vanish in half precision); autocast computes
     dtype = (
         choose_precision(dev, run.cfg.precision).dtype
         if dev.type == "cuda" and rec.lora is not None

@@ -202,8 +202,7 @@ def export_model(
         eot_id = tokenizer.eot_id if tokenizer is not None else None
         hf_llama_config(model.config, eot_id).save_pretrained(tmp)
         # transformers 5 keeps rope_theta under rope_parameters; 4.x reads it at the top level and
-        # would silently fall back to 10000 without it. Both keys: either version loads the same
-        # model.
+        # would silently fall back to 10000 without it. Both keys: both versions load one model.
         _update_json(
             tmp / "config.json",
             rope_theta=model.config.rope_theta,

@@ -188,8 +188,7 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     t = recipe.train
     check_parallel(opts.parallel, t.optimizer, ranks.world_size, sample_every=t.sample_every)
     check_device(dev)
-    # on a GPU the probe may lower the micro-batch to 1 (and checkpoint activations): only the least
-    # must fit
+    # the probe may lower a GPU's micro-batch to 1 (and checkpoint activations): only that must fit
     micro = 1 if dev.type == "cuda" else t.micro_batch_size
     precision = choose_precision(dev, t.precision).name
     check_fits(recipe.model, micro, t.seq_len, precision, dev, t.loss, what=f"recipe {recipe.name}")
