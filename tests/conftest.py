@@ -112,3 +112,30 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+def read_gguf(path: str | Path) -> tuple[dict, dict]:
+    """(metadata {key: value}, tensors {name: float32 array in numpy (torch) order, dequantized}) of
+    a GGUF file, through gguf's own reader: what llama.cpp will find there."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensors[t.name] = np.asarray(data, dtype=np.float32).reshape(
+            tuple(int(d) for d in reversed(t.shape))
+        )
+    return meta, tensors
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
+    """A run's checkpoint ("latest", "best" or a folder) and tokenizer as a Hugging Face folder."""
+    from tinygpt.model.hf import check_export_target, export_model
+    from tinygpt.model.loading import load_run
+
+    check_export_target(out_dir)  # fail before loading anything
+    model, tokenizer, _, _ = load_run(run_dir, which)
+    return export_model(model, tokenizer, out_dir)

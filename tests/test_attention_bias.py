@@ -8,11 +8,12 @@ import json
 
 import pytest
 import torch
+from conftest import export_run
 
 from tinygpt.core.config import ModelConfig
 from tinygpt.core.recipes import get_recipe
 from tinygpt.fit.memory import GB, estimate_memory
-from tinygpt.model import hf, hf_import
+from tinygpt.model import hf_import
 from tinygpt.model.gpt import GPT
 from tinygpt.model.loading import load_run
 from tinygpt.pretrain.run_pretrain import pretrain
@@ -44,7 +45,7 @@ def test_a_run_with_attention_biases_trains_on_text_and_exports_with_the_same_lo
         p.abs().max() > 0 for p in biases.values()
     )  # trained
 
-    out = hf.export_run(tmp_path / "run", tmp_path / "export")
+    out = export_run(tmp_path / "run", tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [arch] and cfg["attention_bias"] is True
     assert (

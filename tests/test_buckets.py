@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from tinygpt.finetune.instruct import bucket_length, build_instruct_data, length_buckets
+from tinygpt.finetune.instruct import bucket_length, build_instruct_data
 from tinygpt.finetune.stdlib_instructions import stdlib_instructions
 from tinygpt.model.tokenizer import train_bpe
 
@@ -23,6 +23,16 @@ from tinygpt.finetune.loss import FinetuneLoss, module_loss  # noqa: E402
 from tinygpt.finetune.presets import LoraSettings, get_finetune_recipe  # noqa: E402
 from tinygpt.train.step import ModelIO  # noqa: E402
 from tinygpt.train.trainer import TrainData, Trainer  # noqa: E402
+
+
+def length_buckets(seq_len: int) -> list[int]:
+    """Every width `bucket_length` can give for this seq_len."""
+    return sorted(
+        {
+            bucket_length(n, seq_len)
+            for n in [1, seq_len] + [2**k for k in range(seq_len.bit_length())]
+        }
+    )
 
 
 def test_bucket_lengths():

@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import export_run
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError
 from tinygpt.data.sampler import WindowSampler
 from tinygpt.data.shards import StreamedShards
 from tinygpt.model import hf, hf_import
+from tinygpt.model.loading import load_run
 from tinygpt.model.tokenizer import Tokenizer, train_bpe
 from tinygpt.pretrain.init import (
     CONTINUE_MAX_LR,
@@ -147,10 +149,10 @@ def test_first_loss_equals_transformers_and_training_lowers_it(continued, base):
     assert res.step == 8
     # the run's tokenizer is the base's, and the export loads back into transformers with the run's logits
     assert Tokenizer.load(run).to_json() == Tokenizer.load(base).to_json()
-    out = hf.export_run(run, tmp / "export")
+    out = export_run(run, tmp / "export")
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert exported.config.num_key_value_heads == 2 and exported.config.tie_word_embeddings
-    model = hf.load_run(run)[0]
+    model = load_run(run)[0]
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=x).logits, model(x), atol=1e-4, rtol=0)
     # training lowered the loss: on the batches it trained on, the trained model against the base, batch by batch

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import read_gguf
 
 from tinygpt.cli import main
 from tinygpt.core.recipes import get_recipe
@@ -91,7 +92,7 @@ def test_every_client_reads_the_context_the_model_was_trained_at(run, tmp_path, 
     hf, gf = export(run, tmp_path / "hf"), export(run, tmp_path / "gguf", "gguf", "f16")
     assert _json(hf / "config.json")["max_position_embeddings"] == 64
     assert _json(hf / "tokenizer_config.json")["model_max_length"] == 64
-    meta, _ = gg.read_gguf(gf / "model-F16.gguf")
+    meta, _ = read_gguf(gf / "model-F16.gguf")
     assert (
         meta["llama.context_length"] == 64
         and "PARAMETER num_ctx 64\n" in (gf / "Modelfile").read_text()
@@ -108,7 +109,7 @@ def test_every_client_reads_the_context_the_model_was_trained_at(run, tmp_path, 
         main(["export", str(run), str(tmp_path / "long"), "--format", "gguf", "--context", "128"])
         == 0
     )
-    meta, _ = gg.read_gguf(tmp_path / "long" / "model-F16.gguf")
+    meta, _ = read_gguf(tmp_path / "long" / "model-F16.gguf")
     assert (
         meta["llama.context_length"] == 128
         and "PARAMETER num_ctx 128\n" in (tmp_path / "long/Modelfile").read_text()
@@ -153,7 +154,7 @@ def test_a_finetunes_prompt_format_is_the_same_in_training_transformers_the_gguf
     hf = export(lora_run, tmp_path / "hf")
     gf = export(lora_run, tmp_path / "gguf", "gguf", "f32")
     config, tcfg = _json(hf / "config.json"), _json(hf / "tokenizer_config.json")
-    meta, _ = gg.read_gguf(gf / "model-F32.gguf")
+    meta, _ = read_gguf(gf / "model-F32.gguf")
     # the token a prompt begins with, and that it is added, agree with training everywhere
     assert (
         config["bos_token_id"] == eot_id
@@ -328,7 +329,7 @@ def test_both_alpaca_record_forms_are_the_same_in_training_transformers_llama_cp
     eot = tok.eos_token
     hf = AutoTokenizer.from_pretrained(export(lora_run, tmp_path / "hf"))
     gf = export(lora_run, tmp_path / "gguf", "gguf", "f32")
-    meta, _ = gg.read_gguf(gf / "model-F32.gguf")
+    meta, _ = read_gguf(gf / "model-F32.gguf")
     ollama = _modelfile_template((gf / "Modelfile").read_text(encoding="utf-8"))
     # llama-cpp-python's environment for a GGUF's chat template
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -400,7 +401,7 @@ def test_a_pretrained_export_adds_no_token_before_a_prompt(run, tmp_path):
     assert _json(hf / "tokenizer_config.json")["add_bos_token"] is False
     tok = AutoTokenizer.from_pretrained(hf)
     assert tok("def main(")["input_ids"] == tok("def main(", add_special_tokens=False)["input_ids"]
-    meta, _ = gg.read_gguf(export(run, tmp_path / "g", "gguf", "f32") / "model-F32.gguf")
+    meta, _ = read_gguf(export(run, tmp_path / "g", "gguf", "f32") / "model-F32.gguf")
     assert meta["tokenizer.ggml.add_bos_token"] is False
 
 
@@ -525,7 +526,7 @@ def test_llama_cpp_greedy_tokens_at_f16_equal_tinygpts(kind, run, tmp_path):
         tok = load_gpt2() if kind == "gpt2" else load_run(run)[1]
         model = _perturbed(tok, qk_norm=kind == "qwen3")
         path = gg.write_gguf(model, tok, tmp_path / "m.gguf", "f16")
-    meta, _ = gg.read_gguf(path)
+    meta, _ = read_gguf(path)
     assert meta["general.architecture"] == ("qwen3" if kind == "qwen3" else "llama")
     llm = _llama(path, 128)
     model = _f16(model.float().eval())

@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 import torch
+from conftest import export_run
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.recipes import get_recipe
-from tinygpt.model import hf
 from tinygpt.model.loading import load_run
 from tinygpt.pretrain.run_pretrain import pretrain
 
@@ -104,7 +104,7 @@ def test_a_run_begun_before_a_setting_existed_resumes(fast_run, tmp_path):
 
 def test_cpu_fast_exports_as_qwen3_with_the_same_logits(fast_run, tmp_path):
     _, _, root = fast_run
-    out = hf.export_run(root / "run", tmp_path / "export")
+    out = export_run(root / "run", tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

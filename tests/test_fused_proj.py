@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import export_run
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError, ModelConfig, TrainConfig
 from tinygpt.core.recipes import get_recipe, model_config
 from tinygpt.data.sampler import WindowSampler, fixed_batches
-from tinygpt.model import hf, hf_import
+from tinygpt.model import hf_import
 from tinygpt.model.gpt import GPT, KVCache
 from tinygpt.model.tokenizer import train_bpe
 from tinygpt.train.optim import build_optimizer
@@ -186,7 +187,7 @@ def test_export_and_import_through_transformers(tmp_path, shakespeare, qk_norm, 
     ckpt.save_checkpoint(
         run / "checkpoints" / ckpt.step_name(10), ckpt.model_state(model), {"step": 10}
     )
-    out = hf.export_run(run, tmp_path / "export")
+    out = export_run(run, tmp_path / "export")
     assert json.loads((out / "config.json").read_text())["architectures"] == [arch]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     imported, _ = hf_import.import_hf(out)

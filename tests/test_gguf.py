@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import read_gguf
 
 from tinygpt.cli import main
 from tinygpt.core.checkpoint import model_state
@@ -134,7 +135,7 @@ def test_gguf_reads_back_with_the_checkpoints_weights_and_tokenizer(
     tok = {"bpe": bpe, "gpt2": gpt2, "smollm": smollm}[kind]
     config = _config(tok, qk_norm, tied)
     model = _perturbed(config)
-    meta, tensors = gg.read_gguf(gg.write_gguf(model, tok, tmp_path / "m.gguf", quant))
+    meta, tensors = read_gguf(gg.write_gguf(model, tok, tmp_path / "m.gguf", quant))
 
     arch = "qwen3" if qk_norm else "llama"
     assert meta["general.architecture"] == arch
@@ -331,7 +332,7 @@ def test_cli_exports_gguf_with_a_modelfile_and_a_card(run, tmp_path, capsys):
         f"PARAMETER num_ctx {trained}\n" in modelfile
         and 'PARAMETER stop "<|endoftext|>"' in modelfile
     )
-    meta, tensors = gg.read_gguf(out / "model-Q8_0.gguf")
+    meta, tensors = read_gguf(out / "model-Q8_0.gguf")
     assert (
         meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
         and meta["general.name"] == "run"
@@ -470,7 +471,7 @@ def test_a_finetune_exports_merged_with_its_prompt_format(lora_run, tmp_path):
 
     out = tmp_path / "ft-gguf"
     assert main(["export", str(lora_run), str(out), "--format", "gguf", "--quant", "f32"]) == 0
-    meta, tensors = gg.read_gguf(out / "model-F32.gguf")
+    meta, tensors = read_gguf(out / "model-F32.gguf")
     merged, _ = load_finetuned(lora_run, merge=True)
     sd = merged.state_dict()
     np.testing.assert_array_equal(
@@ -625,7 +626,7 @@ def test_a_full_finetune_exports_its_whole_model(run, shared_data, tmp_path):
         )
         == 0
     )
-    _, tensors = gg.read_gguf(tmp_path / "gguf" / "model-F32.gguf")
+    _, tensors = read_gguf(tmp_path / "gguf" / "model-F32.gguf")
     sd = load_file(tmp_path / "hf" / "model.safetensors")
     np.testing.assert_array_equal(
         tensors["blk.1.ffn_down.weight"], sd["model.layers.1.mlp.down_proj.weight"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import export_run
 
 from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
 from tinygpt.core.config import ModelConfig
@@ -78,7 +79,7 @@ def test_export_round_trip_through_transformers(tmp_path, tok, shakespeare, tied
     )
     model = _perturbed(config)
     run = _make_run(tmp_path / "run", tok, model)
-    out = hf.export_run(run, tmp_path / "export")
+    out = export_run(run, tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [arch] and cfg["eos_token_id"] == tok.eot_id
     assert cfg["rope_theta"] == 5000.0  # also at the top level, where transformers 4.x reads it
@@ -95,7 +96,7 @@ def test_export_round_trip_through_transformers(tmp_path, tok, shakespeare, tied
 
 def test_evaluation_of_an_export_matches_the_run(tmp_path, tok, shared_data):
     """A run and its export give the same scores and the same greedy tokens when they read the same
-    context: a run trained at its whole position table (512), which `hf.export_run` advertises; and
+    context: a run trained at its whole position table (512), which `export_run` advertises; and
     a run trained at 64 of its 512 positions, which `tinygpt export` advertises (issue 39) and to
     which both cut a long prompt from the left (issue 38)."""
     from tinygpt.evals import run_eval
@@ -103,7 +104,7 @@ def test_evaluation_of_an_export_matches_the_run(tmp_path, tok, shared_data):
 
     model = _perturbed(dataclasses.replace(get_recipe("cpu-smoke").model, max_seq_len=512), seed=2)
     run = _make_run(tmp_path / "run", tok, model, seq_len=512)
-    out = hf.export_run(run, tmp_path / "export")
+    out = export_run(run, tmp_path / "export")
     for task, data, opts in [
         ("perplexity", "wikitext2_test.txt", {"max_chars": 1500, "window": 128, "stride": 64}),
         ("hellaswag", "hellaswag_val.txt.bz2", {"limit": 2}),
@@ -133,17 +134,17 @@ def test_export_refuses_a_target_that_exists(tmp_path, tok):
     target.mkdir()
     (target / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not empty; nothing was written"):
-        hf.export_run(run, target)
+        export_run(run, target)
     assert [p.name for p in target.iterdir()] == ["keep.txt"] and (
         target / "keep.txt"
     ).read_text() == "mine"
     a_file = tmp_path / "file.bin"
     a_file.write_text("x")
     with pytest.raises(FileExistsError):
-        hf.export_run(run, a_file)
+        export_run(run, a_file)
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert (hf.export_run(run, empty) / "model.safetensors").is_file()  # an empty folder is fine
+    assert (export_run(run, empty) / "model.safetensors").is_file()  # an empty folder is fine
     assert not list(tmp_path.glob(".tmp-export-*"))
 
 
@@ -152,7 +153,7 @@ def test_export_of_a_run_without_checkpoint_says_train_first(tmp_path, tok):
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"recipe": get_recipe("cpu-smoke").to_dict()}))
     with pytest.raises(CheckpointError, match="no valid checkpoint.*pretrain"):
-        hf.export_run(run, tmp_path / "out")
+        export_run(run, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

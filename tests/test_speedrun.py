@@ -12,11 +12,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import export_run
 
 from tinygpt.core.config import ConfigError, TrainConfig
 from tinygpt.core.recipes import get_recipe
 from tinygpt.data.sampler import WindowSampler
-from tinygpt.model import hf
 from tinygpt.model.loading import load_run
 from tinygpt.model.masks import document_ids, mask_rule, masked_attention, training_mask
 from tinygpt.pretrain.run_pretrain import pretrain
@@ -228,7 +228,7 @@ def test_the_speedrun_learns_and_exports_as_qwen3_with_the_same_logits(speedrun,
     assert result.step == 12 and len(vals) == 2 and vals[-1] < vals[0]
     saved = json.loads((root / "run" / "run.json").read_text())["recipe"]["train"]
     assert saved["doc_mask"] is True and saved["window_start"] == 16
-    out = hf.export_run(root / "run", tmp_path / "export")
+    out = export_run(root / "run", tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -3,8 +3,7 @@
 Each command's options are the fields of an options dataclass in the library module that runs it
 (`PretrainOptions`, `FinetuneOptions`, `GenerateOptions`, ...): `core.options` makes the argparse
 options from the fields and the dataclass from what was parsed, so an option is stated once, on its
-field. What is here is the terminal: what each command prints, and its exit status.
-"""
+field. What is here is the terminal: what each command prints, and its exit status."""
 
 from __future__ import annotations
 
@@ -196,16 +195,8 @@ def _generate(args) -> int:
     adapter = o.adapter or (o.run_dir if o.run_dir and is_finetuning_run(o.run_dir) else None)
     if adapter:  # a finetuning run answers the prompt as an instruction
         model, tok = load_finetuned(adapter)
-        print(
-            generate_response(
-                model,
-                tok,
-                o.prompt,
-                max_new_tokens=o.max_new_tokens,
-                temperature=o.temperature,
-                top_p=o.top_p,
-            )
-        )
+        sampling = dict(max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_p=o.top_p)
+        print(generate_response(model, tok, o.prompt, **sampling))
         return 0
     if not o.run_dir:
         raise ConfigError("give the run folder: tinygpt generate RUN_DIR --prompt TEXT")
@@ -221,8 +212,7 @@ def _generate(args) -> int:
 
 
 def is_finetuning_run(path: str | Path) -> bool:
-    """Whether `path` is a finetuning run's folder (its
-    settings, an adapter, or a full finetune's model)."""
+    """Whether `path` is a finetuning run (its settings, an adapter, or a full finetune's model)."""
     run = RunDir(path)
     return (run / FINETUNE_JSON).is_file() or run.is_finetune_run()
 
@@ -232,13 +222,8 @@ def _eval(args) -> int:
     from tinygpt.evals.evaluate import evaluate, report
 
     o = from_args(EvalOptions, args)
-    print(
-        report(
-            o.task,
-            evaluate(o, say=lambda note: print(note, file=sys.stderr, flush=True)),
-            o.as_json,
-        )
-    )
+    results = evaluate(o, say=lambda note: print(note, file=sys.stderr, flush=True))
+    print(report(o.task, results, o.as_json))
     return 0
 
 
@@ -365,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a notebook's stop button, `kill`, a closing terminal) unwinds like Ctrl-C, so every
     # temporary (an export's .tmp-<out>-<pid>/, a first try's run folder) is removed on the way out;
     # training installs its own handler, which saves a checkpoint first
-    old_term = _sigterm_raises()
+    try:
+        old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    except ValueError:  # not the main thread: signals cannot be set
+        old_term = None
     # one line each, no source line
     old_show, warnings.showwarning = warnings.showwarning, _warning_line
     try:
@@ -398,8 +386,7 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning as the command's one line ("tinygpt:
-    warning: ..."), not Python's file:line and source."""
+    """A warning as one line ("tinygpt: warning: ..."), not Python's file:line and source."""
     print(
         f"tinygpt: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True
     )
@@ -414,19 +401,6 @@ def _error(args: argparse.Namespace, e: Exception) -> int:
         file=sys.stderr,
     )
     return 2
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def _sigterm_raises():
-    """Make SIGTERM raise KeyboardInterrupt; the handler
-    it replaces (None where signals cannot be set)."""
-    try:
-        return signal.signal(signal.SIGTERM, _interrupt)
-    except ValueError:  # not the main thread
-        return None
 
 
 def one_line(e: BaseException) -> str:

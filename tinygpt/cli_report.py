@@ -1,9 +1,8 @@
-"""What a command ends with: a run's figures, what to run next ("next:"), and the line that says
-the mirror is behind the local run.
+"""What a command ends with: a run's figures, what to run next ("next:"), and the line that says the
+mirror is behind the local run.
 
 The sync modules these read import torch, so each is imported inside the function that reads it
-(`tinygpt --help` imports no torch: tests/test_imports.py counts the modules).
-"""
+(`tinygpt --help` imports no torch: tests/test_imports.py counts the modules)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from tinygpt.core.rundir import RunDir
 
 
 def say_complete(done: str, run_dir: Path, mirror: str | None) -> None:
-    """A finished run's line; "complete" means complete
-    on the mirror too: what it lacks goes there now."""
+    """A finished run's line; "complete" includes the mirror: what it lacks goes there now."""
     from tinygpt.sync.catchup import catch_up
     from tinygpt.sync.identity import run_identity
 
@@ -27,8 +25,7 @@ def say_complete(done: str, run_dir: Path, mirror: str | None) -> None:
 
 
 def report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
-    """What a pretraining run ends with: its figures,
-    a sample, what to run next, the mirror's lag."""
+    """A pretraining run's end: its figures, a sample, what to run next, the mirror's lag."""
     from tinygpt.sync.catchup import mirror_lag
 
     print(
@@ -51,8 +48,7 @@ def report_pretrain(res, run_dir: Path, mirror: str | None) -> int:
 
 
 def figures_line(**figures) -> str:
-    """ "loss 2.1234, val_loss 2.3456, ...": the figures
-    that were measured (a short run may have none)."""
+    """ "loss 2.1234, val_loss 2.3456, ...": the measured figures (a short run may have none)."""
     said = [
         f"{k} {round(v, 4) if isinstance(v, float) else v}"
         for k, v in figures.items()
@@ -82,8 +78,7 @@ def next_steps(run_dir: str | Path) -> str:
 
 
 def mirror_line(mirror: str | Path, lag: list[str]) -> str | None:
-    """The line a command ends with when the mirror
-    is behind the local run (None when it is not)."""
+    """A command's last line when the mirror is behind the local run (None when it is not)."""
     from tinygpt.sync.catchup import NOTHING_MORE
 
     if not lag:

@@ -25,19 +25,15 @@ def zip_run(run_dir: str | Path, dest: str | Path | None = None, resumable: bool
     ckpt = latest_valid(RunDir(run_dir).checkpoints)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} holds no valid checkpoint to download; train first")
-    files = [
-        run_dir / n for n in RUN_FILES if (run_dir / n).is_file() or (run_dir / n).is_symlink()
-    ]
+
+    def present(p: Path) -> bool:  # a link too: it is left out below, and said
+        return p.is_file() or p.is_symlink()
+
+    files = [run_dir / n for n in RUN_FILES if present(run_dir / n)]
     plots = run_dir / PLOTS
-    files += (
-        sorted(p for p in plots.iterdir() if p.is_file() or p.is_symlink())
-        if plots.is_dir()
-        else []
-    )
+    files += sorted(filter(present, plots.iterdir())) if plots.is_dir() else []
     skip = set() if resumable else {STATE_FILE, MANIFEST}
-    files += sorted(
-        p for p in ckpt.iterdir() if (p.is_file() or p.is_symlink()) and p.name not in skip
-    )
+    files += sorted(p for p in ckpt.iterdir() if present(p) and p.name not in skip)
     # a link is never followed into the download (it could
     # point at any file of this VM): left out, said once
     links = [why for p in [plots, *files] if (why := link_problem(p, writes=True)) is not None]

@@ -1,8 +1,7 @@
 """Google Drive inside Colab: is this Colab, mount Drive, where runs live on it.
 
-Only the notebooks and `tinygpt.colab.runs` use this; the mirror itself (`tinygpt.sync`) works
-with any folder, so nothing below the Colab layer needs to know about Drive.
-"""
+Only the notebooks and `tinygpt.colab.runs` use this; the mirror itself (`tinygpt.sync`) works with
+any folder, so nothing below the Colab layer needs to know about Drive."""
 
 from __future__ import annotations
 
@@ -38,6 +37,5 @@ def mount_drive(
 
 
 def drive_run_dir(name: str, mydrive: str | Path) -> Path:
-    """MyDrive/tinygpt/runs/<name>: where the run `name`
-    is mirrored on Drive (`mydrive` is MyDrive)."""
+    """MyDrive/tinygpt/runs/<name>: where run `name` is mirrored on Drive (`mydrive`: MyDrive)."""
     return Path(mydrive) / DRIVE_RUNS / name

@@ -59,12 +59,7 @@ HOURS_CHOICES: list[tuple[str, float | None]] = [
     ("the recipe's steps", None),
     ("15 min", 0.25),
     ("30 min", 0.5),
-    ("1 h", 1.0),
-    ("2 h", 2.0),
-    ("3 h", 3.0),
-    ("6 h", 6.0),
-    ("12 h", 12.0),
-    ("24 h", 24.0),
+    *((f"{h:g} h", h) for h in (1.0, 2.0, 3.0, 6.0, 12.0, 24.0)),
 ]
 
 
@@ -75,12 +70,9 @@ def default_hours(
     the recipe's steps; a GPU gets what a session of its class usually lasts."""
     for folder in _homes(resume_from):
         if folder is not None and RunDir(folder).is_pretrain_run():
-            budget = Budget.load(Path(folder))
-            return (
-                (budget.hours, "the run's own budget")
-                if budget
-                else (None, "the run has no time budget")
-            )
+            if budget := Budget.load(Path(folder)):
+                return budget.hours, "the run's own budget"
+            return None, "the run has no time budget"
     if smoke_mode():
         return None, "TINYGPT_SMOKE is set"
     hours = (
@@ -117,11 +109,11 @@ class RecipePicker:
     pretrain` does: with a time and size auto, the recipe whose ladder the planner climbs here (on
     a CPU, cpu-fast's); a resumed run and smoke mode keep theirs."""
 
-    def __init__(self, report: Any, resume_from: RunFolders | str | Path | None = None):
-        self.report = report
-        self.default, self.reason = default_recipe(report, resume_from)
-        self.sized_default = default_recipe(report, resume_from, sized=True)  # (name, why)
-        self.default_hours, self.hours_reason = default_hours(report, resume_from)
+    def __init__(self, report: Any = None, resume_from: RunFolders | str | Path | None = None):
+        self.report = report if report is not None else hardware_report()  # `probe`'s
+        self.default, self.reason = default_recipe(self.report, resume_from)
+        self.sized_default = default_recipe(self.report, resume_from, sized=True)  # (name, why)
+        self.default_hours, self.hours_reason = default_hours(self.report, resume_from)
         self.dropdown = self._output = self.hours_dropdown = self.size_dropdown = None
         self.user_chose = False  # the recipe dropdown was changed by the user, not by following
         self._following = False
@@ -129,12 +121,7 @@ class RecipePicker:
         if widgets is None:
             return  # a script: `value` is the default
         options = [(f"{name}  ({RECIPES[name].hardware})", name) for name in RECIPES]
-        self.dropdown = widgets.Dropdown(
-            options=options,
-            value=self.default,
-            description="recipe",
-            layout=widgets.Layout(width="max-content"),
-        )
+        self.dropdown = dropdown(widgets, options, self.default, "recipe")
         # the summary is an HTML widget, not an Output one: it renders the
         # same in Colab (ipywidgets 7), classic Jupyter and JupyterLab
         # (8), where capturing into an Output widget differs between them
@@ -180,8 +167,7 @@ class RecipePicker:
 
     @property
     def hours(self) -> float | None:
-        """The time budget chosen (None: train the recipe's steps); `pretrain(...,
-        hours=picker.hours)`."""
+        """The time budget chosen (None: the recipe's steps): `pretrain(hours=picker.hours)`."""
         return self.hours_dropdown.value if self.hours_dropdown is not None else self.default_hours
 
     @property
@@ -203,25 +189,17 @@ class RecipePicker:
             return display(str(self))
         widgets = __import__("ipywidgets")
         self._show_summary()
-        display(
-            widgets.VBox(
-                [
-                    self.dropdown,
-                    self.reason_line,
-                    self.hours_dropdown,
-                    widgets.HTML(
-                        f"<i>time available for training: {html.escape(self.hours_reason)}; the "
-                        "run measures its speed and sets its steps to end on time</i>"
-                    ),
-                    self.size_dropdown,
-                    widgets.HTML(
-                        "<i>size: auto chooses the model the time buys (a ladder of sizes, a "
-                        "scaling law, this GPU's speed), shown before training starts</i>"
-                    ),
-                    self.summary,
-                ]
+        time_note, size_note = (
+            widgets.HTML(f"<i>{note}</i>")
+            for note in (
+                f"time available for training: {html.escape(self.hours_reason)}; the run "
+                "measures its speed and sets its steps to end on time",
+                "size: auto chooses the model the time buys (a ladder of sizes, a scaling law, "
+                "this GPU's speed), shown before training starts",
             )
         )
+        rows = [self.dropdown, self.reason_line, self.hours_dropdown, time_note, self.size_dropdown]
+        display(widgets.VBox([*rows, size_note, self.summary]))
 
     def __repr__(self) -> str:
         budget = "the recipe's steps" if self.hours is None else f"{self.hours:g} h"
@@ -231,19 +209,12 @@ class RecipePicker:
         )
 
 
-def recipe_picker(
-    report: Any = None, resume_from: RunFolders | str | Path | None = None
-) -> RecipePicker:
-    """The recipe dropdown; `report` defaults to `probe.hardware_report()`."""
-    if report is None:
-        report = hardware_report()
-    return RecipePicker(report, resume_from)
+recipe_picker = RecipePicker  # the notebooks' name for it
 
 
 class FinetunePicker:
-    """02_finetune's recipe dropdown (the run's own recipe, or the default
-    for this base on this runtime) over the table of every recipe's memory
-    here. The training cell reads `value` when it runs."""
+    """02_finetune's recipe dropdown (the run's own recipe, or this base's default on this runtime)
+    over the table of every recipe's memory here, read (`value`) when the training cell runs."""
 
     def __init__(self, base_config: dict[str, Any], run: RunFolders | None = None):
         self.hardware, self.gpu_gb = this_hardware()
@@ -277,9 +248,7 @@ class FinetunePicker:
         return f"recipe: {self.value} (default: {self.default}, {self.reason})\n{self.table}"
 
 
-def finetune_picker(base_config: dict[str, Any], run: RunFolders | None = None) -> FinetunePicker:
-    """The finetuning recipe dropdown and the memory table, in one call."""
-    return FinetunePicker(base_config, run)
+finetune_picker = FinetunePicker  # the notebooks' name for it
 
 
 # 01_pretrain's base dropdown: small Hub models whose
@@ -328,17 +297,12 @@ class BasePicker:
     def _ipython_display_(self) -> None:
         if self.dropdown is None:
             return display(str(self))
-        display(
-            __import__("ipywidgets").VBox(
-                [
-                    self.dropdown,
-                    __import__("ipywidgets").HTML(
-                        f"<i>default: {html.escape(self.reason)}; a base brings its own "
-                        "architecture, tokenizer and context, trained at a lower learning rate</i>"
-                    ),
-                ]
-            )
+        widgets = __import__("ipywidgets")
+        why = widgets.HTML(
+            f"<i>default: {html.escape(self.reason)}; a base brings its own architecture, "
+            "tokenizer and context, trained at a lower learning rate</i>"
         )
+        display(widgets.VBox([self.dropdown, why]))
 
     def __repr__(self) -> str:
         return (
@@ -347,6 +311,4 @@ class BasePicker:
         )
 
 
-def base_picker(resume_from: RunFolders | str | Path | None = None) -> BasePicker:
-    """The base dropdown of 01_pretrain (from scratch or a Hub model)."""
-    return BasePicker(resume_from)
+base_picker = BasePicker  # the notebooks' name for it

@@ -56,8 +56,7 @@ class LossPlot(Callback):
 
     @property
     def shows_startup(self) -> bool:
-        """True when the start-up table is shown here: the
-        trainer then does not print it as a line too."""
+        """Whether the start-up table shows here (the trainer then prints no line of it)."""
         return bool(self.show)
 
     def on_startup(self, record: dict[str, Any]) -> None:
@@ -66,8 +65,7 @@ class LossPlot(Callback):
             display(startup_table(record))
 
     def _earlier(self, step: int) -> list[dict]:
-        """Entries before `step` in metrics.jsonl (the
-        trainer cut it at the resumed step already)."""
+        """metrics.jsonl's entries before `step` (the trainer has cut it at the resumed step)."""
         try:
             return [m for m in RunDir(self.run_dir).metrics() if m.get("step", 0) < step]
         except (OSError, ValueError):  # an unreadable log: the plot starts here instead
@@ -192,10 +190,9 @@ def _plain_text(texts: Any) -> None:
 
 
 def plan_plot(run_dir: str | Path, show: bool | None = None) -> Any:
-    """`--size auto`'s plan as a picture: predicted loss against non-embedding
-    parameters, one point per size of the ladder, the chosen one marked; saved
-    as <run_dir>/plots/plan.png and shown in a notebook. The matplotlib
-    Figure, or None for a run that was not planned (or without matplotlib)."""
+    """`--size auto`'s plan as a picture: predicted loss against non-embedding parameters, a point
+    per size of the ladder, the chosen one marked; saved as <run_dir>/plots/plan.png and shown in a
+    notebook. The Figure, or None (a run not planned, or no matplotlib)."""
     plan = kept_plan(RunDir(run_dir).info_or_empty())
     if plan is None or not plan.get("candidates"):
         return None
@@ -221,12 +218,13 @@ def _draw_plan(plan: dict) -> Any:
     """The plan's figure (`_plan_problem` found nothing wrong with it)."""
     from matplotlib.figure import Figure
 
+    def xy(rows: list[dict]) -> tuple[list, list]:
+        return [c["params"] for c in rows], [c["predicted_loss"] for c in rows]
+
     cands = plan["candidates"]
     fig = Figure(figsize=(7, 3.5), layout="constrained")
     ax = fig.add_subplot()
-    ax.plot(
-        [c["params"] for c in cands], [c["predicted_loss"] for c in cands], "o-", color="tab:blue"
-    )
+    ax.plot(*xy(cands), "o-", color="tab:blue")
     _plain_text(
         ax.annotate(
             _plain_label(c["size"]),
@@ -241,26 +239,14 @@ def _draw_plan(plan: dict) -> Any:
     outside = [c for c in cands if not row_within_law(plan, c)]
     if outside:  # the law's prediction did not choose these
         label = f"outside the law: over {MAX_EPOCHS:g} epochs, or too few tokens per parameter"
-        ax.plot(
-            [c["params"] for c in outside],
-            [c["predicted_loss"] for c in outside],
-            "x",
-            ms=9,
-            color="tab:gray",
-            label=label,
-        )
+        ax.plot(*xy(outside), "x", ms=9, color="tab:gray", label=label)
     best = next(c for c in cands if c["chosen"] is True)
     why = "" if row_within_law(plan, best) else ", the recipe's own size"
-    ax.plot(
-        [best["params"]],
-        [best["predicted_loss"]],
-        "o",
-        ms=12,
-        mfc="none",
-        color="tab:red",
-        label=f"chosen: {_plain_label(best['size'])}{why}, "
-        f"{best['tokens'] / best['params']:.1f} tokens per parameter",
+    label = (
+        f"chosen: {_plain_label(best['size'])}{why}, "
+        f"{best['tokens'] / best['params']:.1f} tokens per parameter"
     )
+    ax.plot(*xy([best]), "o", ms=12, mfc="none", color="tab:red", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("non-embedding parameters")
     ax.set_ylabel("predicted loss")

@@ -14,8 +14,7 @@ from tinygpt.core.rundir import ADAPTER_DIR, FULL_MODEL_DIR, RunDir, recipe_name
 
 
 def workdir() -> Path:
-    """Where runs and Drive live on this machine:
-    $TINYGPT_WORKDIR, else /content in Colab, else here."""
+    """Where runs and Drive live: $TINYGPT_WORKDIR, else /content in Colab, else here."""
     if os.environ.get("TINYGPT_WORKDIR"):
         return Path(os.environ["TINYGPT_WORKDIR"])
     return Path("/content") if in_colab() else Path.cwd()
@@ -74,9 +73,8 @@ class FinetuneStatus:
     def __str__(self) -> str:
         home, where = (self.mirror, "on Drive") if self.mirror is not None else (self.local, "here")
         steps = list_checkpoints(RunDir(home).checkpoints)
-        lines = [f"local:  {self.local}"] + (
-            [f"Drive:  {self.mirror}"] if self.mirror is not None else []
-        )
+        lines = [f"local:  {self.local}"]
+        lines += [f"Drive:  {self.mirror}"] if self.mirror is not None else []
         if steps:
             lines.append(
                 f"{where}: step {steps[-1][0]} of recipe {recipe_name_of(home, self.local)}; "

@@ -32,8 +32,7 @@ def samples(
     max_new_tokens: int = 150,
     device: str = "auto",
 ) -> list[str]:
-    """`n` samples (seeds 0..n-1) from a run's checkpoint,
-    from `prompt` or one that suits its data."""
+    """`n` samples (seeds 0..n-1) from a run's checkpoint, from `prompt` or one suiting its data."""
     model, tokenizer, _, _ = load_run(run_dir, which, resolve_device(device))
     prompt = prompt or sample_prompt(run_dir)
     return [

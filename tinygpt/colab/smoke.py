@@ -20,19 +20,10 @@ SMOKE_SETTINGS: dict[str, int] = {"max_steps": 12, "save_every": 4, "eval_every"
 # Finetuning: a few tiny steps, enough to run every cell in seconds on a CPU. The learning rate is
 # 5x the CPU recipe's so that 6 steps visibly change the answers of a small base (measured on a
 # cpu-smoke base of 400 steps: blank before; at 2e-3 still blank after, at 1e-2 Python after).
-SMOKE_TRAIN: dict[str, Any] = dict(
-    max_steps=6,
-    save_every=3,
-    eval_every=3,
-    seq_len=128,
-    micro_batch_size=2,
-    grad_accum_steps=1,
-    eval_batches=1,
-    log_every=1,
-    warmup_steps=1,
-    lr=1e-2,
-    min_lr=1e-3,
-)
+SMOKE_TRAIN: dict[str, Any] = {
+    **dict(max_steps=6, save_every=3, eval_every=3, seq_len=128, micro_batch_size=2),
+    **dict(grad_accum_steps=1, eval_batches=1, log_every=1, warmup_steps=1, lr=1e-2, min_lr=1e-3),
+}
 
 
 def smoke_mode() -> bool:
@@ -56,10 +47,9 @@ def smoke_data() -> str:
 
 
 def eval_data(task: str) -> str:
-    """An evaluation task's data for a notebook: in smoke mode the sample
-    that ships with the package (no network, no data folder:
-    `sample:wikitext2`...), else its standard set (`tinygpt.evals.eval_data`:
-    an offline copy where the machine has one, else the Hugging Face Hub)."""
+    """An evaluation task's data for a notebook: in smoke mode the sample that ships with the
+    package (no network, no data folder: `sample:wikitext2`...), else its standard set
+    (`tinygpt.evals.eval_data`: an offline copy where the machine has one, else the Hub)."""
     return standard_eval_data(task, sample=smoke_mode())
 
 

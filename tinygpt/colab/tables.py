@@ -30,11 +30,7 @@ class Table:
     notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        widths = (
-            [max(len(str(r[i])) for r in self.rows) for i in range(len(self.rows[0]))]
-            if self.rows
-            else []
-        )
+        widths = [max(len(str(c)) for c in column) for column in zip(*self.rows)]
         lines = [self.title] if self.title else []
         lines += [
             "  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in self.rows
@@ -77,17 +73,15 @@ def hardware_table(report: Any) -> Table:
 
 
 def _precision_for(recipe: Recipe, report: Any) -> str:
-    """The recipe's precision; the probe's where it says
-    auto, or bf16 on a GPU that only emulates it."""
+    """The recipe's precision; the probe's where it says auto, or bf16 this GPU only emulates."""
 
     p, _ = requested_precision(recipe, report.device, report.native_bf16)
     return report.precision if p == "auto" else p
 
 
 def trial_search(recipe: Recipe | str, report: Any, time_limit_s: float = 15.0) -> Any:
-    """The probe's trial search (largest micro-batch that fits) where
-    it is meaningful: on a CUDA GPU, or a cpu recipe anywhere (capped
-    at `time_limit_s`); None elsewhere or when nothing fits."""
+    """The probe's trial search (largest micro-batch that fits) where it is meaningful: on a CUDA
+    GPU, or a cpu recipe anywhere (capped at `time_limit_s`); else, or when nothing fits, None."""
 
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if report.device != "cuda" and recipe.hardware != "cpu":
@@ -125,24 +119,16 @@ def summary(
         )
     )
     if search is not None:
-        tables.append(
-            Table(
-                [
-                    ("micro-batch", search.micro_batch_size),
-                    ("accumulation steps", search.grad_accum_steps),
-                    ("context", search.seq_len),
-                    (
-                        "activation checkpointing",
-                        "on" if search.activation_checkpointing else "off",
-                    ),
-                    ("precision", search.precision),
-                    ("measured peak", f"{search.peak_gb:.2f} of {search.memory_limit_gb:.1f} GB"),
-                ],
-                "Trial search" + (" (cached)" if search.from_cache else ""),
-                header=False,
-                notes=tuple(search.notes),
-            )
-        )
+        rows = [
+            ("micro-batch", search.micro_batch_size),
+            ("accumulation steps", search.grad_accum_steps),
+            ("context", search.seq_len),
+            ("activation checkpointing", "on" if search.activation_checkpointing else "off"),
+            ("precision", search.precision),
+            ("measured peak", f"{search.peak_gb:.2f} of {search.memory_limit_gb:.1f} GB"),
+        ]
+        title = "Trial search" + (" (cached)" if search.from_cache else "")
+        tables.append(Table(rows, title, header=False, notes=tuple(search.notes)))
     tables.append(
         Table(expectations(recipe, report, search).rows(), "Expected on this runtime", header=False)
     )
@@ -155,8 +141,7 @@ def summary(
 
 
 def recipes_table(report: Any) -> Table:
-    """Every recipe with its size and the expected
-    memory, speed and time to finish on this runtime."""
+    """Every recipe with its size and the expected memory, speed and time to finish here."""
 
     rows: list[tuple] = [
         ("recipe", "for", "params", "context", "tokens", "memory", "fits", "tokens/s", "time")
@@ -179,14 +164,8 @@ def recipes_table(report: Any) -> Table:
                 duration(e.time_to_finish_s),
             )
         )
-    return Table(
-        rows,
-        f"Recipes on this runtime ({report.name})",
-        notes=(
-            "memory is estimated; tokens/s and time are rough until measured (see the trial "
-            "search)",
-        ),
-    )
+    note = "memory is estimated; tokens/s and time are rough until measured (see the trial search)"
+    return Table(rows, f"Recipes on this runtime ({report.name})", notes=(note,))
 
 
 def startup_table(record: dict[str, Any]) -> Table:
@@ -221,17 +200,11 @@ def result_table(result: Any) -> Table:
             "no: a new run" if result.resumed_from is None else f"from step {result.resumed_from}",
         ),
     ]
-    notes = (
-        ("stopped before the end: run the training cell again to continue",)
-        if result.interrupted
-        else ()
-    )
-    return Table(rows, "Training", header=False, notes=notes)
+    stopped = "stopped before the end: run the training cell again to continue"
+    return Table(rows, "Training", header=False, notes=(stopped,) if result.interrupted else ())
 
 
 # ---- finetuning ----------------------------------------------------------------------------------
-
-
 def finetune_recipe_rows(
     base_config: dict[str, Any], hardware: str, memory_gb: float | None = None
 ) -> list[tuple]:

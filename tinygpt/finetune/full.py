@@ -59,8 +59,7 @@ def load_full_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None
 
 
 def is_full_finetune(run_dir: str | Path) -> bool:
-    """Whether a folder is a full finetuning run's (its finetune.json's recipe has no LoRA
-    settings)."""
+    """Whether a folder is a full finetuning run's (finetune.json's recipe has no LoRA settings)."""
     recipe = (RunDir(run_dir).finetune_info() or {}).get("recipe") or {}
     return "lora" in recipe and recipe["lora"] is None
 

@@ -9,8 +9,7 @@ checkpoint.
 Packing puts several whole examples in one training row. Each row then comes with position ids that
 start again at 0 at every example: a transformers model (4.53 and later) reads those restarts as
 record boundaries and keeps each example's attention inside itself, so a packed row gives the same
-loss as its examples run one by one, without the padding.
-"""
+loss as its examples run one by one, without the padding."""
 
 from __future__ import annotations
 
@@ -38,16 +37,6 @@ def bucket_length(n: int, seq_len: int) -> int:
     return min(width, seq_len)
 
 
-def length_buckets(seq_len: int) -> list[int]:
-    """Every width `bucket_length` can give for this seq_len."""
-    return sorted(
-        {
-            bucket_length(n, seq_len)
-            for n in [1, seq_len] + [2**k for k in range(seq_len.bit_length())]
-        }
-    )
-
-
 # ----- tokens ------------------------------------------------------------------------------------
 @dataclass
 class DataReport:
@@ -71,14 +60,15 @@ class DataReport:
 
 
 Row = tuple[np.ndarray, np.ndarray]  # (x, y) of one training sequence
+Example = tuple[list[int], list[bool]]  # (token ids, whether each carries loss)
 
 
 def _to_rows(
-    examples: list[tuple[list[int], list[bool]]], seq_len: int, pack: bool
+    examples: list[Example], seq_len: int, pack: bool
 ) -> tuple[list[Row], list[np.ndarray]]:
     """(x, y) rows of at most seq_len positions, and each row's example lengths (in tokens); packing
     concatenates whole examples greedily."""
-    groups: list[list[tuple[list[int], list[bool]]]] = []
+    groups: list[list[Example]] = []
     size = 0
     for ex in examples:
         if pack and groups and size + len(ex[0]) <= seq_len + 1:
@@ -108,11 +98,10 @@ def record_positions(lengths: np.ndarray, width: int) -> np.ndarray:
 def _collate(
     rows: Sequence[Row], pad_id: int, seq_len: int, lengths: Sequence[np.ndarray] | None = None
 ) -> tuple[torch.Tensor, ...]:
-    """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks
-    right, so padding changes nothing for the real tokens and needs no attention
-    mask. Packed rows (`lengths` given) are padded to seq_len, one shape for every
-    batch (one compiled graph), and come with their position ids; other rows to
-    their length bucket (`bucket_length`: one compiled graph per bucket)."""
+    """Right padding (pad id in x, IGNORE_INDEX in y): causal attention never looks right, so
+    padding changes nothing for the real tokens and needs no mask. Packed rows (`lengths` given) are
+    padded to seq_len, one shape for every batch (one compiled graph), with their position ids;
+    other rows to their length bucket (`bucket_length`: a graph per bucket)."""
     T = seq_len if lengths is not None else bucket_length(max(len(x) for x, _ in rows), seq_len)
     x = np.full((len(rows), T), pad_id, dtype=np.int64)
     y = np.full((len(rows), T), IGNORE_INDEX, dtype=np.int64)
@@ -158,9 +147,8 @@ class InstructSource:
         out: list[int] = []
         while len(out) < n:
             if self._perm_epoch != self.epoch:
-                self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(
-                    len(self.rows)
-                )
+                rng = np.random.default_rng([self.seed, self.epoch])
+                self._perm = rng.permutation(len(self.rows))
                 self._perm_epoch = self.epoch
             k = min(n - len(out), len(self.rows) - self.index)
             out += self._perm[self.index : self.index + k].tolist()
@@ -191,11 +179,8 @@ class InstructSource:
         }
 
     def load_state_dict(self, s: dict) -> None:
-        if (s["seed"], s["rows"], s["fingerprint"]) != (
-            self.seed,
-            len(self.rows),
-            self.fingerprint,
-        ):
+        mine = self.state_dict()
+        if any(s[k] != mine[k] for k in ("seed", "rows", "fingerprint")):
             raise DataError(
                 f"the checkpoint's data position is for {s['rows']} rows (fingerprint "
                 f"{s['fingerprint']}, seed {s['seed']}), this data gives {len(self.rows)} rows "
@@ -213,9 +198,7 @@ class InstructData:
     template: str = "alpaca"
 
 
-def _truncate_examples(
-    examples: list[tuple[list[int], list[bool]]], seq_len: int
-) -> tuple[list[tuple[list[int], list[bool]]], int, int]:
+def _truncate_examples(examples: list[Example], seq_len: int) -> tuple[list[Example], int, int]:
     """The examples cut to seq_len + 1 tokens, in their order, the number cut and the number
     dropped. An example whose cut leaves no response token carrying loss (no flag after the first
     token) is dropped: it would train on nothing. Raises DataError when every example is too long."""
@@ -238,8 +221,8 @@ def _truncate_examples(
 
 
 def _split_validation(
-    kept: list[tuple[list[int], list[bool]]], val_fraction: float, seed: int
-) -> tuple[list[tuple[list[int], list[bool]]], list[tuple[list[int], list[bool]]]]:
+    kept: list[Example], val_fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
     """(train, validation) examples by a shuffle seeded with (seed, 7). Validation gets
     round(len * val_fraction) examples, at least one when val_fraction > 0, and training keeps at
     least one; both keep the examples' original order."""
@@ -252,11 +235,7 @@ def _split_validation(
 
 
 def _val_batches(
-    val_ex: list[tuple[list[int], list[bool]]],
-    seq_len: int,
-    pad_id: int,
-    val_batch_size: int,
-    eval_batches: int,
+    val_ex: list[Example], seq_len: int, pad_id: int, val_batch_size: int, eval_batches: int
 ) -> list[tuple[torch.Tensor, ...]]:
     """At most eval_batches padded, unpacked batches of val_batch_size rows: the same batches
     whether training packs or not, so validation losses compare across runs."""
@@ -281,10 +260,9 @@ def build_instruct_data(
     eval_batches: int = 8,
     split: str = "train",
 ) -> InstructData:
-    """Records (or a source for `load_records`) to a training source and fixed
-    validation batches. A record is split off for validation by a seeded
-    shuffle. `pack` packs the training rows only: the validation batches are the
-    same padded ones either way, so validation losses compare across runs."""
+    """Records (or a source for `load_records`) to a training source and fixed validation batches,
+    split off by a seeded shuffle. `pack` packs the training rows only: the validation batches are
+    the same padded ones either way, so validation losses compare across runs."""
     if isinstance(records, str):
         records = load_records(records, split)
     if not 0 <= val_fraction < 0.5:

@@ -56,8 +56,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 @contextlib.contextmanager
 def _peft_on_transformers_5():
     """PEFT reads `model.is_gradient_checkpointing`, which transformers 5 deprecates with a
-    FutureWarning on every finetune; the user can do nothing about it, so that one warning is not
-    shown."""
+    FutureWarning on every finetune; the user can do nothing about it, so it is not shown."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
@@ -67,14 +66,11 @@ def _peft_on_transformers_5():
 
 def export_tinygpt_base(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
     """A tinygpt run's model as a `LlamaForCausalLM` folder, through the one exporter (`model.hf`),
-    atomically (a folder that exists is complete), with tinygpt_source.json naming the
-    checkpoint."""
+    atomically (a folder that exists is complete), tinygpt_source.json naming the checkpoint."""
     model, tok, _, ckpt = load_run(run_dir, which)
     out = export_model(model, tok, out_dir)
-    write_json_atomic(
-        out / "tinygpt_source.json",
-        {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(ckpt)},
-    )
+    source = {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(ckpt)}
+    write_json_atomic(out / "tinygpt_source.json", source)
     return out
 
 
@@ -207,8 +203,7 @@ def attach_lora(
     if missing:
         raise FinetuneError(
             f"LoRA target module(s) {missing} match no linear layer of this model; "
-            f"its linear layers are: {', '.join(available)} (the output head is "
-            "never adapted)"
+            f"its linear layers are: {', '.join(available)} (the output head is never adapted)"
         )
     for p in model.parameters():
         p.requires_grad_(False)
@@ -217,16 +212,9 @@ def attach_lora(
         # Without this, checkpointed blocks whose inputs do not require grad give the adapters none.
         model.enable_input_require_grads()
         model.config.use_cache = False
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=targets,
-        use_rslora=lora.use_rslora,
-        use_dora=lora.use_dora,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
+    rank = dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    variant = dict(use_rslora=lora.use_rslora, use_dora=lora.use_dora)
+    config = LoraConfig(**rank, **variant, bias="none", task_type="CAUSAL_LM")
     torch.manual_seed(seed)  # lora_A's initialisation draws from torch's RNG: same seed, same start
     with _peft_on_transformers_5():
         pm = get_peft_model(model, config)
@@ -299,17 +287,15 @@ def verify_adapter(adapter_dir: Path) -> None:
     if not ok:
         raise FinetuneError(
             f"adapter {adapter_dir} is damaged: {why}; export it again from the "
-            "run's checkpoints (export_adapter(run_dir)) or copy it again from "
-            "Drive"
+            "run's checkpoints (export_adapter(run_dir)) or copy it again from Drive"
         )
 
 
 def export_adapter(
     run_dir: str | Path, which: str = "latest", out_dir: str | Path | None = None
 ) -> Path:
-    """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder): the
-    checkpoint's model.safetensors already holds exactly PEFT's adapter weights under PEFT's
-    names."""
+    """A PEFT adapter folder from one of a run's checkpoints ("latest", "best" or a folder), whose
+    model.safetensors holds exactly PEFT's adapter weights under PEFT's names."""
     run_dir = Path(run_dir)
     if not RunDir(run_dir).is_finetune_run():
         raise FinetuneError(f"{run_dir} is not a finetuning run folder (no adapter_config.json)")
@@ -396,8 +382,7 @@ def load_finetuned(
 def merge_adapter(
     path: str | Path, out_dir: str | Path | None = None, *, dtype: torch.dtype = torch.float32
 ) -> Path:
-    """Fold the adapter into its base and save a standalone model (config.json + safetensors +
-    tokenizer)."""
+    """Fold the adapter into its base and save the model (config.json, safetensors, tokenizer)."""
     model, tok = load_finetuned(path, merge=True, dtype=dtype)
     out = Path(out_dir) if out_dir is not None else adapter_folder(path).parent / MERGED_DIR
     model.save_pretrained(out)

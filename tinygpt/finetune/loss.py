@@ -20,20 +20,13 @@ def causal_lm_loss(
     *,
     chunk_rows: int | None = None,
 ) -> torch.Tensor:
-    """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y are already
-    shifted). position_ids: of packed rows (0 again at each record's start: attention stays inside
-    each record). chunk_rows: as in `losses.linear_cross_entropy` (None picks by size, 0 takes the
-    full logits)."""
-    # A DDP wrapper (no get_base_model) must see the forward call: wrapped models take the plain
-    # path.
-    hf = (
-        model.get_base_model()
-        if hasattr(model, "get_base_model")
-        # full finetuning: the transformers model itself
-        else model
-        if hasattr(model, "get_output_embeddings") and hasattr(model, "base_model")
-        else None
-    )
+    """Summed fp32 cross-entropy over targets that are not IGNORE_INDEX (x and y already shifted).
+    position_ids: of packed rows (0 again at each record's start: attention stays inside each
+    record). chunk_rows: as in `losses.linear_cross_entropy` (None: by size, 0: full logits)."""
+    # A DDP wrapper (no get_base_model) must see the forward call: it takes the plain path.
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else None
+    if hf is None and hasattr(model, "get_output_embeddings") and hasattr(model, "base_model"):
+        hf = model  # full finetuning: the transformers model itself
     head = hf.get_output_embeddings() if hf is not None else None
     pos = {"position_ids": position_ids} if position_ids is not None else {}
     if (
@@ -46,14 +39,7 @@ def causal_lm_loss(
         cap = getattr(hf.config, "final_logit_softcapping", None)
         if cap and hf.config.model_type in SOFTCAP_HEAD_TYPES:
             return softcapped_loss(hidden, head.weight, y, float(cap), chunk_rows=chunk_rows)
-        return linear_cross_entropy(
-            hidden,
-            head.weight,
-            y,
-            reduction="sum",
-            ignore_index=IGNORE_INDEX,
-            chunk_rows=chunk_rows,
-        )
+        return linear_cross_entropy(hidden, head.weight, y, reduction="sum", chunk_rows=chunk_rows)
     logits = model(input_ids=x, use_cache=False, **pos).logits.float()
     return F.cross_entropy(
         logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
@@ -89,6 +75,5 @@ def module_loss(
 
 
 def inner_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model a `FinetuneLoss` wraps (any other module as it is): whose weights checkpoints
-    hold."""
+    """The model a `FinetuneLoss` wraps (any other module itself): the one checkpoints hold."""
     return model.model if isinstance(model, FinetuneLoss) else model

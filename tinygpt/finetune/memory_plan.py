@@ -1,8 +1,7 @@
 """What a recipe needs with a given base, read from the base's config alone: the memory estimate
 (`memory_table`), the plan a run trains with (`plan_finetune`: activation checkpointing, full or
 chunked logits, packed rows), and the recipe to start from (`default_finetune_recipe`). Nothing here
-loads weights: a base's `config.json` (`base_config`, `base_config_dict`) is all it reads.
-"""
+loads weights: a base's `config.json` (`base_config`, `base_config_dict`) is all it reads."""
 
 from __future__ import annotations
 
@@ -36,18 +35,15 @@ PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"}
 # Families whose logits are cap * tanh(lm_head(hidden) / cap) (Gemma-2): chunked too, by
 # `losses.softcapped_loss`.
 SOFTCAP_HEAD_TYPES = {"gemma2"}
-# Families whose transformers implementation builds its attention mask with `masking_utils`, which
-# reads position ids that restart at 0 as record boundaries (attention stays inside each packed
-# record).
+# Families whose transformers code builds its attention mask with `masking_utils`, which reads
+# position ids that restart at 0 as record boundaries (attention stays inside each packed record).
 PACKABLE_TYPES = PLAIN_HEAD_TYPES | SOFTCAP_HEAD_TYPES
-# A plan must fit this share of the device's memory (the rest is headroom, as for the default
-# recipe).
+# A plan must fit this share of device memory (the rest is headroom, as for the default recipe)
 FIT_FRACTION = 0.9
 
 
 def chunked_loss(config: dict[str, Any]) -> bool:
-    """Whether finetuning's loss avoids the full (tokens, vocab) logits for a base with this
-    config."""
+    """Whether finetuning's loss avoids the full (tokens, vocab) logits for a base so configured."""
     model_type = config.get("model_type")
     return model_type in PLAIN_HEAD_TYPES or model_type in SOFTCAP_HEAD_TYPES
 
@@ -59,8 +55,7 @@ def is_tinygpt_run(base: str | Path) -> bool:
 
 def base_config(path: str):
     """The `transformers` config of a base (a local folder or a Hub id): the cheap check that it
-    exists, and (`model.hf.from_pretrained`) that it is a model tinygpt loads, naming no code of its
-    own."""
+    exists and (`model.hf.from_pretrained`) is a model tinygpt loads, with no code of its own."""
     require_package("transformers", "finetuning")
 
     p = Path(path).expanduser()
@@ -82,15 +77,13 @@ def base_config(path: str):
         raise FinetuneError(
             f"could not load base model {path!r}: {type(e).__name__}: {e}\nCheck "
             "the folder or the Hub id and the network; gated models (Gemma, Llama) "
-            "need their licence accepted on the Hub and `hf auth login` (or "
-            "HF_TOKEN set)"
+            "need their licence accepted on the Hub and `hf auth login` (or HF_TOKEN set)"
         ) from e
 
 
 def base_config_dict(base: str | Path) -> dict[str, Any]:
-    """A base's `config.json` as a dict (what `memory_table` reads), without loading any weights;
-    for a tinygpt run folder, that of the `LlamaForCausalLM` (or `Qwen3ForCausalLM`) it is exported
-    as."""
+    """A base's `config.json` as a dict (what `memory_table` reads), no weights loaded; for a
+    tinygpt run folder, that of the `LlamaForCausalLM` (or `Qwen3ForCausalLM`) it exports as."""
     if is_tinygpt_run(base):
         recipe = Recipe.from_dict(RunDir(Path(base).expanduser()).recipe_dict())
         return {"model_type": recipe.model.family.model_type, **recipe.model.to_hf_llama()}
@@ -99,8 +92,7 @@ def base_config_dict(base: str | Path) -> dict[str, Any]:
 
 # ----- memory -------------------------------------------------------------------------------------
 def checkpointing_rule(recipe: FinetuneRecipe, hardware: str) -> bool | None:
-    """The recipe's activation checkpointing on this hardware: True, False, or None (decided by
-    memory)."""
+    """The recipe's activation checkpointing on this hardware: True, False, or None (by memory)."""
     rule = recipe.activation_checkpointing
     if isinstance(rule, str):
         if rule not in ("auto", "on", "off"):
@@ -156,11 +148,8 @@ def _weight_counts(recipe: FinetuneRecipe, c: dict[str, Any]) -> tuple[int, int,
     """(linear, embedding, trained) weight counts of a base with config dict c. Embeddings count
     twice when the head is untied. Trained is every weight for full finetuning (`recipe.lora` None),
     else r x (in + out) per targeted linear per layer (its LoRA A and B)."""
-    h, L, shapes = (
-        c.get("hidden_size") or c["n_embd"],
-        c.get("num_hidden_layers") or c["n_layer"],
-        _shapes(c),
-    )
+    h, L = c.get("hidden_size") or c["n_embd"], c.get("num_hidden_layers") or c["n_layer"]
+    shapes = _shapes(c)
     linear = L * sum(a * b for a, b in shapes.values())
     emb = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings", True) else 2)
     if recipe.lora is None:  # full finetuning: every weight is trained
@@ -261,9 +250,14 @@ def memory_table(
     ]
 
 
+def _need_gb(recipe: FinetuneRecipe, hardware: str, config: dict, ckpt: bool, full: bool) -> float:
+    """`device_need_gb` of the plan (activation checkpointing, full logits) given."""
+    table = memory_table(recipe, hardware, config, activation_checkpointing=ckpt, full_logits=full)
+    return device_need_gb(table, hardware)
+
+
 def device_need_gb(table: list[dict[str, Any]], hardware: str) -> float:
-    """The memory a device must have for a `memory_table`: its tensors plus `fit.memory`'s
-    overhead."""
+    """The memory a device needs for a `memory_table`: its tensors plus `fit.memory`'s overhead."""
     tensors = table[-1]["gb"]
     return tensors + overhead_gb(tensors, "cpu" if hardware == "cpu" else "cuda")
 
@@ -327,10 +321,7 @@ def plan_finetune(
     options = [(c, f) for c in ckpts for f in logits]
     pack = recipe.pack and packing_supported(base_config)
     for c, f in options:
-        table = memory_table(
-            recipe, hardware, base_config, activation_checkpointing=c, full_logits=f
-        )
-        need = device_need_gb(table, hardware)
+        need = _need_gb(recipe, hardware, base_config, c, f)
         if memory_gb is None or need <= FIT_FRACTION * memory_gb:
             break
     where = f"of {memory_gb:.1f} GB" if memory_gb is not None else "(device memory unknown)"
@@ -352,10 +343,9 @@ def resumed_plan(
     base_config: dict[str, Any],
     memory_gb: float | None,
 ) -> FinetunePlan:
-    """The plan of the run being resumed (from its finetune.json). Its packing is always kept (the
-    rows must be the same); its memory choices too, unless this device is too small for them. A run
-    from before plans were recorded had the old rules: padded rows, checkpointing per hardware
-    class."""
+    """The plan of the run being resumed (its finetune.json). Its packing is always kept (the rows
+    must be the same); its memory choices too, unless this device is too small for them. A run from
+    before plans were kept had padded rows and checkpointing per hardware class."""
     if "plan" in old:
         plan = FinetunePlan.from_dict(old["plan"])
     else:
@@ -369,14 +359,7 @@ def resumed_plan(
         plan = FinetunePlan(
             ckpt, False, bool(r.get("pack", False)), 0.0, None, "a run from before plans were kept"
         )
-    table = memory_table(
-        recipe,
-        hardware,
-        base_config,
-        activation_checkpointing=plan.activation_checkpointing,
-        full_logits=plan.full_logits,
-    )
-    need = device_need_gb(table, hardware)
+    need = _need_gb(recipe, hardware, base_config, plan.activation_checkpointing, plan.full_logits)
     if memory_gb is not None and need > FIT_FRACTION * memory_gb:
         lean = plan_finetune(recipe, hardware, base_config, memory_gb)
         return dataclasses.replace(
@@ -394,9 +377,8 @@ def default_finetune_recipe(
     memory_gb: float | None = None,
     resume_from: Iterable[str | Path | None] = (),
 ) -> tuple[str, str]:
-    """(recipe name, why): the run being resumed decides first; on a GPU lora-r16 when its estimate
-    fits `memory_gb` with 10% to spare, else qlora-r16; on a CPU lora-r8 (4-bit kernels are slow
-    there)."""
+    """(recipe name, why): the resumed run's own; on a GPU lora-r16 when its estimate fits
+    `memory_gb` with 10% to spare, else qlora-r16; on a CPU lora-r8 (4-bit kernels are slow)."""
     resumed = recipe_name_of(*resume_from)
     if resumed in FINETUNE_RECIPES:
         return resumed, "the recipe of the run on Drive (it continues where it stopped)"

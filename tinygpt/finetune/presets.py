@@ -6,7 +6,7 @@ base is `finetune.memory_plan`'s."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ class LoraSettings:
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:
             raise FinetuneError(
-                f"LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got "
+                "LoRA needs r >= 1, alpha > 0 and 0 <= dropout < 1; got "
                 f"r={self.r}, alpha={self.alpha}, dropout={self.dropout}"
             )
         if self.target_modules is not None:
@@ -88,51 +88,18 @@ class FinetuneRecipe:
 
 def _settings() -> dict[str, TrainConfig]:
     # compile "auto": the whole step (forward and loss, `loss.FinetuneLoss`) compiled on CUDA, eager
-    # elsewhere
-    common = dict(
-        weight_decay=0.0, grad_clip=1.0, compile="auto", eval_batches=8, log_every=10, keep_last=3
-    )
-    return {  # effective batch 16 sequences on both GPUs
-        "t4": TrainConfig(
-            micro_batch_size=4,
-            grad_accum_steps=4,
-            seq_len=512,
-            lr=2e-4,
-            min_lr=2e-5,
-            warmup_steps=100,
-            max_steps=1000,
-            eval_every=100,
-            save_every=50,
-            precision="auto",
-            **common,
-        ),
-        "a100": TrainConfig(
-            micro_batch_size=8,
-            grad_accum_steps=2,
-            seq_len=768,
-            lr=2.5e-4,
-            min_lr=2.5e-5,
-            warmup_steps=150,
-            max_steps=1000,
-            eval_every=100,
-            save_every=50,
-            precision="auto",
-            **common,
-        ),
-        "cpu": TrainConfig(
-            micro_batch_size=4,
-            grad_accum_steps=2,
-            seq_len=256,
-            lr=2e-3,
-            min_lr=2e-4,
-            warmup_steps=3,
-            max_steps=30,
-            eval_every=10,
-            save_every=10,
-            precision="fp32",
-            **{**common, "eval_batches": 2, "log_every": 5, "keep_last": 2},
-        ),
-    }
+    # elsewhere. The A100 and CPU settings are variants of the T4's: geometry (effective batch 16
+    # sequences on both GPUs), schedule, then logging.
+    common = dict(weight_decay=0.0, grad_clip=1.0, compile="auto", eval_batches=8, log_every=10)
+    t4 = TrainConfig(**common, precision="auto", keep_last=3, max_steps=1000, eval_every=100)
+    t4 = replace(t4, micro_batch_size=4, grad_accum_steps=4, seq_len=512, save_every=50)
+    t4 = replace(t4, lr=2e-4, min_lr=2e-5, warmup_steps=100)
+    a100 = replace(t4, micro_batch_size=8, grad_accum_steps=2, seq_len=768)
+    a100 = replace(a100, lr=2.5e-4, min_lr=2.5e-5, warmup_steps=150)
+    cpu = replace(t4, grad_accum_steps=2, seq_len=256, max_steps=30, eval_every=10, save_every=10)
+    cpu = replace(cpu, lr=2e-3, min_lr=2e-4, warmup_steps=3, precision="fp32")
+    cpu = replace(cpu, eval_batches=2, log_every=5, keep_last=2)
+    return {"t4": t4, "a100": a100, "cpu": cpu}
 
 
 FINETUNE_RECIPES: dict[str, FinetuneRecipe] = {
@@ -159,9 +126,8 @@ FINETUNE_RECIPES["qlora-r16"] = FinetuneRecipe(
 FULL_LR_FACTOR = 0.1
 FINETUNE_RECIPES["full"] = FinetuneRecipe(
     "full",
-    "Full finetuning: every weight trains (fp32 weights, gradients and AdamW states, 16 "
-    "bytes per parameter; half-precision compute); for small bases, the result a whole model "
-    "folder",
+    "Full finetuning: every weight trains (fp32 weights, gradients and AdamW states, 16 bytes per "
+    "parameter; half-precision compute); for small bases, the result a whole model folder",
     None,
     {
         hw: dataclasses.replace(c, lr=c.lr * FULL_LR_FACTOR, min_lr=c.min_lr * FULL_LR_FACTOR)
@@ -190,8 +156,7 @@ def finetune_device(hardware: str) -> tuple[str, tuple[int, int] | None, torch.d
 
 
 def detect_hardware(device: torch.device | str) -> str:
-    """The finetuning class ("cpu", "t4" or "a100") of a device: its hardware class's `finetune`
-    entry."""
+    """The finetuning class ("cpu", "t4" or "a100") of a device: its hardware class's `finetune`."""
     return HARDWARE[device_class(device)].finetune
 
 
@@ -205,15 +170,13 @@ def this_hardware(device: str = "auto") -> tuple[str, float | None]:
 
 
 def check_qlora(device: torch.device) -> None:
-    """Raise a FinetuneError unless bitsandbytes can run an NF4 layer forward and backward on
-    `device`."""
+    """Refuse (FinetuneError) a device where bitsandbytes cannot run an NF4 forward and backward."""
     try:
         import bitsandbytes as bnb
     except Exception as e:  # ImportError, or a broken CUDA setup raising at import
         raise FinetuneError(
             f"QLoRA needs bitsandbytes, which cannot be imported ({e}): `pip "
-            "install bitsandbytes`, or choose a LoRA recipe such as "
-            "lora-r16"
+            "install bitsandbytes`, or choose a LoRA recipe such as lora-r16"
         ) from e
     if device.type not in ("cuda", "cpu", "xpu"):
         raise FinetuneError(
@@ -229,8 +192,7 @@ def check_qlora(device: torch.device) -> None:
     except Exception as e:
         raise FinetuneError(
             f"QLoRA: bitsandbytes {bnb.__version__} cannot run a 4-bit NF4 layer "
-            f"on {device}: {type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) "
-            "instead"
+            f"on {device}: {type(e).__name__}: {e}. Use a LoRA recipe (lora-r16) instead"
         ) from e
 
 
@@ -241,9 +203,8 @@ QLORA_COMPILE_FLOOR = {"bitsandbytes": (0, 46), "torch": (2, 8)}
 def qlora_compile(
     compile: str, device_type: str, bnb_version: str, torch_version_: str
 ) -> tuple[str, str | None]:
-    """(the compile setting QLoRA trains with, a one-line note or None). Below QLORA_COMPILE_FLOOR a
-    compiled 4-bit step breaks into many graphs (slower than eager, and slow to compile): QLoRA then
-    runs eagerly."""
+    """(QLoRA's compile setting, a note or None): below QLORA_COMPILE_FLOOR a compiled 4-bit step
+    breaks into many graphs (slower than eager, and slow to compile), so it runs eagerly."""
     compiling = compile in ("on", "regional") or (compile == "auto" and device_type == "cuda")
     have = {"bitsandbytes": torch_version(bnb_version), "torch": torch_version(torch_version_)}
     short = [
@@ -253,6 +214,5 @@ def qlora_compile(
         return compile, None
     return "off", (
         f"QLoRA runs eagerly: compiling its 4-bit layers needs {' and '.join(short)} "
-        f"(this runtime has bitsandbytes {bnb_version}, torch "
-        f"{torch_version_.split('+')[0]})"
+        f"(this runtime has bitsandbytes {bnb_version}, torch {torch_version_.split('+')[0]})"
     )

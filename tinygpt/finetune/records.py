@@ -25,8 +25,7 @@ FORMATS = {
     "mbpp": ("code", "test_list"),
     "chat": ("messages",),
 }
-# Names a notebook dropdown can offer; MBPP's training ids are 1-10 (prompt) and 511-1000
-# (validation, train).
+# Names a dropdown can offer; MBPP's training ids are 1-10 (prompt) and 511-1000 (validation, train)
 DATASETS = {
     "code-alpaca-20k": "hf:sahil2801/CodeAlpaca-20k",
     "mbpp": "hf:google-research-datasets/mbpp:full@train+validation+prompt",
@@ -92,9 +91,8 @@ def _read_json_records(p: Path) -> Records:
     size = p.stat().st_size
     if size > JSON_FILE_LIMIT:
         raise DataError(
-            f"{p} holds {size:,} bytes, more than the {JSON_FILE_LIMIT:,} read of a "
-            ".json file: write the records one per line as a .jsonl file, which is "
-            "read a line at a time"
+            f"{p} holds {size:,} bytes, more than the {JSON_FILE_LIMIT:,} read of a .json file: "
+            "write the records one per line as a .jsonl file, which is read a line at a time"
         )
     # outside run folders: the data file the user named, its size checked above
     data = p.read_bytes()
@@ -196,9 +194,8 @@ def record_segments(
     template: str = "alpaca",
     chat_template: Any = None,
 ) -> tuple[list[Segments], str, int]:
-    """(segments per kept record, format, records excluded). Each record is checked: a missing or
-    mistyped field fails naming the record's index and the field. MBPP evaluation ids are
-    excluded."""
+    """(segments per kept record, format, records excluded: MBPP evaluation ids). Each record is
+    checked: a missing or mistyped field fails naming the record's index and the field."""
     if template not in TEMPLATES:
         raise DataError(
             f"unknown prompt template {template!r}; choose one of {', '.join(TEMPLATES)}"
@@ -274,9 +271,8 @@ def _chat_segments(messages: Any, at: str, chat_template: Any) -> Segments:
             full = chat_template(messages[: j + 1], tokenize=False)
             if not (prompt.startswith(done) and full.startswith(prompt)):
                 raise DataError(
-                    f"{at}: the tokenizer's chat template does not render turns as "
-                    "prefixes of the conversation, so prompts cannot be masked; use a "
-                    "plain tokenizer"
+                    f"{at}: the tokenizer's chat template does not render turns as prefixes of "
+                    "the conversation, so prompts cannot be masked; use a plain tokenizer"
                 )
             segs += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
             done = full

@@ -1,12 +1,12 @@
 """A finetuning run end to end, LoRA, QLoRA or full: what `tinygpt finetune` and the 02_finetune
 notebook call.
 
-`finetune` holds the run folder and `_finetune` reads top to bottom: the data read first (a missing
-or bad file fails in seconds, before anything of the base is read), the settings decided once
-(`_settle`: hardware class, train settings, the plan from the memory estimate, every refusal), the
-base exported and its tokenizer loaded (`_base_folder`), the records tokenized, the model made
-trainable (`_trainable_model`), the shared `Trainer` inside `mirrored`, then the result written out
-(`_write_result`).
+`finetune` holds the run folder and reads top to bottom: the data read first (a missing or bad file
+fails in seconds, before anything of the base is read), the settings decided once (`_settle`:
+hardware class, train settings, the plan from the memory estimate, every refusal), the base exported
+and its tokenizer loaded (`_base_folder`), the records tokenized (a bad record fails before a 5 GB
+download), the model made trainable (`_trainable_model`), the shared `Trainer` inside `mirrored`,
+then the result written out (`_write_result`).
 
 A finetuning run folder holds ``finetune.json``, ``adapter_config.json`` and
 ``tinygpt_finetune.json`` (what any checkpoint needs to become an adapter), ``base/`` (tinygpt bases
@@ -22,6 +22,7 @@ the same `FinetuneLoss` and Trainer (`finetune.full`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,23 @@ class FinetuneResult:
     base_path: str | None = None  # the base as it was loaded (a Hub id or a folder)
 
 
+def _holding_the_run_folder(run):
+    """`run` with the run folder held: a link in it (.lock, metrics.jsonl, checkpoints/) is never
+    followed, a pretraining run or an export is left untouched, one writer at a time, and a failed
+    first try (bad data, no device) leaves no base/ nor finetune.json."""
+
+    @functools.wraps(run)
+    def held(recipe, base, data, run_dir, *args, **kwargs):
+        refuse_links_in(run_dir)
+        refuse_other_kind(run_dir, "finetuning run", "finetune")
+        folder = RunDir(run_dir)
+        with lock(folder), undo_if_first_try_fails(folder, FINETUNE_JSON):
+            return run(recipe, base, data, run_dir, *args, **kwargs)
+
+    return held
+
+
+@_holding_the_run_folder
 def finetune(
     recipe: str | FinetuneRecipe,
     base: str,
@@ -118,50 +136,6 @@ def finetune(
     in run_dir/adapter (recipe full: the whole model in run_dir/model). With `mirror` (a folder on
     Drive) checkpoints are copied there as they are written, the run resumes from there on a new VM,
     and the final adapter is copied to mirror/adapter."""
-    # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
-    refuse_links_in(run_dir)
-    # a pretraining run, an export: untouched
-    refuse_other_kind(run_dir, "finetuning run", "finetune")
-    run = RunDir(run_dir)
-    # one writer per run folder; a failed first try (bad data, no device) leaves no base/ nor
-    # finetune.json
-    with lock(run), undo_if_first_try_fails(run, FINETUNE_JSON):
-        return _finetune(
-            recipe,
-            base,
-            data,
-            run_dir,
-            max_steps,
-            hardware,
-            resume,
-            callbacks,
-            train=train,
-            device=device,
-            progress=progress,
-            mirror=mirror,
-        )
-
-
-def _finetune(
-    recipe: str | FinetuneRecipe,
-    base: str,
-    data: str,
-    run_dir: str | Path,
-    max_steps: int | None = None,
-    hardware: str | None = None,
-    resume: str = "auto",
-    callbacks=(),
-    *,
-    train: dict | None = None,
-    device: str | None = None,
-    progress: bool = True,
-    mirror: str | Path | None = None,
-) -> FinetuneResult:
-    """The finetuning run itself; `finetune` holds the run folder's lock around it: the data read
-    first (a missing or bad file fails in seconds, before anything of the base is read), the
-    settings decided once (`_settle`), the base exported and the records tokenized (a bad record
-    fails before a 5 GB download), the model made trainable, trained, then the adapter (or the whole
-    model) written out."""
     rec = get_finetune_recipe(recipe) if isinstance(recipe, str) else recipe
     if resume not in ("auto", "never"):
         raise FinetuneError(f"resume must be 'auto' or 'never', got {resume!r}")
@@ -182,8 +156,8 @@ def _finetune(
         dataset = _tokenized(records, tok, run, rec.template)
         model, pm, io = _trainable_model(run, base_path, dev, run_dir)
         callbacks = [*([Progress()] if progress else []), *callbacks]
-        # The Trainer compiles the loss module as a whole (compile "auto": on CUDA): forward and
-        # loss in one graph.
+        # The Trainer compiles the loss module whole (compile "auto": on CUDA): forward and loss in
+        # one graph.
         trainer = Trainer(
             FinetuneLoss(pm, full_logits=run.plan.full_logits),
             dataclasses.replace(run.cfg, device=str(dev)),
@@ -200,16 +174,9 @@ def _finetune(
 
 def _tokenized(records, tok, run: _Settled, template: str):
     """The records tokenized in the run's prompt format, at its context, packed where planned."""
-    return build_instruct_data(
-        records,
-        tok,
-        run.cfg.seq_len,
-        template=template,
-        pack=run.plan.pack,
-        seed=run.cfg.seed,
-        val_batch_size=run.cfg.micro_batch_size,
-        eval_batches=run.cfg.eval_batches,
-    )
+    c = run.cfg
+    kw = dict(template=template, pack=run.plan.pack, seed=c.seed, eval_batches=c.eval_batches)
+    return build_instruct_data(records, tok, c.seq_len, val_batch_size=c.micro_batch_size, **kw)
 
 
 def _result(run, run_dir, result, dataset, models, written, base_path) -> FinetuneResult:
@@ -324,8 +291,7 @@ def kept_decisions(run_dir: Path, old: dict[str, Any] | None) -> dict[str, Any] 
 
 
 def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any]) -> None:
-    """Refuse a run folder whose finetune.json describes another run (the Trainer checks the
-    TrainConfig)."""
+    """Refuse a folder whose finetune.json is another run's (the Trainer checks the TrainConfig)."""
 
     def identity(i: dict) -> dict:  # packing is part of the run's plan, which a resumed run keeps
         return {k: i.get(k) for k in ("base", "data", "hardware")} | {
@@ -341,9 +307,8 @@ def check_same_run(run_dir: Path, old: dict[str, Any] | None, new: dict[str, Any
 
 
 def _base_folder(run: _Settled, base: str, run_dir: Path) -> str:
-    """Write finetune.json and return the base to load: a tinygpt run exported once to run_dir/base,
-    else the base as given. A recipe's context longer than the base knows is cut to it (one asked
-    for is refused)."""
+    """Write finetune.json; the base to load: a tinygpt run exported once to run_dir/base, else the
+    base as given. A recipe's context past the base's is cut (one asked for: refused)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / FINETUNE_JSON, sign(run.info, FINETUNE_DOMAIN))
     base_path = base
@@ -367,12 +332,10 @@ def _base_folder(run: _Settled, base: str, run_dir: Path) -> str:
 
 def _trainable_model(run: _Settled, base_path: str, dev: torch.device, run_dir: Path):
     """(the base as loaded, the model that trains, how checkpoints hold it): LoRA adapters on a
-    frozen base, or (recipe full) the base itself in fp32; then tinygpt_finetune.json, with the
-    base's signature."""
+    frozen base, or (recipe full) the base in fp32; then tinygpt_finetune.json (base signature)."""
     rec = run.rec
     old_adapter = RunDir(run_dir).adapter_info()
-    # full finetuning keeps fp32 weights (the optimizer's updates would vanish in half precision);
-    # autocast computes
+    # full finetuning keeps fp32 weights (updates would vanish in half precision); autocast computes
     dtype = (
         choose_precision(dev, run.cfg.precision).dtype
         if dev.type == "cuda" and rec.lora is not None

@@ -1,9 +1,8 @@
-"""A real instruction data set every machine has: the Python standard library's functions, each
-with its docstring as the instruction and its source as the response (Alpaca format).
+"""A real instruction data set every machine has: the Python standard library's functions, each with
+its docstring as the instruction and its source as the response (Alpaca format).
 
 It is what the notebooks' smoke mode and the tests finetune on when the larger offline sets (Code
-Alpaca, MBPP) are not at hand. Deterministic: the same Python gives the same records, in order.
-"""
+Alpaca, MBPP) are not at hand. Deterministic: the same Python gives the same records, in order."""
 
 from __future__ import annotations
 
@@ -50,11 +49,9 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
             body = node.body[1:]  # without the docstring
             if not body:
                 continue
-            code = _segment(file_lines, node)
             # a method: its body keeps the class's indentation, its first line not
-            if code is not None:
-                code = textwrap.dedent(" " * node.col_offset + code)
-            if code is None or len(code) > MAX_SOURCE_CHARS:
+            code = textwrap.dedent(" " * node.col_offset + _segment(file_lines, node))
+            if len(code) > MAX_SOURCE_CHARS:
                 continue
             docstring_node = node.body[0]
             lines = code.splitlines(keepends=True)
@@ -79,11 +76,9 @@ def stdlib_instructions(limit: int = 2_000) -> list[dict[str, str]]:
     return records
 
 
-def _segment(lines: list[str], node: ast.AST) -> str | None:
+def _segment(lines: list[str], node: ast.stmt) -> str:
     """`ast.get_source_segment(source, node)` from the file's lines split once: that function splits
     the whole file again for every node (most of the time this data set took)."""
-    if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
-        return None
     first, last = node.lineno - 1, node.end_lineno - 1
     if first == last:
         return lines[first].encode()[node.col_offset : node.end_col_offset].decode()

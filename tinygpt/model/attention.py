@@ -1,6 +1,6 @@
-"""Which attention kernel serves grouped-query attention (GQA: fewer
-key/value heads than query heads) on a device, and keys/values
-repeated to the query heads where no fused kernel takes them grouped.
+"""Which attention kernel serves grouped-query attention (GQA: fewer key/value heads than query
+heads) on a device, and keys/values repeated to the query heads where no fused kernel takes them
+grouped.
 
 `F.scaled_dot_product_attention(..., enable_gqa=True)` has a fused kernel only in flash attention
 (CUDA compute capability 8.0+, fp16/bf16, head_dim <= 256) and, from torch 2.9, in the CPU's flash
@@ -8,10 +8,9 @@ kernel (pytorch#157893). Everywhere else (a T4, fp32 on CUDA, MPS, torch before 
 falls back to the math kernel, which builds the full T x T attention matrix per head; with keys and
 values repeated to the query heads first, the memory-efficient kernel (CUDA) or flash (CPU) serves
 instead. `attention_kernel` is that decision as a pure function of the device's description;
-`expand_kv` applies it to a live tensor; the memory estimate (`fit.memory`) counts what it
-decides. For Hugging Face bases `EXPANDING_SDPA` is the same rule as a transformers attention
-implementation (`use_expanding_sdpa`); `hf_attention` picks a base's.
-"""
+`expand_kv` applies it to a live tensor; the memory estimate (`fit.memory`) counts what it decides.
+For Hugging Face bases `EXPANDING_SDPA` is the same rule as a transformers attention implementation
+(`use_expanding_sdpa`); `hf_attention` picks a base's."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ EXPANDING_SDPA = "tinygpt_sdpa"  # the transformers attention implementation reg
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
-    """(major, minor) of a torch version string
-    ("2.9.0+cu128" -> (2, 9)); this torch's by default."""
+    """(major, minor) of a torch version ("2.9.0+cu128" -> (2, 9)); this torch's by default."""
     major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
@@ -40,12 +38,11 @@ def attention_kernel(
     version: tuple[int, int],
     head_dim: int = 64,
 ) -> str:
-    """How attention with fewer key/value heads than query heads runs on this device:
-    "fused": a fused kernel takes grouped keys/values as they are (pass
-    enable_gqa=True); "expand": only equal head counts have a fused kernel: repeat
-    keys/values to the query heads first; "math": only the math kernel serves either
-    way (MPS), so a T x T matrix per head is built regardless. `capability` is CUDA's
-    compute capability (None elsewhere); `version` is torch's (major, minor)."""
+    """How attention with fewer key/value heads than query heads runs on this device: "fused": a
+    fused kernel takes grouped keys/values as they are (pass enable_gqa=True); "expand": only equal
+    head counts have a fused kernel: repeat keys/values to the query heads first; "math": only the
+    math kernel serves either way (MPS), a T x T matrix per head regardless. `capability`: CUDA's
+    compute capability (None elsewhere); `version`: torch's (major, minor)."""
     if device_type == "mps":
         return "math"
     if version < ENABLE_GQA_TORCH:
@@ -65,8 +62,7 @@ def attention_kernel(
 
 
 def device_profile(device: torch.device) -> tuple[str, tuple[int, int] | None]:
-    """(device type, CUDA compute capability or None):
-    what `attention_kernel` needs to know of a device."""
+    """(device type, CUDA compute capability or None): what `attention_kernel` needs of a device."""
     cap = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
     return device.type, cap  # type: ignore[return-value]
 

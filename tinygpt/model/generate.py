@@ -139,16 +139,8 @@ def generate_text(
     device = next(model.parameters()).device
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    out = generate(
-        model,
-        ids,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        tokenizer.eot_id if stop_at_eot else None,
-        gen,
-    )[0].tolist()
+    eot = tokenizer.eot_id if stop_at_eot else None
+    out = generate(model, ids, max_new_tokens, temperature, top_k, top_p, eot, gen)[0].tolist()
     if stop_at_eot and tokenizer.eot_id in out[ids.size(1) :]:
         out = out[: ids.size(1) + out[ids.size(1) :].index(tokenizer.eot_id)]
     return tokenizer.decode(out)
@@ -180,14 +172,9 @@ def generate_response(
     if context:
         max_new_tokens = max(1, min(max_new_tokens, context - len(ids)))
     # use_cache: training with activation checkpointing switched the config's default off
+    kw.update(eos_token_id=codec.eos_id, pad_token_id=codec.pad_id, use_cache=True)
     out = model.generate(
-        input_ids=x,
-        attention_mask=torch.ones_like(x),
-        max_new_tokens=max_new_tokens,
-        eos_token_id=codec.eos_id,
-        pad_token_id=codec.pad_id,
-        use_cache=True,
-        **kw,
+        input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, **kw
     )
     return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
 
@@ -228,24 +215,12 @@ def compare_generations(
                 "a fully finetuned model has no adapter to switch off: pass base=result.base_path"
             )
         config = from_pretrained("AutoConfig", base)
-        original = from_pretrained(
-            "AutoModelForCausalLM",
-            base,
-            dtype=torch.float32,
-            attn_implementation=hf_attention(config),
-        ).eval()
-    rows = []
+        load = dict(dtype=torch.float32, attn_implementation=hf_attention(config))
+        original = from_pretrained("AutoModelForCausalLM", base, **load).eval()
+    rows, kw = [], dict(template=template, max_new_tokens=max_new_tokens)
     for instruction in instructions:
         with model.disable_adapter() if adapter else contextlib.nullcontext():
-            before = generate_response(
-                model if adapter else original,
-                tokenizer,
-                instruction,
-                template=template,
-                max_new_tokens=max_new_tokens,
-            )
-        after = generate_response(
-            model, tokenizer, instruction, template=template, max_new_tokens=max_new_tokens
-        )
+            before = generate_response(model if adapter else original, tokenizer, instruction, **kw)
+        after = generate_response(model, tokenizer, instruction, **kw)
         rows.append((instruction, before, after))
     return Generations(rows)

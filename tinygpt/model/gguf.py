@@ -11,23 +11,22 @@ Invariants:
   of each head; q_proj and k_proj rows (and biases) are permuted here exactly as llama.cpp's
   `convert_hf_to_gguf.py` does, so the attention scores are the same. `qwen3` uses the halves
   itself: nothing is permuted.
-- The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with
-  unused `[PAD<i>]` entries up to the model's vocabulary, which llama.cpp requires),
-  the merges in rank order, and the pre-tokenizer `gpt-2`, whose split pattern is the
-  one `tokenizers`' ByteLevel pre-tokenizer uses (`smollm` for SmolLM's single digits
-  before it, so that runs continued from SmolLM export too). `check_tokenizer`
-  refuses a tokenizer llama.cpp would split differently (another pre-tokenizer, a
-  normalizer, byte fallback...) rather than writing a file that tokenizes otherwise.
+- The tokenizer is stored as llama.cpp's `gpt2` BPE: tokens in id order (padded with unused
+  `[PAD<i>]` entries up to the model's vocabulary, which llama.cpp requires), the merges in rank
+  order, and the pre-tokenizer `gpt-2`, whose split pattern is the one `tokenizers`' ByteLevel
+  pre-tokenizer uses (`smollm` for SmolLM's single digits before it, so that runs continued from
+  SmolLM export too). `check_tokenizer` refuses a tokenizer llama.cpp would split differently
+  (another pre-tokenizer, a normalizer, byte fallback...) rather than writing a file that tokenizes
+  otherwise.
 - End-of-text is eos, and llama.cpp stops on it. A pretrained run's GGUF adds no
   beginning-of-sequence token (`tinygpt generate` continues a prompt as it is); a finetune's adds
   the one its training prompts began with (`bos_id`, `add_bos`: end-of-text for a tinygpt base), so
   llama.cpp and Ollama start a prompt as training did.
-- `context_length` is the context the run was trained
-  at (`context`), not the size of its position tables.
-- Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0.
-  Like llama.cpp's converter, 1-D tensors (norms, biases) stay f32
-  and a matrix whose rows are not a whole number of blocks stays f16.
-"""
+- `context_length` is the context the run was trained at (`context`), not the size of its position
+  tables.
+- Quantization goes through `gguf.quants`: f32, f16, bf16 and q8_0. Like llama.cpp's converter, 1-D
+  tensors (norms, biases) stay f32 and a matrix whose rows are not a whole number of blocks stays
+  f16."""
 
 from __future__ import annotations
 
@@ -71,15 +70,12 @@ def check_quant(quant: str) -> str:
 
 
 def check_architecture(config: ModelConfig) -> ModelConfig:
-    """`config`, after checking that llama.cpp's architecture
-    of its family loads every option it has on."""
+    """`config`, checked: llama.cpp's architecture of its family loads every option it has on."""
     config.check_exports("gguf")
     return config
 
 
 # --- tokenizer --------------------------------------------------------------------------------
-
-
 def _byte_level(pre: dict[str, Any]) -> bool:
     return (
         pre.get("type") == "ByteLevel"
@@ -107,9 +103,8 @@ def pre_tokenizer_name(pre: dict[str, Any] | None) -> str | None:
 
 
 def check_tokenizer(tokenizer: Tokenizer) -> dict[str, Any]:
-    """The tokenizer's JSON, after checking that llama.cpp's `gpt2` BPE
-    with the pre-tokenizer `pre_tokenizer_name` gives splits and merges
-    exactly as it does; otherwise a ValueError naming what differs."""
+    """The tokenizer's JSON, checked: llama.cpp's `gpt2` BPE with the pre-tokenizer
+    `pre_tokenizer_name` splits and merges as it does; else a ValueError naming what differs."""
     spec = json.loads(tokenizer.to_json())
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
     problems = []
@@ -138,8 +133,7 @@ def check_tokenizer(tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def tokenizer_tables(tokenizer: Tokenizer, n_vocab: int) -> tuple[list[str], list[int], list[str]]:
-    """(tokens in id order padded to `n_vocab`, their
-    llama.cpp token types, merges as "a b" in rank order)."""
+    """(tokens in id order padded to `n_vocab`, their llama.cpp types, merges "a b" by rank)."""
     gguf = _gguf()
     spec = check_tokenizer(tokenizer)
     vocab = tokenizer.tok.get_vocab(with_added_tokens=True)
@@ -166,8 +160,6 @@ def tokenizer_tables(tokenizer: Tokenizer, n_vocab: int) -> tuple[list[str], lis
 
 
 # --- weights ----------------------------------------------------------------------------------
-
-
 def _rope_pairs(w: np.ndarray, n_head: int) -> np.ndarray:
     """q/k rows from rotate-half order (transformers, tinygpt) to llama.cpp's adjacent pairs; the
     same permutation as convert_hf_to_gguf.py's LlamaModel.permute."""
@@ -196,16 +188,14 @@ def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
         if family.rope_pairs and key.endswith(
             ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
         ):
-            w = _rope_pairs(
-                w, config.n_head if "q_proj" in key else config.n_kv_head or config.n_head
-            )
+            heads = config.n_head if "q_proj" in key else config.n_kv_head or config.n_head
+            w = _rope_pairs(w, heads)
         out[name] = w
     return out
 
 
 def _encode(gguf: Any, name: str, w: np.ndarray, quant: str) -> tuple[np.ndarray, Any]:
-    """(data, ggml type) of one tensor in `quant`, with the
-    converter's exceptions (norms f32, odd rows f16)."""
+    """(data, ggml type) of a tensor in `quant`; as the converter: norms f32, odd rows f16."""
     Q = gguf.GGMLQuantizationType
     if quant == "f32" or w.ndim == 1:
         return w.astype(np.float32), Q.F32
@@ -257,9 +247,8 @@ def write_gguf(
         for name, value in meta.items():  # gguf's own writer knows llama.cpp's key and type
             getattr(w, f"add_{name}")(value)
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(
-            pre_tokenizer_name(json.loads(tokenizer.to_json()).get("pre_tokenizer"))
-        )
+        pre = json.loads(tokenizer.to_json()).get("pre_tokenizer")
+        w.add_tokenizer_pre(pre_tokenizer_name(pre))
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)
@@ -280,27 +269,7 @@ def write_gguf(
     return path
 
 
-# --- reading back -----------------------------------------------------------------------------
-
-
-def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(metadata {key: value}, tensors {name: float32 array in numpy (torch) order, dequantized}) of
-    a GGUF file, through gguf's own reader: what llama.cpp will find there."""
-    gguf = _gguf()
-    reader = gguf.GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    tensors = {}
-    for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensors[t.name] = np.asarray(data, dtype=np.float32).reshape(
-            tuple(int(d) for d in reversed(t.shape))
-        )
-    return meta, tensors
-
-
 # --- Ollama -----------------------------------------------------------------------------------
-
-
 def modelfile(
     gguf_name: str,
     tokenizer: Tokenizer,

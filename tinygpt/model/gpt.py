@@ -1,5 +1,5 @@
-"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU,
-optional GQA, tied embeddings, QK-norm and attention biases).
+"""The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA, tied embeddings, QK-norm and
+attention biases).
 
 Parameter names are those of Hugging Face `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm), so a
 state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side).
@@ -7,8 +7,7 @@ With `ModelConfig.fused_proj` the q/k/v and gate/up projections are one matrix e
 `gate_up_proj`), but `state_dict` and `load_state_dict` still speak the Hugging Face names
 (`_fuse_in_state_dict`). Attention is `F.scaled_dot_product_attention`, which picks flash /
 memory-efficient kernels on CUDA; with GQA, keys and values are repeated to the query heads where no
-fused kernel takes them grouped (`model.attention`).
-"""
+fused kernel takes them grouped (`model.attention`)."""
 
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ class RMSNorm(nn.Module):
 
 
 def norm_class(config: ModelConfig) -> Callable[[int], nn.Module]:
-    """The model's norm, built from its width (litgpt's `Config.norm_class`):
-    every norm of the GPT (before attention and the MLP, the final one,
-    QK-norm's per head) comes from here, so a new norm is chosen here."""
+    """The model's norm, built from its width (litgpt's `Config.norm_class`): every norm of the GPT
+    (before attention and the MLP, the final one, QK-norm's) comes from here."""
     return partial(RMSNorm, eps=config.norm_eps)
 
 
@@ -133,11 +131,8 @@ def _fuse_in_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, i
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = (
-            config.n_head,
-            config.n_kv_head,
-            config.head_dim,
-        )
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.head_dim
         q_dim, kv_dim = config.n_head * self.head_dim, config.n_kv_head * self.head_dim
         self.split_sizes = (q_dim, kv_dim, kv_dim)
         self.fused, bias = config.fused_proj, config.attention_bias
@@ -152,10 +147,8 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(config.d_model, kv_dim, bias=bias)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=bias)
         if config.qk_norm:  # Qwen3's names and place: per head, before RoPE
-            self.q_norm, self.k_norm = (
-                norm_class(config)(self.head_dim),
-                norm_class(config)(self.head_dim),
-            )
+            self.q_norm = norm_class(config)(self.head_dim)
+            self.k_norm = norm_class(config)(self.head_dim)
         self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None):
@@ -375,9 +368,8 @@ class _ShapesOnly(torch.overrides.TorchFunctionMode):
 
 
 def meta_model(config: ModelConfig) -> GPT:
-    """The model on the meta device: no memory, instant even at 760M, for
-    counting parameters and FLOPs from the model itself (so no formula
-    elsewhere can drift from it). Nothing is initialised (`_ShapesOnly`)."""
+    """The model on the meta device: no memory, instant even at 760M, for counting parameters and
+    FLOPs from the model itself (no formula elsewhere can drift from it); nothing initialised."""
     with torch.device("meta"), _ShapesOnly():
         model = GPT(config)
     for name in ("rope_cos", "rope_sin"):

@@ -23,7 +23,6 @@ from tinygpt.core.config import ModelConfig
 from tinygpt.core.families import FAMILIES
 from tinygpt.core.files import atomic_output, read_json_safe, write_json_atomic
 from tinygpt.model.gpt import GPT
-from tinygpt.model.loading import load_run
 from tinygpt.model.tokenizer import Tokenizer, check_regexes, read_tokenizer_json
 
 
@@ -49,21 +48,14 @@ class UntrustedModel(ValueError):
     model type tinygpt does not load. The message names the file and what to do."""
 
 
-def _as_dict(cfg: Any) -> dict[str, Any]:
-    return (
-        cfg
-        if isinstance(cfg, dict)
-        else {**cfg.to_dict(), "auto_map": getattr(cfg, "auto_map", None)}
-    )
-
-
 def check_hf_config(cfg: Any, where: str | Path) -> None:
     """Refuse (UntrustedModel, one line naming `where`) a config (config.json as read, or a
     transformers config) that names custom code (`auto_map`) or a model_type that is not in
     HF_MODEL_TYPES and transformers' own."""
     if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
         raise UntrustedModel(f"{where} is not a model config (a JSON object): refused")
-    d = _as_dict(cfg)
+    auto_map = getattr(cfg, "auto_map", None)  # of a transformers config: as its attribute says
+    d = cfg if isinstance(cfg, dict) else {**cfg.to_dict(), "auto_map": auto_map}
     if d.get("auto_map"):
         raise UntrustedModel(
             f"{where} names code of its own (auto_map: {_code_names(d['auto_map'])}): refused "
@@ -141,12 +133,11 @@ def from_pretrained(auto_class: str, path: str | Path, **kw: Any) -> Any:
     tf = _transformers()
     check_hf_folder(path)
     kw["trust_remote_code"] = False
+    # a Hub model: its config says what it is before any weights come
     if (
-        auto_class != "AutoConfig"
-        and auto_class != "AutoTokenizer"
+        auto_class not in ("AutoConfig", "AutoTokenizer")
         and not Path(str(path)).expanduser().is_dir()
     ):
-        # a Hub model: its config says what it is before any weights come
         from_pretrained("AutoConfig", path)
     loaded = getattr(tf, auto_class).from_pretrained(str(path), **kw)
     if auto_class == "AutoConfig":
@@ -158,8 +149,7 @@ def from_pretrained(auto_class: str, path: str | Path, **kw: Any) -> Any:
 
 
 def check_export_target(out_dir: str | Path) -> Path:
-    """The target as a Path; refuses one that exists and
-    is not an empty folder (nothing is overwritten)."""
+    """The target as a Path; refused unless new or an empty folder (nothing is overwritten)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(
@@ -184,19 +174,13 @@ def hf_llama_config(config: ModelConfig, eot_id: int | None = None) -> Any:
 
 
 def hf_tokenizer(tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
-    """A `PreTrainedTokenizerFast` around the same `tokenizers` object, with
-    bos = eos = pad = end-of-text (tinygpt documents are separated by it, so a
-    prompt starts the way a document does; padding for batched finetuning and
-    generation needs a pad token, and end-of-text carries no loss there)."""
+    """A `PreTrainedTokenizerFast` around the same `tokenizers` object, with bos = eos = pad =
+    end-of-text (it separates tinygpt's documents, so a prompt starts as a document does; batched
+    finetuning and generation need a pad token, and end-of-text carries no loss there)."""
     tf = _transformers()
     kw = {"model_max_length": max_seq_len} if max_seq_len else {}
-    return tf.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer.tok,
-        bos_token=tokenizer.eot,
-        eos_token=tokenizer.eot,
-        pad_token=tokenizer.eot,
-        **kw,
-    )
+    kw.update(dict.fromkeys(("bos_token", "eos_token", "pad_token"), tokenizer.eot))
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, **kw)
 
 
 def _update_json(path: Path, **values: Any) -> None:
@@ -217,9 +201,8 @@ def export_model(
     with atomic_output(out, folder=True) as tmp:  # a failure leaves nothing under the real name
         eot_id = tokenizer.eot_id if tokenizer is not None else None
         hf_llama_config(model.config, eot_id).save_pretrained(tmp)
-        # transformers 5 keeps rope_theta under rope_parameters; 4.x reads
-        # it at the top level and would silently fall back to 10000 without
-        # it. Both keys, so that either version loads the same model.
+        # transformers 5 keeps rope_theta under rope_parameters; 4.x reads it at the top level and
+        # would silently fall back to 10000 without it. Both keys: both versions load one model.
         _update_json(
             tmp / "config.json",
             rope_theta=model.config.rope_theta,
@@ -253,13 +236,13 @@ def set_prompt_format(
     chat_template: str | None = None,
     context: int | None = None,
 ) -> None:
-    """Make an exported Hugging Face folder (written by this process) start every prompt
-    as its training did: with token `bos_id` added by the tokenizer (tokenizer.json's
-    post-processor, which transformers 4.x and 5.x and `tokenizers` all apply;
-    `add_bos_token` in tokenizer_config.json, which converters such as llama.cpp's read;
-    bos_token_id in config.json and generation_config.json), or with nothing added when
-    `bos_id` is None. chat_template: the prompt format for `apply_chat_template`;
-    context: the trained context (max_position_embeddings, model_max_length)."""
+    """Make an exported Hugging Face folder (written by this process) start every prompt as its
+    training did: with token `bos_id` added by the tokenizer (tokenizer.json's post-processor, which
+    transformers 4.x and 5.x and `tokenizers` all apply; `add_bos_token` in tokenizer_config.json,
+    which converters such as llama.cpp's read; bos_token_id in config.json and
+    generation_config.json), or with nothing added when `bos_id` is None. chat_template: the prompt
+    format for `apply_chat_template`; context: the trained context (max_position_embeddings,
+    model_max_length)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import processors
 
@@ -298,17 +281,7 @@ def set_prompt_format(
         _update_json(folder / "generation_config.json", bos_token_id=bos_id)
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> Path:
-    """Export a run's checkpoint ("latest", "best" or a
-    folder) and tokenizer to a Hugging Face folder."""
-    check_export_target(out_dir)  # fail before loading anything
-    model, tokenizer, _, _ = load_run(run_dir, which)
-    return export_model(model, tokenizer, out_dir)
-
-
 # --- a transformers model for evaluation ------------------------------------------------------
-
-
 def load_hf_causal_lm(
     path: str | Path, device: str | torch.device = "cpu", **from_pretrained_kw: Any
 ) -> tuple[Any, Any]:

@@ -1,10 +1,9 @@
-"""Hugging Face format, the import side: a Llama or Qwen3 folder (or a Hub model, `hf:NAME`) read
-as a tinygpt `GPT` with the same logits, and its `Tokenizer`.
+"""Hugging Face format, the import side: a Llama or Qwen3 folder (or a Hub model, `hf:NAME`) read as
+a tinygpt `GPT` with the same logits, and its `Tokenizer`.
 
 A config.json the GPT cannot represent (another architecture, a Llama or Qwen3 feature it lacks) is
 refused before any weights are read, naming each field (`representation_gaps`); every file is read
-bounded and never through a link (`core.files.read_json_safe`, `hf_file`).
-"""
+bounded and never through a link (`core.files.read_json_safe`, `hf_file`)."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ FAMILY_DIFFERENCES = {
 
 
 def representation_gaps(cfg: dict[str, Any]) -> list[str]:
-    """What in a Hugging Face `config.json` tinygpt's GPT cannot
-    represent ([] when it can): another architecture, or a Llama / Qwen3
-    feature the GPT lacks. Each item names the field and its value."""
+    """What in a Hugging Face `config.json` tinygpt's GPT cannot represent ([] when it can): another
+    architecture, or a Llama / Qwen3 feature the GPT lacks, each naming the field and value."""
     arch = cfg.get("architectures") or []
     kind = cfg.get("model_type")
     family = (
@@ -127,31 +125,28 @@ def hub_model_folder(spec: str, weights: bool = True) -> Path:
 
 
 def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a Hugging Face folder: model.safetensors or shards listed
-    in its index, each header checked before the library reads it
-    (`load_safetensors`: a bad one is named), each shard's name a plain file
-    name of the folder (an index is anyone's: "../x" would read outside it)."""
+    """The tensors of a Hugging Face folder but RoPE's inv_freq (which older exports saved, and the
+    GPT computes): model.safetensors or shards listed in its index, each header checked before the
+    library reads it (`load_safetensors`: a bad one is named), each shard's name a plain file name
+    of the folder (an index is anyone's: "../x" would read outside it)."""
     path = Path(path)
     if (path / "model.safetensors").is_file():
-        return load_safetensors(hf_file(path, "model.safetensors"))
-    if (path / SAFETENSORS_INDEX).is_file():
+        sd = load_safetensors(hf_file(path, "model.safetensors"))
+    elif (path / SAFETENSORS_INDEX).is_file():
         index = read_json_safe(hf_file(path, SAFETENSORS_INDEX))
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise ValueError(f"{path / SAFETENSORS_INDEX} has no weight_map: save the model again")
-        shards = sorted(set(map(str, index["weight_map"].values())))
-        sd: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            sd.update(
-                load_safetensors(
-                    hf_file(path, safe_name(shard, path / SAFETENSORS_INDEX, plain=True))
-                )
-            )
-        return sd
-    raise FileNotFoundError(
-        f"{path} has no model.safetensors or {SAFETENSORS_INDEX}; if it holds "
-        "pytorch_model.bin, load it with transformers and save_pretrained() it again "
-        "(safetensors is the default)"
-    )
+        sd = {}
+        for shard in sorted(set(map(str, index["weight_map"].values()))):
+            name = safe_name(shard, path / SAFETENSORS_INDEX, plain=True)
+            sd.update(load_safetensors(hf_file(path, name)))
+    else:
+        raise FileNotFoundError(
+            f"{path} has no model.safetensors or {SAFETENSORS_INDEX}; if it holds "
+            "pytorch_model.bin, load it with transformers and save_pretrained() it again "
+            "(safetensors is the default)"
+        )
+    return {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
 
 
 def import_hf(
@@ -173,18 +168,9 @@ def import_hf(
     config = ModelConfig.from_hf_llama(hf_cfg)
     if max_seq_len:
         config.max_seq_len = max_seq_len
-    model = gpt_from_state(
-        config,
-        {
-            k: v
-            for k, v in read_hf_state_dict(path).items()
-            if not k.endswith("rotary_emb.inv_freq")
-        },
-        device,
-        f"{path}'s config.json",
-    )
+    model = gpt_from_state(config, read_hf_state_dict(path), device, f"{path}'s config.json")
     model = model.to(dtype=dtype).eval()
-    return model, _import_tokenizer(path, hf_cfg)
+    return model, import_tokenizer(path)
 
 
 def gpt_from_state(
@@ -219,10 +205,6 @@ def import_tokenizer(path: str | Path) -> Tokenizer | None:
     hf_cfg = read_json_safe(hf_file(path, "config.json"))
     if not isinstance(hf_cfg, dict):
         raise ValueError(f"{path / 'config.json'} is not a model config (a JSON object)")
-    return _import_tokenizer(path, hf_cfg)
-
-
-def _import_tokenizer(path: Path, hf_cfg: dict[str, Any]) -> Tokenizer | None:
     if not (path / "tokenizer.json").is_file():
         return None
     tok = _from_str(read_tokenizer_json(hf_file(path, "tokenizer.json")), path / "tokenizer.json")

@@ -7,11 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tinygpt.core.checkpoint import (
-    find_run_checkpoint,
-    load_checkpoint,
-    load_model_state,
-)
+from tinygpt.core.checkpoint import find_run_checkpoint, load_checkpoint, load_model_state
 from tinygpt.core.config import ModelConfig
 from tinygpt.core.folders import not_a_run_message
 from tinygpt.core.rundir import RUN_JSON, TOKENIZER_JSON, RunDir, RunDirError
@@ -37,9 +33,8 @@ def load_run(run_dir: str | Path, which: str = "latest", device: str | torch.dev
 
 
 def check_matches(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: Path, ckpt: Path) -> None:
-    """The configuration must describe the checkpoint's weights (layers,
-    width, vocabulary) before a model is built from it: a run.json
-    edited to a million layers would otherwise allocate for minutes."""
+    """The configuration must describe the checkpoint's weights (layers, width, vocabulary) before a
+    model is built from it: a run.json edited to a million layers would allocate for minutes."""
     layers = {k.split(".")[2] for k in sd if k.startswith("model.layers.")}
     emb = sd.get("model.embed_tokens.weight")
     have = (len(layers), *(tuple(emb.shape) if emb is not None else (None, None)))

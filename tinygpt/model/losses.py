@@ -1,17 +1,17 @@
 """Cross-entropy of a linear head without materialising the full (tokens, vocab) logits.
 
-`F.cross_entropy(head(x).float(), y)` keeps, for the backward pass, the logits of every token in
-the micro-batch: with a 50k vocabulary that is 50304 * 6 bytes (bf16 logits + fp32 log-softmax)
-per token, about 10 GB at 32k tokens, more than the whole 124M model with its activations. It is
-what caps the micro-batch.
+`F.cross_entropy(head(x).float(), y)` keeps, for the backward pass, the logits of every token in the
+micro-batch: with a 50k vocabulary that is 50304 * 6 bytes (bf16 logits + fp32 log-softmax) per
+token, about 10 GB at 32k tokens, more than the whole 124M model with its activations. It is what
+caps the micro-batch.
 
-`linear_cross_entropy` walks over the flattened tokens in chunks of rows. For each chunk it
-computes the logits (matmul in the autocast dtype, log-softmax in fp32), the loss, and right
-away the gradient of the logits, which it turns into the chunk's gradient of the hidden states
-and adds into the head weight's gradient; then it drops the chunk. Only those two gradients,
-the size of the hidden states and of the weight, wait for the backward pass, which merely scales
-them by the incoming gradient (the loss is linear in its output). This does the same three
-matmuls as the plain loss (no recomputation), and peak memory holds one chunk of logits.
+`linear_cross_entropy` walks over the flattened tokens in chunks of rows. For each chunk it computes
+the logits (matmul in the autocast dtype, log-softmax in fp32), the loss, and right away the
+gradient of the logits, which it turns into the chunk's gradient of the hidden states and adds into
+the head weight's gradient; then it drops the chunk. Only those two gradients, the size of the
+hidden states and of the weight, wait for the backward pass, which merely scales them by the
+incoming gradient (the loss is linear in its output). This does the same three matmuls as the plain
+loss (no recomputation), and peak memory holds one chunk of logits.
 
 It is one opaque custom op (`torch.library.custom_op`) with its own autograd formula, so a head
 weight tied to the embedding receives this gradient through autograd and it adds to the embedding's
@@ -21,8 +21,7 @@ against 780 with the full logits). On CUDA the weight's gradient accumulates ins
 its fp32 buffer.
 
 `softcapped_loss` is the same loss for a head whose logits are soft-capped (Gemma-2), a chunk of
-rows at a time, each chunk recomputed in the backward pass.
-"""
+rows at a time, each chunk recomputed in the backward pass."""
 
 from __future__ import annotations
 
@@ -107,24 +106,16 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)
 
 
-# whether this torch's CUDA addmm writes half-precision products into an fp32 output (out_dtype);
-# set False the first time it refuses, and the separate add is used from then on
-_MIXED_ADDMM = {"ok": True}
-
-
 def _accumulate(grad_w: torch.Tensor, g: torch.Tensor, xc: torch.Tensor) -> None:
     """grad_w += g.T @ xc inside the GEMM (beta 1): on CUDA half-precision inputs write the fp32
-    buffer directly (cuBLAS accumulates in fp32); elsewhere a same-dtype addmm_, or one add."""
+    buffer directly (cuBLAS accumulates in fp32; addmm's out_dtype, in every torch setup.py
+    allows); elsewhere a same-dtype addmm_, or one add."""
     if g.dtype == grad_w.dtype:
         grad_w.addmm_(g.t(), xc)
-        return
-    if g.is_cuda and _MIXED_ADDMM["ok"]:
-        try:
-            torch.addmm(grad_w, g.t(), xc, out_dtype=grad_w.dtype, out=grad_w)
-            return
-        except (RuntimeError, TypeError):  # a torch without out_dtype for this GEMM
-            _MIXED_ADDMM["ok"] = False
-    grad_w.add_(g.t() @ xc)  # the CPU has no mixed-dtype addmm
+    elif g.is_cuda:
+        torch.addmm(grad_w, g.t(), xc, out_dtype=grad_w.dtype, out=grad_w)
+    else:
+        grad_w.add_(g.t() @ xc)  # the CPU has no mixed-dtype addmm
 
 
 @torch.library.custom_op("tinygpt::chunked_linear_ce", mutates_args=())
@@ -214,12 +205,11 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of the logits `x @ weight.T` (fp32 log-softmax) against `targets`.
 
-    x: (..., d) hidden states; weight: (vocab, d) head; targets: (...) class ids, `ignore_index`
-    for tokens without a loss. reduction: "mean" over the non-ignored tokens (NaN when there are
-    none, as F.cross_entropy) or "sum". chunk_rows: None picks by `mode` (`default_chunk_rows`; on
-    CUDA a chunk's rows come from the free memory when the op runs), 0 forces the plain loss, n > 0
-    forces chunks of n rows.
-    """
+    x: (..., d) hidden states; weight: (vocab, d) head; targets: (...) class ids, `ignore_index` for
+    tokens without a loss. reduction: "mean" over the non-ignored tokens (NaN when there are none,
+    as F.cross_entropy) or "sum". chunk_rows: None picks by `mode` (`default_chunk_rows`; on CUDA a
+    chunk's rows come from the free memory when the op runs), 0 forces the plain loss, n > 0 forces
+    chunks of n rows."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     x2 = x.reshape(-1, x.shape[-1])

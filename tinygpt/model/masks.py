@@ -1,12 +1,11 @@
 """Training-time attention masks: each document of a training window kept apart, and an attention
-window that grows during training (modded-nanogpt's FlexAttention records). They change what the model
-attends to while it trains, not the network: the saved model is a plain causal LM, evaluated,
+window that grows during training (modded-nanogpt's FlexAttention records). They change what the
+model attends to while it trains, not the network: the saved model is a plain causal LM, evaluated,
 generated from and exported as any other.
 
 One rule (`mask_rule`) says which key a query may see; on CUDA it becomes FlexAttention's block mask
 (only the blocks that hold a visible key are computed), elsewhere a boolean mask for
-`F.scaled_dot_product_attention` built from the same rule.
-"""
+`F.scaled_dot_product_attention` built from the same rule."""
 
 from __future__ import annotations
 

@@ -29,17 +29,12 @@ TEMPLATES: dict[str, tuple[str, str]] = {
 Segments = list[tuple[str | None, bool]]  # (text, carries loss); text None: the eos token
 
 
-def check_template(template: str) -> None:
-    """Refuse (ValueError) a template name that is not in TEMPLATES."""
+def format_prompt(instruction: str, input: str = "", template: str = "alpaca") -> str:
+    """The prompt text for one instruction; the model's answer is expected right after it."""
     if template not in TEMPLATES:
         raise ValueError(
             f"unknown prompt template {template!r}; choose one of {', '.join(TEMPLATES)}"
         )
-
-
-def format_prompt(instruction: str, input: str = "", template: str = "alpaca") -> str:
-    """The prompt text for one instruction; the model's answer is expected right after it."""
-    check_template(template)
     with_input, without = TEMPLATES[template]
     if input and input.strip():
         return with_input.format(instruction=instruction.strip(), input=input.strip())
@@ -47,8 +42,7 @@ def format_prompt(instruction: str, input: str = "", template: str = "alpaca") -
 
 
 class Codec:
-    """What encoding prompts needs of a tokenizer: a tinygpt `Tokenizer` or a transformers
-    tokenizer."""
+    """What encoding prompts needs of a tokenizer: tinygpt's `Tokenizer` or a transformers one."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -88,8 +82,7 @@ class Codec:
             ) from None
 
     def encode_examples(self, segments: list[Segments]) -> list[tuple[list[int], list[bool]]]:
-        """(ids, trained flags) per example: [bos] + segments, a None segment being the eos
-        token."""
+        """(ids, trained flags) per example: [bos] + segments, a None segment the eos token."""
         flat = [t for segs in segments for t, _ in segs if t is not None]
         enc = iter(self.encode_batch(flat) if flat else [])
         out = []

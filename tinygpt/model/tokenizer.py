@@ -1,16 +1,16 @@
 """Byte-level BPE tokenizers through Hugging Face `tokenizers`: trained on a text source, loaded
 from a `tokenizer.json`, or the GPT-2 BPE built from its vocab and merges files.
 
-A tokenizer.json from a folder tinygpt did not write (a base, a mirror) is read
-bounded and never through a link (`core.files.read_text_safe`), and is refused when
-any regular expression in it (a `Split` pre-tokenizer's, a `Replace` normalizer's)
-is not one of `KNOWN_REGEXES`: `tokenizers` runs them with a backtracking engine,
-and a crafted one spends hours on one line, then panics in every encoding thread.
+A tokenizer.json from a folder tinygpt did not write (a base, a mirror) is read bounded and never
+through a link (`core.files.read_text_safe`), and is refused when any regular expression in it (a
+`Split` pre-tokenizer's, a `Replace` normalizer's) is not one of `KNOWN_REGEXES`: `tokenizers` runs
+them with a backtracking engine, and a crafted one spends hours on one line, then panics in every
+encoding thread.
 
-The GPT-2 tokenizer encodes batches through tiktoken when it is installed
-(`tiktoken_gpt2`: built from the same local vocab and merges files, no
-download; the same ids, about 5x the speed); TINYGPT_TIKTOKEN=0 turns that off.
-Tokenizers tinygpt trains, and every other, encode through `tokenizers`."""
+The GPT-2 tokenizer encodes batches through tiktoken when it is installed (`tiktoken_gpt2`: built
+from the same local vocab and merges files, no download; the same ids, about 5x the speed);
+TINYGPT_TIKTOKEN=0 turns that off. Tokenizers tinygpt trains, and every other, encode through
+`tokenizers`."""
 
 from __future__ import annotations
 
@@ -129,9 +129,8 @@ class Tokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encodes in parallel threads: through tiktoken for the GPT-2
-        tokenizer when it is installed (the same ids, special tokens
-        in the text included), else inside `tokenizers` (Rust)."""
+        """Encodes in parallel threads: through tiktoken for the GPT-2 tokenizer when it is
+        installed (the same ids, special tokens in the text included), else inside `tokenizers`."""
         fast = self.tiktoken()
         if fast is not None:
             return fast.encode_batch(texts, allowed_special="all")
@@ -183,14 +182,6 @@ class Tokenizer:
         """sha256 of the serialised tokenizer: part of the token cache's key."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
-    def compression(self, texts: Iterable[str]) -> float:
-        """Characters per token over the given texts (higher is better compression)."""
-        chars = tokens = 0
-        for t in texts:
-            chars += len(t)
-            tokens += len(self.encode(t))
-        return chars / max(tokens, 1)
-
 
 def _byte_level(tok: _HFTokenizer) -> _HFTokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -217,8 +208,7 @@ def train_bpe(texts: Iterator[str] | Iterable[str], vocab_size: int, eot: str = 
 
 
 def gpt2_tokenizer(vocab_json: str | Path, merges_txt: str | Path) -> Tokenizer:
-    """The GPT-2 BPE (50257 entries, `<|endoftext|>`
-    = 50256) from OpenAI's vocab and merges files."""
+    """The GPT-2 BPE (50257 entries, `<|endoftext|>` 50256) from OpenAI's vocab and merges files."""
     # outside run folders: the package's own
     vocab = json.loads(Path(vocab_json).read_text(encoding="utf-8"))
     merges = []
@@ -242,12 +232,9 @@ def find_gpt2_files() -> tuple[Path, Path]:
     """The GPT-2 vocab/merges files: $TINYGPT_GPT2_DIR when set, else the copy shipped in the
     package, so the GPT-2 tokenizer never needs the network."""
     for c in (os.environ.get("TINYGPT_GPT2_DIR"), ASSETS):
-        if (
-            c
-            and (Path(c) / "gpt2_vocab.json").is_file()
-            and (Path(c) / "gpt2_merges.txt").is_file()
-        ):
-            return Path(c) / "gpt2_vocab.json", Path(c) / "gpt2_merges.txt"
+        files = (Path(c) / "gpt2_vocab.json", Path(c) / "gpt2_merges.txt") if c else ()
+        if files and all(f.is_file() for f in files):
+            return files
     raise FileNotFoundError(
         f"the GPT-2 BPE files are missing from {ASSETS} (a broken install?); reinstall "
         "tinygpt, or set TINYGPT_GPT2_DIR to a folder with gpt2_vocab.json and gpt2_merges.txt"

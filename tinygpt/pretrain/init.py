@@ -8,11 +8,10 @@ model, the base's own tokenizer tokenizes the corpus, the learning rate is lower
 the context is the base's (up to what the hardware trains at). A base the GPT cannot represent is
 refused by `read_base` before anything else happens, naming what differs.
 
-The base is read once per start, when the run needs it (`starting_base`, in
-pretraining's plan: at the run's first start, for its weights and tokenizer);
-run.json records the base, and a resumed run loads its own checkpoint and
-tokenizer without reading the base again (it may be gone from the cache by then).
-"""
+The base is read once per start, when the run needs it (`starting_base`, in pretraining's plan: at
+the run's first start, for its weights and tokenizer); run.json records the base, and a resumed run
+loads its own checkpoint and tokenizer without reading the base again (it may be gone from the cache
+by then)."""
 
 from __future__ import annotations
 
@@ -84,10 +83,8 @@ def read_base(spec: str) -> Base:
             raise ConfigError(
                 f"--init {spec}: the run has no valid checkpoint to start from; train it first"
             )
-        model, tokenizer = (
-            Recipe.from_dict(run.recipe_dict()).model,
-            Tokenizer.load(path / TOKENIZER_JSON),
-        )
+        model = Recipe.from_dict(run.recipe_dict()).model
+        tokenizer = Tokenizer.load(path / TOKENIZER_JSON)
     else:
         model, tokenizer = _read_hf_base(spec, kind, path)
     if tokenizer.vocab_size > model.vocab_size:
@@ -95,13 +92,8 @@ def read_base(spec: str) -> Base:
             f"--init {spec}: its tokenizer has {tokenizer.vocab_size} tokens, its model only "
             f"{model.vocab_size}"
         )
-    return Base(
-        spec,
-        kind,
-        path,
-        dataclasses.replace(model, init=spec, activation_checkpointing=False),
-        tokenizer,
-    )
+    model = dataclasses.replace(model, init=spec, activation_checkpointing=False)
+    return Base(spec, kind, path, model, tokenizer)
 
 
 def _base_kind(spec: str) -> tuple[str, Path]:
@@ -187,14 +179,8 @@ def continued_recipe(template: Recipe | str, init: str) -> Recipe:
     data = dataclasses.replace(
         template.data, tokenizer=INIT_TOKENIZER, vocab_size=base.tokenizer.vocab_size
     )
-    return Recipe(
-        template.name,
-        f"{template.description} Continued from {base.spec}.",
-        template.hardware,
-        base.model,
-        train,
-        data,
-    )
+    description = f"{template.description} Continued from {base.spec}."
+    return Recipe(template.name, description, template.hardware, base.model, train, data)
 
 
 def run_init(run_dir: str | Path | None) -> str | None:
@@ -284,6 +270,4 @@ def base_weights(base: Base) -> dict:
         newest = latest_valid(RunDir(base.path).checkpoints)
         return load_checkpoint(newest, with_state=False)[0]
     folder = hub_model_folder(base.spec) if base.kind == "hub" else base.path
-    return {
-        k: v for k, v in read_hf_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")
-    }
+    return read_hf_state_dict(folder)

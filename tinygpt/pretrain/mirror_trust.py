@@ -1,7 +1,7 @@
 """What a Drive mirror may tell a pretraining run: nothing that chooses the run. Its run.json is
 compared with the command, and the run files a restore would copy home are read as a start reads
 them, before a byte is copied from or to it (`check_mirror_run`, called by
-`pretrain.run_pretrain.train_run`)."""
+`pretrain.run_pretrain.pretrain`)."""
 
 from __future__ import annotations
 
@@ -69,10 +69,9 @@ def check_mirror_run(recipe: Recipe, mirror: str | Path | None, sized: bool = Fa
 
 
 def check_mirror_files(mirror: str | Path) -> None:
-    """The run files a restore would copy home and a later start parses
-    (budget.json, metrics.jsonl, samples.txt), read as a start reads them: one
-    that tinygpt could not have written is refused here, naming it, before it is
-    copied into the local folder (where it would stop every later start too)."""
+    """The run files a restore would copy home and a later start parses (budget.json, metrics.jsonl,
+    samples.txt), read as a start reads them: one tinygpt could not have written is refused, named,
+    before it is copied into the local folder (where it would stop every later start)."""
     run = RunDir(mirror)
     reads = {BUDGET_JSON: lambda: Budget.load(run.path), METRICS: run.metrics, SAMPLES: run.samples}
     try:
@@ -85,6 +84,5 @@ def check_mirror_files(mirror: str | Path) -> None:
     except ValueError as e:  # RunDirError, UnsafePathError, FileTooLarge: each names its file
         raise ConfigError(
             f"the mirror holds a file tinygpt did not write: {str(e).splitlines()[0]}; nothing was "
-            f"copied from or to {mirror}: delete that file there, or use another --mirror "
-            "folder"
+            f"copied from or to {mirror}: delete that file there, or use another --mirror folder"
         ) from None

@@ -133,16 +133,14 @@ class PretrainOptions:
 
 
 def check_budget_overrides(changes: dict[str, dict[str, Any]], hours: float | None) -> None:
-    """Refuse, in one line before any work, a `--set` (`changes`: `parse_overrides`) that a time
-    budget cannot honour: a schedule other than BUDGET_SCHEDULE, or a step count (the budget decides
-    both)."""
+    """Refuse, in one line before any work, a `--set` (`parse_overrides`) that a time budget cannot
+    honour: a schedule other than BUDGET_SCHEDULE, or a step count (it decides both)."""
     train = changes.get("train", {}) if hours is not None else {}
     if train.get("schedule", BUDGET_SCHEDULE) != BUDGET_SCHEDULE:
         raise ConfigError(
             f"--set train.schedule={train['schedule']} cannot be honoured with "
             f"--hours: a time budget trains with schedule {BUDGET_SCHEDULE} "
-            f"({BUDGET_SCHEDULE_WHY}); drop the --set, or give "
-            "--max-steps instead of --hours"
+            f"({BUDGET_SCHEDULE_WHY}); drop the --set, or give --max-steps instead of --hours"
         )
     if "max_steps" in train:
         raise ConfigError(

@@ -1,10 +1,9 @@
 """Pretraining end to end: validate, tokenizer, token cache, model, trainer, sample.
 
-This is what `tinygpt pretrain` and the 01_pretrain notebook call. Everything that can be checked
-is checked before the first token is encoded, and a run folder that holds a different
-configuration is refused rather than overwritten. Under torchrun every process calls it; rank 0
-prepares the tokenizer, the token cache and the run folder while the others wait.
-"""
+This is what `tinygpt pretrain` and the 01_pretrain notebook call. Everything that can be checked is
+checked before the first token is encoded, and a run folder that holds a different configuration is
+refused rather than overwritten. Under torchrun every process calls it; rank 0 prepares the
+tokenizer, the token cache and the run folder while the others wait."""
 
 from __future__ import annotations
 
@@ -114,15 +113,45 @@ def pretrain(
 
     The recipe flows down once: resolved here (overrides, then this process's device), checked
     before any work (`check_recipe`), fitted to the machine by `plan_run` once the run folder is
-    held and restored (`train_run`), and from then on read from the `Plan`."""
+    held (by rank 0 alone: one writer per folder; a failed first try leaves nothing behind) and
+    restored from the mirror, and from then on read from the `Plan`. The restore comes before the
+    plan: on a new VM, a run that the probe fitted to its GPU finds its choices in the restored
+    run.json and keeps them (probed again, it could choose otherwise and be refused as another
+    configuration). Rank 0 prepares first (the other ranks then find run.json, tokenizer and token
+    cache made). The trainer closes its callbacks when training ends (the mirror last: it finishes
+    its copies); then the token shards and the lock are let go, whatever ended the run (`mirrored`
+    closes a mirror that training never reached)."""
     opts = options or PretrainOptions(run_dir=run_dir, **option_fields)
     given = get_recipe(recipe) if isinstance(recipe, str) else recipe
     recipe = source_as_the_run_spells_it(opts.apply(given), opts.run_dir, opts.mirror)
-    with joined(recipe.train.device, opts.parallel) as (dev, ranks):
+    with joined(recipe.train.device, opts.parallel) as (dev, ranks), contextlib.ExitStack() as held:
         clock = StartupClock()
         clock.notes += [note] if (note := opts.budget_note(given)) else []
         token_ids = check_recipe(recipe, opts, dev, ranks)
-        return train_run(recipe, opts, dev, ranks, clock, token_ids)
+        # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
+        refuse_links_in(opts.run_dir)
+        # a finetuning run, an export: untouched
+        refuse_other_kind(opts.run_dir, "pretraining run", "pretrain")
+        # another run's mirror: refused before any copy
+        check_mirror_run(recipe, opts.mirror if ranks.is_main else None, sized=opts.size == "auto")
+        if ranks.is_main:
+            folder = RunDir(opts.run_dir)
+            held.enter_context(lock(folder))
+            held.enter_context(undo_if_first_try_fails(folder, RUN_JSON))
+        with main_process_first(ranks.rank, ranks.world_size):
+            # a mirror that another run owns is refused here, before anything is copied or written;
+            # the identity leaves out what the probe chooses, so it is known before the probe runs
+            mirror = held.enter_context(
+                mirrored(opts.run_dir, opts.mirror if ranks.is_main else None, recipe.identity())
+            )
+            clock.mark("restore")
+            plan = plan_run(recipe, opts, dev, ranks, clock, token_ids)
+            # held before anything else can fail: a failed
+            # write below still stops the tokenizing process
+            data = held.enter_context(prepare_run(plan, opts))
+            if ranks.is_main:
+                _write_run_files(opts.run_dir, plan, data.tokenizer, data.meta)
+        return train(plan, opts, data, mirror)
 
 
 def source_as_the_run_spells_it(recipe: Recipe, *folders: str | Path | None) -> Recipe:
@@ -156,69 +185,14 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     # an unknown or unreachable source fails here
     token_ids = check_source(recipe.data.source) == "tokens"
     check_tokenizer(recipe, token_ids)
-    check_parallel(
-        opts.parallel,
-        recipe.train.optimizer,
-        ranks.world_size,
-        sample_every=recipe.train.sample_every,
-    )
-    check_device(dev)
     t = recipe.train
-    # on a GPU the probe may lower the micro-batch to 1
-    # (and checkpoint activations): only the least must fit
-    check_fits(
-        recipe.model,
-        1 if dev.type == "cuda" else t.micro_batch_size,
-        t.seq_len,
-        choose_precision(dev, t.precision).name,
-        dev,
-        t.loss,
-        what=f"recipe {recipe.name}",
-    )
+    check_parallel(opts.parallel, t.optimizer, ranks.world_size, sample_every=t.sample_every)
+    check_device(dev)
+    # the probe may lower a GPU's micro-batch to 1 (and checkpoint activations): only that must fit
+    micro = 1 if dev.type == "cuda" else t.micro_batch_size
+    precision = choose_precision(dev, t.precision).name
+    check_fits(recipe.model, micro, t.seq_len, precision, dev, t.loss, what=f"recipe {recipe.name}")
     return token_ids
-
-
-def train_run(
-    recipe: Recipe,
-    opts: PretrainOptions,
-    dev: torch.device,
-    ranks: Ranks,
-    clock: StartupClock,
-    token_ids: bool,
-) -> TrainResult:
-    """The run folder, held by rank 0 alone (one writer per folder; a failed first try leaves
-    nothing behind), restored from the mirror, planned, and prepared by rank 0 first (the other
-    ranks then find run.json, tokenizer and token cache made); then training. The restore comes
-    before the plan: on a new VM, a run that the probe fitted to its GPU finds its choices in the
-    restored run.json and keeps them (probed again, it could choose otherwise and be refused as
-    another configuration). The trainer closes its callbacks when training ends (the mirror last: it
-    finishes its copies); then the token shards and the lock are let go, whatever ended the run
-    (`mirrored` closes a mirror that training never reached)."""
-    # a link in the run folder (.lock, metrics.jsonl, checkpoints/) is never followed
-    refuse_links_in(opts.run_dir)
-    # a finetuning run, an export: untouched
-    refuse_other_kind(opts.run_dir, "pretraining run", "pretrain")
-    # another run's mirror: refused before any copy
-    check_mirror_run(recipe, opts.mirror if ranks.is_main else None, sized=opts.size == "auto")
-    with contextlib.ExitStack() as held:
-        if ranks.is_main:
-            folder = RunDir(opts.run_dir)
-            held.enter_context(lock(folder))
-            held.enter_context(undo_if_first_try_fails(folder, RUN_JSON))
-        with main_process_first(ranks.rank, ranks.world_size):
-            # a mirror that another run owns is refused here, before anything is copied or written;
-            # the identity leaves out what the probe chooses, so it is known before the probe runs
-            mirror = held.enter_context(
-                mirrored(opts.run_dir, opts.mirror if ranks.is_main else None, recipe.identity())
-            )
-            clock.mark("restore")
-            plan = plan_run(recipe, opts, dev, ranks, clock, token_ids)
-            # held before anything else can fail: a failed
-            # write below still stops the tokenizing process
-            data = held.enter_context(prepare_run(plan, opts))
-            if ranks.is_main:
-                _write_run_files(opts.run_dir, plan, data.tokenizer, data.meta)
-        return train(plan, opts, data, mirror)
 
 
 @dataclass(frozen=True)
@@ -297,14 +271,8 @@ def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
         check_run_dir(opts.run_dir, plan.recipe, opts.resume, sized=opts.size == "auto")
     tokenizer = get_tokenizer(plan.recipe, opts.run_dir, plan.base, kept)
     plan.clock.mark("tokenizer")
-    return open_tokens(
-        plan.recipe,
-        tokenizer,
-        plan.token_ids,
-        writer=plan.is_main,
-        cache_dir=opts.cache_dir,
-        mirror=opts.mirror,
-    )
+    where = dict(writer=plan.is_main, cache_dir=opts.cache_dir, mirror=opts.mirror)
+    return open_tokens(plan.recipe, tokenizer, plan.token_ids, **where)
 
 
 def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -> TrainResult:
@@ -314,12 +282,8 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
     sampler = WindowSampler(
         data.tokens, t.seq_len, t.seed, eot_id=data.tokenizer.eot_id if t.doc_mask else None
     )
-    val = fixed_batches(
-        data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1),
-        t.seq_len,
-        t.micro_batch_size,
-        t.eval_batches,
-    )
+    held_out = data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1)
+    val = fixed_batches(held_out, t.seq_len, t.micro_batch_size, t.eval_batches)
     plan.clock.mark("data")
     torch.manual_seed(t.seed)
     model = initial_model(plan.recipe.model, plan.base)  # random, or a base's weights (model.init)
@@ -330,15 +294,8 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
         "tokenizer": data.tokenizer.to_json(),
     }
     callbacks = [*run_callbacks(plan, opts, model, data), *([mirror] if plan.is_main else [])]
-    trainer = Trainer(
-        model,
-        plan.train_config(),
-        TrainData(sampler, val),
-        opts.run_dir,
-        ranks=plan.ranks,
-        callbacks=callbacks,
-        run_info=run_info,
-    )
+    kw = dict(ranks=plan.ranks, callbacks=callbacks, run_info=run_info)
+    trainer = Trainer(model, plan.train_config(), TrainData(sampler, val), opts.run_dir, **kw)
     plan.clock.mark("model")
     return trainer.fit(opts.resume)
 
@@ -373,15 +330,8 @@ def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) 
     # rank 0 alone cannot run the model
     sharded = plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp"
     prompt = sample_prompt(opts.sample_prompt, plan.recipe.data.source, data.tokenizer, data.tokens)
-    out.append(
-        Samples(
-            data.tokenizer,
-            opts.run_dir,
-            plan.recipe.train.sample_every,
-            prompt,
-            whole=plan.recipe.model if sharded else None,
-        )
-    )
+    every, whole = plan.recipe.train.sample_every, plan.recipe.model if sharded else None
+    out.append(Samples(data.tokenizer, opts.run_dir, every, prompt, whole=whole))
     out += list(opts.callbacks)
     if plan.is_main and opts.tensorboard is not False:
         tb = TensorBoardLogger.create(opts.run_dir / TENSORBOARD, required=bool(opts.tensorboard))
