@@ -19,12 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinygpt.core.callback import Callback
-from tinygpt.core.checkpoint import (
-    MANIFEST,
-    list_checkpoints,
-    step_name,
-    verify_checkpoint,
-)
+from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, step_name, verify_checkpoint
 from tinygpt.core.files import clean_leftovers, read_bytes_safe, write_bytes_atomic
 from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, RUN_FILES, RunDir
 from tinygpt.sync.copy import (
