@@ -133,7 +133,7 @@ def verify_checkpoint(
     if not mf.is_file():
         return False, "no manifest.json (incomplete write)"
     try:
-        manifest = _read_manifest_file(mf)
+        manifest = read_manifest(path)
         files = manifest["files"]
         if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
             raise TypeError("'files' is not a table of files")
@@ -173,19 +173,15 @@ def verify_checkpoint(
 MANIFEST_LIMIT = 1 << 20
 
 
-def _read_manifest_file(mf: Path) -> dict[str, Any]:
-    """manifest.json read the one way a run file is read (no link, at
-    most MANIFEST_LIMIT bytes); anything but a JSON object (or JSON
-    nested too deep to parse) is a CheckpointError naming the file."""
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """A checkpoint folder's manifest.json, read the one way a run file is read (no link, at most
+    MANIFEST_LIMIT bytes); anything but a JSON object (or JSON nested too deep to parse) is a
+    CheckpointError naming the file."""
+    mf = Path(path) / MANIFEST
     try:
         manifest = read_json_safe(mf, MANIFEST_LIMIT)
-    except RecursionError:
-        raise CheckpointError(
-            f"{mf} nests JSON too deep to read: it was not written by tinygpt"
-        ) from None
-    except CheckpointError:
-        raise
-    except ValueError as e:  # not JSON, too large, a link: read_json_safe's one line names the file
+    # not JSON (or nested too deep), too large, a link: read_json_safe's one line names the file
+    except ValueError as e:
         raise CheckpointError(str(e)) from None
     if not isinstance(manifest, dict):
         raise CheckpointError(
@@ -193,12 +189,6 @@ def _read_manifest_file(mf: Path) -> dict[str, Any]:
             "tinygpt"
         )
     return manifest
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """A checkpoint folder's manifest.json (`_read_manifest_file`:
-    bounded, no link, one-line errors naming it)."""
-    return _read_manifest_file(Path(path) / MANIFEST)
 
 
 STEP_DIGITS = 12  # a step number in a folder name or a samples.txt heading: 1 to 12 ASCII digits

@@ -92,11 +92,7 @@ def _write_group(folder: Path, manifest: dict, group: _Group, documents_end: int
         data = np.concatenate(parts).tobytes() if parts else b""
         name = shard_name(split, i)
         write_bytes_atomic(folder / name, data)
-        entry[split] = {
-            "name": name,
-            "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-        }
+        entry[split] = dict(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     manifest["shards"].append(entry)
     write_json_atomic(folder / MANIFEST, manifest)
 
@@ -298,11 +294,9 @@ def _writer_main() -> None:
     stdin): tokenizes until done, or until its parent is gone (a killed run)."""
     req = json.loads(sys.stdin.read())
     parent = req["parent"]
-    try:
-        # training comes first: on a CPU its threads would otherwise fight this process's
+    # training comes first: on a CPU its threads would otherwise fight this process's
+    with contextlib.suppress(OSError):
         os.nice(10)
-    except OSError:
-        pass
     # SIGTERM (ShardWriter.stop, a killed run) unwinds like Ctrl-C: no half-written .tmp-* file
     # stays behind
     signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -35,7 +35,7 @@ def _missing(path: Path) -> bool:
     except FileNotFoundError:
         return True
     except OSError:
-        return False
+        pass
     return False
 
 
@@ -110,9 +110,8 @@ def catch_up(
 ) -> list[str]:
     """Copy to the mirror what the local run holds and it lacks (a run that ended with the mirror
     full or offline), within `timeout`; what it still lacks afterwards ([] when nothing)."""
-    with warnings.catch_warnings():
-        # the answer is the list returned: one line, said by the caller
-        warnings.simplefilter("ignore")
+    # the answer is the list returned: one line, said by the caller
+    with warnings.catch_warnings(action="ignore"):
         m = Mirror(
             local_run_dir,
             mirror_run_dir,

@@ -251,14 +251,16 @@ class Mirror(Callback):
         with self._cond:
             first = self._status.errors == 0
             self._last_exc = e
-            self._status.errors += 1
-            self._status.last_error = said(e)
-            self._status.last_error_at = self.clock()
+            self._count_error(e)
         if first:  # say so at once; the retries go on behind training
             warnings.warn(
                 f"Drive mirror {self.mirror}: {said(e)}; training goes on and the copy is retried",
                 stacklevel=2,
             )
+
+    def _count_error(self, e: BaseException) -> None:  # under self._cond
+        self._status.errors += 1
+        self._status.last_error, self._status.last_error_at = said(e), self.clock()
 
     def _catch_up_items(self) -> None:
         """What the local run holds that the mirror may lack (its newest checkpoint, best/, the
@@ -339,9 +341,7 @@ class Mirror(Callback):
             if self._permanent(e):
                 with self._cond:
                     self._dead = e
-                    self._status.errors += 1
-                    self._status.last_error = said(e)
-                    self._status.last_error_at = self.clock()
+                    self._count_error(e)
                 warnings.warn(
                     f"Drive mirror {self.mirror}: {said(e)}; waiting would "
                     "not help, so the mirror is off for this run (training goes on; the "
