@@ -233,6 +233,13 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def newest_complete(ckpt_root: str | Path) -> Path | None:
+    """The newest checkpoint folder that passes the shallow check (manifest, sizes: each was hashed
+    when written), or None."""
+    ckpts = reversed(list_checkpoints(ckpt_root))
+    return next((p for _, p in ckpts if verify_checkpoint(p, deep=False)[0]), None)
+
+
 def latest_valid(ckpt_roots: list[str | Path] | str | Path) -> Path | None:
     """The newest checkpoint that verifies, across one or more `checkpoints/` folders; each one
     skipped is reported with a warning. Ties go to the first root (the local disk)."""
@@ -260,11 +267,9 @@ def load_checkpoint(
         if not ok:
             raise CheckpointError(f"checkpoint {path} is not valid: {why}")
     sd = load_safetensors(path / MODEL_FILE)
-    state = (
-        _load_state(path / STATE_FILE, map_location)
-        if with_state and (path / STATE_FILE).exists()
-        else {}
-    )
+    state = {}
+    if with_state and (path / STATE_FILE).exists():
+        state = _load_state(path / STATE_FILE, map_location)
     return sd, state, read_manifest(path)
 
 

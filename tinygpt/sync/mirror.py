@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinygpt.core.callback import Callback
-from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, step_name, verify_checkpoint
+from tinygpt.core.checkpoint import MANIFEST, newest_complete, step_name, step_of, verify_checkpoint
 from tinygpt.core.files import clean_leftovers, read_bytes_safe, write_bytes_atomic
 from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, RUN_FILES, RunDir
 from tinygpt.sync.copy import (
@@ -125,8 +125,7 @@ class Mirror(Callback):
         self._cond = threading.Condition()
         # key (path in the run folder) -> (local path, step)
         self._pending: dict[str, tuple[Path, int]] = {}
-        self._busy = False
-        self._closing = False
+        self._busy = self._closing = False
         self._files_dirty = True  # run.json and tokenizer.json go over before the first checkpoint
         self._files_synced_at = float("-inf")
         # (size, mtime_ns) of each file when last copied
@@ -267,10 +266,8 @@ class Mirror(Callback):
         adapter): queued at the start, so a mirror left behind by an earlier run (full, offline)
         catches up now. A copy the mirror has already is recognised by its manifest and skipped."""
         items: dict[str, tuple[Path, int]] = {}
-        for s, p in reversed(list_checkpoints(self.local / CHECKPOINTS)):
-            if verify_checkpoint(p, deep=False)[0]:
-                items[f"{CHECKPOINTS}/{p.name}"] = (p, s)
-                break
+        if (p := newest_complete(self.local / CHECKPOINTS)) is not None:
+            items[f"{CHECKPOINTS}/{p.name}"] = (p, step_of(p))
         for name in (BEST, ADAPTER_DIR):
             if (self.local / name / MANIFEST).is_file():
                 items[name] = (self.local / name, manifest_step(self.local / name))

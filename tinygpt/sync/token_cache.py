@@ -191,11 +191,9 @@ class ShardMirror:
         on Drive) has gone since the first copy (Drive unmounted, the folder
         deleted), said once; it is made at the first copy only, and never under an
         unmounted Drive mount point: nothing is copied onto the VM's own disk."""
-        home = (
-            self.mirror.parent.parent
-            if self.mirror.parent.name == TOKEN_CACHE
-            else self.mirror.parent
-        )
+        home = self.mirror.parent
+        if home.name == TOKEN_CACHE:
+            home = home.parent
         why = None
         if self._home is None:
             if (drive := unmounted_drive(home)) is not None:
