@@ -248,13 +248,11 @@ class ModelConfig(_Section):
     def from_hf_llama(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a Llama or Qwen3 `config.json`
         dictionary (a missing required key: KeyError)."""
-        kw = {}
+        kw, cast = {}, {"float": float, "bool": bool}
         for f in dataclasses.fields(cls):
             if "hf" in f.metadata:
-                kw[f.name] = _hf_value(hf, f.metadata["hf"], f.metadata["hf_missing"])
-                kw[f.name] = {"float": float, "bool": bool}.get(str(f.type), lambda v: v)(
-                    kw[f.name]
-                )
+                value = _hf_value(hf, f.metadata["hf"], f.metadata["hf_missing"])
+                kw[f.name] = cast.get(str(f.type), lambda v: v)(value)
         head_dim = hf.get("head_dim") or kw["d_model"] // kw["n_head"]
         _require(
             head_dim * kw["n_head"] == kw["d_model"],

@@ -283,11 +283,9 @@ class RunDir:
             return
         now = _identity(self.path)
         if now != held:
-            what = (
-                "deleted"
-                if now is None
-                else "deleted and made again (another folder now has its name)"
-            )
+            what = "deleted"
+            if now is not None:
+                what = "deleted and made again (another folder now has its name)"
             raise RunDirReplaced(
                 f"run folder {self.path} was {what} while this process was writing it, by another "
                 "tab or process: this run stopped without writing into it. What it saved is gone "

@@ -138,18 +138,15 @@ def write_shards(
         )
         if manifest.get("done"):
             return manifest
+
+        def stop() -> bool:
+            return should_stop() or (
+                max_shards is not None and len(manifest["shards"]) >= max_shards
+            )
+
         try:
             with _warnings_into(manifest) if warnings_to_manifest else contextlib.nullcontext():
-                _tokenize_on(
-                    cfg,
-                    tokenizer,
-                    folder,
-                    manifest,
-                    lambda: (
-                        should_stop()
-                        or (max_shards is not None and len(manifest["shards"]) >= max_shards)
-                    ),
-                )
+                _tokenize_on(cfg, tokenizer, folder, manifest, stop)
         except Exception as e:  # a DataError says what is wrong itself; others, where
             manifest["error"] = (
                 str(e) if isinstance(e, DataError) else f"tokenizing {cfg.source} failed: {e}"
@@ -301,12 +298,10 @@ def _writer_main() -> None:
     # stays behind
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        # GPT-2 (its parent chose tiktoken for it): tiktoken alone, no tokenizer.json to parse
-        tokenizer = (
-            TiktokenGPT2(req["fingerprint"])
-            if req.get("gpt2")
-            else Tokenizer.from_json(req["tokenizer"])
-        )
+        if req.get("gpt2"):  # its parent chose tiktoken for it: no tokenizer.json to parse
+            tokenizer = TiktokenGPT2(req["fingerprint"])
+        else:
+            tokenizer = Tokenizer.from_json(req["tokenizer"])
         write_shards(
             DataConfig.from_dict(req["data"]),
             tokenizer,

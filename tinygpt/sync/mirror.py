@@ -75,11 +75,10 @@ class MirrorStatus:
     superseded: int = 0
 
     def __str__(self) -> str:
-        s = (
-            f"mirror: step {self.last_synced_step} synced"
-            if self.last_synced_step is not None
-            else "mirror: no checkpoint synced yet"
-        ) + f", {self.pending} pending"
+        s = "mirror: no checkpoint synced yet"
+        if self.last_synced_step is not None:
+            s = f"mirror: step {self.last_synced_step} synced"
+        s += f", {self.pending} pending"
         if self.last_error:
             s += f", {self.errors} errors, last: {self.last_error}"
         return s
@@ -204,11 +203,9 @@ class Mirror(Callback):
             if self._files_dirty:
                 self.not_synced.append("the latest run files (metrics.jsonl, samples.txt, ...)")
         last = self._holds(st.last_synced_step)
-        how = (
-            "after the wait"
-            if self._dead is None
-            else f"at once ({self._dead}: waiting would not help)"
-        )
+        how = "after the wait"
+        if self._dead is not None:
+            how = f"at once ({self._dead}: waiting would not help)"
         warnings.warn(
             f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
             f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
