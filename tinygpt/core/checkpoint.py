@@ -139,13 +139,10 @@ def verify_checkpoint(
             raise TypeError("'files' is not a table of files")
         for name in files:
             safe_name(name, mf, plain=True)
-    # UnsafePathError is a ValueError
-    except (ValueError, KeyError, TypeError, OSError, CheckpointError) as e:
-        return False, (
-            str(e)
-            if isinstance(e, (UnsafePathError, CheckpointError))
-            else f"unreadable manifest: {e}"
-        )
+    except (UnsafePathError, CheckpointError) as e:  # each names the file itself
+        return False, str(e)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return False, f"unreadable manifest: {e}"
     if required not in files:
         return False, f"manifest lists no {required}"
     if step_of(path) is not None and manifest.get("step") != step_of(path):

@@ -104,12 +104,8 @@ def _take_lock(run: RunDir, key: str) -> int:
             "or use another run folder"
         ) from None
     os.ftruncate(fd, 0)
-    os.pwrite(
-        fd,
-        f"process {os.getpid()} on {socket.gethostname()} (since "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(),
-        0,
-    )
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since {since})\n".encode(), 0)
     with _HELD_LOCK:
         _HELD[key] = _identity(run.path)  # type: ignore[assignment]
     return fd

@@ -14,8 +14,7 @@ the validation tokens and of the first train shard) before it returns, so a bad 
 any training; the ids of the other train shards are checked by the caller with `check_shard_ids` as
 each is first used, because scanning every token up front would take minutes.
 
-`DataError` is defined here, the lowest data module (data.py re-exports it), so data.py can tell a
-token folder from a text folder.
+`DataError` is defined here, the lowest data module (sources.py hands it on).
 """
 
 from __future__ import annotations
