@@ -133,19 +133,16 @@ def verify_checkpoint(
     if not mf.is_file():
         return False, "no manifest.json (incomplete write)"
     try:
-        manifest = _read_manifest_file(mf)
+        manifest = read_manifest(path)
         files = manifest["files"]
         if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
             raise TypeError("'files' is not a table of files")
         for name in files:
             safe_name(name, mf, plain=True)
-    # UnsafePathError is a ValueError
-    except (ValueError, KeyError, TypeError, OSError, CheckpointError) as e:
-        return False, (
-            str(e)
-            if isinstance(e, (UnsafePathError, CheckpointError))
-            else f"unreadable manifest: {e}"
-        )
+    except (UnsafePathError, CheckpointError) as e:  # each names the file itself
+        return False, str(e)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return False, f"unreadable manifest: {e}"
     if required not in files:
         return False, f"manifest lists no {required}"
     if step_of(path) is not None and manifest.get("step") != step_of(path):
@@ -173,19 +170,15 @@ def verify_checkpoint(
 MANIFEST_LIMIT = 1 << 20
 
 
-def _read_manifest_file(mf: Path) -> dict[str, Any]:
-    """manifest.json read the one way a run file is read (no link, at
-    most MANIFEST_LIMIT bytes); anything but a JSON object (or JSON
-    nested too deep to parse) is a CheckpointError naming the file."""
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """A checkpoint folder's manifest.json, read the one way a run file is read (no link, at most
+    MANIFEST_LIMIT bytes); anything but a JSON object (or JSON nested too deep to parse) is a
+    CheckpointError naming the file."""
+    mf = Path(path) / MANIFEST
     try:
         manifest = read_json_safe(mf, MANIFEST_LIMIT)
-    except RecursionError:
-        raise CheckpointError(
-            f"{mf} nests JSON too deep to read: it was not written by tinygpt"
-        ) from None
-    except CheckpointError:
-        raise
-    except ValueError as e:  # not JSON, too large, a link: read_json_safe's one line names the file
+    # not JSON (or nested too deep), too large, a link: read_json_safe's one line names the file
+    except ValueError as e:
         raise CheckpointError(str(e)) from None
     if not isinstance(manifest, dict):
         raise CheckpointError(
@@ -193,12 +186,6 @@ def _read_manifest_file(mf: Path) -> dict[str, Any]:
             "tinygpt"
         )
     return manifest
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """A checkpoint folder's manifest.json (`_read_manifest_file`:
-    bounded, no link, one-line errors naming it)."""
-    return _read_manifest_file(Path(path) / MANIFEST)
 
 
 STEP_DIGITS = 12  # a step number in a folder name or a samples.txt heading: 1 to 12 ASCII digits
@@ -243,6 +230,13 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def newest_complete(ckpt_root: str | Path) -> Path | None:
+    """The newest checkpoint folder that passes the shallow check (manifest, sizes: each was hashed
+    when written), or None."""
+    ckpts = reversed(list_checkpoints(ckpt_root))
+    return next((p for _, p in ckpts if verify_checkpoint(p, deep=False)[0]), None)
+
+
 def latest_valid(ckpt_roots: list[str | Path] | str | Path) -> Path | None:
     """The newest checkpoint that verifies, across one or more `checkpoints/` folders; each one
     skipped is reported with a warning. Ties go to the first root (the local disk)."""
@@ -270,11 +264,9 @@ def load_checkpoint(
         if not ok:
             raise CheckpointError(f"checkpoint {path} is not valid: {why}")
     sd = load_safetensors(path / MODEL_FILE)
-    state = (
-        _load_state(path / STATE_FILE, map_location)
-        if with_state and (path / STATE_FILE).exists()
-        else {}
-    )
+    state = {}
+    if with_state and (path / STATE_FILE).exists():
+        state = _load_state(path / STATE_FILE, map_location)
     return sd, state, read_manifest(path)
 
 

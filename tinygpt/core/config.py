@@ -222,16 +222,17 @@ class ModelConfig(_Section):
                 "export RUN OUT)"
             )
 
+    def _by_metadata(self, key: str) -> dict[str, Any]:
+        """{a field's name in a format (metadata `key`): its value}, for the fields it has."""
+        fields = dataclasses.fields(self)
+        return {f.metadata[key]: getattr(self, f.name) for f in fields if key in f.metadata}
+
     def to_hf_llama(self) -> dict[str, Any]:
         """The keyword arguments of the equivalent transformers config
         (`family.config_class`: `LlamaConfig`, or `Qwen3Config` with
         QK-norm); a model it cannot hold is refused (`check_exports`)."""
         self.check_exports("hf")
-        mapped = {
-            f.metadata["hf"]: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if "hf" in f.metadata
-        }
+        mapped = self._by_metadata("hf")
         fixed = {key: value for key, (value, _) in self.family.hf_fixed.items()}
         return {**mapped, **fixed, "head_dim": self.head_dim}
 
@@ -239,11 +240,7 @@ class ModelConfig(_Section):
         """The model's llama.cpp metadata: {name: value} for gguf's writer method
         `GGUFWriter.add_{name}`; a model llama.cpp cannot load is refused (`check_exports`)."""
         self.check_exports("gguf")
-        mapped = {
-            f.metadata["gguf"]: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if "gguf" in f.metadata
-        }
+        mapped = self._by_metadata("gguf")
         head = self.head_dim  # keys and values as wide as the queries, all of each head rotated
         return {**mapped, "key_length": head, "value_length": head, "rope_dimension_count": head}
 
@@ -251,13 +248,11 @@ class ModelConfig(_Section):
     def from_hf_llama(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a Llama or Qwen3 `config.json`
         dictionary (a missing required key: KeyError)."""
-        kw = {}
+        kw, cast = {}, {"float": float, "bool": bool}
         for f in dataclasses.fields(cls):
             if "hf" in f.metadata:
-                kw[f.name] = _hf_value(hf, f.metadata["hf"], f.metadata["hf_missing"])
-                kw[f.name] = {"float": float, "bool": bool}.get(str(f.type), lambda v: v)(
-                    kw[f.name]
-                )
+                value = _hf_value(hf, f.metadata["hf"], f.metadata["hf_missing"])
+                kw[f.name] = cast.get(str(f.type), lambda v: v)(value)
         head_dim = hf.get("head_dim") or kw["d_model"] // kw["n_head"]
         _require(
             head_dim * kw["n_head"] == kw["d_model"],

@@ -30,14 +30,12 @@ _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of a byt
 
 
 class DataFile:
-    """A data file read as UTF-8 text in bounded pieces, decompressed as it
-    is read when it ends in .gz or .bz2 (a 2 MB archive of a 2 GB line is
-    never 2 GB in memory): `read(n)` gives its first n characters, iterating
-    gives its lines (ending with "\\n"; line ends as `open` gives them, \\r\\n and \\r read as
-    \\n), each at most
-    `line_limit` characters. A longer line, bytes that are not UTF-8
-    and a damaged archive are each a DataFormatError of one line naming
-    the file and the line. Read one way per object: lines or `read`."""
+    """A data file read as UTF-8 text in bounded pieces, decompressed as it is read when it ends in
+    .gz or .bz2 (a 2 MB archive of a 2 GB line is never 2 GB in memory): `read(n)` gives its first n
+    characters, iterating gives its lines (ending with "\\n"; line ends as `open` gives them, \\r\\n
+    and \\r read as \\n), each at most `line_limit` characters. A longer line, bytes that are not
+    UTF-8 and a damaged archive are each a DataFormatError of one line naming the file and the line.
+    Read one way per object: lines or `read`."""
 
     def __init__(self, path: str | Path, line_limit: int | None = None):
         self.path = Path(path)

@@ -11,9 +11,7 @@ from typing import Any
 # value, why another value is not this GPT). `to_hf_llama` writes these;
 # `tinygpt.model.hf_import.representation_gaps` refuses a config.json that differs. A
 # new option that makes one of them a choice moves it from here into a field.
-HF_FIXED: dict[str, tuple[Any, str]] = {
-    "hidden_act": ("silu", "tinygpt's MLP is SwiGLU with SiLU"),
-}
+HF_FIXED: dict[str, tuple[Any, str]] = {"hidden_act": ("silu", "tinygpt's MLP is SwiGLU with SiLU")}
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,8 @@ def field_problem(obj: Any, where: str = "") -> str | None:
 def _allowed(hint: Any, meta: Any, value: Any) -> str | None:
     """What `value` must be, in words, when it is not what `hint` and the bounds in `meta` allow;
     None when it is."""
-    members = (
-        typing.get_args(hint)
-        if typing.get_origin(hint) in (typing.Union, types.UnionType)
-        else (hint,)
-    )
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = typing.get_args(hint) if union else (hint,)
     if value is None and type(None) in members:
         return None
     kind = next((m for m in members if m is not type(None)), hint)

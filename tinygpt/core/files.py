@@ -234,10 +234,8 @@ def fsync(path: str | Path) -> None:
 def try_fsync(path: str | Path) -> None:
     """fsync where the filesystem allows it. Best effort: some (Drive's FUSE mount among them)
     refuse fsync on folders or files; what matters there is verified by reading it back."""
-    try:
+    with contextlib.suppress(OSError):
         fsync(path)
-    except OSError:
-        pass
 
 
 def tmp_sibling(path: str | Path, tag: str | int | None = None) -> Path:
@@ -313,10 +311,8 @@ def clean_leftovers(folder: str | Path, keep_tag: str | int | None = None) -> No
         target = folder / p.name[len(TMP_PREFIX) :].split("-")[0]
         if p.name.startswith(OLD_PREFIX) and not target.exists() and not p.is_symlink():
             os.replace(p, target)  # killed between the two renames of replace_dir
-        elif p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
         else:
-            p.unlink(missing_ok=True)
+            _remove(p)
 
 
 def fresh_tmp_dir(tmp: Path) -> None:
@@ -328,13 +324,21 @@ def fresh_tmp_dir(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
+def _remove(p: Path) -> None:
+    """Delete a file, a link or a folder (a link is removed, never followed)."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # EPERM: it runs, as another user
-        return True
+        pass
     return True
 
 
@@ -352,10 +356,7 @@ def clear_dead_tmps(dst: Path) -> None:
                 or _running(int(pid))
             ):
                 continue
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+            _remove(p)
 
 
 @contextlib.contextmanager
@@ -388,7 +389,4 @@ def atomic_output(
             os.replace(tmp, dst)
             try_fsync(dst.parent)
     finally:
-        if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        _remove(tmp)

@@ -13,7 +13,7 @@ Adding a class is one `HardwareClass` entry and its name in `HARDWARE`. No torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Native bf16 matmuls start with compute capability 8.0 (Ampere); below
 # it a CUDA GPU trains in fp16 with a GradScaler (`core.precision`
@@ -90,15 +90,7 @@ H100 = HardwareClass(
     2.0,
     (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0)),
 )
-H200 = HardwareClass(
-    "h200",
-    "cuda",
-    (9, 0),
-    "a100-124m",
-    "a100",
-    2.0,
-    (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0)),
-)
+H200 = replace(H100, name="h200", gpus=(("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0)))
 # Colab's G4: an RTX PRO 6000 Blackwell, 96 GB, compute capability 12.0. NVIDIA gives 4,000 sparse
 # FP4 TOPS, so about 500 dense bf16 TFLOP/s: half an H100 SXM, 1.6x an A100. Unlisted, the
 # generation-and-memory rule took it for an H100 and MFU had no peak. It trains like its neighbours:

@@ -77,11 +77,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str | None = 
         names, kwargs = _argument(f, hints[f.name])
         group.add_argument(*names, **kwargs)
         if alias := f.metadata.get("alias"):
-            shown = (
-                argparse.SUPPRESS
-                if f.metadata.get("deprecated")
-                else f"the same as {kwargs['metavar']}"
-            )
+            shown = f"the same as {kwargs['metavar']}"
+            if f.metadata.get("deprecated"):
+                shown = argparse.SUPPRESS
             group.add_argument(
                 alias,
                 dest=f.name + _ALIAS,

@@ -81,22 +81,11 @@ def choose_precision(device: torch.device, requested: str = "auto") -> Precision
             reason = f"{requested} asked for"
         return Precision(requested, dt, reason)
     if dt == "cuda":
-        cap = torch.cuda.get_device_capability(device)
+        cap = "{}.{}".format(*torch.cuda.get_device_capability(device))
         if native_bf16(device):
-            return Precision(
-                "bf16", dt, f"compute capability {cap[0]}.{cap[1]} >= 8.0 has native bf16"
-            )
-        return Precision(
-            "fp16", dt, f"compute capability {cap[0]}.{cap[1]} < 8.0: fp16 with a GradScaler"
-        )
+            return Precision("bf16", dt, f"compute capability {cap} >= 8.0 has native bf16")
+        return Precision("fp16", dt, f"compute capability {cap} < 8.0: fp16 with a GradScaler")
     return Precision("fp32", dt, f"{dt}: fp32 by default (autocast gains little here)")
-
-
-def has_fp32_precision_api() -> bool:
-    """Whether this torch has the per-backend `fp32_precision` settings (2.9 and later)."""
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(
-        torch.backends.cudnn, "conv"
-    )
 
 
 def enable_tf32() -> None:
@@ -108,8 +97,10 @@ def enable_tf32() -> None:
     `enable_tf32`, which sets the global one); torch 2.9's Inductor reads that legacy flag on CUDA
     (`_warn_tf32_disabled`, pad_mm, its Triton matmul heuristics). So the legacy cuBLAS value is
     moved to agree, through the one setter that writes both and warns about nothing. Without the new
-    settings: the legacy flags."""
-    if has_fp32_precision_api():
+    settings (torch 2.9 and later): the legacy flags."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(
+        torch.backends.cudnn, "conv"
+    ):
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "tf32"
         torch._C._set_cublas_allow_tf32(True)

@@ -8,8 +8,7 @@ chooses one (`RecipeChoice`, `--set` overrides) is `core.recipe_choice`'s.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tinygpt.core.config import (
@@ -23,10 +22,13 @@ from tinygpt.core.config import (
     TrainConfig,
     _require,
 )
+from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.options import did_you_mean
 
 # Named model sizes. Parameter counts are for the GPT-2 vocabulary padded to 50304;
-# `tinygpt recipes` prints the exact count for each recipe's vocabulary.
+# `tinygpt recipes` prints the exact count for each recipe's vocabulary. The two largest have 24
+# layers, grouped-query attention with 8 KV heads and a tied embedding.
+_GQA_24 = dict(n_layer=24, n_head=16, n_kv_head=8, tie_embeddings=True)
 MODEL_SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=2, n_head=2, d_model=64, d_ff=192, max_seq_len=128),
     "cpu": dict(n_layer=4, n_head=4, d_model=192, d_ff=512, max_seq_len=256),
@@ -35,24 +37,8 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
     "124m": dict(
         n_layer=12, n_head=12, d_model=768, d_ff=2048, tie_embeddings=True, max_seq_len=1024
     ),
-    "350m": dict(
-        n_layer=24,
-        n_head=16,
-        n_kv_head=8,
-        d_model=1024,
-        d_ff=3072,
-        tie_embeddings=True,
-        max_seq_len=1024,
-    ),
-    "760m": dict(
-        n_layer=24,
-        n_head=16,
-        n_kv_head=8,
-        d_model=1536,
-        d_ff=4608,
-        tie_embeddings=True,
-        max_seq_len=2048,
-    ),
+    "350m": dict(_GQA_24, d_model=1024, d_ff=3072, max_seq_len=1024),
+    "760m": dict(_GQA_24, d_model=1536, d_ff=4608, max_seq_len=2048),
 }
 
 
@@ -99,14 +85,7 @@ class Recipe:
         return self.train.tokens_per_step * self.train.max_steps
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "hardware": self.hardware,
-            "model": self.model.to_dict(),
-            "train": self.train.to_dict(),
-            "data": self.data.to_dict(),
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Recipe":
@@ -130,13 +109,11 @@ class Recipe:
         self, model: dict | None = None, train: dict | None = None, data: dict | None = None
     ) -> "Recipe":
         """A copy with some fields changed, validated again."""
-        return Recipe(
-            name=self.name,
-            description=self.description,
-            hardware=self.hardware,
-            model=dataclasses.replace(self.model, **(model or {})),
-            train=dataclasses.replace(self.train, **(train or {})),
-            data=dataclasses.replace(self.data, **(data or {})),
+        return replace(
+            self,
+            model=replace(self.model, **(model or {})),
+            train=replace(self.train, **(train or {})),
+            data=replace(self.data, **(data or {})),
         )
 
 
@@ -147,54 +124,29 @@ def model_config(size: str, **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**MODEL_SIZES[size], **overrides})
 
 
-# The GPU recipes stream a Hub data set large enough for their token budget (a model trained for
-# thousands of epochs on a few MB only memorises it); `--data builtin` trains offline instead.
-TINYSTORIES = "hf:roneneldan/TinyStories"  # ~470M GPT-2 tokens of simple stories, easy to learn
-FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"  # ~10B tokens of educational web pages
-
-
-def _gpu_recipe(
-    name: str,
-    hardware: str,
-    size: str,
-    *,
-    description: str,
-    train: TrainConfig,
-    source: str = FINEWEB_EDU,
-    max_chars: int | None = None,
-    **model: Any,
-) -> Recipe:
-    """A GPU recipe: a model of a named size (`model_config`, `model` overriding its fields) on a
-    Hub data set (FineWeb-Edu unless `source` says otherwise) read through the GPT-2 tokenizer
-    (50257 tokens, the embedding padded to GPT2_VOCAB_PADDED for the tensor cores)."""
-    return Recipe(
-        name,
-        description,
-        hardware,
-        model_config(size, vocab_size=GPT2_VOCAB_PADDED, **model),
-        train,
-        DataConfig(source=source, tokenizer="gpt2", vocab_size=GPT2_VOCAB, max_chars=max_chars),
+def _train(
+    micro_batch_size: int, seq_len: int, grad_accum_steps: int, every: int, **kw: Any
+) -> TrainConfig:
+    """A recipe's training: a batch of micro_batch_size x seq_len x grad_accum_steps tokens,
+    evaluated where it saves, `every` steps (each checkpoint's val_loss is known, and `best/` is
+    never older than the newest step)."""
+    batch = dict(micro_batch_size=micro_batch_size, seq_len=seq_len)
+    return TrainConfig(
+        **batch, grad_accum_steps=grad_accum_steps, eval_every=every, save_every=every, **kw
     )
 
 
 # The named recipes: one constant each, then its name in RECIPES (`tinygpt recipes` lists them in
-# this order).
+# this order). The CPU recipes train their own BPE on the standard library's source (offline).
 CPU_SMOKE = Recipe(
     "cpu-smoke",
     "A few seconds on any CPU: a 2-layer model, for tests and the notebooks' smoke mode.",
     "cpu",
     model_config("tiny", vocab_size=512),
-    TrainConfig(
-        micro_batch_size=8,
-        seq_len=64,
-        max_steps=30,
-        lr=3e-3,
-        min_lr=3e-4,
-        warmup_steps=5,
-        eval_every=10,
+    replace(
+        _train(8, 64, 1, every=10, max_steps=30, lr=3e-3, min_lr=3e-4, warmup_steps=5),
         eval_batches=2,
         log_every=5,
-        save_every=10,
         keep_last=2,
         precision="fp32",
     ),
@@ -206,152 +158,92 @@ CPU = Recipe(
     "2 idle cores.",
     "cpu",
     model_config("cpu", vocab_size=4096),
-    TrainConfig(
-        micro_batch_size=16,
-        seq_len=128,
-        max_steps=300,
-        lr=2e-3,
-        min_lr=2e-4,
-        warmup_steps=30,
-        eval_every=100,
-        eval_batches=8,
-        log_every=10,
-        save_every=100,
-        keep_last=2,
+    _train(
+        16, 128, 1, every=100, max_steps=300, lr=2e-3, min_lr=2e-4, warmup_steps=30, keep_last=2
     ),
     DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000),
 )
-CPU_FAST = Recipe(
-    "cpu-fast",
-    "The cpu recipe's model made faster to a good loss: QK-norm, zero-initialised "
+# The modded-nanoGPT changes the fast recipes make: in the network (QK-norm, zero-initialised
+# projections) and in training (Muon for the hidden matrices, warmup-stable-decay to zero).
+FAST_NETWORK = dict(qk_norm=True, zero_init_proj=True)
+MUON_WSD = dict(optimizer="muon", schedule="wsd", decay_fraction=0.4, min_lr=0.0)
+CPU_FAST = replace(
+    CPU,
+    name="cpu-fast",
+    description="The cpu recipe's model made faster to a good loss: QK-norm, zero-initialised "
     "projections, Muon for the hidden matrices, warmup-stable-decay, 3 layers, half the batch: "
     "half the tokens, ~1 min.",
-    "cpu",
-    model_config("cpu", vocab_size=4096, n_layer=3, qk_norm=True, zero_init_proj=True),
-    TrainConfig(
-        micro_batch_size=8,
-        seq_len=128,
-        max_steps=300,
-        lr=4e-3,
-        min_lr=0.0,
-        warmup_steps=20,
-        optimizer="muon",
-        schedule="wsd",
-        decay_fraction=0.4,
-        eval_every=100,
-        eval_batches=8,
-        log_every=10,
-        save_every=100,
-        keep_last=2,
-    ),
-    DataConfig(source="builtin", vocab_size=4096, max_chars=4_000_000),
+    model=model_config("cpu", vocab_size=4096, n_layer=3, **FAST_NETWORK),
+    train=replace(CPU.train, micro_batch_size=8, lr=4e-3, warmup_steps=20, **MUON_WSD),
 )
 
+# The GPU recipes stream a Hub data set large enough for their token budget (a model trained for
+# thousands of epochs on a few MB only memorises it); `--data builtin` trains offline instead.
+TINYSTORIES = "hf:roneneldan/TinyStories"  # ~470M GPT-2 tokens of simple stories, easy to learn
+FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"  # ~10B tokens of educational web pages
 
-def _gpu_train(
-    micro_batch_size: int,
-    seq_len: int,
-    grad_accum_steps: int,
-    *,
-    every: int,
-    lr: float,
-    precision: str = "bf16",
-    **kw: Any,
-) -> TrainConfig:
-    """A GPU recipe's training settings: evaluated where it saves (each checkpoint's val_loss is
-    known, and `best/` is never older than the newest step); bf16 unless `precision` says
-    otherwise."""
-    return TrainConfig(
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        grad_accum_steps=grad_accum_steps,
-        lr=lr,
-        eval_every=every,
-        save_every=every,
-        precision=precision,
-        **kw,
+
+def _gpu_recipe(
+    name: str,
+    description: str,
+    train: TrainConfig,
+    source: str = FINEWEB_EDU,
+    max_chars: int | None = None,
+    **model: Any,
+) -> Recipe:
+    """A GPU recipe, named HARDWARE-SIZE[-VARIANT] for its hardware class and model size: a model of
+    that size (`model_config`, `model` overriding its fields) on a Hub data set (FineWeb-Edu unless
+    `source` says otherwise) read through the GPT-2 tokenizer (50257 tokens, the embedding padded
+    to GPT2_VOCAB_PADDED for the tensor cores), trained in its hardware class's precision (bf16,
+    or fp16 with a GradScaler on a T4: `HardwareClass`)."""
+    hardware, size = name.split("-")[:2]
+    return Recipe(
+        name,
+        description,
+        hardware,
+        model_config(size, vocab_size=GPT2_VOCAB_PADDED, **model),
+        replace(train, precision=HARDWARE[hardware].precision),
+        DataConfig(source=source, tokenizer="gpt2", vocab_size=GPT2_VOCAB, max_chars=max_chars),
     )
 
 
-# A T4 has no bf16: fp16 with a GradScaler; its 16 GB and ~65 TFLOP/s suit 50M parameters at
-# context 512 on TinyStories, a corpus such a model learns to write fluently within one Colab
-# session.
+# A T4's 16 GB and ~65 TFLOP/s suit 50M parameters at context 512 on TinyStories, a corpus such a
+# model learns to write fluently within one Colab session.
 T4_50M = _gpu_recipe(
     "t4-50m",
-    "t4",
-    "50m",
+    "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer.",
+    _train(16, 512, 8, every=250, max_steps=4000, lr=6e-4, min_lr=6e-5, warmup_steps=200),
     source=TINYSTORIES,
     max_seq_len=512,
-    description=(
-        "Colab's free T4 (fp16 + GradScaler): 50M parameters, context 512, GPT-2 tokenizer."
-    ),
-    train=_gpu_train(
-        16,
-        512,
-        8,
-        max_steps=4000,
-        lr=6e-4,
-        min_lr=6e-5,
-        warmup_steps=200,
-        every=250,
-        precision="fp16",
-    ),
 )
 # An L4 (24 GB, bf16) fits GPT-2 small at half the A100's micro-batch; its token budget is what it
 # trains in about one 3-hour session.
 L4_124M = _gpu_recipe(
     "l4-124m",
-    "l4",
-    "124m",
+    "Colab's L4 (bf16): GPT-2-small scale, context 1024.",
+    _train(16, 1024, 16, every=250, max_steps=5000, lr=6e-4, min_lr=6e-5, warmup_steps=300),
     max_chars=6_500_000_000,
-    description=("Colab's L4 (bf16): GPT-2-small scale, context 1024."),
-    train=_gpu_train(
-        16, 1024, 16, max_steps=5000, lr=6e-4, min_lr=6e-5, warmup_steps=300, every=250
-    ),
 )
 # nanoGPT's GPT-2 small reproduction scaled to a Colab session: ~0.5M tokens per step
 # (32 x 1024 x 16).
 A100_124M = _gpu_recipe(
     "a100-124m",
-    "a100",
-    "124m",
+    "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; 0.5M "
+    "tokens per step.",
+    _train(32, 1024, 16, every=250, max_steps=10000, lr=6e-4, min_lr=6e-5, warmup_steps=700),
     max_chars=25_000_000_000,
-    description=(
-        "The flagship: GPT-2-small scale (124M) at context 1024 in bf16, tuned for Colab's A100; 0.5M "
-        "tokens per step."
-    ),
-    train=_gpu_train(
-        32, 1024, 16, max_steps=10000, lr=6e-4, min_lr=6e-5, warmup_steps=700, every=250
-    ),
 )
 # The modded-nanoGPT changes that hold at this size (QK-norm, untied head, zero-init projections,
 # Muon, WSD): the flagship's loss in half its steps and tokens; Muon's orthogonalised updates take a
 # 2.5x learning rate.
 A100_124M_FAST = _gpu_recipe(
     "a100-124m-fast",
-    "a100",
-    "124m",
+    "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an untied "
+    "head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3).",
+    _train(32, 1024, 16, every=250, max_steps=5000, lr=1.5e-3, warmup_steps=250, **MUON_WSD),
     max_chars=13_000_000_000,
     tie_embeddings=False,
-    qk_norm=True,
-    zero_init_proj=True,
-    description=(
-        "GPT-2-small quality in half the flagship's tokens: the same size with QK-norm, an untied "
-        "head, zero-initialised projections, Muon and warmup-stable-decay (exports as Qwen3)."
-    ),
-    train=_gpu_train(
-        32,
-        1024,
-        16,
-        max_steps=5000,
-        lr=1.5e-3,
-        min_lr=0.0,
-        warmup_steps=250,
-        every=250,
-        optimizer="muon",
-        schedule="wsd",
-        decay_fraction=0.4,
-    ),
+    **FAST_NETWORK,
 )
 # The fast recipe with what modded-nanogpt's records changed in training rather than in the network
 # (docs/RECIPES.md, benchmarks/results/2026-11-29-speedrun-ablation.md): the embedding's AdamW rate
@@ -360,55 +252,28 @@ A100_124M_FAST = _gpu_recipe(
 # recipe's final loss in 70% of its tokens). Polar Express (train.muon_coeffs) and document masking
 # (train.doc_mask) are options it leaves off: neither lowered the loss at equal tokens there. The
 # network is the fast recipe's: it exports as Qwen3.
-A100_124M_SPEEDRUN = _gpu_recipe(
-    "a100-124m-speedrun",
-    "a100",
-    "124m",
-    max_chars=9_500_000_000,
-    tie_embeddings=False,
-    qk_norm=True,
-    zero_init_proj=True,
-    description=(
-        "The fast recipe in 70% of its tokens: the embedding learns at 30x the head's rate and "
-        "the attention window grows during training; the same network, exports as Qwen3."
+A100_124M_SPEEDRUN = replace(
+    A100_124M_FAST.replace(
+        train=dict(max_steps=3500, warmup_steps=175, embed_lr_scale=30.0, window_start=256),
+        data=dict(max_chars=9_500_000_000),
     ),
-    train=_gpu_train(
-        32,
-        1024,
-        16,
-        max_steps=3500,
-        lr=1.5e-3,
-        min_lr=0.0,
-        warmup_steps=175,
-        every=250,
-        optimizer="muon",
-        schedule="wsd",
-        decay_fraction=0.4,
-        embed_lr_scale=30.0,
-        window_start=256,
-    ),
+    name="a100-124m-speedrun",
+    description="The fast recipe in 70% of its tokens: the embedding learns at 30x the head's rate "
+    "and the attention window grows during training; the same network, exports as Qwen3.",
 )
 # Three times the flagship's parameters: half the micro-batch, twice the accumulation (the same
 # tokens per step), and a lower peak learning rate as the model grows (GPT-3's table: 6e-4, 3e-4,
 # 2.5e-4).
 A100_350M = _gpu_recipe(
     "a100-350m",
-    "a100",
-    "350m",
-    description=("A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16."),
-    train=_gpu_train(
-        16, 1024, 32, max_steps=20000, lr=3e-4, min_lr=3e-5, warmup_steps=1000, every=500
-    ),
+    "A larger model for an A100 or H100: 350M parameters, GQA, context 1024, bf16.",
+    _train(16, 1024, 32, every=500, max_steps=20000, lr=3e-4, min_lr=3e-5, warmup_steps=1000),
 )
 # 80 GB holds 760M parameters at context 2048; GQA keeps the KV cache of its generation small.
 H100_760M = _gpu_recipe(
     "h100-760m",
-    "h100",
-    "760m",
-    description=("An H100 (80 GB): 760M parameters, GQA, context 2048, bf16."),
-    train=_gpu_train(
-        16, 2048, 16, max_steps=20000, lr=2.5e-4, min_lr=2.5e-5, warmup_steps=1000, every=500
-    ),
+    "An H100 (80 GB): 760M parameters, GQA, context 2048, bf16.",
+    _train(16, 2048, 16, every=500, max_steps=20000, lr=2.5e-4, min_lr=2.5e-5, warmup_steps=1000),
 )
 
 RECIPES: dict[str, Recipe] = {
@@ -432,8 +297,7 @@ def get_recipe(name: str) -> Recipe:
     """A fresh copy of a named recipe (safe to modify)."""
     if name not in RECIPES:
         raise ConfigError(
-            f"unknown recipe {name!r}{did_you_mean(name, RECIPES)}; `tinygpt recipes` "
-            "lists them: "
-            f"{', '.join(RECIPES)}"
+            f"unknown recipe {name!r}{did_you_mean(name, RECIPES)}; `tinygpt recipes` lists "
+            f"them: {', '.join(RECIPES)}"
         )
     return Recipe.from_dict(RECIPES[name].to_dict())

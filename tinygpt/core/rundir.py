@@ -40,24 +40,16 @@ from tinygpt.core.files import (
 )
 from tinygpt.core.recipes import Recipe
 
-RUN_JSON, TOKENIZER_JSON, METRICS, SAMPLES = (
-    "run.json",
-    "tokenizer.json",
-    "metrics.jsonl",
-    "samples.txt",
-)
+RUN_JSON, TOKENIZER_JSON = "run.json", "tokenizer.json"
+METRICS, SAMPLES = "metrics.jsonl", "samples.txt"
 SAMPLE_HEADING = "=== step {step} ==="  # each sample in samples.txt begins with this line
 # a step in a heading: 1 to 12 ASCII digits (`\d` takes
 # other scripts' digits, and a 5000-digit number is no step)
 _SAMPLE_HEADINGS = re.compile(
     "^" + re.escape(SAMPLE_HEADING).replace(re.escape("{step}"), r"([0-9]{1,12})") + "$", re.M
 )
-FINETUNE_JSON, ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_DIR = (
-    "finetune.json",
-    "adapter_config.json",
-    "tinygpt_finetune.json",
-    "adapter",
-)
+FINETUNE_JSON, ADAPTER_CONFIG = "finetune.json", "adapter_config.json"
+ADAPTER_INFO, ADAPTER_DIR = "tinygpt_finetune.json", "adapter"
 CHECKPOINTS, BEST = "checkpoints", "best"
 PLOTS, TENSORBOARD = "plots", "tensorboard"  # pictures of the run; TensorBoard's event files
 # beside the mirrored run folders: the token cache's shards, shared by runs
@@ -169,14 +161,10 @@ def read_json(path: str | Path, what: str = "") -> Any:
         return read_json_safe(path)
     except FileNotFoundError:
         raise RunDirError(f"{path} does not exist{what}") from None
-    except RecursionError:
-        raise RunDirError(
-            f"{path} nests JSON too deep to read: it was not written by tinygpt; restore it from "
-            "the mirror or start a new run folder"
-        ) from None
     except OSError as e:
         raise RunDirError(f"{path} could not be read ({e.strerror or e})") from None
-    # not UTF-8, not JSON, too large, a link: the message names the file and what to do
+    # not UTF-8, not JSON (or nested too deep), too large, a link: the message names the file and
+    # what to do
     except ValueError as e:
         raise RunDirError(str(e)) from None
 
@@ -295,11 +283,9 @@ class RunDir:
             return
         now = _identity(self.path)
         if now != held:
-            what = (
-                "deleted"
-                if now is None
-                else "deleted and made again (another folder now has its name)"
-            )
+            what = "deleted"
+            if now is not None:
+                what = "deleted and made again (another folder now has its name)"
             raise RunDirReplaced(
                 f"run folder {self.path} was {what} while this process was writing it, by another "
                 "tab or process: this run stopped without writing into it. What it saved is gone "

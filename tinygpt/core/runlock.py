@@ -33,12 +33,11 @@ from tinygpt.core.signals import signals_deferred
 
 @contextlib.contextmanager
 def lock(run: RunDir) -> Iterator[None]:
-    """Hold the run folder for this process: a second writer (another tab, a
-    double-run cell) is refused with a RunDirError naming the holder. The lock is the
-    kernel's (flock): a process that dies, even by kill -9, releases it, so it never
-    stays stuck. A folder this call made is removed again when nothing but the lock
-    was written in it, even when a Ctrl-C or SIGTERM arrives while the lock is being
-    taken (it is delivered once the lock is held, so the release always runs)."""
+    """Hold the run folder for this process: a second writer (another tab, a double-run cell) is
+    refused with a RunDirError naming the holder. The lock is the kernel's (flock): a process that
+    dies, even by kill -9, releases it, so it never stays stuck. A folder this call made is removed
+    again when nothing but the lock was written in it, even when a Ctrl-C or SIGTERM arrives while
+    the lock is being taken (it is delivered once the lock is held, so the release always runs)."""
     created = not run.path.exists()
     made_lock = not os.path.lexists(run.path / LOCK)
     key = os.path.abspath(run.path)
@@ -105,12 +104,8 @@ def _take_lock(run: RunDir, key: str) -> int:
             "or use another run folder"
         ) from None
     os.ftruncate(fd, 0)
-    os.pwrite(
-        fd,
-        f"process {os.getpid()} on {socket.gethostname()} (since "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(),
-        0,
-    )
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (since {since})\n".encode(), 0)
     with _HELD_LOCK:
         _HELD[key] = _identity(run.path)  # type: ignore[assignment]
     return fd

@@ -82,12 +82,7 @@ class WindowSampler:
         # every rank takes the whole global batch's windows and keeps its slice: all ranks stay at
         # the same position, which is why one saved position resumes at any world size
         windows = self._take(batch_size * world_size)[rank * batch_size : (rank + 1) * batch_size]
-        T = self.seq_len
-        w = torch.from_numpy(
-            np.stack([np.asarray(a[s : s + T + 1], dtype=np.int64) for a, s in windows])
-        )
-        # views would be pinned and copied strided
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        x, y = _inputs_targets([a[s : s + self.seq_len + 1] for a, s in windows])
         return (x, y) if self.eot_id is None else (x, y, document_ids(x, self.eot_id))
 
     def state_dict(self) -> dict:
@@ -116,6 +111,13 @@ class WindowSampler:
         self.epoch, self.shard, self.index = s["epoch"], s["shard"], s["index"]
 
 
+def _inputs_targets(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of seq_len + 1 tokens as inputs and targets, each contiguous (views would be pinned
+    and copied strided)."""
+    w = torch.from_numpy(np.stack([np.asarray(a, dtype=np.int64) for a in windows]))
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
 def fixed_batches(
     tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -130,10 +132,7 @@ def fixed_batches(
         )
     total = min(n_windows, batch_size * n_batches)
     starts = np.linspace(0, n_windows - 1, total).astype(np.int64) * seq_len
-    w = torch.from_numpy(
-        np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
-    )
-    x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    x, y = _inputs_targets([tokens[s : s + seq_len + 1] for s in starts])
     pad = -total % batch_size
     if pad:
         x = torch.cat([x, torch.zeros(pad, seq_len, dtype=x.dtype)])

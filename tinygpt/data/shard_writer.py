@@ -92,11 +92,7 @@ def _write_group(folder: Path, manifest: dict, group: _Group, documents_end: int
         data = np.concatenate(parts).tobytes() if parts else b""
         name = shard_name(split, i)
         write_bytes_atomic(folder / name, data)
-        entry[split] = {
-            "name": name,
-            "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-        }
+        entry[split] = dict(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     manifest["shards"].append(entry)
     write_json_atomic(folder / MANIFEST, manifest)
 
@@ -142,18 +138,15 @@ def write_shards(
         )
         if manifest.get("done"):
             return manifest
+
+        def stop() -> bool:
+            return should_stop() or (
+                max_shards is not None and len(manifest["shards"]) >= max_shards
+            )
+
         try:
             with _warnings_into(manifest) if warnings_to_manifest else contextlib.nullcontext():
-                _tokenize_on(
-                    cfg,
-                    tokenizer,
-                    folder,
-                    manifest,
-                    lambda: (
-                        should_stop()
-                        or (max_shards is not None and len(manifest["shards"]) >= max_shards)
-                    ),
-                )
+                _tokenize_on(cfg, tokenizer, folder, manifest, stop)
         except Exception as e:  # a DataError says what is wrong itself; others, where
             manifest["error"] = (
                 str(e) if isinstance(e, DataError) else f"tokenizing {cfg.source} failed: {e}"
@@ -298,21 +291,17 @@ def _writer_main() -> None:
     stdin): tokenizes until done, or until its parent is gone (a killed run)."""
     req = json.loads(sys.stdin.read())
     parent = req["parent"]
-    try:
-        # training comes first: on a CPU its threads would otherwise fight this process's
+    # training comes first: on a CPU its threads would otherwise fight this process's
+    with contextlib.suppress(OSError):
         os.nice(10)
-    except OSError:
-        pass
     # SIGTERM (ShardWriter.stop, a killed run) unwinds like Ctrl-C: no half-written .tmp-* file
     # stays behind
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        # GPT-2 (its parent chose tiktoken for it): tiktoken alone, no tokenizer.json to parse
-        tokenizer = (
-            TiktokenGPT2(req["fingerprint"])
-            if req.get("gpt2")
-            else Tokenizer.from_json(req["tokenizer"])
-        )
+        if req.get("gpt2"):  # its parent chose tiktoken for it: no tokenizer.json to parse
+            tokenizer = TiktokenGPT2(req["fingerprint"])
+        else:
+            tokenizer = Tokenizer.from_json(req["tokenizer"])
         write_shards(
             DataConfig.from_dict(req["data"]),
             tokenizer,

@@ -170,11 +170,9 @@ class StreamedShards(TokenShards):
             parts.append(self._map("val", i))
             n += len(parts[-1])
             i += 1
-        return (
-            np.concatenate(parts)
-            if parts
-            else np.zeros(0, np.dtype(self._manifest.get("dtype", "uint16")))
-        )
+        if not parts:
+            return np.zeros(0, np.dtype(self._manifest.get("dtype", "uint16")))
+        return np.concatenate(parts)
 
     @property
     def path(self) -> Path:
@@ -249,11 +247,9 @@ def _first_bad_shard(
             f"this vocabulary needs {want}"
         )
     for i, entry in enumerate(shards):
-        where = (
-            f"from the mirror {mirror}"
-            if i in restored and mirror is not None
-            else "in the local cache"
-        )
+        where = "in the local cache"
+        if i in restored and mirror is not None:
+            where = f"from the mirror {mirror}"
         try:
             for split in ("train", "val"):
                 info = entry[split]

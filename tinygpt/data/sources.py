@@ -233,19 +233,12 @@ def resolve_source(source: str) -> tuple[str, object]:
     if p.is_dir() and detect_token_folder(p):
         return "tokens", p  # token ids already (nanoGPT / llm.c): trained on as they are
     if p.exists():
-        if (
-            p.is_dir()
-            and not _local_files(p)
-            and not (p / "dataset_info.json").exists()
-            and not (p / "dataset_dict.json").exists()
-        ):
+        if p.is_dir() and any((p / n).exists() for n in ("dataset_info.json", "dataset_dict.json")):
+            return "hf", (str(p), None, "train")  # a dataset saved with save_to_disk
+        if p.is_dir() and not _local_files(p):
             raise DataError(
                 f"folder {p} holds no text files ({', '.join(sorted(TEXT_SUFFIXES)[:6])}, ...)"
             )
-        if p.is_dir() and (
-            (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()
-        ):
-            return "hf", (str(p), None, "train")  # a dataset saved with save_to_disk
         return "local", p
     raise DataError(
         f"data source {source!r} is neither 'builtin', an existing file or folder, nor a Hugging "

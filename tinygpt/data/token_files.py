@@ -14,8 +14,7 @@ the validation tokens and of the first train shard) before it returns, so a bad 
 any training; the ids of the other train shards are checked by the caller with `check_shard_ids` as
 each is first used, because scanning every token up front would take minutes.
 
-`DataError` is defined here, the lowest data module (data.py re-exports it), so data.py can tell a
-token folder from a text folder.
+`DataError` is defined here, the lowest data module (sources.py hands it on).
 """
 
 from __future__ import annotations
@@ -205,20 +204,17 @@ def _split_files(folder: Path, kind: str) -> tuple[list[Path], list[Path]]:
     if kind == "nanogpt":
         train = [p for p in [folder / "train.bin"] if p.is_file()]
         val = [p for p in [folder / "val.bin"] if p.is_file()]
+        want_train, want_val = "train.bin", "val.bin"
     else:
         train = [p for p in _bins(folder) if not _is_val(p)]
         val = [p for p in _bins(folder) if _is_val(p)]
-    what = "train.bin" if kind == "nanogpt" else "a *.bin shard without 'val' in its name"
+        want_train = "a *.bin shard without 'val' in its name"
+        want_val = "a *.bin shard with 'val' in its name, e.g. fineweb_val_000000.bin"
     if not train:
-        raise DataError(f"{folder} has no train tokens: add {what} ({kind} format)")
-    what = (
-        "val.bin"
-        if kind == "nanogpt"
-        else "a *.bin shard with 'val' in its name, e.g. fineweb_val_000000.bin"
-    )
+        raise DataError(f"{folder} has no train tokens: add {want_train} ({kind} format)")
     if not val:
         raise DataError(
-            f"{folder} has no validation tokens: add {what} ({kind} format), e.g. split a few "
+            f"{folder} has no validation tokens: add {want_val} ({kind} format), e.g. split a few "
             "million tokens off the train data"
         )
     return train, val
@@ -236,15 +232,12 @@ def open_token_folder(path: str | Path, vocab_size: int) -> TokenFiles:
     folder = Path(path)
     kind = detect_token_folder(folder)
     if kind is None:
-        where = (
-            "does not exist"
-            if not folder.exists()
-            else "is not a folder"
-            if not folder.is_dir()
-            else "holds neither nanoGPT's train.bin/val.bin nor llm.c shards (*.bin starting with "
-            "magic "
-            "20240520 or 20240801)"
-        )
+        where = "does not exist" if not folder.exists() else "is not a folder"
+        if folder.is_dir():
+            where = (
+                "holds neither nanoGPT's train.bin/val.bin nor llm.c shards (*.bin starting with "
+                "magic 20240520 or 20240801)"
+            )
         raise DataError(f"{folder} {where}; point data.source at a folder of token files")
     train_files, val_files = _split_files(folder, kind)
     if kind == "nanogpt":

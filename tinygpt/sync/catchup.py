@@ -9,7 +9,13 @@ import os
 import warnings
 from pathlib import Path
 
-from tinygpt.core.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
+from tinygpt.core.checkpoint import (
+    MANIFEST,
+    list_checkpoints,
+    newest_complete,
+    step_of,
+    verify_checkpoint,
+)
 from tinygpt.core.files import read_bytes_safe
 from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, METRICS, run_file_limit
 from tinygpt.sync.copy import Backoff, manifest_step, whole_lines
@@ -35,7 +41,7 @@ def _missing(path: Path) -> bool:
     except FileNotFoundError:
         return True
     except OSError:
-        return False
+        pass
     return False
 
 
@@ -63,23 +69,12 @@ def mirror_lag(local_run_dir: str | Path, mirror_run_dir: str | Path) -> list[st
             f"first), so this run copies nothing there: use another --mirror folder for it"
         ]
     try:
-        newest = next(
-            (
-                p
-                for _, p in reversed(list_checkpoints(local / CHECKPOINTS))
-                if verify_checkpoint(p, deep=False)[0]
-            ),
-            None,
-        )
+        newest = newest_complete(local / CHECKPOINTS)
         if newest is not None and not _same_folder(newest, mirror / CHECKPOINTS / newest.name):
-            there = [
-                s
-                for s, p in list_checkpoints(mirror / CHECKPOINTS)
-                if verify_checkpoint(p, deep=False)[0]
-            ]
+            there = newest_complete(mirror / CHECKPOINTS)
             out.append(
                 f"checkpoint step {manifest_step(newest)} (the mirror's newest: "
-                f"{f'step {max(there)}' if there else 'none'})"
+                f"{f'step {step_of(there)}' if there else 'none'})"
             )
         for name in (BEST, ADAPTER_DIR):
             if (local / name / MANIFEST).is_file() and not _same_folder(
@@ -88,11 +83,9 @@ def mirror_lag(local_run_dir: str | Path, mirror_run_dir: str | Path) -> list[st
                 out.append(f"{name}/")
         if (local / METRICS).is_file():
             ours = whole_lines(local / METRICS)
-            theirs = (
-                read_bytes_safe(mirror / METRICS, run_file_limit(METRICS))
-                if (mirror / METRICS).is_file()
-                else b""
-            )
+            theirs = b""
+            if (mirror / METRICS).is_file():
+                theirs = read_bytes_safe(mirror / METRICS, run_file_limit(METRICS))
             if not theirs.startswith(ours):
                 out.append(METRICS)
     except OSError as e:
@@ -110,9 +103,8 @@ def catch_up(
 ) -> list[str]:
     """Copy to the mirror what the local run holds and it lacks (a run that ended with the mirror
     full or offline), within `timeout`; what it still lacks afterwards ([] when nothing)."""
-    with warnings.catch_warnings():
-        # the answer is the list returned: one line, said by the caller
-        warnings.simplefilter("ignore")
+    # the answer is the list returned: one line, said by the caller
+    with warnings.catch_warnings(action="ignore"):
         m = Mirror(
             local_run_dir,
             mirror_run_dir,

@@ -199,10 +199,10 @@ def _copy_folder(
 ) -> None:
     """Copy `files` (name -> size, sha256) into a temp folder, verifying each, then write `last`
     (name -> bytes) in order and rename the folder into place."""
+    # a linked checkpoints/ or step folder would copy from or to somewhere else (the mirror's own
+    # path is the user's choice: a link there is theirs)
     for p in (src, *(d for d in (src.parent, dst.parent) if d.name == CHECKPOINTS)):
-        # a linked checkpoints/ or step folder would copy from or to somewhere else (the
         check_not_link(p)
-        # mirror's own path is the user's choice: a link there is theirs)
     tmp = tmp_sibling(dst, tag)
     try:  # made inside the try: a Ctrl-C that lands just after the mkdir still removes it
         fresh_tmp_dir(tmp)
@@ -292,26 +292,21 @@ def prune_mirror(
 # ---- one-off folders (a finetuning run's adapter) ------------------------------------------------
 
 
-def _mirror_copy(what: str, fn, where: Path) -> bool:
-    """Run a copy to or from the mirror with a few retries (none for a permanent error); a Drive
-    failure warns, it never stops a run."""
-    try:
-        Backoff(max_attempts=4).run(fn, permanent=lambda e: is_permanent(e, where))
-        return True
-    except OSError as e:
-        warnings.warn(
-            f"Drive mirror: could not copy {what} ({said(e)}); the local run folder has it",
-            stacklevel=3,
-        )
-        return False
-
-
 def mirror_adapter(adapter_dir: Path, mirror: Path, step: int) -> Path | None:
     """Copy an adapter folder to mirror/adapter, each file checked against a manifest written here
-    first."""
+    first, with a few retries (none for a permanent error); a Drive failure warns, it never stops a
+    run."""
     write_manifest(adapter_dir, {"step": int(step), "kind": "adapter"})
     dst = mirror / ADAPTER_DIR
-    copied = _mirror_copy(
-        f"the adapter to {dst}", lambda: copy_checkpoint(adapter_dir, dst), mirror
-    )
-    return dst if copied else None
+    try:
+        Backoff(max_attempts=4).run(
+            lambda: copy_checkpoint(adapter_dir, dst), permanent=lambda e: is_permanent(e, mirror)
+        )
+        return dst
+    except OSError as e:
+        warnings.warn(
+            f"Drive mirror: could not copy the adapter to {dst} ({said(e)}); the local run folder "
+            "has it",
+            stacklevel=2,
+        )
+        return None

@@ -47,9 +47,8 @@ def run_identity(local: str | Path, mirror: str | Path | None, config: dict) -> 
     before anything is written (MirrorTaken), a mirror that another run owns: another
     configuration, or another run id than the run folder's. A mirror that cannot be
     read is left to the mirror's own retries: it never stops a run here."""
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[
-        :16
-    ]
+    config_json = json.dumps(config, sort_keys=True, default=str).encode()
+    digest = hashlib.sha256(config_json).hexdigest()[:16]
     mine = read_identity(Path(local))
     theirs = None
     if mirror is not None:
@@ -68,9 +67,8 @@ def run_identity(local: str | Path, mirror: str | Path | None, config: dict) -> 
         if mine is not None and mine["run_id"] != theirs["run_id"]:
             raise MirrorTaken(
                 f"the mirror {mirror} belongs to run {theirs['run_id']} (its {IDENTITY}) and run "
-                f"folder {local} is "
-                f"run {mine['run_id']}: two runs would mix their checkpoints; nothing was written. "
-                "Use another --mirror folder (one per run)"
+                f"folder {local} is run {mine['run_id']}: two runs would mix their checkpoints; "
+                "nothing was written. Use another --mirror folder (one per run)"
             )
         return theirs
     return mine if mine is not None else {"run_id": uuid.uuid4().hex[:12], "config": digest}

@@ -19,12 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinygpt.core.callback import Callback
-from tinygpt.core.checkpoint import (
-    MANIFEST,
-    list_checkpoints,
-    step_name,
-    verify_checkpoint,
-)
+from tinygpt.core.checkpoint import MANIFEST, newest_complete, step_name, step_of, verify_checkpoint
 from tinygpt.core.files import clean_leftovers, read_bytes_safe, write_bytes_atomic
 from tinygpt.core.rundir import ADAPTER_DIR, BEST, CHECKPOINTS, RUN_FILES, RunDir
 from tinygpt.sync.copy import (
@@ -80,11 +75,10 @@ class MirrorStatus:
     superseded: int = 0
 
     def __str__(self) -> str:
-        s = (
-            f"mirror: step {self.last_synced_step} synced"
-            if self.last_synced_step is not None
-            else "mirror: no checkpoint synced yet"
-        ) + f", {self.pending} pending"
+        s = "mirror: no checkpoint synced yet"
+        if self.last_synced_step is not None:
+            s = f"mirror: step {self.last_synced_step} synced"
+        s += f", {self.pending} pending"
         if self.last_error:
             s += f", {self.errors} errors, last: {self.last_error}"
         return s
@@ -130,8 +124,7 @@ class Mirror(Callback):
         self._cond = threading.Condition()
         # key (path in the run folder) -> (local path, step)
         self._pending: dict[str, tuple[Path, int]] = {}
-        self._busy = False
-        self._closing = False
+        self._busy = self._closing = False
         self._files_dirty = True  # run.json and tokenizer.json go over before the first checkpoint
         self._files_synced_at = float("-inf")
         # (size, mtime_ns) of each file when last copied
@@ -210,11 +203,9 @@ class Mirror(Callback):
             if self._files_dirty:
                 self.not_synced.append("the latest run files (metrics.jsonl, samples.txt, ...)")
         last = self._holds(st.last_synced_step)
-        how = (
-            "after the wait"
-            if self._dead is None
-            else f"at once ({self._dead}: waiting would not help)"
-        )
+        how = "after the wait"
+        if self._dead is not None:
+            how = f"at once ({self._dead}: waiting would not help)"
         warnings.warn(
             f"Drive mirror {self.mirror}: gave up {how}; on the mirror: {last}; not on "
             f"it: {'; '.join(self.not_synced) or 'nothing'}; last error: "
@@ -256,24 +247,24 @@ class Mirror(Callback):
         with self._cond:
             first = self._status.errors == 0
             self._last_exc = e
-            self._status.errors += 1
-            self._status.last_error = said(e)
-            self._status.last_error_at = self.clock()
+            self._count_error(e)
         if first:  # say so at once; the retries go on behind training
             warnings.warn(
                 f"Drive mirror {self.mirror}: {said(e)}; training goes on and the copy is retried",
                 stacklevel=2,
             )
 
+    def _count_error(self, e: BaseException) -> None:  # under self._cond
+        self._status.errors += 1
+        self._status.last_error, self._status.last_error_at = said(e), self.clock()
+
     def _catch_up_items(self) -> None:
         """What the local run holds that the mirror may lack (its newest checkpoint, best/, the
         adapter): queued at the start, so a mirror left behind by an earlier run (full, offline)
         catches up now. A copy the mirror has already is recognised by its manifest and skipped."""
         items: dict[str, tuple[Path, int]] = {}
-        for s, p in reversed(list_checkpoints(self.local / CHECKPOINTS)):
-            if verify_checkpoint(p, deep=False)[0]:
-                items[f"{CHECKPOINTS}/{p.name}"] = (p, s)
-                break
+        if (p := newest_complete(self.local / CHECKPOINTS)) is not None:
+            items[f"{CHECKPOINTS}/{p.name}"] = (p, step_of(p))
         for name in (BEST, ADAPTER_DIR):
             if (self.local / name / MANIFEST).is_file():
                 items[name] = (self.local / name, manifest_step(self.local / name))
@@ -344,9 +335,7 @@ class Mirror(Callback):
             if self._permanent(e):
                 with self._cond:
                     self._dead = e
-                    self._status.errors += 1
-                    self._status.last_error = said(e)
-                    self._status.last_error_at = self.clock()
+                    self._count_error(e)
                 warnings.warn(
                     f"Drive mirror {self.mirror}: {said(e)}; waiting would "
                     "not help, so the mirror is off for this run (training goes on; the "

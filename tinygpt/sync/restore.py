@@ -42,11 +42,18 @@ def restore_latest(
     if mirror is not None:
         # another run's tokenizer: refused before anything is copied
         _check_defining_files(local, mirror)
-        listed = _list_mirror(mirror, backoff)
-        if listed is None:
-            mirror = None
-        else:
+        try:  # no wait where it cannot help
+            listed = backoff.run(
+                lambda: list_checkpoints(RunDir(mirror).checkpoints),
+                permanent=lambda e: is_permanent(e, mirror),
+            )
             candidates += [(s, 0, p) for s, p in listed]
+        except OSError as e:
+            warnings.warn(
+                f"cannot read the mirror {mirror} ({e}); resuming from local checkpoints only",
+                stacklevel=2,
+            )
+            mirror = None
     chosen, mirror = _first_valid(candidates, local, mirror, backoff, copy_file, tag)
     if chosen is None and candidates:
         warnings.warn(
@@ -62,23 +69,6 @@ def restore_latest(
         except OSError as e:
             warnings.warn(f"could not restore best/ or run files from {mirror}: {e}", stacklevel=2)
     return chosen
-
-
-def _list_mirror(mirror: Path, backoff: Backoff) -> list[tuple[int, Path]] | None:
-    """The mirror's checkpoints as (step, folder), or None when the mirror cannot be read: a warning
-    says the restore goes on with local checkpoints only. A permanent error is not retried."""
-    try:
-        # no wait where it cannot help
-        return backoff.run(
-            lambda: list_checkpoints(RunDir(mirror).checkpoints),
-            permanent=lambda e: is_permanent(e, mirror),
-        )
-    except OSError as e:
-        warnings.warn(
-            f"cannot read the mirror {mirror} ({e}); resuming from local checkpoints only",
-            stacklevel=3,  # restore_latest's caller
-        )
-        return None
 
 
 def _first_valid(

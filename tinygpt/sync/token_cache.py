@@ -163,41 +163,27 @@ class ShardMirror:
         every_s: float = 20.0,
         copy_file: CopyFile = plain_copy,
     ):
-        self.local, self.mirror, self.every_s, self.copy_file = (
-            local_dir,
-            mirror_dir,
-            every_s,
-            copy_file,
-        )
+        self.local, self.mirror = local_dir, mirror_dir
+        self.every_s, self.copy_file = every_s, copy_file
         self._stop = threading.Event()
         self._home: int | None = None  # the device of the folder holding the token cache, once made
         self._thread = threading.Thread(target=self._run, name="tinygpt-shard-mirror", daemon=True)
         self._thread.start()
 
+    def _sync(self) -> int:
+        backoff = Backoff(max_attempts=3)
+        return sync_shards(self.local, self.mirror, backoff=backoff, copy_file=self.copy_file)
+
     def _run(self) -> None:
         while True:
-            if (
-                self._gone()
-                or sync_shards(
-                    self.local,
-                    self.mirror,
-                    backoff=Backoff(max_attempts=3),
-                    copy_file=self.copy_file,
-                )
-                < 0
-            ):
+            if self._gone() or self._sync() < 0:
                 return  # a permanent error: said once; the shards are only a cache
             there = _shard_manifest(self.mirror)
             if there is not None and there.get("done"):
                 return
             if self._stop.wait(self.every_s):
                 if not self._gone():
-                    sync_shards(
-                        self.local,
-                        self.mirror,
-                        backoff=Backoff(max_attempts=3),
-                        copy_file=self.copy_file,
-                    )
+                    self._sync()
                 return
 
     def _gone(self) -> bool:
@@ -205,11 +191,9 @@ class ShardMirror:
         on Drive) has gone since the first copy (Drive unmounted, the folder
         deleted), said once; it is made at the first copy only, and never under an
         unmounted Drive mount point: nothing is copied onto the VM's own disk."""
-        home = (
-            self.mirror.parent.parent
-            if self.mirror.parent.name == TOKEN_CACHE
-            else self.mirror.parent
-        )
+        home = self.mirror.parent
+        if home.name == TOKEN_CACHE:
+            home = home.parent
         why = None
         if self._home is None:
             if (drive := unmounted_drive(home)) is not None:
