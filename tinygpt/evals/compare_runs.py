@@ -10,9 +10,9 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+from tinygpt.core.datafiles import DataFormatError
 from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import METRICS, RunDir, missing_run_message
-from tinygpt.evals.code import DataFormatError
 from tinygpt.model.gpt import meta_model
 
 

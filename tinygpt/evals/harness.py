@@ -163,8 +163,7 @@ CHUNK = 32  # new tokens between two looks for the end of the answer
 
 
 def _opens(text: str) -> bool:
-    """Whether text can begin a line of a function's
-    body: indented, and no line end before its code."""
+    """Whether text can begin a line of a function's body: indented, no line end before its code."""
     line, end, _ = text.partition("\n")
     return line[:1] in (" ", "\t") and "\r" not in line and (not end or bool(line.strip()))
 
@@ -179,6 +178,7 @@ def _note(line: str) -> None:
         tqdm.write(line, file=sys.stderr)
 
 
+@dataclass
 class Generator:
     """`generate(prompt) -> completion` within the model's context. A prompt that leaves the answer
     less than `max_new_tokens` is cut from the left to leave it at least half the context (`room`),
@@ -190,24 +190,19 @@ class Generator:
     model's likeliest next line often leaves the function at once (a blank line and the next `def`),
     an empty answer that says nothing about the code it can write."""
 
-    def __init__(
-        self,
-        m: Loaded,
-        max_new_tokens: int,
-        temperature: float,
-        done: Callable[[str], bool] | None = None,
-        say: Callable[[str], None] | None = None,
-        seed: int = 0,
-        body: bool = False,
-    ):
-        self.m, self.max_new_tokens, self.temperature, self.done = (
-            m,
-            max_new_tokens,
-            temperature,
-            done,
-        )
-        self.context, self.cut, self.seed, self.calls = context_length(m), 0, seed, 0
-        self.say, self.body, self.texts = say or _note, body, None
+    m: Loaded
+    max_new_tokens: int
+    temperature: float
+    done: Callable[[str], bool] | None = None
+    say: Callable[[str], None] = _note
+    seed: int = 0
+    body: bool = False
+    cut: int = field(default=0, init=False)  # prompts cut so far
+    calls: int = field(default=0, init=False)
+    texts: list[str] | None = field(default=None, init=False)  # each token's text, by id
+
+    def __post_init__(self) -> None:
+        self.context = context_length(self.m)
 
     def encode(self, prompt: str) -> list[int]:
         # verbose=False: transformers' "longer than the specified maximum" warning is ours to say
@@ -240,8 +235,7 @@ class Generator:
 
     @contextlib.contextmanager
     def _seeded(self) -> Iterator[torch.Tensor]:
-        """A context with its own seeded random state
-        (the caller's is restored), for `ids`' tensor."""
+        """A context with its own seeded random state (the caller's is restored); yields the device."""
         device = next(self.m.model.parameters()).device
         self.calls += 1
         with (
@@ -252,7 +246,6 @@ class Generator:
             yield device
 
     def _texts(self) -> list[str]:
-        """Each token's text, by id (read once)."""
         if self.texts is None:
             size = len(self.m.tokenizer) if self.m.is_hf else self.m.tokenizer.vocab_size
             self.texts = [self.decode([i]) for i in range(size)]
@@ -303,11 +296,10 @@ class Generator:
             if m.is_hf:
                 tok = m.tokenizer
                 pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-                sampling = (
-                    {"do_sample": False}
-                    if greedy
-                    else {"do_sample": True, "temperature": self.temperature}
-                )
+                sampling = {
+                    "do_sample": not greedy,
+                    **({} if greedy else {"temperature": self.temperature}),
+                }
                 out = m.model.generate(
                     input_ids=x,
                     attention_mask=torch.ones_like(x),
@@ -347,17 +339,6 @@ class Generator:
         return text
 
 
-def generator(
-    m: Loaded,
-    max_new_tokens: int,
-    temperature: float,
-    done: Callable[[str], bool] | None = None,
-    body: bool = False,
-) -> Generator:
-    """A `Generator` for the model (see there)."""
-    return Generator(m, max_new_tokens, temperature, done, body=body)
-
-
 # --- the code tasks (HumanEval, MBPP): generated code run against each problem's tests ------------
 
 
@@ -393,8 +374,8 @@ def code_task(
         stops = problems[0].stops if problems else ()
         # HumanEval: the answer is a body
         body = bool(problems) and problems[0].prefix == problems[0].prompt
-        generate = generator(
-            m, r.max_new_tokens, temperature, lambda text: code.answer_ended(text, stops), body
+        generate = Generator(
+            m, r.max_new_tokens, temperature, lambda text: code.answer_ended(text, stops), body=body
         )
         res = code.evaluate_code(
             problems, generate, r.n, r.k, progress=r.progress, unsafe=r.unsafe_exec

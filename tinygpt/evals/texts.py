@@ -7,16 +7,16 @@ import contextlib
 from pathlib import Path
 
 from tinygpt.core.config import DataConfig
+from tinygpt.core.datafiles import DataFile, DataFormatError
 from tinygpt.core.paths import is_hub
 from tinygpt.data.sources import iter_documents
-from tinygpt.evals.code import DataFile, DataFormatError
 
 EVAL_TEXT_CHARS = 64 << 20  # the most characters of an evaluation text read without --max-chars
 
 
 def read_text(path: str | Path, max_chars: int | None = None) -> str:
     """A UTF-8 text file (.txt, .gz or .bz2), at most `max_chars` characters of it, read a piece at
-    a time (never more than that in memory; `code.DataFile`: a line over 16 MB, bytes that are not
+    a time (never more than that in memory; `DataFile`: a line over 16 MB, bytes that are not
     UTF-8 or a damaged archive are one line naming the file). Without `max_chars` a text over
     EVAL_TEXT_CHARS characters (a small archive can hold gigabytes) is refused in one line naming
     the file."""

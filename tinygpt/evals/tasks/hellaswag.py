@@ -12,10 +12,9 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tinygpt.core.datafiles import DataFormatError, json_object
+from tinygpt.core.datafiles import DataFile, DataFormatError, json_object
 from tinygpt.core.files import safe_name, write_text_atomic
 from tinygpt.core.paths import cache_root, hub_spec, is_hub
-from tinygpt.evals.code import DataFile
 from tinygpt.evals.harness import Loaded, Request, Task, context_length, default_data
 from tinygpt.evals.lm import ChoiceItem, as_causal_lm, multiple_choice
 from tinygpt.evals.texts import from_hub

@@ -24,7 +24,7 @@ from tinygpt.core.units import duration
 from tinygpt.data.sources import is_validation_document, iter_documents
 from tinygpt.evals import lm
 from tinygpt.evals.code import CodeProblem, bleu_with_signature, empty_share
-from tinygpt.evals.harness import Loaded, Request, Task, generator
+from tinygpt.evals.harness import Generator, Loaded, Request, Task
 
 MAX_BODY_CHARS = 400  # bodies a small model can write within its default 128 new tokens
 _DEF = re.compile(r"([ \t]*)def \w")
@@ -129,7 +129,7 @@ def grade(problems: list[CodeProblem], bodies: list[str]) -> dict[str, Any]:
 def score(m: Loaded, r: Request) -> dict[str, Any]:
     problems = held_out_functions(r.limit)
     temperature = 0.0 if r.temperature is None else r.temperature
-    generate, bodies = generator(m, r.max_new_tokens, temperature, ended, body=True), []
+    generate, bodies = Generator(m, r.max_new_tokens, temperature, ended, body=True), []
 
     def run(batch: list[CodeProblem]) -> None:
         bodies.extend(body(generate(p.prompt)) for p in batch)
