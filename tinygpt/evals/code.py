@@ -151,9 +151,9 @@ class CodeProblem:
     handles: bool = True
 
     def valid_syntax(self, completion: str) -> bool:
-        """The model wrote valid code: not blank, it parses after the prefix, and it adds at least one
-        statement (to the entry point's function when the prefix defines it): a prompt's header and
-        docstring alone parse, so an empty answer or a lone comment is not valid syntax."""
+        """The model wrote valid code: not blank, it parses after the prefix, and it adds at least
+        one statement (to the entry point's function when the prefix defines it): a prompt's header
+        and docstring alone parse, so an empty answer or a lone comment is not valid syntax."""
         tree = _parse(self.prefix + completion) if completion.strip() else None
         before = _parse(self.prefix) if self.prefix else None
         if tree is None or before is None:
@@ -161,7 +161,7 @@ class CodeProblem:
         return _statements(tree, self.entry_point) > _statements(before, self.entry_point)
 
     def clean(self, completion: str) -> str:
-        """Code from a raw completion: a fenced block if there is one, else the text up to a stop."""
+        """Code from a raw completion: its fenced block if any, else the text up to a stop."""
         if "```" in completion:
             return extract_code(completion)
         return truncate_at_stops(completion, self.stops)

@@ -235,7 +235,7 @@ class Generator:
 
     @contextlib.contextmanager
     def _seeded(self) -> Iterator[torch.Tensor]:
-        """A context with its own seeded random state (the caller's is restored); yields the device."""
+        """Its own seeded random state (the caller's is restored after); yields the device."""
         device = next(self.m.model.parameters()).device
         self.calls += 1
         with (

@@ -237,32 +237,9 @@ class Remote:
     def __setattr__(self, name, value):
         self._ask("set", name, value)
 
-    def __len__(self):
-        return self._ask("op", "__len__", ())
 
-    def __iter__(self):
-        return self._ask("op", "__iter__", ())
-
-    def __next__(self):
-        return self._ask("op", "__next__", ())
-
-    def __getitem__(self, k):
-        return self._ask("op", "__getitem__", (k,))
-
-    def __setitem__(self, k, v):
-        self._ask("op", "__setitem__", (k, v))
-
-    def __delitem__(self, k):
-        self._ask("op", "__delitem__", (k,))
-
-    def __contains__(self, k):
-        return self._ask("op", "__contains__", (k,))
-
-    def __str__(self):
-        return self._ask("op", "__str__", ())
-
-    def __repr__(self):
-        return self._ask("op", "__repr__", ())
+for _op in OPS:  # len, iteration, indexing, `in`, str and repr: asked of the solution's object
+    setattr(Remote, _op, lambda self, *args, _op=_op: self._ask("op", _op, args))
 
 
 class Link:

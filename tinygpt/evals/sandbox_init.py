@@ -101,63 +101,6 @@ def _child_env(cwd: str, n_fds: int) -> dict[str, str]:
     }
 
 
-def _spawn(
-    job: dict,
-    role: str,
-    source: str,
-    cwd: str,
-    fds: list[int],
-    out: str,
-    err: str,
-    uid: int | None,
-    jail: Jail | None,
-    drop: bool,
-) -> tuple[int, int]:
-    """fork + exec of a child: its job on a pipe as stdin, output to files, `fds` as 3, 4, 5; in the
-    child, before exec: its own session, setgroups([]) / setgid / setuid (root mode), the limits,
-    no-new-privs. Returns (pid, the write end of its stdin). Plain os calls: no subprocess
-    import."""
-    import fcntl
-
-    r, w = os.pipe()
-    o = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    e = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    env = _child_env(cwd, len(fds))
-    libc = jail.libc if jail is not None else _host_libc()
-    seccomp = seccomp_filter(job["max_processes"] > 1) if libc is not None else None
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (r, o, e, *fds)]
-            for target, fd in enumerate(high):
-                os.dup2(fd, target)  # inheritable
-            os.closerange(len(high), 1 << 20)
-            os.chdir(cwd)
-            if uid is not None:
-                os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-            _limits(job, libc, jail.drop_capabilities if drop else None, seccomp)
-            # Its own session keeps it out of the supervisor's process group, so when the caller
-            # SIGKILLs the supervisor (Ctrl-C, SIGTERM) only this signal ends it where no PID
-            # namespace does (uid, none)
-            if libc is not None:
-                # PR_SET_PDEATHSIG: SIGKILL (set after setuid, which would clear it)
-                libc.prctl(1, 9, 0, 0, 0)
-            # the supervisor died before that: nobody would ever stop this one
-            if os.getppid() != parent:
-                os._exit(127)
-            os.execve(job["python"], [job["python"], "-I", "-S", "-c", source, role], env)
-        except BaseException as ex:  # noqa: BLE001 (a child must never return into the supervisor)
-            os.write(2, f"sandbox: could not start the {role} process: {ex!r}\n".encode())
-        os._exit(127)
-    for fd in (r, o, e):
-        os.close(fd)
-    return pid, w
-
-
 def _wait(pid: int, timeout: float) -> int | None:
     """The exit status (negative: the signal) or None after `timeout` seconds."""
     import select
@@ -271,21 +214,58 @@ class _Sandbox:
         self.timed_out = False
         self.ready = b""
 
+    def _spawn(self, role: str) -> tuple[int, int]:
+        """fork + exec of a child: its job on a pipe as stdin, output to files, its descriptors
+        as 3, 4, 5; in the child, before exec: its own session, setgroups([]) / setgid / setuid
+        (root mode), the limits, no-new-privs. Returns (pid, the write end of its stdin). Plain os
+        calls: no subprocess import."""
+        import fcntl
+
+        job, jail, uid, fds = self.job, self.jail, self.uids.get(role), self.fds[role]
+        cwd = f"{self.work}/{role}"
+        r, w = os.pipe()
+        o = os.open(f"{self.out_dir}/{role}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        e = os.open(f"{self.out_dir}/{role}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        env = _child_env(cwd, len(fds))
+        libc = jail.libc if jail is not None else _host_libc()
+        seccomp = seccomp_filter(job["max_processes"] > 1) if libc is not None else None
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (r, o, e, *fds)]
+                for target, fd in enumerate(high):
+                    os.dup2(fd, target)  # inheritable
+                os.closerange(len(high), 1 << 20)
+                os.chdir(cwd)
+                if uid is not None:
+                    os.setgroups([])
+                    os.setresgid(uid, uid, uid)
+                    os.setresuid(uid, uid, uid)
+                drop = jail.drop_capabilities if job["mode"] == "userns" else None
+                _limits(job, libc, drop, seccomp)
+                # Its own session keeps it out of the supervisor's process group, so when the caller
+                # SIGKILLs the supervisor (Ctrl-C, SIGTERM) only this signal ends it where no PID
+                # namespace does (uid, none)
+                if libc is not None:
+                    # PR_SET_PDEATHSIG: SIGKILL (set after setuid, which would clear it)
+                    libc.prctl(1, 9, 0, 0, 0)
+                # the supervisor died before that: nobody would ever stop this one
+                if os.getppid() != parent:
+                    os._exit(127)
+                os.execve(job["python"], [job["python"], "-I", "-S", "-c", self.source, role], env)
+            except BaseException as ex:  # noqa: BLE001 (a child never returns into the supervisor)
+                os.write(2, f"sandbox: could not start the {role} process: {ex!r}\n".encode())
+            os._exit(127)
+        for fd in (r, o, e):
+            os.close(fd)
+        return pid, w
+
     def start(self, role: str, payload: dict) -> None:
         import marshal
 
-        self.pids[role], stdin = _spawn(
-            self.job,
-            role,
-            self.source,
-            f"{self.work}/{role}",
-            self.fds[role],
-            f"{self.out_dir}/{role}.out",
-            f"{self.out_dir}/{role}.err",
-            self.uids.get(role),
-            self.jail,
-            self.job["mode"] == "userns",
-        )
+        self.pids[role], stdin = self._spawn(role)
         try:
             data = marshal.dumps(payload)
             while data:
