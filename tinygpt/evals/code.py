@@ -5,8 +5,7 @@ the solution and the test in two processes, so the model's code cannot forge the
 Each code task (tinygpt/evals/tasks/humaneval.py, mbpp.py) loads its problems into one form,
 `CodeProblem`: the solution is ``prefix + completion``; the test process runs ``context``
 (HumanEval's prompt, for its helpers), then ``test`` against the solution's names (HumanEval: the
-entry point; MBPP: every name the solution defines).
-"""
+entry point; MBPP: every name the solution defines)."""
 
 from __future__ import annotations
 

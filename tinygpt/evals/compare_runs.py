@@ -1,7 +1,6 @@
 """Training runs as a user compares them: a summary with a diagnosis, comparison tables, loss plots.
 
-A run folder's files are read through `tinygpt.core.rundir.RunDir` (see docs/ARCHITECTURE.md).
-"""
+A run folder's files are read through `tinygpt.core.rundir.RunDir` (see docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl (a cut-off last
-    line, from a run killed mid-write, is skipped)."""
+    """The records of a run's metrics.jsonl (a cut-off last line, from a run killed mid-write, is
+    skipped)."""
     run = RunDir(run_dir)
     if not run.path.exists():
         raise FileNotFoundError(missing_run_message(run.path))
@@ -102,8 +101,8 @@ def _diagnose(train: list[dict], val: list[dict]) -> list[str]:
 
 
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
-    """The numbers of a run from metrics.jsonl and
-    run.json, with a diagnosis (a list of findings)."""
+    """The numbers of a run from metrics.jsonl and run.json, with a diagnosis (a list of
+    findings)."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     info = RunDir(run_dir).info_or_empty()
@@ -156,29 +155,18 @@ def _num_params(info: dict[str, Any]) -> int | None:
     return meta_model(Recipe.from_dict(info["recipe"]).model).num_params()
 
 
+# the figures of a summary a comparison shows, after the run, its recipe and its size
+COMPARED = "steps tokens_seen loss_last val_loss_best tokens_per_s mfu memory_gb_max".split()
+
+
 def compare_runs(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
     """A table (one dict per run) of the runs' sizes and final metrics, ready for a DataFrame."""
     rows = []
     for d in run_dirs:
         s = summarize_run(d)
+        params = _num_params(RunDir(d).info_or_empty())
         rows.append(
-            {
-                "run": s["run"],
-                "recipe": s["recipe"],
-                "params": _num_params(RunDir(d).info_or_empty()),
-                **{
-                    k: s[k]
-                    for k in (
-                        "steps",
-                        "tokens_seen",
-                        "loss_last",
-                        "val_loss_best",
-                        "tokens_per_s",
-                        "mfu",
-                        "memory_gb_max",
-                    )
-                },
-            }
+            {"run": s["run"], "recipe": s["recipe"], "params": params} | {k: s[k] for k in COMPARED}
         )
     return rows
 

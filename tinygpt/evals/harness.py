@@ -1,12 +1,11 @@
-"""What every evaluation task is made of: the `Task` record a task module declares,
-the `Request` a caller makes (its fields are also `tinygpt eval`'s options, see
-`tinygpt.evals.eval_options`), the model loaded once for it (`load_for_eval`), text
-generation within the model's context, and the parts the code tasks share.
+"""What every evaluation task is made of: the `Task` record a task module declares, the `Request` a
+caller makes (its fields are also `tinygpt eval`'s options, see `tinygpt.evals.eval_options`), the
+model loaded once for it (`load_for_eval`), text generation within the model's context, and the
+parts the code tasks share.
 
-A task module (`tinygpt/evals/tasks/<name>.py`) holds its data sources,
-help, default sizes, scorer and how its result prints, in one `TASK =
-Task(...)`; the registry (`tinygpt.evals.tasks.TASKS`) lists the modules.
-"""
+A task module (`tinygpt/evals/tasks/<name>.py`) holds its data sources, help, default sizes, scorer
+and how its result prints, in one `TASK = Task(...)`; the registry (`tinygpt.evals.tasks.TASKS`)
+lists the modules."""
 
 from __future__ import annotations
 

@@ -3,16 +3,15 @@
 stdin, builds the jail (in namespace modes it is PID 1 of a new PID namespace and owns a private
 mount namespace: a size-capped tmpfs becomes ``/``, with ``/usr``, the Python install and five
 device files bound read-only, so nothing else of the machine exists in there; sandbox_jail.py),
-starts the test process and the solution process (sandbox_child.py's source, under the rlimits and
-a system call allowlist: no new process, SysV IPC, memfd or namespace, nothing it does not
-name; sandbox_seccomp.py), waits, kills everything, and prints one result (a dict literal) on
-stdout. Its stdout is the only channel to the caller, and no child holds it.
+starts the test process and the solution process (sandbox_child.py's source, under the rlimits and a
+system call allowlist: no new process, SysV IPC, memfd or namespace, nothing it does not name;
+sandbox_seccomp.py), waits, kills everything, and prints one result (a dict literal) on stdout. Its
+stdout is the only channel to the caller, and no child holds it.
 
-It is a script, never imported: with ``-I`` neither tinygpt nor this folder is on sys.path, so
-its three siblings (standard library only) are found through the folder appended after the
-standard library, whose modules none of them shadows. Everything is imported and read before the
-jail is built: inside it this folder does not exist.
-"""
+It is a script, never imported: with ``-I`` neither tinygpt nor this folder is on sys.path, so its
+three siblings (standard library only) are found through the folder appended after the standard
+library, whose modules none of them shadows. Everything is imported and read before the jail is
+built: inside it this folder does not exist."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ from sandbox_seccomp import THREADS, install_filter, seccomp_filter  # noqa: E40
 
 def _limits(job: dict, libc, drop_capabilities, seccomp: bytes | None) -> None:
     """In the child after fork (after setgroups/setgid/setuid in root mode), before exec. With the
-    system call filter (`seccomp`), RLIMIT_NPROC leaves room for THREADS threads
-    (MALLOC_ARENA_MAX=1 keeps each one's cost to its stack): the filter, not the rlimit, refuses the
-    new processes."""
+    system call filter (`seccomp`), RLIMIT_NPROC leaves room for THREADS threads (MALLOC_ARENA_MAX=1
+    keeps each one's cost to its stack): the filter, not the rlimit, refuses the new processes."""
     import resource  # already imported by the supervisor: the child's uid may not read the stdlib
 
     def limit(which: int, soft: int, hard: int | None = None) -> None:

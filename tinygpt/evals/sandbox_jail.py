@@ -1,7 +1,6 @@
-"""The jail of the namespace modes (root, userns), built by the supervisor (sandbox_init.py)
-before it starts any process: standard library only (run inside the sandbox's supervisor, which
-never imports tinygpt).
-"""
+"""The jail of the namespace modes (root, userns), built by the supervisor (sandbox_init.py) before
+it starts any process: standard library only (run inside the sandbox's supervisor, which never
+imports tinygpt)."""
 
 from __future__ import annotations
 

@@ -36,9 +36,9 @@ def load_eval_text(
     data: str | Path, max_chars: int | None = None, offline: str = "a text file"
 ) -> str:
     """A text to score: a file (.txt, .gz, .bz2), or a Hugging Face dataset
-    (hf:NAME[:CONFIG][@SPLIT], or a save_to_disk folder) whose records are
-    joined as they are (WikiText's records are its lines). `offline`: what
-    to pass instead, said when the Hub cannot be reached."""
+    (hf:NAME[:CONFIG][@SPLIT], or a save_to_disk folder) whose records are joined as they are
+    (WikiText's records are its lines). `offline`: what to pass instead, said when the Hub cannot be
+    reached."""
     if is_hub(data) or Path(data).is_dir():
         with from_hub(str(data), offline):
             return "".join(iter_documents(DataConfig(source=str(data), max_chars=max_chars)))
@@ -47,8 +47,8 @@ def load_eval_text(
 
 @contextlib.contextmanager
 def from_hub(spec: str, offline: str):
-    """Reading `spec` from the Hub: a network error
-    becomes one line that says what works offline."""
+    """Reading `spec` from the Hub: a network error becomes one line that says what works
+    offline."""
     try:
         yield
     except OSError as e:  # ConnectionError and the Hub client's HTTP errors: say what works offline

@@ -2,8 +2,7 @@
 
 Invariant: `push` needs a token (`HF_TOKEN`, or Colab's secret of that name) and the Hub; without
 either it stops with one line before exporting anything. What it uploads is exactly
-`upload_folder`'s folder.
-"""
+`upload_folder`'s folder."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ with (`prompt_start`) and its instruction format as Ollama and Jinja templates; 
 Invariant: a finetune's prompt format travels whole. The token its training prompts began with
 (`Codec.bos_id`: end-of-text for a tinygpt base) is the one the exported tokenizer adds, and the
 chat template (`jinja_template`, the Modelfile's TEMPLATE) renders a user turn exactly as
-`model.prompts.format_prompt` does.
-"""
+`model.prompts.format_prompt` does."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """stdlib-functions: write a function of Python's standard library from its signature and docstring.
 
-Every machine has the data (the standard library's sources: the built-in corpus) and
-nothing the model writes is run: the scores are syntax accuracy (the body parses and adds
-a statement to the function, as `CodeProblem.valid_syntax` judges HumanEval's), exact
-matches, and corpus BLEU against the real body. The functions and methods come from the
-validation split of `builtin` (every 20th document, the rule training uses), whole in
-their document, with a body of at most `MAX_BODY_CHARS`; one whose text is also in the
-training split (a helper defined in two modules) is left out. So a model pretrained on
-`builtin` never saw them. They depend on the Python version, which the result names.
-"""
+Every machine has the data (the standard library's sources: the built-in corpus) and nothing the
+model writes is run: the scores are syntax accuracy (the body parses and adds a statement to the
+function, as `CodeProblem.valid_syntax` judges HumanEval's), exact matches, and corpus BLEU against
+the real body. The functions and methods come from the validation split of `builtin` (every 20th
+document, the rule training uses), whole in their document, with a body of at most `MAX_BODY_CHARS`;
+one whose text is also in the training split (a helper defined in two modules) is left out. So a
+model pretrained on `builtin` never saw them. They depend on the Python version, which the result
+names."""
 
 from __future__ import annotations
 
