@@ -31,16 +31,15 @@ from tinygpt.model.loading import load_run
 @dataclass(kw_only=True)
 class Request:
     """What a caller asked for, the same for every task (each task reads the fields it uses). A field
-    left None takes the task's default (`Task.defaults`).
-    The fields with help are `tinygpt eval`'s options."""
+    left None takes the task's default (`Task.defaults`). The fields with help are `tinygpt eval`'s
+    options."""
 
     data: str | Path | None = option(
         None,
-        help="the task's data file, sample:NAME (a sample that ships with "
-        "tinygpt: wikitext2, hellaswag, mbpp, humaneval), or hf:NAME[:CONFIG][@SPLIT], e.g. "
-        "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from "
-        "the Hub); perplexity: default the run's own validation split, `builtin` the built-in "
-        "corpus's",
+        help="the task's data file, sample:NAME (a sample that ships with tinygpt: wikitext2, "
+        "hellaswag, mbpp, humaneval), or hf:NAME[:CONFIG][@SPLIT], e.g. "
+        "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from the "
+        "Hub); perplexity: default the run's own validation split, `builtin` the built-in corpus's",
     )
     limit: int | None = option(None, help="only the first N items or problems")
     window: int | None = option(None, help="perplexity: tokens per window (default: the context)")
@@ -226,11 +225,9 @@ class Generator:
             )
         self.cut += 1
         bos = getattr(self.m.tokenizer, "bos_token_id", None) if self.m.is_hf else None
-        return (
-            ids[:1] + ids[len(ids) - keep + 1 :]
-            if bos is not None and ids[0] == bos
-            else ids[-keep:]
-        ), room
+        if bos is not None and ids[0] == bos:  # the start token stays
+            return ids[:1] + ids[len(ids) - keep + 1 :], room
+        return ids[-keep:], room
 
     @contextlib.contextmanager
     def _seeded(self) -> Iterator[torch.Tensor]:
@@ -260,9 +257,8 @@ class Generator:
         with self._seeded() as device:
             for step in range(most):
                 x = torch.tensor([ids + out], dtype=torch.long, device=device)
-                logits = (self.m.model(input_ids=x).logits if self.m.is_hf else self.m.model(x))[
-                    0, -1
-                ].float()
+                logits = self.m.model(input_ids=x).logits if self.m.is_hf else self.m.model(x)
+                logits = logits[0, -1].float()
                 # the last one brings code, not more blanks
                 line, last = self.decode(out), step == most - 1
                 allowed = torch.tensor(
@@ -280,43 +276,34 @@ class Generator:
                 if self.temperature == 0:
                     out.append(int(masked.argmax()))
                 else:
-                    out.append(
-                        int(torch.multinomial(torch.softmax(masked / self.temperature, dim=-1), 1))
-                    )
+                    probs = torch.softmax(masked / self.temperature, dim=-1)
+                    out.append(int(torch.multinomial(probs, 1)))
                 if self.decode(out).strip():
                     break
         return out
 
     def _more(self, ids: list[int], n: int) -> tuple[list[int], bool]:
         """Up to n new tokens after ids, and whether the model ended its text."""
-        m, greedy = self.m, self.temperature == 0
+        m, greedy, t = self.m, self.temperature == 0, self.temperature
         with self._seeded() as device:
             x = torch.tensor([ids], dtype=torch.long, device=device)
             if m.is_hf:
                 tok = m.tokenizer
                 pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-                sampling = {
-                    "do_sample": not greedy,
-                    **({} if greedy else {"temperature": self.temperature}),
-                }
-                out = m.model.generate(
+                sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": t}
+                new = m.model.generate(
                     input_ids=x,
                     attention_mask=torch.ones_like(x),
                     max_new_tokens=n,
                     pad_token_id=pad,
                     **sampling,
-                )[0, len(ids) :].tolist()
+                )
                 eos = tok.eos_token_id
             else:
                 eos = m.tokenizer.eot_id
-                out = generate(
-                    m.model,
-                    x,
-                    n,
-                    temperature=1.0 if greedy else self.temperature,
-                    top_k=1 if greedy else None,
-                    eot_id=eos,
-                )[0, len(ids) :].tolist()
+                top_k, temperature = (1, 1.0) if greedy else (None, t)
+                new = generate(m.model, x, n, temperature=temperature, top_k=top_k, eot_id=eos)
+        out = new[0, len(ids) :].tolist()
         if eos in out:
             return out[: out.index(eos)], True
         return out, False

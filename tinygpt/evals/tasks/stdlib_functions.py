@@ -30,8 +30,7 @@ _DEF = re.compile(r"([ \t]*)def \w")
 
 
 def _normal(text: str) -> str:
-    """Text with its indentation and blank lines gone:
-    a method matches the same code as a function."""
+    """Text without indentation or blank lines: a method matches the same code as a function."""
     return "\n".join(line.strip() for line in text.splitlines() if line.strip())
 
 
@@ -43,14 +42,9 @@ def _functions(doc: str) -> Iterator[CodeProblem]:
         if (m := _DEF.match(line)) is None:
             continue
         indent = len(m.group(1))
-        end = next(
-            (
-                j
-                for j in range(start + 1, len(lines))
-                if lines[j].strip() and len(lines[j]) - len(lines[j].lstrip()) <= indent
-            ),
-            None,
-        )
+        # the first line after the header at the def's indentation or less
+        outside = (j for j in range(start + 1, len(lines)) if lines[j].strip())
+        end = next((j for j in outside if len(lines[j]) - len(lines[j].lstrip()) <= indent), None)
         if end is None or lines[end].lstrip().startswith("#"):
             # it runs on past the document, or a comment at its level may still be inside it
             continue
@@ -61,18 +55,15 @@ def _functions(doc: str) -> Iterator[CodeProblem]:
             continue
         if not isinstance(fn, ast.FunctionDef) or ast.get_docstring(fn) is None or len(fn.body) < 2:
             continue
-        head = source.splitlines(keepends=True)
-        prompt, body = (
-            "".join(head[: fn.body[0].end_lineno]),
-            "".join(head[fn.body[0].end_lineno :]),
-        )
+        head, cut = source.splitlines(keepends=True), fn.body[0].end_lineno  # the docstring's end
+        prompt, body = "".join(head[:cut]), "".join(head[cut:])
         if len(body.strip()) <= MAX_BODY_CHARS:
             yield CodeProblem(fn.name, prompt, prompt, "", body.rstrip() + "\n", fn.name)
 
 
 def held_out_functions(limit: int | None = None) -> list[CodeProblem]:
-    """The first `limit` functions (all by default) of the
-    built-in corpus's validation split, in its order."""
+    """The first `limit` functions (default: all) of the built-in corpus's validation split, in
+    order."""
     cfg = DataConfig(source="builtin")
     train, val = [], []
     for i, doc in enumerate(iter_documents(cfg)):
