@@ -28,6 +28,7 @@ from tinygpt.core.recipes import get_recipe
 from tinygpt.core.rundir import RunDirError
 from tinygpt.evals import code, sandbox
 from tinygpt.evals import lm as ev
+from tinygpt.evals.harness import Loaded, Request
 from tinygpt.evals.tasks import hellaswag as hsw
 from tinygpt.evals.tasks import perplexity
 from tinygpt.evals.tasks.humaneval import HUMANEVAL_STOPS, load_humaneval
@@ -215,10 +216,9 @@ def test_acc_and_acc_norm_pick_the_endings_they_must(byte_tok):
 
 
 def test_hellaswag_on_the_real_file(model, tok, shared_data):
-    r = hsw.hellaswag(model, tok, shared_data / "hellaswag_val.txt.bz2", limit=4, batch_size=5)
-    assert (
-        r["task"] == "hellaswag" and r["n"] == 4 and 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1
-    )
+    request = Request(data=shared_data / "hellaswag_val.txt.bz2", limit=4, batch_size=5)
+    r = hsw.score(Loaded(model, tok, "m", False), request)
+    assert r["n"] == 4 and 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1
     assert r["reference"]["random"]["acc"] == 0.25
 
 

@@ -68,7 +68,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import NamedTuple, Sequence
 
 INIT = Path(__file__).with_name("sandbox_init.py")
 KINDS = ("root", "userns", "uid", "none")
@@ -76,9 +76,6 @@ _UID_BASE = 1_200_000_000  # far above any uid a system or its users own
 _live: set[subprocess.Popen] = set()
 _live_lock = threading.Lock()
 _stopping = threading.Event()  # set by stop_all: a sandbox starting meanwhile is killed at once
-# the probe that finds a boundary: a small program under small limits (`run`'s keywords)
-_PROBE = "import os\nprint(os.getuid(), os.listdir('/'))\n"
-_PROBE_LIMITS = dict(timeout_s=20, memory_mb=512, cpu_s=10, max_output_mb=1, max_write_mb=4)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -102,6 +99,24 @@ class ExecResult:
     @property
     def passed(self) -> bool:
         return self.status == "passed"
+
+
+class Limits(NamedTuple):
+    """What one sandboxed program may use (`run`'s keywords of the same names)."""
+
+    timeout_s: float
+    memory_mb: int
+    cpu_s: int
+    max_output_mb: int
+    max_write_mb: int
+    max_processes: int
+
+
+# the probe that finds a boundary: a small program under small limits
+_PROBE = "import os\nprint(os.getuid(), os.listdir('/'))\n"
+_PROBE_LIMITS = Limits(
+    timeout_s=20, memory_mb=512, cpu_s=10, max_output_mb=1, max_write_mb=4, max_processes=1
+)
 
 
 @dataclass(frozen=True)
@@ -176,7 +191,7 @@ def _probe(wanted: str | None, python: str) -> Boundary:
             continue
         b = Boundary(k, prefix)
         try:
-            r = _run(b, None, _PROBE, "", None, False, {**_PROBE_LIMITS, "max_processes": 1})
+            r = _run(b, None, _PROBE, "", None, False, _PROBE_LIMITS)
         except (OSError, ValueError, subprocess.SubprocessError) as e:
             tried.append(f"{k}: {e}")
             continue
@@ -261,9 +276,9 @@ def _run(
     context: str,
     names: Sequence[str] | None,
     handles: bool,
-    limits: dict[str, Any],
+    limits: Limits,
 ) -> ExecResult:
-    """`solution` and `test` behind `b` under `limits` (`run`'s keywords), its verdict parsed."""
+    """`solution` and `test` behind `b` under `limits`, its verdict parsed."""
     # distinct from any other sandbox's, in this process or another
     slot = secrets.randbelow(500_000_000)
     job = {
@@ -275,17 +290,17 @@ def _run(
         "handles": handles,
         "python": _python(),
         "read_only": _read_only_paths(),
-        "timeout_s": limits["timeout_s"],
-        "memory_bytes": limits["memory_mb"] * 2**20,
-        "cpu_s": limits["cpu_s"],
-        "max_output_bytes": limits["max_output_mb"] * 2**20,
-        "max_write_bytes": limits["max_write_mb"] * 2**20,
-        "max_processes": limits["max_processes"],
+        "timeout_s": limits.timeout_s,
+        "memory_bytes": limits.memory_mb * 2**20,
+        "cpu_s": limits.cpu_s,
+        "max_output_bytes": limits.max_output_mb * 2**20,
+        "max_write_bytes": limits.max_write_mb * 2**20,
+        "max_processes": limits.max_processes,
         "uids": [_UID_BASE + 2 * slot, _UID_BASE + 2 * slot + 1],
         "caller_ns": _namespaces(),
     }
     t0 = time.monotonic()
-    proc, out, err = _supervise(b, job, limits["timeout_s"])
+    proc, out, err = _supervise(b, job, limits.timeout_s)
     duration = time.monotonic() - t0
     try:  # the supervisor's plain dict
         res = ast.literal_eval(out.decode("utf-8", "surrogateescape"))
@@ -331,14 +346,7 @@ def run(
     if b.kind == "none" and not unsafe:
         raise SandboxUnavailable(unavailable_message(b))
     cpu_s = cpu_s if cpu_s is not None else int(timeout_s) + 1
-    limits = dict(
-        timeout_s=timeout_s,
-        memory_mb=memory_mb,
-        cpu_s=cpu_s,
-        max_output_mb=max_output_mb,
-        max_write_mb=max_write_mb,
-        max_processes=max_processes,
-    )
+    limits = Limits(timeout_s, memory_mb, cpu_s, max_output_mb, max_write_mb, max_processes)
     if test is None:
         return _run(b, None, program, "", None, handles, limits)
     return _run(b, program, test, context, names, handles, limits)

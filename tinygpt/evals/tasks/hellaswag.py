@@ -10,7 +10,7 @@ import itertools
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from tinygpt.core.datafiles import DataFile, DataFormatError, json_object
 from tinygpt.core.files import safe_name, write_text_atomic
@@ -150,31 +150,8 @@ def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceIte
     return items
 
 
-def hellaswag(
-    model: Any,
-    tokenizer: Any,
-    path: str | Path,
-    limit: int | None = None,
-    batch_size: int = 16,
-    progress: bool = False,
-    say: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """HellaSwag accuracy on the first `limit` items of the validation file (all 10,042 by default),
-    on lm-evaluation-harness's query text (`load_hellaswag`), with the published reference
-    figures."""
-    return {
-        "task": "hellaswag",
-        **multiple_choice(
-            model, tokenizer, load_hellaswag(path, limit), batch_size, progress, say, "hellaswag"
-        ),
-        "reference": HELLASWAG_REFERENCE,
-        "reference_source": HELLASWAG_REFERENCE_SOURCE,
-    }
-
-
 def hellaswag_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Table rows: each HellaSwag result (of `hellaswag` or `run_eval`) above the published
-    reference numbers."""
+    """Table rows: each HellaSwag result (of `run_eval`) above the published reference numbers."""
     keys = ("acc", "acc_norm", "acc_norm_stderr")
     rows = [
         {"model": r.get("run", "model"), "items": r["n"], **{k: r[k] for k in keys}}
@@ -222,14 +199,18 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
 
 
 def score(m: Loaded, r: Request) -> dict[str, Any]:
-    """Scored within the context the run trained at (`context_length`): a longer item loses its
-    left, as lm-evaluation-harness cuts one longer than a model's context, rather than reaching
-    positions of the table that training never used (only an ending longer than that context
-    does)."""
+    """HellaSwag accuracy on the first `limit` items (all 10,042 of the validation file by default),
+    on lm-evaluation-harness's query text (`load_hellaswag`), with the published reference figures.
+    Scored within the context the run trained at (`context_length`): a longer item loses its left,
+    as lm-evaluation-harness cuts one longer than a model's context, rather than reaching positions
+    of the table that training never used (only an ending longer than that context does)."""
     lm = dataclasses.replace(as_causal_lm(m.model), trained=context_length(m))
-    return hellaswag(
-        lm, m.tokenizer, hellaswag_path(r.data), r.limit, r.batch_size, r.progress, r.say
-    )
+    items = load_hellaswag(hellaswag_path(r.data), r.limit)
+    return {
+        **multiple_choice(lm, m.tokenizer, items, r.batch_size, r.progress, r.say, "hellaswag"),
+        "reference": HELLASWAG_REFERENCE,
+        "reference_source": HELLASWAG_REFERENCE_SOURCE,
+    }
 
 
 def reference_table(res: dict[str, Any]) -> list[str]:
