@@ -20,15 +20,15 @@ from tinygpt.evals import sandbox
 from tinygpt.evals.sandbox import ExecResult, SandboxUnavailable
 
 
-def _progress(it: Iterable, total: int | None, desc: str, enabled: bool) -> Iterable:
-    """A tqdm bar when asked for and installed, else the iterable itself."""
+def with_bar(it: Iterable, total: int, desc: str, enabled: bool, **tqdm_options: Any) -> Iterable:
+    """`it` behind a tqdm bar when one is asked for and tqdm is installed, else `it` itself."""
     if not enabled:
         return it
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return it
-    return tqdm(it, total=total, desc=desc)
+    return tqdm(it, total=total, desc=desc, **tqdm_options)
 
 
 # --- extraction and syntax --------------------------------------------------------------------
@@ -232,7 +232,7 @@ def evaluate_code(
     if not limits.get("unsafe") and sandbox.boundary().kind == "none":
         raise SandboxUnavailable(sandbox.unavailable_message())  # before any generation
     flat_problems, flat_codes = [], []
-    for p in _progress(problems, len(problems), "generating", progress):
+    for p in with_bar(problems, len(problems), "generating", progress):
         for _ in range(n):
             flat_problems.append(p)
             flat_codes.append(p.clean(generate(p.prompt)))

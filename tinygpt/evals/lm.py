@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tinygpt.core.units import duration
+from tinygpt.evals.code import with_bar
 from tinygpt.model.losses import IGNORE_INDEX
 
 # --- models and tokenizers --------------------------------------------------------------------
@@ -149,22 +150,9 @@ def run_batches(
     expected = first + per * sum(cost[1:])
     if say is not None and n > done and expected > LONG_SECONDS:
         say(describe(expected, per))
-    rest = batches[done:]
-    bar = None
-    if progress and rest:
-        try:
-            from tqdm.auto import tqdm
-
-            # gone when done: the result says it
-            bar = tqdm(total=n, initial=done, desc=desc, leave=False)
-        except ImportError:
-            pass
-    for b in rest:
+    # a bar for the rest, gone when done: the result says it
+    for b in with_bar(batches[done:], n, desc, progress and n > done, initial=done, leave=False):
         run(b)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
 
 
 # --- perplexity and bits per byte -------------------------------------------------------------

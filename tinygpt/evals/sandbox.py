@@ -211,10 +211,8 @@ def stop_all() -> None:
         _stopping.set()
         procs = list(_live)
     for p in procs:
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(p.pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def resume() -> None:
@@ -256,10 +254,8 @@ def _supervise(b: Boundary, job: dict, timeout_s: float) -> tuple[subprocess.Pop
         try:
             out, err = proc.communicate(marshal.dumps(job), timeout=timeout_s + 30)
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
             proc.wait()
             with _live_lock:
                 _live.discard(proc)

@@ -15,6 +15,7 @@ built: inside it this folder does not exist."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -264,12 +265,10 @@ class _Sandbox:
         import marshal
 
         self.pids[role], stdin = self._spawn(role)
-        try:
+        with contextlib.suppress(OSError):
             data = marshal.dumps(payload)
             while data:
                 data = data[os.write(stdin, data) :]
-        except OSError:
-            pass
         os.close(stdin)
 
     def start_and_wait(self) -> None:
@@ -298,15 +297,11 @@ class _Sandbox:
         import signal
 
         for pid in self.pids.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)  # the process and its group
-            except OSError:
-                pass
         if self.jailed:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(-1, signal.SIGKILL)  # as PID 1 of this namespace: everything else in it
-            except OSError:
-                pass
         # no namespace: every process of the sandbox's uids, wherever it went
         for uid in self.uids.values():
             killer = os.fork()
