@@ -148,10 +148,8 @@ def _python() -> str:
 
 def _read_only_paths() -> list[str]:
     """What the jail shows, read-only: the system's programs and libraries, the Python install."""
-    py = Path(_python())
-    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)} | {
-        str(py.parent.parent)
-    }
+    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}
+    prefixes.add(str(Path(_python()).parent.parent))
     return ["/usr", "/bin", "/lib", "/lib64", "/lib32", "/libx32", *sorted(prefixes)]
 
 

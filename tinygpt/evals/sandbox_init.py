@@ -55,8 +55,7 @@ def _limits(job: dict, libc, drop_capabilities, seccomp: bytes | None) -> None:
 
 
 def _host_libc():
-    """The C library outside a jail (uid and none modes build none), for prctl; None where ctypes
-    fails."""
+    """The C library outside a jail (uid and none modes), for prctl; None where ctypes fails."""
     try:
         import ctypes
 
@@ -140,7 +139,7 @@ def supervise() -> None:
     job = marshal.loads(sys.stdin.buffer.read())  # from tinygpt itself, not from the sandbox
     source = open(sandbox_child.__file__, encoding="utf-8").read()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller stops us with SIGKILL
-    run = _Sandbox(job, source, *_prepare(job))
+    run = _Sandbox(job, source)
     try:
         run.start_and_wait()
     finally:
@@ -185,19 +184,11 @@ class _Sandbox:
     their starts, the wait, the kill, and the verdict read from the result pipe, the exit codes and
     the output files."""
 
-    def __init__(
-        self,
-        job: dict,
-        source: str,
-        jail: Jail | None,
-        work: str,
-        out_dir: str,
-        uids: dict[str, int],
-    ) -> None:
+    def __init__(self, job: dict, source: str) -> None:
         import time
 
-        self.job, self.source, self.jail = job, source, jail
-        self.work, self.out_dir, self.uids = work, out_dir, uids
+        self.job, self.source = job, source
+        self.jail, self.work, self.out_dir, self.uids = _prepare(job)
         self.jailed = job["mode"] in ("root", "userns")
         self.two = job["solution"] is not None
         self.result_r, self.result_w = os.pipe()

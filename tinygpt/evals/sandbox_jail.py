@@ -22,8 +22,7 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
 class Jail:
-    """The mount side of the namespace modes: a size-capped tmpfs as the new `/`, read-only
-    binds."""
+    """The namespace modes' mounts: a size-capped tmpfs as the new `/`, read-only binds."""
 
     def __init__(self) -> None:
         import ctypes
