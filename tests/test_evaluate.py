@@ -25,7 +25,7 @@ from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoin
 from tinygpt.core.datafiles import DataFormatError
 from tinygpt.core.files import UnsafePathError
 from tinygpt.core.recipes import get_recipe
-from tinygpt.core.rundir import RunDirError
+from tinygpt.core.rundir import RunDir, RunDirError
 from tinygpt.evals import code, sandbox
 from tinygpt.evals import lm as ev
 from tinygpt.evals.harness import Loaded, Request
@@ -437,7 +437,7 @@ def test_summarize_compare_and_plot_runs(tmp_path):
         micro_batch_size=16,
     )
     (a / "samples.txt").write_text("=== step 60 ===\nTo be\n\n")
-    assert "To be" in evals.read_samples(a) and evals.read_samples(b) == ""
+    assert "To be" in RunDir(a).samples() and RunDir(b).samples() == ""
     s = evals.summarize_run(a)
     assert s["steps"] == 60 and s["loss_last"] == 2.9 and s["val_loss_best"] == 3.1
     assert s["tokens_seen"] == 60 * 8 * 64 and s["diagnosis"] == ["no problems found"]

@@ -18,11 +18,8 @@ from tinygpt.model.gpt import meta_model
 def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path]:
     """The run folders (those with a run.json) under `root`, by name; only `names` when given."""
     root = Path(root)
-    found = (
-        {p.name: p for p in sorted(root.iterdir()) if RunDir(p).is_pretrain_run()}
-        if root.is_dir()
-        else {}
-    )
+    folders = sorted(root.iterdir()) if root.is_dir() else []
+    found = {p.name: p for p in folders if RunDir(p).is_pretrain_run()}
     if not names:
         if not found:
             raise FileNotFoundError(
@@ -39,8 +36,7 @@ def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl (a cut-off last line, from a run killed mid-write, is
-    skipped)."""
+    """A run's metrics.jsonl records (a last line cut off by a kill mid-write is skipped)."""
     run = RunDir(run_dir)
     if not run.path.exists():
         raise FileNotFoundError(missing_run_message(run.path))
@@ -101,8 +97,7 @@ def _diagnose(train: list[dict], val: list[dict]) -> list[str]:
 
 
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
-    """The numbers of a run from metrics.jsonl and run.json, with a diagnosis (a list of
-    findings)."""
+    """A run's numbers from metrics.jsonl and run.json, with a diagnosis (a list of findings)."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     info = RunDir(run_dir).info_or_empty()
@@ -141,11 +136,6 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         ),
         "diagnosis": _diagnose(train, val) or ["no problems found"],
     }
-
-
-def read_samples(run_dir: str | Path) -> str:
-    """The generated samples a run wrote to samples.txt ("" when there are none)."""
-    return RunDir(run_dir).samples()
 
 
 def _num_params(info: dict[str, Any]) -> int | None:

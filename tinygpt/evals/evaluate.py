@@ -113,16 +113,12 @@ def evaluate(opts: EvalOptions, say: Callable[[str], None] | None = None) -> dic
     if is_hub(opts.data):
         check_source(opts.data)  # offline: one line at once, not the datasets library's retries
     request = {f.name: getattr(opts, f.name) for f in dataclasses.fields(Request)}
-    # a bar where one is drawn (a terminal, a notebook's widget); a log file gets no carriage returns
+    # a bar where one is drawn (a terminal, a notebook's widget): no carriage returns in a log file
     bar = not opts.as_json and (sys.stderr.isatty() or "ipykernel" in sys.modules)
+    request.update(progress=bar, say=say)
+    device = str(resolve_device(opts.device))
     with sandbox.sigterm_as_interrupt():
-        return run_eval(
-            opts.run_dir,
-            opts.task,
-            which=opts.which,
-            device=str(resolve_device(opts.device)),
-            **{**request, "progress": bar, "say": say},
-        )
+        return run_eval(opts.run_dir, opts.task, which=opts.which, device=device, **request)
 
 
 def _jsonable(v):

@@ -30,9 +30,9 @@ from tinygpt.model.loading import load_run
 
 @dataclass(kw_only=True)
 class Request:
-    """What a caller asked for, the same for every task (each task reads the fields it uses). A field
-    left None takes the task's default (`Task.defaults`). The fields with help are `tinygpt eval`'s
-    options."""
+    """What a caller asked for, the same for every task (each task reads the fields it uses). A
+    field left None takes the task's default (`Task.defaults`). The fields with help are `tinygpt
+    eval`'s options."""
 
     data: str | Path | None = option(
         None,
@@ -58,8 +58,7 @@ class Request:
         "available (rlimits only; use a throwaway VM)",
     )
     progress: bool = False  # a bar while scoring
-    # one-line notes before long work (expected time, a window too long)
-    say: Callable[[str], None] | None = None
+    say: Callable[[str], None] | None = None  # notes before long work (time, a window too long)
 
 
 @dataclass
@@ -93,16 +92,13 @@ class Task:
     data_help: str | None = None
     offline_file: str | None = None
     hub: str | None = None
-    # its sample that ships with tinygpt (sample:NAME)
-    sample: str | None = None
+    sample: str | None = None  # its sample that ships with tinygpt (sample:NAME)
     data_default: str | None = None
     keywords: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=dict)
     needs_model: bool = True
-    # executes what the model writes (said first)
-    runs_code: bool = False
-    # refuses a request that cannot work, before loading
-    check: Callable[[Request], None] | None = None
+    runs_code: bool = False  # executes what the model writes (said first)
+    check: Callable[[Request], None] | None = None  # refuses what cannot work, before loading
     hidden: tuple[str, ...] = ()
     more: Callable[[dict[str, Any]], list[str]] | None = None
     headline: tuple[str, ...] = ()
@@ -350,9 +346,8 @@ def code_task(
     offline_file: str,
     sample: str,
 ) -> Task:
-    """A task that generates `n` completions per problem and runs
-    them against its tests (`code.evaluate_code`): pass@k, syntax
-    accuracy, BLEU; greedy for n == 1, temperature 0.8 above."""
+    """A task that generates `n` completions per problem (greedy for n == 1, else at temperature
+    0.8) and runs them against its tests (`code.evaluate_code`): pass@k, syntax accuracy, BLEU."""
 
     def score(m: Loaded, r: Request) -> dict[str, Any]:
         problems = load(r.data)[: r.limit]

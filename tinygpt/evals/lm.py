@@ -62,8 +62,7 @@ def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     """text -> ids with no special tokens added, for a tinygpt or a Hugging Face tokenizer."""
     if hasattr(tokenizer, "eot_id"):
         return tokenizer.encode
-    # verbose=False: a whole text is longer than
-    # model_max_length on purpose (it is cut into windows)
+    # verbose=False: a whole text is longer than model_max_length on purpose (cut into windows)
     return lambda text: tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
 
@@ -387,6 +386,3 @@ def multiple_choice(
         "acc_norm": acc_norm,
         "acc_norm_stderr": se(acc_norm),
     }
-
-
-# --- evaluation text: a file, or a Hugging Face data set ----------------------------------------

@@ -47,8 +47,7 @@ def load_eval_text(
 
 @contextlib.contextmanager
 def from_hub(spec: str, offline: str):
-    """Reading `spec` from the Hub: a network error becomes one line that says what works
-    offline."""
+    """Reading `spec` from the Hub: a network error becomes one line saying what works offline."""
     try:
         yield
     except OSError as e:  # ConnectionError and the Hub client's HTTP errors: say what works offline

@@ -196,10 +196,6 @@ def _at(f: dict[str, Any], key: str) -> str:
     return f" (step {f[key]:,})" if f.get(key) is not None and f[key] != f.get("steps") else ""
 
 
-def _step_words(f: dict[str, Any]) -> str:
-    return f" (step {f['steps']:,})" if f.get("steps") is not None else ""
-
-
 def _context_words(f: dict[str, Any], max_seq_len: int | None) -> str:
     """The context an export advertises, in words: the trained one, or the one the user set and the
     trained one."""
@@ -256,12 +252,7 @@ def _front_matter(f: dict[str, Any], hf: bool, gguf_file: str | None) -> list[st
         *[f"- {t}" for t in tags],
     ]
     base = f.get("base")
-    if (
-        f["kind"] != "pretrain"
-        and isinstance(base, str)
-        and f["hub_base"]
-        and _HUB_ID.fullmatch(base)
-    ):
+    if f.get("hub_base") and isinstance(base, str) and _HUB_ID.fullmatch(base):  # finetunes only
         front.append(f"base_model: {base}")  # a Hub id (a local base has no page to link)
     return front
 
@@ -314,6 +305,7 @@ def _training(f: dict[str, Any]) -> list[str]:
         ("training loss" + _at(f, "train_loss_step"), num("train_loss")),
         ("validation loss" + _at(f, "val_loss_step"), num("val_loss") or "not evaluated"),
     ]
+    step = f" (step {f['steps']:,})" if f.get("steps") is not None else ""
     return [
         "## Training",
         "",
@@ -321,7 +313,7 @@ def _training(f: dict[str, Any]) -> list[str]:
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in rows if v],
         "",
-        f"Figures of the exported checkpoint{_step_words(f)}; losses are mean "
+        f"Figures of the exported checkpoint{step}; losses are mean "
         f"cross-entropy per token in nats, from the run's `{METRICS}`.",
         "",
     ]

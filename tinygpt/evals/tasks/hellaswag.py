@@ -184,12 +184,9 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
             ) from e
         with from_hub(spec, OFFLINE):
             fields = ("ind", "activity_label", "ctx_a", "ctx_b", "label", "endings")
-            records = [
-                {k: rec[k] for k in fields if k in rec}
-                for rec in datasets.load_dataset(name, split=split)
-            ]
-        for rec in records:
-            # a record that cannot be scored (the test split has no labels) is refused now
+            rows = datasets.load_dataset(name, split=split)
+            records = [{k: rec[k] for k in fields if k in rec} for rec in rows]
+        for rec in records:  # one that cannot be scored (the test split has no labels): refused now
             hellaswag_item(rec)
         text = "".join(json.dumps(rec) + "\n" for rec in records)
         out.parent.mkdir(parents=True, exist_ok=True)

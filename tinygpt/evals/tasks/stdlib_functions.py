@@ -62,8 +62,7 @@ def _functions(doc: str) -> Iterator[CodeProblem]:
 
 
 def held_out_functions(limit: int | None = None) -> list[CodeProblem]:
-    """The first `limit` functions (default: all) of the built-in corpus's validation split, in
-    order."""
+    """The first `limit` functions (default: all) of the built-in corpus's validation split."""
     cfg = DataConfig(source="builtin")
     train, val = [], []
     for i, doc in enumerate(iter_documents(cfg)):
@@ -94,8 +93,7 @@ def body(completion: str) -> str:
 
 
 def ended(completion: str) -> bool:
-    """Whether a completion has left the function: a line
-    at column 0 after its first (`body` ends there)."""
+    """Whether a completion has left the function: a line at column 0 after its first."""
     return body(completion) != completion and bool(completion.strip())
 
 
