@@ -115,6 +115,7 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
 
     best = min(val, key=lambda m: m["val_loss"]) if val else None
     mem = [m["memory_gb"] for m in records if m.get("memory_gb") is not None]
+    norms = [m["grad_norm"] for m in train if m.get("grad_norm") is not None]
     return {
         "run": run_dir.name,
         "recipe": info.get("recipe", {}).get("name"),
@@ -131,9 +132,7 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "tokens_per_s": med("tokens_per_s"),
         "mfu": med("mfu"),
         "memory_gb_max": max(mem) if mem else None,
-        "grad_norm_max": max(
-            (m["grad_norm"] for m in train if m.get("grad_norm") is not None), default=None
-        ),
+        "grad_norm_max": max(norms, default=None),
         "diagnosis": _diagnose(train, val) or ["no problems found"],
     }
 

@@ -80,15 +80,10 @@ def record_eval(run_dir: str | Path, result: dict[str, Any]) -> None:
     run = RunDir(run_dir)
     if not (run.is_pretrain_run() or run.is_finetune_run()):
         return
-    keep = ("run", "checkpoint", "task", "data")
-    scores = {
-        k: v for k, v in result.items() if k not in keep and isinstance(v, (int, float, str, bool))
-    }
-    record = {
-        **{k: result[k] for k in keep},
-        "scores": scores,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    keep, scalar = ("run", "checkpoint", "task", "data"), (int, float, str, bool)
+    scores = {k: v for k, v in result.items() if k not in keep and isinstance(v, scalar)}
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    record = {**{k: result[k] for k in keep}, "scores": scores, "time": stamp}
     try:  # never through a link or a hard link
         append_text(run.path / EVALS_JSONL, json.dumps(record) + "\n")
     except OSError as e:  # a read-only folder (someone else's run): the result is still returned

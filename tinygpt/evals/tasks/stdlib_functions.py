@@ -99,15 +99,12 @@ def ended(completion: str) -> bool:
 
 def grade(problems: list[CodeProblem], bodies: list[str]) -> dict[str, Any]:
     """Syntax accuracy, exact matches and corpus BLEU of the bodies written for `problems`."""
-    n = len(problems)
+    n, pairs = len(problems), list(zip(problems, bodies))
     bleu, signature = bleu_with_signature(bodies, [p.canonical_solution for p in problems])
     return {
         "problems": n,
-        "syntax_accuracy": sum(p.valid_syntax(b) for p, b in zip(problems, bodies)) / n,
-        "exact_match": sum(
-            _normal(b) == _normal(p.canonical_solution) for p, b in zip(problems, bodies)
-        )
-        / n,
+        "syntax_accuracy": sum(p.valid_syntax(b) for p, b in pairs) / n,
+        "exact_match": sum(_normal(b) == _normal(p.canonical_solution) for p, b in pairs) / n,
         "empty_answers": empty_share(bodies),
         "bleu": bleu,
         "bleu_signature": signature,
