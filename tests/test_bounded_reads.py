@@ -25,10 +25,10 @@ import pytest
 
 from tinygpt.cli import main
 from tinygpt.core import checkpoint as ckpt
+from tinygpt.core import datafiles
 from tinygpt.core.checkpoint import CheckpointError
 from tinygpt.core.rundir import RunDir, RunDirError
 from tinygpt.data.sources import DataError
-from tinygpt.evals import code
 from tinygpt.finetune.records import load_records, record_segments
 from tinygpt.pretrain.run_pretrain import pretrain
 
@@ -372,11 +372,11 @@ def test_code_eval_data_errors_name_the_file_and_the_line(tmp_path):
     for name, data, said in cases:
         path = tmp_path / name
         path.write_bytes(data)
-        with pytest.raises(code.DataFormatError, match=said) as e:
-            code.read_jsonl(path)
+        with pytest.raises(datafiles.DataFormatError, match=said) as e:
+            datafiles.read_jsonl(path)
         assert str(path) in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
     assert (
-        code.read_jsonl(_gzip_of(tmp_path / "ok.jsonl.gz", good.encode(), 3))
+        datafiles.read_jsonl(_gzip_of(tmp_path / "ok.jsonl.gz", good.encode(), 3))
         == [{"task_id": "x"}] * 3
     )
 

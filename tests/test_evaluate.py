@@ -22,11 +22,13 @@ import torch.nn.functional as F
 from tinygpt import evals
 from tinygpt.core import paths
 from tinygpt.core.checkpoint import CheckpointError, model_state, save_checkpoint, step_name
+from tinygpt.core.datafiles import DataFormatError
 from tinygpt.core.files import UnsafePathError
 from tinygpt.core.recipes import get_recipe
-from tinygpt.core.rundir import RunDirError
+from tinygpt.core.rundir import RunDir, RunDirError
 from tinygpt.evals import code, sandbox
 from tinygpt.evals import lm as ev
+from tinygpt.evals.harness import Loaded, Request
 from tinygpt.evals.tasks import hellaswag as hsw
 from tinygpt.evals.tasks import perplexity
 from tinygpt.evals.tasks.humaneval import HUMANEVAL_STOPS, load_humaneval
@@ -156,11 +158,11 @@ def test_load_real_hellaswag(shared_data):
 def test_bad_hellaswag_files_say_what_is_expected(tmp_path):
     seven = tmp_path / "seven.txt"
     seven.write_text("ctx\n1\na\nb\nc\nd\nextra\n")
-    with pytest.raises(code.DataFormatError, match="incomplete item of 1 lines at line 7"):
+    with pytest.raises(DataFormatError, match="incomplete item of 1 lines at line 7"):
         hsw.load_hellaswag(seven)
     gold = tmp_path / "gold.txt"
     gold.write_text("ctx\n7\na\nb\nc\nd\n")
-    with pytest.raises(code.DataFormatError, match="line 2.*0-3"):
+    with pytest.raises(DataFormatError, match="line 2.*0-3"):
         hsw.load_hellaswag(gold)
     with pytest.raises(ValueError, match="limit"):
         hsw.load_hellaswag(gold, limit=0)
@@ -214,14 +216,17 @@ def test_acc_and_acc_norm_pick_the_endings_they_must(byte_tok):
 
 
 def test_hellaswag_on_the_real_file(model, tok, shared_data):
-    r = hsw.hellaswag(model, tok, shared_data / "hellaswag_val.txt.bz2", limit=4, batch_size=5)
-    assert (
-        r["task"] == "hellaswag" and r["n"] == 4 and 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1
-    )
+    request = Request(data=shared_data / "hellaswag_val.txt.bz2", limit=4, batch_size=5)
+    r = hsw.score(Loaded(model, tok, "m", False), request)
+    assert r["n"] == 4 and 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1
     assert r["reference"]["random"]["acc"] == 0.25
 
 
 # --- code metrics ------------------------------------------------------------------------------
+
+
+def _bleu(hypotheses, references, **options) -> float:
+    return code.bleu_with_signature(hypotheses, references, **options)[0]
 
 
 def test_bleu_equals_sacrebleu():
@@ -239,22 +244,17 @@ def test_bleu_equals_sacrebleu():
         ),
     ]
     for hyps, refs in cases:
-        assert code.bleu(hyps, refs) == sacrebleu.corpus_bleu(hyps, [refs]).score
-    hyps, r1, r2 = ["a b c d e", "x y z"], ["a b c d f", "x y"], ["a b c d e", "w y z"]
+        assert _bleu(hyps, refs) == sacrebleu.corpus_bleu(hyps, [refs]).score
+    hyps, r1 = ["a b c d e", "x y z"], ["a b c d f", "x y"]
     assert (
-        code.bleu(hyps, [[a, b] for a, b in zip(r1, r2)])
-        == sacrebleu.corpus_bleu(hyps, [r1, r2]).score
-    )
-    assert (
-        code.bleu(hyps, r1, tokenize="char")
-        == sacrebleu.corpus_bleu(hyps, [r1], tokenize="char").score
+        _bleu(hyps, r1, tokenize="char") == sacrebleu.corpus_bleu(hyps, [r1], tokenize="char").score
     )
     metric = sacrebleu.metrics.BLEU()
     reference = metric.corpus_score(hyps, [r1])
     assert code.bleu_with_signature(hyps, r1) == (reference.score, str(metric.get_signature()))
     assert "tok:char" in code.bleu_with_signature(hyps, r1, tokenize="char")[1]
     with pytest.raises(ValueError, match="references"):
-        code.bleu(["a", "b"], ["a"])
+        _bleu(["a", "b"], ["a"])
 
 
 def _pass_at_k_exact(n: int, c: int, k: int) -> Fraction:
@@ -281,6 +281,11 @@ def test_pass_at_k_equals_exact_enumeration():
         code.pass_at_k(4, 5, 1)
 
 
+def _syntax_accuracy(codes: list[str]) -> float:
+    """The share of code strings that parse (`CodeProblem.valid_syntax` with no prefix)."""
+    return sum(code.CodeProblem("", "", "", "", "").valid_syntax(c) for c in codes) / len(codes)
+
+
 def test_extract_code_and_syntax_accuracy():
     assert code.extract_code("Here:\n```python\nx = 1\n```\nand more") == "x = 1\n"
     assert code.extract_code("```\ny = 2\n```") == "y = 2\n"
@@ -288,7 +293,7 @@ def test_extract_code_and_syntax_accuracy():
     assert code.extract_code("```python\nunclosed = 1\n") == "unclosed = 1\n"
     assert code.extract_code("    return 1\n") == "    return 1\n"
     assert code.truncate_at_stops("    return 1\ndef g(): pass", HUMANEVAL_STOPS) == "    return 1"
-    assert code.syntax_accuracy(["x = 1", "def f(:", "print('ok')", "a\0b"]) == 0.5
+    assert _syntax_accuracy(["x = 1", "def f(:", "print('ok')", "a\0b"]) == 0.5
 
 
 # --- the sandbox (its attacks: tests/test_sandbox.py) --------------------------------------------
@@ -301,28 +306,25 @@ UNSAFE = {"unsafe": sandbox.boundary().kind == "none"}
 def test_sandbox_contains_loops_memory_hogs_and_exits(monkeypatch):
     monkeypatch.setenv("TINYGPT_TEST_SECRET", "hunter2")
     cwd = os.getcwd()
-    assert code.run_program("while True:\n    pass\n", timeout_s=1, **UNSAFE).status == "timeout"
+    assert sandbox.run("while True:\n    pass\n", timeout_s=1, **UNSAFE).status == "timeout"
     assert (
-        code.run_program("while True:\n    pass\n", timeout_s=30, cpu_s=1, **UNSAFE).status
+        sandbox.run("while True:\n    pass\n", timeout_s=30, cpu_s=1, **UNSAFE).status
         == "cpu_limit"
     )
-    assert code.run_program("x = bytearray(4 * 1024**3)\n", **UNSAFE).status == "out_of_memory"
-    r = code.run_program("import sys\nsys.exit(3)\n", **UNSAFE)
+    assert sandbox.run("x = bytearray(4 * 1024**3)\n", **UNSAFE).status == "out_of_memory"
+    r = sandbox.run("import sys\nsys.exit(3)\n", **UNSAFE)
     assert (r.status, r.returncode) == ("failed", 3)
-    assert code.run_program("import os\nos._exit(0)\n", **UNSAFE).status == "exited_early"
+    assert sandbox.run("import os\nos._exit(0)\n", **UNSAFE).status == "exited_early"
+    assert sandbox.run("import sys\nsys.exit(0)\nassert False\n", **UNSAFE).status == "exited_early"
     assert (
-        code.run_program("import sys\nsys.exit(0)\nassert False\n", **UNSAFE).status
-        == "exited_early"
-    )
-    assert (
-        code.run_program(
+        sandbox.run(
             "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
             max_output_mb=1,
             **UNSAFE,
         ).status
         == "output_limit"
     )
-    r = code.run_program(
+    r = sandbox.run(
         "import os\nassert 'TINYGPT_TEST_SECRET' not in os.environ, 'leaked'\n"
         "open('left_behind.txt', 'w').write('x')\nprint(os.getcwd())\n",
         **UNSAFE,
@@ -385,10 +387,10 @@ def test_evaluate_code_reports_pass_at_k(shared_data):
 def test_bad_code_data_files(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"task_id": 11, "text": "t"}) + "\n")
-    with pytest.raises(code.DataFormatError, match="test_list"):
+    with pytest.raises(DataFormatError, match="test_list"):
         load_mbpp(bad)
     bad.write_text("{not json\n")
-    with pytest.raises(code.DataFormatError, match="line 1"):
+    with pytest.raises(DataFormatError, match="line 1"):
         load_humaneval(bad)
 
 
@@ -435,7 +437,7 @@ def test_summarize_compare_and_plot_runs(tmp_path):
         micro_batch_size=16,
     )
     (a / "samples.txt").write_text("=== step 60 ===\nTo be\n\n")
-    assert "To be" in evals.read_samples(a) and evals.read_samples(b) == ""
+    assert "To be" in RunDir(a).samples() and RunDir(b).samples() == ""
     s = evals.summarize_run(a)
     assert s["steps"] == 60 and s["loss_last"] == 2.9 and s["val_loss_best"] == 3.1
     assert s["tokens_seen"] == 60 * 8 * 64 and s["diagnosis"] == ["no problems found"]
@@ -660,10 +662,10 @@ def test_bad_hellaswag_records_say_what_is_expected(tmp_path):
         ({k: v for k, v in rec.items() if k != "ctx_b"}, "no 'ctx_b'"),
     ):
         bad.write_text(json.dumps(broken) + "\n")
-        with pytest.raises(code.DataFormatError, match=message):
+        with pytest.raises(DataFormatError, match=message):
             hsw.load_hellaswag(bad)
     bad.write_text("{not json\n")
-    with pytest.raises(code.DataFormatError, match="line 1 is not JSON"):
+    with pytest.raises(DataFormatError, match="line 1 is not JSON"):
         hsw.load_hellaswag(bad)
 
 
@@ -686,7 +688,7 @@ def test_hub_hellaswag_records_give_lm_evals_text(tmp_path):
     (src / "test.jsonl").write_text(
         json.dumps({**records[0], "label": ""}) + "\n"
     )  # the Hub's test split: no labels
-    with pytest.raises(code.DataFormatError, match="label 0-3"):
+    with pytest.raises(DataFormatError, match="label 0-3"):
         hsw.hellaswag_path(f"hf:{src}@test", cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache" / path.name.replace("validation", "test")).exists()
 

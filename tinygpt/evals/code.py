@@ -5,8 +5,7 @@ the solution and the test in two processes, so the model's code cannot forge the
 Each code task (tinygpt/evals/tasks/humaneval.py, mbpp.py) loads its problems into one form,
 `CodeProblem`: the solution is ``prefix + completion``; the test process runs ``context``
 (HumanEval's prompt, for its helpers), then ``test`` against the solution's names (HumanEval: the
-entry point; MBPP: every name the solution defines).
-"""
+entry point; MBPP: every name the solution defines)."""
 
 from __future__ import annotations
 
@@ -17,26 +16,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from tinygpt.core.datafiles import (  # noqa: F401  (part of this module's API: the code tasks read JSONL)
-    DataFile,
-    DataFormatError,
-    json_object,
-    need_keys,
-    read_jsonl,
-)
 from tinygpt.evals import sandbox
-from tinygpt.evals.sandbox import ExecResult, SandboxUnavailable  # noqa: F401  (part of this module's API)
+from tinygpt.evals.sandbox import ExecResult, SandboxUnavailable
 
 
-def _progress(it: Iterable, total: int | None, desc: str, enabled: bool) -> Iterable:
-    """A tqdm bar when asked for and installed, else the iterable itself."""
+def with_bar(it: Iterable, total: int, desc: str, enabled: bool, **tqdm_options: Any) -> Iterable:
+    """`it` behind a tqdm bar when one is asked for and tqdm is installed, else `it` itself."""
     if not enabled:
         return it
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return it
-    return tqdm(it, total=total, desc=desc)
+    return tqdm(it, total=total, desc=desc, **tqdm_options)
 
 
 # --- extraction and syntax --------------------------------------------------------------------
@@ -45,9 +37,8 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOT
 
 
 def extract_code(completion: str) -> str:
-    """The code in a completion: the first fenced block tagged python/py
-    (else the first fenced block of any kind; an unclosed fence runs to
-    the end), or the completion itself when it has none."""
+    """The code in a completion: the first fenced block tagged python/py (else the first fenced
+    block of any kind; an unclosed fence runs to the end), or the completion itself if none."""
     blocks = _FENCE.findall(completion)
     if not blocks:
         return completion
@@ -58,14 +49,9 @@ def extract_code(completion: str) -> str:
 
 
 def truncate_at_stops(completion: str, stops: Sequence[str]) -> str:
-    """The completion up to the first stop sequence (a
-    base model keeps writing past the function)."""
-    cut = len(completion)
-    for s in stops:
-        i = completion.find(s)
-        if i != -1:
-            cut = min(cut, i)
-    return completion[:cut]
+    """The completion up to the first stop sequence (a base model writes on past the function)."""
+    cuts = [i for i in map(completion.find, stops) if i != -1]
+    return completion[: min(cuts, default=len(completion))]
 
 
 def answer_ended(completion: str, stops: Sequence[str]) -> bool:
@@ -82,24 +68,8 @@ def empty_share(codes: Sequence[str]) -> float:
     return sum(not c.strip() for c in codes) / len(codes) if codes else 0.0
 
 
-def is_valid_python(code: str) -> bool:
-    try:
-        ast.parse(code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: null bytes
-        return False
-    return True
-
-
-def syntax_accuracy(codes: Sequence[str]) -> float:
-    """The share of code strings that `ast.parse` accepts."""
-    if not codes:
-        raise ValueError("syntax_accuracy needs at least one code string")
-    return sum(is_valid_python(c) for c in codes) / len(codes)
-
-
 def _statements(tree: ast.AST, function: str = "") -> int:
-    """How many statements `function`'s body holds (its
-    last top-level definition); without one, in all."""
+    """How many statements `function`'s body holds (its last top-level definition); else in all."""
     if function:
         for node in reversed(getattr(tree, "body", [])):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
@@ -117,54 +87,24 @@ def _parse(code: str) -> ast.AST | None:
 # --- BLEU and pass@k --------------------------------------------------------------------------
 
 
-def _bleu_metric(**sacrebleu_options: Any):
-    from sacrebleu.metrics import BLEU
-
-    return BLEU(**sacrebleu_options)
-
-
-def _refs_streams(
-    hypotheses: Sequence[str], references: Sequence[str] | Sequence[Sequence[str]]
-) -> list[list[str]]:
-    """sacrebleu wants reference *streams* (one list per reference position); accept one reference
-    per hypothesis (a list of str) or several (a list of lists of equal length)."""
-    if len(hypotheses) != len(references):
+def bleu_with_signature(
+    hypotheses: Sequence[str], references: Sequence[str], **sacrebleu_options: Any
+) -> tuple[float, str]:
+    """Corpus BLEU (0-100) against one reference per hypothesis, exactly
+    `sacrebleu.corpus_bleu(hypotheses, [references]).score`, and sacrebleu's signature (e.g.
+    ``nrefs:1|case:mixed|eff:no|tok:13a|...``) to print beside it so that it can be reproduced.
+    Options go to `sacrebleu.metrics.BLEU` (e.g. tokenize="char")."""
+    if len(hypotheses) != len(references) or not hypotheses:
         raise ValueError(
             f"{len(hypotheses)} hypotheses but {len(references)} references: give one reference "
-            "(or one list of references) per hypothesis"
+            "per hypothesis, at least one"
         )
-    if not hypotheses:
-        raise ValueError("bleu needs at least one hypothesis")
-    if all(isinstance(r, str) for r in references):
-        return [list(references)]
-    counts = {len(r) for r in references}
-    if len(counts) != 1:
-        raise ValueError("every hypothesis needs the same number of references")
-    return [[r[i] for r in references] for i in range(counts.pop())]
+    from sacrebleu.metrics import BLEU
 
-
-def bleu_with_signature(
-    hypotheses: Sequence[str],
-    references: Sequence[str] | Sequence[Sequence[str]],
-    **sacrebleu_options: Any,
-) -> tuple[float, str]:
-    """Corpus BLEU (0-100) and sacrebleu's signature (e.g.
-    ``nrefs:1|case:mixed|eff:no|tok:13a|...``), to print beside the score so that it can be
-    reproduced. Options go to `sacrebleu.metrics.BLEU` (e.g. tokenize="char"). `references`: one
-    string per hypothesis, or one list of them each."""
-    metric = _bleu_metric(**sacrebleu_options)
-    score = metric.corpus_score(list(hypotheses), _refs_streams(hypotheses, references)).score
+    metric = BLEU(**sacrebleu_options)
+    score = metric.corpus_score(list(hypotheses), [list(references)]).score
     # the signature needs a scored corpus (it counts references)
     return score, str(metric.get_signature())
-
-
-def bleu(
-    hypotheses: Sequence[str],
-    references: Sequence[str] | Sequence[Sequence[str]],
-    **sacrebleu_options: Any,
-) -> float:
-    """Corpus BLEU (0-100), exactly `sacrebleu.corpus_bleu(hypotheses, [references]).score`."""
-    return bleu_with_signature(hypotheses, references, **sacrebleu_options)[0]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -210,24 +150,17 @@ class CodeProblem:
     handles: bool = True
 
     def valid_syntax(self, completion: str) -> bool:
-        """The model wrote valid code: not empty or blank, it parses after the
-        prefix, and it adds at least one statement (to the entry point's function
-        when the prefix defines it): a prompt's header and docstring alone parse,
-        so an empty answer or a lone comment is not valid syntax."""
-        if not completion.strip():
-            return False
-        tree = _parse(self.prefix + completion)
-        if tree is None:
-            return False
+        """The model wrote valid code: not blank, it parses after the prefix, and it adds at least
+        one statement (to the entry point's function when the prefix defines it): a prompt's header
+        and docstring alone parse, so an empty answer or a lone comment is not valid syntax."""
+        tree = _parse(self.prefix + completion) if completion.strip() else None
         before = _parse(self.prefix) if self.prefix else None
-        function = self.entry_point if before is not None and self.entry_point else ""
-        return _statements(tree, function) > (
-            _statements(before, function) if before is not None else 0
-        )
+        if tree is None or before is None:
+            return tree is not None and _statements(tree) > 0
+        return _statements(tree, self.entry_point) > _statements(before, self.entry_point)
 
     def clean(self, completion: str) -> str:
-        """Code from a raw model completion: a fenced block
-        if there is one, else the text up to a stop."""
+        """Code from a raw completion: its fenced block if any, else the text up to a stop."""
         if "```" in completion:
             return extract_code(completion)
         return truncate_at_stops(completion, self.stops)
@@ -239,12 +172,6 @@ SANDBOX_NOTE = (
     "runs the code the model writes: each problem's solution and test in two sandboxed processes "
     "(docs/TRUST.md: How generated code is run)"
 )
-
-
-def run_program(program: str, **limits: Any) -> ExecResult:
-    """Run one Python program alone in the sandbox (`sandbox.run`);
-    it passes when it exits 0 after its last line."""
-    return sandbox.run(program, **limits)
 
 
 def run_problem(problem: CodeProblem, completion: str, **limits: Any) -> ExecResult:
@@ -305,7 +232,7 @@ def evaluate_code(
     if not limits.get("unsafe") and sandbox.boundary().kind == "none":
         raise SandboxUnavailable(sandbox.unavailable_message())  # before any generation
     flat_problems, flat_codes = [], []
-    for p in _progress(problems, len(problems), "generating", progress):
+    for p in with_bar(problems, len(problems), "generating", progress):
         for _ in range(n):
             flat_problems.append(p)
             flat_codes.append(p.clean(generate(p.prompt)))

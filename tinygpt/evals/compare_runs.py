@@ -1,7 +1,6 @@
 """Training runs as a user compares them: a summary with a diagnosis, comparison tables, loss plots.
 
-A run folder's files are read through `tinygpt.core.rundir.RunDir` (see docs/ARCHITECTURE.md).
-"""
+A run folder's files are read through `tinygpt.core.rundir.RunDir` (see docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -10,20 +9,17 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+from tinygpt.core.datafiles import DataFormatError
 from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import METRICS, RunDir, missing_run_message
-from tinygpt.evals.code import DataFormatError
 from tinygpt.model.gpt import meta_model
 
 
 def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path]:
     """The run folders (those with a run.json) under `root`, by name; only `names` when given."""
     root = Path(root)
-    found = (
-        {p.name: p for p in sorted(root.iterdir()) if RunDir(p).is_pretrain_run()}
-        if root.is_dir()
-        else {}
-    )
+    folders = sorted(root.iterdir()) if root.is_dir() else []
+    found = {p.name: p for p in folders if RunDir(p).is_pretrain_run()}
     if not names:
         if not found:
             raise FileNotFoundError(
@@ -40,8 +36,7 @@ def list_runs(root: str | Path, names: Sequence[str] | None = None) -> list[Path
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl (a cut-off last
-    line, from a run killed mid-write, is skipped)."""
+    """A run's metrics.jsonl records (a last line cut off by a kill mid-write is skipped)."""
     run = RunDir(run_dir)
     if not run.path.exists():
         raise FileNotFoundError(missing_run_message(run.path))
@@ -102,8 +97,7 @@ def _diagnose(train: list[dict], val: list[dict]) -> list[str]:
 
 
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
-    """The numbers of a run from metrics.jsonl and
-    run.json, with a diagnosis (a list of findings)."""
+    """A run's numbers from metrics.jsonl and run.json, with a diagnosis (a list of findings)."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     info = RunDir(run_dir).info_or_empty()
@@ -121,6 +115,7 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
 
     best = min(val, key=lambda m: m["val_loss"]) if val else None
     mem = [m["memory_gb"] for m in records if m.get("memory_gb") is not None]
+    norms = [m["grad_norm"] for m in train if m.get("grad_norm") is not None]
     return {
         "run": run_dir.name,
         "recipe": info.get("recipe", {}).get("name"),
@@ -137,16 +132,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "tokens_per_s": med("tokens_per_s"),
         "mfu": med("mfu"),
         "memory_gb_max": max(mem) if mem else None,
-        "grad_norm_max": max(
-            (m["grad_norm"] for m in train if m.get("grad_norm") is not None), default=None
-        ),
+        "grad_norm_max": max(norms, default=None),
         "diagnosis": _diagnose(train, val) or ["no problems found"],
     }
-
-
-def read_samples(run_dir: str | Path) -> str:
-    """The generated samples a run wrote to samples.txt ("" when there are none)."""
-    return RunDir(run_dir).samples()
 
 
 def _num_params(info: dict[str, Any]) -> int | None:
@@ -156,29 +144,18 @@ def _num_params(info: dict[str, Any]) -> int | None:
     return meta_model(Recipe.from_dict(info["recipe"]).model).num_params()
 
 
+# the figures of a summary a comparison shows, after the run, its recipe and its size
+COMPARED = "steps tokens_seen loss_last val_loss_best tokens_per_s mfu memory_gb_max".split()
+
+
 def compare_runs(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
     """A table (one dict per run) of the runs' sizes and final metrics, ready for a DataFrame."""
     rows = []
     for d in run_dirs:
         s = summarize_run(d)
+        params = _num_params(RunDir(d).info_or_empty())
         rows.append(
-            {
-                "run": s["run"],
-                "recipe": s["recipe"],
-                "params": _num_params(RunDir(d).info_or_empty()),
-                **{
-                    k: s[k]
-                    for k in (
-                        "steps",
-                        "tokens_seen",
-                        "loss_last",
-                        "val_loss_best",
-                        "tokens_per_s",
-                        "mfu",
-                        "memory_gb_max",
-                    )
-                },
-            }
+            {"run": s["run"], "recipe": s["recipe"], "params": params} | {k: s[k] for k in COMPARED}
         )
     return rows
 

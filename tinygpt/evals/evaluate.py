@@ -34,11 +34,8 @@ def check_request(task: Task, r: Request) -> None:
         raise ValueError(
             f"task {task.name} reads no data file: leave out --data ({task.name}: {task.help})"
         )
-    if (
-        task.data_help is not None
-        and not (r.data is None and task.data_default)
-        and str(r.data) not in task.keywords
-    ):
+    reads_data = task.data_help is not None and str(r.data) not in task.keywords
+    if reads_data and not (r.data is None and task.data_default):
         if r.data is None:
             raise ValueError(f"task {task.name} needs data (--data): {task.data_help}")
         if not is_hub(r.data) and not Path(r.data).exists():
@@ -83,17 +80,11 @@ def record_eval(run_dir: str | Path, result: dict[str, Any]) -> None:
     run = RunDir(run_dir)
     if not (run.is_pretrain_run() or run.is_finetune_run()):
         return
-    keep = ("run", "checkpoint", "task", "data")
-    scores = {
-        k: v for k, v in result.items() if k not in keep and isinstance(v, (int, float, str, bool))
-    }
-    record = {
-        **{k: result[k] for k in keep},
-        "scores": scores,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    try:
-        # never through a link or a hard link
+    keep, scalar = ("run", "checkpoint", "task", "data"), (int, float, str, bool)
+    scores = {k: v for k, v in result.items() if k not in keep and isinstance(v, scalar)}
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    record = {**{k: result[k] for k in keep}, "scores": scores, "time": stamp}
+    try:  # never through a link or a hard link
         append_text(run.path / EVALS_JSONL, json.dumps(record) + "\n")
     except OSError as e:  # a read-only folder (someone else's run): the result is still returned
         warnings.warn(
@@ -117,17 +108,12 @@ def evaluate(opts: EvalOptions, say: Callable[[str], None] | None = None) -> dic
     if is_hub(opts.data):
         check_source(opts.data)  # offline: one line at once, not the datasets library's retries
     request = {f.name: getattr(opts, f.name) for f in dataclasses.fields(Request)}
-    # a bar where one is drawn (a terminal, a notebook's
-    # widget); a log file gets no carriage returns
+    # a bar where one is drawn (a terminal, a notebook's widget): no carriage returns in a log file
     bar = not opts.as_json and (sys.stderr.isatty() or "ipykernel" in sys.modules)
+    request.update(progress=bar, say=say)
+    device = str(resolve_device(opts.device))
     with sandbox.sigterm_as_interrupt():
-        return run_eval(
-            opts.run_dir,
-            opts.task,
-            which=opts.which,
-            device=str(resolve_device(opts.device)),
-            **{**request, "progress": bar, "say": say},
-        )
+        return run_eval(opts.run_dir, opts.task, which=opts.which, device=device, **request)
 
 
 def _jsonable(v):
@@ -145,9 +131,9 @@ def _fmt(v) -> str:
 
 
 def report(task: str, result: dict[str, Any], as_json: bool = False) -> str:
-    """What `tinygpt eval` prints: the whole result as JSON, or its
-    figures one per line (but those the task hides) followed by the
-    task's own lines (`Task.more`: HellaSwag's reference table, ...)."""
+    """What `tinygpt eval` prints: the whole result as JSON, or its figures one per line (but those
+    the task hides) followed by the task's own lines (`Task.more`: HellaSwag's reference table,
+    ...)."""
     if as_json:
         return json.dumps(_jsonable(result), indent=1, default=str)
     t = get_task(task)

@@ -1,12 +1,11 @@
-"""What every evaluation task is made of: the `Task` record a task module declares,
-the `Request` a caller makes (its fields are also `tinygpt eval`'s options, see
-`tinygpt.evals.eval_options`), the model loaded once for it (`load_for_eval`), text
-generation within the model's context, and the parts the code tasks share.
+"""What every evaluation task is made of: the `Task` record a task module declares, the `Request` a
+caller makes (its fields are also `tinygpt eval`'s options, see `tinygpt.evals.eval_options`), the
+model loaded once for it (`load_for_eval`), text generation within the model's context, and the
+parts the code tasks share.
 
-A task module (`tinygpt/evals/tasks/<name>.py`) holds its data sources,
-help, default sizes, scorer and how its result prints, in one `TASK =
-Task(...)`; the registry (`tinygpt.evals.tasks.TASKS`) lists the modules.
-"""
+A task module (`tinygpt/evals/tasks/<name>.py`) holds its data sources, help, default sizes, scorer
+and how its result prints, in one `TASK = Task(...)`; the registry (`tinygpt.evals.tasks.TASKS`)
+lists the modules."""
 
 from __future__ import annotations
 
@@ -31,17 +30,16 @@ from tinygpt.model.loading import load_run
 
 @dataclass(kw_only=True)
 class Request:
-    """What a caller asked for, the same for every task (each task reads the fields it uses). A field
-    left None takes the task's default (`Task.defaults`).
-    The fields with help are `tinygpt eval`'s options."""
+    """What a caller asked for, the same for every task (each task reads the fields it uses). A
+    field left None takes the task's default (`Task.defaults`). The fields with help are `tinygpt
+    eval`'s options."""
 
     data: str | Path | None = option(
         None,
-        help="the task's data file, sample:NAME (a sample that ships with "
-        "tinygpt: wikitext2, hellaswag, mbpp, humaneval), or hf:NAME[:CONFIG][@SPLIT], e.g. "
-        "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from "
-        "the Hub); perplexity: default the run's own validation split, `builtin` the built-in "
-        "corpus's",
+        help="the task's data file, sample:NAME (a sample that ships with tinygpt: wikitext2, "
+        "hellaswag, mbpp, humaneval), or hf:NAME[:CONFIG][@SPLIT], e.g. "
+        "hf:wikitext:wikitext-2-raw-v1@test or hf:Rowan/hellaswag@validation (downloads from the "
+        "Hub); perplexity: default the run's own validation split, `builtin` the built-in corpus's",
     )
     limit: int | None = option(None, help="only the first N items or problems")
     window: int | None = option(None, help="perplexity: tokens per window (default: the context)")
@@ -60,8 +58,7 @@ class Request:
         "available (rlimits only; use a throwaway VM)",
     )
     progress: bool = False  # a bar while scoring
-    # one-line notes before long work (expected time, a window too long)
-    say: Callable[[str], None] | None = None
+    say: Callable[[str], None] | None = None  # notes before long work (time, a window too long)
 
 
 @dataclass
@@ -95,16 +92,13 @@ class Task:
     data_help: str | None = None
     offline_file: str | None = None
     hub: str | None = None
-    # its sample that ships with tinygpt (sample:NAME)
-    sample: str | None = None
+    sample: str | None = None  # its sample that ships with tinygpt (sample:NAME)
     data_default: str | None = None
     keywords: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=dict)
     needs_model: bool = True
-    # executes what the model writes (said first)
-    runs_code: bool = False
-    # refuses a request that cannot work, before loading
-    check: Callable[[Request], None] | None = None
+    runs_code: bool = False  # executes what the model writes (said first)
+    check: Callable[[Request], None] | None = None  # refuses what cannot work, before loading
     hidden: tuple[str, ...] = ()
     more: Callable[[dict[str, Any]], list[str]] | None = None
     headline: tuple[str, ...] = ()
@@ -163,8 +157,7 @@ CHUNK = 32  # new tokens between two looks for the end of the answer
 
 
 def _opens(text: str) -> bool:
-    """Whether text can begin a line of a function's
-    body: indented, and no line end before its code."""
+    """Whether text can begin a line of a function's body: indented, no line end before its code."""
     line, end, _ = text.partition("\n")
     return line[:1] in (" ", "\t") and "\r" not in line and (not end or bool(line.strip()))
 
@@ -179,6 +172,7 @@ def _note(line: str) -> None:
         tqdm.write(line, file=sys.stderr)
 
 
+@dataclass
 class Generator:
     """`generate(prompt) -> completion` within the model's context. A prompt that leaves the answer
     less than `max_new_tokens` is cut from the left to leave it at least half the context (`room`),
@@ -190,24 +184,19 @@ class Generator:
     model's likeliest next line often leaves the function at once (a blank line and the next `def`),
     an empty answer that says nothing about the code it can write."""
 
-    def __init__(
-        self,
-        m: Loaded,
-        max_new_tokens: int,
-        temperature: float,
-        done: Callable[[str], bool] | None = None,
-        say: Callable[[str], None] | None = None,
-        seed: int = 0,
-        body: bool = False,
-    ):
-        self.m, self.max_new_tokens, self.temperature, self.done = (
-            m,
-            max_new_tokens,
-            temperature,
-            done,
-        )
-        self.context, self.cut, self.seed, self.calls = context_length(m), 0, seed, 0
-        self.say, self.body, self.texts = say or _note, body, None
+    m: Loaded
+    max_new_tokens: int
+    temperature: float
+    done: Callable[[str], bool] | None = None
+    say: Callable[[str], None] = _note
+    seed: int = 0
+    body: bool = False
+    cut: int = field(default=0, init=False)  # prompts cut so far
+    calls: int = field(default=0, init=False)
+    texts: list[str] | None = field(default=None, init=False)  # each token's text, by id
+
+    def __post_init__(self) -> None:
+        self.context = context_length(self.m)
 
     def encode(self, prompt: str) -> list[int]:
         # verbose=False: transformers' "longer than the specified maximum" warning is ours to say
@@ -232,16 +221,13 @@ class Generator:
             )
         self.cut += 1
         bos = getattr(self.m.tokenizer, "bos_token_id", None) if self.m.is_hf else None
-        return (
-            ids[:1] + ids[len(ids) - keep + 1 :]
-            if bos is not None and ids[0] == bos
-            else ids[-keep:]
-        ), room
+        if bos is not None and ids[0] == bos:  # the start token stays
+            return ids[:1] + ids[len(ids) - keep + 1 :], room
+        return ids[-keep:], room
 
     @contextlib.contextmanager
     def _seeded(self) -> Iterator[torch.Tensor]:
-        """A context with its own seeded random state
-        (the caller's is restored), for `ids`' tensor."""
+        """Its own seeded random state (the caller's is restored after); yields the device."""
         device = next(self.m.model.parameters()).device
         self.calls += 1
         with (
@@ -252,7 +238,6 @@ class Generator:
             yield device
 
     def _texts(self) -> list[str]:
-        """Each token's text, by id (read once)."""
         if self.texts is None:
             size = len(self.m.tokenizer) if self.m.is_hf else self.m.tokenizer.vocab_size
             self.texts = [self.decode([i]) for i in range(size)]
@@ -268,9 +253,8 @@ class Generator:
         with self._seeded() as device:
             for step in range(most):
                 x = torch.tensor([ids + out], dtype=torch.long, device=device)
-                logits = (self.m.model(input_ids=x).logits if self.m.is_hf else self.m.model(x))[
-                    0, -1
-                ].float()
+                logits = self.m.model(input_ids=x).logits if self.m.is_hf else self.m.model(x)
+                logits = logits[0, -1].float()
                 # the last one brings code, not more blanks
                 line, last = self.decode(out), step == most - 1
                 allowed = torch.tensor(
@@ -288,44 +272,34 @@ class Generator:
                 if self.temperature == 0:
                     out.append(int(masked.argmax()))
                 else:
-                    out.append(
-                        int(torch.multinomial(torch.softmax(masked / self.temperature, dim=-1), 1))
-                    )
+                    probs = torch.softmax(masked / self.temperature, dim=-1)
+                    out.append(int(torch.multinomial(probs, 1)))
                 if self.decode(out).strip():
                     break
         return out
 
     def _more(self, ids: list[int], n: int) -> tuple[list[int], bool]:
         """Up to n new tokens after ids, and whether the model ended its text."""
-        m, greedy = self.m, self.temperature == 0
+        m, greedy, t = self.m, self.temperature == 0, self.temperature
         with self._seeded() as device:
             x = torch.tensor([ids], dtype=torch.long, device=device)
             if m.is_hf:
                 tok = m.tokenizer
                 pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-                sampling = (
-                    {"do_sample": False}
-                    if greedy
-                    else {"do_sample": True, "temperature": self.temperature}
-                )
-                out = m.model.generate(
+                sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": t}
+                new = m.model.generate(
                     input_ids=x,
                     attention_mask=torch.ones_like(x),
                     max_new_tokens=n,
                     pad_token_id=pad,
                     **sampling,
-                )[0, len(ids) :].tolist()
+                )
                 eos = tok.eos_token_id
             else:
                 eos = m.tokenizer.eot_id
-                out = generate(
-                    m.model,
-                    x,
-                    n,
-                    temperature=1.0 if greedy else self.temperature,
-                    top_k=1 if greedy else None,
-                    eot_id=eos,
-                )[0, len(ids) :].tolist()
+                top_k, temperature = (1, 1.0) if greedy else (None, t)
+                new = generate(m.model, x, n, temperature=temperature, top_k=top_k, eot_id=eos)
+        out = new[0, len(ids) :].tolist()
         if eos in out:
             return out[: out.index(eos)], True
         return out, False
@@ -345,17 +319,6 @@ class Generator:
             text = self.decode(new)
             ended = ended or not more
         return text
-
-
-def generator(
-    m: Loaded,
-    max_new_tokens: int,
-    temperature: float,
-    done: Callable[[str], bool] | None = None,
-    body: bool = False,
-) -> Generator:
-    """A `Generator` for the model (see there)."""
-    return Generator(m, max_new_tokens, temperature, done, body=body)
 
 
 # --- the code tasks (HumanEval, MBPP): generated code run against each problem's tests ------------
@@ -383,9 +346,8 @@ def code_task(
     offline_file: str,
     sample: str,
 ) -> Task:
-    """A task that generates `n` completions per problem and runs
-    them against its tests (`code.evaluate_code`): pass@k, syntax
-    accuracy, BLEU; greedy for n == 1, temperature 0.8 above."""
+    """A task that generates `n` completions per problem (greedy for n == 1, else at temperature
+    0.8) and runs them against its tests (`code.evaluate_code`): pass@k, syntax accuracy, BLEU."""
 
     def score(m: Loaded, r: Request) -> dict[str, Any]:
         problems = load(r.data)[: r.limit]
@@ -393,8 +355,8 @@ def code_task(
         stops = problems[0].stops if problems else ()
         # HumanEval: the answer is a body
         body = bool(problems) and problems[0].prefix == problems[0].prompt
-        generate = generator(
-            m, r.max_new_tokens, temperature, lambda text: code.answer_ended(text, stops), body
+        generate = Generator(
+            m, r.max_new_tokens, temperature, lambda text: code.answer_ended(text, stops), body=body
         )
         res = code.evaluate_code(
             problems, generate, r.n, r.k, progress=r.progress, unsafe=r.unsafe_exec

@@ -1,13 +1,12 @@
 """Language-model scoring every task shares: perplexity and bits per byte of a text, log-likelihoods
 and multiple choice, and batching that says a long run's time first; reading an evaluation text (a
 file or a Hub data set) is `tinygpt.evals.texts`'s. The tasks that use them are in
-`tinygpt.evals.tasks` (one module each); code metrics are in `tinygpt.evals.code`, run
-summaries in `tinygpt.evals.compare_runs`.
+`tinygpt.evals.tasks` (one module each); code metrics are in `tinygpt.evals.code`, run summaries in
+`tinygpt.evals.compare_runs`.
 
-Every model function takes a tinygpt `GPT` or a Hugging Face causal LM (through `as_causal_lm`),
-and a tinygpt `Tokenizer` or a Hugging Face tokenizer. Wrap a call in `Precision.autocast()` to
-evaluate in bf16/fp16; log-probabilities are always taken in fp32.
-"""
+Every model function takes a tinygpt `GPT` or a Hugging Face causal LM (through `as_causal_lm`), and
+a tinygpt `Tokenizer` or a Hugging Face tokenizer. Wrap a call in `Precision.autocast()` to evaluate
+in bf16/fp16; log-probabilities are always taken in fp32."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tinygpt.core.units import duration
+from tinygpt.evals.code import with_bar
 from tinygpt.model.losses import IGNORE_INDEX
 
 # --- models and tokenizers --------------------------------------------------------------------
@@ -45,29 +45,24 @@ class CausalLM:
         return out.logits if hasattr(out, "logits") else out  # Hugging Face returns a ModelOutput
 
 
-def as_causal_lm(model: Any, max_seq_len: int | None = None) -> CausalLM:
+def as_causal_lm(model: Any) -> CausalLM:
     """Adapt a tinygpt `GPT` (logits from ``model(idx)``) or a Hugging Face causal LM (``.logits``,
-    also under `peft`). The context comes from ``config.max_seq_len`` /
-    ``max_position_embeddings``."""
+    also under `peft`); a `CausalLM` as it is. The context comes from ``config.max_seq_len`` /
+    ``max_position_embeddings`` / ``n_positions``."""
     if isinstance(model, CausalLM):
-        return model if max_seq_len is None else CausalLM(model.module, max_seq_len)
-    if max_seq_len is None:
-        cfg = getattr(model, "config", None)
-        for name in ("max_seq_len", "max_position_embeddings", "n_positions"):
-            if getattr(cfg, name, None):
-                max_seq_len = int(getattr(cfg, name))
-                break
-        else:
-            raise ValueError("cannot tell the model's context length; pass max_seq_len=")
-    return CausalLM(model, max_seq_len)
+        return model
+    cfg = getattr(model, "config", None)
+    for name in ("max_seq_len", "max_position_embeddings", "n_positions"):
+        if getattr(cfg, name, None):
+            return CausalLM(model, int(getattr(cfg, name)))
+    raise ValueError("cannot tell the model's context length (no config.max_seq_len)")
 
 
 def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     """text -> ids with no special tokens added, for a tinygpt or a Hugging Face tokenizer."""
     if hasattr(tokenizer, "eot_id"):
         return tokenizer.encode
-    # verbose=False: a whole text is longer than
-    # model_max_length on purpose (it is cut into windows)
+    # verbose=False: a whole text is longer than model_max_length on purpose (cut into windows)
     return lambda text: tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
 
@@ -119,14 +114,10 @@ SHORT_SECONDS = 180.0
 
 
 def shorter(size: int, expected: float) -> int:
-    """How much of `size` (characters, items) takes about
-    `SHORT_SECONDS`, or a quarter of `expected`."""
-    return _round_down(size * min(SHORT_SECONDS, expected / 4) / expected)
-
-
-def _round_down(x: float) -> int:
-    """`x` rounded down to one significant digit (a
-    number a person would type): 237000 -> 200000."""
+    """How much of `size` (characters, items) takes about `SHORT_SECONDS`, or a quarter of
+    `expected`, rounded down to one significant digit (a number a person would type: 237000 ->
+    200000)."""
+    x = size * min(SHORT_SECONDS, expected / 4) / expected
     if x < 1:
         return 1
     scale = 10 ** int(math.floor(math.log10(x)))
@@ -158,22 +149,9 @@ def run_batches(
     expected = first + per * sum(cost[1:])
     if say is not None and n > done and expected > LONG_SECONDS:
         say(describe(expected, per))
-    rest = batches[done:]
-    bar = None
-    if progress and rest:
-        try:
-            from tqdm.auto import tqdm
-
-            # gone when done: the result says it
-            bar = tqdm(total=n, initial=done, desc=desc, leave=False)
-        except ImportError:
-            pass
-    for b in rest:
+    # a bar for the rest, gone when done: the result says it
+    for b in with_bar(batches[done:], n, desc, progress and n > done, initial=done, leave=False):
         run(b)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
 
 
 # --- perplexity and bits per byte -------------------------------------------------------------
@@ -181,7 +159,8 @@ def run_batches(
 
 def _windows(n_pred: int, window: int, step: int) -> list[tuple[int, int, int]]:
     """(begin, end, first scored target) of each window: inputs ids[begin:end], targets
-    ids[begin+1:end+1], of which those before the first scored target were scored by an earlier one."""
+    ids[begin+1:end+1], of which those before the first scored target were scored by an earlier
+    one."""
     spans, prev_end = [], 0
     for begin in range(0, n_pred, step):
         end = min(begin + window, n_pred)
@@ -281,7 +260,7 @@ def perplexity(
 
 @dataclass
 class ChoiceItem:
-    """One multiple-choice item: endings scored after the context; `label` is the right one's index."""
+    """One multiple-choice item: endings scored after the context; `label`: the right one."""
 
     context: str
     endings: list[str]
@@ -291,7 +270,8 @@ class ChoiceItem:
 def _request_ids(
     lm: CausalLM, encode: Callable, start: int | None, ctx: str, cont: str
 ) -> tuple[list[int], int]:
-    """One request's ids (context + continuation, cut on the left to fit) and its continuation's length."""
+    """One request's ids (context + continuation, cut on the left to fit) and its continuation's
+    length."""
     n_space = len(ctx) - len(ctx.rstrip(" "))
     if n_space:
         ctx, cont = ctx[:-n_space], ctx[-n_space:] + cont
@@ -325,10 +305,10 @@ def loglikelihoods(
 ) -> list[float]:
     """log P(continuation | context) in nats for each (context, continuation), summed over the
     continuation's tokens only. Tokenized as lm-evaluation-harness does: the continuation's tokens
-    are those of context + continuation after the context's, and context trailing spaces move to
-    the continuation; an empty context becomes the start token; too long inputs lose their left (past
-    the trained context, `CausalLM.trained`, where the continuation fits in it).
-    `say` and `describe`: as in `run_batches` (a long run says its expected time first)."""
+    are those of context + continuation after the context's, and context trailing spaces move to the
+    continuation; an empty context becomes the start token; too long inputs lose their left (past
+    the trained context, `CausalLM.trained`, where the continuation fits in it). `say` and
+    `describe`: as in `run_batches` (a long run says its expected time first)."""
     lm, encode, start = as_causal_lm(model), encoder(tokenizer), start_token(tokenizer)
     seqs = [_request_ids(lm, encode, start, ctx, cont) for ctx, cont in requests]
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))  # similar lengths pad less
@@ -406,6 +386,3 @@ def multiple_choice(
         "acc_norm": acc_norm,
         "acc_norm_stderr": se(acc_norm),
     }
-
-
-# --- evaluation text: a file, or a Hugging Face data set ----------------------------------------

@@ -66,9 +66,9 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import NamedTuple, Sequence
 
 INIT = Path(__file__).with_name("sandbox_init.py")
 KINDS = ("root", "userns", "uid", "none")
@@ -100,8 +100,23 @@ class ExecResult:
     def passed(self) -> bool:
         return self.status == "passed"
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+class Limits(NamedTuple):
+    """What one sandboxed program may use (`run`'s keywords of the same names)."""
+
+    timeout_s: float
+    memory_mb: int
+    cpu_s: int
+    max_output_mb: int
+    max_write_mb: int
+    max_processes: int
+
+
+# the probe that finds a boundary: a small program under small limits
+_PROBE = "import os\nprint(os.getuid(), os.listdir('/'))\n"
+_PROBE_LIMITS = Limits(
+    timeout_s=20, memory_mb=512, cpu_s=10, max_output_mb=1, max_write_mb=4, max_processes=1
+)
 
 
 @dataclass(frozen=True)
@@ -111,17 +126,15 @@ class Boundary:
     why_not: str = ""  # for none: what was tried and why it failed
 
     def describe(self) -> str:
+        own = (
+            "own PID, mount and network namespaces, a size-capped tmpfs as the only writable folder"
+        )
         return {
-            "root": "a kernel boundary as root: own PID, mount and network namespaces, a "
-            "size-capped "
-            "tmpfs as the only writable folder, an unprivileged uid per process",
-            "userns": "a kernel boundary in a user namespace: own PID, mount and network "
-            "namespaces, a "
-            "size-capped tmpfs as the only writable folder, no capabilities",
+            "root": f"a kernel boundary as root: {own}, an unprivileged uid per process",
+            "userns": f"a kernel boundary in a user namespace: {own}, no capabilities",
             "uid": "a kernel boundary as root without namespaces: an unprivileged uid per process, "
-            "a private "
-            "folder, no new processes; world-readable files are visible and only each file's size "
-            "is capped",
+            "a private folder, no new processes; world-readable files are visible and only each "
+            "file's size is capped",
             "none": "no kernel boundary (rlimits only)",
         }[self.kind]
 
@@ -134,12 +147,9 @@ def _python() -> str:
 
 
 def _read_only_paths() -> list[str]:
-    """What the jail shows, read-only: the system's
-    programs and libraries and the Python install."""
-    py = Path(_python())
-    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)} | {
-        str(py.parent.parent)
-    }
+    """What the jail shows, read-only: the system's programs and libraries, the Python install."""
+    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}
+    prefixes.add(str(Path(_python()).parent.parent))
     return ["/usr", "/bin", "/lib", "/lib64", "/lib32", "/libx32", *sorted(prefixes)]
 
 
@@ -152,18 +162,7 @@ def _prefix(kind: str) -> tuple[str, ...] | None:
     if unshare is None:
         return None
     user = ("--user", "--map-root-user") if kind == "userns" else ()
-    return (
-        *head,
-        unshare,
-        *user,
-        "--pid",
-        "--fork",
-        "--kill-child",
-        "--mount",
-        "--net",
-        "--ipc",
-        "--uts",
-    )
+    return (*head, unshare, *user, *"--pid --fork --kill-child --mount --net --ipc --uts".split())
 
 
 def boundary(kind: str | None = None) -> Boundary:
@@ -190,20 +189,7 @@ def _probe(wanted: str | None, python: str) -> Boundary:
             continue
         b = Boundary(k, prefix)
         try:
-            r = _run(
-                b,
-                None,
-                "import os\nprint(os.getuid(), os.listdir('/'))\n",
-                "",
-                None,
-                False,
-                timeout_s=20,
-                memory_mb=512,
-                cpu_s=10,
-                max_output_mb=1,
-                max_write_mb=4,
-                max_processes=1,
-            )
+            r = _run(b, None, _PROBE, "", None, False, _PROBE_LIMITS)
         except (OSError, ValueError, subprocess.SubprocessError) as e:
             tried.append(f"{k}: {e}")
             continue
@@ -223,10 +209,8 @@ def stop_all() -> None:
         _stopping.set()
         procs = list(_live)
     for p in procs:
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(p.pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def resume() -> None:
@@ -268,10 +252,8 @@ def _supervise(b: Boundary, job: dict, timeout_s: float) -> tuple[subprocess.Pop
         try:
             out, err = proc.communicate(marshal.dumps(job), timeout=timeout_s + 30)
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
             proc.wait()
             with _live_lock:
                 _live.discard(proc)
@@ -288,14 +270,9 @@ def _run(
     context: str,
     names: Sequence[str] | None,
     handles: bool,
-    *,
-    timeout_s: float,
-    memory_mb: int,
-    cpu_s: int,
-    max_output_mb: int,
-    max_write_mb: int,
-    max_processes: int,
+    limits: Limits,
 ) -> ExecResult:
+    """`solution` and `test` behind `b` under `limits`, its verdict parsed."""
     # distinct from any other sandbox's, in this process or another
     slot = secrets.randbelow(500_000_000)
     job = {
@@ -307,31 +284,24 @@ def _run(
         "handles": handles,
         "python": _python(),
         "read_only": _read_only_paths(),
-        "timeout_s": timeout_s,
-        "memory_bytes": memory_mb * 2**20,
-        "cpu_s": cpu_s,
-        "max_output_bytes": max_output_mb * 2**20,
-        "max_write_bytes": max_write_mb * 2**20,
-        "max_processes": max_processes,
+        "timeout_s": limits.timeout_s,
+        "memory_bytes": limits.memory_mb * 2**20,
+        "cpu_s": limits.cpu_s,
+        "max_output_bytes": limits.max_output_mb * 2**20,
+        "max_write_bytes": limits.max_write_mb * 2**20,
+        "max_processes": limits.max_processes,
         "uids": [_UID_BASE + 2 * slot, _UID_BASE + 2 * slot + 1],
         "caller_ns": _namespaces(),
     }
     t0 = time.monotonic()
-    proc, out, err = _supervise(b, job, timeout_s)
+    proc, out, err = _supervise(b, job, limits.timeout_s)
     duration = time.monotonic() - t0
-    try:
-        # the supervisor's plain dict
+    try:  # the supervisor's plain dict
         res = ast.literal_eval(out.decode("utf-8", "surrogateescape"))
     except (ValueError, SyntaxError, MemoryError, RecursionError):
-        msg = err.decode("utf-8", "replace").strip().splitlines()
-        return ExecResult(
-            "failed",
-            proc.returncode,
-            duration,
-            "",
-            "sandbox: " + (msg[-1] if msg else f"supervisor exited {proc.returncode}"),
-            b.kind,
-        )
+        lines = err.decode("utf-8", "replace").strip().splitlines()
+        why = lines[-1] if lines else f"supervisor exited {proc.returncode}"
+        return ExecResult("failed", proc.returncode, duration, "", f"sandbox: {why}", b.kind)
     return ExecResult(
         res["status"], res["returncode"], duration, res["stdout"], res["stderr"], b.kind
     )
@@ -370,17 +340,10 @@ def run(
     if b.kind == "none" and not unsafe:
         raise SandboxUnavailable(unavailable_message(b))
     cpu_s = cpu_s if cpu_s is not None else int(timeout_s) + 1
-    limits = dict(
-        timeout_s=timeout_s,
-        memory_mb=memory_mb,
-        cpu_s=cpu_s,
-        max_output_mb=max_output_mb,
-        max_write_mb=max_write_mb,
-        max_processes=max_processes,
-    )
+    limits = Limits(timeout_s, memory_mb, cpu_s, max_output_mb, max_write_mb, max_processes)
     if test is None:
-        return _run(b, None, program, "", None, handles, **limits)
-    return _run(b, program, test, context, names, handles, **limits)
+        return _run(b, None, program, "", None, handles, limits)
+    return _run(b, program, test, context, names, handles, limits)
 
 
 def unavailable_message(b: Boundary | None = None) -> str:

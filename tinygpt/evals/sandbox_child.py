@@ -46,8 +46,7 @@ class Handle:
 
 
 def encode(v, handle=None, depth: int = 0):
-    """A plain value as a tagged tree of literals; anything else through `handle(v)` (None:
-    refused)."""
+    """A plain value as a tagged tree of literals; anything else via `handle(v)` (None: refused)."""
     if depth > MAX_DEPTH:
         raise ValueError("value nested too deep")
     if v is None:
@@ -69,17 +68,12 @@ def encode(v, handle=None, depth: int = 0):
         return ("s", str(v))
     if isinstance(v, bytes):
         return ("b", bytes(v))
+    d = depth + 1
     for base, tag in ((list, "l"), (tuple, "t"), (set, "S"), (frozenset, "F")):
         if isinstance(v, base):
-            return (tag, [encode(x, handle, depth + 1) for x in base(v)])
+            return (tag, [encode(x, handle, d) for x in base(v)])
     if isinstance(v, dict):
-        return (
-            "d",
-            [
-                (encode(k, handle, depth + 1), encode(x, handle, depth + 1))
-                for k, x in dict(v).items()
-            ],
-        )
+        return ("d", [(encode(k, handle, d), encode(x, handle, d)) for k, x in dict(v).items()])
     if handle is None:
         raise TypeError(
             f"a {type(v).__name__} is not a plain value (int, float, str, bytes, bool, "
@@ -237,32 +231,9 @@ class Remote:
     def __setattr__(self, name, value):
         self._ask("set", name, value)
 
-    def __len__(self):
-        return self._ask("op", "__len__", ())
 
-    def __iter__(self):
-        return self._ask("op", "__iter__", ())
-
-    def __next__(self):
-        return self._ask("op", "__next__", ())
-
-    def __getitem__(self, k):
-        return self._ask("op", "__getitem__", (k,))
-
-    def __setitem__(self, k, v):
-        self._ask("op", "__setitem__", (k, v))
-
-    def __delitem__(self, k):
-        self._ask("op", "__delitem__", (k,))
-
-    def __contains__(self, k):
-        return self._ask("op", "__contains__", (k,))
-
-    def __str__(self):
-        return self._ask("op", "__str__", ())
-
-    def __repr__(self):
-        return self._ask("op", "__repr__", ())
+for _op in OPS:  # len, iteration, indexing, `in`, str and repr: asked of the solution's object
+    setattr(Remote, _op, lambda self, *args, _op=_op: self._ask("op", _op, args))
 
 
 class Link:
@@ -280,14 +251,12 @@ class Link:
             if v._target[0] != "h":
                 raise TypeError("a function of the solution cannot be passed back to it")
             return ("h", v._target[1])
+        d = depth + 1
         if type(v) in (list, tuple, set, frozenset) and depth < MAX_DEPTH:
             tag = {list: "l", tuple: "t", set: "S", frozenset: "F"}[type(v)]
-            return (tag, [self._encode(x, depth + 1) for x in v])
+            return (tag, [self._encode(x, d) for x in v])
         if type(v) is dict and depth < MAX_DEPTH:
-            return (
-                "d",
-                [(self._encode(k, depth + 1), self._encode(x, depth + 1)) for k, x in v.items()],
-            )
+            return ("d", [(self._encode(k, d), self._encode(x, d)) for k, x in v.items()])
         return encode(v)
 
     def receive(self):
@@ -376,8 +345,7 @@ def test(job: dict, result: int, requests: int | None, answers: int | None) -> N
 
 
 def child_main(role: str) -> None:
-    """The entry point of a child (run with -c): the job on stdin, descriptors in the
-    environment."""
+    """A child's entry point (run with -c): the job on stdin, descriptors in the environment."""
     import marshal
 
     job = marshal.loads(sys.stdin.buffer.read())  # from the supervisor

@@ -3,19 +3,19 @@
 stdin, builds the jail (in namespace modes it is PID 1 of a new PID namespace and owns a private
 mount namespace: a size-capped tmpfs becomes ``/``, with ``/usr``, the Python install and five
 device files bound read-only, so nothing else of the machine exists in there; sandbox_jail.py),
-starts the test process and the solution process (sandbox_child.py's source, under the rlimits and
-a system call allowlist: no new process, SysV IPC, memfd or namespace, nothing it does not
-name; sandbox_seccomp.py), waits, kills everything, and prints one result (a dict literal) on
-stdout. Its stdout is the only channel to the caller, and no child holds it.
+starts the test process and the solution process (sandbox_child.py's source, under the rlimits and a
+system call allowlist: no new process, SysV IPC, memfd or namespace, nothing it does not name;
+sandbox_seccomp.py), waits, kills everything, and prints one result (a dict literal) on stdout. Its
+stdout is the only channel to the caller, and no child holds it.
 
-It is a script, never imported: with ``-I`` neither tinygpt nor this folder is on sys.path, so
-its three siblings (standard library only) are found through the folder appended after the
-standard library, whose modules none of them shadows. Everything is imported and read before the
-jail is built: inside it this folder does not exist.
-"""
+It is a script, never imported: with ``-I`` neither tinygpt nor this folder is on sys.path, so its
+three siblings (standard library only) are found through the folder appended after the standard
+library, whose modules none of them shadows. Everything is imported and read before the jail is
+built: inside it this folder does not exist."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -28,9 +28,8 @@ from sandbox_seccomp import THREADS, install_filter, seccomp_filter  # noqa: E40
 
 def _limits(job: dict, libc, drop_capabilities, seccomp: bytes | None) -> None:
     """In the child after fork (after setgroups/setgid/setuid in root mode), before exec. With the
-    system call filter (`seccomp`), RLIMIT_NPROC leaves room for THREADS threads
-    (MALLOC_ARENA_MAX=1 keeps each one's cost to its stack): the filter, not the rlimit, refuses the
-    new processes."""
+    system call filter (`seccomp`), RLIMIT_NPROC leaves room for THREADS threads (MALLOC_ARENA_MAX=1
+    keeps each one's cost to its stack): the filter, not the rlimit, refuses the new processes."""
     import resource  # already imported by the supervisor: the child's uid may not read the stdlib
 
     def limit(which: int, soft: int, hard: int | None = None) -> None:
@@ -56,8 +55,7 @@ def _limits(job: dict, libc, drop_capabilities, seccomp: bytes | None) -> None:
 
 
 def _host_libc():
-    """The C library outside a jail (uid and none modes build none), for prctl; None where ctypes
-    fails."""
+    """The C library outside a jail (uid and none modes), for prctl; None where ctypes fails."""
     try:
         import ctypes
 
@@ -101,63 +99,6 @@ def _child_env(cwd: str, n_fds: int) -> dict[str, str]:
     }
 
 
-def _spawn(
-    job: dict,
-    role: str,
-    source: str,
-    cwd: str,
-    fds: list[int],
-    out: str,
-    err: str,
-    uid: int | None,
-    jail: Jail | None,
-    drop: bool,
-) -> tuple[int, int]:
-    """fork + exec of a child: its job on a pipe as stdin, output to files, `fds` as 3, 4, 5; in the
-    child, before exec: its own session, setgroups([]) / setgid / setuid (root mode), the limits,
-    no-new-privs. Returns (pid, the write end of its stdin). Plain os calls: no subprocess
-    import."""
-    import fcntl
-
-    r, w = os.pipe()
-    o = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    e = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    env = _child_env(cwd, len(fds))
-    libc = jail.libc if jail is not None else _host_libc()
-    seccomp = seccomp_filter(job["max_processes"] > 1) if libc is not None else None
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (r, o, e, *fds)]
-            for target, fd in enumerate(high):
-                os.dup2(fd, target)  # inheritable
-            os.closerange(len(high), 1 << 20)
-            os.chdir(cwd)
-            if uid is not None:
-                os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-            _limits(job, libc, jail.drop_capabilities if drop else None, seccomp)
-            # Its own session keeps it out of the supervisor's process group, so when the caller
-            # SIGKILLs the supervisor (Ctrl-C, SIGTERM) only this signal ends it where no PID
-            # namespace does (uid, none)
-            if libc is not None:
-                # PR_SET_PDEATHSIG: SIGKILL (set after setuid, which would clear it)
-                libc.prctl(1, 9, 0, 0, 0)
-            # the supervisor died before that: nobody would ever stop this one
-            if os.getppid() != parent:
-                os._exit(127)
-            os.execve(job["python"], [job["python"], "-I", "-S", "-c", source, role], env)
-        except BaseException as ex:  # noqa: BLE001 (a child must never return into the supervisor)
-            os.write(2, f"sandbox: could not start the {role} process: {ex!r}\n".encode())
-        os._exit(127)
-    for fd in (r, o, e):
-        os.close(fd)
-    return pid, w
-
-
 def _wait(pid: int, timeout: float) -> int | None:
     """The exit status (negative: the signal) or None after `timeout` seconds."""
     import select
@@ -198,7 +139,7 @@ def supervise() -> None:
     job = marshal.loads(sys.stdin.buffer.read())  # from tinygpt itself, not from the sandbox
     source = open(sandbox_child.__file__, encoding="utf-8").read()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller stops us with SIGKILL
-    run = _Sandbox(job, source, *_prepare(job))
+    run = _Sandbox(job, source)
     try:
         run.start_and_wait()
     finally:
@@ -243,19 +184,11 @@ class _Sandbox:
     their starts, the wait, the kill, and the verdict read from the result pipe, the exit codes and
     the output files."""
 
-    def __init__(
-        self,
-        job: dict,
-        source: str,
-        jail: Jail | None,
-        work: str,
-        out_dir: str,
-        uids: dict[str, int],
-    ) -> None:
+    def __init__(self, job: dict, source: str) -> None:
         import time
 
-        self.job, self.source, self.jail = job, source, jail
-        self.work, self.out_dir, self.uids = work, out_dir, uids
+        self.job, self.source = job, source
+        self.jail, self.work, self.out_dir, self.uids = _prepare(job)
         self.jailed = job["mode"] in ("root", "userns")
         self.two = job["solution"] is not None
         self.result_r, self.result_w = os.pipe()
@@ -271,27 +204,62 @@ class _Sandbox:
         self.timed_out = False
         self.ready = b""
 
+    def _spawn(self, role: str) -> tuple[int, int]:
+        """fork + exec of a child: its job on a pipe as stdin, output to files, its descriptors
+        as 3, 4, 5; in the child, before exec: its own session, setgroups([]) / setgid / setuid
+        (root mode), the limits, no-new-privs. Returns (pid, the write end of its stdin). Plain os
+        calls: no subprocess import."""
+        import fcntl
+
+        job, jail, uid, fds = self.job, self.jail, self.uids.get(role), self.fds[role]
+        cwd = f"{self.work}/{role}"
+        r, w = os.pipe()
+        o = os.open(f"{self.out_dir}/{role}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        e = os.open(f"{self.out_dir}/{role}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        env = _child_env(cwd, len(fds))
+        libc = jail.libc if jail is not None else _host_libc()
+        seccomp = seccomp_filter(job["max_processes"] > 1) if libc is not None else None
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (r, o, e, *fds)]
+                for target, fd in enumerate(high):
+                    os.dup2(fd, target)  # inheritable
+                os.closerange(len(high), 1 << 20)
+                os.chdir(cwd)
+                if uid is not None:
+                    os.setgroups([])
+                    os.setresgid(uid, uid, uid)
+                    os.setresuid(uid, uid, uid)
+                drop = jail.drop_capabilities if job["mode"] == "userns" else None
+                _limits(job, libc, drop, seccomp)
+                # Its own session keeps it out of the supervisor's process group, so when the caller
+                # SIGKILLs the supervisor (Ctrl-C, SIGTERM) only this signal ends it where no PID
+                # namespace does (uid, none)
+                if libc is not None:
+                    # PR_SET_PDEATHSIG: SIGKILL (set after setuid, which would clear it)
+                    libc.prctl(1, 9, 0, 0, 0)
+                # the supervisor died before that: nobody would ever stop this one
+                if os.getppid() != parent:
+                    os._exit(127)
+                os.execve(job["python"], [job["python"], "-I", "-S", "-c", self.source, role], env)
+            except BaseException as ex:  # noqa: BLE001 (a child never returns into the supervisor)
+                os.write(2, f"sandbox: could not start the {role} process: {ex!r}\n".encode())
+            os._exit(127)
+        for fd in (r, o, e):
+            os.close(fd)
+        return pid, w
+
     def start(self, role: str, payload: dict) -> None:
         import marshal
 
-        self.pids[role], stdin = _spawn(
-            self.job,
-            role,
-            self.source,
-            f"{self.work}/{role}",
-            self.fds[role],
-            f"{self.out_dir}/{role}.out",
-            f"{self.out_dir}/{role}.err",
-            self.uids.get(role),
-            self.jail,
-            self.job["mode"] == "userns",
-        )
-        try:
+        self.pids[role], stdin = self._spawn(role)
+        with contextlib.suppress(OSError):
             data = marshal.dumps(payload)
             while data:
                 data = data[os.write(stdin, data) :]
-        except OSError:
-            pass
         os.close(stdin)
 
     def start_and_wait(self) -> None:
@@ -320,15 +288,11 @@ class _Sandbox:
         import signal
 
         for pid in self.pids.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)  # the process and its group
-            except OSError:
-                pass
         if self.jailed:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(-1, signal.SIGKILL)  # as PID 1 of this namespace: everything else in it
-            except OSError:
-                pass
         # no namespace: every process of the sandbox's uids, wherever it went
         for uid in self.uids.values():
             killer = os.fork()

@@ -1,10 +1,10 @@
-"""The jail of the namespace modes (root, userns), built by the supervisor (sandbox_init.py)
-before it starts any process: standard library only (run inside the sandbox's supervisor, which
-never imports tinygpt).
-"""
+"""The jail of the namespace modes (root, userns), built by the supervisor (sandbox_init.py) before
+it starts any process: standard library only (run inside the sandbox's supervisor, which never
+imports tinygpt)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
@@ -22,8 +22,7 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
 class Jail:
-    """The mount side of the namespace modes: a size-capped tmpfs as the new `/`, read-only
-    binds."""
+    """The namespace modes' mounts: a size-capped tmpfs as the new `/`, read-only binds."""
 
     def __init__(self) -> None:
         import ctypes
@@ -96,15 +95,11 @@ class Jail:
                 bound.append(path)
         os.makedirs(root + "/dev", exist_ok=True)
         for name in DEVICES:
-            open(f"{root}/dev/{name}", "w").close()
-            self.mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
-            flags = self.mounts_under(f"{root}/dev/{name}")[-1][1]
-            self.mount(
-                None,
-                f"{root}/dev/{name}",
-                None,
-                MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC | flags,
-            )
+            dev = f"{root}/dev/{name}"
+            open(dev, "w").close()
+            self.mount(f"/dev/{name}", dev, None, MS_BIND)
+            flags = self.mounts_under(dev)[-1][1]
+            self.mount(None, dev, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC | flags)
         os.mkdir(root + "/tmp")
         os.chmod(root + "/tmp", 0o1777)
         # the outputs: their own tmpfs, so that a full jail still shows why
@@ -154,15 +149,9 @@ def no_ipc_nor_user_namespaces(job: dict) -> None:
     if tuple(caller["ipc"]) == ns("ipc"):
         raise OSError("sandbox: no IPC namespace of its own")
     sysctls = [("kernel/shmmni", "0"), ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0")]
-    if (
-        job["mode"] == "userns"
-        and caller.get("user") is not None
-        and tuple(caller["user"]) != ns("user")
-    ):
+    user = caller.get("user")
+    if job["mode"] == "userns" and user is not None and tuple(user) != ns("user"):
         sysctls.append(("user/max_user_namespaces", "0"))  # a limit of this user namespace only
     for name, value in sysctls:
-        try:
-            with open(f"/proc/sys/{name}", "w") as f:
-                f.write(value)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open(f"/proc/sys/{name}", "w") as f:
+            f.write(value)

@@ -134,23 +134,16 @@ def seccomp_filter(processes: bool, machine: str | None = None) -> bytes | None:
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     # SECCOMP_RET_ALLOW, RET_ERRNO(...)
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    prog = [
-        (ld, 0, 0, 4),
-        (jeq, 1, 0, AUDIT_ARCH[col]),
-        (ret, 0, 0, eperm),  # seccomp_data.arch
-        (ld, 0, 0, 0),
-    ]  # seccomp_data.nr
+    # seccomp_data.arch must be this machine's; then seccomp_data.nr is loaded
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, AUDIT_ARCH[col]), (ret, 0, 0, eperm), (ld, 0, 0, 0)]
     if machine == "x86_64":
         prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]  # x32
     allowed = [nrs[col] for nrs in ALLOWED.values() if nrs[col] is not None]
     prog += _allow(allowed + list(FORKS[col] if processes else ()))
     for nr in [nrs[col] for nrs in REFUSED.values()] + list(() if processes else FORKS[col]):
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
-    flags = [
-        (ld, 0, 0, 16),  # the low 32 bits of args[0] (both are little-endian), clone's flags
-        (jset, 0, 1, CLONE_NEW),
-        (ret, 0, 0, eperm),
-    ]
+    # the low 32 bits of args[0] (both are little-endian), clone's flags: no new namespace
+    flags = [(ld, 0, 0, 16), (jset, 0, 1, CLONE_NEW), (ret, 0, 0, eperm)]
     if not processes:
         flags += [(jset, 1, 0, CLONE_THREAD), (ret, 0, 0, eperm)]
     flags += [(ret, 0, 0, allow)]

@@ -34,8 +34,6 @@ AMX_NOTE = (
     "repacking crashes on q8_0 files (any q8_0, llama-quantize's too); run llama.cpp with "
     "--no-repack, or export f16"
 )
-
-
 INPUT_NOTE = (
     "An instruction with an input (Alpaca's `### Input:` form) is two user messages in "
     "chat: the instruction, then the input. Ollama joins them with a blank line, so there "
@@ -44,11 +42,9 @@ INPUT_NOTE = (
 
 
 def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The evaluations `run_eval` recorded in the run folder (evals.jsonl), oldest first; [] when
-    none."""
+    """The evaluations `run_eval` recorded in the run folder (evals.jsonl), oldest first, or []."""
     p = Path(run_dir) / EVALS_JSONL
-    try:
-        # never through a link or a hard link: the card (and a push) would carry it
+    try:  # never through a link or a hard link: the card (and a push) would carry it
         text = read_text_safe(p)
     except FileNotFoundError:
         return []
@@ -60,12 +56,11 @@ def _scores(e: dict[str, Any]) -> str:
     (`Task.headline`), else every number."""
     s = e.get("scores") if isinstance(e.get("scores"), dict) else {}
     task = TASKS.get(e["task"]) if isinstance(e.get("task"), str) else None
-    keys = [
-        k for pattern in (task.headline if task else ()) for k in s if fnmatchcase(str(k), pattern)
+    patterns = task.headline if task else ()
+    keys = [k for p in patterns for k in s if fnmatchcase(str(k), p)] or [
+        k for k, v in s.items() if isinstance(v, (int, float))
     ]
-    return ", ".join(f"{card_text(k, code=False)} {_num(s[k])}" for k in keys) or ", ".join(
-        f"{card_text(k, code=False)} {_num(v)}" for k, v in s.items() if isinstance(v, (int, float))
-    )
+    return ", ".join(f"{card_text(k, code=False)} {_num(s[k])}" for k in keys)
 
 
 def _num(v: Any) -> str:
@@ -201,10 +196,6 @@ def _at(f: dict[str, Any], key: str) -> str:
     return f" (step {f[key]:,})" if f.get(key) is not None and f[key] != f.get("steps") else ""
 
 
-def _step_words(f: dict[str, Any]) -> str:
-    return f" (step {f['steps']:,})" if f.get("steps") is not None else ""
-
-
 def _context_words(f: dict[str, Any], max_seq_len: int | None) -> str:
     """The context an export advertises, in words: the trained one, or the one the user set and the
     trained one."""
@@ -260,13 +251,9 @@ def _front_matter(f: dict[str, Any], hf: bool, gguf_file: str | None) -> list[st
         "tags:",
         *[f"- {t}" for t in tags],
     ]
-    if (
-        f["kind"] != "pretrain"
-        and isinstance(f.get("base"), str)
-        and f["hub_base"]
-        and _HUB_ID.fullmatch(f["base"])
-    ):
-        front.append(f"base_model: {f['base']}")  # a Hub id (a local base has no page to link)
+    base = f.get("base")
+    if f.get("hub_base") and isinstance(base, str) and _HUB_ID.fullmatch(base):  # finetunes only
+        front.append(f"base_model: {base}")  # a Hub id (a local base has no page to link)
     return front
 
 
@@ -275,18 +262,13 @@ def _what_it_is(f: dict[str, Any]) -> list[str]:
     lines = []
     if f["kind"] == "pretrain":
         m = f["model"]
-        start = (
-            f"continued from {card_text(_shown(m.init))}"
-            if getattr(m, "init", None)
-            else "from scratch"
-        )
+        init = getattr(m, "init", None)
+        start = f"continued from {card_text(_shown(init))}" if init else "from scratch"
         lines += [
             f"A {m.family.title}-architecture language model pretrained {start} with "
-            f"[tinygpt](https://github.com/tinygpt/tinygpt): {m.n_layer} layers, "
-            f"width {m.d_model}, "
-            f"{m.n_head} heads ({m.n_kv_head or m.n_head} key/value), "
-            f"context {_context_words(f, m.max_seq_len)}, "
-            f"vocabulary {m.vocab_size:,} "
+            f"[tinygpt](https://github.com/tinygpt/tinygpt): {m.n_layer} layers, width "
+            f"{m.d_model}, {m.n_head} heads ({m.n_kv_head or m.n_head} key/value), context "
+            f"{_context_words(f, m.max_seq_len)}, vocabulary {m.vocab_size:,} "
             f"({_tokenizer_words(f['tokenizer'], m)}).",
             "",
         ]
@@ -311,20 +293,19 @@ def _what_it_is(f: dict[str, Any]) -> list[str]:
 
 def _training(f: dict[str, Any]) -> list[str]:
     """The training table: recipe, data, steps, tokens and losses of the exported checkpoint."""
+
+    def num(key: str) -> str | None:
+        return _num(f[key]) if f[key] is not None else None
+
     rows = [
         ("recipe", card_text(f["recipe"])),
         ("data", card_text(f["data"])),
-        ("steps", _num(f["steps"]) if f["steps"] is not None else None),
-        ("tokens seen", _num(f["tokens"]) if f["tokens"] is not None else None),
-        (
-            "training loss" + _at(f, "train_loss_step"),
-            _num(f["train_loss"]) if f["train_loss"] is not None else None,
-        ),
-        (
-            "validation loss" + _at(f, "val_loss_step"),
-            _num(f["val_loss"]) if f["val_loss"] is not None else "not evaluated",
-        ),
+        ("steps", num("steps")),
+        ("tokens seen", num("tokens")),
+        ("training loss" + _at(f, "train_loss_step"), num("train_loss")),
+        ("validation loss" + _at(f, "val_loss_step"), num("val_loss") or "not evaluated"),
     ]
+    step = f" (step {f['steps']:,})" if f.get("steps") is not None else ""
     return [
         "## Training",
         "",
@@ -332,7 +313,7 @@ def _training(f: dict[str, Any]) -> list[str]:
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in rows if v],
         "",
-        f"Figures of the exported checkpoint{_step_words(f)}; losses are mean "
+        f"Figures of the exported checkpoint{step}; losses are mean "
         f"cross-entropy per token in nats, from the run's `{METRICS}`.",
         "",
     ]
@@ -358,6 +339,20 @@ def _evaluations(f: dict[str, Any]) -> list[str]:
 
 def _use_in_transformers(f: dict[str, Any], where: str) -> list[str]:
     """Loading the export with transformers: a prompt to complete, or a chat message."""
+    if f["kind"] == "pretrain":
+        run = [
+            'ids = tokenizer("def main(", return_tensors="pt").input_ids',
+            "print(tokenizer.decode(model.generate(ids, max_new_tokens=64, do_sample=True)[0]))",
+        ]
+    else:
+        run = [
+            'messages = [{"role": "user", "content": "Write a function that adds two numbers."}]',
+            "prompt = tokenizer.apply_chat_template(messages, tokenize=False)  "
+            "# the format it learned",
+            'ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids',
+            "print(tokenizer.decode(model.generate(ids, max_new_tokens=128)[0, ids.shape[1]:], "
+            "skip_special_tokens=True))",
+        ]
     return [
         "With transformers:",
         "",
@@ -365,24 +360,7 @@ def _use_in_transformers(f: dict[str, Any], where: str) -> list[str]:
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'model = AutoModelForCausalLM.from_pretrained("{where}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
-        *(
-            [
-                'ids = tokenizer("def main(", return_tensors="pt").input_ids',
-                "print(tokenizer.decode(model.generate(ids, max_new_tokens=64, "
-                "do_sample=True)[0]))",
-            ]
-            if f["kind"] == "pretrain"
-            else [
-                'messages = [{"role": "user", "content": '
-                '"Write a function that adds two numbers."}]',
-                "prompt = tokenizer.apply_chat_template(messages, tokenize=False)  "
-                "# the format it learned",
-                'ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids',
-                "print(tokenizer.decode(model.generate(ids, max_new_tokens=128)"
-                "[0, ids.shape[1]:], "
-                "skip_special_tokens=True))",
-            ]
-        ),
+        *run,
         "```",
         "",
     ]
@@ -412,8 +390,8 @@ def _use_gguf(f: dict[str, Any], gguf_file: str, repo_id: str | None) -> list[st
     ]
     if f["kind"] != "pretrain":
         lines += [
-            "In llama.cpp's chat mode, `--jinja` applies the instruction format stored "
-            "in the file.",
+            "In llama.cpp's chat mode, `--jinja` applies the instruction format stored in the "
+            "file.",
             "",
         ]
     if "Q8_0" in gguf_file:

@@ -56,21 +56,14 @@ def check_format(fmt: str, quant: str) -> None:
 
 
 def _write_gguf(
-    run_dir: Path,
-    model: Any,
-    tok: Any,
-    folder: Path,
-    quant: str,
-    bos: int | None,
-    context: int | None,
+    run_dir: Path, model: Any, tok: Any, folder: Path, quant: str, bos: int | None, ctx: int | None
 ) -> str:
     """The GGUF and its Modelfile into `folder`; returns the GGUF's name. bos: the token a
-    finetune's training prompts began with (`prompt_start`), added by llama.cpp and Ollama; context:
-    what clients read."""
+    finetune's training prompts began with (`prompt_start`), added by llama.cpp and Ollama; ctx:
+    the context clients read (None: the model's)."""
     name = gguf_name(quant)
-    finetuned = run_kind(run_dir) != "pretrain"
-    template = run_template(run_dir) if finetuned else None
-    ctx = context or model.config.max_seq_len
+    template = run_template(run_dir) if run_kind(run_dir) != "pretrain" else None
+    ctx = ctx or model.config.max_seq_len
     chat = jinja_template(template, tok.eot, bos is not None) if template else None
     gg.write_gguf(
         model,
@@ -83,17 +76,11 @@ def _write_gguf(
         add_bos=bos is not None,
         chat_template=chat,
     )
+    ollama = ollama_template(template) if template else None
+    stops = ("### Instruction:",) if template else ()
+    modelfile = gg.modelfile(name, tok, ctx, template=ollama, stops=stops)
     # outside run folders: the export folder this call made, fresh
-    (folder / gg.MODELFILE).write_text(
-        gg.modelfile(
-            name,
-            tok,
-            ctx,
-            template=ollama_template(template) if template else None,
-            stops=("### Instruction:",) if template else (),
-        ),
-        encoding="utf-8",
-    )
+    (folder / gg.MODELFILE).write_text(modelfile, encoding="utf-8")
     return name
 
 
@@ -124,13 +111,9 @@ class ExportOptions(RunCheckpoint):
     )
 
     def run(self) -> Path:
+        context = self.context or None
         out = export(
-            self.run_dir,
-            self.out_dir,
-            self.format,
-            self.quant,
-            self.which,
-            context=self.context or None,
+            self.run_dir, self.out_dir, self.format, self.quant, self.which, context=context
         )
         if self.format == "gguf" and self.quant == "q8_0":
             print(f"note: {AMX_NOTE}", file=sys.stderr)
@@ -168,32 +151,26 @@ def export(
             eot = from_pretrained("AutoTokenizer", tmp).eos_token
             chat = jinja_template(run_template(run_dir), eot, bos is not None)
             set_prompt_format(tmp, bos_id=bos, chat_template=chat, context=ctx)
-            # outside run folders: atomic_output's fresh temporary
-            (tmp / CARD).write_text(
-                model_card(run_dir, hf=True, gguf_file=None, which=which, context=context),
-                encoding="utf-8",
-            )
+            _write_card(tmp, run_dir, hf=True, gguf_file=None, which=which, context=context)
         return out
     model, tok, bos = load_for_export(run_dir, which)
     if fmt == "hf":
         with atomic_output(out, folder=True) as tmp:
             _move_up(export_model(model, tok, tmp / "hf", context=ctx))
-            # outside run folders: atomic_output's fresh temporary
-            (tmp / CARD).write_text(
-                model_card(run_dir, hf=True, gguf_file=None, which=which, context=context),
-                encoding="utf-8",
-            )
+            _write_card(tmp, run_dir, hf=True, gguf_file=None, which=which, context=context)
         return out
     # a tokenizer llama.cpp would split otherwise: refused now
     gg.tokenizer_tables(tok, model.config.vocab_size)
     with atomic_output(out, folder=True) as tmp:
         name = _write_gguf(run_dir, model, tok, tmp, quant, bos, ctx)
-        # outside run folders: atomic_output's fresh temporary
-        (tmp / CARD).write_text(
-            model_card(run_dir, hf=False, gguf_file=name, which=which, context=context),
-            encoding="utf-8",
-        )
+        _write_card(tmp, run_dir, hf=False, gguf_file=name, which=which, context=context)
     return out
+
+
+def _write_card(folder: Path, run_dir: Path, **card: Any) -> None:
+    """The model card (`model_card(run_dir, **card)`) into `folder`: an export folder this call
+    made, fresh (atomic_output's temporary), never a run folder."""
+    (folder / CARD).write_text(model_card(run_dir, **card), encoding="utf-8")
 
 
 def _move_up(folder: Path) -> None:
@@ -220,8 +197,5 @@ def upload_folder(
     if gguf:
         model, tok, bos = load_for_export(run_dir, which)
         name = _write_gguf(run_dir, model, tok, hf_out, gguf, bos, _context(run_dir, None))
-    # outside run folders: the export folder this call made, fresh
-    (hf_out / CARD).write_text(
-        model_card(run_dir, hf=True, gguf_file=name, repo_id=repo_id, which=which), encoding="utf-8"
-    )
+    _write_card(hf_out, run_dir, hf=True, gguf_file=name, repo_id=repo_id, which=which)
     return hf_out

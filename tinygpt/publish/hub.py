@@ -2,8 +2,7 @@
 
 Invariant: `push` needs a token (`HF_TOKEN`, or Colab's secret of that name) and the Hub; without
 either it stops with one line before exporting anything. What it uploads is exactly
-`upload_folder`'s folder.
-"""
+`upload_folder`'s folder."""
 
 from __future__ import annotations
 
@@ -24,18 +23,15 @@ class PushError(RuntimeError):
 
 
 def hub_token() -> str | None:
-    """HF_TOKEN from the environment, else from Colab's secrets (the key icon in Colab's side
-    bar)."""
+    """HF_TOKEN from the environment, else from Colab's secrets (the key icon in its side bar)."""
     token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
     if token:
         return token
     try:
         from google.colab import userdata
-    except ImportError:
-        return None
-    try:
+
         return userdata.get("HF_TOKEN")
-    except Exception:  # not added, or this notebook not granted access: both mean "no token"
+    except Exception:  # not Colab, no such secret, or this notebook not granted access: no token
         return None
 
 
@@ -54,13 +50,8 @@ class PushOptions(RunCheckpoint):
     )
 
     def run(self) -> str:
-        return push(
-            self.run_dir,
-            self.repo_id,
-            private=self.private,
-            gguf=None if self.gguf == "none" else self.gguf,
-            which=self.which,
-        )
+        gguf = None if self.gguf == "none" else self.gguf
+        return push(self.run_dir, self.repo_id, private=self.private, gguf=gguf, which=self.which)
 
 
 def push(
@@ -75,7 +66,7 @@ def push(
     """Upload `upload_folder`'s folder to the Hub repository `repo_id` (created if needed); returns
     its URL. The token and the Hub are checked first, so a missing token or no network costs no
     export."""
-    if "/" not in repo_id or repo_id.count("/") != 1:
+    if repo_id.count("/") != 1:
         raise PushError(
             f"repository {repo_id!r} is not USER/NAME (or ORG/NAME), e.g. alice/tinygpt-124m"
         )
@@ -86,8 +77,7 @@ def push(
     if not token:
         raise PushError(
             "no Hugging Face token: set HF_TOKEN to a write token from "
-            "https://huggingface.co/settings/tokens "
-            "(in Colab: add a secret named HF_TOKEN)"
+            "https://huggingface.co/settings/tokens (in Colab: add a secret named HF_TOKEN)"
         )
     try:
         from huggingface_hub import HfApi
@@ -105,12 +95,8 @@ def push(
         folder = upload_folder(run_dir, Path(tmp) / "upload", repo_id, gguf=gguf, which=which)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
-            name = Path(run_dir).resolve().name
-            api.upload_folder(
-                folder_path=str(folder),
-                repo_id=repo_id,
-                commit_message=f"tinygpt push of {name} by {user}",
-            )
+            message = f"tinygpt push of {Path(run_dir).resolve().name} by {user}"
+            api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=message)
         except Exception as e:
             raise PushError(
                 f"the upload to {repo_id} failed ({_short(e)}); run the same command again"

@@ -5,8 +5,7 @@ with (`prompt_start`) and its instruction format as Ollama and Jinja templates; 
 Invariant: a finetune's prompt format travels whole. The token its training prompts began with
 (`Codec.bos_id`: end-of-text for a tinygpt base) is the one the exported tokenizer adds, and the
 chat template (`jinja_template`, the Modelfile's TEMPLATE) renders a user turn exactly as
-`model.prompts.format_prompt` does.
-"""
+`model.prompts.format_prompt` does."""
 
 from __future__ import annotations
 
@@ -37,13 +36,11 @@ def run_kind(run_dir: Path) -> str:
         return "finetune"
     if run.is_pretrain_run():
         return "pretrain"
-    if not run_dir.exists():
-        # a mistyped path: the closest run folder, if any
+    if not run_dir.exists():  # a mistyped path: the closest run folder, if any
         raise FileNotFoundError(missing_run_message(run_dir))
     raise FileNotFoundError(
-        f"{run_dir} is neither a tinygpt run (run.json) nor a finetuning run "
-        "(finetune.json); give the folder `tinygpt pretrain` or "
-        "`tinygpt finetune` wrote"
+        f"{run_dir} is neither a tinygpt run (run.json) nor a finetuning run (finetune.json); give "
+        "the folder `tinygpt pretrain` or `tinygpt finetune` wrote"
     )
 
 
@@ -63,21 +60,15 @@ def trained_context(run_dir: str | Path) -> int | None:
     tables, model.max_seq_len, may be longer: positions past seq_len were never trained); a finetune
     of a tinygpt base, the longer of the base's and the finetune's seq_len; None for a finetune of
     another base (its config.json's max_position_embeddings is the base's own)."""
-    run_dir = Path(run_dir)
     run = RunDir(run_dir)
     if run.is_pretrain_run():
         recipe = Recipe.from_dict(run.recipe_dict())
         return min(recipe.train.seq_len, recipe.model.max_seq_len)
     info = run.finetune_info() or {}
     base = info.get("base")
-    if (
-        not isinstance(base, str)
-        or not base
-        or is_hub(base)
-        or not RunDir(Path(base)).is_pretrain_run()
-    ):
+    if not (base and isinstance(base, str)) or is_hub(base) or not RunDir(base).is_pretrain_run():
         return None
-    base_ctx, ft = trained_context(base), _finetune_seq_len(run_dir, info)
+    base_ctx, ft = trained_context(base), _finetune_seq_len(run.path, info)
     return max(base_ctx, ft) if isinstance(ft, int) and base_ctx else base_ctx
 
 
@@ -87,12 +78,8 @@ def _finetune_seq_len(run_dir: Path, info: dict[str, Any]) -> int | None:
     try:
         import torch
 
-        state = torch.load(
-            find_run_checkpoint(run_dir) / STATE_FILE,
-            map_location="cpu",
-            weights_only=True,
-            mmap=True,
-        )
+        path = find_run_checkpoint(run_dir) / STATE_FILE
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         seq_len = (state.get("train_config") or {}).get("seq_len")
         if isinstance(seq_len, int):
             return seq_len
@@ -112,11 +99,10 @@ def load_for_export(run_dir: Path, which: str):
         model, tok, _, _ = load_run(run_dir, which)
         return model, tok, None
     with tempfile.TemporaryDirectory(prefix="tinygpt-merge-") as tmp:
-        merged = (
-            merge_adapter(run_dir, Path(tmp) / MERGED_DIR)
-            if kind == "finetune"
-            else export_full(run_dir, which, Path(tmp) / FULL_MODEL_DIR)
-        )
+        if kind == "finetune":
+            merged = merge_adapter(run_dir, Path(tmp) / MERGED_DIR)
+        else:
+            merged = export_full(run_dir, which, Path(tmp) / FULL_MODEL_DIR)
         bos = prompt_start(merged)
         try:
             model, tok = import_hf(merged)
@@ -170,16 +156,9 @@ def ollama_template(template: str) -> str:
         "{{else}}{{$nl = $i}}{{end}}{{else}}{{$nl = -1}}{{end}}{{end}}{{end}}"
     )
     fill = {"instruction": "{{$inst}}", "input": "{{$input}}"}
-    return (
-        split
-        + _go_trim("$a", "$inst", "1")
-        + _go_trim("$b", "$input", "2")
-        + "{{if $input}}"
-        + with_input.format(**fill)
-        + "{{else}}"
-        + without.format(instruction=fill["instruction"])
-        + "{{end}}"
-    )
+    trims = _go_trim("$a", "$inst", "1") + _go_trim("$b", "$input", "2")
+    forms = (with_input.format(**fill), without.format(instruction=fill["instruction"]))
+    return split + trims + "{{if $input}}%s{{else}}%s{{end}}" % forms
 
 
 def jinja_template(template: str, eot: str, bos: bool = False) -> str:
@@ -194,16 +173,14 @@ def jinja_template(template: str, eot: str, bos: bool = False) -> str:
     fill = {"instruction": "{{ message['content'] | trim }}", "input": "{{ inp }}"}
     return (
         ("{{ bos_token }}" if bos else "")
-        + "{% for message in messages %}{% if message['role'] == 'user' %}"
-        + "{% if loop.first or messages[loop.index0 - 1]['role'] != 'user' %}"
-        + "{% set inp = '' %}{% if not loop.last and messages[loop.index0 + 1]['role'] == "
-        + "'user' %}{% set inp = messages[loop.index0 + 1]['content'] | trim %}{% endif %}"
-        + "{% if inp %}"
+        + "{% for message in messages %}{% if message['role'] == 'user' %}{% if loop.first or "
+        "messages[loop.index0 - 1]['role'] != 'user' %}{% set inp = '' %}{% if not loop.last and "
+        "messages[loop.index0 + 1]['role'] == 'user' %}{% set inp = messages[loop.index0 + 1]"
+        "['content'] | trim %}{% endif %}{% if inp %}"
         + with_input.format(**fill)
         + "{% else %}"
         + without.format(instruction=fill["instruction"])
-        + "{% endif %}{% endif %}"
-        + "{% elif message['role'] == 'assistant' %}{{ message['content'] }}"
+        + "{% endif %}{% endif %}{% elif message['role'] == 'assistant' %}{{ message['content'] }}"
         + eot
         + "{% endif %}{% endfor %}"
     )

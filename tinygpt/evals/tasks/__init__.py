@@ -35,7 +35,6 @@ def get_task(name: str) -> Task:
 
 
 def eval_data(task: str, data_dir: str | Path | None = None, sample: bool = False) -> str:
-    """Where a task's standard data set is, for `run_eval`: the offline file in `data_dir` (default
-    `shared_data_dir()`) when it is there, else its Hugging Face Hub name; with `sample`, the sample
-    that ships with the package (``sample:NAME``)."""
+    """Where a task's standard data set is, for `run_eval` (`default_data`): its offline file in
+    `data_dir` when there, else its Hub name; with `sample`, the sample that ships with tinygpt."""
     return default_data(get_task(task), data_dir, sample)

@@ -1,7 +1,7 @@
-"""HellaSwag (Zellers et al. 2019): the sensible ending of a short story out
-of four, scored as lm-evaluation-harness scores it (acc and acc_norm on its
-query text), beside its published figures. The data: the six-line offline
-file (klosax/hellaswag_text_data), rowanz/hellaswag's JSONL, or the Hub."""
+"""HellaSwag (Zellers et al. 2019): the sensible ending of a short story out of four, scored as
+lm-evaluation-harness scores it (acc and acc_norm on its query text), beside its published figures.
+The data: the six-line offline file (klosax/hellaswag_text_data), rowanz/hellaswag's JSONL, or the
+Hub."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import itertools
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from tinygpt.core.datafiles import DataFormatError, json_object
+from tinygpt.core.datafiles import DataFile, DataFormatError, json_object
 from tinygpt.core.files import safe_name, write_text_atomic
 from tinygpt.core.paths import cache_root, hub_spec, is_hub
-from tinygpt.evals.code import DataFile
 from tinygpt.evals.harness import Loaded, Request, Task, context_length, default_data
 from tinygpt.evals.lm import ChoiceItem, as_causal_lm, multiple_choice
 from tinygpt.evals.texts import from_hub
@@ -76,29 +75,11 @@ _SENTENCE_END = re.compile(r"[.!?] ")
 # The activity labels of HellaSwag's WikiHow items (WikiHow's categories); every other label is an
 # ActivityNet activity. A WikiHow item's ctx_b is empty.
 WIKIHOW_LABELS = frozenset(
-    {
-        "Arts and Entertainment",
-        "Cars & Other Vehicles",
-        "Computers and Electronics",
-        "Education and Communications",
-        "Family Life",
-        "Finance and Business",
-        "Food and Entertaining",
-        "Health",
-        "Hobbies and Crafts",
-        "Holidays and Traditions",
-        "Home and Garden",
-        "Home,Categories",
-        "Personal Care and Style",
-        "Pets and Animals",
-        "Philosophy and Religion",
-        "Relationships",
-        "Sports and Fitness",
-        "Travel",
-        "Uncategorized",
-        "Work World",
-        "Youth",
-    }
+    "Arts and Entertainment|Cars & Other Vehicles|Computers and Electronics|Education and "
+    "Communications|Family Life|Finance and Business|Food and Entertaining|Health|Hobbies and "
+    "Crafts|Holidays and Traditions|Home and Garden|Home,Categories|Personal Care and Style|Pets "
+    "and Animals|Philosophy and Religion|Relationships|Sports and Fitness|Travel|Uncategorized|"
+    "Work World|Youth".split("|")
 )
 
 
@@ -106,15 +87,14 @@ def _six_line_query(line: str) -> str:
     """lm-evaluation-harness's query from a six-line file's context line
     (klosax/hellaswag_text_data).
 
-    That line is ``activity_label + ": " + ctx``, where ctx is the data set's ``ctx_a + " "
-    + ctx_b`` with ctx_b as written (lower case) and " [title]" already a sentence end, but
-    other brackets kept. So lm-eval's ``preprocess`` is applied again (it changes nothing
-    it already did), and ctx_b is capitalised. The line does not mark where ctx_b begins.
-    In HellaSwag a WikiHow item's ctx_b is empty (its label is one of `WIKIHOW_LABELS`),
-    and an ActivityNet item's is the start of the sentence after ctx_a, which ends a
-    sentence: so ctx_b is what follows the last sentence end of an ActivityNet context. A
-    JSONL file of the records (`hellaswag_item`) needs no such rule.
-    """
+    That line is ``activity_label + ": " + ctx``, where ctx is the data set's ``ctx_a + " " +
+    ctx_b`` with ctx_b as written (lower case) and " [title]" already a sentence end, but other
+    brackets kept. So lm-eval's ``preprocess`` is applied again (it changes nothing it already did),
+    and ctx_b is capitalised. The line does not mark where ctx_b begins. In HellaSwag a WikiHow
+    item's ctx_b is empty (its label is one of `WIKIHOW_LABELS`), and an ActivityNet item's is the
+    start of the sentence after ctx_a, which ends a sentence: so ctx_b is what follows the last
+    sentence end of an ActivityNet context. A JSONL file of the records (`hellaswag_item`) needs no
+    such rule."""
     label, sep, ctx = hellaswag_preprocess(line).partition(": ")
     ends = [m.end() for m in _SENTENCE_END.finditer(ctx)]
     if sep and ends and label not in WIKIHOW_LABELS:
@@ -122,8 +102,7 @@ def _six_line_query(line: str) -> str:
     return label + sep + ctx
 
 
-def _is_jsonl(path: Path) -> bool:
-    return ".jsonl" in path.suffixes or ".json" in path.suffixes
+ONE_RECORD = "one HellaSwag record per line (rowanz/hellaswag's hellaswag_val.jsonl)"
 
 
 def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceItem]:
@@ -135,20 +114,14 @@ def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceIte
         raise ValueError(f"limit must be a positive number of items or None, got {limit}")
     path = Path(path)
     items: list[ChoiceItem] = []
-    if _is_jsonl(path):
+    if ".jsonl" in path.suffixes or ".json" in path.suffixes:
         with DataFile(path) as f:
             for n, line in enumerate(f, 1):
                 if limit is not None and len(items) >= limit:
                     break
                 if not line.strip():
                     continue
-                record = json_object(
-                    line,
-                    path,
-                    n,
-                    "expected one HellaSwag record per line (rowanz/hellaswag's "
-                    "hellaswag_val.jsonl)",
-                )
+                record = json_object(line, path, n, f"expected {ONE_RECORD}")
                 items.append(hellaswag_item(record))
         return items
     hint = (
@@ -172,49 +145,16 @@ def load_hellaswag(path: str | Path, limit: int | None = None) -> list[ChoiceIte
                 raise DataFormatError(
                     f"{path} line {first + 1}: gold index {group[1][:40]!r} is not 0-3; {hint}"
                 )
-            items.append(
-                ChoiceItem(
-                    _six_line_query(group[0]),
-                    [hellaswag_preprocess(e) for e in group[2:]],
-                    int(group[1]),
-                )
-            )
+            endings = [hellaswag_preprocess(e) for e in group[2:]]
+            items.append(ChoiceItem(_six_line_query(group[0]), endings, int(group[1])))
     return items
 
 
-def hellaswag(
-    model: Any,
-    tokenizer: Any,
-    path: str | Path,
-    limit: int | None = None,
-    batch_size: int = 16,
-    progress: bool = False,
-    say: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """HellaSwag accuracy on the first `limit` items of the validation
-    file (all 10,042 by default), on lm-evaluation-harness's query
-    text (`load_hellaswag`), with the published reference figures."""
-    return {
-        "task": "hellaswag",
-        **multiple_choice(
-            model, tokenizer, load_hellaswag(path, limit), batch_size, progress, say, "hellaswag"
-        ),
-        "reference": HELLASWAG_REFERENCE,
-        "reference_source": HELLASWAG_REFERENCE_SOURCE,
-    }
-
-
 def hellaswag_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Table rows: each HellaSwag result (of `hellaswag` or
-    `run_eval`) above the published reference numbers."""
+    """Table rows: each HellaSwag result (of `run_eval`) above the published reference numbers."""
+    keys = ("acc", "acc_norm", "acc_norm_stderr")
     rows = [
-        {
-            "model": r.get("run", "model"),
-            "items": r["n"],
-            "acc": r["acc"],
-            "acc_norm": r["acc_norm"],
-            "acc_norm_stderr": r["acc_norm_stderr"],
-        }
+        {"model": r.get("run", "model"), "items": r["n"], **{k: r[k] for k in keys}}
         for r in results
     ]
     return rows + [
@@ -224,17 +164,16 @@ def hellaswag_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None = None) -> Path:
-    """A HellaSwag file for `load_hellaswag`: `data` when it is a path; the
-    offline copy (or the Hub) when it is None; for hf:NAME[@SPLIT], that dataset's
-    records written once into `cache_dir` as JSONL (each checked by
-    `hellaswag_item`), so the query text is built from ctx_a and ctx_b exactly."""
+    """A HellaSwag file for `load_hellaswag`: `data` when it is a path; the offline copy (or the
+    Hub) when it is None; for hf:NAME[@SPLIT], that dataset's records written once into `cache_dir`
+    as JSONL (each checked by `hellaswag_item`), so the query text is built from ctx_a and ctx_b
+    exactly."""
     spec = str(data) if data is not None else default_data(TASK)
     if not is_hub(spec):
         return Path(spec)
     name, _, split = hub_spec(spec, "validation")
     root = Path(cache_dir or cache_root("eval"))
-    # one file name, from a spec the user typed: a split
-    # such as "../x" cannot place it outside the cache
+    # one file name, from a spec the user typed: a split such as "../x" cannot leave the cache
     out = root / safe_name(f"hellaswag-{name.replace('/', '--')}-{split}.jsonl", spec, plain=True)
     if not out.is_file():
         try:
@@ -245,12 +184,9 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
             ) from e
         with from_hub(spec, OFFLINE):
             fields = ("ind", "activity_label", "ctx_a", "ctx_b", "label", "endings")
-            records = [
-                {k: rec[k] for k in fields if k in rec}
-                for rec in datasets.load_dataset(name, split=split)
-            ]
-        for rec in records:
-            # a record that cannot be scored (the test split has no labels) is refused now
+            rows = datasets.load_dataset(name, split=split)
+            records = [{k: rec[k] for k in fields if k in rec} for rec in rows]
+        for rec in records:  # one that cannot be scored (the test split has no labels): refused now
             hellaswag_item(rec)
         text = "".join(json.dumps(rec) + "\n" for rec in records)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -260,13 +196,18 @@ def hellaswag_path(data: str | Path | None = None, cache_dir: str | Path | None 
 
 
 def score(m: Loaded, r: Request) -> dict[str, Any]:
-    """Scored within the context the run trained at (`context_length`): a longer item loses its
-    left, as lm-evaluation-harness cuts one longer than a model's context, rather than reaching
-    positions of the table that training never used (only an ending longer than that context does)."""
+    """HellaSwag accuracy on the first `limit` items (all 10,042 of the validation file by default),
+    on lm-evaluation-harness's query text (`load_hellaswag`), with the published reference figures.
+    Scored within the context the run trained at (`context_length`): a longer item loses its left,
+    as lm-evaluation-harness cuts one longer than a model's context, rather than reaching positions
+    of the table that training never used (only an ending longer than that context does)."""
     lm = dataclasses.replace(as_causal_lm(m.model), trained=context_length(m))
-    return hellaswag(
-        lm, m.tokenizer, hellaswag_path(r.data), r.limit, r.batch_size, r.progress, r.say
-    )
+    items = load_hellaswag(hellaswag_path(r.data), r.limit)
+    return {
+        **multiple_choice(lm, m.tokenizer, items, r.batch_size, r.progress, r.say, "hellaswag"),
+        "reference": HELLASWAG_REFERENCE,
+        "reference_source": HELLASWAG_REFERENCE_SOURCE,
+    }
 
 
 def reference_table(res: dict[str, Any]) -> list[str]:

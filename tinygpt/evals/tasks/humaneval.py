@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tinygpt.evals.code import CodeProblem, need_keys, read_jsonl
+from tinygpt.core.datafiles import need_keys, read_jsonl
+from tinygpt.evals.code import CodeProblem
 from tinygpt.evals.harness import code_task
 
 # a base model writes on past the function

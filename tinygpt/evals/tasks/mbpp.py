@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from tinygpt.evals.code import CodeProblem, DataFormatError, need_keys, read_jsonl
+from tinygpt.core.datafiles import DataFormatError, need_keys, read_jsonl
+from tinygpt.evals.code import CodeProblem
 from tinygpt.evals.harness import code_task
 
 MBPP_STOPS = ("\nassert ", "\nprint(", "\nif __name__", "\n```")

@@ -24,11 +24,9 @@ def score(m: Loaded, r: Request) -> dict[str, Any]:
     if r.data is None or str(r.data) in TASK.keywords:
         if m.recipe is None:
             raise ValueError(f"perplexity of {m.source} needs --data: {TASK.data_help}")
-        cfg = (
-            m.recipe.data
-            if r.data is None
-            else dataclasses.replace(m.recipe.data, source="builtin", max_chars=None)
-        )
+        cfg = m.recipe.data
+        if r.data is not None:  # a keyword: the built-in corpus's validation split
+            cfg = dataclasses.replace(cfg, source="builtin", max_chars=None)
         text = validation_text(cfg, r.max_chars)
     else:
         text = texts.load_eval_text(r.data, r.max_chars, OFFLINE)

@@ -1,14 +1,13 @@
 """stdlib-functions: write a function of Python's standard library from its signature and docstring.
 
-Every machine has the data (the standard library's sources: the built-in corpus) and
-nothing the model writes is run: the scores are syntax accuracy (the body parses and adds
-a statement to the function, as `CodeProblem.valid_syntax` judges HumanEval's), exact
-matches, and corpus BLEU against the real body. The functions and methods come from the
-validation split of `builtin` (every 20th document, the rule training uses), whole in
-their document, with a body of at most `MAX_BODY_CHARS`; one whose text is also in the
-training split (a helper defined in two modules) is left out. So a model pretrained on
-`builtin` never saw them. They depend on the Python version, which the result names.
-"""
+Every machine has the data (the standard library's sources: the built-in corpus) and nothing the
+model writes is run: the scores are syntax accuracy (the body parses and adds a statement to the
+function, as `CodeProblem.valid_syntax` judges HumanEval's), exact matches, and corpus BLEU against
+the real body. The functions and methods come from the validation split of `builtin` (every 20th
+document, the rule training uses), whole in their document, with a body of at most `MAX_BODY_CHARS`;
+one whose text is also in the training split (a helper defined in two modules) is left out. So a
+model pretrained on `builtin` never saw them. They depend on the Python version, which the result
+names."""
 
 from __future__ import annotations
 
@@ -24,15 +23,14 @@ from tinygpt.core.units import duration
 from tinygpt.data.sources import is_validation_document, iter_documents
 from tinygpt.evals import lm
 from tinygpt.evals.code import CodeProblem, bleu_with_signature, empty_share
-from tinygpt.evals.harness import Loaded, Request, Task, generator
+from tinygpt.evals.harness import Generator, Loaded, Request, Task
 
 MAX_BODY_CHARS = 400  # bodies a small model can write within its default 128 new tokens
 _DEF = re.compile(r"([ \t]*)def \w")
 
 
 def _normal(text: str) -> str:
-    """Text with its indentation and blank lines gone:
-    a method matches the same code as a function."""
+    """Text without indentation or blank lines: a method matches the same code as a function."""
     return "\n".join(line.strip() for line in text.splitlines() if line.strip())
 
 
@@ -44,14 +42,9 @@ def _functions(doc: str) -> Iterator[CodeProblem]:
         if (m := _DEF.match(line)) is None:
             continue
         indent = len(m.group(1))
-        end = next(
-            (
-                j
-                for j in range(start + 1, len(lines))
-                if lines[j].strip() and len(lines[j]) - len(lines[j].lstrip()) <= indent
-            ),
-            None,
-        )
+        # the first line after the header at the def's indentation or less
+        outside = (j for j in range(start + 1, len(lines)) if lines[j].strip())
+        end = next((j for j in outside if len(lines[j]) - len(lines[j].lstrip()) <= indent), None)
         if end is None or lines[end].lstrip().startswith("#"):
             # it runs on past the document, or a comment at its level may still be inside it
             continue
@@ -62,18 +55,14 @@ def _functions(doc: str) -> Iterator[CodeProblem]:
             continue
         if not isinstance(fn, ast.FunctionDef) or ast.get_docstring(fn) is None or len(fn.body) < 2:
             continue
-        head = source.splitlines(keepends=True)
-        prompt, body = (
-            "".join(head[: fn.body[0].end_lineno]),
-            "".join(head[fn.body[0].end_lineno :]),
-        )
+        head, cut = source.splitlines(keepends=True), fn.body[0].end_lineno  # the docstring's end
+        prompt, body = "".join(head[:cut]), "".join(head[cut:])
         if len(body.strip()) <= MAX_BODY_CHARS:
             yield CodeProblem(fn.name, prompt, prompt, "", body.rstrip() + "\n", fn.name)
 
 
 def held_out_functions(limit: int | None = None) -> list[CodeProblem]:
-    """The first `limit` functions (all by default) of the
-    built-in corpus's validation split, in its order."""
+    """The first `limit` functions (default: all) of the built-in corpus's validation split."""
     cfg = DataConfig(source="builtin")
     train, val = [], []
     for i, doc in enumerate(iter_documents(cfg)):
@@ -104,22 +93,18 @@ def body(completion: str) -> str:
 
 
 def ended(completion: str) -> bool:
-    """Whether a completion has left the function: a line
-    at column 0 after its first (`body` ends there)."""
+    """Whether a completion has left the function: a line at column 0 after its first."""
     return body(completion) != completion and bool(completion.strip())
 
 
 def grade(problems: list[CodeProblem], bodies: list[str]) -> dict[str, Any]:
     """Syntax accuracy, exact matches and corpus BLEU of the bodies written for `problems`."""
-    n = len(problems)
+    n, pairs = len(problems), list(zip(problems, bodies))
     bleu, signature = bleu_with_signature(bodies, [p.canonical_solution for p in problems])
     return {
         "problems": n,
-        "syntax_accuracy": sum(p.valid_syntax(b) for p, b in zip(problems, bodies)) / n,
-        "exact_match": sum(
-            _normal(b) == _normal(p.canonical_solution) for p, b in zip(problems, bodies)
-        )
-        / n,
+        "syntax_accuracy": sum(p.valid_syntax(b) for p, b in pairs) / n,
+        "exact_match": sum(_normal(b) == _normal(p.canonical_solution) for p, b in pairs) / n,
         "empty_answers": empty_share(bodies),
         "bleu": bleu,
         "bleu_signature": signature,
@@ -129,7 +114,7 @@ def grade(problems: list[CodeProblem], bodies: list[str]) -> dict[str, Any]:
 def score(m: Loaded, r: Request) -> dict[str, Any]:
     problems = held_out_functions(r.limit)
     temperature = 0.0 if r.temperature is None else r.temperature
-    generate, bodies = generator(m, r.max_new_tokens, temperature, ended, body=True), []
+    generate, bodies = Generator(m, r.max_new_tokens, temperature, ended, body=True), []
 
     def run(batch: list[CodeProblem]) -> None:
         bodies.extend(body(generate(p.prompt)) for p in batch)

@@ -13,15 +13,11 @@ def score(run_dir: str | Path, r: Request) -> dict[str, Any]:
     return summarize_run(run_dir)
 
 
-def diagnosis(res: dict[str, Any]) -> list[str]:
-    return [f"- {note}" for note in res.get("diagnosis", [])]
-
-
 TASK = Task(
     "summary",
     "a run's metrics.jsonl summarised, with a diagnosis (no model)",
     score,
     needs_model=False,
     hidden=("diagnosis",),
-    more=diagnosis,
+    more=lambda res: [f"- {note}" for note in res.get("diagnosis", [])],
 )
