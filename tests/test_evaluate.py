@@ -665,7 +665,7 @@ def test_bad_hellaswag_records_say_what_is_expected(tmp_path):
         with pytest.raises(DataFormatError, match=message):
             hsw.load_hellaswag(bad)
     bad.write_text("{not json\n")
-    with pytest.raises(DataFormatError, match="line 1 is not JSON"):
+    with pytest.raises(DataFormatError, match="line 1 is not valid JSON"):
         hsw.load_hellaswag(bad)
 
 

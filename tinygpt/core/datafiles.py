@@ -12,11 +12,12 @@ import bz2
 import codecs
 import gzip
 import io
-import json
 import re
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
+
+from tinygpt.core.files import parse_json
 
 
 class DataFormatError(ValueError):
@@ -130,12 +131,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def json_object(line: str, path: Path | str, i: int, expected: str) -> dict:
     """The JSON object on line `i` of `path`; a DataFormatError naming them when the line is not
     JSON, nests too deep for the parser, or holds another kind of value."""
-    try:
-        rec = json.loads(line)
-    except ValueError as e:
-        raise DataFormatError(f"{path} line {i} is not JSON ({e}); {expected}") from None
-    except RecursionError:
-        raise DataFormatError(f"{path} line {i} nests JSON too deep to read; {expected}") from None
+    rec = parse_json(line, f"{path} line {i}", f"; {expected}", DataFormatError)
     if not isinstance(rec, dict):
         raise DataFormatError(
             f"{path} line {i} is a JSON {type(rec).__name__}, not an object; {expected}"

@@ -192,19 +192,22 @@ def read_text_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = ""
 
 def read_json_safe(path: str | Path, limit: int = RUN_FILE_LIMIT, what: str = "") -> Any:
     """`read_text_safe` parsed as JSON; bad JSON is a ValueError naming the file."""
-    text = read_text_safe(path, limit, what)
+    advice = (
+        ": it was not written by tinygpt, or was cut short; delete it or restore it from a copy "
+        "you trust"
+    )
+    return parse_json(read_text_safe(path, limit, what), f"{path}{what}", advice)
+
+
+def parse_json(text: str, where: str, advice: str, error: type[Exception] = ValueError) -> Any:
+    """`json.loads`, its failures one line (`error`): `where` the text came from, then `advice`
+    (with its own separator); nesting too deep for the parser is one of them."""
     try:
         return json.loads(text)
     except RecursionError:
-        raise ValueError(
-            f"{path}{what} nests JSON too deep to read: it was not written by tinygpt; delete it "
-            "or restore it from a copy you trust"
-        ) from None
+        raise error(f"{where} nests JSON too deep to read{advice}") from None
     except ValueError as e:
-        raise ValueError(
-            f"{path}{what} is not valid JSON ({e}): it was not written by tinygpt, or was cut "
-            "short; delete it or restore it from a copy you trust"
-        ) from None
+        raise error(f"{where} is not valid JSON ({e}){advice}") from None
 
 
 def append_text(path: str | Path, text: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tinygpt.core.datafiles import DataFile, DataFormatError
+from tinygpt.core.files import parse_json
 from tinygpt.core.paths import cache_root, is_sample, sample_path
 from tinygpt.data.sources import DataError, hub_dataset
 from tinygpt.finetune.stdlib_instructions import write_stdlib_instructions
@@ -103,12 +104,7 @@ def _read_json_records(p: Path) -> Records:
         raise DataError(
             f"{p} is not UTF-8 text (line {line}, byte {e.start}): is it a JSON file of records?"
         ) from None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise DataError(f"{p} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise DataError(f"{p} nests JSON too deep to read: is it a JSON file of records?") from None
+    data = parse_json(text, str(p), ": is it a JSON file of records?", DataError)
     if not isinstance(data, list):
         raise DataError(f"{p} must hold a JSON list of records, got {type(data).__name__}")
     return Records(data, p)
