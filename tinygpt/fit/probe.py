@@ -86,43 +86,43 @@ def probe(
     speed: Callable[[Recipe, torch.device], float] | None = trainer_speed,
 ) -> ProbeResult:
     """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits
-    in (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per
-    step.
+    in (1 - margin) * memory_limit_gb, and the accumulation that keeps the recipe's tokens per step.
 
-    `measure(micro_batch, seq_len, checkpointing) -> GB`, called after each trial's step, replaces
-    the real measurement (torch.cuda.max_memory_allocated on CUDA, TensorMemoryTracker elsewhere); a
-    trial over `memory_limit_gb` (default: the GPU's memory less its context, or the free RAM)
-    raises torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off;
-    `run_dir`: the result is also kept there (probe.json), and read from there after the cache
-    where this user signed it (`probe_cache.read_kept`: a new VM with the run restored). Among the
-    micro-batches that fit, `speed(recipe, device) -> tokens/s` (default: the trainer's own step,
-    eagerly) picks the fastest; None keeps the largest. A candidate whose
-    timing runs out of memory (in any of its forms: `is_allocation_failure`) is dropped with a
-    note. After `time_limit_s` (None: no limit) the search and the timings stop and the best found
-    so far is taken."""
+    `measure(micro_batch, seq_len, checkpointing) -> GB` replaces the real measurement (a trial over
+    `memory_limit_gb` raises torch.OutOfMemoryError as a real one does). `cache_dir=None`: no cache;
+    `run_dir`: the result is also kept there (probe.json), read back where this user signed it.
+    `speed(recipe, device) -> tokens/s` picks the fastest micro-batch that fits (None: the largest);
+    a timing that runs out of memory drops its candidate. After `time_limit_s` (None: no limit) the
+    best found so far is taken."""
     dev = resolve_device(str(device))
     requested, prec_note = requested_precision(recipe, dev.type, native_bf16(dev))
     prec = choose_precision(dev, precision or requested)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} {cpu_name()}"
     if memory_limit_gb is None:
         memory_limit_gb = _memory_limit(dev)
-    key = _cache_key(
-        recipe,
-        name,
-        prec.name,
-        memory_limit_gb,
-        margin,
-        max_micro_batch,
-        min_seq_len,
-        measure is not None,
-        getattr(speed, "__name__", None),
+    # what a kept result must have been found for
+    key = dict(
+        device=name,
+        recipe=recipe.name,
+        torch=torch.__version__,
+        model=recipe.model.to_dict(),
+        seq_len=recipe.train.seq_len,
+        micro_batch_size=recipe.train.micro_batch_size,
+        tokens_per_step=recipe.train.tokens_per_step,
+        precision=prec.name,
+        memory_limit_gb=round(memory_limit_gb, 2),
+        margin=margin,
+        max_micro_batch=max_micro_batch,
+        min_seq_len=min_seq_len,
+        injected_measure=measure is not None,
+        timed=getattr(speed, "__name__", None),
     )
     run_file = Path(run_dir) / PROBE_JSON if run_dir is not None else None
-    paths = _cache_paths(cache_dir, key)
+    folder = cache_root("probe") if cache_dir == "default" else cache_dir
+    paths = [] if folder is None else [Path(folder) / cache_name(key)]
     kept = read_kept(paths, key, run_file)
     if kept is not None:
         return kept
-
     search = _Search(recipe, dev, prec, memory_limit_gb, margin, measure, time_limit_s)
     cap = max_micro_batch or 4 * recipe.train.micro_batch_size
     result = search.run(cap, min_seq_len, speed, prec_note, name, key)
@@ -131,50 +131,11 @@ def probe(
     return result
 
 
-def _cache_paths(cache_dir: str | Path | None, key: dict) -> list[Path]:
-    """The probe cache's file for `key`: none when `cache_dir` is None."""
-    if cache_dir is None:
-        return []
-    folder = cache_root("probe") if cache_dir == "default" else Path(cache_dir)
-    return [folder / cache_name(key)]
-
-
 def _memory_limit(dev: torch.device) -> float:
     """The memory a probe may fill by default: the GPU's less its context, or the free RAM."""
     if dev.type == "cuda":
         return torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB
     return ram_gb()[1] or math.inf
-
-
-def _cache_key(
-    recipe: Recipe,
-    device_name: str,
-    precision: str,
-    memory_limit_gb: float,
-    margin: float,
-    max_micro_batch: int | None,
-    min_seq_len: int,
-    injected_measure: bool,
-    timed: str | None,
-) -> dict:
-    """What a kept probe result must have been found for (its cache file's name is a hash of it)."""
-    train = recipe.train
-    return dict(
-        device=device_name,
-        recipe=recipe.name,
-        torch=torch.__version__,
-        model=recipe.model.to_dict(),
-        seq_len=train.seq_len,
-        micro_batch_size=train.micro_batch_size,
-        tokens_per_step=train.tokens_per_step,
-        precision=precision,
-        memory_limit_gb=round(memory_limit_gb, 2),
-        margin=margin,
-        max_micro_batch=max_micro_batch,
-        min_seq_len=min_seq_len,
-        injected_measure=injected_measure,
-        timed=timed,
-    )
 
 
 def _fit_notes(recipe: Recipe, t: int, ckpt: bool, prec_note: str | None) -> list[str]:

@@ -63,13 +63,8 @@ class TrialRunner:
         margin: float,
         measure: Callable[[int, int, bool], float] | None,
     ):
-        self.device, self.precision, self.limit_gb, self.margin, self.measure = (
-            device,
-            precision,
-            limit_gb,
-            margin,
-            measure,
-        )
+        self.device, self.precision, self.measure = device, precision, measure
+        self.limit_gb, self.margin = limit_gb, margin
         self.loss = recipe.train.loss  # what each trial's loss does: the trainer's own choice
         torch.manual_seed(0)
         with torch.device(device):

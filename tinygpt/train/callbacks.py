@@ -49,15 +49,10 @@ class TensorBoardLogger(Callback):
             self.writer = self.summary_writer(str(self.log_dir))
 
     def on_log(self, metrics: dict) -> None:
-        step = metrics["step"]
         for k, v in metrics.items():
-            if (
-                self.writer is not None
-                and k != "step"
-                and isinstance(v, (int, float))
-                and v is not None
-            ):
-                self.writer.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, step)
+            if self.writer is not None and k != "step" and isinstance(v, (int, float)):
+                name = f"train/{k}" if k != "val_loss" else "val/loss"
+                self.writer.add_scalar(name, v, metrics["step"])
 
     def close(self) -> None:
         if self.writer is not None:
@@ -101,13 +96,8 @@ class Samples(Callback):
         prompt: str | None = None,
         whole: ModelConfig | None = None,
     ):
-        self.tokenizer, self.run_dir, self.every, self.prompt = (
-            tokenizer,
-            Path(run_dir),
-            every,
-            prompt,
-        )
-        self.whole = whole
+        self.tokenizer, self.run_dir, self.every = tokenizer, Path(run_dir), every
+        self.prompt, self.whole = prompt, whole
         self.trainer: Any = None
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
@@ -116,12 +106,8 @@ class Samples(Callback):
             RunDir(self.run_dir).keep_samples_through(resumed_from or 0)
 
     def on_step(self, trainer: Any) -> None:
-        if (
-            self.every
-            and trainer.step % self.every == 0
-            and trainer.step != trainer.max_steps
-            and trainer.is_main
-        ):
+        due = self.every and trainer.step % self.every == 0 and trainer.step != trainer.max_steps
+        if due and trainer.is_main:
             write_sample(trainer.model, self.tokenizer, self.run_dir, trainer.step, self.prompt)
 
     def on_checkpoint(self, path: str | Path, step: int) -> None:
@@ -229,9 +215,8 @@ def _in_notebook() -> bool:
 
 
 class StartupReport(Callback):
-    """After the first step of this process: keep the compiler's work
-    for the next VM (the compile cache, loaded before the first step),
-    record where start-up went in metrics.jsonl, and say it."""
+    """After the first step of this process: keep the compiler's work for the next VM (the compile
+    cache, loaded before the first step), record where start-up went in metrics.jsonl, and say it."""
 
     def __init__(self, clock: StartupClock | None, compile_cache: CompileCache | None = None):
         self.clock, self.compile_cache, self.done = clock, compile_cache, False
@@ -277,13 +262,9 @@ class MFU(Callback):
             self.flops_per_token = trainer.model.flops_per_token(trainer.cfg.seq_len)
 
     def on_metrics(self, m: dict) -> None:
-        if m.get("tokens_per_s") and self.peak_tflops and self.flops_per_token:  # peak is one GPU's
-            m["mfu"] = round(
-                m["tokens_per_s"]
-                * self.flops_per_token
-                / (self.peak_tflops * 1e12 * self.world_size),
-                4,
-            )
+        if m.get("tokens_per_s") and self.peak_tflops and self.flops_per_token:
+            peak = self.peak_tflops * 1e12 * self.world_size  # the table's peak is one GPU's
+            m["mfu"] = round(m["tokens_per_s"] * self.flops_per_token / peak, 4)
 
 
 def progress_bar(**kwargs):
@@ -294,7 +275,9 @@ def progress_bar(**kwargs):
         return tqdm(**kwargs)
     kwargs.pop("file", None)
     bar = tqdm(display=False, **kwargs)
-    handle = _display(_widget_bundle(bar.container), display_id=True)
+    from IPython.display import display  # a notebook bar implies IPython
+
+    handle = display(_widget_bundle(bar.container), raw=True, display_id=True)
     close = bar.close
 
     def close_and_keep_last_state() -> None:
@@ -310,20 +293,11 @@ def progress_bar(**kwargs):
 
 
 def _widget_bundle(widget) -> dict:
-    """The widget's display data, published by us. ipywidgets 7 (Colab's) displays
-    a widget through its own `_ipython_display_`, which drops the display id: the
-    closing update then matched no output, and the saved notebook kept the bar at
-    0%. The same bundle under our display id updates in any front end."""
+    """The widget's display data, published by us. ipywidgets 7 (Colab's) displays a widget through
+    its own `_ipython_display_`, which drops the display id: the closing update then matched no
+    output, and the saved notebook kept the bar at 0%."""
     text = repr(widget)
     return {
         "text/plain": text[:110] + "…" if len(text) > 110 else text,
         "application/vnd.jupyter.widget-view+json": widget.get_view_spec(),
     }
-
-
-def _display(obj, display_id: bool):
-    try:
-        from IPython.display import display
-    except ImportError:  # pragma: no cover - a notebook bar implies IPython
-        return None
-    return display(obj, raw=True, display_id=display_id)

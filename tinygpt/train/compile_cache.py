@@ -225,12 +225,8 @@ class CompileCache:
     key (`signing_key` refused the key file) nothing is loaded or saved and `load` says why."""
 
     def __init__(self, run_dir: Path, key: bytes | None, what: dict, key_note: str | None = None):
-        self.path, self.key, self.what, self.key_note = (
-            Path(run_dir) / COMPILE_CACHE,
-            key,
-            what,
-            key_note,
-        )
+        self.path, self.key = Path(run_dir) / COMPILE_CACHE, key
+        self.what, self.key_note = what, key_note
 
     def _sign(self, payload: bytes) -> str:
         return hmac.new(
