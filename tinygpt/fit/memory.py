@@ -52,14 +52,8 @@ class MemoryEstimate:
 
     @property
     def tensors_gb(self) -> float:
-        return (
-            self.params_gb
-            + self.grads_gb
-            + self.optimizer_gb
-            + self.weight_copies_gb
-            + self.activations_gb
-            + self.loss_gb
-        )
+        weights = (self.params_gb, self.grads_gb, self.optimizer_gb, self.weight_copies_gb)
+        return sum(weights) + self.activations_gb + self.loss_gb
 
     @property
     def overhead_gb(self) -> float:
@@ -206,16 +200,12 @@ def estimate_memory(
     capability: tuple[int, int] | None = None,
     attention: str | None = None,
 ) -> MemoryEstimate:
-    """Peak training memory of AdamW at this micro-batch and context; precision
-    "bf16", "fp16" or "fp32"; `loss` as `TrainConfig.loss` (the full logits, or
-    chunks of them). Attention as `model.attention` runs it on this device
-    (`attention` overrides): a CUDA GPU of unknown `capability` is taken to be
-    one that picks this precision by default (fp16: a T4, sm75; else sm80)."""
-    ckpt = (
-        model.activation_checkpointing
-        if activation_checkpointing is None
-        else activation_checkpointing
-    )
+    """Peak training memory of AdamW at this micro-batch and context; precision "bf16", "fp16" or
+    "fp32"; `loss` as `TrainConfig.loss`. Attention as `model.attention` runs it on this device
+    (`attention` overrides; a CUDA GPU of unknown `capability`: see `_estimated_kernel`)."""
+    ckpt = activation_checkpointing
+    if ckpt is None:
+        ckpt = model.activation_checkpointing
     if attention is None:
         attention = _estimated_kernel(model, precision, device_type, capability)
     tokens, e = micro_batch_size * seq_len, 4 if precision == "fp32" else 2

@@ -18,7 +18,7 @@ from tinygpt.core.recipes import Recipe, get_recipe
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.fit.hardware import HardwareReport, hardware_report, mfu
 from tinygpt.fit.ladder import MAX_EPOCHS
-from tinygpt.fit.memory import CUDA_CONTEXT_GB, estimate_memory
+from tinygpt.fit.memory import CUDA_CONTEXT_GB, MemoryEstimate, estimate_memory
 from tinygpt.fit.plan import MIN_STEPS, SizePlan, choose_size
 from tinygpt.fit.probe import ProbeError, apply_probe, probe, requested_precision
 from tinygpt.fit.probe_cache import ProbeResult
@@ -79,17 +79,7 @@ def expectations(
         peak = probe_result.peak_gb + context
         mem_src = "measured by trial" + (" + CUDA context" if context else "")
     else:
-        requested, _ = requested_precision(recipe, report.device, report.native_bf16)
-        prec = report.precision if requested == "auto" else requested
-        peak = estimate_memory(
-            recipe.model,
-            t.micro_batch_size,
-            t.seq_len,
-            prec,
-            device_type=report.device,
-            loss=t.loss,
-        ).total_gb
-        mem_src = "estimated"
+        peak, mem_src = _estimate(recipe, report).total_gb, "estimated"
     if probe_result is not None and probe_result.tokens_per_s:
         tps, tps_src = probe_result.tokens_per_s, probe_result.tokens_per_s_source
     elif measured_tokens_per_s:
@@ -152,16 +142,7 @@ def probe_report(
     CUDA GPU; elsewhere the estimate stands in for it. With `hours`, the size planner's plan too."""
     report = hardware_report()
     rec = get_recipe(recipe or _default_recipe(report, hours))
-    requested, _ = requested_precision(rec, report.device, report.native_bf16)
-    prec = report.precision if requested == "auto" else requested
-    est = estimate_memory(
-        rec.model,
-        rec.train.micro_batch_size,
-        rec.train.seq_len,
-        prec,
-        device_type=report.device,
-        loss=rec.train.loss,
-    )
+    est = _estimate(rec, report)
     result, note, speed = _search_here(rec, report, cache_dir)
     exp = expectations(rec, report, result, speed)
     plan = (
@@ -185,7 +166,7 @@ def probe_report(
         format_table(report.rows()),
         f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
         f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context "
-        f"{rec.train.seq_len}, {prec}",
+        f"{rec.train.seq_len}, {est.precision}",
         format_table(est.rows()),
     ]
     if result is not None:
@@ -203,11 +184,20 @@ def probe_report(
 
 
 def _default_recipe(report: HardwareReport, hours: float | None) -> str:
-    """The recipe `probe` reports on when none is named: this machine's default; with hours, the
-    recipe whose ladder --size auto plans here (on a CPU: cpu-fast's)."""
+    """This machine's default; with hours, the recipe whose ladder --size auto plans here."""
     if hours:
         return size_auto_recipe(report.hardware_class, report.default_recipe)
     return report.default_recipe
+
+
+def _estimate(rec: Recipe, report: HardwareReport) -> MemoryEstimate:
+    """The memory estimate at the recipe's micro-batch and context, in the precision it takes here."""
+    requested, _ = requested_precision(rec, report.device, report.native_bf16)
+    prec = report.precision if requested == "auto" else requested
+    t = rec.train
+    return estimate_memory(
+        rec.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device, loss=t.loss
+    )
 
 
 def _search_here(
@@ -288,9 +278,7 @@ def plan_note(plan: SizePlan) -> str:
         if any(not x.timed for x in plan.candidates)
         else ""
     )
-    if (
-        len(plan.candidates) == 1
-    ):  # no larger rung left: each would train fewer than MIN_STEPS steps
+    if len(plan.candidates) == 1:  # each larger rung would train fewer than MIN_STEPS steps
         return (
             f"size auto: {c.size}, the smallest size and the only one left: {plan.hours:g} h is "
             f"below the range the plan chooses in (every larger size would train fewer than "

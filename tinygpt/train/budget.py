@@ -1,20 +1,16 @@
 """A time budget: the number of steps that fit in H hours, measured once, kept with the run.
 
-`tinygpt pretrain --hours H` trains with the warmup-stable-decay schedule, whose learning
-rate does not depend on the step count until the decay begins. After a few steady steps
-the trainer measures the time of a step, of an evaluation and of a checkpoint, fixes
-`max_steps` so that training (start-up not counted) ends within the budget, and writes
-``budget.json`` in the run folder. Until the decay begins it fixes the count again at each
-checkpoint (`refix`) from the mean time of every step so far, evaluations and saves included:
-a machine that slows down (a shared CPU, a GPU that throttles) or a first measurement that was
-lucky no longer moves the end. A resumed run keeps budget.json's step count until it has measured
-its own steps, then fixes it again from that step time (its earlier steps counted at it): the
-steps always come from a step time the training process measured, never from budget.json's
-(which a shared mirror brings back); once the decay has begun the count holds, so it ends with
-its schedule complete however often it was interrupted. Resumed with more hours while still in
-the stable phase, it goes on longer; once the decay has begun, it cannot. A run with no
-checkpoint measures its budget anew, whatever budget.json says.
-`finished_run` tells a run that already reached its last step (budgeted, or the recipe's).
+`tinygpt pretrain --hours H` trains with the warmup-stable-decay schedule, whose learning rate does
+not depend on the step count until the decay begins. After a few steady steps the trainer measures
+the time of a step, of an evaluation and of a checkpoint, fixes `max_steps` so that training
+(start-up not counted) ends within the budget, and writes ``budget.json`` in the run folder. Until
+the decay begins it fixes the count again at each checkpoint (`refix`) from the mean time of every
+step so far, evaluations and saves included: a machine that slows down or a lucky first measurement
+no longer moves the end. A resumed run keeps budget.json's count until it has measured its own
+steps, then fixes it again from that step time: the steps always come from a step time the training
+process measured, never from budget.json's (which a shared mirror brings back). Once the decay has
+begun the count holds, so the run ends with its schedule complete however often it was interrupted;
+more hours extend it only before then. A run with no checkpoint measures its budget anew.
 """
 
 from __future__ import annotations
@@ -75,21 +71,13 @@ class Budget:
             raise RunDirError(
                 f"{path}: hours must be a positive, finite number, got {d.get('hours')!r}{fix}"
             )
-        for name, whole in (
-            ("max_steps", True),
-            ("decided_at_step", True),
-            ("step_s", False),
-            ("decided_at", False),
-        ):
+        measured = ("max_steps", "decided_at_step", "step_s", "decided_at")
+        for name in measured:
+            whole = name in ("max_steps", "decided_at_step")
             if d.get(name) is not None and not number(d[name], whole):
                 kind = "a positive whole number" if whole else "a positive number"
                 raise RunDirError(f"{path}: {name} must be {kind} or null, got {d[name]!r}{fix}")
-        budget = cls(
-            **{
-                k: d.get(k)
-                for k in ("hours", "max_steps", "decided_at_step", "step_s", "decided_at")
-            }
-        )
+        budget = cls(d["hours"], *(d.get(k) for k in measured))
         if (why := budget.out_of_bounds()) is not None:
             raise RunDirError(f"{path}: {why}: not a budget tinygpt decided{fix}")
         return budget

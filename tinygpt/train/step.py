@@ -93,10 +93,9 @@ def regional_loss(
 def eager():
     """Run compiled code eagerly inside this block (no compile, no recompile), where torch can.
     A process that has not imported the compiler has no compiled code (and is spared its import)."""
-    stance = getattr(torch.compiler, "set_stance", None)
-    if "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+    if "torch._dynamo" in sys.modules and hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
 
 
 class BatchSource(Protocol):
@@ -247,7 +246,7 @@ class TrainStep:
         self._loss_sum.zero_()
         window = window_at(self.step, self.cfg, self.max_steps)
         for i, batch in enumerate(micro):
-            x, y, *extra = self._batch_to_device(*batch)
+            x, y, *extra = batch_to_device(batch, self.device)
             kw = {}
             if self.masked:  # the sampler's document ids (doc_mask) are for the mask only
                 docs = extra.pop(0) if self.cfg.doc_mask and extra else None
@@ -268,10 +267,6 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return StepResult(lr, self._loss_sum, n_global, grad_norm)
-
-    def _batch_to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # contiguous, pinned: the copy overlaps compute
-        return batch_to_device(tensors, self.device)
 
 
 def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> float:

@@ -81,12 +81,8 @@ class Throughput:
 
 class Trainer(TrainStep):
     """Trains `model` on `data` into `run_dir`, resuming exactly where a checkpoint left off.
-
-    Checkpoints go to ``run_dir/checkpoints/step_XXXXXX`` (and ``run_dir/best``), metrics to
-    metrics.jsonl. Everything beside the loop (progress, start-up record, time budget, mirror,
-    plots) is a `Callback` in `callbacks`; the Trainer's own `StopOnSignal` comes first. `fit`
-    closes every callback when it ends, however it ends, in that order (`closing`).
-    """
+    Everything beside the loop is a `Callback` in `callbacks`, after the Trainer's own
+    `StopOnSignal`; `fit` closes every callback when it ends, however it ends, in that order."""
 
     def __init__(
         self,
@@ -134,12 +130,10 @@ class Trainer(TrainStep):
 
     # ----- the loop ------------------------------------------------------------------------------
     def fit(self, resume: str = "auto") -> TrainResult:
-        """Train to max_steps: restore (`resume` "auto", "never" or a checkpoint folder), then each
-        step: one optimizer step, the callbacks' turn, then as due: log, evaluate, keep the best,
-        save. Ends with a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the
-        same way. Then every callback is closed (the bar's last line, TensorBoard's file, the
-        mirror's last copies), even when one before it fails, and without hiding an error that ended
-        the run."""
+        """Train to max_steps after restoring (`resume` "auto", "never" or a checkpoint folder).
+        Ends with a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the same
+        way. Every callback is then closed, even when one before it fails, without hiding an error
+        that ended the run."""
         with closing(self.callbacks):  # StopOnSignal first: the handlers are given back first
             resumed_from = self.restore(resume)
             stopping = False
@@ -176,11 +170,9 @@ class Trainer(TrainStep):
         )
 
     def _train_step(self) -> bool:
-        """One turn of the loop: the optimizer step, the callbacks' turn, then what is due at the
-        new step (log, evaluate, keep the best, save). Whether to stop, agreed by every rank; a
-        stopping step is saved. Every rank takes the same branches (the flags depend on the step
-        and the agreed stop only), so collectives (the loss sum, evaluation, gathering for a save)
-        stay matched."""
+        """One turn of the loop; whether to stop, agreed by every rank (a stopping step is saved).
+        Every rank takes the same branches (the flags depend on the step and the agreed stop only),
+        so collectives (the loss sum, evaluation, gathering for a save) stay matched."""
         step = self.optimizer_step()
         self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
         # e.g. the start-up record, a time budget's measurement
@@ -211,8 +203,7 @@ class Trainer(TrainStep):
         return stopping
 
     def _keep_best(self) -> None:
-        """Save best/ when the validation loss just measured is the lowest yet (none measured: no
-        validation batches, nothing to keep)."""
+        """Save best/ when the validation loss just measured is the lowest yet."""
         if self.val_loss is not None and (
             self.best_val_loss is None or self.val_loss < self.best_val_loss
         ):
