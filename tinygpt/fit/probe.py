@@ -1,14 +1,11 @@
-"""The probe: what this machine is, how much memory a recipe needs (estimated, with a breakdown),
-and the largest micro-batch and context that really fit (found by trial), cached per device, recipe
-and torch version, and kept in the run folder (probe.json, mirrored with the run, signed) so that a
-new VM of the same user on the same GPU and torch reads it instead of probing again. "GB" here is
+"""The probe: the largest micro-batch and context that really fit (found by trial), cached per
+device, recipe and torch version, and kept in the run folder (probe.json, mirrored, signed) so that
+a new VM of the same user on the same GPU and torch reads it instead of probing again. "GB" here is
 GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
 
-The probe compiles nothing: its memory trials and its timings run the trainer's step eagerly, so the
-training step that follows compiles once, for its own micro-batch, with static shapes (and the run's
-compile cache, loaded when training starts, is the first thing the compiler sees). Compiling each
-timing, and throwing the graphs away, kept `tinygpt probe --hours 1` silent for over 200 s on an
-H100.
+The probe compiles nothing: its trials and timings run the trainer's step eagerly, so the training
+step that follows compiles once, for its own micro-batch (compiling each timing kept `tinygpt probe
+--hours 1` silent for over 200 s on an H100).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The side concerns of a run, each a `Callback` that decides its own timing: the progress display,
-the start-up record with the compile cache, MFU, TensorBoard; and the samples a run writes. (The
-time budget's `TimeBudget` (time_budget.py), the Drive `Mirror` in tinygpt.sync and the notebooks'
-plots are callbacks too.)
+the start-up record with the compile cache, MFU, TensorBoard, and the samples a run writes.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""The compiler's cache kept in the run folder, so
-a new VM on the same GPU skips most of the compile.
+"""The compiler's cache kept in the run folder (``compile_cache.bin``, mirrored with the run), so a
+new VM on the same GPU skips most of the compile: saved after the first compiled step, loaded before
+a resumed run's first. A cache for another GPU, torch version or model shape is ignored with a note.
 
-After the first compiled step the trainer saves
-`torch.compiler.save_cache_artifacts()` to ``run_dir/compile_cache.bin`` (mirrored
-to Drive with the run's files); a resumed run loads it before its first step. A
-cache for another GPU, torch version or model shape is ignored with a one-line note.
-
-Trust: the artifacts hold generated code that runs, and a mirror is a shared folder anyone with
-access may write. So the file is signed (HMAC-SHA256) with a key only this user holds, and the key
-never lives on the mirror: it is $TINYGPT_COMPILE_KEY, else Colab's secret of that name, else a key
-file in the local tinygpt cache folder (made on first use, 0600; refused when another user owns it
-or others may write it). A new VM without the first two has a new key, so a cache from Drive does
-not verify and is compiled afresh (one line says how to carry the key). Even a signed cache is
+Trust: the artifacts hold generated code that runs, and a mirror is a shared folder others may
+write. So the file is signed (HMAC-SHA256) with a key only this user holds and that never lives on
+the mirror (`signing_key`); a cache that does not verify is compiled afresh. Even a signed cache is
 unpacked here first: every artifact's destination must lie inside torch's own cache folder, else
 the whole cache is refused before anything is written.
 

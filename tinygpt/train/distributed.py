@@ -121,8 +121,7 @@ def rank_device(requested: str, local_rank: int) -> torch.device:
 def process_group(
     env: TorchrunEnv, device: torch.device, timeout_s: float = TIMEOUT_S
 ) -> Iterator[None]:
-    """Join the job's process group (NCCL for GPU tensors,
-    gloo for CPU ones) and leave it at the end."""
+    """Join the job's process group (NCCL for GPU tensors, gloo for CPU ones), then leave it."""
     if _active():  # the caller set it up: leave it as it is
         yield
         return
@@ -236,8 +235,7 @@ def wrap_model(
 
 
 def gradient_sync(forward_model: torch.nn.Module, model: torch.nn.Module, sync: bool):
-    """A context for one micro-step: gradients are reduced
-    across ranks only when `sync` (the last one)."""
+    """A context for one micro-step: gradients are reduced across ranks only when `sync`."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a flag, not a context
         model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
@@ -247,8 +245,7 @@ def gradient_sync(forward_model: torch.nn.Module, model: torch.nn.Module, sync: 
 
 
 def grad_scaler(precision, model: torch.nn.Module) -> torch.amp.GradScaler:
-    """The precision's GradScaler; under FSDP2 one that
-    agrees across ranks on inf/NaN in sharded gradients."""
+    """The precision's GradScaler; under FSDP2 one that agrees across ranks on inf/NaN."""
     if precision.use_scaler and _active() and is_fsdp(model):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -287,8 +284,7 @@ def _full_options(**kw):
 
 
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """For each optimizer group, the parameter names
-    in order (a tied matrix under its first name)."""
+    """For each optimizer group, the parameter names in order (a tied matrix under its first name)."""
     names = {}
     for n, p in model.named_parameters():
         names.setdefault(id(p), n)
@@ -298,12 +294,9 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
 def gather_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state_fn: Callable, rank: int
 ) -> tuple[dict | None, dict | None]:
-    """(model state, optimizer state) in the single-process
-    format on rank 0, (None, None) elsewhere.
-
-    Under FSDP2 this is a collective (every rank calls it; full tensors
-    land on rank 0's CPU) and the optimizer state is re-keyed from
-    parameter names to the indices `Optimizer.state_dict` uses."""
+    """(model state, optimizer state) in the single-process format on rank 0, (None, None)
+    elsewhere. Under FSDP2 a collective (full tensors land on rank 0's CPU); the optimizer state is
+    re-keyed from parameter names to the indices `Optimizer.state_dict` uses."""
     if not (_active() and is_fsdp(model)):
         return (state_fn(model), optimizer.state_dict()) if rank == 0 else (None, None)
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -361,20 +354,13 @@ def load_state(
         live.update({k: v for k, v in saved.items() if k != "params"})
 
 
-_PEER_HINTS = (
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "nccl",
-    "gloo",
-)
+# how a lost peer reads in an error (lower case), the backends naming themselves included
+_PEER_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
+_PEER_HINTS += ("nccl", "gloo")
 
 
 def is_peer_failure(e: BaseException) -> bool:
-    """Whether an exception looks like a collective
-    that lost its peers (dead, hung, unreachable)."""
+    """Whether an exception looks like a collective that lost its peers (dead, hung, unreachable)."""
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _PEER_HINTS)

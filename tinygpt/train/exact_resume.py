@@ -1,8 +1,6 @@
-"""Exact resume: what a checkpoint keeps beside the weights (`train_state_of`: the step, the
-optimizer, the scaler, the sampler's position, every RNG), how it comes back (`load_train_state`),
-and which training settings may differ when it does (`RESUMABLE_CHANGES`, `resume_refusal`).
-Everything is stored in a weights-only form, so a checkpoint loads with
-`torch.load(weights_only=True)` and can never run code.
+"""Exact resume: what a checkpoint keeps beside the weights (`train_state_of`), how it comes back
+(`load_train_state`), and which training settings may differ when it does (`resume_refusal`).
+Everything is stored in a weights-only form (`torch.load(weights_only=True)` never runs code).
 """
 
 from __future__ import annotations
@@ -19,20 +17,11 @@ from tinygpt.core.same_settings import config_differences
 from tinygpt.train import distributed as dist_
 from tinygpt.train.step import TrainStep
 
-# Fields that may change between a run and its resumption; any other difference is refused.
+# Fields that may change between a run and its resumption (how long it runs, what it logs, evaluates,
+# saves and samples on the way, and how its steps are run); any other difference is refused.
 RESUMABLE_CHANGES = frozenset(
-    {
-        "max_steps",
-        "eval_every",
-        "save_every",
-        "log_every",
-        "keep_last",
-        "sample_every",
-        "compile",
-        "device",
-        "eval_batches",
-        "loss",
-    }
+    {"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every"}
+    | {"eval_batches", "compile", "device", "loss"}
 )
 
 

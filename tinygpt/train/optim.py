@@ -97,11 +97,9 @@ def split_muon_params(
 
 class EagerOptimizer(torch.optim.Optimizer):
     """torch's Optimizer without the compiler's import, for a process that never compiles. torch
-    wraps `add_param_group`, `zero_grad`, `state_dict` and `load_state_dict` in
-    `torch._disable_dynamo`, and AdamW's step in `_use_grad_for_differentiable`: each imports
-    torch._dynamo on its first call (about 1.5 CPU-seconds, as much as `import torch`) only to keep
-    the compiler from tracing into it. These are the functions they wrap (`__wrapped__`; where a
-    torch has none, its own method)."""
+    wraps these methods in `torch._disable_dynamo` (and AdamW's step in
+    `_use_grad_for_differentiable`), which imports torch._dynamo on its first call (about 1.5
+    CPU-seconds, as much as `import torch`) only to keep the compiler out; these are the wrapped."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
@@ -239,9 +237,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 grad = torch.where(skip, 0.0, grad)  # inf * 0 would be nan
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        grad, memory_format=torch.preserve_format
-                    )
+                    state["momentum_buffer"] = torch.zeros_like(grad)
                 buf = state["momentum_buffer"]
                 # the factors in fp32, rounded as torch rounds
                 # the Python numbers Muon passes: the same steps
@@ -270,32 +266,29 @@ def rate_groups(
 ) -> list[dict]:
     """AdamW's decayed matrices as groups: one at lr, or, where `embed_lr_scale` or `head_lr_scale`
     differ from 1, the input embedding and the head (untied; a tied matrix is the embedding) each in
-    a group of its own rate, its weight decay divided by the same factor (as Muon's: lr * weight_decay,
-    the decay per step, stays AdamW's). Default rates keep the one group, so checkpoints keep their
-    layout."""
+    a `scaled_group` of its own. Default rates keep the one group, so checkpoints keep their layout."""
     scales = {"embed": cfg.embed_lr_scale, "lm_head": cfg.head_lr_scale}
+    if all(s == 1.0 for s in scales.values()):
+        scales = {}
     first_name = {id(p): n for n, p in model.named_parameters()}
-    kinds = (
-        {key: [p for p in params if key in first_name[id(p)]] for key in scales}
-        if any(s != 1.0 for s in scales.values())
-        else {}
-    )
+    kinds = {key: [p for p in params if key in first_name[id(p)]] for key in scales}
     taken = {id(p) for ps in kinds.values() for p in ps}
     rest = [p for p in params if id(p) not in taken]
-    groups = [
-        {
-            "params": ps,
-            "lr": cfg.lr * scales[k],
-            "lr_scale": scales[k],
-            "weight_decay": cfg.weight_decay / scales[k],
-        }
-        for k, ps in kinds.items()
-        if ps
-    ]
     return [
         {"params": rest, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
-        *groups,
+        *(scaled_group(ps, cfg, scales[k]) for k, ps in kinds.items() if ps),
     ]
+
+
+def scaled_group(params: list, cfg: TrainConfig, scale: float) -> dict:
+    """A group at `scale` times cfg.lr, its weight decay divided by `scale`: lr * weight_decay, the
+    decay per step, stays AdamW's."""
+    return {
+        "params": params,
+        "lr": cfg.lr * scale,
+        "lr_scale": scale,
+        "weight_decay": cfg.weight_decay / scale,
+    }
 
 
 def build_optimizer(
@@ -317,20 +310,13 @@ def build_optimizer(
         return adamw(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=fused)
     if cfg.optimizer == "muon":
         muon, decay, no_decay = split_muon_params(model)
-        # Muon decays by lr * weight_decay per step, as AdamW: keep that product equal to AdamW's.
-        muon_groups = [
-            {
-                "params": muon,
-                "lr": cfg.lr * muon_lr_scale,
-                "lr_scale": muon_lr_scale,
-                "weight_decay": cfg.weight_decay / muon_lr_scale,
-                **({"coeffs": cfg.muon_coeffs} if cfg.muon_coeffs != "newton-schulz" else {}),
-            }
-        ]
+        muon_group = scaled_group(muon, cfg, muon_lr_scale)
+        if cfg.muon_coeffs != "newton-schulz":
+            muon_group["coeffs"] = cfg.muon_coeffs
         adamw_groups = [
             *rate_groups(model, decay, cfg),
             {"params": no_decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0},
         ]
         muon_adamw = MuonAdamW if compiled else EagerMuonAdamW
-        return muon_adamw(muon_groups, adamw_groups, lr=cfg.lr, betas=betas, fused=fused)
+        return muon_adamw([muon_group], adamw_groups, lr=cfg.lr, betas=betas, fused=fused)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose adamw or muon")

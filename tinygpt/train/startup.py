@@ -1,9 +1,6 @@
-"""Where start-up time goes: the seconds from the
-start of a run to its first training step, by phase.
-
-Every pretraining run prints the breakdown once its first step is done and records it in
-metrics.jsonl as {"step": N, "startup": {...}} (a resumed run records its own start-up at its own
-first step). Phases are marked in order; each is the time since the previous mark.
+"""Where start-up time goes: the seconds from the start of a run to its first training step, by
+phase, printed and recorded in metrics.jsonl as {"step": N, "startup": {...}} (a resumed run
+records its own). Each phase is the time since the previous mark.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""One optimizer step, and what it needs: the model compiled (whole, or block by block), the batch
-source, the learning-rate schedule.
-
-`TrainStep` is one optimizer step and nothing else: `grad_accum_steps` micro-batches whose summed
-token losses are divided by the number of target tokens in the whole step, so accumulation gives the
-same gradient as one big batch (also when prompt tokens are masked). The probe and the benchmarks
-time it; the Trainer (`tinygpt.train.trainer`) runs it.
+"""One optimizer step (`TrainStep`) and what it needs: the model compiled (whole, or block by block),
+the batch source, the learning-rate schedule. The probe and the benchmarks time it; the Trainer
+(`tinygpt.train.trainer`) runs it.
 """
 
 from __future__ import annotations

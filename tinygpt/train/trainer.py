@@ -1,9 +1,7 @@
-"""The AMP training loop with exact resume, around `TrainStep` (`tinygpt.train.step`).
-
-`Trainer.fit` is the loop, read top to bottom: the step, then the callbacks' turn, then "once in a
-while" (log, evaluate, keep the best, save). The loss is read back from the device only on logging
-steps: everything else queues on the GPU without a host-device sync. Progress, the start-up record,
-a time budget and the mirror are `Callback`s (tinygpt.core.callback); the loop knows none of them.
+"""The AMP training loop with exact resume, around `TrainStep` (`tinygpt.train.step`). The loss is
+read back from the device only on logging steps: everything else queues on the GPU without a
+host-device sync. Progress, the start-up record, a time budget and the mirror are `Callback`s
+(tinygpt.core.callback); the loop knows none of them.
 """
 
 from __future__ import annotations
