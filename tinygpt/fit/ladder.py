@@ -1,13 +1,8 @@
 """The ladder of sizes the planner (`tinygpt.fit.plan`) chooses from, and the scaling law that
-predicts each rung's final loss.
-
-A rung is the recipe's model with only the ladder's fields (n_layer, d_model, n_head, n_kv_head, d_ff)
-changed, and its train config with only lr and min_lr scaled by width: everything else (vocabulary,
-context, data, schedule) is the recipe's. The law is L(N, D) = E + A/N^alpha + B/D^beta, with N the
-non-embedding parameters and D the tokens seen (fewer than seen where the source is smaller than the
-budget and would be read again: Muennighoff et al. 2023's effective data); it speaks for a rung that
-reads the source at most MAX_EPOCHS times and sees at least the tokens per parameter of the runs it
-was fitted on.
+predicts each rung's final loss. A rung is the recipe with only the ladder's fields and lr / min_lr
+changed. The law is L(N, D) = E + A/N^alpha + B/D^beta, with N the non-embedding parameters and D
+the tokens seen (fewer where the source would be read again: Muennighoff et al. 2023's effective
+data); it speaks for a rung within MAX_EPOCHS and the tokens per parameter of its own runs.
 """
 
 from __future__ import annotations

@@ -161,8 +161,7 @@ def _estimated_kernel(
 ) -> str:
     """The attention kernel `model.attention` would run on this device: "fused" whenever keys and
     values are not grouped (and not on MPS), else `attention_kernel`'s answer. A CUDA GPU of unknown
-    capability is taken to be one that picks this precision by default (fp16: a T4, sm75; else
-    sm80)."""
+    capability is one that picks this precision by default (fp16: a T4, sm75; else sm80)."""
     if device_type == "cuda" and capability is None:
         capability = (7, 5) if precision == "fp16" else (8, 0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)

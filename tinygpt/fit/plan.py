@@ -379,9 +379,8 @@ def refuse_sized_base(init: str | None) -> None:
 def choose_size(
     recipe: Recipe, hours: float, dev: torch.device, kept: dict | None, began: dict | None = None
 ) -> tuple[Recipe, SizePlan | dict]:
-    """`--size auto`: the run's kept plan (a resumed run keeps its size), else a new plan on this
-    device, timing rungs with the trainer's own step (`trainer_speed`: eager, a short measurement).
-    `began` is the recipe the run began with (run.json's; `resumed_at` says what it may keep)."""
+    """`--size auto`: the run's kept plan, else a new plan on this device. `began` is the recipe the
+    run began with (run.json's; `resumed_at` says what it may keep)."""
     if kept is not None:
         return resumed_at(recipe, kept, began), kept
     refuse_sized_base(recipe.model.init)

@@ -225,11 +225,9 @@ class _Search:
         )
 
     def fastest(self, speed: Callable, largest: int, t: int, ckpt: bool) -> tuple[int, str]:
-        """The fastest of the micro-batches that fit, as the trainer runs them (its loss and
-        optimizer), eagerly: the timings rank the candidates, nothing is compiled. On an H100 the
-        largest micro-batch was not the fastest. Where the recipe's loss would chunk the logits, the
-        full logits are timed too if they fit: the chunked loss cost 12-13% on an H100 where the
-        full logits fitted. (micro-batch, loss)."""
+        """(micro-batch, loss): the fastest of those that fit, as the trainer runs them (on an H100
+        the largest was not the fastest). Where the recipe's loss would chunk the logits, the full
+        logits are timed too if they fit (chunking cost 12-13% on an H100 where they fitted)."""
         train = self.recipe.train
         # (micro-batch, accumulation, loss) to time, in this order
         timings: list[tuple[int, int, str]] = []
@@ -369,12 +367,10 @@ def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
 def fit_to_device(
     recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1, trusted: bool = False
 ) -> tuple[Recipe, dict | None]:
-    """The probe decides micro-batch, accumulation, context, precision and activation checkpointing
-    on a GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it
-    started with where this user signed its run.json (`decisions.own_signature`; `trusted`: rank 0
-    wrote it for this job): they are part of its configuration. Any other run.json (a shared
-    mirror's) decides none of them: this machine probes (its own cache, keyed by its own device),
-    and on a CPU the recipe stands as written."""
+    """(the recipe with the probe's decisions on a GPU, the probe's result). A resumed run keeps the
+    decisions it started with where this user signed its run.json (`trusted`: rank 0 wrote it for
+    this job); any other run.json (a shared mirror's) decides none of them: this machine probes, and
+    on a CPU the recipe stands as written."""
     run = RunDir(run_dir)
     old = run.info() if run.is_pretrain_run() else {}
     if old.get("probe") and (trusted or own_signature(old)):

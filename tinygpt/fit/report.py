@@ -67,9 +67,8 @@ def expectations(
     probe_result: ProbeResult | None = None,
     measured_tokens_per_s: float | None = None,
 ) -> Expectations:
-    """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware.
-    `measured_tokens_per_s`: the trainer's own step timed as the recipe stands (`trainer_speed`),
-    where no probe searched (the CPU)."""
+    """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware;
+    `measured_tokens_per_s`: the trainer's own step timed where no probe searched (the CPU)."""
     if probe_result is not None:
         recipe = apply_probe(recipe, probe_result)
     t = recipe.train
@@ -316,9 +315,8 @@ def shortfall_note(plan: SizePlan, tokens: float, tokens_per_s: float) -> str | 
 
 
 class PlanReport(Callback):
-    """Says the plan (the table, then the choice) when training starts; a resumed run says its kept
-    size. Once the time budget has fixed the run's steps, says (once) when they buy fewer than
-    PLAN_SHORTFALL of the tokens the plan counted on (`shortfall_note`)."""
+    """Says the plan when training starts (a resumed run: its kept size), and once the time budget
+    has fixed the run's steps, whether they buy too few tokens (`shortfall_note`)."""
 
     def __init__(self, plan: SizePlan | dict):
         self.plan = plan

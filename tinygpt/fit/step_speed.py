@@ -20,9 +20,8 @@ SPEED_STEPS, SPEED_WARMUP = 8, 4
 
 
 class RandomBatches:
-    """A `BatchSource` of full rows of random tokens, for timing (the speed of a step does not
-    depend on which tokens); its own generator leaves the caller's random state alone.
-    `served_tokens` counts what it served."""
+    """A `BatchSource` of full rows of random tokens, for timing; its own generator leaves the
+    caller's random state alone. `served_tokens` counts what it served."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int = 0):
         self.vocab_size, self.seq_len = vocab_size, seq_len
@@ -50,11 +49,9 @@ def trainer_speed(
     warmup: int = SPEED_WARMUP,
     compiled: bool = False,
 ) -> float:
-    """Tokens/s of the trainer's own optimizer step for this recipe (its micro-batch, accumulation,
-    precision, loss, optimizer), run eagerly: nothing is compiled (a compile per timing cost more
-    than the timings, and its graphs were thrown away); `compiled`: as the recipe compiles (the
-    benchmarks). The median of `steps` after `warmup`. Nothing is written: the trainer is built and
-    stepped, never fitted."""
+    """Tokens/s of the trainer's own optimizer step for this recipe, the median of `steps` after
+    `warmup`, eagerly (a compile per timing cost more than the timings; `compiled`: as the recipe
+    compiles, for the benchmarks). Nothing is written: the trainer is stepped, never fitted."""
     dev = resolve_device(str(device))
     t = dataclasses.replace(
         recipe.train, device=str(dev), **({} if compiled else {"compile": "off"})

@@ -159,9 +159,8 @@ def largest_fit(fits: Callable[[int], bool], cap: int, out_of_time: Callable[[],
 
 
 def batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[int, int, str | None]:
-    """(micro_batch, grad_accum, note): a divisor of the recipe's sequences per step keeps its
-    global batch exact; if the best divisor wastes over half the memory, keep the micro-batch and
-    say so."""
+    """(micro_batch, grad_accum, note): a divisor of the recipe's sequences per step keeps its global
+    batch exact; if the best divisor wastes over half the memory, keep the micro-batch, said so."""
     if tokens_per_step % seq_len == 0:
         seqs = tokens_per_step // seq_len
         d = max(x for x in range(1, min(largest, seqs) + 1) if seqs % x == 0)
@@ -190,9 +189,8 @@ def sync(dev: torch.device) -> None:
 
 
 def speed_candidates(largest: int, seq_len: int, tokens_per_step: int) -> list[tuple[int, int]]:
-    """The (micro-batch, accumulation) pairs worth timing: the geometry the largest micro-batch that
-    fits gives, and those of about a half and a quarter of it (the largest is not always the
-    fastest)."""
+    """The (micro-batch, accumulation) pairs worth timing: the geometries of the largest micro-batch
+    that fits and of about a half and a quarter of it (the largest is not always the fastest)."""
     out: list[tuple[int, int]] = []
     for limit in (largest, largest // 2, largest // 4):
         if limit >= 1:

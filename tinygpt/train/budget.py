@@ -84,10 +84,8 @@ class Budget:
 
     def out_of_bounds(self) -> str | None:
         """Why these figures cannot be a budget tinygpt decided (None when they can): budget.json
-        comes back from a shared mirror, so it must not set a run that never ends. Hours at most
-        MAX_HOURS, a step time of at least MIN_STEP_S, and a step count no larger than the hours buy
-        at that step time (`steps_for`, `extend`: at most hours * 3600 / step_s steps after the step
-        it was decided at) nor MAX_BUDGET_STEPS."""
+        comes back from a shared mirror, so it must not set a run that never ends. No step count
+        above what the hours buy at the step time (`steps_for`, `extend`) nor MAX_BUDGET_STEPS."""
         if self.hours > MAX_HOURS:
             return f"hours {self.hours:g} is more than {MAX_HOURS}"
         if self.step_s is not None and self.step_s < MIN_STEP_S:
@@ -142,10 +140,9 @@ def refix(
     now: float,
 ) -> Budget:
     """The budget fixed again at `step` from `step_s`, the mean time of the steps since training began
-    (`spent_s` ago), evaluations and saves included: the count that ends within the hours
-    (`steps_for`). Only in the stable phase, and never a count whose decay would already have begun
-    (the rate would jump down): a run too slow for that starts its decay at the next step. Unchanged
-    once the decay has begun. The figures stay within `Budget.out_of_bounds`."""
+    (`spent_s` ago): the count that ends within the hours. Only in the stable phase, and never a
+    count whose decay would already have begun (the rate would jump down): a run too slow for that
+    starts its decay at the next step. The figures stay within `Budget.out_of_bounds`."""
     if budget.max_steps is None or step >= decay_start(budget.max_steps, decay_fraction):
         return budget
     steps = steps_for(budget.hours, spent_s, step, step_s, final_s)
@@ -160,8 +157,7 @@ def refix(
 def extend(
     budget: Budget, hours: float, step: int, decay_fraction: float
 ) -> tuple[Budget, str | None]:
-    """A resumed run asked for other hours: more (or
-    fewer) steps while the decay has not begun; a note."""
+    """A resumed run asked for other hours: more (or fewer) steps while the decay has not begun."""
     if budget.max_steps is None or budget.step_s is None or math.isclose(hours, budget.hours):
         return budget, None
     start = decay_start(budget.max_steps, decay_fraction)

@@ -80,11 +80,9 @@ def write_sample(
 
 
 class Samples(Callback):
-    """What the model writes, appended to samples.txt on rank 0: every `every` steps
-    (train.sample_every; 0: none on the way, as nanochat's "once in a while" sample) and once when
-    the run reaches its last step, from that step's checkpoint (a run stopped by a signal writes
-    none). Under FSDP rank 0 holds only a shard: `whole` (the model's config) rebuilds the model
-    from that checkpoint, and only the end is sampled (`pretrain` refuses sample_every there)."""
+    """What the model writes, appended to samples.txt on rank 0: every `every` steps (0: none on the
+    way) and once when the run reaches its last step, from that step's checkpoint. Under FSDP rank 0
+    holds only a shard: `whole` (the model's config) rebuilds the model from that checkpoint."""
 
     def __init__(
         self,

@@ -83,10 +83,9 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def signing_key() -> tuple[bytes | None, str | None]:
-    """(this user's key, a note). The key is derived from $TINYGPT_COMPILE_KEY
-    or Colab's secret of that name, else read from (or first made in) the
-    local key file; never from a mirror. (None, why) when the local key file
-    is not this user's alone: the cache is then neither loaded nor saved."""
+    """(this user's key, a note): derived from $TINYGPT_COMPILE_KEY or Colab's secret of that name,
+    else read from (or first made in) the local key file; never from a mirror. (None, why) when the
+    local key file is not this user's alone: the cache is then neither loaded nor saved."""
     given = os.environ.get(KEY_ENV) or _colab_secret()
     if given:
         return hashlib.sha256(b"tinygpt-compile-cache\0" + given.encode()).digest(), None
@@ -227,8 +226,7 @@ class CompileCache:
         ).hexdigest()
 
     def load(self) -> str | None:
-        """Load the artifacts if they are ours and for
-        this setup; a one-line note of what happened."""
+        """Load the artifacts if they are ours and for this setup; a one-line note of what happened."""
         if self.key is None:
             return self.key_note
         if not self.path.is_file() or self.path.is_symlink():
@@ -277,8 +275,7 @@ class CompileCache:
         return f"compile cache loaded ({len(payload) / 1e6:.1f} MB)"
 
     def save(self) -> int:
-        """Write this process's artifacts; their size in
-        bytes (0 if there were none or it failed)."""
+        """Write this process's artifacts; their size in bytes (0 if there were none or it failed)."""
         if self.key is None:
             return 0
         try:

@@ -185,10 +185,9 @@ def wrap_model(
     model: torch.nn.Module, parallel: str, device: torch.device, use_compile: bool
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the module that trains, the module that evaluates) for `parallel` over the default group.
-
-    DDP wraps the compiled model (as nanoGPT does); evaluation runs the compiled model without
-    DDP, so it needs no collective. FSDP2 shards each transformer block and the root in place
-    (`model` itself becomes the sharded module); blocks are compiled one by one before sharding."""
+    DDP wraps the compiled model (as nanoGPT does); evaluation runs the compiled model without DDP,
+    so it needs no collective. FSDP2 shards each transformer block (compiled first) and the root in
+    place."""
     if not _active():
         raise RuntimeError(
             "training with world_size > 1 needs a process group: start under torchrun "

@@ -76,10 +76,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def split_muon_params(
     model: torch.nn.Module,
 ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """(hidden 2-D matrices for Muon, other 2-D weights for AdamW with decay, the rest without).
-
-    A tied embedding / lm_head matrix is met twice under two names; it is counted once, on AdamW.
-    A model with fused projections (`ModelConfig.fused_proj`) is refused: see FUSED_PROJ_MUON."""
+    """(hidden 2-D matrices for Muon, other 2-D weights for AdamW with decay, the rest without). A
+    tied embedding / lm_head matrix (met under two names) is counted once, on AdamW; fused
+    projections are refused (FUSED_PROJ_MUON)."""
     by_id: dict[int, tuple[torch.nn.Parameter, bool]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if not p.requires_grad:
@@ -123,13 +122,10 @@ EagerAdamW = eager(torch.optim.AdamW)
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon for the hidden matrices, AdamW for the rest, behaving as one optimizer.
-
-    The groups in `param_groups` are the very dicts the two inner optimizers step with, and they
-    share one `state`, so the trainer's per-step ``group["lr"] = lr * group["lr_scale"]``,
-    ``GradScaler.unscale_`` (which walks `param_groups`), ``clip_grad_norm_``, ``state_dict`` and
-    ``load_state_dict`` all see a single ordinary optimizer.
-    """
+    """Muon for the hidden matrices, AdamW for the rest, behaving as one optimizer: the groups in
+    `param_groups` are the very dicts the two inner optimizers step with, and they share one
+    `state`, so the trainer's per-step lr, ``GradScaler.unscale_``, ``clip_grad_norm_`` and the
+    state dicts all see a single ordinary optimizer."""
 
     def __init__(
         self,
@@ -217,9 +213,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon_step_scaled(
         self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
     ) -> None:
-        """torch.optim.Muon's update (`torch.optim._muon`), unscaled by
-        `grad_scale` and made a no-op on the device when `found_inf` is set
-        (gradients zeroed, the momentum's, the decay's and the update's weights
+        """torch.optim.Muon's update, unscaled by `grad_scale` and made a no-op on the device when
+        `found_inf` is set (gradients zeroed, the momentum's, the decay's and the update's weights
         chosen by a device-side `where`), so no value is read back to the host."""
         from torch.optim._muon import _adjust_lr
 
@@ -299,9 +294,8 @@ def build_optimizer(
     muon_lr_scale: float = MUON_LR_SCALE,
     compiled: bool = True,
 ) -> torch.optim.Optimizer:
-    """The optimizer for `cfg.optimizer`; the learning rate is set by the trainer every step
-    (times each group's ``lr_scale``). Where nothing is `compiled`, the Eager classes: the same
-    steps, without importing the compiler."""
+    """The optimizer for `cfg.optimizer` (the trainer sets the rate every step, times each group's
+    ``lr_scale``); where nothing is `compiled`, the same steps without importing the compiler."""
     betas = (cfg.beta1, cfg.beta2)
     fused = device_type == "cuda"
     if cfg.optimizer == "adamw":

@@ -27,10 +27,9 @@ from tinygpt.train.optim import build_optimizer
 
 
 def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The model's stack of transformer blocks, as the model declares it: a tinygpt GPT's
-    `blocks()`, or in a Hugging Face model the `nn.ModuleList` of the layer classes its
-    `_no_split_modules` names (transformers' list of the layers kept whole), under `FinetuneLoss`
-    and PEFT's wrappers too. None if the model declares none."""
+    """The model's stack of transformer blocks: a tinygpt GPT's `blocks()`, or in a Hugging Face
+    model (under `FinetuneLoss` and PEFT's wrappers too) the `nn.ModuleList` of the layer classes
+    its `_no_split_modules` names. None if the model declares none."""
     for module in model.modules():
         if isinstance(module, GPT):
             return module.blocks()
@@ -54,9 +53,8 @@ def regional(model: torch.nn.Module, mode: str) -> bool:
 
 def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     """The model to run steps with. By regions (`regional`): each transformer block compiled in
-    place (identical blocks share one compiled graph, so compile time does not grow with depth; a
-    tinygpt GPT's with fullgraph and static shapes: a graph break is an error), the head and the
-    loss a second region (`regional_loss`); otherwise the whole model, as one graph."""
+    place (identical blocks share one graph, so compile time does not grow with depth), the head and
+    the loss a second region (`regional_loss`); otherwise the whole model, as one graph."""
     blocks = transformer_blocks(model) if regional(model, mode) else None
     if blocks is not None:
         for block in blocks:
@@ -80,9 +78,8 @@ def regional_loss(
     reduction: str = "sum",
     mask=None,
 ) -> torch.Tensor:
-    """A tinygpt GPT's token loss (summed, as `default_loss`) with the head and the loss compiled as
-    one region of their own; the embedding and the blocks as `compiled` left them. `mask`: as
-    `default_loss`'s."""
+    """`default_loss` with the head and the loss compiled as one region of their own; the embedding
+    and the blocks as `compiled` left them."""
     return _head_and_loss()(model.lm_head, model.hidden_states(x, mask=mask), y, reduction, loss)
 
 
@@ -107,10 +104,9 @@ class BatchSource(Protocol):
 
 @dataclass
 class ModelIO:
-    """How the trainer takes a model's loss and saves it, where that is not a tinygpt GPT's way.
-    `loss_fn(model, x, y, *extra)` returns the summed token loss (extra: tensors a batch carries
-    after y); `state_fn` / `load_state_fn` choose what a checkpoint holds (only the adapters, for
-    LoRA)."""
+    """How the trainer takes a model's loss and saves it, where that is not a tinygpt GPT's way:
+    `loss_fn(model, x, y, *extra)` returns the summed token loss; `state_fn` / `load_state_fn`
+    choose what a checkpoint holds (only the adapters, for LoRA)."""
 
     loss_fn: Callable | None = None
     state_fn: Callable | None = None
@@ -130,10 +126,8 @@ class StepResult:
 
 class TrainStep:
     """The optimizer step of `model` on batches from `source`, and nothing else: no run folder, no
-    logging. The probe and the benchmarks time it; the Trainer runs it. Device and precision come
-    from `cfg` (`device`, `precision`); with `ranks.world_size` > 1 (an initialised process group,
-    see `tinygpt.train.distributed`) `cfg` is the global batch and this rank trains its share with
-    DDP or FSDP2."""
+    logging. With `ranks.world_size` > 1 (an initialised process group) `cfg` is the global batch
+    and this rank trains its share with DDP or FSDP2."""
 
     def __init__(
         self,
@@ -304,9 +298,8 @@ def window_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe
 def default_loss(
     model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str = "auto", mask=None
 ) -> torch.Tensor:
-    """A tinygpt GPT's summed token loss: summed, not averaged, so that the step can divide by the
-    target tokens of all its micro-batches together (see `TrainStep.optimizer_step`); `mask`: a
-    training-time attention mask (`model.masks`), passed only where there is one."""
+    """A tinygpt GPT's token loss, summed so that the step can divide by the target tokens of all
+    its micro-batches together; `mask`, a training-time attention mask, passed only if given."""
     if mask is None:
         return model(x, y, reduction="sum", loss=loss)
     return model(x, y, reduction="sum", loss=loss, mask=mask)

@@ -209,10 +209,8 @@ class Trainer(TrainStep):
             self.save(best=True)
 
     def restore(self, resume: str) -> int | None:
-        """Exact resume: the newest valid checkpoint (or the one named) brings back the weights, the
-        optimizer, the scaler, the sampler's position and every RNG, and metrics.jsonl is cut back
-        to its step, so the run goes on as if it had never stopped. The step restored from, or
-        None."""
+        """Exact resume from the newest valid checkpoint (or the one named): the run goes on as if it
+        had never stopped. The step restored from, or None."""
         if resume == "auto":
             # hashes it: no second check on load
             self.last_saved = ckpt.latest_valid(self.ckpt_root)
@@ -266,11 +264,8 @@ class Trainer(TrainStep):
         )
         self.model.train()
         if W > 1:
-            both = dist_.all_reduce_sum_(
-                torch.stack(
-                    [total, torch.tensor(float(count), device=self.device, dtype=torch.float64)]
-                )
-            )
+            counted = torch.tensor(float(count), device=self.device, dtype=torch.float64)
+            both = dist_.all_reduce_sum_(torch.stack([total, counted]))
             total, count = both[0], int(both[1])
         return float(total) / max(count, 1)
 
@@ -400,9 +395,8 @@ class Trainer(TrainStep):
         )
 
     def _where_to_resume(self, then: str) -> str:
-        """The end of a failure's message: the last good checkpoint and `then` (what to do) to
-        resume from it, or, with none saved yet, that the same `then` starts the run again from step
-        0 (never "checkpoint None")."""
+        """The end of a failure's message: `then` (what to do) resumes from the last good checkpoint,
+        or, with none saved yet, starts the run again from step 0 (never "checkpoint None")."""
         last = self.last_saved or ckpt.latest_valid(self.ckpt_root)
         if last is None:
             return f"No checkpoint was saved yet: {then} to start again from step 0"
