@@ -1,7 +1,5 @@
-"""Memory of a training step: an estimate with a breakdown a person would draw (parameters,
-gradients, optimizer states, activations, loss, overhead), and a tracker that measures the real
-peak of the tensors a step creates on any device (the CPU's stand-in for max_memory_allocated).
-"GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
+"""Memory of a training step: an estimate with a breakdown a person would draw, and a tracker of
+the real peak on any device. "GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count it.
 """
 
 from __future__ import annotations

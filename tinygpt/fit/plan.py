@@ -48,16 +48,13 @@ BUDGET_OVERHEAD = 0.1
 # optimizer steps timed per timed rung (after 2 of warm-up): the planner stays short
 PLAN_SPEED_STEPS = 4
 PLAN_WARMUP_STEPS = 2
-# the longest a rung's timing may take, by its FLOP-scaled speed: MAX_TIMING_S, or TIMING_SHARE of a
-# longer budget up to MAX_TIMING_CAP_S; a larger rung is scaled, never timed (on a CPU a 12-hour budget
-# keeps rungs of hundreds of millions of parameters, minutes per step)
+# the longest a rung's timing may take (`timing_limit`); a larger rung is scaled, never timed (on a CPU
+# a 12-hour budget keeps rungs of hundreds of millions of parameters, minutes per step)
 MAX_TIMING_S = 10.0
 TIMING_SHARE = 0.01
 MAX_TIMING_CAP_S = 60.0
-# the planner's whole time: PLAN_TIME_SHARE of the budget, at least PLAN_TIME_MIN_S, at most
-# PLAN_TIME_MAX_S. A timing is begun only while the time spent plus the longest timing so far fits; the
-# rungs left untimed are scaled (~). The timings run eagerly (`trainer_speed`) and compile nothing: when
-# each compiled its rung, on an H100 a 1-hour plan ran past 200 s (docs/BENCHMARKS.md section 5)
+# the planner's whole time (`planning_limit`). The timings run eagerly and compile nothing: when each
+# compiled its rung, on an H100 a 1-hour plan ran past 200 s (docs/BENCHMARKS.md section 5)
 PLAN_TIME_SHARE = 0.02
 PLAN_TIME_MIN_S = 90.0
 PLAN_TIME_MAX_S = 300.0

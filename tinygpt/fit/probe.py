@@ -20,12 +20,7 @@ from typing import Callable
 import torch
 
 from tinygpt.core.paths import cache_root
-from tinygpt.core.precision import (
-    Precision,
-    choose_precision,
-    native_bf16,
-    resolve_device,
-)
+from tinygpt.core.precision import Precision, choose_precision, native_bf16, resolve_device
 from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import PROBE_JSON, RunDir
 from tinygpt.fit.hardware import cpu_name, ram_gb
@@ -186,11 +181,9 @@ class _Search:
         largest), confirmed by one more trial."""
         t, ckpt, largest = self.largest_fit(cap, min_seq_len)
         self.notes += _fit_notes(self.recipe, t, ckpt, prec_note)
-        limit, loss = (
-            self.fastest(speed, largest, t, ckpt)
-            if speed is not None
-            else (largest, self.recipe.train.loss)
-        )
+        limit, loss = largest, self.recipe.train.loss
+        if speed is not None:
+            limit, loss = self.fastest(speed, largest, t, ckpt)
         return self.confirm(limit, loss, largest, t, ckpt, name, key)
 
     def out_of_time(self) -> bool:
@@ -228,16 +221,13 @@ class _Search:
         """(micro-batch, loss): the fastest of those that fit, as the trainer runs them (on an H100
         the largest was not the fastest). Where the recipe's loss would chunk the logits, the full
         logits are timed too if they fit (chunking cost 12-13% on an H100 where they fitted)."""
-        train = self.recipe.train
+        train, vocab = self.recipe.train, self.recipe.model.vocab_size
         # (micro-batch, accumulation, loss) to time, in this order
         timings: list[tuple[int, int, str]] = []
         for micro, accum in speed_candidates(largest, t, train.tokens_per_step):
             timings.append((micro, accum, train.loss))
-            if (
-                train.loss == "auto"
-                and default_chunk_rows(micro * t, self.recipe.model.vocab_size)
-                and not self.out_of_time()
-            ):
+            chunked = train.loss == "auto" and default_chunk_rows(micro * t, vocab)
+            if chunked and not self.out_of_time():
                 self.runner.loss = "full"
                 full_fits = self.fits(micro, t, ckpt)
                 self.runner.loss = train.loss
@@ -255,38 +245,24 @@ class _Search:
             self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure
         )
         # every timing ran out of memory: the smallest candidate, whose memory trial passed
-        limit, loss = (
-            max(self.speeds, key=self.speeds.__getitem__)
-            if self.speeds
-            else (timings[-1][0], train.loss)
-        )
+        limit, loss = max(self.speeds, key=self.speeds.get, default=(timings[-1][0], train.loss))
         self.runner.loss = loss
         if len(self.speeds) > 1:
+            timed = sorted(self.speeds.items())
+            listed = ", ".join(f"{_speed_key(*k)}: {v:,.0f} tokens/s" for k, v in timed)
+            full = " with the full logits" if loss == "full" else ""
             self.notes.append(
-                f"micro-batch {limit}{' with the full logits' if loss == 'full' else ''} is the "
-                "fastest of those timed as the trainer runs them ("
-                + ", ".join(
-                    f"{_speed_key(*k)}: {v:,.0f} tokens/s" for k, v in sorted(self.speeds.items())
-                )
-                + ")"
+                f"micro-batch {limit}{full} is the fastest of those timed as the trainer runs "
+                f"them ({listed})"
             )
         return limit, loss
 
     def _time(self, speed: Callable, micro: int, accum: int, mode: str, t: int, ckpt: bool) -> None:
+        train = {"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum}
+        train |= {"precision": self.prec.name, "loss": mode}
+        recipe = self.recipe.replace(model={"activation_checkpointing": ckpt}, train=train)
         try:
-            self.speeds[(micro, mode)] = speed(
-                self.recipe.replace(
-                    model={"activation_checkpointing": ckpt},
-                    train={
-                        "micro_batch_size": micro,
-                        "seq_len": t,
-                        "grad_accum_steps": accum,
-                        "precision": self.prec.name,
-                        "loss": mode,
-                    },
-                ),
-                self.dev,
-            )
+            self.speeds[(micro, mode)] = speed(recipe, self.dev)
         except Exception as e:
             if not is_allocation_failure(e):
                 raise
@@ -298,8 +274,7 @@ class _Search:
     def confirm(
         self, limit: int, loss: str, largest: int, t: int, ckpt: bool, name: str, key: dict
     ) -> ProbeResult:
-        """The chosen geometry confirmed by one more (warm) trial, whose peak is the one
-        reported."""
+        """The chosen geometry confirmed by one more (warm) trial, whose peak is the one reported."""
         tokens_per_step = self.recipe.train.tokens_per_step
         while True:
             micro, accum, geometry_note = batch_geometry(limit, t, tokens_per_step)
@@ -322,10 +297,8 @@ class _Search:
         final = self.trials[-1]
         tps, source = final.tokens_per_s, "measured by trial (eager, one micro-batch)"
         if (micro, loss) in self.speeds:
-            tps, source = (
-                self.speeds[(micro, loss)],
-                f"measured: the trainer's step (eager), median of {SPEED_STEPS}",
-            )
+            tps = self.speeds[(micro, loss)]
+            source = f"measured: the trainer's step (eager), median of {SPEED_STEPS}"
         return ProbeResult(
             self.recipe.name,
             name,

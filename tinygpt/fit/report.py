@@ -46,15 +46,13 @@ class Expectations:
         return asdict(self)
 
     def rows(self) -> list[tuple[str, str]]:
+        tps = "-"
+        if self.tokens_per_s is not None:
+            tps = f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})"
         return [
             ("peak memory", f"{size_gb(self.peak_memory_gb)} ({self.memory_source})"),
             ("fits", "-" if self.fits is None else "yes" if self.fits else "no"),
-            (
-                "tokens/s",
-                "-"
-                if self.tokens_per_s is None
-                else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})",
-            ),
+            ("tokens/s", tps),
             ("MFU", "-" if self.mfu is None else f"{self.mfu:.0%}"),
             ("token budget", f"{self.token_budget:,}"),
             ("time to finish", duration(self.time_to_finish_s)),
@@ -224,17 +222,13 @@ def _search_here(
 def _search_lines(result: ProbeResult) -> list[str]:
     """The trial search's result and notes, as `probe_report` prints them."""
     limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
-    cached = (
-        " (cached)"
-        if result.from_cache
-        else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
-    )
+    searched = f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
+    cached = " (cached)" if result.from_cache else searched
+    ckpt = "on" if result.activation_checkpointing else "off"
     return [
-        f"\nSearch{cached}: micro-batch {result.micro_batch_size} x "
-        f"{result.grad_accum_steps} accumulation steps"
-        f" x context {result.seq_len}, checkpointing "
-        f"{'on' if result.activation_checkpointing else 'off'}, "
-        f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"
+        f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} "
+        f"accumulation steps x context {result.seq_len}, checkpointing {ckpt}, {result.precision}, "
+        f"peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"
     ] + [f"  - {n}" for n in result.notes]
 
 
@@ -272,11 +266,9 @@ def plan_note(plan: SizePlan) -> str:
         f"{'' if c.timed else ' ~'}, {count(c.tokens)} tokens in {plan.hours:g} h, "
         f"{_per_param(c.tokens_per_param)} tokens per parameter"
     )
-    scaled = (
-        "; ~ marks a speed scaled by FLOPs from a timed size"
-        if any(not x.timed for x in plan.candidates)
-        else ""
-    )
+    scaled = ""
+    if any(not x.timed for x in plan.candidates):
+        scaled = "; ~ marks a speed scaled by FLOPs from a timed size"
     if len(plan.candidates) == 1:  # each larger rung would train fewer than MIN_STEPS steps
         return (
             f"size auto: {c.size}, the smallest size and the only one left: {plan.hours:g} h is "

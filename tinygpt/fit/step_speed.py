@@ -20,8 +20,8 @@ SPEED_STEPS, SPEED_WARMUP = 8, 4
 
 
 class RandomBatches:
-    """A `BatchSource` of full rows of random tokens, for timing; its own generator leaves the
-    caller's random state alone. `served_tokens` counts what it served."""
+    """Batches of full rows of random tokens for a `TrainStep` to time (nothing resumes it); its own
+    generator leaves the caller's random state alone. `served_tokens` counts what it served."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int = 0):
         self.vocab_size, self.seq_len = vocab_size, seq_len
@@ -34,12 +34,6 @@ class RandomBatches:
         x = torch.randint(self.vocab_size, (batch_size, self.seq_len + 1), generator=self.generator)
         self.served_tokens += batch_size * self.seq_len
         return x[:, :-1].contiguous(), x[:, 1:].contiguous()
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 def trainer_speed(

@@ -1,7 +1,5 @@
-"""Memory trials: one model and optimizer stepped at a micro-batch and context, the step's peak
-measured (or injected), an out-of-memory error in any of its forms caught; the search for the
-largest micro-batch that fits, and the batch geometry that keeps a recipe's tokens per step. The
-probe (`tinygpt.fit.probe`) runs them."""
+"""Memory trials (one model and optimizer stepped at a micro-batch and context, the peak measured),
+the search for the largest micro-batch that fits, and the batch geometry; the probe runs them."""
 
 from __future__ import annotations
 
@@ -169,15 +167,11 @@ def batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[in
     accum = math.ceil(tokens_per_step / (largest * seq_len))
     # the smallest overshoot with this many steps
     micro = math.ceil(tokens_per_step / (accum * seq_len))
-    return (
-        micro,
-        accum,
-        (
-            f"the global batch is {micro * seq_len * accum} tokens per step instead "
-            f"of the recipe's {tokens_per_step}: no micro-batch near {largest} "
-            "divides it exactly"
-        ),
+    note = (
+        f"the global batch is {micro * seq_len * accum} tokens per step instead of the recipe's "
+        f"{tokens_per_step}: no micro-batch near {largest} divides it exactly"
     )
+    return micro, accum, note
 
 
 def sync(dev: torch.device) -> None:

@@ -178,9 +178,8 @@ class Progress(Callback):
         if now - self._last_line >= self.min_interval_s or m["step"] == t.max_steps:
             self._last_line = now
             of = f"/{t.max_steps}" if t.max_steps else ""
-            self.on_message(
-                f"training step {m['step']}{of}: " + ", ".join(f"{k} {v}" for k, v in post.items())
-            )
+            fields = ", ".join(f"{k} {v}" for k, v in post.items())
+            self.on_message(f"training step {m['step']}{of}: {fields}")
 
     def on_message(self, text: str) -> None:
         if self.bar is not None:

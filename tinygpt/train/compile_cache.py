@@ -183,10 +183,8 @@ def checked_artifacts(payload: bytes):
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return (
-            f"{torch.cuda.get_device_name(device)} "
-            f"sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-        )
+        sm = "".join(map(str, torch.cuda.get_device_capability(device)))
+        return f"{torch.cuda.get_device_name(device)} sm{sm}"
     return f"{device.type}-{platform.machine()}"
 
 
@@ -199,9 +197,8 @@ def describe(
     mode: str,
 ) -> dict:
     """What a compiled graph depends on: the cache is reused only when all of it is the same."""
-    shapes = hashlib.sha256(
-        repr([(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]).encode()
-    ).hexdigest()[:16]
+    params = [(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    shapes = hashlib.sha256(repr(params).encode()).hexdigest()[:16]
     return {
         "torch": torch.__version__,
         "device": device_name(device),
@@ -237,10 +234,9 @@ class CompileCache:
         except (OSError, ValueError):  # FileTooLarge and UnsafePathError are ValueErrors
             return f"{self.path.name} is unreadable: ignored, compiling from scratch"
         if header.get("what") != self.what:
+            theirs = header.get("what", {})
             diff = ", ".join(
-                f"{k} {header.get('what', {}).get(k)} vs {v}"
-                for k, v in self.what.items()
-                if header.get("what", {}).get(k) != v
+                f"{k} {theirs.get(k)} vs {v}" for k, v in self.what.items() if theirs.get(k) != v
             )
             return (
                 f"the compile cache is for another setup ({diff}): ignored, compiling from scratch"

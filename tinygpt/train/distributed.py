@@ -1,14 +1,10 @@
 """Several processes under `torchrun`: the process group, DDP or FSDP2, and the global batch.
 
-torchrun starts one process per GPU and tells each its RANK, WORLD_SIZE and LOCAL_RANK. The
-recipe's batch is the global one: with W processes each takes 1/W of every step (fewer
-accumulation micro-steps, or smaller micro-batches), and the sampler hands rank r its share of
-the same global order, so a run on W GPUs follows the single-GPU run step for step, and a
-checkpoint moves freely between world sizes. Checkpoints always hold the full, unsharded state
-in the single-process format (gathered to rank 0 under FSDP2); rank 0 writes them.
-
-The torch.distributed submodules (DDP, FSDP2, DTensor, distributed checkpoint) are imported inside
-the functions that use them: a single-process run, the common case in Colab, never loads them.
+The recipe's batch is the global one: with W processes each takes 1/W of every step, and the
+sampler hands rank r its share of the same global order, so a run on W GPUs follows the single-GPU
+run step for step. Checkpoints always hold the full state in the single-process format (gathered to
+rank 0 under FSDP2), so one moves freely between world sizes. The torch.distributed submodules are
+imported inside the functions that use them: a single-process run never loads them.
 """
 
 from __future__ import annotations
@@ -199,11 +195,8 @@ def wrap_model(
         compiled = torch.compile(model) if use_compile else model
         # The rope tables are buffers that never change: broadcasting them every forward is waste
         # (newer torch names the switch forward_sync_buffers and deprecates broadcast_buffers).
-        no_buffer_sync = (
-            {"forward_sync_buffers": False}
-            if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-            else {"broadcast_buffers": False}
-        )
+        newer = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+        no_buffer_sync = {"forward_sync_buffers" if newer else "broadcast_buffers": False}
         ddp = DDP(
             compiled,
             device_ids=[device.index] if device.type == "cuda" else None,

@@ -26,10 +26,7 @@ RESUMABLE_CHANGES = frozenset(
 
 
 def train_state_of(
-    ts: TrainStep,
-    optimizer_state: dict,
-    best_val_loss: float | None,
-    run_info: dict,
+    ts: TrainStep, optimizer_state: dict, best_val_loss: float | None, run_info: dict
 ) -> dict[str, Any]:
     """A checkpoint's state.pt: everything `load_train_state` needs to go on exactly, plus the
     training configuration and world size it was written with (`resume_refusal` reads them)."""

@@ -24,8 +24,7 @@ def compile_seconds() -> float:
 
 
 class StartupClock:
-    """Phases of a start-up, in the order marked: restore (from
-    the mirror), probe, tokenizer, data, model, first step."""
+    """Phases of a start-up, in the order marked (restore, probe, tokenizer, data, model, ...)."""
 
     def __init__(self) -> None:
         self.t0 = self.last = time.perf_counter()

@@ -88,11 +88,8 @@ class TimeBudget(Callback):
         t = time.perf_counter()
         trainer.save()
         save_s = time.perf_counter() - t
-        per_step = (
-            step_s
-            + (eval_s / cfg.eval_every if cfg.eval_every else 0)
-            + (save_s / cfg.save_every if cfg.save_every else 0)
-        )
+        per_step = step_s + (eval_s / cfg.eval_every if cfg.eval_every else 0)
+        per_step += save_s / cfg.save_every if cfg.save_every else 0
         spent = time.perf_counter() - self.t_from
         steps = steps_for(self.hours, spent, trainer.step, per_step, eval_s + save_s)
         if trainer.world_size > 1:

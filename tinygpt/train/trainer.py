@@ -340,13 +340,12 @@ class Trainer(TrainStep):
             m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
         if evaluated:
             self.val_loss = m["val_loss"] = self.evaluate()
-        expected = (
-            expected_final_loss(self.history + [m], self.max_steps, self.cfg.warmup_steps)
-            if self.max_steps is not None
-            else None
-        )
-        if expected is not None:
-            m["expected_final_loss"] = round(expected, 4)
+        if self.max_steps is not None:
+            expected = expected_final_loss(
+                self.history + [m], self.max_steps, self.cfg.warmup_steps
+            )
+            if expected is not None:
+                m["expected_final_loss"] = round(expected, 4)
         for cb in self.callbacks:
             cb.on_metrics(m)
         self.throughput.restart()
