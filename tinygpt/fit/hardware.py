@@ -102,7 +102,7 @@ def cpu_name() -> str:
 
 
 def cpu_cores() -> int:
-    """The cores this process may use: a Colab or container CPU quota is less than os.cpu_count()."""
+    """The cores this process may use (a Colab or container quota is less than os.cpu_count())."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
@@ -146,8 +146,7 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) 
 
 
 def gpu_class(name: str, major: int, total_gb: float) -> str:
-    """The hardware class of a CUDA GPU: the table's for a listed name; for an unlisted one, by
-    generation and memory."""
+    """A CUDA GPU's hardware class: the table's for a listed name, else by generation and memory."""
     hw = gpu_spec(name)[1]
     if hw is not None:
         return hw
@@ -161,8 +160,7 @@ def gpu_class(name: str, major: int, total_gb: float) -> str:
 
 
 def device_class(device: str | torch.device = "auto") -> str:
-    """The hardware class of a device: "cpu", "mps" or a GPU class (a key of
-    `core.gpu_classes.HARDWARE`)."""
+    """A device's hardware class: "cpu", "mps" or a GPU class (a key of gpu_classes.HARDWARE)."""
     dev = resolve_device(str(device))
     if dev.type != "cuda":
         return dev.type
@@ -211,13 +209,9 @@ def check_fits(
         return
 
     def est(n_layer: int) -> float:
+        m = dataclasses.replace(model, n_layer=n_layer)
         return estimate_memory(
-            dataclasses.replace(model, n_layer=n_layer),
-            micro_batch_size,
-            seq_len,
-            precision,
-            device_type=dev.type,
-            loss=loss,
+            m, micro_batch_size, seq_len, precision, device_type=dev.type, loss=loss
         ).total_gb
 
     one, per_layer = est(1), est(2) - est(1)

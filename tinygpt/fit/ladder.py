@@ -94,7 +94,7 @@ LAWS_FILE = "scaling_laws.json"  # beside this module, written by benchmarks/fit
 
 
 def fitted_laws() -> dict[str, ScalingLaw]:
-    """The laws benchmarks/fit_scaling.py fitted on tinygpt's own runs, by the recipe they ladder."""
+    """The laws benchmarks/fit_scaling.py fitted on tinygpt's runs, by the recipe they ladder."""
     with resources.as_file(resources.files("tinygpt.fit") / LAWS_FILE) as path:
         if not path.is_file():
             return {}
@@ -109,13 +109,13 @@ def fitted_laws() -> dict[str, ScalingLaw]:
 
 
 def law_for(recipe: Recipe) -> ScalingLaw:
-    """This recipe's own fitted law (its corpus and tokenizer) where there is one, else Chinchilla's."""
+    """This recipe's fitted law (its corpus and tokenizer) where there is one, else Chinchilla's."""
     return fitted_laws().get(recipe.name, CHINCHILLA)
 
 
 def effective_tokens(tokens: float, unique: float | None) -> float:
-    """Tokens seen as Muennighoff et al.'s effective data when a source of `unique` tokens is read more
-    than once: each repeat is worth less, and never more than REPEAT_HALF_LIFE epochs of it."""
+    """Tokens seen as Muennighoff et al.'s effective data when a source of `unique` tokens is read
+    more than once: each repeat is worth less, and never more than REPEAT_HALF_LIFE epochs of it."""
     if unique is None or tokens <= unique:
         return tokens
     repeats = tokens / unique - 1

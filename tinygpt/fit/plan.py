@@ -48,13 +48,13 @@ BUDGET_OVERHEAD = 0.1
 # optimizer steps timed per timed rung (after 2 of warm-up): the planner stays short
 PLAN_SPEED_STEPS = 4
 PLAN_WARMUP_STEPS = 2
-# the longest a rung's timing may take (`timing_limit`); a larger rung is scaled, never timed (on a CPU
-# a 12-hour budget keeps rungs of hundreds of millions of parameters, minutes per step)
+# the longest a rung's timing may take (`timing_limit`); a larger rung is scaled, never timed (on a
+# CPU a 12-hour budget keeps rungs of hundreds of millions of parameters, minutes per step)
 MAX_TIMING_S = 10.0
 TIMING_SHARE = 0.01
 MAX_TIMING_CAP_S = 60.0
-# the planner's whole time (`planning_limit`). The timings run eagerly and compile nothing: when each
-# compiled its rung, on an H100 a 1-hour plan ran past 200 s (docs/BENCHMARKS.md section 5)
+# the planner's whole time (`planning_limit`). The timings run eagerly and compile nothing: when
+# each compiled its rung, on an H100 a 1-hour plan ran past 200 s (docs/BENCHMARKS.md section 5)
 PLAN_TIME_SHARE = 0.02
 PLAN_TIME_MIN_S = 90.0
 PLAN_TIME_MAX_S = 300.0
@@ -119,7 +119,7 @@ def plan_size(
     tokens/s. The smallest rung is timed first and the rungs that would train fewer than MIN_STEPS
     steps are dropped; then `timed` rungs, up to the largest whose timing fits `timing_limit`; the
     rest are scaled by FLOPs per token. A scaled choice is timed and the choice made again, at most
-    CONFIRM_RUNGS times. No timing but the first begins past `planning_limit(hours)` (`may_time`)."""
+    CONFIRM_RUNGS times. No timing but the first begins past `planning_limit(hours)`."""
     start = clock()
     law = law or law_for(recipe)
     rungs = ladder(recipe, fits)
@@ -192,8 +192,7 @@ class RungSpeeds:
 def timeable_rungs(
     rungs: list[tuple[int, Recipe]], speeds: RungSpeeds, hours: float
 ) -> dict[int, Recipe]:
-    """The rungs timed already and those whose timing, by their FLOP-scaled speed, takes at most
-    `timing_limit(hours)`."""
+    """The rungs timed already and those whose FLOP-scaled timing fits `timing_limit(hours)`."""
     steps = PLAN_SPEED_STEPS + PLAN_WARMUP_STEPS
     return {
         d: r
@@ -262,8 +261,7 @@ FIX_PLAN = '; delete its "plan" entry, or use a new run folder (or another --mir
 
 
 def kept_plan(info: dict | None, where: str = RUN_JSON) -> dict | None:
-    """The plan a run folder's run.json keeps (a resumed run's size), checked to name a ladder rung
-    (`where`: the file, named in the refusal)."""
+    """The plan a run folder's run.json keeps, checked to name a ladder rung (`where`: the file)."""
     plan = (info or {}).get("plan")
     if plan is None:
         return None
@@ -364,8 +362,7 @@ def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
 
 
 def refuse_sized_base(init: str | None) -> None:
-    """`--size auto` with a base to continue (`--init`): refused in one line (the CLI asks before
-    reading the base)."""
+    """`--size auto` with a base to continue (`--init`), refused before the base is read."""
     if init:
         raise ConfigError(
             "--size auto chooses a new model's size; a continued base (--init) keeps its own: "

@@ -45,15 +45,13 @@ PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "preci
 
 
 class ProbeError(RuntimeError):
-    """Nothing fits, not even micro-batch 1 at the shortest context with activation
-    checkpointing."""
+    """Nothing fits, not even micro-batch 1 at the shortest context with checkpointing."""
 
 
 def requested_precision(
     recipe: Recipe, device_type: str, has_native_bf16: bool
 ) -> tuple[str, str | None]:
-    """A recipe's bf16 on a GPU that only emulates it (T4, V100) would be slow: let the probe
-    decide."""
+    """A recipe's bf16 on a GPU that emulates it (T4, V100) would be slow: the probe decides."""
     if recipe.train.precision == "bf16" and device_type == "cuda" and not has_native_bf16:
         return "auto", (
             f"recipe {recipe.name!r} asks for bf16, which this GPU only emulates: precision chosen "
@@ -147,8 +145,7 @@ def _fit_notes(recipe: Recipe, t: int, ckpt: bool, prec_note: str | None) -> lis
 
 
 class _Search:
-    """One probe's search: memory trials, then timings of the trainer's step, within one time
-    limit."""
+    """One probe's search: memory trials, then timings of the trainer's step, in one time limit."""
 
     def __init__(
         self,
@@ -177,8 +174,7 @@ class _Search:
         name: str,
         key: dict,
     ) -> ProbeResult:
-        """The largest fit (micro-batches up to `cap`), the fastest of them by `speed` (None: the
-        largest), confirmed by one more trial."""
+        """The largest fit up to `cap`, the fastest by `speed` (None: the largest), confirmed."""
         t, ckpt, largest = self.largest_fit(cap, min_seq_len)
         self.notes += _fit_notes(self.recipe, t, ckpt, prec_note)
         limit, loss = largest, self.recipe.train.loss
@@ -274,7 +270,7 @@ class _Search:
     def confirm(
         self, limit: int, loss: str, largest: int, t: int, ckpt: bool, name: str, key: dict
     ) -> ProbeResult:
-        """The chosen geometry confirmed by one more (warm) trial, whose peak is the one reported."""
+        """The chosen geometry confirmed by one more (warm) trial, whose peak is reported."""
         tokens_per_step = self.recipe.train.tokens_per_step
         while True:
             micro, accum, geometry_note = batch_geometry(limit, t, tokens_per_step)
@@ -329,8 +325,7 @@ def _speed_key(micro: int, loss: str) -> str:
 
 
 def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
-    """The recipe with the probe's micro-batch, context, accumulation, checkpointing, precision and
-    loss."""
+    """The recipe with the probe's decisions (PROBED_TRAIN_FIELDS, activation checkpointing)."""
     return recipe.replace(
         model={"activation_checkpointing": result.activation_checkpointing},
         train={k: getattr(result, k) for k in PROBED_TRAIN_FIELDS},
@@ -356,8 +351,7 @@ def fit_to_device(
 
 
 def _kept_choices(recipe: Recipe, old: dict, dev: torch.device) -> Recipe:
-    """`recipe` with the probed fields of the run's own run.json (`old`); a warning when it resumes on
-    another GPU than it was probed on."""
+    """`recipe` with the probed fields of its own run.json (`old`); a warning on another GPU."""
     r = old["recipe"]
     # (a CUDA device with no CUDA runtime is only a test's: there is no name to compare)
     on_gpu = dev.type == "cuda" and torch.cuda.is_available()

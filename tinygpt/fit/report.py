@@ -188,7 +188,7 @@ def _default_recipe(report: HardwareReport, hours: float | None) -> str:
 
 
 def _estimate(rec: Recipe, report: HardwareReport) -> MemoryEstimate:
-    """The memory estimate at the recipe's micro-batch and context, in the precision it takes here."""
+    """The estimate at the recipe's micro-batch and context, in the precision it takes here."""
     requested, _ = requested_precision(rec, report.device, report.native_bf16)
     prec = report.precision if requested == "auto" else requested
     t = rec.train

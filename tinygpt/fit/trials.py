@@ -49,8 +49,7 @@ def is_allocation_failure(e: BaseException) -> bool:
 
 
 class TrialRunner:
-    """One model and optimizer shared by every trial: rebuilding a 760M model per trial would
-    dominate."""
+    """One model and optimizer for every trial: rebuilding a 760M model per trial would dominate."""
 
     def __init__(
         self,
@@ -84,8 +83,7 @@ class TrialRunner:
         )
 
     def _step(self, b: int, t: int) -> float:
-        """One optimizer step at full length, then one evaluation forward; returns the step's
-        seconds."""
+        """One optimizer step at full length, then one evaluation forward; the step's seconds."""
         m, v = self.model, self.model.config.vocab_size
         x, y = (torch.randint(v, (b, t), device=self.device) for _ in range(2))
         loss_mode = resolve_loss(self.loss, b * t, v, self.device)
@@ -142,8 +140,7 @@ class TrialRunner:
 
 
 def largest_fit(fits: Callable[[int], bool], cap: int, out_of_time: Callable[[], bool]) -> int:
-    """Double from 1 until a failure (or cap), then bisect between the last fit and the first
-    failure."""
+    """Double from 1 until a failure (or cap), then bisect between the last fit and the failure."""
     ok, bad, b = 0, cap + 1, 1
     while ok < cap and not (ok and out_of_time()):
         if not fits(b):
@@ -157,8 +154,8 @@ def largest_fit(fits: Callable[[int], bool], cap: int, out_of_time: Callable[[],
 
 
 def batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[int, int, str | None]:
-    """(micro_batch, grad_accum, note): a divisor of the recipe's sequences per step keeps its global
-    batch exact; if the best divisor wastes over half the memory, keep the micro-batch, said so."""
+    """(micro_batch, grad_accum, note): a divisor of the recipe's sequences per step keeps its
+    global batch exact; if the best divisor wastes over half the memory, keep the micro-batch."""
     if tokens_per_step % seq_len == 0:
         seqs = tokens_per_step // seq_len
         d = max(x for x in range(1, min(largest, seqs) + 1) if seqs % x == 0)

@@ -223,13 +223,11 @@ def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = 
     records = run.metrics()
     loss = next((m["loss"] for m in reversed(records) if m.get("loss") is not None), None)
     val = next((m["val_loss"] for m in reversed(records) if m.get("val_loss") is not None), None)
-    figures = ", ".join(
-        f"{k} {v:.4g}" for k, v in (("loss", loss), ("val_loss", val)) if v is not None
+    figures = "".join(
+        f", {k} {v:.4g}" for k, v in (("loss", loss), ("val_loss", val)) if v is not None
     )
     return (
-        f"run {run_dir} is complete: step {step} of {max_steps}"
-        + (f", {figures}" if figures else "")
-        + f"; checkpoint {last}. To train longer: the same command with --max-steps "
-        f"{2 * max_steps} "
-        "(the learning-rate schedule is recomputed for the new end)"
+        f"run {run_dir} is complete: step {step} of {max_steps}{figures}; checkpoint {last}. To "
+        f"train longer: the same command with --max-steps {2 * max_steps} (the learning-rate "
+        "schedule is recomputed for the new end)"
     )

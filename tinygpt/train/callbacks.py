@@ -211,7 +211,7 @@ def _in_notebook() -> bool:
 
 class StartupReport(Callback):
     """After the first step of this process: keep the compiler's work for the next VM (the compile
-    cache, loaded before the first step), record where start-up went in metrics.jsonl, and say it."""
+    cache, loaded before the first step), record where start-up went in metrics.jsonl, say it."""
 
     def __init__(self, clock: StartupClock | None, compile_cache: CompileCache | None = None):
         self.clock, self.compile_cache, self.done = clock, compile_cache, False

@@ -71,8 +71,7 @@ def _new_key_file(path: Path) -> bytes | None:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """`data` in a new file only this user may read (never
-    through a link); removed again if the write fails."""
+    """`data` in a new private file (never through a link); removed again if the write fails."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -223,7 +222,7 @@ class CompileCache:
         ).hexdigest()
 
     def load(self) -> str | None:
-        """Load the artifacts if they are ours and for this setup; a one-line note of what happened."""
+        """Load the artifacts if ours and for this setup; a one-line note of what happened."""
         if self.key is None:
             return self.key_note
         if not self.path.is_file() or self.path.is_symlink():
@@ -271,7 +270,7 @@ class CompileCache:
         return f"compile cache loaded ({len(payload) / 1e6:.1f} MB)"
 
     def save(self) -> int:
-        """Write this process's artifacts; their size in bytes (0 if there were none or it failed)."""
+        """Write this process's artifacts; their size in bytes (0: none, or it failed)."""
         if self.key is None:
             return 0
         try:

@@ -276,7 +276,7 @@ def _full_options(**kw):
 
 
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """For each optimizer group, the parameter names in order (a tied matrix under its first name)."""
+    """Each optimizer group's parameter names in order (a tied matrix under its first name)."""
     names = {}
     for n, p in model.named_parameters():
         names.setdefault(id(p), n)
@@ -352,7 +352,7 @@ _PEER_HINTS += ("nccl", "gloo")
 
 
 def is_peer_failure(e: BaseException) -> bool:
-    """Whether an exception looks like a collective that lost its peers (dead, hung, unreachable)."""
+    """Whether an error looks like a collective that lost its peers (dead, hung, unreachable)."""
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _PEER_HINTS)

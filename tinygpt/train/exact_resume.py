@@ -17,8 +17,8 @@ from tinygpt.core.same_settings import config_differences
 from tinygpt.train import distributed as dist_
 from tinygpt.train.step import TrainStep
 
-# Fields that may change between a run and its resumption (how long it runs, what it logs, evaluates,
-# saves and samples on the way, and how its steps are run); any other difference is refused.
+# Fields that may change between a run and its resumption (how long it runs, what it logs,
+# evaluates, saves and samples, and how its steps are run); any other difference is refused.
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every"}
     | {"eval_batches", "compile", "device", "loss"}
@@ -64,8 +64,7 @@ def resume_refusal(path: Path, state: dict, cfg: TrainConfig) -> str | None:
 
 
 def load_train_state(ts: TrainStep, model_sd: dict, state: dict, load_state_fn: Callable) -> None:
-    """Bring back a checkpoint that `resume_refusal` accepted: the weights, the optimizer, the
-    scaler, the sampler's position, every RNG and the step."""
+    """Bring back a checkpoint `resume_refusal` accepted (weights, optimizer, sampler, RNGs...)."""
     # What exact resume needs, each for its reason: the weights and the optimizer's moments (the
     # next update), the fp16 scaler's scale (the next step's overflow check), the sampler's
     # position (the next batch: the order itself follows from the seed, see WindowSampler), and

@@ -261,7 +261,7 @@ def rate_groups(
 ) -> list[dict]:
     """AdamW's decayed matrices as groups: one at lr, or, where `embed_lr_scale` or `head_lr_scale`
     differ from 1, the input embedding and the head (untied; a tied matrix is the embedding) each in
-    a `scaled_group` of its own. Default rates keep the one group, so checkpoints keep their layout."""
+    a `scaled_group` of its own. Default rates keep one group, so checkpoints keep their layout."""
     scales = {"embed": cfg.embed_lr_scale, "lm_head": cfg.head_lr_scale}
     if all(s == 1.0 for s in scales.values()):
         scales = {}

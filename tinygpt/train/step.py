@@ -1,6 +1,6 @@
-"""One optimizer step (`TrainStep`) and what it needs: the model compiled (whole, or block by block),
-the batch source, the learning-rate schedule. The probe and the benchmarks time it; the Trainer
-(`tinygpt.train.trainer`) runs it.
+"""One optimizer step (`TrainStep`) and what it needs: the model compiled (whole, or block by
+block), the batch source, the learning-rate schedule. The probe and the benchmarks time it; the
+Trainer (`tinygpt.train.trainer`) runs it.
 """
 
 from __future__ import annotations
@@ -78,8 +78,7 @@ def regional_loss(
     reduction: str = "sum",
     mask=None,
 ) -> torch.Tensor:
-    """`default_loss` with the head and the loss compiled as one region of their own; the embedding
-    and the blocks as `compiled` left them."""
+    """`default_loss` with the head and the loss compiled as one region of their own."""
     return _head_and_loss()(model.lm_head, model.hidden_states(x, mask=mask), y, reduction, loss)
 
 
@@ -92,8 +91,7 @@ def eager():
 
 
 class BatchSource(Protocol):
-    """Batches are (x, y) or (x, y, *extra): extra tensors (e.g. position ids of packed records) go
-    to `loss_fn` after y."""
+    """Batches are (x, y, *extra): extra tensors (packed records' position ids) go to `loss_fn`."""
 
     def next_batch(
         self, batch_size: int, rank: int = 0, world_size: int = 1
@@ -115,8 +113,7 @@ class ModelIO:
 
 @dataclass
 class StepResult:
-    """What one optimizer step leaves on the device for the actions after it (nothing is read back
-    yet)."""
+    """What one optimizer step leaves on the device for the actions after it (not read back yet)."""
 
     lr: float
     loss_sum: torch.Tensor  # summed token loss of the step (this rank's, until reduced)
@@ -212,8 +209,7 @@ class TrainStep:
             self.eval_model = self.model
 
     def optimizer_step(self) -> StepResult:
-        """One optimizer step over `grad_accum_steps` micro-batches. Nothing is read back from the
-        device."""
+        """One optimizer step over `grad_accum_steps` micro-batches; nothing is read back."""
         lr = lr_at(self.step, self.cfg, self.max_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)

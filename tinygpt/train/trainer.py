@@ -41,8 +41,7 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class TrainData:
-    """What a run trains on: an endless, resumable source of batches, and fixed validation
-    batches."""
+    """What a run trains on: an endless, resumable batch source and fixed validation batches."""
 
     train: BatchSource
     val: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
@@ -63,8 +62,7 @@ class TrainResult:
 
 
 class Throughput:
-    """Tokens per second over the steps since the last log (the first step, with its compile, not
-    counted)."""
+    """Tokens per second over the steps since the last log (not the first, with its compile)."""
 
     def __init__(self) -> None:
         self.restart()
@@ -209,8 +207,8 @@ class Trainer(TrainStep):
             self.save(best=True)
 
     def restore(self, resume: str) -> int | None:
-        """Exact resume from the newest valid checkpoint (or the one named): the run goes on as if it
-        had never stopped. The step restored from, or None."""
+        """Exact resume from the newest valid checkpoint (or the one named): the run goes on as if
+        it had never stopped. The step restored from, or None."""
         if resume == "auto":
             # hashes it: no second check on load
             self.last_saved = ckpt.latest_valid(self.ckpt_root)
@@ -238,8 +236,7 @@ class Trainer(TrainStep):
         return resumed_from
 
     def say(self, text: str) -> None:
-        """A line for the person watching (the progress callback prints it; a quiet run does
-        not)."""
+        """A line for the person watching (the progress callback prints it)."""
         for cb in self.callbacks:
             cb.on_message(text)
 
@@ -285,8 +282,7 @@ class Trainer(TrainStep):
         return train_state_of(self, optimizer_state, self.best_val_loss, self.run_info)
 
     def save(self, best: bool = False) -> Path | None:
-        """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is
-        collective)."""
+        """A checkpoint written on rank 0 (every rank calls this: FSDP2 gathers collectively)."""
         model_sd, optimizer_sd = dist_.gather_state(
             self.model, self.optimizer, self.state_fn, self.rank
         )
@@ -394,8 +390,8 @@ class Trainer(TrainStep):
         )
 
     def _where_to_resume(self, then: str) -> str:
-        """The end of a failure's message: `then` (what to do) resumes from the last good checkpoint,
-        or, with none saved yet, starts the run again from step 0 (never "checkpoint None")."""
+        """The end of a failure's message: `then` (what to do) resumes from the last good
+        checkpoint, or, with none saved yet, starts the run again from step 0."""
         last = self.last_saved or ckpt.latest_valid(self.ckpt_root)
         if last is None:
             return f"No checkpoint was saved yet: {then} to start again from step 0"
