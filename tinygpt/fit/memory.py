@@ -71,31 +71,22 @@ class MemoryEstimate:
             "expand": ", keys/values repeated to the query heads",
             "math": ", a T x T attention matrix per head (math kernel)",
         }.get(self.attention, "")
-        loss = (
-            f"chunks of {self.loss_chunk_rows} rows of logits + head gradients"
-            if self.loss_chunk_rows
-            else f"{tok} x vocab x 12 B (fp32 log-probs + 2 gradients)"
-        )
+        loss = f"{tok} x vocab x 12 B (fp32 log-probs + 2 gradients)"
+        if self.loss_chunk_rows:
+            loss = f"chunks of {self.loss_chunk_rows} rows of logits + head gradients"
+        copies = f"matmul weights in {self.precision} (autocast)"
+        if self.precision == "fp32":
+            copies = "none: fp32 matmuls use the master weights"
+        context = "CUDA context + " if self.device_type == "cuda" else ""
         return [
             ("part", "GB", "how"),
             ("parameters", f"{self.params_gb:.2f}", f"{n} x 4 B (fp32 master weights)"),
             ("gradients", f"{self.grads_gb:.2f}", f"{n} x 4 B"),
             ("AdamW states", f"{self.optimizer_gb:.2f}", f"{n} x 2 x 4 B"),
-            (
-                "weight copies",
-                f"{self.weight_copies_gb:.2f}",
-                "none: fp32 matmuls use the master weights"
-                if self.precision == "fp32"
-                else f"matmul weights in {self.precision} (autocast)",
-            ),
+            ("weight copies", f"{self.weight_copies_gb:.2f}", copies),
             ("activations", f"{self.activations_gb:.2f}", f"{tok}, {ckpt}, {self.precision}"),
             ("loss (logits)", f"{self.loss_gb:.2f}", loss),
-            (
-                "overhead",
-                f"{self.overhead_gb:.2f}",
-                ("CUDA context + " if self.device_type == "cuda" else "")
-                + "allocator fragmentation",
-            ),
+            ("overhead", f"{self.overhead_gb:.2f}", f"{context}allocator fragmentation"),
             ("total", f"{self.total_gb:.2f}", ""),
         ]
 

@@ -161,8 +161,7 @@ def plan_size(
 
 
 class RungSpeeds:
-    """The rungs' tokens/s while planning: those timed by `speed` (`measured`), the others scaled by
-    FLOPs per token (`flops`) from the nearest timed one."""
+    """Each rung's tokens/s: timed by `speed` (`measured`), else FLOP-scaled from the nearest."""
 
     def __init__(
         self,
@@ -207,8 +206,7 @@ def planning_limit(hours: float) -> float:
 
 
 def may_time(spent: float, costs: list[float], limit: float) -> bool:
-    """Whether another timing may begin: the first always; later ones while the time `spent` plus
-    the longest timing so far (`costs`) stays within `limit`."""
+    """Whether a timing may begin: the first always, others while spent + max(costs) <= limit."""
     return not costs or spent + max(costs) <= limit
 
 
@@ -373,8 +371,7 @@ def refuse_sized_base(init: str | None) -> None:
 def choose_size(
     recipe: Recipe, hours: float, dev: torch.device, kept: dict | None, began: dict | None = None
 ) -> tuple[Recipe, SizePlan | dict]:
-    """`--size auto`: the run's kept plan, else a new plan on this device. `began` is the recipe the
-    run began with (run.json's; `resumed_at` says what it may keep)."""
+    """`--size auto`: the kept plan, else a new one here (`began`: the run's first recipe)."""
     if kept is not None:
         return resumed_at(recipe, kept, began), kept
     refuse_sized_base(recipe.model.init)

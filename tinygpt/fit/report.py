@@ -317,11 +317,8 @@ class PlanReport(Callback):
     def on_step(self, trainer: Any) -> None:
         if self.told or isinstance(self.plan, dict) or not trainer.step_s or not trainer.max_steps:
             return
-        note = shortfall_note(
-            self.plan,
-            trainer.max_steps * trainer.cfg.tokens_per_step,
-            trainer.cfg.tokens_per_step / trainer.step_s,
-        )
+        per_step = trainer.cfg.tokens_per_step
+        note = shortfall_note(self.plan, trainer.max_steps * per_step, per_step / trainer.step_s)
         if note:
             trainer.say(note)
             self.told = True

@@ -41,25 +41,19 @@ def trainer_speed(
     device: str | torch.device = "auto",
     steps: int = SPEED_STEPS,
     warmup: int = SPEED_WARMUP,
-    compiled: bool = False,
 ) -> float:
     """Tokens/s of the trainer's own optimizer step for this recipe, the median of `steps` after
-    `warmup`, eagerly (a compile per timing cost more than the timings; `compiled`: as the recipe
-    compiles, for the benchmarks). Nothing is written: the trainer is stepped, never fitted."""
+    `warmup`, eagerly (a compile per timing cost more than the timings). Nothing is written: the
+    trainer is stepped, never fitted."""
     dev = resolve_device(str(device))
-    t = dataclasses.replace(
-        recipe.train, device=str(dev), **({} if compiled else {"compile": "off"})
-    )
+    t = dataclasses.replace(recipe.train, device=str(dev), compile="off")
     times = []
     try:
         # the caller's RNG stays as it was
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(0)
-            step = TrainStep(
-                GPT(dataclasses.replace(recipe.model)),
-                t,
-                RandomBatches(recipe.model.vocab_size, t.seq_len),
-            )
+            batches = RandomBatches(recipe.model.vocab_size, t.seq_len)
+            step = TrainStep(GPT(dataclasses.replace(recipe.model)), t, batches)
             for _ in range(warmup + steps):
                 sync(dev)
                 t0 = time.perf_counter()

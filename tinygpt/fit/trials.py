@@ -75,12 +75,9 @@ class TrialRunner:
             p.grad = torch.zeros_like(p)
         self.opt.step()
         held = list(self.model.parameters()) + [p.grad for p in self.model.parameters()]
-        held += [
-            t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-        ]
-        self.held_bytes = sum(
-            {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values()
-        )
+        held += [t for s in self.opt.state.values() for t in s.values()]
+        storages = {t.untyped_storage() for t in held if isinstance(t, torch.Tensor)}
+        self.held_bytes = sum(s.nbytes() for s in storages)
 
     def _step(self, b: int, t: int) -> float:
         """One optimizer step at full length, then one evaluation forward; the step's seconds."""

@@ -166,9 +166,8 @@ def extend(
             f"the learning rate began its decay at step {start}: this run ends at step "
             f"{budget.max_steps} as budgeted for {budget.hours:g} h; for more, start a new run"
         )
-    steps = max(
-        step + 1, budget.max_steps + math.floor((hours - budget.hours) * 3600 / budget.step_s)
-    )
+    more = math.floor((hours - budget.hours) * 3600 / budget.step_s)
+    steps = max(step + 1, budget.max_steps + more)
     new = Budget(hours, steps, budget.decided_at_step, budget.step_s, budget.decided_at)
     return new, f"budget {budget.hours:g} h -> {hours:g} h: {budget.max_steps} -> {steps} steps"
 

@@ -105,15 +105,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(s: dict[str, Any]) -> None:
     py, npy = s["python"], s["numpy"]
     random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    np.random.set_state(
-        (
-            npy["kind"],
-            npy["keys"].numpy().astype(np.uint32),
-            npy["pos"],
-            npy["has_gauss"],
-            npy["cached"],
-        )
-    )
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached"]))
     torch.set_rng_state(s["torch"])
     if "cuda" in s and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])

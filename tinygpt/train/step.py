@@ -57,10 +57,10 @@ def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     the loss a second region (`regional_loss`); otherwise the whole model, as one graph."""
     blocks = transformer_blocks(model) if regional(model, mode) else None
     if blocks is not None:
+        # a tinygpt GPT's blocks as whole graphs of static shapes: a graph break is an error
+        strict = {"fullgraph": True, "dynamic": False} if isinstance(model, GPT) else {}
         for block in blocks:
-            block.compile(
-                **({"fullgraph": True, "dynamic": False} if isinstance(model, GPT) else {})
-            )
+            block.compile(**strict)
         return model
     return torch.compile(model)
 
@@ -177,13 +177,8 @@ class TrainStep:
         self.use_compile = cfg.compile in ("on", "regional") or (
             cfg.compile == "auto" and self.device.type == "cuda"
         )
-        by_region = (
-            io.loss_fn is None
-            and ranks.world_size == 1
-            and isinstance(model, GPT)
-            and self.use_compile
-            and regional(model, cfg.compile)
-        )
+        plain = io.loss_fn is None and ranks.world_size == 1 and isinstance(model, GPT)
+        by_region = plain and self.use_compile and regional(model, cfg.compile)
         self.loss_fn = io.loss_fn or functools.partial(
             regional_loss if by_region else default_loss, loss=self.loss_mode
         )

@@ -200,9 +200,8 @@ class Trainer(TrainStep):
 
     def _keep_best(self) -> None:
         """Save best/ when the validation loss just measured is the lowest yet."""
-        if self.val_loss is not None and (
-            self.best_val_loss is None or self.val_loss < self.best_val_loss
-        ):
+        best = self.best_val_loss
+        if self.val_loss is not None and (best is None or self.val_loss < best):
             self.best_val_loss = self.val_loss
             self.save(best=True)
 
