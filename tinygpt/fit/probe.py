@@ -345,7 +345,6 @@ def fit_to_device(
         return _kept_choices(recipe, old, dev), old["probe"]
     if dev.type != "cuda" or world_size > 1:
         return recipe, None
-
     result = probe(recipe, device=dev, run_dir=run_dir)
     return apply_probe(recipe, result), result.to_dict()
 

@@ -91,18 +91,9 @@ def expectations(
     else:
         tps, tps_src = None, "unknown on this device"
     fits = None if report.total_memory_gb is None else peak <= report.total_memory_gb
-    budget = recipe.token_budget
-    return Expectations(
-        recipe.name,
-        peak,
-        mem_src,
-        fits,
-        tps,
-        tps_src,
-        tps and mfu(tps, fpt, report.peak_tflops),
-        budget,
-        budget / tps if tps else None,
-    )
+    budget, utilisation = recipe.token_budget, tps and mfu(tps, fpt, report.peak_tflops)
+    finish = budget / tps if tps else None
+    return Expectations(recipe.name, peak, mem_src, fits, tps, tps_src, utilisation, budget, finish)
 
 
 @dataclass
@@ -235,20 +226,19 @@ def _search_lines(result: ProbeResult) -> list[str]:
 def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:
     """The plan as rows: a header, then one per candidate, the choice marked."""
     rows = [("size", "params", "tokens/s", "tokens", "tokens/param", "epochs", "pred. loss", "")]
-    for c in plan.candidates:
-        rows.append(
-            (
-                c.size,
-                count(c.params),
-                f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
-                count(c.tokens),
-                _per_param(c.tokens_per_param),
-                "-" if c.epochs is None else f"{c.epochs:.1f}",
-                f"{c.predicted_loss:.3f}",
-                "<- chosen" if c.chosen else "",
-            )
+    return rows + [
+        (
+            c.size,
+            count(c.params),
+            f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
+            count(c.tokens),
+            _per_param(c.tokens_per_param),
+            "-" if c.epochs is None else f"{c.epochs:.1f}",
+            f"{c.predicted_loss:.3f}",
+            "<- chosen" if c.chosen else "",
         )
-    return rows
+        for c in plan.candidates
+    ]
 
 
 def plan_note(plan: SizePlan) -> str:

@@ -217,9 +217,8 @@ class CompileCache:
         self.what, self.key_note = what, key_note
 
     def _sign(self, payload: bytes) -> str:
-        return hmac.new(
-            self.key, json.dumps(self.what, sort_keys=True).encode() + payload, "sha256"
-        ).hexdigest()
+        what = json.dumps(self.what, sort_keys=True).encode()
+        return hmac.new(self.key, what + payload, "sha256").hexdigest()
 
     def load(self) -> str | None:
         """Load the artifacts if ours and for this setup; a one-line note of what happened."""

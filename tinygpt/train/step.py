@@ -251,12 +251,10 @@ class TrainStep:
 
 
 def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> float:
-    """Linear warmup over warmup_steps, then, for every schedule, a way down to min_lr that the
-    last step run (max_steps - 1) takes at min_lr: "cosine" a half cosine from the end of the
-    warmup, "wsd" lr held until the last decay_fraction of the steps, then a straight line.
-    `max_steps`: the run's length where it is not the recipe's (a time budget decides it), None
-    while undecided: until the decay, wsd's rate does not depend on it, so a budget may decide it
-    late."""
+    """Linear warmup over warmup_steps, then down to min_lr, reached at the last step run
+    (max_steps - 1): "cosine" a half cosine from the end of the warmup, "wsd" lr held until the
+    last decay_fraction of the steps, then a straight line. `max_steps`: the run's length where a
+    time budget decides it, None while undecided (until the decay, wsd's rate does not need it)."""
     n = cfg.max_steps if max_steps == "recipe" else max_steps
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps

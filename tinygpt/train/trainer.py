@@ -292,13 +292,9 @@ class Trainer(TrainStep):
         # never into a folder that replaced the one this run locked
         RunDir(self.run_dir).check_held()
         path = RunDir(self.run_dir).best if best else self.ckpt_root / ckpt.step_name(self.step)
+        meta = {"kind": BEST if best else "step", "val_loss": self.best_val_loss}
         try:
-            ckpt.save_checkpoint(
-                path,
-                model_sd,
-                self.train_state(optimizer_sd),
-                {"kind": BEST if best else "step", "val_loss": self.best_val_loss},
-            )
+            ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd), meta)
         # torch.save and safetensors report a full disk as their own errors, not OSError
         except Exception as e:
             # a full disk or a lost mount: the half-written folder is gone already (atomic_output)
@@ -368,21 +364,17 @@ class Trainer(TrainStep):
         """Under torchrun, a dead or hung peer becomes one message that says how to resume."""
         if self.world_size > 1 and not isinstance(e, TrainingError) and dist_.is_peer_failure(e):
             raise TrainingError(
-                f"process {self.rank} of {self.world_size} lost its peers at step "
-                f"{self.step} ({type(e).__name__}: {str(e)[:160]}...): another "
-                "process of this job died or hung (torchrun's report names it). "
+                f"process {self.rank} of {self.world_size} lost its peers at step {self.step} "
+                f"({type(e).__name__}: {str(e)[:160]}...): another process of this job died or "
+                "hung (torchrun's report names it). "
                 + self._where_to_resume("run the same command again, with any number of processes")
             ) from e
 
     def _write_failed(self, what: str, e: BaseException) -> TrainingError:
-        disk_full = getattr(e, "errno", None) == errno.ENOSPC or any(
-            m in str(e) for m in _DISK_FULL
-        )
-        why = (
-            f"the disk is full ({os.strerror(errno.ENOSPC)})"
-            if disk_full
-            else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        )
+        text = str(e)
+        why = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+        if getattr(e, "errno", None) == errno.ENOSPC or any(m in text for m in _DISK_FULL):
+            why = f"the disk is full ({os.strerror(errno.ENOSPC)})"
         return TrainingError(
             f"could not write {what} at step {self.step}: {why}. "
             + self._where_to_resume("free some disk space and run the same command again")
@@ -409,15 +401,13 @@ class Trainer(TrainStep):
         # a first try that saved nothing leaves nothing behind: the same folder takes new settings
         if last is None:
             raise TrainingError(
-                f"the {what} became {value} at step {self.step}, before any "
-                f"checkpoint was saved: run again with {change}; it starts from "
-                "step 0"
+                f"the {what} became {value} at step {self.step}, before any checkpoint was saved: "
+                f"run again with {change}; it starts from step 0"
             )
         # the rate and the precision are part of a run's configuration: a run folder with
         # checkpoints keeps its own
         raise TrainingError(
-            f"the {what} became {value} at step {self.step}; nothing was saved "
-            f"after it. The last good checkpoint is {last}. Train with {change} in "
-            "a new run folder (--run-dir): this one keeps the settings it began "
-            "with"
+            f"the {what} became {value} at step {self.step}; nothing was saved after it. The last "
+            f"good checkpoint is {last}. Train with {change} in a new run folder (--run-dir): this "
+            "one keeps the settings it began with"
         )
