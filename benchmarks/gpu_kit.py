@@ -667,6 +667,35 @@ def with_ratios(rows: list[dict], base: str) -> list[dict]:
     return rows
 
 
+def compiled_trainer_speed(recipe, device, steps: int = 2, warmup: int = 1) -> float:
+    """Tokens/s of the trainer's own step as the recipe compiles it, the median of `steps` after
+    `warmup`: `tinygpt.fit.step_speed.trainer_speed`'s timing, which the probe runs eagerly."""
+    import torch
+
+    from tinygpt.fit.step_speed import RandomBatches
+    from tinygpt.fit.trials import sync
+    from tinygpt.model.gpt import GPT
+    from tinygpt.train.step import TrainStep
+
+    train = dataclasses.replace(recipe.train, device=str(device))
+    times = []
+    try:
+        torch.manual_seed(0)
+        batches = RandomBatches(recipe.model.vocab_size, train.seq_len)
+        step = TrainStep(GPT(dataclasses.replace(recipe.model)), train, batches)
+        for _ in range(warmup + steps):
+            sync(step.device)
+            t0 = time.perf_counter()
+            step.optimizer_step()
+            sync(step.device)
+            times.append(time.perf_counter() - t0)
+        del step
+    finally:  # an out-of-memory error included: the memory goes
+        free(torch.device(device))
+    timed = sorted(times[warmup:])
+    return train.tokens_per_step / timed[len(timed) // 2]
+
+
 def step_pretrain(ctx: Ctx) -> dict:
     import torch
     from gpu_pretrain import peak_tflops
@@ -681,12 +710,11 @@ def step_pretrain(ctx: Ctx) -> dict:
     for r in rows:
         if tiny is not None and r is not tiny and "tokens_per_s" in r:
             r["tinygpt_x"] = tiny["tokens_per_s"] / r["tokens_per_s"]
-    # the trainer's own step (tinygpt.fit.step_speed.trainer_speed) as a user's run takes it: the recipe's loss,
+    # the trainer's own step (compiled_trainer_speed) as a user's run takes it: the recipe's loss,
     # accumulation and optimizer at the probe's micro-batch
     trainer = None
     if not ctx.smoke and ctx.left() > 25:
         from tinygpt.core.recipes import get_recipe
-        from tinygpt.fit.step_speed import trainer_speed
         from tinygpt.model.gpt import meta_model
 
         probe = ctx.results.get("probe", {}).get("figures") or {}
@@ -700,7 +728,7 @@ def step_pretrain(ctx: Ctx) -> dict:
         )
         try:
             torch.cuda.reset_peak_memory_stats(device)
-            tps = trainer_speed(recipe, device, steps=2, warmup=1, compiled=True)
+            tps = compiled_trainer_speed(recipe, device)
             peak, _ = peak_tflops(device, prec.name)
             flops = meta_model(recipe.model).flops_per_token(recipe.train.seq_len)
             trainer = {

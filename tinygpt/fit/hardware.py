@@ -1,7 +1,6 @@
-"""What this machine is: the GPU table (peak TFLOP/s, hardware class), RAM
-and cores, and the one rule that puts a device into a hardware class. The
-probe, the recipes' defaults, MFU and the finetuning recipes all ask here.
-"GB" is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
+"""What this machine is: the GPU table (peak TFLOP/s, hardware class), RAM and cores, and the one
+rule that puts a device into a hardware class. The probe, the recipes' defaults, MFU and the
+finetuning recipes all ask here. "GB" is GiB (2**30 bytes), as Colab and nvidia-smi count it.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.precision import choose_precision, native_bf16, resolve_device
 from tinygpt.fit.memory import GB, estimate_memory
 
-# (name as it appears in torch.cuda.get_device_name, peak dense bf16/fp16
-# tensor TFLOP/s, hardware class), every class's GPUs, longest name first:
-# "H100 PCIe" is tried before "H100". A name matches as a whole word.
+# (name as in torch.cuda.get_device_name, peak dense bf16/fp16 tensor TFLOP/s, hardware class),
+# every class's GPUs, longest name first ("H100 PCIe" before "H100"); a name matches as a whole word
 GPU_TABLE: list[tuple[str, float, str]] = sorted(
     ((gpu, tflops, c.name) for c in HARDWARE.values() for gpu, tflops in c.gpus),
     key=lambda row: -len(row[0]),
@@ -31,8 +29,7 @@ GPU_TABLE: list[tuple[str, float, str]] = sorted(
 
 
 def gpu_spec(name: str) -> tuple[float | None, str | None]:
-    """(peak dense bf16/fp16 TFLOP/s, hardware class) for
-    a CUDA device name, or (None, None) if unknown."""
+    """(peak dense bf16/fp16 TFLOP/s, hardware class) for a CUDA device name, or (None, None)."""
     for key, tflops, hw in GPU_TABLE:
         if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.IGNORECASE):
             return tflops, hw
@@ -65,9 +62,8 @@ class HardwareReport:
     native_bf16: bool
     peak_tflops: float | None
     cpu_cores: int
-    hardware_class: (
-        str  # a key of core.gpu_classes.HARDWARE (or the device type of an unlisted one)
-    )
+    # a key of core.gpu_classes.HARDWARE (or the device type of an unlisted one)
+    hardware_class: str
     default_recipe: str
     precision: str
     precision_reason: str
@@ -106,10 +102,10 @@ def cpu_name() -> str:
 
 
 def cpu_cores() -> int:
-    # The cores this process may use: a Colab or container CPU quota is smaller than os.cpu_count().
-    return (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    )
+    """The cores this process may use (a Colab or container quota is less than os.cpu_count())."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def hardware_report(device: str | torch.device = "auto") -> HardwareReport:
@@ -150,27 +146,21 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) 
 
 
 def gpu_class(name: str, major: int, total_gb: float) -> str:
-    """The hardware class of a CUDA GPU: the table's for a listed name; for an unlisted one, by
-    generation and memory."""
+    """A CUDA GPU's hardware class: the table's for a listed name, else by generation and memory."""
     hw = gpu_spec(name)[1]
     if hw is not None:
         return hw
-    return (
-        "t4"
-        if major < 8
-        else "h200"
-        if total_gb >= 120
-        else "h100"
-        if total_gb >= 70 and major >= 9
-        else "a100"
-        if total_gb >= 38
-        else "l4"
-    )
+    if major < 8:
+        return "t4"
+    if total_gb >= 120:
+        return "h200"
+    if total_gb >= 70 and major >= 9:
+        return "h100"
+    return "a100" if total_gb >= 38 else "l4"
 
 
 def device_class(device: str | torch.device = "auto") -> str:
-    """The hardware class of a device: "cpu", "mps" or a GPU class (a key of
-    `core.gpu_classes.HARDWARE`)."""
+    """A device's hardware class: "cpu", "mps" or a GPU class (a key of gpu_classes.HARDWARE)."""
     dev = resolve_device(str(device))
     if dev.type != "cuda":
         return dev.type
@@ -197,9 +187,8 @@ def check_device(dev: torch.device) -> None:
 def device_memory_gb(dev: torch.device) -> tuple[float | None, str]:
     """What a device has to train with, in GB, and what that is: the GPU's memory, or the RAM."""
     if dev.type == "cuda":
-        return torch.cuda.get_device_properties(
-            dev
-        ).total_memory / GB, f"the GPU ({torch.cuda.get_device_name(dev)})"
+        total = torch.cuda.get_device_properties(dev).total_memory
+        return total / GB, f"the GPU ({torch.cuda.get_device_name(dev)})"
     return ram_gb()[0], "RAM"
 
 
@@ -212,22 +201,17 @@ def check_fits(
     loss: str = "auto",
     what: str = "this model",
 ) -> None:
-    """Refuse, in one line that says what fits, a training run whose estimated
-    memory (fit.memory) is more than the device has: a model the kernel's OOM
-    killer would end after minutes, without a word. The estimate grows linearly
-    with n_layer, so it is read at 1 and 2 layers (no model is built)."""
+    """Refuse, in one line that says what fits, a training run whose estimated memory (fit.memory)
+    is more than the device has: a model the kernel's OOM killer would end after minutes, without a
+    word. The estimate grows linearly with n_layer, so it is read at 1 and 2 layers."""
     have, where = device_memory_gb(dev)
     if have is None:
         return
 
     def est(n_layer: int) -> float:
+        m = dataclasses.replace(model, n_layer=n_layer)
         return estimate_memory(
-            dataclasses.replace(model, n_layer=n_layer),
-            micro_batch_size,
-            seq_len,
-            precision,
-            device_type=dev.type,
-            loss=loss,
+            m, micro_batch_size, seq_len, precision, device_type=dev.type, loss=loss
         ).total_gb
 
     one, per_layer = est(1), est(2) - est(1)

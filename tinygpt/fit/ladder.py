@@ -1,13 +1,8 @@
 """The ladder of sizes the planner (`tinygpt.fit.plan`) chooses from, and the scaling law that
-predicts each rung's final loss.
-
-A rung is the recipe's model with only the ladder's fields (n_layer, d_model, n_head, n_kv_head, d_ff)
-changed, and its train config with only lr and min_lr scaled by width: everything else (vocabulary,
-context, data, schedule) is the recipe's. The law is L(N, D) = E + A/N^alpha + B/D^beta, with N the
-non-embedding parameters and D the tokens seen (fewer than seen where the source is smaller than the
-budget and would be read again: Muennighoff et al. 2023's effective data); it speaks for a rung that
-reads the source at most MAX_EPOCHS times and sees at least the tokens per parameter of the runs it
-was fitted on.
+predicts each rung's final loss. A rung is the recipe with only the ladder's fields and lr / min_lr
+changed. The law is L(N, D) = E + A/N^alpha + B/D^beta, with N the non-embedding parameters and D
+the tokens seen (fewer where the source would be read again: Muennighoff et al. 2023's effective
+data); it speaks for a rung within MAX_EPOCHS and the tokens per parameter of its own runs.
 """
 
 from __future__ import annotations
@@ -42,11 +37,10 @@ MAX_EPOCHS = 4.0
 
 
 def rung(recipe: Recipe, depth: int, min_heads: int = MIN_HEADS) -> Recipe:
-    """The recipe at ladder depth `depth`: width depth*HEAD_DIM, heads of
-    HEAD_DIM but at least MIN_HEADS (grouped as the recipe groups them), an MLP
-    of 8/3 the width (a multiple of 64, SwiGLU's usual), and the learning rates
-    scaled inversely with width from the recipe's own (GPT-3's table: 6e-4 at
-    768, 3e-4 at 1536). `min_heads` 1: the ladder as it was before MIN_HEADS."""
+    """The recipe at ladder depth `depth`: width depth*HEAD_DIM, heads of HEAD_DIM but at least
+    MIN_HEADS (grouped as the recipe groups them), an MLP of 8/3 the width (a multiple of 64), and
+    the learning rates scaled inversely with width (GPT-3's table: 6e-4 at 768, 3e-4 at 1536).
+    `min_heads` 1: the ladder as it was before MIN_HEADS."""
     m, t = recipe.model, recipe.train
     d_model = depth * HEAD_DIM
     n_head = max(min_heads, d_model // HEAD_DIM)
@@ -100,8 +94,7 @@ LAWS_FILE = "scaling_laws.json"  # beside this module, written by benchmarks/fit
 
 
 def fitted_laws() -> dict[str, ScalingLaw]:
-    """The laws benchmarks/fit_scaling.py fitted on
-    tinygpt's own runs, by the recipe they ladder."""
+    """The laws benchmarks/fit_scaling.py fitted on tinygpt's runs, by the recipe they ladder."""
     with resources.as_file(resources.files("tinygpt.fit") / LAWS_FILE) as path:
         if not path.is_file():
             return {}
@@ -116,15 +109,13 @@ def fitted_laws() -> dict[str, ScalingLaw]:
 
 
 def law_for(recipe: Recipe) -> ScalingLaw:
-    """The law fitted on this recipe's own ladder (same corpus
-    and tokenizer) where there is one, else Chinchilla's."""
+    """This recipe's fitted law (its corpus and tokenizer) where there is one, else Chinchilla's."""
     return fitted_laws().get(recipe.name, CHINCHILLA)
 
 
 def effective_tokens(tokens: float, unique: float | None) -> float:
-    """Tokens seen, counted as Muennighoff et al.'s effective data when
-    a source of `unique` tokens is read more than once: each repeat is
-    worth less, and never more than REPEAT_HALF_LIFE epochs of it."""
+    """Tokens seen as Muennighoff et al.'s effective data when a source of `unique` tokens is read
+    more than once: each repeat is worth less, and never more than REPEAT_HALF_LIFE epochs of it."""
     if unique is None or tokens <= unique:
         return tokens
     repeats = tokens / unique - 1
@@ -171,16 +162,10 @@ def ladder_fields(recipe: Recipe) -> dict:
 def depth_of(size: str) -> int:
     """A rung's depth from its name ("d6"), refusing any name that is not on the ladder (run.json's
     plan comes back from a mirror: it may choose only among the ladder's rungs)."""
-    if not (
-        isinstance(size, str)
-        and size[:1] == "d"
-        and size[1:].isdigit()
-        and int(size[1:]) in LADDER_DEPTHS
-    ):
-        raise ConfigError(
-            f"size {size!r} is not on the ladder ({', '.join(map(rung_name, LADDER_DEPTHS))})"
-        )
-    return int(size[1:])
+    depths = {rung_name(d): d for d in LADDER_DEPTHS}
+    if not isinstance(size, str) or size not in depths:
+        raise ConfigError(f"size {size!r} is not on the ladder ({', '.join(depths)})")
+    return depths[size]
 
 
 # Characters per token of a source, before its tokenizer exists (the plan comes first): a 4096-token

@@ -1,7 +1,5 @@
-"""Memory of a training step: an estimate with a breakdown a person would draw (parameters,
-gradients, optimizer states, activations, loss, overhead), and a tracker that measures the real
-peak of the tensors a step creates on any device (the CPU's stand-in for max_memory_allocated).
-"GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
+"""Memory of a training step: an estimate with a breakdown a person would draw, and a tracker of
+the real peak on any device. "GB" here is GiB (2**30 bytes), as Colab and nvidia-smi count it.
 """
 
 from __future__ import annotations
@@ -52,14 +50,8 @@ class MemoryEstimate:
 
     @property
     def tensors_gb(self) -> float:
-        return (
-            self.params_gb
-            + self.grads_gb
-            + self.optimizer_gb
-            + self.weight_copies_gb
-            + self.activations_gb
-            + self.loss_gb
-        )
+        weights = (self.params_gb, self.grads_gb, self.optimizer_gb, self.weight_copies_gb)
+        return sum(weights) + self.activations_gb + self.loss_gb
 
     @property
     def overhead_gb(self) -> float:
@@ -79,31 +71,22 @@ class MemoryEstimate:
             "expand": ", keys/values repeated to the query heads",
             "math": ", a T x T attention matrix per head (math kernel)",
         }.get(self.attention, "")
-        loss = (
-            f"chunks of {self.loss_chunk_rows} rows of logits + head gradients"
-            if self.loss_chunk_rows
-            else f"{tok} x vocab x 12 B (fp32 log-probs + 2 gradients)"
-        )
+        loss = f"{tok} x vocab x 12 B (fp32 log-probs + 2 gradients)"
+        if self.loss_chunk_rows:
+            loss = f"chunks of {self.loss_chunk_rows} rows of logits + head gradients"
+        copies = f"matmul weights in {self.precision} (autocast)"
+        if self.precision == "fp32":
+            copies = "none: fp32 matmuls use the master weights"
+        context = "CUDA context + " if self.device_type == "cuda" else ""
         return [
             ("part", "GB", "how"),
             ("parameters", f"{self.params_gb:.2f}", f"{n} x 4 B (fp32 master weights)"),
             ("gradients", f"{self.grads_gb:.2f}", f"{n} x 4 B"),
             ("AdamW states", f"{self.optimizer_gb:.2f}", f"{n} x 2 x 4 B"),
-            (
-                "weight copies",
-                f"{self.weight_copies_gb:.2f}",
-                "none: fp32 matmuls use the master weights"
-                if self.precision == "fp32"
-                else f"matmul weights in {self.precision} (autocast)",
-            ),
+            ("weight copies", f"{self.weight_copies_gb:.2f}", copies),
             ("activations", f"{self.activations_gb:.2f}", f"{tok}, {ckpt}, {self.precision}"),
             ("loss (logits)", f"{self.loss_gb:.2f}", loss),
-            (
-                "overhead",
-                f"{self.overhead_gb:.2f}",
-                ("CUDA context + " if self.device_type == "cuda" else "")
-                + "allocator fragmentation",
-            ),
+            ("overhead", f"{self.overhead_gb:.2f}", f"{context}allocator fragmentation"),
             ("total", f"{self.total_gb:.2f}", ""),
         ]
 
@@ -167,8 +150,7 @@ def _estimated_kernel(
 ) -> str:
     """The attention kernel `model.attention` would run on this device: "fused" whenever keys and
     values are not grouped (and not on MPS), else `attention_kernel`'s answer. A CUDA GPU of unknown
-    capability is taken to be one that picks this precision by default (fp16: a T4, sm75; else
-    sm80)."""
+    capability is one that picks this precision by default (fp16: a T4, sm75; else sm80)."""
     if device_type == "cuda" and capability is None:
         capability = (7, 5) if precision == "fp16" else (8, 0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
@@ -206,16 +188,12 @@ def estimate_memory(
     capability: tuple[int, int] | None = None,
     attention: str | None = None,
 ) -> MemoryEstimate:
-    """Peak training memory of AdamW at this micro-batch and context; precision
-    "bf16", "fp16" or "fp32"; `loss` as `TrainConfig.loss` (the full logits, or
-    chunks of them). Attention as `model.attention` runs it on this device
-    (`attention` overrides): a CUDA GPU of unknown `capability` is taken to be
-    one that picks this precision by default (fp16: a T4, sm75; else sm80)."""
-    ckpt = (
-        model.activation_checkpointing
-        if activation_checkpointing is None
-        else activation_checkpointing
-    )
+    """Peak training memory of AdamW at this micro-batch and context; precision "bf16", "fp16" or
+    "fp32"; `loss` as `TrainConfig.loss`. Attention as `model.attention` runs it on this device
+    (`attention` overrides; a CUDA GPU of unknown `capability`: see `_estimated_kernel`)."""
+    ckpt = activation_checkpointing
+    if ckpt is None:
+        ckpt = model.activation_checkpointing
     if attention is None:
         attention = _estimated_kernel(model, precision, device_type, capability)
     tokens, e = micro_batch_size * seq_len, 4 if precision == "fp32" else 2

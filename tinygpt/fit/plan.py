@@ -1,22 +1,12 @@
-"""The size planner: the model a time budget should
-train, chosen from a ladder of sizes by a scaling law.
-
-For `pretrain --size auto --hours H` (and `probe --hours H`): each rung of the recipe's
-ladder (one family: depth with the width, heads and learning rate derived from it) gets
-this machine's tokens/s (a few rungs timed with the trainer's own step, the chosen one
-among them wherever its timing fits, the rest scaled from them by training FLOPs per
-token, and said so), the tokens the hours buy at that
-speed, and a predicted final loss L(N, D) = E + A/N^alpha + B/D^beta, with N the
-non-embedding parameters and D the tokens seen (fewer than seen where the source is smaller
-than the budget and would be read again: Muennighoff et al. 2023's effective data). The
-lowest predicted loss is chosen among the rungs the law can speak for: those that read the source
-at most MAX_EPOCHS times and see at least the tokens per parameter of the runs the law was fitted on;
-tokens per parameter is a result, not an input. Where no rung is left (a small text on a fast GPU),
-the recipe's own size is kept (the rung nearest it), said so.
+"""The size planner: the model a time budget should train, chosen from the recipe's ladder of sizes
+(`tinygpt.fit.ladder`, with its scaling law) for `pretrain --size auto --hours H` and `probe --hours
+H`. Each rung gets this machine's tokens/s (a few rungs timed with the trainer's own step, the rest
+scaled from them by FLOPs per token, and said so), the tokens the hours buy at that speed, and the
+law's predicted loss; the lowest is chosen among the rungs the law speaks for (`within_law`). Where
+none is left (a small text on a fast GPU), the rung nearest the recipe's own size is kept, said so.
 
 Invariants: the plan is decided once, before anything is written, and kept in run.json ("plan"); a
-resumed run takes its size from there (on another GPU too), never plans again. The ladder's rungs
-and the law are `tinygpt.fit.ladder`'s.
+resumed run takes its size from there (on another GPU too), never plans again.
 """
 
 from __future__ import annotations
@@ -58,15 +48,12 @@ BUDGET_OVERHEAD = 0.1
 # optimizer steps timed per timed rung (after 2 of warm-up): the planner stays short
 PLAN_SPEED_STEPS = 4
 PLAN_WARMUP_STEPS = 2
-# the longest a rung's timing may take, by its FLOP-scaled speed: MAX_TIMING_S, or TIMING_SHARE of a
-# longer budget up to MAX_TIMING_CAP_S; a larger rung is scaled, never timed (on a CPU a 12-hour budget
-# keeps rungs of hundreds of millions of parameters, minutes per step)
+# the longest a rung's timing may take (`timing_limit`); a larger rung is scaled, never timed (on a
+# CPU a 12-hour budget keeps rungs of hundreds of millions of parameters, minutes per step)
 MAX_TIMING_S = 10.0
 TIMING_SHARE = 0.01
 MAX_TIMING_CAP_S = 60.0
-# the planner's whole time: PLAN_TIME_SHARE of the budget, at least PLAN_TIME_MIN_S, at most
-# PLAN_TIME_MAX_S. A timing is begun only while the time spent plus the longest timing so far fits; the
-# rungs left untimed are scaled (~). The timings run eagerly (`trainer_speed`) and compile nothing: when
+# the planner's whole time (`planning_limit`). The timings run eagerly and compile nothing: when
 # each compiled its rung, on an H100 a 1-hour plan ran past 200 s (docs/BENCHMARKS.md section 5)
 PLAN_TIME_SHARE = 0.02
 PLAN_TIME_MIN_S = 90.0
@@ -128,15 +115,11 @@ def plan_size(
     timed: int = TIMED_RUNGS,
     clock: Callable[[], float] = time.perf_counter,
 ) -> SizePlan:
-    """Choose the rung with the lowest predicted loss after `hours`. `speed(recipe)` measures
-    tokens/s (`trainer_speed`): the smallest rung first; the rungs that speed, scaled by
-    FLOPs per token, buys fewer than MIN_STEPS steps in the hours are dropped (never timed); then
-    the largest left whose timing takes at most MAX_TIMING_S (or TIMING_SHARE of a longer budget;
-    by that scaled speed) and rungs between, `timed` in all; every other rung is scaled by FLOPs per
-    token from the nearest timed one. A choice that was scaled is then timed (when its timing fits)
-    and the choice made again, at most CONFIRM_RUNGS times: the chosen rung's speed is measured
-    wherever it can be. Every timing but the first is begun only if it fits `planning_limit(hours)`
-    by `clock` (`may_time`): the planner's own time is bounded."""
+    """Choose the rung with the lowest predicted loss after `hours`; `speed(recipe)` measures
+    tokens/s. The smallest rung is timed first and the rungs that would train fewer than MIN_STEPS
+    steps are dropped; then `timed` rungs, up to the largest whose timing fits `timing_limit`; the
+    rest are scaled by FLOPs per token. A scaled choice is timed and the choice made again, at most
+    CONFIRM_RUNGS times. No timing but the first begins past `planning_limit(hours)`."""
     start = clock()
     law = law or law_for(recipe)
     rungs = ladder(recipe, fits)
@@ -178,9 +161,7 @@ def plan_size(
 
 
 class RungSpeeds:
-    """The rungs' tokens/s while planning: those timed by `speed` (`measured`; a timing is begun only
-    while it fits the planner's `limit`, `may_time`), the others scaled by FLOPs per token (`flops`)
-    from the nearest timed one."""
+    """Each rung's tokens/s: timed by `speed` (`measured`), else FLOP-scaled from the nearest."""
 
     def __init__(
         self,
@@ -190,13 +171,8 @@ class RungSpeeds:
         start: float,
         clock: Callable[[], float],
     ):
-        self.speed, self.flops, self.limit, self.start, self.clock = (
-            speed,
-            flops,
-            limit,
-            start,
-            clock,
-        )
+        self.speed, self.flops, self.clock = speed, flops, clock
+        self.limit, self.start = limit, start
         self.measured: dict[int, float] = {}
         self.costs: list[float] = []  # each timing's wall time
 
@@ -215,8 +191,7 @@ class RungSpeeds:
 def timeable_rungs(
     rungs: list[tuple[int, Recipe]], speeds: RungSpeeds, hours: float
 ) -> dict[int, Recipe]:
-    """The rungs that may be timed: those timed already (the smallest, whatever it cost) and those
-    whose timing, by their FLOP-scaled speed, takes at most `timing_limit(hours)`."""
+    """The rungs timed already and those whose FLOP-scaled timing fits `timing_limit(hours)`."""
     steps = PLAN_SPEED_STEPS + PLAN_WARMUP_STEPS
     return {
         d: r
@@ -227,18 +202,15 @@ def timeable_rungs(
 
 
 def planning_limit(hours: float) -> float:
-    """The planner's whole time for a budget of `hours` (PLAN_TIME_SHARE)."""
     return min(max(PLAN_TIME_MIN_S, PLAN_TIME_SHARE * hours * 3600), PLAN_TIME_MAX_S)
 
 
 def may_time(spent: float, costs: list[float], limit: float) -> bool:
-    """Whether another timing may begin: the first always; later ones while the time `spent` plus
-    the longest timing so far (`costs`) stays within `limit`."""
+    """Whether a timing may begin: the first always, others while spent + max(costs) <= limit."""
     return not costs or spent + max(costs) <= limit
 
 
 def timing_limit(hours: float) -> float:
-    """The longest one rung's timing may take (by its FLOP-scaled speed) when planning `hours`."""
     return min(max(MAX_TIMING_S, TIMING_SHARE * hours * 3600), MAX_TIMING_CAP_S)
 
 
@@ -252,29 +224,19 @@ def candidates(
     own_params: int,
 ) -> tuple[list[Candidate], Candidate]:
     """Each rung as a row of the table, and the one with the lowest predicted loss among those the law
-    speaks for (`within_law`), marked chosen. When none is, the rung nearest the recipe's own size
-    (`own_params`, non-embedding): the law alone would choose the largest rung that fits (repeats are
-    discounted, parameters never are), which on a GPU with a small text is hundreds of millions of
-    parameters read hundreds of times."""
+    speaks for (`within_law`), marked chosen; when none is, the rung nearest the recipe's own size
+    (`own_params`): the law alone would choose, on a GPU with a small text, hundreds of millions of
+    parameters read hundreds of times (repeats are discounted, parameters never are)."""
     out = []
     for d, r in rungs:
         tps = tokens_per_s(d)
         tokens = tps * seconds
         n = meta_model(r.model).num_params(non_embedding=True)
-        out.append(
-            Candidate(
-                rung_name(d),
-                n,
-                tps,
-                d in measured,
-                tokens,
-                tokens / unique_tokens if unique_tokens else None,
-                law.loss(n, effective_tokens(tokens, unique_tokens)),
-            )
-        )
-    eligible = [
-        c for c in out if within_law(c.epochs, c.tokens_per_param, law.min_tokens_per_param)
-    ]
+        epochs = tokens / unique_tokens if unique_tokens else None
+        loss = law.loss(n, effective_tokens(tokens, unique_tokens))
+        out.append(Candidate(rung_name(d), n, tps, d in measured, tokens, epochs, loss))
+    floor = law.min_tokens_per_param
+    eligible = [c for c in out if within_law(c.epochs, c.tokens_per_param, floor)]
     if eligible:
         best = min(eligible, key=lambda c: c.predicted_loss)
     else:
@@ -297,8 +259,7 @@ FIX_PLAN = '; delete its "plan" entry, or use a new run folder (or another --mir
 
 
 def kept_plan(info: dict | None, where: str = RUN_JSON) -> dict | None:
-    """The plan a run folder's run.json keeps (a resumed run's size), checked to name a ladder rung
-    (`where`: the file, named in the refusal)."""
+    """The plan a run folder's run.json keeps, checked to name a ladder rung (`where`: the file)."""
     plan = (info or {}).get("plan")
     if plan is None:
         return None
@@ -399,8 +360,7 @@ def fits_in(dev: torch.device, precision: str) -> Callable[[Recipe], bool]:
 
 
 def refuse_sized_base(init: str | None) -> None:
-    """`--size auto` with a base to continue (`--init`): refused in one line (the CLI asks before
-    reading the base)."""
+    """`--size auto` with a base to continue (`--init`), refused before the base is read."""
     if init:
         raise ConfigError(
             "--size auto chooses a new model's size; a continued base (--init) keeps its own: "
@@ -411,9 +371,7 @@ def refuse_sized_base(init: str | None) -> None:
 def choose_size(
     recipe: Recipe, hours: float, dev: torch.device, kept: dict | None, began: dict | None = None
 ) -> tuple[Recipe, SizePlan | dict]:
-    """`--size auto`: the run's kept plan (a resumed run keeps its size), else a new plan on this
-    device, timing rungs with the trainer's own step (`trainer_speed`: eager, a short measurement).
-    `began` is the recipe the run began with (run.json's; `resumed_at` says what it may keep)."""
+    """`--size auto`: the kept plan, else a new one here (`began`: the run's first recipe)."""
     if kept is not None:
         return resumed_at(recipe, kept, began), kept
     refuse_sized_base(recipe.model.init)

@@ -1,14 +1,11 @@
-"""The probe: what this machine is, how much memory a recipe needs (estimated, with a breakdown),
-and the largest micro-batch and context that really fit (found by trial), cached per device, recipe
-and torch version, and kept in the run folder (probe.json, mirrored with the run, signed) so that a
-new VM of the same user on the same GPU and torch reads it instead of probing again. "GB" here is
+"""The probe: the largest micro-batch and context that really fit (found by trial), cached per
+device, recipe and torch version, and kept in the run folder (probe.json, mirrored, signed) so that
+a new VM of the same user on the same GPU and torch reads it instead of probing again. "GB" here is
 GiB (2**30 bytes), as Colab and nvidia-smi count GPU memory.
 
-The probe compiles nothing: its memory trials and its timings run the trainer's step eagerly, so the
-training step that follows compiles once, for its own micro-batch, with static shapes (and the run's
-compile cache, loaded when training starts, is the first thing the compiler sees). Compiling each
-timing, and throwing the graphs away, kept `tinygpt probe --hours 1` silent for over 200 s on an
-H100.
+The probe compiles nothing: its trials and timings run the trainer's step eagerly, so the training
+step that follows compiles once, for its own micro-batch (compiling each timing kept `tinygpt probe
+--hours 1` silent for over 200 s on an H100).
 """
 
 from __future__ import annotations
@@ -23,12 +20,7 @@ from typing import Callable
 import torch
 
 from tinygpt.core.paths import cache_root
-from tinygpt.core.precision import (
-    Precision,
-    choose_precision,
-    native_bf16,
-    resolve_device,
-)
+from tinygpt.core.precision import Precision, choose_precision, native_bf16, resolve_device
 from tinygpt.core.recipes import Recipe
 from tinygpt.core.rundir import PROBE_JSON, RunDir
 from tinygpt.fit.hardware import cpu_name, ram_gb
@@ -53,15 +45,13 @@ PROBED_TRAIN_FIELDS = ("micro_batch_size", "grad_accum_steps", "seq_len", "preci
 
 
 class ProbeError(RuntimeError):
-    """Nothing fits, not even micro-batch 1 at the shortest context with activation
-    checkpointing."""
+    """Nothing fits, not even micro-batch 1 at the shortest context with checkpointing."""
 
 
 def requested_precision(
     recipe: Recipe, device_type: str, has_native_bf16: bool
 ) -> tuple[str, str | None]:
-    """A recipe's bf16 on a GPU that only emulates it (T4, V100) would be slow: let the probe
-    decide."""
+    """A recipe's bf16 on a GPU that emulates it (T4, V100) would be slow: the probe decides."""
     if recipe.train.precision == "bf16" and device_type == "cuda" and not has_native_bf16:
         return "auto", (
             f"recipe {recipe.name!r} asks for bf16, which this GPU only emulates: precision chosen "
@@ -86,43 +76,43 @@ def probe(
     speed: Callable[[Recipe, torch.device], float] | None = trainer_speed,
 ) -> ProbeResult:
     """Find by trial the largest micro-batch (then checkpointing, then a shorter context) that fits
-    in (1 - margin) * memory_limit_gb, and the grad accumulation that keeps the recipe's tokens per
-    step.
+    in (1 - margin) * memory_limit_gb, and the accumulation that keeps the recipe's tokens per step.
 
-    `measure(micro_batch, seq_len, checkpointing) -> GB`, called after each trial's step, replaces
-    the real measurement (torch.cuda.max_memory_allocated on CUDA, TensorMemoryTracker elsewhere); a
-    trial over `memory_limit_gb` (default: the GPU's memory less its context, or the free RAM)
-    raises torch.OutOfMemoryError just as a real one does. `cache_dir=None` turns the cache off;
-    `run_dir`: the result is also kept there (probe.json), and read from there after the cache
-    where this user signed it (`probe_cache.read_kept`: a new VM with the run restored). Among the
-    micro-batches that fit, `speed(recipe, device) -> tokens/s` (default: the trainer's own step,
-    eagerly) picks the fastest; None keeps the largest. A candidate whose
-    timing runs out of memory (in any of its forms: `is_allocation_failure`) is dropped with a
-    note. After `time_limit_s` (None: no limit) the search and the timings stop and the best found
-    so far is taken."""
+    `measure(micro_batch, seq_len, checkpointing) -> GB` replaces the real measurement (a trial over
+    `memory_limit_gb` raises torch.OutOfMemoryError as a real one does). `cache_dir=None`: no cache;
+    `run_dir`: the result is also kept there (probe.json), read back where this user signed it.
+    `speed(recipe, device) -> tokens/s` picks the fastest micro-batch that fits (None: the largest);
+    a timing that runs out of memory drops its candidate. After `time_limit_s` (None: no limit) the
+    best found so far is taken."""
     dev = resolve_device(str(device))
     requested, prec_note = requested_precision(recipe, dev.type, native_bf16(dev))
     prec = choose_precision(dev, precision or requested)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} {cpu_name()}"
     if memory_limit_gb is None:
         memory_limit_gb = _memory_limit(dev)
-    key = _cache_key(
-        recipe,
-        name,
-        prec.name,
-        memory_limit_gb,
-        margin,
-        max_micro_batch,
-        min_seq_len,
-        measure is not None,
-        getattr(speed, "__name__", None),
+    # what a kept result must have been found for
+    key = dict(
+        device=name,
+        recipe=recipe.name,
+        torch=torch.__version__,
+        model=recipe.model.to_dict(),
+        seq_len=recipe.train.seq_len,
+        micro_batch_size=recipe.train.micro_batch_size,
+        tokens_per_step=recipe.train.tokens_per_step,
+        precision=prec.name,
+        memory_limit_gb=round(memory_limit_gb, 2),
+        margin=margin,
+        max_micro_batch=max_micro_batch,
+        min_seq_len=min_seq_len,
+        injected_measure=measure is not None,
+        timed=getattr(speed, "__name__", None),
     )
     run_file = Path(run_dir) / PROBE_JSON if run_dir is not None else None
-    paths = _cache_paths(cache_dir, key)
+    folder = cache_root("probe") if cache_dir == "default" else cache_dir
+    paths = [] if folder is None else [Path(folder) / cache_name(key)]
     kept = read_kept(paths, key, run_file)
     if kept is not None:
         return kept
-
     search = _Search(recipe, dev, prec, memory_limit_gb, margin, measure, time_limit_s)
     cap = max_micro_batch or 4 * recipe.train.micro_batch_size
     result = search.run(cap, min_seq_len, speed, prec_note, name, key)
@@ -131,50 +121,11 @@ def probe(
     return result
 
 
-def _cache_paths(cache_dir: str | Path | None, key: dict) -> list[Path]:
-    """The probe cache's file for `key`: none when `cache_dir` is None."""
-    if cache_dir is None:
-        return []
-    folder = cache_root("probe") if cache_dir == "default" else Path(cache_dir)
-    return [folder / cache_name(key)]
-
-
 def _memory_limit(dev: torch.device) -> float:
     """The memory a probe may fill by default: the GPU's less its context, or the free RAM."""
     if dev.type == "cuda":
         return torch.cuda.mem_get_info(dev)[1] / GB - CUDA_CONTEXT_GB
     return ram_gb()[1] or math.inf
-
-
-def _cache_key(
-    recipe: Recipe,
-    device_name: str,
-    precision: str,
-    memory_limit_gb: float,
-    margin: float,
-    max_micro_batch: int | None,
-    min_seq_len: int,
-    injected_measure: bool,
-    timed: str | None,
-) -> dict:
-    """What a kept probe result must have been found for (its cache file's name is a hash of it)."""
-    train = recipe.train
-    return dict(
-        device=device_name,
-        recipe=recipe.name,
-        torch=torch.__version__,
-        model=recipe.model.to_dict(),
-        seq_len=train.seq_len,
-        micro_batch_size=train.micro_batch_size,
-        tokens_per_step=train.tokens_per_step,
-        precision=precision,
-        memory_limit_gb=round(memory_limit_gb, 2),
-        margin=margin,
-        max_micro_batch=max_micro_batch,
-        min_seq_len=min_seq_len,
-        injected_measure=injected_measure,
-        timed=timed,
-    )
 
 
 def _fit_notes(recipe: Recipe, t: int, ckpt: bool, prec_note: str | None) -> list[str]:
@@ -194,8 +145,7 @@ def _fit_notes(recipe: Recipe, t: int, ckpt: bool, prec_note: str | None) -> lis
 
 
 class _Search:
-    """One probe's search: memory trials, then timings of the trainer's step, within one time
-    limit."""
+    """One probe's search: memory trials, then timings of the trainer's step, in one time limit."""
 
     def __init__(
         self,
@@ -224,15 +174,12 @@ class _Search:
         name: str,
         key: dict,
     ) -> ProbeResult:
-        """The largest fit (micro-batches up to `cap`), the fastest of them by `speed` (None: the
-        largest), confirmed by one more trial."""
+        """The largest fit up to `cap`, the fastest by `speed` (None: the largest), confirmed."""
         t, ckpt, largest = self.largest_fit(cap, min_seq_len)
         self.notes += _fit_notes(self.recipe, t, ckpt, prec_note)
-        limit, loss = (
-            self.fastest(speed, largest, t, ckpt)
-            if speed is not None
-            else (largest, self.recipe.train.loss)
-        )
+        limit, loss = largest, self.recipe.train.loss
+        if speed is not None:
+            limit, loss = self.fastest(speed, largest, t, ckpt)
         return self.confirm(limit, loss, largest, t, ckpt, name, key)
 
     def out_of_time(self) -> bool:
@@ -267,21 +214,16 @@ class _Search:
         )
 
     def fastest(self, speed: Callable, largest: int, t: int, ckpt: bool) -> tuple[int, str]:
-        """The fastest of the micro-batches that fit, as the trainer runs them (its loss and
-        optimizer), eagerly: the timings rank the candidates, nothing is compiled. On an H100 the
-        largest micro-batch was not the fastest. Where the recipe's loss would chunk the logits, the
-        full logits are timed too if they fit: the chunked loss cost 12-13% on an H100 where the
-        full logits fitted. (micro-batch, loss)."""
-        train = self.recipe.train
+        """(micro-batch, loss): the fastest of those that fit, as the trainer runs them (on an H100
+        the largest was not the fastest). Where the recipe's loss would chunk the logits, the full
+        logits are timed too if they fit (chunking cost 12-13% on an H100 where they fitted)."""
+        train, vocab = self.recipe.train, self.recipe.model.vocab_size
         # (micro-batch, accumulation, loss) to time, in this order
         timings: list[tuple[int, int, str]] = []
         for micro, accum in speed_candidates(largest, t, train.tokens_per_step):
             timings.append((micro, accum, train.loss))
-            if (
-                train.loss == "auto"
-                and default_chunk_rows(micro * t, self.recipe.model.vocab_size)
-                and not self.out_of_time()
-            ):
+            chunked = train.loss == "auto" and default_chunk_rows(micro * t, vocab)
+            if chunked and not self.out_of_time():
                 self.runner.loss = "full"
                 full_fits = self.fits(micro, t, ckpt)
                 self.runner.loss = train.loss
@@ -299,38 +241,24 @@ class _Search:
             self.recipe, self.dev, self.prec, self.limit_gb, self.margin, self.measure
         )
         # every timing ran out of memory: the smallest candidate, whose memory trial passed
-        limit, loss = (
-            max(self.speeds, key=self.speeds.__getitem__)
-            if self.speeds
-            else (timings[-1][0], train.loss)
-        )
+        limit, loss = max(self.speeds, key=self.speeds.get, default=(timings[-1][0], train.loss))
         self.runner.loss = loss
         if len(self.speeds) > 1:
+            timed = sorted(self.speeds.items())
+            listed = ", ".join(f"{_speed_key(*k)}: {v:,.0f} tokens/s" for k, v in timed)
+            full = " with the full logits" if loss == "full" else ""
             self.notes.append(
-                f"micro-batch {limit}{' with the full logits' if loss == 'full' else ''} is the "
-                "fastest of those timed as the trainer runs them ("
-                + ", ".join(
-                    f"{_speed_key(*k)}: {v:,.0f} tokens/s" for k, v in sorted(self.speeds.items())
-                )
-                + ")"
+                f"micro-batch {limit}{full} is the fastest of those timed as the trainer runs "
+                f"them ({listed})"
             )
         return limit, loss
 
     def _time(self, speed: Callable, micro: int, accum: int, mode: str, t: int, ckpt: bool) -> None:
+        train = {"micro_batch_size": micro, "seq_len": t, "grad_accum_steps": accum}
+        train |= {"precision": self.prec.name, "loss": mode}
+        recipe = self.recipe.replace(model={"activation_checkpointing": ckpt}, train=train)
         try:
-            self.speeds[(micro, mode)] = speed(
-                self.recipe.replace(
-                    model={"activation_checkpointing": ckpt},
-                    train={
-                        "micro_batch_size": micro,
-                        "seq_len": t,
-                        "grad_accum_steps": accum,
-                        "precision": self.prec.name,
-                        "loss": mode,
-                    },
-                ),
-                self.dev,
-            )
+            self.speeds[(micro, mode)] = speed(recipe, self.dev)
         except Exception as e:
             if not is_allocation_failure(e):
                 raise
@@ -342,8 +270,7 @@ class _Search:
     def confirm(
         self, limit: int, loss: str, largest: int, t: int, ckpt: bool, name: str, key: dict
     ) -> ProbeResult:
-        """The chosen geometry confirmed by one more (warm) trial, whose peak is the one
-        reported."""
+        """The chosen geometry confirmed by one more (warm) trial, whose peak is reported."""
         tokens_per_step = self.recipe.train.tokens_per_step
         while True:
             micro, accum, geometry_note = batch_geometry(limit, t, tokens_per_step)
@@ -366,10 +293,8 @@ class _Search:
         final = self.trials[-1]
         tps, source = final.tokens_per_s, "measured by trial (eager, one micro-batch)"
         if (micro, loss) in self.speeds:
-            tps, source = (
-                self.speeds[(micro, loss)],
-                f"measured: the trainer's step (eager), median of {SPEED_STEPS}",
-            )
+            tps = self.speeds[(micro, loss)]
+            source = f"measured: the trainer's step (eager), median of {SPEED_STEPS}"
         return ProbeResult(
             self.recipe.name,
             name,
@@ -400,8 +325,7 @@ def _speed_key(micro: int, loss: str) -> str:
 
 
 def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
-    """The recipe with the probe's micro-batch, context, accumulation, checkpointing, precision and
-    loss."""
+    """The recipe with the probe's decisions (PROBED_TRAIN_FIELDS, activation checkpointing)."""
     return recipe.replace(
         model={"activation_checkpointing": result.activation_checkpointing},
         train={k: getattr(result, k) for k in PROBED_TRAIN_FIELDS},
@@ -411,26 +335,22 @@ def apply_probe(recipe: Recipe, result: ProbeResult) -> Recipe:
 def fit_to_device(
     recipe: Recipe, run_dir: Path, dev: torch.device, world_size: int = 1, trusted: bool = False
 ) -> tuple[Recipe, dict | None]:
-    """The probe decides micro-batch, accumulation, context, precision and activation checkpointing
-    on a GPU; returns the recipe and the probe's result. A run being resumed keeps the decisions it
-    started with where this user signed its run.json (`decisions.own_signature`; `trusted`: rank 0
-    wrote it for this job): they are part of its configuration. Any other run.json (a shared
-    mirror's) decides none of them: this machine probes (its own cache, keyed by its own device),
-    and on a CPU the recipe stands as written."""
+    """(the recipe with the probe's decisions on a GPU, the probe's result). A resumed run keeps the
+    decisions it started with where this user signed its run.json (`trusted`: rank 0 wrote it for
+    this job); any other run.json (a shared mirror's) decides none of them: this machine probes, and
+    on a CPU the recipe stands as written."""
     run = RunDir(run_dir)
     old = run.info() if run.is_pretrain_run() else {}
     if old.get("probe") and (trusted or own_signature(old)):
         return _kept_choices(recipe, old, dev), old["probe"]
     if dev.type != "cuda" or world_size > 1:
         return recipe, None
-
     result = probe(recipe, device=dev, run_dir=run_dir)
     return apply_probe(recipe, result), result.to_dict()
 
 
 def _kept_choices(recipe: Recipe, old: dict, dev: torch.device) -> Recipe:
-    """`recipe` with the probed fields of the run's own run.json (`old`); a warning when it resumes on
-    another GPU than it was probed on."""
+    """`recipe` with the probed fields of its own run.json (`old`); a warning on another GPU."""
     r = old["recipe"]
     # (a CUDA device with no CUDA runtime is only a test's: there is no name to compare)
     on_gpu = dev.type == "cuda" and torch.cuda.is_available()

@@ -1,10 +1,8 @@
 """The probe's result (`ProbeResult`) and where it is kept: the user's cache, one file per device,
-recipe and torch version (`cache_name`), and the run folder's probe.json (mirrored with the run),
-signed with this user's key (`decisions`): a new VM given the same key on the same GPU and torch
-reads its own run's instead of probing again; a probe.json this user did not sign (a shared
-mirror's) is a record, never read. A kept result is read back only for exactly the same key
-(`read_kept`), its values checked (`ProbeResult.from_dict`), and written whole or not at all
-(`keep`)."""
+recipe and torch version, and the run folder's probe.json, signed with this user's key
+(`decisions`); a probe.json this user did not sign (a shared mirror's) is a record, never read. A
+kept result is read back only for exactly the same key, its values checked, and written whole or
+not at all."""
 
 from __future__ import annotations
 
@@ -86,11 +84,10 @@ def _problem(d: object) -> str | None:
     fields = {f.name for f in ProbeResult.__dataclass_fields__.values()}
     if unknown := sorted(set(d) - fields):
         return f"unknown field {unknown[0][:40]!r}"
+    whole = ("micro_batch_size", "seq_len", "grad_accum_steps", "largest_micro_batch")
+    text = ("recipe", "device_name", "precision_reason", "tokens_per_s_source")
     checks = {
-        "micro_batch_size": _whole,
-        "seq_len": _whole,
-        "grad_accum_steps": _whole,
-        "largest_micro_batch": _whole,
+        **dict.fromkeys(whole, _whole),
         "activation_checkpointing": lambda v: isinstance(v, bool),
         "precision": lambda v: v in PRECISIONS,
         "loss": lambda v: v in LOSSES,
@@ -98,12 +95,8 @@ def _problem(d: object) -> str | None:
         "memory_limit_gb": lambda v: _number(v) or v == float("inf"),
         "margin": lambda v: _number(v) and v < 1,
         "search_s": _number,
-        "tokens_per_s": lambda v: v is None or _number(v),
-        "time_limit_s": lambda v: v is None or _number(v),
-        "recipe": lambda v: isinstance(v, str),
-        "device_name": lambda v: isinstance(v, str),
-        "precision_reason": lambda v: isinstance(v, str),
-        "tokens_per_s_source": lambda v: isinstance(v, str),
+        **dict.fromkeys(("tokens_per_s", "time_limit_s"), lambda v: v is None or _number(v)),
+        **dict.fromkeys(text, lambda v: isinstance(v, str)),
         "notes": lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
         "key": lambda v: isinstance(v, dict),
         "from_cache": lambda v: isinstance(v, bool),
@@ -147,9 +140,8 @@ def cache_name(key: dict) -> str:
 
 def read_kept(paths: list[Path], key: dict, run_file: Path | None = None) -> ProbeResult | None:
     """The first kept result for exactly this key: this machine's cache (`paths`), then the run
-    folder's probe.json (`run_file`) only where this user signed it (a mirror's of another is never
-    read, so never enters the cache). It is copied to where it was missing (the run keeps what the
-    user's cache had, and the other way round). A cache file that is not one is searched again."""
+    folder's probe.json (`run_file`) only where this user signed it; copied to where it was missing.
+    A cache file that is not one is searched again."""
     own = [run_file] if run_file is not None else []
     for path in [*paths, *own]:
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):

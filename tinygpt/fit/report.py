@@ -18,7 +18,7 @@ from tinygpt.core.recipes import Recipe, get_recipe
 from tinygpt.core.units import count, duration, size_gb
 from tinygpt.fit.hardware import HardwareReport, hardware_report, mfu
 from tinygpt.fit.ladder import MAX_EPOCHS
-from tinygpt.fit.memory import CUDA_CONTEXT_GB, estimate_memory
+from tinygpt.fit.memory import CUDA_CONTEXT_GB, MemoryEstimate, estimate_memory
 from tinygpt.fit.plan import MIN_STEPS, SizePlan, choose_size
 from tinygpt.fit.probe import ProbeError, apply_probe, probe, requested_precision
 from tinygpt.fit.probe_cache import ProbeResult
@@ -46,15 +46,13 @@ class Expectations:
         return asdict(self)
 
     def rows(self) -> list[tuple[str, str]]:
+        tps = "-"
+        if self.tokens_per_s is not None:
+            tps = f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})"
         return [
             ("peak memory", f"{size_gb(self.peak_memory_gb)} ({self.memory_source})"),
             ("fits", "-" if self.fits is None else "yes" if self.fits else "no"),
-            (
-                "tokens/s",
-                "-"
-                if self.tokens_per_s is None
-                else f"{self.tokens_per_s:,.0f} ({self.tokens_per_s_source})",
-            ),
+            ("tokens/s", tps),
             ("MFU", "-" if self.mfu is None else f"{self.mfu:.0%}"),
             ("token budget", f"{self.token_budget:,}"),
             ("time to finish", duration(self.time_to_finish_s)),
@@ -67,9 +65,8 @@ def expectations(
     probe_result: ProbeResult | None = None,
     measured_tokens_per_s: float | None = None,
 ) -> Expectations:
-    """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware.
-    `measured_tokens_per_s`: the trainer's own step timed as the recipe stands (`trainer_speed`),
-    where no probe searched (the CPU)."""
+    """Expected peak memory, tokens/s and time to finish the recipe's token budget on this hardware;
+    `measured_tokens_per_s`: the trainer's own step timed where no probe searched (the CPU)."""
     if probe_result is not None:
         recipe = apply_probe(recipe, probe_result)
     t = recipe.train
@@ -79,17 +76,7 @@ def expectations(
         peak = probe_result.peak_gb + context
         mem_src = "measured by trial" + (" + CUDA context" if context else "")
     else:
-        requested, _ = requested_precision(recipe, report.device, report.native_bf16)
-        prec = report.precision if requested == "auto" else requested
-        peak = estimate_memory(
-            recipe.model,
-            t.micro_batch_size,
-            t.seq_len,
-            prec,
-            device_type=report.device,
-            loss=t.loss,
-        ).total_gb
-        mem_src = "estimated"
+        peak, mem_src = _estimate(recipe, report).total_gb, "estimated"
     if probe_result is not None and probe_result.tokens_per_s:
         tps, tps_src = probe_result.tokens_per_s, probe_result.tokens_per_s_source
     elif measured_tokens_per_s:
@@ -104,18 +91,9 @@ def expectations(
     else:
         tps, tps_src = None, "unknown on this device"
     fits = None if report.total_memory_gb is None else peak <= report.total_memory_gb
-    budget = recipe.token_budget
-    return Expectations(
-        recipe.name,
-        peak,
-        mem_src,
-        fits,
-        tps,
-        tps_src,
-        tps and mfu(tps, fpt, report.peak_tflops),
-        budget,
-        budget / tps if tps else None,
-    )
+    budget, utilisation = recipe.token_budget, tps and mfu(tps, fpt, report.peak_tflops)
+    finish = budget / tps if tps else None
+    return Expectations(recipe.name, peak, mem_src, fits, tps, tps_src, utilisation, budget, finish)
 
 
 @dataclass
@@ -152,16 +130,7 @@ def probe_report(
     CUDA GPU; elsewhere the estimate stands in for it. With `hours`, the size planner's plan too."""
     report = hardware_report()
     rec = get_recipe(recipe or _default_recipe(report, hours))
-    requested, _ = requested_precision(rec, report.device, report.native_bf16)
-    prec = report.precision if requested == "auto" else requested
-    est = estimate_memory(
-        rec.model,
-        rec.train.micro_batch_size,
-        rec.train.seq_len,
-        prec,
-        device_type=report.device,
-        loss=rec.train.loss,
-    )
+    est = _estimate(rec, report)
     result, note, speed = _search_here(rec, report, cache_dir)
     exp = expectations(rec, report, result, speed)
     plan = (
@@ -185,7 +154,7 @@ def probe_report(
         format_table(report.rows()),
         f"\nRecipe: {rec.name} (default here: {report.default_recipe})",
         f"\nMemory estimate at micro-batch {rec.train.micro_batch_size}, context "
-        f"{rec.train.seq_len}, {prec}",
+        f"{rec.train.seq_len}, {est.precision}",
         format_table(est.rows()),
     ]
     if result is not None:
@@ -203,11 +172,20 @@ def probe_report(
 
 
 def _default_recipe(report: HardwareReport, hours: float | None) -> str:
-    """The recipe `probe` reports on when none is named: this machine's default; with hours, the
-    recipe whose ladder --size auto plans here (on a CPU: cpu-fast's)."""
+    """This machine's default; with hours, the recipe whose ladder --size auto plans here."""
     if hours:
         return size_auto_recipe(report.hardware_class, report.default_recipe)
     return report.default_recipe
+
+
+def _estimate(rec: Recipe, report: HardwareReport) -> MemoryEstimate:
+    """The estimate at the recipe's micro-batch and context, in the precision it takes here."""
+    requested, _ = requested_precision(rec, report.device, report.native_bf16)
+    prec = report.precision if requested == "auto" else requested
+    t = rec.train
+    return estimate_memory(
+        rec.model, t.micro_batch_size, t.seq_len, prec, device_type=report.device, loss=t.loss
+    )
 
 
 def _search_here(
@@ -235,37 +213,32 @@ def _search_here(
 def _search_lines(result: ProbeResult) -> list[str]:
     """The trial search's result and notes, as `probe_report` prints them."""
     limit = f" of its {result.time_limit_s:.0f} s limit" if result.time_limit_s else ""
-    cached = (
-        " (cached)"
-        if result.from_cache
-        else f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
-    )
+    searched = f" ({len(result.trials)} trials, {result.search_s:.1f} s{limit})"
+    cached = " (cached)" if result.from_cache else searched
+    ckpt = "on" if result.activation_checkpointing else "off"
     return [
-        f"\nSearch{cached}: micro-batch {result.micro_batch_size} x "
-        f"{result.grad_accum_steps} accumulation steps"
-        f" x context {result.seq_len}, checkpointing "
-        f"{'on' if result.activation_checkpointing else 'off'}, "
-        f"{result.precision}, peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"
+        f"\nSearch{cached}: micro-batch {result.micro_batch_size} x {result.grad_accum_steps} "
+        f"accumulation steps x context {result.seq_len}, checkpointing {ckpt}, {result.precision}, "
+        f"peak {result.peak_gb:.2f} of {result.memory_limit_gb:.1f} GB"
     ] + [f"  - {n}" for n in result.notes]
 
 
 def plan_table(plan: SizePlan) -> list[tuple[str, ...]]:
     """The plan as rows: a header, then one per candidate, the choice marked."""
     rows = [("size", "params", "tokens/s", "tokens", "tokens/param", "epochs", "pred. loss", "")]
-    for c in plan.candidates:
-        rows.append(
-            (
-                c.size,
-                count(c.params),
-                f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
-                count(c.tokens),
-                _per_param(c.tokens_per_param),
-                "-" if c.epochs is None else f"{c.epochs:.1f}",
-                f"{c.predicted_loss:.3f}",
-                "<- chosen" if c.chosen else "",
-            )
+    return rows + [
+        (
+            c.size,
+            count(c.params),
+            f"{c.tokens_per_s:,.0f}" + ("" if c.timed else " ~"),
+            count(c.tokens),
+            _per_param(c.tokens_per_param),
+            "-" if c.epochs is None else f"{c.epochs:.1f}",
+            f"{c.predicted_loss:.3f}",
+            "<- chosen" if c.chosen else "",
         )
-    return rows
+        for c in plan.candidates
+    ]
 
 
 def plan_note(plan: SizePlan) -> str:
@@ -283,14 +256,10 @@ def plan_note(plan: SizePlan) -> str:
         f"{'' if c.timed else ' ~'}, {count(c.tokens)} tokens in {plan.hours:g} h, "
         f"{_per_param(c.tokens_per_param)} tokens per parameter"
     )
-    scaled = (
-        "; ~ marks a speed scaled by FLOPs from a timed size"
-        if any(not x.timed for x in plan.candidates)
-        else ""
-    )
-    if (
-        len(plan.candidates) == 1
-    ):  # no larger rung left: each would train fewer than MIN_STEPS steps
+    scaled = ""
+    if any(not x.timed for x in plan.candidates):
+        scaled = "; ~ marks a speed scaled by FLOPs from a timed size"
+    if len(plan.candidates) == 1:  # each larger rung would train fewer than MIN_STEPS steps
         return (
             f"size auto: {c.size}, the smallest size and the only one left: {plan.hours:g} h is "
             f"below the range the plan chooses in (every larger size would train fewer than "
@@ -328,9 +297,8 @@ def shortfall_note(plan: SizePlan, tokens: float, tokens_per_s: float) -> str | 
 
 
 class PlanReport(Callback):
-    """Says the plan (the table, then the choice) when training starts; a resumed run says its kept
-    size. Once the time budget has fixed the run's steps, says (once) when they buy fewer than
-    PLAN_SHORTFALL of the tokens the plan counted on (`shortfall_note`)."""
+    """Says the plan when training starts (a resumed run: its kept size), and once the time budget
+    has fixed the run's steps, whether they buy too few tokens (`shortfall_note`)."""
 
     def __init__(self, plan: SizePlan | dict):
         self.plan = plan
@@ -339,11 +307,8 @@ class PlanReport(Callback):
     def on_step(self, trainer: Any) -> None:
         if self.told or isinstance(self.plan, dict) or not trainer.step_s or not trainer.max_steps:
             return
-        note = shortfall_note(
-            self.plan,
-            trainer.max_steps * trainer.cfg.tokens_per_step,
-            trainer.cfg.tokens_per_step / trainer.step_s,
-        )
+        per_step = trainer.cfg.tokens_per_step
+        note = shortfall_note(self.plan, trainer.max_steps * per_step, per_step / trainer.step_s)
         if note:
             trainer.say(note)
             self.told = True

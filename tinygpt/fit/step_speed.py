@@ -20,9 +20,8 @@ SPEED_STEPS, SPEED_WARMUP = 8, 4
 
 
 class RandomBatches:
-    """A `BatchSource` of full rows of random tokens, for timing (the speed of a step does not
-    depend on which tokens); its own generator leaves the caller's random state alone.
-    `served_tokens` counts what it served."""
+    """Batches of full rows of random tokens for a `TrainStep` to time (nothing resumes it); its own
+    generator leaves the caller's random state alone. `served_tokens` counts what it served."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int = 0):
         self.vocab_size, self.seq_len = vocab_size, seq_len
@@ -36,39 +35,25 @@ class RandomBatches:
         self.served_tokens += batch_size * self.seq_len
         return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
 
 def trainer_speed(
     recipe: Recipe,
     device: str | torch.device = "auto",
     steps: int = SPEED_STEPS,
     warmup: int = SPEED_WARMUP,
-    compiled: bool = False,
 ) -> float:
-    """Tokens/s of the trainer's own optimizer step for this recipe (its micro-batch, accumulation,
-    precision, loss, optimizer), run eagerly: nothing is compiled (a compile per timing cost more
-    than the timings, and its graphs were thrown away); `compiled`: as the recipe compiles (the
-    benchmarks). The median of `steps` after `warmup`. Nothing is written: the trainer is built and
-    stepped, never fitted."""
+    """Tokens/s of the trainer's own optimizer step for this recipe, the median of `steps` after
+    `warmup`, eagerly (a compile per timing cost more than the timings). Nothing is written: the
+    trainer is stepped, never fitted."""
     dev = resolve_device(str(device))
-    t = dataclasses.replace(
-        recipe.train, device=str(dev), **({} if compiled else {"compile": "off"})
-    )
+    t = dataclasses.replace(recipe.train, device=str(dev), compile="off")
     times = []
     try:
         # the caller's RNG stays as it was
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(0)
-            step = TrainStep(
-                GPT(dataclasses.replace(recipe.model)),
-                t,
-                RandomBatches(recipe.model.vocab_size, t.seq_len),
-            )
+            batches = RandomBatches(recipe.model.vocab_size, t.seq_len)
+            step = TrainStep(GPT(dataclasses.replace(recipe.model)), t, batches)
             for _ in range(warmup + steps):
                 sync(dev)
                 t0 = time.perf_counter()

@@ -1,7 +1,5 @@
-"""Memory trials: one model and optimizer stepped at a micro-batch and context, the step's peak
-measured (or injected), an out-of-memory error in any of its forms caught; the search for the
-largest micro-batch that fits, and the batch geometry that keeps a recipe's tokens per step. The
-probe (`tinygpt.fit.probe`) runs them."""
+"""Memory trials (one model and optimizer stepped at a micro-batch and context, the peak measured),
+the search for the largest micro-batch that fits, and the batch geometry; the probe runs them."""
 
 from __future__ import annotations
 
@@ -51,8 +49,7 @@ def is_allocation_failure(e: BaseException) -> bool:
 
 
 class TrialRunner:
-    """One model and optimizer shared by every trial: rebuilding a 760M model per trial would
-    dominate."""
+    """One model and optimizer for every trial: rebuilding a 760M model per trial would dominate."""
 
     def __init__(
         self,
@@ -63,13 +60,8 @@ class TrialRunner:
         margin: float,
         measure: Callable[[int, int, bool], float] | None,
     ):
-        self.device, self.precision, self.limit_gb, self.margin, self.measure = (
-            device,
-            precision,
-            limit_gb,
-            margin,
-            measure,
-        )
+        self.device, self.precision, self.measure = device, precision, measure
+        self.limit_gb, self.margin = limit_gb, margin
         self.loss = recipe.train.loss  # what each trial's loss does: the trainer's own choice
         torch.manual_seed(0)
         with torch.device(device):
@@ -83,16 +75,12 @@ class TrialRunner:
             p.grad = torch.zeros_like(p)
         self.opt.step()
         held = list(self.model.parameters()) + [p.grad for p in self.model.parameters()]
-        held += [
-            t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-        ]
-        self.held_bytes = sum(
-            {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values()
-        )
+        held += [t for s in self.opt.state.values() for t in s.values()]
+        storages = {t.untyped_storage() for t in held if isinstance(t, torch.Tensor)}
+        self.held_bytes = sum(s.nbytes() for s in storages)
 
     def _step(self, b: int, t: int) -> float:
-        """One optimizer step at full length, then one evaluation forward; returns the step's
-        seconds."""
+        """One optimizer step at full length, then one evaluation forward; the step's seconds."""
         m, v = self.model, self.model.config.vocab_size
         x, y = (torch.randint(v, (b, t), device=self.device) for _ in range(2))
         loss_mode = resolve_loss(self.loss, b * t, v, self.device)
@@ -149,8 +137,7 @@ class TrialRunner:
 
 
 def largest_fit(fits: Callable[[int], bool], cap: int, out_of_time: Callable[[], bool]) -> int:
-    """Double from 1 until a failure (or cap), then bisect between the last fit and the first
-    failure."""
+    """Double from 1 until a failure (or cap), then bisect between the last fit and the failure."""
     ok, bad, b = 0, cap + 1, 1
     while ok < cap and not (ok and out_of_time()):
         if not fits(b):
@@ -165,8 +152,7 @@ def largest_fit(fits: Callable[[int], bool], cap: int, out_of_time: Callable[[],
 
 def batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[int, int, str | None]:
     """(micro_batch, grad_accum, note): a divisor of the recipe's sequences per step keeps its
-    global batch exact; if the best divisor wastes over half the memory, keep the micro-batch and
-    say so."""
+    global batch exact; if the best divisor wastes over half the memory, keep the micro-batch."""
     if tokens_per_step % seq_len == 0:
         seqs = tokens_per_step // seq_len
         d = max(x for x in range(1, min(largest, seqs) + 1) if seqs % x == 0)
@@ -175,15 +161,11 @@ def batch_geometry(largest: int, seq_len: int, tokens_per_step: int) -> tuple[in
     accum = math.ceil(tokens_per_step / (largest * seq_len))
     # the smallest overshoot with this many steps
     micro = math.ceil(tokens_per_step / (accum * seq_len))
-    return (
-        micro,
-        accum,
-        (
-            f"the global batch is {micro * seq_len * accum} tokens per step instead "
-            f"of the recipe's {tokens_per_step}: no micro-batch near {largest} "
-            "divides it exactly"
-        ),
+    note = (
+        f"the global batch is {micro * seq_len * accum} tokens per step instead of the recipe's "
+        f"{tokens_per_step}: no micro-batch near {largest} divides it exactly"
     )
+    return micro, accum, note
 
 
 def sync(dev: torch.device) -> None:
@@ -195,9 +177,8 @@ def sync(dev: torch.device) -> None:
 
 
 def speed_candidates(largest: int, seq_len: int, tokens_per_step: int) -> list[tuple[int, int]]:
-    """The (micro-batch, accumulation) pairs worth timing: the geometry the largest micro-batch that
-    fits gives, and those of about a half and a quarter of it (the largest is not always the
-    fastest)."""
+    """The (micro-batch, accumulation) pairs worth timing: the geometries of the largest micro-batch
+    that fits and of about a half and a quarter of it (the largest is not always the fastest)."""
     out: list[tuple[int, int]] = []
     for limit in (largest, largest // 2, largest // 4):
         if limit >= 1:

@@ -1,20 +1,16 @@
 """A time budget: the number of steps that fit in H hours, measured once, kept with the run.
 
-`tinygpt pretrain --hours H` trains with the warmup-stable-decay schedule, whose learning
-rate does not depend on the step count until the decay begins. After a few steady steps
-the trainer measures the time of a step, of an evaluation and of a checkpoint, fixes
-`max_steps` so that training (start-up not counted) ends within the budget, and writes
-``budget.json`` in the run folder. Until the decay begins it fixes the count again at each
-checkpoint (`refix`) from the mean time of every step so far, evaluations and saves included:
-a machine that slows down (a shared CPU, a GPU that throttles) or a first measurement that was
-lucky no longer moves the end. A resumed run keeps budget.json's step count until it has measured
-its own steps, then fixes it again from that step time (its earlier steps counted at it): the
-steps always come from a step time the training process measured, never from budget.json's
-(which a shared mirror brings back); once the decay has begun the count holds, so it ends with
-its schedule complete however often it was interrupted. Resumed with more hours while still in
-the stable phase, it goes on longer; once the decay has begun, it cannot. A run with no
-checkpoint measures its budget anew, whatever budget.json says.
-`finished_run` tells a run that already reached its last step (budgeted, or the recipe's).
+`tinygpt pretrain --hours H` trains with the warmup-stable-decay schedule, whose learning rate does
+not depend on the step count until the decay begins. After a few steady steps the trainer measures
+the time of a step, of an evaluation and of a checkpoint, fixes `max_steps` so that training
+(start-up not counted) ends within the budget, and writes ``budget.json`` in the run folder. Until
+the decay begins it fixes the count again at each checkpoint (`refix`) from the mean time of every
+step so far, evaluations and saves included: a machine that slows down or a lucky first measurement
+no longer moves the end. A resumed run keeps budget.json's count until it has measured its own
+steps, then fixes it again from that step time: the steps always come from a step time the training
+process measured, never from budget.json's (which a shared mirror brings back). Once the decay has
+begun the count holds, so the run ends with its schedule complete however often it was interrupted;
+more hours extend it only before then. A run with no checkpoint measures its budget anew.
 """
 
 from __future__ import annotations
@@ -75,31 +71,21 @@ class Budget:
             raise RunDirError(
                 f"{path}: hours must be a positive, finite number, got {d.get('hours')!r}{fix}"
             )
-        for name, whole in (
-            ("max_steps", True),
-            ("decided_at_step", True),
-            ("step_s", False),
-            ("decided_at", False),
-        ):
+        measured = ("max_steps", "decided_at_step", "step_s", "decided_at")
+        for name in measured:
+            whole = name in ("max_steps", "decided_at_step")
             if d.get(name) is not None and not number(d[name], whole):
                 kind = "a positive whole number" if whole else "a positive number"
                 raise RunDirError(f"{path}: {name} must be {kind} or null, got {d[name]!r}{fix}")
-        budget = cls(
-            **{
-                k: d.get(k)
-                for k in ("hours", "max_steps", "decided_at_step", "step_s", "decided_at")
-            }
-        )
+        budget = cls(d["hours"], *(d.get(k) for k in measured))
         if (why := budget.out_of_bounds()) is not None:
             raise RunDirError(f"{path}: {why}: not a budget tinygpt decided{fix}")
         return budget
 
     def out_of_bounds(self) -> str | None:
         """Why these figures cannot be a budget tinygpt decided (None when they can): budget.json
-        comes back from a shared mirror, so it must not set a run that never ends. Hours at most
-        MAX_HOURS, a step time of at least MIN_STEP_S, and a step count no larger than the hours buy
-        at that step time (`steps_for`, `extend`: at most hours * 3600 / step_s steps after the step
-        it was decided at) nor MAX_BUDGET_STEPS."""
+        comes back from a shared mirror, so it must not set a run that never ends. No step count
+        above what the hours buy at the step time (`steps_for`, `extend`) nor MAX_BUDGET_STEPS."""
         if self.hours > MAX_HOURS:
             return f"hours {self.hours:g} is more than {MAX_HOURS}"
         if self.step_s is not None and self.step_s < MIN_STEP_S:
@@ -154,10 +140,9 @@ def refix(
     now: float,
 ) -> Budget:
     """The budget fixed again at `step` from `step_s`, the mean time of the steps since training began
-    (`spent_s` ago), evaluations and saves included: the count that ends within the hours
-    (`steps_for`). Only in the stable phase, and never a count whose decay would already have begun
-    (the rate would jump down): a run too slow for that starts its decay at the next step. Unchanged
-    once the decay has begun. The figures stay within `Budget.out_of_bounds`."""
+    (`spent_s` ago): the count that ends within the hours. Only in the stable phase, and never a
+    count whose decay would already have begun (the rate would jump down): a run too slow for that
+    starts its decay at the next step. The figures stay within `Budget.out_of_bounds`."""
     if budget.max_steps is None or step >= decay_start(budget.max_steps, decay_fraction):
         return budget
     steps = steps_for(budget.hours, spent_s, step, step_s, final_s)
@@ -172,8 +157,7 @@ def refix(
 def extend(
     budget: Budget, hours: float, step: int, decay_fraction: float
 ) -> tuple[Budget, str | None]:
-    """A resumed run asked for other hours: more (or
-    fewer) steps while the decay has not begun; a note."""
+    """A resumed run asked for other hours: more (or fewer) steps while the decay has not begun."""
     if budget.max_steps is None or budget.step_s is None or math.isclose(hours, budget.hours):
         return budget, None
     start = decay_start(budget.max_steps, decay_fraction)
@@ -182,9 +166,8 @@ def extend(
             f"the learning rate began its decay at step {start}: this run ends at step "
             f"{budget.max_steps} as budgeted for {budget.hours:g} h; for more, start a new run"
         )
-    steps = max(
-        step + 1, budget.max_steps + math.floor((hours - budget.hours) * 3600 / budget.step_s)
-    )
+    more = math.floor((hours - budget.hours) * 3600 / budget.step_s)
+    steps = max(step + 1, budget.max_steps + more)
     new = Budget(hours, steps, budget.decided_at_step, budget.step_s, budget.decided_at)
     return new, f"budget {budget.hours:g} h -> {hours:g} h: {budget.max_steps} -> {steps} steps"
 
@@ -239,13 +222,11 @@ def finished_run(run_dir: str | Path, recipe_name: str, max_steps: int | None = 
     records = run.metrics()
     loss = next((m["loss"] for m in reversed(records) if m.get("loss") is not None), None)
     val = next((m["val_loss"] for m in reversed(records) if m.get("val_loss") is not None), None)
-    figures = ", ".join(
-        f"{k} {v:.4g}" for k, v in (("loss", loss), ("val_loss", val)) if v is not None
+    figures = "".join(
+        f", {k} {v:.4g}" for k, v in (("loss", loss), ("val_loss", val)) if v is not None
     )
     return (
-        f"run {run_dir} is complete: step {step} of {max_steps}"
-        + (f", {figures}" if figures else "")
-        + f"; checkpoint {last}. To train longer: the same command with --max-steps "
-        f"{2 * max_steps} "
-        "(the learning-rate schedule is recomputed for the new end)"
+        f"run {run_dir} is complete: step {step} of {max_steps}{figures}; checkpoint {last}. To "
+        f"train longer: the same command with --max-steps {2 * max_steps} (the learning-rate "
+        "schedule is recomputed for the new end)"
     )

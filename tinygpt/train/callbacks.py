@@ -1,7 +1,5 @@
 """The side concerns of a run, each a `Callback` that decides its own timing: the progress display,
-the start-up record with the compile cache, MFU, TensorBoard; and the samples a run writes. (The
-time budget's `TimeBudget` (time_budget.py), the Drive `Mirror` in tinygpt.sync and the notebooks'
-plots are callbacks too.)
+the start-up record with the compile cache, MFU, TensorBoard, and the samples a run writes.
 """
 
 from __future__ import annotations
@@ -49,15 +47,10 @@ class TensorBoardLogger(Callback):
             self.writer = self.summary_writer(str(self.log_dir))
 
     def on_log(self, metrics: dict) -> None:
-        step = metrics["step"]
         for k, v in metrics.items():
-            if (
-                self.writer is not None
-                and k != "step"
-                and isinstance(v, (int, float))
-                and v is not None
-            ):
-                self.writer.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, step)
+            if self.writer is not None and k != "step" and isinstance(v, (int, float)):
+                name = f"train/{k}" if k != "val_loss" else "val/loss"
+                self.writer.add_scalar(name, v, metrics["step"])
 
     def close(self) -> None:
         if self.writer is not None:
@@ -87,11 +80,9 @@ def write_sample(
 
 
 class Samples(Callback):
-    """What the model writes, appended to samples.txt on rank 0: every `every` steps
-    (train.sample_every; 0: none on the way, as nanochat's "once in a while" sample) and once when
-    the run reaches its last step, from that step's checkpoint (a run stopped by a signal writes
-    none). Under FSDP rank 0 holds only a shard: `whole` (the model's config) rebuilds the model
-    from that checkpoint, and only the end is sampled (`pretrain` refuses sample_every there)."""
+    """What the model writes, appended to samples.txt on rank 0: every `every` steps (0: none on the
+    way) and once when the run reaches its last step, from that step's checkpoint. Under FSDP rank 0
+    holds only a shard: `whole` (the model's config) rebuilds the model from that checkpoint."""
 
     def __init__(
         self,
@@ -101,13 +92,8 @@ class Samples(Callback):
         prompt: str | None = None,
         whole: ModelConfig | None = None,
     ):
-        self.tokenizer, self.run_dir, self.every, self.prompt = (
-            tokenizer,
-            Path(run_dir),
-            every,
-            prompt,
-        )
-        self.whole = whole
+        self.tokenizer, self.run_dir, self.every = tokenizer, Path(run_dir), every
+        self.prompt, self.whole = prompt, whole
         self.trainer: Any = None
 
     def on_start(self, trainer: Any, resumed_from: int | None) -> None:
@@ -116,12 +102,8 @@ class Samples(Callback):
             RunDir(self.run_dir).keep_samples_through(resumed_from or 0)
 
     def on_step(self, trainer: Any) -> None:
-        if (
-            self.every
-            and trainer.step % self.every == 0
-            and trainer.step != trainer.max_steps
-            and trainer.is_main
-        ):
+        due = self.every and trainer.step % self.every == 0 and trainer.step != trainer.max_steps
+        if due and trainer.is_main:
             write_sample(trainer.model, self.tokenizer, self.run_dir, trainer.step, self.prompt)
 
     def on_checkpoint(self, path: str | Path, step: int) -> None:
@@ -196,9 +178,8 @@ class Progress(Callback):
         if now - self._last_line >= self.min_interval_s or m["step"] == t.max_steps:
             self._last_line = now
             of = f"/{t.max_steps}" if t.max_steps else ""
-            self.on_message(
-                f"training step {m['step']}{of}: " + ", ".join(f"{k} {v}" for k, v in post.items())
-            )
+            fields = ", ".join(f"{k} {v}" for k, v in post.items())
+            self.on_message(f"training step {m['step']}{of}: {fields}")
 
     def on_message(self, text: str) -> None:
         if self.bar is not None:
@@ -229,9 +210,8 @@ def _in_notebook() -> bool:
 
 
 class StartupReport(Callback):
-    """After the first step of this process: keep the compiler's work
-    for the next VM (the compile cache, loaded before the first step),
-    record where start-up went in metrics.jsonl, and say it."""
+    """After the first step of this process: keep the compiler's work for the next VM (the compile
+    cache, loaded before the first step), record where start-up went in metrics.jsonl, say it."""
 
     def __init__(self, clock: StartupClock | None, compile_cache: CompileCache | None = None):
         self.clock, self.compile_cache, self.done = clock, compile_cache, False
@@ -277,13 +257,9 @@ class MFU(Callback):
             self.flops_per_token = trainer.model.flops_per_token(trainer.cfg.seq_len)
 
     def on_metrics(self, m: dict) -> None:
-        if m.get("tokens_per_s") and self.peak_tflops and self.flops_per_token:  # peak is one GPU's
-            m["mfu"] = round(
-                m["tokens_per_s"]
-                * self.flops_per_token
-                / (self.peak_tflops * 1e12 * self.world_size),
-                4,
-            )
+        if m.get("tokens_per_s") and self.peak_tflops and self.flops_per_token:
+            peak = self.peak_tflops * 1e12 * self.world_size  # the table's peak is one GPU's
+            m["mfu"] = round(m["tokens_per_s"] * self.flops_per_token / peak, 4)
 
 
 def progress_bar(**kwargs):
@@ -294,7 +270,9 @@ def progress_bar(**kwargs):
         return tqdm(**kwargs)
     kwargs.pop("file", None)
     bar = tqdm(display=False, **kwargs)
-    handle = _display(_widget_bundle(bar.container), display_id=True)
+    from IPython.display import display  # a notebook bar implies IPython
+
+    handle = display(_widget_bundle(bar.container), raw=True, display_id=True)
     close = bar.close
 
     def close_and_keep_last_state() -> None:
@@ -310,20 +288,11 @@ def progress_bar(**kwargs):
 
 
 def _widget_bundle(widget) -> dict:
-    """The widget's display data, published by us. ipywidgets 7 (Colab's) displays
-    a widget through its own `_ipython_display_`, which drops the display id: the
-    closing update then matched no output, and the saved notebook kept the bar at
-    0%. The same bundle under our display id updates in any front end."""
+    """The widget's display data, published by us. ipywidgets 7 (Colab's) displays a widget through
+    its own `_ipython_display_`, which drops the display id: the closing update then matched no
+    output, and the saved notebook kept the bar at 0%."""
     text = repr(widget)
     return {
         "text/plain": text[:110] + "…" if len(text) > 110 else text,
         "application/vnd.jupyter.widget-view+json": widget.get_view_spec(),
     }
-
-
-def _display(obj, display_id: bool):
-    try:
-        from IPython.display import display
-    except ImportError:  # pragma: no cover - a notebook bar implies IPython
-        return None
-    return display(obj, raw=True, display_id=display_id)

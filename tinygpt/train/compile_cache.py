@@ -1,17 +1,10 @@
-"""The compiler's cache kept in the run folder, so
-a new VM on the same GPU skips most of the compile.
+"""The compiler's cache kept in the run folder (``compile_cache.bin``, mirrored with the run), so a
+new VM on the same GPU skips most of the compile: saved after the first compiled step, loaded before
+a resumed run's first. A cache for another GPU, torch version or model shape is ignored with a note.
 
-After the first compiled step the trainer saves
-`torch.compiler.save_cache_artifacts()` to ``run_dir/compile_cache.bin`` (mirrored
-to Drive with the run's files); a resumed run loads it before its first step. A
-cache for another GPU, torch version or model shape is ignored with a one-line note.
-
-Trust: the artifacts hold generated code that runs, and a mirror is a shared folder anyone with
-access may write. So the file is signed (HMAC-SHA256) with a key only this user holds, and the key
-never lives on the mirror: it is $TINYGPT_COMPILE_KEY, else Colab's secret of that name, else a key
-file in the local tinygpt cache folder (made on first use, 0600; refused when another user owns it
-or others may write it). A new VM without the first two has a new key, so a cache from Drive does
-not verify and is compiled afresh (one line says how to carry the key). Even a signed cache is
+Trust: the artifacts hold generated code that runs, and a mirror is a shared folder others may
+write. So the file is signed (HMAC-SHA256) with a key only this user holds and that never lives on
+the mirror (`signing_key`); a cache that does not verify is compiled afresh. Even a signed cache is
 unpacked here first: every artifact's destination must lie inside torch's own cache folder, else
 the whole cache is refused before anything is written.
 
@@ -78,8 +71,7 @@ def _new_key_file(path: Path) -> bytes | None:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """`data` in a new file only this user may read (never
-    through a link); removed again if the write fails."""
+    """`data` in a new private file (never through a link); removed again if the write fails."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -90,10 +82,9 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def signing_key() -> tuple[bytes | None, str | None]:
-    """(this user's key, a note). The key is derived from $TINYGPT_COMPILE_KEY
-    or Colab's secret of that name, else read from (or first made in) the
-    local key file; never from a mirror. (None, why) when the local key file
-    is not this user's alone: the cache is then neither loaded nor saved."""
+    """(this user's key, a note): derived from $TINYGPT_COMPILE_KEY or Colab's secret of that name,
+    else read from (or first made in) the local key file; never from a mirror. (None, why) when the
+    local key file is not this user's alone: the cache is then neither loaded nor saved."""
     given = os.environ.get(KEY_ENV) or _colab_secret()
     if given:
         return hashlib.sha256(b"tinygpt-compile-cache\0" + given.encode()).digest(), None
@@ -191,10 +182,8 @@ def checked_artifacts(payload: bytes):
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return (
-            f"{torch.cuda.get_device_name(device)} "
-            f"sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-        )
+        sm = "".join(map(str, torch.cuda.get_device_capability(device)))
+        return f"{torch.cuda.get_device_name(device)} sm{sm}"
     return f"{device.type}-{platform.machine()}"
 
 
@@ -207,9 +196,8 @@ def describe(
     mode: str,
 ) -> dict:
     """What a compiled graph depends on: the cache is reused only when all of it is the same."""
-    shapes = hashlib.sha256(
-        repr([(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]).encode()
-    ).hexdigest()[:16]
+    params = [(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    shapes = hashlib.sha256(repr(params).encode()).hexdigest()[:16]
     return {
         "torch": torch.__version__,
         "device": device_name(device),
@@ -225,21 +213,15 @@ class CompileCache:
     key (`signing_key` refused the key file) nothing is loaded or saved and `load` says why."""
 
     def __init__(self, run_dir: Path, key: bytes | None, what: dict, key_note: str | None = None):
-        self.path, self.key, self.what, self.key_note = (
-            Path(run_dir) / COMPILE_CACHE,
-            key,
-            what,
-            key_note,
-        )
+        self.path, self.key = Path(run_dir) / COMPILE_CACHE, key
+        self.what, self.key_note = what, key_note
 
     def _sign(self, payload: bytes) -> str:
-        return hmac.new(
-            self.key, json.dumps(self.what, sort_keys=True).encode() + payload, "sha256"
-        ).hexdigest()
+        what = json.dumps(self.what, sort_keys=True).encode()
+        return hmac.new(self.key, what + payload, "sha256").hexdigest()
 
     def load(self) -> str | None:
-        """Load the artifacts if they are ours and for
-        this setup; a one-line note of what happened."""
+        """Load the artifacts if ours and for this setup; a one-line note of what happened."""
         if self.key is None:
             return self.key_note
         if not self.path.is_file() or self.path.is_symlink():
@@ -250,10 +232,9 @@ class CompileCache:
         except (OSError, ValueError):  # FileTooLarge and UnsafePathError are ValueErrors
             return f"{self.path.name} is unreadable: ignored, compiling from scratch"
         if header.get("what") != self.what:
+            theirs = header.get("what", {})
             diff = ", ".join(
-                f"{k} {header.get('what', {}).get(k)} vs {v}"
-                for k, v in self.what.items()
-                if header.get("what", {}).get(k) != v
+                f"{k} {theirs.get(k)} vs {v}" for k, v in self.what.items() if theirs.get(k) != v
             )
             return (
                 f"the compile cache is for another setup ({diff}): ignored, compiling from scratch"
@@ -288,8 +269,7 @@ class CompileCache:
         return f"compile cache loaded ({len(payload) / 1e6:.1f} MB)"
 
     def save(self) -> int:
-        """Write this process's artifacts; their size in
-        bytes (0 if there were none or it failed)."""
+        """Write this process's artifacts; their size in bytes (0: none, or it failed)."""
         if self.key is None:
             return 0
         try:

@@ -1,14 +1,10 @@
 """Several processes under `torchrun`: the process group, DDP or FSDP2, and the global batch.
 
-torchrun starts one process per GPU and tells each its RANK, WORLD_SIZE and LOCAL_RANK. The
-recipe's batch is the global one: with W processes each takes 1/W of every step (fewer
-accumulation micro-steps, or smaller micro-batches), and the sampler hands rank r its share of
-the same global order, so a run on W GPUs follows the single-GPU run step for step, and a
-checkpoint moves freely between world sizes. Checkpoints always hold the full, unsharded state
-in the single-process format (gathered to rank 0 under FSDP2); rank 0 writes them.
-
-The torch.distributed submodules (DDP, FSDP2, DTensor, distributed checkpoint) are imported inside
-the functions that use them: a single-process run, the common case in Colab, never loads them.
+The recipe's batch is the global one: with W processes each takes 1/W of every step, and the
+sampler hands rank r its share of the same global order, so a run on W GPUs follows the single-GPU
+run step for step. Checkpoints always hold the full state in the single-process format (gathered to
+rank 0 under FSDP2), so one moves freely between world sizes. The torch.distributed submodules are
+imported inside the functions that use them: a single-process run never loads them.
 """
 
 from __future__ import annotations
@@ -121,8 +117,7 @@ def rank_device(requested: str, local_rank: int) -> torch.device:
 def process_group(
     env: TorchrunEnv, device: torch.device, timeout_s: float = TIMEOUT_S
 ) -> Iterator[None]:
-    """Join the job's process group (NCCL for GPU tensors,
-    gloo for CPU ones) and leave it at the end."""
+    """Join the job's process group (NCCL for GPU tensors, gloo for CPU ones), then leave it."""
     if _active():  # the caller set it up: leave it as it is
         yield
         return
@@ -186,10 +181,9 @@ def wrap_model(
     model: torch.nn.Module, parallel: str, device: torch.device, use_compile: bool
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the module that trains, the module that evaluates) for `parallel` over the default group.
-
-    DDP wraps the compiled model (as nanoGPT does); evaluation runs the compiled model without
-    DDP, so it needs no collective. FSDP2 shards each transformer block and the root in place
-    (`model` itself becomes the sharded module); blocks are compiled one by one before sharding."""
+    DDP wraps the compiled model (as nanoGPT does); evaluation runs the compiled model without DDP,
+    so it needs no collective. FSDP2 shards each transformer block (compiled first) and the root in
+    place."""
     if not _active():
         raise RuntimeError(
             "training with world_size > 1 needs a process group: start under torchrun "
@@ -201,11 +195,8 @@ def wrap_model(
         compiled = torch.compile(model) if use_compile else model
         # The rope tables are buffers that never change: broadcasting them every forward is waste
         # (newer torch names the switch forward_sync_buffers and deprecates broadcast_buffers).
-        no_buffer_sync = (
-            {"forward_sync_buffers": False}
-            if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-            else {"broadcast_buffers": False}
-        )
+        newer = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+        no_buffer_sync = {"forward_sync_buffers" if newer else "broadcast_buffers": False}
         ddp = DDP(
             compiled,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -236,8 +227,7 @@ def wrap_model(
 
 
 def gradient_sync(forward_model: torch.nn.Module, model: torch.nn.Module, sync: bool):
-    """A context for one micro-step: gradients are reduced
-    across ranks only when `sync` (the last one)."""
+    """A context for one micro-step: gradients are reduced across ranks only when `sync`."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a flag, not a context
         model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
@@ -247,8 +237,7 @@ def gradient_sync(forward_model: torch.nn.Module, model: torch.nn.Module, sync: 
 
 
 def grad_scaler(precision, model: torch.nn.Module) -> torch.amp.GradScaler:
-    """The precision's GradScaler; under FSDP2 one that
-    agrees across ranks on inf/NaN in sharded gradients."""
+    """The precision's GradScaler; under FSDP2 one that agrees across ranks on inf/NaN."""
     if precision.use_scaler and _active() and is_fsdp(model):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -287,8 +276,7 @@ def _full_options(**kw):
 
 
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """For each optimizer group, the parameter names
-    in order (a tied matrix under its first name)."""
+    """Each optimizer group's parameter names in order (a tied matrix under its first name)."""
     names = {}
     for n, p in model.named_parameters():
         names.setdefault(id(p), n)
@@ -298,12 +286,9 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
 def gather_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state_fn: Callable, rank: int
 ) -> tuple[dict | None, dict | None]:
-    """(model state, optimizer state) in the single-process
-    format on rank 0, (None, None) elsewhere.
-
-    Under FSDP2 this is a collective (every rank calls it; full tensors
-    land on rank 0's CPU) and the optimizer state is re-keyed from
-    parameter names to the indices `Optimizer.state_dict` uses."""
+    """(model state, optimizer state) in the single-process format on rank 0, (None, None)
+    elsewhere. Under FSDP2 a collective (full tensors land on rank 0's CPU); the optimizer state is
+    re-keyed from parameter names to the indices `Optimizer.state_dict` uses."""
     if not (_active() and is_fsdp(model)):
         return (state_fn(model), optimizer.state_dict()) if rank == 0 else (None, None)
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -361,20 +346,13 @@ def load_state(
         live.update({k: v for k, v in saved.items() if k != "params"})
 
 
-_PEER_HINTS = (
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "nccl",
-    "gloo",
-)
+# how a lost peer reads in an error (lower case), the backends naming themselves included
+_PEER_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
+_PEER_HINTS += ("nccl", "gloo")
 
 
 def is_peer_failure(e: BaseException) -> bool:
-    """Whether an exception looks like a collective
-    that lost its peers (dead, hung, unreachable)."""
+    """Whether an error looks like a collective that lost its peers (dead, hung, unreachable)."""
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _PEER_HINTS)

@@ -1,8 +1,6 @@
-"""Exact resume: what a checkpoint keeps beside the weights (`train_state_of`: the step, the
-optimizer, the scaler, the sampler's position, every RNG), how it comes back (`load_train_state`),
-and which training settings may differ when it does (`RESUMABLE_CHANGES`, `resume_refusal`).
-Everything is stored in a weights-only form, so a checkpoint loads with
-`torch.load(weights_only=True)` and can never run code.
+"""Exact resume: what a checkpoint keeps beside the weights (`train_state_of`), how it comes back
+(`load_train_state`), and which training settings may differ when it does (`resume_refusal`).
+Everything is stored in a weights-only form (`torch.load(weights_only=True)` never runs code).
 """
 
 from __future__ import annotations
@@ -19,28 +17,16 @@ from tinygpt.core.same_settings import config_differences
 from tinygpt.train import distributed as dist_
 from tinygpt.train.step import TrainStep
 
-# Fields that may change between a run and its resumption; any other difference is refused.
+# Fields that may change between a run and its resumption (how long it runs, what it logs,
+# evaluates, saves and samples, and how its steps are run); any other difference is refused.
 RESUMABLE_CHANGES = frozenset(
-    {
-        "max_steps",
-        "eval_every",
-        "save_every",
-        "log_every",
-        "keep_last",
-        "sample_every",
-        "compile",
-        "device",
-        "eval_batches",
-        "loss",
-    }
+    {"max_steps", "eval_every", "save_every", "log_every", "keep_last", "sample_every"}
+    | {"eval_batches", "compile", "device", "loss"}
 )
 
 
 def train_state_of(
-    ts: TrainStep,
-    optimizer_state: dict,
-    best_val_loss: float | None,
-    run_info: dict,
+    ts: TrainStep, optimizer_state: dict, best_val_loss: float | None, run_info: dict
 ) -> dict[str, Any]:
     """A checkpoint's state.pt: everything `load_train_state` needs to go on exactly, plus the
     training configuration and world size it was written with (`resume_refusal` reads them)."""
@@ -78,8 +64,7 @@ def resume_refusal(path: Path, state: dict, cfg: TrainConfig) -> str | None:
 
 
 def load_train_state(ts: TrainStep, model_sd: dict, state: dict, load_state_fn: Callable) -> None:
-    """Bring back a checkpoint that `resume_refusal` accepted: the weights, the optimizer, the
-    scaler, the sampler's position, every RNG and the step."""
+    """Bring back a checkpoint `resume_refusal` accepted (weights, optimizer, sampler, RNGs...)."""
     # What exact resume needs, each for its reason: the weights and the optimizer's moments (the
     # next update), the fp16 scaler's scale (the next step's overflow check), the sampler's
     # position (the next batch: the order itself follows from the seed, see WindowSampler), and
@@ -120,15 +105,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(s: dict[str, Any]) -> None:
     py, npy = s["python"], s["numpy"]
     random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    np.random.set_state(
-        (
-            npy["kind"],
-            npy["keys"].numpy().astype(np.uint32),
-            npy["pos"],
-            npy["has_gauss"],
-            npy["cached"],
-        )
-    )
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached"]))
     torch.set_rng_state(s["torch"])
     if "cuda" in s and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])

@@ -76,10 +76,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def split_muon_params(
     model: torch.nn.Module,
 ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """(hidden 2-D matrices for Muon, other 2-D weights for AdamW with decay, the rest without).
-
-    A tied embedding / lm_head matrix is met twice under two names; it is counted once, on AdamW.
-    A model with fused projections (`ModelConfig.fused_proj`) is refused: see FUSED_PROJ_MUON."""
+    """(hidden 2-D matrices for Muon, other 2-D weights for AdamW with decay, the rest without). A
+    tied embedding / lm_head matrix (met under two names) is counted once, on AdamW; fused
+    projections are refused (FUSED_PROJ_MUON)."""
     by_id: dict[int, tuple[torch.nn.Parameter, bool]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if not p.requires_grad:
@@ -97,11 +96,9 @@ def split_muon_params(
 
 class EagerOptimizer(torch.optim.Optimizer):
     """torch's Optimizer without the compiler's import, for a process that never compiles. torch
-    wraps `add_param_group`, `zero_grad`, `state_dict` and `load_state_dict` in
-    `torch._disable_dynamo`, and AdamW's step in `_use_grad_for_differentiable`: each imports
-    torch._dynamo on its first call (about 1.5 CPU-seconds, as much as `import torch`) only to keep
-    the compiler from tracing into it. These are the functions they wrap (`__wrapped__`; where a
-    torch has none, its own method)."""
+    wraps these methods in `torch._disable_dynamo` (and AdamW's step in
+    `_use_grad_for_differentiable`), which imports torch._dynamo on its first call (about 1.5
+    CPU-seconds, as much as `import torch`) only to keep the compiler out; these are the wrapped."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
@@ -125,13 +122,10 @@ EagerAdamW = eager(torch.optim.AdamW)
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon for the hidden matrices, AdamW for the rest, behaving as one optimizer.
-
-    The groups in `param_groups` are the very dicts the two inner optimizers step with, and they
-    share one `state`, so the trainer's per-step ``group["lr"] = lr * group["lr_scale"]``,
-    ``GradScaler.unscale_`` (which walks `param_groups`), ``clip_grad_norm_``, ``state_dict`` and
-    ``load_state_dict`` all see a single ordinary optimizer.
-    """
+    """Muon for the hidden matrices, AdamW for the rest, behaving as one optimizer: the groups in
+    `param_groups` are the very dicts the two inner optimizers step with, and they share one
+    `state`, so the trainer's per-step lr, ``GradScaler.unscale_``, ``clip_grad_norm_`` and the
+    state dicts all see a single ordinary optimizer."""
 
     def __init__(
         self,
@@ -219,9 +213,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon_step_scaled(
         self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
     ) -> None:
-        """torch.optim.Muon's update (`torch.optim._muon`), unscaled by
-        `grad_scale` and made a no-op on the device when `found_inf` is set
-        (gradients zeroed, the momentum's, the decay's and the update's weights
+        """torch.optim.Muon's update, unscaled by `grad_scale` and made a no-op on the device when
+        `found_inf` is set (gradients zeroed, the momentum's, the decay's and the update's weights
         chosen by a device-side `where`), so no value is read back to the host."""
         from torch.optim._muon import _adjust_lr
 
@@ -239,9 +232,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 grad = torch.where(skip, 0.0, grad)  # inf * 0 would be nan
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        grad, memory_format=torch.preserve_format
-                    )
+                    state["momentum_buffer"] = torch.zeros_like(grad)
                 buf = state["momentum_buffer"]
                 # the factors in fp32, rounded as torch rounds
                 # the Python numbers Muon passes: the same steps
@@ -270,32 +261,29 @@ def rate_groups(
 ) -> list[dict]:
     """AdamW's decayed matrices as groups: one at lr, or, where `embed_lr_scale` or `head_lr_scale`
     differ from 1, the input embedding and the head (untied; a tied matrix is the embedding) each in
-    a group of its own rate, its weight decay divided by the same factor (as Muon's: lr * weight_decay,
-    the decay per step, stays AdamW's). Default rates keep the one group, so checkpoints keep their
-    layout."""
+    a `scaled_group` of its own. Default rates keep one group, so checkpoints keep their layout."""
     scales = {"embed": cfg.embed_lr_scale, "lm_head": cfg.head_lr_scale}
+    if all(s == 1.0 for s in scales.values()):
+        scales = {}
     first_name = {id(p): n for n, p in model.named_parameters()}
-    kinds = (
-        {key: [p for p in params if key in first_name[id(p)]] for key in scales}
-        if any(s != 1.0 for s in scales.values())
-        else {}
-    )
+    kinds = {key: [p for p in params if key in first_name[id(p)]] for key in scales}
     taken = {id(p) for ps in kinds.values() for p in ps}
     rest = [p for p in params if id(p) not in taken]
-    groups = [
-        {
-            "params": ps,
-            "lr": cfg.lr * scales[k],
-            "lr_scale": scales[k],
-            "weight_decay": cfg.weight_decay / scales[k],
-        }
-        for k, ps in kinds.items()
-        if ps
-    ]
     return [
         {"params": rest, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": cfg.weight_decay},
-        *groups,
+        *(scaled_group(ps, cfg, scales[k]) for k, ps in kinds.items() if ps),
     ]
+
+
+def scaled_group(params: list, cfg: TrainConfig, scale: float) -> dict:
+    """A group at `scale` times cfg.lr, its weight decay divided by `scale`: lr * weight_decay, the
+    decay per step, stays AdamW's."""
+    return {
+        "params": params,
+        "lr": cfg.lr * scale,
+        "lr_scale": scale,
+        "weight_decay": cfg.weight_decay / scale,
+    }
 
 
 def build_optimizer(
@@ -306,9 +294,8 @@ def build_optimizer(
     muon_lr_scale: float = MUON_LR_SCALE,
     compiled: bool = True,
 ) -> torch.optim.Optimizer:
-    """The optimizer for `cfg.optimizer`; the learning rate is set by the trainer every step
-    (times each group's ``lr_scale``). Where nothing is `compiled`, the Eager classes: the same
-    steps, without importing the compiler."""
+    """The optimizer for `cfg.optimizer` (the trainer sets the rate every step, times each group's
+    ``lr_scale``); where nothing is `compiled`, the same steps without importing the compiler."""
     betas = (cfg.beta1, cfg.beta2)
     fused = device_type == "cuda"
     if cfg.optimizer == "adamw":
@@ -317,20 +304,13 @@ def build_optimizer(
         return adamw(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=fused)
     if cfg.optimizer == "muon":
         muon, decay, no_decay = split_muon_params(model)
-        # Muon decays by lr * weight_decay per step, as AdamW: keep that product equal to AdamW's.
-        muon_groups = [
-            {
-                "params": muon,
-                "lr": cfg.lr * muon_lr_scale,
-                "lr_scale": muon_lr_scale,
-                "weight_decay": cfg.weight_decay / muon_lr_scale,
-                **({"coeffs": cfg.muon_coeffs} if cfg.muon_coeffs != "newton-schulz" else {}),
-            }
-        ]
+        muon_group = scaled_group(muon, cfg, muon_lr_scale)
+        if cfg.muon_coeffs != "newton-schulz":
+            muon_group["coeffs"] = cfg.muon_coeffs
         adamw_groups = [
             *rate_groups(model, decay, cfg),
             {"params": no_decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0},
         ]
         muon_adamw = MuonAdamW if compiled else EagerMuonAdamW
-        return muon_adamw(muon_groups, adamw_groups, lr=cfg.lr, betas=betas, fused=fused)
+        return muon_adamw([muon_group], adamw_groups, lr=cfg.lr, betas=betas, fused=fused)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose adamw or muon")

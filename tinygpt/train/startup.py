@@ -1,9 +1,6 @@
-"""Where start-up time goes: the seconds from the
-start of a run to its first training step, by phase.
-
-Every pretraining run prints the breakdown once its first step is done and records it in
-metrics.jsonl as {"step": N, "startup": {...}} (a resumed run records its own start-up at its own
-first step). Phases are marked in order; each is the time since the previous mark.
+"""Where start-up time goes: the seconds from the start of a run to its first training step, by
+phase, printed and recorded in metrics.jsonl as {"step": N, "startup": {...}} (a resumed run
+records its own). Each phase is the time since the previous mark.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ def compile_seconds() -> float:
 
 
 class StartupClock:
-    """Phases of a start-up, in the order marked: restore (from
-    the mirror), probe, tokenizer, data, model, first step."""
+    """Phases of a start-up, in the order marked (restore, probe, tokenizer, data, model, ...)."""
 
     def __init__(self) -> None:
         self.t0 = self.last = time.perf_counter()

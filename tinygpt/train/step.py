@@ -1,10 +1,6 @@
-"""One optimizer step, and what it needs: the model compiled (whole, or block by block), the batch
-source, the learning-rate schedule.
-
-`TrainStep` is one optimizer step and nothing else: `grad_accum_steps` micro-batches whose summed
-token losses are divided by the number of target tokens in the whole step, so accumulation gives the
-same gradient as one big batch (also when prompt tokens are masked). The probe and the benchmarks
-time it; the Trainer (`tinygpt.train.trainer`) runs it.
+"""One optimizer step (`TrainStep`) and what it needs: the model compiled (whole, or block by
+block), the batch source, the learning-rate schedule. The probe and the benchmarks time it; the
+Trainer (`tinygpt.train.trainer`) runs it.
 """
 
 from __future__ import annotations
@@ -31,10 +27,9 @@ from tinygpt.train.optim import build_optimizer
 
 
 def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The model's stack of transformer blocks, as the model declares it: a tinygpt GPT's
-    `blocks()`, or in a Hugging Face model the `nn.ModuleList` of the layer classes its
-    `_no_split_modules` names (transformers' list of the layers kept whole), under `FinetuneLoss`
-    and PEFT's wrappers too. None if the model declares none."""
+    """The model's stack of transformer blocks: a tinygpt GPT's `blocks()`, or in a Hugging Face
+    model (under `FinetuneLoss` and PEFT's wrappers too) the `nn.ModuleList` of the layer classes
+    its `_no_split_modules` names. None if the model declares none."""
     for module in model.modules():
         if isinstance(module, GPT):
             return module.blocks()
@@ -58,15 +53,14 @@ def regional(model: torch.nn.Module, mode: str) -> bool:
 
 def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     """The model to run steps with. By regions (`regional`): each transformer block compiled in
-    place (identical blocks share one compiled graph, so compile time does not grow with depth; a
-    tinygpt GPT's with fullgraph and static shapes: a graph break is an error), the head and the
-    loss a second region (`regional_loss`); otherwise the whole model, as one graph."""
+    place (identical blocks share one graph, so compile time does not grow with depth), the head and
+    the loss a second region (`regional_loss`); otherwise the whole model, as one graph."""
     blocks = transformer_blocks(model) if regional(model, mode) else None
     if blocks is not None:
+        # a tinygpt GPT's blocks as whole graphs of static shapes: a graph break is an error
+        strict = {"fullgraph": True, "dynamic": False} if isinstance(model, GPT) else {}
         for block in blocks:
-            block.compile(
-                **({"fullgraph": True, "dynamic": False} if isinstance(model, GPT) else {})
-            )
+            block.compile(**strict)
         return model
     return torch.compile(model)
 
@@ -84,24 +78,20 @@ def regional_loss(
     reduction: str = "sum",
     mask=None,
 ) -> torch.Tensor:
-    """A tinygpt GPT's token loss (summed, as `default_loss`) with the head and the loss compiled as
-    one region of their own; the embedding and the blocks as `compiled` left them. `mask`: as
-    `default_loss`'s."""
+    """`default_loss` with the head and the loss compiled as one region of their own."""
     return _head_and_loss()(model.lm_head, model.hidden_states(x, mask=mask), y, reduction, loss)
 
 
 def eager():
     """Run compiled code eagerly inside this block (no compile, no recompile), where torch can.
     A process that has not imported the compiler has no compiled code (and is spared its import)."""
-    stance = getattr(torch.compiler, "set_stance", None)
-    if "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+    if "torch._dynamo" in sys.modules and hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
 
 
 class BatchSource(Protocol):
-    """Batches are (x, y) or (x, y, *extra): extra tensors (e.g. position ids of packed records) go
-    to `loss_fn` after y."""
+    """Batches are (x, y, *extra): extra tensors (packed records' position ids) go to `loss_fn`."""
 
     def next_batch(
         self, batch_size: int, rank: int = 0, world_size: int = 1
@@ -112,10 +102,9 @@ class BatchSource(Protocol):
 
 @dataclass
 class ModelIO:
-    """How the trainer takes a model's loss and saves it, where that is not a tinygpt GPT's way.
-    `loss_fn(model, x, y, *extra)` returns the summed token loss (extra: tensors a batch carries
-    after y); `state_fn` / `load_state_fn` choose what a checkpoint holds (only the adapters, for
-    LoRA)."""
+    """How the trainer takes a model's loss and saves it, where that is not a tinygpt GPT's way:
+    `loss_fn(model, x, y, *extra)` returns the summed token loss; `state_fn` / `load_state_fn`
+    choose what a checkpoint holds (only the adapters, for LoRA)."""
 
     loss_fn: Callable | None = None
     state_fn: Callable | None = None
@@ -124,8 +113,7 @@ class ModelIO:
 
 @dataclass
 class StepResult:
-    """What one optimizer step leaves on the device for the actions after it (nothing is read back
-    yet)."""
+    """What one optimizer step leaves on the device for the actions after it (not read back yet)."""
 
     lr: float
     loss_sum: torch.Tensor  # summed token loss of the step (this rank's, until reduced)
@@ -135,10 +123,8 @@ class StepResult:
 
 class TrainStep:
     """The optimizer step of `model` on batches from `source`, and nothing else: no run folder, no
-    logging. The probe and the benchmarks time it; the Trainer runs it. Device and precision come
-    from `cfg` (`device`, `precision`); with `ranks.world_size` > 1 (an initialised process group,
-    see `tinygpt.train.distributed`) `cfg` is the global batch and this rank trains its share with
-    DDP or FSDP2."""
+    logging. With `ranks.world_size` > 1 (an initialised process group) `cfg` is the global batch
+    and this rank trains its share with DDP or FSDP2."""
 
     def __init__(
         self,
@@ -191,13 +177,8 @@ class TrainStep:
         self.use_compile = cfg.compile in ("on", "regional") or (
             cfg.compile == "auto" and self.device.type == "cuda"
         )
-        by_region = (
-            io.loss_fn is None
-            and ranks.world_size == 1
-            and isinstance(model, GPT)
-            and self.use_compile
-            and regional(model, cfg.compile)
-        )
+        plain = io.loss_fn is None and ranks.world_size == 1 and isinstance(model, GPT)
+        by_region = plain and self.use_compile and regional(model, cfg.compile)
         self.loss_fn = io.loss_fn or functools.partial(
             regional_loss if by_region else default_loss, loss=self.loss_mode
         )
@@ -223,8 +204,7 @@ class TrainStep:
             self.eval_model = self.model
 
     def optimizer_step(self) -> StepResult:
-        """One optimizer step over `grad_accum_steps` micro-batches. Nothing is read back from the
-        device."""
+        """One optimizer step over `grad_accum_steps` micro-batches; nothing is read back."""
         lr = lr_at(self.step, self.cfg, self.max_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
@@ -247,7 +227,7 @@ class TrainStep:
         self._loss_sum.zero_()
         window = window_at(self.step, self.cfg, self.max_steps)
         for i, batch in enumerate(micro):
-            x, y, *extra = self._batch_to_device(*batch)
+            x, y, *extra = batch_to_device(batch, self.device)
             kw = {}
             if self.masked:  # the sampler's document ids (doc_mask) are for the mask only
                 docs = extra.pop(0) if self.cfg.doc_mask and extra else None
@@ -269,18 +249,12 @@ class TrainStep:
         self.step += 1
         return StepResult(lr, self._loss_sum, n_global, grad_norm)
 
-    def _batch_to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # contiguous, pinned: the copy overlaps compute
-        return batch_to_device(tensors, self.device)
-
 
 def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> float:
-    """Linear warmup over warmup_steps, then, for every schedule, a way down to min_lr that the
-    last step run (max_steps - 1) takes at min_lr: "cosine" a half cosine from the end of the
-    warmup, "wsd" lr held until the last decay_fraction of the steps, then a straight line.
-    `max_steps`: the run's length where it is not the recipe's (a time budget decides it), None
-    while undecided: until the decay, wsd's rate does not depend on it, so a budget may decide it
-    late."""
+    """Linear warmup over warmup_steps, then down to min_lr, reached at the last step run
+    (max_steps - 1): "cosine" a half cosine from the end of the warmup, "wsd" lr held until the
+    last decay_fraction of the steps, then a straight line. `max_steps`: the run's length where a
+    time budget decides it, None while undecided (until the decay, wsd's rate does not need it)."""
     n = cfg.max_steps if max_steps == "recipe" else max_steps
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -313,9 +287,8 @@ def window_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe
 def default_loss(
     model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str = "auto", mask=None
 ) -> torch.Tensor:
-    """A tinygpt GPT's summed token loss: summed, not averaged, so that the step can divide by the
-    target tokens of all its micro-batches together (see `TrainStep.optimizer_step`); `mask`: a
-    training-time attention mask (`model.masks`), passed only where there is one."""
+    """A tinygpt GPT's token loss, summed so that the step can divide by the target tokens of all
+    its micro-batches together; `mask`, a training-time attention mask, passed only if given."""
     if mask is None:
         return model(x, y, reduction="sum", loss=loss)
     return model(x, y, reduction="sum", loss=loss, mask=mask)

@@ -24,15 +24,10 @@ from tinygpt.train.trainer import TrainingError
 
 
 class TimeBudget(Callback):
-    """`--hours H`: a budget still to be measured (a run with no checkpoint: a budget.json there, a
-    mirror's, decides nothing), or a resumed run's budget.json, whose step count holds until this
-    process has measured its own steps. Until measured the schedule's stable phase runs on (wsd: its
-    rate does not depend on the step count). After MEASURE_STEPS steady steps a new run times an
-    evaluation and a checkpoint too, fixes the step count so that training ends within the budget,
-    and keeps it in budget.json; a resumed run fixes it again from its own step time, counting the
-    steps before it at that time. Every process fixes it again at each checkpoint of the stable
-    phase (`refix`), from the mean time of its steps; it says so when the count moves by REFIX_NOTE
-    or more. So the steps come from a step time this process measured, never from budget.json's."""
+    """`--hours H` (the rules are budget.py's): a new run's budget is measured after MEASURE_STEPS
+    steady steps (a budget.json there, a mirror's, decides nothing); a resumed run's budget.json
+    holds until this process has measured its own steps. The count is fixed again at each
+    checkpoint of the stable phase (`refix`), said when it moves by REFIX_NOTE or more."""
 
     def __init__(self, hours: float):
         self.hours = hours
@@ -93,11 +88,8 @@ class TimeBudget(Callback):
         t = time.perf_counter()
         trainer.save()
         save_s = time.perf_counter() - t
-        per_step = (
-            step_s
-            + (eval_s / cfg.eval_every if cfg.eval_every else 0)
-            + (save_s / cfg.save_every if cfg.save_every else 0)
-        )
+        per_step = step_s + (eval_s / cfg.eval_every if cfg.eval_every else 0)
+        per_step += save_s / cfg.save_every if cfg.save_every else 0
         spent = time.perf_counter() - self.t_from
         steps = steps_for(self.hours, spent, trainer.step, per_step, eval_s + save_s)
         if trainer.world_size > 1:

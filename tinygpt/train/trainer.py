@@ -1,9 +1,7 @@
-"""The AMP training loop with exact resume, around `TrainStep` (`tinygpt.train.step`).
-
-`Trainer.fit` is the loop, read top to bottom: the step, then the callbacks' turn, then "once in a
-while" (log, evaluate, keep the best, save). The loss is read back from the device only on logging
-steps: everything else queues on the GPU without a host-device sync. Progress, the start-up record,
-a time budget and the mirror are `Callback`s (tinygpt.core.callback); the loop knows none of them.
+"""The AMP training loop with exact resume, around `TrainStep` (`tinygpt.train.step`). The loss is
+read back from the device only on logging steps: everything else queues on the GPU without a
+host-device sync. Progress, the start-up record, a time budget and the mirror are `Callback`s
+(tinygpt.core.callback); the loop knows none of them.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class TrainData:
-    """What a run trains on: an endless, resumable source of batches, and fixed validation
-    batches."""
+    """What a run trains on: an endless, resumable batch source and fixed validation batches."""
 
     train: BatchSource
     val: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
@@ -65,8 +62,7 @@ class TrainResult:
 
 
 class Throughput:
-    """Tokens per second over the steps since the last log (the first step, with its compile, not
-    counted)."""
+    """Tokens per second over the steps since the last log (not the first, with its compile)."""
 
     def __init__(self) -> None:
         self.restart()
@@ -81,12 +77,8 @@ class Throughput:
 
 class Trainer(TrainStep):
     """Trains `model` on `data` into `run_dir`, resuming exactly where a checkpoint left off.
-
-    Checkpoints go to ``run_dir/checkpoints/step_XXXXXX`` (and ``run_dir/best``), metrics to
-    metrics.jsonl. Everything beside the loop (progress, start-up record, time budget, mirror,
-    plots) is a `Callback` in `callbacks`; the Trainer's own `StopOnSignal` comes first. `fit`
-    closes every callback when it ends, however it ends, in that order (`closing`).
-    """
+    Everything beside the loop is a `Callback` in `callbacks`, after the Trainer's own
+    `StopOnSignal`; `fit` closes every callback when it ends, however it ends, in that order."""
 
     def __init__(
         self,
@@ -134,12 +126,10 @@ class Trainer(TrainStep):
 
     # ----- the loop ------------------------------------------------------------------------------
     def fit(self, resume: str = "auto") -> TrainResult:
-        """Train to max_steps: restore (`resume` "auto", "never" or a checkpoint folder), then each
-        step: one optimizer step, the callbacks' turn, then as due: log, evaluate, keep the best,
-        save. Ends with a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the
-        same way. Then every callback is closed (the bar's last line, TensorBoard's file, the
-        mirror's last copies), even when one before it fails, and without hiding an error that ended
-        the run."""
+        """Train to max_steps after restoring (`resume` "auto", "never" or a checkpoint folder).
+        Ends with a checkpoint of the last step; a signal (Ctrl-C, SIGTERM) ends it early the same
+        way. Every callback is then closed, even when one before it fails, without hiding an error
+        that ended the run."""
         with closing(self.callbacks):  # StopOnSignal first: the handlers are given back first
             resumed_from = self.restore(resume)
             stopping = False
@@ -176,11 +166,9 @@ class Trainer(TrainStep):
         )
 
     def _train_step(self) -> bool:
-        """One turn of the loop: the optimizer step, the callbacks' turn, then what is due at the
-        new step (log, evaluate, keep the best, save). Whether to stop, agreed by every rank; a
-        stopping step is saved. Every rank takes the same branches (the flags depend on the step
-        and the agreed stop only), so collectives (the loss sum, evaluation, gathering for a save)
-        stay matched."""
+        """One turn of the loop; whether to stop, agreed by every rank (a stopping step is saved).
+        Every rank takes the same branches (the flags depend on the step and the agreed stop only),
+        so collectives (the loss sum, evaluation, gathering for a save) stay matched."""
         step = self.optimizer_step()
         self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
         # e.g. the start-up record, a time budget's measurement
@@ -211,19 +199,15 @@ class Trainer(TrainStep):
         return stopping
 
     def _keep_best(self) -> None:
-        """Save best/ when the validation loss just measured is the lowest yet (none measured: no
-        validation batches, nothing to keep)."""
-        if self.val_loss is not None and (
-            self.best_val_loss is None or self.val_loss < self.best_val_loss
-        ):
+        """Save best/ when the validation loss just measured is the lowest yet."""
+        best = self.best_val_loss
+        if self.val_loss is not None and (best is None or self.val_loss < best):
             self.best_val_loss = self.val_loss
             self.save(best=True)
 
     def restore(self, resume: str) -> int | None:
-        """Exact resume: the newest valid checkpoint (or the one named) brings back the weights, the
-        optimizer, the scaler, the sampler's position and every RNG, and metrics.jsonl is cut back
-        to its step, so the run goes on as if it had never stopped. The step restored from, or
-        None."""
+        """Exact resume from the newest valid checkpoint (or the one named): the run goes on as if
+        it had never stopped. The step restored from, or None."""
         if resume == "auto":
             # hashes it: no second check on load
             self.last_saved = ckpt.latest_valid(self.ckpt_root)
@@ -251,8 +235,7 @@ class Trainer(TrainStep):
         return resumed_from
 
     def say(self, text: str) -> None:
-        """A line for the person watching (the progress callback prints it; a quiet run does
-        not)."""
+        """A line for the person watching (the progress callback prints it)."""
         for cb in self.callbacks:
             cb.on_message(text)
 
@@ -277,11 +260,8 @@ class Trainer(TrainStep):
         )
         self.model.train()
         if W > 1:
-            both = dist_.all_reduce_sum_(
-                torch.stack(
-                    [total, torch.tensor(float(count), device=self.device, dtype=torch.float64)]
-                )
-            )
+            counted = torch.tensor(float(count), device=self.device, dtype=torch.float64)
+            both = dist_.all_reduce_sum_(torch.stack([total, counted]))
             total, count = both[0], int(both[1])
         return float(total) / max(count, 1)
 
@@ -301,8 +281,7 @@ class Trainer(TrainStep):
         return train_state_of(self, optimizer_state, self.best_val_loss, self.run_info)
 
     def save(self, best: bool = False) -> Path | None:
-        """Write a checkpoint on rank 0 (every rank calls this: under FSDP2 gathering is
-        collective)."""
+        """A checkpoint written on rank 0 (every rank calls this: FSDP2 gathers collectively)."""
         model_sd, optimizer_sd = dist_.gather_state(
             self.model, self.optimizer, self.state_fn, self.rank
         )
@@ -313,13 +292,9 @@ class Trainer(TrainStep):
         # never into a folder that replaced the one this run locked
         RunDir(self.run_dir).check_held()
         path = RunDir(self.run_dir).best if best else self.ckpt_root / ckpt.step_name(self.step)
+        meta = {"kind": BEST if best else "step", "val_loss": self.best_val_loss}
         try:
-            ckpt.save_checkpoint(
-                path,
-                model_sd,
-                self.train_state(optimizer_sd),
-                {"kind": BEST if best else "step", "val_loss": self.best_val_loss},
-            )
+            ckpt.save_checkpoint(path, model_sd, self.train_state(optimizer_sd), meta)
         # torch.save and safetensors report a full disk as their own errors, not OSError
         except Exception as e:
             # a full disk or a lost mount: the half-written folder is gone already (atomic_output)
@@ -356,13 +331,12 @@ class Trainer(TrainStep):
             m["memory_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
         if evaluated:
             self.val_loss = m["val_loss"] = self.evaluate()
-        expected = (
-            expected_final_loss(self.history + [m], self.max_steps, self.cfg.warmup_steps)
-            if self.max_steps is not None
-            else None
-        )
-        if expected is not None:
-            m["expected_final_loss"] = round(expected, 4)
+        if self.max_steps is not None:
+            expected = expected_final_loss(
+                self.history + [m], self.max_steps, self.cfg.warmup_steps
+            )
+            if expected is not None:
+                m["expected_final_loss"] = round(expected, 4)
         for cb in self.callbacks:
             cb.on_metrics(m)
         self.throughput.restart()
@@ -390,30 +364,25 @@ class Trainer(TrainStep):
         """Under torchrun, a dead or hung peer becomes one message that says how to resume."""
         if self.world_size > 1 and not isinstance(e, TrainingError) and dist_.is_peer_failure(e):
             raise TrainingError(
-                f"process {self.rank} of {self.world_size} lost its peers at step "
-                f"{self.step} ({type(e).__name__}: {str(e)[:160]}...): another "
-                "process of this job died or hung (torchrun's report names it). "
+                f"process {self.rank} of {self.world_size} lost its peers at step {self.step} "
+                f"({type(e).__name__}: {str(e)[:160]}...): another process of this job died or "
+                "hung (torchrun's report names it). "
                 + self._where_to_resume("run the same command again, with any number of processes")
             ) from e
 
     def _write_failed(self, what: str, e: BaseException) -> TrainingError:
-        disk_full = getattr(e, "errno", None) == errno.ENOSPC or any(
-            m in str(e) for m in _DISK_FULL
-        )
-        why = (
-            f"the disk is full ({os.strerror(errno.ENOSPC)})"
-            if disk_full
-            else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        )
+        text = str(e)
+        why = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+        if getattr(e, "errno", None) == errno.ENOSPC or any(m in text for m in _DISK_FULL):
+            why = f"the disk is full ({os.strerror(errno.ENOSPC)})"
         return TrainingError(
             f"could not write {what} at step {self.step}: {why}. "
             + self._where_to_resume("free some disk space and run the same command again")
         )
 
     def _where_to_resume(self, then: str) -> str:
-        """The end of a failure's message: the last good checkpoint and `then` (what to do) to
-        resume from it, or, with none saved yet, that the same `then` starts the run again from step
-        0 (never "checkpoint None")."""
+        """The end of a failure's message: `then` (what to do) resumes from the last good
+        checkpoint, or, with none saved yet, starts the run again from step 0."""
         last = self.last_saved or ckpt.latest_valid(self.ckpt_root)
         if last is None:
             return f"No checkpoint was saved yet: {then} to start again from step 0"
@@ -432,15 +401,13 @@ class Trainer(TrainStep):
         # a first try that saved nothing leaves nothing behind: the same folder takes new settings
         if last is None:
             raise TrainingError(
-                f"the {what} became {value} at step {self.step}, before any "
-                f"checkpoint was saved: run again with {change}; it starts from "
-                "step 0"
+                f"the {what} became {value} at step {self.step}, before any checkpoint was saved: "
+                f"run again with {change}; it starts from step 0"
             )
         # the rate and the precision are part of a run's configuration: a run folder with
         # checkpoints keeps its own
         raise TrainingError(
-            f"the {what} became {value} at step {self.step}; nothing was saved "
-            f"after it. The last good checkpoint is {last}. Train with {change} in "
-            "a new run folder (--run-dir): this one keeps the settings it began "
-            "with"
+            f"the {what} became {value} at step {self.step}; nothing was saved after it. The last "
+            f"good checkpoint is {last}. Train with {change} in a new run folder (--run-dir): this "
+            "one keeps the settings it began with"
         )
