@@ -170,6 +170,7 @@ def export(
 def _write_card(folder: Path, run_dir: Path, **card: Any) -> None:
     """The model card (`model_card(run_dir, **card)`) into `folder`: an export folder this call
     made, fresh (atomic_output's temporary), never a run folder."""
+    # outside run folders: atomic_output's fresh temporary
     (folder / CARD).write_text(model_card(run_dir, **card), encoding="utf-8")
 
 
