@@ -114,6 +114,14 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """Modules holding a slow test run first, each kept whole (a module fixture is set up once
+    per worker): longest first, so that short tests, not a 2-minute one begun last, fill the end
+    of a run on two workers."""
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)  # stable: each module's order kept
+
+
 def read_gguf(path: str | Path) -> tuple[dict, dict]:
     """(metadata {key: value}, tensors {name: float32 array in numpy (torch) order, dequantized}) of
     a GGUF file, through gguf's own reader: what llama.cpp will find there."""
