@@ -5,8 +5,9 @@
 
 The base is a tinygpt pretraining run (made here with the `cpu-fast` recipe on the built-in corpus when
 --base does not exist yet). Each (seed, dropout) pair finetunes `lora-r16` with only the dropout
-changed and reports the held-out loss of the records the trainer sets aside (the same records for
-every run: the split is seeded by the data, not by the seed). unsloth's fast LoRA path needs
+changed and reports the held-out loss of the records the trainer sets aside. A seed sets the
+adapter's initial weights, the batch order and the held-out split, so the two dropouts of one seed
+differ in the dropout alone: compare within a seed. unsloth's fast LoRA path needs
 dropout 0; on the GPU it saves the dropout masks' memory and a kernel per adapted layer.
 """
 

@@ -118,8 +118,10 @@ def pytest_collection_modifyitems(items):
     """Modules holding a slow test run first, each kept whole (a module fixture is set up once
     per worker): longest first, so that short tests, not a 2-minute one begun last, fill the end
     of a run on two workers."""
-    slow = {item.module for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module not in slow)  # stable: each module's order kept
+    slow = {getattr(i, "module", None) for i in items if i.get_closest_marker("slow")} - {None}
+    items.sort(
+        key=lambda item: getattr(item, "module", None) not in slow
+    )  # stable: each module's order kept
 
 
 def read_gguf(path: str | Path) -> tuple[dict, dict]:
