@@ -86,6 +86,29 @@ def test_more_hours_choose_a_larger_model_and_the_lowest_predicted_loss():
     assert 5 < ratios[2] < 100, ratios  # 3 h: Chinchilla's optimum, tens of tokens per parameter
 
 
+def test_a_compiled_run_buys_more_tokens_with_the_same_timings():
+    """`speedup` (timed eagerly, trained compiled) multiplies each rung's tokens and tokens/s, never
+    the timings: the same rungs are timed (until a choice is confirmed by timing it), and the hours buy
+    a larger (or the same) model."""
+    recipe = get_recipe("a100-124m")
+    plans = {}
+    for up in (1.0, 2.5):
+        calls: list[int] = []
+        plans[up] = (
+            plan_size(recipe, 0.5, machine(150e12, calls), law=CHINCHILLA, speedup=up),
+            calls,
+        )
+    (eager, eager_calls), (compiled, compiled_calls) = plans[1.0], plans[2.5]
+    assert eager_calls[:3] == compiled_calls[:3]  # the smallest rung, then the spread
+    by_size = {c.size: c for c in eager.candidates}
+    for c in compiled.candidates:
+        if c.size in by_size:
+            assert c.tokens == pytest.approx(2.5 * by_size[c.size].tokens)
+            assert c.tokens_per_s == pytest.approx(2.5 * by_size[c.size].tokens_per_s)
+    assert depth_of(compiled.size) >= depth_of(eager.size)
+    assert compiled.choice.params >= eager.choice.params
+
+
 def test_the_planner_times_a_few_rungs_and_never_one_the_hours_cannot_train():
     calls: list[int] = []
     recipe = get_recipe("cpu")

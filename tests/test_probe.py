@@ -361,6 +361,41 @@ def test_the_fastest_micro_batch_that_fits_is_chosen_not_the_largest():
     )  # the choice confirmed by a trial
 
 
+def test_a_run_that_compiles_on_a_gpu_is_predicted_at_the_measured_compiled_speed(monkeypatch):
+    """The probe times eagerly and ranks by the eager figures; the speed it predicts for the run is the
+    eager one times the measured compiled-over-eager ratio where the run compiles on a GPU (a CPU
+    compiled run keeps the eager figure: no CPU ratio is measured)."""
+    import tinygpt.fit.probe as probe_mod
+    from tinygpt.fit.step_speed import COMPILED_OVER_EAGER, compiled_speedup
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert (
+        compiled_speedup("auto", cuda) == compiled_speedup("regional", cuda) == COMPILED_OVER_EAGER
+    )
+    assert compiled_speedup("off", cuda) == compiled_speedup("auto", cpu) == 1.0
+    assert compiled_speedup("on", cpu) == 1.0
+    assert 2.3 < COMPILED_OVER_EAGER < 2.5  # docs/BENCHMARKS.md section 5: 395,433 / 166,130
+
+    def speed(recipe, device):
+        return {16: 900.0, 8: 1000.0, 4: 700.0}[recipe.train.micro_batch_size]
+
+    eager = run(tiny_recipe(), lambda b, t, c: 0.05 * b, limit=1.0, margin=0.0, speed=speed)
+    # the device as a GPU run sees it: the factor follows the recipe's compile setting
+    monkeypatch.setattr(
+        probe_mod, "compiled_speedup", lambda mode, dev: compiled_speedup(mode, cuda)
+    )
+    as_run = run(tiny_recipe(), lambda b, t, c: 0.05 * b, limit=1.0, margin=0.0, speed=speed)
+    assert as_run.micro_batch_size == eager.micro_batch_size == 8 and as_run.speeds == eager.speeds
+    assert as_run.tokens_per_s == pytest.approx(1000.0 * COMPILED_OVER_EAGER)
+    assert "for compiling" in as_run.tokens_per_s_source and "for compiling" not in (
+        eager.tokens_per_s_source
+    )
+    off = tiny_recipe().replace(train={"compile": "off"})
+    assert (
+        run(off, lambda b, t, c: 0.05 * b, limit=1.0, margin=0.0, speed=speed).tokens_per_s == 1000
+    )
+
+
 @pytest.mark.slow  # real timings
 def test_full_logits_are_timed_where_they_fit_and_kept_when_faster():
     """A vocabulary large enough that the recipe's "auto" loss would chunk: the probe also tries the full

@@ -286,6 +286,15 @@ MuonCoeffs = Literal["newton-schulz", "polar-express"]
 # auto: on CUDA, by regions for a tinygpt GPT (each block, then the head and the loss), else the whole
 # model; on: the whole model; regional: by regions; off
 CompileMode = Literal["auto", "on", "regional", "off"]
+
+
+def compiles(mode: str, device_type: str) -> bool:
+    """Whether a step with `train.compile` = `mode` is compiled on a device of this type: "auto"
+    compiles on CUDA only (on a CPU, at the sizes that train there, compiling costs more than it
+    gains)."""
+    return mode in ("on", "regional") or (mode == "auto" and device_type == "cuda")
+
+
 # How the loss is taken (`tinygpt.model.losses.resolve_loss`): auto, on a GPU the full logits where
 # they fit its free memory at the micro-batch, else in chunks (elsewhere by size); full; chunked.
 LossMode = Literal["auto", "full", "chunked"]

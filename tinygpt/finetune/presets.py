@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tinygpt.core.config import TrainConfig
+from tinygpt.core.config import TrainConfig, compiles
 from tinygpt.core.gpu_classes import HARDWARE
 from tinygpt.core.precision import DTYPES, resolve_device
 from tinygpt.fit.hardware import device_class
@@ -205,7 +205,7 @@ def qlora_compile(
 ) -> tuple[str, str | None]:
     """(QLoRA's compile setting, a note or None): below QLORA_COMPILE_FLOOR a compiled 4-bit step
     breaks into many graphs (slower than eager, and slow to compile), so it runs eagerly."""
-    compiling = compile in ("on", "regional") or (compile == "auto" and device_type == "cuda")
+    compiling = compiles(compile, device_type)
     have = {"bitsandbytes": torch_version(bnb_version), "torch": torch_version(torch_version_)}
     short = [
         f"{k} >= {'.'.join(map(str, v))}" for k, v in QLORA_COMPILE_FLOOR.items() if have[k] < v

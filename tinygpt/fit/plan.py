@@ -38,7 +38,7 @@ from tinygpt.fit.ladder import (
     unique_tokens,
     within_law,
 )
-from tinygpt.fit.step_speed import trainer_speed
+from tinygpt.fit.step_speed import compiled_speedup, trainer_speed
 from tinygpt.model.gpt import meta_model
 
 # rungs whose speed is measured; the others are scaled by FLOPs per token from the nearest
@@ -114,12 +114,15 @@ def plan_size(
     law: ScalingLaw | None = None,
     timed: int = TIMED_RUNGS,
     clock: Callable[[], float] = time.perf_counter,
+    speedup: float = 1.0,
 ) -> SizePlan:
     """Choose the rung with the lowest predicted loss after `hours`; `speed(recipe)` measures
     tokens/s. The smallest rung is timed first and the rungs that would train fewer than MIN_STEPS
     steps are dropped; then `timed` rungs, up to the largest whose timing fits `timing_limit`; the
     rest are scaled by FLOPs per token. A scaled choice is timed and the choice made again, at most
-    CONFIRM_RUNGS times. No timing but the first begins past `planning_limit(hours)`."""
+    CONFIRM_RUNGS times. No timing but the first begins past `planning_limit(hours)`. The rungs
+    train `speedup` times faster than `speed` times them (`compiled_speedup`: timed eagerly, trained
+    compiled): the same for every rung, it moves the tokens the hours buy, not the timings."""
     start = clock()
     law = law or law_for(recipe)
     rungs = ladder(recipe, fits)
@@ -129,10 +132,14 @@ def plan_size(
     flops = {d: meta_model(r.model).flops_per_token(seq) for d, r in rungs}
     speeds = RungSpeeds(speed, flops, planning_limit(hours), start, clock)
     speeds.time(*rungs[0])
+
+    def trained(d: int) -> float:  # tokens/s as the run trains
+        return speeds.tokens_per_s(d) * speedup
+
     rungs = [
         (d, r)
         for i, (d, r) in enumerate(rungs)
-        if i == 0 or speeds.tokens_per_s(d) * seconds >= MIN_STEPS * r.train.tokens_per_step
+        if i == 0 or trained(d) * seconds >= MIN_STEPS * r.train.tokens_per_step
     ]
     timeable = timeable_rungs(rungs, speeds, hours)
     spread = list(timeable)
@@ -143,9 +150,7 @@ def plan_size(
     own = meta_model(recipe.model).num_params(non_embedding=True)
 
     def choose() -> tuple[list[Candidate], Candidate]:
-        return candidates(
-            rungs, speeds.tokens_per_s, speeds.measured, seconds, unique_tokens, law, own
-        )
+        return candidates(rungs, trained, speeds.measured, seconds, unique_tokens, law, own)
 
     out, best = choose()
     for _ in range(CONFIRM_RUNGS):  # until the choice is a timed rung (or cannot be timed)
@@ -382,5 +387,6 @@ def choose_size(
         lambda r: trainer_speed(r, dev, steps=PLAN_SPEED_STEPS, warmup=PLAN_WARMUP_STEPS),
         fits=fits_in(dev, precision),
         unique_tokens=unique_tokens(recipe),
+        speedup=compiled_speedup(recipe.train.compile, dev),
     )
     return apply_plan(recipe, plan), plan

@@ -26,7 +26,7 @@ from tinygpt.core.rundir import PROBE_JSON, RunDir
 from tinygpt.fit.hardware import cpu_name, ram_gb
 from tinygpt.fit.memory import CUDA_CONTEXT_GB, GB
 from tinygpt.fit.probe_cache import ProbeResult, cache_name, keep, read_kept
-from tinygpt.fit.step_speed import SPEED_STEPS, trainer_speed
+from tinygpt.fit.step_speed import SPEED_STEPS, compiled_speedup, trainer_speed
 from tinygpt.fit.trials import (
     Trial,
     TrialRunner,
@@ -295,6 +295,9 @@ class _Search:
         if (micro, loss) in self.speeds:
             tps = self.speeds[(micro, loss)]
             source = f"measured: the trainer's step (eager), median of {SPEED_STEPS}"
+        if (up := compiled_speedup(self.recipe.train.compile, self.dev)) != 1.0:
+            tps *= up
+            source += f"; x{up:.2f} for compiling (compiled over eager, docs/BENCHMARKS.md §5)"
         return ProbeResult(
             self.recipe.name,
             name,

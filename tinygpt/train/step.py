@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from tinygpt.core.config import ConfigError, TrainConfig
+from tinygpt.core.config import ConfigError, TrainConfig, compiles
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
 from tinygpt.data.sampler import batch_to_device
 from tinygpt.model.gpt import GPT, cross_entropy
@@ -174,9 +174,7 @@ class TrainStep:
         """The loss function and the model that runs the steps (compiled, whole or by regions, or
         wrapped for several ranks) and the one evaluation runs (eager)."""
         cfg = self.cfg
-        self.use_compile = cfg.compile in ("on", "regional") or (
-            cfg.compile == "auto" and self.device.type == "cuda"
-        )
+        self.use_compile = compiles(cfg.compile, self.device.type)
         plain = io.loss_fn is None and ranks.world_size == 1 and isinstance(model, GPT)
         by_region = plain and self.use_compile and regional(model, cfg.compile)
         self.loss_fn = io.loss_fn or functools.partial(
