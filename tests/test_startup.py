@@ -242,7 +242,15 @@ from tinygpt.core.recipes import get_recipe
 from tinygpt.pretrain.run_pretrain import pretrain
 from tinygpt.data.tokens import open_token_shards
 from tinygpt.data.shards import StreamedShards
+from tinygpt.data.sampler import WindowSampler
 run, cache = sys.argv[1:3]
+# the graphs compiled when the sampler is first asked for a batch: the step compiles ahead of its data
+first_batch = {}
+take = WindowSampler.next_batch
+def next_batch(self, *a, **k):
+    first_batch.setdefault("graphs", counters["stats"]["unique_graphs"])
+    return take(self, *a, **k)
+WindowSampler.next_batch = next_batch
 # 3 evaluations; micro-batch 8, eval_batches 3: the validation split has fewer windows than 24 and
 # not a multiple of 8, so the last evaluation batch is a partial one
 recipe = get_recipe("cpu-smoke").replace(train={"compile": "on", "eval_every": 4, "max_steps": 12, "log_every": 2,
@@ -250,6 +258,7 @@ recipe = get_recipe("cpu-smoke").replace(train={"compile": "on", "eval_every": 4
 res = pretrain(recipe, run, progress=False, device="cpu", cache_dir=cache)
 val = StreamedShards(next(Path(cache).iterdir())).validation(10**9)
 print(json.dumps({"val_windows": (len(val) - 1) // 64, "evals": sum("val_loss" in m for m in res.metrics),
+                  "graphs_before_first_batch": first_batch["graphs"],
                   "counters": {k: dict(v) for k, v in counters.items()}}))
 """
 
@@ -277,7 +286,9 @@ def _run_py(code: str, *args: str, env: dict | None = None) -> dict:
 def test_compiled_training_never_recompiles_after_the_first_step_and_a_new_vm_reuses_the_compile(
     tmp_path,
 ):
-    """One graph for the whole run: evaluation (no grad, a partial last batch) adds none. The compile
+    """One graph for the whole run, compiled before the first batch is taken (`compile_ahead`, on a
+    batch that is not data): the training steps and evaluation (no grad, a partial last batch) add
+    none. The compile
     cache saved in the run folder, copied into a fresh folder with an empty compiler cache (a new VM),
     is loaded: the compiler finds its graphs there instead of compiling them."""
     env = {"TINYGPT_CACHE": str(tmp_path / "tg"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind1")}
@@ -285,6 +296,7 @@ def test_compiled_training_never_recompiles_after_the_first_step_and_a_new_vm_re
     assert cold["evals"] == 3 and cold["val_windows"] < 24 and cold["val_windows"] % 8 != 0
     c = cold["counters"]
     assert c["stats"]["unique_graphs"] == 1 and c["frames"]["total"] == 1
+    assert cold["graphs_before_first_batch"] == 1  # compiled ahead, while the shards were written
     assert not c.get("recompiles") and c["inductor"].get("fxgraph_cache_hit", 0) == 0
     assert (tmp_path / "run1" / "compile_cache.bin").stat().st_size > 10_000
 
@@ -533,4 +545,66 @@ def test_by_regions_the_head_and_the_loss_are_a_second_compiled_region():
         if mode == "regional":
             assert _compiled_code_objects(Block.forward, cross_entropy, GPT.forward) == [1, 1, 0]
     assert losses["regional"] == pytest.approx(losses["off"], rel=1e-4)
+    torch._dynamo.reset()
+
+
+def test_a_sampler_made_before_its_first_shard_is_written_waits_at_the_first_batch(tmp_path):
+    """The run builds its sampler before the first shard exists (the step compiles meanwhile): made,
+    it has waited for nothing; its first batch waits, and a writer that died is the one-line error
+    there instead."""
+    alive = {"writing": True}
+    shards = StreamedShards(tmp_path, alive=lambda: alive["writing"], poll_s=0.01)
+    sampler = WindowSampler(shards, 64, 0)  # returns at once: nothing is written yet
+    assert not shards.written(0)
+    alive["writing"] = False
+    with pytest.raises(DataError, match="stopped before shard 0"):
+        sampler.next_batch(2)
+    # a first shard too short for one window: refused when made, where the shard is there
+    with pytest.raises(DataError, match="fewer than one window"):
+        WindowSampler(np.arange(50, dtype=np.uint16), 64, 0)
+
+
+@pytest.mark.slow  # torch.compile
+@pytest.mark.parametrize("mode", ["on", "regional"])
+def test_compile_ahead_makes_the_steps_graphs_and_moves_nothing(mode):
+    """`compile_ahead` compiles the step on zeros of its shape (documents and a growing window
+    included) before any batch: the steps after it compile nothing and never recompile; the weights,
+    the optimizer and the random state are as they were (the gradients dropped)."""
+    from torch._dynamo.utils import counters
+
+    from tinygpt.core.recipes import get_recipe
+    from tinygpt.model.gpt import GPT
+    from tinygpt.train.step import TrainStep
+
+    recipe = get_recipe("cpu-smoke").replace(
+        train={
+            "compile": mode,
+            "device": "cpu",
+            "micro_batch_size": 2,
+            "grad_accum_steps": 2,
+            "seq_len": 32,
+            "doc_mask": True,
+            "window_start": 8,
+            "max_steps": 10,
+        },
+        model={"max_seq_len": 32},
+    )
+    torch.manual_seed(0)
+    model = GPT(recipe.model)
+    text = np.frombuffer(Path(torch.__file__).read_bytes()[:20_000], dtype=np.uint8) % 250
+    sampler = WindowSampler(text.astype(np.uint16), 32, 0, eot_id=10)
+    torch._dynamo.reset()
+    counters.clear()
+    step = TrainStep(model, recipe.train, sampler)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    assert step.compile_ahead()
+    made = counters["stats"]["unique_graphs"]
+    assert made >= 1 and not step.optimizer.state
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    for _ in range(2):
+        step.optimizer_step()
+    assert counters["stats"]["unique_graphs"] == made and not counters["recompiles"]
     torch._dynamo.reset()

@@ -24,23 +24,33 @@ class WindowSampler:
     next batch_size * world_size windows of the global order and returns one rank's share, so a
     checkpoint resumes with the same data order at any world size with the same global batch.
     Asking for a shard that is still being tokenized waits for it. With `eot_id` (document masking,
-    `TrainConfig.doc_mask`) a batch also carries each token's document id (`document_ids`)."""
+    `TrainConfig.doc_mask`) a batch also carries each token's document id (`document_ids`).
+
+    A first shard too short for one window is refused here when it is written already, else at the
+    first batch: made before the first shard of a stream is written, the sampler does not wait for
+    it, so that the model can compile meanwhile (`TrainStep.compile_ahead`)."""
 
     def __init__(
         self, tokens: TokenShards | np.ndarray, seq_len: int, seed: int, eot_id: int | None = None
     ):
         self.shards = TokenShards.from_array(tokens) if isinstance(tokens, np.ndarray) else tokens
         self.seq_len, self.seed, self.eot_id = seq_len, seed, eot_id
+        self._first_checked = False
+        if self.shards.written(0):
+            self._check_first_shard()
+        self.epoch, self.shard, self.index = 0, 0, 0
+        self._perm_key: tuple[int, int] | None = None
+        self._perm = np.empty(0, dtype=np.int64)
+
+    def _check_first_shard(self) -> None:
         first = self.shards.shard(0)  # waits for the first shard of a stream
         if first is None or self._n_windows(first) < 1:
             n = 0 if first is None else len(first)
             raise DataError(
-                f"the training split has {n} tokens, fewer than one window of {seq_len + 1}: use "
-                "more text or a shorter seq_len"
+                f"the training split has {n} tokens, fewer than one window of {self.seq_len + 1}: "
+                "use more text or a shorter seq_len"
             )
-        self.epoch, self.shard, self.index = 0, 0, 0
-        self._perm_key: tuple[int, int] | None = None
-        self._perm = np.empty(0, dtype=np.int64)
+        self._first_checked = True
 
     def _n_windows(self, arr: np.ndarray) -> int:
         return (len(arr) - 1) // self.seq_len
@@ -58,6 +68,8 @@ class WindowSampler:
 
     def _take(self, n: int) -> list[tuple[np.ndarray, int]]:
         """The next n windows of the global order, as (shard array, first token)."""
+        if not self._first_checked:
+            self._check_first_shard()
         out: list[tuple[np.ndarray, int]] = []
         while len(out) < n:
             arr = self.shards.shard(self.shard)

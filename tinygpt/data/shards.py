@@ -83,6 +83,10 @@ class TokenShards:
     def validation(self, min_tokens: int) -> np.ndarray:
         return self._val
 
+    def written(self, i: int) -> bool:
+        """Whether `shard(i)` answers without waiting (it may answer None: past the last)."""
+        return True
+
     @property
     def complete(self) -> bool:
         return True
@@ -125,6 +129,10 @@ class StreamedShards(TokenShards):
     @property
     def n_shards(self) -> int:
         return len(self._manifest.get("shards", []))
+
+    def written(self, i: int) -> bool:
+        self._reload()
+        return i < self.n_shards or self.complete or bool(self._manifest.get("error"))
 
     def _wait_for(self, i: int) -> bool:
         """True once shard i is listed; False if the source ended before it."""

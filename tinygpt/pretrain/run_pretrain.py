@@ -8,6 +8,7 @@ tokenizer, the token cache and the run folder while the others wait."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import sys
@@ -276,17 +277,22 @@ def prepare_run(plan: Plan, opts: PretrainOptions) -> RunData:
 
 
 def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -> TrainResult:
-    """The sampler (waiting for the first shard), the validation batches, the model, its callbacks
-    (the mirror last), the trainer, which closes them all when it ends."""
+    """The model, the sampler, the validation batches, the model's callbacks (the mirror last), the
+    trainer, which closes them all when it ends. Nothing here waits for the first shard: the trainer
+    compiles its step while the shard is being tokenized (`TrainStep.compile_ahead`), then takes the
+    validation batches and the first batch, which wait for it."""
     t = plan.recipe.train
+    torch.manual_seed(t.seed)
+    model = initial_model(plan.recipe.model, plan.base)  # random, or a base's weights (model.init)
+    plan.clock.mark("model")
     sampler = WindowSampler(
         data.tokens, t.seq_len, t.seed, eot_id=data.tokenizer.eot_id if t.doc_mask else None
     )
-    held_out = data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1)
-    val = fixed_batches(held_out, t.seq_len, t.micro_batch_size, t.eval_batches)
-    plan.clock.mark("data")
-    torch.manual_seed(t.seed)
-    model = initial_model(plan.recipe.model, plan.base)  # random, or a base's weights (model.init)
+
+    def val() -> list:
+        held_out = data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1)
+        return fixed_batches(held_out, t.seq_len, t.micro_batch_size, t.eval_batches)
+
     # a checkpoint alone can be decoded: it carries the recipe (its train part once, as the
     # trainer's train_config) and the tokenizer
     run_info = {
@@ -296,7 +302,7 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
     callbacks = [*run_callbacks(plan, opts, model, data), *([mirror] if plan.is_main else [])]
     kw = dict(ranks=plan.ranks, callbacks=callbacks, run_info=run_info)
     trainer = Trainer(model, plan.train_config(), TrainData(sampler, val), opts.run_dir, **kw)
-    plan.clock.mark("model")
+    plan.clock.mark("data")
     return trainer.fit(opts.resume)
 
 
@@ -329,7 +335,9 @@ def run_callbacks(plan: Plan, opts: PretrainOptions, model: GPT, data: RunData) 
         out.append(PlanReport(plan.size))
     # rank 0 alone cannot run the model
     sharded = plan.ranks.world_size > 1 and plan.ranks.parallel == "fsdp"
-    prompt = sample_prompt(opts.sample_prompt, plan.recipe.data.source, data.tokenizer, data.tokens)
+    prompt = functools.partial(
+        sample_prompt, opts.sample_prompt, plan.recipe.data.source, data.tokenizer, data.tokens
+    )
     every, whole = plan.recipe.train.sample_every, plan.recipe.model if sharded else None
     out.append(Samples(data.tokenizer, opts.run_dir, every, prompt, whole=whole))
     out += list(opts.callbacks)

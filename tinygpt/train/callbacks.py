@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -82,14 +82,16 @@ def write_sample(
 class Samples(Callback):
     """What the model writes, appended to samples.txt on rank 0: every `every` steps (0: none on the
     way) and once when the run reaches its last step, from that step's checkpoint. Under FSDP rank 0
-    holds only a shard: `whole` (the model's config) rebuilds the model from that checkpoint."""
+    holds only a shard: `whole` (the model's config) rebuilds the model from that checkpoint.
+    `prompt` may be a function, called at the first sample (`sample_prompt` waits for the first
+    shard; the run compiles meanwhile)."""
 
     def __init__(
         self,
         tokenizer: Tokenizer,
         run_dir: Path,
         every: int = 0,
-        prompt: str | None = None,
+        prompt: str | None | Callable[[], str | None] = None,
         whole: ModelConfig | None = None,
     ):
         self.tokenizer, self.run_dir, self.every = tokenizer, Path(run_dir), every
@@ -104,7 +106,12 @@ class Samples(Callback):
     def on_step(self, trainer: Any) -> None:
         due = self.every and trainer.step % self.every == 0 and trainer.step != trainer.max_steps
         if due and trainer.is_main:
-            write_sample(trainer.model, self.tokenizer, self.run_dir, trainer.step, self.prompt)
+            write_sample(trainer.model, self.tokenizer, self.run_dir, trainer.step, self._prompt())
+
+    def _prompt(self) -> str | None:
+        if callable(self.prompt):
+            self.prompt = self.prompt()
+        return self.prompt
 
     def on_checkpoint(self, path: str | Path, step: int) -> None:
         t = self.trainer  # (only rank 0 is told of a checkpoint)
@@ -115,7 +122,7 @@ class Samples(Callback):
             model = GPT(self.whole)
             ckpt.load_model_state(model, ckpt.load_checkpoint(path)[0])
             model.to(t.device)
-        write_sample(model, self.tokenizer, self.run_dir, step, self.prompt)
+        write_sample(model, self.tokenizer, self.run_dir, step, self._prompt())
 
 
 def sample_prompt(asked: str | None, source: str, tokenizer: Tokenizer, tokens: Any) -> str | None:

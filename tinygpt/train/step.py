@@ -176,6 +176,9 @@ class TrainStep:
         cfg = self.cfg
         self.use_compile = compiles(cfg.compile, self.device.type)
         plain = io.loss_fn is None and ranks.world_size == 1 and isinstance(model, GPT)
+        self.ahead = (
+            plain and self.use_compile
+        )  # one batch shape: `compile_ahead` can make its graphs
         by_region = plain and self.use_compile and regional(model, cfg.compile)
         self.loss_fn = io.loss_fn or functools.partial(
             regional_loss if by_region else default_loss, loss=self.loss_mode
@@ -201,6 +204,36 @@ class TrainStep:
             # recompile.
             self.eval_model = self.model
 
+    def compile_ahead(self) -> bool:
+        """Compile the step's graphs now, on a batch of its shape whose tokens are not data (zeros,
+        one document), so that a run compiles while its first shard is being tokenized and its first
+        step finds the graphs made (`tests/test_startup.py` counts 0 compiled after). Nothing else
+        moves: no parameter, optimizer state or random state (the gradients are dropped, the
+        generators put back). Only a tinygpt GPT's pretraining step (one shape for every batch);
+        elsewhere nothing. Whether it compiled anything."""
+        if not self.ahead:
+            return False
+        B, T = self.micro_batch_size, self.cfg.seq_len
+        batch = [torch.zeros(B, T, dtype=torch.long) for _ in range(2)]  # two tensors, as a batch's
+        if self.masked and self.cfg.doc_mask:
+            batch.append(torch.zeros(B, T, dtype=torch.int32))  # `document_ids`: one document
+        window = window_at(self.step, self.cfg, self.max_steps)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            with self.precision.autocast():
+                self._micro_loss(batch, window).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def _micro_loss(self, batch: tuple | list, window: int | None) -> torch.Tensor:
+        """One micro-batch's summed loss: the batch moved to the device, the training mask made
+        (`window`, and the sampler's document ids, which are for the mask only)."""
+        x, y, *extra = batch_to_device(batch, self.device)
+        kw = {}
+        if self.masked:
+            docs = extra.pop(0) if self.cfg.doc_mask and extra else None
+            kw["mask"] = training_mask(docs, window, *x.shape, self.device)
+        return self.loss_fn(self.forward_model, x, y, *extra, **kw)
+
     def optimizer_step(self) -> StepResult:
         """One optimizer step over `grad_accum_steps` micro-batches; nothing is read back."""
         lr = lr_at(self.step, self.cfg, self.max_steps)
@@ -225,16 +258,11 @@ class TrainStep:
         self._loss_sum.zero_()
         window = window_at(self.step, self.cfg, self.max_steps)
         for i, batch in enumerate(micro):
-            x, y, *extra = batch_to_device(batch, self.device)
-            kw = {}
-            if self.masked:  # the sampler's document ids (doc_mask) are for the mask only
-                docs = extra.pop(0) if self.cfg.doc_mask and extra else None
-                kw["mask"] = training_mask(docs, window, *x.shape, self.device)
             with (
                 dist_.gradient_sync(self.forward_model, self.model, i == len(micro) - 1),
                 self.precision.autocast(),
             ):
-                loss_sum = self.loss_fn(self.forward_model, x, y, *extra, **kw)
+                loss_sum = self._micro_loss(batch, window)
                 self.scaler.scale(loss_sum * (self.world_size / max(n_global, 1))).backward()
             self._loss_sum += loss_sum.detach().float()
         self.scaler.unscale_(self.optimizer)

@@ -14,7 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -41,10 +41,12 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class TrainData:
-    """What a run trains on: an endless, resumable batch source and fixed validation batches."""
+    """What a run trains on: an endless, resumable batch source and fixed validation batches, or a
+    function that makes them, called once before the first step (a pretraining run's wait for its
+    first shard: the model compiles first, `TrainStep.compile_ahead`)."""
 
     train: BatchSource
-    val: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    val: list[tuple[torch.Tensor, ...]] | Callable[[], list] = field(default_factory=list)
 
 
 @dataclass
@@ -135,8 +137,11 @@ class Trainer(TrainStep):
             stopping = False
             try:
                 for cb in self.callbacks:
-                    cb.on_start(self, resumed_from)
+                    cb.on_start(self, resumed_from)  # the compile cache is loaded here
                 self.model.train()
+                self.compile_ahead()  # while the first shard is still being tokenized
+                if callable(self.val_batches):
+                    self.val_batches = self.val_batches()
                 self.throughput.restart()
                 while (self.max_steps is None or self.step < self.max_steps) and not stopping:
                     stopping = self._train_step()
