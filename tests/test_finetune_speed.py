@@ -270,6 +270,63 @@ def test_a_compiled_lora_step_on_an_unpadded_batch_reaches_sdpa_causal_without_a
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # torch.compile
+def test_on_a_gpu_packed_records_take_a_flex_block_mask_with_the_sdpa_masks_loss(
+    base_dirs, monkeypatch
+):
+    """Where a base trains on a GPU (`hf_attention(config, packed_flex=True)`), packed records are kept
+    apart by a FlexAttention block mask, built outside the decoder layers that "auto" compiles regionally:
+    no (B, 1, T, T) mask reaches SDPA, and the loss is that of SDPA with transformers' mask. Whole rows still
+    reach SDPA with no mask and is_causal=True. (The same code on the CPU here, forward only: FlexAttention
+    has no backward on a CPU; the kit's finetune step trains it on a GPU.)"""
+    import transformers.integrations.flex_attention as hf_flex
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from tinygpt.model.attention import EXPANDING_SDPA, PACKED_FLEX, hf_attention
+    from tinygpt.train.step import compiled, regional
+
+    seen = []
+    flex_forward, sdpa = (
+        hf_flex.flex_attention_forward,
+        torch.nn.functional.scaled_dot_product_attention,
+    )
+
+    def flex(module, q, k, v, mask, **kw):
+        seen.append(("flex", isinstance(mask, BlockMask)))
+        return flex_forward(module, q, k, v, mask, **kw)
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        seen.append(("sdpa", attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(hf_flex, "flex_attention_forward", flex)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    pm = lora_model(base_dirs["llama"])
+    module = FinetuneLoss(pm)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(512, (2, 64), generator=g), torch.randint(512, (2, 64), generator=g)
+    pos = torch.cat([torch.arange(40), torch.arange(24)]).expand(2, 64)
+    with torch.no_grad():  # FlexAttention's backward needs a GPU
+        with_sdpa_mask = module_loss(module, x, y, pos)
+        # the reference: transformers' (B, 1, T, T) mask
+        assert set(seen) == {("sdpa", False, False)}
+        hf = pm.get_base_model()
+        assert hf.config._attn_implementation == EXPANDING_SDPA == hf_attention(hf.config)
+        hf.config._attn_implementation = hf_attention(hf.config, packed_flex=True)
+        assert hf.config._attn_implementation == PACKED_FLEX and regional(module, "auto")
+        torch._dynamo.reset()
+        seen.clear()
+        step = compiled(module, "auto")
+        torch.testing.assert_close(
+            module_loss(step, x, y, pos), with_sdpa_mask, rtol=1e-4, atol=1e-5
+        )
+        assert seen and set(seen) == {("flex", True)}  # every layer: a block mask, no SDPA
+        seen.clear()
+        module_loss(step, x, y)  # whole rows: no mask at all
+        assert seen and set(seen) == {("sdpa", True, True)}
+    torch._dynamo.reset()
+
+
 class Source:
     """A fixed list of batches, in order (the Trainer's BatchSource)."""
 

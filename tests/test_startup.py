@@ -512,7 +512,8 @@ def test_regional_compile_compiles_the_blocks_and_on_compiles_the_whole_model():
 def test_by_regions_the_head_and_the_loss_are_a_second_compiled_region():
     """ "regional" (and on a GPU "auto", for a tinygpt GPT): the trainer's step compiles the blocks (one graph,
     shared, fullgraph and static shapes) and the head with the loss as a second region, the model's own forward
-    never; its losses are the eager step's. A Hugging Face model under "auto" stays compiled whole."""
+    never; its losses are the eager step's. Under "auto" a finetuning base is compiled by its decoder
+    layers too (without the head-and-loss region: its loss is the module's own)."""
     import dataclasses
 
     from tinygpt.core.recipes import get_recipe, model_config
@@ -526,7 +527,7 @@ def test_by_regions_the_head_and_the_loss_are_a_second_compiled_region():
     assert regional(GPT(model_cfg), "auto") and regional(GPT(model_cfg), "regional")
     assert not regional(GPT(model_cfg), "on") and not regional(
         FinetuneLoss(torch.nn.Linear(2, 2)), "auto"
-    )
+    )  # no transformer blocks to compile one by one: the whole module
     losses = {}
     for mode in ("regional", "off"):
         torch._dynamo.reset()

@@ -114,10 +114,12 @@ def load_base(
     device: torch.device | str = "cpu",
 ):
     """A Hugging Face causal LM from a local folder or a Hub id, optionally in 4-bit NF4; its folder
-    checked first and its own code never run (`base_config`, `model.hf.from_pretrained`)."""
+    checked first and its own code never run (`base_config`, `model.hf.from_pretrained`). On a GPU
+    packed records are kept apart by FlexAttention (`hf_attention`)."""
     config = base_config(path)
+    flex = torch.device(device).type == "cuda"
     try:
-        kw: dict[str, Any] = {"dtype": dtype, "attn_implementation": hf_attention(config)}
+        kw: dict[str, Any] = {"dtype": dtype, "attn_implementation": hf_attention(config, flex)}
         if quantize == "nf4":
             dev = torch.device(device)
             on = (

@@ -23,6 +23,8 @@ ENABLE_GQA_TORCH = (2, 5)  # SDPA's enable_gqa argument
 CPU_FUSED_GQA_TORCH = (2, 9)  # the CPU flash kernel takes grouped keys/values
 FLASH_MAX_HEAD_DIM = 256
 EXPANDING_SDPA = "tinygpt_sdpa"  # the transformers attention implementation registered here
+# the same, with packed records kept apart by a FlexAttention block mask (a base trained on a GPU)
+PACKED_FLEX = "tinygpt_sdpa_flex"
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
@@ -119,7 +121,13 @@ class _Ungrouped:
 
 
 def _expanding_sdpa(module, query, key, value, attention_mask, **kwargs):
+    from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if isinstance(attention_mask, BlockMask):  # packed records, under PACKED_FLEX
+        from transformers.integrations.flex_attention import flex_attention_forward
+
+        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     k, v, grouped = expand_kv(query, key, value)
     if k is key or grouped:  # nothing to expand here: transformers' own SDPA path
@@ -155,20 +163,40 @@ def _causal_sdpa_mask(**kwargs):
     rules FlashAttention out.)"""
     from transformers.masking_utils import sdpa_mask
 
+    if WholeRows.on and _unpadded_training(kwargs):
+        return None
+    return sdpa_mask(**kwargs)
+
+
+def _unpadded_training(kwargs: dict) -> bool:
+    """The mask builder's arguments are a training batch's: queries are the keys (no cache, no
+    offsets), no padding mask, no local attention."""
     positions = kwargs.get("cache_position")  # transformers before q_length was passed
     q_length = kwargs.get("q_length", None if positions is None else positions.shape[0])
-    if (
-        WholeRows.on
-        and kwargs.get("attention_mask") is None
+    return (
+        kwargs.get("attention_mask") is None
         and kwargs.get("local_size") is None
         and q_length == kwargs.get("kv_length")
         and type(kwargs.get("q_offset", 0)) is int
         and kwargs.get("q_offset", 0) == 0
         and type(kwargs.get("kv_offset", 0)) is int
         and kwargs.get("kv_offset", 0) == 0
+    )
+
+
+def _packed_flex_mask(**kwargs):
+    """`_causal_sdpa_mask`, except that packed records in training (a mask beyond causality:
+    transformers turned off the causal skip) get a FlexAttention block mask: no (B, 1, T, T)
+    tensor, and the blocks between records are never computed."""
+    if (
+        not WholeRows.on
+        and _unpadded_training(kwargs)
+        and kwargs.get("allow_is_causal_skip") is False
     ):
-        return None
-    return sdpa_mask(**kwargs)
+        from transformers.masking_utils import flex_attention_mask
+
+        return flex_attention_mask(**kwargs)
+    return _causal_sdpa_mask(**kwargs)
 
 
 def use_expanding_sdpa() -> str:
@@ -178,13 +206,18 @@ def use_expanding_sdpa() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(EXPANDING_SDPA, _expanding_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(EXPANDING_SDPA, _causal_sdpa_mask)
+    for name, masks in ((EXPANDING_SDPA, _causal_sdpa_mask), (PACKED_FLEX, _packed_flex_mask)):
+        AttentionInterface.register(name, _expanding_sdpa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, masks)
     return EXPANDING_SDPA
 
 
-def hf_attention(config: Any) -> str:
+def hf_attention(config: Any, packed_flex: bool = False) -> str:
     """The attention implementation a transformers model (its config) loads with here: eager where
     the logits are soft-capped (Gemma-2: sdpa ignores its soft-capping), else sdpa with GQA
-    keys/values expanded where no fused kernel takes them grouped (`use_expanding_sdpa`: a T4)."""
-    return "eager" if getattr(config, "final_logit_softcapping", None) else use_expanding_sdpa()
+    keys/values expanded where no fused kernel takes them grouped (`use_expanding_sdpa`: a T4);
+    with `packed_flex` (training on a GPU) packed records are kept apart by FlexAttention
+    (`PACKED_FLEX`) instead of SDPA with a (B, 1, T, T) mask."""
+    if getattr(config, "final_logit_softcapping", None):
+        return "eager"
+    return PACKED_FLEX if use_expanding_sdpa() and packed_flex else EXPANDING_SDPA

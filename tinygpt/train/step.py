@@ -47,8 +47,13 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 def regional(model: torch.nn.Module, mode: str) -> bool:
     """Whether `compiled` compiles `model` by regions: asked ("regional"), or the default ("auto")
-    for a tinygpt GPT, as torchtitan compiles: each block, then the head and the loss."""
-    return mode == "regional" or (mode == "auto" and isinstance(model, GPT))
+    for a tinygpt GPT, as torchtitan compiles (each block, then the head and the loss), and for a
+    model whose transformer blocks are found (a finetuning base: each decoder layer; transformers'
+    mask is then built outside the graphs, where unpacked rows get none and packed ones a
+    FlexAttention block mask on a GPU)."""
+    return mode == "regional" or (
+        mode == "auto" and (isinstance(model, GPT) or transformer_blocks(model) is not None)
+    )
 
 
 def compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
