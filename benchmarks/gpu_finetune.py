@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_pretrain import fmt, sync, time_steps  # noqa: E402  (this folder: the same timing as pretraining's)
 
-from tinygpt.core.config import GPT2_VOCAB_PADDED  # noqa: E402
+from tinygpt.core.config import GPT2_VOCAB_PADDED, compiles  # noqa: E402
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device  # noqa: E402
 from tinygpt.core.recipes import MODEL_SIZES, model_config  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
@@ -258,6 +258,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--r", type=int, default=16, choices=[8, 16, 32], help="LoRA rank (lora-rR); QLoRA is r16"
     )
+    p.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=None,
+        help="the adapters' dropout, tinygpt's and the reference's (default: the recipe's, 0.05); "
+        "0 skips the dropout kernels",
+    )
     p.add_argument("--seq-len", type=int, default=768)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=2)
@@ -313,6 +320,10 @@ def main(argv: list[str] | None = None) -> dict:
         enable_tf32()
     prec = choose_precision(device, args.precision)
     recipe = get_finetune_recipe("qlora-r16" if args.quantize == "nf4" else f"lora-r{args.r}")
+    if args.lora_dropout is not None:
+        recipe = dataclasses.replace(
+            recipe, lora=dataclasses.replace(recipe.lora, dropout=args.lora_dropout)
+        )
     if recipe.quantize == "nf4":
         check_qlora(device)
     hardware = detect_hardware(device)
@@ -326,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_steps=10**6,
         warmup_steps=0,
     )
-    use_compile = args.compile == "on" or (args.compile == "auto" and on_cuda)
+    use_compile = compiles(args.compile, device.type)
     args.warmup = args.warmup if args.warmup is not None else (3 if use_compile else 1)
     records = stdlib_instructions(args.records)
     name = (
@@ -365,6 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
             "precision": prec.name,
             "size": args.size,
             "recipe": recipe.name,
+            "lora_dropout": recipe.lora.dropout,
             "data": args.data,
             "seq_len": args.seq_len,
             "micro_batch": args.micro_batch,

@@ -22,7 +22,8 @@ Steps, in order (each a row of results.md; docs/BENCHMARKS.md section 5 says wha
                on, the whole model compiled as one graph instead of by regions, compile off: rows sharing the
                baseline's graphs first): what each is worth
   finetune     LoRA r16 and QLoRA NF4 r16 on a locally made Llama-architecture 124M base, tinygpt's step beside a
-               plain transformers + PEFT loop (benchmarks/gpu_finetune.py)
+               plain transformers + PEFT loop (benchmarks/gpu_finetune.py); then LoRA r16 with the adapters'
+               dropout at 0 on both sides (what making 0 the default would buy)
   t4_fp16      fp16 with the GradScaler for 200 steps (no NaN, no inf) beside bf16 on the same batches
   t4_gqa       grouped-query attention with the fused-kernel decision forced to a T4's "sm75": the decision and
                which SDPA kernel ran (the math kernel must not)
@@ -853,7 +854,14 @@ def step_finetune(ctx: Ctx) -> dict:
             "6",
         ]
     out = {}
-    for name, extra in (("lora_r16", ["--r", "16"]), ("qlora_nf4_r16", ["--quantize", "nf4"])):
+    # LoRA with the adapters' dropout at 0 (the presets' 0.05 is the row above): the speed side of
+    # making 0 the default (benchmarks/lora_dropout.py measured the quality side: the same loss)
+    rows = (
+        ("lora_r16", ["--r", "16"]),
+        ("qlora_nf4_r16", ["--quantize", "nf4"]),
+        ("lora_r16_dropout0", ["--r", "16", "--lora-dropout", "0"]),
+    )
+    for name, extra in rows:
         if "--quantize" in extra and not torch.cuda.is_available():
             out[name] = skip("QLoRA needs CUDA and bitsandbytes' 4-bit kernels")
             continue
@@ -880,6 +888,7 @@ def step_finetune(ctx: Ctx) -> dict:
                     ]
                 )
             out[name] = {
+                "lora_dropout": r["lora_dropout"],
                 "plan": r["plan"],
                 "rows": r["rows"],
                 "ratio": r.get("ratio"),

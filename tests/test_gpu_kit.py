@@ -82,6 +82,10 @@ def test_smoke_runs_every_step_with_figures_or_a_reasoned_skip(tmp_path):
     assert [r["impl"] for r in lora["rows"]] == ["tinygpt", "hf+peft"] and lora["ratio"][
         "tokens_per_s"
     ] > 0
+    # the same LoRA with the adapters' dropout at 0, both sides: the speed of making it the default
+    no_dropout = f["finetune"]["lora_r16_dropout0"]
+    assert (lora["lora_dropout"], no_dropout["lora_dropout"]) == (0.05, 0.0)
+    assert [r["impl"] for r in no_dropout["rows"]] == ["tinygpt", "hf+peft"]
     assert (
         "CUDA" in f["finetune"]["qlora_nf4_r16"]["skipped"]
     )  # QLoRA: skipped off a GPU, with the reason
