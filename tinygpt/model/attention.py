@@ -10,19 +10,30 @@ values repeated to the query heads first, the memory-efficient kernel (CUDA) or 
 instead. `attention_kernel` is that decision as a pure function of the device's description;
 `expand_kv` applies it to a live tensor; the memory estimate (`fit.memory`) counts what it decides.
 For Hugging Face bases `EXPANDING_SDPA` is the same rule as a transformers attention implementation
-(`use_expanding_sdpa`); `hf_attention` picks a base's."""
+(`use_expanding_sdpa`); `hf_attention` picks a base's.
+
+`ModelConfig.attn_impl="fa3"` (off until a GPU measures it faster with the same loss curve) runs the
+model's plain causal attention through FlashAttention-3 from the Hugging Face kernels hub
+(`flash_attention_3`, where `fa3_serves`); `fa3_problem` says, in one line, why it cannot here."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 from typing import Any
 
 import torch
+
+from tinygpt.core.config import ConfigError
 
 ENABLE_GQA_TORCH = (2, 5)  # SDPA's enable_gqa argument
 CPU_FUSED_GQA_TORCH = (2, 9)  # the CPU flash kernel takes grouped keys/values
 FLASH_MAX_HEAD_DIM = 256
 EXPANDING_SDPA = "tinygpt_sdpa"  # the transformers attention implementation registered here
+FA3_KERNEL = "kernels-community/flash-attn3"  # FlashAttention-3 on the Hugging Face kernels hub
+FA3_CAPABILITY = (9, 0)  # its kernels are Hopper's (sm90: H100, H200)
+FA3_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
@@ -188,3 +199,64 @@ def hf_attention(config: Any) -> str:
     the logits are soft-capped (Gemma-2: sdpa ignores its soft-capping), else sdpa with GQA
     keys/values expanded where no fused kernel takes them grouped (`use_expanding_sdpa`: a T4)."""
     return "eager" if getattr(config, "final_logit_softcapping", None) else use_expanding_sdpa()
+
+
+def fa3_problem(
+    device_type: str, capability: tuple[int, int] | None, has_kernels: bool, head_dim: int
+) -> str | None:
+    """Why `attn_impl="fa3"` cannot run on this device, in one line that says what to do; None
+    when it can (the kernel itself is fetched, or read from the hub's cache offline, by
+    `load_fa3`). A pure function of the device's description, so each refusal is checkable."""
+    off = "or set model.attn_impl='sdpa'"
+    if device_type != "cuda" or capability is None or capability[0] != FA3_CAPABILITY[0]:
+        here = device_type if capability is None else f"sm{capability[0]}{capability[1]}"
+        return f"model.attn_impl='fa3' needs a Hopper GPU (sm90: H100, H200), not {here}: {off}"
+    if not has_kernels:
+        return f"model.attn_impl='fa3' needs the kernels package: pip install kernels, {off}"
+    if head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM:
+        return (
+            f"model.attn_impl='fa3' needs head_dim a multiple of 8 up to 256, not {head_dim}: {off}"
+        )
+    return None
+
+
+def load_fa3(device: torch.device, head_dim: int):
+    """FlashAttention-3's module from the kernels hub (downloaded once, then from its cache), or a
+    one-line refusal (`fa3_problem`, or the hub's own failure: offline without the kernel cached)."""
+    device_type, capability = device_profile(device)
+    has_kernels = importlib.util.find_spec("kernels") is not None
+    if problem := fa3_problem(device_type, capability, has_kernels, head_dim):
+        raise ConfigError(problem)
+    try:
+        return _fa3_module()
+    except Exception as e:  # noqa: BLE001 - offline, not cached, no build for this torch: one line
+        why = next(iter(str(e).strip().splitlines()), type(e).__name__)[:200]
+        raise ConfigError(
+            f"model.attn_impl='fa3' could not load {FA3_KERNEL} ({why}): run once online to "
+            "cache it, or set model.attn_impl='sdpa'"
+        ) from None
+
+
+@functools.cache
+def _fa3_module():
+    from kernels import get_kernel
+
+    return get_kernel(FA3_KERNEL)
+
+
+def fa3_serves(masked: bool, cached: bool, dtype: torch.dtype) -> bool:
+    """Whether a model with `attn_impl="fa3"` runs this attention call through FlashAttention-3:
+    plain causal attention over the whole sequence (no training mask, no KV cache) in fp16 or bf16,
+    the kernel's dtypes; everything else (masks, generation, fp32) stays with SDPA."""
+    return not masked and not cached and dtype in FA3_DTYPES
+
+
+def flash_attention_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention by FlashAttention-3. q (B, H, T, D), k and v (B, H_kv, T, D), as the model
+    holds them (grouped keys and values as they are: the kernel takes them); returns (B, T, H, D),
+    FA3's layout. q and k come in v's dtype (QK-norm's fp32 output under autocast included)."""
+    dtype = v.dtype
+    out = _fa3_module().flash_attn_func(
+        q.transpose(1, 2).to(dtype), k.transpose(1, 2).to(dtype), v.transpose(1, 2), causal=True
+    )
+    return out[0] if isinstance(out, tuple) else out  # some builds return (out, softmax_lse)
