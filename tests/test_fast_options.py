@@ -108,11 +108,11 @@ def test_bf16_residual_outside_bf16_is_refused_before_any_step(tokens):
 
 def test_fp8_head_is_refused_in_one_line_without_its_gpu_or_torchao():
     cfg = _config()
-    assert "sm89+" in fp8_problem("cpu", None, True, cfg) and "not cpu" in fp8_problem(
+    assert "sm89+" in fp8_problem("cpu", None, True, cfg) and "this is cpu" in fp8_problem(
         "cpu", None, True, cfg
     )
-    assert "not sm80" in fp8_problem("cuda", (8, 0), True, cfg)  # an A100: no FP8 matmuls
-    assert "not sm75" in fp8_problem("cuda", (7, 5), True, cfg)
+    assert "this is sm80" in fp8_problem("cuda", (8, 0), True, cfg)  # an A100: no FP8 matmuls
+    assert "this is sm75" in fp8_problem("cuda", (7, 5), True, cfg)
     assert "pip install torchao" in fp8_problem("cuda", (9, 0), False, cfg)
     assert "multiples of 16" in fp8_problem("cuda", (8, 9), True, _config(vocab_size=500))
     assert (
@@ -141,15 +141,16 @@ def test_fp8_filter_converts_the_head_and_nothing_else(tied):
 
 
 def test_fa3_is_refused_in_one_line_off_hopper_or_without_kernels():
-    assert "not cpu" in fa3_problem("cpu", None, True, 64)
-    assert "not sm80" in fa3_problem("cuda", (8, 0), True, 64)  # an A100
-    assert "not sm89" in fa3_problem("cuda", (8, 9), True, 64)  # an L4
-    assert "not sm100" in fa3_problem("cuda", (10, 0), True, 64)  # Blackwell: FA3 is Hopper's
+    assert "this is cpu" in fa3_problem("cpu", None, True, 64)
+    assert "this is sm80" in fa3_problem("cuda", (8, 0), True, 64)  # an A100
+    assert "this is sm89" in fa3_problem("cuda", (8, 9), True, 64)  # an L4
+    assert "this is sm100" in fa3_problem("cuda", (10, 0), True, 64)  # Blackwell: FA3 is Hopper's
     assert "pip install kernels" in fa3_problem("cuda", (9, 0), False, 64)
     assert "head_dim" in fa3_problem("cuda", (9, 0), True, 60)
     assert fa3_problem("cuda", (9, 0), True, 64) is None
     with pytest.raises(
-        ConfigError, match="needs a Hopper GPU .* not cpu: or set model.attn_impl='sdpa'"
+        ConfigError,
+        match="needs a Hopper GPU .* this is cpu: train on one, or set model.attn_impl='sdpa'",
     ):
         load_fa3(torch.device("cpu"), 64)
     train = TrainConfig(precision="bf16", device="cpu", seq_len=32)

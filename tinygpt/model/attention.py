@@ -210,12 +210,16 @@ def fa3_problem(
     off = "or set model.attn_impl='sdpa'"
     if device_type != "cuda" or capability is None or capability[0] != FA3_CAPABILITY[0]:
         here = device_type if capability is None else f"sm{capability[0]}{capability[1]}"
-        return f"model.attn_impl='fa3' needs a Hopper GPU (sm90: H100, H200), not {here}: {off}"
+        return (
+            f"model.attn_impl='fa3' needs a Hopper GPU (sm90: H100, H200), and this is {here}: "
+            f"train on one, {off}"
+        )
     if not has_kernels:
         return f"model.attn_impl='fa3' needs the kernels package: pip install kernels, {off}"
     if head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM:
         return (
-            f"model.attn_impl='fa3' needs head_dim a multiple of 8 up to 256, not {head_dim}: {off}"
+            f"model.attn_impl='fa3' needs head_dim a multiple of 8 up to 256 (this model's is "
+            f"{head_dim}): change d_model or n_head, {off}"
         )
     return None
 

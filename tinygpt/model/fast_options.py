@@ -52,7 +52,10 @@ def fp8_problem(
     off = "or set train.fp8_head=false"
     if device_type != "cuda" or capability is None or capability < FP8_CAPABILITY:
         here = device_type if capability is None else f"sm{capability[0]}{capability[1]}"
-        return f"train.fp8_head needs a GPU with FP8 matmuls (sm89+: L4, H100, H200), not {here}: {off}"
+        return (
+            f"train.fp8_head needs a GPU with FP8 matmuls (sm89+: L4, H100, H200), and this is "
+            f"{here}: train on one, {off}"
+        )
     if not has_torchao:
         return f"train.fp8_head needs torchao: pip install torchao, {off}"
     if model.d_model % FP8_MULTIPLE or model.vocab_size % FP8_MULTIPLE:
