@@ -160,13 +160,6 @@ def test_fa3_is_refused_in_one_line_off_hopper_or_without_kernels():
         _config(attn_impl="flash")
 
 
-def test_fa3_serves_only_plain_causal_attention_in_half_precision():
-    assert fa3_serves(False, False, torch.bfloat16) and fa3_serves(False, False, torch.float16)
-    assert not fa3_serves(True, False, torch.bfloat16)  # a training mask: SDPA
-    assert not fa3_serves(False, True, torch.bfloat16)  # a KV cache (generation): SDPA
-    assert not fa3_serves(False, False, torch.float32)  # the kernel has no fp32
-
-
 class _SdpaInFa3Layout:
     """FlashAttention-3's `flash_attn_func` signature and layout ((B, T, H, D), grouped keys and values),
     computed by SDPA, counting its calls: this CPU has no Hopper GPU to run the kernel itself, but the model's
@@ -182,9 +175,18 @@ class _SdpaInFa3Layout:
         return out.transpose(1, 2), None  # some builds return (out, softmax_lse)
 
 
+def test_fa3_serves_only_plain_causal_attention_in_half_precision(monkeypatch):
+    assert not fa3_serves(False, False, torch.bfloat16)  # the kernel not loaded here: SDPA
+    monkeypatch.setattr(attention, "FA3_LOADED", [_SdpaInFa3Layout()])
+    assert fa3_serves(False, False, torch.bfloat16) and fa3_serves(False, False, torch.float16)
+    assert not fa3_serves(True, False, torch.bfloat16)  # a training mask: SDPA
+    assert not fa3_serves(False, True, torch.bfloat16)  # a KV cache (generation): SDPA
+    assert not fa3_serves(False, False, torch.float32)  # the kernel has no fp32
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=2, qk_norm=True)])
 def test_a_model_with_fa3_calls_the_kernel_in_its_layout(monkeypatch, kw):
-    monkeypatch.setattr(attention, "_fa3_module", _SdpaInFa3Layout)
+    monkeypatch.setattr(attention, "FA3_LOADED", [_SdpaInFa3Layout()])
     idx = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     fa3 = GPT(_config(attn_impl="fa3", **kw))

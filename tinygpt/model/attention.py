@@ -19,7 +19,6 @@ model's plain causal attention through FlashAttention-3 from the Hugging Face ke
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 from typing import Any
 
@@ -34,6 +33,7 @@ EXPANDING_SDPA = "tinygpt_sdpa"  # the transformers attention implementation reg
 FA3_KERNEL = "kernels-community/flash-attn3"  # FlashAttention-3 on the Hugging Face kernels hub
 FA3_CAPABILITY = (9, 0)  # its kernels are Hopper's (sm90: H100, H200)
 FA3_DTYPES = (torch.float16, torch.bfloat16)
+FA3_LOADED: list = []  # FlashAttention-3's module once `load_fa3` has loaded it in this process
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
@@ -225,34 +225,34 @@ def fa3_problem(
 
 
 def load_fa3(device: torch.device, head_dim: int):
-    """FlashAttention-3's module from the kernels hub (downloaded once, then from its cache), or a
-    one-line refusal (`fa3_problem`, or the hub's own failure: offline without the kernel cached)."""
+    """FlashAttention-3's module from the kernels hub (downloaded once, then from its cache), kept
+    for this process (`fa3_serves`), or a one-line refusal (`fa3_problem`, or the hub's own failure:
+    offline without the kernel cached)."""
     device_type, capability = device_profile(device)
     has_kernels = importlib.util.find_spec("kernels") is not None
     if problem := fa3_problem(device_type, capability, has_kernels, head_dim):
         raise ConfigError(problem)
-    try:
-        return _fa3_module()
-    except Exception as e:  # noqa: BLE001 - offline, not cached, no build for this torch: one line
-        why = next(iter(str(e).strip().splitlines()), type(e).__name__)[:200]
-        raise ConfigError(
-            f"model.attn_impl='fa3' could not load {FA3_KERNEL} ({why}): run once online to "
-            "cache it, or set model.attn_impl='sdpa'"
-        ) from None
+    if not FA3_LOADED:
+        try:
+            from kernels import get_kernel
 
-
-@functools.cache
-def _fa3_module():
-    from kernels import get_kernel
-
-    return get_kernel(FA3_KERNEL)
+            FA3_LOADED.append(get_kernel(FA3_KERNEL))
+        except Exception as e:  # noqa: BLE001 - offline, not cached, no build for this torch
+            why = next(iter(str(e).strip().splitlines()), type(e).__name__)[:200]
+            raise ConfigError(
+                f"model.attn_impl='fa3' could not load {FA3_KERNEL} ({why}): run once online to "
+                "cache it, or set model.attn_impl='sdpa'"
+            ) from None
+    return FA3_LOADED[0]
 
 
 def fa3_serves(masked: bool, cached: bool, dtype: torch.dtype) -> bool:
     """Whether a model with `attn_impl="fa3"` runs this attention call through FlashAttention-3:
-    plain causal attention over the whole sequence (no training mask, no KV cache) in fp16 or bf16,
-    the kernel's dtypes; everything else (masks, generation, fp32) stays with SDPA."""
-    return not masked and not cached and dtype in FA3_DTYPES
+    once `load_fa3` has loaded the kernel in this process (the trainer's check does), for plain
+    causal attention over the whole sequence (no training mask, no KV cache) in fp16 or bf16, the
+    kernel's dtypes. Everything else stays with SDPA, the same math: masks, generation, fp32, and a
+    model trained with FA3 evaluated where it was not loaded (another GPU, the CPU)."""
+    return bool(FA3_LOADED) and not masked and not cached and dtype in FA3_DTYPES
 
 
 def flash_attention_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -260,7 +260,7 @@ def flash_attention_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     holds them (grouped keys and values as they are: the kernel takes them); returns (B, T, H, D),
     FA3's layout. q and k come in v's dtype (QK-norm's fp32 output under autocast included)."""
     dtype = v.dtype
-    out = _fa3_module().flash_attn_func(
+    out = FA3_LOADED[0].flash_attn_func(
         q.transpose(1, 2).to(dtype), k.transpose(1, 2).to(dtype), v.transpose(1, 2), causal=True
     )
     return out[0] if isinstance(out, tuple) else out  # some builds return (out, softmax_lse)
