@@ -83,7 +83,8 @@ def to_fp8_head(model: nn.Module) -> nn.Module:
     from torchao.float8 import convert_to_float8_training
 
     convert_to_float8_training(model, module_filter_fn=fp8_filter)
-    if type(getattr(model, HEAD, None)) is nn.Linear or not hasattr(model, HEAD):
+    head = getattr(model, HEAD, None)
+    if head is None or type(head) is nn.Linear:  # none at the root, or left unconverted
         raise ConfigError(f"train.fp8_head found no {HEAD} to convert: set train.fp8_head=false")
     return model
 
