@@ -19,8 +19,11 @@ Steps, in order (each a row of results.md; docs/BENCHMARKS.md section 5 says wha
                AdamW, torch.compile): tokens/s, MFU and peak memory over one timed window after warm-up
                (benchmarks/gpu_pretrain.py's step and timing)
   speed_steps  tinygpt with each speed step changed in turn (unfused AdamW, the other loss, fused projections
-               on, the whole model compiled as one graph instead of by regions, compile off: rows sharing the
-               baseline's graphs first): what each is worth
+               on, the measured options: bf16 residual stream, FP8 head (torchao, sm89+), FlashAttention-3
+               (kernels hub, Hopper), each skipped with its reason where its package or GPU is missing; the
+               whole model compiled as one graph instead of by regions, compile off: rows sharing the
+               baseline's graphs first): what each is worth, and each row's loss curve (every row starts
+               from the same weights on the same batches; loss_gap: its largest gap to the baseline's)
   finetune     LoRA r16 and QLoRA NF4 r16 on a locally made Llama-architecture 124M base, tinygpt's step beside a
                plain transformers + PEFT loop (benchmarks/gpu_finetune.py); then LoRA r16 with the adapters'
                dropout at 0 on both sides (what making 0 the default would buy)
@@ -33,7 +36,7 @@ Steps, in order (each a row of results.md; docs/BENCHMARKS.md section 5 says wha
 A step that fails records its one-line error and the kit goes on. On a GPU each step runs in its own process
 (`--isolate auto`), killed at its cap, except pretrain and speed_steps, which share one (their rows reuse one
 compiled graph); inside a step, rows that would not fit the step's budget are recorded as skipped. The default
-steps' caps add up to 385 s and the kit's total is 480 s, so one command of at most 540 s returns the whole
+steps' caps add up to 435 s and the kit's total is 480 s, so one command of at most 540 s returns the whole
 table. Every step of a kit run shares one Inductor cache folder; each process's compile artifacts are saved
 into --out/compile_artifacts (at most 64 MiB) for the next GPU run to load (--artifacts), and each step records
 its compile-cache hits and misses. `--smoke` runs the same code with tiny shapes on the CPU (compiled
@@ -74,7 +77,7 @@ sys.path[:0] = [str(HERE), str(REPO)]  # the sibling benchmarks, and tinygpt fro
 
 import results_file  # noqa: E402
 
-# (name, cap on a GPU in seconds, cap in --smoke); the default steps' GPU caps add up to 385 s, under the kit's
+# (name, cap on a GPU in seconds, cap in --smoke); the default steps' GPU caps add up to 435 s, under the kit's
 # default total (TOTAL_S)
 STEPS: list[tuple[str, float, float]] = [
     ("env", 10, 30),
@@ -85,7 +88,7 @@ STEPS: list[tuple[str, float, float]] = [
     ),  # two processes: cold (probe, compile, 8 steps) and warm (to its first step)
     ("probe", 5, 30),  # reads the cold run; on the CPU times the step itself
     ("pretrain", 75, 60),
-    ("speed_steps", 70, 60),
+    ("speed_steps", 120, 60),
     ("finetune", 45, 60),
     ("t4_fp16", 20, 30),
     ("t4_gqa", 10, 30),
@@ -461,7 +464,9 @@ def timed_row(
     ctx: Ctx,
 ) -> dict:
     """One row: benchmarks/gpu_pretrain.py's step (autocast, GradScaler, clip, optimizer) and timing, with the
-    peak memory taken over the timed window only (reset after the warm-up)."""
+    peak memory taken over the timed window only (reset after the warm-up), and the loss of every step run
+    (warm-up included; the mean over its micro-batches), read back after the timing: each row starts from the
+    same seed's weights on the same batches, so rows that do the same math show the same loss curve."""
     import torch
     from gpu_pretrain import make_step, random_batches, time_steps
 
@@ -479,7 +484,14 @@ def timed_row(
         loss_fn = torch.compile(loss_mod)
     else:
         loss_fn = loss_mod
-    step = make_step(loss_fn, model, opt, prec, accum=shape.accum)
+    seen = []  # each micro-batch's loss, on the device until the timing is done
+
+    def recorded(x, y):
+        loss = loss_fn(x, y)
+        seen.append(loss.detach())
+        return loss
+
+    step = make_step(recorded, model, opt, prec, accum=shape.accum)
     batches = random_batches(4, shape.micro_batch, shape.seq_len, shape.vocab, device)
     with compiled_code(ctx):
         t0 = time.perf_counter()
@@ -491,6 +503,7 @@ def timed_row(
         times = time_steps(step, batches, 0, shape.steps, device)
         in_window = compiles() - before
     med = statistics.median(times)
+    losses = torch.stack(seen).float().view(-1, shape.accum).mean(1).tolist()
     tps = shape.accum * shape.micro_batch * shape.seq_len / med
     return {
         "impl": name,
@@ -508,6 +521,8 @@ def timed_row(
         else None,
         "warmup_s": round(warm_s, 2),
         "compiles_in_timed_window": in_window,
+        "precision": prec.name,
+        "losses": [round(x, 4) for x in losses],
     }
 
 
@@ -533,9 +548,10 @@ def kit_device(ctx: Ctx):
 
 
 def tinygpt_parts(
-    shape: Shape, device, *, fused_proj=False, chunked="auto", fused_adamw=True, seed=0
+    shape: Shape, device, *, fused_proj=False, chunked="auto", fused_adamw=True, seed=0, **model_kw
 ):
-    """(model, loss module, optimizer, FLOPs per token): what gpu_pretrain.py builds for tinygpt."""
+    """(model, loss module, optimizer, FLOPs per token): what gpu_pretrain.py builds for tinygpt; `model_kw`:
+    other ModelConfig fields (a speed option)."""
     import torch
     from gpu_pretrain import TinyGPTLoss
 
@@ -543,7 +559,7 @@ def tinygpt_parts(
     from tinygpt.model.gpt import GPT
     from tinygpt.train.optim import param_groups
 
-    cfg = model_config(shape.size, vocab_size=shape.vocab, fused_proj=fused_proj)
+    cfg = model_config(shape.size, vocab_size=shape.vocab, fused_proj=fused_proj, **model_kw)
     cfg.max_seq_len = max(cfg.max_seq_len, shape.seq_len)
     torch.manual_seed(seed)
     model = GPT(cfg).to(device).train()
@@ -620,17 +636,24 @@ def llama_parts(shape: Shape, device):
     return hf, HFLoss(hf), opt, flops
 
 
-def run_rows(
-    ctx: Ctx, variants: list[tuple[str, Callable, str]], shape: Shape, reserve_s: float
-) -> list[dict]:
-    """Each variant (name, build() -> parts, compile mode) timed in turn; a row that fails records its error,
-    a row that would not fit the step's budget (about `reserve_s` each) is skipped with the reason."""
+class Unavailable(Exception):
+    """A row's option cannot run here (its package or GPU is missing): the row is skipped with this reason."""
+
+
+def run_rows(ctx: Ctx, variants: list[tuple], shape: Shape, reserve_s: float) -> list[dict]:
+    """Each variant (name, build() -> parts, compile mode[, precision]) timed in turn, at the kit's precision
+    unless the variant names its own; a row that fails records its error, a row whose build raises
+    `Unavailable` or that would not fit the step's budget (about `reserve_s` each) is skipped with the
+    reason."""
     from gpu_pretrain import peak_tflops
 
-    device, prec = kit_device(ctx)
-    peak, _ = peak_tflops(device, prec.name)
+    from tinygpt.core.precision import choose_precision
+
+    device, kit_prec = kit_device(ctx)
     rows = []
-    for name, build, mode in variants:
+    for name, build, mode, *own in variants:
+        prec = choose_precision(device, own[0]) if own else kit_prec
+        peak, _ = peak_tflops(device, prec.name)
         if ctx.left() < reserve_s:
             rows.append(
                 {
@@ -652,6 +675,8 @@ def run_rows(
                         name, model, loss_mod, opt, prec, device, mode, shape, flops, peak, ctx
                     )
                 )
+        except Unavailable as e:
+            rows.append({"impl": name, **skip(str(e))})
         except (Exception, SystemExit) as e:  # noqa: BLE001 - one row's failure is that row's result
             rows.append({"impl": name, "error": one_line(e)})
         finally:  # the compiled graphs stay: a later row of the same model and shapes reuses them
@@ -661,11 +686,40 @@ def run_rows(
 
 
 def with_ratios(rows: list[dict], base: str) -> list[dict]:
+    """Each row's tokens/s over the baseline row's, and the largest gap between their loss curves (the same
+    seed's weights on the same batches: rows that do the same math stay within rounding)."""
     ref = next((r for r in rows if r["impl"] == base and "tokens_per_s" in r), None)
     for r in rows:
         if ref is not None and "tokens_per_s" in r and r is not ref:
             r["x_baseline"] = r["tokens_per_s"] / ref["tokens_per_s"]
+            pairs = list(zip(r.get("losses") or [], ref.get("losses") or []))
+            if pairs:
+                r["loss_gap"] = max(abs(a - b) for a, b in pairs)
     return rows
+
+
+def option_parts(option: str) -> Callable:
+    """build(shape, device) for a speed option's row (`tinygpt.model.fast_options`: "bf16_residual",
+    "fp8_head", "fa3"), raising `Unavailable` with the option's own one-line refusal where its package or GPU
+    is missing here. The rows compile by regions, whose loss runs the FP8 head's own forward."""
+
+    def build(shape: Shape, device):
+        from tinygpt.core.config import ConfigError, TrainConfig
+        from tinygpt.core.recipes import model_config
+        from tinygpt.model.fast_options import check_fast_options, to_fp8_head
+
+        kw = {"bf16_residual": {"bf16_residual": True}, "fa3": {"attn_impl": "fa3"}}.get(option, {})
+        train = TrainConfig(fp8_head=option == "fp8_head")
+        try:
+            check_fast_options(
+                model_config(shape.size, vocab_size=shape.vocab, **kw), train, device, "bf16"
+            )
+        except ConfigError as e:
+            raise Unavailable(str(e)) from None
+        parts = tinygpt_parts(shape, device, **kw)
+        return (to_fp8_head(parts[0]), *parts[1:]) if option == "fp8_head" else parts
+
+    return build
 
 
 def compiled_trainer_speed(recipe, device, steps: int = 2, warmup: int = 1) -> float:
@@ -795,6 +849,11 @@ def step_speed_steps(ctx: Ctx) -> dict:
             "auto",
         ),
         ("fused projections on", lambda s, d: tinygpt_parts(s, d, fused_proj=True), "auto"),
+        # the measured options (`tinygpt.model.fast_options`), each skipped with its reason where its
+        # package or GPU is missing; bf16 residual in bf16 in --smoke too (the CPU's bf16 autocast)
+        ("bf16 residual", option_parts("bf16_residual"), "auto", "bf16"),
+        ("FP8 head", option_parts("fp8_head"), "auto"),
+        ("FA3 attention", option_parts("fa3"), "auto"),
         ("whole-model compile", tinygpt_parts, "on"),
         ("compile off", tinygpt_parts, "off"),
     ]
@@ -1315,7 +1374,16 @@ def fmt(v) -> str:
     return str(v)
 
 
-ROW_KEYS = ("tokens_per_s", "mfu", "peak_memory_gib", "step_ms", "tinygpt_x", "x_baseline")
+ROW_KEYS = (
+    "tokens_per_s",
+    "mfu",
+    "peak_memory_gib",
+    "step_ms",
+    "tinygpt_x",
+    "x_baseline",
+    "losses",
+    "loss_gap",
+)
 
 
 def rows_md(rows: list[dict]) -> list[str]:
@@ -1324,7 +1392,11 @@ def rows_md(rows: list[dict]) -> list[str]:
     for r in rows:
         if "tokens_per_s" in r:
             cells = [
-                ("{:.1%}".format(r[k]) if k == "mfu" and r.get(k) is not None else fmt(r.get(k)))
+                "{:.1%}".format(r[k])
+                if k == "mfu" and r.get(k) is not None
+                else " ".join(f"{x:.3f}" for x in r[k])
+                if k == "losses" and r.get(k)
+                else fmt(r.get(k))
                 for k in keys
             ]
         else:

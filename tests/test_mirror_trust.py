@@ -92,7 +92,7 @@ def forged_mirror(mirror: Path, private_text: Path, private_base: Path) -> None:
         "model": {
             k: v
             for k, v in forged["model"].items()
-            if k not in ("activation_checkpointing", "fused_proj")
+            if k not in ("activation_checkpointing", "fused_proj", "bf16_residual", "attn_impl")
         },
         "data": forged["data"],
     }

@@ -60,6 +60,7 @@ def _check_fields(obj: Any, where: str) -> None:
 # families), "gguf" (llama.cpp), "gguf:FAMILY" (llama.cpp's architecture of that family).
 # `ModelConfig.export_gaps` reads it; export, GGUF, finetuning and the hints a run ends with ask it.
 REQUIRED = dataclasses.MISSING  # a config.json without this key does not describe a model
+AttnImpl = Literal["sdpa", "fa3"]  # the attention kernel (`tinygpt.model.attention`)
 
 
 def _hf(
@@ -144,6 +145,12 @@ class ModelConfig(_Section):
     # speed, not the run; saved files keep the separate Hugging Face names. Off until measured
     # faster (docs/BENCHMARKS.md).
     fused_proj: bool = field(default=False, metadata={"identity": "never"})
+    # Speed options, off until a GPU measures each faster with the same loss curve
+    # (`tinygpt.model.fast_options`): the residual stream in bf16 under bf16 autocast (a rounding
+    # choice, as train.precision is, so not the run's identity); the attention kernel, "fa3":
+    # FlashAttention-3 from the Hugging Face kernels hub on Hopper (the same math as SDPA's).
+    bf16_residual: bool = field(default=False, metadata={"identity": "never"})
+    attn_impl: AttnImpl = field(default="sdpa", metadata={"identity": "never"})
     # Where the weights start (continued pretraining, `tinygpt.pretrain.init`): None,
     # a seeded random initialisation; else hf:NAME[@REVISION], a Hugging Face
     # model folder or a tinygpt run folder, whose architecture the fields above
@@ -322,6 +329,7 @@ class TrainConfig(_Section):
     precision: PrecisionName = "auto"
     compile: CompileMode = "auto"
     loss: LossMode = "auto"
+    fp8_head: bool = False  # the head's matmul in FP8 (torchao, sm89+): `model.fast_options`
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps...
     seed: int = 1337
     eval_every: int = bounded(50, min=0)  # 0: off

@@ -10,14 +10,21 @@ values repeated to the query heads first, the memory-efficient kernel (CUDA) or 
 instead. `attention_kernel` is that decision as a pure function of the device's description;
 `expand_kv` applies it to a live tensor; the memory estimate (`fit.memory`) counts what it decides.
 For Hugging Face bases `EXPANDING_SDPA` is the same rule as a transformers attention implementation
-(`use_expanding_sdpa`); `hf_attention` picks a base's."""
+(`use_expanding_sdpa`); `hf_attention` picks a base's.
+
+`ModelConfig.attn_impl="fa3"` (off until a GPU measures it faster with the same loss curve) runs the
+model's plain causal attention through FlashAttention-3 from the Hugging Face kernels hub
+(`flash_attention_3`, where `fa3_serves`); `fa3_problem` says, in one line, why it cannot here."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from typing import Any
 
 import torch
+
+from tinygpt.core.config import ConfigError
 
 ENABLE_GQA_TORCH = (2, 5)  # SDPA's enable_gqa argument
 CPU_FUSED_GQA_TORCH = (2, 9)  # the CPU flash kernel takes grouped keys/values
@@ -25,6 +32,10 @@ FLASH_MAX_HEAD_DIM = 256
 EXPANDING_SDPA = "tinygpt_sdpa"  # the transformers attention implementation registered here
 # the same, with packed records kept apart by a FlexAttention block mask (a base trained on a GPU)
 PACKED_FLEX = "tinygpt_sdpa_flex"
+FA3_KERNEL = "kernels-community/flash-attn3"  # FlashAttention-3 on the Hugging Face kernels hub
+FA3_CAPABILITY = (9, 0)  # its kernels are Hopper's (sm90: H100, H200)
+FA3_DTYPES = (torch.float16, torch.bfloat16)
+FA3_LOADED: list = []  # FlashAttention-3's module once `load_fa3` has loaded it in this process
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
@@ -221,3 +232,68 @@ def hf_attention(config: Any, packed_flex: bool = False) -> str:
     if getattr(config, "final_logit_softcapping", None):
         return "eager"
     return PACKED_FLEX if use_expanding_sdpa() and packed_flex else EXPANDING_SDPA
+
+
+def fa3_problem(
+    device_type: str, capability: tuple[int, int] | None, has_kernels: bool, head_dim: int
+) -> str | None:
+    """Why `attn_impl="fa3"` cannot run on this device, in one line that says what to do; None
+    when it can (the kernel itself is fetched, or read from the hub's cache offline, by
+    `load_fa3`). A pure function of the device's description, so each refusal is checkable."""
+    off = "or set model.attn_impl='sdpa'"
+    if device_type != "cuda" or capability is None or capability[0] != FA3_CAPABILITY[0]:
+        here = device_type if capability is None else f"sm{capability[0]}{capability[1]}"
+        return (
+            f"model.attn_impl='fa3' needs a Hopper GPU (sm90: H100, H200), and this is {here}: "
+            f"train on one, {off}"
+        )
+    if not has_kernels:
+        return f"model.attn_impl='fa3' needs the kernels package: pip install kernels, {off}"
+    if head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM:
+        return (
+            f"model.attn_impl='fa3' needs head_dim a multiple of 8 up to 256 (this model's is "
+            f"{head_dim}): change d_model or n_head, {off}"
+        )
+    return None
+
+
+def load_fa3(device: torch.device, head_dim: int):
+    """FlashAttention-3's module from the kernels hub (downloaded once, then from its cache), kept
+    for this process (`fa3_serves`), or a one-line refusal (`fa3_problem`, or the hub's own failure:
+    offline without the kernel cached)."""
+    device_type, capability = device_profile(device)
+    has_kernels = importlib.util.find_spec("kernels") is not None
+    if problem := fa3_problem(device_type, capability, has_kernels, head_dim):
+        raise ConfigError(problem)
+    if not FA3_LOADED:
+        try:
+            from kernels import get_kernel
+
+            FA3_LOADED.append(get_kernel(FA3_KERNEL))
+        except Exception as e:  # noqa: BLE001 - offline, not cached, no build for this torch
+            why = next(iter(str(e).strip().splitlines()), type(e).__name__)[:200]
+            raise ConfigError(
+                f"model.attn_impl='fa3' could not load {FA3_KERNEL} ({why}): run once online to "
+                "cache it, or set model.attn_impl='sdpa'"
+            ) from None
+    return FA3_LOADED[0]
+
+
+def fa3_serves(masked: bool, cached: bool, dtype: torch.dtype) -> bool:
+    """Whether a model with `attn_impl="fa3"` runs this attention call through FlashAttention-3:
+    once `load_fa3` has loaded the kernel in this process (the trainer's check does), for plain
+    causal attention over the whole sequence (no training mask, no KV cache) in fp16 or bf16, the
+    kernel's dtypes. Everything else stays with SDPA, the same math: masks, generation, fp32, and a
+    model trained with FA3 evaluated where it was not loaded (another GPU, the CPU)."""
+    return bool(FA3_LOADED) and not masked and not cached and dtype in FA3_DTYPES
+
+
+def flash_attention_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention by FlashAttention-3. q (B, H, T, D), k and v (B, H_kv, T, D), as the model
+    holds them (grouped keys and values as they are: the kernel takes them); returns (B, T, H, D),
+    FA3's layout. q and k come in v's dtype (QK-norm's fp32 output under autocast included)."""
+    dtype = v.dtype
+    out = FA3_LOADED[0].flash_attn_func(
+        q.transpose(1, 2).to(dtype), k.transpose(1, 2).to(dtype), v.transpose(1, 2), causal=True
+    )
+    return out[0] if isinstance(out, tuple) else out  # some builds return (out, softmax_lse)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tinygpt.core.config import ModelConfig
-from tinygpt.model.attention import expand_kv
+from tinygpt.model.attention import expand_kv, fa3_serves, flash_attention_3
+from tinygpt.model.fast_options import residual
 from tinygpt.model.losses import IGNORE_INDEX, linear_cross_entropy  # noqa: F401  (IGNORE_INDEX: handed on)
 from tinygpt.model.masks import masked_attention
 
@@ -150,6 +151,7 @@ class Attention(nn.Module):
             self.q_norm = norm_class(config)(self.head_dim)
             self.k_norm = norm_class(config)(self.head_dim)
         self.qk_norm = config.qk_norm
+        self.fa3 = config.attn_impl == "fa3"
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None):
         B, T, _ = x.shape
@@ -164,6 +166,8 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.fa3 and fa3_serves(mask is not None, cache is not None, v.dtype):
+            return self.o_proj(flash_attention_3(q, k, v).reshape(B, T, -1))
         start = 0
         if cache is not None:
             start = cache.pos
@@ -321,7 +325,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         cos, sin = self._rope(start, T, idx.device)
-        x = self.model.embed_tokens(idx)
+        x = residual(self.model.embed_tokens(idx), self.config.bf16_residual)
         for i, block in enumerate(self.model.layers):
             if self.config.activation_checkpointing and self.training and cache is None:
                 x = checkpoint(block, x, cos, sin, None, i, mask, use_reentrant=False)

@@ -37,6 +37,7 @@ from tinygpt.fit.ladder import PLANNED_FIELDS
 from tinygpt.fit.plan import SizePlan, planned_here
 from tinygpt.fit.probe import fit_to_device
 from tinygpt.fit.report import PlanReport
+from tinygpt.model.fast_options import check_fast_options
 from tinygpt.model.gpt import GPT
 from tinygpt.model.tokenizer import Tokenizer
 from tinygpt.pretrain.init import Base, initial_model, starting_base
@@ -193,6 +194,7 @@ def check_recipe(recipe: Recipe, opts: PretrainOptions, dev: torch.device, ranks
     micro = 1 if dev.type == "cuda" else t.micro_batch_size
     precision = choose_precision(dev, t.precision).name
     check_fits(recipe.model, micro, t.seq_len, precision, dev, t.loss, what=f"recipe {recipe.name}")
+    check_fast_options(recipe.model, t, dev, precision)  # a speed option's package or GPU
     return token_ids
 
 

@@ -17,6 +17,7 @@ import torch
 from tinygpt.core.config import ConfigError, TrainConfig, compiles
 from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
 from tinygpt.data.sampler import batch_to_device
+from tinygpt.model.fast_options import apply_fast_options
 from tinygpt.model.gpt import GPT, cross_entropy
 from tinygpt.model.losses import IGNORE_INDEX, resolve_loss
 from tinygpt.model.masks import training_mask
@@ -144,6 +145,8 @@ class TrainStep:
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.device = resolve_device(cfg.device)
         self.precision = choose_precision(self.device, cfg.precision)
+        # the speed options: refused here where they cannot run, the FP8 head swapped in
+        model = apply_fast_options(model, cfg, self.device, self.precision.name)
         self.model = model.to(self.device)
         # training-time attention masks (`model.masks`): a tinygpt GPT's pretraining only
         self.masked = cfg.doc_mask or cfg.window_start > 0
