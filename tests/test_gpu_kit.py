@@ -220,3 +220,51 @@ def test_compile_artifacts_saved_beside_the_results_make_the_next_run_hit(tmp_pa
     compile_once()
     assert gpu_kit.cache_counts()["hits"] > before["hits"]
     torch._dynamo.reset()
+
+
+def test_a_row_that_compiles_inside_its_timed_window_is_an_error_not_a_figure(tmp_path):
+    """A recompile (here: a Python number the compiled code guards on, new at every step) or a graph break in
+    the timed window means the row timed a compile: it is recorded as an error with the count, no tokens/s.
+    The same row without the recompile is a figure."""
+    import torch
+
+    from tinygpt.core.precision import choose_precision
+
+    @torch.compile(backend="eager", dynamic=False)
+    def scaled(h, k):
+        return h * k
+
+    class Loss(torch.nn.Module):
+        chunked = None
+
+        def __init__(self, recompile: bool):
+            super().__init__()
+            self.emb, self.recompile, self.calls = torch.nn.Embedding(16, 8), recompile, 0
+
+        def forward(self, x, y):
+            self.calls += 1
+            k = (
+                self.calls if self.recompile else 1
+            )  # a new constant each call: a new graph each call
+            return torch.nn.functional.cross_entropy(
+                scaled(self.emb(x), k).flatten(0, 1), y.flatten()
+            )
+
+    shape = gpu_kit.Shape("tiny", vocab=8, seq_len=4, micro_batch=2, warmup=1, steps=3)
+    ctx = gpu_kit.Ctx(False, "cpu", tmp_path, {}, time.monotonic() + 60, 1.0)
+    rows = {}
+    for recompile in (True, False):
+        torch._dynamo.reset()
+        loss = Loss(recompile)
+        opt = torch.optim.SGD(loss.parameters(), lr=0.1)
+        prec = choose_precision(torch.device("cpu"), "fp32")
+        rows[recompile] = gpu_kit.timed_row(
+            "row", loss, loss, opt, prec, torch.device("cpu"), "off", shape, 1.0, None, ctx
+        )
+    bad, good = rows[True], rows[False]
+    assert "timed window" in bad["error"] and bad["compiles_in_timed_window"] >= 3
+    assert "tokens_per_s" not in bad
+    assert (
+        "error" not in good and good["compiles_in_timed_window"] == 0 and good["tokens_per_s"] > 0
+    )
+    torch._dynamo.reset()
