@@ -115,7 +115,14 @@ def test_mfu():
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"tie_embeddings": True}, {"n_kv_head": 2}, {"attention_bias": True}]
+    "kw",
+    [
+        {},
+        {"tie_embeddings": True},
+        {"n_kv_head": 2},
+        {"attention_bias": True},
+        {"value_embeds": 1, "unet_skips": True},
+    ],
 )
 def test_parameter_gradient_optimizer_bytes_are_exact(kw):
     config = ModelConfig(vocab_size=300, n_layer=3, n_head=4, d_model=64, d_ff=160, **kw)

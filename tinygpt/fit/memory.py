@@ -102,7 +102,9 @@ def _activation_and_loss_bytes(
 ) -> tuple[int, int]:
     """(activations, loss) bytes at the peak, counted tensor by tensor (tests check them against
     saved-tensor hooks and a tracked step). The residual stream and RMSNorm are fp32 under
-    autocast; e is the matmul dtype's size. kernel: `attention_kernel`'s answer for this device."""
+    autocast; e is the matmul dtype's size. kernel: `attention_kernel`'s answer for this device.
+    Not counted: what modded-nanogpt's options keep (`ModelConfig.logit_softcap`'s tanh, ReLU²'s
+    square, the value-embedding and U-net mixes); their parameters are (`_params_and_copies`)."""
     d, ff, v = c.d_model, c.d_ff, c.vocab_size
     # Keys and values as SDPA keeps them: repeated to the
     # query heads unless a fused kernel takes them grouped.
