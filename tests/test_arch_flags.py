@@ -211,3 +211,17 @@ def test_bad_flags_are_refused_in_one_line(kw, message):
         ModelConfig(**{**TINY, **kw})
     assert message in str(e.value) and len(str(e.value).splitlines()) == 1
     assert "Error" not in str(e.value)
+
+
+def test_value_embeddings_keep_the_values_in_autocasts_dtype(monkeypatch):
+    """The table's lookup is fp32; mixed into bf16 values it must not make them fp32 beside bf16
+    queries and keys (CUDA's attention kernels refuse mixed dtypes)."""
+    from tinygpt.model import gpt
+
+    seen, expand = [], gpt.expand_kv
+    monkeypatch.setattr(gpt, "expand_kv", lambda q, k, v: seen.append(v.dtype) or expand(q, k, v))
+    model = GPT(ModelConfig(**TINY, value_embeds=1))
+    x = torch.randint(300, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, x).backward()
+    assert seen == [torch.bfloat16] * 4

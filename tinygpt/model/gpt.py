@@ -1,6 +1,6 @@
 """The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA, tied embeddings, QK-norm and
 attention biases; and modded-nanogpt's soft-capped logits, ReLU² gate, value embeddings and U-net
-skips, which only the first two of transformers' classes hold: `ModelConfig`).
+skips, of which transformers' Llama and Qwen3 hold only the ReLU² gate: `ModelConfig`).
 
 Parameter names are those of Hugging Face `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm), so a
 state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side).
@@ -174,8 +174,9 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if ve is not None:  # value_embeds: the token's own vector mixed into its value
-            v = self.value_lambdas[0] * v + self.value_lambdas[1] * ve
+        if ve is not None:  # value_embeds: the token's own vector mixed into its value, whose
+            # dtype (autocast's) it keeps: the table's lookup is fp32
+            v = (self.value_lambdas[0] * v + self.value_lambdas[1] * ve).to(v.dtype)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_kv_head, self.head_dim)
         if self.qk_norm:
