@@ -163,6 +163,8 @@ def saved_bytes(model: GPT, x, y, dtype=None) -> int:
         {"attention_bias": True},
         {"qk_norm": True},
         {"qk_norm": True, "n_kv_head": 1},
+        {"mlp_act": "relu2"},
+        {"value_embeds": 1, "unet_skips": True, "n_kv_head": 1},
     ],
 )
 def test_activation_estimate_matches_saved_tensors(precision, kw):
