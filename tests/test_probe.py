@@ -115,7 +115,14 @@ def test_mfu():
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"tie_embeddings": True}, {"n_kv_head": 2}, {"attention_bias": True}]
+    "kw",
+    [
+        {},
+        {"tie_embeddings": True},
+        {"n_kv_head": 2},
+        {"attention_bias": True},
+        {"value_embeds": 1, "unet_skips": True},
+    ],
 )
 def test_parameter_gradient_optimizer_bytes_are_exact(kw):
     config = ModelConfig(vocab_size=300, n_layer=3, n_head=4, d_model=64, d_ff=160, **kw)
@@ -156,6 +163,8 @@ def saved_bytes(model: GPT, x, y, dtype=None) -> int:
         {"attention_bias": True},
         {"qk_norm": True},
         {"qk_norm": True, "n_kv_head": 1},
+        {"mlp_act": "relu2"},
+        {"value_embeds": 1, "unet_skips": True, "n_kv_head": 1},
     ],
 )
 def test_activation_estimate_matches_saved_tensors(precision, kw):

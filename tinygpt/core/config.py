@@ -61,6 +61,9 @@ def _check_fields(obj: Any, where: str) -> None:
 # `ModelConfig.export_gaps` reads it; export, GGUF, finetuning and the hints a run ends with ask it.
 REQUIRED = dataclasses.MISSING  # a config.json without this key does not describe a model
 AttnImpl = Literal["sdpa", "fa3"]  # the attention kernel (`tinygpt.model.attention`)
+# The SwiGLU gate's activation (`ModelConfig.mlp_act`); relu2 is ReLU squared, as transformers'
+# ACT2FN names it
+MlpAct = Literal["silu", "relu2"]
 
 
 def _hf(
@@ -77,6 +80,12 @@ def _hf(
         **({"gguf": gguf} if gguf else {}),
         **rules,
     }
+
+
+def _arch(**rules: Any) -> dict[str, Any]:
+    """The metadata of an architecture option transformers has no layer for (so neither has
+    llama.cpp): part of the network, and in a run's identity only where set."""
+    return {"network": True, "identity": "when_set", "lacks": ("hf",), **rules}
 
 
 class _Section:
@@ -151,6 +160,21 @@ class ModelConfig(_Section):
     # FlashAttention-3 from the Hugging Face kernels hub on Hopper (the same math as SDPA's).
     bf16_residual: bool = field(default=False, metadata={"identity": "never"})
     attn_impl: AttnImpl = field(default="sdpa", metadata={"identity": "never"})
+    # modded-nanogpt's architecture changes, each off by default (docs/RECIPES.md).
+    # logit_softcap: logits = c * tanh(logits / c), in the loss and in generation
+    # (Gemma 2's final_logit_softcapping). mlp_act: the SwiGLU gate's activation
+    # (transformers' hidden_act; llama.cpp's gated MLP has no relu2). value_embeds:
+    # N token-embedding tables, each mixed by a learned weight into the attention
+    # values of one of the first N blocks and of its mirror among the last N.
+    # unet_skips: each block of the first half hands its output, by a learned
+    # weight, to the input of its mirror in the second half.
+    logit_softcap: float | None = field(default=None, metadata=_arch(above=0))
+    mlp_act: MlpAct = field(
+        default="silu",
+        metadata=_hf("hidden_act", "silu", identity="when_set", lacks=("gguf",)),
+    )
+    value_embeds: int = field(default=0, metadata=_arch(min=0))
+    unet_skips: bool = field(default=False, metadata=_arch())
     # Where the weights start (continued pretraining, `tinygpt.pretrain.init`): None,
     # a seeded random initialisation; else hf:NAME[@REVISION], a Hugging Face
     # model folder or a tinygpt run folder, whose architecture the fields above
@@ -174,6 +198,15 @@ class ModelConfig(_Section):
         _require(
             self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0,
             f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})",
+        )
+        _require(
+            2 * self.value_embeds <= self.n_layer,
+            f"model.value_embeds ({self.value_embeds}) must be at most n_layer / 2 "
+            f"({self.n_layer // 2}): its tables feed the first and the last value_embeds blocks",
+        )
+        _require(
+            not self.unet_skips or self.n_layer >= 2,
+            "model.unet_skips needs n_layer >= 2: it joins the first half of the blocks to the second",
         )
 
     @property
@@ -220,7 +253,7 @@ class ModelConfig(_Section):
             raise ConfigError(
                 f"transformers' {self.family.title} (and llama.cpp) cannot load a model with "
                 f"{', '.join(gaps)}: it has no export and cannot be finetuned; tinygpt "
-                "generate and eval use it as it is"
+                "generate and eval use it as it is (every named recipe exports: tinygpt recipes)"
             )
         if gaps := self.export_gaps(target):
             raise ConfigError(

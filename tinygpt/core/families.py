@@ -1,17 +1,11 @@
 """The transformers (and llama.cpp) architectures that are exactly the GPT: `Family` and the
-`FAMILIES` table (llama, qwen3), which `ModelConfig.family` looks up, and `HF_FIXED`, what the GPT
-always is in a transformers config."""
+`FAMILIES` table (llama, qwen3), which `ModelConfig.family` looks up, each with the keys of a
+transformers config whose value the GPT always has."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-# What the GPT always is, as a transformers config says it: key -> (the GPT's
-# value, why another value is not this GPT). `to_hf_llama` writes these;
-# `tinygpt.model.hf_import.representation_gaps` refuses a config.json that differs. A
-# new option that makes one of them a choice moves it from here into a field.
-HF_FIXED: dict[str, tuple[Any, str]] = {"hidden_act": ("silu", "tinygpt's MLP is SwiGLU with SiLU")}
 
 
 @dataclass(frozen=True)
@@ -23,7 +17,11 @@ class Family:
     model_type: str  # config.json's model_type, and llama.cpp's architecture
     title: str  # `{title}Config` and `{title}ForCausalLM` in transformers; the model card's name
     qk_norm: bool  # the ModelConfig.qk_norm of this family's models
-    hf_fixed: dict[str, tuple[Any, str]]  # HF_FIXED and this family's own keys the GPT fixes
+    # What the GPT always is, as a transformers config says it: key -> (the GPT's
+    # value, why another value is not this GPT). `to_hf_llama` writes these;
+    # `tinygpt.model.hf_import.representation_gaps` refuses a config.json that differs. A
+    # new option that makes one of them a choice moves it from here into a field.
+    hf_fixed: dict[str, tuple[Any, str]]
     rope_pairs: bool  # llama.cpp rotates adjacent pairs (not halves): GGUF q/k rows are permuted
 
     @property
@@ -42,7 +40,7 @@ FAMILIES = {
             "llama",
             "Llama",
             False,
-            {**HF_FIXED, "mlp_bias": (False, "tinygpt's MLP has no biases")},
+            {"mlp_bias": (False, "tinygpt's MLP has no biases")},
             rope_pairs=True,
         ),
         # Qwen3: Llama's layers plus an RMSNorm on each head's
@@ -51,7 +49,7 @@ FAMILIES = {
             "qwen3",
             "Qwen3",
             True,
-            {**HF_FIXED, "use_sliding_window": (False, "tinygpt's attention is full")},
+            {"use_sliding_window": (False, "tinygpt's attention is full")},
             rope_pairs=False,
         ),
     )

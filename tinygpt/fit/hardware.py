@@ -203,7 +203,8 @@ def check_fits(
 ) -> None:
     """Refuse, in one line that says what fits, a training run whose estimated memory (fit.memory)
     is more than the device has: a model the kernel's OOM killer would end after minutes, without a
-    word. The estimate grows linearly with n_layer, so it is read at 1 and 2 layers."""
+    word. The estimate grows linearly with n_layer, so it is read at the fewest layers the model
+    allows (1, or twice its value_embeds, 2 with unet_skips) and one more."""
     have, where = device_memory_gb(dev)
     if have is None:
         return
@@ -214,11 +215,12 @@ def check_fits(
             m, micro_batch_size, seq_len, precision, device_type=dev.type, loss=loss
         ).total_gb
 
-    one, per_layer = est(1), est(2) - est(1)
-    need = one + (model.n_layer - 1) * per_layer
+    low = max(1, 2 * model.value_embeds, 2 * model.unet_skips)
+    one, per_layer = est(low), est(low + 1) - est(low)
+    need = one + (model.n_layer - low) * per_layer
     if need <= have:
         return
-    most = int((have - one) // per_layer) + 1 if per_layer > 0 and have >= one else 0
+    most = int((have - one) // per_layer) + low if per_layer > 0 and have >= one else 0
     fits = (
         f"at this width (d_model {model.d_model}, vocab {model.vocab_size}) at most about {most} "
         "layers fit"

@@ -102,7 +102,9 @@ def _activation_and_loss_bytes(
 ) -> tuple[int, int]:
     """(activations, loss) bytes at the peak, counted tensor by tensor (tests check them against
     saved-tensor hooks and a tracked step). The residual stream and RMSNorm are fp32 under
-    autocast; e is the matmul dtype's size. kernel: `attention_kernel`'s answer for this device."""
+    autocast; e is the matmul dtype's size. kernel: `attention_kernel`'s answer for this device.
+    ReLU² keeps what SiLU keeps; value embeddings and U-net skips are counted; not counted: soft-capped
+    logits' tanh (`ModelConfig.logit_softcap`: 4 B more a logit over the full logits)."""
     d, ff, v = c.d_model, c.d_ff, c.vocab_size
     # Keys and values as SDPA keeps them: repeated to the
     # query heads unless a fused kernel takes them grouped.
@@ -136,6 +138,11 @@ def _activation_and_loss_bytes(
         # two e copies (forward) or its scaled gradient (backward)
         head = 8 * d + 16
         loss_bytes = 8 * d * tokens + 8 * v * d + (6 if e == 4 else 8) * chunk_rows * v
+    # Outside the blocks: each value-embedding table's fp32 lookup, and in each of the 2 blocks it
+    # feeds the projected values kept for their mixing weight (on the safe side with checkpointing,
+    # which recomputes them); each U-net skip's fp32 sum.
+    head += c.value_embeds * (4 + 2 * e) * c.n_kv_head * c.head_dim
+    head += 4 * d * (c.n_layer // 2 if c.unet_skips else 0)
     if checkpointing:
         # Each block keeps only its fp32 input. A block is recomputed (with the gradients in flight
         # through it) only after the loss's memory is freed: one of the two phases sets the peak.

@@ -1,5 +1,6 @@
 """The GPT: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional GQA, tied embeddings, QK-norm and
-attention biases).
+attention biases; and modded-nanogpt's soft-capped logits, ReLU² gate, value embeddings and U-net
+skips, of which transformers' Llama and Qwen3 hold only the ReLU² gate: `ModelConfig`).
 
 Parameter names are those of Hugging Face `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm), so a
 state_dict moves between the two with no renaming (`tinygpt.model.hf` does the config.json side).
@@ -24,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from tinygpt.core.config import ModelConfig
 from tinygpt.model.attention import expand_kv, fa3_serves, flash_attention_3
 from tinygpt.model.fast_options import residual
-from tinygpt.model.losses import IGNORE_INDEX, linear_cross_entropy  # noqa: F401  (IGNORE_INDEX: handed on)
+from tinygpt.model.losses import IGNORE_INDEX, cross_entropy, softcap  # noqa: F401  (handed on)
 from tinygpt.model.masks import masked_attention
 
 
@@ -129,8 +130,20 @@ def _fuse_in_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, i
     module.register_load_state_dict_pre_hook(join)
 
 
+def value_table(config: ModelConfig, layer: int) -> int | None:
+    """The value-embedding table block `layer` mixes into its values (`ModelConfig.value_embeds`: the
+    first N blocks take tables 0..N-1, the last N take them again in the same order), or None."""
+    n, first_of_last = config.value_embeds, config.n_layer - config.value_embeds
+    return layer if layer < n else layer - first_of_last if layer >= first_of_last else None
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """ReLU squared, transformers' ACT2FN["relu2"]."""
+    return F.relu(x).square()
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.head_dim
@@ -152,13 +165,20 @@ class Attention(nn.Module):
             self.k_norm = norm_class(config)(self.head_dim)
         self.qk_norm = config.qk_norm
         self.fa3 = config.attn_impl == "fa3"
+        if value_table(config, layer) is not None:  # the value's and the table's weights
+            self.value_lambdas = nn.Parameter(torch.empty(2))
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None):
+    def forward(
+        self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None, ve=None
+    ):
         B, T, _ = x.shape
         if self.fused:
             q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if ve is not None:  # value_embeds: the token's own vector mixed into its value, whose
+            # dtype (autocast's) it keeps: the table's lookup is fp32
+            v = (self.value_lambdas[0] * v + self.value_lambdas[1] * ve).to(v.dtype)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_kv_head, self.head_dim)
         if self.qk_norm:
@@ -201,25 +221,26 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
             self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.act = F.silu if config.mlp_act == "silu" else relu2
 
     def forward(self, x):
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = norm_class(config)(config.d_model)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = norm_class(config)(config.d_model)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, ve=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, ve)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -229,8 +250,14 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = norm_class(config)(config.d_model)
+        kv_dim = config.n_kv_head * config.head_dim
+        self.value_embeds = nn.ModuleList(
+            nn.Embedding(config.vocab_size, kv_dim) for _ in range(config.value_embeds)
+        )
+        if config.unet_skips:  # the weight of each first-half block's output in its mirror's input
+            self.skip_weights = nn.Parameter(torch.empty(config.n_layer // 2))
 
 
 class GPT(nn.Module):
@@ -250,9 +277,10 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, init_std), biases zero; the projections into the residual stream scaled by
         1/sqrt(2 n_layer) (GPT-2's scaled init) so that the residual variance does not grow with
-        depth, or zero with `zero_init_proj`. A fused matrix is drawn part by part, under each
-        part's own name and in the unfused order, so that `fused_proj` starts from bit-identical
-        weights (one draw over the whole matrix would give other numbers)."""
+        depth, or zero with `zero_init_proj`; U-net skip weights 1, value-embedding weights 0.5 (the
+        value and the table's vector half each, modded-nanogpt's start). A fused matrix is drawn
+        part by part, under each part's own name and in the unfused order, so that `fused_proj`
+        starts from bit-identical weights (one draw over the whole matrix would give other numbers)."""
         fused = {
             f"{mod_name}.{name}.weight".lstrip("."): parts
             for mod_name, m in self.named_modules()
@@ -271,7 +299,9 @@ class GPT(nn.Module):
         std = self.config.init_std
         if name.endswith(".bias"):  # attention_bias: a block still starts as the unbiased one
             nn.init.zeros_(p)
-        elif p.dim() == 1:  # every norm's weight
+        elif name.endswith("value_lambdas"):
+            nn.init.constant_(p, 0.5)
+        elif p.dim() == 1:  # every norm's weight, and unet_skips' weights
             nn.init.ones_(p)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):  # into the residual stream
             if self.config.zero_init_proj:
@@ -295,14 +325,15 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4) plus
         attention's QK^T and AV: 6 * 2 * n_layer * seq_len * d_model (PaLM appendix B, causal
-        attention counted at full length as PaLM and nanoGPT do)."""
+        attention counted at full length as PaLM and nanoGPT do). Elementwise work is not counted
+        (norms, activations, soft-capping, the value-embedding and U-net mixes)."""
         c = self.config
-        # matrices only (norm weights are elementwise); the embedding
-        # is a lookup, but lm_head (tied or not) is a matmul
+        # matrices only (norm weights are elementwise); the embeddings
+        # are lookups, but lm_head (tied or not) is a matmul
         matmul_params = sum(
             p.numel()
             for n, p in self.named_parameters()
-            if p.dim() >= 2 and n != "model.embed_tokens.weight"
+            if p.dim() >= 2 and not n.startswith(("model.embed_tokens.", "model.value_embeds."))
         )
         if c.tie_embeddings:  # named_parameters lists the shared matrix once, under the embedding
             matmul_params += self.lm_head.weight.numel()
@@ -325,12 +356,19 @@ class GPT(nn.Module):
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         cos, sin = self._rope(start, T, idx.device)
-        x = residual(self.model.embed_tokens(idx), self.config.bf16_residual)
+        x, c = residual(self.model.embed_tokens(idx), self.config.bf16_residual), self.config
+        ves = [table(idx) for table in self.model.value_embeds]
+        ves = ves + [None] * (c.n_layer - 2 * len(ves)) + ves  # `value_table`'s order
+        half, skips = (c.n_layer // 2 if c.unet_skips else 0), []
         for i, block in enumerate(self.model.layers):
-            if self.config.activation_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, cos, sin, None, i, mask, use_reentrant=False)
+            if i >= c.n_layer - half:  # unet_skips: the mirrored first-half block's output
+                x = x + self.model.skip_weights[i - c.n_layer + half] * skips.pop()
+            if c.activation_checkpointing and self.training and cache is None:
+                x = checkpoint(block, x, cos, sin, None, i, mask, ves[i], use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache, i, mask)
+                x = block(x, cos, sin, cache, i, mask, ves[i])
+            if i < half:
+                skips.append(x)
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)
@@ -348,11 +386,11 @@ class GPT(nn.Module):
         """Logits (B, T, vocab_size) without targets; with targets, the cross-entropy loss
         (mean over tokens whose target is not IGNORE_INDEX, or their sum with reduction="sum"),
         over the full logits or in chunks as `loss` says (`TrainConfig.loss`). `mask`: a training-time
-        attention mask (`hidden_states`)."""
-        x = self.hidden_states(idx, cache, mask)
+        attention mask (`hidden_states`). Logits and loss are soft-capped with `logit_softcap`."""
+        x, cap = self.hidden_states(idx, cache, mask), self.config.logit_softcap
         if targets is None:
-            return self.lm_head(x)
-        return cross_entropy(self.lm_head, x, targets, reduction=reduction, mode=loss)
+            return softcap(self.lm_head(x), cap)
+        return cross_entropy(self.lm_head, x, targets, reduction=reduction, mode=loss, cap=cap)
 
 
 class _ShapesOnly(torch.overrides.TorchFunctionMode):
@@ -379,29 +417,3 @@ def meta_model(config: ModelConfig) -> GPT:
     for name in ("rope_cos", "rope_sin"):
         setattr(model, name, torch.empty_like(getattr(model, name), device="meta"))
     return model
-
-
-def cross_entropy(
-    head: nn.Linear,
-    x: torch.Tensor,
-    targets: torch.Tensor,
-    reduction: str = "mean",
-    mode: str = "auto",
-) -> torch.Tensor:
-    """Cross-entropy of head(x) against targets, in fp32, ignoring IGNORE_INDEX.
-
-    Large vocabularies go through `tinygpt.model.losses` in chunks of rows, so the full logits are
-    never held for the backward pass; small problems use the plain F.cross_entropy."""
-
-    if type(head) is not nn.Linear or head.bias is not None:
-        # A wrapped head (LoRA, 4-bit) is not just its .weight: run it and take the plain loss.
-        logits = head(x).float()
-        return F.cross_entropy(
-            logits.view(-1, logits.size(-1)),
-            targets.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction=reduction,
-        )
-    return linear_cross_entropy(
-        x, head.weight, targets, reduction=reduction, ignore_index=IGNORE_INDEX, mode=mode
-    )

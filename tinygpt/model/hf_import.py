@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from tinygpt.core.checkpoint import CheckpointError, load_model_state, load_safetensors
-from tinygpt.core.config import ModelConfig
+from tinygpt.core.config import MlpAct, ModelConfig
 from tinygpt.core.families import FAMILIES
 from tinygpt.core.files import read_json_safe, safe_name
 from tinygpt.core.paths import hub_spec
@@ -58,6 +58,9 @@ def representation_gaps(cfg: dict[str, Any]) -> list[str]:
         for key, (value, why) in family.hf_fixed.items()
         if cfg.get(key) is not None and cfg[key] != value
     ]
+    if cfg.get("hidden_act", "silu") not in get_args(MlpAct):
+        acts = " or ".join(get_args(MlpAct))
+        gaps.append(f"hidden_act {cfg['hidden_act']!r} (tinygpt's MLP gates with {acts})")
     rope = cfg.get("rope_scaling") or {}
     rope_type = (
         rope.get("rope_type")

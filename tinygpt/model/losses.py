@@ -20,6 +20,7 @@ unrolled into the graph (it was: 1,660 FX nodes at micro-batch 16 of a 124M mode
 against 780 with the full logits). On CUDA the weight's gradient accumulates inside the GEMM, into
 its fp32 buffer.
 
+`cross_entropy` takes a model's head and picks among these (and the plain loss).
 `softcapped_loss` is the same loss for a head whose logits are soft-capped (Gemma-2), a chunk of
 rows at a time, each chunk recomputed in the backward pass."""
 
@@ -240,6 +241,11 @@ def linear_cross_entropy(
     return loss_sum / (t != ignore_index).sum()
 
 
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma-2's soft-capped logits, cap * tanh(logits / cap); the logits themselves where cap is None."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
 def softcapped_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -258,13 +264,43 @@ def softcapped_loss(
 
     def part(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
         z = F.linear(hc, weight).float()
-        return F.cross_entropy(
-            cap * torch.tanh(z / cap), tc, ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        return F.cross_entropy(softcap(z, cap), tc, ignore_index=IGNORE_INDEX, reduction="sum")
 
     if rows <= 0 or rows >= h.shape[0]:
         return part(h, t)
     return sum(
         checkpoint(part, h[i : i + rows], t[i : i + rows], use_reentrant=False)
         for i in range(0, h.shape[0], rows)
+    )
+
+
+def cross_entropy(
+    head: torch.nn.Module,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str = "mean",
+    mode: str = "auto",
+    cap: float | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of head(x) against targets, in fp32, ignoring IGNORE_INDEX; with `cap`, of the
+    soft-capped logits cap * tanh(head(x) / cap) (`ModelConfig.logit_softcap`).
+
+    Large vocabularies go through `tinygpt.model.losses` in chunks of rows, so the full logits are
+    never held for the backward pass; small problems use the plain F.cross_entropy."""
+    plain = type(head) is torch.nn.Linear and head.bias is None
+    if cap is not None and plain:  # the full logits or chunks of them, as `mode` says
+        rows = default_chunk_rows(x.numel() // x.shape[-1], head.weight.shape[0], mode)
+        total = softcapped_loss(x, head.weight, targets, cap, chunk_rows=rows)
+        return total if reduction == "sum" else total / (targets != IGNORE_INDEX).sum()
+    if not plain:
+        # A wrapped head (LoRA, 4-bit) is not just its .weight: run it and take the plain loss.
+        logits = softcap(head(x).float(), cap)
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction=reduction,
+        )
+    return linear_cross_entropy(
+        x, head.weight, targets, reduction=reduction, ignore_index=IGNORE_INDEX, mode=mode
     )

@@ -85,7 +85,8 @@ def regional_loss(
     mask=None,
 ) -> torch.Tensor:
     """`default_loss` with the head and the loss compiled as one region of their own."""
-    return _head_and_loss()(model.lm_head, model.hidden_states(x, mask=mask), y, reduction, loss)
+    hidden, cap = model.hidden_states(x, mask=mask), model.config.logit_softcap
+    return _head_and_loss()(model.lm_head, hidden, y, reduction, loss, cap)
 
 
 def eager():
