@@ -187,12 +187,12 @@ def tokens_run(spec: str, source: str, steps: int, out: str, held_out: str | Non
         cache_dir=Path(out) / f"{label}.cache",
         callbacks=[clock],
     )
-    per_step = recipe.train.tokens_per_step
+    t = recipe.train
     result = {
         "label": label,
         "spec": spec,
-        "points": [(s * per_step, v) for _, s, v in clock.points],
-        "tokens": recipe.train.max_steps * per_step,
+        "points": [(t.tokens_through(s), v) for _, s, v in clock.points],
+        "tokens": t.tokens_through(t.max_steps),
     }
     if held_out:
         cmd = [

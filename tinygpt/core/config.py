@@ -332,6 +332,15 @@ class TrainConfig(_Section):
     embed_lr_scale: float = bounded(1.0, above=0)
     head_lr_scale: float = bounded(1.0, above=0)
     muon_coeffs: MuonCoeffs = "newton-schulz"
+    # NorMuon: each output neuron's (row's) share of Muon's orthogonalised update divided by its
+    # own running RMS, the update's norm kept (`optim.normalize_rows`)
+    normuon: bool = False
+    # Batch-size warm-up: a step's sequences grow linearly from batch_start of the global batch
+    # at step 0 to all of it at batch_warmup of max_steps (`batch_rows`). max_steps counts
+    # optimizer steps, so the run sees fewer tokens than max_steps * tokens_per_step
+    # (`tokens_through`).
+    batch_warmup: float = bounded(0.0, min=0, below=1)  # 0: the full batch from the first step
+    batch_start: float = bounded(0.25, above=0, max=1)
 
     def __post_init__(self) -> None:
         _check_fields(self, "train.")
@@ -344,9 +353,15 @@ class TrainConfig(_Section):
             or (
                 self.embed_lr_scale == self.head_lr_scale == 1.0
                 and self.muon_coeffs == "newton-schulz"
+                and not self.normuon
             ),
-            "train.embed_lr_scale, head_lr_scale and muon_coeffs apply to optimizer='muon': set "
-            "train.optimizer=muon or leave them at their defaults",
+            "train.embed_lr_scale, head_lr_scale, muon_coeffs and normuon apply to "
+            "optimizer='muon': set train.optimizer=muon or leave them at their defaults",
+        )
+        _require(
+            self.batch_warmup > 0 or self.batch_start == 0.25,
+            "train.batch_start is the batch warm-up's first fraction of the batch: set "
+            "train.batch_warmup (a fraction of max_steps) too, or leave batch_start at 0.25",
         )
         _require(
             self.window_start <= self.seq_len,
@@ -359,6 +374,26 @@ class TrainConfig(_Section):
         """Tokens in one optimizer step: the global batch
         (under torchrun it is split over the processes)."""
         return self.micro_batch_size * self.seq_len * self.grad_accum_steps
+
+    def batch_rows(self, step: int, max_steps: int | None = None) -> list[int]:
+        """The sequences of each micro-batch of optimizer step `step` (global: all ranks together):
+        the full batch, or during the batch warm-up (`batch_warmup` of `max_steps`, the recipe's
+        while None) batch_start of it growing linearly, rounded to whole micro-batches where the
+        recipe accumulates (fewer accumulation steps, the same shapes) and else to whole rows."""
+        full = [self.micro_batch_size] * self.grad_accum_steps
+        ramp = round(self.batch_warmup * (max_steps or self.max_steps))
+        if step >= ramp:
+            return full
+        fraction = self.batch_start + (1 - self.batch_start) * step / ramp
+        if self.grad_accum_steps > 1:
+            return full[: max(1, round(self.grad_accum_steps * fraction))]
+        return [max(1, round(self.micro_batch_size * fraction))]
+
+    def tokens_through(self, steps: int, max_steps: int | None = None) -> int:
+        """Tokens trained on in the first `steps` optimizer steps (`batch_rows`)."""
+        ramp = min(steps, round(self.batch_warmup * (max_steps or self.max_steps)))
+        rows = sum(sum(self.batch_rows(s, max_steps)) for s in range(ramp))
+        return rows * self.seq_len + (steps - ramp) * self.tokens_per_step
 
 
 @dataclass

@@ -82,7 +82,7 @@ class Recipe:
 
     @property
     def token_budget(self) -> int:
-        return self.train.tokens_per_step * self.train.max_steps
+        return self.train.tokens_through(self.train.max_steps)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -119,6 +119,7 @@ class StepResult:
     loss_sum: torch.Tensor  # summed token loss of the step (this rank's, until reduced)
     n_targets: int  # target tokens of the whole global step
     grad_norm: torch.Tensor
+    tokens: int  # tokens of the whole global step (fewer during a batch warm-up)
 
 
 class TrainStep:
@@ -146,6 +147,10 @@ class TrainStep:
             raise ConfigError(
                 "train.doc_mask and train.window_start are for pretraining a tinygpt "
                 "model: set them to false and 0 here"
+            )
+        if cfg.batch_warmup and ranks.world_size > 1:
+            raise ConfigError(
+                "train.batch_warmup trains in one process: set it to 0 to train under torchrun"
             )
         # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
         self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
@@ -208,10 +213,12 @@ class TrainStep:
         lr = lr_at(self.step, self.cfg, self.max_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
-        micro = [
-            self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
-            for _ in range(self.grad_accum_steps)
-        ]
+        rows = (
+            self.cfg.batch_rows(self.step, self.max_steps)
+            if self.cfg.batch_warmup
+            else [self.micro_batch_size] * self.grad_accum_steps
+        )
+        micro = [self.train_source.next_batch(n, self.rank, self.world_size) for n in rows]
         # The loss normalisation: each micro-batch's loss is a sum over its tokens, and the step
         # divides by the target tokens of the whole (global) step, counted on the host before any
         # forward (no sync). A mean per micro-batch would weigh a short or heavily masked
@@ -247,7 +254,8 @@ class TrainStep:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return StepResult(lr, self._loss_sum, n_global, grad_norm)
+        tokens = sum(rows) * self.cfg.seq_len * self.world_size
+        return StepResult(lr, self._loss_sum, n_global, grad_norm, tokens)
 
 
 def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> float:

@@ -170,7 +170,7 @@ class Trainer(TrainStep):
         Every rank takes the same branches (the flags depend on the step and the agreed stop only),
         so collectives (the loss sum, evaluation, gathering for a save) stay matched."""
         step = self.optimizer_step()
-        self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
+        self.throughput.tokens += step.tokens  # the global batch
         # e.g. the start-up record, a time budget's measurement
         for cb in self.callbacks:
             cb.on_step(self)
@@ -324,7 +324,7 @@ class Trainer(TrainStep):
             "loss": round(self.last_loss, 6),
             "lr": step.lr,
             "grad_norm": float(step.grad_norm),
-            "tokens": self.step * self.cfg.tokens_per_step,
+            "tokens": self.cfg.tokens_through(self.step, self.max_steps),
             "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
         }
         if self.device.type == "cuda":
