@@ -19,6 +19,8 @@ from tinygpt.core.config import ConfigError, TrainConfig
 from tinygpt.core.recipes import model_config
 from tinygpt.data.sampler import WindowSampler, fixed_batches
 from tinygpt.model.gpt import GPT
+from tinygpt.train.distributed import Ranks
+from tinygpt.train.step import TrainStep
 from tinygpt.train.trainer import TrainData, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,6 +94,15 @@ def test_off_by_default_the_steps_are_the_full_batch(tokens, tmp_path):
 def test_a_setting_that_cannot_apply_is_refused_in_one_line(change, words):
     with pytest.raises(ConfigError, match=words) as e:
         TrainConfig(**change)
+    assert "\n" not in str(e.value)
+
+
+def test_under_torchrun_the_warm_up_is_refused_before_any_work(tokens):
+    cfg = TrainConfig(micro_batch_size=8, seq_len=64, batch_warmup=0.2, device="cpu")
+    model = GPT(model_config("tiny", vocab_size=512))
+    sampler = WindowSampler(tokens.train, cfg.seq_len, cfg.seed)
+    with pytest.raises(ConfigError, match="set it to 0 to train under torchrun") as e:
+        TrainStep(model, cfg, sampler, ranks=Ranks(rank=0, world_size=2))
     assert "\n" not in str(e.value)
 
 
