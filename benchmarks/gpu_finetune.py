@@ -50,8 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_pretrain import fmt, sync, time_steps  # noqa: E402  (this folder: the same timing as pretraining's)
 
-from tinygpt.core.config import GPT2_VOCAB_PADDED, compiles  # noqa: E402
-from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device  # noqa: E402
+from tinygpt.core.config import GPT2_VOCAB_PADDED  # noqa: E402
+from tinygpt.core.precision import (  # noqa: E402
+    choose_precision,
+    compiles,
+    enable_tf32,
+    resolve_device,
+)
 from tinygpt.core.recipes import MODEL_SIZES, model_config  # noqa: E402
 from tinygpt.finetune.instruct import build_instruct_data  # noqa: E402
 from tinygpt.finetune.lora import attach_lora, load_base, load_tokenizer  # noqa: E402

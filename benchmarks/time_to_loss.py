@@ -41,6 +41,7 @@ from typing import Callable
 import results_file
 import torch
 
+from tinygpt.core.batch_schedule import tokens_through
 from tinygpt.core.callback import Callback
 from tinygpt.core.paths import shared_data_dir
 from tinygpt.core.recipe_choice import apply_overrides
@@ -187,12 +188,12 @@ def tokens_run(spec: str, source: str, steps: int, out: str, held_out: str | Non
         cache_dir=Path(out) / f"{label}.cache",
         callbacks=[clock],
     )
-    per_step = recipe.train.tokens_per_step
+    t = recipe.train
     result = {
         "label": label,
         "spec": spec,
-        "points": [(s * per_step, v) for _, s, v in clock.points],
-        "tokens": recipe.train.max_steps * per_step,
+        "points": [(tokens_through(t, s), v) for _, s, v in clock.points],
+        "tokens": tokens_through(t, t.max_steps),
     }
     if held_out:
         cmd = [

@@ -288,3 +288,45 @@ def test_the_eager_optimizers_step_as_torchs_and_import_no_compiler(optimizer, s
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_normuon_gives_each_neuron_an_update_of_the_same_size(shakespeare_ids):
+    """One step on real text with train.normuon (no weight decay): each row of a tall hidden
+    matrix's change, one output neuron's, has the same norm (Muon's rows differ), and the change
+    is as large in all as Muon's, so that Muon's learning rate keeps its meaning."""
+    x, y = batches(shakespeare_ids, 1, seed=3)[0]
+    changes = {}
+    for normuon in (False, True):
+        torch.manual_seed(0)
+        model = GPT(model_config("tiny", vocab_size=VOCAB, max_seq_len=SEQ))
+        cfg = TrainConfig(optimizer="muon", lr=3e-3, weight_decay=0.0, normuon=normuon)
+        opt = build_optimizer(model, cfg, "cpu", compiled=False)
+        w = model.blocks()[0].mlp.up_proj.weight
+        assert w.shape[0] > w.shape[1]  # tall: Muon's rows are not orthonormal
+        before = w.detach().clone()
+        model(x, y).backward()
+        opt.step()
+        changes[normuon] = w.detach() - before
+        assert ("row_sq" in opt.state[w]) is normuon
+    muon, nor = (changes[k].norm(dim=1) for k in (False, True))
+    assert muon.max() / muon.min() > 1.2 and nor.max() / nor.min() < 1.01
+    assert float(changes[True].norm()) == pytest.approx(float(changes[False].norm()), rel=0.02)
+
+
+def test_normuon_lowers_the_loss_on_shakespeare_and_resumes_bit_for_bit(shakespeare_ids):
+    data = batches(shakespeare_ids, 30)
+    cfg = TrainConfig(optimizer="muon", lr=3e-3, normuon=True)
+    torch.manual_seed(0)
+    model = GPT(model_config("tiny", vocab_size=VOCAB, max_seq_len=SEQ))
+    opt = build_optimizer(model, cfg, "cpu", compiled=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    losses = train_steps(model, opt, scaler, data[:26], 3e-3)
+    assert np.mean(losses[-5:]) < losses[0] - 0.8, losses
+    state = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, state)
+    straight = train_steps(model, opt, scaler, data[26:], 3e-3)
+    state.seek(0)
+    saved = torch.load(state, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])  # the neurons' running mean squares with it
+    assert train_steps(model, opt, scaler, data[26:], 3e-3) == straight

@@ -328,13 +328,6 @@ MuonCoeffs = Literal["newton-schulz", "polar-express"]
 CompileMode = Literal["auto", "on", "regional", "off"]
 
 
-def compiles(mode: str, device_type: str) -> bool:
-    """Whether a step with `train.compile` = `mode` is compiled on a device of this type: "auto"
-    compiles on CUDA only (on a CPU, at the sizes that train there, compiling costs more than it
-    gains)."""
-    return mode in ("on", "regional") or (mode == "auto" and device_type == "cuda")
-
-
 # How the loss is taken (`tinygpt.model.losses.resolve_loss`): auto, on a GPU the full logits where
 # they fit its free memory at the micro-batch, else in chunks (elsewhere by size); full; chunked.
 LossMode = Literal["auto", "full", "chunked"]
@@ -382,6 +375,13 @@ class TrainConfig(_Section):
     embed_lr_scale: float = bounded(1.0, above=0)
     head_lr_scale: float = bounded(1.0, above=0)
     muon_coeffs: MuonCoeffs = "newton-schulz"
+    # NorMuon: each output neuron's (row's) share of Muon's orthogonalised update divided by its
+    # own running RMS, the update's norm kept (`optim.normalize_rows`)
+    normuon: bool = False
+    # Batch-size warm-up (`core.batch_schedule`): a step's sequences grow linearly from batch_start
+    # of the global batch to all of it at batch_warmup of max_steps (optimizer steps, so fewer tokens).
+    batch_warmup: float = bounded(0.0, min=0, below=1)  # 0: the full batch from the first step
+    batch_start: float = bounded(0.25, above=0, max=1)
 
     def __post_init__(self) -> None:
         _check_fields(self, "train.")
@@ -394,9 +394,15 @@ class TrainConfig(_Section):
             or (
                 self.embed_lr_scale == self.head_lr_scale == 1.0
                 and self.muon_coeffs == "newton-schulz"
+                and not self.normuon
             ),
-            "train.embed_lr_scale, head_lr_scale and muon_coeffs apply to optimizer='muon': set "
-            "train.optimizer=muon or leave them at their defaults",
+            "train.embed_lr_scale, head_lr_scale, muon_coeffs and normuon apply to "
+            "optimizer='muon': set train.optimizer=muon or leave them at their defaults",
+        )
+        _require(
+            self.batch_warmup > 0 or self.batch_start == 0.25,
+            "train.batch_start is the batch warm-up's first fraction of the batch: set "
+            "train.batch_warmup (a fraction of max_steps) too, or leave batch_start at 0.25",
         )
         _require(
             self.window_start <= self.seq_len,

@@ -107,3 +107,10 @@ def enable_tf32() -> None:
     else:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+def compiles(mode: str, device_type: str) -> bool:
+    """Whether a step with `train.compile` = `mode` is compiled on a device of this type: "auto"
+    compiles on CUDA only (on a CPU, at the sizes that train there, compiling costs more than it
+    gains)."""
+    return mode in ("on", "regional") or (mode == "auto" and device_type == "cuda")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from tinygpt.core.batch_schedule import tokens_through
 from tinygpt.core.config import (
     FUSED_PROJ_MUON,
     GPT2_VOCAB,
@@ -82,7 +83,7 @@ class Recipe:
 
     @property
     def token_budget(self) -> int:
-        return self.train.tokens_per_step * self.train.max_steps
+        return tokens_through(self.train, self.train.max_steps)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -247,14 +248,17 @@ A100_124M_FAST = _gpu_recipe(
 )
 # The fast recipe with what modded-nanogpt's records changed in training rather than in the network
 # (docs/RECIPES.md, benchmarks/results/2026-11-29-speedrun-ablation.md): the embedding's AdamW rate
-# 30x the head's and an attention window growing from a quarter of the context to all of it by the
-# cool-down, in 70% of the fast recipe's steps (at the ladder's small shape it reached the fast
-# recipe's final loss in 70% of its tokens). Polar Express (train.muon_coeffs) and document masking
-# (train.doc_mask) are options it leaves off: neither lowered the loss at equal tokens there. The
+# 30x the head's, an attention window growing from a quarter of the context to all of it by the
+# cool-down and NorMuon's per-neuron normalisation of Muon's update, in 70% of the fast recipe's
+# steps (at the ladder's small shape it reached the fast recipe's final loss in 70% of its tokens).
+# Polar Express (train.muon_coeffs), document masking (train.doc_mask) and the batch-size warm-up
+# (train.batch_warmup) are options it leaves off: none lowered the loss at equal tokens there. The
 # network is the fast recipe's: it exports as Qwen3.
 A100_124M_SPEEDRUN = replace(
     A100_124M_FAST.replace(
-        train=dict(max_steps=3500, warmup_steps=175, embed_lr_scale=30.0, window_start=256),
+        train=dict(
+            max_steps=3500, warmup_steps=175, embed_lr_scale=30.0, window_start=256, normuon=True
+        ),
         data=dict(max_chars=9_500_000_000),
     ),
     name="a100-124m-speedrun",

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from tinygpt.core.config import TrainConfig, compiles
+from tinygpt.core.config import TrainConfig
 from tinygpt.core.gpu_classes import HARDWARE
-from tinygpt.core.precision import DTYPES, resolve_device
+from tinygpt.core.precision import DTYPES, compiles, resolve_device
 from tinygpt.fit.hardware import device_class
 from tinygpt.model.attention import torch_version
 

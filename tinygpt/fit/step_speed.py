@@ -10,8 +10,7 @@ import time
 
 import torch
 
-from tinygpt.core.config import compiles
-from tinygpt.core.precision import resolve_device
+from tinygpt.core.precision import compiles, resolve_device
 from tinygpt.core.recipes import Recipe
 from tinygpt.fit.trials import sync
 from tinygpt.model.gpt import GPT

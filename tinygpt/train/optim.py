@@ -49,6 +49,27 @@ def polar_express(G: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return X.mT if tall else X
 
 
+# NorMuon (Li et al. 2025, arXiv:2510.05491; modded-nanogpt): the decay of each neuron's running
+# mean square of the orthogonalised update (`normalize_rows`), AdamW's beta2 of the recipes.
+NORMUON_BETA2 = 0.95
+
+
+def normalize_rows(
+    update: torch.Tensor, state: dict, weight: float | torch.Tensor = 1 - NORMUON_BETA2
+) -> torch.Tensor:
+    """NorMuon's step on an orthogonalised `update` (out x in): each row, one output neuron,
+    divided by the root of its running mean square (`state["row_sq"]`, moved by `weight`, 0 on a
+    skipped step), then all of it scaled back to the update's Frobenius norm, so that Muon's
+    learning rate keeps its meaning (as modded-nanogpt does)."""
+    u = update.float()
+    mean_sq = u.square().mean(dim=-1, keepdim=True)
+    if "row_sq" not in state:
+        state["row_sq"] = torch.zeros_like(mean_sq)
+    state["row_sq"].lerp_(mean_sq, weight)
+    out = u * state["row_sq"].clamp_min(1e-10).rsqrt()
+    return out * (u.norm() / out.norm().clamp_min(1e-10))
+
+
 def _orthogonalize(update: torch.Tensor, group: dict) -> torch.Tensor:
     if group.get("coeffs") == "polar-express":
         return polar_express(update)
@@ -183,8 +204,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         # no GradScaler (bf16, fp32): the inner optimizers as they are
-        polar = any(g.get("coeffs") == "polar-express" for g in self._muon.param_groups)
-        if grad_scale is None and found_inf is None and not polar:
+        # Polar Express and NorMuon are this class's own Muon step, not torch's
+        own = any(g.get("coeffs") or g.get("normuon") for g in self._muon.param_groups)
+        if grad_scale is None and found_inf is None and not own:
             if self._muon.param_groups:
                 self._muon.step()
             if self._adamw.param_groups:
@@ -239,6 +261,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 buf.lerp_(grad, torch.where(skip, 0.0, 1 - momentum))
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = _orthogonalize(update, group)
+                if group.get("normuon"):
+                    weight = torch.where(skip, 0.0, 1 - NORMUON_BETA2)
+                    update = normalize_rows(update, state, weight)
                 p.mul_(torch.where(skip, 1.0, 1 - lr * wd))
                 keep = torch.where(skip, 0.0, 1.0)
                 p.add_(update * keep, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
@@ -307,6 +332,8 @@ def build_optimizer(
         muon_group = scaled_group(muon, cfg, muon_lr_scale)
         if cfg.muon_coeffs != "newton-schulz":
             muon_group["coeffs"] = cfg.muon_coeffs
+        if cfg.normuon:
+            muon_group["normuon"] = True
         adamw_groups = [
             *rate_groups(model, decay, cfg),
             {"params": no_decay, "lr": cfg.lr, "lr_scale": 1.0, "weight_decay": 0.0},

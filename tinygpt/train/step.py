@@ -14,8 +14,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from tinygpt.core.config import ConfigError, TrainConfig, compiles
-from tinygpt.core.precision import choose_precision, enable_tf32, resolve_device
+from tinygpt.core.batch_schedule import batch_rows
+from tinygpt.core.config import ConfigError, TrainConfig
+from tinygpt.core.precision import choose_precision, compiles, enable_tf32, resolve_device
 from tinygpt.data.sampler import batch_to_device
 from tinygpt.model.fast_options import apply_fast_options
 from tinygpt.model.gpt import GPT, cross_entropy
@@ -126,6 +127,7 @@ class StepResult:
     loss_sum: torch.Tensor  # summed token loss of the step (this rank's, until reduced)
     n_targets: int  # target tokens of the whole global step
     grad_norm: torch.Tensor
+    tokens: int  # tokens of the whole global step (fewer during a batch warm-up)
 
 
 class TrainStep:
@@ -155,6 +157,10 @@ class TrainStep:
             raise ConfigError(
                 "train.doc_mask and train.window_start are for pretraining a tinygpt "
                 "model: set them to false and 0 here"
+            )
+        if cfg.batch_warmup and ranks.world_size > 1:
+            raise ConfigError(
+                "train.batch_warmup trains in one process: set it to 0 to train under torchrun"
             )
         # this rank's share of the global batch; cfg (compared at resume) stays the recipe's
         self.micro_batch_size, self.grad_accum_steps = dist_.split_global_batch(
@@ -248,10 +254,12 @@ class TrainStep:
         lr = lr_at(self.step, self.cfg, self.max_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
-        micro = [
-            self.train_source.next_batch(self.micro_batch_size, self.rank, self.world_size)
-            for _ in range(self.grad_accum_steps)
-        ]
+        rows = (
+            batch_rows(self.cfg, self.step, self.max_steps)
+            if self.cfg.batch_warmup
+            else [self.micro_batch_size] * self.grad_accum_steps
+        )
+        micro = [self.train_source.next_batch(n, self.rank, self.world_size) for n in rows]
         # The loss normalisation: each micro-batch's loss is a sum over its tokens, and the step
         # divides by the target tokens of the whole (global) step, counted on the host before any
         # forward (no sync). A mean per micro-batch would weigh a short or heavily masked
@@ -282,7 +290,8 @@ class TrainStep:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return StepResult(lr, self._loss_sum, n_global, grad_norm)
+        tokens = sum(rows) * self.cfg.seq_len * self.world_size
+        return StepResult(lr, self._loss_sum, n_global, grad_norm, tokens)
 
 
 def lr_at(step: int, cfg: TrainConfig, max_steps: int | None | str = "recipe") -> float:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from tinygpt.core import checkpoint as ckpt
+from tinygpt.core.batch_schedule import tokens_through
 from tinygpt.core.callback import Callback
 from tinygpt.core.config import TrainConfig
 from tinygpt.core.files import clean_leftovers
@@ -175,7 +176,7 @@ class Trainer(TrainStep):
         Every rank takes the same branches (the flags depend on the step and the agreed stop only),
         so collectives (the loss sum, evaluation, gathering for a save) stay matched."""
         step = self.optimizer_step()
-        self.throughput.tokens += self.cfg.tokens_per_step  # the global batch
+        self.throughput.tokens += step.tokens  # the global batch
         # e.g. the start-up record, a time budget's measurement
         for cb in self.callbacks:
             cb.on_step(self)
@@ -329,7 +330,7 @@ class Trainer(TrainStep):
             "loss": round(self.last_loss, 6),
             "lr": step.lr,
             "grad_norm": float(step.grad_norm),
-            "tokens": self.step * self.cfg.tokens_per_step,
+            "tokens": tokens_through(self.cfg, self.step, self.max_steps),
             "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
         }
         if self.device.type == "cuda":
