@@ -251,8 +251,8 @@ def test_loss_plot_is_a_trainer_callback(shared_data, tmp_path):
         "restore",
         "probe",
         "tokenizer",
-        "data",
         "model",
+        "data",
         "first step",
         "to the first step",
     ]

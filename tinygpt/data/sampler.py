@@ -37,12 +37,15 @@ class WindowSampler:
         self.seq_len, self.seed, self.eot_id = seq_len, seed, eot_id
         self._first_checked = False
         if self.shards.written(0):
-            self._check_first_shard()
+            self.check_first_shard()
         self.epoch, self.shard, self.index = 0, 0, 0
         self._perm_key: tuple[int, int] | None = None
         self._perm = np.empty(0, dtype=np.int64)
 
-    def _check_first_shard(self) -> None:
+    def check_first_shard(self) -> None:
+        """Refuse a first shard too short for one window (waiting for it); once."""
+        if self._first_checked:
+            return
         first = self.shards.shard(0)  # waits for the first shard of a stream
         if first is None or self._n_windows(first) < 1:
             n = 0 if first is None else len(first)
@@ -68,8 +71,7 @@ class WindowSampler:
 
     def _take(self, n: int) -> list[tuple[np.ndarray, int]]:
         """The next n windows of the global order, as (shard array, first token)."""
-        if not self._first_checked:
-            self._check_first_shard()
+        self.check_first_shard()
         out: list[tuple[np.ndarray, int]] = []
         while len(out) < n:
             arr = self.shards.shard(self.shard)

@@ -291,7 +291,8 @@ def train(plan: Plan, opts: PretrainOptions, data: RunData, mirror: RunMirror) -
         data.tokens, t.seq_len, t.seed, eot_id=data.tokenizer.eot_id if t.doc_mask else None
     )
 
-    def val() -> list:
+    def val() -> list:  # a training split too short is said before a validation split too short
+        sampler.check_first_shard()
         held_out = data.tokens.validation(t.eval_batches * t.micro_batch_size * t.seq_len + 1)
         return fixed_batches(held_out, t.seq_len, t.micro_batch_size, t.eval_batches)
 
