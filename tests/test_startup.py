@@ -566,11 +566,13 @@ def test_a_sampler_made_before_its_first_shard_is_written_waits_at_the_first_bat
 
 
 @pytest.mark.slow  # torch.compile
-@pytest.mark.parametrize("mode", ["on", "regional"])
-def test_compile_ahead_makes_the_steps_graphs_and_moves_nothing(mode):
+@pytest.mark.parametrize("mode, warmup", [("on", False), ("regional", False), ("regional", True)])
+def test_compile_ahead_makes_the_steps_graphs_and_moves_nothing(mode, warmup):
     """`compile_ahead` compiles the step on zeros of its shape (documents and a growing window
-    included) before any batch: the steps after it compile nothing and never recompile; the weights,
-    the optimizer and the random state are as they were (the gradients dropped)."""
+    included; in a batch warm-up, the first step's fewer rows) before any batch: the steps after it
+    compile nothing and never recompile (in a warm-up without accumulation each new row count is a
+    new shape: its first step only); the weights, the optimizer and the random state are as they
+    were (the gradients dropped)."""
     from torch._dynamo.utils import counters
 
     from tinygpt.core.recipes import get_recipe
@@ -581,8 +583,9 @@ def test_compile_ahead_makes_the_steps_graphs_and_moves_nothing(mode):
         train={
             "compile": mode,
             "device": "cpu",
-            "micro_batch_size": 2,
-            "grad_accum_steps": 2,
+            "micro_batch_size": 4 if warmup else 2,
+            "grad_accum_steps": 1 if warmup else 2,
+            "batch_warmup": 0.5 if warmup else 0.0,  # step 0: 1 row of 4
             "seq_len": 32,
             "doc_mask": True,
             "window_start": 8,
@@ -605,7 +608,7 @@ def test_compile_ahead_makes_the_steps_graphs_and_moves_nothing(mode):
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.random.get_rng_state(), rng)
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
-    for _ in range(2):
+    for _ in range(1 if warmup else 2):
         step.optimizer_step()
     assert counters["stats"]["unique_graphs"] == made and not counters["recompiles"]
     torch._dynamo.reset()

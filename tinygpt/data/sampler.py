@@ -126,10 +126,13 @@ class WindowSampler:
 
 
 def _inputs_targets(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Windows of seq_len + 1 tokens as inputs and targets, each contiguous (views would be pinned
-    and copied strided)."""
+    """Windows of seq_len + 1 tokens as inputs and targets, each a copy with the plain strides of
+    its shape: views would be pinned and copied strided, and a one-row view counts as contiguous
+    with its window's row stride (seq_len + 1), which a compiled graph guards on (a batch of zeros
+    made ahead, `TrainStep.compile_ahead`, would not match it)."""
     w = torch.from_numpy(np.stack([np.asarray(a, dtype=np.int64) for a in windows]))
-    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    plain = torch.contiguous_format
+    return w[:, :-1].clone(memory_format=plain), w[:, 1:].clone(memory_format=plain)
 
 
 def fixed_batches(

@@ -191,9 +191,8 @@ class TrainStep:
         cfg = self.cfg
         self.use_compile = compiles(cfg.compile, self.device.type)
         plain = io.loss_fn is None and ranks.world_size == 1 and isinstance(model, GPT)
-        self.ahead = (
-            plain and self.use_compile
-        )  # one batch shape: `compile_ahead` can make its graphs
+        # one batch shape per step: `compile_ahead` can make its graphs
+        self.ahead = plain and self.use_compile
         by_region = plain and self.use_compile and regional(model, cfg.compile)
         self.loss_fn = io.loss_fn or functools.partial(
             regional_loss if by_region else default_loss, loss=self.loss_mode
@@ -228,7 +227,7 @@ class TrainStep:
         elsewhere nothing. Whether it compiled anything."""
         if not self.ahead:
             return False
-        B, T = self.micro_batch_size, self.cfg.seq_len
+        B, T = self._rows()[0], self.cfg.seq_len  # the first step's (fewer in a batch warm-up)
         batch = [torch.zeros(B, T, dtype=torch.long) for _ in range(2)]  # two tensors, as a batch's
         if self.masked and self.cfg.doc_mask:
             batch.append(torch.zeros(B, T, dtype=torch.int32))  # `document_ids`: one document
@@ -238,6 +237,13 @@ class TrainStep:
                 self._micro_loss(batch, window).backward()
         self.optimizer.zero_grad(set_to_none=True)
         return True
+
+    def _rows(self) -> list[int]:
+        """This step's sequences, each micro-batch's: this rank's share of the global batch, or the
+        batch warm-up's (`batch_rows`; one process only)."""
+        if self.cfg.batch_warmup:
+            return batch_rows(self.cfg, self.step, self.max_steps)
+        return [self.micro_batch_size] * self.grad_accum_steps
 
     def _micro_loss(self, batch: tuple | list, window: int | None) -> torch.Tensor:
         """One micro-batch's summed loss: the batch moved to the device, the training mask made
@@ -254,11 +260,7 @@ class TrainStep:
         lr = lr_at(self.step, self.cfg, self.max_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
-        rows = (
-            batch_rows(self.cfg, self.step, self.max_steps)
-            if self.cfg.batch_warmup
-            else [self.micro_batch_size] * self.grad_accum_steps
-        )
+        rows = self._rows()
         micro = [self.train_source.next_batch(n, self.rank, self.world_size) for n in rows]
         # The loss normalisation: each micro-batch's loss is a sum over its tokens, and the step
         # divides by the target tokens of the whole (global) step, counted on the host before any
