@@ -5,8 +5,10 @@ package ships (tinygpt/samples/README.md), so that the whole suite runs on a fre
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,18 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") 
     check_export_target(out_dir)  # fail before loading anything
     model, tokenizer, _, _ = load_run(run_dir, which)
     return export_model(model, tokenizer, out_dir)
+
+
+def wait_for_step(run_dir: Path, step: int, proc, timeout: float = 120) -> None:
+    """Until `run_dir`'s metrics.jsonl has logged `step` (a training process `proc` writes it); the
+    process's output if it ended before, TimeoutError after `timeout` seconds."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        metrics = Path(run_dir) / "metrics.jsonl"
+        if metrics.exists():
+            lines = metrics.read_text().splitlines()
+            if lines and json.loads(lines[-1] or "{}").get("step", 0) >= step:
+                return
+        assert proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.005)
+    raise TimeoutError

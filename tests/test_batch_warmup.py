@@ -8,11 +8,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_for_step
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.batch_schedule import batch_rows, tokens_through
@@ -138,10 +138,7 @@ def test_a_run_killed_in_the_warm_up_resumes_bit_for_bit(shared_data, tmp_path):
     assert p.wait(300) == 0, p.stdout.read().decode()
     run = tmp_path / "run"
     p = _cli(run, shared_data, cache)
-    t0 = time.time()
-    while not (run / "metrics.jsonl").exists() or _records(run)[-1][0] < 22:
-        assert p.poll() is None and time.time() - t0 < 120, p.stdout.read().decode()
-        time.sleep(0.005)
+    wait_for_step(run, 22, p)
     p.kill()  # SIGKILL: no handler runs, a checkpoint may be half written
     p.wait(60)
     steps = [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import wait_for_step
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import ConfigError
@@ -207,26 +208,13 @@ def _rank_pid(torchrun_pid: int, rank: int, timeout: float = 60) -> int:
     raise TimeoutError(f"no rank {rank} under {torchrun_pid}")
 
 
-def _wait_for_step(run_dir, step, proc, timeout=120):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists():
-            lines = metrics.read_text().splitlines()
-            if lines and json.loads(lines[-1] or "{}").get("step", 0) >= step:
-                return
-        assert proc.poll() is None, proc.stdout.read().decode()
-        time.sleep(0.01)
-    raise TimeoutError
-
-
 @pytest.mark.slow  # torchrun processes killed
 def test_kill9_of_one_rank_then_resume_in_one_process(reference, shared_data):
     """DDP on 2 processes; rank 1 is killed; the job ends with a clear error and an intact checkpoint,
     which one process resumes to the very loss curve of the unbroken single-process run."""
     run = reference / "ddp"
     p = _launch(run, shared_data, reference / "cache", nproc=2)
-    _wait_for_step(run, 6, p)
+    wait_for_step(run, 6, p)
     os.kill(_rank_pid(p.pid, 1), 9)
     out = p.communicate(timeout=120)[0].decode()
     assert p.returncode != 0
@@ -260,7 +248,7 @@ def test_one_process_checkpoint_resumes_in_two_stops_on_sigterm_and_finishes_wit
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run / "metrics.jsonl").write_text("".join(x for x in lines if json.loads(x)["step"] <= 4))
     p = _launch(run, shared_data, reference / "cache", nproc=2)
-    _wait_for_step(run, 6, p)
+    wait_for_step(run, 6, p)
     p.send_signal(signal.SIGTERM)  # torchrun passes it to every rank
     out = p.communicate(timeout=120)[0].decode()
     stopped = max(s for s, _ in ckpt.list_checkpoints(run / "checkpoints"))

@@ -5,12 +5,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import get_args
 
 import pytest
 import torch
+from conftest import wait_for_step
 
 from tinygpt.core import checkpoint as ckpt
 from tinygpt.core.config import Schedule, TrainConfig
@@ -203,18 +203,6 @@ def _losses(run_dir):
     ]  # each start records its own start-up times
 
 
-def _wait_for_step(run_dir, step, proc, timeout=120):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if (run_dir / "metrics.jsonl").exists():
-            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-            if lines and json.loads(lines[-1] or "{}").get("step", 0) >= step:
-                return
-        assert proc.poll() is None, proc.stdout.read().decode()
-        time.sleep(0.005)
-    raise TimeoutError
-
-
 @pytest.mark.slow  # real processes killed (short form: test_fast_recipe.py's resume)
 @pytest.mark.parametrize("how", ["kill9", "sigterm"])
 def test_interrupted_run_resumes_bit_identical(how, shared_data, tmp_path):
@@ -224,7 +212,7 @@ def test_interrupted_run_resumes_bit_identical(how, shared_data, tmp_path):
     assert p.wait(300) == 0, p.stdout.read().decode()
     run = tmp_path / "run"
     p = _cli(run, shared_data, cache)
-    _wait_for_step(run, 22 if how == "kill9" else 13, p)
+    wait_for_step(run, 22 if how == "kill9" else 13, p)
     if how == "kill9":
         p.kill()  # SIGKILL: no handler runs, a checkpoint may be half written
     else:

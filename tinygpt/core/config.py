@@ -326,8 +326,6 @@ MuonCoeffs = Literal["newton-schulz", "polar-express"]
 # auto: on CUDA, by regions for a tinygpt GPT (each block, then the head and the loss), else the whole
 # model; on: the whole model; regional: by regions; off
 CompileMode = Literal["auto", "on", "regional", "off"]
-
-
 # How the loss is taken (`tinygpt.model.losses.resolve_loss`): auto, on a GPU the full logits where
 # they fit its free memory at the micro-batch, else in chunks (elsewhere by size); full; chunked.
 LossMode = Literal["auto", "full", "chunked"]

@@ -231,7 +231,8 @@ def hf_attention(config: Any, packed_flex: bool = False) -> str:
     (`PACKED_FLEX`) instead of SDPA with a (B, 1, T, T) mask."""
     if getattr(config, "final_logit_softcapping", None):
         return "eager"
-    return PACKED_FLEX if use_expanding_sdpa() and packed_flex else EXPANDING_SDPA
+    registered = use_expanding_sdpa()  # both names
+    return PACKED_FLEX if packed_flex else registered
 
 
 def fa3_problem(

@@ -357,8 +357,8 @@ class GPT(nn.Module):
         start = cache.pos if cache is not None else 0
         cos, sin = self._rope(start, T, idx.device)
         x, c = residual(self.model.embed_tokens(idx), self.config.bf16_residual), self.config
-        ves = [table(idx) for table in self.model.value_embeds]
-        ves = ves + [None] * (c.n_layer - 2 * len(ves)) + ves  # `value_table`'s order
+        tables = [table(idx) for table in self.model.value_embeds]
+        ves = [None if (j := value_table(c, i)) is None else tables[j] for i in range(c.n_layer)]
         half, skips = (c.n_layer // 2 if c.unet_skips else 0), []
         for i, block in enumerate(self.model.layers):
             if i >= c.n_layer - half:  # unet_skips: the mirrored first-half block's output
