@@ -20,7 +20,7 @@ bits per byte on held-out text (`tinygpt eval --task perplexity --data HELD_OUT`
     python benchmarks/time_to_loss.py --tokens --corpus ../shared/data/wikitext2_test.txt \
         --held-out ../shared/data/wikitext2_valid.txt --steps 300 --jobs 2 \
         --run fast=a100-124m-fast --run speedrun=a100-124m-speedrun \
-        --run "speedrun-70%=a100-124m-speedrun train.max_steps=210"
+        --run "speedrun-60%=a100-124m-speedrun train.max_steps=180"
 """
 
 from __future__ import annotations
